@@ -29,7 +29,7 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_Check
 from cpython cimport array
 from cpython.object cimport PyObject
 from libc.math cimport ceil
-from libc.stdint cimport UINT64_MAX, uint32_t
+from libc.stdint cimport INT64_MAX, UINT64_MAX, uint32_t
 from libc.stdlib cimport free, malloc, qsort
 from libc.string cimport memcpy, memset
 
@@ -37,7 +37,7 @@ import array as _array
 import math
 from collections import namedtuple
 
-__all__ = ["MovedRange", "Ring", "xxh3_64"]
+__all__ = ["MovedRange", "Ring", "active_vnodes", "xxh3_64", "xxh3_64_chain"]
 
 cdef extern from *:
     """
@@ -122,6 +122,7 @@ cdef extern from *:
 cdef enum:
     _MAX_BUCKET_BITS = 20        # bucket table of at most 4 MiB; larger rings bisect within buckets
     _MAX_VNODES = 65536
+    _MAX_POINTS = 0x7FFFFFFF - 8  # int32 point indices, plus the RING_SCAN sentinels
     _BATCH = 64                  # lookup_many hashes this many keys, then searches for them
 
 
@@ -285,18 +286,30 @@ cdef uint64_t ring_xxh3_64(const uint8_t* p, size_t n, uint64_t seed,
 # Walks.
 
 cdef int64_t ring_routing_load(const ring_view_t* v, const int64_t* loads) noexcept nogil:
+    # saturates at INT64_MAX rather than wrapping
     cdef int64_t total = 0
     cdef int32_t i
     for i in range(v.n_replicas):
         if v.routing[i]:
+            if loads[i] > INT64_MAX - total:
+                return INT64_MAX
             total += loads[i]
     return total
 
 
 cdef int64_t ring_load_cap(const ring_view_t* v, int64_t total_load, double c) noexcept nogil:
+    # ceil(c * (L + 1) / n), never below the exact integer ceil((L + 1) / n) = L // n + 1 (so
+    # some replica is always under it, even where doubles lose precision), saturating at INT64_MAX.
+    cdef double f
+    cdef int64_t cap, floor_cap
     if v.n_routing == 0:
         return 0
-    return <int64_t>ceil(c * <double>(total_load + 1) / <double>v.n_routing)
+    if total_load == INT64_MAX:  # saturated: the true mean is unknown, so nothing is over it
+        return INT64_MAX
+    floor_cap = total_load // v.n_routing + 1
+    f = ceil(c * (<double>total_load + 1.0) / <double>v.n_routing)
+    cap = INT64_MAX if f >= 9223372036854775807.0 else <int64_t>f
+    return cap if cap > floor_cap else floor_cap
 
 
 cdef int32_t ring_lookup_bounded_hash(const ring_view_t* v, uint64_t h, const int64_t* loads,
@@ -387,6 +400,41 @@ def xxh3_64(data, seed=0):
     return _hash_any(data, s, secret)
 
 
+def xxh3_64_chain(data, block_len, seed=0):
+    """Hashes of the full `block_len`-byte blocks of `data`, each seeded with the previous one:
+    h[0] = xxh3_64(block 0, seed), h[i] = xxh3_64(block i, h[i-1]). A trailing partial block is
+    not hashed. Two inputs share their first k hashes exactly when they share k whole blocks,
+    which is what a paged prefix cache keys its blocks by."""
+    cdef uint64_t s = _seed_value(seed)
+    cdef Py_buffer view
+    cdef Py_ssize_t blen, i, n_blocks
+    cdef const uint8_t* p
+    cdef uint8_t secret[RING_SECRET_SIZE]
+    if isinstance(block_len, bool) or not isinstance(block_len, int):
+        raise TypeError(f"block_len must be an int, not {type(block_len).__name__}")
+    if block_len <= 0:
+        raise ValueError(f"block_len must be positive, got {block_len}")
+    blen = block_len
+    if isinstance(data, str):
+        data = (<str>data).encode("utf-8")
+    try:
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    except TypeError:
+        raise TypeError(f"data must be str or bytes-like, not {type(data).__name__}") from None
+    try:
+        p = <const uint8_t*>view.buf
+        n_blocks = view.len // blen
+        out = [0] * n_blocks
+        for i in range(n_blocks):
+            if blen > 240:
+                ring_derive_secret(s, secret)
+            s = ring_xxh3_64(p + i * blen, <size_t>blen, s, secret)
+            out[i] = s
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
 cdef class RingSnapshot:
     """One immutable, published state of a ring: points, bucket table, routing flags."""
 
@@ -467,6 +515,11 @@ cdef class Ring:
     def __cinit__(self):
         self._all = NULL
         self._n_all = 0
+        self._ids, self._weights, self._available, self._overrides = [], [], [], {}
+        ring_derive_secret(0, self._secret)
+        # a Ring whose __init__ never ran (a subclass that forgot it) is an empty ring, not a crash
+        self.current = _new_snapshot((), 0, 0, self._secret)
+        _finish_snapshot(self.current)
 
     def __dealloc__(self):
         free(self._all)
@@ -477,8 +530,8 @@ cdef class Ring:
             raise TypeError(f"vnodes must be an int, not {type(vnodes).__name__}")
         if not 1 <= vnodes <= _MAX_VNODES:
             raise ValueError(f"vnodes must be in [1, {_MAX_VNODES}], got {vnodes}")
-        if len(ids) * vnodes > 0x7FFFFFFF:
-            raise ValueError("too many points: replicas * vnodes must stay below 2**31")
+        if len(ids) * vnodes > _MAX_POINTS:
+            raise ValueError(f"too many points: replicas * vnodes must stay at most {_MAX_POINTS}")
         self.seed = _seed_value(seed)
         self.vnodes = vnodes
         ring_derive_secret(self.seed, self._secret)
@@ -541,6 +594,13 @@ cdef class Ring:
         for k in range(1, n):
             owned[s._points[k].owner] += <object>(s._points[k].hash - s._points[k - 1].hash)
         return [x / 18446744073709551616 for x in owned]
+
+    def points(self):
+        """The routing points in ring order: (hash, owner index, origin index, vnode number)."""
+        cdef RingSnapshot s = self.current
+        cdef int32_t k
+        return [(s._points[k].hash, s._points[k].owner, s._points[k].origin, s._points[k].vnode)
+                for k in range(s.view.n_points)]
 
     def key_hash(self, key):
         """The ring position of `key`: xxh3_64(key, seed)."""
@@ -626,7 +686,7 @@ cdef class Ring:
         if it fails, and so on (at most `limit`)."""
         cdef RingSnapshot s = self.current
         cdef uint64_t h = _hash_any(key, s.view.seed, s.view.secret)
-        cdef int32_t want = s.view.n_routing if limit is None else min(int(limit), s.view.n_routing)
+        cdef int32_t want = s.view.n_routing if limit is None else max(0, min(int(limit), s.view.n_routing))
         cdef int32_t i = ring_point_index(&s.view, h)
         cdef int32_t step, owner
         cdef bytearray seen = bytearray(s.view.n_replicas)
@@ -672,11 +732,12 @@ cdef class Ring:
         """Append a replica (index n_replicas - 1); only keys landing on its points move."""
         ids = _check_ids(self._ids + [replica_id])
         w = _check_weight(weight)
-        if len(ids) * self.vnodes > 0x7FFFFFFF:
-            raise ValueError("too many points: replicas * vnodes must stay below 2**31")
+        flag = bool(available)
+        if len(ids) * self.vnodes > _MAX_POINTS:
+            raise ValueError(f"too many points: replicas * vnodes must stay at most {_MAX_POINTS}")
         self._ids = ids
         self._weights.append(w)
-        self._available.append(bool(available))
+        self._available.append(flag)
         self._place_all()
         return self._publish()
 
@@ -758,11 +819,13 @@ cdef class Ring:
         try:
             if active == NULL or served_by == NULL or avail == NULL:
                 raise MemoryError()
-            index_of = {rid: i for i, rid in enumerate(self._ids)}
+            ids, weights, available = tuple(self._ids), tuple(self._weights), tuple(self._available)
+            if not len(ids) == len(weights) == len(available) == n:
+                raise RuntimeError("ring state is inconsistent (concurrent mutation?)")
+            index_of = {rid: i for i, rid in enumerate(ids)}
             for k in range(n):
-                # DO NOT CHANGE: which vnodes a weight activates decides where keys live.
-                active[k] = <int32_t>math.ceil(self._weights[k] * V)
-                avail[k] = 1 if self._available[k] else 0
+                active[k] = active_vnodes(weights[k], V)
+                avail[k] = 1 if available[k] else 0
             for k in range(n * V):
                 served_by[k] = -1
             for (origin_id, vnode), owner_id in self._overrides.items():
@@ -883,16 +946,27 @@ cdef uint64_t _position(object h) except? 0:
     return <uint64_t>h
 
 
+def active_vnodes(weight, vnodes):
+    """How many vnodes a weight activates: ceil(weight * vnodes), with a 1e-9 tolerance so that
+    weight k / vnodes activates exactly k, and at least one for any weight above 0.
+    DO NOT CHANGE: which vnodes a weight activates decides where keys live."""
+    if weight <= 0:
+        return 0
+    return max(1, min(vnodes, math.ceil(weight * vnodes - 1e-9)))
+
+
 cdef list _check_ids(object replica_ids):
     if isinstance(replica_ids, (str, bytes)):
         raise TypeError("replica_ids must be a sequence of str, not a single string")
-    ids = list(replica_ids)
-    for rid in ids:
+    ids = []
+    for rid in replica_ids:
         if not isinstance(rid, str):
             raise TypeError(f"replica ids must be str, not {type(rid).__name__}")
+        rid = str.__str__(rid)  # the plain string value: subclasses (enums) must place like it
         if not rid:
             raise ValueError("replica ids must not be empty")
         rid.encode("utf-8")
+        ids.append(rid)
     if len(set(ids)) != len(ids):
         dup = next(r for r in ids if ids.count(r) > 1)
         raise ValueError(f"duplicate replica id {dup!r}")

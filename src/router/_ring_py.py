@@ -15,11 +15,12 @@ from typing import NamedTuple
 
 import xxhash
 
-__all__ = ["MovedRange", "Ring", "RingSnapshot", "xxh3_64"]
+__all__ = ["MovedRange", "Ring", "RingSnapshot", "active_vnodes", "xxh3_64", "xxh3_64_chain"]
 
 _SPAN_MAX = (1 << 64) - 1
 _MAX_VNODES = 65536
-_MAX_POINTS = 0x7FFFFFFF
+_MAX_POINTS = 0x7FFFFFFF - 8  # as the compiled core: int32 indices plus sentinels
+_INT64_MAX = (1 << 63) - 1
 
 Key = str | bytes | bytearray | memoryview
 
@@ -61,6 +62,31 @@ def xxh3_64(data: Key, seed: int = 0) -> int:
     return _hash_any(data, _seed_value(seed))
 
 
+def xxh3_64_chain(data: Key, block_len: int, seed: int = 0) -> list[int]:
+    """Hashes of the full `block_len`-byte blocks of `data`, each seeded with the previous one:
+    h[0] = xxh3_64(block 0, seed), h[i] = xxh3_64(block i, h[i-1]). A trailing partial block is
+    not hashed. Two inputs share their first k hashes exactly when they share k whole blocks,
+    which is what a paged prefix cache keys its blocks by."""
+    h = _seed_value(seed)
+    if isinstance(block_len, bool) or not isinstance(block_len, int):
+        raise TypeError(f"block_len must be an int, not {type(block_len).__name__}")
+    if block_len <= 0:
+        raise ValueError(f"block_len must be positive, got {block_len}")
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data must be str or bytes-like, not {type(data).__name__}") from None
+    out = []
+    with view:
+        flat = view.cast("B")
+        for start in range(0, len(flat) - block_len + 1, block_len):
+            h = xxhash.xxh3_64_intdigest(flat[start : start + block_len], h)
+            out.append(h)
+    return out
+
+
 class RingSnapshot:
     """One immutable, published state of a ring: sorted points and their owners."""
 
@@ -100,7 +126,7 @@ class Ring:
         if not 1 <= vnodes <= _MAX_VNODES:
             raise ValueError(f"vnodes must be in [1, {_MAX_VNODES}], got {vnodes}")
         if len(ids) * vnodes > _MAX_POINTS:
-            raise ValueError("too many points: replicas * vnodes must stay below 2**31")
+            raise ValueError(f"too many points: replicas * vnodes must stay at most {_MAX_POINTS}")
         self.seed = _seed_value(seed)
         self.vnodes = vnodes
         self._ids = ids
@@ -160,6 +186,11 @@ class Ring:
             owned[s.owners[k]] += s.hashes[k] - s.hashes[k - 1]
         return [x / (1 << 64) for x in owned]
 
+    def points(self) -> list[tuple[int, int, int, int]]:
+        """The routing points in ring order: (hash, owner index, origin index, vnode number)."""
+        s = self.current
+        return list(zip(s.hashes, s.owners, s.origins, s.vnodes, strict=True))
+
     def key_hash(self, key: Key) -> int:
         """The ring position of `key`: xxh3_64(key, seed)."""
         return _hash_any(key, self.seed)
@@ -213,7 +244,7 @@ class Ring:
         if it fails, and so on (at most `limit`)."""
         s = self.current
         h = _hash_any(key, self.seed)
-        want = s.n_routing if limit is None else min(int(limit), s.n_routing)
+        want = s.n_routing if limit is None else max(0, min(int(limit), s.n_routing))
         i = s.point_index(h)
         out: list[int] = []
         if i < 0 or want <= 0:
@@ -257,11 +288,12 @@ class Ring:
         """Append a replica (index n_replicas - 1); only keys landing on its points move."""
         ids = _check_ids([*self._ids, replica_id])
         w = _check_weight(weight)
+        flag = bool(available)
         if len(ids) * self.vnodes > _MAX_POINTS:
-            raise ValueError("too many points: replicas * vnodes must stay below 2**31")
+            raise ValueError(f"too many points: replicas * vnodes must stay at most {_MAX_POINTS}")
         self._ids = ids
         self._weights.append(w)
-        self._available.append(bool(available))
+        self._available.append(flag)
         self._place_all()
         return self._publish()
 
@@ -317,7 +349,7 @@ class Ring:
 
     def _build(self) -> RingSnapshot:
         index_of = {rid: i for i, rid in enumerate(self._ids)}
-        active = [math.ceil(w * self.vnodes) for w in self._weights]
+        active = [active_vnodes(w, self.vnodes) for w in self._weights]
         served_by = {(index_of[o], v): index_of[w] for (o, v), w in self._overrides.items()}
         points = []
         for h, _rank, v, origin in self._all:
@@ -347,10 +379,15 @@ def _walk(s: RingSnapshot, h: int, can_serve: object) -> int:
 
 
 def _load_cap(s: RingSnapshot, loads: array[int], c: float) -> int:
+    # as the compiled core: a saturating total, never below the exact ceil((L + 1) / n)
     if s.n_routing == 0:
         return 0
-    total = sum(load for load, routing in zip(loads, s.routing, strict=True) if routing)
-    return math.ceil(c * float(total + 1) / float(s.n_routing))
+    total = min(sum(load for load, routing in zip(loads, s.routing, strict=True) if routing), _INT64_MAX)
+    if total == _INT64_MAX:  # saturated: the true mean is unknown, so nothing is over it
+        return _INT64_MAX
+    f = math.ceil(c * (float(total) + 1.0) / float(s.n_routing))
+    cap = _INT64_MAX if f >= 9223372036854775807.0 else int(f)
+    return max(cap, total // s.n_routing + 1)
 
 
 def _moved_ranges(a: RingSnapshot, b: RingSnapshot) -> list[MovedRange]:
@@ -398,16 +435,27 @@ def _position(h: object) -> int:
     return h
 
 
+def active_vnodes(weight: float, vnodes: int) -> int:
+    """How many vnodes a weight activates: ceil(weight * vnodes), with a 1e-9 tolerance so that
+    weight k / vnodes activates exactly k, and at least one for any weight above 0.
+    DO NOT CHANGE: which vnodes a weight activates decides where keys live."""
+    if weight <= 0:
+        return 0
+    return max(1, min(vnodes, math.ceil(weight * vnodes - 1e-9)))
+
+
 def _check_ids(replica_ids: object) -> list[str]:
     if isinstance(replica_ids, (str, bytes)):
         raise TypeError("replica_ids must be a sequence of str, not a single string")
-    ids: list[str] = list(replica_ids)  # type: ignore[call-overload]
-    for rid in ids:
+    ids: list[str] = []
+    for rid in replica_ids:  # type: ignore[attr-defined]
         if not isinstance(rid, str):
             raise TypeError(f"replica ids must be str, not {type(rid).__name__}")
+        rid = str.__str__(rid)  # the plain string value: subclasses (enums) must place like it
         if not rid:
             raise ValueError("replica ids must not be empty")
         rid.encode("utf-8")
+        ids.append(rid)
     if len(set(ids)) != len(ids):
         dup = next(r for r in ids if ids.count(r) > 1)
         raise ValueError(f"duplicate replica id {dup!r}")

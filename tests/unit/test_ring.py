@@ -234,6 +234,8 @@ def test_removing_a_replica_moves_only_its_keys(impl: ModuleType) -> None:
         assert b == a or b == "replica-4"
         assert a != "replica-4"
     assert all(r.old == "replica-4" for r in moved)
+    owners_before = [ids.index(b) for b in before]
+    assert_moves_match_ranges(ring, owners_before, ids, moved, sample)
     # a replica that comes back takes back exactly its keys
     ring.add_replica("replica-4")
     assert [ring.replica_ids[i] for i in ring.lookup_many(sample)] == before
@@ -381,10 +383,10 @@ def test_excluding_walks_the_successor_order(impl: ModuleType) -> None:
 )
 def test_bad_arguments_raise_clear_errors(impl: ModuleType, call: Any, error: type[Exception], match: str) -> None:
     ring = impl.Ring(fleet(3))
-    size = ring.size
+    state = (ring.replica_ids, ring.weights, ring.available, ring.overrides, ring.points())
     with pytest.raises(error, match=match):
         call(ring)
-    assert ring.size == size and ring.replica_ids == tuple(fleet(3))  # nothing half-applied
+    assert (ring.replica_ids, ring.weights, ring.available, ring.overrides, ring.points()) == state
 
 
 @pytest.mark.parametrize(
@@ -422,3 +424,109 @@ def test_published_snapshots_never_change(impl: ModuleType) -> None:
     assert ring.current is not snap
     assert snap.size == size == 32 and snap.replica_ids == tuple(fleet(4))
     assert ring.current.size == 32
+
+
+# -- regressions found in review ---------------------------------------------------------------
+
+
+def test_lookups_exactly_at_and_beside_every_point(impl: ModuleType) -> None:
+    ring = impl.Ring(fleet(6), vnodes=24, seed=17)
+    ring.set_available(2, False)
+    points = ring.points()
+    assert [p[0] for p in points] == sorted(p[0] for p in points) and len(points) == ring.size
+    for k, (h, owner, _origin, _vnode) in enumerate(points):
+        nxt = points[(k + 1) % len(points)][1]
+        assert ring.lookup_hash(h) == owner  # a key exactly on a point belongs to it
+        if h + 1 < 2**64 and (k + 1 == len(points) or points[k + 1][0] != h + 1):
+            assert ring.lookup_hash(h + 1) == nxt
+        if h > 0 and (k == 0 or points[k - 1][0] < h - 1):
+            assert ring.lookup_hash(h - 1) == owner
+
+
+def test_a_failed_mutation_changes_nothing(impl: ModuleType) -> None:
+    class Ambiguous:
+        def __bool__(self) -> bool:
+            raise ValueError("ambiguous truth value")
+
+    ring = impl.Ring(fleet(3), vnodes=8)
+    ring.reassign_vnode(0, 1, 2)
+    before = (ring.replica_ids, ring.weights, ring.available, ring.overrides, ring.points())
+    for call in (
+        lambda: ring.add_replica("x", 1.0, Ambiguous()),
+        lambda: ring.set_available(1, Ambiguous()),
+        lambda: ring.set_weight(0, 1.5),
+        lambda: ring.add_replica("y", 2.0),
+    ):
+        with pytest.raises(ValueError):
+            call()
+        assert (ring.replica_ids, ring.weights, ring.available, ring.overrides, ring.points()) == before
+    ring.add_replica("z")  # and the ring still works afterwards
+    assert ring.n_replicas == 4
+
+
+def test_string_subclass_ids_place_like_their_plain_value(impl: ModuleType) -> None:
+    import enum
+
+    class Name(str, enum.Enum):  # noqa: UP042 - the (str, Enum) idiom is what callers pass
+        A = "gpu-a"
+        B = "gpu-b"
+
+    plain = impl.Ring(["gpu-a", "gpu-b"], vnodes=16)
+    enum_ring = impl.Ring([Name.A, Name.B], vnodes=16)
+    assert enum_ring.replica_ids == ("gpu-a", "gpu-b") and type(enum_ring.replica_ids[0]) is str
+    sample = keys(500)
+    assert list(enum_ring.lookup_many(sample)) == list(plain.lookup_many(sample))
+
+
+def test_weight_k_over_vnodes_activates_exactly_k(impl: ModuleType) -> None:
+    for vnodes in (7, 25, 100, 128, 160):
+        for k in range(vnodes + 1):
+            assert impl.active_vnodes(k / vnodes, vnodes) == k, (k, vnodes)
+    assert impl.active_vnodes(1e-12, 128) == 1  # any positive weight keeps one vnode
+    ring = impl.Ring(fleet(2), vnodes=25)
+    ring.set_weight(0, 7 / 25)
+    assert ring.size == 25 + 7
+
+
+@pytest.mark.parametrize(
+    ("loads", "c"),
+    [([0, 0, 0], 1e300), ([2**62] * 3, 1.25), ([2**53], 1.0), ([2**63 - 1, 5, 0], 1.0), ([0, 0, 7], 1.0)],
+)
+def test_bounded_cap_never_overflows_and_always_leaves_room(impl: ModuleType, loads: list[int], c: float) -> None:
+    ring = impl.Ring(fleet(len(loads)), vnodes=8)
+    cap = ring.load_cap(loads, c)
+    assert cap >= min(sum(loads), 2**63 - 1) // len(loads) + 1
+    assert cap <= 2**63 - 1
+    for key in keys(50):
+        owner = ring.lookup_bounded(key, loads, c)
+        assert owner >= 0 and loads[owner] < cap
+
+
+def test_uninitialised_and_negative_limits_are_harmless(impl: ModuleType) -> None:
+    ring = impl.Ring(fleet(3))
+    assert ring.successors("k", -(2**40)) == []
+    if impl.__name__ == "_ring":
+
+        class Forgetful(impl.Ring):  # type: ignore[misc, name-defined]
+            def __init__(self) -> None:
+                pass
+
+        assert Forgetful().lookup("x") == -1 and Forgetful().size == 0
+
+
+def test_rings_past_the_bucket_table_cap_bisect_correctly(compiled: ModuleType) -> None:
+    # 2**21 points: the bucket table stops at 2**20 entries, so buckets hold several points and
+    # the bisect-then-count path runs; check it against a plain bisect over the published points.
+    from bisect import bisect_left
+
+    ring = compiled.Ring([f"r{i}" for i in range(32)], vnodes=65536, seed=4)
+    points = ring.points()
+    hashes = [p[0] for p in points]
+    owners = [p[1] for p in points]
+    rng = random.Random(8)
+    probes = [rng.getrandbits(64) for _ in range(20000)]
+    probes += [hashes[i] + d for i in rng.sample(range(len(hashes)), 5000) for d in (-1, 0, 1)]
+    for h in probes:
+        if 0 <= h < 2**64:
+            i = bisect_left(hashes, h)
+            assert ring.lookup_hash(h) == owners[i if i < len(hashes) else 0]
