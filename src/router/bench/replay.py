@@ -1,0 +1,502 @@
+"""`router-bench replay`: drive OpenAI-compatible endpoints with a workload; measure from the client.
+
+Everything is measured on the client side, so every target (this router, a peer router, the
+replicas directly) is judged the same way: KV hit rate from the responses' usage
+(`prompt_tokens_details.cached_tokens`), latency and time to first token from the stream,
+per-replica counts and the jump rate from the `X-Replica-Id` response header.
+
+Arrivals are open-loop: sessions (or trace requests) start on their schedule whether or not
+earlier ones have finished; within a session each turn waits for the previous reply plus a
+think time. Times given on the command line and reported are engine seconds: wall seconds times
+`--time-scale`, which must match the emulator's (router overhead is scaled along with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import resource
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.bench.workloads import (
+    SessionPlan,
+    SessionsSpec,
+    TraceError,
+    TraceRequest,
+    generate_sessions,
+    load_trace,
+    trace_prompt,
+)
+from router.measures import coefficient_of_variation, jump_rate, kv_hit_rate, percentile
+from router.ring import xxh3_64
+
+WORKLOADS = ("sessions", "mooncake-conversation", "mooncake-synthetic")
+REPLICA_HEADERS = ("X-Replica-Id", "X-Router-Replica")
+
+
+@dataclass
+class Record:
+    session: str
+    turn: int
+    target: str
+    replica: str | None = None
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None  # engine seconds
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    targets: tuple[str, ...]
+    workload: str
+    trace: str | None = None
+    spread: str = "round-robin"
+    duration_s: float | None = None  # engine seconds of arrivals
+    requests: int | None = None
+    speedup: float = 1.0  # trace time compression
+    time_scale: float = 1.0
+    timeout_s: float = 600.0  # engine seconds per request
+    model: str | None = "emulated-llm"
+    max_inflight: int = 4096
+    concurrency: int | None = None  # trace replays: at most this many requests at once, in trace order
+    output_tokens: int | None = None  # cap on every request's max_tokens
+    seed: int = 1
+    spec: SessionsSpec | None = None
+
+
+class Replayer:
+    def __init__(self, opts: ReplayOptions, progress: Callable[[str], None] | None = None) -> None:
+        if not opts.targets:
+            raise ValueError("at least one --target is needed")
+        self.opts = opts
+        self.records: list[Record] = []
+        self._rr = itertools.cycle(opts.targets)
+        self._progress = progress
+        self._issued = 0
+        self._inflight = 0
+        self._slots = asyncio.Semaphore(opts.max_inflight)
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- targets ---------------------------------------------------------------------------------
+
+    def pick_target(self, session: str) -> str:
+        if len(self.opts.targets) == 1:
+            return self.opts.targets[0]
+        if self.opts.spread == "session":
+            return self.opts.targets[xxh3_64(session) % len(self.opts.targets)]
+        return next(self._rr)
+
+    def _budget_left(self) -> bool:
+        return self.opts.requests is None or self._issued < self.opts.requests
+
+    # -- one request -----------------------------------------------------------------------------
+
+    async def send(self, session: str, turn: int, path: str, body: dict[str, Any], headers: dict[str, str]) -> Record:
+        target = self.pick_target(session)
+        rec = Record(session=session, turn=turn, target=target)
+        self.records.append(rec)
+        self._issued += 1
+        scale = self.opts.time_scale
+        assert self._session is not None
+        async with self._slots:
+            self._inflight += 1
+            t0 = time.perf_counter()
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.opts.timeout_s / scale)
+                async with self._session.post(
+                    target.rstrip("/") + path, data=orjson.dumps(body), headers=headers, timeout=timeout
+                ) as resp:
+                    rec.replica = next((resp.headers[h] for h in REPLICA_HEADERS if h in resp.headers), None)
+                    if resp.status != 200:
+                        rec.error = f"http {resp.status}"
+                        await resp.read()
+                        return rec
+                    await self._read_stream(resp, rec, t0)
+            except TimeoutError:
+                rec.error = "timeout"
+            except aiohttp.ClientPayloadError:
+                rec.error = "stream cut"
+            except (aiohttp.ClientError, OSError) as exc:
+                rec.error = f"connection: {type(exc).__name__}"
+            finally:
+                self._inflight -= 1
+                self._report_progress()
+        return rec
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rec: Record, t0: float) -> None:
+        scale = self.opts.time_scale
+        parts: list[str] = []
+        done = False
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            try:
+                event = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                rec.error = "bad event"
+                return
+            if "error" in event:
+                rec.error = "stream error"
+                return
+            for choice in event.get("choices") or ():
+                piece = choice.get("text")
+                if piece is None:
+                    piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if rec.ttft_s is None:
+                        rec.ttft_s = (time.perf_counter() - t0) * scale
+                    parts.append(piece)
+            usage = event.get("usage")
+            if usage:
+                rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+                rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if not done:
+            rec.error = "stream cut"
+            return
+        rec.e2e_s = (time.perf_counter() - t0) * scale
+        if rec.ttft_s is None:
+            rec.ttft_s = rec.e2e_s
+        rec.text = "".join(parts)
+        rec.ok = True
+
+    def _report_progress(self) -> None:
+        if self._progress is not None:
+            errors = sum(1 for r in self.records if r.error)
+            self._progress(f"sent {self._issued}  in flight {self._inflight}  errors {errors}")
+
+    # -- workloads -------------------------------------------------------------------------------
+
+    def _body(self, extra: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+        if self.opts.model:
+            body["model"] = self.opts.model
+        body.update(extra)
+        if self.opts.output_tokens is not None:
+            body["max_tokens"] = min(body.get("max_tokens", self.opts.output_tokens), self.opts.output_tokens)
+        return body
+
+    async def _session_run(self, plan: SessionPlan, deadline: float) -> None:
+        scale = self.opts.time_scale
+        messages: list[dict[str, str]] = [{"role": "system", "content": plan.system}]
+        for k, turn in enumerate(plan.turns, 1):
+            if k > 1:
+                await asyncio.sleep(turn.think_s / scale)
+            if time.perf_counter() > deadline or not self._budget_left():
+                return
+            messages.append({"role": "user", "content": turn.user_text})
+            rec = await self.send(
+                plan.session_id,
+                k,
+                "/v1/chat/completions",
+                self._body({"messages": list(messages), "max_tokens": turn.max_tokens, "user": plan.user}),
+                {"X-Session-ID": plan.session_id},
+            )
+            if not rec.ok:
+                return  # a failed turn ends the conversation
+            messages.append({"role": "assistant", "content": rec.text})
+            rec.text = ""
+
+    async def _run_sessions(self) -> None:
+        spec = self.opts.spec or SessionsSpec()
+        scale = self.opts.time_scale
+        duration = self.opts.duration_s if self.opts.duration_s is not None else 60.0
+        start = time.perf_counter()
+        deadline = start + duration / scale
+        tasks = []
+        for plan in generate_sessions(spec):
+            if plan.start_s > duration or not self._budget_left():
+                break
+            await _sleep_until(start + plan.start_s / scale)
+            tasks.append(asyncio.ensure_future(self._session_run(plan, deadline)))
+        await asyncio.gather(*tasks)
+
+    async def _run_trace(self, rows: list[TraceRequest]) -> None:
+        scale = self.opts.time_scale
+        start = time.perf_counter()
+        gate = asyncio.Semaphore(self.opts.concurrency) if self.opts.concurrency else None
+        tasks = []
+        t_first = rows[0].timestamp_s
+        for row in rows:
+            at = (row.timestamp_s - t_first) / self.opts.speedup
+            if self.opts.duration_s is not None and at > self.opts.duration_s:
+                break
+            if not self._budget_left():
+                break
+            await _sleep_until(start + at / scale)
+            body = self._body({"prompt": trace_prompt(row), "max_tokens": max(1, row.output_length)})
+            request = self.send(row.session, row.turn, "/v1/completions", body, {"X-Session-ID": row.session})
+            if gate is not None:
+                await gate.acquire()
+                tasks.append(asyncio.ensure_future(_release_after(request, gate)))
+            else:
+                tasks.append(asyncio.ensure_future(request))
+        await asyncio.gather(*tasks)
+
+    async def run(self) -> dict[str, Any]:
+        rows: list[TraceRequest] | None = None
+        if self.opts.workload != "sessions":
+            if not self.opts.trace:
+                raise TraceError(f"--workload {self.opts.workload} needs --trace PATH (a Mooncake-format JSONL file)")
+            rows = load_trace(self.opts.trace, self.opts.requests)
+        connector = aiohttp.TCPConnector(limit=self.opts.max_inflight, force_close=False)
+        cpu0 = _cpu_seconds()
+        t0 = time.perf_counter()
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self._session = session
+            if rows is None:
+                await self._run_sessions()
+            else:
+                await self._run_trace(rows)
+        wall = time.perf_counter() - t0
+        return summarize(self.records, self.opts, wall, _cpu_seconds() - cpu0)
+
+
+async def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _release_after(request: Awaitable[Record], gate: asyncio.Semaphore) -> Record:
+    try:
+        return await request
+    finally:
+        gate.release()
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _latency(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def summarize(records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    later = [r for r in ok if r.turn > 1]
+    per_replica = Counter(r.replica or r.target for r in ok)
+    by_session: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for r in ok:
+        by_session[r.session].append((r.turn, r.replica or r.target))
+    paths = {s: [rep for _, rep in sorted(turns)] for s, turns in by_session.items()}
+    errors = Counter(r.error for r in records if r.error)
+    return {
+        "workload": opts.workload,
+        "targets": list(opts.targets),
+        "spread": opts.spread if len(opts.targets) > 1 else "single",
+        "time_scale": opts.time_scale,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": dict(errors),
+        "sessions": len(paths),
+        "later_turns": len(later),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "kv_hit_rate": kv_hit_rate(sum(r.cached_tokens for r in ok), sum(r.prompt_tokens for r in ok)),
+        "kv_hit_rate_later_turns": kv_hit_rate(
+            sum(r.cached_tokens for r in later), sum(r.prompt_tokens for r in later)
+        ),
+        "e2e_s": _latency([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "e2e_later_turns_s": _latency([r.e2e_s for r in later if r.e2e_s is not None]),
+        "ttft_s": _latency([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_later_turns_s": _latency([r.ttft_s for r in later if r.ttft_s is not None]),
+        "per_replica": dict(sorted(per_replica.items())),
+        "load_cv": coefficient_of_variation(per_replica.values()),
+        "jump_rate": jump_rate(paths),
+        "wall_s": wall_s,
+        "client_cpu_s": cpu_s,
+        "client_cpu_share": cpu_s / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="drive OpenAI-compatible endpoints with a workload and report hit rate, latency, balance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a router or replica; repeat to spread requests over several",
+    )
+    p.add_argument("--workload", choices=WORKLOADS, default="sessions", help="what to send (default sessions)")
+    p.add_argument("--trace", metavar="PATH", help="the Mooncake-format JSONL file for trace workloads")
+    p.add_argument(
+        "--spread",
+        choices=("round-robin", "session"),
+        default="round-robin",
+        help="how several targets share requests: in turn, or each session pinned to one",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop starting sessions/requests after S engine seconds (sessions default 60)",
+    )
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="send at most N requests")
+    p.add_argument("--rate", type=float, default=None, help="sessions workload: new sessions per engine second")
+    p.add_argument("--turns", default=None, metavar="MIN-MAX", help="sessions workload: turns per session (3-8)")
+    p.add_argument("--think", type=float, default=None, metavar="S", help="sessions workload: mean think time")
+    p.add_argument("--users", type=int, default=None, help="sessions workload: number of users (200)")
+    p.add_argument("--speedup", type=float, default=1.0, help="trace workloads: compress the trace's clock by this")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="trace workloads: at most this many requests in flight, sent in trace order",
+    )
+    p.add_argument("--output-tokens", type=int, default=None, metavar="N", help="cap every request's max_tokens")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the emulator's --time-scale: engine seconds per wall second (default 1)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout, engine seconds")
+    p.add_argument("--model", default="emulated-llm", help="model name to send (default emulated-llm; '' omits it)")
+    p.add_argument("--max-inflight", type=int, default=4096, help="client cap on concurrent requests (default 4096)")
+    p.add_argument("--seed", type=int, default=1, help="workload random seed (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=run_cli)
+
+
+def options_from_args(args: argparse.Namespace) -> ReplayOptions:
+    def positive(name: str, value: float | None) -> None:
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+    for name in (
+        "duration",
+        "requests",
+        "rate",
+        "speedup",
+        "time_scale",
+        "timeout",
+        "concurrency",
+        "output_tokens",
+        "max_inflight",
+        "think",
+        "users",
+    ):
+        positive("--" + name.replace("_", "-"), getattr(args, name))
+    spec_changes: dict[str, Any] = {"seed": args.seed}
+    if args.turns is not None:
+        lo, sep, hi = args.turns.partition("-")
+        try:
+            spec_changes["turns_min"], spec_changes["turns_max"] = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"--turns must look like 3-8 or 5, got {args.turns!r}") from None
+    if args.think is not None:
+        spec_changes["think_s"] = args.think
+    if args.users is not None:
+        spec_changes["users"] = args.users
+    if args.rate is not None:
+        spec_changes["rate"] = args.rate
+    for url in args.target:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--target must be an http(s) URL, got {url!r}")
+    return ReplayOptions(
+        targets=tuple(args.target),
+        workload=args.workload,
+        trace=args.trace,
+        spread=args.spread,
+        duration_s=args.duration,
+        requests=args.requests,
+        speedup=args.speedup,
+        time_scale=args.time_scale,
+        timeout_s=args.timeout,
+        model=args.model or None,
+        max_inflight=args.max_inflight,
+        concurrency=args.concurrency,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+        spec=SessionsSpec(**spec_changes),
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        opts = options_from_args(args)
+    except ValueError as exc:
+        print(f"router-bench replay: {exc}", file=sys.stderr)
+        return 2
+    live = not args.json and sys.stderr.isatty()
+    last = [0.0]
+
+    def progress(msg: str) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.2:
+            last[0] = now
+            print(f"\r\x1b[K  {msg}", end="", file=sys.stderr, flush=True)
+
+    try:
+        import uvloop
+
+        result = uvloop.run(Replayer(opts, progress if live else None).run())
+    except TraceError as exc:
+        print(f"router-bench replay: {exc}", file=sys.stderr)
+        return 2
+    if live:
+        print("\r\x1b[K", end="", file=sys.stderr)
+    print(json.dumps(result, indent=1) if args.json else render(result))
+    return 0 if result["ok"] else 1
+
+
+def render(r: dict[str, Any]) -> str:
+    def lat(d: dict[str, float]) -> str:
+        if not d.get("n"):
+            return "n/a"
+        return f"mean {d['mean']:.3f}  p50 {d['p50']:.3f}  p90 {d['p90']:.3f}  p99 {d['p99']:.3f}"
+
+    errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
+    lines = [
+        f"{r['workload']} → {len(r['targets'])} target(s), spread {r['spread']}, time scale {r['time_scale']:g}",
+        f"requests {r['requests']}  ok {r['ok']}  errors {errors}  sessions {r['sessions']}  "
+        f"later turns {r['later_turns']}",
+        f"KV hit rate        {r['kv_hit_rate']:.1%}  (later turns {r['kv_hit_rate_later_turns']:.1%})",
+        f"e2e s, later turns {lat(r['e2e_later_turns_s'])}",
+        f"TTFT s, later      {lat(r['ttft_later_turns_s'])}",
+        f"e2e s, all         {lat(r['e2e_s'])}",
+        f"load CV            {r['load_cv']:.3f} over {len(r['per_replica'])} replicas   jump rate {r['jump_rate']:.1%}",
+        f"client             {r['wall_s']:.1f} s wall, {r['client_cpu_share']:.0%} of one CPU",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""`router-emulator`: OpenAI-compatible replicas with a paged prefix cache and continuous batching, no GPU needed."""

@@ -1,0 +1,245 @@
+"""Command line of `router-emulator`: serve one emulated replica, or a fleet of them, until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import Any
+
+from router.emulator.engine import EngineConfig
+from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
+
+FAULT_NAMES = {
+    "hang": ("hang", bool),
+    "slow": ("slow", float),
+    "error-rate": ("error_rate", float),
+    "error-status": ("error_status", int),
+    "stall-after": ("stall_after", int),
+    "drop-after": ("drop_after", int),
+    "crash-after": ("crash_after", float),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="router-emulator",
+        description=(
+            "Serve OpenAI-compatible emulated inference replicas: a paged prefix KV cache and a "
+            "continuous-batching scheduler modelled on vLLM, vLLM-named /metrics, fault injection. "
+            "No GPU needed. Each replica answers with an X-Replica-Id header."
+        ),
+        epilog=(
+            "faults: --fault [INDEX:]NAME[=VALUE], repeatable; without INDEX it applies to every replica. "
+            "NAME is hang, slow=FACTOR, error-rate=SHARE, error-status=500|503, stall-after=CHUNKS, "
+            "drop-after=CHUNKS or crash-after=SECONDS (wall). At run time: POST /emulator/faults with a "
+            "JSON object on a replica's port, or /replicas/INDEX/{faults,crash,restart} on --control-port."
+        ),
+    )
+    g = p.add_argument_group("listening")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=None, help="serve one replica on this port (default 9001)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N", help="serve N replicas on consecutive ports")
+    g.add_argument("--base-port", type=int, default=9001, help="first port of the fleet (default 9001)")
+    g.add_argument("--replica-id", default=None, help="X-Replica-Id of a single replica (default emu-PORT)")
+    g.add_argument("--control-port", type=int, default=None, help="fleet control API port (crash/restart/faults)")
+    g = p.add_argument_group("model")
+    d = EngineConfig()
+    g.add_argument("--model", default="emulated-llm", help="served model name (default emulated-llm)")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="engine seconds per wall second; 10 runs ten times faster than real time (default 1)",
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
+    g.add_argument(
+        "--num-blocks", type=int, default=d.num_blocks, help=f"KV cache capacity in blocks (default {d.num_blocks})"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help=f"most requests in a batch (default {d.max_num_seqs})"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help=f"token budget of one step (default {d.max_num_batched_tokens})",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help=f"longest prompt + reply in tokens (default {d.max_model_len})",
+    )
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=d.prefill_tokens_per_s,
+        help=f"prefill speed (default {d.prefill_tokens_per_s:g})",
+    )
+    g.add_argument(
+        "--step-ms",
+        type=float,
+        default=d.step_base_s * 1000,
+        help=f"fixed time of one step in ms (default {d.step_base_s * 1000:g})",
+    )
+    g.add_argument(
+        "--decode-per-seq-ms",
+        type=float,
+        default=d.decode_per_seq_s * 1000,
+        help=f"extra step time per decoding request in ms (default {d.decode_per_seq_s * 1000:g})",
+    )
+    g.add_argument(
+        "--attention-ns-per-token",
+        type=float,
+        default=d.attention_per_token_s * 1e9,
+        help=f"extra step time per context token of decoding requests (default {d.attention_per_token_s * 1e9:g})",
+    )
+    g.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk (default 1)")
+    g.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="reply length when a request sets no max_tokens (default 256)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of injected error decisions (default 0)")
+    g.add_argument("--fault", action="append", default=[], metavar="[INDEX:]NAME[=VALUE]", help="inject a fault")
+    return p
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_fault(spec: str, n: int) -> tuple[list[int], str, Any]:
+    index_part, _, rest = spec.rpartition(":") if ":" in spec else ("", "", spec)
+    name, _, value = rest.partition("=")
+    if name not in FAULT_NAMES:
+        raise UsageError(f"unknown fault {name!r} in --fault {spec!r}; known: {', '.join(FAULT_NAMES)}")
+    field, kind = FAULT_NAMES[name]
+    if index_part:
+        try:
+            index = int(index_part)
+        except ValueError:
+            raise UsageError(f"--fault {spec!r}: replica index must be an integer") from None
+        if not 0 <= index < n:
+            raise UsageError(f"--fault {spec!r}: replica index {index} out of range 0..{n - 1}")
+        targets = [index]
+    else:
+        targets = list(range(n))
+    if kind is bool:
+        if value not in ("", "true", "1", "yes"):
+            raise UsageError(f"--fault {spec!r}: {name} takes no value")
+        return targets, field, True
+    if not value:
+        raise UsageError(f"--fault {spec!r}: {name} needs a value, e.g. {name}=2")
+    try:
+        return targets, field, kind(value)
+    except ValueError:
+        raise UsageError(f"--fault {spec!r}: {value!r} is not a valid {kind.__name__}") from None
+
+
+def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
+    if args.port is not None and args.replicas is not None:
+        raise UsageError("give either --port (one replica) or --replicas N with --base-port, not both")
+    n = args.replicas if args.replicas is not None else 1
+    if n < 1 or n > 1000:
+        raise UsageError(f"--replicas must be in 1..1000, got {n}")
+    first_port = args.port if args.port is not None else args.base_port
+    if not (first_port > 0 and first_port + n - 1 <= 65535):
+        raise UsageError(f"ports {first_port}..{first_port + n - 1} are out of range")
+    if args.replica_id is not None and n > 1:
+        raise UsageError("--replica-id names a single replica; a fleet's replicas are named emu-PORT")
+    if args.time_scale <= 0:
+        raise UsageError("--time-scale must be positive")
+    if args.stream_interval < 1 or args.default_max_tokens < 1:
+        raise UsageError("--stream-interval and --default-max-tokens must be at least 1")
+    try:
+        config = EngineConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            step_base_s=args.step_ms / 1000,
+            decode_per_seq_s=args.decode_per_seq_ms / 1000,
+            attention_per_token_s=args.attention_ns_per_token / 1e9,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    faults = [Faults() for _ in range(n)]
+    crash_after: dict[int, float] = {}
+    for spec in args.fault:
+        targets, field, value = parse_fault(spec, n)
+        for i in targets:
+            if field == "crash_after":
+                crash_after[i] = value
+            else:
+                try:
+                    faults[i].update({field: value})
+                except ValueError as exc:
+                    raise UsageError(f"--fault {spec!r}: {exc}") from None
+    replicas = []
+    for i in range(n):
+        port = first_port + i
+        options = ReplicaOptions(
+            replica_id=args.replica_id or f"emu-{port}",
+            host=args.host,
+            port=port,
+            model=args.model,
+            time_scale=args.time_scale,
+            stream_interval=args.stream_interval,
+            default_max_tokens=args.default_max_tokens,
+            seed=args.seed + i,
+        )
+        replicas.append(Replica(options, config, faults[i]))
+    return Fleet(replicas, args.host, args.control_port), crash_after
+
+
+async def serve(fleet: Fleet, crash_after: dict[int, float]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await fleet.start()
+    for i, delay in crash_after.items():
+        fleet.crash_later(fleet.replicas[i], delay)
+    for r in fleet.replicas:
+        print(f"{r.options.replica_id} listening on {r.url}", flush=True)
+    if fleet.control_port is not None:
+        print(f"control API on http://{fleet.control_host}:{fleet.control_port}/replicas", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await fleet.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        fleet, crash_after = build_fleet(args)
+    except UsageError as exc:
+        print(f"router-emulator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        runner = asyncio.run
+    try:
+        runner(serve(fleet, crash_after))
+    except OSError as exc:
+        print(f"router-emulator: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,313 @@
+"""Continuous-batching inference engine model, driven by whatever clock its caller keeps.
+
+The engine knows nothing of HTTP or wall time: `add` queues a request at time `now`,
+`schedule(now)` picks the next step's batch and says how long the step takes, and
+`finish(step, now)` applies the step's results at its end. The HTTP server sleeps through the
+step (scaled by its time scale); an offline simulator just adds the duration to a virtual clock.
+
+Each step, like vLLM's scheduler with chunked prefill:
+1. admits waiting requests in arrival order while fewer than `max_num_seqs` run and the KV cache
+   can reserve their blocks (a request that does not fit blocks those behind it);
+2. gives each decoding request one token, and spends the rest of the `max_num_batched_tokens`
+   budget on the uncached prompt tokens of prefilling requests, oldest first;
+3. takes step_base_s + decode_per_seq_s * decoding + attention_per_token_s * (their context)
+   + prefill tokens / prefill_tokens_per_s, times the `slowdown` factor.
+A request whose prefill completes in a step gets its first token at the step's end.
+
+Default figures resemble one H100-class GPU serving an ~8B model in bf16 (see docs/emulator.md):
+16-token blocks; 30,000 blocks (480k tokens: 80 GB at 0.9 utilisation less 16 GB of weights, at
+128 KiB of KV per token); prefill at 15,000 tokens/s; a decode step of 10 ms (reading the weights
+once at 3.35 TB/s takes ~5 ms) plus 38 ns per context token (128 KiB of KV at 3.35 TB/s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.emulator.kvcache import Allocation, PrefixCache
+from router.emulator.tokenizer import BYTES_PER_TOKEN, block_hashes, generated_text
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 30_000
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131_072
+    prefill_tokens_per_s: float = 15_000.0
+    step_base_s: float = 0.010
+    decode_per_seq_s: float = 0.0001
+    attention_per_token_s: float = 38e-9
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("prefill_tokens_per_s",):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("step_base_s", "decode_per_seq_s", "attention_per_token_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
+
+
+class RequestTooLarge(ValueError):
+    """A request that can never run on this engine (context or KV capacity)."""
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    prompt: bytes
+    max_tokens: int
+    arrival: float
+    prompt_tokens: int = 0
+    hashes: list[int] = field(default_factory=list)
+    id: int = field(default_factory=lambda: next(_ids))
+    alloc: Allocation | None = None
+    cached_tokens: int = 0
+    computed: int = 0  # prompt tokens in KV (cached + prefilled)
+    output_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    aborted: bool = False
+    owner: Any = None  # whoever waits for this sequence's tokens (the HTTP handler)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None or self.aborted
+
+    @property
+    def context_tokens(self) -> int:
+        return self.computed + self.output_tokens
+
+
+@dataclass
+class Step:
+    """What one step does: the batch, its prefill chunks and its length in engine seconds."""
+
+    started: float
+    duration: float
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]
+    admitted: list[Sequence]
+
+
+@dataclass
+class StepEvents:
+    """Sequences that got tokens in a step (first token included) and those that finished."""
+
+    tokens: list[Sequence]
+    finished: list[Sequence]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.slowdown = 1.0
+        # counters (engine seconds and tokens), read by the metrics exporter
+        self.busy_seconds = 0.0
+        self.steps = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_total = 0
+        self.aborted_total = 0
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def new_sequence(self, prompt: bytes, max_tokens: int, now: float) -> Sequence:
+        """Validate and tokenize a request; raises RequestTooLarge when it can never run."""
+        cfg = self.config
+        prompt_tokens = -(-len(prompt) // BYTES_PER_TOKEN)
+        if prompt_tokens == 0:
+            raise RequestTooLarge("the prompt is empty")
+        if max_tokens < 1:
+            raise RequestTooLarge("max_tokens must be at least 1")
+        if prompt_tokens + max_tokens > cfg.max_model_len:
+            raise RequestTooLarge(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        if -(-(prompt_tokens + max_tokens) // cfg.block_size) > cfg.num_blocks:
+            raise RequestTooLarge(
+                f"the request needs {prompt_tokens + max_tokens} tokens of KV cache; this replica holds "
+                f"{cfg.num_blocks * cfg.block_size}"
+            )
+        return Sequence(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            arrival=now,
+            prompt_tokens=prompt_tokens,
+            hashes=block_hashes(prompt, cfg.block_size),
+        )
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """The client went away: stop the sequence and free its blocks."""
+        if seq.done:
+            return
+        seq.aborted = True
+        self.aborted_total += 1
+        if seq.alloc is not None:
+            self.cache.release(seq.alloc)
+            seq.alloc = None
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def reset(self) -> None:
+        """Forget everything (a crashed replica comes back cold)."""
+        for seq in list(self.running) + list(self.waiting):
+            self.abort(seq)
+        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> Step | None:
+        """Pick the next step's batch; None when there is nothing to run."""
+        cfg = self.config
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            alloc = self.cache.allocate(seq.hashes, seq.prompt_tokens, seq.prompt_tokens + seq.max_tokens)
+            if alloc is None:
+                break  # first come, first served: wait for blocks to free up
+            self.waiting.popleft()
+            seq.alloc = alloc
+            seq.cached_tokens = alloc.hit_blocks * cfg.block_size
+            seq.computed = seq.cached_tokens
+            self.prompt_tokens_total += seq.prompt_tokens
+            self.cached_tokens_total += seq.cached_tokens
+            self.running.append(seq)
+            admitted.append(seq)
+        if not self.running:
+            return None
+        decode = [s for s in self.running if not s.prefilling]
+        budget = cfg.max_num_batched_tokens - len(decode)
+        prefill: list[tuple[Sequence, int]] = []
+        prefill_tokens = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.prefilling:
+                chunk = min(seq.prompt_tokens - seq.computed, budget)
+                prefill.append((seq, chunk))
+                budget -= chunk
+                prefill_tokens += chunk
+        context = sum(s.context_tokens for s in decode)
+        duration = (
+            cfg.step_base_s
+            + cfg.decode_per_seq_s * len(decode)
+            + cfg.attention_per_token_s * context
+            + prefill_tokens / cfg.prefill_tokens_per_s
+        ) * self.slowdown
+        return Step(started=now, duration=duration, decode=decode, prefill=prefill, admitted=admitted)
+
+    def finish(self, step: Step, now: float) -> StepEvents:
+        """Apply a step's results at its end (`now`): tokens, cached blocks, finished requests."""
+        cfg = self.config
+        self.steps += 1
+        self.busy_seconds += step.duration
+        tokens: list[Sequence] = []
+        finished: list[Sequence] = []
+        for seq in step.decode:
+            if seq.done:
+                continue
+            seq.output_tokens += 1
+            tokens.append(seq)
+        for seq, chunk in step.prefill:
+            if seq.done:
+                continue
+            seq.computed += chunk
+            if not seq.prefilling:
+                assert seq.alloc is not None
+                # full prompt blocks are now in KV: later requests can hit them right away
+                self.cache.commit(seq.alloc, seq.hashes, seq.prompt_tokens // cfg.block_size)
+                seq.output_tokens = 1
+                seq.first_token_at = now
+                tokens.append(seq)
+        for seq in tokens:
+            if seq.output_tokens >= seq.max_tokens:
+                finished.append(seq)
+        self.generation_tokens_total += len(tokens)
+        for seq in finished:
+            self._complete(seq, now)
+        return StepEvents(tokens=tokens, finished=finished)
+
+    def _complete(self, seq: Sequence, now: float) -> None:
+        cfg = self.config
+        assert seq.alloc is not None
+        full_blocks = (seq.prompt_tokens + seq.output_tokens) // cfg.block_size
+        if full_blocks > len(seq.alloc.pinned):
+            # the reply's full blocks are cached too, so the next turn hits prompt and reply
+            text = seq.prompt + generated_text(self.reply_seed(seq), 0, seq.output_tokens).encode()
+            self.cache.commit(seq.alloc, block_hashes(text, cfg.block_size), full_blocks)
+        self.cache.release(seq.alloc)
+        seq.alloc = None
+        seq.finished_at = now
+        self.finished_total += 1
+        self.running.remove(seq)
+
+    @staticmethod
+    def reply_seed(seq: Sequence) -> int:
+        """Seed of the reply text: the same prompt always gets the same reply."""
+        return seq.hashes[-1] if seq.hashes else len(seq.prompt)
+
+    # -- gauges -----------------------------------------------------------------------------
+
+    def fragmentation(self) -> float:
+        """Unused token slots in blocks that running requests hold / all slots they hold."""
+        bs = self.config.block_size
+        held = self.cache.used_blocks * bs
+        if held == 0:
+            return 0.0
+        unused = 0
+        for seq in self.running:
+            if seq.alloc is None:
+                continue
+            in_anonymous = seq.context_tokens - len(seq.alloc.pinned) * bs
+            unused += seq.alloc.anonymous * bs - max(in_anonymous, 0)
+        return min(max(unused / held, 0.0), 1.0)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_usage": self.cache.usage,
+            "kv_fragmentation": self.fragmentation(),
+            "cached_blocks": self.cache.cached_blocks,
+            "evictions": self.cache.evictions,
+            "busy_seconds": self.busy_seconds,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "finished_total": self.finished_total,
+            "aborted_total": self.aborted_total,
+        }

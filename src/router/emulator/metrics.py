@@ -1,0 +1,136 @@
+"""Prometheus metrics of one emulated replica, under vLLM's names, plus two emulator gauges.
+
+Anything built to scrape vLLM (the router's health checks, dashboards) works against the
+emulator unchanged. Times are engine seconds: what the emulated GPU would show, whatever the
+emulator's time scale. Gauges are read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router.emulator.engine import Engine, Sequence
+
+# vLLM's bucket edges for these histograms
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+BUSY_WINDOW_S = 10.0
+
+
+class ReplicaMetrics:
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        label = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", label, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", label, registry=r)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", label, registry=r
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", label, registry=r
+        )
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", label, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", label, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", label, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests.", [*label, "finished_reason"], registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", label, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", label, buckets=E2E_BUCKETS, registry=r
+        )
+        self.fragmentation = Gauge(
+            "emulator:kv_fragmentation",
+            "Unused token slots in KV blocks held by running requests / slots held (0..1).",
+            label,
+            registry=r,
+        )
+        self.busy = Gauge(
+            "emulator:gpu_busy_fraction",
+            f"Share of the last {BUSY_WINDOW_S:g} engine seconds spent running steps (0..1).",
+            label,
+            registry=r,
+        )
+        self.busy_seconds = Counter("emulator:busy_seconds", "Engine seconds spent running steps.", label, registry=r)
+        self.model = model
+        self._steps: deque[tuple[float, float]] = deque()  # (end, duration) of recent steps
+
+    def on_step(self, end: float, duration: float, tokens: int) -> None:
+        self._steps.append((end, duration))
+        self.busy_seconds.labels(self.model).inc(duration)
+        self.generation_tokens.labels(self.model).inc(tokens)
+
+    def on_admitted(self, seq: Sequence) -> None:
+        self.prefix_queries.labels(self.model).inc(seq.prompt_tokens)
+        self.prefix_hits.labels(self.model).inc(seq.cached_tokens)
+        self.prompt_tokens.labels(self.model).inc(seq.prompt_tokens)
+
+    def on_finished(self, seq: Sequence) -> None:
+        assert seq.finished_at is not None and seq.first_token_at is not None
+        self.success.labels(self.model, "length").inc()
+        self.ttft.labels(self.model).observe(seq.first_token_at - seq.arrival)
+        self.e2e.labels(self.model).observe(seq.finished_at - seq.arrival)
+
+    def busy_fraction(self, now: float) -> float:
+        start = now - BUSY_WINDOW_S
+        while self._steps and self._steps[0][0] <= start:
+            self._steps.popleft()
+        busy = sum(min(d, end - start) for end, d in self._steps)
+        return min(busy / BUSY_WINDOW_S, 1.0)
+
+    def render(self, engine: Engine, now: float) -> bytes:
+        m = self.model
+        self.running.labels(m).set(len(engine.running))
+        self.waiting.labels(m).set(len(engine.waiting))
+        self.kv_usage.labels(m).set(engine.cache.usage)
+        self.fragmentation.labels(m).set(engine.fragmentation())
+        self.busy.labels(m).set(self.busy_fraction(now))
+        return generate_latest(self.registry)

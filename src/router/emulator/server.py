@@ -1,0 +1,600 @@
+"""HTTP face of emulated replicas: OpenAI-compatible endpoints, vLLM metrics, fault injection.
+
+One `Replica` is one engine behind one listening port; a fleet is many replicas in one asyncio
+process. Every response carries `X-Replica-Id`. Faults (hang, slow, error rate, stall or drop
+mid-stream, crash) are set at start-up or at run time through `/emulator/*` on the replica's
+own port, or through the fleet's control port (which also restarts crashed replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
+from router.emulator.metrics import ReplicaMetrics
+from router.emulator.tokenizer import PromptError, generated_text, render_chat
+
+REPLICA_HEADER = "X-Replica-Id"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+LAG_WALL_S = 0.005
+
+
+@dataclass
+class Faults:
+    """What is wrong with a replica right now. All off by default."""
+
+    hang: bool = False  # accept connections, never answer (control endpoints still answer)
+    slow: float = 1.0  # multiply every engine time
+    error_rate: float = 0.0  # share of completion requests answered with an HTTP error
+    error_status: int = 0  # 500, 503, or 0 for either at random
+    stall_after: int | None = None  # streams stop after this many chunks; the connection stays open
+    drop_after: int | None = None  # streams are cut (connection closed) after this many chunks
+
+    def update(self, patch: dict[str, Any]) -> None:
+        """Apply a JSON patch; raises ValueError naming the bad field (nothing is applied then)."""
+        known = {f.name for f in fields(self)}
+        unknown = set(patch) - known
+        if unknown:
+            raise ValueError(f"unknown fault field(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+        trial = Faults(**{**asdict(self), **patch})
+        trial.validate()
+        for name in patch:
+            setattr(self, name, getattr(trial, name))
+
+    def validate(self) -> None:
+        if not isinstance(self.hang, bool):
+            raise ValueError("hang must be true or false")
+        if isinstance(self.slow, bool) or not isinstance(self.slow, (int, float)) or not 0 < self.slow <= 1000:
+            raise ValueError("slow must be a number in (0, 1000]")
+        if (
+            isinstance(self.error_rate, bool)
+            or not isinstance(self.error_rate, (int, float))
+            or not 0 <= self.error_rate <= 1
+        ):
+            raise ValueError("error_rate must be a number in [0, 1]")
+        if self.error_status not in (0, 500, 503):
+            raise ValueError("error_status must be 500, 503 or 0 (either)")
+        for name in ("stall_after", "drop_after"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or null")
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    replica_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "emulated-llm"
+    time_scale: float = 1.0  # engine seconds per wall second
+    stream_interval: int = 1  # tokens per streamed chunk
+    default_max_tokens: int = 256
+    seed: int = 0
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> bytes:
+    """An OpenAI-shaped error object."""
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def error_response(
+    message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
+    return web.Response(status=status, body=error_body(message, kind, status, param), content_type="application/json")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class Replica:
+    def __init__(
+        self, options: ReplicaOptions, config: EngineConfig | None = None, faults: Faults | None = None
+    ) -> None:
+        self.options = options
+        self.engine = Engine(config)
+        self.metrics = ReplicaMetrics(options.model)
+        self.faults = faults or Faults()
+        self.faults.validate()
+        self.engine.slowdown = self.faults.slow
+        self._rng = random.Random(options.seed)
+        self._wake = asyncio.Event()
+        self._unhang = asyncio.Event()
+        self._t0 = time.monotonic()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.port = options.port
+        self.crashed = False
+        self.started = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.host}:{self.port}"
+
+    def now(self) -> float:
+        """Engine time: wall seconds since start, times the time scale."""
+        return (time.monotonic() - self._t0) * self.options.time_scale
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(self._stamp)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/emulator/state", self._state)
+        app.router.add_get("/emulator/faults", self._get_faults)
+        app.router.add_post("/emulator/faults", self._set_faults)
+        app.router.add_delete("/emulator/faults", self._clear_faults)
+        app.router.add_post("/emulator/crash", self._crash_endpoint)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        await self._listen()
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run_engine(), name=f"engine {self.options.replica_id}")
+        self.started = True
+
+    async def _listen(self) -> None:
+        assert self._runner is not None
+        self._site = web.TCPSite(self._runner, self.options.host, self.port, reuse_address=True)
+        await self._site.start()
+        if self.port == 0:  # an ephemeral port: learn which one the kernel gave
+            sockets: list[Any] = list(getattr(self._site._server, "sockets", None) or [])
+            self.port = sockets[0].getsockname()[1]
+        self.crashed = False
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.started = False
+
+    async def crash(self) -> None:
+        """Die like a killed process: stop listening, cut every connection, lose all KV state."""
+        if self.crashed:
+            return
+        self.crashed = True
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        if self._runner is not None and self._runner.server is not None:
+            for handler in self._runner.server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+        waiting_handlers = [seq.owner for seq in (*self.engine.running, *self.engine.waiting)]
+        self.engine.reset()
+        for owner in waiting_handlers:
+            owner.set()  # wake their handlers: the sequences are gone
+        self.metrics = ReplicaMetrics(self.options.model)
+
+    async def restart(self) -> None:
+        """Come back after a crash, on the same port, with a cold cache."""
+        if not self.crashed:
+            return
+        self._unhang.set()
+        self._unhang = asyncio.Event()
+        await self._listen()
+
+    def set_faults(self, patch: dict[str, Any]) -> None:
+        self.faults.update(patch)
+        self.engine.slowdown = self.faults.slow
+        if not self.faults.hang:
+            self._unhang.set()
+            self._unhang = asyncio.Event()
+
+    # -- engine loop ---------------------------------------------------------------------------
+
+    async def _run_engine(self) -> None:
+        # Steps follow an absolute engine-time schedule: a timer that fires a little late delays
+        # one emission, but the lateness does not add up over a reply's hundreds of steps. Only
+        # when the process falls behind by more than LAG_WALL_S (overload) does the clock resync.
+        engine = self.engine
+        scale = self.options.time_scale
+        clock = self.now()
+        while True:
+            if not engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                clock = self.now()
+                continue
+            clock = max(clock, self.now() - LAG_WALL_S * scale)
+            step = engine.schedule(clock)
+            if step is None:  # cannot happen while there is work; guard against a busy loop
+                await asyncio.sleep(0.001)
+                continue
+            for seq in step.admitted:
+                self.metrics.on_admitted(seq)
+            clock += step.duration
+            delay = clock / scale - (time.monotonic() - self._t0)
+            await asyncio.sleep(max(delay, 0.0))  # yields even when behind, so handlers keep up
+            events = engine.finish(step, clock)
+            self.metrics.on_step(clock, step.duration, len(events.tokens))
+            for seq in events.tokens:
+                seq.owner.set()
+            for seq in events.finished:
+                self.metrics.on_finished(seq)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[REPLICA_HEADER] = self.options.replica_id
+
+    async def _maybe_hang(self) -> None:
+        while self.faults.hang:
+            await self._unhang.wait()
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    # -- OpenAI endpoints ----------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> tuple[bytes, int, bool, bool]:
+        model = body.get("model")
+        if model is not None and model != self.options.model:
+            raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
+        n = body.get("n", 1)
+        if n != 1:
+            raise BadRequest("only n=1 is supported", "n")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = self.options.default_max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream must be true or false", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+        try:
+            if chat:
+                text = render_chat(
+                    body.get("messages"),  # type: ignore[arg-type]
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    continue_final_message=bool(body.get("continue_final_message", False)),
+                )
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if not isinstance(prompt, str):
+                    raise PromptError("'prompt' must be a string (token-id and batched prompts are not supported)")
+                text = prompt
+        except PromptError as exc:
+            raise BadRequest(str(exc), "messages" if chat else "prompt") from None
+        return text.encode("utf-8", "surrogatepass"), max_tokens, stream, include_usage
+
+    def _injected_error(self) -> web.Response | None:
+        if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
+            status = self.faults.error_status or self._rng.choice((500, 503))
+            kind = "server_error" if status == 500 else "service_unavailable"
+            return error_response(f"injected fault: HTTP {status}", status, kind)
+        return None
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        await self._maybe_hang()
+        try:
+            body = await self._json_body(request)
+            prompt, max_tokens, stream, include_usage = self._parse(body, chat)
+            seq = self.engine.new_sequence(prompt, max_tokens, self.now())
+        except BadRequest as exc:
+            kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
+            return error_response(str(exc), exc.status, kind, exc.param)
+        except RequestTooLarge as exc:
+            return error_response(str(exc), 400, "invalid_request_error", "max_tokens")
+        injected = self._injected_error()
+        if injected is not None:
+            return injected
+        seq.owner = asyncio.Event()
+        self.engine.add(seq)
+        self._wake.set()
+        try:
+            if stream:
+                return await self._stream(request, seq, chat, include_usage)
+            return await self._respond(request, seq, chat)
+        finally:
+            self.engine.abort(seq)  # no-op once finished; frees the blocks of an abandoned request
+
+    async def _wait_tokens(self, seq: Sequence) -> None:
+        await seq.owner.wait()
+        seq.owner.clear()
+
+    async def _respond(self, request: web.Request, seq: Sequence, chat: bool) -> web.StreamResponse:
+        while not seq.done:
+            await self._wait_tokens(seq)
+        if seq.aborted:  # the replica crashed under it
+            raise ConnectionResetError("replica crashed")
+        if self.faults.stall_after is not None:
+            await asyncio.Event().wait()  # never answers; the client times out
+        if self.faults.drop_after is not None:
+            self._cut(request)
+        text = generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens)
+        rid, created = _ids(chat)
+        usage = _usage(seq)
+        if chat:
+            payload: dict[str, Any] = {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.options.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length",
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage,
+            }
+        else:
+            payload = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.options.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+                "usage": usage,
+            }
+        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+    async def _stream(self, request: web.Request, seq: Sequence, chat: bool, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        rid, created = _ids(chat)
+        model = self.options.model
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        seed_known = False
+        reply_seed = 0
+        sent = 0
+        chunks = 0
+        interval = self.options.stream_interval
+
+        async def send(payload: dict[str, Any]) -> None:
+            nonlocal chunks
+            if self.faults.drop_after is not None and chunks >= self.faults.drop_after:
+                self._cut(request)
+            if self.faults.stall_after is not None and chunks >= self.faults.stall_after:
+                await asyncio.Event().wait()  # keep the connection open, send nothing more
+            await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+            chunks += 1
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            if chat:
+                return {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        if chat:
+            await send(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                            "logprobs": None,
+                        }
+                    ],
+                }
+            )
+        while True:
+            await self._wait_tokens(seq)
+            if seq.aborted:
+                raise ConnectionResetError("replica crashed")
+            if not seed_known:
+                reply_seed, seed_known = self.engine.reply_seed(seq), True
+            # one chunk per `interval` tokens, also when several steps' tokens arrive at once
+            while seq.output_tokens - sent >= interval or (seq.done and seq.output_tokens > sent):
+                count = min(interval, seq.output_tokens - sent)
+                text = generated_text(reply_seed, sent, count)
+                sent += count
+                finish = "length" if seq.done and sent == seq.output_tokens else None
+                await send(
+                    {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice(text, finish)]}
+                )
+            if seq.done:
+                break
+        if include_usage:
+            await send(
+                {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(seq)}
+            )
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _cut(self, request: web.Request) -> None:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("injected fault: connection dropped")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        await self._maybe_hang()
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.options.model,
+                        "object": "model",
+                        "created": int(self._t0),
+                        "owned_by": "router-emulator",
+                        "max_model_len": self.engine.config.max_model_len,
+                    }
+                ],
+            },
+            dumps=lambda o: orjson.dumps(o).decode(),
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        await self._maybe_hang()
+        return web.Response(text="ok")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        await self._maybe_hang()
+        return web.Response(
+            body=self.metrics.render(self.engine, self.now()), content_type="text/plain", charset="utf-8"
+        )
+
+    # -- control -------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.options.replica_id,
+            "url": self.url,
+            "crashed": self.crashed,
+            "engine_time_s": self.now(),
+            "faults": asdict(self.faults),
+            "engine": self.engine.stats(),
+            "config": asdict(self.engine.config),
+            "time_scale": self.options.time_scale,
+        }
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return _json(self.state())
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return _json(asdict(self.faults))
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        try:
+            self.set_faults(await self._json_body(request))
+        except (BadRequest, ValueError) as exc:
+            return error_response(str(exc))
+        return _json(asdict(self.faults))
+
+    async def _clear_faults(self, request: web.Request) -> web.Response:
+        self.set_faults(asdict(Faults()))
+        return _json(asdict(self.faults))
+
+    async def _crash_endpoint(self, request: web.Request) -> web.Response:
+        asyncio.get_running_loop().call_later(0.01, lambda: asyncio.ensure_future(self.crash()))
+        return _json({"crashing": self.options.replica_id}, status=202)
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _ids(chat: bool) -> tuple[str, int]:
+    return (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()))
+
+
+def _usage(seq: Sequence) -> dict[str, Any]:
+    return {
+        "prompt_tokens": seq.prompt_tokens,
+        "completion_tokens": seq.output_tokens,
+        "total_tokens": seq.prompt_tokens + seq.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+    }
+
+
+class Fleet:
+    """Many replicas in one process, plus an optional control server that can restart them."""
+
+    def __init__(
+        self, replicas: list[Replica], control_host: str = "127.0.0.1", control_port: int | None = None
+    ) -> None:
+        self.replicas = replicas
+        self.control_host = control_host
+        self.control_port = control_port
+        self._control: web.AppRunner | None = None
+        self._crash_timers: list[asyncio.TimerHandle] = []
+
+    async def start(self) -> None:
+        for replica in self.replicas:
+            await replica.start()
+        if self.control_port is not None:
+            app = web.Application()
+            app.router.add_get("/replicas", self._list)
+            app.router.add_post("/replicas/{i}/faults", self._action(lambda r, body: r.set_faults(body)))
+            app.router.add_delete("/replicas/{i}/faults", self._action(lambda r, body: r.set_faults(asdict(Faults()))))
+            app.router.add_post("/replicas/{i}/crash", self._action(lambda r, body: r.crash()))
+            app.router.add_post("/replicas/{i}/restart", self._action(lambda r, body: r.restart()))
+            app.router.add_post("/replicas/{i}/reset-cache", self._action(lambda r, body: r.engine.cache.clear()))
+            self._control = web.AppRunner(app, handle_signals=False, access_log=None)
+            await self._control.setup()
+            site = web.TCPSite(self._control, self.control_host, self.control_port, reuse_address=True)
+            await site.start()
+
+    def crash_later(self, replica: Replica, delay_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._crash_timers.append(loop.call_later(delay_s, lambda: asyncio.ensure_future(replica.crash())))
+
+    async def stop(self) -> None:
+        for timer in self._crash_timers:
+            timer.cancel()
+        if self._control is not None:
+            await self._control.cleanup()
+        for replica in self.replicas:
+            await replica.stop()
+
+    async def _list(self, request: web.Request) -> web.Response:
+        return _json([r.state() for r in self.replicas])
+
+    def _action(self, act: Callable[[Replica, dict[str, Any]], Awaitable[None] | None]) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                index = int(request.match_info["i"])
+                replica = self.replicas[index]
+            except (ValueError, IndexError):
+                return error_response(
+                    f"no replica {request.match_info['i']!r}: indices are 0..{len(self.replicas) - 1}", 404, "not_found"
+                )
+            body: dict[str, Any] = {}
+            if request.can_read_body:
+                try:
+                    parsed = orjson.loads(await request.read())
+                except orjson.JSONDecodeError:
+                    return error_response("the request body is not valid JSON")
+                if not isinstance(parsed, dict):
+                    return error_response("the request body must be a JSON object")
+                body = parsed
+            try:
+                result = act(replica, body)
+                if asyncio.iscoroutine(result):
+                    await result
+            except ValueError as exc:
+                return error_response(str(exc))
+            return _json(replica.state())
+
+        return handler

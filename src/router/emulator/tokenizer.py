@@ -1,0 +1,87 @@
+"""The emulator's tokenizer and chat template: deterministic, cheap, and exact about prefixes.
+
+One token is 4 bytes of UTF-8 text (about one short English word), so a prompt of n bytes is
+ceil(n / 4) tokens, and a KV block of `block_size` tokens is `4 * block_size` bytes. Block
+identities are chained XXH3 hashes of those bytes (`xxh3_64_chain`): two prompts share their
+first k blocks exactly when they share their first `k * 4 * block_size` bytes, which is how
+vLLM's prefix cache keys blocks by token ids. Generated text is made of 4-byte tokens too, so a
+reply appended to the history re-tokenizes to the same tokens the replica produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from router.ring import xxh3_64, xxh3_64_chain
+
+BYTES_PER_TOKEN = 4
+
+# Four-byte tokens for generated text: lower-case syllables and a space, all ASCII.
+_VOCAB = tuple(f"{a}{b}{c} " for a in "bcdfglmnprstvz" for b in "aeiou" for c in "lnrst")
+
+
+def count_tokens(data: bytes) -> int:
+    return -(-len(data) // BYTES_PER_TOKEN)
+
+
+def block_hashes(data: bytes, block_size: int) -> list[int]:
+    """Chained hashes of the full KV blocks of `data` (a trailing partial block has none)."""
+    return xxh3_64_chain(data, block_size * BYTES_PER_TOKEN)
+
+
+def generated_text(prompt_seed: int, start: int, count: int) -> str:
+    """Tokens `start .. start + count - 1` of the reply to a prompt; greedy-like: the same
+    prompt always gets the same reply."""
+    return "".join(_VOCAB[xxh3_64(b"%d" % (start + i), prompt_seed) % len(_VOCAB)] for i in range(count))
+
+
+class PromptError(ValueError):
+    """A request whose prompt cannot be rendered; the message is meant for the API client."""
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise PromptError(f"{where}: only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise PromptError(f"{where}: content must be a string or a list of text parts")
+
+
+def render_chat(
+    messages: Sequence[Any], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+) -> str:
+    """The prompt text of a chat: `<|role|>content<|end|>` per message, then `<|assistant|>`.
+
+    The rendering of a history is a prefix of the rendering of any longer history, so every turn
+    of a conversation shares the previous turn's prompt (and reply) as its cached prefix.
+    `continue_final_message` (vLLM's extension) leaves the last assistant message open, so the
+    model continues it instead of starting a new one.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise PromptError(f"messages[{i}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise PromptError(f"messages[{i}].role must be a non-empty string")
+        text = _content_text(message.get("content"), f"messages[{i}].content")
+        last = i == len(messages) - 1
+        if last and continue_final_message:
+            if role != "assistant":
+                raise PromptError("continue_final_message needs the last message to be from the assistant")
+            out.append(f"<|{role}|>{text}")
+        else:
+            out.append(f"<|{role}|>{text}<|end|>")
+    if add_generation_prompt and not continue_final_message:
+        out.append("<|assistant|>")
+    return "".join(out)

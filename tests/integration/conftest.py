@@ -1,0 +1,51 @@
+"""Fixtures that start emulated replicas in the test's event loop, on free loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from router.emulator.engine import EngineConfig
+from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
+
+FAST = 100.0  # engine seconds per wall second: a 10 ms step sleeps 0.1 ms
+
+
+def make_replica(
+    name: str = "r0", config: EngineConfig | None = None, faults: Faults | None = None, **options: Any
+) -> Replica:
+    opts = {"replica_id": name, "port": 0, "time_scale": FAST} | options
+    return Replica(ReplicaOptions(**opts), config or EngineConfig(num_blocks=4000), faults)
+
+
+@pytest.fixture(name="make_replica")
+def make_replica_fixture() -> Callable[..., Replica]:
+    """An unstarted replica factory, for tests that set faults or engine settings first."""
+    return make_replica
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[Replica]:
+    r = make_replica()
+    await r.start()
+    yield r
+    await r.stop()
+
+
+@pytest.fixture
+async def start_fleet() -> AsyncIterator[Callable[..., Any]]:
+    fleets: list[Fleet] = []
+
+    async def start(
+        n: int, config: EngineConfig | None = None, control_port: int | None = None, **options: Any
+    ) -> Fleet:
+        fleet = Fleet([make_replica(f"emu-{i}", config, **options) for i in range(n)], control_port=control_port)
+        await fleet.start()
+        fleets.append(fleet)
+        return fleet
+
+    yield start
+    for fleet in fleets:
+        await fleet.stop()
