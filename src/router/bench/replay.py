@@ -91,6 +91,8 @@ class Replayer:
         self._inflight = 0
         self._slots = asyncio.Semaphore(opts.max_inflight)
         self._session: aiohttp.ClientSession | None = None
+        self._started: float | None = None
+        self._span_s = 0.0  # engine seconds the arrivals span, for the progress bar
 
     # -- targets ---------------------------------------------------------------------------------
 
@@ -181,9 +183,15 @@ class Replayer:
         rec.ok = True
 
     def _report_progress(self) -> None:
-        if self._progress is not None:
-            errors = sum(1 for r in self.records if r.error)
-            self._progress(f"sent {self._issued}  in flight {self._inflight}  errors {errors}")
+        if self._progress is None:
+            return
+        done = self._issued / self.opts.requests if self.opts.requests else 0.0
+        if self._started is not None and self._span_s:
+            done = max(done, (time.perf_counter() - self._started) * self.opts.time_scale / self._span_s)
+        done = min(done, 1.0)
+        bar = "#" * int(done * 24)
+        errors = sum(1 for r in self.records if r.error)
+        self._progress(f"[{bar:<24}] {done:4.0%}  sent {self._issued}  in flight {self._inflight}  errors {errors}")
 
     # -- workloads -------------------------------------------------------------------------------
 
@@ -222,6 +230,7 @@ class Replayer:
         scale = self.opts.time_scale
         duration = self.opts.duration_s if self.opts.duration_s is not None else 60.0
         start = time.perf_counter()
+        self._started, self._span_s = start, duration
         deadline = start + duration / scale
         tasks = []
         for plan in generate_sessions(spec):
@@ -237,6 +246,10 @@ class Replayer:
         gate = asyncio.Semaphore(self.opts.concurrency) if self.opts.concurrency else None
         tasks = []
         t_first = rows[0].timestamp_s
+        self._started = start
+        self._span_s = (rows[-1].timestamp_s - t_first) / self.opts.speedup
+        if self.opts.duration_s is not None:
+            self._span_s = min(self._span_s, self.opts.duration_s)
         for row in rows:
             at = (row.timestamp_s - t_first) / self.opts.speedup
             if self.opts.duration_s is not None and at > self.opts.duration_s:
