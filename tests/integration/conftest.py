@@ -49,3 +49,29 @@ async def start_fleet() -> AsyncIterator[Callable[..., Any]]:
     yield start
     for fleet in fleets:
         await fleet.stop()
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[Callable[..., Any]]:
+    """Start router-serve's app in this event loop in front of the given replica URLs."""
+    from aiohttp import web
+
+    from router.config import load
+    from router.proxy.app import Router
+
+    runners: list[web.AppRunner] = []
+
+    async def start(urls: list[str], **settings: Any) -> tuple[Router, str]:
+        config = load(None, {}, {"replicas": urls, **settings})
+        router = Router(config)
+        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return router, f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()

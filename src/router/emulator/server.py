@@ -114,6 +114,7 @@ class Replica:
         self._wake = asyncio.Event()
         self._unhang = asyncio.Event()
         self._t0 = time.monotonic()
+        self._created = int(time.time())
         self._loop_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -456,7 +457,7 @@ class Replica:
                     {
                         "id": self.options.model,
                         "object": "model",
-                        "created": int(self._t0),
+                        "created": self._created,
                         "owned_by": "router-emulator",
                         "max_model_len": self.engine.config.max_model_len,
                     }

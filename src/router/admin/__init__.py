@@ -1,0 +1,1 @@
+"""Operator-facing surfaces of the router: the admin REST API."""

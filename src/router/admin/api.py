@@ -1,0 +1,161 @@
+"""Admin REST API under /admin/: replicas, drain, route explanation, ring shares.
+
+Every route needs `Authorization: Bearer <admin token>` (compared in constant time); without a
+configured token the whole API is off (404). Request and response bodies are JSON; errors use
+the OpenAI error shape like the rest of the router.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from router.config import parse_replica
+from router.errors import error_response
+from router.keys import RoutingKey, bounded_key
+
+if TYPE_CHECKING:
+    from router.proxy.app import Router
+
+
+def add_admin_routes(app: web.Application, router: Router) -> None:
+    api = AdminApi(router)
+    app.router.add_get("/admin/replicas", api.guard(api.list_replicas))
+    app.router.add_post("/admin/replicas", api.guard(api.add_replica))
+    app.router.add_delete("/admin/replicas/{id}", api.guard(api.remove_replica))
+    app.router.add_post("/admin/replicas/{id}/drain", api.guard(api.drain_replica))
+    app.router.add_get("/admin/route", api.guard(api.explain_route))
+    app.router.add_get("/admin/ring", api.guard(api.ring_shares))
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+class AdminApi:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def guard(self, handler: Any) -> Any:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            token = self.router.config.admin_token
+            if not token:
+                return error_response(
+                    "the admin API is disabled: set ROUTER_ADMIN_TOKEN or admin_token", 404, "not_found"
+                )
+            given = request.headers.get("Authorization", "")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+                return error_response(
+                    "missing or wrong admin token", 401, "authentication_error", headers={"WWW-Authenticate": "Bearer"}
+                )
+            response: web.StreamResponse = await handler(request)
+            return response
+
+        return guarded
+
+    def _replica_json(self, index: int) -> dict[str, Any]:
+        fleet = self.router.fleet
+        r = fleet.replicas[index]
+        return {
+            "id": r.id,
+            "url": r.url,
+            "state": r.state,
+            "weight": fleet.ring.weights[index],
+            "inflight": r.inflight,
+            "requests": r.requests,
+            "errors": r.errors,
+            "hit_rate": r.hit_rate,
+            "ring_share": fleet.ring.shares()[index],
+        }
+
+    async def list_replicas(self, request: web.Request) -> web.Response:
+        return _json([self._replica_json(i) for i in range(len(self.router.fleet))])
+
+    async def add_replica(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return error_response("the request body is not valid JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            return error_response('expected {"url": "http://host:port"} (and optionally "id")', param="url")
+        text = body["url"] if not isinstance(body.get("id"), str) else f"{body['id']}={body['url']}"
+        try:
+            spec = parse_replica(text)
+            moved = self.router.fleet.add(spec)
+        except ValueError as exc:
+            return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
+        index = len(self.router.fleet) - 1
+        return _json(self._replica_json(index) | {"moved_share": sum(m.width for m in moved) / 2**64}, 201)
+
+    async def remove_replica(self, request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        try:
+            moved = self.router.fleet.remove(rid)
+        except KeyError:
+            return error_response(f"no replica {rid!r}", 404, "not_found")
+        self.router.sessions.forget_replica(rid)
+        return _json({"removed": rid, "moved_share": sum(m.width for m in moved) / 2**64})
+
+    async def drain_replica(self, request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        try:
+            self.router.fleet.drain(rid)
+        except KeyError:
+            return error_response(f"no replica {rid!r}", 404, "not_found")
+        replica = self.router.fleet.find(rid)
+        assert replica is not None and replica.index is not None
+        return _json(self._replica_json(replica.index))
+
+    async def explain_route(self, request: web.Request) -> web.Response:
+        raw = request.query.get("key")
+        if raw is None or raw == "":
+            return error_response("give the routing key as ?key=...", param="key")
+        router = self.router
+        fleet, ring = router.fleet, router.fleet.ring
+        key = RoutingKey(
+            bounded_key(raw.encode("utf-8", "surrogateescape"), router.config.max_key_bytes), "header", "query"
+        )
+        last = router.sessions.get(key.key)
+        decision = router.policy.pick(key, last, set())
+        located = ring.locate(key.key)
+        cap = ring.load_cap(fleet.loads, router.config.bounded_load_c) if len(fleet) else 0
+        walk = []
+        for i in ring.successors(key.key):
+            r = fleet.replicas[i]
+            walk.append(
+                {"replica": r.id, "state": r.state, "inflight": r.inflight, "over_load_cap": fleet.loads[i] >= cap}
+            )
+            if decision is not None and i == decision.index:
+                break
+        return _json(
+            {
+                "key": raw,
+                "replica": fleet.replicas[decision.index].id if decision else None,
+                "reason": decision.reason if decision else "no replica can serve",
+                "policy": router.policy.name,
+                "hash": ring.key_hash(key.key),
+                "vnode": None if located is None else {"origin": fleet.replicas[located[1]].id, "number": located[2]},
+                "ring_owner": None if located is None else fleet.replicas[located[0]].id,
+                "sticky": last,
+                "load_cap": cap,
+                "walk": walk,
+            }
+        )
+
+    async def ring_shares(self, request: web.Request) -> web.Response:
+        ring = self.router.fleet.ring
+        shares = ring.shares()
+        return _json(
+            {
+                "vnodes": ring.vnodes,
+                "seed": ring.seed,
+                "points": ring.size,
+                "replicas": [
+                    {"id": r.id, "state": r.state, "share": shares[i]} for i, r in enumerate(self.router.fleet.replicas)
+                ],
+            }
+        )

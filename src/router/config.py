@@ -1,0 +1,200 @@
+"""Router configuration: one frozen dataclass, validated at load, from file, environment and CLI.
+
+Precedence, lowest first: defaults, the TOML file (`--config`), environment variables
+`ROUTER_<SETTING>` (upper case; lists comma-separated), command-line flags. A bad value raises
+ConfigError naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; str() is one line for the operator."""
+
+    def __init__(self, setting: str, source: str, problem: str) -> None:
+        super().__init__(f"invalid setting '{setting}' (from {source}): {problem}")
+        self.setting = setting
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    id: str
+    url: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    replicas: tuple[ReplicaSpec, ...] = ()
+    policy: str = "affinity"
+    # ring
+    vnodes: int = 128
+    hash_seed: int = 0
+    bounded_load_c: float = 1.25
+    # affinity
+    sticky_ttl_s: float = 600.0
+    sticky_max_sessions: int = 200_000
+    # routing keys
+    key_headers: tuple[str, ...] = ("x-session-id", "session-id", "session_id", "conversation-id", "x-conversation-id")
+    key_body_fields: tuple[str, ...] = ("session_id", "metadata.session_id", "user")
+    prefix_chars: int = 256
+    max_key_bytes: int = 256
+    # proxying
+    replica_header: str = "X-Router-Replica"  # "" turns it off
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 60.0
+    idle_timeout_s: float = 60.0
+    total_timeout_s: float = 600.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 16 * 1024
+    upstream_connections: int = 256  # per replica
+    inject_usage: bool = True
+    # operating
+    admin_token: str = ""
+    log_requests: bool = False
+    demo: int = 0
+
+    def replica_by_id(self) -> dict[str, ReplicaSpec]:
+        return {r.id: r for r in self.replicas}
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+POLICIES = ("affinity", "consistent_hash", "round_robin", "least_load")
+
+
+def parse_replica(text: str) -> ReplicaSpec:
+    """`http://host:port` (id host:port) or `NAME=http://host:port`."""
+    name, sep, url = text.partition("=")
+    if not sep or "://" in name:
+        name, url = "", text
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{text!r} is not an http(s) URL")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{text!r} has an invalid port") from None
+    base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    return ReplicaSpec(
+        id=name.strip() or f"{parts.hostname}:{port or (443 if parts.scheme == 'https' else 80)}", url=base
+    )
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    f = FIELDS[name]
+    kind = f.type
+    try:
+        if name == "replicas":
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(parse_replica(str(v)) for v in items if str(v).strip())
+        if kind == "tuple[str, ...]":
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(v).strip() for v in items if str(v).strip())
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(f"expected true or false, got {value!r}")
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(name, source, str(exc)) from None
+
+
+def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
+    def bad(name: str, problem: str) -> ConfigError:
+        return ConfigError(name, sources.get(name, "default"), problem)
+
+    if not 0 < cfg.port <= 65535:
+        raise bad("port", "must be in 1..65535")
+    if cfg.policy not in POLICIES:
+        raise bad("policy", f"unknown policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
+    if not 1 <= cfg.vnodes <= 65536:
+        raise bad("vnodes", "must be in 1..65536")
+    if not 0 <= cfg.hash_seed < 2**64:
+        raise bad("hash_seed", "must be in [0, 2**64)")
+    if not (math.isfinite(cfg.bounded_load_c) and cfg.bounded_load_c >= 1):
+        raise bad("bounded_load_c", "must be a finite number >= 1")
+    for name in ("sticky_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "total_timeout_s"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            raise bad(name, "must be a positive number of seconds")
+    for name in (
+        "sticky_max_sessions",
+        "prefix_chars",
+        "max_key_bytes",
+        "max_attempts",
+        "max_body_bytes",
+        "max_header_bytes",
+        "upstream_connections",
+    ):
+        if getattr(cfg, name) < 1:
+            raise bad(name, "must be at least 1")
+    if not 0 <= cfg.demo <= 64:
+        raise bad("demo", "must be in 0..64 replicas")
+    if not cfg.replicas and not cfg.demo:
+        raise bad("replicas", "no replicas: give --replica URL (repeatable), ROUTER_REPLICAS, or --demo N")
+    ids = [r.id for r in cfg.replicas]
+    dup = next((i for i in ids if ids.count(i) > 1), None)
+    if dup is not None:
+        raise bad("replicas", f"replica id {dup!r} appears twice (name them: NAME=URL)")
+    if cfg.replica_header and not cfg.replica_header.isascii():
+        raise bad("replica_header", "must be an ASCII header name, or empty to turn it off")
+    return cfg
+
+
+def load(
+    file: str | None = None, env: Mapping[str, str] | None = None, cli: Mapping[str, Any] | None = None
+) -> RouterConfig:
+    """Defaults < TOML file < ROUTER_* environment < CLI values (None means "not given")."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if file:
+        try:
+            with open(file, "rb") as handle:
+                data = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigError("config", file, exc.strerror or str(exc)) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", file, f"not valid TOML: {exc}") from None
+        for name, value in data.items():
+            if name not in FIELDS:
+                raise ConfigError(name, file, f"unknown setting; known: {', '.join(sorted(FIELDS))}")
+            values[name] = _coerce(name, value, file)
+            sources[name] = file
+    for name in FIELDS:
+        key = "ROUTER_" + name.upper()
+        if env is not None and key in env:
+            values[name] = _coerce(name, env[key], key)
+            sources[name] = key
+    for name, value in (cli or {}).items():
+        if value is not None:
+            values[name] = _coerce(name, value, "--" + name.replace("_", "-"))
+            sources[name] = "--" + name.replace("_", "-")
+    return validate(RouterConfig(**values), sources)
+
+
+def from_environment(file: str | None, cli: Mapping[str, Any]) -> RouterConfig:
+    return load(file, os.environ, cli)

@@ -1,0 +1,99 @@
+"""The replicas a router sends to: their state and counters, and the ring over them.
+
+`Fleet` owns one `Ring` whose replica indices match `replicas`; membership and drain change
+both together. In-flight counts live on each `ReplicaState` (which a request holds on to, so a
+replica removed mid-request is still released correctly) and are mirrored, by index, in `loads`
+for the ring's bounded-load walk. A request increments in-flight before it goes upstream and
+decrements exactly once however it ends.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from router.config import ReplicaSpec
+from router.ring import MovedRange, Ring
+
+STATES = ("healthy", "draining")
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    id: str
+    url: str
+    state: str = "healthy"
+    weight: float = 1.0
+    index: int | None = None  # position in Fleet.replicas; None once removed
+    inflight: int = 0
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+class Fleet:
+    def __init__(self, specs: tuple[ReplicaSpec, ...] | list[ReplicaSpec], vnodes: int = 128, seed: int = 0) -> None:
+        self.replicas = [ReplicaState(s.id, s.url, index=i) for i, s in enumerate(specs)]
+        self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
+        self.loads = array("q", [0] * len(self.replicas))
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def find(self, replica_id: str) -> ReplicaState | None:
+        return next((r for r in self.replicas if r.id == replica_id), None)
+
+    def routable(self, index: int) -> bool:
+        return self.replicas[index].state == "healthy"
+
+    # -- in-flight accounting -----------------------------------------------------------------
+
+    def acquire(self, replica: ReplicaState) -> None:
+        replica.inflight += 1
+        replica.requests += 1
+        if replica.index is not None:
+            self.loads[replica.index] += 1
+
+    def release(self, replica: ReplicaState) -> None:
+        replica.inflight -= 1
+        if replica.index is not None:
+            self.loads[replica.index] -= 1
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def add(self, spec: ReplicaSpec) -> list[MovedRange]:
+        if self.find(spec.id) is not None:
+            raise ValueError(f"replica {spec.id!r} is already in the fleet")
+        if any(r.url == spec.url for r in self.replicas):
+            raise ValueError(f"a replica with url {spec.url} is already in the fleet")
+        moved = self.ring.add_replica(spec.id)
+        self.replicas.append(ReplicaState(spec.id, spec.url, index=len(self.replicas)))
+        self.loads.append(0)
+        return moved
+
+    def remove(self, replica_id: str) -> list[MovedRange]:
+        replica = self.find(replica_id)
+        if replica is None:
+            raise KeyError(replica_id)
+        assert replica.index is not None
+        moved = self.ring.remove_replica(replica.index)
+        del self.replicas[replica.index]
+        del self.loads[replica.index]
+        replica.index = None
+        for i, r in enumerate(self.replicas):
+            r.index = i
+        return moved
+
+    def drain(self, replica_id: str) -> list[MovedRange]:
+        """Stop sending new requests to a replica; its in-flight requests finish."""
+        replica = self.find(replica_id)
+        if replica is None:
+            raise KeyError(replica_id)
+        assert replica.index is not None
+        replica.state = "draining"
+        return self.ring.set_available(replica.index, False)

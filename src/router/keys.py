@@ -1,0 +1,128 @@
+"""Routing keys: which conversation a request belongs to, as bytes, and where that came from.
+
+First match wins: a configured header (`X-Session-ID`, ...), then configured body fields
+(`session_id`, `metadata.session_id`, `user`), then a prefix fingerprint: the model plus the
+first non-system message of a chat (or the start of a completion prompt / embedding input),
+which stays the same across the turns of one conversation because history only grows. The system
+prompt alone is never the key: many sessions share it and would pile onto one replica.
+
+Keys are bytes. Header values keep their raw bytes (non-UTF-8 survives as surrogate escapes);
+keys longer than `max_key_bytes` are replaced by a fixed-length hash of themselves; empty values
+fall through to the next source. Nothing here raises on client input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.ring import xxh3_64
+
+KINDS = ("header", "body", "prefix", "none")
+
+
+@dataclass(frozen=True)
+class RoutingKey:
+    key: bytes
+    kind: str  # one of KINDS: a metric label
+    source: str  # the header or field it came from, for /admin/route and logs
+
+
+NO_KEY = RoutingKey(b"", "none", "")
+
+
+def bounded_key(raw: bytes, limit: int) -> bytes:
+    """The key itself, or a fixed-length hash of it when it is longer than `limit` bytes."""
+    if len(raw) <= limit:
+        return raw
+    return b"h:%016x%016x" % (xxh3_64(raw), xxh3_64(raw, 0x9E3779B97F4A7C15))
+
+
+def _encode(text: str) -> bytes:
+    """UTF-8, keeping raw bytes that arrived as surrogate escapes, and never failing."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _to_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return _encode(value)
+    if isinstance(value, bool) or value is None:
+        return b""
+    if isinstance(value, (int, float)):
+        return str(value).encode()
+    return b""
+
+
+def _field(body: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = body
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _text_of(content: Any, limit: int) -> str:
+    if isinstance(content, str):
+        return content[:limit]
+    if isinstance(content, list):  # content parts: take the text ones
+        out = []
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            if sum(map(len, out)) >= limit:
+                break
+        return "".join(out)[:limit]
+    return ""
+
+
+def prefix_text(body: Mapping[str, Any], limit: int) -> str:
+    """The stable start of a conversation: the first non-system message, else the prompt or input."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, Mapping) and message.get("role") not in ("system", "developer"):
+                text = _text_of(message.get("content"), limit)
+                if text:
+                    return text
+        return ""
+    for name in ("prompt", "input"):
+        value = body.get(name)
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, str):
+            return value[:limit]
+    return ""
+
+
+def routing_key(
+    headers: Mapping[str, str],
+    body: Mapping[str, Any] | None,
+    *,
+    header_names: tuple[str, ...],
+    body_fields: tuple[str, ...],
+    prefix_chars: int,
+    max_key_bytes: int,
+) -> RoutingKey:
+    for name in header_names:
+        value = headers.get(name)
+        if value:
+            raw = _encode(value.strip())
+            if raw:
+                return RoutingKey(bounded_key(raw, max_key_bytes), "header", name)
+    if not isinstance(body, Mapping):
+        return NO_KEY
+    for dotted in body_fields:
+        raw = _to_bytes(_field(body, dotted))
+        if raw:
+            return RoutingKey(bounded_key(raw, max_key_bytes), "body", dotted)
+    text = prefix_text(body, prefix_chars)
+    if text:
+        model = body.get("model")
+        raw = _encode(model if isinstance(model, str) else "") + b"\x00" + _encode(text)
+        return RoutingKey(bounded_key(raw, max_key_bytes), "prefix", "messages" if "messages" in body else "prompt")
+    return NO_KEY

@@ -1,0 +1,74 @@
+"""The router's Prometheus metrics: every name and its definition, in one table.
+
+Code, tests, benchmarks and the console read these names from here. Derived figures use the
+definitions in router.measures: per-replica KV hit rate = cached / prompt tokens; jump rate =
+session_jumps / session_followups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# name: (kind, help, labels)
+TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "router_requests": (
+        "counter",
+        "Requests answered, by replica (none: not routed), policy, key kind and status.",
+        ("replica", "policy", "key_kind", "status"),
+    ),
+    "router_inflight": ("gauge", "Requests in flight to each replica.", ("replica",)),
+    "router_ttft_seconds": (
+        "histogram",
+        "Time from request to the first response byte sent to the client.",
+        ("replica",),
+    ),
+    "router_e2e_seconds": ("histogram", "Time from request to the last response byte.", ("replica",)),
+    "router_prompt_tokens": ("counter", "Prompt tokens reported by replicas (usage.prompt_tokens).", ("replica",)),
+    "router_cached_tokens": (
+        "counter",
+        "Cached prompt tokens reported by replicas (usage.prompt_tokens_details.cached_tokens).",
+        ("replica",),
+    ),
+    "router_session_followups": ("counter", "Requests of a session seen before (the jump rate's denominator).", ()),
+    "router_session_jumps": (
+        "counter",
+        "Requests served by a different replica than their session's previous "
+        "one, by reason (spill, failover, ring, least_load, round_robin).",
+        ("reason",),
+    ),
+    "router_retries": ("counter", "Upstream attempts retried on another replica, by cause.", ("cause",)),
+    "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
+    "router_stream_errors": (
+        "counter",
+        "Streams cut after the first byte; the client got an SSE error event.",
+        ("replica",),
+    ),
+}
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        made: dict[str, Any] = {}
+        for name, (kind, doc, labels) in TABLE.items():
+            if kind == "counter":
+                made[name] = Counter(name, doc, labels, registry=self.registry)
+            elif kind == "gauge":
+                made[name] = Gauge(name, doc, labels, registry=self.registry)
+            else:
+                made[name] = Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = made["router_requests"]
+        self.inflight = made["router_inflight"]
+        self.ttft = made["router_ttft_seconds"]
+        self.e2e = made["router_e2e_seconds"]
+        self.prompt_tokens = made["router_prompt_tokens"]
+        self.cached_tokens = made["router_cached_tokens"]
+        self.followups = made["router_session_followups"]
+        self.jumps = made["router_session_jumps"]
+        self.retries = made["router_retries"]
+        self.failovers = made["router_failovers"]
+        self.stream_errors = made["router_stream_errors"]

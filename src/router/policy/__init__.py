@@ -1,0 +1,34 @@
+"""Routing policies, one per module, chosen by name. They read the fleet; they never change it.
+
+`pick(key, last, exclude)` returns `(replica index, reason)` or None when no replica can serve:
+`key` is the request's routing key, `last` the replica id that served this session last (if
+known), `exclude` the indices already tried for this request (a retry never goes back to them).
+"""
+
+from __future__ import annotations
+
+from router.config import RouterConfig
+from router.fleet import Fleet
+from router.policy.affinity import Affinity
+from router.policy.base import Decision, Policy
+from router.policy.consistent_hash import ConsistentHash
+from router.policy.least_load import LeastLoad
+from router.policy.round_robin import RoundRobin
+
+REGISTRY: dict[str, type[Policy]] = {
+    "affinity": Affinity,
+    "consistent_hash": ConsistentHash,
+    "round_robin": RoundRobin,
+    "least_load": LeastLoad,
+}
+
+
+def make_policy(name: str, fleet: Fleet, config: RouterConfig) -> Policy:
+    try:
+        cls = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)}") from None
+    return cls(fleet, config)
+
+
+__all__ = ["REGISTRY", "Decision", "Policy", "make_policy"]

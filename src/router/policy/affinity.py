@@ -1,0 +1,53 @@
+"""`affinity` (default): sticky session → ring owner under bounded load → next replica clockwise.
+
+1. Sticky: if the session's last replica still routes, was not tried, and is under the
+   bounded-load cap, go back to it: its KV cache holds the conversation, even if the session
+   was spilled or migrated there.
+2. Ring: otherwise the first replica clockwise from the key whose in-flight load is under
+   ceil(c · (total in flight + 1) / routable replicas) — the owner when it is not overloaded,
+   else its successor ("spill"), never a random replica.
+Requests without a key spread least-loaded (ties rotate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from router.keys import RoutingKey
+from router.policy.base import Decision, Policy
+
+
+class Affinity(Policy):
+    name = "affinity"
+
+    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+        if key.kind == "none":
+            return self.least_loaded(exclude)
+        fleet, ring = self.fleet, self.fleet.ring
+        c = self.config.bounded_load_c
+        if last is not None:
+            previous = fleet.find(last)
+            if (
+                previous is not None
+                and previous.index is not None
+                and previous.index not in exclude
+                and fleet.routable(previous.index)
+                and fleet.loads[previous.index] < ring.load_cap(fleet.loads, c)
+            ):
+                return Decision(previous.index, "sticky")
+        if not exclude:
+            i = ring.lookup_bounded(key.key, fleet.loads, c)
+            if i < 0:
+                return None
+            return Decision(i, "ring" if i == ring.lookup(key.key) else "spill")
+        cap = ring.load_cap(fleet.loads, c)
+        fallback: int | None = None
+        for i in ring.successors(key.key):
+            if i in exclude:
+                continue
+            if fleet.loads[i] < cap:
+                return Decision(i, "failover")
+            if fallback is None:
+                fallback = i
+        # every untried replica is at the cap: a retry still beats an error
+        return None if fallback is None else Decision(fallback, "failover")

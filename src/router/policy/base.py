@@ -1,0 +1,47 @@
+"""The interface every policy implements, and the least-loaded pick they share as a fallback."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import ClassVar
+
+from router.config import RouterConfig
+from router.fleet import Fleet
+from router.keys import RoutingKey
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    index: int
+    reason: str  # sticky | ring | spill | failover | round_robin | least_load
+
+
+class Policy:
+    name: ClassVar[str] = ""
+
+    def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
+        self.fleet = fleet
+        self.config = config
+        self._rotation = itertools.count()
+
+    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+        raise NotImplementedError
+
+    def least_loaded(self, exclude: Collection[int], reason: str = "least_load") -> Decision | None:
+        """The routable replica with the fewest in-flight requests. Ties rotate, so equal loads
+        never pin traffic to the first replica in the list."""
+        n = len(self.fleet)
+        if n == 0:
+            return None
+        start = next(self._rotation) % n
+        best: int | None = None
+        loads = self.fleet.loads
+        for step in range(n):
+            i = (start + step) % n
+            if i in exclude or not self.fleet.routable(i):
+                continue
+            if best is None or loads[i] < loads[best]:
+                best = i
+        return None if best is None else Decision(best, reason)

@@ -1,0 +1,1 @@
+"""`router-serve`: the aiohttp application that routes and forwards requests to replicas."""

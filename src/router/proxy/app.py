@@ -1,0 +1,301 @@
+"""The router's aiohttp application: OpenAI-compatible routes, failover, metrics, health.
+
+Per request: read and parse the body, find its routing key, ask the policy for a replica,
+forward, and on a failure before the first byte try the next replica the policy offers (never
+one already tried), up to `max_attempts`. In-flight counts go up before the upstream request
+and down exactly once, in a `finally`, however the attempt ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from router.config import RouterConfig
+from router.errors import error_response
+from router.fleet import Fleet, ReplicaState
+from router.keys import NO_KEY, RoutingKey, routing_key
+from router.metrics import RouterMetrics
+from router.policy import Decision, make_policy
+from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
+from router.sessions import SessionTable
+
+access_log = logging.getLogger("router.access")
+
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+STREAMABLE = ("/v1/chat/completions", "/v1/completions")
+
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.fleet = Fleet(config.replicas, config.vnodes, config.hash_seed)
+        self.policy = make_policy(config.policy, self.fleet, config)
+        self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
+        self.metrics = RouterMetrics()
+        self.timeouts = Timeouts(
+            config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s, config.total_timeout_s
+        )
+        self.client: aiohttp.ClientSession | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The upstream client session; it exists while the application runs."""
+        assert self.client is not None, "the router application is not running"
+        return self.client
+
+    # -- application -----------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        from router.admin.api import add_admin_routes
+
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._header_limit])
+        app[ROUTER_KEY] = self
+        for path in PROXIED:
+            app.router.add_post(path, self._proxy)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        add_admin_routes(app, self)
+        app.cleanup_ctx.append(self._client_ctx)
+        return app
+
+    async def _client_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=self.config.upstream_connections, enable_cleanup_closed=True
+        )
+        self.client = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        yield
+        await self.client.close()
+
+    @web.middleware
+    async def _header_limit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+        if size > self.config.max_header_bytes:
+            return error_response(
+                f"request headers are {size} bytes; the limit is {self.config.max_header_bytes}",
+                431,
+                "request_too_large",
+            )
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    # -- proxying ----------------------------------------------------------------------------
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        cfg = self.config
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._finish(
+                request,
+                error_response(
+                    f"request body is larger than the limit of {cfg.max_body_bytes} bytes", 413, "request_too_large"
+                ),
+                None,
+                NO_KEY,
+                None,
+                t0,
+            )
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return self._finish(
+                request, error_response(f"the request body is not valid JSON: {exc}"), None, NO_KEY, None, t0
+            )
+        if not isinstance(body, dict):
+            return self._finish(
+                request, error_response("the request body must be a JSON object"), None, NO_KEY, None, t0
+            )
+        key = routing_key(
+            request.headers,
+            body,
+            header_names=cfg.key_headers,
+            body_fields=cfg.key_body_fields,
+            prefix_chars=cfg.prefix_chars,
+            max_key_bytes=cfg.max_key_bytes,
+        )
+        strip_usage = False
+        if request.path in STREAMABLE and body.get("stream") is True and cfg.inject_usage:
+            options = body.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage")):
+                body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+                raw = orjson.dumps(body)
+                strip_usage = True
+        last = self.sessions.get(key.key) if key.kind != "none" else None
+        headers = forward_headers(request)
+        deadline = t0 + cfg.total_timeout_s
+        tried: set[int] = set()
+        failure: Retry | None = None
+        first_choice: int | None = None
+        for _ in range(cfg.max_attempts):
+            decision = self.policy.pick(key, last, tried)
+            if decision is None:
+                break
+            replica = self.fleet.replicas[decision.index]
+            tried.add(decision.index)
+            if first_choice is None:
+                first_choice = decision.index
+            extra = {cfg.replica_header: replica.id} if cfg.replica_header else {}
+            self.fleet.acquire(replica)
+            try:
+                result = await attempt(
+                    self.http,
+                    request,
+                    replica.url + request.path,
+                    raw,
+                    headers,
+                    extra,
+                    self.timeouts,
+                    deadline,
+                    strip_usage,
+                    t0,
+                )
+            finally:
+                self.fleet.release(replica)
+            if isinstance(result, Retry):
+                replica.errors += 1
+                failure = result
+                self.metrics.retries.labels(result.cause).inc()
+                continue
+            self._account(key, last, replica, decision, result, first_choice)
+            return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
+        return self._finish(request, self._no_replica(failure, bool(tried)), None, key, None, t0, None, len(tried))
+
+    def _no_replica(self, failure: Retry | None, tried: bool) -> web.Response:
+        if failure is not None and failure.cause == "http_5xx" and failure.body:
+            return web.Response(status=failure.status, body=failure.body, content_type=failure.content_type)
+        if failure is not None:
+            what = {"timeout": "timed out", "connect": "could not be reached", "reset": "closed the connection"}
+            return error_response(
+                f"no replica could serve the request: the last one tried {what.get(failure.cause, 'failed')}",
+                failure.status,
+                "upstream_error",
+            )
+        if not tried:
+            return error_response("no replica is available to serve the request", 503, "service_unavailable")
+        return error_response("no replica could serve the request", 502, "upstream_error")
+
+    def _account(
+        self,
+        key: RoutingKey,
+        last: str | None,
+        replica: ReplicaState,
+        decision: Decision,
+        result: Outcome,
+        first_choice: int | None,
+    ) -> None:
+        m = self.metrics
+        if result.prompt_tokens:
+            replica.prompt_tokens += result.prompt_tokens
+            replica.cached_tokens += result.cached_tokens
+            m.prompt_tokens.labels(replica.id).inc(result.prompt_tokens)
+            m.cached_tokens.labels(replica.id).inc(result.cached_tokens)
+        if result.stream_error:
+            replica.errors += 1
+            m.stream_errors.labels(replica.id).inc()
+        if decision.index != first_choice:
+            m.failovers.inc()
+        if key.kind != "none" and result.status < 400:
+            if last is not None:
+                m.followups.inc()
+                if last != replica.id:
+                    m.jumps.labels(decision.reason).inc()
+            self.sessions.put(key.key, replica.id)
+
+    def _finish(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        replica: ReplicaState | None,
+        key: RoutingKey,
+        decision: Decision | None,
+        t0: float,
+        result: Outcome | None = None,
+        attempts: int = 0,
+    ) -> web.StreamResponse:
+        elapsed = time.monotonic() - t0
+        name = replica.id if replica is not None else "none"
+        status = response.status
+        self.metrics.requests.labels(name, self.policy.name, key.kind, str(status)).inc()
+        if replica is not None:
+            self.metrics.e2e.labels(name).observe(elapsed)
+            if result is not None and result.ttft_s is not None:
+                self.metrics.ttft.labels(name).observe(result.ttft_s)
+        if self.config.log_requests:
+            access_log.info(
+                json.dumps(
+                    {
+                        "ts": round(time.time(), 3),
+                        "method": request.method,
+                        "path": request.path,
+                        "status": status,
+                        "replica": replica.id if replica else None,
+                        "policy": self.policy.name,
+                        "key_kind": key.kind,
+                        "key_source": key.source,
+                        "reason": decision.reason if decision else None,
+                        "attempts": attempts,
+                        "ttft_ms": round(result.ttft_s * 1000, 2) if result and result.ttft_s is not None else None,
+                        "e2e_ms": round(elapsed * 1000, 2),
+                        "prompt_tokens": result.prompt_tokens if result else None,
+                        "cached_tokens": result.cached_tokens if result else None,
+                        "stream_error": result.stream_error if result else None,
+                    }
+                )
+            )
+        return response
+
+    # -- other routes ------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """The union of every routable replica's models (first listing of an id wins)."""
+        http = self.http
+        urls = [r.url for i, r in enumerate(self.fleet.replicas) if self.fleet.routable(i)]
+
+        async def fetch(url: str) -> list[dict[str, Any]]:
+            try:
+                async with http.get(
+                    url + "/v1/models",
+                    timeout=aiohttp.ClientTimeout(
+                        total=self.config.first_byte_timeout_s, sock_connect=self.config.connect_timeout_s
+                    ),
+                ) as resp:
+                    if resp.status != 200:
+                        return []
+                    data = orjson.loads(await resp.read()).get("data")
+                    return [m for m in data if isinstance(m, dict) and "id" in m] if isinstance(data, list) else []
+            except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError, AttributeError):
+                return []
+
+        merged: dict[str, dict[str, Any]] = {}
+        for models in await asyncio.gather(*(fetch(u) for u in urls)):
+            for model in models:
+                merged.setdefault(str(model["id"]), model)
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": list(merged.values())}), content_type="application/json"
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        routable = sum(1 for i in range(len(self.fleet)) if self.fleet.routable(i))
+        body = {"status": "ok" if routable else "unavailable", "replicas": len(self.fleet), "routable": routable}
+        return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        for r in self.fleet.replicas:
+            self.metrics.inflight.labels(r.id).set(r.inflight)
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")

@@ -1,0 +1,156 @@
+"""Command line of `router-serve`: load and validate config, start the router (and a demo fleet)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from router.config import ConfigError, ReplicaSpec, RouterConfig, from_environment
+from router.proxy.app import Router
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="router-serve",
+        description=(
+            "KV-cache-affinity router for OpenAI-compatible inference replicas. Settings come from "
+            "defaults < --config TOML < ROUTER_<SETTING> environment variables < these flags."
+        ),
+        epilog="Try it without GPUs: router-serve --demo 4 (four emulated replicas behind the router).",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings (names as in RouterConfig)")
+    p.add_argument(
+        "--replica",
+        dest="replicas",
+        action="append",
+        metavar="[NAME=]URL",
+        help="a replica's base URL, e.g. http://10.0.0.5:8000; repeatable",
+    )
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    p.add_argument("--policy", help="affinity (default), consistent_hash, round_robin or least_load")
+    p.add_argument("--vnodes", type=int, help="virtual nodes per replica (default 128)")
+    p.add_argument("--hash-seed", type=int, help="ring hash seed (default 0); changing it remaps every session")
+    p.add_argument("--bounded-load-c", type=float, help="bounded-load factor c >= 1 (default 1.25)")
+    p.add_argument("--sticky-ttl-s", type=float, help="how long a session sticks to its replica (default 600)")
+    p.add_argument("--max-attempts", type=int, help="replicas tried per request before giving up (default 3)")
+    p.add_argument("--replica-header", help="response header naming the replica (default X-Router-Replica; '' = off)")
+    p.add_argument("--admin-token", help="bearer token of the /admin API (default: API off)")
+    p.add_argument("--log-requests", action="store_const", const=True, help="one JSON log line per request")
+    p.add_argument("--demo", type=int, metavar="N", help="start N emulated replicas and route to them")
+    return p
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    names = (
+        "replicas",
+        "host",
+        "port",
+        "policy",
+        "vnodes",
+        "hash_seed",
+        "bounded_load_c",
+        "sticky_ttl_s",
+        "max_attempts",
+        "replica_header",
+        "admin_token",
+        "log_requests",
+        "demo",
+    )
+    return {name: getattr(args, name) for name in names}
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def serve(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    demo_fleet = None
+    if config.demo:
+        from router.emulator.server import Fleet as EmulatorFleet
+        from router.emulator.server import Replica, ReplicaOptions
+
+        ports = _free_ports(config.demo)
+        demo_fleet = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{p}", port=p)) for p in ports])
+        await demo_fleet.start()
+        specs = tuple(ReplicaSpec(f"emu-{p}", f"http://127.0.0.1:{p}") for p in ports)
+        config = RouterConfig(**{**config.__dict__, "replicas": config.replicas + specs})
+    router = Router(config)
+    runner = web.AppRunner(
+        router.app(),
+        handle_signals=False,
+        access_log=None,
+        handler_cancellation=True,
+        max_field_size=config.max_header_bytes * 2,
+        max_line_size=config.max_header_bytes * 2,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    await site.start()
+    base = f"http://{config.host}:{config.port}"
+    print(f"router-serve listening on {base} ({config.policy}, {len(config.replicas)} replicas)", flush=True)
+    if demo_fleet is not None:
+        print(
+            f"""demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.replicas)}
+  send a request:  curl -s {base}/v1/chat/completions -H 'X-Session-ID: demo-1' \\
+                     -d '{{"model": "emulated-llm", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  metrics:         {base}/metrics        health: {base}/health
+  measure it:      router-bench replay --target {base} --duration 60
+  stop:            Ctrl-C""",
+            flush=True,
+        )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        if demo_fleet is not None:
+            await demo_fleet.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = from_environment(args.config, cli_values(args))
+    except ConfigError as exc:
+        print(f"router-serve: {exc}", file=sys.stderr)
+        return 2
+    if config.log_requests:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover
+        runner = asyncio.run
+    try:
+        runner(serve(config))
+    except OSError as exc:
+        print(f"router-serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

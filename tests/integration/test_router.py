@@ -1,0 +1,369 @@
+"""router-serve in front of emulated replicas: affinity, keys, streaming, failover, limits, admin."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}
+
+
+def named(replicas: Any) -> list[str]:
+    """Replica specs whose router ids match the emulators' own names (emu-0, emu-1, ...)."""
+    return [f"{r.options.replica_id}={r.url}" for r in replicas]
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "emulated-llm", "messages": [SYSTEM, {"role": "user", "content": text}], "max_tokens": 4} | extra
+
+
+async def call(
+    url: str,
+    body: Any,
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/chat/completions",
+    raw: bytes | None = None,
+) -> tuple[int, Any, bytes]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            url + path,
+            data=raw if raw is not None else orjson.dumps(body),
+            headers={"Content-Type": "application/json"} | (headers or {}),
+        ) as r,
+    ):
+        return r.status, r.headers, await r.read()
+
+
+async def test_turns_of_a_session_stay_on_one_replica(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    router, url = await start_router(named(fleet.replicas))
+    homes = set()
+    for session in range(12):
+        history = [SYSTEM, {"role": "user", "content": f"question {session} " * 30}]
+        seen = set()
+        for turn in range(3):
+            status, headers, body = await call(
+                url, {"messages": history, "max_tokens": 8}, {"X-Session-ID": f"s-{session}"}
+            )
+            assert status == 200
+            assert headers["X-Router-Replica"] == headers["X-Replica-Id"]
+            seen.add(headers["X-Router-Replica"])
+            reply = orjson.loads(body)
+            if turn:
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            history = [*history, reply["choices"][0]["message"], {"role": "user", "content": "more"}]
+        assert len(seen) == 1
+        homes |= seen
+    assert len(homes) >= 3  # sessions spread over the fleet
+    assert all(r.inflight == 0 for r in router.fleet.replicas)
+
+
+@pytest.mark.parametrize(
+    ("headers", "body"),
+    [
+        ({"X-Session-ID": "k-1"}, {}),
+        ({"conversation-id": "k-1"}, {}),
+        ({}, {"session_id": "k-1"}),
+        ({}, {"metadata": {"session_id": "k-1"}}),
+        ({}, {"user": "k-1"}),
+    ],
+)
+async def test_each_key_source_pins_requests(start_fleet, start_router, headers: dict, body: dict) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    router, url = await start_router(named(fleet.replicas), policy="consistent_hash")
+    replicas = set()
+    for text in ("first", "second question", "third, unrelated"):
+        status, h, _ = await call(url, chat(text) | body, headers)
+        assert status == 200
+        replicas.add(h["X-Router-Replica"])
+    assert len(replicas) == 1
+    assert replicas == {router.fleet.replicas[router.fleet.ring.lookup(b"k-1")].id}
+
+
+async def test_prefix_key_keeps_a_conversation_without_ids_together(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    _, url = await start_router(named(fleet.replicas))
+    first = await call(url, chat("Tell me about the history of Rome."))
+    later = await call(
+        url,
+        {
+            "model": "emulated-llm",
+            "max_tokens": 4,
+            "messages": [
+                SYSTEM,
+                {"role": "user", "content": "Tell me about the history of Rome."},
+                {"role": "assistant", "content": "It is long."},
+                {"role": "user", "content": "Go on."},
+            ],
+        },
+    )
+    assert first[1]["X-Router-Replica"] == later[1]["X-Router-Replica"]
+
+
+async def canned_upstream(
+    chunks: list[bytes],
+    delay: float = 0.0,
+    echo: list[dict[str, str]] | None = None,
+) -> tuple[web.AppRunner, str]:
+    """A replica that sends fixed bytes in fixed pieces (and records the headers it got)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if echo is not None:
+            echo.append(dict(request.headers))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for c in chunks:
+            await resp.write(c)
+            await asyncio.sleep(delay)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def test_streams_arrive_byte_identical(start_router) -> None:  # type: ignore[no-untyped-def]
+    events = [
+        b'data: {"choices":[{"delta":{"content":"h\\u00e9llo "}}]}\n\n',
+        b'data: {"choices":[{"delta":',
+        b'{"content":"wor"}}]}\n\ndata: {"choices":[{"delta":{"content":"ld"}}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    runner, upstream = await canned_upstream(events, delay=0.01)
+    try:
+        _, url = await start_router([upstream])
+        body = chat("x", stream=True, stream_options={"include_usage": True})
+        direct = await call(upstream, body)
+        routed = await call(url, body)
+        assert routed[0] == 200 and routed[2] == direct[2] == b"".join(events)
+    finally:
+        await runner.cleanup()
+
+
+async def test_hop_by_hop_headers_stay_and_forwarded_for_is_added(start_router) -> None:  # type: ignore[no-untyped-def]
+    seen: list[dict[str, str]] = []
+    runner, upstream = await canned_upstream([b"data: [DONE]\n\n"], echo=seen)
+    try:
+        _, url = await start_router([upstream])
+        await call(
+            url,
+            chat("x", stream=True),
+            {
+                "Connection": "keep-alive, X-Secret-Hop",
+                "X-Secret-Hop": "1",
+                "Proxy-Authorization": "Basic eA==",
+                "X-Forwarded-For": "10.1.1.1",
+                "X-Custom": "kept",
+            },
+        )
+        got = {k.lower(): v for k, v in seen[0].items()}
+        assert got["x-forwarded-for"] == "10.1.1.1, 127.0.0.1"
+        assert got["x-custom"] == "kept"
+        assert "proxy-authorization" not in got and "x-secret-hop" not in got
+    finally:
+        await runner.cleanup()
+
+
+async def test_usage_is_read_and_hidden_unless_asked(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    router, url = await start_router(named(fleet.replicas[:1]))
+    _, _, plain = await call(url, chat("hello " * 50, stream=True))
+    _, _, asked = await call(url, chat("hello " * 50, stream=True, stream_options={"include_usage": True}))
+    assert b'"usage"' not in plain and plain.endswith(b"data: [DONE]\n\n")
+    assert asked.count(b'"usage"') == 1
+    replica = router.fleet.replicas[0]
+    assert replica.prompt_tokens == 2 * orjson.loads(asked.split(b"\n\n")[-3][6:])["usage"]["prompt_tokens"]
+    assert replica.cached_tokens > 0 and replica.hit_rate is not None
+
+
+async def test_openai_client_streams_through_the_router(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    _, url = await start_router(named(fleet.replicas))
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+    stream = await client.chat.completions.create(
+        model="emulated-llm",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        stream=True,
+        extra_headers={"X-Session-ID": "o-1"},
+    )
+    chunks = [c async for c in stream]
+    models = await client.models.list()
+    await client.close()
+    assert len("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)) == 20
+    assert all(c.usage is None for c in chunks)  # the injected usage event was removed
+    assert [m.id for m in models.data] == ["emulated-llm"]
+
+
+async def test_a_replica_down_before_the_first_byte_is_retried_elsewhere(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    router, url = await start_router(named(fleet.replicas))
+    key = {"X-Session-ID": "doomed"}
+    _, headers, _ = await call(url, chat("a"), key)
+    home = next(r for r in fleet.replicas if r.options.replica_id == headers["X-Router-Replica"])
+    await home.crash()
+    status, headers, body = await call(url, chat("b", stream=True), key)
+    assert status == 200 and headers["X-Router-Replica"] != home.options.replica_id
+    assert body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
+    assert router.metrics.failovers._value.get() == 1  # type: ignore[attr-defined]
+    # an erroring replica (HTTP 5xx) is not tried twice either
+    other = next(r for r in fleet.replicas if r is not home and not r.crashed)
+    other.set_faults({"error_rate": 1.0})
+    for i in range(10):
+        status, headers, _ = await call(url, chat(f"c{i}"), {"X-Session-ID": f"t-{i}"})
+        assert status == 200
+    assert all(r.inflight == 0 for r in router.fleet.replicas)
+
+
+async def test_all_replicas_failing_gives_a_clear_error(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    for r in fleet.replicas:
+        r.set_faults({"error_rate": 1.0, "error_status": 503})
+    _, url = await start_router(named(fleet.replicas))
+    status, _, body = await call(url, chat("x"))
+    assert status == 503 and orjson.loads(body)["error"]["message"]
+    _, url2 = await start_router(["http://127.0.0.1:9"], max_attempts=2)
+    status, _, body = await call(url2, chat("x"))
+    assert status == 502 and "could not be reached" in orjson.loads(body)["error"]["message"]
+
+
+async def test_a_stream_cut_mid_way_ends_with_an_error_event(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    fleet.replicas[0].set_faults({"drop_after": 3})
+    router, url = await start_router(named(fleet.replicas[:1]))
+    status, _, body = await call(url, chat("x", stream=True, max_tokens=20))
+    events = [e for e in body.split(b"\n\n") if e]
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    error = orjson.loads(events[-2][6:])["error"]
+    assert error["code"] == 502 and "mid-stream" in error["message"]
+    assert router.metrics.stream_errors.labels(fleet.replicas[0].options.replica_id)._value.get() == 1
+
+
+async def test_stalled_stream_hits_the_idle_timeout(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    fleet.replicas[0].set_faults({"stall_after": 2})
+    _, url = await start_router(named(fleet.replicas[:1]), idle_timeout_s=0.3)
+    status, _, body = await asyncio.wait_for(call(url, chat("x", stream=True, max_tokens=20)), 5)
+    assert status == 200 and b"idle time-out" in body and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_hung_replica_times_out_and_the_next_one_answers(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    router, url = await start_router(named(fleet.replicas), first_byte_timeout_s=0.3)
+    key = {"X-Session-ID": "h-1"}
+    home = router.fleet.ring.lookup(b"h-1")
+    fleet.replicas[home].set_faults({"hang": True})
+    status, headers, _ = await asyncio.wait_for(call(url, chat("x"), key), 5)
+    assert status == 200 and headers["X-Router-Replica"] == fleet.replicas[1 - home].options.replica_id
+    fleet.replicas[home].set_faults({"hang": False})
+
+
+async def test_client_disconnect_cancels_the_upstream_request(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1, time_scale=1.0)  # real time: the reply takes seconds
+    router, url = await start_router(named(fleet.replicas[:1]))
+    engine = fleet.replicas[0].engine
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(url + "/v1/chat/completions", json=chat("x", stream=True, max_tokens=500))
+        await resp.content.readline()
+        resp.close()
+    for _ in range(50):
+        if engine.aborted_total == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.aborted_total == 1 and not engine.has_work()
+    assert router.fleet.replicas[0].inflight == 0
+
+
+async def test_limits_and_bad_bodies_get_openai_errors(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    _, url = await start_router(named(fleet.replicas[:1]), max_body_bytes=1000, max_header_bytes=2000)
+    for raw, headers, status in (
+        (b"x" * 2000, {}, 413),
+        (b"{nope", {}, 400),
+        (b"[1]", {}, 400),
+        (orjson.dumps(chat("x")), {"X-Big": "y" * 3000}, 431),
+    ):
+        got, _, body = await call(url, None, headers, raw=raw)
+        assert got == status
+        assert set(orjson.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_admin_api(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    _router, url = await start_router([r.url for r in fleet.replicas[:2]], admin_token="s3cret")
+    auth = {"Authorization": "Bearer s3cret"}
+    async with aiohttp.ClientSession() as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            async with s.get(url + "/admin/replicas", headers=headers) as r:
+                assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+        await call(url, chat("warm"), {"X-Session-ID": "a-1"})
+        async with s.get(url + "/admin/replicas", headers=auth) as r:
+            listed = await r.json()
+        assert [x["id"] for x in listed] == [f"127.0.0.1:{r.port}" for r in fleet.replicas[:2]]
+        assert {"id", "url", "state", "weight", "inflight", "hit_rate"} <= set(listed[0])
+        async with s.get(url + "/admin/route", params={"key": "a-1"}, headers=auth) as r:
+            route = await r.json()
+        assert route["replica"] == route["sticky"] and route["reason"] == "sticky" and route["walk"]
+        async with s.post(
+            url + "/admin/replicas", json={"url": fleet.replicas[2].url, "id": "third"}, headers=auth
+        ) as r:
+            assert r.status == 201 and 0 < (await r.json())["moved_share"] < 0.7
+        async with s.post(url + "/admin/replicas", json={"url": fleet.replicas[2].url}, headers=auth) as r:
+            assert r.status == 409
+        async with s.post(url + "/admin/replicas/third/drain", headers=auth) as r:
+            assert (await r.json())["state"] == "draining"
+        for i in range(20):
+            _, h, _ = await call(url, chat(f"q{i}"), {"X-Session-ID": f"d-{i}"})
+            assert h["X-Router-Replica"] != "third"
+        async with s.get(url + "/admin/ring", headers=auth) as r:
+            ring = await r.json()
+        assert [x["share"] for x in ring["replicas"] if x["id"] == "third"] == [0.0]
+        async with s.delete(url + "/admin/replicas/third", headers=auth) as r:
+            assert r.status == 200
+        async with s.delete(url + "/admin/replicas/third", headers=auth) as r:
+            assert r.status == 404
+    _, open_url = await start_router(named(fleet.replicas[:1]))
+    async with aiohttp.ClientSession() as s, s.get(open_url + "/admin/replicas") as r:
+        assert r.status == 404  # no token configured: the admin API is off
+
+
+async def test_health_models_and_metrics(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    router, url = await start_router(named(fleet.replicas))
+    for _i in range(4):
+        await call(url, chat("same conversation " * 20), {"X-Session-ID": "m-1"})
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/health") as r:
+            assert r.status == 200 and (await r.json())["routable"] == 2
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    for name in (
+        "router_requests_total",
+        "router_inflight",
+        "router_ttft_seconds_bucket",
+        "router_e2e_seconds_bucket",
+        "router_prompt_tokens_total",
+        "router_cached_tokens_total",
+        "router_session_followups_total",
+    ):
+        assert name in text
+    assert 'key_kind="header"' in text and 'policy="affinity"' in text
+    assert "router_session_followups_total 3.0" in text
+    for r in list(router.fleet.replicas):
+        router.fleet.drain(r.id)
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+        assert r.status == 503
+    status, _, body = await call(url, chat("x"))
+    assert status == 503 and "no replica is available" in orjson.loads(body)["error"]["message"]

@@ -1,0 +1,100 @@
+"""Router configuration: precedence, validation, one clear line per bad setting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, ReplicaSpec, load, parse_replica
+
+
+def test_defaults_file_env_cli_in_that_order(tmp_path: Path) -> None:
+    toml = tmp_path / "router.toml"
+    toml.write_text('port = 9000\npolicy = "round_robin"\nreplicas = ["http://10.0.0.5:8000"]\nvnodes = 64\n')
+    cfg = load(str(toml), {"ROUTER_PORT": "9100", "ROUTER_VNODES": "32"}, {"port": 9200, "policy": None})
+    assert cfg.port == 9200  # CLI beats env beats file
+    assert cfg.vnodes == 32  # env beats file
+    assert cfg.policy == "round_robin"  # file beats default; a CLI None means "not given"
+    assert cfg.replicas == (ReplicaSpec("10.0.0.5:8000", "http://10.0.0.5:8000"),)
+    assert cfg.host == "127.0.0.1" and cfg.bounded_load_c == 1.25
+
+
+def test_lists_and_booleans_from_the_environment() -> None:
+    cfg = load(
+        None,
+        {
+            "ROUTER_REPLICAS": "a=http://h1:1, http://h2:2/",
+            "ROUTER_LOG_REQUESTS": "yes",
+            "ROUTER_KEY_HEADERS": "x-a, x-b",
+        },
+        {},
+    )
+    assert cfg.replicas == (ReplicaSpec("a", "http://h1:1"), ReplicaSpec("h2:2", "http://h2:2"))
+    assert cfg.log_requests is True and cfg.key_headers == ("x-a", "x-b")
+
+
+@pytest.mark.parametrize(
+    ("env", "cli", "setting", "source"),
+    [
+        ({}, {"replicas": ["http://a:1"], "port": 70000}, "port", "--port"),
+        ({"ROUTER_POLICY": "fastest"}, {"replicas": ["http://a:1"]}, "policy", "ROUTER_POLICY"),
+        ({}, {"replicas": ["ftp://a:1"]}, "replicas", "--replicas"),
+        ({}, {}, "replicas", "default"),
+        ({}, {"replicas": ["http://a:1", "http://a:1"]}, "replicas", "--replicas"),
+        ({"ROUTER_BOUNDED_LOAD_C": "0.5"}, {"replicas": ["http://a:1"]}, "bounded_load_c", "ROUTER_BOUNDED_LOAD_C"),
+        ({"ROUTER_VNODES": "many"}, {"replicas": ["http://a:1"]}, "vnodes", "ROUTER_VNODES"),
+        ({"ROUTER_LOG_REQUESTS": "maybe"}, {"replicas": ["http://a:1"]}, "log_requests", "ROUTER_LOG_REQUESTS"),
+        ({"ROUTER_IDLE_TIMEOUT_S": "nan"}, {"replicas": ["http://a:1"]}, "idle_timeout_s", "ROUTER_IDLE_TIMEOUT_S"),
+    ],
+)
+def test_bad_settings_name_the_setting_and_its_source(env: dict, cli: dict, setting: str, source: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(None, env, cli)
+    assert info.value.setting == setting
+    assert f"invalid setting '{setting}' (from {source})" in str(info.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(str(bad), {}, {})
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text('replicas = ["http://a:1"]\nprot = 1\n')
+    with pytest.raises(ConfigError, match=r"invalid setting 'prot'.*unknown setting"):
+        load(str(unknown), {}, {})
+    with pytest.raises(ConfigError, match="invalid setting 'config'"):
+        load(str(tmp_path / "missing.toml"), {}, {})
+
+
+def test_replica_urls() -> None:
+    assert parse_replica("http://10.0.0.5:8000/") == ReplicaSpec("10.0.0.5:8000", "http://10.0.0.5:8000")
+    assert parse_replica("gpu-3=https://h/v") == ReplicaSpec("gpu-3", "https://h/v")
+    assert parse_replica("https://h") == ReplicaSpec("h:443", "https://h")
+    for bad in ("10.0.0.5:8000", "http://", "http://h:notaport"):
+        with pytest.raises(ValueError):
+            parse_replica(bad)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--port", "0", "--replica", "http://a:1"],
+        [],
+        ["--replica", "nope"],
+        ["--policy", "x", "--replica", "http://a:1"],
+    ],
+)
+def test_router_serve_exits_2_with_one_line(args: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "router.proxy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("router-serve: invalid setting '") and proc.stderr.count("\n") == 1

@@ -1,0 +1,87 @@
+"""Routing keys: every source, the order they are tried in, and hostile values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.keys import RoutingKey, routing_key
+
+HEADERS = ("x-session-id", "conversation-id")
+FIELDS = ("session_id", "metadata.session_id", "user")
+
+
+def key(headers: dict[str, str] | None = None, body: Any = None, limit: int = 64) -> RoutingKey:
+    return routing_key(
+        headers or {}, body, header_names=HEADERS, body_fields=FIELDS, prefix_chars=32, max_key_bytes=limit
+    )
+
+
+CHAT = {
+    "model": "m",
+    "messages": [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+}
+
+
+def test_first_source_wins() -> None:
+    body = CHAT | {"session_id": "s-body", "user": "u-1", "metadata": {"session_id": "s-meta"}}
+    assert key({"x-session-id": "s-h"}, body) == RoutingKey(b"s-h", "header", "x-session-id")
+    assert key({"conversation-id": "c-h"}, body).key == b"c-h"
+    assert key({}, body) == RoutingKey(b"s-body", "body", "session_id")
+    assert key({}, CHAT | {"metadata": {"session_id": "s-meta"}, "user": "u"}).source == "metadata.session_id"
+    assert key({}, CHAT | {"user": "u-1"}) == RoutingKey(b"u-1", "body", "user")
+    assert key({}, CHAT | {"session_id": 42}).key == b"42"
+
+
+def test_prefix_fingerprint_skips_the_system_prompt_and_is_stable_across_turns() -> None:
+    first = key({}, CHAT)
+    assert first.kind == "prefix"
+    later = key(
+        {},
+        CHAT
+        | {
+            "messages": [
+                *CHAT["messages"],
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And Italy?"},
+            ]
+        },
+    )
+    assert later.key == first.key
+    other = key({}, CHAT | {"messages": [CHAT["messages"][0], {"role": "user", "content": "Hi there"}]})
+    assert other.key != first.key  # same system prompt, different conversation
+    assert key({}, CHAT | {"model": "n"}).key != first.key  # the model is part of it
+    parts = key(
+        {},
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}],
+        },
+    )
+    assert parts.key == first.key
+    assert key({}, {"model": "m", "prompt": "Once upon a time"}).kind == "prefix"
+    assert key({}, {"model": "m", "input": ["embed me"]}).kind == "prefix"
+    assert key({}, {"model": "m", "messages": [{"role": "system", "content": "only a system prompt"}]}).kind == "none"
+
+
+def test_hostile_values_never_crash() -> None:
+    assert key({"x-session-id": "   "}, CHAT).kind == "prefix"  # blank header: fall through
+    assert key({"x-session-id": "caf\udce9"}, None).key == b"caf\xe9"  # raw non-UTF-8 bytes kept
+    long = key({"x-session-id": "z" * 1000}, None, limit=64)
+    assert long.kind == "header" and len(long.key) <= 64 and long.key != key({"x-session-id": "z" * 999}).key
+    for body in (
+        None,
+        [],
+        {"messages": "nope"},
+        {"messages": [None, 3, {"role": "user"}]},
+        {"session_id": None},
+        {"session_id": True},
+        {"metadata": "x"},
+        {"prompt": [1, 2, 3]},
+        {"user": {"a": 1}},
+    ):
+        result = key({}, body)
+        assert isinstance(result, RoutingKey)
+    assert key({}, {"messages": [{"role": "user", "content": "\ud800 lone surrogate"}]}).kind == "prefix"
