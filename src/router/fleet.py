@@ -39,6 +39,7 @@ class ReplicaState:
 class Fleet:
     def __init__(self, specs: tuple[ReplicaSpec, ...] | list[ReplicaSpec], vnodes: int = 128, seed: int = 0) -> None:
         self.replicas = [ReplicaState(s.id, s.url, index=i) for i, s in enumerate(specs)]
+        self._by_id = {r.id: r for r in self.replicas}
         self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
         self.loads = array("q", [0] * len(self.replicas))
 
@@ -46,7 +47,7 @@ class Fleet:
         return len(self.replicas)
 
     def find(self, replica_id: str) -> ReplicaState | None:
-        return next((r for r in self.replicas if r.id == replica_id), None)
+        return self._by_id.get(replica_id)
 
     def routable(self, index: int) -> bool:
         return self.replicas[index].state == "healthy"
@@ -72,7 +73,9 @@ class Fleet:
         if any(r.url == spec.url for r in self.replicas):
             raise ValueError(f"a replica with url {spec.url} is already in the fleet")
         moved = self.ring.add_replica(spec.id)
-        self.replicas.append(ReplicaState(spec.id, spec.url, index=len(self.replicas)))
+        replica = ReplicaState(spec.id, spec.url, index=len(self.replicas))
+        self.replicas.append(replica)
+        self._by_id[replica.id] = replica
         self.loads.append(0)
         return moved
 
@@ -84,6 +87,7 @@ class Fleet:
         moved = self.ring.remove_replica(replica.index)
         del self.replicas[replica.index]
         del self.loads[replica.index]
+        del self._by_id[replica_id]
         replica.index = None
         for i, r in enumerate(self.replicas):
             r.index = i

@@ -72,3 +72,12 @@ class RouterMetrics:
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
         self.stream_errors = made["router_stream_errors"]
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """metric.labels(*labels), memoised: the label lookup costs more than the increment."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found

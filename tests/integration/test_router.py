@@ -367,3 +367,46 @@ async def test_health_models_and_metrics(start_fleet, start_router) -> None:  # 
         assert r.status == 503
     status, _, body = await call(url, chat("x"))
     assert status == 503 and "no replica is available" in orjson.loads(body)["error"]["message"]
+
+
+async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import logging
+
+    fleet = await start_fleet(1)
+    _, url = await start_router(named(fleet.replicas), log_requests=True)
+    with caplog.at_level(logging.INFO, logger="router.access"):
+        await call(url, chat("x"), {"X-Session-ID": "log-1"})
+        await call(url, None, raw=b"{bad")
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "router.access"]
+    assert [(x["status"], x["replica"], x["key_kind"]) for x in lines] == [(200, "emu-0", "header"), (400, None, "none")]
+    assert lines[0]["reason"] == "ring" and lines[0]["attempts"] == 1 and lines[0]["e2e_ms"] > 0
+
+
+def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port)],
+                            stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        head = [proc.stdout.readline() for _ in range(4)]
+        assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (affinity, 2 replicas)")
+        assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2]
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=orjson.dumps(chat("hi")),
+                                         headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        with urllib.request.urlopen(request, timeout=deadline - time.monotonic()) as resp:
+            assert resp.status == 200 and resp.headers["X-Router-Replica"].startswith("emu-")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import replay, ring_bench
+from router.bench import proxy_bench, replay, ring_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ring_bench.add_parser(sub)
     replay.add_parser(sub)
+    proxy_bench.add_parser(sub)
     return parser
 
 

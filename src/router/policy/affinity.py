@@ -35,12 +35,14 @@ class Affinity(Policy):
                 and fleet.loads[previous.index] < ring.load_cap(fleet.loads, c)
             ):
                 return Decision(previous.index, "sticky")
-        if not exclude:
-            i = ring.lookup_bounded(key.key, fleet.loads, c)
-            if i < 0:
-                return None
-            return Decision(i, "ring" if i == ring.lookup(key.key) else "spill")
         cap = ring.load_cap(fleet.loads, c)
+        if not exclude:
+            owner = ring.lookup(key.key)
+            if owner < 0:
+                return None
+            if fleet.loads[owner] < cap:
+                return Decision(owner, "ring")
+            return Decision(ring.lookup_bounded(key.key, fleet.loads, c), "spill")
         fallback: int | None = None
         for i in ring.successors(key.key):
             if i in exclude:

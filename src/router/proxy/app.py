@@ -138,7 +138,7 @@ class Router:
                 strip_usage = True
         last = self.sessions.get(key.key) if key.kind != "none" else None
         headers = forward_headers(request)
-        deadline = t0 + cfg.total_timeout_s
+        deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: set[int] = set()
         failure: Retry | None = None
         first_choice: int | None = None
@@ -170,7 +170,7 @@ class Router:
             if isinstance(result, Retry):
                 replica.errors += 1
                 failure = result
-                self.metrics.retries.labels(result.cause).inc()
+                self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
             self._account(key, last, replica, decision, result, first_choice)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
@@ -203,18 +203,18 @@ class Router:
         if result.prompt_tokens:
             replica.prompt_tokens += result.prompt_tokens
             replica.cached_tokens += result.cached_tokens
-            m.prompt_tokens.labels(replica.id).inc(result.prompt_tokens)
-            m.cached_tokens.labels(replica.id).inc(result.cached_tokens)
+            m.child(m.prompt_tokens, replica.id).inc(result.prompt_tokens)
+            m.child(m.cached_tokens, replica.id).inc(result.cached_tokens)
         if result.stream_error:
             replica.errors += 1
-            m.stream_errors.labels(replica.id).inc()
+            m.child(m.stream_errors, replica.id).inc()
         if decision.index != first_choice:
             m.failovers.inc()
         if key.kind != "none" and result.status < 400:
             if last is not None:
                 m.followups.inc()
                 if last != replica.id:
-                    m.jumps.labels(decision.reason).inc()
+                    m.child(m.jumps, decision.reason).inc()
             self.sessions.put(key.key, replica.id)
 
     def _finish(
@@ -231,11 +231,12 @@ class Router:
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
         status = response.status
-        self.metrics.requests.labels(name, self.policy.name, key.kind, str(status)).inc()
+        m = self.metrics
+        m.child(m.requests, name, self.policy.name, key.kind, str(status)).inc()
         if replica is not None:
-            self.metrics.e2e.labels(name).observe(elapsed)
+            m.child(m.e2e, name).observe(elapsed)
             if result is not None and result.ttft_s is not None:
-                self.metrics.ttft.labels(name).observe(result.ttft_s)
+                m.child(m.ttft, name).observe(result.ttft_s)
         if self.config.log_requests:
             access_log.info(
                 json.dumps(
