@@ -60,7 +60,7 @@ class Router:
     def app(self) -> web.Application:
         from router.admin.api import add_admin_routes
 
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._header_limit])
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         app[ROUTER_KEY] = self
         for path in PROXIED:
             app.router.add_post(path, self._proxy)
@@ -81,23 +81,24 @@ class Router:
         yield
         await self.client.close()
 
-    @web.middleware
-    async def _header_limit(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
-        if size > self.config.max_header_bytes:
-            return error_response(
-                f"request headers are {size} bytes; the limit is {self.config.max_header_bytes}",
-                431,
-                "request_too_large",
-            )
-        response: web.StreamResponse = await handler(request)
-        return response
-
     # -- proxying ----------------------------------------------------------------------------
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
         cfg = self.config
+        # checked here rather than in a middleware: a middleware wraps every request's handler
+        size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+        if size > cfg.max_header_bytes:
+            return self._finish(
+                request,
+                error_response(
+                    f"request headers are {size} bytes; the limit is {cfg.max_header_bytes}", 431, "request_too_large"
+                ),
+                None,
+                NO_KEY,
+                None,
+                t0,
+            )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

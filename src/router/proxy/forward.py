@@ -13,6 +13,7 @@ event is dropped. Non-streamed bodies pass through unchanged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,11 @@ class Timeouts:
     idle_s: float
     total_s: float
 
+    @functools.cached_property
+    def upstream(self) -> aiohttp.ClientTimeout:
+        """aiohttp's own timer covers connecting; the rest is timed by `attempt`."""
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=None)
+
 
 def forward_headers(request: web.Request) -> dict[str, str]:
     drop = set(HOP_BY_HOP)
@@ -119,7 +125,7 @@ async def attempt(
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)) as timer:
-                upstream = await client.post(url, data=body, headers=headers, timeout=_NO_CLIENT_TIMEOUT)
+                upstream = await client.post(url, data=body, headers=headers, timeout=timeouts.upstream)
                 if upstream.status >= 500:
                     timer.reschedule(min(loop.time() + timeouts.idle_s, deadline))
                     try:
@@ -144,9 +150,6 @@ async def attempt(
                 upstream.release()  # read to the end: the keep-alive connection goes back to the pool
             else:
                 upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
-
-
-_NO_CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=None, sock_read=None)
 
 
 async def _relay(
