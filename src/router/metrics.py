@@ -40,7 +40,12 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "one, by reason (spill, failover, ring, least_load, round_robin).",
         ("reason",),
     ),
-    "router_retries": ("counter", "Upstream attempts retried on another replica, by cause.", ("cause",)),
+    "router_retries": (
+        "counter",
+        "Upstream attempts that failed before the first byte, by cause; each is retried "
+        "on another replica while attempts remain.",
+        ("cause",),
+    ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
     "router_stream_errors": (
         "counter",

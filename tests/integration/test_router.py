@@ -284,6 +284,7 @@ async def test_client_disconnect_cancels_the_upstream_request(start_fleet, start
         await asyncio.sleep(0.02)
     assert engine.aborted_total == 1 and not engine.has_work()
     assert router.fleet.replicas[0].inflight == 0
+    assert router.metrics.requests.labels("emu-0", "affinity", "prefix", "499")._value.get() == 1
 
 
 async def test_limits_and_bad_bodies_get_openai_errors(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
@@ -410,3 +411,33 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0
+
+
+async def test_tcp_nodelay_on_both_legs(start_fleet) -> None:  # type: ignore[no-untyped-def]
+    # Nagle + delayed ACK would hold a stream's first small chunk for ~40 ms on a keep-alive connection.
+    import socket
+
+    from router.config import load
+    from router.proxy.app import Router
+
+    fleet = await start_fleet(1)
+    router = Router(load(None, {}, {"replicas": named(fleet.replicas)}))
+    runner = web.AppRunner(router.app(), handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions",
+                                                        json=chat("x", stream=True, max_tokens=50)) as resp:
+            await resp.content.readline()
+            client_leg = [h.transport.get_extra_info("socket") for h in runner.server.connections]  # type: ignore[union-attr]
+            upstream_leg = [proto.transport.get_extra_info("socket")
+                            for conns in router.http.connector._conns.values() for proto, _ in conns]  # type: ignore[union-attr]
+            upstream_leg += [p.transport.get_extra_info("socket") for p in router.http.connector._acquired]  # type: ignore[union-attr]
+            assert client_leg and upstream_leg
+            for sock in client_leg + upstream_leg:  # checked while the stream is open
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            await resp.read()
+    finally:
+        await runner.cleanup()

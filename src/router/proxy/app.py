@@ -166,6 +166,9 @@ class Router:
                     strip_usage,
                     t0,
                 )
+            except asyncio.CancelledError:  # the client went away; the upstream request is closed
+                self.metrics.child(self.metrics.requests, replica.id, self.policy.name, key.kind, "499").inc()
+                raise
             finally:
                 self.fleet.release(replica)
             if isinstance(result, Retry):
