@@ -137,6 +137,10 @@ async def test_models_health_and_metrics(replica: Replica) -> None:
         ("/v1/completions", {"prompt": [1, 2, 3]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 200_000}, 400, "max_tokens"),
         ("/v1/completions", [1, 2], 400, None),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt"),
+        ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
+        ("/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": "no"}, 400, "add_generation_prompt"),
     ],
 )
 async def test_bad_requests_get_openai_shaped_errors(
@@ -156,17 +160,17 @@ async def test_invalid_json_is_a_clear_400(replica: Replica) -> None:
 async def test_queue_and_kv_gauges_under_load(make_replica) -> None:  # type: ignore[no-untyped-def]
     from router.emulator.engine import EngineConfig
 
-    r = make_replica(config=EngineConfig(max_num_seqs=2, num_blocks=500), time_scale=2.0)  # 150 ms per request
+    r = make_replica(config=EngineConfig(max_num_seqs=2, num_blocks=500), time_scale=1.0)  # 0.6 s per request
     await r.start()
     try:
         async with aiohttp.ClientSession() as s:
             jobs = [
                 asyncio.ensure_future(
-                    s.post(r.url + "/v1/completions", json={"prompt": f"{i:04d}" * 100, "max_tokens": 30})
+                    s.post(r.url + "/v1/completions", json={"prompt": f"{i:04d}" * 100, "max_tokens": 60})
                 )
                 for i in range(6)
             ]
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.25)  # all six have arrived; the first two are still running
             async with s.get(r.url + "/metrics") as resp:
                 text = await resp.text()
             for job in jobs:

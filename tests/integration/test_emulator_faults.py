@@ -119,7 +119,7 @@ async def test_crash_refuses_connections_cuts_streams_and_restarts_cold(start_fl
     async with aiohttp.ClientSession() as s:
         async with s.post(r.url + "/v1/completions", json=PROMPT) as resp:
             assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        long = PROMPT | {"stream": True, "max_tokens": 100_000 // 100}
+        long = PROMPT | {"stream": True, "max_tokens": 20_000}  # ~2 s at this time scale: the crash lands mid-stream
         async with s.post(r.url + "/v1/completions", json=long) as resp:
             await resp.content.readline()
             async with s.post(f"http://127.0.0.1:{control}/replicas/0/crash") as c:
@@ -136,6 +136,8 @@ async def test_crash_refuses_connections_cuts_streams_and_restarts_cold(start_fl
         async with s.post(r.url + "/v1/completions", json=PROMPT) as resp:
             assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # cold
         async with s.post(f"http://127.0.0.1:{control}/replicas/7/crash") as c:
+            assert c.status == 404
+        async with s.post(f"http://127.0.0.1:{control}/replicas/-1/crash") as c:
             assert c.status == 404
         async with s.get(f"http://127.0.0.1:{control}/replicas") as c:
             assert [x["replica_id"] for x in await c.json()] == ["emu-0", "emu-1"]
@@ -244,3 +246,36 @@ async def test_start_up_faults_in_a_real_process() -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+async def test_stop_does_not_wait_on_a_hung_request(make_replica) -> None:  # type: ignore[no-untyped-def]
+    r = make_replica(faults=Faults(hang=True))
+    await r.start()
+    async with aiohttp.ClientSession() as s:
+        pending = asyncio.ensure_future(s.get(r.url + "/health"))
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(r.stop(), 10)  # bounded by the shutdown grace, not by the hung request
+        pending.cancel()
+
+
+@pytest.mark.parametrize(("fault", "expect"), [({"stall_after": 0}, "quiet"), ({"drop_after": 0}, "cut")])
+async def test_stall_and_drop_on_unstreamed_requests(replica: Replica, fault: dict[str, Any], expect: str) -> None:
+    await set_faults(replica, fault)
+    async with aiohttp.ClientSession() as s:
+        try:
+            async with s.post(
+                replica.url + "/v1/completions", json=PROMPT, timeout=aiohttp.ClientTimeout(total=0.5)
+            ) as resp:
+                await resp.read()
+            got = "answered"
+        except TimeoutError:
+            got = "quiet"
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            got = "cut"
+    assert got == expect
+
+
+@pytest.mark.parametrize("patch", [{"error_status": 500.0}, {"error_status": False}])
+async def test_error_status_must_be_an_integer(replica: Replica, patch: dict[str, Any]) -> None:
+    status, _ = await set_faults(replica, patch)
+    assert status == 400

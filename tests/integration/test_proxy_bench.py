@@ -9,9 +9,30 @@ import sys
 
 def test_proxy_benchmark_smoke() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "router.bench.cli", "proxy", "--json", "--no-peers", "--requests", "40", "--streams", "8",
-         "--tokens", "5", "--ttft-samples", "10", "--rounds", "1", "--concurrency", "4"],
-        capture_output=True, text=True, timeout=180, check=True,
+        [
+            sys.executable,
+            "-m",
+            "router.bench.cli",
+            "proxy",
+            "--json",
+            "--no-peers",
+            "--requests",
+            "40",
+            "--streams",
+            "8",
+            "--tokens",
+            "5",
+            "--ttft-samples",
+            "10",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
     )
     result = json.loads(out.stdout)
     names = [r["contender"] for r in result["results"]]

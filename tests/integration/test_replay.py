@@ -37,10 +37,10 @@ async def replay(targets: list[str], **kw: Any) -> dict[str, Any]:
 
 
 async def test_sessions_round_robin_versus_pinned(start_fleet) -> None:  # type: ignore[no-untyped-def]
-    fleet = await start_fleet(3)
-    urls = [r.url for r in fleet.replicas]
-    rr = await replay(urls, duration_s=15, spread="round-robin")
-    pinned = await replay(urls, duration_s=15, spread="session")
+    # a fresh, cold fleet for each spread: neither run inherits the other's cache
+    rr_fleet, pinned_fleet = await start_fleet(3), await start_fleet(3)
+    rr = await replay([r.url for r in rr_fleet.replicas], duration_s=15, spread="round-robin")
+    pinned = await replay([r.url for r in pinned_fleet.replicas], duration_s=15, spread="session")
     for result in (rr, pinned):
         assert result["errors"] == {} and result["ok"] == result["requests"] > 30
         assert sum(result["per_replica"].values()) == result["ok"]
@@ -52,10 +52,10 @@ async def test_sessions_round_robin_versus_pinned(start_fleet) -> None:  # type:
     assert pinned["kv_hit_rate_later_turns"] > rr["kv_hit_rate_later_turns"] + 0.1
     assert rr["load_cv"] < 0.1
     # the client's view agrees with the replicas' own counters
-    hits = sum(r.engine.cached_tokens_total for r in fleet.replicas)
-    queries = sum(r.engine.prompt_tokens_total for r in fleet.replicas)
-    assert hits == rr["cached_tokens"] + pinned["cached_tokens"]
-    assert queries == rr["prompt_tokens"] + pinned["prompt_tokens"]
+    for fleet, result in ((rr_fleet, rr), (pinned_fleet, pinned)):
+        assert sum(r.engine.cached_tokens_total for r in fleet.replicas) == result["cached_tokens"]
+        assert sum(r.engine.prompt_tokens_total for r in fleet.replicas) == result["prompt_tokens"]
+        assert result["sessions_cut"] == 0  # every started session played all its turns
 
 
 async def test_request_budget_and_errors_are_counted(start_fleet) -> None:  # type: ignore[no-untyped-def]
@@ -182,3 +182,38 @@ def test_cli_json_against_a_fleet_process(spread: str, tmp_path: Path) -> None:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+async def test_a_target_that_breaks_the_protocol_fails_requests_not_the_replay() -> None:
+    from aiohttp import web
+
+    events = [b"data: []\n\n", b'data: {"choices": ["x"], "usage": [1]}\n\n', b"data: [DONE]\n\n"]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Replica-Id": "odd"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(e)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        result = await replay([url], duration_s=5, requests=4)
+        assert result["requests"] == 4 and result["errors"] == {"bad event": 4}
+        assert result["per_replica"] == {"odd": 0}  # it answered, so it counts, with no successes
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_failing_replica_counts_in_the_balance(start_fleet) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    fleet.replicas[2].set_faults({"error_rate": 1.0})
+    result = await replay([r.url for r in fleet.replicas], duration_s=10, requests=30, spread="round-robin")
+    assert result["per_replica"]["emu-2"] == 0 and len(result["per_replica"]) == 3
+    assert result["load_cv"] > 0.5

@@ -380,7 +380,10 @@ async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) 
         await call(url, chat("x"), {"X-Session-ID": "log-1"})
         await call(url, None, raw=b"{bad")
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "router.access"]
-    assert [(x["status"], x["replica"], x["key_kind"]) for x in lines] == [(200, "emu-0", "header"), (400, None, "none")]
+    assert [(x["status"], x["replica"], x["key_kind"]) for x in lines] == [
+        (200, "emu-0", "header"),
+        (400, None, "none"),
+    ]
     assert lines[0]["reason"] == "ring" and lines[0]["attempts"] == 1 and lines[0]["e2e_ms"] > 0
 
 
@@ -396,15 +399,22 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port)],
-                            stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert proc.stdout is not None
         head = [proc.stdout.readline() for _ in range(4)]
         assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (affinity, 2 replicas)")
         assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2]
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=orjson.dumps(chat("hi")),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=orjson.dumps(chat("hi")),
+            headers={"Content-Type": "application/json"},
+        )
         deadline = time.monotonic() + 10
         with urllib.request.urlopen(request, timeout=deadline - time.monotonic()) as resp:
             assert resp.status == 200 and resp.headers["X-Router-Replica"].startswith("emu-")
@@ -428,12 +438,17 @@ async def test_tcp_nodelay_on_both_legs(start_fleet) -> None:  # type: ignore[no
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     try:
-        async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions",
-                                                        json=chat("x", stream=True, max_tokens=50)) as resp:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url + "/v1/chat/completions", json=chat("x", stream=True, max_tokens=50)) as resp,
+        ):
             await resp.content.readline()
             client_leg = [h.transport.get_extra_info("socket") for h in runner.server.connections]  # type: ignore[union-attr]
-            upstream_leg = [proto.transport.get_extra_info("socket")
-                            for conns in router.http.connector._conns.values() for proto, _ in conns]  # type: ignore[union-attr]
+            upstream_leg = [
+                proto.transport.get_extra_info("socket")
+                for conns in router.http.connector._conns.values()
+                for proto, _ in conns
+            ]  # type: ignore[union-attr]
             upstream_leg += [p.transport.get_extra_info("socket") for p in router.http.connector._acquired]  # type: ignore[union-attr]
             assert client_leg and upstream_leg
             for sock in client_leg + upstream_leg:  # checked while the stream is open

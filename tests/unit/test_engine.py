@@ -151,3 +151,43 @@ def test_impossible_requests_are_refused_up_front() -> None:
 def test_config_is_validated(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: 0})
+
+
+def test_prefill_chunks_are_cached_as_they_are_computed() -> None:
+    cfg = EngineConfig(max_num_batched_tokens=1024)
+    e = Engine(cfg)
+    doc = text(4096, "d")
+    a = e.new_sequence(doc + b"question A", 1, 0.0)
+    e.add(a)
+    step = e.schedule(0.0)
+    assert step is not None
+    e.finish(step, step.duration)  # A has computed its first 1024 tokens
+    b = e.new_sequence(doc + b"question B", 1, step.duration)
+    e.add(b)
+    run(e, [])
+    assert b.cached_tokens >= 1024  # B hits the chunks A had finished when B arrived
+
+
+def test_the_last_generated_token_is_not_cached() -> None:
+    e = Engine(EngineConfig(block_size=4))
+    first = e.new_sequence(b"abcd" * 8, 4, 0.0)  # 8 prompt tokens + 4 generated
+    run(e, [(0.0, first)])
+    reply = generated_text(e.reply_seed(first), 0, 4).encode()
+    nxt = e.new_sequence(b"abcd" * 8 + reply + b"more" * 4, 1, 0.0)
+    run(e, [(0.0, nxt)])
+    assert nxt.cached_tokens == (8 + 4 - 1) // 4 * 4  # 2 prompt blocks + 0 of the reply's: 8, not 12
+
+
+def test_a_request_never_joins_a_step_that_began_before_it_arrived() -> None:
+    cfg = EngineConfig()
+    e = Engine(cfg)
+    busy = e.new_sequence(text(100, "b"), 50, 0.0)
+    e.add(busy)
+    step = e.schedule(0.0)
+    assert step is not None
+    late = e.new_sequence(text(100, "l"), 1, 0.005)  # arrives during the step
+    e.add(late)
+    assert e.schedule(0.0) is not None and late not in e.running  # the step that began at 0 keeps it out
+    e.finish(step, step.duration)
+    run(e, [])
+    assert late.first_token_at is not None and late.first_token_at - late.arrival >= cfg.step_base_s

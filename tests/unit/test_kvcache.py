@@ -118,3 +118,17 @@ def test_random_operations_keep_the_books_balanced() -> None:
 def test_bad_sizes_are_rejected() -> None:
     with pytest.raises(ValueError):
         PrefixCache(0, 16)
+
+
+def test_eviction_takes_the_end_of_a_chain_first() -> None:
+    # vLLM frees a request's blocks last-first, so under pressure a conversation loses its tail and
+    # keeps a prefix that still hits; evicting its head would strand every block after it.
+    c = PrefixCache(num_blocks=8, block_size=1)
+    chain6 = chain(1, 2, 3, 4, 5, 6)
+    a = c.allocate(chain6, 7, 6)
+    assert a is not None
+    c.commit(a, chain6, 6)
+    c.release(a)
+    b = c.allocate(chain(9, 9, 9), 4, 3)  # needs 3: 2 free, 1 evicted
+    assert b is not None and c.evictions == 1
+    assert c.hit_blocks(chain6, 7) == 5

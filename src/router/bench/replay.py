@@ -41,6 +41,7 @@ from router.measures import coefficient_of_variation, jump_rate, kv_hit_rate, pe
 from router.ring import xxh3_64
 
 WORKLOADS = ("sessions", "mooncake-conversation", "mooncake-synthetic")
+DRAIN_FACTOR = 3.0  # started sessions may run on until 3 x --duration
 REPLICA_HEADERS = ("X-Replica-Id", "X-Router-Replica")
 
 
@@ -89,6 +90,8 @@ class Replayer:
         self._progress = progress
         self._issued = 0
         self._inflight = 0
+        self._errors = 0
+        self._cut_sessions = 0
         self._slots = asyncio.Semaphore(opts.max_inflight)
         self._session: aiohttp.ClientSession | None = None
         self._started: float | None = None
@@ -137,6 +140,8 @@ class Replayer:
                 rec.error = f"connection: {type(exc).__name__}"
             finally:
                 self._inflight -= 1
+                if rec.error:
+                    self._errors += 1
                 self._report_progress()
         return rec
 
@@ -154,25 +159,25 @@ class Replayer:
                 break
             try:
                 event = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                rec.error = "bad event"
+                if "error" in event:
+                    rec.error = "stream error"
+                    return
+                for choice in event.get("choices") or ():
+                    piece = choice.get("text")
+                    if piece is None:
+                        piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        if rec.ttft_s is None:
+                            rec.ttft_s = (time.perf_counter() - t0) * scale
+                        parts.append(str(piece))
+                usage = event.get("usage")
+                if usage:
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+                rec.error = "bad event"  # a target that breaks the protocol fails its request, not the replay
                 return
-            if "error" in event:
-                rec.error = "stream error"
-                return
-            for choice in event.get("choices") or ():
-                piece = choice.get("text")
-                if piece is None:
-                    piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    if rec.ttft_s is None:
-                        rec.ttft_s = (time.perf_counter() - t0) * scale
-                    parts.append(piece)
-            usage = event.get("usage")
-            if usage:
-                rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                rec.completion_tokens = int(usage.get("completion_tokens") or 0)
-                rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         if not done:
             rec.error = "stream cut"
             return
@@ -190,8 +195,9 @@ class Replayer:
             done = max(done, (time.perf_counter() - self._started) * self.opts.time_scale / self._span_s)
         done = min(done, 1.0)
         bar = "#" * int(done * 24)
-        errors = sum(1 for r in self.records if r.error)
-        self._progress(f"[{bar:<24}] {done:4.0%}  sent {self._issued}  in flight {self._inflight}  errors {errors}")
+        self._progress(
+            f"[{bar:<24}] {done:4.0%}  sent {self._issued}  in flight {self._inflight}  errors {self._errors}"
+        )
 
     # -- workloads -------------------------------------------------------------------------------
 
@@ -210,7 +216,10 @@ class Replayer:
         for k, turn in enumerate(plan.turns, 1):
             if k > 1:
                 await asyncio.sleep(turn.think_s / scale)
-            if time.perf_counter() > deadline or not self._budget_left():
+            if not self._budget_left():
+                return
+            if time.perf_counter() > deadline:
+                self._cut_sessions += 1  # past the drain cap: counted, so a slow target is visible
                 return
             messages.append({"role": "user", "content": turn.user_text})
             rec = await self.send(
@@ -231,7 +240,9 @@ class Replayer:
         duration = self.opts.duration_s if self.opts.duration_s is not None else 60.0
         start = time.perf_counter()
         self._started, self._span_s = start, duration
-        deadline = start + duration / scale
+        # sessions that started within `duration` play all their turns, so every target is compared on
+        # the same conversations; DRAIN_FACTOR bounds the run if a target is very slow
+        deadline = start + DRAIN_FACTOR * duration / scale
         tasks = []
         for plan in generate_sessions(spec):
             if plan.start_s > duration or not self._budget_left():
@@ -282,7 +293,7 @@ class Replayer:
             else:
                 await self._run_trace(rows)
         wall = time.perf_counter() - t0
-        return summarize(self.records, self.opts, wall, _cpu_seconds() - cpu0)
+        return summarize(self.records, self.opts, wall, _cpu_seconds() - cpu0, self._cut_sessions)
 
 
 async def _sleep_until(t: float) -> None:
@@ -315,10 +326,22 @@ def _latency(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: float) -> dict[str, Any]:
+def summarize(
+    records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: float, cut_sessions: int = 0
+) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     later = [r for r in ok if r.turn > 1]
-    per_replica = Counter(r.replica or r.target for r in ok)
+    # every replica that answered anything counts, with 0 if none of its answers succeeded; with several
+    # targets, a target that never answered at all counts as a replica with 0 too
+    seen_as: dict[str, str] = {}
+    for r in records:
+        if r.replica:
+            seen_as.setdefault(r.target, r.replica)
+    per_replica: Counter[str] = Counter({r.replica: 0 for r in records if r.replica})
+    if len(opts.targets) > 1:
+        per_replica.update({t: 0 for t in opts.targets if t not in seen_as})
+    for r in ok:
+        per_replica[r.replica or seen_as.get(r.target, r.target)] += 1
     by_session: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for r in ok:
         by_session[r.session].append((r.turn, r.replica or r.target))
@@ -333,6 +356,7 @@ def summarize(records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: 
         "ok": len(ok),
         "errors": dict(errors),
         "sessions": len(paths),
+        "sessions_cut": cut_sessions,
         "later_turns": len(later),
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "cached_tokens": sum(r.cached_tokens for r in ok),
@@ -504,7 +528,8 @@ def render(r: dict[str, Any]) -> str:
     lines = [
         f"{r['workload']} → {len(r['targets'])} target(s), spread {r['spread']}, time scale {r['time_scale']:g}",
         f"requests {r['requests']}  ok {r['ok']}  errors {errors}  sessions {r['sessions']}  "
-        f"later turns {r['later_turns']}",
+        f"later turns {r['later_turns']}"
+        + (f"  sessions cut at the drain cap {r['sessions_cut']}" if r["sessions_cut"] else ""),
         f"KV hit rate        {r['kv_hit_rate']:.1%}  (later turns {r['kv_hit_rate_later_turns']:.1%})",
         f"e2e s, later turns {lat(r['e2e_later_turns_s'])}",
         f"TTFT s, later      {lat(r['ttft_later_turns_s'])}",

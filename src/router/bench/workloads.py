@@ -10,7 +10,7 @@ Traces (`mooncake-conversation`, `mooncake-synthetic`): one JSON object per line
 `timestamp` (ms), `input_length`, `output_length` and `hash_ids`, the prompt's 512-token blocks
 (equal ids, equal content; see the traces' README). Each id becomes a fixed 2,048-byte text,
 exactly 512 emulator tokens, so an emulated prefix cache sees the trace's sharing exactly. Session
-keys come from the first block of each chain that is not shared by a large part of the trace
+keys come from the first block of each chain that fewer than max(50, 1% of the requests) share
 (the conversation trace opens every request with one common system-prompt block).
 """
 
@@ -165,8 +165,8 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 
 
 def assign_sessions(rows: list[TraceRequest]) -> list[TraceRequest]:
-    """Session key = the first block of a request's chain that fewer than 1% of requests (and at
-    most 50) share; the rest of a conversation extends that chain. Turn = order within the key."""
+    """Session key = the first block of a request's chain that fewer than max(50, 1% of the requests)
+    share; the rest of a conversation extends that chain. Turn = order within the key."""
     counts: Counter[int] = Counter()
     for row in rows:
         counts.update(set(row.hash_ids))

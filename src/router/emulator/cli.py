@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import signal
 import sys
 from typing import Any
@@ -136,9 +137,12 @@ def parse_fault(spec: str, n: int) -> tuple[list[int], str, Any]:
     if not value:
         raise UsageError(f"--fault {spec!r}: {name} needs a value, e.g. {name}=2")
     try:
-        return targets, field, kind(value)
+        parsed = kind(value)
     except ValueError:
         raise UsageError(f"--fault {spec!r}: {value!r} is not a valid {kind.__name__}") from None
+    if field == "crash_after" and not (math.isfinite(parsed) and parsed >= 0):
+        raise UsageError(f"--fault {spec!r}: crash-after must be a non-negative number of seconds")
+    return targets, field, parsed
 
 
 def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
@@ -152,8 +156,8 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
         raise UsageError(f"ports {first_port}..{first_port + n - 1} are out of range")
     if args.replica_id is not None and n > 1:
         raise UsageError("--replica-id names a single replica; a fleet's replicas are named emu-PORT")
-    if args.time_scale <= 0:
-        raise UsageError("--time-scale must be positive")
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        raise UsageError("--time-scale must be a positive number")
     if args.stream_interval < 1 or args.default_max_tokens < 1:
         raise UsageError("--stream-interval and --default-max-tokens must be at least 1")
     try:

@@ -187,6 +187,9 @@ class Engine:
         for seq in list(self.running) + list(self.waiting):
             self.abort(seq)
         self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+        self.busy_seconds = 0.0
+        self.steps = self.prompt_tokens_total = self.cached_tokens_total = 0
+        self.generation_tokens_total = self.finished_total = self.aborted_total = 0
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -196,6 +199,8 @@ class Engine:
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.arrival > now:
+                break  # it arrived after this step began: it joins the next one
             alloc = self.cache.allocate(seq.hashes, seq.prompt_tokens, seq.prompt_tokens + seq.max_tokens)
             if alloc is None:
                 break  # first come, first served: wait for blocks to free up
@@ -246,10 +251,10 @@ class Engine:
             if seq.done:
                 continue
             seq.computed += chunk
+            assert seq.alloc is not None
+            # full prompt blocks computed so far are in KV: later requests can hit them right away
+            self.cache.commit(seq.alloc, seq.hashes, seq.computed // cfg.block_size)
             if not seq.prefilling:
-                assert seq.alloc is not None
-                # full prompt blocks are now in KV: later requests can hit them right away
-                self.cache.commit(seq.alloc, seq.hashes, seq.prompt_tokens // cfg.block_size)
                 seq.output_tokens = 1
                 seq.first_token_at = now
                 tokens.append(seq)
@@ -264,7 +269,8 @@ class Engine:
     def _complete(self, seq: Sequence, now: float) -> None:
         cfg = self.config
         assert seq.alloc is not None
-        full_blocks = (seq.prompt_tokens + seq.output_tokens) // cfg.block_size
+        # the last sampled token never had its KV computed, so it is not cached (as in vLLM)
+        full_blocks = (seq.prompt_tokens + seq.output_tokens - 1) // cfg.block_size
         if full_blocks > len(seq.alloc.pinned):
             # the reply's full blocks are cached too, so the next turn hits prompt and reply
             text = seq.prompt + generated_text(self.reply_seed(seq), 0, seq.output_tokens).encode()

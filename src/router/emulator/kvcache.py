@@ -116,7 +116,9 @@ class PrefixCache:
 
     def release(self, alloc: Allocation) -> None:
         """The request is done (or aborted): unpin its blocks, free its anonymous ones."""
-        for h in alloc.pinned:
+        # Last block first, as vLLM frees them: the end of a chain becomes the oldest and is
+        # evicted first, so an evicted conversation still leaves a usable prefix.
+        for h in reversed(alloc.pinned):
             refs = self._refs[h] - 1
             self._refs[h] = refs
             if refs == 0:

@@ -105,6 +105,8 @@ class ReplicaMetrics:
 
     def on_step(self, end: float, duration: float, tokens: int) -> None:
         self._steps.append((end, duration))
+        while self._steps[0][0] <= end - BUSY_WINDOW_S:  # bounded even if nobody scrapes
+            self._steps.popleft()
         self.busy_seconds.labels(self.model).inc(duration)
         self.generation_tokens.labels(self.model).inc(tokens)
 

@@ -27,6 +27,7 @@ from router.emulator.tokenizer import PromptError, generated_text, render_chat
 REPLICA_HEADER = "X-Replica-Id"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 LAG_WALL_S = 0.005
+SHUTDOWN_S = 0.5  # a stopping replica waits this long for open requests (a hung one never ends)
 
 
 @dataclass
@@ -62,7 +63,11 @@ class Faults:
             or not 0 <= self.error_rate <= 1
         ):
             raise ValueError("error_rate must be a number in [0, 1]")
-        if self.error_status not in (0, 500, 503):
+        if (
+            isinstance(self.error_status, bool)
+            or not isinstance(self.error_status, int)
+            or self.error_status not in (0, 500, 503)
+        ):
             raise ValueError("error_status must be 500, 503 or 0 (either)")
         for name in ("stall_after", "drop_after"):
             value = getattr(self, name)
@@ -93,6 +98,10 @@ def error_response(
     return web.Response(status=status, body=error_body(message, kind, status, param), content_type="application/json")
 
 
+class _Dropped(Exception):
+    """The drop fault closed the connection; the handler just ends."""
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
@@ -121,6 +130,7 @@ class Replica:
         self.port = options.port
         self.crashed = False
         self.started = False
+        self._epoch = 0  # bumped by a crash
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -145,7 +155,9 @@ class Replica:
         app.router.add_post("/emulator/faults", self._set_faults)
         app.router.add_delete("/emulator/faults", self._clear_faults)
         app.router.add_post("/emulator/crash", self._crash_endpoint)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_S
+        )
         await self._runner.setup()
         await self._listen()
         if self._loop_task is None:
@@ -177,6 +189,7 @@ class Replica:
         if self.crashed:
             return
         self.crashed = True
+        self._epoch += 1
         if self._site is not None:
             await self._site.stop()
             self._site = None
@@ -221,6 +234,9 @@ class Replica:
                 clock = self.now()
                 continue
             clock = max(clock, self.now() - LAG_WALL_S * scale)
+            if not engine.running and engine.waiting:
+                clock = max(clock, engine.waiting[0].arrival)  # an idle engine starts when work arrives
+            epoch = self._epoch
             step = engine.schedule(clock)
             if step is None:  # cannot happen while there is work; guard against a busy loop
                 await asyncio.sleep(0.001)
@@ -230,6 +246,8 @@ class Replica:
             clock += step.duration
             delay = clock / scale - (time.monotonic() - self._t0)
             await asyncio.sleep(max(delay, 0.0))  # yields even when behind, so handlers keep up
+            if epoch != self._epoch:
+                continue  # the replica crashed during the step: its results died with it
             events = engine.finish(step, clock)
             self.metrics.on_step(clock, step.duration, len(events.tokens))
             for seq in events.tokens:
@@ -279,16 +297,24 @@ class Replica:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream must be true or false", "stream")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
+        options = body.get("stream_options")
+        if options is not None and not stream:
+            raise BadRequest("stream_options can only be set when stream is true", "stream_options")
+        if not isinstance(options or {}, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
-        include_usage = bool(options.get("include_usage", False))
+        include_usage = _flag(options or {}, "include_usage", False, "stream_options")
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        continue_final_message = _flag(body, "continue_final_message", False)
+        if continue_final_message and add_generation_prompt:
+            raise BadRequest(
+                "continue_final_message needs add_generation_prompt set to false", "continue_final_message"
+            )
         try:
             if chat:
                 text = render_chat(
                     body.get("messages"),  # type: ignore[arg-type]
-                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                    continue_final_message=bool(body.get("continue_final_message", False)),
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
                 )
             else:
                 prompt = body.get("prompt")
@@ -318,7 +344,8 @@ class Replica:
             kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
             return error_response(str(exc), exc.status, kind, exc.param)
         except RequestTooLarge as exc:
-            return error_response(str(exc), 400, "invalid_request_error", "max_tokens")
+            param = ("messages" if chat else "prompt") if "prompt is empty" in str(exc) else "max_tokens"
+            return error_response(str(exc), 400, "invalid_request_error", param)
         injected = self._injected_error()
         if injected is not None:
             return injected
@@ -329,6 +356,8 @@ class Replica:
             if stream:
                 return await self._stream(request, seq, chat, include_usage)
             return await self._respond(request, seq, chat)
+        except _Dropped:
+            return web.Response(status=499)  # never sent: the connection is already closed
         finally:
             self.engine.abort(seq)  # no-op once finished; frees the blocks of an abandoned request
 
@@ -444,9 +473,10 @@ class Replica:
         return resp
 
     def _cut(self, request: web.Request) -> None:
+        """The drop fault: close the connection under the handler (caught in _generate, quietly)."""
         if request.transport is not None:
             request.transport.abort()
-        raise ConnectionResetError("injected fault: connection dropped")
+        raise _Dropped
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._maybe_hang()
@@ -512,6 +542,15 @@ class Replica:
         return _json({"crashing": self.options.replica_id}, status=202)
 
 
+def _flag(obj: dict[str, Any], name: str, default: bool, where: str | None = None) -> bool:
+    value = obj.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false", where or name)
+    return value
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
@@ -566,8 +605,7 @@ class Fleet:
             timer.cancel()
         if self._control is not None:
             await self._control.cleanup()
-        for replica in self.replicas:
-            await replica.stop()
+        await asyncio.gather(*(replica.stop() for replica in self.replicas))
 
     async def _list(self, request: web.Request) -> web.Response:
         return _json([r.state() for r in self.replicas])
@@ -576,6 +614,8 @@ class Fleet:
         async def handler(request: web.Request) -> web.Response:
             try:
                 index = int(request.match_info["i"])
+                if index < 0:
+                    raise IndexError(index)
                 replica = self.replicas[index]
             except (ValueError, IndexError):
                 return error_response(
