@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -71,6 +72,42 @@ async def start_router() -> AsyncIterator[Callable[..., Any]]:
         runners.append(runner)
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return router, f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def sse_upstream() -> AsyncIterator[Callable[..., Any]]:
+    """A stand-in replica that answers every chat request with fixed bytes in fixed pieces, and
+    records the headers it got; returns (base URL, list of received headers)."""
+    from aiohttp import web
+
+    runners: list[web.AppRunner] = []
+
+    async def start(
+        chunks: list[bytes], delay: float = 0.0, headers: dict[str, str] | None = None
+    ) -> tuple[str, list[dict[str, str]]]:
+        seen: list[dict[str, str]] = []
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            seen.append(dict(request.headers))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **(headers or {})})
+            await resp.prepare(request)
+            for chunk in chunks:
+                await resp.write(chunk)
+                await asyncio.sleep(delay)
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", seen  # type: ignore[union-attr]
 
     yield start
     for runner in runners:

@@ -184,31 +184,12 @@ def test_cli_json_against_a_fleet_process(spread: str, tmp_path: Path) -> None:
             proc.wait(timeout=10)
 
 
-async def test_a_target_that_breaks_the_protocol_fails_requests_not_the_replay() -> None:
-    from aiohttp import web
-
+async def test_a_target_that_breaks_the_protocol_fails_requests_not_the_replay(sse_upstream) -> None:  # type: ignore[no-untyped-def]
     events = [b"data: []\n\n", b'data: {"choices": ["x"], "usage": [1]}\n\n', b"data: [DONE]\n\n"]
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Replica-Id": "odd"})
-        await resp.prepare(request)
-        for e in events:
-            await resp.write(e)
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-        result = await replay([url], duration_s=5, requests=4)
-        assert result["requests"] == 4 and result["errors"] == {"bad event": 4}
-        assert result["per_replica"] == {"odd": 0}  # it answered, so it counts, with no successes
-    finally:
-        await runner.cleanup()
+    url, _ = await sse_upstream(events, headers={"X-Replica-Id": "odd"})
+    result = await replay([url], duration_s=5, requests=4)
+    assert result["requests"] == 4 and result["errors"] == {"bad event": 4}
+    assert result["per_replica"] == {"odd": 0}  # it answered, so it counts, with no successes
 
 
 async def test_a_failing_replica_counts_in_the_balance(start_fleet) -> None:  # type: ignore[no-untyped-def]

@@ -107,33 +107,7 @@ async def test_prefix_key_keeps_a_conversation_without_ids_together(start_fleet,
     assert first[1]["X-Router-Replica"] == later[1]["X-Router-Replica"]
 
 
-async def canned_upstream(
-    chunks: list[bytes],
-    delay: float = 0.0,
-    echo: list[dict[str, str]] | None = None,
-) -> tuple[web.AppRunner, str]:
-    """A replica that sends fixed bytes in fixed pieces (and records the headers it got)."""
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        if echo is not None:
-            echo.append(dict(request.headers))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for c in chunks:
-            await resp.write(c)
-            await asyncio.sleep(delay)
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-
-async def test_streams_arrive_byte_identical(start_router) -> None:  # type: ignore[no-untyped-def]
+async def test_streams_arrive_byte_identical(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
     events = [
         b'data: {"choices":[{"delta":{"content":"h\\u00e9llo "}}]}\n\n',
         b'data: {"choices":[{"delta":',
@@ -141,39 +115,32 @@ async def test_streams_arrive_byte_identical(start_router) -> None:  # type: ign
         b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}}\n\n',
         b"data: [DONE]\n\n",
     ]
-    runner, upstream = await canned_upstream(events, delay=0.01)
-    try:
-        _, url = await start_router([upstream])
-        body = chat("x", stream=True, stream_options={"include_usage": True})
-        direct = await call(upstream, body)
-        routed = await call(url, body)
-        assert routed[0] == 200 and routed[2] == direct[2] == b"".join(events)
-    finally:
-        await runner.cleanup()
+    upstream, _ = await sse_upstream(events, delay=0.01)
+    _, url = await start_router([upstream])
+    body = chat("x", stream=True, stream_options={"include_usage": True})
+    direct = await call(upstream, body)
+    routed = await call(url, body)
+    assert routed[0] == 200 and routed[2] == direct[2] == b"".join(events)
 
 
-async def test_hop_by_hop_headers_stay_and_forwarded_for_is_added(start_router) -> None:  # type: ignore[no-untyped-def]
-    seen: list[dict[str, str]] = []
-    runner, upstream = await canned_upstream([b"data: [DONE]\n\n"], echo=seen)
-    try:
-        _, url = await start_router([upstream])
-        await call(
-            url,
-            chat("x", stream=True),
-            {
-                "Connection": "keep-alive, X-Secret-Hop",
-                "X-Secret-Hop": "1",
-                "Proxy-Authorization": "Basic eA==",
-                "X-Forwarded-For": "10.1.1.1",
-                "X-Custom": "kept",
-            },
-        )
-        got = {k.lower(): v for k, v in seen[0].items()}
-        assert got["x-forwarded-for"] == "10.1.1.1, 127.0.0.1"
-        assert got["x-custom"] == "kept"
-        assert "proxy-authorization" not in got and "x-secret-hop" not in got
-    finally:
-        await runner.cleanup()
+async def test_hop_by_hop_headers_stay_and_forwarded_for_is_added(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
+    upstream, seen = await sse_upstream([b"data: [DONE]\n\n"])
+    _, url = await start_router([upstream])
+    await call(
+        url,
+        chat("x", stream=True),
+        {
+            "Connection": "keep-alive, X-Secret-Hop",
+            "X-Secret-Hop": "1",
+            "Proxy-Authorization": "Basic eA==",
+            "X-Forwarded-For": "10.1.1.1",
+            "X-Custom": "kept",
+        },
+    )
+    got = {k.lower(): v for k, v in seen[0].items()}
+    assert got["x-forwarded-for"] == "10.1.1.1, 127.0.0.1"
+    assert got["x-custom"] == "kept"
+    assert "proxy-authorization" not in got and "x-secret-hop" not in got
 
 
 async def test_usage_is_read_and_hidden_unless_asked(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
