@@ -113,11 +113,17 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(f"expected an integer, got {value!r}")
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
         if kind == "float":
             if isinstance(value, bool):
                 raise ValueError(f"expected a number, got {value!r}")
-            return float(value)
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
         return str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(name, source, str(exc)) from None

@@ -98,3 +98,25 @@ def test_router_serve_exits_2_with_one_line(args: list[str]) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("router-serve: invalid setting '") and proc.stderr.count("\n") == 1
+
+
+def test_every_setting_has_a_flag() -> None:
+    from router.config import FIELDS
+    from router.proxy.cli import build_parser, cli_values
+
+    args = build_parser().parse_args(
+        [
+            "--replica",
+            "http://a:1",
+            "--sticky-max-sessions",
+            "7",
+            "--no-inject-usage",
+            "--key-body-fields",
+            "user",
+            "--log-requests",
+        ]
+    )
+    cfg = load(None, {}, cli_values(args))
+    assert cfg.sticky_max_sessions == 7 and cfg.inject_usage is False and cfg.key_body_fields == ("user",)
+    assert cfg.log_requests is True
+    assert set(cli_values(args)) == set(FIELDS)

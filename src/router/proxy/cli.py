@@ -13,20 +13,48 @@ from typing import Any
 
 from aiohttp import web
 
-from router.config import ConfigError, ReplicaSpec, RouterConfig, from_environment
+from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.proxy.app import Router
+
+HELP = {
+    "host": "address to bind (default 127.0.0.1)",
+    "port": "port to listen on (default 8080)",
+    "policy": "affinity (default), consistent_hash, round_robin or least_load",
+    "vnodes": "virtual nodes per replica (default 128)",
+    "hash_seed": "ring hash seed (default 0); changing it remaps every session",
+    "bounded_load_c": "bounded-load factor c >= 1 (default 1.25)",
+    "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",
+    "sticky_max_sessions": "sessions remembered at most (default 200000)",
+    "key_headers": "comma-separated headers carrying a session key, tried in order",
+    "key_body_fields": "comma-separated body fields (dotted paths) carrying a session key",
+    "prefix_chars": "characters of the first message in the prefix fingerprint (default 256)",
+    "max_key_bytes": "longer keys are hashed (default 256)",
+    "replica_header": "response header naming the replica (default X-Router-Replica; '' turns it off)",
+    "max_attempts": "replicas tried per request before giving up (default 3)",
+    "connect_timeout_s": "upstream connect time-out (default 2)",
+    "first_byte_timeout_s": "time-out until the replica's first body bytes (default 60)",
+    "idle_timeout_s": "longest silence inside a stream (default 60)",
+    "total_timeout_s": "time-out of a whole request (default 600)",
+    "max_body_bytes": "largest request body (default 32 MiB)",
+    "max_header_bytes": "largest request header block (default 16 KiB)",
+    "upstream_connections": "keep-alive connections per replica (default 256)",
+    "inject_usage": "ask streams for usage on the client's behalf, then hide it (default on)",
+    "admin_token": "bearer token of the /admin API (default: API off)",
+    "log_requests": "one JSON log line per request (default off)",
+    "demo": "start N emulated replicas in-process and route to them too",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="router-serve",
         description=(
-            "KV-cache-affinity router for OpenAI-compatible inference replicas. Settings come from "
+            "KV-cache-affinity router for OpenAI-compatible inference replicas. Every setting comes from "
             "defaults < --config TOML < ROUTER_<SETTING> environment variables < these flags."
         ),
         epilog="Try it without GPUs: router-serve --demo 4 (four emulated replicas behind the router).",
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file of settings (names as in RouterConfig)")
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings (the names below, with underscores)")
     p.add_argument(
         "--replica",
         dest="replicas",
@@ -34,38 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]URL",
         help="a replica's base URL, e.g. http://10.0.0.5:8000; repeatable",
     )
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
-    p.add_argument("--policy", help="affinity (default), consistent_hash, round_robin or least_load")
-    p.add_argument("--vnodes", type=int, help="virtual nodes per replica (default 128)")
-    p.add_argument("--hash-seed", type=int, help="ring hash seed (default 0); changing it remaps every session")
-    p.add_argument("--bounded-load-c", type=float, help="bounded-load factor c >= 1 (default 1.25)")
-    p.add_argument("--sticky-ttl-s", type=float, help="how long a session sticks to its replica (default 600)")
-    p.add_argument("--max-attempts", type=int, help="replicas tried per request before giving up (default 3)")
-    p.add_argument("--replica-header", help="response header naming the replica (default X-Router-Replica; '' = off)")
-    p.add_argument("--admin-token", help="bearer token of the /admin API (default: API off)")
-    p.add_argument("--log-requests", action="store_const", const=True, help="one JSON log line per request")
-    p.add_argument("--demo", type=int, metavar="N", help="start N emulated replicas and route to them")
+    for name, field in FIELDS.items():
+        if name == "replicas":
+            continue
+        flag = "--" + name.replace("_", "-")
+        if field.type == "bool":
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=HELP[name])
+        else:  # a string: the config loader converts and validates it, naming the setting on error
+            p.add_argument(flag, dest=name, metavar=name.upper(), help=HELP[name])
     return p
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
-    names = (
-        "replicas",
-        "host",
-        "port",
-        "policy",
-        "vnodes",
-        "hash_seed",
-        "bounded_load_c",
-        "sticky_ttl_s",
-        "max_attempts",
-        "replica_header",
-        "admin_token",
-        "log_requests",
-        "demo",
-    )
-    return {name: getattr(args, name) for name in names}
+    return {name: getattr(args, name) for name in FIELDS}
 
 
 def _free_ports(n: int) -> list[int]:
