@@ -140,17 +140,17 @@ class Router:
         last = self.sessions.get(key.key) if key.kind != "none" else None
         headers = forward_headers(request)
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
-        tried: set[int] = set()
+        tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
         failure: Retry | None = None
-        first_choice: int | None = None
+        first_choice: ReplicaState | None = None
         for _ in range(cfg.max_attempts):
-            decision = self.policy.pick(key, last, tried)
+            decision = self.policy.pick(key, last, {r.index for r in tried if r.index is not None})
             if decision is None:
                 break
             replica = self.fleet.replicas[decision.index]
-            tried.add(decision.index)
+            tried.append(replica)
             if first_choice is None:
-                first_choice = decision.index
+                first_choice = replica
             extra = {cfg.replica_header: replica.id} if cfg.replica_header else {}
             self.fleet.acquire(replica)
             try:
@@ -201,7 +201,7 @@ class Router:
         replica: ReplicaState,
         decision: Decision,
         result: Outcome,
-        first_choice: int | None,
+        first_choice: ReplicaState | None,
     ) -> None:
         m = self.metrics
         if result.prompt_tokens:
@@ -212,7 +212,7 @@ class Router:
         if result.stream_error:
             replica.errors += 1
             m.child(m.stream_errors, replica.id).inc()
-        if decision.index != first_choice:
+        if replica is not first_choice:
             m.failovers.inc()
         if key.kind != "none" and result.status < 400:
             if last is not None:
