@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class RouterConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 POLICIES = ("affinity", "consistent_hash", "round_robin", "least_load")
 
 
@@ -124,7 +126,9 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 return float(value)
             except ValueError:
                 raise ValueError(f"expected a number, got {value!r}") from None
-        return str(value)
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        return value
     except (TypeError, ValueError) as exc:
         raise ConfigError(name, source, str(exc)) from None
 
@@ -166,8 +170,12 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
         raise bad("replicas", f"replica id {dup!r} appears twice (name them: NAME=URL)")
-    if cfg.replica_header and not cfg.replica_header.isascii():
-        raise bad("replica_header", "must be an ASCII header name, or empty to turn it off")
+    if cfg.replica_header and not HEADER_TOKEN.fullmatch(cfg.replica_header):
+        raise bad("replica_header", "must be an HTTP header name (letters, digits, -), or empty to turn it off")
+    urls = [r.url for r in cfg.replicas]
+    dup_url = next((u for u in urls if urls.count(u) > 1), None)
+    if dup_url is not None:
+        raise bad("replicas", f"{dup_url} is listed twice (a retry could go back to the same replica)")
     return cfg
 
 
@@ -197,8 +205,9 @@ def load(
             sources[name] = key
     for name, value in (cli or {}).items():
         if value is not None:
-            values[name] = _coerce(name, value, "--" + name.replace("_", "-"))
-            sources[name] = "--" + name.replace("_", "-")
+            flag = "--replica" if name == "replicas" else "--" + name.replace("_", "-")
+            values[name] = _coerce(name, value, flag)
+            sources[name] = flag
     return validate(RouterConfig(**values), sources)
 
 

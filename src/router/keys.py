@@ -20,6 +20,8 @@ from typing import Any
 from router.ring import xxh3_64
 
 KINDS = ("header", "body", "prefix", "none")
+MAX_PARTS = 64  # content parts looked at for a fingerprint: bounded work whatever the body holds
+MAX_MESSAGES = 64  # messages skipped looking for the first non-system one
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,15 @@ def _field(body: Mapping[str, Any], dotted: str) -> Any:
 def _text_of(content: Any, limit: int) -> str:
     if isinstance(content, str):
         return content[:limit]
-    if isinstance(content, list):  # content parts: take the text ones
-        out = []
-        for part in content:
+    if isinstance(content, list):  # content parts: the text ones, until `limit` characters
+        out: list[str] = []
+        have = 0
+        for part in content[:MAX_PARTS]:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
                 out.append(part["text"])
-            if sum(map(len, out)) >= limit:
-                break
+                have += len(part["text"])
+                if have >= limit:
+                    break
         return "".join(out)[:limit]
     return ""
 
@@ -84,7 +88,7 @@ def prefix_text(body: Mapping[str, Any], limit: int) -> str:
     """The stable start of a conversation: the first non-system message, else the prompt or input."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        for message in messages:
+        for message in messages[:MAX_MESSAGES]:
             if isinstance(message, Mapping) and message.get("role") not in ("system", "developer"):
                 text = _text_of(message.get("content"), limit)
                 if text:

@@ -7,6 +7,7 @@ session_jumps / session_followups.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -78,6 +79,11 @@ class RouterMetrics:
         self.failovers = made["router_failovers"]
         self.stream_errors = made["router_stream_errors"]
         self._children: dict[tuple[Any, ...], Any] = {}
+
+    def forget_replica(self, replica: str) -> None:
+        """A replica left: its in-flight gauge goes (counters keep their history)."""
+        with contextlib.suppress(KeyError):
+            self.inflight.remove(replica)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """metric.labels(*labels), memoised: the label lookup costs more than the increment."""

@@ -87,17 +87,23 @@ async def sse_upstream() -> AsyncIterator[Callable[..., Any]]:
     runners: list[web.AppRunner] = []
 
     async def start(
-        chunks: list[bytes], delay: float = 0.0, headers: dict[str, str] | None = None
+        chunks: list[bytes],
+        delay: float = 0.0,
+        headers: dict[str, str] | None = None,
+        status: int = 200,
+        content_type: str = "text/event-stream",
+        hold_open: float = 0.0,
     ) -> tuple[str, list[dict[str, str]]]:
         seen: list[dict[str, str]] = []
 
         async def handler(request: web.Request) -> web.StreamResponse:
             seen.append(dict(request.headers))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **(headers or {})})
+            resp = web.StreamResponse(status=status, headers={"Content-Type": content_type, **(headers or {})})
             await resp.prepare(request)
             for chunk in chunks:
                 await resp.write(chunk)
                 await asyncio.sleep(delay)
+            await asyncio.sleep(hold_open)  # an upstream that keeps the response open after its last bytes
             return resp
 
         app = web.Application()

@@ -35,6 +35,7 @@ async def call(
         s.post(
             url + path,
             data=raw if raw is not None else orjson.dumps(body),
+            allow_redirects=False,
             headers={"Content-Type": "application/json"} | (headers or {}),
         ) as r,
     ):
@@ -356,10 +357,12 @@ async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) 
 
 def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
     import os
+    import queue
     import signal
     import socket
     import subprocess
     import sys
+    import threading
     import time
     import urllib.request
 
@@ -374,7 +377,10 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
     )
     try:
         assert proc.stdout is not None
-        head = [proc.stdout.readline() for _ in range(4)]
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+        # bounded: a wedged start fails the test instead of hanging the suite
+        head = [lines.get(timeout=30) for _ in range(4)]
         assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (affinity, 2 replicas)")
         assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2]
         request = urllib.request.Request(
@@ -423,3 +429,121 @@ async def test_tcp_nodelay_on_both_legs(start_fleet) -> None:  # type: ignore[no
             await resp.read()
     finally:
         await runner.cleanup()
+
+
+def sse_events(body: bytes) -> list[bytes]:
+    return [e for e in body.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
+
+
+async def test_crlf_streams_are_framed_forwarded_and_finished(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
+    events = [
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\r\n\r\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":3}}}\r\n\r\n',
+        b"data:[DONE]\r\n\r\n",
+    ]
+    upstream, seen = await sse_upstream(events, delay=0.01)
+    router, url = await start_router([f"up={upstream}"])
+    status, _, body = await call(url, chat("x", stream=True))  # the client did not ask for usage
+    assert status == 200 and body == events[0] + events[2]  # byte for byte, the injected usage event gone
+    assert router.fleet.replicas[0].prompt_tokens == 7 and router.fleet.replicas[0].cached_tokens == 3
+    assert router.metrics.stream_errors.labels("up")._value.get() == 0
+    assert seen[0]["Accept-Encoding"] == "identity"  # replicas are never asked to compress
+
+
+@pytest.mark.parametrize("done", [b"data: [DONE]", b"data:[DONE]\n"])
+async def test_done_without_its_blank_line_is_still_done(start_router, sse_upstream, done: bytes) -> None:  # type: ignore[no-untyped-def]
+    upstream, _ = await sse_upstream([b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', done])
+    _, url = await start_router([upstream])
+    _, _, body = await call(url, chat("x", stream=True))
+    assert b'"error"' not in body and body.endswith(done)
+
+
+async def test_nothing_after_done_is_waited_for(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
+    upstream, _ = await sse_upstream([b'data: {"choices":[]}\n\n', b"data: [DONE]\n\n"], hold_open=5.0)
+    router, url = await start_router([f"up={upstream}"], idle_timeout_s=30)
+    _, _, body = await asyncio.wait_for(call(url, chat("x", stream=True)), 4)  # not the 5 s the upstream holds on
+    assert b'"error"' not in body and router.fleet.replicas[0].inflight == 0
+
+
+async def test_a_cut_off_event_is_dropped_before_the_error_event(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
+    upstream, _ = await sse_upstream([b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b'data: {"choices":[{"del'])
+    _, url = await start_router([upstream])
+    _, _, body = await call(url, chat("x", stream=True))
+    events = sse_events(body)
+    assert events[-1] == b"data: [DONE]"
+    assert orjson.loads(events[-2][6:])["error"]["message"] == "upstream closed the stream early"
+    assert all(orjson.loads(e[6:]) for e in events[:-1])  # every event is whole JSON
+
+
+async def test_total_timeout_ends_a_long_stream_with_an_error_event(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
+    chunks = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'] * 40
+    upstream, _ = await sse_upstream(chunks, delay=0.05)
+    _, url = await start_router([upstream], total_timeout_s=0.5, idle_timeout_s=5)
+    _, _, body = await asyncio.wait_for(call(url, chat("x", stream=True)), 5)
+    events = sse_events(body)
+    assert events[-1] == b"data: [DONE]" and b"total time-out" in events[-2]
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type"),
+    [(404, "application/json"), (429, "application/json"), (204, "application/json"), (302, "text/plain")],
+)
+async def test_answers_without_a_body_and_redirects_pass_through(
+    start_router, sse_upstream, status: int, content_type: str
+) -> None:
+    upstream, seen = await sse_upstream(
+        [],
+        status=status,
+        content_type=content_type,
+        headers={"Location": "http://127.0.0.1:9/elsewhere"} if status == 302 else None,
+    )
+    other, other_seen = await sse_upstream([b"data: [DONE]\n\n"])
+    router, url = await start_router([f"a={upstream}", f"b={other}"], policy="consistent_hash")
+    key = next(f"k{i}" for i in range(100) if router.fleet.ring.lookup(f"k{i}".encode()) == 0)
+    got, _, _ = await call(url, chat("x"), {"X-Session-ID": key})
+    assert got == status and len(seen) == 1 and other_seen == []  # not retried, redirect not followed
+
+
+async def test_odd_usage_figures_never_break_the_answer(start_router, sse_upstream) -> None:  # type: ignore[no-untyped-def]
+    bad = b'{"choices":[],"usage":{"prompt_tokens":-5,"prompt_tokens_details":{"cached_tokens":99}}}'
+    upstream, _ = await sse_upstream([bad], content_type="application/json")
+    router, url = await start_router([f"up={upstream}"])
+    status, _, body = await call(url, chat("x"))
+    assert status == 200 and body == bad
+    assert router.fleet.replicas[0].prompt_tokens == 0 and router.fleet.replicas[0].cached_tokens == 0
+
+
+async def test_admin_odd_bytes_and_raw_keys(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    router, url = await start_router(named(fleet.replicas), admin_token="t0k", policy="round_robin")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(
+            url + "/admin/replicas",
+            headers={"Authorization": "Bearer t\udcff0k".encode("utf-8", "surrogateescape").decode("latin-1")},
+        ) as r:
+            assert r.status == 401
+        async with s.get(url + "/admin/route?key=%FFsess", headers={"Authorization": "Bearer t0k"}) as r:
+            route = await r.json()
+        assert route["hash"] == router.fleet.ring.key_hash(b"\xffsess")
+        assert route["replica"] is None and "does not route by key" in route["reason"]
+
+
+async def test_a_replica_removed_during_a_retry_walk_does_not_confuse_it(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    router, url = await start_router(
+        named(fleet.replicas), policy="consistent_hash", first_byte_timeout_s=0.5, admin_token="t"
+    )
+    ids = [r.options.replica_id for r in fleet.replicas]
+    # a key owned by replica 1 whose ring successor is replica 2
+    key = next(f"k{i}" for i in range(2000) if router.fleet.ring.successors(f"k{i}".encode(), 3)[:2] == [1, 2])
+    fleet.replicas[1].set_faults({"hang": True})
+    request = asyncio.ensure_future(call(url, chat("x"), {"X-Session-ID": key}))
+    await asyncio.sleep(0.2)  # the first attempt is waiting on the hung replica
+    async with (
+        aiohttp.ClientSession() as s,
+        s.delete(url + f"/admin/replicas/{ids[0]}", headers={"Authorization": "Bearer t"}) as r,
+    ):
+        assert r.status == 200  # indices shift: replica 1 becomes 0, replica 2 becomes 1
+    status, headers, _ = await asyncio.wait_for(request, 5)
+    assert status == 200 and headers["X-Router-Replica"] == ids[2]
+    fleet.replicas[1].set_faults({"hang": False})

@@ -41,9 +41,11 @@ def test_lists_and_booleans_from_the_environment() -> None:
     [
         ({}, {"replicas": ["http://a:1"], "port": 70000}, "port", "--port"),
         ({"ROUTER_POLICY": "fastest"}, {"replicas": ["http://a:1"]}, "policy", "ROUTER_POLICY"),
-        ({}, {"replicas": ["ftp://a:1"]}, "replicas", "--replicas"),
+        ({}, {"replicas": ["ftp://a:1"]}, "replicas", "--replica"),
         ({}, {}, "replicas", "default"),
-        ({}, {"replicas": ["http://a:1", "http://a:1"]}, "replicas", "--replicas"),
+        ({}, {"replicas": ["http://a:1", "http://a:1"]}, "replicas", "--replica"),
+        ({}, {"replicas": ["a=http://h:1", "b=http://h:1"]}, "replicas", "--replica"),
+        ({"ROUTER_REPLICA_HEADER": "X Bad"}, {"replicas": ["http://a:1"]}, "replica_header", "ROUTER_REPLICA_HEADER"),
         ({"ROUTER_BOUNDED_LOAD_C": "0.5"}, {"replicas": ["http://a:1"]}, "bounded_load_c", "ROUTER_BOUNDED_LOAD_C"),
         ({"ROUTER_VNODES": "many"}, {"replicas": ["http://a:1"]}, "vnodes", "ROUTER_VNODES"),
         ({"ROUTER_LOG_REQUESTS": "maybe"}, {"replicas": ["http://a:1"]}, "log_requests", "ROUTER_LOG_REQUESTS"),
@@ -68,6 +70,10 @@ def test_bad_files(tmp_path: Path) -> None:
         load(str(unknown), {}, {})
     with pytest.raises(ConfigError, match="invalid setting 'config'"):
         load(str(tmp_path / "missing.toml"), {}, {})
+    wrong_type = tmp_path / "wrong.toml"
+    wrong_type.write_text('replicas = ["http://a:1"]\nhost = ["x"]\n')
+    with pytest.raises(ConfigError, match=r"invalid setting 'host'.*expected a string"):
+        load(str(wrong_type), {}, {})
 
 
 def test_replica_urls() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote_to_bytes
 
 import orjson
 from aiohttp import web
@@ -16,6 +17,8 @@ from aiohttp import web
 from router.config import parse_replica
 from router.errors import error_response
 from router.keys import RoutingKey, bounded_key
+
+KEYED_POLICIES = ("affinity", "consistent_hash")
 
 if TYPE_CHECKING:
     from router.proxy.app import Router
@@ -48,7 +51,8 @@ class AdminApi:
                 )
             given = request.headers.get("Authorization", "")
             scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            offered = value.strip().encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(offered, token.encode()):
                 return error_response(
                     "missing or wrong admin token", 401, "authentication_error", headers={"WWW-Authenticate": "Bearer"}
                 )
@@ -98,6 +102,7 @@ class AdminApi:
         except KeyError:
             return error_response(f"no replica {rid!r}", 404, "not_found")
         self.router.sessions.forget_replica(rid)
+        self.router.metrics.forget_replica(rid)
         return _json({"removed": rid, "moved_share": sum(m.width for m in moved) / 2**64})
 
     async def drain_replica(self, request: web.Request) -> web.Response:
@@ -111,16 +116,23 @@ class AdminApi:
         return _json(self._replica_json(replica.index))
 
     async def explain_route(self, request: web.Request) -> web.Response:
-        raw = request.query.get("key")
-        if raw is None or raw == "":
+        # the key's raw bytes, percent-decoded: a session key need not be UTF-8
+        raw_key = next(
+            (
+                unquote_to_bytes(v)
+                for k, _, v in (part.partition("=") for part in request.rel_url.raw_query_string.split("&"))
+                if unquote_to_bytes(k) == b"key"
+            ),
+            b"",
+        )
+        if not raw_key:
             return error_response("give the routing key as ?key=...", param="key")
         router = self.router
         fleet, ring = router.fleet, router.fleet.ring
-        key = RoutingKey(
-            bounded_key(raw.encode("utf-8", "surrogateescape"), router.config.max_key_bytes), "header", "query"
-        )
+        key = RoutingKey(bounded_key(raw_key, router.config.max_key_bytes), "header", "query")
         last = router.sessions.get(key.key)
-        decision = router.policy.pick(key, last, set())
+        # round_robin and least_load ignore keys, and asking them would move their rotation
+        decision = router.policy.pick(key, last, set()) if router.policy.name in KEYED_POLICIES else None
         located = ring.locate(key.key)
         cap = ring.load_cap(fleet.loads, router.config.bounded_load_c) if len(fleet) else 0
         walk = []
@@ -133,9 +145,15 @@ class AdminApi:
                 break
         return _json(
             {
-                "key": raw,
+                "key": raw_key.decode("utf-8", "backslashreplace"),
                 "replica": fleet.replicas[decision.index].id if decision else None,
-                "reason": decision.reason if decision else "no replica can serve",
+                "reason": decision.reason
+                if decision
+                else (
+                    "no replica can serve"
+                    if router.policy.name in KEYED_POLICIES
+                    else f"the {router.policy.name} policy does not route by key"
+                ),
                 "policy": router.policy.name,
                 "hash": ring.key_hash(key.key),
                 "vnode": None if located is None else {"origin": fleet.replicas[located[1]].id, "number": located[2]},

@@ -143,7 +143,11 @@ class Router:
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
         failure: Retry | None = None
         first_choice: ReplicaState | None = None
+        loop = asyncio.get_running_loop()
         for _ in range(cfg.max_attempts):
+            if loop.time() >= deadline:
+                failure = failure or Retry("timeout", 504)
+                break  # no replica is charged for an attempt that was never made
             decision = self.policy.pick(key, last, {r.index for r in tried if r.index is not None})
             if decision is None:
                 break
@@ -167,7 +171,7 @@ class Router:
                     t0,
                 )
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
-                self.metrics.child(self.metrics.requests, replica.id, self.policy.name, key.kind, "499").inc()
+                self._finish(request, web.Response(status=499), replica, key, decision, t0, None, len(tried))
                 raise
             finally:
                 self.fleet.release(replica)

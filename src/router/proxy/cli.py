@@ -111,8 +111,8 @@ async def serve(config: RouterConfig) -> None:
         handle_signals=False,
         access_log=None,
         handler_cancellation=True,
-        max_field_size=config.max_header_bytes * 2,
-        max_line_size=config.max_header_bytes * 2,
+        max_field_size=max(config.max_header_bytes * 4, 65536),
+        max_line_size=max(config.max_header_bytes * 4, 65536),
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ HOP_BY_HOP = frozenset(
     )
 )
 RESPONSE_DROP = HOP_BY_HOP | {"content-length", "date", "server"}
+FINAL_WRITE_GRACE_S = 1.0
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Timeouts:
 
 
 def forward_headers(request: web.Request) -> dict[str, str]:
-    drop = set(HOP_BY_HOP)
+    drop = set(HOP_BY_HOP) | {"accept-encoding", "content-encoding"}
     connection = request.headers.get("Connection")
     if connection:
         drop.update(h.strip().lower() for h in connection.split(","))
@@ -89,19 +91,10 @@ def forward_headers(request: web.Request) -> dict[str, str]:
     prior = request.headers.get("X-Forwarded-For")
     out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
     out["Content-Type"] = "application/json"
+    # streams are framed and usage is read, so replicas must not compress; and the body we send is
+    # the decoded (or re-serialised) one, so the client's Content-Encoding no longer applies
+    out["Accept-Encoding"] = "identity"
     return out
-
-
-def _usage_of(obj: Any) -> tuple[int, int] | None:
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-    try:
-        return int(usage.get("prompt_tokens") or 0), int(cached or 0)
-    except (TypeError, ValueError):
-        return None
 
 
 async def attempt(
@@ -119,13 +112,13 @@ async def attempt(
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
-    if deadline - loop.time() <= 0:
-        return Retry("timeout", 504)
     upstream: aiohttp.ClientResponse | None = None
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)) as timer:
-                upstream = await client.post(url, data=body, headers=headers, timeout=timeouts.upstream)
+                upstream = await client.post(
+                    url, data=body, headers=headers, timeout=timeouts.upstream, allow_redirects=False
+                )
                 if upstream.status >= 500:
                     timer.reschedule(min(loop.time() + timeouts.idle_s, deadline))
                     try:
@@ -139,9 +132,9 @@ async def attempt(
                 first = await upstream.content.readany()
         except TimeoutError:
             return Retry("timeout", 504)
+        except aiohttp.ClientConnectorError:
+            return Retry("connect", 502)
         except (aiohttp.ClientError, OSError):
-            return Retry("connect" if upstream is None else "reset", 502)
-        if not first:
             return Retry("reset", 502)
         return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0)
     finally:
@@ -150,6 +143,19 @@ async def attempt(
                 upstream.release()  # read to the end: the keep-alive connection goes back to the pool
             else:
                 upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
+
+
+def _usage_of(obj: Any) -> tuple[int, int] | None:
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    try:
+        prompt = max(int(usage.get("prompt_tokens") or 0), 0)
+        return prompt, min(max(int(cached or 0), 0), prompt)  # a replica's odd figures never go negative
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 async def _relay(
@@ -167,16 +173,16 @@ async def _relay(
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
     headers.update(extra_headers)
     idle = timeouts.idle_s
-    if not content_type.startswith("text/event-stream"):
+    streaming = content_type.startswith("text/event-stream")
+    if not first and streaming:
+        return Retry("reset", 502)  # a stream that ended before its first byte: another replica may do better
+    if not streaming:
         chunks = [first]
         try:
             async with asyncio.timeout_at(None) as timer:
-                while True:
+                while chunks[-1]:
                     timer.reschedule(min(loop.time() + idle, deadline))
-                    chunk = await upstream.content.readany()
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
+                    chunks.append(await upstream.content.readany())
         except TimeoutError:
             return Retry("timeout", 504)
         except (aiohttp.ClientError, OSError):
@@ -193,13 +199,48 @@ async def _relay(
                 outcome.prompt_tokens, outcome.cached_tokens = usage
         return outcome
     resp = web.StreamResponse(status=upstream.status, headers=headers)
-    await resp.prepare(request)
     outcome = Outcome(resp, upstream.status)
     framer = _SseFramer(strip_usage)
-    chunk = first
-    # The idle timer is moved only when a quarter of the idle time has passed since it was last
-    # set, to 1.25 x idle: a stream that goes quiet is cut between idle and 1.25 x idle after its
-    # last chunk, and a busy stream costs a clock read per chunk instead of a timer per chunk.
+    transport = request.transport
+    try:
+        # the whole request, client writes included; the grace lets an expired stream still send its error event
+        async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
+            await resp.prepare(request)
+            await _pump(upstream, resp, first, framer, outcome, idle, deadline, transport, t0)
+            tail = framer.pending()
+            if outcome.stream_error is None and not framer.done:
+                outcome.stream_error = "upstream closed the stream early"
+            if tail and outcome.stream_error is None:
+                await resp.write(tail)  # the last event, sent without its blank line
+            if outcome.stream_error:
+                # a cut-off event is dropped, so the error event stands on its own
+                await resp.write(sse_error_event(outcome.stream_error))
+            await resp.write_eof()
+    except TimeoutError:
+        outcome.stream_error = outcome.stream_error or "the request's total time-out expired"
+        if transport is not None:
+            transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
+    if framer.usage:
+        outcome.prompt_tokens, outcome.cached_tokens = framer.usage
+    return outcome
+
+
+async def _pump(
+    upstream: aiohttp.ClientResponse,
+    resp: web.StreamResponse,
+    chunk: bytes,
+    framer: _SseFramer,
+    outcome: Outcome,
+    idle: float,
+    deadline: float,
+    transport: Any,
+    t0: float,
+) -> None:
+    """Upstream to client until `[DONE]` or the end. The idle timer covers upstream reads only: it is
+    moved only when a quarter of the idle time has passed since it was last set, to 1.25 x idle (a
+    quiet upstream is cut between idle and 1.25 x idle after its last chunk, and a busy stream costs
+    a clock read per chunk instead of a timer), and paused while a slow client drains a write."""
+    loop = asyncio.get_running_loop()
     slack = idle / 4
     try:
         async with asyncio.timeout_at(min(loop.time() + idle + slack, deadline)) as timer:
@@ -207,58 +248,78 @@ async def _relay(
             while chunk:
                 out = framer.feed(chunk)
                 if out:
+                    if transport is not None and transport.get_write_buffer_size():
+                        timer.reschedule(deadline)  # the client is slow: that is not upstream silence
+                        moved = -idle
                     await resp.write(out)
                     if outcome.ttft_s is None:
                         outcome.ttft_s = time.monotonic() - t0
+                if framer.done:
+                    break
                 now = loop.time()
                 if now - moved > slack:
                     timer.reschedule(min(now + idle + slack, deadline))
                     moved = now
                 chunk = await upstream.content.readany()
-        tail = framer.flush()
-        if tail:
-            await resp.write(tail)
-        if not framer.done:
-            outcome.stream_error = "upstream closed the stream early"
+            if framer.done and not upstream.content.at_eof():
+                # nothing may follow [DONE]; read the response's end so the connection can be reused
+                timer.reschedule(min(loop.time() + min(idle, 1.0), deadline))
+                while await upstream.content.readany():
+                    pass
     except TimeoutError:
-        outcome.stream_error = "upstream stopped sending (idle time-out)"
+        if not framer.done:
+            outcome.stream_error = (
+                "the request's total time-out expired"
+                if loop.time() >= deadline
+                else "upstream stopped sending (idle time-out)"
+            )
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError):
-        outcome.stream_error = "upstream connection lost mid-stream"
-    if outcome.stream_error:
-        await resp.write(sse_error_event(outcome.stream_error))
-    if framer.usage:
-        outcome.prompt_tokens, outcome.cached_tokens = framer.usage
-    await resp.write_eof()
-    return outcome
+        if not framer.done:
+            outcome.stream_error = "upstream connection lost mid-stream"
+
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # the blank line that ends an SSE event, any line ending
+_EVENT = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r)", re.DOTALL)
+_DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
 
 
 class _SseFramer:
-    """Splits a byte stream into SSE events; reads usage, drops the injected usage event."""
+    """Splits a byte stream into SSE events (any of the spec's line endings); reads usage, drops
+    the injected usage event, notices `[DONE]`. Events are forwarded byte for byte."""
 
-    __slots__ = ("_buf", "done", "strip_usage", "usage")
+    __slots__ = ("_buf", "_scanned", "done", "strip_usage", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
-        self._buf = b""
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for an event end
         self.strip_usage = strip_usage
         self.usage: tuple[int, int] | None = None
         self.done = False
 
     def feed(self, chunk: bytes) -> bytes:
-        buf = self._buf + chunk if self._buf else chunk
-        end = buf.rfind(b"\n\n")
+        buf = self._buf
+        buf += chunk
+        end = -1
+        # only the new bytes (and the three before them) can hold a new event end: linear overall
+        for m in _EVENT_END.finditer(buf, max(0, self._scanned - 3)):
+            end = m.end()
         if end < 0:
-            self._buf = buf
+            self._scanned = len(buf)
             return b""
-        complete, self._buf = buf[: end + 2], buf[end + 2 :]
-        if complete.startswith(b"data: [DONE]") or b"\n\ndata: [DONE]" in complete:
+        complete = bytes(buf[:end])
+        del buf[:end]
+        self._scanned = len(buf)
+        if not self.done and _DONE.search(complete):
             self.done = True
         if b'"usage"' not in complete:
             return complete  # the common case: forward untouched
         kept = []
-        for event in complete.split(b"\n\n")[:-1]:
-            if b'"usage"' in event and event.startswith(b"data:"):
+        for m in _EVENT.finditer(complete):
+            event = m.group(1)
+            body = event.strip()
+            if b'"usage"' in body and body.startswith(b"data:"):
                 try:
-                    obj = orjson.loads(event[5:].strip())
+                    obj = orjson.loads(body[5:].strip())
                 except orjson.JSONDecodeError:
                     obj = None
                 usage = _usage_of(obj)
@@ -266,9 +327,14 @@ class _SseFramer:
                     self.usage = usage
                     if self.strip_usage and not obj.get("choices"):
                         continue
-            kept.append(event + b"\n\n")
+            kept.append(m.group(0))
         return b"".join(kept)
 
-    def flush(self) -> bytes:
-        rest, self._buf = self._buf, b""
+    def pending(self) -> bytes:
+        """Bytes after the last complete event (a cut-off event, or a last one without its blank line)."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        self._scanned = 0
+        if not self.done and _DONE.search(rest):
+            self.done = True
         return rest
