@@ -298,6 +298,13 @@ class _SseFramer:
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._buf
+        if not buf and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
+            if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
+                self.done = True
+            if b'"usage"' not in chunk:
+                return chunk
+            return self._filter(chunk)
         buf += chunk
         end = -1
         # only the new bytes (and the three before them) can hold a new event end: linear overall
@@ -309,10 +316,14 @@ class _SseFramer:
         complete = bytes(buf[:end])
         del buf[:end]
         self._scanned = len(buf)
-        if not self.done and _DONE.search(complete):
+        if b"[DONE]" in complete and not self.done and _DONE.search(complete):
             self.done = True
         if b'"usage"' not in complete:
-            return complete  # the common case: forward untouched
+            return complete  # forward untouched
+        return self._filter(complete)
+
+    def _filter(self, complete: bytes) -> bytes:
+        """Read the usage event out of whole events; drop it if the router injected the request."""
         kept = []
         for m in _EVENT.finditer(complete):
             event = m.group(1)
