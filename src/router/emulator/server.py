@@ -23,6 +23,7 @@ from aiohttp import web
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
 from router.emulator.metrics import ReplicaMetrics
 from router.emulator.tokenizer import PromptError, generated_text, render_chat
+from router.errors import error_response
 
 REPLICA_HEADER = "X-Replica-Id"
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -85,17 +86,6 @@ class ReplicaOptions:
     stream_interval: int = 1  # tokens per streamed chunk
     default_max_tokens: int = 256
     seed: int = 0
-
-
-def error_body(message: str, kind: str, status: int, param: str | None = None) -> bytes:
-    """An OpenAI-shaped error object."""
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
-
-
-def error_response(
-    message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None
-) -> web.Response:
-    return web.Response(status=status, body=error_body(message, kind, status, param), content_type="application/json")
 
 
 class _Dropped(Exception):
