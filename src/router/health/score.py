@@ -1,0 +1,85 @@
+"""The health score: one pure function from a replica's signals to a number in [0, 1].
+
+Each signal becomes a penalty in [0, 1] that is 0 while the signal is normal and grows linearly to
+1 between two thresholds; the score is the product of (1 - weight x penalty) over the signals, so
+one alarming signal is enough to sink it and several mild ones add up. A failed probe scores 0. A
+missing signal (None) carries no penalty: not knowing is not being sick.
+
+| signal | penalty 0 at | penalty 1 at | why |
+|---|---|---|---|
+| queue: requests waiting | 8 | 64 | a queue means the engine cannot admit work |
+| memory: KV usage while requests wait | 0.90 | 1.00 | full KV with a queue is pressure; without, just busy |
+| fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
+| error rate (router-observed) | 0.05 | 0.50 | failing requests |
+| latency: time per token vs the fleet's median | 2x | 4x | a replica much slower than its peers on the same work |
+
+Worked example: waiting = 36 (queue penalty 0.5), everything else normal, default weights 1:
+score = 1 - 0.5 = 0.5. A busy replica (running 200, KV 97% full, nothing waiting) scores 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HealthInputs:
+    probe_ok: bool = True
+    waiting: float | None = None
+    kv_usage: float | None = None
+    fragmentation: float | None = None
+    error_rate: float | None = None
+    latency_ratio: float | None = None  # replica's time per token / the fleet's median
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    queue: float = 1.0
+    memory: float = 1.0
+    fragmentation: float = 0.5
+    errors: float = 1.0
+    latency: float = 1.0
+    queue_from: float = 8.0
+    queue_to: float = 64.0
+    memory_from: float = 0.90
+    memory_to: float = 1.00
+    fragmentation_from: float = 0.30
+    fragmentation_to: float = 0.80
+    errors_from: float = 0.05
+    errors_to: float = 0.50
+    latency_from: float = 2.0
+    latency_to: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("queue", "memory", "fragmentation", "errors", "latency"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"weight {name} must be in [0, 1]")
+            if not getattr(self, f"{name}_from") < getattr(self, f"{name}_to"):
+                raise ValueError(f"{name}_from must be below {name}_to")
+
+
+def ramp(value: float | None, start: float, end: float) -> float:
+    """0 at or below `start`, 1 at or above `end`, linear between; 0 for a missing value."""
+    if value is None or value <= start:
+        return 0.0
+    if value >= end:
+        return 1.0
+    return (value - start) / (end - start)
+
+
+def health_score(inputs: HealthInputs, weights: ScoreWeights | None = None) -> float:
+    if not inputs.probe_ok:
+        return 0.0
+    w = weights or ScoreWeights()
+    waiting = inputs.waiting or 0.0
+    penalties = (
+        (w.queue, ramp(inputs.waiting, w.queue_from, w.queue_to)),
+        (w.memory, ramp(inputs.kv_usage, w.memory_from, w.memory_to) if waiting > 0 else 0.0),
+        (w.fragmentation, ramp(inputs.fragmentation, w.fragmentation_from, w.fragmentation_to)),
+        (w.errors, ramp(inputs.error_rate, w.errors_from, w.errors_to)),
+        (w.latency, ramp(inputs.latency_ratio, w.latency_from, w.latency_to)),
+    )
+    score = 1.0
+    for weight, penalty in penalties:
+        score *= 1.0 - weight * penalty
+    return min(max(score, 0.0), 1.0)

@@ -1,0 +1,130 @@
+"""Health: engine signal parsing, the score function, and the state machine's hysteresis."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.health.score import HealthInputs, ScoreWeights, health_score, ramp
+from router.health.signals import EngineStats, parse_engine_metrics
+from router.health.states import Hysteresis, ReplicaHealth
+
+VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 12.0
+vllm:num_requests_running{engine="1",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.41
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.87
+vllm:prefix_cache_queries_total{model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{model_name="m"} 640.0
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0
+"""
+
+
+def test_vllm_metrics() -> None:
+    stats = parse_engine_metrics(VLLM)
+    assert stats == EngineStats(waiting=4.0, running=15.0, kv_usage=0.87, prefix_queries=1000.0, prefix_hits=640.0)
+
+
+def test_older_vllm_sglang_and_missing_figures() -> None:
+    old = parse_engine_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    assert old.kv_usage == 0.5 and old.waiting is None and old.running is None  # missing, not zero
+    sglang = parse_engine_metrics("sglang:num_queue_reqs 7\nsglang:num_running_reqs 30\nsglang:token_usage 0.9\n")
+    assert (sglang.waiting, sglang.running, sglang.kv_usage) == (7.0, 30.0, 0.9)
+    assert parse_engine_metrics("") == EngineStats()
+    junk = 'vllm:num_requests_waiting\nvllm:num_requests_waiting{a="b"} NaN\nvllm:num_requests_running x\n{}\n'
+    assert parse_engine_metrics(junk) == EngineStats()
+
+
+def test_score_is_one_for_a_busy_but_healthy_replica() -> None:
+    assert (
+        health_score(HealthInputs(waiting=0, kv_usage=0.97, fragmentation=0.1, error_rate=0.0, latency_ratio=1.2))
+        == 1.0
+    )
+    assert health_score(HealthInputs()) == 1.0  # nothing known: nothing held against it
+    assert health_score(HealthInputs(probe_ok=False, waiting=0)) == 0.0
+
+
+def test_score_penalties_match_the_documented_example() -> None:
+    assert health_score(HealthInputs(waiting=36)) == pytest.approx(0.5)
+    assert health_score(HealthInputs(waiting=64)) == 0.0
+    assert health_score(HealthInputs(waiting=8)) == 1.0
+    # memory counts only while requests wait
+    assert health_score(HealthInputs(waiting=1, kv_usage=0.95)) == pytest.approx(0.5)
+    assert health_score(HealthInputs(error_rate=0.275)) == pytest.approx(0.5)
+    assert health_score(HealthInputs(latency_ratio=3.0)) == pytest.approx(0.5)
+    both = health_score(HealthInputs(waiting=36, latency_ratio=3.0))
+    assert both == pytest.approx(0.25)  # mild signals add up
+    light = ScoreWeights(latency=0.5)
+    assert health_score(HealthInputs(latency_ratio=4.0), light) == pytest.approx(0.5)
+
+
+def test_ramp_and_weight_validation() -> None:
+    assert (ramp(None, 0, 1), ramp(-1, 0, 1), ramp(0.25, 0, 1), ramp(9, 0, 1)) == (0, 0, 0.25, 1)
+    with pytest.raises(ValueError):
+        ScoreWeights(queue=1.5)
+    with pytest.raises(ValueError):
+        ScoreWeights(queue_from=10, queue_to=5)
+    with pytest.raises(ValueError):
+        Hysteresis(remove_below=0.8, return_above=0.7)
+
+
+def test_removal_needs_k_low_scores_in_a_row() -> None:
+    h = ReplicaHealth(Hysteresis(remove_after=3))
+    assert h.observe(0.3, 0) == "suspect"
+    assert h.observe(0.3, 1) is None and h.state == "suspect"
+    assert h.observe(0.6, 2) == "healthy"  # the streak is broken
+    for t, expect in ((3, "suspect"), (4, None), (5, "removed")):
+        assert h.observe(0.2, t) == expect
+    assert not h.routable and h.weight(5) == 0.0
+
+
+def test_return_needs_k_prime_high_scores_then_ramps() -> None:
+    rules = Hysteresis(return_after=2, ramp_s=10, ramp_from=0.1)
+    h = ReplicaHealth(rules, state="removed")
+    assert h.observe(0.65, 0) is None  # above remove_below but not above return_above: stays out
+    assert h.observe(0.9, 1) is None
+    assert h.observe(0.6, 2) is None  # streak broken
+    assert h.observe(0.95, 3) is None
+    assert h.observe(0.95, 4) == "recovering"
+    assert h.weight(4) == pytest.approx(0.1)
+    assert h.weight(9) == pytest.approx(0.55)  # halfway up the ramp
+    assert h.observe(0.95, 9) is None
+    assert h.observe(0.95, 14) == "healthy" and h.weight(14) == 1.0
+
+
+def test_a_relapse_during_recovery_goes_back_out() -> None:
+    h = ReplicaHealth(Hysteresis(remove_after=2, return_after=1), state="removed")
+    assert h.observe(0.9, 0) == "recovering"
+    assert h.observe(0.1, 1) is None
+    assert h.observe(0.1, 2) == "removed"
+
+
+def test_noise_around_a_threshold_never_flaps_routing() -> None:
+    rng = random.Random(7)
+    healthy = ReplicaHealth()
+    removed = ReplicaHealth(state="removed")
+    for t in range(5000):
+        # isolated dips below 0.5 (never 3 in a row) must not remove; scores hovering between the two
+        # thresholds must not bring a removed replica back
+        dip = t % 3 == 0 and rng.random() < 0.5
+        healthy.observe(0.45 if dip else rng.uniform(0.5, 1.0), t)
+        removed.observe(rng.uniform(0.5, 0.7), t)
+        assert healthy.routable and not removed.routable
+
+
+def test_degraded_replicas_take_a_smaller_share_and_drain_is_manual() -> None:
+    h = ReplicaHealth()
+    h.observe(0.45, 0)
+    assert h.state == "suspect" and h.weight(0) == pytest.approx(0.5)
+    h.observe(0.99, 1)
+    assert h.weight(1) == 1.0
+    h.drain(2)
+    assert h.observe(1.0, 3) is None and h.state == "draining" and h.weight(3) == 0.0
+    h.undrain(4)
+    assert h.state == "recovering" and h.weight(4) < 1.0
+    h.start_warming(5)
+    h.finish_warming(6)
+    assert h.state == "healthy" and h.transitions == 6
