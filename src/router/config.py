@@ -66,9 +66,6 @@ class RouterConfig:
     log_requests: bool = False
     demo: int = 0
 
-    def replica_by_id(self) -> dict[str, ReplicaSpec]:
-        return {r.id: r for r in self.replicas}
-
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
 HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

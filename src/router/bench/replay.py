@@ -360,6 +360,7 @@ def summarize(
         "later_turns": len(later),
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "cached_tokens": sum(r.cached_tokens for r in ok),
+        "completion_tokens": sum(r.completion_tokens for r in ok),
         "kv_hit_rate": kv_hit_rate(sum(r.cached_tokens for r in ok), sum(r.prompt_tokens for r in ok)),
         "kv_hit_rate_later_turns": kv_hit_rate(
             sum(r.cached_tokens for r in later), sum(r.prompt_tokens for r in later)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.emulator.kvcache import Allocation, PrefixCache
-from router.emulator.tokenizer import BYTES_PER_TOKEN, block_hashes, generated_text
+from router.emulator.tokenizer import block_hashes, count_tokens, generated_text
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class Engine:
     def new_sequence(self, prompt: bytes, max_tokens: int, now: float) -> Sequence:
         """Validate and tokenize a request; raises RequestTooLarge when it can never run."""
         cfg = self.config
-        prompt_tokens = -(-len(prompt) // BYTES_PER_TOKEN)
+        prompt_tokens = count_tokens(prompt)
         if prompt_tokens == 0:
             raise RequestTooLarge("the prompt is empty")
         if max_tokens < 1:
@@ -311,6 +311,7 @@ class Engine:
             "cached_blocks": self.cache.cached_blocks,
             "evictions": self.cache.evictions,
             "busy_seconds": self.busy_seconds,
+            "steps": self.steps,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,

@@ -44,9 +44,7 @@ class Router:
         self.policy = make_policy(config.policy, self.fleet, config)
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
         self.metrics = RouterMetrics()
-        self.timeouts = Timeouts(
-            config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s, config.total_timeout_s
-        )
+        self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.client: aiohttp.ClientSession | None = None
 
     @property

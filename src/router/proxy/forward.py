@@ -73,7 +73,6 @@ class Timeouts:
     connect_s: float
     first_byte_s: float
     idle_s: float
-    total_s: float
 
     @functools.cached_property
     def upstream(self) -> aiohttp.ClientTimeout:
