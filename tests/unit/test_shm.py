@@ -1,0 +1,125 @@
+"""The shared-memory replica table: layout round trips, attach rules, and no torn reads."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+
+from router.shm.layout import ReplicaSlot, pack, unpack
+from router.shm.table import SlotTable
+
+FULL = ReplicaSlot(
+    "gpu-7",
+    "recovering",
+    0.4,
+    0.81,
+    12,
+    waiting=3.0,
+    running=40.0,
+    kv_usage=0.9,
+    fragmentation=0.1,
+    gpu_util=0.77,
+    temperature_c=71.0,
+    mem_used=70 << 30,
+    mem_total=80 << 30,
+    throttle_reasons=4,
+    ecc_errors=0,
+    updated_at=1795962901.25,
+)
+
+
+def name() -> str:
+    return f"kvar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def test_layout_round_trips_and_keeps_missing_figures_missing() -> None:
+    assert unpack(pack(FULL)) == FULL
+    sparse = ReplicaSlot("r", "healthy", 1.0, 1.0, 0, updated_at=5.0)
+    back = unpack(pack(sparse))
+    assert back == sparse and back.mem_used is None and back.kv_usage is None  # not read is not zero
+    with pytest.raises(ValueError, match="longer than 64"):
+        pack(ReplicaSlot("x" * 65))
+    with pytest.raises(ValueError, match="unknown state"):
+        pack(ReplicaSlot("x", "sleepy"))
+
+
+def test_create_attach_write_read_and_ownership() -> None:
+    table = SlotTable.create(name(), 4)
+    try:
+        other = SlotTable.attach(table.name)
+        assert other.slots == 4 and other.read(2) == ReplicaSlot()  # never written: empty
+        table.write(2, FULL)
+        assert other.read(2) == FULL
+        with pytest.raises(IndexError):
+            other.read(4)
+        other.close()  # an attached process never unlinks
+        assert SlotTable.attach(table.name).read(2) == FULL
+    finally:
+        table.close()
+    with pytest.raises(FileNotFoundError):
+        SlotTable.attach(table.name)  # the creator did
+
+
+def test_attach_refuses_something_else() -> None:
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
+    try:
+        with pytest.raises(ValueError, match="not a version-1 replica table"):
+            SlotTable.attach(shm.name)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _hammer(segment: str, rounds: int) -> None:
+    table = SlotTable.attach(segment)
+    for k in range(rounds):
+        # every figure of the record equals k: a torn copy would mix two of them
+        table.write(
+            0,
+            ReplicaSlot(
+                f"r{k % 10}",
+                "healthy",
+                float(k),
+                float(k),
+                k,
+                waiting=float(k),
+                running=float(k),
+                kv_usage=float(k),
+                mem_used=k,
+                mem_total=k,
+                updated_at=float(k),
+            ),
+        )
+    table.close()
+
+
+def test_a_reader_never_sees_a_torn_slot_under_a_concurrent_writer() -> None:
+    table = SlotTable.create(name(), 1)
+    ctx = mp.get_context("spawn")
+    writer = ctx.Process(target=_hammer, args=(table.name, 60_000))
+    try:
+        writer.start()
+        seen = set()
+        reads = 0
+        while writer.is_alive() or reads < 1000:
+            slot = table.read(0)
+            if slot.replica_id:
+                k = slot.inflight
+                assert slot.weight == slot.score == slot.waiting == slot.running == slot.kv_usage == float(k)
+                assert slot.mem_used == slot.mem_total == k and slot.replica_id == f"r{k % 10}"
+                seen.add(k)
+            reads += 1
+            if reads > 2_000_000:
+                break
+        writer.join(timeout=60)
+        assert writer.exitcode == 0
+        assert len(seen) > 10  # the reads really overlapped the writes
+    finally:
+        if writer.is_alive():
+            writer.kill()
+        table.close()
