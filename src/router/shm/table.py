@@ -18,6 +18,12 @@ from router.shm.layout import HEADER, MAGIC, SEQ, SLOT_PAYLOAD, SLOT_SIZE, VERSI
 READ_RETRIES = 10_000
 
 
+def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
+    buf = shm.buf
+    assert buf is not None, "the shared memory segment is closed"
+    return buf
+
+
 class TornRead(RuntimeError):
     """A slot kept changing under the reader for READ_RETRIES tries (a writer died mid-write?)."""
 
@@ -27,7 +33,7 @@ class SlotTable:
         self._shm = shm
         self.slots = slots
         self.owner = owner
-        self._buf = shm.buf
+        self._buf: memoryview = _buffer(shm)
 
     @property
     def name(self) -> str:
@@ -38,8 +44,9 @@ class SlotTable:
         if not 1 <= slots <= 65536:
             raise ValueError("slots must be in 1..65536")
         shm = shared_memory.SharedMemory(name=name, create=True, size=HEADER.size + slots * SLOT_SIZE)
-        shm.buf[: HEADER.size + slots * SLOT_SIZE] = bytes(HEADER.size + slots * SLOT_SIZE)
-        HEADER.pack_into(shm.buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid())
+        buf = _buffer(shm)
+        buf[: HEADER.size + slots * SLOT_SIZE] = bytes(HEADER.size + slots * SLOT_SIZE)
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid())
         return cls(shm, slots, owner=True)
 
     @classmethod
@@ -47,7 +54,7 @@ class SlotTable:
         shm = shared_memory.SharedMemory(name=name, create=False)
         # the creator owns the segment's life: don't let this process's resource tracker unlink it
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        magic, version, slots, slot_size, _ = HEADER.unpack_from(shm.buf, 0)
+        magic, version, slots, slot_size, _ = HEADER.unpack_from(_buffer(shm), 0)
         if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE:
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a version-{VERSION} replica table")
@@ -83,7 +90,7 @@ class SlotTable:
         raise TornRead(f"slot {index} of {self.name} never settled")
 
     def close(self) -> None:
-        self._buf = None  # type: ignore[assignment]
+        self._buf = memoryview(b"")  # drop our view of the segment before closing it
         self._shm.close()
         if self.owner:
             self._shm.unlink()
