@@ -61,6 +61,15 @@ class RouterConfig:
     max_header_bytes: int = 16 * 1024
     upstream_connections: int = 256  # per replica
     inject_usage: bool = True
+    # health
+    health_checks: bool = True
+    probe_interval_s: float = 2.0
+    probe_timeout_s: float = 1.0
+    remove_below: float = 0.5
+    return_above: float = 0.7
+    remove_after: int = 3
+    return_after: int = 3
+    recovery_ramp_s: float = 30.0
     # operating
     admin_token: str = ""
     log_requests: bool = False
@@ -144,7 +153,15 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("hash_seed", "must be in [0, 2**64)")
     if not (math.isfinite(cfg.bounded_load_c) and cfg.bounded_load_c >= 1):
         raise bad("bounded_load_c", "must be a finite number >= 1")
-    for name in ("sticky_ttl_s", "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "total_timeout_s"):
+    for name in (
+        "sticky_ttl_s",
+        "connect_timeout_s",
+        "first_byte_timeout_s",
+        "idle_timeout_s",
+        "total_timeout_s",
+        "probe_interval_s",
+        "probe_timeout_s",
+    ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
             raise bad(name, "must be a positive number of seconds")
@@ -159,6 +176,12 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be at least 1")
+    if not 0 <= cfg.remove_below < cfg.return_above <= 1:
+        raise bad("return_above", "need 0 <= remove_below < return_above <= 1")
+    if cfg.remove_after < 1 or cfg.return_after < 1:
+        raise bad("remove_after" if cfg.remove_after < 1 else "return_after", "must be at least 1")
+    if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
+        raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
     if not cfg.replicas and not cfg.demo:

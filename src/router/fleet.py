@@ -9,27 +9,37 @@ decrements exactly once however it ends.
 
 from __future__ import annotations
 
+import time
 from array import array
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from router.config import ReplicaSpec
+from router.health.signals import EngineStats
+from router.health.states import Hysteresis, ReplicaHealth
 from router.ring import MovedRange, Ring
 
-STATES = ("healthy", "draining")
+WEIGHT_STEP = 0.05  # ring weights follow health in steps at least this big (each change rebuilds the ring)
 
 
 @dataclass(eq=False)
 class ReplicaState:
     id: str
     url: str
-    state: str = "healthy"
-    weight: float = 1.0
     index: int | None = None  # position in Fleet.replicas; None once removed
     inflight: int = 0
     requests: int = 0
     errors: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    health: ReplicaHealth = field(default_factory=ReplicaHealth)
+    engine: EngineStats = field(default_factory=EngineStats)
+    # (when, seconds per output token) of recent streamed replies, for the latency signal
+    tpot: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+
+    @property
+    def state(self) -> str:
+        return self.health.state
 
     @property
     def hit_rate(self) -> float | None:
@@ -37,8 +47,17 @@ class ReplicaState:
 
 
 class Fleet:
-    def __init__(self, specs: tuple[ReplicaSpec, ...] | list[ReplicaSpec], vnodes: int = 128, seed: int = 0) -> None:
-        self.replicas = [ReplicaState(s.id, s.url, index=i) for i, s in enumerate(specs)]
+    def __init__(
+        self,
+        specs: tuple[ReplicaSpec, ...] | list[ReplicaSpec],
+        vnodes: int = 128,
+        seed: int = 0,
+        rules: Hysteresis | None = None,
+    ) -> None:
+        self.rules = rules or Hysteresis()
+        self.replicas = [
+            ReplicaState(s.id, s.url, index=i, health=ReplicaHealth(self.rules)) for i, s in enumerate(specs)
+        ]
         self._by_id = {r.id: r for r in self.replicas}
         self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
         self.loads = array("q", [0] * len(self.replicas))
@@ -50,7 +69,7 @@ class Fleet:
         return self._by_id.get(replica_id)
 
     def routable(self, index: int) -> bool:
-        return self.replicas[index].state == "healthy"
+        return self.replicas[index].health.routable
 
     # -- in-flight accounting -----------------------------------------------------------------
 
@@ -73,7 +92,7 @@ class Fleet:
         if any(r.url == spec.url for r in self.replicas):
             raise ValueError(f"a replica with url {spec.url} is already in the fleet")
         moved = self.ring.add_replica(spec.id)
-        replica = ReplicaState(spec.id, spec.url, index=len(self.replicas))
+        replica = ReplicaState(spec.id, spec.url, index=len(self.replicas), health=ReplicaHealth(self.rules))
         self.replicas.append(replica)
         self._by_id[replica.id] = replica
         self.loads.append(0)
@@ -99,5 +118,19 @@ class Fleet:
         if replica is None:
             raise KeyError(replica_id)
         assert replica.index is not None
-        replica.state = "draining"
+        replica.health.drain(time.monotonic())
         return self.ring.set_available(replica.index, False)
+
+    def apply_health(self, replica: ReplicaState, now: float) -> list[MovedRange]:
+        """Make the ring follow a replica's health: out while not routable, else its health weight."""
+        if replica.index is None:
+            return []
+        i = replica.index
+        weight = replica.health.weight(now)
+        moved: list[MovedRange] = []
+        if (weight > 0) != self.ring.available[i]:
+            moved += self.ring.set_available(i, weight > 0)
+        current = self.ring.weights[i]
+        if weight > 0 and (abs(weight - current) >= WEIGHT_STEP or (weight == 1.0 and current != 1.0)):
+            moved += self.ring.set_weight(i, weight)
+        return moved

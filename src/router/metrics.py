@@ -48,6 +48,17 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("cause",),
     ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
+    "router_replica_score": ("gauge", "Each replica's latest health score (0..1).", ("replica",)),
+    "router_replica_routable": (
+        "gauge",
+        "1 while a replica takes new requests (healthy, suspect, recovering, warming), 0 while removed or draining.",
+        ("replica",),
+    ),
+    "router_replica_state_changes": (
+        "gauge",
+        "Health state changes of each replica since the router started.",
+        ("replica",),
+    ),
     "router_stream_errors": (
         "counter",
         "Streams cut after the first byte; the client got an SSE error event.",
@@ -78,12 +89,16 @@ class RouterMetrics:
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
         self.stream_errors = made["router_stream_errors"]
+        self.score = made["router_replica_score"]
+        self.routable = made["router_replica_routable"]
+        self.state_changes = made["router_replica_state_changes"]
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def forget_replica(self, replica: str) -> None:
-        """A replica left: its in-flight gauge goes (counters keep their history)."""
-        with contextlib.suppress(KeyError):
-            self.inflight.remove(replica)
+        """A replica left: its gauges go (counters keep their history)."""
+        for gauge in (self.inflight, self.score, self.routable, self.state_changes):
+            with contextlib.suppress(KeyError):
+                gauge.remove(replica)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """metric.labels(*labels), memoised: the label lookup costs more than the increment."""

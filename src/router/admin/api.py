@@ -7,6 +7,7 @@ the OpenAI error shape like the rest of the router.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes
@@ -73,6 +74,9 @@ class AdminApi:
             "requests": r.requests,
             "errors": r.errors,
             "hit_rate": r.hit_rate,
+            "score": r.health.score,
+            "state_changes": r.health.transitions,
+            "engine": dataclasses.asdict(r.engine),
             "ring_share": fleet.ring.shares()[index],
         }
 

@@ -9,6 +9,7 @@ and down exactly once, in a `finally`, however the attempt ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -23,6 +24,8 @@ from prometheus_client import generate_latest
 from router.config import RouterConfig
 from router.errors import error_response
 from router.fleet import Fleet, ReplicaState
+from router.health.monitor import HealthMonitor
+from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import RouterMetrics
 from router.policy import Decision, make_policy
@@ -40,12 +43,31 @@ ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.fleet = Fleet(config.replicas, config.vnodes, config.hash_seed)
+        self.fleet = Fleet(
+            config.replicas,
+            config.vnodes,
+            config.hash_seed,
+            Hysteresis(
+                config.remove_below,
+                config.return_above,
+                config.remove_after,
+                config.return_after,
+                config.recovery_ramp_s,
+            ),
+        )
         self.policy = make_policy(config.policy, self.fleet, config)
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
         self.metrics = RouterMetrics()
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.client: aiohttp.ClientSession | None = None
+        self.monitor = HealthMonitor(self.fleet, lambda: self.http, config.probe_interval_s, config.probe_timeout_s)
+
+    async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.monitor.run(), name="health monitor")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -67,6 +89,8 @@ class Router:
         app.router.add_get("/metrics", self._metrics)
         add_admin_routes(app, self)
         app.cleanup_ctx.append(self._client_ctx)
+        if self.config.health_checks:
+            app.cleanup_ctx.append(self._monitor_ctx)
         return app
 
     async def _client_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -178,7 +202,7 @@ class Router:
                 failure = result
                 self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
-            self._account(key, last, replica, decision, result, first_choice)
+            self._account(key, last, replica, decision, result, first_choice, t0)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
         return self._finish(request, self._no_replica(failure, bool(tried)), None, key, None, t0, None, len(tried))
 
@@ -204,6 +228,7 @@ class Router:
         decision: Decision,
         result: Outcome,
         first_choice: ReplicaState | None,
+        t0: float,
     ) -> None:
         m = self.metrics
         if result.prompt_tokens:
@@ -211,6 +236,10 @@ class Router:
             replica.cached_tokens += result.cached_tokens
             m.child(m.prompt_tokens, replica.id).inc(result.prompt_tokens)
             m.child(m.cached_tokens, replica.id).inc(result.cached_tokens)
+        if result.streamed and result.ttft_s is not None and result.completion_tokens >= 2 and not result.stream_error:
+            now = time.monotonic()
+            # time per output token after the first: the latency signal, normalised by reply length
+            replica.tpot.append((now, (now - t0 - result.ttft_s) / (result.completion_tokens - 1)))
         if result.stream_error:
             replica.errors += 1
             m.child(m.stream_errors, replica.id).inc()
@@ -303,6 +332,10 @@ class Router:
         return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        m = self.metrics
         for r in self.fleet.replicas:
-            self.metrics.inflight.labels(r.id).set(r.inflight)
+            m.inflight.labels(r.id).set(r.inflight)
+            m.score.labels(r.id).set(r.health.score)
+            m.routable.labels(r.id).set(1 if r.health.routable else 0)
+            m.state_changes.labels(r.id).set(r.health.transitions)
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")

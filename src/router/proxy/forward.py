@@ -64,6 +64,8 @@ class Outcome:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0
+    streamed: bool = False
     stream_error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -144,7 +146,8 @@ async def attempt(
                 upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
 
 
-def _usage_of(obj: Any) -> tuple[int, int] | None:
+def _usage_of(obj: Any) -> tuple[int, int, int] | None:
+    """(prompt, cached, completion) tokens from a response's `usage`."""
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return None
@@ -152,7 +155,8 @@ def _usage_of(obj: Any) -> tuple[int, int] | None:
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     try:
         prompt = max(int(usage.get("prompt_tokens") or 0), 0)
-        return prompt, min(max(int(cached or 0), 0), prompt)  # a replica's odd figures never go negative
+        completion = max(int(usage.get("completion_tokens") or 0), 0)
+        return prompt, min(max(int(cached or 0), 0), prompt), completion  # odd figures never go negative
     except (TypeError, ValueError, OverflowError):
         return None
 
@@ -195,10 +199,10 @@ async def _relay(
             except orjson.JSONDecodeError:
                 usage = None
             if usage:
-                outcome.prompt_tokens, outcome.cached_tokens = usage
+                outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = usage
         return outcome
     resp = web.StreamResponse(status=upstream.status, headers=headers)
-    outcome = Outcome(resp, upstream.status)
+    outcome = Outcome(resp, upstream.status, streamed=True)
     framer = _SseFramer(strip_usage)
     transport = request.transport
     try:
@@ -220,7 +224,7 @@ async def _relay(
         if transport is not None:
             transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
     if framer.usage:
-        outcome.prompt_tokens, outcome.cached_tokens = framer.usage
+        outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = framer.usage
     return outcome
 
 
@@ -292,7 +296,7 @@ class _SseFramer:
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for an event end
         self.strip_usage = strip_usage
-        self.usage: tuple[int, int] | None = None
+        self.usage: tuple[int, int, int] | None = None
         self.done = False
 
     def feed(self, chunk: bytes) -> bytes:

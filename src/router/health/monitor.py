@@ -1,0 +1,119 @@
+"""The health control loop: probe every replica, score it, move its state, make the ring follow.
+
+Every `probe_interval_s`, for each replica at once: `GET /health` (a refused connection, a time-out
+or a 5xx fails the probe; an engine without the route, 404, is not held against it) and
+`GET /metrics` (engine figures; missing ones stay missing). Passive figures come from the proxy:
+the error share of the requests sent since the last probe (from 5 requests on), and the replica's
+median time per output token against the fleet's median (from 5 streamed replies on each side).
+The score (router.health.score) moves the state machine (router.health.states), and the fleet
+turns state and weight into ring availability and vnode weight: a removed replica's keys walk to
+their ring successors and come back, with a weight ramp, when it recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from router.fleet import Fleet, ReplicaState
+from router.health.score import HealthInputs, ScoreWeights, health_score
+from router.health.signals import EngineStats, parse_engine_metrics
+
+MIN_SAMPLES = 5
+LATENCY_WINDOW_PROBES = 10  # latency samples older than this many probe intervals are ignored
+
+
+@dataclass
+class _Window:
+    requests: int = 0
+    errors: int = 0
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        fleet: Fleet,
+        client: Callable[[], aiohttp.ClientSession],
+        interval_s: float,
+        timeout_s: float,
+        weights: ScoreWeights | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self._client = client
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.weights = weights or ScoreWeights()
+        self._last: dict[str, _Window] = {}
+        self.rounds = 0
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def probe_once(self) -> None:
+        replicas = list(self.fleet.replicas)
+        results = await asyncio.gather(*(self._probe(r) for r in replicas))
+        now = time.monotonic()
+        medians = self._fleet_tpot(replicas, now)
+        for replica, (ok, stats) in zip(replicas, results, strict=True):
+            if replica.index is None:
+                continue  # removed while we probed
+            replica.engine = stats
+            inputs = HealthInputs(
+                probe_ok=ok,
+                waiting=stats.waiting,
+                kv_usage=stats.kv_usage,
+                fragmentation=stats.fragmentation,
+                error_rate=self._error_rate(replica),
+                latency_ratio=self._latency_ratio(replica, medians),
+            )
+            replica.health.observe(health_score(inputs, self.weights), now)
+            self.fleet.apply_health(replica, now)
+        self.rounds += 1
+
+    async def _probe(self, replica: ReplicaState) -> tuple[bool, EngineStats]:
+        client = self._client()
+        try:
+            async with client.get(replica.url + "/health", timeout=self.timeout) as resp:
+                await resp.read()
+                ok = resp.status < 500
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False, EngineStats()
+        stats = EngineStats()
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+            async with client.get(replica.url + "/metrics", timeout=self.timeout) as resp:
+                if resp.status == 200:
+                    stats = parse_engine_metrics(await resp.text())
+        return ok, stats
+
+    def _error_rate(self, replica: ReplicaState) -> float | None:
+        last = self._last.setdefault(replica.id, _Window(replica.requests, replica.errors))
+        requests, errors = replica.requests - last.requests, replica.errors - last.errors
+        if requests < MIN_SAMPLES:
+            return None  # too few to judge; keep counting into the next window
+        self._last[replica.id] = _Window(replica.requests, replica.errors)
+        return min(errors / requests, 1.0)
+
+    def _recent_tpot(self, replica: ReplicaState, now: float) -> list[float]:
+        # samples age out, so a replica that was removed for being slow is judged afresh later
+        horizon = now - LATENCY_WINDOW_PROBES * self.interval_s
+        return [tpot for when, tpot in replica.tpot if when >= horizon]
+
+    def _fleet_tpot(self, replicas: list[ReplicaState], now: float) -> dict[str, float]:
+        return {
+            r.id: statistics.median(recent) for r in replicas if len(recent := self._recent_tpot(r, now)) >= MIN_SAMPLES
+        }
+
+    @staticmethod
+    def _latency_ratio(replica: ReplicaState, medians: dict[str, float]) -> float | None:
+        if replica.id not in medians or len(medians) < 2:
+            return None
+        fleet = statistics.median(medians.values())
+        return medians[replica.id] / fleet if fleet > 0 else None

@@ -1,0 +1,110 @@
+"""Health in the loop: sick replicas leave routing and come back with a ramp; busy ones stay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+
+FAST_PROBES = {"probe_interval_s": 0.05, "probe_timeout_s": 0.5, "recovery_ramp_s": 0.5}
+
+
+def named(replicas: Any) -> list[str]:
+    return [f"{r.options.replica_id}={r.url}" for r in replicas]
+
+
+async def chat(url: str, session: str, max_tokens: int = 8, stream: bool = True) -> tuple[int, str]:
+    body = {
+        "messages": [{"role": "user", "content": f"hello from {session}"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
+    ):
+        await r.read()
+        return r.status, r.headers.get("X-Router-Replica", "")
+
+
+async def wait_for(predicate: Any, timeout: float) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def test_a_crashed_replica_is_removed_and_returns_with_a_ramp(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
+    victim = fleet.replicas[1]
+    state = router.fleet.find("emu-1")
+    assert state is not None
+    owned = [f"s{i}" for i in range(400) if router.fleet.ring.lookup(f"s{i}".encode()) == 1]
+    keys, fresh = owned[:5], owned[5:10]
+    await victim.crash()
+    await wait_for(lambda: state.state == "removed", 5)
+    assert not router.fleet.ring.available[1]
+    for key in keys:  # its sessions go to their ring successors and keep working
+        status, served = await chat(url, key)
+        assert status == 200 and served != "emu-1"
+    await victim.restart()
+    await wait_for(lambda: state.state == "recovering", 5)
+    assert 0 < router.fleet.ring.weights[1] < 1  # ramping, not its whole share at once
+    await wait_for(lambda: state.state == "healthy" and router.fleet.ring.weights[1] == 1.0, 5)
+    # its keys come back: new sessions land on it again; sessions that moved while it was out stay
+    # where their cache now is (sticky) until their entry expires
+    assert all(router.fleet.ring.lookup(k.encode()) == 1 for k in keys)
+    for key in fresh:
+        assert (await chat(url, key))[1] == "emu-1"
+
+
+async def test_a_slow_replica_is_removed_by_its_latency(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4, time_scale=10.0)
+    router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
+    fleet.replicas[2].set_faults({"slow": 20})
+    state = router.fleet.find("emu-2")
+    assert state is not None
+    deadline = time.monotonic() + 20
+    batch = 0
+    while state.state != "removed" and time.monotonic() < deadline:
+        await asyncio.gather(*(chat(url, f"b{batch}-{i}") for i in range(16)))
+        batch += 1
+    assert state.state == "removed"
+    assert all(r.state in ("healthy", "suspect") for r in router.fleet.replicas if r.id != "emu-2")
+
+
+async def test_a_busy_replica_is_never_removed(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3, time_scale=10.0)
+    router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
+    key = next(f"k{i}" for i in range(200) if router.fleet.ring.lookup(f"k{i}".encode()) == 0)
+    # eight long replies at once on one replica, short ones elsewhere, for ~2 s of probing
+    long = [asyncio.ensure_future(chat(url, key, max_tokens=200)) for _ in range(8)]
+    end = time.monotonic() + 2.0
+    i = 0
+    while time.monotonic() < end:
+        await chat(url, f"short-{i}")
+        i += 1
+    assert all(status == 200 for status, _ in await asyncio.gather(*long))
+    assert router.monitor.rounds > 20
+    assert [r.health.transitions for r in router.fleet.replicas] == [0, 0, 0]
+
+
+async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    router, url = await start_router(named(fleet.replicas), admin_token="t", **FAST_PROBES)
+    await wait_for(lambda: router.monitor.rounds >= 2, 5)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/admin/replicas", headers={"Authorization": "Bearer t"}) as r:
+            listed = await r.json()
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    assert listed[0]["score"] == 1.0 and listed[0]["state"] == "healthy"
+    assert listed[0]["engine"]["waiting"] == 0 and listed[0]["engine"]["kv_usage"] == 0
+    assert 'router_replica_score{replica="emu-0"} 1.0' in text
+    assert 'router_replica_routable{replica="emu-1"} 1.0' in text
