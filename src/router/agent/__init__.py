@@ -1,0 +1,1 @@
+"""`router-agent`: runs beside an inference engine and exports what the GPU and the engine report."""
