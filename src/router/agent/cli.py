@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import signal
 import sys
-from typing import Any
 
 from aiohttp import web
 
+from router._runtime import run, until_stopped
 from router.agent.agent import Agent
 from router.agent.nvml import NvmlReader
 from router.shm.table import SlotTable
@@ -37,16 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(agent: Agent, host: str, port: int) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(agent.app(), handle_signals=False, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     print(f"router-agent for {agent.replica_id} on http://{host}:{port}/stats", flush=True)
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         await runner.cleanup()
 
@@ -74,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     agent = Agent(args.replica_id or args.engine or "local", args.engine, NvmlReader(), args.interval, table, args.slot)
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    try:
-        runner(serve(agent, args.host, args.port))
+        run(serve(agent, args.host, args.port))
     except OSError as exc:
         print(f"router-agent: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import math
-import signal
 import sys
 from typing import Any
 
+from router._runtime import run, until_stopped
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
 
@@ -204,10 +203,6 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
 
 
 async def serve(fleet: Fleet, crash_after: dict[int, float]) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await fleet.start()
     for i, delay in crash_after.items():
         fleet.crash_later(fleet.replicas[i], delay)
@@ -216,7 +211,7 @@ async def serve(fleet: Fleet, crash_after: dict[int, float]) -> None:
     if fleet.control_port is not None:
         print(f"control API on http://{fleet.control_host}:{fleet.control_port}/replicas", flush=True)
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         await fleet.stop()
 
@@ -229,13 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router-emulator: {exc}", file=sys.stderr)
         return 2
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
-        runner = asyncio.run
-    try:
-        runner(serve(fleet, crash_after))
+        run(serve(fleet, crash_after))
     except OSError as exc:
         print(f"router-emulator: cannot listen: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 from typing import Any
 
 from aiohttp import web
 
+from router._runtime import run, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.proxy.app import Router
 
@@ -99,10 +98,6 @@ def _free_ports(n: int) -> list[int]:
 
 
 async def serve(config: RouterConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     demo_fleet = None
     if config.demo:
         from router.emulator.server import Fleet as EmulatorFleet
@@ -138,7 +133,7 @@ async def serve(config: RouterConfig) -> None:
             flush=True,
         )
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         await runner.cleanup()
         if demo_fleet is not None:
@@ -155,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.log_requests:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:  # pragma: no cover
-        runner = asyncio.run
-    try:
-        runner(serve(config))
+        run(serve(config))
     except OSError as exc:
         print(f"router-serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,27 @@
+"""How every long-running command runs: on uvloop, until SIGINT or SIGTERM asks it to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+
+async def until_stopped() -> None:
+    """Wait for SIGINT or SIGTERM (the caller then shuts down cleanly)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` on uvloop (the design's event loop), or asyncio's where uvloop is missing."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        asyncio.run(main)
+        return
+    uvloop.run(main)
