@@ -63,6 +63,7 @@ class RouterConfig:
     inject_usage: bool = True
     # health
     health_checks: bool = True
+    agents: tuple[str, ...] = ()  # REPLICA_ID=URL of a router-agent whose /stats the control loop reads
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
     remove_below: float = 0.5
@@ -182,6 +183,11 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("remove_after" if cfg.remove_after < 1 else "return_after", "must be at least 1")
     if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
         raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
+    known = {r.id for r in cfg.replicas}
+    for entry in cfg.agents:
+        rid, sep, url = entry.partition("=")
+        if not sep or rid not in known or not url.startswith(("http://", "https://")):
+            raise bad("agents", f"{entry!r} is not REPLICA_ID=http://host:port for a configured replica")
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
     if not cfg.replicas and not cfg.demo:

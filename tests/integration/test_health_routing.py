@@ -108,3 +108,41 @@ async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:
     assert listed[0]["engine"]["waiting"] == 0 and listed[0]["engine"]["kv_usage"] == 0
     assert 'router_replica_score{replica="emu-0"} 1.0' in text
     assert 'router_replica_routable{replica="emu-1"} 1.0' in text
+
+
+async def test_agent_figures_join_the_score(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    from aiohttp import web
+
+    gpu: dict[str, Any] = {"temperature_c": 60.0, "throttle_reasons": 0x4, "ecc_uncorrected": 0}
+    taken_at = {"delta": 0.0}
+
+    async def stats(request: web.Request) -> web.Response:
+        body = {
+            "replica_id": "emu-0",
+            "taken_at": time.time() - taken_at["delta"],
+            "gpus": [gpu],
+            "engine": {},
+            "missing": [],
+        }
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_get("/stats", stats)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    agent_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        fleet = await start_fleet(2)
+        router, _ = await start_router(named(fleet.replicas), agents=[f"emu-0={agent_url}"], **FAST_PROBES)
+        state = router.fleet.find("emu-0")
+        assert state is not None
+        await wait_for(lambda: router.monitor.rounds >= 5, 5)
+        assert state.state == "healthy" and state.health.score == 1.0  # a power cap alone is normal
+        gpu["ecc_uncorrected"] = 2
+        await wait_for(lambda: state.state == "removed", 5)  # failing GPU memory takes it out
+        taken_at["delta"] = 3600.0  # a stale reading (ECC errors and all) is ignored, not trusted
+        await wait_for(lambda: state.state in ("recovering", "healthy"), 5)
+    finally:
+        await runner.cleanup()

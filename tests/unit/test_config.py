@@ -50,6 +50,7 @@ def test_lists_and_booleans_from_the_environment() -> None:
         ({"ROUTER_VNODES": "many"}, {"replicas": ["http://a:1"]}, "vnodes", "ROUTER_VNODES"),
         ({"ROUTER_LOG_REQUESTS": "maybe"}, {"replicas": ["http://a:1"]}, "log_requests", "ROUTER_LOG_REQUESTS"),
         ({"ROUTER_IDLE_TIMEOUT_S": "nan"}, {"replicas": ["http://a:1"]}, "idle_timeout_s", "ROUTER_IDLE_TIMEOUT_S"),
+        ({"ROUTER_AGENTS": "b=http://x:1"}, {"replicas": ["a=http://a:1"]}, "agents", "ROUTER_AGENTS"),
     ],
 )
 def test_bad_settings_name_the_setting_and_its_source(env: dict, cli: dict, setting: str, source: str) -> None:

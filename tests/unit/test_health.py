@@ -128,3 +128,10 @@ def test_degraded_replicas_take_a_smaller_share_and_drain_is_manual() -> None:
     h.start_warming(5)
     h.finish_warming(6)
     assert h.state == "healthy" and h.transitions == 6
+
+
+def test_gpu_signals_from_the_agent() -> None:
+    assert health_score(HealthInputs(waiting=36, gpu_slowed=True)) == pytest.approx(0.25)  # the documented example
+    assert health_score(HealthInputs(ecc_errors=1)) == 0.0
+    assert health_score(HealthInputs(ecc_errors=0, gpu_slowed=False, gpu_temperature_c=70)) == 1.0
+    assert health_score(HealthInputs(gpu_temperature_c=90)) == pytest.approx(0.5)

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -26,6 +27,9 @@ from router.health.score import HealthInputs, ScoreWeights, health_score
 from router.health.signals import EngineStats, parse_engine_metrics
 
 MIN_SAMPLES = 5
+# NVML clock event reasons that mean the GPU runs slower than it should: HW slowdown, SW thermal,
+# HW thermal, HW power brake (a power cap alone is normal under load)
+SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
 LATENCY_WINDOW_PROBES = 10  # latency samples older than this many probe intervals are ignored
 
 
@@ -43,7 +47,9 @@ class HealthMonitor:
         interval_s: float,
         timeout_s: float,
         weights: ScoreWeights | None = None,
+        agents: dict[str, str] | None = None,
     ) -> None:
+        self.agents = {rid: url.rstrip("/") for rid, url in (agents or {}).items()}
         self.fleet = fleet
         self._client = client
         self.interval_s = interval_s
@@ -60,9 +66,10 @@ class HealthMonitor:
     async def probe_once(self) -> None:
         replicas = list(self.fleet.replicas)
         results = await asyncio.gather(*(self._probe(r) for r in replicas))
+        gpus = await asyncio.gather(*(self._agent(r) for r in replicas))
         now = time.monotonic()
         medians = self._fleet_tpot(replicas, now)
-        for replica, (ok, stats) in zip(replicas, results, strict=True):
+        for replica, (ok, stats), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
             replica.engine = stats
@@ -73,6 +80,7 @@ class HealthMonitor:
                 fragmentation=stats.fragmentation,
                 error_rate=self._error_rate(replica),
                 latency_ratio=self._latency_ratio(replica, medians),
+                **gpu,
             )
             replica.health.observe(health_score(inputs, self.weights), now)
             self.fleet.apply_health(replica, now)
@@ -92,6 +100,30 @@ class HealthMonitor:
                 if resp.status == 200:
                     stats = parse_engine_metrics(await resp.text())
         return ok, stats
+
+    async def _agent(self, replica: ReplicaState) -> dict[str, Any]:
+        """GPU inputs from the replica's router-agent, if it has one and its reading is fresh."""
+        url = self.agents.get(replica.id)
+        if url is None:
+            return {}
+        try:
+            async with self._client().get(url + "/stats", timeout=self.timeout) as resp:
+                stats = await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return {}  # agent gone: routing goes on from probes and passive figures
+        if not isinstance(stats, dict) or time.time() - float(stats.get("taken_at") or 0) > 3 * max(
+            self.interval_s, 1.0
+        ):
+            return {}  # stale: aged out
+        gpus = [g for g in stats.get("gpus") or () if isinstance(g, dict)]
+        temps = [g["temperature_c"] for g in gpus if isinstance(g.get("temperature_c"), (int, float))]
+        reasons = [g["throttle_reasons"] for g in gpus if isinstance(g.get("throttle_reasons"), int)]
+        ecc = [g["ecc_uncorrected"] for g in gpus if isinstance(g.get("ecc_uncorrected"), int)]
+        return {
+            "gpu_temperature_c": max(temps) if temps else None,
+            "gpu_slowed": any(r & SLOWED_CLOCKS for r in reasons) if reasons else None,
+            "ecc_errors": sum(ecc) if ecc else None,
+        }
 
     def _error_rate(self, replica: ReplicaState) -> float | None:
         last = self._last.setdefault(replica.id, _Window(replica.requests, replica.errors))

@@ -12,9 +12,13 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 | fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
 | error rate (router-observed) | 0.05 | 0.50 | failing requests |
 | latency: time per token vs the fleet's median | 2x | 4x | a replica much slower than its peers on the same work |
+| GPU temperature, hottest GPU (agent) | 85 C | 95 C | heat throttling is near |
+| GPU clocks slowed (agent: thermal, power brake, HW slowdown) | — | yes | every step runs slower |
+| uncorrected ECC errors (agent) | 0 | 1 or more | the GPU's memory is failing |
 
-Worked example: waiting = 36 (queue penalty 0.5), everything else normal, default weights 1:
-score = 1 - 0.5 = 0.5. A busy replica (running 200, KV 97% full, nothing waiting) scores 1.
+Worked example: waiting = 36 (queue penalty 0.5), everything else normal, default weights:
+score = 1 - 0.5 = 0.5; the same replica with a GPU held down by heat (slowdown weight 0.5):
+0.5 x 0.5 = 0.25. A busy replica (running 200, KV 97% full, nothing waiting) scores 1.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ class HealthInputs:
     fragmentation: float | None = None
     error_rate: float | None = None
     latency_ratio: float | None = None  # replica's time per token / the fleet's median
+    gpu_temperature_c: float | None = None  # the hottest GPU's, from router-agent
+    gpu_slowed: bool | None = None  # any GPU's clocks held down by heat or power, from router-agent
+    ecc_errors: int | None = None  # uncorrected ECC errors, from router-agent
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,9 @@ class ScoreWeights:
     fragmentation: float = 0.5
     errors: float = 1.0
     latency: float = 1.0
+    temperature: float = 1.0
+    slowdown: float = 0.5
+    ecc: float = 1.0
     queue_from: float = 8.0
     queue_to: float = 64.0
     memory_from: float = 0.90
@@ -49,11 +59,14 @@ class ScoreWeights:
     errors_to: float = 0.50
     latency_from: float = 2.0
     latency_to: float = 4.0
+    temperature_from: float = 85.0
+    temperature_to: float = 95.0
 
     def __post_init__(self) -> None:
-        for name in ("queue", "memory", "fragmentation", "errors", "latency"):
+        for name in ("queue", "memory", "fragmentation", "errors", "latency", "temperature", "slowdown", "ecc"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"weight {name} must be in [0, 1]")
+        for name in ("queue", "memory", "fragmentation", "errors", "latency", "temperature"):
             if not getattr(self, f"{name}_from") < getattr(self, f"{name}_to"):
                 raise ValueError(f"{name}_from must be below {name}_to")
 
@@ -78,6 +91,9 @@ def health_score(inputs: HealthInputs, weights: ScoreWeights | None = None) -> f
         (w.fragmentation, ramp(inputs.fragmentation, w.fragmentation_from, w.fragmentation_to)),
         (w.errors, ramp(inputs.error_rate, w.errors_from, w.errors_to)),
         (w.latency, ramp(inputs.latency_ratio, w.latency_from, w.latency_to)),
+        (w.temperature, ramp(inputs.gpu_temperature_c, w.temperature_from, w.temperature_to)),
+        (w.slowdown, 1.0 if inputs.gpu_slowed else 0.0),
+        (w.ecc, 1.0 if inputs.ecc_errors else 0.0),
     )
     score = 1.0
     for weight, penalty in penalties:

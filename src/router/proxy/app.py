@@ -60,7 +60,13 @@ class Router:
         self.metrics = RouterMetrics()
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.client: aiohttp.ClientSession | None = None
-        self.monitor = HealthMonitor(self.fleet, lambda: self.http, config.probe_interval_s, config.probe_timeout_s)
+        self.monitor = HealthMonitor(
+            self.fleet,
+            lambda: self.http,
+            config.probe_interval_s,
+            config.probe_timeout_s,
+            agents=dict(entry.split("=", 1) for entry in config.agents),
+        )
 
     async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.monitor.run(), name="health monitor")

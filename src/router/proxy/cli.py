@@ -39,6 +39,7 @@ HELP = {
     "upstream_connections": "keep-alive connections per replica (default 256)",
     "inject_usage": "ask streams for usage on the client's behalf, then hide it (default on)",
     "health_checks": "probe replicas and route around sick ones (default on)",
+    "agents": "comma-separated REPLICA_ID=URL of router-agents whose GPU figures join the health score",
     "probe_interval_s": "seconds between health probes (default 2)",
     "probe_timeout_s": "time-out of one probe (default 1)",
     "remove_below": "a replica leaves routing after remove_after scores below this (default 0.5)",
