@@ -65,8 +65,9 @@ class HealthMonitor:
 
     async def probe_once(self) -> None:
         replicas = list(self.fleet.replicas)
-        results = await asyncio.gather(*(self._probe(r) for r in replicas))
-        gpus = await asyncio.gather(*(self._agent(r) for r in replicas))
+        results, gpus = await asyncio.gather(
+            asyncio.gather(*(self._probe(r) for r in replicas)), asyncio.gather(*(self._agent(r) for r in replicas))
+        )
         now = time.monotonic()
         medians = self._fleet_tpot(replicas, now)
         for replica, (ok, stats), gpu in zip(replicas, results, gpus, strict=True):
