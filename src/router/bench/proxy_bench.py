@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -263,7 +262,7 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
                 f"http://127.0.0.1:{port}",
             )
         )
-        if not args.no_peers and shutil.which(sys.executable) and _has("sglang_router"):
+        if not args.no_peers and _has("sglang_router"):
             port = free_port()
             contenders.append(
                 (
