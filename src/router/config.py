@@ -71,6 +71,10 @@ class RouterConfig:
     remove_after: int = 3
     return_after: int = 3
     recovery_ramp_s: float = 30.0
+    # processes
+    workers: int = 1  # proxy processes on one port (SO_REUSEPORT); above 1, plus one control process
+    shm_name: str = ""  # shared-memory segment; "" = kvar-<pid> when workers > 1, none for one worker
+    shm_slots: int = 1024  # replicas the shared table holds at most
     # operating
     admin_token: str = ""
     log_requests: bool = False
@@ -188,6 +192,17 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         rid, sep, url = entry.partition("=")
         if not sep or rid not in known or not url.startswith(("http://", "https://")):
             raise bad("agents", f"{entry!r} is not REPLICA_ID=http://host:port for a configured replica")
+    if not 1 <= cfg.workers <= 64:
+        raise bad("workers", "must be in 1..64 processes")
+    if not 1 <= cfg.shm_slots <= 65536:
+        raise bad("shm_slots", "must be in 1..65536")
+    if cfg.shm_name and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", cfg.shm_name):
+        raise bad("shm_name", "must be 1..200 letters, digits, '.', '_' or '-'")
+    if len(cfg.replicas) + cfg.demo > cfg.shm_slots:
+        raise bad("shm_slots", f"must hold the {len(cfg.replicas) + cfg.demo} configured replicas")
+    too_long = next((r for r in cfg.replicas if len(r.id.encode()) > 64 or len(r.url.encode()) > 256), None)
+    if too_long is not None:
+        raise bad("replicas", f"replica {too_long.id!r}: ids are at most 64 bytes and URLs at most 256")
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
     if not cfg.replicas and not cfg.demo:

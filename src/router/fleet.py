@@ -12,12 +12,14 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.config import ReplicaSpec
 from router.health.signals import EngineStats
 from router.health.states import Hysteresis, ReplicaHealth
 from router.ring import MovedRange, Ring
+from router.shm.layout import COUNTER_CELL
 
 WEIGHT_STEP = 0.05  # ring weights follow health in steps at least this big (each change rebuilds the ring)
 
@@ -36,6 +38,11 @@ class ReplicaState:
     engine: EngineStats = field(default_factory=EngineStats)
     # (when, seconds per output token) of recent streamed replies, for the latency signal
     tpot: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    # with worker processes: this replica's slot in the shared table, and (median, samples) of
+    # the workers' recent time per output token, pooled by the control loop (router.shared)
+    slot: int | None = None
+    owner_tag: int = 0
+    pooled_tpot: tuple[float, int] | None = None
 
     @property
     def state(self) -> str:
@@ -61,6 +68,11 @@ class Fleet:
         self._by_id = {r.id: r for r in self.replicas}
         self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
         self.loads = array("q", [0] * len(self.replicas))
+        # with worker processes (router.shared.Follower): this worker's in-flight cells in shared
+        # memory, kept current on every acquire and release, and a way to re-read every worker's
+        # counts into `loads` before a decision that depends on them (a spill)
+        self.shared_inflight: memoryview | None = None
+        self.refresh_loads: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -78,11 +90,15 @@ class Fleet:
         replica.requests += 1
         if replica.index is not None:
             self.loads[replica.index] += 1
+        if self.shared_inflight is not None and replica.slot is not None:
+            self.shared_inflight[replica.slot * COUNTER_CELL] = replica.inflight
 
     def release(self, replica: ReplicaState) -> None:
         replica.inflight -= 1
         if replica.index is not None:
             self.loads[replica.index] -= 1
+        if self.shared_inflight is not None and replica.slot is not None:
+            self.shared_inflight[replica.slot * COUNTER_CELL] = replica.inflight
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -123,14 +139,24 @@ class Fleet:
 
     def apply_health(self, replica: ReplicaState, now: float) -> list[MovedRange]:
         """Make the ring follow a replica's health: out while not routable, else its health weight."""
+        return self.set_routing(replica, replica.health.weight(now))
+
+    def set_routing(self, replica: ReplicaState, weight: float, exact: bool = False) -> list[MovedRange]:
+        """Ring availability and weight: out at 0, else `weight`, changed in steps of at least
+        WEIGHT_STEP unless `exact` (a worker copying the control loop's ring weight)."""
         if replica.index is None:
             return []
         i = replica.index
-        weight = replica.health.weight(now)
         moved: list[MovedRange] = []
         if (weight > 0) != self.ring.available[i]:
             moved += self.ring.set_available(i, weight > 0)
         current = self.ring.weights[i]
-        if weight > 0 and (abs(weight - current) >= WEIGHT_STEP or (weight == 1.0 and current != 1.0)):
+        if weight > 0 and (
+            (exact and weight != current) or abs(weight - current) >= WEIGHT_STEP or (weight == 1.0 and current != 1.0)
+        ):
             moved += self.ring.set_weight(i, weight)
         return moved
+
+    def routing_weight(self, index: int) -> float:
+        """The weight the ring routes by: 0 while out of the ring."""
+        return self.ring.weights[index] if self.ring.available[index] else 0.0

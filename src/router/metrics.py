@@ -75,7 +75,8 @@ class RouterMetrics:
             if kind == "counter":
                 made[name] = Counter(name, doc, labels, registry=self.registry)
             elif kind == "gauge":
-                made[name] = Gauge(name, doc, labels, registry=self.registry)
+                # with worker processes, the worker being scraped sets every gauge from the shared table
+                made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livemostrecent")
             else:
                 made[name] = Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.requests = made["router_requests"]

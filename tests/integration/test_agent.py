@@ -14,6 +14,7 @@ import pytest
 
 from router.agent.agent import Agent
 from router.agent.nvml import NvmlReader
+from router.shm.layout import ReplicaSlot
 from router.shm.table import SlotTable
 
 
@@ -95,10 +96,14 @@ def test_no_driver_means_missing_not_zero() -> None:
 async def test_agent_reads_the_engine_and_publishes(replica) -> None:  # type: ignore[no-untyped-def]
     table = SlotTable.create(f"kvar-agent-{os.getpid()}-{uuid.uuid4().hex[:6]}", 2)
     try:
-        agent = Agent("emu-a", replica.url, NvmlReader(FakeNvml()), interval_s=0.05, table=table, slot=1)
+        agent = Agent("emu-a", replica.url, NvmlReader(FakeNvml()), interval_s=0.05, table=table)
+        await agent.read_once()  # the router has not given emu-a a slot yet: nothing is written
+        assert agent.slot is None and table.read_agent(0) == table.read_agent(1) == ReplicaSlot()
+        table.write(1, ReplicaSlot("emu-a", replica.url, "healthy"))  # as the router's control loop does
         reading = await agent.read_once()
         assert reading.engine.waiting == 0 and reading.engine.kv_usage == 0 and reading.missing == ()
-        row = table.read(1)
+        assert agent.slot == 1 and table.read_agent(0) == ReplicaSlot()
+        row = table.read_agent(1)
         assert row.replica_id == "emu-a" and row.waiting == 0 and row.running == 0
         assert row.mem_used == (60 + 61) << 30 and row.mem_total == 282 << 30
         assert row.gpu_util == pytest.approx(0.85) and row.temperature_c == 65.0

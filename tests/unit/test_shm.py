@@ -13,7 +13,9 @@ from router.shm.table import SlotTable
 
 FULL = ReplicaSlot(
     "gpu-7",
+    "http://10.0.0.7:8000",
     "recovering",
+    4,
     0.4,
     0.81,
     12,
@@ -37,13 +39,15 @@ def name() -> str:
 
 def test_layout_round_trips_and_keeps_missing_figures_missing() -> None:
     assert unpack(pack(FULL)) == FULL
-    sparse = ReplicaSlot("r", "healthy", 1.0, 1.0, 0, updated_at=5.0)
+    sparse = ReplicaSlot("r", state="healthy", weight=1.0, score=1.0, updated_at=5.0)
     back = unpack(pack(sparse))
     assert back == sparse and back.mem_used is None and back.kv_usage is None  # not read is not zero
     with pytest.raises(ValueError, match="longer than 64"):
         pack(ReplicaSlot("x" * 65))
+    with pytest.raises(ValueError, match="longer than 256"):
+        pack(ReplicaSlot("x", "http://" + "h" * 250))
     with pytest.raises(ValueError, match="unknown state"):
-        pack(ReplicaSlot("x", "sleepy"))
+        pack(ReplicaSlot("x", state="sleepy"))
 
 
 def test_create_attach_write_read_and_ownership() -> None:
@@ -68,7 +72,7 @@ def test_attach_refuses_something_else() -> None:
 
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-1 replica table"):
+        with pytest.raises(ValueError, match="not a version-2 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()
@@ -83,7 +87,9 @@ def _hammer(segment: str, rounds: int) -> None:
             0,
             ReplicaSlot(
                 f"r{k % 10}",
+                f"http://r{k}",
                 "healthy",
+                k,
                 float(k),
                 float(k),
                 k,
@@ -111,7 +117,8 @@ def test_a_reader_never_sees_a_torn_slot_under_a_concurrent_writer() -> None:
             if slot.replica_id:
                 k = slot.inflight
                 assert slot.weight == slot.score == slot.waiting == slot.running == slot.kv_usage == float(k)
-                assert slot.mem_used == slot.mem_total == k and slot.replica_id == f"r{k % 10}"
+                assert slot.mem_used == slot.mem_total == slot.transitions == k and slot.replica_id == f"r{k % 10}"
+                assert slot.url == f"http://r{k}"
                 seen.add(k)
             reads += 1
             if reads > 2_000_000:
@@ -122,4 +129,27 @@ def test_a_reader_never_sees_a_torn_slot_under_a_concurrent_writer() -> None:
     finally:
         if writer.is_alive():
             writer.kill()
+        table.close()
+
+
+def test_agent_slots_counters_and_generation_are_separate_regions() -> None:
+    table = SlotTable.create(name(), 3, workers=2)
+    try:
+        other = SlotTable.attach(table.name)
+        assert (other.slots, other.workers, other.generation) == (3, 2, 0)
+        table.write(1, FULL)
+        other.write_agent(1, ReplicaSlot("gpu-7", temperature_c=80.0, updated_at=2.0))
+        assert table.read(1) == FULL and table.read_agent(1).temperature_c == 80.0
+        assert table.read_agent(0) == ReplicaSlot() and table.find("gpu-7") == 1 and table.find("nope") is None
+        row0, row1 = other.counters(0), other.counters(1)
+        row1[1 * 8 + 0] = 7  # worker 1, replica slot 1, in-flight
+        row0[2 * 8 + 1] = -3
+        assert table.counters(1)[8] == 7 and table.counters(0)[17] == -3 and table.counters(0)[8] == 0
+        assert table.read(1) == FULL  # counters never touch the slots
+        table.bump_generation()
+        assert other.generation == 1
+        with pytest.raises(IndexError):
+            other.counters(2)
+        other.close()  # releases the rows it handed out
+    finally:
         table.close()

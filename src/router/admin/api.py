@@ -12,6 +12,7 @@ import hmac
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -25,14 +26,19 @@ if TYPE_CHECKING:
     from router.proxy.app import Router
 
 
-def add_admin_routes(app: web.Application, router: Router) -> None:
+def add_admin_routes(app: web.Application, router: Router, replica_routes_only: bool = False) -> None:
+    """The admin routes. In a worker process (router.follower is set), the replica routes go to
+    the control process, which owns membership; route explanation and ring shares are answered
+    from the worker's own copy of the ring, which is the one its requests are routed by."""
     api = AdminApi(router)
-    app.router.add_get("/admin/replicas", api.guard(api.list_replicas))
-    app.router.add_post("/admin/replicas", api.guard(api.add_replica))
-    app.router.add_delete("/admin/replicas/{id}", api.guard(api.remove_replica))
-    app.router.add_post("/admin/replicas/{id}/drain", api.guard(api.drain_replica))
-    app.router.add_get("/admin/route", api.guard(api.explain_route))
-    app.router.add_get("/admin/ring", api.guard(api.ring_shares))
+    replicas = api.forward if router.follower is not None else None
+    app.router.add_get("/admin/replicas", api.guard(replicas or api.list_replicas))
+    app.router.add_post("/admin/replicas", api.guard(replicas or api.add_replica))
+    app.router.add_delete("/admin/replicas/{id}", api.guard(replicas or api.remove_replica))
+    app.router.add_post("/admin/replicas/{id}/drain", api.guard(replicas or api.drain_replica))
+    if not replica_routes_only:
+        app.router.add_get("/admin/route", api.guard(api.explain_route))
+        app.router.add_get("/admin/ring", api.guard(api.ring_shares))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -80,7 +86,27 @@ class AdminApi:
             "ring_share": fleet.ring.shares()[index],
         }
 
+    async def forward(self, request: web.Request) -> web.Response:
+        """Hand a replica route to the control process and relay its answer (worker processes)."""
+        control = self.router.control
+        assert control is not None
+        try:
+            async with control.request(
+                request.method,
+                "http://control" + request.rel_url.path_qs,
+                data=await request.read(),
+                headers={"Authorization": request.headers.get("Authorization", "")},
+                timeout=aiohttp.ClientTimeout(total=10),
+            ) as resp:
+                body = await resp.read()
+                status, content_type = resp.status, resp.content_type
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return error_response("the router's control process is not answering", 503, "service_unavailable")
+        self.router.follow()  # this worker sees its own change before it answers
+        return web.Response(status=status, body=body, content_type=content_type)
+
     async def list_replicas(self, request: web.Request) -> web.Response:
+        self.router.gather()
         return _json([self._replica_json(i) for i in range(len(self.router.fleet))])
 
     async def add_replica(self, request: web.Request) -> web.Response:
@@ -93,20 +119,23 @@ class AdminApi:
         text = body["url"] if not isinstance(body.get("id"), str) else f"{body['id']}={body['url']}"
         try:
             spec = parse_replica(text)
+            if not self.router.has_room():
+                return error_response("the shared replica table is full", 507, "insufficient_storage")
             moved = self.router.fleet.add(spec)
         except ValueError as exc:
             return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
+        self.router.publish()
         index = len(self.router.fleet) - 1
         return _json(self._replica_json(index) | {"moved_share": sum(m.width for m in moved) / 2**64}, 201)
 
     async def remove_replica(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
+        replica = self.router.fleet.find(rid)
         try:
             moved = self.router.fleet.remove(rid)
         except KeyError:
             return error_response(f"no replica {rid!r}", 404, "not_found")
-        self.router.sessions.forget_replica(rid)
-        self.router.metrics.forget_replica(rid)
+        self.router.forget(replica)
         return _json({"removed": rid, "moved_share": sum(m.width for m in moved) / 2**64})
 
     async def drain_replica(self, request: web.Request) -> web.Response:
@@ -115,6 +144,7 @@ class AdminApi:
             self.router.fleet.drain(rid)
         except KeyError:
             return error_response(f"no replica {rid!r}", 404, "not_found")
+        self.router.publish()
         replica = self.router.fleet.find(rid)
         assert replica is not None and replica.index is not None
         return _json(self._replica_json(replica.index))
@@ -165,6 +195,7 @@ class AdminApi:
                 "sticky": last,
                 "load_cap": cap,
                 "walk": walk,
+                "worker": router.worker,
             }
         )
 

@@ -88,14 +88,13 @@ class Agent:
         nvml: NvmlReader,
         interval_s: float = 1.0,
         table: SlotTable | None = None,
-        slot: int = 0,
     ) -> None:
         self.replica_id = replica_id
         self.engine_url = engine_url.rstrip("/") if engine_url else None
         self.nvml = nvml
         self.interval_s = interval_s
         self.table = table
-        self.slot = slot
+        self.slot: int | None = None  # our replica's slot in `table`, once the router has given it one
         self.latest: Reading | None = None
         self._client: aiohttp.ClientSession | None = None
 
@@ -123,8 +122,16 @@ class Agent:
         reading = Reading(self.replica_id, time.time(), engine, nvml, tuple(missing))
         self.latest = reading
         if self.table is not None:
-            self.table.write(self.slot, reading.as_slot())
+            slot = self._find_slot(self.table)
+            if slot is not None:
+                self.table.write_agent(slot, reading.as_slot())
         return reading
+
+    def _find_slot(self, table: SlotTable) -> int | None:
+        # the router may remove and re-add the replica elsewhere: check the slot still holds it
+        if self.slot is None or table.read(self.slot).replica_id != self.replica_id:
+            self.slot = table.find(self.replica_id)
+        return self.slot
 
     async def run(self) -> None:
         while True:

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Runs beside an inference engine: reads GPU memory, utilisation, temperature, throttle "
             "reasons and ECC errors through NVML, and the engine's queue and KV figures from its "
             "/metrics; serves them as JSON on GET /stats, and with --shm writes them into the "
-            "router host's shared-memory replica table. Figures it cannot read are reported missing."
+            "router host's shared-memory segment (the agent slot of --replica-id). Figures it "
+            "cannot read are reported missing."
         ),
     )
     p.add_argument("--engine", metavar="URL", help="the local engine's base URL, e.g. http://127.0.0.1:8000")
@@ -30,7 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=9100, help="port of /stats (default 9100)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between readings (default 1)")
     p.add_argument("--shm", metavar="NAME", help="shared-memory replica table to write (colocated with the router)")
-    p.add_argument("--slot", type=int, default=0, help="this replica's slot in --shm (default 0)")
     return p
 
 
@@ -63,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as exc:
             print(f"router-agent: cannot use shared memory {args.shm!r}: {exc}", file=sys.stderr)
             return 2
-        if not 0 <= args.slot < table.slots:
-            print(f"router-agent: --slot must be in 0..{table.slots - 1}", file=sys.stderr)
-            return 2
-    agent = Agent(args.replica_id or args.engine or "local", args.engine, NvmlReader(), args.interval, table, args.slot)
+    agent = Agent(args.replica_id or args.engine or "local", args.engine, NvmlReader(), args.interval, table)
     try:
         run(serve(agent, args.host, args.port))
     except OSError as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -25,11 +26,13 @@ import aiohttp
 from router.fleet import Fleet, ReplicaState
 from router.health.score import HealthInputs, ScoreWeights, health_score
 from router.health.signals import EngineStats, parse_engine_metrics
+from router.shm.table import SlotTable
 
 MIN_SAMPLES = 5
 # NVML clock event reasons that mean the GPU runs slower than it should: HW slowdown, SW thermal,
 # HW thermal, HW power brake (a power cap alone is normal under load)
 SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
 LATENCY_WINDOW_PROBES = 10  # latency samples older than this many probe intervals are ignored
 
 
@@ -48,6 +51,9 @@ class HealthMonitor:
         timeout_s: float,
         weights: ScoreWeights | None = None,
         agents: dict[str, str] | None = None,
+        table: SlotTable | None = None,
+        before_round: Callable[[], None] | None = None,
+        after_round: Callable[[], None] | None = None,
     ) -> None:
         self.agents = {rid: url.rstrip("/") for rid, url in (agents or {}).items()}
         self.fleet = fleet
@@ -55,6 +61,9 @@ class HealthMonitor:
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.weights = weights or ScoreWeights()
+        self.table = table  # with worker processes: colocated agents' slots are read from here
+        self.before_round = before_round
+        self.after_round = after_round
         self._last: dict[str, _Window] = {}
         self.rounds = 0
 
@@ -64,6 +73,8 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def probe_once(self) -> None:
+        if self.before_round is not None:
+            self.before_round()
         replicas = list(self.fleet.replicas)
         results, gpus = await asyncio.gather(
             asyncio.gather(*(self._probe(r) for r in replicas)), asyncio.gather(*(self._agent(r) for r in replicas))
@@ -73,6 +84,10 @@ class HealthMonitor:
         for replica, (ok, stats), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
+            if ok and gpu:  # the engine's own figures win; the agent's fill what its /metrics lacks
+                stats = EngineStats(
+                    **{k: v if v is not None else gpu.get(k) for k, v in dataclasses.asdict(stats).items()}
+                )
             replica.engine = stats
             inputs = HealthInputs(
                 probe_ok=ok,
@@ -81,11 +96,15 @@ class HealthMonitor:
                 fragmentation=stats.fragmentation,
                 error_rate=self._error_rate(replica),
                 latency_ratio=self._latency_ratio(replica, medians),
-                **gpu,
+                gpu_temperature_c=gpu.get("gpu_temperature_c"),
+                gpu_slowed=gpu.get("gpu_slowed"),
+                ecc_errors=gpu.get("ecc_errors"),
             )
             replica.health.observe(health_score(inputs, self.weights), now)
             self.fleet.apply_health(replica, now)
         self.rounds += 1
+        if self.after_round is not None:
+            self.after_round()
 
     async def _probe(self, replica: ReplicaState) -> tuple[bool, EngineStats]:
         client = self._client()
@@ -102,28 +121,50 @@ class HealthMonitor:
                     stats = parse_engine_metrics(await resp.text())
         return ok, stats
 
+    def _fresh(self, taken_at: float) -> bool:
+        return time.time() - taken_at <= 3 * max(self.interval_s, 1.0)
+
+    def _agent_slot(self, replica: ReplicaState) -> dict[str, Any]:
+        """The colocated agent's figures from shared memory, when it wrote them for this replica lately."""
+        if self.table is None or replica.slot is None:
+            return {}
+        row = self.table.read_agent(replica.slot)
+        if row.replica_id != replica.id or not self._fresh(row.updated_at):
+            return {}  # no agent here, or it stopped writing: aged out
+        return {
+            "gpu_temperature_c": row.temperature_c,
+            "gpu_slowed": bool(row.throttle_reasons & SLOWED_CLOCKS) if row.throttle_reasons is not None else None,
+            "ecc_errors": row.ecc_errors,
+            "waiting": row.waiting,
+            "running": row.running,
+            "kv_usage": row.kv_usage,
+            "fragmentation": row.fragmentation,
+        }
+
     async def _agent(self, replica: ReplicaState) -> dict[str, Any]:
-        """GPU inputs from the replica's router-agent, if it has one and its reading is fresh."""
+        """Inputs from the replica's router-agent (over HTTP, or its shared-memory slot), if it
+        has one and its reading is fresh: GPU figures, and engine figures to fill gaps."""
         url = self.agents.get(replica.id)
         if url is None:
-            return {}
+            return self._agent_slot(replica)
         try:
             async with self._client().get(url + "/stats", timeout=self.timeout) as resp:
                 stats = await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             return {}  # agent gone: routing goes on from probes and passive figures
-        if not isinstance(stats, dict) or time.time() - float(stats.get("taken_at") or 0) > 3 * max(
-            self.interval_s, 1.0
-        ):
+        if not isinstance(stats, dict) or not self._fresh(float(stats.get("taken_at") or 0)):
             return {}  # stale: aged out
         gpus = [g for g in stats.get("gpus") or () if isinstance(g, dict)]
         temps = [g["temperature_c"] for g in gpus if isinstance(g.get("temperature_c"), (int, float))]
         reasons = [g["throttle_reasons"] for g in gpus if isinstance(g.get("throttle_reasons"), int)]
         ecc = [g["ecc_uncorrected"] for g in gpus if isinstance(g.get("ecc_uncorrected"), int)]
+        engine = stats.get("engine")
+        engine = engine if isinstance(engine, dict) else {}
         return {
             "gpu_temperature_c": max(temps) if temps else None,
             "gpu_slowed": any(r & SLOWED_CLOCKS for r in reasons) if reasons else None,
             "ecc_errors": sum(ecc) if ecc else None,
+            **{k: v for k in ENGINE_FIELDS if isinstance(v := engine.get(k), (int, float))},
         }
 
     def _error_rate(self, replica: ReplicaState) -> float | None:
@@ -140,9 +181,17 @@ class HealthMonitor:
         return [tpot for when, tpot in replica.tpot if when >= horizon]
 
     def _fleet_tpot(self, replicas: list[ReplicaState], now: float) -> dict[str, float]:
-        return {
-            r.id: statistics.median(recent) for r in replicas if len(recent := self._recent_tpot(r, now)) >= MIN_SAMPLES
-        }
+        medians = {}
+        for r in replicas:
+            if r.pooled_tpot is not None:  # gathered from worker processes
+                median, samples = r.pooled_tpot
+            else:
+                recent = self._recent_tpot(r, now)
+                samples = len(recent)
+                median = statistics.median(recent) if recent else 0.0
+            if samples >= MIN_SAMPLES:
+                medians[r.id] = median
+        return medians
 
     @staticmethod
     def _latency_ratio(replica: ReplicaState, medians: dict[str, float]) -> float | None:

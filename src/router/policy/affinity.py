@@ -7,6 +7,9 @@
    ceil(c · (total in flight + 1) / routable replicas) — the owner when it is not overloaded,
    else its successor ("spill"), never a random replica.
 Requests without a key spread least-loaded (ties rotate).
+With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
+before a load cap changes a decision they are re-read, so a spill is never caused by a count
+that has already gone down.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ class Affinity(Policy):
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         if key.kind == "none":
             return self.least_loaded(exclude)
+        decision, capped = self._pick(key, last, exclude)
+        if capped and self.fleet.refresh_loads is not None:
+            self.fleet.refresh_loads()
+            decision, _ = self._pick(key, last, exclude)
+        return decision
+
+    def _pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> tuple[Decision | None, bool]:
+        """The decision, and whether a load cap changed it."""
         fleet, ring = self.fleet, self.fleet.ring
+        capped = False
         c = self.config.bounded_load_c
         if last is not None:
             previous = fleet.find(last)
@@ -32,24 +44,26 @@ class Affinity(Policy):
                 and previous.index is not None
                 and previous.index not in exclude
                 and fleet.routable(previous.index)
-                and fleet.loads[previous.index] < ring.load_cap(fleet.loads, c)
             ):
-                return Decision(previous.index, "sticky")
+                if fleet.loads[previous.index] < ring.load_cap(fleet.loads, c):
+                    return Decision(previous.index, "sticky"), False
+                capped = True
         cap = ring.load_cap(fleet.loads, c)
         if not exclude:
             owner = ring.lookup(key.key)
             if owner < 0:
-                return None
+                return None, capped
             if fleet.loads[owner] < cap:
-                return Decision(owner, "ring")
-            return Decision(ring.lookup_bounded(key.key, fleet.loads, c), "spill")
+                return Decision(owner, "ring"), capped
+            return Decision(ring.lookup_bounded(key.key, fleet.loads, c), "spill"), True
         fallback: int | None = None
         for i in ring.successors(key.key):
             if i in exclude:
                 continue
             if fleet.loads[i] < cap:
-                return Decision(i, "failover")
+                return Decision(i, "failover"), capped
+            capped = True
             if fallback is None:
                 fallback = i
         # every untried replica is at the cap: a retry still beats an error
-        return None if fallback is None else Decision(fallback, "failover")
+        return (None if fallback is None else Decision(fallback, "failover")), capped

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,18 +20,20 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from router.config import RouterConfig
 from router.errors import error_response
 from router.fleet import Fleet, ReplicaState
-from router.health.monitor import HealthMonitor
+from router.health.monitor import LATENCY_WINDOW_PROBES, HealthMonitor
 from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import RouterMetrics
 from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
 from router.sessions import SessionTable
+from router.shared import Follower, Publisher
+from router.shm.table import SlotTable
 
 access_log = logging.getLogger("router.access")
 
@@ -38,13 +41,31 @@ PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 STREAMABLE = ("/v1/chat/completions", "/v1/completions")
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
+SYNC_INTERVAL_S = 0.05  # how often a worker follows the shared table and publishes its counters
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    """One router process. Alone (the default) it probes, scores and proxies. With worker
+    processes (router.proxy.workers) the control process is a Router given the shared `table`
+    and no `worker` number, serving `app(control_only=True)`: it probes, scores, owns membership
+    and publishes; each worker is a Router given the table, its number and the control socket:
+    it proxies by the table's view. A lone router given a table publishes to it too, for
+    colocated router-agents to find their slots."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        table: SlotTable | None = None,
+        worker: int | None = None,
+        control_socket: str | None = None,
+    ) -> None:
         self.config = config
+        self.worker = worker
+        self.control_socket = control_socket
+        self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
         self.fleet = Fleet(
-            config.replicas,
+            () if worker is not None else config.replicas,
             config.vnodes,
             config.hash_seed,
             Hysteresis(
@@ -60,13 +81,94 @@ class Router:
         self.metrics = RouterMetrics()
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.client: aiohttp.ClientSession | None = None
+        self.publisher = Publisher(self.fleet, table) if table is not None and worker is None else None
+        self.follower: Follower | None = None
+        if table is not None and worker is not None:
+            self.follower = Follower(
+                self.fleet,
+                table,
+                worker,
+                LATENCY_WINDOW_PROBES * config.probe_interval_s,
+                on_removed=self._forget_id,
+            )
+            self.follower.reload()
         self.monitor = HealthMonitor(
             self.fleet,
             lambda: self.http,
             config.probe_interval_s,
             config.probe_timeout_s,
             agents=dict(entry.split("=", 1) for entry in config.agents),
+            table=table,
+            before_round=self.gather,
+            after_round=self.publish,
         )
+        self.multiprocess_metrics = self._multiprocess_registry() if worker is not None else None
+
+    # -- shared state (worker processes) ---------------------------------------------------------
+
+    def publish(self) -> None:
+        """Control process: write the fleet to the shared table (no-op for a lone router)."""
+        if self.publisher is not None:
+            self.publisher.publish()
+
+    def gather(self) -> None:
+        """Control process: add up the workers' counters (no-op for a lone router)."""
+        if self.publisher is not None:
+            self.publisher.collect()
+
+    def follow(self) -> None:
+        """Worker: catch up with the shared table now."""
+        if self.follower is not None:
+            self.follower.sync()
+
+    def has_room(self) -> bool:
+        return self.publisher is None or self.publisher.has_room()
+
+    def forget(self, replica: ReplicaState | None) -> None:
+        """A replica left the fleet: drop its sessions, gauges and shared slot."""
+        if replica is None:
+            return
+        self._forget_id(replica.id)
+        if self.publisher is not None:
+            self.publisher.forget(replica)
+            self.publisher.publish()
+
+    def _forget_id(self, replica_id: str) -> None:
+        self.sessions.forget_replica(replica_id)
+        self.metrics.forget_replica(replica_id)
+
+    @staticmethod
+    def _multiprocess_registry() -> CollectorRegistry | None:
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not path:
+            return None
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
+        return registry
+
+    async def _follower_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        follower = self.follower
+        assert follower is not None
+        self.control = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.control_socket or ""))
+
+        async def tick() -> None:
+            last_refresh = 0.0
+            while True:
+                now = time.monotonic()
+                follower.sync()
+                if now - last_refresh >= 1.0:  # scores and states for display; routing follows the generation
+                    follower.refresh()
+                    last_refresh = now
+                follower.publish(now)
+                follower.pull_loads()
+                await asyncio.sleep(SYNC_INTERVAL_S)
+
+        task = asyncio.create_task(tick(), name="shared table follower")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.control.close()
 
     async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.monitor.run(), name="health monitor")
@@ -83,19 +185,26 @@ class Router:
 
     # -- application -----------------------------------------------------------------------
 
-    def app(self) -> web.Application:
+    def app(self, control_only: bool = False) -> web.Application:
         from router.admin.api import add_admin_routes
 
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app[ROUTER_KEY] = self
+        app.cleanup_ctx.append(self._client_ctx)
+        if control_only:  # the control process of workers: admin (over its socket) and the control loop
+            add_admin_routes(app, self, replica_routes_only=True)
+            if self.config.health_checks:
+                app.cleanup_ctx.append(self._monitor_ctx)
+            return app
         for path in PROXIED:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         add_admin_routes(app, self)
-        app.cleanup_ctx.append(self._client_ctx)
-        if self.config.health_checks:
+        if self.follower is not None:
+            app.cleanup_ctx.append(self._follower_ctx)
+        elif self.config.health_checks:
             app.cleanup_ctx.append(self._monitor_ctx)
         return app
 
@@ -184,6 +293,8 @@ class Router:
             if first_choice is None:
                 first_choice = replica
             extra = {cfg.replica_header: replica.id} if cfg.replica_header else {}
+            if self.worker is not None and cfg.replica_header:
+                extra[WORKER_HEADER] = str(self.worker)
             self.fleet.acquire(replica)
             try:
                 result = await attempt(
@@ -334,14 +445,25 @@ class Router:
 
     async def _health(self, request: web.Request) -> web.Response:
         routable = sum(1 for i in range(len(self.fleet)) if self.fleet.routable(i))
-        body = {"status": "ok" if routable else "unavailable", "replicas": len(self.fleet), "routable": routable}
+        body = {
+            "status": "ok" if routable else "unavailable",
+            "replicas": len(self.fleet),
+            "routable": routable,
+            "worker": self.worker,
+        }
         return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
         m = self.metrics
+        if self.follower is not None:  # this worker's view of every worker's in-flight requests, and of health
+            self.follower.refresh()
+            self.follower.pull_loads()
         for r in self.fleet.replicas:
-            m.inflight.labels(r.id).set(r.inflight)
+            if r.index is None:
+                continue
+            m.inflight.labels(r.id).set(self.fleet.loads[r.index])
             m.score.labels(r.id).set(r.health.score)
             m.routable.labels(r.id).set(1 if r.health.routable else 0)
             m.state_changes.labels(r.id).set(r.health.transitions)
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+        registry = self.multiprocess_metrics or self.metrics.registry
+        return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")

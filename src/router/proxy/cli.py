@@ -14,6 +14,8 @@ from aiohttp import web
 from router._runtime import run, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.proxy.app import Router
+from router.proxy.workers import WorkerFailed, runner_for, serve_workers
+from router.shm.table import SlotTable
 
 HELP = {
     "host": "address to bind (default 127.0.0.1)",
@@ -47,6 +49,11 @@ HELP = {
     "remove_after": "low scores in a row before removal (default 3)",
     "return_after": "high scores in a row before return (default 3)",
     "recovery_ramp_s": "seconds over which a returning replica's weight ramps back to full (default 30)",
+    "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "
+    "publishes the replica table to them through shared memory",
+    "shm_name": "shared-memory segment name for workers and colocated router-agents (default: kvar-<pid> "
+    "with --workers above 1; with one worker, set it to let router-agent --shm write GPU figures)",
+    "shm_slots": "replicas the shared-memory table holds at most (default 1024)",
     "admin_token": "bearer token of the /admin API (default: API off)",
     "log_requests": "one JSON log line per request (default off)",
     "demo": "start N emulated replicas in-process and route to them too",
@@ -109,36 +116,44 @@ async def serve(config: RouterConfig) -> None:
         await demo_fleet.start()
         specs = tuple(ReplicaSpec(f"emu-{p}", f"http://127.0.0.1:{p}") for p in ports)
         config = RouterConfig(**{**config.__dict__, "replicas": config.replicas + specs})
-    router = Router(config)
-    runner = web.AppRunner(
-        router.app(),
-        handle_signals=False,
-        access_log=None,
-        handler_cancellation=True,
-        max_field_size=max(config.max_header_bytes * 4, 65536),
-        max_line_size=max(config.max_header_bytes * 4, 65536),
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-    await site.start()
     base = f"http://{config.host}:{config.port}"
-    print(f"router-serve listening on {base} ({config.policy}, {len(config.replicas)} replicas)", flush=True)
+    banner = f"router-serve listening on {base} ({config.policy}, {len(config.replicas)} replicas)"
     if demo_fleet is not None:
-        print(
-            f"""demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.replicas)}
+        banner += f"""
+demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.replicas)}
   send a request:  curl -s {base}/v1/chat/completions -H 'X-Session-ID: demo-1' \\
                      -d '{{"model": "emulated-llm", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
   metrics:         {base}/metrics        health: {base}/health
   measure it:      router-bench replay --target {base} --duration 60
-  stop:            Ctrl-C""",
-            flush=True,
-        )
+  stop:            Ctrl-C"""
     try:
-        await until_stopped()
+        if config.workers > 1:
+            await serve_workers(config, banner)
+        else:
+            await _serve_alone(config, banner)
     finally:
-        await runner.cleanup()
         if demo_fleet is not None:
             await demo_fleet.stop()
+
+
+async def _serve_alone(config: RouterConfig, banner: str) -> None:
+    table = SlotTable.create(config.shm_name, config.shm_slots) if config.shm_name else None
+    try:
+        router = Router(config, table=table)
+        router.publish()
+        runner = runner_for(router.app(), config)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
+            print(banner, flush=True)
+            if table is not None:
+                print(f"shared memory: {table.name} (router-agent --shm {table.name})", flush=True)
+            await until_stopped()
+        finally:
+            await runner.cleanup()
+    finally:
+        if table is not None:
+            table.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         run(serve(config))
+    except WorkerFailed as exc:
+        print(f"router-serve: {exc}", file=sys.stderr)
+        return 1
+    except FileExistsError:
+        print(f"router-serve: shared memory {config.shm_name!r} already exists (another router?)", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"router-serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1

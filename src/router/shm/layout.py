@@ -1,9 +1,17 @@
 """The shared-memory replica table's layout: defined here once, read and written only through it.
 
-Segment = header, then `slots` fixed-size slots, all little-endian:
+Segment, all little-endian:
 
-    header  magic "KVAR" | version u32 | slots u32 | slot_size u32 | creator pid u32 | padding to 64 bytes
-    slot    seq u64 | checksum u64 | payload (SLOT_PAYLOAD below) | padding to SLOT_SIZE
+    header    magic "KVAR" | version u32 | slots u32 | slot_size u32 | creator pid u32 | workers u32
+              | padding | generation u64 at GENERATION_AT | padding to 64 bytes
+    replicas  `slots` slots written by the control loop: the replica table every worker routes by
+    agents    `slots` slots written by colocated router-agents, agent slot i for replica slot i
+    counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
+
+    slot      seq u64 | checksum u64 | payload (SLOT_PAYLOAD below) | padding to SLOT_SIZE
+
+`generation` goes up each time the control loop changes what routing depends on (membership,
+state, ring weight), so a worker re-reads the table only when it changed.
 
 `seq` is the slot's seqlock: odd while a writer is inside. `checksum` is XXH3 of the payload, so a
 reader also rejects a torn copy on hardware that reorders stores. Bump VERSION whenever the payload
@@ -16,14 +24,31 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 1
-HEADER = struct.Struct("<4sIIII44x")  # 64 bytes
+VERSION = 2
+HEADER = struct.Struct("<4sIIIII8x")  # 32 bytes, then the generation, then padding to 64
+GENERATION_AT = 32
+HEADER_SIZE = 64
 SEQ = struct.Struct("<QQ")  # seq, checksum: 16 bytes
-# replica id, state, flags (which optional figures are present), weight, score, in-flight, then
-# engine and GPU figures, then when it was written (unix seconds)
-SLOT_PAYLOAD = struct.Struct("<64sBxxxIddq" + "d" * 6 + "QQQQd")
-SLOT_SIZE = 256
-assert HEADER.size == 64 and SEQ.size + SLOT_PAYLOAD.size <= SLOT_SIZE
+MAX_ID_BYTES = 64
+MAX_URL_BYTES = 256
+# replica id, url, state, flags (which optional figures are present), state changes, weight,
+# score, in-flight, then engine and GPU figures, then when it was written (unix seconds)
+SLOT_PAYLOAD = struct.Struct(f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIxxxxddq" + "d" * 6 + "QQQQd")
+SLOT_SIZE = 512
+# one worker's figures for one replica, each an int64 the worker alone writes
+COUNTER_FIELDS = (
+    "inflight",
+    "requests",
+    "errors",
+    "prompt_tokens",
+    "cached_tokens",
+    "tpot_samples",  # recent streamed replies measured
+    "tpot_ns",  # their median time per output token
+    "owner",  # a tag of the replica id the worker counted for (router.shared.owner_tag)
+)
+COUNTER_CELL = 8  # int64s per cell
+assert HEADER.size + 8 <= HEADER_SIZE and SEQ.size + SLOT_PAYLOAD.size <= SLOT_SIZE
+assert len(COUNTER_FIELDS) == COUNTER_CELL
 
 STATE_CODES = ("empty", "healthy", "suspect", "removed", "recovering", "draining", "warming")
 OPTIONAL = (
@@ -45,7 +70,9 @@ class ReplicaSlot:
     """One replica's row. Optional figures are None when their source could not be read."""
 
     replica_id: str = ""
+    url: str = ""
     state: str = "empty"
+    transitions: int = 0
     weight: float = 0.0
     score: float = 0.0
     inflight: int = 0
@@ -67,8 +94,11 @@ FIELD_NAMES = tuple(f.name for f in fields(ReplicaSlot))
 
 def pack(slot: ReplicaSlot) -> bytes:
     rid = slot.replica_id.encode("utf-8")
-    if len(rid) > 64:
-        raise ValueError(f"replica id {slot.replica_id!r} is longer than 64 bytes")
+    if len(rid) > MAX_ID_BYTES:
+        raise ValueError(f"replica id {slot.replica_id!r} is longer than {MAX_ID_BYTES} bytes")
+    url = slot.url.encode("utf-8")
+    if len(url) > MAX_URL_BYTES:
+        raise ValueError(f"replica url {slot.url!r} is longer than {MAX_URL_BYTES} bytes")
     if slot.state not in STATE_CODES:
         raise ValueError(f"unknown state {slot.state!r}")
     flags = 0
@@ -80,8 +110,10 @@ def pack(slot: ReplicaSlot) -> bytes:
         values.append(value if value is not None else 0)
     return SLOT_PAYLOAD.pack(
         rid,
+        url,
         STATE_CODES.index(slot.state),
         flags,
+        slot.transitions,
         slot.weight,
         slot.score,
         slot.inflight,
@@ -92,12 +124,14 @@ def pack(slot: ReplicaSlot) -> bytes:
 
 
 def unpack(payload: bytes | memoryview) -> ReplicaSlot:
-    rid, state, flags, weight, score, inflight, *rest = SLOT_PAYLOAD.unpack(payload)
+    rid, url, state, flags, transitions, weight, score, inflight, *rest = SLOT_PAYLOAD.unpack(payload)
     updated_at = rest.pop()
     optional = {name: (rest[bit] if flags >> bit & 1 else None) for bit, name in enumerate(OPTIONAL)}
     return ReplicaSlot(
         rid.rstrip(b"\0").decode("utf-8"),
+        url.rstrip(b"\0").decode("utf-8"),
         STATE_CODES[state],
+        transitions,
         weight,
         score,
         inflight,

@@ -3,19 +3,38 @@
 A writer bumps the slot's sequence number to odd, writes the payload and its checksum, and bumps
 it to even. A reader copies the slot and accepts the copy only if the sequence was even and the
 same before and after, and the checksum matches; otherwise it retries (a bounded number of times).
-Only the process that created the segment unlinks it; attaching processes are kept out of Python's
-resource tracker, which would otherwise unlink the segment when they exit (cpython gh-82300).
+Counter cells are plain aligned int64 stores, each with a single writer (its worker), so a reader
+sees every cell whole. Only the process that created the segment unlinks it; attaching processes
+are kept out of Python's resource tracker, which would otherwise unlink the segment when they
+exit (cpython gh-82300).
 """
 
 from __future__ import annotations
 
 import os
+import struct
 from multiprocessing import resource_tracker, shared_memory
 
 from router.ring import xxh3_64
-from router.shm.layout import HEADER, MAGIC, SEQ, SLOT_PAYLOAD, SLOT_SIZE, VERSION, ReplicaSlot, pack, unpack
+from router.shm.layout import (
+    COUNTER_CELL,
+    GENERATION_AT,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    SEQ,
+    SLOT_PAYLOAD,
+    SLOT_SIZE,
+    VERSION,
+    ReplicaSlot,
+    pack,
+    unpack,
+)
 
 READ_RETRIES = 10_000
+MAX_SLOTS = 65536
+MAX_WORKERS = 256
+_U64 = struct.Struct("<Q")
 
 
 def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
@@ -24,50 +43,72 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
+def segment_size(slots: int, workers: int) -> int:
+    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * slots * COUNTER_CELL * 8
+
+
 class TornRead(RuntimeError):
     """A slot kept changing under the reader for READ_RETRIES tries (a writer died mid-write?)."""
 
 
 class SlotTable:
-    def __init__(self, shm: shared_memory.SharedMemory, slots: int, owner: bool) -> None:
+    """Replica slots (control loop), agent slots (router-agents) and per-worker counter rows."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, slots: int, workers: int, owner: bool) -> None:
         self._shm = shm
         self.slots = slots
+        self.workers = workers
         self.owner = owner
         self._buf: memoryview = _buffer(shm)
+        start = HEADER_SIZE + 2 * slots * SLOT_SIZE
+        self._counters = self._buf[start : start + workers * slots * COUNTER_CELL * 8].cast("q")
+        self._rows: list[memoryview] = []  # views handed out, released on close
 
     @property
     def name(self) -> str:
         return self._shm.name
 
     @classmethod
-    def create(cls, name: str | None, slots: int) -> SlotTable:
-        if not 1 <= slots <= 65536:
-            raise ValueError("slots must be in 1..65536")
-        shm = shared_memory.SharedMemory(name=name, create=True, size=HEADER.size + slots * SLOT_SIZE)
+    def create(cls, name: str | None, slots: int, workers: int = 0) -> SlotTable:
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be in 1..{MAX_SLOTS}")
+        if not 0 <= workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be in 0..{MAX_WORKERS}")
+        size = segment_size(slots, workers)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         buf = _buffer(shm)
-        buf[: HEADER.size + slots * SLOT_SIZE] = bytes(HEADER.size + slots * SLOT_SIZE)
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid())
-        return cls(shm, slots, owner=True)
+        buf[:size] = bytes(size)
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid(), workers)
+        return cls(shm, slots, workers, owner=True)
 
     @classmethod
     def attach(cls, name: str) -> SlotTable:
-        shm = shared_memory.SharedMemory(name=name, create=False)
-        # the creator owns the segment's life: don't let this process's resource tracker unlink it
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        magic, version, slots, slot_size, _ = HEADER.unpack_from(_buffer(shm), 0)
-        if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE:
+        # the creator owns the segment's life: keep it out of this process's resource tracker,
+        # which would unlink it when we exit (and which a spawned child shares with its parent)
+        register = resource_tracker.register
+        resource_tracker.register = lambda name, rtype: None if rtype == "shared_memory" else register(name, rtype)
+        try:
+            shm = shared_memory.SharedMemory(name=name, create=False)
+        finally:
+            resource_tracker.register = register
+        buf = _buffer(shm)
+        if len(buf) < HEADER_SIZE:
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a version-{VERSION} replica table")
-        return cls(shm, slots, owner=False)
+        magic, version, slots, slot_size, _, workers = HEADER.unpack_from(buf, 0)
+        if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE or len(buf) < segment_size(slots, workers):
+            shm.close()
+            raise ValueError(f"shared memory {name!r} is not a version-{VERSION} replica table")
+        return cls(shm, slots, workers, owner=False)
 
-    def _offset(self, index: int) -> int:
+    # -- seqlocked slots ----------------------------------------------------------------------
+
+    def _offset(self, index: int, region: int) -> int:
         if not 0 <= index < self.slots:
             raise IndexError(f"slot {index} out of range 0..{self.slots - 1}")
-        return HEADER.size + index * SLOT_SIZE
+        return HEADER_SIZE + (region * self.slots + index) * SLOT_SIZE
 
-    def write(self, index: int, slot: ReplicaSlot) -> None:
-        """Write one slot. Each slot must have one writer at a time (the control loop, or its agent)."""
-        at = self._offset(index)
+    def _write(self, at: int, slot: ReplicaSlot) -> None:
         payload = pack(slot)
         buf = self._buf
         seq, _ = SEQ.unpack_from(buf, at)
@@ -75,8 +116,7 @@ class SlotTable:
         buf[at + SEQ.size : at + SEQ.size + len(payload)] = payload
         SEQ.pack_into(buf, at, (seq | 1) + 1, xxh3_64(payload))  # even: done, with the payload's checksum
 
-    def read(self, index: int) -> ReplicaSlot:
-        at = self._offset(index)
+    def _read(self, at: int, index: int) -> ReplicaSlot:
         buf = self._buf
         end = at + SEQ.size + SLOT_PAYLOAD.size
         for _ in range(READ_RETRIES):
@@ -89,8 +129,62 @@ class SlotTable:
                 return unpack(payload)
         raise TornRead(f"slot {index} of {self.name} never settled")
 
+    def write(self, index: int, slot: ReplicaSlot) -> None:
+        """Write a replica slot. Each slot has one writer: the router's control loop."""
+        self._write(self._offset(index, 0), slot)
+
+    def read(self, index: int) -> ReplicaSlot:
+        return self._read(self._offset(index, 0), index)
+
+    def write_agent(self, index: int, slot: ReplicaSlot) -> None:
+        """Write an agent slot. Each has one writer: the router-agent beside that replica."""
+        self._write(self._offset(index, 1), slot)
+
+    def read_agent(self, index: int) -> ReplicaSlot:
+        return self._read(self._offset(index, 1), index)
+
+    def find(self, replica_id: str) -> int | None:
+        """The replica slot holding `replica_id`, if any."""
+        for i in range(self.slots):
+            if self.read(i).replica_id == replica_id:
+                return i
+        return None
+
+    # -- generation and counters ----------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        value: int = _U64.unpack_from(self._buf, GENERATION_AT)[0]
+        return value
+
+    def bump_generation(self) -> int:
+        """Mark the replica table changed (the control loop only, after writing the slots)."""
+        value = self.generation + 1
+        _U64.pack_into(self._buf, GENERATION_AT, value)
+        return value
+
+    def counters(self, worker: int) -> memoryview:
+        """Worker `worker`'s row: cell i (replica slot i) is row[i * COUNTER_CELL : ...] as int64s."""
+        if not 0 <= worker < self.workers:
+            raise IndexError(f"worker {worker} out of range 0..{self.workers - 1}")
+        width = self.slots * COUNTER_CELL
+        row = self._counters[worker * width : (worker + 1) * width]
+        self._rows.append(row)
+        return row
+
+    def _release(self) -> None:
+        for row in self._rows:
+            row.release()
+        self._counters.release()
+        self._buf = memoryview(b"")  # drop our views of the segment before closing it
+
     def close(self) -> None:
-        self._buf = memoryview(b"")  # drop our view of the segment before closing it
+        self._release()
         self._shm.close()
         if self.owner:
             self._shm.unlink()
+
+    def __del__(self) -> None:
+        # dropped without close(): let SharedMemory's own finaliser close the mapping (never unlink)
+        if hasattr(self, "_counters"):
+            self._release()

@@ -1,0 +1,244 @@
+"""`router-serve --workers N`: N proxy processes on one port, one control process behind them.
+
+The process that runs `router-serve` becomes the control process. It creates the shared-memory
+segment (router.shm), probes and scores replicas, owns membership (the admin API's replica
+routes reach it over a Unix socket in a private directory) and publishes the replica table
+(router.shared). It then starts N worker processes (spawned, not forked: each starts clean),
+each listening on the same host and port with SO_REUSEPORT, so the kernel spreads connections
+over them. Workers follow the table and publish their counters; metrics from all of them are
+merged by prometheus_client's multiprocess mode, so any worker's /metrics shows the whole router.
+A worker that dies is restarted; workers stop when the control process does, or goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from aiohttp import web
+from prometheus_client import multiprocess
+
+from router._runtime import run, until_stopped
+from router.config import RouterConfig
+from router.proxy.app import Router
+from router.shm.layout import COUNTER_CELL
+from router.shm.table import SlotTable
+
+log = logging.getLogger("router.workers")
+START_TIMEOUT_S = 60.0
+RESTART_BACKOFF_S = 1.0
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
+    """The aiohttp runner of a proxying process (a lone router or a worker)."""
+    return web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        handler_cancellation=True,
+        max_field_size=max(config.max_header_bytes * 4, 65536),
+        max_line_size=max(config.max_header_bytes * 4, 65536),
+    )
+
+
+# -- a worker process ------------------------------------------------------------------------------
+
+
+def worker_main(config: RouterConfig, shm_name: str, control_socket: str, index: int, ready: Connection) -> None:
+    """Entry point of a spawned worker: serve until SIGINT/SIGTERM or until the control process goes."""
+    if config.log_requests:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        run(_worker(config, shm_name, control_socket, index, ready))
+
+
+async def _worker(config: RouterConfig, shm_name: str, control_socket: str, index: int, ready: Connection) -> None:
+    parent = os.getppid()
+    try:
+        table = SlotTable.attach(shm_name)
+    except (OSError, ValueError) as exc:
+        ready.send(f"cannot attach shared memory {shm_name!r}: {exc}")
+        return
+    runner = None
+    try:
+        router = Router(config, table=table, worker=index, control_socket=control_socket)
+        runner = runner_for(router.app(), config)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=True).start()
+        except OSError as exc:
+            ready.send(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
+            return
+        ready.send(None)
+        ready.close()
+        stop = asyncio.create_task(until_stopped())
+        while not stop.done():  # also stop if the control process went away without telling us
+            await asyncio.wait([stop], timeout=1.0)
+            if os.getppid() != parent:
+                break
+        stop.cancel()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        table.close()
+
+
+# -- the control process ---------------------------------------------------------------------------
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class WorkerPool:
+    def __init__(self, config: RouterConfig, table: SlotTable, control_socket: str, metrics_dir: str) -> None:
+        self.config = config
+        self.table = table
+        self.control_socket = control_socket
+        self.metrics_dir = metrics_dir
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[BaseProcess | None] = [None] * config.workers
+        self.restarts = 0
+        self.stopping = False
+        # the workers' config: same settings, but replicas come from the table and the demo is ours
+        self.worker_config = RouterConfig(**{**config.__dict__, "demo": 0})
+
+    def _spawn(self, index: int) -> tuple[BaseProcess, Connection]:
+        receive, send = self.ctx.Pipe(duplex=False)
+        previous = os.environ.get(METRICS_ENV)
+        os.environ[METRICS_ENV] = self.metrics_dir  # read by prometheus_client when the worker imports it
+        try:
+            proc = self.ctx.Process(
+                target=worker_main,
+                args=(self.worker_config, self.table.name, self.control_socket, index, send),
+                name=f"router-serve worker {index}",
+            )
+            proc.start()
+        finally:
+            if previous is None:
+                del os.environ[METRICS_ENV]
+            else:
+                os.environ[METRICS_ENV] = previous
+        send.close()
+        return proc, receive
+
+    @staticmethod
+    def _wait_ready(receive: Connection) -> str | None:
+        try:
+            if not receive.poll(START_TIMEOUT_S):
+                return f"not ready after {START_TIMEOUT_S:.0f} s"
+            message: str | None = receive.recv()
+            return message
+        except (EOFError, OSError):
+            return "exited while starting"
+        finally:
+            receive.close()
+
+    async def start(self, index: int) -> None:
+        proc, receive = self._spawn(index)
+        self.procs[index] = proc
+        problem = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready, receive)
+        if problem is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            raise WorkerFailed(f"worker {index}: {problem}")
+
+    async def start_all(self) -> None:
+        await asyncio.gather(*(self.start(i) for i in range(len(self.procs))))
+
+    def _bury(self, index: int, proc: BaseProcess) -> None:
+        """A worker is gone: its in-flight counts are void, its live gauges go."""
+        row = self.table.counters(index)
+        for cell in range(self.table.slots):
+            row[cell * COUNTER_CELL] = 0
+        assert proc.pid is not None
+        multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
+    async def watch(self) -> None:
+        """Restart workers that die (at most one start per worker per RESTART_BACKOFF_S)."""
+        last_start = [time.monotonic()] * len(self.procs)
+        while not self.stopping:
+            await asyncio.sleep(0.2)
+            for i, proc in enumerate(self.procs):
+                if self.stopping or proc is None or proc.is_alive():
+                    continue
+                if time.monotonic() - last_start[i] < RESTART_BACKOFF_S:
+                    continue
+                print(f"router-serve: worker {i} (pid {proc.pid}) exited ({proc.exitcode}); restarting", flush=True)
+                self._bury(i, proc)
+                last_start[i] = time.monotonic()
+                self.restarts += 1
+                try:
+                    await self.start(i)
+                except WorkerFailed as exc:
+                    print(f"router-serve: {exc}; trying again", flush=True)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        procs = [p for p in self.procs if p is not None]
+        for proc in procs:
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    proc.terminate()  # SIGTERM: the worker finishes its requests and exits
+        loop = asyncio.get_running_loop()
+        for proc in procs:
+            await loop.run_in_executor(None, proc.join, 15)
+            if proc.is_alive():
+                proc.kill()
+                await loop.run_in_executor(None, proc.join, 5)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail early, in the control process, if the port is taken by something that is not us."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        probe.bind((host, port))
+
+
+async def serve_workers(config: RouterConfig, banner: str) -> None:
+    check_port(config.host, config.port)
+    table = SlotTable.create(config.shm_name or f"kvar-{os.getpid()}", config.shm_slots, config.workers)
+    private = tempfile.mkdtemp(prefix="router-serve-")  # mode 0700: the control socket is ours alone
+    metrics_dir = os.path.join(private, "metrics")
+    os.mkdir(metrics_dir)
+    control_socket = os.path.join(private, "control.sock")
+    runner = None
+    pool = WorkerPool(config, table, control_socket, metrics_dir)
+    watcher = None
+    try:
+        router = Router(config, table=table)
+        router.publish()
+        runner = web.AppRunner(router.app(control_only=True), handle_signals=False, access_log=None)
+        await runner.setup()
+        await web.UnixSite(runner, control_socket).start()
+        await pool.start_all()
+        print(banner, flush=True)
+        print(
+            f"workers: {config.workers} processes (pids {', '.join(str(p.pid) for p in pool.procs if p)}); "
+            f"shared memory: {table.name} (router-agent --shm {table.name})",
+            flush=True,
+        )
+        watcher = asyncio.create_task(pool.watch())
+        await until_stopped()
+    finally:
+        await pool.stop()
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        if runner is not None:
+            await runner.cleanup()
+        table.close()
+        shutil.rmtree(private, ignore_errors=True)

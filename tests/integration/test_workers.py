@@ -1,0 +1,213 @@
+"""`router-serve --workers 2`: two proxy processes on one port, one control process, shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+TOKEN = "workers-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
+        self.proc = proc
+        self.url = url
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.pids: list[int] = []
+        self.shm = ""
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: [self.lines.put(line) for line in stdout], daemon=True).start()
+
+    def line(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            found = re.search(pattern, line)
+            if found:
+                return found
+
+
+@pytest.fixture
+async def serve_workers() -> AsyncIterator[Callable[..., Any]]:
+    started: list[Served] = []
+
+    async def start(replicas: list[str], *flags: str) -> Served:
+        port = free_port()
+        args = [sys.executable, "-m", "router.proxy.cli", "--workers", "2", "--port", str(port)]
+        for r in replicas:
+            args += ["--replica", r]
+        proc = subprocess.Popen(
+            [*args, "--admin-token", TOKEN, *flags],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        )
+        served = Served(proc, f"http://127.0.0.1:{port}")
+        started.append(served)
+        # the event loop must keep serving the in-process replicas while the router starts
+        banner = r"workers: 2 processes \(pids (\d+), (\d+)\); shared memory: (\S+)"
+        match = await asyncio.to_thread(served.line, banner)
+        served.pids = [int(match[1]), int(match[2])]
+        served.shm = match[3]
+        return served
+
+    yield start
+    for served in started:
+        if served.proc.poll() is None:
+            served.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(served.proc.wait, 20)
+
+
+def named(fleet: Any) -> list[str]:
+    return [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+
+
+async def ask(url: str, session: str) -> tuple[int, str, str]:
+    """One chat turn on a fresh connection (the kernel picks the worker per connection)."""
+    body = {"messages": [{"role": "user", "content": f"hello from {session}"}], "max_tokens": 4, "stream": True}
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
+    ):
+        await r.read()
+        return r.status, r.headers.get("X-Router-Worker", ""), r.headers.get("X-Router-Replica", "")
+
+
+async def explain(url: str, key: str) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+        s.get(url + "/admin/route", params={"key": key}, headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+    ):
+        assert r.status == 200
+        answer: dict[str, Any] = await r.json()
+        return answer
+
+
+async def from_both_workers(url: str, key: str, tries: int = 200) -> dict[int, dict[str, Any]]:
+    seen: dict[int, dict[str, Any]] = {}
+    for _ in range(tries):
+        answer = await explain(url, key)
+        seen[answer["worker"]] = answer
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only workers {sorted(seen)} answered in {tries} connections")
+
+
+async def test_two_workers_route_alike_see_removals_and_merge_metrics(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    served = await serve_workers(
+        named(fleet), "--probe-interval-s", "0.1", "--probe-timeout-s", "0.5", "--recovery-ramp-s", "0.5"
+    )
+    url = served.url
+    routes: dict[str, set[str]] = {}
+    workers: set[str] = set()
+    sent = 0
+    for i in range(60):
+        key = f"s{i % 12}"
+        status, worker, replica = await ask(url, key)
+        sent += 1
+        assert status == 200
+        workers.add(worker)
+        routes.setdefault(key, set()).add(replica)
+    assert workers == {"0", "1"}  # both workers served
+    # a key goes to one replica, whichever worker took the connection
+    assert all(len(replicas) == 1 for replicas in routes.values()), routes
+    for key in ("s0", "s5"):
+        both = await from_both_workers(url, key)
+        assert both[0]["replica"] == both[1]["replica"] == next(iter(routes[key]))
+
+    # one replica crashes: the control loop removes it, and both workers route its keys elsewhere
+    victim_id = next(iter(routes["s0"]))
+    victim = next(r for r in fleet.replicas if r.options.replica_id == victim_id)
+    await victim.crash()
+    deadline = time.monotonic() + 10
+    while True:
+        both = await from_both_workers(url, "s0")
+        if all(a["replica"] != victim_id for a in both.values()):
+            break
+        assert time.monotonic() < deadline, "the workers never stopped routing to the crashed replica"
+        await asyncio.sleep(0.1)
+    assert both[0]["replica"] == both[1]["replica"]
+    assert all(step["state"] == "removed" for a in both.values() for step in a["walk"] if step["replica"] == victim_id)
+    for _ in range(10):
+        status, _, replica = await ask(url, "s0")
+        sent += 1
+        assert status == 200 and replica == both[0]["replica"]
+
+    # an admin removal through whichever worker answers reaches both
+    keep = [r.options.replica_id for r in fleet.replicas if r.options.replica_id != victim_id]
+    async with (
+        aiohttp.ClientSession() as s,
+        s.delete(f"{url}/admin/replicas/{keep[0]}", headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+    ):
+        assert r.status == 200
+    deadline = time.monotonic() + 5
+    counts: dict[int, int] = {}
+    while len(counts) < 2 or any(n != 2 for n in counts.values()):
+        assert time.monotonic() < deadline, counts
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s,
+            s.get(url + "/health") as r,
+        ):
+            health = await r.json()
+        counts[health["worker"]] = health["replicas"]
+
+    # the control loop sees both workers' traffic, and any worker's /metrics counts all of it
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{url}/admin/replicas", headers={"Authorization": f"Bearer {TOKEN}"}) as r,
+    ):
+        listed = await r.json()
+    assert {x["id"] for x in listed} == {victim_id, keep[1]}
+    assert next(x for x in listed if x["id"] == victim_id)["state"] == "removed"
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    total = sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("router_requests_total{")
+    )
+    assert total == sent
+
+
+async def test_a_killed_worker_is_replaced_and_stopping_cleans_up(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    served = await serve_workers(named(fleet))
+    os.kill(served.pids[0], signal.SIGKILL)
+    match = await asyncio.to_thread(served.line, r"worker 0 \(pid (\d+)\) exited \(-9\); restarting", 20)
+    assert int(match[1]) == served.pids[0]
+    for i in range(20):  # the other worker holds the port meanwhile; then both serve again
+        status, _, _ = await ask(served.url, f"k{i}")
+        assert status == 200
+    workers: set[str] = set()
+    for i in range(200):
+        _, worker, _ = await ask(served.url, f"k{i}")
+        workers.add(worker)
+        if workers == {"0", "1"}:
+            break
+    assert workers == {"0", "1"}
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(served.proc.wait, 20) == 0
+    assert not os.path.exists(f"/dev/shm/{served.shm}")  # the control process unlinked it
+    for pid in served.pids[1:]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

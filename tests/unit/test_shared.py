@@ -1,0 +1,139 @@
+"""The shared replica table between the control loop and workers, in one process (no sockets)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from router.config import ReplicaSpec, RouterConfig
+from router.fleet import Fleet
+from router.keys import RoutingKey
+from router.policy import make_policy
+from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, owner_tag
+from router.shm.layout import COUNTER_CELL
+from router.shm.table import SlotTable
+
+SPECS = [ReplicaSpec(f"r{i}", f"http://10.0.0.{i}:8000") for i in range(5)]
+KEYS = [f"session-{i}".encode() for i in range(2000)]
+
+
+@pytest.fixture
+def table() -> Iterator[SlotTable]:
+    t = SlotTable.create(f"kvar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8, workers=2)
+    yield t
+    t.close()
+
+
+def owners(fleet: Fleet) -> list[str]:
+    return [fleet.replicas[fleet.ring.lookup(k)].id for k in KEYS]
+
+
+def test_workers_follow_membership_health_and_weights(table: SlotTable) -> None:
+    control = Fleet(SPECS)
+    publisher = Publisher(control, table)
+    publisher.publish()
+    workers = [Fleet([]) for _ in range(2)]
+    followers = [Follower(f, table, w, 20.0) for w, f in enumerate(workers)]
+    for f in followers:
+        assert f.sync() and not f.sync()  # read once, then only when the generation moves
+    assert owners(workers[0]) == owners(workers[1]) == owners(control)
+
+    now = 100.0
+    sick = control.find("r2")
+    assert sick is not None
+    for _ in range(3):
+        sick.health.observe(0.1, now)
+    control.apply_health(sick, now)
+    assert sick.state == "removed"
+    degraded = control.find("r3")
+    assert degraded is not None
+    degraded.health.observe(0.45, now)  # suspect, with a smaller weight
+    control.apply_health(degraded, now)
+    publisher.publish()
+    for f in followers:
+        assert f.sync()
+    for fleet in workers:
+        assert owners(fleet) == owners(control) and "r2" not in owners(fleet)
+        assert fleet.find("r2").state == "removed" and fleet.find("r3").state == "suspect"  # type: ignore[union-attr]
+        assert fleet.ring.weights[fleet.find("r3").index] == control.ring.weights[degraded.index] < 1  # type: ignore[union-attr]
+
+    removed: list[str] = []
+    followers[0].on_removed = removed.append
+    control.remove("r0")
+    control.add(ReplicaSpec("r9", "http://10.0.0.9:8000"))
+    publisher.publish()
+    for f in followers:
+        f.sync()
+    assert removed == ["r0"]
+    for fleet in workers:
+        assert sorted(r.id for r in fleet.replicas) == sorted(r.id for r in control.replicas)
+        assert owners(fleet) == owners(control)
+    assert table.read(table.find("r9") or 0).url == "http://10.0.0.9:8000"
+
+
+def test_in_flight_counts_cross_workers_and_counters_add_up(table: SlotTable) -> None:
+    control = Fleet(SPECS[:3])
+    publisher = Publisher(control, table)
+    publisher.publish()
+    a, b = Fleet([]), Fleet([])
+    fa, fb = Follower(a, table, 0, 20.0), Follower(b, table, 1, 20.0)
+    fa.sync()
+    fb.sync()
+    ra, rb = a.find("r1"), b.find("r1")
+    assert ra is not None and rb is not None and ra.index is not None and rb.index is not None
+    for _ in range(3):
+        a.acquire(ra)
+    b.acquire(rb)
+    fb.pull_loads()
+    assert b.loads[rb.index] == 4  # its own 1 and worker 0's 3, written as they happened
+    a.release(ra)
+    ra.errors += 1
+    for when in range(6):
+        ra.tpot.append((99.0 + when * 0.1, 0.020))
+    fa.publish(100.0)
+    fb.publish(100.0)
+    fb.pull_loads()
+    assert b.loads[rb.index] == 3
+    publisher.collect()
+    r1 = control.find("r1")
+    assert r1 is not None
+    assert (r1.inflight, r1.requests, r1.errors) == (3, 4, 1)
+    assert r1.pooled_tpot == (pytest.approx(0.020), 6)
+    publisher.collect()  # counted once, not again
+    assert (r1.requests, r1.errors) == (4, 1)
+
+    # a restarted worker counts from zero again: that is new work, not a negative one
+    row = table.counters(0)
+    base = r1.slot * COUNTER_CELL  # type: ignore[operator]
+    row[base + REQUESTS] = 1
+    row[base + ERRORS] = 0
+    publisher.collect()
+    assert (r1.requests, r1.errors) == (5, 1)
+    # a cell still counting for another replica (a worker behind a slot's reassignment) is ignored
+    row[base + OWNER] = owner_tag("someone-else")
+    row[base + INFLIGHT] = 50
+    row[base + REQUESTS] = 1000
+    publisher.collect()
+    assert (r1.requests, r1.inflight) == (5, 1)
+
+
+def test_a_spill_rechecks_loads_from_the_other_workers(table: SlotTable) -> None:
+    control = Fleet(SPECS[:3])
+    Publisher(control, table).publish()
+    a, b = Fleet([]), Fleet([])
+    fa, fb = Follower(a, table, 0, 20.0), Follower(b, table, 1, 20.0)
+    fa.sync()
+    fb.sync()
+    policy = make_policy("affinity", b, RouterConfig(replicas=tuple(SPECS[:3])))
+    key = RoutingKey(KEYS[0], "header", "x-session-id")
+    owner = b.ring.lookup(key.key)
+    other = a.find(b.replicas[owner].id)
+    assert other is not None
+    a.acquire(other)
+    fb.pull_loads()  # worker 1 saw worker 0's request in flight ...
+    a.release(other)  # ... which has finished since
+    decision = policy.pick(key, None, set())
+    assert decision is not None and decision.index == owner and decision.reason == "ring"
