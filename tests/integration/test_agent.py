@@ -145,3 +145,43 @@ async def test_stats_endpoint(replica) -> None:  # type: ignore[no-untyped-def]
 def test_bad_command_lines_exit_2(args: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "router.agent.cli", *args], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stderr.startswith("router-agent: ") and proc.stderr.count("\n") == 1
+
+
+async def test_a_colocated_agent_reaches_the_score_through_shared_memory(start_fleet) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from aiohttp import web
+
+    from router.config import load
+    from router.proxy.app import Router
+
+    fleet = await start_fleet(2)
+    specs = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    name = f"kvar-agent-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    config = load(None, {}, {"replicas": specs, "probe_interval_s": "0.05", "shm_name": name})
+    table = SlotTable.create(config.shm_name, config.shm_slots)
+    runner = None
+    try:
+        router = Router(config, table=table)
+        router.publish()  # as router-serve --shm-name does at start
+        runner = web.AppRunner(router.app())
+        await runner.setup()
+        nvml = FakeNvml()
+        agent = Agent("emu-1", fleet.replicas[1].url, NvmlReader(nvml), interval_s=0.05, table=SlotTable.attach(name))
+        task = asyncio.create_task(agent.run())
+        sick = router.fleet.find("emu-1")
+        assert sick is not None
+        deadline = asyncio.get_running_loop().time() + 5
+        while sick.state != "removed":  # the agent's uncorrected ECC errors take it out of routing
+            assert asyncio.get_running_loop().time() < deadline, sick.state
+            await asyncio.sleep(0.05)
+        assert table.read_agent(sick.slot or 0).ecc_errors == 3
+        assert router.fleet.find("emu-0").state == "healthy"  # type: ignore[union-attr]  # no agent: probes only
+        task.cancel()
+        await agent.close()
+        assert agent.table is not None
+        agent.table.close()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        table.close()

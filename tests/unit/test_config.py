@@ -51,6 +51,10 @@ def test_lists_and_booleans_from_the_environment() -> None:
         ({"ROUTER_LOG_REQUESTS": "maybe"}, {"replicas": ["http://a:1"]}, "log_requests", "ROUTER_LOG_REQUESTS"),
         ({"ROUTER_IDLE_TIMEOUT_S": "nan"}, {"replicas": ["http://a:1"]}, "idle_timeout_s", "ROUTER_IDLE_TIMEOUT_S"),
         ({"ROUTER_AGENTS": "b=http://x:1"}, {"replicas": ["a=http://a:1"]}, "agents", "ROUTER_AGENTS"),
+        ({}, {"replicas": ["http://a:1"], "workers": "0"}, "workers", "--workers"),
+        ({"ROUTER_SHM_NAME": "../etc"}, {"replicas": ["http://a:1"]}, "shm_name", "ROUTER_SHM_NAME"),
+        ({}, {"replicas": ["http://a:1", "http://b:1"], "shm_slots": "1"}, "shm_slots", "--shm-slots"),
+        ({}, {"replicas": ["x" * 65 + "=http://a:1"]}, "replicas", "--replica"),
     ],
 )
 def test_bad_settings_name_the_setting_and_its_source(env: dict, cli: dict, setting: str, source: str) -> None:
