@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.health.score import ScoreWeights
+
 
 class ConfigError(ValueError):
     """A setting that cannot be used; str() is one line for the operator."""
@@ -71,6 +73,7 @@ class RouterConfig:
     remove_after: int = 3
     return_after: int = 3
     recovery_ramp_s: float = 30.0
+    score_weights: tuple[str, ...] = ()  # NAME=VALUE overrides of router.health.score.ScoreWeights
     # processes
     workers: int = 1  # proxy processes on one port (SO_REUSEPORT); above 1, plus one control process
     shm_name: str = ""  # shared-memory segment; "" = kvar-<pid> when workers > 1, none for one worker
@@ -187,6 +190,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("remove_after" if cfg.remove_after < 1 else "return_after", "must be at least 1")
     if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
         raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
+    try:
+        score_weights(cfg)
+    except ValueError as exc:
+        raise bad("score_weights", str(exc)) from None
     known = {r.id for r in cfg.replicas}
     for entry in cfg.agents:
         rid, sep, url = entry.partition("=")
@@ -218,6 +225,25 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if dup_url is not None:
         raise bad("replicas", f"{dup_url} is listed twice (a retry could go back to the same replica)")
     return cfg
+
+
+def score_weights(cfg: RouterConfig) -> ScoreWeights:
+    """The health score's weights and thresholds: the defaults with `score_weights` applied."""
+    names = {f.name for f in dataclasses.fields(ScoreWeights)}
+    values: dict[str, float] = {}
+    for entry in cfg.score_weights:
+        name, sep, text = entry.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise ValueError(f"{entry!r} is not NAME=VALUE with NAME one of {', '.join(sorted(names))}")
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{entry!r}: {text.strip()!r} is not a number") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{entry!r}: the value must be finite")
+        values[name] = value
+    return ScoreWeights(**values)  # checks ranges and that each *_from is below its *_to
 
 
 def load(

@@ -52,6 +52,9 @@ def test_lists_and_booleans_from_the_environment() -> None:
         ({"ROUTER_IDLE_TIMEOUT_S": "nan"}, {"replicas": ["http://a:1"]}, "idle_timeout_s", "ROUTER_IDLE_TIMEOUT_S"),
         ({"ROUTER_AGENTS": "b=http://x:1"}, {"replicas": ["a=http://a:1"]}, "agents", "ROUTER_AGENTS"),
         ({}, {"replicas": ["http://a:1"], "workers": "0"}, "workers", "--workers"),
+        ({}, {"replicas": ["http://a:1"], "score_weights": "speed=1"}, "score_weights", "--score-weights"),
+        ({"ROUTER_SCORE_WEIGHTS": "queue=2"}, {"replicas": ["http://a:1"]}, "score_weights", "ROUTER_SCORE_WEIGHTS"),
+        ({}, {"replicas": ["http://a:1"], "score_weights": "queue_from=99"}, "score_weights", "--score-weights"),
         ({"ROUTER_SHM_NAME": "../etc"}, {"replicas": ["http://a:1"]}, "shm_name", "ROUTER_SHM_NAME"),
         ({}, {"replicas": ["http://a:1", "http://b:1"], "shm_slots": "1"}, "shm_slots", "--shm-slots"),
         ({}, {"replicas": ["x" * 65 + "=http://a:1"]}, "replicas", "--replica"),
@@ -131,3 +134,15 @@ def test_every_setting_has_a_flag() -> None:
     assert cfg.sticky_max_sessions == 7 and cfg.inject_usage is False and cfg.key_body_fields == ("user",)
     assert cfg.log_requests is True
     assert set(cli_values(args)) == set(FIELDS)
+
+
+def test_score_weights_override_the_defaults() -> None:
+    from router.config import score_weights
+    from router.health.score import ScoreWeights
+
+    cfg = load(None, {"ROUTER_SCORE_WEIGHTS": "latency=0.5, queue_from=16"}, {"replicas": ["http://a:1"]})
+    weights = score_weights(cfg)
+    assert (weights.latency, weights.queue_from, weights.queue) == (0.5, 16.0, ScoreWeights().queue)
+    from router.proxy.app import Router
+
+    assert Router(cfg).monitor.weights == weights  # the control loop scores with them

@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
-from router.config import RouterConfig
+from router.config import RouterConfig, score_weights
 from router.errors import error_response
 from router.fleet import Fleet, ReplicaState
 from router.health.monitor import LATENCY_WINDOW_PROBES, HealthMonitor
@@ -97,6 +97,7 @@ class Router:
             lambda: self.http,
             config.probe_interval_s,
             config.probe_timeout_s,
+            weights=score_weights(config),
             agents=dict(entry.split("=", 1) for entry in config.agents),
             table=table,
             before_round=self.gather,

@@ -49,6 +49,8 @@ HELP = {
     "remove_after": "low scores in a row before removal (default 3)",
     "return_after": "high scores in a row before return (default 3)",
     "recovery_ramp_s": "seconds over which a returning replica's weight ramps back to full (default 30)",
+    "score_weights": "comma-separated NAME=VALUE overrides of the health score's weights and thresholds "
+    "(e.g. latency=0.5,queue_from=16; see docs/router.md)",
     "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "
     "publishes the replica table to them through shared memory",
     "shm_name": "shared-memory segment name for workers and colocated router-agents (default: kvar-<pid> "
