@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import proxy_bench, replay, ring_bench
+from router.bench import health_bench, proxy_bench, replay, ring_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     ring_bench.add_parser(sub)
     replay.add_parser(sub)
     proxy_bench.add_parser(sub)
+    health_bench.add_parser(sub)
     return parser
 
 

@@ -289,7 +289,10 @@ class Engine:
     # -- gauges -----------------------------------------------------------------------------
 
     def fragmentation(self) -> float:
-        """Unused token slots in blocks that running requests hold / all slots they hold."""
+        """Internal fragmentation: the unwritten slots of running requests' partly written last
+        blocks / all slots held. Blocks reserved for the rest of a reply are not counted: vLLM
+        would allocate them only as it decodes, so reserving them is this model's shortcut, not
+        waste a real engine shows (a replica busy with long replies is not fragmented)."""
         bs = self.config.block_size
         held = self.cache.used_blocks * bs
         if held == 0:
@@ -298,8 +301,8 @@ class Engine:
         for seq in self.running:
             if seq.alloc is None:
                 continue
-            in_anonymous = seq.context_tokens - len(seq.alloc.pinned) * bs
-            unused += seq.alloc.anonymous * bs - max(in_anonymous, 0)
+            written = seq.context_tokens
+            unused += -written % bs  # slack in the last, partly written block
         return min(max(unused / held, 0.0), 1.0)
 
     def stats(self) -> dict[str, Any]:
