@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.config import ReplicaSpec
+from router.health.score import HealthInputs
 from router.health.signals import EngineStats
 from router.health.states import Hysteresis, ReplicaHealth
 from router.ring import MovedRange, Ring
@@ -36,6 +37,7 @@ class ReplicaState:
     cached_tokens: int = 0
     health: ReplicaHealth = field(default_factory=ReplicaHealth)
     engine: EngineStats = field(default_factory=EngineStats)
+    inputs: HealthInputs | None = None  # what the last score was computed from
     # (when, seconds per output token) of recent streamed replies, for the latency signal
     tpot: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # with worker processes: this replica's slot in the shared table, and (median, samples) of

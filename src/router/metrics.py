@@ -8,9 +8,15 @@ session_jumps / session_followups.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.health.score import HealthInputs
+from router.health.states import STATES
+
+INPUTS = tuple(f.name for f in dataclasses.fields(HealthInputs))
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -54,6 +60,18 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "1 while a replica takes new requests (healthy, suspect, recovering, warming), 0 while removed or draining.",
         ("replica",),
     ),
+    "router_replica_state": (
+        "gauge",
+        "1 for each replica's current health state (healthy, suspect, removed, recovering, draining, warming), "
+        "0 for the others.",
+        ("replica", "state"),
+    ),
+    "router_replica_health_input": (
+        "gauge",
+        "The inputs of each replica's latest health score: waiting, kv_usage, fragmentation, error_rate, "
+        "latency_ratio, gpu_temperature_c, gpu_slowed, ecc_errors, probe_ok; absent while unknown.",
+        ("replica", "input"),
+    ),
     "router_replica_state_changes": (
         "gauge",
         "Health state changes of each replica since the router started.",
@@ -93,6 +111,8 @@ class RouterMetrics:
         self.score = made["router_replica_score"]
         self.routable = made["router_replica_routable"]
         self.state_changes = made["router_replica_state_changes"]
+        self.state = made["router_replica_state"]
+        self.health_input = made["router_replica_health_input"]
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def forget_replica(self, replica: str) -> None:
@@ -100,6 +120,25 @@ class RouterMetrics:
         for gauge in (self.inflight, self.score, self.routable, self.state_changes):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
+        for state in STATES:
+            with contextlib.suppress(KeyError):
+                self.state.remove(replica, state)
+        for name in INPUTS:
+            with contextlib.suppress(KeyError):
+                self.health_input.remove(replica, name)
+
+    def show_health(self, replica: str, state: str, inputs: HealthInputs | None) -> None:
+        """Set a replica's state and score-input gauges (at scrape time)."""
+        for s in STATES:
+            self.child(self.state, replica, s).set(1 if s == state else 0)
+        for name in INPUTS:
+            value = getattr(inputs, name) if inputs is not None else None
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    self.health_input.remove(replica, name)
+                self._children.pop((id(self.health_input), replica, name), None)
+            else:
+                self.child(self.health_input, replica, name).set(float(value))
 
     def child(self, metric: Any, *labels: str) -> Any:
         """metric.labels(*labels), memoised: the label lookup costs more than the increment."""

@@ -19,6 +19,9 @@ from collections.abc import Callable
 
 from router.config import ReplicaSpec
 from router.fleet import Fleet, ReplicaState
+from router.health.monitor import recent_tpot
+from router.health.score import HealthInputs
+from router.health.signals import EngineStats
 from router.ring import xxh3_64
 from router.shm.layout import COUNTER_CELL, ReplicaSlot
 from router.shm.table import SlotTable
@@ -32,9 +35,14 @@ def owner_tag(replica_id: str) -> int:
     return xxh3_64(replica_id.encode("utf-8")) - 2**63 or 1  # an int64 that is never 0 (unwritten)
 
 
+def _flag(value: bool | None) -> int | None:
+    return None if value is None else int(value)
+
+
 def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
     assert replica.index is not None
     e = replica.engine
+    i = replica.inputs or HealthInputs()
     return ReplicaSlot(
         replica.id,
         replica.url,
@@ -47,7 +55,30 @@ def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
         running=e.running,
         kv_usage=e.kv_usage,
         fragmentation=e.fragmentation,
+        temperature_c=i.gpu_temperature_c,
+        ecc_errors=i.ecc_errors,
+        error_rate=i.error_rate,
+        latency_ratio=i.latency_ratio,
+        gpu_slowed=_flag(i.gpu_slowed),
+        probe_ok=_flag(i.probe_ok) if replica.inputs is not None else None,
         updated_at=time.time(),
+    )
+
+
+def inputs_of(row: ReplicaSlot) -> HealthInputs | None:
+    """The health inputs a slot carries (None before the control loop's first probe)."""
+    if row.probe_ok is None:
+        return None
+    return HealthInputs(
+        probe_ok=bool(row.probe_ok),
+        waiting=row.waiting,
+        kv_usage=row.kv_usage,
+        fragmentation=row.fragmentation,
+        error_rate=row.error_rate,
+        latency_ratio=row.latency_ratio,
+        gpu_temperature_c=row.temperature_c,
+        gpu_slowed=None if row.gpu_slowed is None else bool(row.gpu_slowed),
+        ecc_errors=row.ecc_errors,
     )
 
 
@@ -204,6 +235,8 @@ class Follower:
         health.state = row.state
         health.score = row.score
         health.transitions = row.transitions
+        replica.inputs = inputs_of(row)
+        replica.engine = EngineStats(row.waiting, row.running, row.kv_usage, row.fragmentation)
 
     def refresh(self) -> None:
         """Scores and states for display (routing itself follows the generation)."""
@@ -221,7 +254,7 @@ class Follower:
             if replica.slot is None:
                 continue
             base = replica.slot * COUNTER_CELL
-            recent = [tpot for when, tpot in replica.tpot if when >= horizon]
+            recent = recent_tpot(replica, horizon)
             row[base + OWNER] = replica.owner_tag
             row[base + INFLIGHT] = replica.inflight
             row[base + REQUESTS] = replica.requests

@@ -108,6 +108,13 @@ async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:
     assert listed[0]["engine"]["waiting"] == 0 and listed[0]["engine"]["kv_usage"] == 0
     assert 'router_replica_score{replica="emu-0"} 1.0' in text
     assert 'router_replica_routable{replica="emu-1"} 1.0' in text
+    assert listed[0]["inputs"]["probe_ok"] is True and listed[0]["inputs"]["waiting"] == 0
+    assert listed[0]["inputs"]["gpu_temperature_c"] is None  # no agent: unknown, not zero
+    assert 'router_replica_state{replica="emu-0",state="healthy"} 1.0' in text
+    assert 'router_replica_state{replica="emu-0",state="removed"} 0.0' in text
+    assert 'router_replica_health_input{input="probe_ok",replica="emu-1"} 1.0' in text
+    assert 'router_replica_health_input{input="kv_usage",replica="emu-1"} 0.0' in text
+    assert 'input="gpu_temperature_c"' not in text
 
 
 async def test_agent_figures_join_the_score(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]

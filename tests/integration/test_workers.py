@@ -187,6 +187,10 @@ async def test_two_workers_route_alike_see_removals_and_merge_metrics(start_flee
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("router_requests_total{")
     )
     assert total == sent
+    # health as the control loop sees it, from whichever worker is scraped
+    assert f'router_replica_state{{replica="{victim_id}",state="removed"}} 1.0' in text
+    assert f'router_replica_health_input{{input="probe_ok",replica="{victim_id}"}} 0.0' in text
+    assert f'router_replica_health_input{{input="probe_ok",replica="{keep[1]}"}} 1.0' in text
 
 
 async def test_a_killed_worker_is_replaced_and_stopping_cleans_up(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]

@@ -83,6 +83,7 @@ class AdminApi:
             "score": r.health.score,
             "state_changes": r.health.transitions,
             "engine": dataclasses.asdict(r.engine),
+            "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index],
         }
 

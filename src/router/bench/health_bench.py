@@ -11,8 +11,8 @@ waits until it is back (`recovering`) and until its ring weight has ramped to fu
 Reported: seconds from fault to removal, from heal to return and to full weight; state changes
 of the busy replica and of the other healthy replicas over the run (goal: 0); requests sent and
 failed. A removed replica gets no traffic, so the latency samples that removed it must age out
-(10 probe intervals) before its probes can bring it back: time to return is about that window
-plus `return_after` probes, whenever the fault actually cleared.
+(5 probe intervals, at least 10 s) before its probes can bring it back: time to return is about
+that window plus `return_after` probes, whenever the fault actually cleared.
 """
 
 from __future__ import annotations
@@ -93,11 +93,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.replicas < 3:
         raise ValueError("--replicas must be at least 3 (a victim, a busy one, and a healthy one)")
     settings = dict(entry.split("=", 1) for entry in args.setting)
-    emulators = EmulatorFleet(
-        [Replica(ReplicaOptions(replica_id=f"emu-{i}", port=_free_port())) for i in range(args.replicas)]
-    )
+    ports = [_free_port() for _ in range(args.replicas)]
+    config = load(None, {}, {"replicas": [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports)], **settings})
+    emulators = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{i}", port=p)) for i, p in enumerate(ports)])
     await emulators.start()
-    config = load(None, {}, {"replicas": [f"emu-{i}={r.url}" for i, r in enumerate(emulators.replicas)], **settings})
     router = Router(config)
     runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
 from router.emulator.metrics import ReplicaMetrics
@@ -348,6 +349,9 @@ class Replica:
             return await self._respond(request, seq, chat)
         except _Dropped:
             return web.Response(status=499)  # never sent: the connection is already closed
+        except ClientConnectionResetError:
+            # the client went away mid-stream (as a real engine sees it): abort, nothing to log
+            return web.Response(status=499)
         finally:
             self.engine.abort(seq)  # no-op once finished; frees the blocks of an abandoned request
 

@@ -4,7 +4,8 @@ Every `probe_interval_s`, for each replica at once: `GET /health` (a refused con
 or a 5xx fails the probe; an engine without the route, 404, is not held against it) and
 `GET /metrics` (engine figures; missing ones stay missing). Passive figures come from the proxy:
 the error share of the requests sent since the last probe (from 5 requests on), and the replica's
-median time per output token against the fleet's median (from 5 streamed replies on each side).
+median time per output token against the fleet's median (from 5 streamed replies on each side;
+the latest 9 within the last 5 probe intervals or 10 s, whichever is longer).
 The score (router.health.score) moves the state machine (router.health.states), and the fleet
 turns state and weight into ring availability and vnode weight: a removed replica's keys walk to
 their ring successors and come back, with a weight ramp, when it recovers.
@@ -33,7 +34,20 @@ MIN_SAMPLES = 5
 # HW thermal, HW power brake (a power cap alone is normal under load)
 SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
-LATENCY_WINDOW_PROBES = 10  # latency samples older than this many probe intervals are ignored
+LATENCY_WINDOW_PROBES = 5  # latency samples older than this many probe intervals are ignored,
+LATENCY_WINDOW_MIN_S = 10.0  # or than this many seconds, whichever is longer
+LATENCY_RECENT = 9  # and of the rest, only the latest this many count: a slowdown shows within a few replies
+
+
+def latency_window_s(probe_interval_s: float) -> float:
+    return max(LATENCY_WINDOW_PROBES * probe_interval_s, LATENCY_WINDOW_MIN_S)
+
+
+def recent_tpot(replica: ReplicaState, horizon: float) -> list[float]:
+    """The replica's latest time-per-token samples since `horizon`. Samples age out, so a replica
+    removed for being slow (and sent nothing since) is judged afresh by its probes later."""
+    recent = [tpot for when, tpot in replica.tpot if when >= horizon]
+    return recent[-LATENCY_RECENT:]
 
 
 @dataclass
@@ -100,6 +114,7 @@ class HealthMonitor:
                 gpu_slowed=gpu.get("gpu_slowed"),
                 ecc_errors=gpu.get("ecc_errors"),
             )
+            replica.inputs = inputs
             replica.health.observe(health_score(inputs, self.weights), now)
             self.fleet.apply_health(replica, now)
         self.rounds += 1
@@ -176,9 +191,7 @@ class HealthMonitor:
         return min(errors / requests, 1.0)
 
     def _recent_tpot(self, replica: ReplicaState, now: float) -> list[float]:
-        # samples age out, so a replica that was removed for being slow is judged afresh later
-        horizon = now - LATENCY_WINDOW_PROBES * self.interval_s
-        return [tpot for when, tpot in replica.tpot if when >= horizon]
+        return recent_tpot(replica, now - latency_window_s(self.interval_s))
 
     def _fleet_tpot(self, replicas: list[ReplicaState], now: float) -> dict[str, float]:
         medians = {}

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from router.config import RouterConfig, score_weights
 from router.errors import error_response
 from router.fleet import Fleet, ReplicaState
-from router.health.monitor import LATENCY_WINDOW_PROBES, HealthMonitor
+from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import RouterMetrics
@@ -88,7 +88,7 @@ class Router:
                 self.fleet,
                 table,
                 worker,
-                LATENCY_WINDOW_PROBES * config.probe_interval_s,
+                latency_window_s(config.probe_interval_s),
                 on_removed=self._forget_id,
             )
             self.follower.reload()
@@ -466,5 +466,6 @@ class Router:
             m.score.labels(r.id).set(r.health.score)
             m.routable.labels(r.id).set(1 if r.health.routable else 0)
             m.state_changes.labels(r.id).set(r.health.transitions)
+            m.show_health(r.id, r.state, r.inputs)
         registry = self.multiprocess_metrics or self.metrics.registry
         return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")

@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sIIIII8x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64
@@ -32,8 +32,23 @@ SEQ = struct.Struct("<QQ")  # seq, checksum: 16 bytes
 MAX_ID_BYTES = 64
 MAX_URL_BYTES = 256
 # replica id, url, state, flags (which optional figures are present), state changes, weight,
-# score, in-flight, then engine and GPU figures, then when it was written (unix seconds)
-SLOT_PAYLOAD = struct.Struct(f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIxxxxddq" + "d" * 6 + "QQQQd")
+# score, in-flight, then the optional figures (OPTIONAL, in order), then when it was written
+# (unix seconds)
+OPTIONAL_FLOATS = (
+    "waiting",
+    "running",
+    "kv_usage",
+    "fragmentation",
+    "gpu_util",
+    "temperature_c",
+    "error_rate",
+    "latency_ratio",
+)
+OPTIONAL_INTS = ("mem_used", "mem_total", "throttle_reasons", "ecc_errors", "gpu_slowed", "probe_ok")
+OPTIONAL = OPTIONAL_FLOATS + OPTIONAL_INTS
+SLOT_PAYLOAD = struct.Struct(
+    f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIxxxxddq" + "d" * len(OPTIONAL_FLOATS) + "Q" * len(OPTIONAL_INTS) + "d"
+)
 SLOT_SIZE = 512
 # one worker's figures for one replica, each an int64 the worker alone writes
 COUNTER_FIELDS = (
@@ -51,18 +66,6 @@ assert HEADER.size + 8 <= HEADER_SIZE and SEQ.size + SLOT_PAYLOAD.size <= SLOT_S
 assert len(COUNTER_FIELDS) == COUNTER_CELL
 
 STATE_CODES = ("empty", "healthy", "suspect", "removed", "recovering", "draining", "warming")
-OPTIONAL = (
-    "waiting",
-    "running",
-    "kv_usage",
-    "fragmentation",
-    "gpu_util",
-    "temperature_c",
-    "mem_used",
-    "mem_total",
-    "throttle_reasons",
-    "ecc_errors",
-)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,11 @@ class ReplicaSlot:
     mem_total: int | None = None
     throttle_reasons: int | None = None
     ecc_errors: int | None = None
+    # the rest of the health score's inputs, as the control loop last saw them
+    error_rate: float | None = None
+    latency_ratio: float | None = None
+    gpu_slowed: int | None = None  # 0 or 1
+    probe_ok: int | None = None  # 0 or 1
     updated_at: float = 0.0
 
 
@@ -117,8 +125,8 @@ def pack(slot: ReplicaSlot) -> bytes:
         slot.weight,
         slot.score,
         slot.inflight,
-        *(float(v) for v in values[:6]),
-        *(int(v) for v in values[6:]),
+        *(float(v) for v in values[: len(OPTIONAL_FLOATS)]),
+        *(int(v) for v in values[len(OPTIONAL_FLOATS) :]),
         slot.updated_at,
     )
 
