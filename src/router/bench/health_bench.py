@@ -131,18 +131,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     peak = {"running": 0.0, "waiting": 0.0}
 
+    last: dict[str, tuple[str, float]] = {}
+
+    def sample() -> None:
+        engine = router.fleet.find(busy_id).engine  # type: ignore[union-attr]
+        peak["running"] = max(peak["running"], engine.running or 0.0)
+        peak["waiting"] = max(peak["waiting"], engine.waiting or 0.0)
+        for r in router.fleet.replicas:
+            assert r.index is not None
+            now = (r.state, router.fleet.routing_weight(r.index))
+            if last.get(r.id, ("", -1.0))[0] != now[0] or (r.id == victim_id and last[r.id][1] != now[1]):
+                timeline.events.append((timeline.at(), r.id, *now))
+            last[r.id] = now
+
     async def watch() -> None:
-        last: dict[str, tuple[str, float]] = {}
         while not stop.is_set():
-            engine = router.fleet.find(busy_id).engine  # type: ignore[union-attr]
-            peak["running"] = max(peak["running"], engine.running or 0.0)
-            peak["waiting"] = max(peak["waiting"], engine.waiting or 0.0)
-            for r in router.fleet.replicas:
-                assert r.index is not None
-                now = (r.state, router.fleet.routing_weight(r.index))
-                if last.get(r.id, ("", -1.0))[0] != now[0] or (r.id == victim_id and last[r.id][1] != now[1]):
-                    timeline.events.append((timeline.at(), r.id, *now))
-                last[r.id] = now
+            sample()
             await asyncio.sleep(0.05)
 
     async def until(predicate: Any, what: str) -> float:
@@ -175,6 +179,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ),
             "full weight of the returned replica",
         )
+        sample()  # the final state, whatever the watcher's phase
         others = [r for r in router.fleet.replicas if r.id not in (busy_id, victim_id)]
         result = {
             "settings": {
