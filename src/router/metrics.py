@@ -43,8 +43,10 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_session_followups": ("counter", "Requests of a session seen before (the jump rate's denominator).", ()),
     "router_session_jumps": (
         "counter",
-        "Requests served by a different replica than their session's previous "
-        "one, by reason (spill, failover, ring, least_load, round_robin).",
+        "Requests served by a different replica than their session's previous one, by reason: spill "
+        "(load cap), failover (retry), health (previous replica removed), drain, membership (previous "
+        "replica left), migration (overheat rebalancing), scale_out, ring (owner changed, "
+        "consistent_hash), round_robin, least_load.",
         ("reason",),
     ),
     "router_retries": (

@@ -4,13 +4,17 @@ The affinity policy sends a session back to its last replica while the entry liv
 cache is there); every policy uses it to count jumps (a session's request served by a different
 replica than its previous one). Memory is bounded by `max_sessions`; an entry older than `ttl_s`
 is gone, as the replica's cache will have evicted the conversation by then.
+
+When the router itself moves a session (a migration of its vnode, a scale-out, a drain), it
+rewrites the entry to the new replica, after warming that replica's cache, and marks it with the
+reason; the session's next request goes there and its jump is counted under that reason.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class SessionTable:
@@ -18,7 +22,8 @@ class SessionTable:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        # key -> (replica, expires, why the router moved it there, or None)
+        self._entries: OrderedDict[bytes, tuple[str, float, str | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -27,21 +32,45 @@ class SessionTable:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        replica, expires = entry
-        if expires < self._clock():
+        if entry[1] < self._clock():
             del self._entries[key]
             return None
-        return replica
+        return entry[0]
+
+    def moved(self, key: bytes) -> str | None:
+        """Why the router moved this session to its current replica, if it did (asked once per move)."""
+        entry = self._entries.get(key)
+        return entry[2] if entry is not None else None
 
     def put(self, key: bytes, replica: str) -> None:
-        self._entries[key] = (replica, self._clock() + self.ttl_s)
+        self._entries[key] = (replica, self._clock() + self.ttl_s, None)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
 
-    def forget_replica(self, replica: str) -> int:
-        """Drop the sessions of a replica that left; returns how many."""
-        gone = [k for k, (r, _) in self._entries.items() if r == replica]
-        for k in gone:
-            del self._entries[k]
-        return len(gone)
+    def move(self, key: bytes, replica: str, reason: str) -> bool:
+        """The router moved a live session to `replica` (its cache has been warmed there)."""
+        entry = self._entries.get(key)
+        if entry is None or entry[1] < self._clock():
+            return False
+        self._entries[key] = (replica, entry[1], reason)
+        return True
+
+    def on(self, replica: str) -> list[bytes]:
+        """The live sessions last served by `replica`, most recent last."""
+        now = self._clock()
+        return [k for k, (r, expires, _) in self._entries.items() if r == replica and expires >= now]
+
+    def items(self) -> Iterator[tuple[bytes, str, float]]:
+        """(key, replica, seconds left) of every live session, oldest first: for saving."""
+        now = self._clock()
+        for key, (replica, expires, _) in list(self._entries.items()):
+            if expires >= now:
+                yield key, replica, expires - now
+
+    def restore(self, key: bytes, replica: str, seconds_left: float) -> None:
+        if seconds_left > 0:
+            self._entries[key] = (replica, self._clock() + min(seconds_left, self.ttl_s), None)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_sessions:
+                self._entries.popitem(last=False)

@@ -153,3 +153,42 @@ async def test_agent_figures_join_the_score(start_fleet, start_router) -> None: 
         await wait_for(lambda: state.state in ("recovering", "healthy"), 5)
     finally:
         await runner.cleanup()
+
+
+async def test_each_jump_is_counted_with_its_reason(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    router, url = await start_router(named(fleet.replicas), admin_token="t", **FAST_PROBES)
+    owned = {i: [f"j{k}" for k in range(400) if router.fleet.ring.lookup(f"j{k}".encode()) == i][:3] for i in range(4)}
+    for keys in owned.values():
+        for key in keys:
+            assert (await chat(url, key))[0] == 200
+
+    def jumps() -> dict[str, float]:
+        return {
+            labels["reason"]: value
+            for labels, value in (
+                (s.labels, s.value)
+                for metric in router.metrics.jumps.collect()
+                for s in metric.samples
+                if s.name.endswith("_total")
+            )
+        }
+
+    await fleet.replicas[1].crash()  # health
+    await wait_for(lambda: router.fleet.find("emu-1").state == "removed", 5)  # type: ignore[union-attr]
+    for key in owned[1]:
+        assert (await chat(url, key))[1] != "emu-1"
+    auth = {"Authorization": "Bearer t"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/admin/replicas/emu-2/drain", headers=auth) as r:  # drain
+            assert r.status == 200
+        for key in owned[2]:
+            assert (await chat(url, key))[1] != "emu-2"
+        async with s.delete(url + "/admin/replicas/emu-3", headers=auth) as r:  # membership
+            assert r.status == 200
+    for key in owned[3]:
+        assert (await chat(url, key))[1] != "emu-3"
+    assert jumps() == {"health": 3.0, "drain": 3.0, "membership": 3.0}
+    for key in owned[0]:
+        assert (await chat(url, key))[1] == "emu-0"  # sticky: no jump
+    assert jumps() == {"health": 3.0, "drain": 3.0, "membership": 3.0}

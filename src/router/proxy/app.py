@@ -126,7 +126,7 @@ class Router:
         return self.publisher is None or self.publisher.has_room()
 
     def forget(self, replica: ReplicaState | None) -> None:
-        """A replica left the fleet: drop its sessions, gauges and shared slot."""
+        """A replica left the fleet: drop its gauges and shared slot."""
         if replica is None:
             return
         self._forget_id(replica.id)
@@ -135,7 +135,7 @@ class Router:
             self.publisher.publish()
 
     def _forget_id(self, replica_id: str) -> None:
-        self.sessions.forget_replica(replica_id)
+        # its sessions stay in the table: their next turns go to the ring and count as membership jumps
         self.metrics.forget_replica(replica_id)
 
     @staticmethod
@@ -366,9 +366,27 @@ class Router:
         if key.kind != "none" and result.status < 400:
             if last is not None:
                 m.followups.inc()
-                if last != replica.id:
-                    m.child(m.jumps, decision.reason).inc()
+                moved = self.sessions.moved(key.key)
+                if moved is not None and last == replica.id:
+                    m.child(m.jumps, moved).inc()  # the router moved it here (its cache was warmed first)
+                elif last != replica.id:
+                    m.child(m.jumps, self._jump_reason(last, decision)).inc()
             self.sessions.put(key.key, replica.id)
+
+    def _jump_reason(self, last: str, decision: Decision) -> str:
+        """Why a session left `last`: the reason is a label of router_session_jumps."""
+        if decision.reason in ("failover", "spill", "round_robin", "least_load"):
+            return decision.reason
+        previous = self.fleet.find(last)
+        if previous is None:
+            return "membership"  # its replica left the fleet
+        if previous.state == "draining":
+            return "drain"
+        if not previous.health.routable:
+            return "health"
+        if self.policy.name == "affinity":
+            return "spill"  # routable and not tried, yet passed over: it was at its load cap
+        return "ring"  # the key's ring owner changed (membership, weights or an override)
 
     def _finish(
         self,

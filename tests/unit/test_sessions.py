@@ -1,0 +1,55 @@
+"""The session table: LRU bound, TTL, moves made by the router, saving and restoring."""
+
+from __future__ import annotations
+
+from router.sessions import SessionTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lru_bound_and_ttl() -> None:
+    clock = Clock()
+    table = SessionTable(max_sessions=2, ttl_s=10, clock=clock)
+    table.put(b"a", "r1")
+    table.put(b"b", "r2")
+    table.get(b"a")  # a read does not refresh: the last *served* turn does
+    table.put(b"c", "r1")
+    assert len(table) == 2 and table.get(b"a") is None and table.get(b"b") == "r2"
+    clock.now = 10.5
+    assert table.get(b"b") is None and len(table) == 1
+
+
+def test_a_move_is_reported_once_and_keeps_the_expiry() -> None:
+    clock = Clock()
+    table = SessionTable(max_sessions=10, ttl_s=10, clock=clock)
+    table.put(b"s", "hot")
+    assert not table.move(b"unknown", "cool", "migration")
+    assert table.move(b"s", "cool", "migration")
+    assert table.get(b"s") == "cool" and table.moved(b"s") == "migration"
+    table.put(b"s", "cool")  # served there: the move is spent
+    assert table.moved(b"s") is None
+    clock.now = 11
+    assert not table.move(b"s", "hot", "migration")  # expired sessions are not moved
+
+
+def test_sessions_on_a_replica_and_save_restore() -> None:
+    clock = Clock()
+    table = SessionTable(max_sessions=10, ttl_s=10, clock=clock)
+    table.put(b"a", "r1")
+    clock.now = 4
+    table.put(b"b", "r2")
+    table.put(b"c", "r1")
+    assert table.on("r1") == [b"a", b"c"]
+    saved = list(table.items())
+    assert saved == [(b"a", "r1", 6.0), (b"b", "r2", 10.0), (b"c", "r1", 10.0)]
+    other = SessionTable(max_sessions=2, ttl_s=5, clock=Clock())
+    for key, replica, left in saved:
+        other.restore(key, replica, left)
+    assert len(other) == 2 and other.get(b"a") is None  # bounded like any other table
+    assert other.get(b"c") == "r1" and list(other.items())[-1][2] == 5.0  # capped at the TTL
