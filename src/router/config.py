@@ -74,6 +74,19 @@ class RouterConfig:
     return_after: int = 3
     recovery_ramp_s: float = 30.0
     score_weights: tuple[str, ...] = ()  # NAME=VALUE overrides of router.health.score.ScoreWeights
+    # balance and elasticity
+    load_queue_weight: float = 0.0  # bounded load counts in-flight + this x requests waiting in the engine
+    rebalance: bool = True
+    rebalance_threshold: float = 0.5  # theta: a replica is hot above (1 + theta) x mean load
+    rebalance_window_s: float = 30.0  # W: hot this long before its vnodes move
+    rebalance_cooldown_s: float = 60.0  # C: both sides rest this long after a move
+    rebalance_max_vnodes: int = 4  # vnodes moved per cycle at most
+    warmup: bool = True
+    warmup_sessions: int = 32  # sessions warmed per move at most (the most recent first)
+    warmup_concurrency: int = 4  # prefill-only requests in flight to one replica at once
+    warmup_timeout_s: float = 10.0  # a move switches after this long even if warm-up is not done
+    prompt_store_bytes: int = 64 * 1024 * 1024  # latest request body per session, for warm-up
+    drain_timeout_s: float = 120.0  # a drain that removes waits this long for in-flight requests
     # processes
     workers: int = 1  # proxy processes on one port (SO_REUSEPORT); above 1, plus one control process
     shm_name: str = ""  # shared-memory segment; "" = kvar-<pid> when workers > 1, none for one worker
@@ -169,6 +182,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "total_timeout_s",
         "probe_interval_s",
         "probe_timeout_s",
+        "rebalance_threshold",
+        "rebalance_window_s",
+        "warmup_timeout_s",
+        "drain_timeout_s",
     ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
@@ -181,9 +198,18 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "max_body_bytes",
         "max_header_bytes",
         "upstream_connections",
+        "rebalance_max_vnodes",
+        "warmup_concurrency",
     ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be at least 1")
+    for name in ("load_queue_weight", "rebalance_cooldown_s"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise bad(name, "must be a number >= 0")
+    for name in ("warmup_sessions", "prompt_store_bytes"):
+        if getattr(cfg, name) < 0:
+            raise bad(name, "must be >= 0")
     if not 0 <= cfg.remove_below < cfg.return_above <= 1:
         raise bad("return_above", "need 0 <= remove_below < return_above <= 1")
     if cfg.remove_after < 1 or cfg.return_after < 1:

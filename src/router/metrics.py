@@ -79,6 +79,29 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Health state changes of each replica since the router started.",
         ("replica",),
     ),
+    "router_warmup_requests": (
+        "counter",
+        "Prefill-only warm-up requests the router sent before moving sessions, by result (ok, failed, "
+        "skipped: not sent before the warm-up time-out).",
+        ("result",),
+    ),
+    "router_sessions_moved": (
+        "counter",
+        "Sessions the router moved to another replica, by reason (migration, scale_out, drain).",
+        ("reason",),
+    ),
+    "router_vnode_migrations": ("counter", "Vnodes handed from an overheated replica to a cool one.", ()),
+    "router_overheated_replicas": (
+        "gauge",
+        "Replicas whose load has stayed above (1 + rebalance_threshold) x the mean for rebalance_window_s "
+        "(an autoscaler's scale-out signal).",
+        (),
+    ),
+    "router_replica_load": (
+        "gauge",
+        "Each routable replica's load as the rebalancer sees it: moving average of in-flight plus waiting requests.",
+        ("replica",),
+    ),
     "router_stream_errors": (
         "counter",
         "Streams cut after the first byte; the client got an SSE error event.",
@@ -114,12 +137,17 @@ class RouterMetrics:
         self.routable = made["router_replica_routable"]
         self.state_changes = made["router_replica_state_changes"]
         self.state = made["router_replica_state"]
+        self.warmups = made["router_warmup_requests"]
+        self.sessions_moved = made["router_sessions_moved"]
+        self.migrations = made["router_vnode_migrations"]
+        self.overheated = made["router_overheated_replicas"]
+        self.replica_load = made["router_replica_load"]
         self.health_input = made["router_replica_health_input"]
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def forget_replica(self, replica: str) -> None:
         """A replica left: its gauges go (counters keep their history)."""
-        for gauge in (self.inflight, self.score, self.routable, self.state_changes):
+        for gauge in (self.inflight, self.score, self.routable, self.state_changes, self.replica_load):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
         for state in STATES:

@@ -125,9 +125,9 @@ def test_degraded_replicas_take_a_smaller_share_and_drain_is_manual() -> None:
     assert h.observe(1.0, 3) is None and h.state == "draining" and h.weight(3) == 0.0
     h.undrain(4)
     assert h.state == "recovering" and h.weight(4) < 1.0
-    h.start_warming(5)
-    h.finish_warming(6)
-    assert h.state == "healthy" and h.transitions == 6
+    h.start_warming(5)  # slow start: routable, weight ramping, healthy once the ramp is done
+    assert h.routable and h.weight(5) == pytest.approx(0.1) and h.tick(20) is None
+    assert h.tick(35) == "healthy" and h.weight(35) == 1.0 and h.transitions == 6
 
 
 def test_gpu_signals_from_the_agent() -> None:

@@ -69,9 +69,15 @@ def test_affinity_sticks_spills_under_load_and_keeps_the_spill_sticky() -> None:
     fleet.loads[owner] = 0
     stay = policy.pick(key, fleet.replicas[spill.index].id, ())  # type: ignore[attr-defined]
     assert stay.index == spill.index and stay.reason == "sticky"
-    # ...but not when that replica drains
+    # a draining replica keeps serving its sessions until the drain has warmed and moved them...
     fleet.drain(fleet.replicas[spill.index].id)
-    back = policy.pick(key, fleet.replicas[spill.index].id, ())  # type: ignore[attr-defined]
+    kept = policy.pick(key, fleet.replicas[spill.index].id, ())  # type: ignore[attr-defined]
+    assert kept.index == spill.index and kept.reason == "sticky"
+    assert policy.pick(k(8), None, ()).index != spill.index  # type: ignore[attr-defined]  # but takes no new ones
+    # ...while a removed one keeps nothing
+    removed = fleet.replicas[spill.index]
+    removed.health.state = "removed"  # as three failed probes would leave it
+    back = policy.pick(key, removed.id, ())  # type: ignore[attr-defined]
     assert back.index == owner
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.balance.rebalance import Move, RebalanceSettings, Rebalancer, VnodeTraffic
+from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 
 SETTINGS = RebalanceSettings(threshold=0.5, window_s=3.0, cooldown_s=5.0, max_vnodes=2, min_load=1.0)
 

@@ -125,9 +125,13 @@ class AdminApi:
             moved = self.router.fleet.add(spec)
         except ValueError as exc:
             return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
-        self.router.publish()
         index = len(self.router.fleet) - 1
-        return _json(self._replica_json(index) | {"moved_share": sum(m.width for m in moved) / 2**64}, 201)
+        warming = self.router.balancer.added(self.router.fleet.replicas[index])  # slow start, warm-up
+        return _json(
+            self._replica_json(index)
+            | {"moved_share": sum(m.width for m in moved) / 2**64, "sessions_to_warm": warming},
+            201,
+        )
 
     async def remove_replica(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
@@ -141,6 +145,9 @@ class AdminApi:
 
     async def drain_replica(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
+        remove = request.query.get("remove", "false").lower()
+        if remove not in ("true", "false", "1", "0"):
+            return error_response("remove must be true or false", param="remove")
         try:
             self.router.fleet.drain(rid)
         except KeyError:
@@ -148,7 +155,10 @@ class AdminApi:
         self.router.publish()
         replica = self.router.fleet.find(rid)
         assert replica is not None and replica.index is not None
-        return _json(self._replica_json(replica.index))
+        moving = self.router.balancer.drain(replica, remove in ("true", "1"))
+        return _json(
+            self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": remove in ("true", "1")}
+        )
 
     async def explain_route(self, request: web.Request) -> web.Response:
         # the key's raw bytes, percent-decoded: a session key need not be UTF-8

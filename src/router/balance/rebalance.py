@@ -95,9 +95,7 @@ class Rebalancer:
         w = self.settings.window_s
         return [rid for rid, s in self._replicas.items() if s.hot_since is not None and now - s.hot_since >= w]
 
-    def plan(
-        self, now: float, traffic: Counter[tuple[str, int]], owners: dict[tuple[str, int], str]
-    ) -> list[Move]:
+    def plan(self, now: float, traffic: Counter[tuple[str, int]], owners: dict[tuple[str, int], str]) -> list[Move]:
         """The vnodes to move this cycle. `traffic` counts recent keyed requests per vnode
         (origin id, number); `owners` maps each of those vnodes to its current owner."""
         s = self.settings

@@ -7,8 +7,9 @@
        '<------------- the weight ramp has run its course ------------- recovering
                                            (k low scores in a row send it back to removed)
 
-`draining` is set and cleared by an operator and ignores scores; `warming` (set while a replica's
-cache is warmed before traffic moves, see balance) leaves like `recovering`. Removal needs k low
+`draining` is set and cleared by an operator and ignores scores; `warming` (a replica just added:
+its weight ramps up while sessions' caches are warmed on it, see router.balance) leaves like
+`recovering`. Removal needs k low
 scores in a row and return needs k' scores above a higher threshold in a row, so a noisy signal
 near one threshold never flaps a replica in and out of routing.
 
@@ -92,13 +93,17 @@ class ReplicaHealth:
                 self.state = "healthy"
                 self.transitions += 1
                 return "healthy"
-            if state == "recovering" and now - self._ramp_start >= r.ramp_s:
-                return self._move("healthy", now)
-            return None
+            return self.tick(now)
         # removed
         self._good = self._good + 1 if self.score > r.return_above else 0
         if self._good >= r.return_after:
             return self._move("recovering", now)
+        return None
+
+    def tick(self, now: float) -> str | None:
+        """A recovering or warming replica whose ramp has run its course is healthy."""
+        if self.state in ("recovering", "warming") and now - self._ramp_start >= self.rules.ramp_s:
+            return self._move("healthy", now)
         return None
 
     def drain(self, now: float) -> None:
@@ -111,11 +116,8 @@ class ReplicaHealth:
             self._move("recovering", now)
 
     def start_warming(self, now: float) -> None:
+        """A new replica: routable, its weight ramping up (slow start) while caches are warmed."""
         self._move("warming", now)
-
-    def finish_warming(self, now: float) -> None:
-        if self.state == "warming":
-            self._move("healthy", now)
 
     def weight(self, now: float) -> float:
         """The ring weight this health implies (0 takes the replica out of the ring)."""

@@ -1,8 +1,9 @@
 """`affinity` (default): sticky session → ring owner under bounded load → next replica clockwise.
 
-1. Sticky: if the session's last replica still routes, was not tried, and is under the
-   bounded-load cap, go back to it: its KV cache holds the conversation, even if the session
-   was spilled or migrated there.
+1. Sticky: if the session's last replica still routes (or is draining: it keeps its sessions
+   until the drain has warmed and moved them), was not tried, and is under the bounded-load
+   cap, go back to it: its KV cache holds the conversation, even if the session was spilled or
+   migrated there.
 2. Ring: otherwise the first replica clockwise from the key whose in-flight load is under
    ceil(c · (total in flight + 1) / routable replicas) — the owner when it is not overloaded,
    else its successor ("spill"), never a random replica.
@@ -43,7 +44,7 @@ class Affinity(Policy):
                 previous is not None
                 and previous.index is not None
                 and previous.index not in exclude
-                and fleet.routable(previous.index)
+                and (fleet.routable(previous.index) or previous.state == "draining")
             ):
                 if fleet.loads[previous.index] < ring.load_cap(fleet.loads, c):
                     return Decision(previous.index, "sticky"), False

@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
+from router.balance.controller import Balancer
 from router.config import RouterConfig, score_weights
 from router.errors import error_response
 from router.fleet import Fleet, ReplicaState
@@ -104,6 +105,15 @@ class Router:
             after_round=self.publish,
         )
         self.multiprocess_metrics = self._multiprocess_registry() if worker is not None else None
+        self.balancer = Balancer(self)
+
+    async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.balancer.run(), name="balance")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await self.balancer.close()
 
     # -- shared state (worker processes) ---------------------------------------------------------
 
@@ -196,6 +206,7 @@ class Router:
             add_admin_routes(app, self, replica_routes_only=True)
             if self.config.health_checks:
                 app.cleanup_ctx.append(self._monitor_ctx)
+            app.cleanup_ctx.append(self._balance_ctx)
             return app
         for path in PROXIED:
             app.router.add_post(path, self._proxy)
@@ -205,8 +216,10 @@ class Router:
         add_admin_routes(app, self)
         if self.follower is not None:
             app.cleanup_ctx.append(self._follower_ctx)
-        elif self.config.health_checks:
-            app.cleanup_ctx.append(self._monitor_ctx)
+        else:
+            if self.config.health_checks:
+                app.cleanup_ctx.append(self._monitor_ctx)
+            app.cleanup_ctx.append(self._balance_ctx)
         return app
 
     async def _client_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -321,6 +334,8 @@ class Router:
                 self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
             self._account(key, last, replica, decision, result, first_choice, t0)
+            if key.kind != "none" and result.status < 400 and self.follower is None:
+                self.balancer.served(key.key, request.path, raw)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
         return self._finish(request, self._no_replica(failure, bool(tried)), None, key, None, t0, None, len(tried))
 

@@ -51,6 +51,19 @@ HELP = {
     "recovery_ramp_s": "seconds over which a returning replica's weight ramps back to full (default 30)",
     "score_weights": "comma-separated NAME=VALUE overrides of the health score's weights and thresholds "
     "(e.g. latency=0.5,queue_from=16; see docs/router.md)",
+    "load_queue_weight": "bounded load counts in-flight requests plus this times the engine's waiting queue "
+    "(default 0: in-flight only)",
+    "rebalance": "move a persistently hot replica's hottest vnodes to cool replicas (default on)",
+    "rebalance_threshold": "a replica is hot above (1 + this) x the mean load (default 0.5)",
+    "rebalance_window_s": "seconds a replica stays hot before its vnodes move (default 30)",
+    "rebalance_cooldown_s": "seconds both sides of a move rest before the next (default 60)",
+    "rebalance_max_vnodes": "vnodes moved per rebalancing cycle at most (default 4)",
+    "warmup": "replay sessions' latest prompts (prefill only) on a replica before moving them there (default on)",
+    "warmup_sessions": "sessions warmed per move at most, most recent first (default 32)",
+    "warmup_concurrency": "warm-up requests in flight to one replica at once (default 4)",
+    "warmup_timeout_s": "seconds a move waits for its warm-up before switching anyway (default 10)",
+    "prompt_store_bytes": "memory for the latest prompt of each session, kept for warm-up (default 64 MiB)",
+    "drain_timeout_s": "seconds a drain that removes the replica waits for its in-flight requests (default 120)",
     "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "
     "publishes the replica table to them through shared memory",
     "shm_name": "shared-memory segment name for workers and colocated router-agents (default: kvar-<pid> "

@@ -1,0 +1,213 @@
+"""The balance control loop of a router process: rebalancing, warm-up, scale-out, drain.
+
+Every second: ramps of warming and recovering replicas move on; each routable replica's load
+(in flight plus waiting) feeds the rebalancer; its planned moves are carried out one at a time:
+the sessions on the moved vnode that were last served by the hot replica are warmed on the cool
+one (their latest prompts replayed as prefill-only requests), then the vnode's override and
+their session entries switch together.
+
+Scale-out (`added`): the new replica starts `warming`, with its ring weight ramping up (slow
+start); the most recent sessions whose keys now belong to it are warmed there and moved; the
+others stay where their cache is until their session entry expires. Drain (`drain`): the replica
+takes no new sessions; its sessions are warmed on their new ring owners and moved, batch by
+batch; it keeps serving the ones not moved yet and its in-flight requests; with `remove`, it
+leaves the fleet once nothing is in flight (or after `drain_timeout_s`).
+
+In a router with worker processes these act in the control process, which does not see the
+workers' sessions: there, rebalancing, warm-up and session moves are not active yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
+from router.balance.warmup import PromptStore, warm
+from router.fleet import ReplicaState
+
+if TYPE_CHECKING:
+    from router.proxy.app import Router
+
+log = logging.getLogger("router.balance")
+TICK_S = 1.0
+
+
+class Balancer:
+    def __init__(self, router: Router) -> None:
+        cfg = router.config
+        self.router = router
+        self.prompts = PromptStore(cfg.prompt_store_bytes, cfg.sticky_ttl_s)
+        self.traffic = VnodeTraffic()
+        self.rebalancer = Rebalancer(
+            RebalanceSettings(
+                threshold=cfg.rebalance_threshold,
+                window_s=cfg.rebalance_window_s,
+                cooldown_s=cfg.rebalance_cooldown_s,
+                max_vnodes=cfg.rebalance_max_vnodes,
+            )
+        )
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # -- from the proxy ----------------------------------------------------------------------------
+
+    def served(self, key: bytes, path: str, body: bytes) -> None:
+        """A keyed request was served: count its vnode's traffic, keep its prompt for warm-up."""
+        ring = self.router.fleet.ring
+        located = ring.locate(key)
+        if located is not None:
+            self.traffic.record(ring.replica_ids[located[1]], located[2])
+        self.prompts.put(key, path, body)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick(time.monotonic())
+            except Exception:  # a bug here must not stop routing; it is logged and the loop goes on
+                log.exception("balance tick failed")
+            await asyncio.sleep(TICK_S)
+
+    async def tick(self, now: float) -> None:
+        router = self.router
+        fleet = router.fleet
+        changed = False
+        for replica in fleet.replicas:
+            if replica.health.tick(now) is not None or replica.state in ("warming", "recovering"):
+                changed |= bool(fleet.apply_health(replica, now))
+        if changed:
+            router.publish()
+        # a replica's load here: its requests in flight plus those waiting in its engine's queue
+        loads = {
+            r.id: r.inflight + (r.engine.waiting or 0.0)
+            for r in fleet.replicas
+            if r.index is not None and r.state in ("healthy", "suspect")
+        }
+        self.rebalancer.observe(loads, now)
+        router.metrics.overheated.set(len(self.rebalancer.overheated(now)))
+        for rid in loads:
+            router.metrics.child(router.metrics.replica_load, rid).set(self.rebalancer.load(rid))
+        if router.config.rebalance and router.follower is None and router.publisher is None:
+            ring = fleet.ring
+            overrides = ring.overrides
+            present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
+            owners = {v: overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
+            moves = self.rebalancer.plan(now, self.traffic.recent, owners)
+            for move in moves:
+                await self.migrate(move)
+            self.rebalancer.moved(moves, time.monotonic())
+        self.traffic.decay()
+
+    # -- moving sessions ----------------------------------------------------------------------------
+
+    async def _warm_and_move(self, target: ReplicaState, keys: list[bytes], reason: str, all_keys: bool) -> int:
+        """Warm the most recent of `keys` on `target`, then move them (all of `keys` if `all_keys`)."""
+        router = self.router
+        cfg = router.config
+        m = router.metrics
+        hottest = keys[-cfg.warmup_sessions :] if cfg.warmup_sessions else []
+        warmed: list[bytes] = []
+        requests = []
+        for key in reversed(hottest):
+            stored = self.prompts.get(key)
+            if stored is not None:
+                warmed.append(key)
+                requests.append(stored)
+        if cfg.warmup and requests:
+            result = await warm(router.http, target.url, requests, cfg.warmup_concurrency, cfg.warmup_timeout_s)
+            for outcome, count in (("ok", result.ok), ("failed", result.failed), ("skipped", result.skipped)):
+                if count:
+                    m.child(m.warmups, outcome).inc(count)
+        moved = 0
+        for key in keys if all_keys else warmed:
+            moved += router.sessions.move(key, target.id, reason)
+        if moved:
+            m.child(m.sessions_moved, reason).inc(moved)
+        return moved
+
+    async def migrate(self, move: Move) -> None:
+        router = self.router
+        fleet, ring = router.fleet, router.fleet.ring
+        source, target = fleet.find(move.source), fleet.find(move.target)
+        if source is None or target is None or move.origin not in ring.replica_ids:
+            return
+        keys = []
+        for key in router.sessions.on(source.id):
+            located = ring.locate(key)
+            if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
+                keys.append(key)
+        await self._warm_and_move(target, keys, "migration", all_keys=True)
+        if target.index is None or move.origin not in ring.replica_ids:
+            return  # the fleet changed while we warmed
+        ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
+        router.metrics.migrations.inc()
+        router.publish()
+        log.info(
+            "moved vnode %s#%d from %s to %s (%d sessions)", move.origin, move.number, source.id, target.id, len(keys)
+        )
+
+    def added(self, replica: ReplicaState) -> int:
+        """Scale-out: slow start, and warm-up and move of the sessions that now belong to it.
+        Returns how many sessions will be warmed and moved."""
+        router = self.router
+        fleet = router.fleet
+        now = time.monotonic()
+        keys = []
+        if replica.index is not None and router.follower is None and router.publisher is None:
+            for key, owner, _ in router.sessions.items():  # before the ramp lowers its weight
+                if owner != replica.id and fleet.ring.lookup(key) == replica.index:
+                    keys.append(key)
+        replica.health.start_warming(now)
+        fleet.apply_health(replica, now)
+        router.publish()
+        keys = keys[-router.config.warmup_sessions :] if router.config.warmup_sessions else []
+        if keys:
+            self._spawn(self._warm_and_move(replica, keys, "scale_out", all_keys=False))
+        return len(keys)
+
+    def drain(self, replica: ReplicaState, remove: bool) -> int:
+        """Move a draining replica's sessions to their ring owners, warming first; then remove it
+        if asked. Returns how many sessions are to move."""
+        keys = self.router.sessions.on(replica.id)
+        self._spawn(self._drain(replica, keys, remove))
+        return len(keys)
+
+    async def _drain(self, replica: ReplicaState, keys: list[bytes], remove: bool) -> None:
+        router = self.router
+        fleet = router.fleet
+        groups: dict[int, list[bytes]] = defaultdict(list)
+        for key in keys:
+            owner = fleet.ring.lookup(key)
+            if owner >= 0:
+                groups[owner].append(key)
+        for owner, group in groups.items():
+            target = fleet.replicas[owner] if owner < len(fleet.replicas) else None
+            if target is not None and target is not replica:
+                await self._warm_and_move(target, group, "drain", all_keys=True)
+        if not remove:
+            return
+        deadline = time.monotonic() + router.config.drain_timeout_s
+        while replica.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if replica.index is not None and replica.state == "draining":
+            fleet.remove(replica.id)
+            router.forget(replica)
+            log.info("drained and removed %s", replica.id)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        for task in list(self.tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

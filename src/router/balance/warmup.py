@@ -1,0 +1,134 @@
+"""Cache warm-up: before the router moves sessions to a replica, it replays their latest prompts
+there as prefill-only requests, so their next turn finds its prefix in that replica's KV cache.
+
+`PromptStore` keeps the latest request body of each session (bounded by total bytes, per-entry
+size and a time to live; least recently used first out). `prefill_only` turns a stored chat or
+completion request into one that computes the prompt and generates one token (`max_tokens: 1`,
+not streamed). `warm` sends such requests to one replica, a few at a time, each marked with
+`X-Router-Warmup: 1` so it is never mistaken for user traffic, and gives up on what is left when
+its time is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+WARMUP_HEADER = "X-Router-Warmup"
+WARMABLE = ("/v1/chat/completions", "/v1/completions")
+
+
+class PromptStore:
+    def __init__(
+        self,
+        max_bytes: int,
+        ttl_s: float,
+        max_entry_bytes: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_entry_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: OrderedDict[bytes, tuple[str, bytes, float]] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: bytes, path: str, body: bytes) -> None:
+        if path not in WARMABLE or len(body) > self.max_entry_bytes or self.max_bytes <= 0:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old[1])
+        self._entries[key] = (path, body, self._clock() + self.ttl_s)
+        self.bytes += len(body)
+        while self.bytes > self.max_bytes and self._entries:
+            _, (_, dropped, _) = self._entries.popitem(last=False)
+            self.bytes -= len(dropped)
+
+    def get(self, key: bytes) -> tuple[str, bytes] | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if entry[2] < self._clock():
+            del self._entries[key]
+            self.bytes -= len(entry[1])
+            return None
+        return entry[0], entry[1]
+
+
+def prefill_only(body: bytes) -> bytes | None:
+    """The request, computing its prompt and one token only; None if it is not a JSON object."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    data["max_tokens"] = 1
+    if "max_completion_tokens" in data:
+        data["max_completion_tokens"] = 1
+    data["stream"] = False
+    data.pop("stream_options", None)
+    data["n"] = 1
+    return orjson.dumps(data)
+
+
+@dataclass
+class WarmupResult:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0  # not sent: time ran out
+
+
+async def warm(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    requests: list[tuple[str, bytes]],
+    concurrency: int,
+    timeout_s: float,
+) -> WarmupResult:
+    """Replay `requests` (path, stored body) on one replica as prefill-only requests."""
+    result = WarmupResult()
+    queue = list(requests)
+    deadline = time.monotonic() + timeout_s
+
+    async def one(path: str, body: bytes) -> None:
+        payload = prefill_only(body)
+        if payload is None:
+            result.skipped += 1
+            return
+        result.sent += 1
+        left = deadline - time.monotonic()
+        try:
+            async with http.post(
+                base_url + path,
+                data=payload,
+                headers={"Content-Type": "application/json", WARMUP_HEADER: "1"},
+                timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
+            ) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    result.ok += 1
+                else:
+                    result.failed += 1
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            result.failed += 1
+
+    async def worker() -> None:
+        while queue and time.monotonic() < deadline:
+            path, body = queue.pop(0)
+            await one(path, body)
+
+    await asyncio.gather(*(worker() for _ in range(max(concurrency, 1))))
+    result.skipped += len(queue)
+    return result
