@@ -8,13 +8,18 @@ from collections.abc import Coroutine
 from typing import Any
 
 
-async def until_stopped() -> None:
-    """Wait for SIGINT or SIGTERM (the caller then shuts down cleanly)."""
+def stop_event() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM, from now on (instead of the default: dying at once)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def until_stopped(stop: asyncio.Event | None = None) -> None:
+    """Wait for SIGINT or SIGTERM (the caller then shuts down cleanly)."""
+    await (stop or stop_event()).wait()
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

@@ -115,9 +115,13 @@ def parse_replica(text: str) -> ReplicaSpec:
     except ValueError:
         raise ValueError(f"{text!r} has an invalid port") from None
     base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
-    return ReplicaSpec(
+    spec = ReplicaSpec(
         id=name.strip() or f"{parts.hostname}:{port or (443 if parts.scheme == 'https' else 80)}", url=base
     )
+    # the shared-memory replica table's limits (router.shm.layout), for every replica alike
+    if len(spec.id.encode()) > 64 or len(spec.url.encode()) > 256:
+        raise ValueError(f"{text!r}: a replica id is at most 64 bytes and its URL at most 256")
+    return spec
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -227,15 +231,12 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
             raise bad("agents", f"{entry!r} is not REPLICA_ID=http://host:port for a configured replica")
     if not 1 <= cfg.workers <= 64:
         raise bad("workers", "must be in 1..64 processes")
-    if not 1 <= cfg.shm_slots <= 65536:
-        raise bad("shm_slots", "must be in 1..65536")
+    if not 1 <= cfg.shm_slots <= 16384:
+        raise bad("shm_slots", "must be in 1..16384")
     if cfg.shm_name and not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", cfg.shm_name):
         raise bad("shm_name", "must be 1..200 letters, digits, '.', '_' or '-'")
     if len(cfg.replicas) + cfg.demo > cfg.shm_slots:
         raise bad("shm_slots", f"must hold the {len(cfg.replicas) + cfg.demo} configured replicas")
-    too_long = next((r for r in cfg.replicas if len(r.id.encode()) > 64 or len(r.url.encode()) > 256), None)
-    if too_long is not None:
-        raise bad("replicas", f"replica {too_long.id!r}: ids are at most 64 bytes and URLs at most 256")
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
     if not cfg.replicas and not cfg.demo:

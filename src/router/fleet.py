@@ -43,6 +43,7 @@ class ReplicaState:
     # with worker processes: this replica's slot in the shared table, and (median, samples) of
     # the workers' recent time per output token, pooled by the control loop (router.shared)
     slot: int | None = None
+    epoch: int = 0
     owner_tag: int = 0
     pooled_tpot: tuple[float, int] | None = None
 
@@ -126,6 +127,7 @@ class Fleet:
         del self.loads[replica.index]
         del self._by_id[replica_id]
         replica.index = None
+        replica.slot = None  # a late release must not write into a slot that another replica may get
         for i, r in enumerate(self.replicas):
             r.index = i
         return moved

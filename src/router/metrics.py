@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from router.health.score import HealthInputs
 from router.health.states import STATES
@@ -177,3 +178,34 @@ class RouterMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+
+PER_REPLICA_GAUGES = (
+    "router_inflight",
+    "router_replica_score",
+    "router_replica_routable",
+    "router_replica_state_changes",
+    "router_replica_state",
+    "router_replica_health_input",
+)
+
+
+def replica_gauge_families(rows: list[tuple[str, int, float, bool, int, str, HealthInputs | None]]) -> list[Any]:
+    """The per-replica gauges, built from (id, in flight, score, routable, state changes, state,
+    inputs) rows at scrape time: a worker process's view of the shared table, so a replica that
+    left is simply absent (multiprocess gauge files would keep it)."""
+    families = {
+        name: GaugeMetricFamily(name, TABLE[name][1], labels=list(TABLE[name][2])) for name in PER_REPLICA_GAUGES
+    }
+    for rid, inflight, score, routable, changes, state, inputs in rows:
+        families["router_inflight"].add_metric([rid], inflight)
+        families["router_replica_score"].add_metric([rid], score)
+        families["router_replica_routable"].add_metric([rid], 1.0 if routable else 0.0)
+        families["router_replica_state_changes"].add_metric([rid], changes)
+        for s in STATES:
+            families["router_replica_state"].add_metric([rid, s], 1.0 if s == state else 0.0)
+        for name in INPUTS:
+            value = getattr(inputs, name) if inputs is not None else None
+            if value is not None:
+                families["router_replica_health_input"].add_metric([rid, name], float(value))
+    return list(families.values())

@@ -13,6 +13,7 @@ for the bounded-load cap.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -23,16 +24,18 @@ from router.health.monitor import recent_tpot
 from router.health.score import HealthInputs
 from router.health.signals import EngineStats
 from router.ring import xxh3_64
-from router.shm.layout import COUNTER_CELL, ReplicaSlot
+from router.shm.layout import COUNTER_CELL, TPOT_SAMPLES, ReplicaSlot
 from router.shm.table import SlotTable
 
-INFLIGHT, REQUESTS, ERRORS, PROMPT, CACHED, TPOT_SAMPLES, TPOT_NS, OWNER = range(8)
+INFLIGHT, REQUESTS, ERRORS, PROMPT, CACHED, TPOT_COUNT, OWNER = range(7)
+TPOT_FIRST = 7  # then TPOT_SAMPLES cells of nanoseconds
 COUNTED = (REQUESTS, ERRORS, PROMPT, CACHED)
 
 
-def owner_tag(replica_id: str) -> int:
-    """Which replica a counter cell counts for (a worker may lag behind a slot's reassignment)."""
-    return xxh3_64(replica_id.encode("utf-8")) - 2**63 or 1  # an int64 that is never 0 (unwritten)
+def owner_tag(replica_id: str, epoch: int) -> int:
+    """Which replica a counter cell counts for: its id and the slot assignment's epoch (a worker
+    may lag behind a slot's reassignment, or behind a replica removed and added again)."""
+    return xxh3_64(f"{epoch}:{replica_id}".encode()) - 2**63 or 1  # an int64 that is never 0 (unwritten)
 
 
 def _flag(value: bool | None) -> int | None:
@@ -48,6 +51,7 @@ def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
         replica.url,
         replica.state,
         replica.health.transitions,
+        replica.epoch,
         fleet.routing_weight(replica.index),
         replica.health.score,
         replica.inflight,
@@ -88,9 +92,10 @@ class Publisher:
     def __init__(self, fleet: Fleet, table: SlotTable) -> None:
         self.fleet = fleet
         self.table = table
-        self._routing: dict[int, tuple[str, str, str, float]] = {}  # slot -> what workers route by
+        self._written: dict[int, ReplicaSlot] = {}  # slot -> the row last written there (time left out)
         self._seen: dict[tuple[int, int], list[int]] = {}  # (worker, slot) -> counters last gathered
         self._rows = [table.counters(w) for w in range(table.workers)]
+        self._epochs = 0
 
     def _assign(self) -> None:
         used = {r.slot for r in self.fleet.replicas if r.slot is not None}
@@ -100,13 +105,14 @@ class Publisher:
                 slot = next(free, None)
                 if slot is None:
                     raise ValueError(f"the shared replica table is full ({self.table.slots} slots)")
-                replica.slot = slot
+                self._epochs += 1
+                replica.slot, replica.epoch = slot, self._epochs
 
     def has_room(self) -> bool:
         return len(self.fleet.replicas) < self.table.slots
 
     def publish(self) -> None:
-        """Write every replica's slot; clear the slots of replicas gone; bump the generation if
+        """Write the slots that changed; clear the slots of replicas gone; bump the generation if
         anything routing depends on changed."""
         self._assign()
         changed = False
@@ -114,15 +120,18 @@ class Publisher:
         for replica in self.fleet.replicas:
             assert replica.slot is not None
             row = _row(replica, self.fleet)
-            self.table.write(replica.slot, row)
             live.add(replica.slot)
-            routing = (row.replica_id, row.url, row.state, row.weight)
-            if self._routing.get(replica.slot) != routing:
-                self._routing[replica.slot] = routing
+            before = self._written.get(replica.slot)
+            timeless = dataclasses.replace(row, updated_at=0.0)
+            if before == timeless:
+                continue  # unchanged: its sequence number stays, so workers skip it
+            self.table.write(replica.slot, row)
+            self._written[replica.slot] = timeless
+            if before is None or _routing(before) != _routing(row):
                 changed = True
-        for slot in [s for s in self._routing if s not in live]:
+        for slot in [s for s in self._written if s not in live]:
             self.table.write(slot, ReplicaSlot())
-            del self._routing[slot]
+            del self._written[slot]
             for key in [k for k in self._seen if k[1] == slot]:
                 del self._seen[key]
             changed = True
@@ -133,29 +142,34 @@ class Publisher:
         """A replica left the fleet: free its slot (written empty on the next publish)."""
         replica.slot = None
 
+    def worker_restarted(self, worker: int) -> None:
+        """A restarted worker counts from zero: its earlier counts are already gathered."""
+        for key in [k for k in self._seen if k[0] == worker]:
+            del self._seen[key]
+
     def collect(self) -> None:
         """Add the workers' counters into the control loop's replicas (for scoring and the admin API)."""
-        rows = self._rows
+        if not self._rows:
+            return  # no workers: the replicas' own counters are the only ones
         for replica in self.fleet.replicas:
             if replica.slot is None:
                 continue
             base = replica.slot * COUNTER_CELL
-            tag = owner_tag(replica.id)
+            tag = owner_tag(replica.id, replica.epoch)
             inflight = 0
-            tpot_weighted = 0.0
-            samples = 0
-            for w, row in enumerate(rows):
+            samples: list[int] = []
+            for w, row in enumerate(self._rows):
                 cell = row[base : base + COUNTER_CELL].tolist()
                 if cell[OWNER] != tag:
                     continue  # that worker has not caught up with this slot's replica yet
                 inflight += cell[INFLIGHT]
-                n = cell[TPOT_SAMPLES]
-                if n > 0:
-                    samples += n
-                    tpot_weighted += n * cell[TPOT_NS] / 1e9
+                count = min(max(cell[TPOT_COUNT], 0), TPOT_SAMPLES)
+                samples += cell[TPOT_FIRST : TPOT_FIRST + count]
                 seen = self._seen.get((w, replica.slot))
+                if seen is not None and seen[OWNER] != tag:
+                    seen = None
                 for field in COUNTED:
-                    # counters only grow; one that went down was restarted (worker or slot): count it from 0
+                    # counters only grow; one that went down was restarted: count it from 0
                     before = seen[field] if seen is not None else 0
                     delta = cell[field] - before if cell[field] >= before else cell[field]
                     if field == REQUESTS:
@@ -168,7 +182,12 @@ class Publisher:
                         replica.cached_tokens += delta
                 self._seen[(w, replica.slot)] = cell
             replica.inflight = max(inflight, 0)
-            replica.pooled_tpot = (tpot_weighted / samples if samples else 0.0, samples)
+            # every worker's latest samples pooled: their median is a true median
+            replica.pooled_tpot = (statistics.median(samples) / 1e9 if samples else 0.0, len(samples))
+
+
+def _routing(row: ReplicaSlot) -> tuple[str, str, str, int, float]:
+    return row.replica_id, row.url, row.state, row.epoch, row.weight
 
 
 class Follower:
@@ -188,6 +207,8 @@ class Follower:
         self.latency_window_s = latency_window_s
         self.on_removed = on_removed
         self.generation = -1
+        self._seqs: dict[int, int] = {}  # slot -> sequence number when last read
+        self._rows: dict[int, ReplicaSlot] = {}  # the non-empty slots as last read
         self._row = table.counters(worker)
         self._others = [table.counters(w) for w in range(table.workers) if w != worker]
         fleet.shared_inflight = self._row  # INFLIGHT is a cell's first field
@@ -201,28 +222,40 @@ class Follower:
         self.reload(generation)
         return True
 
+    def _changed_rows(self) -> dict[int, ReplicaSlot]:
+        """The replica slots written since this worker last read them."""
+        table = self.table
+        rows = {}
+        for slot in range(table.slots):
+            seq = table.seq(slot)
+            if self._seqs.get(slot) != seq:
+                rows[slot] = table.read(slot)
+                self._seqs[slot] = seq
+        return rows
+
     def reload(self, generation: int | None = None) -> None:
         table = self.table
         # read the generation first: a change made while we read bumps it again and we re-read
         self.generation = table.generation if generation is None else generation
-        rows = {}
-        for slot in range(table.slots):
-            row = table.read(slot)
-            if row.state != "empty":
-                rows[row.replica_id] = (slot, row)
+        for slot, row in self._changed_rows().items():
+            if row.state == "empty":
+                self._rows.pop(slot, None)
+            else:
+                self._rows[slot] = row
+        wanted = {row.replica_id: (slot, row) for slot, row in self._rows.items()}
         fleet = self.fleet
         for gone in list(fleet.replicas):
-            found = rows.get(gone.id)
-            if found is None or found[0] != gone.slot or found[1].url != gone.url:
+            found = wanted.get(gone.id)
+            if found is None or found[0] != gone.slot or found[1].epoch != gone.epoch or found[1].url != gone.url:
                 fleet.remove(gone.id)
                 self.on_removed(gone.id)
-        for rid, (slot, row) in sorted(rows.items(), key=lambda item: item[1][0]):
+        for rid, (slot, row) in sorted(wanted.items(), key=lambda item: item[1][0]):
             replica = fleet.find(rid)
             if replica is None:
                 fleet.add(ReplicaSpec(rid, row.url))
                 replica = fleet.replicas[-1]
-                replica.slot = slot
-                replica.owner_tag = owner_tag(rid)
+                replica.slot, replica.epoch = slot, row.epoch
+                replica.owner_tag = owner_tag(rid, row.epoch)
                 base = slot * COUNTER_CELL
                 for field in range(COUNTER_CELL):  # counts first, then whose they are
                     self._row[base + field] = replica.owner_tag if field == OWNER else 0
@@ -239,12 +272,13 @@ class Follower:
         replica.engine = EngineStats(row.waiting, row.running, row.kv_usage, row.fragmentation)
 
     def refresh(self) -> None:
-        """Scores and states for display (routing itself follows the generation)."""
+        """Scores, states and inputs for display (routing itself follows the generation)."""
+        changed = self._changed_rows()
+        self._rows.update({slot: row for slot, row in changed.items() if row.state != "empty"})
         for replica in self.fleet.replicas:
-            if replica.slot is not None:
-                row = self.table.read(replica.slot)
-                if row.replica_id == replica.id:
-                    self._apply(replica, row)
+            row = changed.get(replica.slot) if replica.slot is not None else None
+            if row is not None and row.replica_id == replica.id and row.epoch == replica.epoch:
+                self._apply(replica, row)
 
     def publish(self, now: float) -> None:
         """Write this worker's counters for every replica."""
@@ -254,15 +288,16 @@ class Follower:
             if replica.slot is None:
                 continue
             base = replica.slot * COUNTER_CELL
-            recent = recent_tpot(replica, horizon)
-            row[base + OWNER] = replica.owner_tag
+            recent = recent_tpot(replica, horizon)[-TPOT_SAMPLES:]
             row[base + INFLIGHT] = replica.inflight
             row[base + REQUESTS] = replica.requests
             row[base + ERRORS] = replica.errors
             row[base + PROMPT] = replica.prompt_tokens
             row[base + CACHED] = replica.cached_tokens
-            row[base + TPOT_SAMPLES] = len(recent)
-            row[base + TPOT_NS] = round(statistics.median(recent) * 1e9) if recent else 0
+            row[base + TPOT_COUNT] = 0  # readers take no sample while the samples change
+            for i, tpot in enumerate(recent):
+                row[base + TPOT_FIRST + i] = round(tpot * 1e9)
+            row[base + TPOT_COUNT] = len(recent)
 
     def pull_loads(self) -> None:
         """The bounded-load cap counts every worker's in-flight requests, not only this one's."""

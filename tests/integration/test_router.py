@@ -291,6 +291,8 @@ async def test_admin_api(start_fleet, start_router) -> None:  # type: ignore[no-
             assert r.status == 201 and 0 < (await r.json())["moved_share"] < 0.7
         async with s.post(url + "/admin/replicas", json={"url": fleet.replicas[2].url}, headers=auth) as r:
             assert r.status == 409
+        async with s.post(url + "/admin/replicas", json={"url": "http://h:1", "id": "x" * 65}, headers=auth) as r:
+            assert r.status == 400 and "at most 64 bytes" in (await r.json())["error"]["message"]
         async with s.post(url + "/admin/replicas/third/drain", headers=auth) as r:
             assert (await r.json())["state"] == "draining"
         for i in range(20):

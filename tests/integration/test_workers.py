@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from yarl import URL
 
 TOKEN = "workers-test-token"
 
@@ -157,11 +158,14 @@ async def test_two_workers_route_alike_see_removals_and_merge_metrics(start_flee
 
     # an admin removal through whichever worker answers reaches both
     keep = [r.options.replica_id for r in fleet.replicas if r.options.replica_id != victim_id]
-    async with (
-        aiohttp.ClientSession() as s,
-        s.delete(f"{url}/admin/replicas/{keep[0]}", headers={"Authorization": f"Bearer {TOKEN}"}) as r,
-    ):
-        assert r.status == 200
+    async with aiohttp.ClientSession() as s:
+        # relayed as sent: an encoded "?" stays part of the id (no such replica), it is not a query
+        async with s.delete(
+            URL(f"{url}/admin/replicas/{keep[0]}%3Fx", encoded=True), headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as r:
+            assert r.status == 404
+        async with s.delete(f"{url}/admin/replicas/{keep[0]}", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            assert r.status == 200
     deadline = time.monotonic() + 5
     counts: dict[int, int] = {}
     while len(counts) < 2 or any(n != 2 for n in counts.values()):
@@ -191,6 +195,8 @@ async def test_two_workers_route_alike_see_removals_and_merge_metrics(start_flee
     assert f'router_replica_state{{replica="{victim_id}",state="removed"}} 1.0' in text
     assert f'router_replica_health_input{{input="probe_ok",replica="{victim_id}"}} 0.0' in text
     assert f'router_replica_health_input{{input="probe_ok",replica="{keep[1]}"}} 1.0' in text
+    gauges = [line for line in text.splitlines() if line.startswith(("router_inflight{", "router_replica_"))]
+    assert gauges and not [line for line in gauges if f'replica="{keep[0]}"' in line]  # gone from the gauges
 
 
 async def test_a_killed_worker_is_replaced_and_stopping_cleans_up(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]

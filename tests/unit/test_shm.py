@@ -16,6 +16,7 @@ FULL = ReplicaSlot(
     "http://10.0.0.7:8000",
     "recovering",
     4,
+    2,
     0.4,
     0.81,
     12,
@@ -72,7 +73,7 @@ def test_attach_refuses_something_else() -> None:
 
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-3 replica table"):
+        with pytest.raises(ValueError, match="not a version-4 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()
@@ -89,6 +90,7 @@ def _hammer(segment: str, rounds: int) -> None:
                 f"r{k % 10}",
                 f"http://r{k}",
                 "healthy",
+                k,
                 k,
                 float(k),
                 float(k),
@@ -142,14 +144,36 @@ def test_agent_slots_counters_and_generation_are_separate_regions() -> None:
         assert table.read(1) == FULL and table.read_agent(1).temperature_c == 80.0
         assert table.read_agent(0) == ReplicaSlot() and table.find("gpu-7") == 1 and table.find("nope") is None
         row0, row1 = other.counters(0), other.counters(1)
-        row1[1 * 8 + 0] = 7  # worker 1, replica slot 1, in-flight
-        row0[2 * 8 + 1] = -3
-        assert table.counters(1)[8] == 7 and table.counters(0)[17] == -3 and table.counters(0)[8] == 0
+        row1[1 * 16 + 0] = 7  # worker 1, replica slot 1, in-flight
+        row0[2 * 16 + 1] = -3
+        assert table.counters(1)[16] == 7 and table.counters(0)[33] == -3 and table.counters(0)[16] == 0
         assert table.read(1) == FULL  # counters never touch the slots
         table.bump_generation()
         assert other.generation == 1
         with pytest.raises(IndexError):
             other.counters(2)
         other.close()  # releases the rows it handed out
+    finally:
+        table.close()
+
+
+def test_a_stuck_agent_slot_reads_as_no_agent() -> None:
+    from router.config import ReplicaSpec
+    from router.fleet import Fleet
+    from router.health.monitor import HealthMonitor
+    from router.shm.layout import HEADER_SIZE, SLOT_SIZE
+
+    table = SlotTable.create(name(), 2)
+    try:
+        fleet = Fleet([ReplicaSpec("gpu-7", "http://10.0.0.7:8000")])
+        replica = fleet.replicas[0]
+        replica.slot = 1
+        table.write_agent(1, ReplicaSlot("gpu-7", temperature_c=90.0, updated_at=__import__("time").time()))
+        monitor = HealthMonitor(fleet, lambda: None, 1.0, 1.0, table=table)  # type: ignore[arg-type, return-value]
+        assert monitor._agent_slot(replica)["gpu_temperature_c"] == 90.0
+        # an agent killed in the middle of a write leaves the slot's sequence odd for ever
+        at = HEADER_SIZE + (table.slots + 1) * SLOT_SIZE
+        table._buf[at] |= 1
+        assert monitor._agent_slot(replica) == {}  # no reading, and the probe round goes on
     finally:
         table.close()

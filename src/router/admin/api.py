@@ -94,7 +94,7 @@ class AdminApi:
         try:
             async with control.request(
                 request.method,
-                "http://control" + request.rel_url.path_qs,
+                "http://control" + request.raw_path,  # as sent: %2F in an id stays in the id
                 data=await request.read(),
                 headers={"Authorization": request.headers.get("Authorization", "")},
                 timeout=aiohttp.ClientTimeout(total=10),
@@ -215,6 +215,7 @@ class AdminApi:
         shares = ring.shares()
         return _json(
             {
+                "worker": self.router.worker,
                 "vnodes": ring.vnodes,
                 "seed": ring.seed,
                 "points": ring.size,

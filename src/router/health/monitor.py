@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +28,9 @@ import aiohttp
 from router.fleet import Fleet, ReplicaState
 from router.health.score import HealthInputs, ScoreWeights, health_score
 from router.health.signals import EngineStats, parse_engine_metrics
-from router.shm.table import SlotTable
+from router.shm.table import SlotTable, TornRead
+
+log = logging.getLogger("router.health")
 
 MIN_SAMPLES = 5
 # NVML clock event reasons that mean the GPU runs slower than it should: HW slowdown, SW thermal,
@@ -83,7 +86,10 @@ class HealthMonitor:
 
     async def run(self) -> None:
         while True:
-            await self.probe_once()
+            try:
+                await self.probe_once()
+            except Exception:  # a bug in one round must not end health checking for good
+                log.exception("health probe round failed")
             await asyncio.sleep(self.interval_s)
 
     async def probe_once(self) -> None:
@@ -143,7 +149,10 @@ class HealthMonitor:
         """The colocated agent's figures from shared memory, when it wrote them for this replica lately."""
         if self.table is None or replica.slot is None:
             return {}
-        row = self.table.read_agent(replica.slot)
+        try:
+            row = self.table.read_agent(replica.slot)
+        except TornRead:  # an agent died mid-write (or two write one slot): no usable reading
+            return {}
         if row.replica_id != replica.id or not self._fresh(row.updated_at):
             return {}  # no agent here, or it stopped writing: aged out
         return {

@@ -29,7 +29,7 @@ from router.fleet import Fleet, ReplicaState
 from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, replica_gauge_families
 from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
 from router.sessions import SessionTable
@@ -132,6 +132,11 @@ class Router:
         if self.follower is not None:
             self.follower.sync()
 
+    def worker_restarted(self, worker: int) -> None:
+        """Control process: worker `worker` was restarted and counts from zero."""
+        if self.publisher is not None:
+            self.publisher.worker_restarted(worker)
+
     def has_room(self) -> bool:
         return self.publisher is None or self.publisher.has_room()
 
@@ -148,13 +153,35 @@ class Router:
         # its sessions stay in the table: their next turns go to the ring and count as membership jumps
         self.metrics.forget_replica(replica_id)
 
-    @staticmethod
-    def _multiprocess_registry() -> CollectorRegistry | None:
+    def _multiprocess_registry(self) -> CollectorRegistry | None:
+        """A worker's /metrics: every worker's counters and histograms (prometheus_client's
+        multiprocess files), and per-replica gauges from this worker's copy of the table."""
         path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not path:
             return None
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
+        fleet = self.fleet
+
+        class ReplicaGauges:
+            def collect(self) -> list[Any]:
+                return replica_gauge_families(
+                    [
+                        (
+                            r.id,
+                            fleet.loads[r.index],
+                            r.health.score,
+                            r.health.routable,
+                            r.health.transitions,
+                            r.state,
+                            r.inputs,
+                        )
+                        for r in fleet.replicas
+                        if r.index is not None
+                    ]
+                )
+
+        registry.register(ReplicaGauges())
         return registry
 
     async def _follower_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -166,12 +193,15 @@ class Router:
             last_refresh = 0.0
             while True:
                 now = time.monotonic()
-                follower.sync()
-                if now - last_refresh >= 1.0:  # scores and states for display; routing follows the generation
-                    follower.refresh()
-                    last_refresh = now
-                follower.publish(now)
-                follower.pull_loads()
+                try:
+                    follower.sync()
+                    if now - last_refresh >= 1.0:  # scores and states for display; routing follows the generation
+                        follower.refresh()
+                        last_refresh = now
+                    follower.publish(now)
+                    follower.pull_loads()
+                except Exception:  # a bug in one tick must not freeze this worker's view for good
+                    logging.getLogger("router.workers").exception("following the shared table failed")
                 await asyncio.sleep(SYNC_INTERVAL_S)
 
         task = asyncio.create_task(tick(), name="shared table follower")
@@ -492,7 +522,7 @@ class Router:
         if self.follower is not None:  # this worker's view of every worker's in-flight requests, and of health
             self.follower.refresh()
             self.follower.pull_loads()
-        for r in self.fleet.replicas:
+        for r in self.fleet.replicas if self.multiprocess_metrics is None else ():
             if r.index is None:
                 continue
             m.inflight.labels(r.id).set(self.fleet.loads[r.index])

@@ -21,13 +21,14 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from aiohttp import web
 from prometheus_client import multiprocess
 
-from router._runtime import run, until_stopped
+from router._runtime import run, stop_event, until_stopped
 from router.config import RouterConfig
 from router.proxy.app import Router
 from router.shm.layout import COUNTER_CELL
@@ -46,6 +47,7 @@ def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
         handle_signals=False,
         access_log=None,
         handler_cancellation=True,
+        shutdown_timeout=config.drain_timeout_s,  # on stop, requests in flight get this long to finish
         max_field_size=max(config.max_header_bytes * 4, 65536),
         max_line_size=max(config.max_header_bytes * 4, 65536),
     )
@@ -101,8 +103,16 @@ class WorkerFailed(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, config: RouterConfig, table: SlotTable, control_socket: str, metrics_dir: str) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        table: SlotTable,
+        control_socket: str,
+        metrics_dir: str,
+        on_restart: Callable[[int], None] = lambda worker: None,
+    ) -> None:
         self.config = config
+        self.on_restart = on_restart
         self.table = table
         self.control_socket = control_socket
         self.metrics_dir = metrics_dir
@@ -163,6 +173,7 @@ class WorkerPool:
             row[cell * COUNTER_CELL] = 0
         assert proc.pid is not None
         multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+        self.on_restart(index)
 
     async def watch(self) -> None:
         """Restart workers that die (at most one start per worker per RESTART_BACKOFF_S)."""
@@ -191,54 +202,57 @@ class WorkerPool:
                 with contextlib.suppress(OSError):
                     proc.terminate()  # SIGTERM: the worker finishes its requests and exits
         loop = asyncio.get_running_loop()
-        for proc in procs:
-            await loop.run_in_executor(None, proc.join, 15)
+        for proc in procs:  # a worker waits drain_timeout_s for its requests; a little more for itself
+            await loop.run_in_executor(None, proc.join, self.config.drain_timeout_s + 10)
             if proc.is_alive():
                 proc.kill()
                 await loop.run_in_executor(None, proc.join, 5)
 
 
 def check_port(host: str, port: int) -> None:
-    """Fail early, in the control process, if the port is taken by something that is not us."""
+    """Fail early, in the control process, if anything listens on the port already (another
+    router's workers included: the probe does not join a SO_REUSEPORT group)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         probe.bind((host, port))
 
 
 async def serve_workers(config: RouterConfig, banner: str) -> None:
+    stop = stop_event()  # from here on a SIGTERM is a clean stop, also while workers start
     check_port(config.host, config.port)
     table = SlotTable.create(config.shm_name or f"kvar-{os.getpid()}", config.shm_slots, config.workers)
     private = tempfile.mkdtemp(prefix="router-serve-")  # mode 0700: the control socket is ours alone
-    metrics_dir = os.path.join(private, "metrics")
-    os.mkdir(metrics_dir)
-    control_socket = os.path.join(private, "control.sock")
-    runner = None
-    pool = WorkerPool(config, table, control_socket, metrics_dir)
-    watcher = None
     try:
+        metrics_dir = os.path.join(private, "metrics")
+        os.mkdir(metrics_dir)
+        control_socket = os.path.join(private, "control.sock")
         router = Router(config, table=table)
         router.publish()
+        pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=router.worker_restarted)
         runner = web.AppRunner(router.app(control_only=True), handle_signals=False, access_log=None)
         await runner.setup()
-        await web.UnixSite(runner, control_socket).start()
-        await pool.start_all()
-        print(banner, flush=True)
-        print(
-            f"workers: {config.workers} processes (pids {', '.join(str(p.pid) for p in pool.procs if p)}); "
-            f"shared memory: {table.name} (router-agent --shm {table.name})",
-            flush=True,
-        )
-        watcher = asyncio.create_task(pool.watch())
-        await until_stopped()
-    finally:
-        await pool.stop()
-        if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-        if runner is not None:
+        try:
+            await web.UnixSite(runner, control_socket).start()
+            watcher = None
+            try:
+                await pool.start_all()
+                print(banner, flush=True)
+                print(
+                    f"workers: {config.workers} processes (pids {', '.join(str(p.pid) for p in pool.procs if p)}); "
+                    f"shared memory: {table.name} (router-agent --shm {table.name})",
+                    flush=True,
+                )
+                watcher = asyncio.create_task(pool.watch())
+                await until_stopped(stop)
+            finally:
+                await pool.stop()
+                if watcher is not None:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
+        finally:
             await runner.cleanup()
+    finally:
         table.close()
         shutil.rmtree(private, ignore_errors=True)

@@ -24,14 +24,15 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<4sIIIII8x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64
 SEQ = struct.Struct("<QQ")  # seq, checksum: 16 bytes
 MAX_ID_BYTES = 64
 MAX_URL_BYTES = 256
-# replica id, url, state, flags (which optional figures are present), state changes, weight,
+# replica id, url, state, flags (which optional figures are present), state changes, epoch (which
+# assignment of the slot this is: a replica removed and added again gets a new one), weight,
 # score, in-flight, then the optional figures (OPTIONAL, in order), then when it was written
 # (unix seconds)
 OPTIONAL_FLOATS = (
@@ -47,21 +48,22 @@ OPTIONAL_FLOATS = (
 OPTIONAL_INTS = ("mem_used", "mem_total", "throttle_reasons", "ecc_errors", "gpu_slowed", "probe_ok")
 OPTIONAL = OPTIONAL_FLOATS + OPTIONAL_INTS
 SLOT_PAYLOAD = struct.Struct(
-    f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIxxxxddq" + "d" * len(OPTIONAL_FLOATS) + "Q" * len(OPTIONAL_INTS) + "d"
+    f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIIddq" + "d" * len(OPTIONAL_FLOATS) + "Q" * len(OPTIONAL_INTS) + "d"
 )
 SLOT_SIZE = 512
 # one worker's figures for one replica, each an int64 the worker alone writes
+TPOT_SAMPLES = 9  # a worker's latest time-per-output-token samples, in nanoseconds
 COUNTER_FIELDS = (
     "inflight",
     "requests",
     "errors",
     "prompt_tokens",
     "cached_tokens",
-    "tpot_samples",  # recent streamed replies measured
-    "tpot_ns",  # their median time per output token
-    "owner",  # a tag of the replica id the worker counted for (router.shared.owner_tag)
+    "tpot_count",  # how many of the sample cells below hold a sample
+    "owner",  # a tag of the replica (id and epoch) the worker counted for (router.shared.owner_tag)
+    *(f"tpot_{i}" for i in range(TPOT_SAMPLES)),
 )
-COUNTER_CELL = 8  # int64s per cell
+COUNTER_CELL = 16  # int64s per cell
 assert HEADER.size + 8 <= HEADER_SIZE and SEQ.size + SLOT_PAYLOAD.size <= SLOT_SIZE
 assert len(COUNTER_FIELDS) == COUNTER_CELL
 
@@ -76,6 +78,7 @@ class ReplicaSlot:
     url: str = ""
     state: str = "empty"
     transitions: int = 0
+    epoch: int = 0
     weight: float = 0.0
     score: float = 0.0
     inflight: int = 0
@@ -122,6 +125,7 @@ def pack(slot: ReplicaSlot) -> bytes:
         STATE_CODES.index(slot.state),
         flags,
         slot.transitions,
+        slot.epoch,
         slot.weight,
         slot.score,
         slot.inflight,
@@ -132,7 +136,7 @@ def pack(slot: ReplicaSlot) -> bytes:
 
 
 def unpack(payload: bytes | memoryview) -> ReplicaSlot:
-    rid, url, state, flags, transitions, weight, score, inflight, *rest = SLOT_PAYLOAD.unpack(payload)
+    rid, url, state, flags, transitions, epoch, weight, score, inflight, *rest = SLOT_PAYLOAD.unpack(payload)
     updated_at = rest.pop()
     optional = {name: (rest[bit] if flags >> bit & 1 else None) for bit, name in enumerate(OPTIONAL)}
     return ReplicaSlot(
@@ -140,6 +144,7 @@ def unpack(payload: bytes | memoryview) -> ReplicaSlot:
         url.rstrip(b"\0").decode("utf-8"),
         STATE_CODES[state],
         transitions,
+        epoch,
         weight,
         score,
         inflight,

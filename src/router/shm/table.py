@@ -32,7 +32,7 @@ from router.shm.layout import (
 )
 
 READ_RETRIES = 10_000
-MAX_SLOTS = 65536
+MAX_SLOTS = 16384
 MAX_WORKERS = 256
 _U64 = struct.Struct("<Q")
 
@@ -135,6 +135,11 @@ class SlotTable:
 
     def read(self, index: int) -> ReplicaSlot:
         return self._read(self._offset(index, 0), index)
+
+    def seq(self, index: int) -> int:
+        """The replica slot's sequence number: it changes with every write (a cheap change check)."""
+        value: int = SEQ.unpack_from(self._buf, self._offset(index, 0))[0]
+        return value
 
     def write_agent(self, index: int, slot: ReplicaSlot) -> None:
         """Write an agent slot. Each has one writer: the router-agent beside that replica."""
