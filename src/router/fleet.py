@@ -22,6 +22,7 @@ from router.health.states import Hysteresis, ReplicaHealth
 from router.ring import MovedRange, Ring
 from router.shm.layout import COUNTER_CELL
 
+TTFT_FLOOR_TOKENS = 256  # a short prompt's first token costs a fixed overhead: normalise by at least this
 WEIGHT_STEP = 0.05  # ring weights follow health in steps at least this big (each change rebuilds the ring)
 
 
@@ -40,12 +41,15 @@ class ReplicaState:
     inputs: HealthInputs | None = None  # what the last score was computed from
     # (when, seconds per output token) of recent streamed replies, for the latency signal
     tpot: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    # (when, time to first token per prompt token computed, at least TTFT_FLOOR_TOKENS of them)
+    ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # with worker processes: this replica's slot in the shared table, and (median, samples) of
     # the workers' recent time per output token, pooled by the control loop (router.shared)
     slot: int | None = None
     epoch: int = 0
     owner_tag: int = 0
     pooled_tpot: tuple[float, int] | None = None
+    pooled_ttft: tuple[float, int] | None = None
 
     @property
     def state(self) -> str:

@@ -20,15 +20,16 @@ from collections.abc import Callable
 
 from router.config import ReplicaSpec
 from router.fleet import Fleet, ReplicaState
-from router.health.monitor import recent_tpot
+from router.health.monitor import recent_samples
 from router.health.score import HealthInputs
 from router.health.signals import EngineStats
 from router.ring import xxh3_64
-from router.shm.layout import COUNTER_CELL, TPOT_SAMPLES, ReplicaSlot
+from router.shm.layout import COUNTER_CELL, COUNTER_FIELDS, LATENCY_SAMPLES, ReplicaSlot
 from router.shm.table import SlotTable
 
-INFLIGHT, REQUESTS, ERRORS, PROMPT, CACHED, TPOT_COUNT, OWNER = range(7)
-TPOT_FIRST = 7  # then TPOT_SAMPLES cells of nanoseconds
+INFLIGHT, REQUESTS, ERRORS, PROMPT, CACHED, OWNER = range(6)
+# per latency kind: where its count cell is; its LATENCY_SAMPLES sample cells follow it
+SAMPLES_AT = {"tpot": COUNTER_FIELDS.index("tpot_count"), "ttft": COUNTER_FIELDS.index("ttft_count")}
 COUNTED = (REQUESTS, ERRORS, PROMPT, CACHED)
 
 
@@ -63,6 +64,7 @@ def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
         ecc_errors=i.ecc_errors,
         error_rate=i.error_rate,
         latency_ratio=i.latency_ratio,
+        ttft_ratio=i.ttft_ratio,
         gpu_slowed=_flag(i.gpu_slowed),
         probe_ok=_flag(i.probe_ok) if replica.inputs is not None else None,
         updated_at=time.time(),
@@ -80,6 +82,7 @@ def inputs_of(row: ReplicaSlot) -> HealthInputs | None:
         fragmentation=row.fragmentation,
         error_rate=row.error_rate,
         latency_ratio=row.latency_ratio,
+        ttft_ratio=row.ttft_ratio,
         gpu_temperature_c=row.temperature_c,
         gpu_slowed=None if row.gpu_slowed is None else bool(row.gpu_slowed),
         ecc_errors=row.ecc_errors,
@@ -157,14 +160,15 @@ class Publisher:
             base = replica.slot * COUNTER_CELL
             tag = owner_tag(replica.id, replica.epoch)
             inflight = 0
-            samples: list[int] = []
+            samples: dict[str, list[int]] = {kind: [] for kind in SAMPLES_AT}
             for w, row in enumerate(self._rows):
                 cell = row[base : base + COUNTER_CELL].tolist()
                 if cell[OWNER] != tag:
                     continue  # that worker has not caught up with this slot's replica yet
                 inflight += cell[INFLIGHT]
-                count = min(max(cell[TPOT_COUNT], 0), TPOT_SAMPLES)
-                samples += cell[TPOT_FIRST : TPOT_FIRST + count]
+                for kind, at in SAMPLES_AT.items():
+                    count = min(max(cell[at], 0), LATENCY_SAMPLES)
+                    samples[kind] += cell[at + 1 : at + 1 + count]
                 seen = self._seen.get((w, replica.slot))
                 if seen is not None and seen[OWNER] != tag:
                     seen = None
@@ -183,7 +187,8 @@ class Publisher:
                 self._seen[(w, replica.slot)] = cell
             replica.inflight = max(inflight, 0)
             # every worker's latest samples pooled: their median is a true median
-            replica.pooled_tpot = (statistics.median(samples) / 1e9 if samples else 0.0, len(samples))
+            for kind, pooled in samples.items():
+                setattr(replica, f"pooled_{kind}", (statistics.median(pooled) / 1e9 if pooled else 0.0, len(pooled)))
 
 
 def _routing(row: ReplicaSlot) -> tuple[str, str, str, int, float]:
@@ -288,16 +293,17 @@ class Follower:
             if replica.slot is None:
                 continue
             base = replica.slot * COUNTER_CELL
-            recent = recent_tpot(replica, horizon)[-TPOT_SAMPLES:]
             row[base + INFLIGHT] = replica.inflight
             row[base + REQUESTS] = replica.requests
             row[base + ERRORS] = replica.errors
             row[base + PROMPT] = replica.prompt_tokens
             row[base + CACHED] = replica.cached_tokens
-            row[base + TPOT_COUNT] = 0  # readers take no sample while the samples change
-            for i, tpot in enumerate(recent):
-                row[base + TPOT_FIRST + i] = round(tpot * 1e9)
-            row[base + TPOT_COUNT] = len(recent)
+            for kind, at in SAMPLES_AT.items():
+                recent = recent_samples(replica, kind, horizon)[-LATENCY_SAMPLES:]
+                row[base + at] = 0  # readers take no sample while the samples change
+                for i, value in enumerate(recent):
+                    row[base + at + 1 + i] = round(value * 1e9)
+                row[base + at] = len(recent)
 
     def pull_loads(self) -> None:
         """The bounded-load cap counts every worker's in-flight requests, not only this one's."""

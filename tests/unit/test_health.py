@@ -130,6 +130,12 @@ def test_degraded_replicas_take_a_smaller_share_and_drain_is_manual() -> None:
     assert h.tick(35) == "healthy" and h.weight(35) == 1.0 and h.transitions == 6
 
 
+def test_first_token_signal() -> None:
+    assert health_score(HealthInputs(ttft_ratio=2.9)) == 1.0  # within 3x of the fleet: normal
+    assert health_score(HealthInputs(ttft_ratio=4.5)) == pytest.approx(0.5)
+    assert health_score(HealthInputs(ttft_ratio=9.0, latency_ratio=1.0)) == 0.0
+
+
 def test_gpu_signals_from_the_agent() -> None:
     assert health_score(HealthInputs(waiting=36, gpu_slowed=True)) == pytest.approx(0.25)  # the documented example
     assert health_score(HealthInputs(ecc_errors=1)) == 0.0

@@ -73,7 +73,7 @@ def test_attach_refuses_something_else() -> None:
 
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-4 replica table"):
+        with pytest.raises(ValueError, match="not a version-5 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()
@@ -144,9 +144,9 @@ def test_agent_slots_counters_and_generation_are_separate_regions() -> None:
         assert table.read(1) == FULL and table.read_agent(1).temperature_c == 80.0
         assert table.read_agent(0) == ReplicaSlot() and table.find("gpu-7") == 1 and table.find("nope") is None
         row0, row1 = other.counters(0), other.counters(1)
-        row1[1 * 16 + 0] = 7  # worker 1, replica slot 1, in-flight
-        row0[2 * 16 + 1] = -3
-        assert table.counters(1)[16] == 7 and table.counters(0)[33] == -3 and table.counters(0)[16] == 0
+        row1[1 * 32 + 0] = 7  # worker 1, replica slot 1, in-flight
+        row0[2 * 32 + 1] = -3
+        assert table.counters(1)[32] == 7 and table.counters(0)[65] == -3 and table.counters(0)[32] == 0
         assert table.read(1) == FULL  # counters never touch the slots
         table.bump_generation()
         assert other.generation == 1

@@ -4,8 +4,9 @@ Every `probe_interval_s`, for each replica at once: `GET /health` (a refused con
 or a 5xx fails the probe; an engine without the route, 404, is not held against it) and
 `GET /metrics` (engine figures; missing ones stay missing). Passive figures come from the proxy:
 the error share of the requests sent since the last probe (from 5 requests on), and the replica's
-median time per output token against the fleet's median (from 5 streamed replies on each side;
-the latest 9 within the last 5 probe intervals or 10 s, whichever is longer).
+median time per output token, and median time to first token per prompt token computed, each
+against the fleet's median (from 5 replies on each side; the latest 9 within the last 5 probe
+intervals or 10 s, whichever is longer).
 The score (router.health.score) moves the state machine (router.health.states), and the fleet
 turns state and weight into ring availability and vnode weight: a removed replica's keys walk to
 their ring successors and come back, with a weight ramp, when it recovers.
@@ -19,6 +20,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +48,12 @@ def latency_window_s(probe_interval_s: float) -> float:
     return max(LATENCY_WINDOW_PROBES * probe_interval_s, LATENCY_WINDOW_MIN_S)
 
 
-def recent_tpot(replica: ReplicaState, horizon: float) -> list[float]:
-    """The replica's latest time-per-token samples since `horizon`. Samples age out, so a replica
-    removed for being slow (and sent nothing since) is judged afresh by its probes later."""
-    recent = [tpot for when, tpot in replica.tpot if when >= horizon]
-    return recent[-LATENCY_RECENT:]
+def recent_samples(replica: ReplicaState, kind: str, horizon: float) -> list[float]:
+    """The replica's latest latency samples of `kind` ("tpot": time per output token, "ttft":
+    time to first token per prompt token) since `horizon`. Samples age out, so a replica removed
+    for being slow (and sent nothing since) is judged afresh by its probes later."""
+    samples: deque[tuple[float, float]] = getattr(replica, kind)
+    return [value for when, value in samples if when >= horizon][-LATENCY_RECENT:]
 
 
 @dataclass
@@ -100,7 +103,8 @@ class HealthMonitor:
             asyncio.gather(*(self._probe(r) for r in replicas)), asyncio.gather(*(self._agent(r) for r in replicas))
         )
         now = time.monotonic()
-        medians = self._fleet_tpot(replicas, now)
+        medians = self._fleet_medians(replicas, "tpot", now)
+        first_token = self._fleet_medians(replicas, "ttft", now)
         for replica, (ok, stats), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
@@ -115,7 +119,8 @@ class HealthMonitor:
                 kv_usage=stats.kv_usage,
                 fragmentation=stats.fragmentation,
                 error_rate=self._error_rate(replica),
-                latency_ratio=self._latency_ratio(replica, medians),
+                latency_ratio=self._ratio(replica, medians),
+                ttft_ratio=self._ratio(replica, first_token),
                 gpu_temperature_c=gpu.get("gpu_temperature_c"),
                 gpu_slowed=gpu.get("gpu_slowed"),
                 ecc_errors=gpu.get("ecc_errors"),
@@ -199,16 +204,16 @@ class HealthMonitor:
         self._last[replica.id] = _Window(replica.requests, replica.errors)
         return min(errors / requests, 1.0)
 
-    def _recent_tpot(self, replica: ReplicaState, now: float) -> list[float]:
-        return recent_tpot(replica, now - latency_window_s(self.interval_s))
-
-    def _fleet_tpot(self, replicas: list[ReplicaState], now: float) -> dict[str, float]:
+    def _fleet_medians(self, replicas: list[ReplicaState], kind: str, now: float) -> dict[str, float]:
+        """Each replica's median of its recent `kind` samples ("tpot" or "ttft"), where it has enough."""
         medians = {}
+        horizon = now - latency_window_s(self.interval_s)
         for r in replicas:
-            if r.pooled_tpot is not None:  # gathered from worker processes
-                median, samples = r.pooled_tpot
+            pooled: tuple[float, int] | None = getattr(r, f"pooled_{kind}")
+            if pooled is not None:  # gathered from worker processes
+                median, samples = pooled
             else:
-                recent = self._recent_tpot(r, now)
+                recent = recent_samples(r, kind, horizon)
                 samples = len(recent)
                 median = statistics.median(recent) if recent else 0.0
             if samples >= MIN_SAMPLES:
@@ -216,7 +221,7 @@ class HealthMonitor:
         return medians
 
     @staticmethod
-    def _latency_ratio(replica: ReplicaState, medians: dict[str, float]) -> float | None:
+    def _ratio(replica: ReplicaState, medians: dict[str, float]) -> float | None:
         if replica.id not in medians or len(medians) < 2:
             return None
         fleet = statistics.median(medians.values())

@@ -11,7 +11,8 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 | memory: KV usage while requests wait | 0.90 | 1.00 | full KV with a queue is pressure; without, just busy |
 | fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
 | error rate (router-observed) | 0.05 | 0.50 | failing requests |
-| latency: time per token vs the fleet's median | 2x | 4x | a replica much slower than its peers on the same work |
+| latency: time per output token vs the fleet's median | 2x | 4x | much slower than its peers on like work |
+| first token: TTFT per prompt token computed, sent while idle, vs the fleet's | 3x | 6x | slow prefill |
 | GPU temperature, hottest GPU (agent) | 85 C | 95 C | heat throttling is near |
 | GPU clocks slowed (agent: thermal, power brake, HW slowdown) | — | yes | every step runs slower |
 | uncorrected ECC errors (agent) | 0 | 1 or more | the GPU's memory is failing |
@@ -33,7 +34,8 @@ class HealthInputs:
     kv_usage: float | None = None
     fragmentation: float | None = None
     error_rate: float | None = None
-    latency_ratio: float | None = None  # replica's time per token / the fleet's median
+    latency_ratio: float | None = None  # replica's time per output token / the fleet's median
+    ttft_ratio: float | None = None  # replica's time to first token per prompt token / the fleet's median
     gpu_temperature_c: float | None = None  # the hottest GPU's, from router-agent
     gpu_slowed: bool | None = None  # any GPU's clocks held down by heat or power, from router-agent
     ecc_errors: int | None = None  # uncorrected ECC errors, from router-agent
@@ -46,6 +48,7 @@ class ScoreWeights:
     fragmentation: float = 0.5
     errors: float = 1.0
     latency: float = 1.0
+    ttft: float = 1.0
     temperature: float = 1.0
     slowdown: float = 0.5
     ecc: float = 1.0
@@ -59,14 +62,26 @@ class ScoreWeights:
     errors_to: float = 0.50
     latency_from: float = 2.0
     latency_to: float = 4.0
+    ttft_from: float = 3.0
+    ttft_to: float = 6.0
     temperature_from: float = 85.0
     temperature_to: float = 95.0
 
     def __post_init__(self) -> None:
-        for name in ("queue", "memory", "fragmentation", "errors", "latency", "temperature", "slowdown", "ecc"):
+        for name in (
+            "queue",
+            "memory",
+            "fragmentation",
+            "errors",
+            "latency",
+            "ttft",
+            "temperature",
+            "slowdown",
+            "ecc",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"weight {name} must be in [0, 1]")
-        for name in ("queue", "memory", "fragmentation", "errors", "latency", "temperature"):
+        for name in ("queue", "memory", "fragmentation", "errors", "latency", "ttft", "temperature"):
             if not getattr(self, f"{name}_from") < getattr(self, f"{name}_to"):
                 raise ValueError(f"{name}_from must be below {name}_to")
 
@@ -91,6 +106,7 @@ def health_score(inputs: HealthInputs, weights: ScoreWeights | None = None) -> f
         (w.fragmentation, ramp(inputs.fragmentation, w.fragmentation_from, w.fragmentation_to)),
         (w.errors, ramp(inputs.error_rate, w.errors_from, w.errors_to)),
         (w.latency, ramp(inputs.latency_ratio, w.latency_from, w.latency_to)),
+        (w.ttft, ramp(inputs.ttft_ratio, w.ttft_from, w.ttft_to)),
         (w.temperature, ramp(inputs.gpu_temperature_c, w.temperature_from, w.temperature_to)),
         (w.slowdown, 1.0 if inputs.gpu_slowed else 0.0),
         (w.ecc, 1.0 if inputs.ecc_errors else 0.0),

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from router.balance.controller import Balancer
 from router.config import RouterConfig, score_weights
 from router.errors import error_response
-from router.fleet import Fleet, ReplicaState
+from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
@@ -340,6 +340,8 @@ class Router:
             if self.worker is not None and cfg.replica_header:
                 extra[WORKER_HEADER] = str(self.worker)
             self.fleet.acquire(replica)
+            # nothing else in flight there: its time to first token measures the replica, not a queue
+            alone = replica.index is not None and self.fleet.loads[replica.index] <= 1
             try:
                 result = await attempt(
                     self.http,
@@ -363,7 +365,7 @@ class Router:
                 failure = result
                 self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
-            self._account(key, last, replica, decision, result, first_choice, t0)
+            self._account(key, last, replica, decision, result, first_choice, t0, alone)
             if key.kind != "none" and result.status < 400 and self.follower is None:
                 self.balancer.served(key.key, request.path, raw)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
@@ -392,6 +394,7 @@ class Router:
         result: Outcome,
         first_choice: ReplicaState | None,
         t0: float,
+        alone: bool = False,
     ) -> None:
         m = self.metrics
         if result.prompt_tokens:
@@ -399,10 +402,16 @@ class Router:
             replica.cached_tokens += result.cached_tokens
             m.child(m.prompt_tokens, replica.id).inc(result.prompt_tokens)
             m.child(m.cached_tokens, replica.id).inc(result.cached_tokens)
-        if result.streamed and result.ttft_s is not None and result.completion_tokens >= 2 and not result.stream_error:
+        if result.streamed and result.ttft_s is not None and not result.stream_error:
             now = time.monotonic()
-            # time per output token after the first: the latency signal, normalised by reply length
-            replica.tpot.append((now, (now - t0 - result.ttft_s) / (result.completion_tokens - 1)))
+            if result.completion_tokens >= 2:
+                # time per output token after the first: the latency signal, normalised by reply length
+                replica.tpot.append((now, (now - t0 - result.ttft_s) / (result.completion_tokens - 1)))
+            if result.prompt_tokens and alone:
+                # time to first token per prompt token computed (cached ones are nearly free), from
+                # requests that found the replica otherwise idle: a queue is load, not sickness
+                computed = max(result.prompt_tokens - result.cached_tokens, TTFT_FLOOR_TOKENS)
+                replica.ttft.append((now, result.ttft_s / computed))
         if result.stream_error:
             replica.errors += 1
             m.child(m.stream_errors, replica.id).inc()

@@ -24,7 +24,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 4
+VERSION = 5
 HEADER = struct.Struct("<4sIIIII8x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64
@@ -44,6 +44,7 @@ OPTIONAL_FLOATS = (
     "temperature_c",
     "error_rate",
     "latency_ratio",
+    "ttft_ratio",
 )
 OPTIONAL_INTS = ("mem_used", "mem_total", "throttle_reasons", "ecc_errors", "gpu_slowed", "probe_ok")
 OPTIONAL = OPTIONAL_FLOATS + OPTIONAL_INTS
@@ -52,20 +53,22 @@ SLOT_PAYLOAD = struct.Struct(
 )
 SLOT_SIZE = 512
 # one worker's figures for one replica, each an int64 the worker alone writes
-TPOT_SAMPLES = 9  # a worker's latest time-per-output-token samples, in nanoseconds
+LATENCY_SAMPLES = 9  # a worker's latest samples of each latency kind, in nanoseconds
 COUNTER_FIELDS = (
     "inflight",
     "requests",
     "errors",
     "prompt_tokens",
     "cached_tokens",
-    "tpot_count",  # how many of the sample cells below hold a sample
     "owner",  # a tag of the replica (id and epoch) the worker counted for (router.shared.owner_tag)
-    *(f"tpot_{i}" for i in range(TPOT_SAMPLES)),
+    "tpot_count",  # how many of the tpot sample cells hold a sample
+    *(f"tpot_{i}" for i in range(LATENCY_SAMPLES)),
+    "ttft_count",
+    *(f"ttft_{i}" for i in range(LATENCY_SAMPLES)),
 )
-COUNTER_CELL = 16  # int64s per cell
+COUNTER_CELL = 32  # int64s per cell
 assert HEADER.size + 8 <= HEADER_SIZE and SEQ.size + SLOT_PAYLOAD.size <= SLOT_SIZE
-assert len(COUNTER_FIELDS) == COUNTER_CELL
+assert len(COUNTER_FIELDS) <= COUNTER_CELL
 
 STATE_CODES = ("empty", "healthy", "suspect", "removed", "recovering", "draining", "warming")
 
@@ -95,6 +98,7 @@ class ReplicaSlot:
     # the rest of the health score's inputs, as the control loop last saw them
     error_rate: float | None = None
     latency_ratio: float | None = None
+    ttft_ratio: float | None = None
     gpu_slowed: int | None = None  # 0 or 1
     probe_ok: int | None = None  # 0 or 1
     updated_at: float = 0.0
