@@ -87,6 +87,9 @@ class RouterConfig:
     warmup_timeout_s: float = 10.0  # a move switches after this long even if warm-up is not done
     prompt_store_bytes: int = 64 * 1024 * 1024  # latest request body per session, for warm-up
     drain_timeout_s: float = 120.0  # a drain that removes waits this long for in-flight requests
+    # routing state: "file" (default: a file under $XDG_STATE_HOME/kv-affinity-router),
+    # "file:DIRECTORY", or "none"
+    state: str = "file"
     # processes
     workers: int = 1  # proxy processes on one port (SO_REUSEPORT); above 1, plus one control process
     shm_name: str = ""  # shared-memory segment; "" = kvar-<pid> when workers > 1, none for one worker
@@ -229,6 +232,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         rid, sep, url = entry.partition("=")
         if not sep or rid not in known or not url.startswith(("http://", "https://")):
             raise bad("agents", f"{entry!r} is not REPLICA_ID=http://host:port for a configured replica")
+    if cfg.state not in ("file", "none") and not (cfg.state.startswith("file:") and len(cfg.state) > 5):
+        raise bad("state", f"{cfg.state!r}: use file, file:DIRECTORY or none")
     if not 1 <= cfg.workers <= 64:
         raise bad("workers", "must be in 1..64 processes")
     if not 1 <= cfg.shm_slots <= 16384:

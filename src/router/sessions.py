@@ -24,6 +24,7 @@ class SessionTable:
         self._clock = clock
         # key -> (replica, expires, why the router moved it there, or None)
         self._entries: OrderedDict[bytes, tuple[str, float, str | None]] = OrderedDict()
+        self.version = 0  # goes up with every change (for saving only when something changed)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -43,6 +44,7 @@ class SessionTable:
         return entry[2] if entry is not None else None
 
     def put(self, key: bytes, replica: str) -> None:
+        self.version += 1
         self._entries[key] = (replica, self._clock() + self.ttl_s, None)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_sessions:
@@ -54,6 +56,7 @@ class SessionTable:
         if entry is None or entry[1] < self._clock():
             return False
         self._entries[key] = (replica, entry[1], reason)
+        self.version += 1
         return True
 
     def on(self, replica: str) -> list[bytes]:

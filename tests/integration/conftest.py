@@ -63,7 +63,7 @@ async def start_router() -> AsyncIterator[Callable[..., Any]]:
     runners: list[web.AppRunner] = []
 
     async def start(urls: list[str], **settings: Any) -> tuple[Router, str]:
-        config = load(None, {}, {"replicas": urls, **settings})
+        config = load(None, {}, {"replicas": urls, "state": "none", **settings})
         router = Router(config)
         runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
         await runner.setup()

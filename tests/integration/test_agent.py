@@ -158,7 +158,7 @@ async def test_a_colocated_agent_reaches_the_score_through_shared_memory(start_f
     fleet = await start_fleet(2)
     specs = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
     name = f"kvar-agent-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    config = load(None, {}, {"replicas": specs, "probe_interval_s": "0.05", "shm_name": name})
+    config = load(None, {}, {"replicas": specs, "probe_interval_s": "0.05", "shm_name": name, "state": "none"})
     table = SlotTable.create(config.shm_name, config.shm_slots)
     runner = None
     try:

@@ -372,7 +372,7 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port)],
+        [sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port), "--state", "none"],
         stdout=subprocess.PIPE,
         text=True,
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
@@ -406,7 +406,7 @@ async def test_tcp_nodelay_on_both_legs(start_fleet) -> None:  # type: ignore[no
     from router.proxy.app import Router
 
     fleet = await start_fleet(1)
-    router = Router(load(None, {}, {"replicas": named(fleet.replicas)}))
+    router = Router(load(None, {}, {"replicas": named(fleet.replicas), "state": "none"}))
     runner = web.AppRunner(router.app(), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -55,7 +55,7 @@ async def serve_workers() -> AsyncIterator[Callable[..., Any]]:
 
     async def start(replicas: list[str], *flags: str) -> Served:
         port = free_port()
-        args = [sys.executable, "-m", "router.proxy.cli", "--workers", "2", "--port", str(port)]
+        args = [sys.executable, "-m", "router.proxy.cli", "--workers", "2", "--port", str(port), "--state", "none"]
         for r in replicas:
             args += ["--replica", r]
         proc = subprocess.Popen(

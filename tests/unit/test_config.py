@@ -140,7 +140,9 @@ def test_score_weights_override_the_defaults() -> None:
     from router.config import score_weights
     from router.health.score import ScoreWeights
 
-    cfg = load(None, {"ROUTER_SCORE_WEIGHTS": "latency=0.5, queue_from=16"}, {"replicas": ["http://a:1"]})
+    cfg = load(
+        None, {"ROUTER_SCORE_WEIGHTS": "latency=0.5, queue_from=16"}, {"replicas": ["http://a:1"], "state": "none"}
+    )
     weights = score_weights(cfg)
     assert (weights.latency, weights.queue_from, weights.queue) == (0.5, 16.0, ScoreWeights().queue)
     from router.proxy.app import Router

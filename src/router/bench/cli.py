@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import health_bench, proxy_bench, replay, ring_bench
+from router.bench import balance_bench, health_bench, proxy_bench, replay, ring_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_parser(sub)
     proxy_bench.add_parser(sub)
     health_bench.add_parser(sub)
+    balance_bench.add_parser(sub)
     return parser
 
 

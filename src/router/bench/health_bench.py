@@ -94,7 +94,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--replicas must be at least 3 (a victim, a busy one, and a healthy one)")
     settings = dict(entry.split("=", 1) for entry in args.setting)
     ports = [_free_port() for _ in range(args.replicas)]
-    config = load(None, {}, {"replicas": [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports)], **settings})
+    replicas = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports)]
+    config = load(None, {}, {"replicas": replicas, "state": "none", **settings})
     emulators = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{i}", port=p)) for i, p in enumerate(ports)])
     await emulators.start()
     router = Router(config)

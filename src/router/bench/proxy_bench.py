@@ -257,7 +257,17 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
         contenders.append(
             (
                 "router-serve (affinity)",
-                [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend],
+                [
+                    sys.executable,
+                    "-m",
+                    "router.proxy.cli",
+                    "--port",
+                    str(port),
+                    "--replica",
+                    backend,
+                    "--state",
+                    "none",
+                ],
                 None,
                 f"http://127.0.0.1:{port}",
             )

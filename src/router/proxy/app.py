@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from router.balance.controller import Balancer
-from router.config import RouterConfig, score_weights
+from router.config import ReplicaSpec, RouterConfig, score_weights
 from router.errors import error_response
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.health.monitor import HealthMonitor, latency_window_s
@@ -35,6 +35,7 @@ from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_head
 from router.sessions import SessionTable
 from router.shared import Follower, Publisher
 from router.shm.table import SlotTable
+from router.state import RoutingState, StateFile, default_directory, describe
 
 access_log = logging.getLogger("router.access")
 
@@ -43,6 +44,7 @@ STREAMABLE = ("/v1/chat/completions", "/v1/completions")
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
+STATE_SAVE_S = 5.0  # how often the routing state is saved while it changes
 SYNC_INTERVAL_S = 0.05  # how often a worker follows the shared table and publishes its counters
 
 
@@ -102,10 +104,85 @@ class Router:
             agents=dict(entry.split("=", 1) for entry in config.agents),
             table=table,
             before_round=self.gather,
-            after_round=self.publish,
+            after_round=self._publish_table,
         )
         self.multiprocess_metrics = self._multiprocess_registry() if worker is not None else None
         self.balancer = Balancer(self)
+        self.changes = 0  # membership, drain and override changes (saved with the routing state)
+        self.state_file: StateFile | None = None
+        if worker is None and config.state != "none":
+            directory = config.state[5:] if config.state.startswith("file:") else default_directory()
+            self.state_file = StateFile(directory, config.host, config.port)
+            saved = self.state_file.load()  # StateError: the caller says so and stops
+            if saved is not None:
+                self._restore(saved)
+        self._saved_at = (-1, -1)
+
+    # -- routing state that survives a restart ----------------------------------------------------
+
+    def _restore(self, saved: RoutingState) -> None:
+        fleet, ring = self.fleet, self.fleet.ring
+        for rid in saved.removed:
+            if fleet.find(rid) is not None:
+                fleet.remove(rid)
+        for rid, url in saved.added:
+            if fleet.find(rid) is None:
+                with contextlib.suppress(ValueError):  # its URL is now another configured replica's
+                    fleet.add(ReplicaSpec(rid, url))
+        for rid in saved.draining:
+            if fleet.find(rid) is not None:
+                fleet.drain(rid)
+        for origin, number, owner in saved.overrides:
+            if origin in ring.replica_ids and owner in ring.replica_ids and 0 <= number < ring.vnodes:
+                ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
+        down = max(time.time() - saved.saved_at, 0.0)
+        if self.follower is None and self.publisher is None:  # sessions live in this process only
+            for key, replica, left in saved.sessions:
+                self.sessions.restore(key, replica, left - down)
+        access_log.info("routing state restored: %s", describe(saved))
+
+    def routing_state(self) -> RoutingState:
+        fleet = self.fleet
+        configured = {r.id for r in self.config.replicas}
+        present = {r.id for r in fleet.replicas}
+        return RoutingState(
+            saved_at=time.time(),
+            added=[(r.id, r.url) for r in fleet.replicas if r.id not in configured],
+            removed=[rid for rid in configured if rid not in present],
+            draining=[r.id for r in fleet.replicas if r.state == "draining"],
+            overrides=[(origin, number, owner) for (origin, number), owner in fleet.ring.overrides.items()],
+            sessions=list(self.sessions.items()) if self.follower is None and self.publisher is None else [],
+        )
+
+    async def save_state(self, force: bool = False) -> None:
+        """Save the routing state if it changed since the last save (or `force`)."""
+        if self.state_file is None:
+            return
+        mark = (self.changes, self.sessions.version)
+        if mark == self._saved_at and not force:
+            return
+        state = self.routing_state()
+        await asyncio.to_thread(self.state_file.save, state)
+        self._saved_at = mark
+
+    async def _state_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(STATE_SAVE_S)
+                try:
+                    await self.save_state()
+                except OSError as exc:
+                    logging.getLogger("router.state").error("cannot save the routing state: %s", exc)
+
+        task = asyncio.create_task(loop(), name="routing state")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        try:
+            await self.save_state(force=True)
+        except OSError as exc:
+            logging.getLogger("router.state").error("cannot save the routing state: %s", exc)
 
     async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.balancer.run(), name="balance")
@@ -118,7 +195,12 @@ class Router:
     # -- shared state (worker processes) ---------------------------------------------------------
 
     def publish(self) -> None:
-        """Control process: write the fleet to the shared table (no-op for a lone router)."""
+        """Routing changed (membership, drain, overrides): write the fleet to the shared table
+        (control process) and mark the routing state for saving."""
+        self.changes += 1
+        self._publish_table()
+
+    def _publish_table(self) -> None:
         if self.publisher is not None:
             self.publisher.publish()
 
@@ -147,7 +229,7 @@ class Router:
         self._forget_id(replica.id)
         if self.publisher is not None:
             self.publisher.forget(replica)
-            self.publisher.publish()
+        self.publish()
 
     def _forget_id(self, replica_id: str) -> None:
         # its sessions stay in the table: their next turns go to the ring and count as membership jumps
@@ -237,6 +319,7 @@ class Router:
             if self.config.health_checks:
                 app.cleanup_ctx.append(self._monitor_ctx)
             app.cleanup_ctx.append(self._balance_ctx)
+            app.cleanup_ctx.append(self._state_ctx)
             return app
         for path in PROXIED:
             app.router.add_post(path, self._proxy)
@@ -250,6 +333,7 @@ class Router:
             if self.config.health_checks:
                 app.cleanup_ctx.append(self._monitor_ctx)
             app.cleanup_ctx.append(self._balance_ctx)
+            app.cleanup_ctx.append(self._state_ctx)
         return app
 
     async def _client_ctx(self, app: web.Application) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_e
 from router.proxy.app import Router
 from router.proxy.workers import WorkerFailed, runner_for, serve_workers
 from router.shm.table import SlotTable
+from router.state import StateError
 
 HELP = {
     "host": "address to bind (default 127.0.0.1)",
@@ -64,6 +65,8 @@ HELP = {
     "warmup_timeout_s": "seconds a move waits for its warm-up before switching anyway (default 10)",
     "prompt_store_bytes": "memory for the latest prompt of each session, kept for warm-up (default 64 MiB)",
     "drain_timeout_s": "seconds a drain that removes the replica waits for its in-flight requests (default 120)",
+    "state": "where routing state (membership changes, drains, vnode overrides, sessions) survives restarts: "
+    "file (default, under $XDG_STATE_HOME/kv-affinity-router), file:DIRECTORY, or none",
     "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "
     "publishes the replica table to them through shared memory",
     "shm_name": "shared-memory segment name for workers and colocated router-agents (default: kvar-<pid> "
@@ -185,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailed as exc:
         print(f"router-serve: {exc}", file=sys.stderr)
         return 1
+    except StateError as exc:
+        print(
+            f"router-serve: cannot use the saved routing state: {exc} (--state none starts without it)", file=sys.stderr
+        )
+        return 2
     except FileExistsError:
         print(f"router-serve: shared memory {config.shm_name!r} already exists (another router?)", file=sys.stderr)
         return 1

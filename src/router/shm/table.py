@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from multiprocessing import resource_tracker, shared_memory
 
 from router.ring import xxh3_64
@@ -31,7 +32,8 @@ from router.shm.layout import (
     unpack,
 )
 
-READ_RETRIES = 10_000
+READ_RETRIES = 1_000_000
+READ_PATIENCE_S = 0.05  # a slot still being written after this long has lost its writer
 MAX_SLOTS = 16384
 MAX_WORKERS = 256
 _U64 = struct.Struct("<Q")
@@ -110,23 +112,29 @@ class SlotTable:
 
     def _write(self, at: int, slot: ReplicaSlot) -> None:
         payload = pack(slot)
+        checksum = xxh3_64(payload)  # before the slot goes odd: the write window stays a copy
         buf = self._buf
         seq, _ = SEQ.unpack_from(buf, at)
         SEQ.pack_into(buf, at, seq + 1 | 1, 0)  # odd: writing
         buf[at + SEQ.size : at + SEQ.size + len(payload)] = payload
-        SEQ.pack_into(buf, at, (seq | 1) + 1, xxh3_64(payload))  # even: done, with the payload's checksum
+        SEQ.pack_into(buf, at, (seq | 1) + 1, checksum)  # even: done, with the payload's checksum
 
     def _read(self, at: int, index: int) -> ReplicaSlot:
         buf = self._buf
         end = at + SEQ.size + SLOT_PAYLOAD.size
-        for _ in range(READ_RETRIES):
+        deadline = None
+        for attempt in range(1, READ_RETRIES + 1):
             before, checksum = SEQ.unpack_from(buf, at)
-            if before & 1:
-                continue
-            payload = bytes(buf[at + SEQ.size : end])
-            after, _ = SEQ.unpack_from(buf, at)
-            if after == before and (before == 0 or xxh3_64(payload) == checksum):
-                return unpack(payload)
+            if not before & 1:
+                payload = bytes(buf[at + SEQ.size : end])
+                after, _ = SEQ.unpack_from(buf, at)
+                if after == before and (before == 0 or xxh3_64(payload) == checksum):
+                    return unpack(payload)
+            if attempt % 64 == 0:  # a writer is busy: let it run, and give up only after a while
+                deadline = deadline or time.monotonic() + READ_PATIENCE_S
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0)
         raise TornRead(f"slot {index} of {self.name} never settled")
 
     def write(self, index: int, slot: ReplicaSlot) -> None:

@@ -1,0 +1,377 @@
+"""`router-bench balance`: rebalancing under skewed users, scale-out with and without warm-up,
+and a drain under streaming load. Each scenario runs twice, side by side in one process: an
+emulated fleet, router-serve's application in front of it, and multi-turn chat sessions.
+
+- `skew`: most sessions think between turns; a few ("hot") send their next turn as soon as the
+  last one ends. Run with rebalancing off, then on (fresh fleet each time). Reported for the
+  second half of each run: load CV (per-replica requests), KV hit rate of later turns, jumps.
+- `scale-out`: sessions on N replicas, then one replica is added through the admin API. Run with
+  warm-up off, then on. Reported: share of live sessions whose next turn went to another replica,
+  and the time to first token of those next turns (moved sessions) against the others.
+- `drain`: streaming sessions; one replica is drained with `remove=true` through the admin API.
+  Reported: requests failed and streams cut (goal 0), and whether the replica left the fleet.
+
+The settings the scenarios use (short rebalancing window and cooldown so that a run takes a
+minute, not an hour) are printed with the results; `--setting NAME=VALUE` overrides them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.config import ConfigError, load
+from router.measures import coefficient_of_variation, kv_hit_rate
+
+ADMIN_TOKEN = "bench"
+SCENARIOS = ("skew", "scale-out", "drain")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "balance",
+        help="rebalancing under skew, scale-out with and without warm-up, drain under load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all", help="which to run (default all)")
+    p.add_argument("--replicas", type=int, default=8, help="emulated replicas (default 8)")
+    p.add_argument("--sessions", type=int, default=48, help="concurrent sessions (default 48)")
+    p.add_argument("--hot", type=int, default=4, help="skew: sessions with no think time (default 4)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE", help="a router setting")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=run_cli)
+
+
+BASE_SETTINGS = {
+    "probe_interval_s": "1",
+    "rebalance_window_s": "5",
+    "rebalance_cooldown_s": "10",
+    "recovery_ramp_s": "5",
+    "admin_token": ADMIN_TOKEN,
+    "state": "none",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Turn:
+    at: float
+    session: str
+    replica: str
+    status: int
+    ttft_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    cut: bool
+
+
+@dataclass
+class Run:
+    turns: list[Turn] = field(default_factory=list)
+
+    def since(self, t: float) -> list[Turn]:
+        return [x for x in self.turns if x.at >= t]
+
+
+async def _turn(http: aiohttp.ClientSession, url: str, session: str, messages: list[dict[str, str]]) -> Turn:
+    body = {
+        "messages": messages,
+        "max_tokens": 24,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.monotonic()
+    ttft = None
+    usage: dict[str, Any] = {}
+    done = False
+    try:
+        async with http.post(url, data=orjson.dumps(body), headers={"X-Session-ID": session}) as r:
+            replica = r.headers.get("X-Router-Replica", "")
+            async for line in r.content:
+                if ttft is None:
+                    ttft = time.monotonic() - t0
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                elif line.startswith(b"data: {"):
+                    event = orjson.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    if "error" in event:
+                        done = False
+                        break
+            status = r.status
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return Turn(time.monotonic(), session, "", 0, None, 0, 0, True)
+    details = usage.get("prompt_tokens_details") or {}
+    return Turn(
+        time.monotonic(),
+        session,
+        replica,
+        status,
+        ttft,
+        int(usage.get("prompt_tokens") or 0),
+        int(details.get("cached_tokens") or 0),
+        status == 200 and not done,
+    )
+
+
+class Harness:
+    """An emulated fleet and a router in this process, and sessions driving them."""
+
+    def __init__(self, replicas: int, settings: dict[str, str]) -> None:
+        self.n = replicas
+        self.settings = settings
+        self.run = Run()
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Harness:
+        from aiohttp import web
+
+        from router.emulator.server import Fleet as EmulatorFleet
+        from router.emulator.server import Replica, ReplicaOptions
+        from router.proxy.app import Router
+
+        ports = [_free_port() for _ in range(self.n + 1)]  # one spare, for scale-out
+        self.ports = ports
+        specs = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports[: self.n])]
+        self.config = load(None, {}, {"replicas": specs, **self.settings})
+        self.emulators = EmulatorFleet(
+            [Replica(ReplicaOptions(replica_id=f"emu-{i}", port=p)) for i, p in enumerate(ports)]
+        )
+        await self.emulators.start()
+        self.router = Router(self.config)
+        self.runner = web.AppRunner(self.router.app(), handle_signals=False, access_log=None)
+        await self.runner.setup()
+        port = _free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.base = f"http://127.0.0.1:{port}"
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.t0 = time.monotonic()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.http.close()
+        await self.runner.cleanup()
+        await self.emulators.stop()
+
+    def session(self, name: str, think_s: float, rng: random.Random) -> None:
+        async def loop() -> None:
+            system = {"role": "system", "content": "You are a careful assistant. " * 40}
+            messages = [system]
+            for n in itertools.count():
+                if self.stop.is_set():
+                    return
+                words = " ".join(f"{name}-{n}-{k}" for k in range(rng.randint(20, 60)))
+                messages.append({"role": "user", "content": words})
+                turn = await _turn(self.http, self.base + "/v1/chat/completions", name, messages)
+                self.run.turns.append(turn)
+                if len(messages) > 30:  # keep prompts bounded: the conversation starts over
+                    messages = [system]
+                await asyncio.sleep(rng.expovariate(1 / think_s) if think_s > 0 else 0.0)
+
+        self.tasks.append(asyncio.create_task(loop()))
+
+    async def admin(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        async with self.http.request(
+            method, self.base + path, json=body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ) as r:
+            answer: dict[str, Any] = await r.json()
+            if r.status >= 400:
+                raise RuntimeError(f"{method} {path}: {r.status} {answer}")
+            return answer
+
+
+def _later_turn_hit_rate(turns: list[Turn]) -> float:
+    later = [t for t in turns if t.cached_tokens or t.prompt_tokens > 0]
+    return kv_hit_rate(sum(t.cached_tokens for t in later), sum(t.prompt_tokens for t in later))
+
+
+def _jumps(turns: list[Turn]) -> tuple[int, int]:
+    last: dict[str, str] = {}
+    followups = jumps = 0
+    for t in sorted(turns, key=lambda x: x.at):
+        if t.status != 200:
+            continue
+        if t.session in last:
+            followups += 1
+            jumps += last[t.session] != t.replica
+        last[t.session] = t.replica
+    return jumps, followups
+
+
+async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
+    settings = {**BASE_SETTINGS, "rebalance": str(rebalance).lower(), **_settings(args)}
+    rng = random.Random(args.seed)
+    async with Harness(args.replicas, settings) as h:
+        for i in range(args.sessions):
+            h.session(f"s{i}", 0.0 if i < args.hot else 2.0, rng)
+        await asyncio.sleep(args.duration)
+        half = h.t0 + args.duration / 2
+        turns = [t for t in h.run.since(half) if t.status == 200]
+        per = {f"emu-{i}": 0 for i in range(args.replicas)}
+        for t in turns:
+            per[t.replica] = per.get(t.replica, 0) + 1
+        jumps, followups = _jumps(h.run.turns)
+        return {
+            "rebalance": rebalance,
+            "load_cv": round(coefficient_of_variation(per.values()), 4),
+            "kv_hit_rate": round(_later_turn_hit_rate(turns), 4),
+            "requests_per_replica": per,
+            "jump_rate": round(jumps / followups, 4) if followups else 0.0,
+            "vnodes_moved": h.router.balancer.rebalancer.moves,
+            "failed": sum(t.status != 200 or t.cut for t in h.run.turns),
+        }
+
+
+async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
+    settings = {**BASE_SETTINGS, "warmup": str(warmup).lower(), "rebalance": "false", **_settings(args)}
+    rng = random.Random(args.seed)
+    async with Harness(args.replicas, settings) as h:
+        for i in range(args.sessions):
+            h.session(f"s{i}", 1.0, rng)
+        await asyncio.sleep(args.duration / 2)
+        added_at = time.monotonic()
+        before = {t.session: t.replica for t in sorted(h.run.turns, key=lambda x: x.at)}
+        new_id = f"emu-{args.replicas}"
+        answer = await h.admin("POST", "/admin/replicas", {"id": new_id, "url": f"http://127.0.0.1:{h.ports[-1]}"})
+        await asyncio.sleep(args.duration / 2)
+        next_turn: dict[str, Turn] = {}
+        for t in sorted(h.run.since(added_at), key=lambda x: x.at):
+            if t.session in before and t.session not in next_turn and t.status == 200:
+                next_turn[t.session] = t
+        moved = [t for s, t in next_turn.items() if t.replica != before[s]]
+        stayed = [t for s, t in next_turn.items() if t.replica == before[s]]
+
+        def median_ttft(turns: list[Turn]) -> float | None:
+            values = [t.ttft_s for t in turns if t.ttft_s is not None]
+            return round(statistics.median(values) * 1000, 2) if values else None
+
+        return {
+            "warmup": warmup,
+            "sessions_live": len(next_turn),
+            "moved": len(moved),
+            "moved_share": round(len(moved) / len(next_turn), 4) if next_turn else 0.0,
+            "moved_share_goal": round(1.15 / (args.replicas + 1), 4),
+            "moved_next_turn_ttft_ms": median_ttft(moved),
+            "moved_next_turn_hit_rate": round(_later_turn_hit_rate(moved), 4) if moved else None,
+            "stayed_next_turn_ttft_ms": median_ttft(stayed),
+            "sessions_to_warm": answer.get("sessions_to_warm"),
+            "failed": sum(t.status != 200 or t.cut for t in h.run.turns),
+        }
+
+
+async def drain(args: argparse.Namespace) -> dict[str, Any]:
+    settings = {**BASE_SETTINGS, "rebalance": "false", **_settings(args)}
+    rng = random.Random(args.seed)
+    async with Harness(args.replicas, settings) as h:
+        for i in range(args.sessions):
+            h.session(f"s{i}", 0.5, rng)
+        await asyncio.sleep(args.duration / 3)
+        answer = await h.admin("POST", "/admin/replicas/emu-0/drain?remove=true")
+        drained_at = time.monotonic()
+        gone_at = None
+        while time.monotonic() - drained_at < args.duration * 2 / 3:
+            if gone_at is None and h.router.fleet.find("emu-0") is None:
+                gone_at = time.monotonic()
+            await asyncio.sleep(0.1)
+        after = h.run.since(drained_at + 1.0)
+        return {
+            "sessions_to_move": answer.get("sessions_to_move"),
+            "removed_after_s": round(gone_at - drained_at, 2) if gone_at is not None else None,
+            "requests": len(h.run.turns),
+            "failed": sum(t.status != 200 for t in h.run.turns),
+            "cut_streams": sum(t.cut for t in h.run.turns),
+            "served_by_drained_after_1s": sum(t.replica == "emu-0" for t in after),
+        }
+
+
+def _settings(args: argparse.Namespace) -> dict[str, str]:
+    out = {}
+    for entry in args.setting:
+        name, sep, value = entry.partition("=")
+        if not sep:
+            raise ValueError(f"--setting {entry!r} is not NAME=VALUE")
+        out[name] = value
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    which = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    result: dict[str, Any] = {"settings": {**BASE_SETTINGS, **_settings(args)}, "replicas": args.replicas}
+    result["settings"].pop("admin_token", None)
+    if "skew" in which:
+        result["skew"] = [await skew(args, False), await skew(args, True)]
+    if "scale-out" in which:
+        result["scale_out"] = [await scale_out(args, False), await scale_out(args, True)]
+    if "drain" in which:
+        result["drain"] = await drain(args)
+    return result
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from router._runtime import run as run_loop
+
+    if args.replicas < 2 or args.sessions < 1 or args.duration <= 0:
+        print("router-bench balance: need --replicas >= 2, --sessions >= 1 and --duration > 0")
+        return 2
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        out.update(await run(args))
+
+    try:
+        run_loop(main())
+    except (ConfigError, ValueError, RuntimeError) as exc:
+        print(f"router-bench balance: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"balance, {out['replicas']} emulated replicas, settings {out['settings']}")
+    for row in out.get("skew", []):
+        print(
+            f"  skew, rebalance {'on ' if row['rebalance'] else 'off'}: load CV {row['load_cv']:.3f}, "
+            f"KV hit {row['kv_hit_rate']:.1%}, jump rate {row['jump_rate']:.1%}, vnodes moved "
+            f"{row['vnodes_moved']}, failed {row['failed']}"
+        )
+    for row in out.get("scale_out", []):
+        print(
+            f"  scale-out, warm-up {'on ' if row['warmup'] else 'off'}: moved {row['moved']}/{row['sessions_live']} "
+            f"({row['moved_share']:.1%}, goal <= {row['moved_share_goal']:.1%}); next-turn TTFT moved "
+            f"{row['moved_next_turn_ttft_ms']} ms (KV hit {row['moved_next_turn_hit_rate']}) vs stayed "
+            f"{row['stayed_next_turn_ttft_ms']} ms; failed {row['failed']}"
+        )
+    if "drain" in out:
+        d = out["drain"]
+        print(
+            f"  drain: {d['requests']} requests, failed {d['failed']}, cut streams {d['cut_streams']}; "
+            f"{d['sessions_to_move']} sessions moved; removed after {d['removed_after_s']} s"
+        )
+    return 0

@@ -1,0 +1,111 @@
+"""Routing state survives a restart: membership changes, drains, overrides and sessions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from router.config import load
+from router.proxy.app import Router
+from router.state import RoutingState, StateError, StateFile
+
+
+async def serve(config: Any) -> tuple[Router, web.AppRunner, str]:
+    router = Router(config)
+    runner = web.AppRunner(router.app(), handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return router, runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def turn(url: str, session: str) -> str:
+    body = {"messages": [{"role": "user", "content": f"hello from {session}"}], "max_tokens": 4}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
+    ):
+        assert r.status == 200
+        return r.headers["X-Router-Replica"]
+
+
+async def test_a_restart_brings_back_membership_drains_overrides_and_sessions(start_fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(5)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    settings = {"replicas": named[:4], "state": f"file:{tmp_path}", "admin_token": "t", "health_checks": "false"}
+    config = load(None, {}, settings)
+    router, runner, url = await serve(config)
+    auth = {"Authorization": "Bearer t"}
+    sessions = [f"s{i}" for i in range(40)]
+    served = {s: await turn(url, s) for s in sessions}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            url + "/admin/replicas", json={"id": "emu-4", "url": fleet.replicas[4].url}, headers=auth
+        ) as r:
+            assert r.status == 201
+        async with s.delete(url + "/admin/replicas/emu-3", headers=auth) as r:
+            assert r.status == 200
+        async with s.post(url + "/admin/replicas/emu-2/drain", headers=auth) as r:
+            assert r.status == 200
+    ring = router.fleet.ring
+    ring.reassign_vnode(ring.index("emu-0"), 5, ring.index("emu-1"))  # as a rebalancing move does
+    router.publish()
+    for s in sessions:  # sessions of the removed replica move on; the others stay where they were
+        served[s] = await turn(url, s)
+    overrides = dict(ring.overrides)
+    await runner.cleanup()  # saves on the way down
+    saved = StateFile(str(tmp_path), config.host, config.port).load()
+    assert saved is not None and saved.added == [("emu-4", fleet.replicas[4].url)] and saved.removed == ["emu-3"]
+
+    again, runner2, url2 = await serve(config)
+    try:
+        assert [r.id for r in again.fleet.replicas] == ["emu-0", "emu-1", "emu-2", "emu-4"]
+        assert again.fleet.find("emu-2").state == "draining"  # type: ignore[union-attr]
+        assert again.fleet.ring.overrides == overrides
+        assert len(again.sessions) == len(sessions)
+        for s in sessions:  # each session's next turn lands where its cache is
+            assert await turn(url2, s) == served[s]
+    finally:
+        await runner2.cleanup()
+
+
+def test_a_bad_state_file_is_one_line(tmp_path: Path) -> None:
+    path = StateFile(str(tmp_path), "127.0.0.1", 18999).path
+    path.write_text("{not json")
+    with pytest.raises(StateError, match="unreadable routing state"):
+        StateFile(str(tmp_path), "127.0.0.1", 18999).load()
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "router.proxy.cli", "--replica", "http://127.0.0.1:9"),
+            *("--port", "18999", "--state", f"file:{tmp_path}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("router-serve: cannot use the saved routing state: unreadable routing state")
+
+
+def test_state_round_trip_and_atomic_save(tmp_path: Path) -> None:
+    state = RoutingState(
+        saved_at=5.0,
+        added=[("a", "http://a:1")],
+        removed=["b"],
+        draining=["c"],
+        overrides=[("a", 3, "c")],
+        sessions=[(b"\xff\x00key", "a", 12.5)],
+    )
+    file = StateFile(str(tmp_path / "new-dir"), "::1", 8080)
+    file.save(state)
+    assert file.load() == state and file.path.name == "routing-state-__1-8080.json"
+    assert [p.name for p in file.directory.iterdir()] == [file.path.name]  # no temporary file left
+    with pytest.raises(StateError, match="version"):
+        RoutingState.from_json(b'{"version": 99}')
