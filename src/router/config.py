@@ -44,6 +44,7 @@ class RouterConfig:
     vnodes: int = 128
     hash_seed: int = 0
     bounded_load_c: float = 1.25
+    bounded_load_floor: int = 8  # a replica with fewer requests in flight than this never spills
     # affinity
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000
@@ -207,6 +208,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "upstream_connections",
         "rebalance_max_vnodes",
         "warmup_concurrency",
+        "bounded_load_floor",
     ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be at least 1")

@@ -2,12 +2,13 @@
 and a drain under streaming load. Each scenario runs twice, side by side in one process: an
 emulated fleet, router-serve's application in front of it, and multi-turn chat sessions.
 
-- `skew`: most sessions think between turns; a few ("hot") send their next turn as soon as the
-  last one ends. Run with rebalancing off, then on (fresh fleet each time). Reported for the
-  second half of each run: load CV (per-replica requests), KV hit rate of later turns, jumps.
+- `skew`: most sessions think between turns; a few ("hot") keep several requests in flight
+  all the time (an agent's parallel calls), each sent as soon as the last one ends. Run with
+  rebalancing off, then on (fresh fleet each time). Reported for the second half of each run:
+  load CV (per-replica requests), KV hit rate, jump rate (turns of a session, in order).
 - `scale-out`: sessions on N replicas, then one replica is added through the admin API. Run with
-  warm-up off, then on. Reported: share of live sessions whose next turn went to another replica,
-  and the time to first token of those next turns (moved sessions) against the others.
+  warm-up off, then on. Reported: share of live sessions whose next turn went to the new replica
+  (and to any other one), and the time to first token and KV hit rate of those next turns.
 - `drain`: streaming sessions; one replica is drained with `remove=true` through the admin API.
   Reported: requests failed and streams cut (goal 0), and whether the replica left the fleet.
 
@@ -49,7 +50,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all", help="which to run (default all)")
     p.add_argument("--replicas", type=int, default=8, help="emulated replicas (default 8)")
     p.add_argument("--sessions", type=int, default=48, help="concurrent sessions (default 48)")
-    p.add_argument("--hot", type=int, default=4, help="skew: sessions with no think time (default 4)")
+    p.add_argument("--hot", type=int, default=4, help="skew: busy sessions (default 4)")
+    p.add_argument("--hot-streams", type=int, default=8, help="skew: requests each busy session keeps in flight (8)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE", help="a router setting")
@@ -231,7 +233,8 @@ async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
     rng = random.Random(args.seed)
     async with Harness(args.replicas, settings) as h:
         for i in range(args.sessions):
-            h.session(f"s{i}", 0.0 if i < args.hot else 2.0, rng)
+            for _ in range(args.hot_streams if i < args.hot else 1):
+                h.session(f"s{i}", 0.0 if i < args.hot else 2.0, rng)
         await asyncio.sleep(args.duration)
         half = h.t0 + args.duration / 2
         turns = [t for t in h.run.since(half) if t.status == 200]
@@ -266,7 +269,8 @@ async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
         for t in sorted(h.run.since(added_at), key=lambda x: x.at):
             if t.session in before and t.session not in next_turn and t.status == 200:
                 next_turn[t.session] = t
-        moved = [t for s, t in next_turn.items() if t.replica != before[s]]
+        moved = [t for s, t in next_turn.items() if t.replica == new_id]
+        elsewhere = [t for s, t in next_turn.items() if t.replica not in (before[s], new_id)]
         stayed = [t for s, t in next_turn.items() if t.replica == before[s]]
 
         def median_ttft(turns: list[Turn]) -> float | None:
@@ -279,6 +283,7 @@ async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
             "moved": len(moved),
             "moved_share": round(len(moved) / len(next_turn), 4) if next_turn else 0.0,
             "moved_share_goal": round(1.15 / (args.replicas + 1), 4),
+            "moved_elsewhere": len(elsewhere),
             "moved_next_turn_ttft_ms": median_ttft(moved),
             "moved_next_turn_hit_rate": round(_later_turn_hit_rate(moved), 4) if moved else None,
             "stayed_next_turn_ttft_ms": median_ttft(stayed),
@@ -363,8 +368,9 @@ def run_cli(args: argparse.Namespace) -> int:
         )
     for row in out.get("scale_out", []):
         print(
-            f"  scale-out, warm-up {'on ' if row['warmup'] else 'off'}: moved {row['moved']}/{row['sessions_live']} "
-            f"({row['moved_share']:.1%}, goal <= {row['moved_share_goal']:.1%}); next-turn TTFT moved "
+            f"  scale-out, warm-up {'on ' if row['warmup'] else 'off'}: moved to the new replica "
+            f"{row['moved']}/{row['sessions_live']} ({row['moved_share']:.1%}, goal <= {row['moved_share_goal']:.1%}; "
+            f"{row['moved_elsewhere']} elsewhere); next-turn TTFT moved "
             f"{row['moved_next_turn_ttft_ms']} ms (KV hit {row['moved_next_turn_hit_rate']}) vs stayed "
             f"{row['stayed_next_turn_ttft_ms']} ms; failed {row['failed']}"
         )

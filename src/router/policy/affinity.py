@@ -7,6 +7,9 @@
 2. Ring: otherwise the first replica clockwise from the key whose in-flight load is under
    ceil(c · (total in flight + 1) / routable replicas) — the owner when it is not overloaded,
    else its successor ("spill"), never a random replica.
+The cap never goes below `bounded_load_floor`: at a few requests in flight the cap's rounding
+would otherwise spill sessions away from their cache for a queue of one or two, which costs a
+replica far less than recomputing a conversation.
 Requests without a key spread least-loaded (ties rotate).
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count
@@ -36,6 +39,7 @@ class Affinity(Policy):
     def _pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> tuple[Decision | None, bool]:
         """The decision, and whether a load cap changed it."""
         fleet, ring = self.fleet, self.fleet.ring
+        floor = self.config.bounded_load_floor
         capped = False
         c = self.config.bounded_load_c
         if last is not None:
@@ -46,17 +50,21 @@ class Affinity(Policy):
                 and previous.index not in exclude
                 and (fleet.routable(previous.index) or previous.state == "draining")
             ):
-                if fleet.loads[previous.index] < ring.load_cap(fleet.loads, c):
+                if fleet.loads[previous.index] < max(ring.load_cap(fleet.loads, c), floor):
                     return Decision(previous.index, "sticky"), False
                 capped = True
-        cap = ring.load_cap(fleet.loads, c)
+        cap = max(ring.load_cap(fleet.loads, c), floor)
         if not exclude:
             owner = ring.lookup(key.key)
             if owner < 0:
                 return None, capped
             if fleet.loads[owner] < cap:
                 return Decision(owner, "ring"), capped
-            return Decision(ring.lookup_bounded(key.key, fleet.loads, c), "spill"), True
+            # the next replica clockwise under the cap (the floor included, which the ring's own
+            # lookup_bounded does not know); every one at the cap: the least loaded of them
+            walk = ring.successors(key.key)
+            spill = next((i for i in walk if fleet.loads[i] < cap), min(walk, key=fleet.loads.__getitem__))
+            return Decision(spill, "spill"), True
         fallback: int | None = None
         for i in ring.successors(key.key):
             if i in exclude:

@@ -496,7 +496,7 @@ class Router:
                 # requests that found the replica otherwise idle: a queue is load, not sickness
                 computed = max(result.prompt_tokens - result.cached_tokens, TTFT_FLOOR_TOKENS)
                 replica.ttft.append((now, result.ttft_s / computed))
-        if result.stream_error:
+        if result.stream_error and not result.client_gone:
             replica.errors += 1
             m.child(m.stream_errors, replica.id).inc()
         if replica is not first_choice:

@@ -67,6 +67,7 @@ class Outcome:
     completion_tokens: int = 0
     streamed: bool = False
     stream_error: str | None = None
+    client_gone: bool = False  # the client closed the connection mid-stream (not the replica's fault)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -210,15 +211,18 @@ async def _relay(
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
             await resp.prepare(request)
             await _pump(upstream, resp, first, framer, outcome, idle, deadline, transport, t0)
-            tail = framer.pending()
-            if outcome.stream_error is None and not framer.done:
-                outcome.stream_error = "upstream closed the stream early"
-            if tail and outcome.stream_error is None:
-                await resp.write(tail)  # the last event, sent without its blank line
-            if outcome.stream_error:
-                # a cut-off event is dropped, so the error event stands on its own
-                await resp.write(sse_error_event(outcome.stream_error))
-            await resp.write_eof()
+            if not outcome.client_gone:
+                tail = framer.pending()
+                if outcome.stream_error is None and not framer.done:
+                    outcome.stream_error = "upstream closed the stream early"
+                if tail and outcome.stream_error is None:
+                    await resp.write(tail)  # the last event, sent without its blank line
+                if outcome.stream_error:
+                    # a cut-off event is dropped, so the error event stands on its own
+                    await resp.write(sse_error_event(outcome.stream_error))
+                await resp.write_eof()
+    except ConnectionResetError:  # the client left while we wrote to it: nobody to tell
+        outcome.client_gone = True
     except TimeoutError:
         outcome.stream_error = outcome.stream_error or "the request's total time-out expired"
         if transport is not None:
@@ -254,7 +258,11 @@ async def _pump(
                     if transport is not None and transport.get_write_buffer_size():
                         timer.reschedule(deadline)  # the client is slow: that is not upstream silence
                         moved = -idle
-                    await resp.write(out)
+                    try:
+                        await resp.write(out)
+                    except ConnectionResetError:  # the client left: stop reading the replica's stream
+                        outcome.client_gone = True
+                        return
                     if outcome.ttft_s is None:
                         outcome.ttft_s = time.monotonic() - t0
                 if framer.done:
