@@ -82,12 +82,16 @@ class RouterConfig:
     rebalance_window_s: float = 30.0  # W: hot this long before its vnodes move
     rebalance_cooldown_s: float = 60.0  # C: both sides rest this long after a move
     rebalance_max_vnodes: int = 4  # vnodes moved per cycle at most
+    scale_target_load: float = 16.0  # autoscaler signal: in-flight + waiting requests per replica to aim for
     warmup: bool = True
     warmup_sessions: int = 32  # sessions warmed per move at most (the most recent first)
     warmup_concurrency: int = 4  # prefill-only requests in flight to one replica at once
     warmup_timeout_s: float = 10.0  # a move switches after this long even if warm-up is not done
     prompt_store_bytes: int = 64 * 1024 * 1024  # latest request body per session, for warm-up
     drain_timeout_s: float = 120.0  # a drain that removes waits this long for in-flight requests
+    # discovery: "" (off), file:PATH, dns:NAME:PORT or srv:NAME (router.discovery)
+    discovery: str = ""
+    discovery_interval_s: float = 5.0
     # routing state: "file" (default: a file under $XDG_STATE_HOME/kv-affinity-router),
     # "file:DIRECTORY", or "none"
     state: str = "file"
@@ -194,6 +198,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "rebalance_window_s",
         "warmup_timeout_s",
         "drain_timeout_s",
+        "discovery_interval_s",
+        "scale_target_load",
     ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
@@ -244,10 +250,17 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("shm_name", "must be 1..200 letters, digits, '.', '_' or '-'")
     if len(cfg.replicas) + cfg.demo > cfg.shm_slots:
         raise bad("shm_slots", f"must hold the {len(cfg.replicas) + cfg.demo} configured replicas")
+    if cfg.discovery:
+        from router.discovery import parse_source
+
+        try:
+            parse_source(cfg.discovery)
+        except ValueError as exc:
+            raise bad("discovery", str(exc)) from None
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
-    if not cfg.replicas and not cfg.demo:
-        raise bad("replicas", "no replicas: give --replica URL (repeatable), ROUTER_REPLICAS, or --demo N")
+    if not cfg.replicas and not cfg.demo and not cfg.discovery:
+        raise bad("replicas", "no replicas: give --replica URL (repeatable), ROUTER_REPLICAS, --discovery, or --demo N")
     ids = [r.id for r in cfg.replicas]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:

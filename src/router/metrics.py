@@ -98,10 +98,32 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "(an autoscaler's scale-out signal).",
         (),
     ),
+    "router_scale_recommended_replicas": (
+        "gauge",
+        "Replicas the current load needs: ceil(moving average of all in-flight plus waiting requests / "
+        "scale_target_load), at least 1 (for KEDA or an HPA on an external metric).",
+        (),
+    ),
+    "router_scale_idle": (
+        "gauge",
+        "1 while the fleet's moving-average load has stayed below a quarter of scale_target_load per replica "
+        "for rebalance_window_s (a scale-in signal), else 0.",
+        (),
+    ),
     "router_replica_load": (
         "gauge",
         "Each routable replica's load as the rebalancer sees it: moving average of in-flight plus waiting requests.",
         ("replica",),
+    ),
+    "router_discovery_changes": (
+        "counter",
+        "Replicas added or removed (drained, then removed) because discovery found them or no longer did.",
+        ("change",),
+    ),
+    "router_discovery_errors": (
+        "counter",
+        "Discovery lookups that failed or found nothing (the fleet is left as it was).",
+        (),
     ),
     "router_stream_errors": (
         "counter",
@@ -143,6 +165,10 @@ class RouterMetrics:
         self.migrations = made["router_vnode_migrations"]
         self.overheated = made["router_overheated_replicas"]
         self.replica_load = made["router_replica_load"]
+        self.scale_recommended = made["router_scale_recommended_replicas"]
+        self.scale_idle = made["router_scale_idle"]
+        self.discovery_changes = made["router_discovery_changes"]
+        self.discovery_errors = made["router_discovery_errors"]
         self.health_input = made["router_replica_health_input"]
         self._children: dict[tuple[Any, ...], Any] = {}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Coroutine
@@ -53,6 +54,7 @@ class Balancer:
             )
         )
         self.tasks: set[asyncio.Task[None]] = set()
+        self._idle_since: float | None = None
 
     # -- from the proxy ----------------------------------------------------------------------------
 
@@ -90,7 +92,7 @@ class Balancer:
             if r.index is not None and r.state in ("healthy", "suspect")
         }
         self.rebalancer.observe(loads, now)
-        router.metrics.overheated.set(len(self.rebalancer.overheated(now)))
+        self._scale_signals(now)
         for rid in loads:
             router.metrics.child(router.metrics.replica_load, rid).set(self.rebalancer.load(rid))
         if router.config.rebalance and router.follower is None and router.publisher is None:
@@ -103,6 +105,21 @@ class Balancer:
                 await self.migrate(move)
             self.rebalancer.moved(moves, time.monotonic())
         self.traffic.decay()
+
+    def _scale_signals(self, now: float) -> None:
+        """Signals for an autoscaler: sustained overheat, sustained idleness, replicas needed."""
+        m = self.router.metrics
+        target = self.router.config.scale_target_load
+        total = self.rebalancer.total()
+        m.overheated.set(len(self.rebalancer.overheated(now)))
+        m.scale_recommended.set(max(1, math.ceil(total / target - 1e-9)))
+        routable = max(len(self.rebalancer.loads()), 1)
+        if total / routable < target / 4:
+            self._idle_since = self._idle_since if self._idle_since is not None else now
+        else:
+            self._idle_since = None
+        idle = self._idle_since is not None and now - self._idle_since >= self.rebalancer.settings.window_s
+        m.scale_idle.set(1 if idle else 0)
 
     # -- moving sessions ----------------------------------------------------------------------------
 

@@ -83,6 +83,12 @@ class Rebalancer:
             else:
                 state.hot_since = None
 
+    def loads(self) -> dict[str, float]:
+        return {rid: s.load for rid, s in self._replicas.items()}
+
+    def total(self) -> float:
+        return sum(s.load for s in self._replicas.values())
+
     def mean(self) -> float:
         return sum(s.load for s in self._replicas.values()) / len(self._replicas) if self._replicas else 0.0
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from router.balance.controller import Balancer
 from router.config import ReplicaSpec, RouterConfig, score_weights
+from router.discovery import Discovery
 from router.errors import error_response
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.health.monitor import HealthMonitor, latency_window_s
@@ -108,7 +109,13 @@ class Router:
         )
         self.multiprocess_metrics = self._multiprocess_registry() if worker is not None else None
         self.balancer = Balancer(self)
+        self.balance_task: asyncio.Task[None] | None = None
         self.changes = 0  # membership, drain and override changes (saved with the routing state)
+        self.discovery = (
+            Discovery(self, config.discovery, config.discovery_interval_s)
+            if config.discovery and worker is None
+            else None
+        )
         self.state_file: StateFile | None = None
         if worker is None and config.state != "none":
             directory = config.state[5:] if config.state.startswith("file:") else default_directory()
@@ -165,6 +172,14 @@ class Router:
         await asyncio.to_thread(self.state_file.save, state)
         self._saved_at = mark
 
+    async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.discovery is not None
+        task = asyncio.create_task(self.discovery.run(), name="discovery")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     async def _state_ctx(self, app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
             while True:
@@ -185,7 +200,7 @@ class Router:
             logging.getLogger("router.state").error("cannot save the routing state: %s", exc)
 
     async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(self.balancer.run(), name="balance")
+        self.balance_task = task = asyncio.create_task(self.balancer.run(), name="balance")
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -320,6 +335,8 @@ class Router:
                 app.cleanup_ctx.append(self._monitor_ctx)
             app.cleanup_ctx.append(self._balance_ctx)
             app.cleanup_ctx.append(self._state_ctx)
+            if self.discovery is not None:
+                app.cleanup_ctx.append(self._discovery_ctx)
             return app
         for path in PROXIED:
             app.router.add_post(path, self._proxy)
@@ -334,6 +351,8 @@ class Router:
                 app.cleanup_ctx.append(self._monitor_ctx)
             app.cleanup_ctx.append(self._balance_ctx)
             app.cleanup_ctx.append(self._state_ctx)
+            if self.discovery is not None:
+                app.cleanup_ctx.append(self._discovery_ctx)
         return app
 
     async def _client_ctx(self, app: web.Application) -> AsyncIterator[None]:

@@ -60,12 +60,17 @@ HELP = {
     "rebalance_window_s": "seconds a replica stays hot before its vnodes move (default 30)",
     "rebalance_cooldown_s": "seconds both sides of a move rest before the next (default 60)",
     "rebalance_max_vnodes": "vnodes moved per rebalancing cycle at most (default 4)",
+    "scale_target_load": "requests in flight plus waiting per replica that the recommended replica count "
+    "aims for (default 16)",
     "warmup": "replay sessions' latest prompts (prefill only) on a replica before moving them there (default on)",
     "warmup_sessions": "sessions warmed per move at most, most recent first (default 32)",
     "warmup_concurrency": "warm-up requests in flight to one replica at once (default 4)",
     "warmup_timeout_s": "seconds a move waits for its warm-up before switching anyway (default 10)",
     "prompt_store_bytes": "memory for the latest prompt of each session, kept for warm-up (default 64 MiB)",
     "drain_timeout_s": "seconds a drain that removes the replica waits for its in-flight requests (default 120)",
+    "discovery": "find replicas: file:PATH (one [NAME=]URL per line, watched), dns:NAME:PORT (A/AAAA "
+    "records, e.g. a headless Kubernetes service) or srv:NAME (SRV records)",
+    "discovery_interval_s": "seconds between discovery lookups (default 5)",
     "state": "where routing state (membership changes, drains, vnode overrides, sessions) survives restarts: "
     "file (default, under $XDG_STATE_HOME/kv-affinity-router), file:DIRECTORY, or none",
     "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "

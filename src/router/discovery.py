@@ -1,0 +1,200 @@
+"""Replica discovery: a watched file, or DNS (A/AAAA or SRV records of a headless service).
+
+`discovery` setting:
+- `file:PATH`: one replica per line, `[NAME=]URL` (blank lines and `#` comments ignored); the
+  file is re-read when its modification time or size changes.
+- `dns:NAME:PORT`: every address NAME resolves to is a replica `http://ADDRESS:PORT` (id
+  `ADDRESS:PORT`), e.g. `dns:vllm-headless.default.svc.cluster.local:8000`.
+- `srv:NAME`: every SRV record of NAME is a replica `http://TARGET:PORT` (id `TARGET:PORT`), e.g.
+  `srv:_http._tcp.vllm-headless.default.svc.cluster.local`.
+Re-resolved every `discovery_interval_s`. Replicas found are added like `POST /admin/replicas`
+(slow start, warm-up); replicas no longer found are drained and removed like
+`POST /admin/replicas/{id}/drain?remove=true`. Replicas from `--replica` are never touched. A
+lookup that fails, or finds nothing at all, changes nothing (a DNS hiccup must not empty the
+fleet); the failure is counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
+
+from router.config import ReplicaSpec, parse_replica
+
+if TYPE_CHECKING:
+    from router.proxy.app import Router
+
+log = logging.getLogger("router.discovery")
+
+
+class DiscoveryError(RuntimeError):
+    """This round's lookup failed; nothing changes."""
+
+
+def parse_source(text: str) -> tuple[str, str, int]:
+    """(kind, name, port) of a `discovery` setting; ValueError with a one-line reason."""
+    kind, sep, rest = text.partition(":")
+    if not sep or not rest:
+        raise ValueError(f"{text!r}: use file:PATH, dns:NAME:PORT or srv:NAME")
+    if kind == "file":
+        return kind, rest, 0
+    if kind == "srv":
+        return kind, rest, 0
+    if kind == "dns":
+        name, sep, port = rest.rpartition(":")
+        if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r}: dns needs NAME:PORT, e.g. dns:vllm-headless:8000")
+        return kind, name, int(port)
+    raise ValueError(f"{text!r}: unknown discovery kind {kind!r}; use file:, dns: or srv:")
+
+
+def read_replica_file(path: str) -> list[ReplicaSpec]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DiscoveryError(f"cannot read {path}: {exc}") from None
+    specs = []
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            specs.append(parse_replica(line))
+        except ValueError as exc:
+            raise DiscoveryError(f"{path}:{number}: {exc}") from None
+    return specs
+
+
+async def resolve_dns(name: str, port: int, nameserver: tuple[str, int] | None = None) -> list[ReplicaSpec]:
+    resolver = _resolver(nameserver)
+    addresses: list[str] = []
+    for rtype in ("A", "AAAA"):
+        try:
+            answer = await resolver.resolve(name, rtype)
+        except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
+            continue
+        except dns.exception.DNSException as exc:
+            raise DiscoveryError(f"{name} {rtype}: {exc}") from None
+        addresses += [r.to_text() for r in answer]
+    return [
+        ReplicaSpec(f"{a}:{port}", f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}")
+        for a in sorted(set(addresses))
+    ]
+
+
+async def resolve_srv(name: str, nameserver: tuple[str, int] | None = None) -> list[ReplicaSpec]:
+    resolver = _resolver(nameserver)
+    try:
+        answer = await resolver.resolve(name, "SRV")
+    except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
+        return []
+    except dns.exception.DNSException as exc:
+        raise DiscoveryError(f"{name} SRV: {exc}") from None
+    found = {(r.target.to_text(omit_final_dot=True), int(r.port)) for r in answer}
+    return [ReplicaSpec(f"{host}:{port}", f"http://{host}:{port}") for host, port in sorted(found)]
+
+
+def _resolver(nameserver: tuple[str, int] | None) -> dns.asyncresolver.Resolver:
+    if nameserver is None:
+        return dns.asyncresolver.Resolver()
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    resolver.nameservers = [nameserver[0]]
+    resolver.port = nameserver[1]
+    resolver.lifetime = 2.0
+    return resolver
+
+
+class Discovery:
+    def __init__(
+        self,
+        router: Router,
+        source: str,
+        interval_s: float,
+        lookup: Callable[[], Awaitable[list[ReplicaSpec]]] | None = None,
+    ) -> None:
+        self.router = router
+        self.kind, self.name, self.port = parse_source(source)
+        self.interval_s = interval_s
+        self._lookup = lookup or self._default_lookup
+        self._file_mark: tuple[float, int] | None = None
+        self.managed: set[str] = set()  # replicas this discovery added (and may remove)
+        self.rounds = 0
+
+    async def _default_lookup(self) -> list[ReplicaSpec]:
+        if self.kind == "file":
+            return read_replica_file(self.name)
+        if self.kind == "dns":
+            return await resolve_dns(self.name, self.port)
+        return await resolve_srv(self.name)
+
+    def _file_changed(self) -> bool:
+        try:
+            st = os.stat(self.name)
+        except OSError:
+            return True  # let the read report it
+        mark = (st.st_mtime, st.st_size)
+        changed = mark != self._file_mark
+        self._file_mark = mark
+        return changed
+
+    async def run(self) -> None:
+        while True:
+            await self.once()
+            await asyncio.sleep(self.interval_s)
+
+    async def once(self) -> None:
+        if self.kind == "file" and not self._file_changed() and self.rounds:
+            return
+        m = self.router.metrics
+        try:
+            found = await self._lookup()
+        except DiscoveryError as exc:
+            m.discovery_errors.inc()
+            log.warning("discovery: %s; keeping the replicas we have", exc)
+            self._file_mark = None  # read the file again next round
+            return
+        self.rounds += 1
+        if not found:
+            m.discovery_errors.inc()
+            log.warning("discovery found no replica at all; keeping the replicas we have")
+            return
+        self.apply(found)
+
+    def apply(self, found: list[ReplicaSpec]) -> None:
+        router = self.router
+        fleet = router.fleet
+        static = {r.id for r in router.config.replicas}
+        wanted = {s.id: s for s in found if s.id not in static}
+        for rid in sorted(self.managed - wanted.keys()):
+            replica = fleet.find(rid)
+            self.managed.discard(rid)
+            if replica is not None and replica.state != "draining":
+                fleet.drain(rid)
+                router.publish()
+                router.balancer.drain(replica, remove=True)
+                router.metrics.child(router.metrics.discovery_changes, "removed").inc()
+                log.info("discovery: %s is gone; draining and removing it", rid)
+        for rid, spec in wanted.items():
+            if fleet.find(rid) is not None:
+                self.managed.add(rid)
+                continue
+            if not router.has_room():
+                log.warning("discovery: no room for %s in the shared replica table", rid)
+                continue
+            try:
+                fleet.add(spec)
+            except ValueError as exc:  # its URL is another replica's
+                log.warning("discovery: cannot add %s: %s", rid, exc)
+                continue
+            self.managed.add(rid)
+            router.balancer.added(fleet.replicas[-1])
+            router.metrics.child(router.metrics.discovery_changes, "added").inc()
+            log.info("discovery: added %s (%s)", rid, spec.url)

@@ -1,0 +1,111 @@
+"""The balance loop on emulated replicas: migration with warm-up, scale-out, autoscaler signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.balance.controller import Balancer
+from router.balance.rebalance import Move
+
+
+def named(fleet: Any) -> list[str]:
+    return [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+
+
+async def turn(url: str, session: str, text: str = "") -> str:
+    body = {"messages": [{"role": "user", "content": f"{session} says " + (text or "hello " * 200)}], "max_tokens": 4}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
+    ):
+        assert r.status == 200
+        return r.headers["X-Router-Replica"]
+
+
+def jumps(router: Any) -> dict[str, float]:
+    return {
+        s.labels["reason"]: s.value
+        for metric in router.metrics.jumps.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+
+
+async def test_a_migration_warms_the_new_owner_then_moves_the_vnode_and_its_sessions(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    router, url = await start_router(named(fleet), health_checks="false")
+    ring = router.fleet.ring
+    sessions = [f"m{i}" for i in range(60)]
+    for s in sessions:
+        await turn(url, s)
+    # the vnode of the first session served by emu-0, handed to emu-1
+    key = next(s for s in sessions if ring.lookup(s.encode()) == 0)
+    _, origin, number = ring.locate(key.encode())  # type: ignore[misc]
+    on_vnode = [s for s in sessions if ring.locate(s.encode())[1:] == (origin, number)]  # type: ignore[index]
+    target = fleet.replicas[1].engine
+    before = target.prompt_tokens_total
+    await router.balancer.migrate(Move(ring.replica_ids[origin], number, "emu-0", "emu-1", 0.5))
+    assert ring.overrides == {(ring.replica_ids[origin], number): "emu-1"}
+    assert target.prompt_tokens_total > before  # warmed: their prompts were computed on emu-1 first
+    assert router.metrics.warmups.labels("ok")._value.get() == len(on_vnode)
+    for s in on_vnode:  # their next turns go to the new owner and find their prefix cached
+        cached = fleet.replicas[1].engine.cached_tokens_total
+        assert await turn(url, s, "hello " * 200 + "and more") == "emu-1"
+        assert fleet.replicas[1].engine.cached_tokens_total > cached
+    assert jumps(router) == {"migration": float(len(on_vnode))}
+
+
+async def test_scale_out_slow_start_and_warm_moves(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    router, url = await start_router(named(fleet)[:3], admin_token="t", health_checks="false", recovery_ramp_s="0.5")
+    sessions = [f"o{i}" for i in range(80)]
+    for s in sessions:
+        await turn(url, s)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            url + "/admin/replicas",
+            json={"id": "emu-3", "url": fleet.replicas[3].url},
+            headers={"Authorization": "Bearer t"},
+        ) as r,
+    ):
+        added = await r.json()
+    assert r.status == 201 and added["state"] == "warming" and added["weight"] < 0.5
+    moving = added["sessions_to_warm"]
+    assert 0 < moving < len(sessions) / 2  # about a quarter of the keys now belong to it
+    deadline = time.monotonic() + 5
+    while router.balancer.tasks or router.fleet.find("emu-3").state != "healthy":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert router.metrics.sessions_moved.labels("scale_out")._value.get() == moving
+    served = [await turn(url, s, "hello " * 200 + "next") for s in sessions]
+    assert served.count("emu-3") == moving  # exactly the warmed sessions moved; the rest stayed
+    assert jumps(router) == {"scale_out": float(moving)}
+
+
+async def test_autoscaler_signals(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    router, _ = await start_router(
+        named(fleet), health_checks="false", scale_target_load="4", rebalance_window_s="10", rebalance="false"
+    )
+    router.balance_task.cancel()  # this test ticks a balancer itself, on its own clock
+    with contextlib.suppress(asyncio.CancelledError):
+        await router.balance_task
+    balancer, m = Balancer(router), router.metrics
+    await balancer.tick(100.0)
+    assert m.scale_recommended._value.get() == 1 and m.scale_idle._value.get() == 0
+    await balancer.tick(111.0)  # idle for a whole window
+    assert m.scale_idle._value.get() == 1
+    for r in router.fleet.replicas:
+        r.inflight = 6  # as if 12 requests were in flight
+    for t in range(112, 140):
+        await balancer.tick(float(t))
+    assert m.scale_recommended._value.get() == 3 and m.scale_idle._value.get() == 0
+    for r in router.fleet.replicas:
+        r.inflight = 0
