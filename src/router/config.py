@@ -93,8 +93,9 @@ class RouterConfig:
     discovery: str = ""
     discovery_interval_s: float = 5.0
     # routing state: "file" (default: a file under $XDG_STATE_HOME/kv-affinity-router),
-    # "file:DIRECTORY", or "none"
+    # "file:DIRECTORY", "redis://HOST:PORT/DB" (shared by several routers), or "none"
     state: str = "file"
+    state_namespace: str = "default"  # routers sharing one Redis and one namespace share their state
     # processes
     workers: int = 1  # proxy processes on one port (SO_REUSEPORT); above 1, plus one control process
     shm_name: str = ""  # shared-memory segment; "" = kvar-<pid> when workers > 1, none for one worker
@@ -240,8 +241,16 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         rid, sep, url = entry.partition("=")
         if not sep or rid not in known or not url.startswith(("http://", "https://")):
             raise bad("agents", f"{entry!r} is not REPLICA_ID=http://host:port for a configured replica")
-    if cfg.state not in ("file", "none") and not (cfg.state.startswith("file:") and len(cfg.state) > 5):
-        raise bad("state", f"{cfg.state!r}: use file, file:DIRECTORY or none")
+    if cfg.state not in ("file", "none") and not (
+        (cfg.state.startswith("file:") and len(cfg.state) > 5)
+        or (
+            cfg.state.startswith(("redis://", "rediss://", "unix://"))
+            and urlsplit(cfg.state).netloc + urlsplit(cfg.state).path
+        )
+    ):
+        raise bad("state", f"{cfg.state!r}: use file, file:DIRECTORY, redis://HOST:PORT/DB or none")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", cfg.state_namespace):
+        raise bad("state_namespace", "must be 1..64 letters, digits, '.', '_' or '-'")
     if not 1 <= cfg.workers <= 64:
         raise bad("workers", "must be in 1..64 processes")
     if not 1 <= cfg.shm_slots <= 16384:

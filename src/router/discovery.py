@@ -179,6 +179,7 @@ class Discovery:
             if replica is not None and replica.state != "draining":
                 fleet.drain(rid)
                 router.publish()
+                router.shared_change("drain", (replica.id, replica.url))
                 router.balancer.drain(replica, remove=True)
                 router.metrics.child(router.metrics.discovery_changes, "removed").inc()
                 log.info("discovery: %s is gone; draining and removing it", rid)
@@ -195,6 +196,7 @@ class Discovery:
                 log.warning("discovery: cannot add %s: %s", rid, exc)
                 continue
             self.managed.add(rid)
+            router.shared_change("add", (spec.id, spec.url))
             router.balancer.added(fleet.replicas[-1])
             router.metrics.child(router.metrics.discovery_changes, "added").inc()
             log.info("discovery: added %s (%s)", rid, spec.url)

@@ -39,6 +39,8 @@ def add_admin_routes(app: web.Application, router: Router, replica_routes_only: 
     if not replica_routes_only:
         app.router.add_get("/admin/route", api.guard(api.explain_route))
         app.router.add_get("/admin/ring", api.guard(api.ring_shares))
+        app.router.add_post("/admin/overrides", api.guard(api.set_override))
+        app.router.add_delete("/admin/overrides/{origin}/{vnode}", api.guard(api.clear_override))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -126,6 +128,7 @@ class AdminApi:
         except ValueError as exc:
             return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
         index = len(self.router.fleet) - 1
+        self.router.shared_change("add", (spec.id, spec.url))
         warming = self.router.balancer.added(self.router.fleet.replicas[index])  # slow start, warm-up
         return _json(
             self._replica_json(index)
@@ -141,6 +144,7 @@ class AdminApi:
         except KeyError:
             return error_response(f"no replica {rid!r}", 404, "not_found")
         self.router.forget(replica)
+        self.router.shared_change("remove", rid)
         return _json({"removed": rid, "moved_share": sum(m.width for m in moved) / 2**64})
 
     async def drain_replica(self, request: web.Request) -> web.Response:
@@ -155,10 +159,58 @@ class AdminApi:
         self.router.publish()
         replica = self.router.fleet.find(rid)
         assert replica is not None and replica.index is not None
-        moving = self.router.balancer.drain(replica, remove in ("true", "1"))
-        return _json(
-            self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": remove in ("true", "1")}
-        )
+        self.router.shared_change("drain", (replica.id, replica.url))
+        removing = remove in ("true", "1")
+        moving = self.router.balancer.drain(replica, removing)
+        return _json(self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": removing})
+
+    def _no_overrides_with_workers(self) -> web.Response | None:
+        if self.router.follower is not None:
+            return error_response("vnode overrides are not available with --workers yet", 501, "not_implemented")
+        return None
+
+    async def set_override(self, request: web.Request) -> web.Response:
+        """Hand one vnode to another replica: {"origin": id, "vnode": n, "owner": id}."""
+        refused = self._no_overrides_with_workers()
+        if refused is not None:
+            return refused
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return error_response("the request body is not valid JSON")
+        ring = self.router.fleet.ring
+        if not (
+            isinstance(body, dict)
+            and isinstance(body.get("origin"), str)
+            and isinstance(body.get("owner"), str)
+            and isinstance(body.get("vnode"), int)
+            and not isinstance(body.get("vnode"), bool)
+        ):
+            return error_response('expected {"origin": replica id, "vnode": number, "owner": replica id}')
+        origin, number, owner = body["origin"], body["vnode"], body["owner"]
+        for rid in (origin, owner):
+            if rid not in ring.replica_ids:
+                return error_response(f"no replica {rid!r}", 404, "not_found")
+        if not 0 <= number < ring.vnodes:
+            return error_response(f"vnode must be in 0..{ring.vnodes - 1}", param="vnode")
+        moved = ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
+        self.router.publish()
+        self.router.shared_change("override", (origin, number, owner))
+        share = sum(m.width for m in moved) / 2**64
+        return _json({"origin": origin, "vnode": number, "owner": owner, "moved_share": share})
+
+    async def clear_override(self, request: web.Request) -> web.Response:
+        refused = self._no_overrides_with_workers()
+        if refused is not None:
+            return refused
+        origin, vnode = request.match_info["origin"], request.match_info["vnode"]
+        ring = self.router.fleet.ring
+        if origin not in ring.replica_ids or not vnode.isdigit() or (origin, int(vnode)) not in ring.overrides:
+            return error_response(f"no override of {origin}#{vnode}", 404, "not_found")
+        ring.clear_override(ring.index(origin), int(vnode))
+        self.router.publish()
+        self.router.shared_change("override", (origin, int(vnode), None))
+        return _json({"origin": origin, "vnode": int(vnode), "owner": None})
 
     async def explain_route(self, request: web.Request) -> web.Response:
         # the key's raw bytes, percent-decoded: a session key need not be UTF-8

@@ -165,6 +165,7 @@ class Balancer:
         ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
         router.metrics.migrations.inc()
         router.publish()
+        router.shared_change("override", (move.origin, move.number, target.id))
         log.info(
             "moved vnode %s#%d from %s to %s (%d sessions)", move.origin, move.number, source.id, target.id, len(keys)
         )
@@ -215,6 +216,7 @@ class Balancer:
         if replica.index is not None and replica.state == "draining":
             fleet.remove(replica.id)
             router.forget(replica)
+            router.shared_change("remove", replica.id)
             log.info("drained and removed %s", replica.id)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

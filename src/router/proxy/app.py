@@ -33,6 +33,7 @@ from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import RouterMetrics, replica_gauge_families
 from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
+from router.redis_state import RedisState
 from router.sessions import SessionTable
 from router.shared import Follower, Publisher
 from router.shm.table import SlotTable
@@ -117,7 +118,10 @@ class Router:
             else None
         )
         self.state_file: StateFile | None = None
-        if worker is None and config.state != "none":
+        self.redis: RedisState | None = None
+        if worker is None and config.state.startswith(("redis://", "rediss://")):
+            self.redis = RedisState(self, config.state, config.state_namespace)
+        elif worker is None and config.state != "none":
             directory = config.state[5:] if config.state.startswith("file:") else default_directory()
             self.state_file = StateFile(directory, config.host, config.port)
             saved = self.state_file.load()  # StateError: the caller says so and stops
@@ -171,6 +175,18 @@ class Router:
         state = self.routing_state()
         await asyncio.to_thread(self.state_file.save, state)
         self._saved_at = mark
+
+    def shared_change(self, op: str, arg: Any) -> None:
+        """A routing change made here (add, remove, drain, override): share it with the other
+        routers when the state lives in Redis."""
+        if self.redis is not None:
+            self.redis.changed(op, arg)
+
+    async def _redis_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.redis is not None
+        await self.redis.start()
+        yield
+        await self.redis.close()
 
     async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.discovery is not None
@@ -335,6 +351,8 @@ class Router:
                 app.cleanup_ctx.append(self._monitor_ctx)
             app.cleanup_ctx.append(self._balance_ctx)
             app.cleanup_ctx.append(self._state_ctx)
+            if self.redis is not None:
+                app.cleanup_ctx.append(self._redis_ctx)
             if self.discovery is not None:
                 app.cleanup_ctx.append(self._discovery_ctx)
             return app
@@ -351,6 +369,8 @@ class Router:
                 app.cleanup_ctx.append(self._monitor_ctx)
             app.cleanup_ctx.append(self._balance_ctx)
             app.cleanup_ctx.append(self._state_ctx)
+            if self.redis is not None:
+                app.cleanup_ctx.append(self._redis_ctx)
             if self.discovery is not None:
                 app.cleanup_ctx.append(self._discovery_ctx)
         return app
@@ -422,6 +442,10 @@ class Router:
                 raw = orjson.dumps(body)
                 strip_usage = True
         last = self.sessions.get(key.key) if key.kind != "none" else None
+        if last is None and key.kind != "none" and self.redis is not None:
+            last = await self.redis.session(key.key)  # served by another router instance?
+            if last is not None:
+                self.sessions.restore(key.key, last, cfg.sticky_ttl_s)
         headers = forward_headers(request)
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
@@ -529,6 +553,8 @@ class Router:
                 elif last != replica.id:
                     m.child(m.jumps, self._jump_reason(last, decision)).inc()
             self.sessions.put(key.key, replica.id)
+            if self.redis is not None:
+                self.redis.session_served(key.key, replica.id)
 
     def _jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last`: the reason is a label of router_session_jumps."""

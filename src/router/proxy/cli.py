@@ -71,8 +71,10 @@ HELP = {
     "discovery": "find replicas: file:PATH (one [NAME=]URL per line, watched), dns:NAME:PORT (A/AAAA "
     "records, e.g. a headless Kubernetes service) or srv:NAME (SRV records)",
     "discovery_interval_s": "seconds between discovery lookups (default 5)",
-    "state": "where routing state (membership changes, drains, vnode overrides, sessions) survives restarts: "
-    "file (default, under $XDG_STATE_HOME/kv-affinity-router), file:DIRECTORY, or none",
+    "state": "where routing state (membership changes, drains, vnode overrides, sessions) lives: file (default, "
+    "under $XDG_STATE_HOME/kv-affinity-router), file:DIRECTORY, redis://HOST:PORT/DB (shared by several "
+    "routers), or none",
+    "state_namespace": "routers sharing one Redis and one namespace share their state (default: default)",
     "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "
     "publishes the replica table to them through shared memory",
     "shm_name": "shared-memory segment name for workers and colocated router-agents (default: kvar-<pid> "

@@ -1,0 +1,284 @@
+"""Routing state shared by several routers through Redis (`--state redis://HOST:PORT/DB`).
+
+Every instance routes by the same ring: membership (with drains) and vnode overrides live in
+Redis, and each instance follows them; sessions (where each was served last) live there too, so a
+session's next turn lands on the same replica whichever instance takes it.
+
+Keys, under `kvar:<state_namespace>:`
+- `replicas`: hash, replica id -> {"url", "draining"} (JSON); `removed`: hash, id -> unix time
+  (a removal made on one instance removes the replica everywhere);
+- `overrides`: hash, "origin#vnode" -> owner id;
+- `version`: a counter bumped by every change, announced on the channel `changes`;
+- `s:<hex of the session key>`: the replica that served the session last, expiring after
+  `sticky_ttl_s`.
+
+An instance applies its own changes locally at once and writes them to Redis; it follows the
+others' changes when `changes` announces them and, as a fallback, when it sees `version` move
+(checked every second). Session writes are batched every 100 ms; a session this instance has not
+seen is looked up in Redis (with a short time-out) before it is routed.
+
+If Redis is unreachable, routing goes on with the last known state; changes made meanwhile are
+kept and written when Redis is back. If Redis comes back empty (restarted without its data), the
+instance writes its whole state back first. Then every instance follows Redis again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.config import ReplicaSpec
+
+if TYPE_CHECKING:
+    from router.proxy.app import Router
+
+log = logging.getLogger("router.redis_state")
+POLL_S = 1.0
+FLUSH_S = 0.1
+LOOKUP_TIMEOUT_S = 0.05
+
+
+class RedisState:
+    def __init__(self, router: Router, url: str, namespace: str) -> None:
+        self.router = router
+        self.url = url
+        self.prefix = f"kvar:{namespace}:"
+        self.redis = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self.online = False
+        self.version: int | None = None
+        self._pending: list[tuple[str, Any]] = []  # changes made while Redis was away
+        self._sessions: dict[bytes, str] = {}  # session writes waiting for the next flush
+        self._tasks: list[asyncio.Task[None]] = []
+        self.pulls = 0
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    # -- life ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._connect()
+        except (RedisError, OSError) as exc:
+            log.warning("Redis at %s is unreachable (%s); routing on local state until it is back", self.url, exc)
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="redis follow"),
+            asyncio.create_task(self._listen(), name="redis listen"),
+            asyncio.create_task(self._flush_loop(), name="redis sessions"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(RedisError, OSError):
+            await self._flush()
+        await self.redis.aclose()
+
+    async def _connect(self) -> None:
+        """Seed what Redis lacks, write what changed while away, then follow Redis."""
+        r = self.redis
+        if not await r.exists(self.key("version")):
+            await self._write_everything()  # a new (or emptied) Redis: our state is the best there is
+        else:
+            for op, arg in self._pending:
+                await self._apply_remote(op, arg)
+            fleet = self.router.fleet
+            removed = await r.hgetall(self.key("removed"))
+            for spec in self.router.config.replicas:  # configured replicas nobody removed join
+                if spec.id.encode() not in removed and fleet.find(spec.id) is not None:
+                    await r.hsetnx(self.key("replicas"), spec.id, orjson.dumps({"url": spec.url, "draining": False}))
+        self._pending.clear()
+        self.online = True
+        await self.pull()
+
+    async def _write_everything(self) -> None:
+        fleet = self.router.fleet
+        pipe = self.redis.pipeline(transaction=True)
+        for replica in fleet.replicas:
+            pipe.hset(
+                self.key("replicas"),
+                replica.id,
+                orjson.dumps({"url": replica.url, "draining": replica.state == "draining"}),
+            )
+        for op, arg in self._pending:
+            if op == "remove":
+                pipe.hset(self.key("removed"), arg, time.time())
+        for (origin, number), owner in fleet.ring.overrides.items():
+            pipe.hset(self.key("overrides"), f"{origin}#{number}", owner)
+        pipe.incr(self.key("version"))
+        await pipe.execute()
+
+    # -- following ------------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                if not self.online:
+                    await self._connect()
+                    log.info("Redis at %s is back; state reconciled", self.url)
+                    continue
+                version = int(await self.redis.get(self.key("version")) or 0)
+                if version != self.version:
+                    await self.pull()
+            except (RedisError, OSError) as exc:
+                if self.online:
+                    log.warning("lost Redis at %s (%s); routing on the last known state", self.url, exc)
+                self.online = False
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                pubsub = self.redis.pubsub()
+                await pubsub.subscribe(self.key("changes"))
+                async for message in pubsub.listen():
+                    if message.get("type") == "message" and self.online:
+                        with contextlib.suppress(RedisError, OSError):
+                            await self.pull()
+            except (RedisError, OSError):
+                await asyncio.sleep(POLL_S)
+
+    async def pull(self) -> None:
+        """Make this instance's membership, drains and overrides what Redis says."""
+        r = self.redis
+        pipe = r.pipeline(transaction=True)
+        pipe.get(self.key("version"))
+        pipe.hgetall(self.key("replicas"))
+        pipe.hgetall(self.key("removed"))
+        pipe.hgetall(self.key("overrides"))
+        version, replicas, removed, overrides = await pipe.execute()
+        self.version = int(version or 0)
+        self.pulls += 1
+        router, fleet = self.router, self.router.fleet
+        wanted = {k.decode(): orjson.loads(v) for k, v in replicas.items()}
+        gone = {k.decode() for k in removed} - wanted.keys()
+        changed = False
+        for rid in gone:
+            replica = fleet.find(rid)
+            if replica is not None:
+                fleet.remove(rid)
+                router.forget(replica)
+                changed = True
+        for rid, entry in wanted.items():
+            replica = fleet.find(rid)
+            if replica is None:
+                try:
+                    fleet.add(ReplicaSpec(rid, str(entry["url"])))
+                except ValueError as exc:
+                    log.warning("cannot follow Redis: %s", exc)
+                    continue
+                replica = fleet.replicas[-1]
+                router.balancer.added(replica)
+                changed = True
+            if entry.get("draining") and replica.state != "draining":
+                fleet.drain(rid)
+                router.balancer.drain(replica, remove=False)
+                changed = True
+        ring = fleet.ring
+        desired: dict[tuple[str, int], str] = {}
+        for field, owner in overrides.items():
+            origin, _, number = field.decode().rpartition("#")
+            if origin in ring.replica_ids and owner.decode() in ring.replica_ids and number.isdigit():
+                desired[(origin, int(number))] = owner.decode()
+        current = ring.overrides
+        for (origin, number), owner in desired.items():
+            if current.get((origin, number)) != owner and number < ring.vnodes:
+                ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
+                changed = True
+        for origin, number in current.keys() - desired.keys():
+            ring.clear_override(ring.index(origin), number)
+            changed = True
+        if changed:
+            router.publish()
+
+    # -- this instance's changes --------------------------------------------------------------------
+
+    def changed(self, op: str, arg: Any) -> None:
+        """A change made here (already applied locally): write it to Redis, or keep it for later."""
+        if not self.online:
+            self._pending.append((op, arg))
+            return
+        task = asyncio.ensure_future(self._write_change(op, arg))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _write_change(self, op: str, arg: Any) -> None:
+        try:
+            await self._apply_remote(op, arg)
+        except (RedisError, OSError):
+            self.online = False
+            self._pending.append((op, arg))
+
+    async def _apply_remote(self, op: str, arg: Any) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        if op == "add":
+            rid, url = arg
+            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": False}))
+            pipe.hdel(self.key("removed"), rid)
+        elif op == "remove":
+            pipe.hdel(self.key("replicas"), arg)
+            pipe.hset(self.key("removed"), arg, time.time())
+        elif op == "drain":
+            rid, url = arg
+            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": True}))
+        elif op == "override":
+            origin, number, owner = arg
+            if owner is None:
+                pipe.hdel(self.key("overrides"), f"{origin}#{number}")
+            else:
+                pipe.hset(self.key("overrides"), f"{origin}#{number}", owner)
+        pipe.incr(self.key("version"))
+        version, *_ = reversed(await pipe.execute())
+        self.version = int(version)  # our own change: nothing to pull for it
+        await self.redis.publish(self.key("changes"), str(version))
+
+    # -- sessions ------------------------------------------------------------------------------------
+
+    def session_served(self, key: bytes, replica: str) -> None:
+        self._sessions[key] = replica
+
+    async def session(self, key: bytes) -> str | None:
+        """Where another instance served this session last (None: nowhere, or Redis is away)."""
+        if not self.online:
+            return None
+        try:
+            value = await asyncio.wait_for(self.redis.get(self.key("s:" + key.hex())), LOOKUP_TIMEOUT_S)
+        except (RedisError, OSError, TimeoutError):
+            return None
+        if not value:
+            return None
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if self.online and self._sessions:
+                try:
+                    await self._flush()
+                except (RedisError, OSError):
+                    self.online = False
+
+    async def _flush(self) -> None:
+        batch, self._sessions = self._sessions, {}
+        if not batch:
+            return
+        ttl = max(int(self.router.config.sticky_ttl_s), 1)
+        pipe = self.redis.pipeline(transaction=False)
+        for key, replica in batch.items():
+            pipe.set(self.key("s:" + key.hex()), replica, ex=ttl)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError):
+            for key, replica in batch.items():  # keep them for the next flush (newer writes win)
+                self._sessions.setdefault(key, replica)
+            raise

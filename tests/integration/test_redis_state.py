@@ -1,0 +1,135 @@
+"""Two routers sharing routing state through a real redis-server started by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from router.keys import RoutingKey
+
+AUTH = {"Authorization": "Bearer t"}
+
+
+class RedisServer:
+    def __init__(self, binary: str, port: int) -> None:
+        self.binary = binary
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()  # our own process, by its PID
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = RedisServer(binary, port)
+    await server.start()
+    yield server
+    server.stop()
+
+
+async def wait_for(predicate: Any, timeout: float = 5.0) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "condition not reached in time"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def turn(url: str, session: str) -> str:
+    body = {"messages": [{"role": "user", "content": f"hello from {session}"}], "max_tokens": 4}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
+    ):
+        assert r.status == 200
+        return r.headers["X-Router-Replica"]
+
+
+async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet, start_router, redis_server) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(5)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    settings = {"state": redis_server.url, "admin_token": "t", "health_checks": "false", "rebalance": "false"}
+    a, url_a = await start_router(named[:3], **settings)
+    b, url_b = await start_router(named[:3], **settings)
+    await wait_for(lambda: a.redis.online and b.redis.online)
+
+    def members(router: Any) -> list[str]:
+        return sorted(r.id for r in router.fleet.replicas)
+
+    # sessions served through A are known to B
+    sessions = [f"s{i}" for i in range(30)]
+    served = {s: await turn(url_a, s) for s in sessions}
+    await asyncio.sleep(0.3)  # session writes are batched every 100 ms
+    # a membership change and an override made on A reach B within a second
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            url_a + "/admin/replicas", json={"id": "emu-3", "url": fleet.replicas[3].url}, headers=AUTH
+        ) as r:
+            assert r.status == 201
+        moved_session = sessions[0]
+        _, origin, number = a.fleet.ring.locate(moved_session.encode())
+        new_owner = next(rid for rid in ("emu-0", "emu-1", "emu-2") if rid != served[moved_session])
+        override = {"origin": a.fleet.ring.replica_ids[origin], "vnode": number, "owner": new_owner}
+        async with http.post(url_a + "/admin/overrides", json=override, headers=AUTH) as r:
+            assert r.status == 200
+    took = await wait_for(lambda: members(b) == members(a) and b.fleet.ring.overrides == a.fleet.ring.overrides)
+    assert took < 1.0 and members(b) == ["emu-0", "emu-1", "emu-2", "emu-3"]
+    # the same inputs give the same decisions on both
+    keys = [RoutingKey(f"user-{i}".encode(), "header", "x-session-id") for i in range(10_000)]
+    assert [a.policy.pick(k, None, ()).index for k in keys] == [b.policy.pick(k, None, ()).index for k in keys]  # type: ignore[union-attr]
+    assert [a.fleet.replicas[i].id for i in range(4)] == [b.fleet.replicas[i].id for i in range(4)]
+    # a session served through A goes where its cache is through B, although its vnode moved since
+    assert await turn(url_b, moved_session) == served[moved_session]
+    for s in sessions[1:10]:
+        assert await turn(url_b, s) == served[s]
+
+    # Redis goes away: both keep routing on what they know; a change made meanwhile is kept
+    redis_server.stop()
+    await wait_for(lambda: not a.redis.online and not b.redis.online, 5)
+    async with aiohttp.ClientSession() as http, http.delete(url_a + "/admin/replicas/emu-1", headers=AUTH) as r:
+        assert r.status == 200
+    for i in range(10):
+        await turn(url_a, f"offline-{i}")
+        await turn(url_b, f"offline-{i}")
+    assert "emu-1" in members(b)  # B cannot know yet
+    # Redis comes back, empty: the routers write back what they know and B learns of the removal
+    await redis_server.start()
+    await wait_for(lambda: a.redis.online and b.redis.online, 10)
+    await wait_for(lambda: members(b) == members(a) == ["emu-0", "emu-2", "emu-3"], 5)
+    assert b.fleet.ring.overrides == a.fleet.ring.overrides
