@@ -51,7 +51,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--replicas", type=int, default=8, help="emulated replicas (default 8)")
     p.add_argument("--sessions", type=int, default=48, help="concurrent sessions (default 48)")
     p.add_argument("--hot", type=int, default=4, help="skew: busy sessions (default 4)")
-    p.add_argument("--hot-streams", type=int, default=8, help="skew: requests each busy session keeps in flight (8)")
+    p.add_argument("--hot-streams", type=int, default=4, help="skew: requests each busy session keeps in flight (4)")
+    p.add_argument("--think", type=float, default=2.0, help="mean think time between turns, seconds (default 2)")
+    p.add_argument("--hot-think", type=float, default=0.5, help="skew: busy sessions' mean think time (default 0.5)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE", help="a router setting")
@@ -110,14 +112,15 @@ async def _turn(http: aiohttp.ClientSession, url: str, session: str, messages: l
         async with http.post(url, data=orjson.dumps(body), headers={"X-Session-ID": session}) as r:
             replica = r.headers.get("X-Router-Replica", "")
             async for line in r.content:
-                if ttft is None:
-                    ttft = time.monotonic() - t0
                 if line.startswith(b"data: [DONE]"):
                     done = True
                 elif line.startswith(b"data: {"):
                     event = orjson.loads(line[6:])
                     if event.get("usage"):
                         usage = event["usage"]
+                    choices = event.get("choices") or [{}]
+                    if ttft is None and (choices[0].get("delta") or {}).get("content"):
+                        ttft = time.monotonic() - t0  # the first token, not the role-only first chunk
                     if "error" in event:
                         done = False
                         break
@@ -234,7 +237,7 @@ async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
     async with Harness(args.replicas, settings) as h:
         for i in range(args.sessions):
             for _ in range(args.hot_streams if i < args.hot else 1):
-                h.session(f"s{i}", 0.0 if i < args.hot else 2.0, rng)
+                h.session(f"s{i}", args.hot_think if i < args.hot else args.think, rng)
         await asyncio.sleep(args.duration)
         half = h.t0 + args.duration / 2
         turns = [t for t in h.run.since(half) if t.status == 200]
@@ -258,7 +261,7 @@ async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
     rng = random.Random(args.seed)
     async with Harness(args.replicas, settings) as h:
         for i in range(args.sessions):
-            h.session(f"s{i}", 1.0, rng)
+            h.session(f"s{i}", args.think, rng)
         await asyncio.sleep(args.duration / 2)
         added_at = time.monotonic()
         before = {t.session: t.replica for t in sorted(h.run.turns, key=lambda x: x.at)}
@@ -297,7 +300,7 @@ async def drain(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     async with Harness(args.replicas, settings) as h:
         for i in range(args.sessions):
-            h.session(f"s{i}", 0.5, rng)
+            h.session(f"s{i}", args.think / 4, rng)
         await asyncio.sleep(args.duration / 3)
         answer = await h.admin("POST", "/admin/replicas/emu-0/drain?remove=true")
         drained_at = time.monotonic()
