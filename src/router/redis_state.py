@@ -9,6 +9,8 @@ Keys, under `kvar:<state_namespace>:`
   (a removal made on one instance removes the replica everywhere);
 - `overrides`: hash, "origin#vnode" -> owner id;
 - `version`: a counter bumped by every change, announced on the channel `changes`;
+- `leader`: which instance rebalances (a lease of 3 s renewed every second; the others follow its
+  moves, so N routers never make N conflicting moves);
 - `s:<hex of the session key>`: the replica that served the session last, expiring after
   `sticky_ttl_s`.
 
@@ -27,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +47,8 @@ log = logging.getLogger("router.redis_state")
 POLL_S = 1.0
 FLUSH_S = 0.1
 LOOKUP_TIMEOUT_S = 0.05
+LEASE_S = 3
+MAX_PENDING_SESSIONS = 200_000  # session writes kept while Redis is away, at most
 
 
 class RedisState:
@@ -57,6 +63,8 @@ class RedisState:
         self._sessions: dict[bytes, str] = {}  # session writes waiting for the next flush
         self._tasks: list[asyncio.Task[None]] = []
         self.pulls = 0
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        self.leader = False  # this instance holds the lease: it alone rebalances
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -99,6 +107,7 @@ class RedisState:
                     await r.hsetnx(self.key("replicas"), spec.id, orjson.dumps({"url": spec.url, "draining": False}))
         self._pending.clear()
         self.online = True
+        await self._lease()
         await self.pull()
 
     async def _write_everything(self) -> None:
@@ -128,6 +137,7 @@ class RedisState:
                     await self._connect()
                     log.info("Redis at %s is back; state reconciled", self.url)
                     continue
+                await self._lease()
                 version = int(await self.redis.get(self.key("version")) or 0)
                 if version != self.version:
                     await self.pull()
@@ -135,6 +145,17 @@ class RedisState:
                 if self.online:
                     log.warning("lost Redis at %s (%s); routing on the last known state", self.url, exc)
                 self.online = False
+                self.leader = False  # without Redis nobody can be sure to be alone: nobody rebalances
+
+    async def _lease(self) -> None:
+        r, key = self.redis, self.key("leader")
+        if await r.set(key, self.instance, nx=True, ex=LEASE_S):
+            self.leader = True
+        else:
+            holder = await r.get(key)
+            self.leader = holder == self.instance.encode()
+            if self.leader:
+                await r.expire(key, LEASE_S)
 
     async def _listen(self) -> None:
         while True:
@@ -245,7 +266,10 @@ class RedisState:
     # -- sessions ------------------------------------------------------------------------------------
 
     def session_served(self, key: bytes, replica: str) -> None:
-        self._sessions[key] = replica
+        self._sessions.pop(key, None)
+        self._sessions[key] = replica  # latest last
+        if len(self._sessions) > MAX_PENDING_SESSIONS:  # Redis is away for long: keep the newest
+            del self._sessions[next(iter(self._sessions))]
 
     async def session(self, key: bytes) -> str | None:
         """Where another instance served this session last (None: nowhere, or Redis is away)."""

@@ -5,13 +5,16 @@ temporary file in the same directory, flushed to disk, then renamed over the old
 seconds while something changed and when the router stops. Read back when the router starts:
 - replicas added through the admin API come back, and replicas of the configuration that were
   removed through it stay removed (membership = configured - removed + added);
-- drains and vnode overrides (rebalancing's moves) are re-applied where their replicas exist;
+- drains (and a drain's "then remove it") and vnode overrides (rebalancing's moves) are re-applied
+  where their replicas exist, and a drain under way goes on;
+- replicas that discovery added stay discovery's to remove;
 - sessions come back with the time they had left, less the time the router was down.
 
 ```json
 {"version": 1, "saved_at": 1795968408.9,
  "added": [{"id": "gpu-9", "url": "http://10.0.0.9:8000"}], "removed": ["gpu-3"],
- "draining": ["gpu-4"], "overrides": [["gpu-0", 17, "gpu-5"]],
+ "draining": ["gpu-4"], "removing": ["gpu-4"], "discovered": [],
+ "overrides": [["gpu-0", 17, "gpu-5"]],
  "sessions": [["<base64 key>", "gpu-1", 412.5]]}
 ```
 """
@@ -42,6 +45,8 @@ class RoutingState:
     added: list[tuple[str, str]] = field(default_factory=list)  # (id, url)
     removed: list[str] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
+    removing: list[str] = field(default_factory=list)  # draining replicas that leave once drained
+    discovered: list[str] = field(default_factory=list)  # replicas that discovery added (and may remove)
     overrides: list[tuple[str, int, str]] = field(default_factory=list)  # (origin, vnode, owner)
     sessions: list[tuple[bytes, str, float]] = field(default_factory=list)  # (key, replica, seconds left)
 
@@ -53,6 +58,8 @@ class RoutingState:
                 "added": [{"id": rid, "url": url} for rid, url in self.added],
                 "removed": self.removed,
                 "draining": self.draining,
+                "removing": self.removing,
+                "discovered": self.discovered,
                 "overrides": [list(o) for o in self.overrides],
                 "sessions": [[base64.b64encode(k).decode(), r, round(left, 3)] for k, r, left in self.sessions],
             }
@@ -69,6 +76,8 @@ class RoutingState:
                 added=[(str(a["id"]), str(a["url"])) for a in raw["added"]],
                 removed=[str(r) for r in raw["removed"]],
                 draining=[str(r) for r in raw["draining"]],
+                removing=[str(r) for r in raw.get("removing", ())],
+                discovered=[str(r) for r in raw.get("discovered", ())],
                 overrides=[(str(o), int(n), str(w)) for o, n, w in raw["overrides"]],
                 sessions=[(base64.b64decode(k, validate=True), str(r), float(left)) for k, r, left in raw["sessions"]],
             )

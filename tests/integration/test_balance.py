@@ -109,3 +109,55 @@ async def test_autoscaler_signals(start_fleet, start_router) -> None:  # type: i
     assert m.scale_recommended._value.get() == 3 and m.scale_idle._value.get() == 0
     for r in router.fleet.replicas:
         r.inflight = 0
+
+
+async def test_a_drain_is_not_undone_by_a_request_still_running_there(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3, time_scale=1.0)  # real time: a long reply takes seconds
+    router, url = await start_router(named(fleet), admin_token="t", health_checks="false")
+    session = next(f"d{i}" for i in range(200) if router.fleet.ring.lookup(f"d{i}".encode()) == 0)
+    assert await turn(url, session) == "emu-0"
+    body = {"messages": [{"role": "user", "content": f"{session} says go on"}], "max_tokens": 150, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        long = asyncio.ensure_future(
+            http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session})
+        )
+        await asyncio.sleep(0.3)
+        async with http.post(url + "/admin/replicas/emu-0/drain", headers={"Authorization": "Bearer t"}) as r:
+            assert r.status == 200
+        deadline = time.monotonic() + 5
+        while router.sessions.get(session.encode()) == "emu-0":  # warmed elsewhere and moved
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        moved_to = router.sessions.get(session.encode())
+        resp = await long
+        await resp.read()  # the long reply on the draining replica ends after the move
+        resp.release()
+    assert router.sessions.get(session.encode()) == moved_to != "emu-0"
+    assert await turn(url, session, "hello " * 200 + "next") == moved_to
+
+
+async def test_a_scale_out_whose_warm_up_fails_moves_nobody(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    fleet = await start_fleet(2)
+    router, url = await start_router(named(fleet), admin_token="t", health_checks="false")
+    for i in range(40):
+        await turn(url, f"w{i}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens there
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            url + "/admin/replicas",
+            json={"id": "dead", "url": f"http://127.0.0.1:{dead}"},
+            headers={"Authorization": "Bearer t"},
+        ) as r,
+    ):
+        assert (await r.json())["sessions_to_warm"] > 0
+    deadline = time.monotonic() + 5
+    while router.balancer.tasks:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert router.metrics.warmups.labels("failed")._value.get() > 0
+    assert all(router.sessions.get(f"w{i}".encode()) != "dead" for i in range(40))  # they stay with their caches

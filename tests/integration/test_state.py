@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +111,40 @@ def test_state_round_trip_and_atomic_save(tmp_path: Path) -> None:
     assert [p.name for p in file.directory.iterdir()] == [file.path.name]  # no temporary file left
     with pytest.raises(StateError, match="version"):
         RoutingState.from_json(b'{"version": 99}')
+
+
+async def test_drains_and_discovered_replicas_carry_over_a_restart(start_fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    listing = tmp_path / "replicas.txt"
+    listing.write_text(f"{named[1]}\n{named[2]}\n")
+    settings = {
+        "replicas": named[:1],
+        "state": f"file:{tmp_path}",
+        "admin_token": "t",
+        "health_checks": "false",
+        "discovery": f"file:{listing}",
+        "discovery_interval_s": "0.05",
+        "drain_timeout_s": "0.5",
+    }
+    config = load(None, {}, settings)
+    router, runner, _ = await serve(config)
+    deadline = time.monotonic() + 5
+    while len(router.fleet.replicas) < 3:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    saved = StateFile(str(tmp_path), config.host, config.port).load()
+    assert saved is not None and saved.discovered == ["emu-1", "emu-2"]
+    # while it was down: emu-2 left the listing, and a drain with removal was under way for emu-0
+    listing.write_text(f"{named[1]}\n")
+    saved.draining, saved.removing = ["emu-0"], ["emu-0"]
+    StateFile(str(tmp_path), config.host, config.port).save(saved)
+    again, runner2, _ = await serve(config)
+    try:
+        deadline = time.monotonic() + 5
+        while sorted(r.id for r in again.fleet.replicas) != ["emu-1"]:
+            assert time.monotonic() < deadline, [(r.id, r.state) for r in again.fleet.replicas]
+            await asyncio.sleep(0.05)
+    finally:
+        await runner2.cleanup()

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import math
 import time
-from collections import defaultdict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +53,7 @@ class Balancer:
             )
         )
         self.tasks: set[asyncio.Task[None]] = set()
+        self.removing: set[str] = set()  # draining replicas that leave the fleet once drained
         self._idle_since: float | None = None
 
     # -- from the proxy ----------------------------------------------------------------------------
@@ -95,15 +95,15 @@ class Balancer:
         self._scale_signals(now)
         for rid in loads:
             router.metrics.child(router.metrics.replica_load, rid).set(self.rebalancer.load(rid))
-        if router.config.rebalance and router.follower is None and router.publisher is None:
+        if router.config.rebalance and router.sessions_here and (router.redis is None or router.redis.leader):
             ring = fleet.ring
             overrides = ring.overrides
             present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
             owners = {v: overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
             moves = self.rebalancer.plan(now, self.traffic.recent, owners)
-            for move in moves:
-                await self.migrate(move)
-            self.rebalancer.moved(moves, time.monotonic())
+            for move in moves:  # in the background: warm-up takes seconds, the loop must go on ticking
+                self._spawn(self.migrate(move))
+            self.rebalancer.moved(moves, now)
         self.traffic.decay()
 
     def _scale_signals(self, now: float) -> None:
@@ -124,26 +124,31 @@ class Balancer:
     # -- moving sessions ----------------------------------------------------------------------------
 
     async def _warm_and_move(self, target: ReplicaState, keys: list[bytes], reason: str, all_keys: bool) -> int:
-        """Warm the most recent of `keys` on `target`, then move them (all of `keys` if `all_keys`)."""
+        """Warm the most recent of `keys` on `target` and move those whose warm-up succeeded (or,
+        with warm-up off, the same most recent ones, cold); with `all_keys`, move the rest too.
+        Returns how many moved."""
         router = self.router
         cfg = router.config
         m = router.metrics
         hottest = keys[-cfg.warmup_sessions :] if cfg.warmup_sessions else []
-        warmed: list[bytes] = []
-        requests = []
-        for key in reversed(hottest):
-            stored = self.prompts.get(key)
-            if stored is not None:
-                warmed.append(key)
-                requests.append(stored)
-        if cfg.warmup and requests:
-            result = await warm(router.http, target.url, requests, cfg.warmup_concurrency, cfg.warmup_timeout_s)
+        chosen = [(key, stored) for key in reversed(hottest) if (stored := self.prompts.get(key)) is not None]
+        if cfg.warmup and chosen:
+            result = await warm(
+                router.http, target.url, [stored for _, stored in chosen], cfg.warmup_concurrency, cfg.warmup_timeout_s
+            )
             for outcome, count in (("ok", result.ok), ("failed", result.failed), ("skipped", result.skipped)):
                 if count:
                     m.child(m.warmups, outcome).inc(count)
+            ready = [key for (key, _), ok in zip(chosen, result.succeeded, strict=True) if ok]
+        else:
+            ready = [key for key, _ in chosen]
+        if target.index is None:
+            return 0  # it left the fleet while we warmed
         moved = 0
-        for key in keys if all_keys else warmed:
+        for key in keys if all_keys else ready:
             moved += router.sessions.move(key, target.id, reason)
+            if router.redis is not None:
+                router.redis.session_served(key, target.id)
         if moved:
             m.child(m.sessions_moved, reason).inc(moved)
         return moved
@@ -159,7 +164,8 @@ class Balancer:
             located = ring.locate(key)
             if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
                 keys.append(key)
-        await self._warm_and_move(target, keys, "migration", all_keys=True)
+        # sessions whose warm-up did not succeed stay where their cache is until their entry ends
+        await self._warm_and_move(target, keys, "migration", all_keys=False)
         if target.index is None or move.origin not in ring.replica_ids:
             return  # the fleet changed while we warmed
         ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
@@ -177,7 +183,7 @@ class Balancer:
         fleet = router.fleet
         now = time.monotonic()
         keys = []
-        if replica.index is not None and router.follower is None and router.publisher is None:
+        if replica.index is not None and router.sessions_here:
             for key, owner, _ in router.sessions.items():  # before the ramp lowers its weight
                 if owner != replica.id and fleet.ring.lookup(key) == replica.index:
                     keys.append(key)
@@ -193,26 +199,36 @@ class Balancer:
         """Move a draining replica's sessions to their ring owners, warming first; then remove it
         if asked. Returns how many sessions are to move."""
         keys = self.router.sessions.on(replica.id)
+        if remove:
+            self.removing.add(replica.id)
         self._spawn(self._drain(replica, keys, remove))
         return len(keys)
 
     async def _drain(self, replica: ReplicaState, keys: list[bytes], remove: bool) -> None:
         router = self.router
         fleet = router.fleet
-        groups: dict[int, list[bytes]] = defaultdict(list)
-        for key in keys:
-            owner = fleet.ring.lookup(key)
-            if owner >= 0:
-                groups[owner].append(key)
-        for owner, group in groups.items():
-            target = fleet.replicas[owner] if owner < len(fleet.replicas) else None
-            if target is not None and target is not replica:
-                await self._warm_and_move(target, group, "drain", all_keys=True)
+        deadline = time.monotonic() + router.config.drain_timeout_s
+        for _ in range(3):  # a membership change while we warm: group what is left again
+            groups: dict[int, tuple[ReplicaState, list[bytes]]] = {}
+            for key in keys:
+                owner = fleet.ring.lookup(key)
+                if owner >= 0 and fleet.replicas[owner] is not replica:
+                    target = fleet.replicas[owner]  # by replica, not by index: indices shift
+                    groups.setdefault(id(target), (target, []))[1].append(key)
+            for target, group in groups.values():
+                if target.index is not None:
+                    await self._warm_and_move(target, group, "drain", all_keys=True)
+            keys = [k for k in router.sessions.on(replica.id)]
+            if not keys or replica.index is None or replica.state != "draining":
+                break
         if not remove:
             return
-        deadline = time.monotonic() + router.config.drain_timeout_s
-        while replica.inflight > 0 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            router.gather()  # with worker processes: their in-flight counts, summed
+            if replica.inflight <= 0:
+                break
             await asyncio.sleep(0.1)
+        self.removing.discard(replica.id)
         if replica.index is not None and replica.state == "draining":
             fleet.remove(replica.id)
             router.forget(replica)

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -88,6 +88,7 @@ class WarmupResult:
     ok: int = 0
     failed: int = 0
     skipped: int = 0  # not sent: time ran out
+    succeeded: list[bool] = field(default_factory=list)  # per request, in order
 
 
 async def warm(
@@ -98,11 +99,11 @@ async def warm(
     timeout_s: float,
 ) -> WarmupResult:
     """Replay `requests` (path, stored body) on one replica as prefill-only requests."""
-    result = WarmupResult()
-    queue = list(requests)
+    result = WarmupResult(succeeded=[False] * len(requests))
+    queue = list(enumerate(requests))
     deadline = time.monotonic() + timeout_s
 
-    async def one(path: str, body: bytes) -> None:
+    async def one(i: int, path: str, body: bytes) -> None:
         payload = prefill_only(body)
         if payload is None:
             result.skipped += 1
@@ -119,6 +120,7 @@ async def warm(
                 await resp.read()
                 if resp.status == 200:
                     result.ok += 1
+                    result.succeeded[i] = True
                 else:
                     result.failed += 1
         except (aiohttp.ClientError, OSError, TimeoutError):
@@ -126,8 +128,8 @@ async def warm(
 
     async def worker() -> None:
         while queue and time.monotonic() < deadline:
-            path, body = queue.pop(0)
-            await one(path, body)
+            i, (path, body) = queue.pop(0)
+            await one(i, path, body)
 
     await asyncio.gather(*(worker() for _ in range(max(concurrency, 1))))
     result.skipped += len(queue)

@@ -118,6 +118,7 @@ class Router:
             else None
         )
         self.state_file: StateFile | None = None
+        self._restored_drains: list[tuple[str, bool]] = []
         self.redis: RedisState | None = None
         if worker is None and config.state.startswith(("redis://", "rediss://")):
             self.redis = RedisState(self, config.state, config.state_namespace)
@@ -128,6 +129,12 @@ class Router:
             if saved is not None:
                 self._restore(saved)
         self._saved_at = (-1, -1)
+        self._save_lock = asyncio.Lock()
+
+    @property
+    def sessions_here(self) -> bool:
+        """This process proxies, and its session table is the router's only one (no workers)."""
+        return self.worker is None and self.config.workers <= 1
 
     # -- routing state that survives a restart ----------------------------------------------------
 
@@ -143,11 +150,14 @@ class Router:
         for rid in saved.draining:
             if fleet.find(rid) is not None:
                 fleet.drain(rid)
+                self._restored_drains.append((rid, rid in saved.removing))  # resumed when the loop runs
+        if self.discovery is not None:
+            self.discovery.managed |= {rid for rid in saved.discovered if fleet.find(rid) is not None}
         for origin, number, owner in saved.overrides:
             if origin in ring.replica_ids and owner in ring.replica_ids and 0 <= number < ring.vnodes:
                 ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
         down = max(time.time() - saved.saved_at, 0.0)
-        if self.follower is None and self.publisher is None:  # sessions live in this process only
+        if self.sessions_here:
             for key, replica, left in saved.sessions:
                 self.sessions.restore(key, replica, left - down)
         access_log.info("routing state restored: %s", describe(saved))
@@ -161,8 +171,10 @@ class Router:
             added=[(r.id, r.url) for r in fleet.replicas if r.id not in configured],
             removed=[rid for rid in configured if rid not in present],
             draining=[r.id for r in fleet.replicas if r.state == "draining"],
+            removing=sorted(self.balancer.removing),
+            discovered=sorted(self.discovery.managed) if self.discovery is not None else [],
             overrides=[(origin, number, owner) for (origin, number), owner in fleet.ring.overrides.items()],
-            sessions=list(self.sessions.items()) if self.follower is None and self.publisher is None else [],
+            sessions=list(self.sessions.items()) if self.sessions_here else [],
         )
 
     async def save_state(self, force: bool = False) -> None:
@@ -172,9 +184,10 @@ class Router:
         mark = (self.changes, self.sessions.version)
         if mark == self._saved_at and not force:
             return
-        state = self.routing_state()
-        await asyncio.to_thread(self.state_file.save, state)
-        self._saved_at = mark
+        async with self._save_lock:  # one save at a time: an older snapshot never lands last
+            state = self.routing_state()
+            await asyncio.to_thread(self.state_file.save, state)
+            self._saved_at = mark
 
     def shared_change(self, op: str, arg: Any) -> None:
         """A routing change made here (add, remove, drain, override): share it with the other
@@ -197,9 +210,13 @@ class Router:
             await task
 
     async def _state_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+
         async def loop() -> None:
-            while True:
-                await asyncio.sleep(STATE_SAVE_S)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), STATE_SAVE_S)
+                    return  # stopping: the final save follows
                 try:
                     await self.save_state()
                 except OSError as exc:
@@ -207,15 +224,19 @@ class Router:
 
         task = asyncio.create_task(loop(), name="routing state")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        stop.set()
+        await task  # a save under way finishes first, never cut off in its thread
         try:
             await self.save_state(force=True)
         except OSError as exc:
             logging.getLogger("router.state").error("cannot save the routing state: %s", exc)
 
     async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        for rid, remove in self._restored_drains:  # drains under way when the router stopped go on
+            replica = self.fleet.find(rid)
+            if replica is not None and replica.state == "draining":
+                self.balancer.drain(replica, remove)
+        self._restored_drains.clear()
         self.balance_task = task = asyncio.create_task(self.balancer.run(), name="balance")
         yield
         task.cancel()
@@ -442,10 +463,12 @@ class Router:
                 raw = orjson.dumps(body)
                 strip_usage = True
         last = self.sessions.get(key.key) if key.kind != "none" else None
-        if last is None and key.kind != "none" and self.redis is not None:
-            last = await self.redis.session(key.key)  # served by another router instance?
-            if last is not None:
-                self.sessions.restore(key.key, last, cfg.sticky_ttl_s)
+        if key.kind != "none" and self.redis is not None:
+            # the shared table wins: another router may have served or moved it since
+            shared = await self.redis.session(key.key)
+            if shared is not None and shared != last:
+                last = shared
+                self.sessions.restore(key.key, shared, cfg.sticky_ttl_s)
         headers = forward_headers(request)
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
@@ -552,9 +575,12 @@ class Router:
                     m.child(m.jumps, moved).inc()  # the router moved it here (its cache was warmed first)
                 elif last != replica.id:
                     m.child(m.jumps, self._jump_reason(last, decision)).inc()
-            self.sessions.put(key.key, replica.id)
-            if self.redis is not None:
-                self.redis.session_served(key.key, replica.id)
+            if replica.state == "draining" and self.sessions.get(key.key) not in (None, replica.id):
+                pass  # the drain moved it while this request ran: its next turn goes where it was moved
+            else:
+                self.sessions.put(key.key, replica.id)
+                if self.redis is not None:
+                    self.redis.session_served(key.key, replica.id)
 
     def _jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last`: the reason is a label of router_session_jumps."""
