@@ -316,3 +316,79 @@ class Follower:
             loads[replica.index] = replica.inflight + sum(
                 max(other[at + INFLIGHT], 0) for other in self._others if other[at + OWNER] == tag
             )
+
+
+PROBES = 8  # entries looked at from a key's home position, in each worker's table
+
+
+class SharedSessions:
+    """Where each session was served last, shared by the worker processes of one host.
+
+    Each worker writes only its own open-addressing table in the segment; a lookup reads every
+    worker's table and takes the newest live entry, so a session served or moved by one worker
+    is followed by all. An entry is two uint64s: the key's XXH3 (never 0: 0 marks an empty entry)
+    and `expires << 32 | epoch & 0xffff << 16 | slot` (expiry in unix seconds; the replica's slot
+    and the low bits of its epoch, so an entry never names a replica that reused the slot). A
+    writer clears the tag, writes the value, then the tag; a reader accepts a value only if the
+    tag reads the same before and after. A full neighbourhood overwrites its soonest-expiring
+    entry, so memory stays fixed (`sticky_entries` per worker).
+    """
+
+    def __init__(self, table: SlotTable, worker: int, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.tables = [table.sessions(w) for w in range(table.workers)]
+        self.mine = self.tables[worker]
+        self.mask = table.sticky_entries - 1
+
+    @staticmethod
+    def _tag(key: bytes) -> int:
+        return xxh3_64(key) or 1
+
+    def put(self, key: bytes, replica: ReplicaState, ttl_s: float) -> None:
+        if replica.slot is None or self.mask < 0:
+            return
+        tag = self._tag(key)
+        value = int(time.time() + ttl_s) << 32 | (replica.epoch & 0xFFFF) << 16 | replica.slot
+        table, mask = self.mine, self.mask
+        home = tag & mask
+        victim, soonest = home, None
+        now = int(time.time())
+        for step in range(PROBES):
+            i = (home + step) & mask
+            current = table[2 * i]
+            if current == tag:
+                victim = i
+                break
+            expires = table[2 * i + 1] >> 32
+            if current == 0 or expires < now:
+                victim = i
+                break
+            if soonest is None or expires < soonest:
+                victim, soonest = i, expires
+        table[2 * victim] = 0  # readers skip the entry while it changes
+        table[2 * victim + 1] = value
+        table[2 * victim] = tag
+
+    def get(self, key: bytes) -> ReplicaState | None:
+        """The replica that served the session most recently, on any worker, while it lives."""
+        if self.mask < 0:
+            return None
+        tag = self._tag(key)
+        home = tag & self.mask
+        best_value = 0
+        for table in self.tables:
+            for step in range(PROBES):
+                i = (home + step) & self.mask
+                if table[2 * i] != tag:
+                    continue
+                value = table[2 * i + 1]
+                if table[2 * i] == tag and value > best_value:  # newest expiry wins
+                    best_value = value
+                break
+        if not best_value or best_value >> 32 < time.time():
+            return None
+        slot, epoch = best_value & 0xFFFF, best_value >> 16 & 0xFFFF
+        for replica in self.fleet.replicas:
+            if replica.slot == slot and replica.epoch & 0xFFFF == epoch:
+                return replica
+        return None

@@ -195,3 +195,39 @@ def test_unchanged_slots_are_not_rewritten(table: SlotTable) -> None:
     r.health.score = 0.95  # shown, but routing does not change: a write without a new generation
     publisher.publish()
     assert table.seq(r.slot or 0) != seqs[r.slot or 0] and table.generation == generation
+
+
+def test_sessions_are_shared_between_workers() -> None:
+    from router.shared import SharedSessions
+
+    table = SlotTable.create(f"kvar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8, workers=2, sticky_entries=8)
+    try:
+        control = Fleet(SPECS[:3])
+        publisher = Publisher(control, table)
+        publisher.publish()
+        fleets = [Fleet([]), Fleet([])]
+        followers = [Follower(f, table, w, 20.0) for w, f in enumerate(fleets)]
+        for f in followers:
+            f.sync()
+        a, b = (SharedSessions(table, w, fleets[w]) for w in range(2))
+        assert b.get(b"s1") is None
+        a.put(b"s1", fleets[0].find("r1"), 600)  # type: ignore[arg-type]
+        assert b.get(b"s1") is fleets[1].find("r1")  # served through worker 0, known to worker 1
+        b.put(b"s1", fleets[1].find("r2"), 700)  # type: ignore[arg-type]  # later, worker 1 spilled it
+        assert a.get(b"s1") is fleets[0].find("r2")  # the newest entry wins on every worker
+        # a replica removed, and its slot given to another: the old entry names nobody
+        control.remove("r2")
+        control.add(ReplicaSpec("r9", "http://10.0.0.9:8000"))
+        publisher.publish()
+        for f in followers:
+            f.sync()
+        assert table.find("r9") == fleets[0].find("r9").slot and a.get(b"s1") is None  # type: ignore[union-attr]
+        # memory stays fixed: a full neighbourhood gives up its soonest-expiring entry
+        r0 = fleets[0].find("r0")
+        for i in range(20):
+            a.put(f"k{i}".encode(), r0, 100 + i)  # type: ignore[arg-type]
+        assert a.get(b"k19") is r0 and a.get(b"k0") is None
+        a.put(b"old", r0, -5)  # type: ignore[arg-type]  # already expired
+        assert a.get(b"old") is None
+    finally:
+        table.close()

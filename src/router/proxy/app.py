@@ -35,7 +35,7 @@ from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
 from router.redis_state import RedisState
 from router.sessions import SessionTable
-from router.shared import Follower, Publisher
+from router.shared import Follower, Publisher, SharedSessions
 from router.shm.table import SlotTable
 from router.state import RoutingState, StateFile, default_directory, describe
 
@@ -88,6 +88,7 @@ class Router:
         self.client: aiohttp.ClientSession | None = None
         self.publisher = Publisher(self.fleet, table) if table is not None and worker is None else None
         self.follower: Follower | None = None
+        self.shared_sessions: SharedSessions | None = None
         if table is not None and worker is not None:
             self.follower = Follower(
                 self.fleet,
@@ -97,6 +98,8 @@ class Router:
                 on_removed=self._forget_id,
             )
             self.follower.reload()
+            if table.sticky_entries:
+                self.shared_sessions = SharedSessions(table, worker, self.fleet)
         self.monitor = HealthMonitor(
             self.fleet,
             lambda: self.http,
@@ -463,6 +466,11 @@ class Router:
                 raw = orjson.dumps(body)
                 strip_usage = True
         last = self.sessions.get(key.key) if key.kind != "none" else None
+        if key.kind != "none" and self.shared_sessions is not None:
+            # every worker's latest: another worker may have served (or spilled) it since
+            newest = self.shared_sessions.get(key.key)
+            if newest is not None:
+                last = newest.id
         if key.kind != "none" and self.redis is not None:
             # the shared table wins: another router may have served or moved it since
             shared = await self.redis.session(key.key)
@@ -579,6 +587,8 @@ class Router:
                 pass  # the drain moved it while this request ran: its next turn goes where it was moved
             else:
                 self.sessions.put(key.key, replica.id)
+                if self.shared_sessions is not None:
+                    self.shared_sessions.put(key.key, replica, self.config.sticky_ttl_s)
                 if self.redis is not None:
                     self.redis.session_served(key.key, replica.id)
 

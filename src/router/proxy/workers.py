@@ -221,7 +221,12 @@ def check_port(host: str, port: int) -> None:
 async def serve_workers(config: RouterConfig, banner: str) -> None:
     stop = stop_event()  # from here on a SIGTERM is a clean stop, also while workers start
     check_port(config.host, config.port)
-    table = SlotTable.create(config.shm_name or f"kvar-{os.getpid()}", config.shm_slots, config.workers)
+    # each worker's session table: twice its share of sticky_max_sessions (a power of two), for short probes
+    per_worker = 2 * -(-config.sticky_max_sessions // config.workers)
+    sticky = min(max(1 << (per_worker - 1).bit_length(), 1024), 1 << 22)
+    table = SlotTable.create(
+        config.shm_name or f"kvar-{os.getpid()}", config.shm_slots, config.workers, sticky_entries=sticky
+    )
     private = tempfile.mkdtemp(prefix="router-serve-")  # mode 0700: the control socket is ours alone
     try:
         metrics_dir = os.path.join(private, "metrics")

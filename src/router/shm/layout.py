@@ -3,10 +3,12 @@
 Segment, all little-endian:
 
     header    magic "KVAR" | version u32 | slots u32 | slot_size u32 | creator pid u32 | workers u32
-              | padding | generation u64 at GENERATION_AT | padding to 64 bytes
+              | sticky entries u32 | padding | generation u64 at GENERATION_AT | padding to 64 bytes
     replicas  `slots` slots written by the control loop: the replica table every worker routes by
     agents    `slots` slots written by colocated router-agents, agent slot i for replica slot i
     counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
+    sessions  `workers` tables of `sticky entries` entries (a power of two) of two uint64s, table w
+              written by worker w only: where each session was served last (router.shared)
 
     slot      seq u64 | checksum u64 | payload (SLOT_PAYLOAD below) | padding to SLOT_SIZE
 
@@ -24,8 +26,8 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 5
-HEADER = struct.Struct("<4sIIIII8x")  # 32 bytes, then the generation, then padding to 64
+VERSION = 6
+HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64
 SEQ = struct.Struct("<QQ")  # seq, checksum: 16 bytes

@@ -45,8 +45,8 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-def segment_size(slots: int, workers: int) -> int:
-    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * slots * COUNTER_CELL * 8
+def segment_size(slots: int, workers: int, sticky_entries: int = 0) -> int:
+    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * (slots * COUNTER_CELL + 2 * sticky_entries) * 8
 
 
 class TornRead(RuntimeError):
@@ -56,14 +56,19 @@ class TornRead(RuntimeError):
 class SlotTable:
     """Replica slots (control loop), agent slots (router-agents) and per-worker counter rows."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, slots: int, workers: int, owner: bool) -> None:
+    def __init__(
+        self, shm: shared_memory.SharedMemory, slots: int, workers: int, owner: bool, sticky_entries: int = 0
+    ) -> None:
         self._shm = shm
         self.slots = slots
         self.workers = workers
+        self.sticky_entries = sticky_entries
         self.owner = owner
         self._buf: memoryview = _buffer(shm)
         start = HEADER_SIZE + 2 * slots * SLOT_SIZE
         self._counters = self._buf[start : start + workers * slots * COUNTER_CELL * 8].cast("q")
+        start += workers * slots * COUNTER_CELL * 8
+        self._sticky = self._buf[start : start + workers * sticky_entries * 16].cast("Q")
         self._rows: list[memoryview] = []  # views handed out, released on close
 
     @property
@@ -71,17 +76,19 @@ class SlotTable:
         return self._shm.name
 
     @classmethod
-    def create(cls, name: str | None, slots: int, workers: int = 0) -> SlotTable:
+    def create(cls, name: str | None, slots: int, workers: int = 0, sticky_entries: int = 0) -> SlotTable:
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots must be in 1..{MAX_SLOTS}")
         if not 0 <= workers <= MAX_WORKERS:
             raise ValueError(f"workers must be in 0..{MAX_WORKERS}")
-        size = segment_size(slots, workers)
+        if sticky_entries & (sticky_entries - 1) or sticky_entries > 1 << 24:
+            raise ValueError("sticky_entries must be 0 or a power of two up to 2**24")
+        size = segment_size(slots, workers, sticky_entries)
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         buf = _buffer(shm)
         buf[:size] = bytes(size)
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid(), workers)
-        return cls(shm, slots, workers, owner=True)
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid(), workers, sticky_entries)
+        return cls(shm, slots, workers, owner=True, sticky_entries=sticky_entries)
 
     @classmethod
     def attach(cls, name: str) -> SlotTable:
@@ -97,11 +104,16 @@ class SlotTable:
         if len(buf) < HEADER_SIZE:
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a version-{VERSION} replica table")
-        magic, version, slots, slot_size, _, workers = HEADER.unpack_from(buf, 0)
-        if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE or len(buf) < segment_size(slots, workers):
+        magic, version, slots, slot_size, _, workers, sticky = HEADER.unpack_from(buf, 0)
+        if (
+            magic != MAGIC
+            or version != VERSION
+            or slot_size != SLOT_SIZE
+            or len(buf) < segment_size(slots, workers, sticky)
+        ):
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a version-{VERSION} replica table")
-        return cls(shm, slots, workers, owner=False)
+        return cls(shm, slots, workers, owner=False, sticky_entries=sticky)
 
     # -- seqlocked slots ----------------------------------------------------------------------
 
@@ -185,10 +197,20 @@ class SlotTable:
         self._rows.append(row)
         return row
 
+    def sessions(self, worker: int) -> memoryview:
+        """Worker `worker`'s session table: entry i is (key tag, when it expires | replica) at [2i, 2i+1]."""
+        if not 0 <= worker < self.workers:
+            raise IndexError(f"worker {worker} out of range 0..{self.workers - 1}")
+        width = 2 * self.sticky_entries
+        row = self._sticky[worker * width : (worker + 1) * width]
+        self._rows.append(row)
+        return row
+
     def _release(self) -> None:
         for row in self._rows:
             row.release()
         self._counters.release()
+        self._sticky.release()
         self._buf = memoryview(b"")  # drop our views of the segment before closing it
 
     def close(self) -> None:
@@ -199,5 +221,5 @@ class SlotTable:
 
     def __del__(self) -> None:
         # dropped without close(): let SharedMemory's own finaliser close the mapping (never unlink)
-        if hasattr(self, "_counters"):
+        if hasattr(self, "_sticky"):
             self._release()
