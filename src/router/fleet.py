@@ -3,8 +3,9 @@
 `Fleet` owns one `Ring` whose replica indices match `replicas`; membership and drain change
 both together. In-flight counts live on each `ReplicaState` (which a request holds on to, so a
 replica removed mid-request is still released correctly) and are mirrored, by index, in `loads`
-for the ring's bounded-load walk. A request increments in-flight before it goes upstream and
-decrements exactly once however it ends.
+for the ring's bounded-load walk (plus, with load_queue_weight, a share of the engine's queue).
+A request increments in-flight before it goes upstream and decrements exactly once however it
+ends.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ReplicaState:
     ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # with worker processes: this replica's slot in the shared table, and (median, samples) of
     # the workers' recent time per output token, pooled by the control loop (router.shared)
+    queue_load: int = 0  # load_queue_weight x the engine's waiting requests, part of `Fleet.loads`
     slot: int | None = None
     epoch: int = 0
     owner_tag: int = 0
@@ -99,6 +101,12 @@ class Fleet:
             self.loads[replica.index] += 1
         if self.shared_inflight is not None and replica.slot is not None:
             self.shared_inflight[replica.slot * COUNTER_CELL] = replica.inflight
+
+    def set_queue_load(self, replica: ReplicaState, value: int) -> None:
+        """The bounded-load cap may count the engine's queue too (load_queue_weight)."""
+        if replica.index is not None:
+            self.loads[replica.index] += value - replica.queue_load
+        replica.queue_load = value
 
     def release(self, replica: ReplicaState) -> None:
         replica.inflight -= 1

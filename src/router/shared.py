@@ -205,7 +205,9 @@ class Follower:
         worker: int,
         latency_window_s: float,
         on_removed: Callable[[str], None] = lambda rid: None,
+        queue_weight: float = 0.0,
     ) -> None:
+        self.queue_weight = queue_weight
         self.fleet = fleet
         self.table = table
         self.worker = worker
@@ -267,14 +269,14 @@ class Follower:
             self._apply(replica, row)
             fleet.set_routing(replica, row.weight, exact=True)
 
-    @staticmethod
-    def _apply(replica: ReplicaState, row: ReplicaSlot) -> None:
+    def _apply(self, replica: ReplicaState, row: ReplicaSlot) -> None:
         health = replica.health
         health.state = row.state
         health.score = row.score
         health.transitions = row.transitions
         replica.inputs = inputs_of(row)
         replica.engine = EngineStats(row.waiting, row.running, row.kv_usage, row.fragmentation)
+        replica.queue_load = round(self.queue_weight * (row.waiting or 0.0))
 
     def refresh(self) -> None:
         """Scores, states and inputs for display (routing itself follows the generation)."""
@@ -313,8 +315,10 @@ class Follower:
                 continue
             at = replica.slot * COUNTER_CELL
             tag = replica.owner_tag
-            loads[replica.index] = replica.inflight + sum(
-                max(other[at + INFLIGHT], 0) for other in self._others if other[at + OWNER] == tag
+            loads[replica.index] = (
+                replica.inflight
+                + replica.queue_load
+                + sum(max(other[at + INFLIGHT], 0) for other in self._others if other[at + OWNER] == tag)
             )
 
 

@@ -148,3 +148,5 @@ def test_score_weights_override_the_defaults() -> None:
     from router.proxy.app import Router
 
     assert Router(cfg).monitor.weights == weights  # the control loop scores with them
+    queued = load(None, {"ROUTER_LOAD_QUEUE_WEIGHT": "2"}, {"replicas": ["http://a:1"], "state": "none"})
+    assert Router(queued).monitor.queue_weight == 2.0  # probes add 2 x waiting to the load cap's count

@@ -99,3 +99,14 @@ def test_unknown_policy() -> None:
     fleet, _ = setup("affinity")
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest", fleet, RouterConfig(replicas=(parse_replica("http://a:1"),)))
+
+
+def test_the_engine_queue_can_count_toward_the_load_cap() -> None:
+    fleet, policy = setup("affinity", bounded_load_c=1.25)
+    key = k(3)
+    owner = fleet.ring.lookup(key.key)
+    fleet.set_queue_load(fleet.replicas[owner], 12)  # load_queue_weight 1 x 12 requests waiting there
+    assert fleet.loads[owner] == 12
+    assert policy.pick(key, None, ()).reason == "spill"  # type: ignore[attr-defined]
+    fleet.set_queue_load(fleet.replicas[owner], 0)  # the queue drained
+    assert fleet.loads[owner] == 0 and policy.pick(key, None, ()).reason == "ring"  # type: ignore[attr-defined]

@@ -72,6 +72,7 @@ class HealthMonitor:
         weights: ScoreWeights | None = None,
         agents: dict[str, str] | None = None,
         table: SlotTable | None = None,
+        queue_weight: float = 0.0,
         before_round: Callable[[], None] | None = None,
         after_round: Callable[[], None] | None = None,
     ) -> None:
@@ -82,6 +83,7 @@ class HealthMonitor:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.weights = weights or ScoreWeights()
         self.table = table  # with worker processes: colocated agents' slots are read from here
+        self.queue_weight = queue_weight
         self.before_round = before_round
         self.after_round = after_round
         self._last: dict[str, _Window] = {}
@@ -113,6 +115,8 @@ class HealthMonitor:
                     **{k: v if v is not None else gpu.get(k) for k, v in dataclasses.asdict(stats).items()}
                 )
             replica.engine = stats
+            if self.queue_weight:
+                self.fleet.set_queue_load(replica, round(self.queue_weight * (stats.waiting or 0.0)))
             inputs = HealthInputs(
                 probe_ok=ok,
                 waiting=stats.waiting,

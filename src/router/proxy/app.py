@@ -96,6 +96,7 @@ class Router:
                 worker,
                 latency_window_s(config.probe_interval_s),
                 on_removed=self._forget_id,
+                queue_weight=config.load_queue_weight,
             )
             self.follower.reload()
             if table.sticky_entries:
@@ -108,6 +109,7 @@ class Router:
             weights=score_weights(config),
             agents=dict(entry.split("=", 1) for entry in config.agents),
             table=table,
+            queue_weight=config.load_queue_weight,
             before_round=self.gather,
             after_round=self._publish_table,
         )
