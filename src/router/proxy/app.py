@@ -136,6 +136,14 @@ class Router:
         self._saved_at = (-1, -1)
         self._save_lock = asyncio.Lock()
 
+    def state_line(self) -> str:
+        """Where the routing state lives, for the start-up banner."""
+        if self.redis is not None:
+            return f"routing state: shared through {self.config.state} (namespace {self.config.state_namespace})"
+        if self.state_file is not None:
+            return f"routing state: saved to {self.state_file.path} (--state none turns it off)"
+        return "routing state: not saved (--state none)"
+
     @property
     def sessions_here(self) -> bool:
         """This process proxies, and its session table is the router's only one (no workers)."""

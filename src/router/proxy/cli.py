@@ -172,6 +172,7 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
         try:
             await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
             print(banner, flush=True)
+            print(router.state_line(), flush=True)
             if table is not None:
                 print(f"shared memory: {table.name} (router-agent --shm {table.name})", flush=True)
             await until_stopped()

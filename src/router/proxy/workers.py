@@ -243,6 +243,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
             try:
                 await pool.start_all()
                 print(banner, flush=True)
+                print(router.state_line(), flush=True)
                 print(
                     f"workers: {config.workers} processes (pids {', '.join(str(p.pid) for p in pool.procs if p)}); "
                     f"shared memory: {table.name} (router-agent --shm {table.name})",
