@@ -219,6 +219,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be at least 1")
+    if cfg.sticky_ttl_s > 30 * 86400:
+        raise bad("sticky_ttl_s", "must be at most 30 days (2592000 s)")
     for name in ("load_queue_weight", "rebalance_cooldown_s"):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value >= 0):

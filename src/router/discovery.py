@@ -179,7 +179,7 @@ class Discovery:
             if replica is not None and replica.state != "draining":
                 fleet.drain(rid)
                 router.publish()
-                router.shared_change("drain", (replica.id, replica.url))
+                router.shared_change("drain", (replica.id, replica.url, True))
                 router.balancer.drain(replica, remove=True)
                 router.metrics.child(router.metrics.discovery_changes, "removed").inc()
                 log.info("discovery: %s is gone; draining and removing it", rid)
@@ -197,6 +197,7 @@ class Discovery:
                 continue
             self.managed.add(rid)
             router.shared_change("add", (spec.id, spec.url))
+            router.shared_change("discovered", rid)
             router.balancer.added(fleet.replicas[-1])
             router.metrics.child(router.metrics.discovery_changes, "added").inc()
             log.info("discovery: added %s (%s)", rid, spec.url)

@@ -75,6 +75,7 @@ class Fleet:
             ReplicaState(s.id, s.url, index=i, health=ReplicaHealth(self.rules)) for i, s in enumerate(specs)
         ]
         self._by_id = {r.id: r for r in self.replicas}
+        self.by_slot: dict[int, ReplicaState] = {}  # with worker processes: shared-table slot -> replica
         self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
         self.loads = array("q", [0] * len(self.replicas))
         # with worker processes (router.shared.Follower): this worker's in-flight cells in shared

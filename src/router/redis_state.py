@@ -7,12 +7,13 @@ session's next turn lands on the same replica whichever instance takes it.
 Keys, under `kvar:<state_namespace>:`
 - `replicas`: hash, replica id -> {"url", "draining"} (JSON); `removed`: hash, id -> unix time
   (a removal made on one instance removes the replica everywhere);
-- `overrides`: hash, "origin#vnode" -> owner id;
+- `overrides`: hash, "origin#vnode" -> owner id; `discovered`: hash of the replicas discovery
+  added (and may remove); a replica entry's "remove" marks a drain that removes it at the end;
 - `version`: a counter bumped by every change, announced on the channel `changes`;
 - `leader`: which instance rebalances (a lease of 3 s renewed every second; the others follow its
   moves, so N routers never make N conflicting moves);
-- `s:<hex of the session key>`: the replica that served the session last, expiring after
-  `sticky_ttl_s`.
+- `s:<hex of the session key>`: the replica that served the session last and when (unix ms,
+  after a NUL byte), expiring after `sticky_ttl_s`; of two records of a session, the newer wins.
 
 An instance applies its own changes locally at once and writes them to Redis; it follows the
 others' changes when `changes` announces them and, as a fallback, when it sees `version` move
@@ -48,6 +49,7 @@ POLL_S = 1.0
 FLUSH_S = 0.1
 LOOKUP_TIMEOUT_S = 0.05
 LEASE_S = 3
+CLOSE_TIMEOUT_S = 2.0
 MAX_PENDING_SESSIONS = 200_000  # session writes kept while Redis is away, at most
 
 
@@ -60,7 +62,7 @@ class RedisState:
         self.online = False
         self.version: int | None = None
         self._pending: list[tuple[str, Any]] = []  # changes made while Redis was away
-        self._sessions: dict[bytes, str] = {}  # session writes waiting for the next flush
+        self._sessions: dict[bytes, tuple[str, int]] = {}  # session writes (replica, unix ms) waiting for a flush
         self._tasks: list[asyncio.Task[None]] = []
         self.pulls = 0
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
@@ -83,14 +85,17 @@ class RedisState:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        """Stop following; write what is pending if Redis answers. Every step is bounded: closing
+        a connection whose server died can otherwise wait for ever (redis-py issue 3941)."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        with contextlib.suppress(RedisError, OSError):
-            await self._flush()
-        await self.redis.aclose()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self._flush(), CLOSE_TIMEOUT_S)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
 
     async def _connect(self) -> None:
         """Seed what Redis lacks, write what changed while away, then follow Redis."""
@@ -114,11 +119,14 @@ class RedisState:
         fleet = self.router.fleet
         pipe = self.redis.pipeline(transaction=True)
         for replica in fleet.replicas:
-            pipe.hset(
-                self.key("replicas"),
-                replica.id,
-                orjson.dumps({"url": replica.url, "draining": replica.state == "draining"}),
-            )
+            entry = {
+                "url": replica.url,
+                "draining": replica.state == "draining",
+                "remove": replica.id in self.router.balancer.removing,
+            }
+            pipe.hset(self.key("replicas"), replica.id, orjson.dumps(entry))
+        for rid in self.router.discovery.managed if self.router.discovery is not None else ():
+            pipe.hset(self.key("discovered"), rid, 1)
         for op, arg in self._pending:
             if op == "remove":
                 pipe.hset(self.key("removed"), arg, time.time())
@@ -177,7 +185,8 @@ class RedisState:
         pipe.hgetall(self.key("replicas"))
         pipe.hgetall(self.key("removed"))
         pipe.hgetall(self.key("overrides"))
-        version, replicas, removed, overrides = await pipe.execute()
+        pipe.hkeys(self.key("discovered"))
+        version, replicas, removed, overrides, discovered = await pipe.execute()
         self.version = int(version or 0)
         self.pulls += 1
         router, fleet = self.router, self.router.fleet
@@ -203,8 +212,10 @@ class RedisState:
                 changed = True
             if entry.get("draining") and replica.state != "draining":
                 fleet.drain(rid)
-                router.balancer.drain(replica, remove=False)
+                router.balancer.drain(replica, remove=bool(entry.get("remove")))
                 changed = True
+        if router.discovery is not None:  # replicas discovery added are discovery's to remove
+            router.discovery.managed |= {d.decode() for d in discovered if fleet.find(d.decode()) is not None}
         ring = fleet.ring
         desired: dict[tuple[str, int], str] = {}
         for field, owner in overrides.items():
@@ -250,8 +261,10 @@ class RedisState:
             pipe.hdel(self.key("replicas"), arg)
             pipe.hset(self.key("removed"), arg, time.time())
         elif op == "drain":
-            rid, url = arg
-            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": True}))
+            rid, url, remove = arg
+            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": True, "remove": remove}))
+        elif op == "discovered":
+            pipe.hset(self.key("discovered"), arg, 1)
         elif op == "override":
             origin, number, owner = arg
             if owner is None:
@@ -265,14 +278,18 @@ class RedisState:
 
     # -- sessions ------------------------------------------------------------------------------------
 
-    def session_served(self, key: bytes, replica: str) -> None:
+    def session_served(self, key: bytes, replica: str, written_ms: int) -> None:
         self._sessions.pop(key, None)
-        self._sessions[key] = replica  # latest last
+        self._sessions[key] = (replica, written_ms)  # latest last
         if len(self._sessions) > MAX_PENDING_SESSIONS:  # Redis is away for long: keep the newest
             del self._sessions[next(iter(self._sessions))]
 
-    async def session(self, key: bytes) -> str | None:
-        """Where another instance served this session last (None: nowhere, or Redis is away)."""
+    async def session(self, key: bytes) -> tuple[str, int] | None:
+        """Where the session was served last by any instance, and when (unix ms); None: nowhere,
+        or Redis is away. A write of ours not flushed yet is the newest news."""
+        pending = self._sessions.get(key)
+        if pending is not None:
+            return pending
         if not self.online:
             return None
         try:
@@ -281,7 +298,8 @@ class RedisState:
             return None
         if not value:
             return None
-        return value.decode() if isinstance(value, bytes) else str(value)
+        replica, _, written = (value if isinstance(value, bytes) else str(value).encode()).partition(b"\0")
+        return replica.decode(), int(written or 0)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -298,11 +316,11 @@ class RedisState:
             return
         ttl = max(int(self.router.config.sticky_ttl_s), 1)
         pipe = self.redis.pipeline(transaction=False)
-        for key, replica in batch.items():
-            pipe.set(self.key("s:" + key.hex()), replica, ex=ttl)
+        for key, (replica, written) in batch.items():
+            pipe.set(self.key("s:" + key.hex()), f"{replica}\0{written}", ex=ttl)
         try:
             await pipe.execute()
         except (RedisError, OSError):
-            for key, replica in batch.items():  # keep them for the next flush (newer writes win)
-                self._sessions.setdefault(key, replica)
+            for key, entry in batch.items():  # keep them for the next flush (newer writes win)
+                self._sessions.setdefault(key, entry)
             raise

@@ -17,13 +17,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 class SessionTable:
     def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._clock = clock
-        # key -> (replica, expires, why the router moved it there, or None)
-        self._entries: OrderedDict[bytes, tuple[str, float, str | None]] = OrderedDict()
+        # key -> (replica, expires, why the router moved it there or None, when written: unix ms)
+        self._entries: OrderedDict[bytes, tuple[str, float, str | None, int]] = OrderedDict()
         self.version = 0  # goes up with every change (for saving only when something changed)
 
     def __len__(self) -> int:
@@ -43,9 +47,14 @@ class SessionTable:
         entry = self._entries.get(key)
         return entry[2] if entry is not None else None
 
+    def written_ms(self, key: bytes) -> int:
+        """When the entry was written (unix ms; 0 without one): newer news from elsewhere wins."""
+        entry = self._entries.get(key)
+        return entry[3] if entry is not None else 0
+
     def put(self, key: bytes, replica: str) -> None:
         self.version += 1
-        self._entries[key] = (replica, self._clock() + self.ttl_s, None)
+        self._entries[key] = (replica, self._clock() + self.ttl_s, None, _now_ms())
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
@@ -55,25 +64,26 @@ class SessionTable:
         entry = self._entries.get(key)
         if entry is None or entry[1] < self._clock():
             return False
-        self._entries[key] = (replica, entry[1], reason)
+        self._entries[key] = (replica, entry[1], reason, _now_ms())
         self.version += 1
         return True
 
     def on(self, replica: str) -> list[bytes]:
         """The live sessions last served by `replica`, most recent last."""
         now = self._clock()
-        return [k for k, (r, expires, _) in self._entries.items() if r == replica and expires >= now]
+        return [k for k, (r, expires, _, _) in self._entries.items() if r == replica and expires >= now]
 
     def items(self) -> Iterator[tuple[bytes, str, float]]:
         """(key, replica, seconds left) of every live session, oldest first: for saving."""
         now = self._clock()
-        for key, (replica, expires, _) in list(self._entries.items()):
+        for key, (replica, expires, _, _) in list(self._entries.items()):
             if expires >= now:
                 yield key, replica, expires - now
 
-    def restore(self, key: bytes, replica: str, seconds_left: float) -> None:
+    def restore(self, key: bytes, replica: str, seconds_left: float, written_ms: int | None = None) -> None:
         if seconds_left > 0:
-            self._entries[key] = (replica, self._clock() + min(seconds_left, self.ttl_s), None)
+            written = _now_ms() if written_ms is None else written_ms
+            self._entries[key] = (replica, self._clock() + min(seconds_left, self.ttl_s), None, written)
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_sessions:
                 self._entries.popitem(last=False)

@@ -268,6 +268,7 @@ class Follower:
                     self._row[base + field] = replica.owner_tag if field == OWNER else 0
             self._apply(replica, row)
             fleet.set_routing(replica, row.weight, exact=True)
+        fleet.by_slot = {r.slot: r for r in fleet.replicas if r.slot is not None}
 
     def _apply(self, replica: ReplicaState, row: ReplicaSlot) -> None:
         health = replica.health
@@ -323,76 +324,80 @@ class Follower:
 
 
 PROBES = 8  # entries looked at from a key's home position, in each worker's table
+ENTRY = 3  # uint64s per entry: tag, when it was written (ms), epoch << 16 | slot
 
 
 class SharedSessions:
     """Where each session was served last, shared by the worker processes of one host.
 
     Each worker writes only its own open-addressing table in the segment; a lookup reads every
-    worker's table and takes the newest live entry, so a session served or moved by one worker
-    is followed by all. An entry is two uint64s: the key's XXH3 (never 0: 0 marks an empty entry)
-    and `expires << 32 | epoch & 0xffff << 16 | slot` (expiry in unix seconds; the replica's slot
-    and the low bits of its epoch, so an entry never names a replica that reused the slot). A
-    writer clears the tag, writes the value, then the tag; a reader accepts a value only if the
-    tag reads the same before and after. A full neighbourhood overwrites its soonest-expiring
-    entry, so memory stays fixed (`sticky_entries` per worker).
+    worker's table and takes the most recently written live entry, so a session served or moved
+    by one worker is followed by all. An entry is three uint64s: the key's XXH3 (never 0: 0 marks
+    an empty entry), when it was written (unix milliseconds), and `epoch & 0xffff << 16 | slot`
+    (the replica's slot and the low bits of its epoch, so an entry never names a replica that
+    reused the slot). A writer clears the tag, writes the rest, then the tag; a reader accepts an
+    entry only if the tag reads the same before and after. Entries are overwritten in place, never
+    deleted, so a probe stops at the first empty entry; a full neighbourhood overwrites its oldest
+    entry, so memory stays fixed.
     """
 
-    def __init__(self, table: SlotTable, worker: int, fleet: Fleet) -> None:
+    def __init__(self, table: SlotTable, worker: int, fleet: Fleet, ttl_s: float) -> None:
         self.fleet = fleet
         self.tables = [table.sessions(w) for w in range(table.workers)]
         self.mine = self.tables[worker]
         self.mask = table.sticky_entries - 1
+        self.ttl_ms = int(ttl_s * 1000)
 
     @staticmethod
     def _tag(key: bytes) -> int:
         return xxh3_64(key) or 1
 
-    def put(self, key: bytes, replica: ReplicaState, ttl_s: float) -> None:
+    def put(self, key: bytes, replica: ReplicaState, written_ms: int | None = None) -> None:
         if replica.slot is None or self.mask < 0:
             return
         tag = self._tag(key)
-        value = int(time.time() + ttl_s) << 32 | (replica.epoch & 0xFFFF) << 16 | replica.slot
+        now = int(time.time() * 1000) if written_ms is None else written_ms
         table, mask = self.mine, self.mask
         home = tag & mask
-        victim, soonest = home, None
-        now = int(time.time())
+        victim, oldest = home, None
         for step in range(PROBES):
             i = (home + step) & mask
-            current = table[2 * i]
-            if current == tag:
+            current = table[ENTRY * i]
+            if current == tag or current == 0:
                 victim = i
                 break
-            expires = table[2 * i + 1] >> 32
-            if current == 0 or expires < now:
-                victim = i
-                break
-            if soonest is None or expires < soonest:
-                victim, soonest = i, expires
-        table[2 * victim] = 0  # readers skip the entry while it changes
-        table[2 * victim + 1] = value
-        table[2 * victim] = tag
+            written = table[ENTRY * i + 1]
+            if oldest is None or written < oldest:
+                victim, oldest = i, written
+        at = ENTRY * victim
+        table[at] = 0  # readers skip the entry while it changes
+        table[at + 1] = now
+        table[at + 2] = (replica.epoch & 0xFFFF) << 16 | replica.slot
+        table[at] = tag
 
-    def get(self, key: bytes) -> ReplicaState | None:
-        """The replica that served the session most recently, on any worker, while it lives."""
+    def get(self, key: bytes) -> tuple[ReplicaState, int] | None:
+        """The replica that served the session most recently, on any worker, and when (unix ms),
+        while the entry lives."""
         if self.mask < 0:
             return None
         tag = self._tag(key)
         home = tag & self.mask
-        best_value = 0
+        best_written, best_where = 0, 0
         for table in self.tables:
             for step in range(PROBES):
-                i = (home + step) & self.mask
-                if table[2 * i] != tag:
+                at = ENTRY * ((home + step) & self.mask)
+                current = table[at]
+                if current == 0:
+                    break  # nothing is ever deleted: the key is not further along
+                if current != tag:
                     continue
-                value = table[2 * i + 1]
-                if table[2 * i] == tag and value > best_value:  # newest expiry wins
-                    best_value = value
+                written, where = table[at + 1], table[at + 2]
+                if table[at] == tag and written > best_written:
+                    best_written, best_where = written, where
                 break
-        if not best_value or best_value >> 32 < time.time():
+        if not best_written or best_written + self.ttl_ms < time.time() * 1000:
             return None
-        slot, epoch = best_value & 0xFFFF, best_value >> 16 & 0xFFFF
-        for replica in self.fleet.replicas:
-            if replica.slot == slot and replica.epoch & 0xFFFF == epoch:
-                return replica
-        return None
+        replica = self.fleet.by_slot.get(best_where & 0xFFFF)
+        if replica is None or replica.index is None or replica.epoch & 0xFFFF != best_where >> 16 & 0xFFFF:
+            return None
+        return replica, best_written

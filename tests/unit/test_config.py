@@ -52,6 +52,7 @@ def test_lists_and_booleans_from_the_environment() -> None:
         ({"ROUTER_IDLE_TIMEOUT_S": "nan"}, {"replicas": ["http://a:1"]}, "idle_timeout_s", "ROUTER_IDLE_TIMEOUT_S"),
         ({"ROUTER_AGENTS": "b=http://x:1"}, {"replicas": ["a=http://a:1"]}, "agents", "ROUTER_AGENTS"),
         ({}, {"replicas": ["http://a:1"], "workers": "0"}, "workers", "--workers"),
+        ({"ROUTER_STICKY_TTL_S": "1e10"}, {"replicas": ["http://a:1"]}, "sticky_ttl_s", "ROUTER_STICKY_TTL_S"),
         ({}, {"replicas": ["http://a:1"], "score_weights": "speed=1"}, "score_weights", "--score-weights"),
         ({"ROUTER_SCORE_WEIGHTS": "queue=2"}, {"replicas": ["http://a:1"]}, "score_weights", "ROUTER_SCORE_WEIGHTS"),
         ({}, {"replicas": ["http://a:1"], "score_weights": "queue_from=99"}, "score_weights", "--score-weights"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -209,25 +210,29 @@ def test_sessions_are_shared_between_workers() -> None:
         followers = [Follower(f, table, w, 20.0) for w, f in enumerate(fleets)]
         for f in followers:
             f.sync()
-        a, b = (SharedSessions(table, w, fleets[w]) for w in range(2))
+        a, b = (SharedSessions(table, w, fleets[w], 600.0) for w in range(2))
+        now = int(time.time() * 1000)
         assert b.get(b"s1") is None
-        a.put(b"s1", fleets[0].find("r1"), 600)  # type: ignore[arg-type]
-        assert b.get(b"s1") is fleets[1].find("r1")  # served through worker 0, known to worker 1
-        b.put(b"s1", fleets[1].find("r2"), 700)  # type: ignore[arg-type]  # later, worker 1 spilled it
-        assert a.get(b"s1") is fleets[0].find("r2")  # the newest entry wins on every worker
-        # a replica removed, and its slot given to another: the old entry names nobody
+        a.put(b"s1", fleets[0].find("r1"), now)  # type: ignore[arg-type]
+        assert b.get(b"s1") == (fleets[1].find("r1"), now)  # served through worker 0, known to worker 1
+        b.put(b"s1", fleets[1].find("r2"), now + 3)  # type: ignore[arg-type]  # 3 ms later worker 1 spilled it
+        assert a.get(b"s1") == (fleets[0].find("r2"), now + 3)  # the most recent write wins everywhere
+        a.put(b"s1", fleets[0].find("r0"), now + 4)  # type: ignore[arg-type]  # and back again, a ms later
+        assert b.get(b"s1") == (fleets[1].find("r0"), now + 4)
+        # a replica removed, and its slot given to another: an entry for the old one names nobody
+        b.put(b"s2", fleets[1].find("r2"), now)  # type: ignore[arg-type]
         control.remove("r2")
         control.add(ReplicaSpec("r9", "http://10.0.0.9:8000"))
         publisher.publish()
         for f in followers:
             f.sync()
-        assert table.find("r9") == fleets[0].find("r9").slot and a.get(b"s1") is None  # type: ignore[union-attr]
-        # memory stays fixed: a full neighbourhood gives up its soonest-expiring entry
+        assert a.get(b"s2") is None
+        # memory stays fixed: a full neighbourhood gives up its oldest entry
         r0 = fleets[0].find("r0")
         for i in range(20):
-            a.put(f"k{i}".encode(), r0, 100 + i)  # type: ignore[arg-type]
-        assert a.get(b"k19") is r0 and a.get(b"k0") is None
-        a.put(b"old", r0, -5)  # type: ignore[arg-type]  # already expired
+            a.put(f"k{i}".encode(), r0, now + i)  # type: ignore[arg-type]
+        assert a.get(b"k19") == (r0, now + 19) and a.get(b"k0") is None
+        a.put(b"old", r0, now - 700_000)  # type: ignore[arg-type]  # written longer ago than the TTL
         assert a.get(b"old") is None
     finally:
         table.close()

@@ -159,8 +159,8 @@ class AdminApi:
         self.router.publish()
         replica = self.router.fleet.find(rid)
         assert replica is not None and replica.index is not None
-        self.router.shared_change("drain", (replica.id, replica.url))
         removing = remove in ("true", "1")
+        self.router.shared_change("drain", (replica.id, replica.url, removing))
         moving = self.router.balancer.drain(replica, removing)
         return _json(self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": removing})
 

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,8 @@ class Balancer:
         )
         self.tasks: set[asyncio.Task[None]] = set()
         self.removing: set[str] = set()  # draining replicas that leave the fleet once drained
+        self._migrating: set[tuple[str, int]] = set()
+        self._migrating_replicas: set[str] = set()
         self._idle_since: float | None = None
 
     # -- from the proxy ----------------------------------------------------------------------------
@@ -100,7 +103,13 @@ class Balancer:
             overrides = ring.overrides
             present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
             owners = {v: overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
-            moves = self.rebalancer.plan(now, self.traffic.recent, owners)
+            busy = self._migrating
+            traffic = Counter({v: c for v, c in self.traffic.recent.items() if v not in busy})
+            moves = [
+                m
+                for m in self.rebalancer.plan(now, traffic, owners)
+                if m.source not in self._migrating_replicas and m.target not in self._migrating_replicas
+            ]
             for move in moves:  # in the background: warm-up takes seconds, the loop must go on ticking
                 self._spawn(self.migrate(move))
             self.rebalancer.moved(moves, now)
@@ -146,14 +155,27 @@ class Balancer:
             return 0  # it left the fleet while we warmed
         moved = 0
         for key in keys if all_keys else ready:
-            moved += router.sessions.move(key, target.id, reason)
-            if router.redis is not None:
-                router.redis.session_served(key, target.id)
+            if router.sessions.move(key, target.id, reason):
+                moved += 1
+                if router.redis is not None:
+                    router.redis.session_served(key, target.id, router.sessions.written_ms(key))
         if moved:
             m.child(m.sessions_moved, reason).inc(moved)
         return moved
 
     async def migrate(self, move: Move) -> None:
+        """Warm the vnode's sessions on the target, then hand the vnode over (one at a time per
+        vnode and per replica: planning leaves both alone while this runs)."""
+        vnode = (move.origin, move.number)
+        self._migrating.add(vnode)
+        self._migrating_replicas.update((move.source, move.target))
+        try:
+            await self._migrate(move)
+        finally:
+            self._migrating.discard(vnode)
+            self._migrating_replicas.difference_update((move.source, move.target))
+
+    async def _migrate(self, move: Move) -> None:
         router = self.router
         fleet, ring = router.fleet, router.fleet.ring
         source, target = fleet.find(move.source), fleet.find(move.target)

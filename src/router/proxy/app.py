@@ -100,7 +100,7 @@ class Router:
             )
             self.follower.reload()
             if table.sticky_entries:
-                self.shared_sessions = SharedSessions(table, worker, self.fleet)
+                self.shared_sessions = SharedSessions(table, worker, self.fleet, config.sticky_ttl_s)
         self.monitor = HealthMonitor(
             self.fleet,
             lambda: self.http,
@@ -316,7 +316,7 @@ class Router:
                     [
                         (
                             r.id,
-                            fleet.loads[r.index],
+                            fleet.loads[r.index] - r.queue_load,
                             r.health.score,
                             r.health.routable,
                             r.health.transitions,
@@ -476,17 +476,18 @@ class Router:
                 raw = orjson.dumps(body)
                 strip_usage = True
         last = self.sessions.get(key.key) if key.kind != "none" else None
-        if key.kind != "none" and self.shared_sessions is not None:
-            # every worker's latest: another worker may have served (or spilled) it since
-            newest = self.shared_sessions.get(key.key)
-            if newest is not None:
-                last = newest.id
-        if key.kind != "none" and self.redis is not None:
-            # the shared table wins: another router may have served or moved it since
-            shared = await self.redis.session(key.key)
-            if shared is not None and shared != last:
-                last = shared
-                self.sessions.restore(key.key, shared, cfg.sticky_ttl_s)
+        if key.kind != "none" and (self.shared_sessions is not None or self.redis is not None):
+            # another worker or router may have served (or moved) the session since: newest wins
+            newest = self.sessions.written_ms(key.key) if last is not None else 0
+            if self.shared_sessions is not None:
+                found = self.shared_sessions.get(key.key)
+                if found is not None and found[1] > newest:
+                    last, newest = found[0].id, found[1]
+            if self.redis is not None:
+                shared = await self.redis.session(key.key)
+                if shared is not None and shared[1] > newest:
+                    last = shared[0]
+                    self.sessions.restore(key.key, last, cfg.sticky_ttl_s, shared[1])
         headers = forward_headers(request)
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
@@ -597,10 +598,11 @@ class Router:
                 pass  # the drain moved it while this request ran: its next turn goes where it was moved
             else:
                 self.sessions.put(key.key, replica.id)
+                written = self.sessions.written_ms(key.key)
                 if self.shared_sessions is not None:
-                    self.shared_sessions.put(key.key, replica, self.config.sticky_ttl_s)
+                    self.shared_sessions.put(key.key, replica, written)
                 if self.redis is not None:
-                    self.redis.session_served(key.key, replica.id)
+                    self.redis.session_served(key.key, replica.id, written)
 
     def _jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last`: the reason is a label of router_session_jumps."""
@@ -709,7 +711,7 @@ class Router:
         for r in self.fleet.replicas if self.multiprocess_metrics is None else ():
             if r.index is None:
                 continue
-            m.inflight.labels(r.id).set(self.fleet.loads[r.index])
+            m.inflight.labels(r.id).set(self.fleet.loads[r.index] - r.queue_load)
             m.score.labels(r.id).set(r.health.score)
             m.routable.labels(r.id).set(1 if r.health.routable else 0)
             m.state_changes.labels(r.id).set(r.health.transitions)

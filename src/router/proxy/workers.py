@@ -221,9 +221,9 @@ def check_port(host: str, port: int) -> None:
 async def serve_workers(config: RouterConfig, banner: str) -> None:
     stop = stop_event()  # from here on a SIGTERM is a clean stop, also while workers start
     check_port(config.host, config.port)
-    # each worker's session table: twice its share of sticky_max_sessions (a power of two), for short probes
-    per_worker = 2 * -(-config.sticky_max_sessions // config.workers)
-    sticky = min(max(1 << (per_worker - 1).bit_length(), 1024), 1 << 22)
+    # each worker's session table holds all of sticky_max_sessions (a power of two): connections,
+    # and so sessions, need not spread evenly over the workers
+    sticky = min(max(1 << (config.sticky_max_sessions - 1).bit_length(), 1024), 1 << 22)
     table = SlotTable.create(
         config.shm_name or f"kvar-{os.getpid()}", config.shm_slots, config.workers, sticky_entries=sticky
     )

@@ -7,7 +7,7 @@ Segment, all little-endian:
     replicas  `slots` slots written by the control loop: the replica table every worker routes by
     agents    `slots` slots written by colocated router-agents, agent slot i for replica slot i
     counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
-    sessions  `workers` tables of `sticky entries` entries (a power of two) of two uint64s, table w
+    sessions  `workers` tables of `sticky entries` entries (a power of two) of three uint64s, table w
               written by worker w only: where each session was served last (router.shared)
 
     slot      seq u64 | checksum u64 | payload (SLOT_PAYLOAD below) | padding to SLOT_SIZE
@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 6
+VERSION = 7
 HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64

@@ -32,6 +32,7 @@ from router.shm.layout import (
     unpack,
 )
 
+STICKY_ENTRY = 3  # uint64s per session entry (router.shared.SharedSessions)
 READ_RETRIES = 1_000_000
 READ_PATIENCE_S = 0.05  # a slot still being written after this long has lost its writer
 MAX_SLOTS = 16384
@@ -46,7 +47,7 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
 
 
 def segment_size(slots: int, workers: int, sticky_entries: int = 0) -> int:
-    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * (slots * COUNTER_CELL + 2 * sticky_entries) * 8
+    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * (slots * COUNTER_CELL + STICKY_ENTRY * sticky_entries) * 8
 
 
 class TornRead(RuntimeError):
@@ -68,7 +69,7 @@ class SlotTable:
         start = HEADER_SIZE + 2 * slots * SLOT_SIZE
         self._counters = self._buf[start : start + workers * slots * COUNTER_CELL * 8].cast("q")
         start += workers * slots * COUNTER_CELL * 8
-        self._sticky = self._buf[start : start + workers * sticky_entries * 16].cast("Q")
+        self._sticky = self._buf[start : start + workers * sticky_entries * STICKY_ENTRY * 8].cast("Q")
         self._rows: list[memoryview] = []  # views handed out, released on close
 
     @property
@@ -198,10 +199,10 @@ class SlotTable:
         return row
 
     def sessions(self, worker: int) -> memoryview:
-        """Worker `worker`'s session table: entry i is (key tag, when it expires | replica) at [2i, 2i+1]."""
+        """Worker `worker`'s session table: entry i is (key tag, written ms, replica) at [3i, 3i + 3)."""
         if not 0 <= worker < self.workers:
             raise IndexError(f"worker {worker} out of range 0..{self.workers - 1}")
-        width = 2 * self.sticky_entries
+        width = STICKY_ENTRY * self.sticky_entries
         row = self._sticky[worker * width : (worker + 1) * width]
         self._rows.append(row)
         return row
