@@ -487,7 +487,8 @@ class Router:
                 shared = await self.redis.session(key.key)
                 if shared is not None and shared[1] > newest:
                     last = shared[0]
-                    self.sessions.restore(key.key, last, cfg.sticky_ttl_s, shared[1])
+                    left = cfg.sticky_ttl_s - (time.time() * 1000 - shared[1]) / 1000
+                    self.sessions.restore(key.key, last, left, shared[1])
         headers = forward_headers(request)
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
