@@ -24,7 +24,6 @@ import contextlib
 import itertools
 import json
 import random
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from router.bench.proxy_bench import free_port
 from router.config import ConfigError, load
 from router.measures import coefficient_of_variation, kv_hit_rate
 
@@ -69,12 +69,6 @@ BASE_SETTINGS = {
     "admin_token": ADMIN_TOKEN,
     "state": "none",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -157,7 +151,7 @@ class Harness:
         from router.emulator.server import Replica, ReplicaOptions
         from router.proxy.app import Router
 
-        ports = [_free_port() for _ in range(self.n + 1)]  # one spare, for scale-out
+        ports = [free_port() for _ in range(self.n + 1)]  # one spare, for scale-out
         self.ports = ports
         specs = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports[: self.n])]
         self.config = load(None, {}, {"replicas": specs, **self.settings})
@@ -168,7 +162,7 @@ class Harness:
         self.router = Router(self.config)
         self.runner = web.AppRunner(self.router.app(), handle_signals=False, access_log=None)
         await self.runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.base = f"http://127.0.0.1:{port}"
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from router.bench.proxy_bench import free_port
 from router.config import ConfigError, load
 
 
@@ -67,12 +67,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run_cli)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _chat(http: aiohttp.ClientSession, url: str, key: str, text: str, max_tokens: int) -> int:
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True}
     try:
@@ -93,7 +87,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.replicas < 3:
         raise ValueError("--replicas must be at least 3 (a victim, a busy one, and a healthy one)")
     settings = dict(entry.split("=", 1) for entry in args.setting)
-    ports = [_free_port() for _ in range(args.replicas)]
+    ports = [free_port() for _ in range(args.replicas)]
     replicas = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports)]
     config = load(None, {}, {"replicas": replicas, "state": "none", **settings})
     emulators = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{i}", port=p)) for i, p in enumerate(ports)])
@@ -101,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     router = Router(config)
     runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     busy_id, victim_id = "emu-0", "emu-1"

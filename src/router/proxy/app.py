@@ -381,14 +381,7 @@ class Router:
         app.cleanup_ctx.append(self._client_ctx)
         if control_only:  # the control process of workers: admin (over its socket) and the control loop
             add_admin_routes(app, self, replica_routes_only=True)
-            if self.config.health_checks:
-                app.cleanup_ctx.append(self._monitor_ctx)
-            app.cleanup_ctx.append(self._balance_ctx)
-            app.cleanup_ctx.append(self._state_ctx)
-            if self.redis is not None:
-                app.cleanup_ctx.append(self._redis_ctx)
-            if self.discovery is not None:
-                app.cleanup_ctx.append(self._discovery_ctx)
+            self._control_loops(app)
             return app
         for path in PROXIED:
             app.router.add_post(path, self._proxy)
@@ -397,17 +390,21 @@ class Router:
         app.router.add_get("/metrics", self._metrics)
         add_admin_routes(app, self)
         if self.follower is not None:
-            app.cleanup_ctx.append(self._follower_ctx)
+            app.cleanup_ctx.append(self._follower_ctx)  # a worker: the control process runs the loops
         else:
-            if self.config.health_checks:
-                app.cleanup_ctx.append(self._monitor_ctx)
-            app.cleanup_ctx.append(self._balance_ctx)
-            app.cleanup_ctx.append(self._state_ctx)
-            if self.redis is not None:
-                app.cleanup_ctx.append(self._redis_ctx)
-            if self.discovery is not None:
-                app.cleanup_ctx.append(self._discovery_ctx)
+            self._control_loops(app)
         return app
+
+    def _control_loops(self, app: web.Application) -> None:
+        """Health probes, the balance loop, routing state, Redis and discovery, as configured."""
+        if self.config.health_checks:
+            app.cleanup_ctx.append(self._monitor_ctx)
+        app.cleanup_ctx.append(self._balance_ctx)
+        app.cleanup_ctx.append(self._state_ctx)
+        if self.redis is not None:
+            app.cleanup_ctx.append(self._redis_ctx)
+        if self.discovery is not None:
+            app.cleanup_ctx.append(self._discovery_ctx)
 
     async def _client_ctx(self, app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(
