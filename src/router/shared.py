@@ -99,6 +99,7 @@ class Publisher:
         self._seen: dict[tuple[int, int], list[int]] = {}  # (worker, slot) -> counters last gathered
         self._rows = [table.counters(w) for w in range(table.workers)]
         self._epochs = 0
+        self._written_overrides: list[tuple[int, int, int]] = []
 
     def _assign(self) -> None:
         used = {r.slot for r in self.fleet.replicas if r.slot is not None}
@@ -138,8 +139,22 @@ class Publisher:
             for key in [k for k in self._seen if k[1] == slot]:
                 del self._seen[key]
             changed = True
+        overrides = self._overrides()
+        if overrides != self._written_overrides:
+            self.table.write_overrides(overrides)
+            self._written_overrides = overrides
+            changed = True
         if changed:
             self.table.bump_generation()
+
+    def _overrides(self) -> list[tuple[int, int, int]]:
+        """The ring's vnode overrides by slot: (origin slot, vnode, owner slot)."""
+        slots = {r.id: r.slot for r in self.fleet.replicas if r.slot is not None}
+        return sorted(
+            (slots[origin], number, slots[owner])
+            for (origin, number), owner in self.fleet.ring.overrides.items()
+            if origin in slots and owner in slots
+        )
 
     def forget(self, replica: ReplicaState) -> None:
         """A replica left the fleet: free its slot (written empty on the next publish)."""
@@ -269,6 +284,24 @@ class Follower:
             self._apply(replica, row)
             fleet.set_routing(replica, row.weight, exact=True)
         fleet.by_slot = {r.slot: r for r in fleet.replicas if r.slot is not None}
+        self._follow_overrides()
+
+    def _follow_overrides(self) -> None:
+        """Make this worker's ring carry the control loop's vnode overrides."""
+        ring = self.fleet.ring
+        ids = {slot: row.replica_id for slot, row in self._rows.items()}
+        desired: dict[tuple[str, int], str] = {}
+        for origin_slot, number, owner_slot in self.table.read_overrides():
+            origin, owner = ids.get(origin_slot), ids.get(owner_slot)
+            if origin in ring.replica_ids and owner in ring.replica_ids and number < ring.vnodes:
+                assert origin is not None and owner is not None
+                desired[(origin, number)] = owner
+        current = ring.overrides
+        for (origin, number), owner in desired.items():
+            if current.get((origin, number)) != owner:
+                ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
+        for origin, number in current.keys() - desired.keys():
+            ring.clear_override(ring.index(origin), number)
 
     def _apply(self, replica: ReplicaState, row: ReplicaSlot) -> None:
         health = replica.health

@@ -138,6 +138,27 @@ async def test_two_workers_route_alike_see_removals_and_merge_metrics(start_flee
         both = await from_both_workers(url, key)
         assert both[0]["replica"] == both[1]["replica"] == next(iter(routes[key]))
 
+    # a vnode override made through whichever worker answers is routed by both, and so is its removal
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    pinned = await explain(url, "s7")
+    vnode = pinned["vnode"]
+    assert vnode != (await explain(url, "s0"))["vnode"]
+    other = next(r.options.replica_id for r in fleet.replicas if r.options.replica_id != pinned["ring_owner"])
+    override = {"origin": vnode["origin"], "vnode": vnode["number"], "owner": other}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/admin/overrides", json=override, headers=auth) as r:
+        assert r.status == 200, await r.text()
+    for expected in (other, pinned["ring_owner"]):
+        deadline = time.monotonic() + 5
+        # the ring owner (its session stays sticky where its cache is: that is affinity, not the ring)
+        while not all(a["ring_owner"] == expected for a in (await from_both_workers(url, "s7")).values()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.delete(f"{url}/admin/overrides/{vnode['origin']}/{vnode['number']}", headers=auth) as r,
+        ):
+            assert r.status == (200 if expected == other else 404)
+
     # one replica crashes: the control loop removes it, and both workers route its keys elsewhere
     victim_id = next(iter(routes["s0"]))
     victim = next(r for r in fleet.replicas if r.options.replica_id == victim_id)

@@ -236,3 +236,31 @@ def test_sessions_are_shared_between_workers() -> None:
         assert a.get(b"old") is None
     finally:
         table.close()
+
+
+def test_workers_follow_vnode_overrides(table: SlotTable) -> None:
+    control = Fleet(SPECS)
+    publisher = Publisher(control, table)
+    publisher.publish()
+    workers = [Fleet([]) for _ in range(2)]
+    followers = [Follower(f, table, w, 20.0) for w, f in enumerate(workers)]
+    for f in followers:
+        f.sync()
+    ring = control.ring
+    key = KEYS[0]
+    _, origin, number = ring.locate(key)  # type: ignore[misc]
+    new_owner = (ring.lookup(key) + 1) % len(SPECS)
+    ring.reassign_vnode(origin, number, new_owner)
+    generation = table.generation
+    publisher.publish()
+    assert table.generation > generation  # an override is a routing change
+    for f in followers:
+        assert f.sync()
+    for fleet in workers:
+        assert fleet.ring.overrides == ring.overrides and owners(fleet) == owners(control)
+        assert fleet.replicas[fleet.ring.lookup(key)].id == SPECS[new_owner].id
+    ring.clear_override(origin, number)
+    publisher.publish()
+    for f in followers:
+        f.sync()
+    assert all(fleet.ring.overrides == {} and owners(fleet) == owners(control) for fleet in workers)

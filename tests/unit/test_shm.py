@@ -73,7 +73,7 @@ def test_attach_refuses_something_else() -> None:
 
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-7 replica table"):
+        with pytest.raises(ValueError, match="not a version-8 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()

@@ -27,20 +27,21 @@ if TYPE_CHECKING:
 
 
 def add_admin_routes(app: web.Application, router: Router, replica_routes_only: bool = False) -> None:
-    """The admin routes. In a worker process (router.follower is set), the replica routes go to
-    the control process, which owns membership; route explanation and ring shares are answered
-    from the worker's own copy of the ring, which is the one its requests are routed by."""
+    """The admin routes. In a worker process (router.follower is set), the replica and override
+    routes go to the control process, which owns membership and the ring; route explanation and
+    ring shares are answered from the worker's own copy of the ring, which is the one its
+    requests are routed by."""
     api = AdminApi(router)
     replicas = api.forward if router.follower is not None else None
     app.router.add_get("/admin/replicas", api.guard(replicas or api.list_replicas))
     app.router.add_post("/admin/replicas", api.guard(replicas or api.add_replica))
     app.router.add_delete("/admin/replicas/{id}", api.guard(replicas or api.remove_replica))
     app.router.add_post("/admin/replicas/{id}/drain", api.guard(replicas or api.drain_replica))
+    app.router.add_post("/admin/overrides", api.guard(replicas or api.set_override))
+    app.router.add_delete("/admin/overrides/{origin}/{vnode}", api.guard(replicas or api.clear_override))
     if not replica_routes_only:
         app.router.add_get("/admin/route", api.guard(api.explain_route))
         app.router.add_get("/admin/ring", api.guard(api.ring_shares))
-        app.router.add_post("/admin/overrides", api.guard(api.set_override))
-        app.router.add_delete("/admin/overrides/{origin}/{vnode}", api.guard(api.clear_override))
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -164,16 +165,8 @@ class AdminApi:
         moving = self.router.balancer.drain(replica, removing)
         return _json(self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": removing})
 
-    def _no_overrides_with_workers(self) -> web.Response | None:
-        if self.router.follower is not None:
-            return error_response("vnode overrides are not available with --workers yet", 501, "not_implemented")
-        return None
-
     async def set_override(self, request: web.Request) -> web.Response:
         """Hand one vnode to another replica: {"origin": id, "vnode": n, "owner": id}."""
-        refused = self._no_overrides_with_workers()
-        if refused is not None:
-            return refused
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
@@ -200,9 +193,6 @@ class AdminApi:
         return _json({"origin": origin, "vnode": number, "owner": owner, "moved_share": share})
 
     async def clear_override(self, request: web.Request) -> web.Response:
-        refused = self._no_overrides_with_workers()
-        if refused is not None:
-            return refused
         origin, vnode = request.match_info["origin"], request.match_info["vnode"]
         ring = self.router.fleet.ring
         if origin not in ring.replica_ids or not vnode.isdigit() or (origin, int(vnode)) not in ring.overrides:

@@ -9,6 +9,8 @@ Segment, all little-endian:
     counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
     sessions  `workers` tables of `sticky entries` entries (a power of two) of three uint64s, table w
               written by worker w only: where each session was served last (router.shared)
+    overrides seq u64 | checksum u64 | count u32 | padding | MAX_OVERRIDES entries of (origin slot
+              u16, owner slot u16, vnode u32): the ring's vnode overrides, written by the control loop
 
     slot      seq u64 | checksum u64 | payload (SLOT_PAYLOAD below) | padding to SLOT_SIZE
 
@@ -26,7 +28,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 7
+VERSION = 8
 HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64

@@ -33,6 +33,10 @@ from router.shm.layout import (
 )
 
 STICKY_ENTRY = 3  # uint64s per session entry (router.shared.SharedSessions)
+MAX_OVERRIDES = 4096
+_COUNT = struct.Struct("<I4x")
+_OVERRIDE = struct.Struct("<HHI")  # origin slot, owner slot, vnode
+OVERRIDES_SIZE = _COUNT.size + MAX_OVERRIDES * _OVERRIDE.size
 READ_RETRIES = 1_000_000
 READ_PATIENCE_S = 0.05  # a slot still being written after this long has lost its writer
 MAX_SLOTS = 16384
@@ -47,7 +51,8 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
 
 
 def segment_size(slots: int, workers: int, sticky_entries: int = 0) -> int:
-    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * (slots * COUNTER_CELL + STICKY_ENTRY * sticky_entries) * 8
+    per_worker = (slots * COUNTER_CELL + STICKY_ENTRY * sticky_entries) * 8
+    return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * per_worker + SEQ.size + OVERRIDES_SIZE
 
 
 class TornRead(RuntimeError):
@@ -70,6 +75,7 @@ class SlotTable:
         self._counters = self._buf[start : start + workers * slots * COUNTER_CELL * 8].cast("q")
         start += workers * slots * COUNTER_CELL * 8
         self._sticky = self._buf[start : start + workers * sticky_entries * STICKY_ENTRY * 8].cast("Q")
+        self._overrides_at = start + workers * sticky_entries * STICKY_ENTRY * 8
         self._rows: list[memoryview] = []  # views handed out, released on close
 
     @property
@@ -124,7 +130,9 @@ class SlotTable:
         return HEADER_SIZE + (region * self.slots + index) * SLOT_SIZE
 
     def _write(self, at: int, slot: ReplicaSlot) -> None:
-        payload = pack(slot)
+        self._write_bytes(at, pack(slot))
+
+    def _write_bytes(self, at: int, payload: bytes) -> None:
         checksum = xxh3_64(payload)  # before the slot goes odd: the write window stays a copy
         buf = self._buf
         seq, _ = SEQ.unpack_from(buf, at)
@@ -133,8 +141,11 @@ class SlotTable:
         SEQ.pack_into(buf, at, (seq | 1) + 1, checksum)  # even: done, with the payload's checksum
 
     def _read(self, at: int, index: int) -> ReplicaSlot:
+        return unpack(self._read_bytes(at, SLOT_PAYLOAD.size, f"slot {index}"))
+
+    def _read_bytes(self, at: int, size: int, what: str) -> bytes:
         buf = self._buf
-        end = at + SEQ.size + SLOT_PAYLOAD.size
+        end = at + SEQ.size + size
         deadline = None
         for attempt in range(1, READ_RETRIES + 1):
             before, checksum = SEQ.unpack_from(buf, at)
@@ -142,13 +153,13 @@ class SlotTable:
                 payload = bytes(buf[at + SEQ.size : end])
                 after, _ = SEQ.unpack_from(buf, at)
                 if after == before and (before == 0 or xxh3_64(payload) == checksum):
-                    return unpack(payload)
+                    return payload
             if attempt % 64 == 0:  # a writer is busy: let it run, and give up only after a while
                 deadline = deadline or time.monotonic() + READ_PATIENCE_S
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0)
-        raise TornRead(f"slot {index} of {self.name} never settled")
+        raise TornRead(f"{what} of {self.name} never settled")
 
     def write(self, index: int, slot: ReplicaSlot) -> None:
         """Write a replica slot. Each slot has one writer: the router's control loop."""
@@ -156,6 +167,32 @@ class SlotTable:
 
     def read(self, index: int) -> ReplicaSlot:
         return self._read(self._offset(index, 0), index)
+
+    # -- vnode overrides (the control loop writes, workers follow) ---------------------------------
+
+    def write_overrides(self, overrides: list[tuple[int, int, int]]) -> None:
+        """(origin slot, vnode, owner slot) of every override, under one seqlock."""
+        if len(overrides) > MAX_OVERRIDES:
+            raise ValueError(f"more than {MAX_OVERRIDES} vnode overrides")
+        payload = _COUNT.pack(len(overrides)) + b"".join(_OVERRIDE.pack(o, w, v) for o, v, w in overrides)
+        self._write_bytes(self._overrides_at, payload)  # the checksum covers the entries in use only
+
+    def read_overrides(self) -> list[tuple[int, int, int]]:
+        at = self._overrides_at
+        for _ in range(64):  # the count tells the size; a write in between shows as a bad checksum
+            (count,) = _COUNT.unpack_from(self._buf, at + SEQ.size)
+            try:
+                payload = self._read_bytes(at, _COUNT.size + min(count, MAX_OVERRIDES) * _OVERRIDE.size, "overrides")
+            except TornRead:
+                continue
+            if _COUNT.unpack_from(payload, 0)[0] == count:
+                break
+        else:
+            raise TornRead(f"the overrides of {self.name} never settled")
+        return [
+            (o, v, w)
+            for o, w, v in (_OVERRIDE.unpack_from(payload, _COUNT.size + i * _OVERRIDE.size) for i in range(count))
+        ]
 
     def seq(self, index: int) -> int:
         """The replica slot's sequence number: it changes with every write (a cheap change check)."""
