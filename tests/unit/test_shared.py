@@ -28,16 +28,21 @@ def table() -> Iterator[SlotTable]:
     t.close()
 
 
+def published(table: SlotTable, specs: list[ReplicaSpec]) -> tuple[Fleet, Publisher, list[Fleet], list[Follower]]:
+    """A control loop's fleet published to the table, and two workers following it."""
+    control = Fleet(specs)
+    publisher = Publisher(control, table)
+    publisher.publish()
+    workers = [Fleet([]) for _ in range(table.workers)]
+    return control, publisher, workers, [Follower(f, table, w, 20.0) for w, f in enumerate(workers)]
+
+
 def owners(fleet: Fleet) -> list[str]:
     return [fleet.replicas[fleet.ring.lookup(k)].id for k in KEYS]
 
 
 def test_workers_follow_membership_health_and_weights(table: SlotTable) -> None:
-    control = Fleet(SPECS)
-    publisher = Publisher(control, table)
-    publisher.publish()
-    workers = [Fleet([]) for _ in range(2)]
-    followers = [Follower(f, table, w, 20.0) for w, f in enumerate(workers)]
+    control, publisher, workers, followers = published(table, SPECS)
     for f in followers:
         assert f.sync() and not f.sync()  # read once, then only when the generation moves
     assert owners(workers[0]) == owners(workers[1]) == owners(control)
@@ -203,11 +208,7 @@ def test_sessions_are_shared_between_workers() -> None:
 
     table = SlotTable.create(f"kvar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8, workers=2, sticky_entries=8)
     try:
-        control = Fleet(SPECS[:3])
-        publisher = Publisher(control, table)
-        publisher.publish()
-        fleets = [Fleet([]), Fleet([])]
-        followers = [Follower(f, table, w, 20.0) for w, f in enumerate(fleets)]
+        control, publisher, fleets, followers = published(table, SPECS[:3])
         for f in followers:
             f.sync()
         a, b = (SharedSessions(table, w, fleets[w], 600.0) for w in range(2))
@@ -239,11 +240,7 @@ def test_sessions_are_shared_between_workers() -> None:
 
 
 def test_workers_follow_vnode_overrides(table: SlotTable) -> None:
-    control = Fleet(SPECS)
-    publisher = Publisher(control, table)
-    publisher.publish()
-    workers = [Fleet([]) for _ in range(2)]
-    followers = [Follower(f, table, w, 20.0) for w, f in enumerate(workers)]
+    control, publisher, workers, followers = published(table, SPECS)
     for f in followers:
         f.sync()
     ring = control.ring

@@ -32,8 +32,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.bench.proxy_bench import free_port
-from router.config import ConfigError, load
+from router.bench.common import free_port, measure, parse_settings
+from router.config import load
 from router.measures import coefficient_of_variation, kv_hit_rate
 
 ADMIN_TOKEN = "bench"
@@ -315,13 +315,7 @@ async def drain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, str]:
-    out = {}
-    for entry in args.setting:
-        name, sep, value = entry.partition("=")
-        if not sep:
-            raise ValueError(f"--setting {entry!r} is not NAME=VALUE")
-        out[name] = value
-    return out
+    return parse_settings(args.setting)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -338,20 +332,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from router._runtime import run as run_loop
-
     if args.replicas < 2 or args.sessions < 1 or args.duration <= 0:
         print("router-bench balance: need --replicas >= 2, --sessions >= 1 and --duration > 0")
         return 2
-    out: dict[str, Any] = {}
-
-    async def main() -> None:
-        out.update(await run(args))
-
-    try:
-        run_loop(main())
-    except (ConfigError, ValueError, RuntimeError) as exc:
-        print(f"router-bench balance: {exc}")
+    out = measure("balance", lambda: run(args))
+    if out is None:
         return 1
     if args.json:
         print(json.dumps(out))

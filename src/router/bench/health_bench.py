@@ -29,8 +29,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.bench.proxy_bench import free_port
-from router.config import ConfigError, load
+from router.bench.common import free_port, measure, parse_settings
+from router.config import load
 
 
 @dataclass
@@ -86,7 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.replicas < 3:
         raise ValueError("--replicas must be at least 3 (a victim, a busy one, and a healthy one)")
-    settings = dict(entry.split("=", 1) for entry in args.setting)
+    settings = parse_settings(args.setting)
     ports = [free_port() for _ in range(args.replicas)]
     replicas = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports)]
     config = load(None, {}, {"replicas": replicas, "state": "none", **settings})
@@ -215,21 +215,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from router._runtime import run as run_loop
-
-    for entry in args.setting:
-        if "=" not in entry:
-            print(f"router-bench health: --setting {entry!r} is not NAME=VALUE", flush=True)
-            return 2
-    out: dict[str, Any] = {}
-
-    async def main() -> None:
-        out.update(await run(args))
-
-    try:
-        run_loop(main())
-    except (ConfigError, ValueError, TimeoutError) as exc:
-        print(f"router-bench health: {exc}", flush=True)
+    out = measure("health", lambda: run(args))
+    if out is None:
         return 1
     if args.json:
         print(json.dumps(out))

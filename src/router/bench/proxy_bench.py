@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from router.bench.common import free_port
 
 SMALL = {"model": "emulated-llm", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 
@@ -83,12 +84,6 @@ def bare_proxy_main(port: int, upstream: str) -> None:
 
 
 # -- processes ---------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

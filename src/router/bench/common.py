@@ -1,0 +1,45 @@
+"""What the benchmarks that drive an in-process fleet share: settings from the command line, and
+running one measurement to a result (or to one readable error line)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from router.config import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_settings(entries: list[str]) -> dict[str, str]:
+    """`--setting NAME=VALUE` entries as router settings; ValueError names a malformed one."""
+    settings = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--setting {entry!r} is not NAME=VALUE")
+        settings[name] = value
+    return settings
+
+
+def measure(command: str, run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
+    """Run a measurement on the router's event loop; on bad settings or a failed run, print one
+    line (`router-bench COMMAND: ...`) and return None."""
+    from router._runtime import run as run_loop
+
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        out.update(await run())
+
+    try:
+        run_loop(main())
+    except (ConfigError, ValueError, RuntimeError, TimeoutError) as exc:
+        print(f"router-bench {command}: {exc}", flush=True)
+        return None
+    return out
