@@ -100,6 +100,10 @@ class RouterConfig:
     workers: int = 1  # proxy processes on one port (SO_REUSEPORT); above 1, plus one control process
     shm_name: str = ""  # shared-memory segment; "" = kvar-<pid> when workers > 1, none for one worker
     shm_slots: int = 1024  # replicas the shared table holds at most
+    # console (router.console): the page at /console and its bounded history
+    console: bool = True
+    console_interval_s: float = 2.0  # how often the history samples the metrics
+    console_history_s: float = 900.0  # how far back the heatmap and curves go
     # operating
     admin_token: str = ""
     log_requests: bool = False
@@ -201,6 +205,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "drain_timeout_s",
         "discovery_interval_s",
         "scale_target_load",
+        "console_interval_s",
+        "console_history_s",
     ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):

@@ -166,9 +166,9 @@ class Discovery:
             m.discovery_errors.inc()
             log.warning("discovery found no replica at all; keeping the replicas we have")
             return
-        self.apply(found)
+        await self.apply(found)
 
-    def apply(self, found: list[ReplicaSpec]) -> None:
+    async def apply(self, found: list[ReplicaSpec]) -> None:
         router = self.router
         fleet = router.fleet
         static = {r.id for r in router.config.replicas}
@@ -180,7 +180,7 @@ class Discovery:
                 fleet.drain(rid)
                 router.publish()
                 router.shared_change("drain", (replica.id, replica.url, True))
-                router.balancer.drain(replica, remove=True)
+                await router.balancer.drain(replica, remove=True)
                 router.metrics.child(router.metrics.discovery_changes, "removed").inc()
                 log.info("discovery: %s is gone; draining and removing it", rid)
         for rid, spec in wanted.items():
@@ -198,6 +198,6 @@ class Discovery:
             self.managed.add(rid)
             router.shared_change("add", (spec.id, spec.url))
             router.shared_change("discovered", rid)
-            router.balancer.added(fleet.replicas[-1])
+            await router.balancer.added(fleet.replicas[-1])
             router.metrics.child(router.metrics.discovery_changes, "added").inc()
             log.info("discovery: added %s (%s)", rid, spec.url)

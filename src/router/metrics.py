@@ -171,9 +171,14 @@ class RouterMetrics:
         self.discovery_errors = made["router_discovery_errors"]
         self.health_input = made["router_replica_health_input"]
         self._children: dict[tuple[Any, ...], Any] = {}
+        # in prometheus_client's multiprocess files (the control process of worker processes):
+        # labels cannot be removed there; the workers' /metrics leave out replicas that are gone
+        self.in_files = False
 
     def forget_replica(self, replica: str) -> None:
         """A replica left: its gauges go (counters keep their history)."""
+        if self.in_files:
+            return
         for gauge in (self.inflight, self.score, self.routable, self.state_changes, self.replica_load):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
@@ -190,7 +195,9 @@ class RouterMetrics:
             self.child(self.state, replica, s).set(1 if s == state else 0)
         for name in INPUTS:
             value = getattr(inputs, name) if inputs is not None else None
-            if value is None:
+            if value is None and self.in_files:
+                pass  # not removable there; the workers show the table's inputs instead
+            elif value is None:
                 with contextlib.suppress(KeyError):
                     self.health_input.remove(replica, name)
                 self._children.pop((id(self.health_input), replica, name), None)

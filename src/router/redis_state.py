@@ -42,6 +42,7 @@ from redis.exceptions import RedisError
 from router.config import ReplicaSpec
 
 if TYPE_CHECKING:
+    from router.fleet import ReplicaState
     from router.proxy.app import Router
 
 log = logging.getLogger("router.redis_state")
@@ -59,10 +60,9 @@ class RedisState:
         self.url = url
         self.prefix = f"kvar:{namespace}:"
         self.redis = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        self.online = False
+        self.sessions = RedisSessions(self.redis, self.prefix, router.config.sticky_ttl_s)
         self.version: int | None = None
         self._pending: list[tuple[str, Any]] = []  # changes made while Redis was away
-        self._sessions: dict[bytes, tuple[str, int]] = {}  # session writes (replica, unix ms) waiting for a flush
         self._tasks: list[asyncio.Task[None]] = []
         self.pulls = 0
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
@@ -70,6 +70,15 @@ class RedisState:
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    @property
+    def online(self) -> bool:
+        """Redis answers (as far as this instance knows); session traffic follows the same flag."""
+        return self.sessions.online
+
+    @online.setter
+    def online(self, value: bool) -> None:
+        self.sessions.online = value
 
     # -- life ------------------------------------------------------------------------------------
 
@@ -81,7 +90,7 @@ class RedisState:
         self._tasks = [
             asyncio.create_task(self._follow(), name="redis follow"),
             asyncio.create_task(self._listen(), name="redis listen"),
-            asyncio.create_task(self._flush_loop(), name="redis sessions"),
+            asyncio.create_task(self.sessions.run(), name="redis sessions"),
         ]
 
     async def close(self) -> None:
@@ -92,8 +101,7 @@ class RedisState:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
-        with contextlib.suppress(RedisError, OSError, TimeoutError):
-            await asyncio.wait_for(self._flush(), CLOSE_TIMEOUT_S)
+        await self.sessions.close()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
 
@@ -193,6 +201,8 @@ class RedisState:
         wanted = {k.decode(): orjson.loads(v) for k, v in replicas.items()}
         gone = {k.decode() for k in removed} - wanted.keys()
         changed = False
+        added: list[ReplicaState] = []
+        drained: list[tuple[ReplicaState, bool]] = []
         for rid in gone:
             replica = fleet.find(rid)
             if replica is not None:
@@ -208,11 +218,11 @@ class RedisState:
                     log.warning("cannot follow Redis: %s", exc)
                     continue
                 replica = fleet.replicas[-1]
-                router.balancer.added(replica)
+                added.append(replica)
                 changed = True
             if entry.get("draining") and replica.state != "draining":
                 fleet.drain(rid)
-                router.balancer.drain(replica, remove=bool(entry.get("remove")))
+                drained.append((replica, bool(entry.get("remove"))))
                 changed = True
         if router.discovery is not None:  # replicas discovery added are discovery's to remove
             router.discovery.managed |= {d.decode() for d in discovered if fleet.find(d.decode()) is not None}
@@ -232,6 +242,11 @@ class RedisState:
             changed = True
         if changed:
             router.publish()
+        # after the whole state is followed (no await above): scale-out and drain work
+        for replica in added:
+            await router.balancer.added(replica)
+        for replica, remove in drained:
+            await router.balancer.drain(replica, remove)
 
     # -- this instance's changes --------------------------------------------------------------------
 
@@ -279,21 +294,52 @@ class RedisState:
     # -- sessions ------------------------------------------------------------------------------------
 
     def session_served(self, key: bytes, replica: str, written_ms: int) -> None:
-        self._sessions.pop(key, None)
-        self._sessions[key] = (replica, written_ms)  # latest last
-        if len(self._sessions) > MAX_PENDING_SESSIONS:  # Redis is away for long: keep the newest
-            del self._sessions[next(iter(self._sessions))]
+        self.sessions.served(key, replica, written_ms)
 
     async def session(self, key: bytes) -> tuple[str, int] | None:
+        return await self.sessions.lookup(key)
+
+
+class RedisSessions:
+    """Sessions in Redis: where each was served last, looked up and written in batches.
+
+    A lone router (or the control process) has one inside its `RedisState`, which tells it when
+    Redis is there. A worker process has its own, `standalone`: it finds out itself, by pinging
+    Redis every second while it is away.
+    """
+
+    def __init__(self, client: Any, prefix: str, ttl_s: float, standalone: bool = False) -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.standalone = standalone
+        self.online = False
+        self._pending: dict[bytes, tuple[str, int]] = {}  # session writes (replica, unix ms) waiting for a flush
+
+    @classmethod
+    def connect(cls, url: str, namespace: str, ttl_s: float) -> RedisSessions:
+        client = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        return cls(client, f"kvar:{namespace}:", ttl_s, standalone=True)
+
+    def _key(self, key: bytes) -> str:
+        return self.prefix + "s:" + key.hex()
+
+    def served(self, key: bytes, replica: str, written_ms: int) -> None:
+        self._pending.pop(key, None)
+        self._pending[key] = (replica, written_ms)  # latest last
+        if len(self._pending) > MAX_PENDING_SESSIONS:  # Redis is away for long: keep the newest
+            del self._pending[next(iter(self._pending))]
+
+    async def lookup(self, key: bytes) -> tuple[str, int] | None:
         """Where the session was served last by any instance, and when (unix ms); None: nowhere,
         or Redis is away. A write of ours not flushed yet is the newest news."""
-        pending = self._sessions.get(key)
+        pending = self._pending.get(key)
         if pending is not None:
             return pending
         if not self.online:
             return None
         try:
-            value = await asyncio.wait_for(self.redis.get(self.key("s:" + key.hex())), LOOKUP_TIMEOUT_S)
+            value = await asyncio.wait_for(self.redis.get(self._key(key)), LOOKUP_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError):
             return None
         if not value:
@@ -301,26 +347,40 @@ class RedisState:
         replica, _, written = (value if isinstance(value, bytes) else str(value).encode()).partition(b"\0")
         return replica.decode(), int(written or 0)
 
-    async def _flush_loop(self) -> None:
+    async def run(self) -> None:
+        """Write what was served every FLUSH_S while Redis is there (standalone: find it again)."""
         while True:
             await asyncio.sleep(FLUSH_S)
-            if self.online and self._sessions:
-                try:
+            try:
+                if self.standalone and not self.online:
+                    await self.redis.ping()
+                    self.online = True
+                if self.online and self._pending:
                     await self._flush()
-                except (RedisError, OSError):
-                    self.online = False
+            except (RedisError, OSError):
+                self.online = False
+                if self.standalone:
+                    await asyncio.sleep(POLL_S)
+
+    async def close(self, own_client: bool = False) -> None:
+        """Write what is pending if Redis answers; every step bounded (redis-py issue 3941)."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self._flush(), CLOSE_TIMEOUT_S)
+        if own_client:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
 
     async def _flush(self) -> None:
-        batch, self._sessions = self._sessions, {}
+        batch, self._pending = self._pending, {}
         if not batch:
             return
-        ttl = max(int(self.router.config.sticky_ttl_s), 1)
+        ttl = max(int(self.ttl_s), 1)
         pipe = self.redis.pipeline(transaction=False)
         for key, (replica, written) in batch.items():
-            pipe.set(self.key("s:" + key.hex()), f"{replica}\0{written}", ex=ttl)
+            pipe.set(self._key(key), f"{replica}\0{written}", ex=ttl)
         try:
             await pipe.execute()
         except (RedisError, OSError):
             for key, entry in batch.items():  # keep them for the next flush (newer writes win)
-                self._sessions.setdefault(key, entry)
+                self._pending.setdefault(key, entry)
             raise

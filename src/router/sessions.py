@@ -59,14 +59,34 @@ class SessionTable:
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
 
-    def move(self, key: bytes, replica: str, reason: str) -> bool:
+    def move(self, key: bytes, replica: str, reason: str, written_ms: int | None = None) -> bool:
         """The router moved a live session to `replica` (its cache has been warmed there)."""
         entry = self._entries.get(key)
         if entry is None or entry[1] < self._clock():
             return False
-        self._entries[key] = (replica, entry[1], reason, _now_ms())
+        self._entries[key] = (replica, entry[1], reason, _now_ms() if written_ms is None else written_ms)
         self.version += 1
         return True
+
+    def place(self, key: bytes, replica: str, reason: str, seconds_left: float, written_ms: int) -> None:
+        """Another process moved this session to `replica`: enter it here too, marked with the
+        reason, so the jump is counted by whichever process serves its next turn."""
+        if seconds_left > 0:
+            self._entries[key] = (replica, self._clock() + min(seconds_left, self.ttl_s), reason, written_ms)
+            self._entries.move_to_end(key)
+            self.version += 1
+            while len(self._entries) > self.max_sessions:
+                self._entries.popitem(last=False)
+
+    def live(self, replica: str | None = None) -> list[tuple[bytes, str, float, int]]:
+        """(key, replica, seconds left, written unix ms) of the live sessions (last served by
+        `replica`, if given), oldest first."""
+        now = self._clock()
+        return [
+            (k, r, expires - now, written)
+            for k, (r, expires, _, written) in self._entries.items()
+            if expires >= now and (replica is None or r == replica)
+        ]
 
     def on(self, replica: str) -> list[bytes]:
         """The live sessions last served by `replica`, most recent last."""

@@ -161,3 +161,27 @@ async def test_a_scale_out_whose_warm_up_fails_moves_nobody(start_fleet, start_r
         await asyncio.sleep(0.05)
     assert router.metrics.warmups.labels("failed")._value.get() > 0
     assert all(router.sessions.get(f"w{i}".encode()) != "dead" for i in range(40))  # they stay with their caches
+
+
+async def test_a_migration_is_not_undone_by_a_request_running_there(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3, time_scale=1.0)  # real time: a long reply takes seconds
+    router, url = await start_router(named(fleet), health_checks="false")
+    ring = router.fleet.ring
+    session = next(f"g{i}" for i in range(200) if ring.lookup(f"g{i}".encode()) == 0)
+    assert await turn(url, session) == "emu-0"
+    _, origin, number = ring.locate(session.encode())  # type: ignore[misc]
+    body = {"messages": [{"role": "user", "content": f"{session} says go on"}], "max_tokens": 150, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        long = asyncio.ensure_future(
+            http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session})
+        )
+        await asyncio.sleep(0.3)
+        await router.balancer.migrate(Move(ring.replica_ids[origin], number, "emu-0", "emu-2", 0.5))
+        assert router.sessions.get(session.encode()) == "emu-2"
+        resp = await long
+        assert resp.headers["X-Router-Replica"] == "emu-0"
+        await resp.read()  # the reply on the old owner ends after the move
+        resp.release()
+    assert router.sessions.get(session.encode()) == "emu-2"
+    assert await turn(url, session, "hello " * 200 + "next") == "emu-2"
+    assert jumps(router) == {"migration": 1.0}

@@ -137,3 +137,34 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
     await wait_for(lambda: a.redis.online and b.redis.online, 10)
     await wait_for(lambda: members(b) == members(a) == ["emu-0", "emu-2", "emu-3"], 5)
     assert b.fleet.ring.overrides == a.fleet.ring.overrides
+
+
+async def test_workers_share_sessions_via_redis(start_fleet, start_router, serve_workers, redis_server) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(3)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    lone, url_lone = await start_router(
+        named, state=redis_server.url, admin_token="t", health_checks="false", rebalance="false"
+    )
+    workers = await serve_workers(named, "--state", redis_server.url, "--no-health-checks", "--no-rebalance")
+    await wait_for(lambda: lone.redis.online)
+    ring = lone.fleet.ring
+    # sessions served by either side, then their vnodes handed elsewhere: the ring now says go
+    # elsewhere, and only the session records in Redis say where their caches are
+    through_workers = {f"w{i}": await turn(workers.url, f"w{i}") for i in range(12)}
+    through_lone = {f"l{i}": await turn(url_lone, f"l{i}") for i in range(12)}
+    await asyncio.sleep(0.5)  # session writes are batched every 100 ms
+    moved: dict[tuple[int, int], str] = {}
+    for session, replica in (through_workers | through_lone).items():
+        _, origin, number = ring.locate(session.encode())
+        if (origin, number) not in moved:
+            moved[(origin, number)] = next(r for r in ("emu-0", "emu-1", "emu-2") if r != replica)
+    async with aiohttp.ClientSession() as http:
+        for (origin, number), owner in moved.items():
+            override = {"origin": ring.replica_ids[origin], "vnode": number, "owner": owner}
+            async with http.post(url_lone + "/admin/overrides", json=override, headers=AUTH) as r:
+                assert r.status == 200
+    await asyncio.sleep(1.5)  # the control process follows Redis, the workers follow the control process
+    for session, replica in through_workers.items():  # the lone router has never seen these
+        assert await turn(url_lone, session) == replica
+    for session, replica in through_lone.items():  # nor have the workers seen these
+        assert await turn(workers.url, session) == replica

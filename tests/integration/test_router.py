@@ -385,6 +385,8 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
         head = [lines.get(timeout=30) for _ in range(4)]
         assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (affinity, 2 replicas)")
         assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2]
+        more = [lines.get(timeout=5) for _ in range(3)]
+        assert f"console:         http://127.0.0.1:{port}/console" in "".join(head + more)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             data=orjson.dumps(chat("hi")),

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
-import re
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -21,63 +14,6 @@ import pytest
 from yarl import URL
 
 TOKEN = "workers-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Served:
-    def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
-        self.proc = proc
-        self.url = url
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.pids: list[int] = []
-        self.shm = ""
-        assert proc.stdout is not None
-        stdout = proc.stdout
-        threading.Thread(target=lambda: [self.lines.put(line) for line in stdout], daemon=True).start()
-
-    def line(self, pattern: str, timeout: float = 30) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            found = re.search(pattern, line)
-            if found:
-                return found
-
-
-@pytest.fixture
-async def serve_workers() -> AsyncIterator[Callable[..., Any]]:
-    started: list[Served] = []
-
-    async def start(replicas: list[str], *flags: str) -> Served:
-        port = free_port()
-        args = [sys.executable, "-m", "router.proxy.cli", "--workers", "2", "--port", str(port), "--state", "none"]
-        for r in replicas:
-            args += ["--replica", r]
-        proc = subprocess.Popen(
-            [*args, "--admin-token", TOKEN, *flags],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=os.environ | {"PYTHONUNBUFFERED": "1"},
-        )
-        served = Served(proc, f"http://127.0.0.1:{port}")
-        started.append(served)
-        # the event loop must keep serving the in-process replicas while the router starts
-        banner = r"workers: 2 processes \(pids (\d+), (\d+)\); shared memory: (\S+)"
-        match = await asyncio.to_thread(served.line, banner)
-        served.pids = [int(match[1]), int(match[2])]
-        served.shm = match[3]
-        return served
-
-    yield start
-    for served in started:
-        if served.proc.poll() is None:
-            served.proc.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(served.proc.wait, 20)
 
 
 def named(fleet: Any) -> list[str]:

@@ -53,3 +53,19 @@ def test_sessions_on_a_replica_and_save_restore() -> None:
         other.restore(key, replica, left)
     assert len(other) == 2 and other.get(b"a") is None  # bounded like any other table
     assert other.get(b"c") == "r1" and list(other.items())[-1][2] == 5.0  # capped at the TTL
+
+
+def test_a_move_made_elsewhere_is_placed_with_its_reason_and_listed() -> None:
+    clock = Clock()
+    table = SessionTable(max_sessions=10, ttl_s=10, clock=clock)
+    table.put(b"a", "r1")
+    table.place(b"b", "r2", "drain", seconds_left=30, written_ms=1234)  # capped at the TTL
+    table.place(b"c", "r2", "drain", seconds_left=0, written_ms=1234)  # already over: not entered
+    assert table.get(b"b") == "r2" and table.moved(b"b") == "drain" and table.written_ms(b"b") == 1234
+    assert table.get(b"c") is None
+    assert table.move(b"a", "r3", "migration", written_ms=99) and table.written_ms(b"a") == 99
+    clock.now = 4
+    assert table.live() == [(b"a", "r3", 6.0, 99), (b"b", "r2", 6.0, 1234)]
+    assert table.live("r2") == [(b"b", "r2", 6.0, 1234)]
+    clock.now = 11
+    assert table.live() == []

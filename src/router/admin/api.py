@@ -44,6 +44,13 @@ def add_admin_routes(app: web.Application, router: Router, replica_routes_only: 
         app.router.add_get("/admin/ring", api.guard(api.ring_shares))
 
 
+def token_ok(request: web.Request, token: str) -> bool:
+    """The request carries `Authorization: Bearer <token>` (compared in constant time)."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    offered = value.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(offered, token.encode())
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
@@ -59,10 +66,7 @@ class AdminApi:
                 return error_response(
                     "the admin API is disabled: set ROUTER_ADMIN_TOKEN or admin_token", 404, "not_found"
                 )
-            given = request.headers.get("Authorization", "")
-            scheme, _, value = given.partition(" ")
-            offered = value.strip().encode("utf-8", "surrogateescape")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(offered, token.encode()):
+            if not token_ok(request, token):
                 return error_response(
                     "missing or wrong admin token", 401, "authentication_error", headers={"WWW-Authenticate": "Bearer"}
                 )
@@ -130,7 +134,7 @@ class AdminApi:
             return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
         index = len(self.router.fleet) - 1
         self.router.shared_change("add", (spec.id, spec.url))
-        warming = self.router.balancer.added(self.router.fleet.replicas[index])  # slow start, warm-up
+        warming = await self.router.balancer.added(self.router.fleet.replicas[index])  # slow start, warm-up
         return _json(
             self._replica_json(index)
             | {"moved_share": sum(m.width for m in moved) / 2**64, "sessions_to_warm": warming},
@@ -162,7 +166,7 @@ class AdminApi:
         assert replica is not None and replica.index is not None
         removing = remove in ("true", "1")
         self.router.shared_change("drain", (replica.id, replica.url, removing))
-        moving = self.router.balancer.drain(replica, removing)
+        moving = await self.router.balancer.drain(replica, removing)
         return _json(self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": removing})
 
     async def set_override(self, request: web.Request) -> web.Response:
@@ -217,7 +221,7 @@ class AdminApi:
         router = self.router
         fleet, ring = router.fleet, router.fleet.ring
         key = RoutingKey(bounded_key(raw_key, router.config.max_key_bytes), "header", "query")
-        last = router.sessions.get(key.key)
+        last, _ = await router.last_served(key.key)
         # round_robin and least_load ignore keys, and asking them would move their rotation
         decision = router.policy.pick(key, last, set()) if router.policy.name in KEYED_POLICIES else None
         located = ring.locate(key.key)

@@ -13,8 +13,9 @@ takes no new sessions; its sessions are warmed on their new ring owners and move
 batch; it keeps serving the ones not moved yet and its in-flight requests; with `remove`, it
 leaves the fleet once nothing is in flight (or after `drain_timeout_s`).
 
-In a router with worker processes these act in the control process, which does not see the
-workers' sessions: there, rebalancing, warm-up and session moves are not active yet.
+In a router with worker processes these act in the control process, which asks the workers
+for what they saw (sessions, prompts, per-vnode traffic) and tells them what moved, through
+`router.view` (router.balance.view, router.proxy.internal).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
+from router.balance.view import LinkDown, SessionEntry
 from router.balance.warmup import PromptStore, warm
 from router.fleet import ReplicaState
 
@@ -43,7 +45,9 @@ class Balancer:
     def __init__(self, router: Router) -> None:
         cfg = router.config
         self.router = router
-        self.prompts = PromptStore(cfg.prompt_store_bytes, cfg.sticky_ttl_s)
+        # with worker processes each keeps the prompts of the requests it proxies: a share of the cap
+        share = max(cfg.workers, 1) if router.worker is not None else 1
+        self.prompts = PromptStore(cfg.prompt_store_bytes // share, cfg.sticky_ttl_s)
         self.traffic = VnodeTraffic()
         self.rebalancer = Rebalancer(
             RebalanceSettings(
@@ -89,6 +93,7 @@ class Balancer:
         if changed:
             router.publish()
         # a replica's load here: its requests in flight plus those waiting in its engine's queue
+        router.gather()  # with worker processes: their in-flight counts, summed
         loads = {
             r.id: r.inflight + (r.engine.waiting or 0.0)
             for r in fleet.replicas
@@ -98,7 +103,11 @@ class Balancer:
         self._scale_signals(now)
         for rid in loads:
             router.metrics.child(router.metrics.replica_load, rid).set(self.rebalancer.load(rid))
-        if router.config.rebalance and router.sessions_here and (router.redis is None or router.redis.leader):
+        view = router.view if router.view_ready.is_set() else None
+        if view is not None and router.config.rebalance:
+            for vnode, count in (await view.traffic()).items():  # what the workers counted
+                self.traffic.recent[vnode] += count
+        if view is not None and router.config.rebalance and (router.redis is None or router.redis.leader):
             ring = fleet.ring
             overrides = ring.overrides
             present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
@@ -139,11 +148,15 @@ class Balancer:
         router = self.router
         cfg = router.config
         m = router.metrics
-        hottest = keys[-cfg.warmup_sessions :] if cfg.warmup_sessions else []
-        chosen = [(key, stored) for key in reversed(hottest) if (stored := self.prompts.get(key)) is not None]
+        view = router.view
+        if view is None:
+            return 0
+        hottest = list(reversed(keys[-cfg.warmup_sessions :])) if cfg.warmup_sessions else []
+        stored = await view.prompts(hottest)
+        chosen = [(key, stored[key]) for key in hottest if key in stored]
         if cfg.warmup and chosen:
             result = await warm(
-                router.http, target.url, [stored for _, stored in chosen], cfg.warmup_concurrency, cfg.warmup_timeout_s
+                router.http, target.url, [prompt for _, prompt in chosen], cfg.warmup_concurrency, cfg.warmup_timeout_s
             )
             for outcome, count in (("ok", result.ok), ("failed", result.failed), ("skipped", result.skipped)):
                 if count:
@@ -153,15 +166,13 @@ class Balancer:
             ready = [key for key, _ in chosen]
         if target.index is None:
             return 0  # it left the fleet while we warmed
-        moved = 0
-        for key in keys if all_keys else ready:
-            if router.sessions.move(key, target.id, reason):
-                moved += 1
-                if router.redis is not None:
-                    router.redis.session_served(key, target.id, router.sessions.written_ms(key))
+        moved = await view.move(keys if all_keys else ready, target.id, reason)
+        if router.redis is not None:
+            for key, written in moved:
+                router.redis.session_served(key, target.id, written)
         if moved:
-            m.child(m.sessions_moved, reason).inc(moved)
-        return moved
+            m.child(m.sessions_moved, reason).inc(len(moved))
+        return len(moved)
 
     async def migrate(self, move: Move) -> None:
         """Warm the vnode's sessions on the target, then hand the vnode over (one at a time per
@@ -182,7 +193,7 @@ class Balancer:
         if source is None or target is None or move.origin not in ring.replica_ids:
             return
         keys = []
-        for key in router.sessions.on(source.id):
+        for key, *_ in await self._live(source.id):
             located = ring.locate(key)
             if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
                 keys.append(key)
@@ -198,29 +209,53 @@ class Balancer:
             "moved vnode %s#%d from %s to %s (%d sessions)", move.origin, move.number, source.id, target.id, len(keys)
         )
 
-    def added(self, replica: ReplicaState) -> int:
+    async def added(self, replica: ReplicaState) -> int:
         """Scale-out: slow start, and warm-up and move of the sessions that now belong to it.
         Returns how many sessions will be warmed and moved."""
         router = self.router
-        fleet = router.fleet
         now = time.monotonic()
-        keys = []
-        if replica.index is not None and router.sessions_here:
-            for key, owner, _ in router.sessions.items():  # before the ramp lowers its weight
-                if owner != replica.id and fleet.ring.lookup(key) == replica.index:
-                    keys.append(key)
         replica.health.start_warming(now)
-        fleet.apply_health(replica, now)
+        router.fleet.apply_health(replica, now)
         router.publish()
-        keys = keys[-router.config.warmup_sessions :] if router.config.warmup_sessions else []
+        if replica.index is None or not router.config.warmup_sessions:
+            return 0
+        sessions = await self._live(None)
+        keys = self._owned_at_full_weight(replica, [key for key, owner, _, _ in sessions if owner != replica.id])
+        keys = keys[-router.config.warmup_sessions :]
         if keys:
             self._spawn(self._warm_and_move(replica, keys, "scale_out", all_keys=False))
         return len(keys)
 
-    def drain(self, replica: ReplicaState, remove: bool) -> int:
+    async def _live(self, replica: str | None) -> list[SessionEntry]:
+        """The live sessions (of `replica`); none while the view cannot answer."""
+        router = self.router
+        if router.view is None or not router.view_ready.is_set():
+            return []
+        try:
+            return await router.view.live(replica)
+        except LinkDown:
+            return []
+
+    def _owned_at_full_weight(self, replica: ReplicaState, keys: list[bytes]) -> list[bytes]:
+        """The keys the ring gives `replica` once its slow start is over."""
+        ring = self.router.fleet.ring
+        i = replica.index
+        if i is None:
+            return []
+        weight, available = ring.weights[i], ring.available[i]
+        # local only, with no await in between: nothing is published, nothing routes by it
+        ring.set_available(i, True)
+        ring.set_weight(i, 1.0)
+        try:
+            return [key for key in keys if ring.lookup(key) == i]
+        finally:
+            ring.set_weight(i, weight)
+            ring.set_available(i, available)
+
+    async def drain(self, replica: ReplicaState, remove: bool) -> int:
         """Move a draining replica's sessions to their ring owners, warming first; then remove it
         if asked. Returns how many sessions are to move."""
-        keys = self.router.sessions.on(replica.id)
+        keys = [key for key, *_ in await self._live(replica.id)]
         if remove:
             self.removing.add(replica.id)
         self._spawn(self._drain(replica, keys, remove))
@@ -240,7 +275,7 @@ class Balancer:
             for target, group in groups.values():
                 if target.index is not None:
                     await self._warm_and_move(target, group, "drain", all_keys=True)
-            keys = [k for k in router.sessions.on(replica.id)]
+            keys = [key for key, *_ in await self._live(replica.id)]
             if not keys or replica.index is None or replica.state != "draining":
                 break
         if not remove:

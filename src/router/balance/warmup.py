@@ -55,6 +55,11 @@ class PromptStore:
             self.bytes -= len(dropped)
 
     def get(self, key: bytes) -> tuple[str, bytes] | None:
+        entry = self.entry(key)
+        return None if entry is None else (entry[0], entry[1])
+
+    def entry(self, key: bytes) -> tuple[str, bytes, float] | None:
+        """(path, body, expiry on the monotonic clock) of the key's latest request, if it lives."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -62,7 +67,7 @@ class PromptStore:
             del self._entries[key]
             self.bytes -= len(entry[1])
             return None
-        return entry[0], entry[1]
+        return entry
 
 
 def prefill_only(body: bytes) -> bytes | None:

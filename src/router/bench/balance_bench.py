@@ -14,6 +14,8 @@ emulated fleet, router-serve's application in front of it, and multi-turn chat s
 
 The settings the scenarios use (short rebalancing window and cooldown so that a run takes a
 minute, not an hour) are printed with the results; `--setting NAME=VALUE` overrides them.
+With `--workers N` the router is `router-serve --workers N` in a child process (the same
+settings, as ROUTER_* variables), so the control process balances what the workers served.
 """
 
 from __future__ import annotations
@@ -23,18 +25,24 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
 from router.config import load
 from router.measures import coefficient_of_variation, kv_hit_rate
+
+if TYPE_CHECKING:
+    from router.proxy.app import Router
 
 ADMIN_TOKEN = "bench"
 SCENARIOS = ("skew", "scale-out", "drain")
@@ -56,6 +64,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hot-think", type=float, default=0.5, help="skew: busy sessions' mean think time (default 0.5)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router worker processes (default 1: the router runs in this process; more: "
+        "router-serve --workers N is started as a child process)",
+    )
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE", help="a router setting")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
@@ -135,39 +150,78 @@ async def _turn(http: aiohttp.ClientSession, url: str, session: str, messages: l
 
 
 class Harness:
-    """An emulated fleet and a router in this process, and sessions driving them."""
+    """An emulated fleet and a router (in this process, or `router-serve --workers N` as a child
+    process), and sessions driving them."""
 
-    def __init__(self, replicas: int, settings: dict[str, str]) -> None:
+    def __init__(self, replicas: int, settings: dict[str, str], workers: int = 1) -> None:
         self.n = replicas
         self.settings = settings
+        self.workers = workers
+        self.router: Router | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.runner: web.AppRunner | None = None
         self.run = Run()
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Harness:
-        from aiohttp import web
-
         from router.emulator.server import Fleet as EmulatorFleet
         from router.emulator.server import Replica, ReplicaOptions
         from router.proxy.app import Router
 
-        ports = [free_port() for _ in range(self.n + 1)]  # one spare, for scale-out
-        self.ports = ports
-        specs = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports[: self.n])]
-        self.config = load(None, {}, {"replicas": specs, **self.settings})
+        # the emulators take ports the kernel gives them (picked ahead, one could be taken meanwhile)
         self.emulators = EmulatorFleet(
-            [Replica(ReplicaOptions(replica_id=f"emu-{i}", port=p)) for i, p in enumerate(ports)]
+            [Replica(ReplicaOptions(replica_id=f"emu-{i}", port=0)) for i in range(self.n + 1)]  # one spare
         )
         await self.emulators.start()
-        self.router = Router(self.config)
-        self.runner = web.AppRunner(self.router.app(), handle_signals=False, access_log=None)
-        await self.runner.setup()
+        self.ports = ports = [r.port for r in self.emulators.replicas]
+        specs = [f"emu-{i}=http://127.0.0.1:{p}" for i, p in enumerate(ports[: self.n])]
+        self.config = load(None, {}, {"replicas": specs, **self.settings})
         port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.base = f"http://127.0.0.1:{port}"
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if self.workers > 1:
+            await self._start_workers(port, specs)
+        else:
+            self.router = Router(self.config)
+            self.runner = web.AppRunner(self.router.app(), handle_signals=False, access_log=None)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.t0 = time.monotonic()
         return self
+
+    async def _start_workers(self, port: int, specs: list[str]) -> None:
+        """router-serve --workers N with the same settings (as ROUTER_* variables), ready to serve."""
+        args = [sys.executable, "-m", "router.proxy.cli", "--workers", str(self.workers), "--port", str(port)]
+        for spec in specs:
+            args += ["--replica", spec]
+        env = os.environ | {"ROUTER_" + name.upper(): value for name, value in self.settings.items()}
+        self.proc = await asyncio.create_subprocess_exec(
+            *args, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.proc.returncode is None:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with self.http.get(self.base + "/health") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+        problem = b""
+        if self.proc.returncode is not None and self.proc.stderr is not None:
+            problem = await self.proc.stderr.read()
+        raise RuntimeError(f"router-serve --workers {self.workers} did not start: {problem.decode().strip()}")
+
+    async def metric(self, name: str) -> float:
+        """A label-less sample of the router's /metrics (0 while absent)."""
+        async with self.http.get(self.base + "/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith(name + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async def has_replica(self, replica_id: str) -> bool:
+        replicas = await self.admin("GET", "/admin/replicas")
+        return any(r["id"] == replica_id for r in replicas)
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop.set()
@@ -177,7 +231,15 @@ class Harness:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.http.close()
-        await self.runner.cleanup()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()  # our own child, by its PID: it drains and exits
+            try:
+                await asyncio.wait_for(self.proc.wait(), 40)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
         await self.emulators.stop()
 
     def session(self, name: str, think_s: float, rng: random.Random) -> None:
@@ -197,11 +259,11 @@ class Harness:
 
         self.tasks.append(asyncio.create_task(loop()))
 
-    async def admin(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+    async def admin(self, method: str, path: str, body: Any = None) -> Any:
         async with self.http.request(
             method, self.base + path, json=body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
         ) as r:
-            answer: dict[str, Any] = await r.json()
+            answer = await r.json()
             if r.status >= 400:
                 raise RuntimeError(f"{method} {path}: {r.status} {answer}")
             return answer
@@ -228,7 +290,7 @@ def _jumps(turns: list[Turn]) -> tuple[int, int]:
 async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
     settings = {**BASE_SETTINGS, "rebalance": str(rebalance).lower(), **_settings(args)}
     rng = random.Random(args.seed)
-    async with Harness(args.replicas, settings) as h:
+    async with Harness(args.replicas, settings, args.workers) as h:
         for i in range(args.sessions):
             for _ in range(args.hot_streams if i < args.hot else 1):
                 h.session(f"s{i}", args.hot_think if i < args.hot else args.think, rng)
@@ -245,7 +307,7 @@ async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
             "kv_hit_rate": round(_later_turn_hit_rate(turns), 4),
             "requests_per_replica": per,
             "jump_rate": round(jumps / followups, 4) if followups else 0.0,
-            "vnodes_moved": h.router.balancer.rebalancer.moves,
+            "vnodes_moved": int(await h.metric("router_vnode_migrations_total")),
             "failed": sum(t.status != 200 or t.cut for t in h.run.turns),
         }
 
@@ -253,7 +315,7 @@ async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
 async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
     settings = {**BASE_SETTINGS, "warmup": str(warmup).lower(), "rebalance": "false", **_settings(args)}
     rng = random.Random(args.seed)
-    async with Harness(args.replicas, settings) as h:
+    async with Harness(args.replicas, settings, args.workers) as h:
         for i in range(args.sessions):
             h.session(f"s{i}", args.think, rng)
         await asyncio.sleep(args.duration / 2)
@@ -292,7 +354,7 @@ async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
 async def drain(args: argparse.Namespace) -> dict[str, Any]:
     settings = {**BASE_SETTINGS, "rebalance": "false", **_settings(args)}
     rng = random.Random(args.seed)
-    async with Harness(args.replicas, settings) as h:
+    async with Harness(args.replicas, settings, args.workers) as h:
         for i in range(args.sessions):
             h.session(f"s{i}", args.think / 4, rng)
         await asyncio.sleep(args.duration / 3)
@@ -300,7 +362,7 @@ async def drain(args: argparse.Namespace) -> dict[str, Any]:
         drained_at = time.monotonic()
         gone_at = None
         while time.monotonic() - drained_at < args.duration * 2 / 3:
-            if gone_at is None and h.router.fleet.find("emu-0") is None:
+            if gone_at is None and not await h.has_replica("emu-0"):
                 gone_at = time.monotonic()
             await asyncio.sleep(0.1)
         after = h.run.since(drained_at + 1.0)
@@ -320,7 +382,11 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     which = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    result: dict[str, Any] = {"settings": {**BASE_SETTINGS, **_settings(args)}, "replicas": args.replicas}
+    result: dict[str, Any] = {
+        "settings": {**BASE_SETTINGS, **_settings(args)},
+        "replicas": args.replicas,
+        "workers": args.workers,
+    }
     result["settings"].pop("admin_token", None)
     if "skew" in which:
         result["skew"] = [await skew(args, False), await skew(args, True)]
@@ -332,8 +398,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.replicas < 2 or args.sessions < 1 or args.duration <= 0:
-        print("router-bench balance: need --replicas >= 2, --sessions >= 1 and --duration > 0")
+    if args.replicas < 2 or args.sessions < 1 or args.duration <= 0 or args.workers < 1:
+        print("router-bench balance: need --replicas >= 2, --sessions >= 1, --duration > 0 and --workers >= 1")
         return 2
     out = measure("balance", lambda: run(args))
     if out is None:
@@ -341,7 +407,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"balance, {out['replicas']} emulated replicas, settings {out['settings']}")
+    router = f"router-serve --workers {out['workers']}" if out["workers"] > 1 else "the router in this process"
+    print(f"balance, {out['replicas']} emulated replicas, {router}, settings {out['settings']}")
     for row in out.get("skew", []):
         print(
             f"  skew, rebalance {'on ' if row['rebalance'] else 'off'}: load CV {row['load_cv']:.3f}, "

@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from router.balance.controller import Balancer
+from router.balance.view import LinkDown, LocalSessions, SessionEntry, SessionSource
 from router.config import ReplicaSpec, RouterConfig, score_weights
 from router.discovery import Discovery
 from router.errors import error_response
@@ -30,10 +31,11 @@ from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
-from router.metrics import RouterMetrics, replica_gauge_families
+from router.metrics import PER_REPLICA_GAUGES, RouterMetrics, replica_gauge_families
 from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
-from router.redis_state import RedisState
+from router.proxy.internal import serve_internal, worker_socket
+from router.redis_state import RedisSessions, RedisState
 from router.sessions import SessionTable
 from router.shared import Follower, Publisher, SharedSessions
 from router.shm.table import SlotTable
@@ -122,18 +124,32 @@ class Router:
             if config.discovery and worker is None
             else None
         )
+        # where the balance loop finds sessions: here (a lone router), or, for the control process of
+        # worker processes, the workers (router.proxy.workers sets it); a worker has none
+        self.view: SessionSource | None = LocalSessions(self) if worker is None and config.workers <= 1 else None
+        self.view_ready = asyncio.Event()  # the view answers (workers: once they have started)
+        if self.view is not None:
+            self.view_ready.set()
+        self._restored_sessions: list[SessionEntry] = []  # for the workers, once they answer
+        self._saved_sessions: list[SessionEntry] = []
         self.state_file: StateFile | None = None
+        self._restored: dict[str, int] | None = None  # what the saved routing state brought back
         self._restored_drains: list[tuple[str, bool]] = []
         self.redis: RedisState | None = None
-        if worker is None and config.state.startswith(("redis://", "rediss://")):
-            self.redis = RedisState(self, config.state, config.state_namespace)
+        self.redis_sessions: RedisSessions | None = None  # where sessions are looked up and written in Redis
+        if config.state.startswith(("redis://", "rediss://")):
+            if worker is None:
+                self.redis = RedisState(self, config.state, config.state_namespace)
+                self.redis_sessions = self.redis.sessions
+            else:  # a worker looks sessions up and writes them itself; the control process does the rest
+                self.redis_sessions = RedisSessions.connect(config.state, config.state_namespace, config.sticky_ttl_s)
         elif worker is None and config.state != "none":
             directory = config.state[5:] if config.state.startswith("file:") else default_directory()
             self.state_file = StateFile(directory, config.host, config.port)
             saved = self.state_file.load()  # StateError: the caller says so and stops
             if saved is not None:
                 self._restore(saved)
-        self._saved_at = (-1, -1)
+        self._saved_at: tuple[int, int | None] = (-1, -1)
         self._save_lock = asyncio.Lock()
 
     def state_line(self) -> str:
@@ -141,13 +157,12 @@ class Router:
         if self.redis is not None:
             return f"routing state: shared through {self.config.state} (namespace {self.config.state_namespace})"
         if self.state_file is not None:
-            return f"routing state: saved to {self.state_file.path} (--state none turns it off)"
+            line = f"routing state: saved to {self.state_file.path} (--state none turns it off)"
+            if self._restored is not None:
+                restored = ", ".join(f"{count} {what}" for what, count in self._restored.items())
+                line += f"; restored: {restored}"
+            return line
         return "routing state: not saved (--state none)"
-
-    @property
-    def sessions_here(self) -> bool:
-        """This process proxies, and its session table is the router's only one (no workers)."""
-        return self.worker is None and self.config.workers <= 1
 
     # -- routing state that survives a restart ----------------------------------------------------
 
@@ -170,12 +185,18 @@ class Router:
             if origin in ring.replica_ids and owner in ring.replica_ids and 0 <= number < ring.vnodes:
                 ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
         down = max(time.time() - saved.saved_at, 0.0)
-        if self.sessions_here:
-            for key, replica, left in saved.sessions:
-                self.sessions.restore(key, replica, left - down)
-        access_log.info("routing state restored: %s", describe(saved))
+        now_ms = int(time.time() * 1000)
+        live = [(key, replica, left - down, now_ms) for key, replica, left in saved.sessions if left > down]
+        if isinstance(self.view, LocalSessions):
+            for key, replica, left, written in live:
+                self.sessions.restore(key, replica, left, written)
+        else:  # the workers get them when they answer (`_after_start`)
+            self._restored_sessions = live
+        self._saved_sessions = live
+        self._restored = describe(saved)
+        access_log.info("routing state restored: %s", self._restored)
 
-    def routing_state(self) -> RoutingState:
+    def routing_state(self, sessions: list[SessionEntry]) -> RoutingState:
         fleet = self.fleet
         configured = {r.id for r in self.config.replicas}
         present = {r.id for r in fleet.replicas}
@@ -187,18 +208,23 @@ class Router:
             removing=sorted(self.balancer.removing),
             discovered=sorted(self.discovery.managed) if self.discovery is not None else [],
             overrides=[(origin, number, owner) for (origin, number), owner in fleet.ring.overrides.items()],
-            sessions=list(self.sessions.items()) if self.sessions_here else [],
+            sessions=[(key, replica, left) for key, replica, left, _ in sessions],
         )
 
     async def save_state(self, force: bool = False) -> None:
         """Save the routing state if it changed since the last save (or `force`)."""
         if self.state_file is None:
             return
-        mark = (self.changes, self.sessions.version)
+        view = self.view
+        answering = view is not None and self.view_ready.is_set()
+        mark = (self.changes, await view.version() if view is not None and answering else None)
         if mark == self._saved_at and not force:
             return
         async with self._save_lock:  # one save at a time: an older snapshot never lands last
-            state = self.routing_state()
+            if view is not None and answering:
+                with contextlib.suppress(LinkDown):  # the workers are gone (stopping): as last saved
+                    self._saved_sessions = await view.live()
+            state = self.routing_state(self._saved_sessions)
             await asyncio.to_thread(self.state_file.save, state)
             self._saved_at = mark
 
@@ -244,17 +270,26 @@ class Router:
         except OSError as exc:
             logging.getLogger("router.state").error("cannot save the routing state: %s", exc)
 
-    async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
+    async def _after_start(self) -> None:
+        """Once the view answers: restored sessions to the workers, restored drains go on."""
+        await self.view_ready.wait()
+        if self._restored_sessions and self.view is not None:
+            await self.view.restore(self._restored_sessions)
+            self._restored_sessions = []
         for rid, remove in self._restored_drains:  # drains under way when the router stopped go on
             replica = self.fleet.find(rid)
             if replica is not None and replica.state == "draining":
-                self.balancer.drain(replica, remove)
+                await self.balancer.drain(replica, remove)
         self._restored_drains.clear()
+
+    async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
         self.balance_task = task = asyncio.create_task(self.balancer.run(), name="balance")
+        start = asyncio.create_task(self._after_start(), name="restored drains")
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for t in (start, task):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
         await self.balancer.close()
 
     # -- shared state (worker processes) ---------------------------------------------------------
@@ -307,8 +342,23 @@ class Router:
         if not path:
             return None
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path)  # type: ignore[no-untyped-call]
+        files = multiprocess.MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
         fleet = self.fleet
+
+        class FromFiles:
+            """Every process's counters, histograms and the control process's gauges; the
+            per-replica gauges come from the table instead, and only for replicas still there."""
+
+            def collect(self) -> list[Any]:
+                present = {r.id for r in fleet.replicas if r.index is not None}
+                families = []
+                for family in files.collect():  # type: ignore[no-untyped-call]
+                    if family.name in PER_REPLICA_GAUGES:
+                        continue
+                    if family.name == "router_replica_load":
+                        family.samples = [s for s in family.samples if s.labels.get("replica") in present]
+                    families.append(family)
+                return families
 
         class ReplicaGauges:
             def collect(self) -> list[Any]:
@@ -328,6 +378,7 @@ class Router:
                     ]
                 )
 
+        registry.register(FromFiles())
         registry.register(ReplicaGauges())
         return registry
 
@@ -351,11 +402,18 @@ class Router:
                     logging.getLogger("router.workers").exception("following the shared table failed")
                 await asyncio.sleep(SYNC_INTERVAL_S)
 
-        task = asyncio.create_task(tick(), name="shared table follower")
+        tasks = [asyncio.create_task(tick(), name="shared table follower")]
+        if self.redis_sessions is not None:
+            tasks.append(asyncio.create_task(self.redis_sessions.run(), name="redis sessions"))
+        internal = await serve_internal(self, worker_socket(self.control_socket or "", follower.worker))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await internal.cleanup()
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.redis_sessions is not None:
+            await self.redis_sessions.close(own_client=True)
         await self.control.close()
 
     async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -375,6 +433,7 @@ class Router:
 
     def app(self, control_only: bool = False) -> web.Application:
         from router.admin.api import add_admin_routes
+        from router.console.routes import add_console_routes
 
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app[ROUTER_KEY] = self
@@ -389,6 +448,8 @@ class Router:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         add_admin_routes(app, self)
+        if self.config.console:
+            add_console_routes(app, self)
         if self.follower is not None:
             app.cleanup_ctx.append(self._follower_ctx)  # a worker: the control process runs the loops
         else:
@@ -472,20 +533,7 @@ class Router:
                 body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
                 raw = orjson.dumps(body)
                 strip_usage = True
-        last = self.sessions.get(key.key) if key.kind != "none" else None
-        if key.kind != "none" and (self.shared_sessions is not None or self.redis is not None):
-            # another worker or router may have served (or moved) the session since: newest wins
-            newest = self.sessions.written_ms(key.key) if last is not None else 0
-            if self.shared_sessions is not None:
-                found = self.shared_sessions.get(key.key)
-                if found is not None and found[1] > newest:
-                    last, newest = found[0].id, found[1]
-            if self.redis is not None:
-                shared = await self.redis.session(key.key)
-                if shared is not None and shared[1] > newest:
-                    last = shared[0]
-                    left = cfg.sticky_ttl_s - (time.time() * 1000 - shared[1]) / 1000
-                    self.sessions.restore(key.key, last, left, shared[1])
+        last, local = await self.last_served(key.key) if key.kind != "none" else (None, False)
         headers = forward_headers(request)
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
@@ -532,11 +580,31 @@ class Router:
                 failure = result
                 self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
-            self._account(key, last, replica, decision, result, first_choice, t0, alone)
-            if key.kind != "none" and result.status < 400 and self.follower is None:
+            self._account(key, last, replica, decision, result, first_choice, t0, alone, local)
+            if key.kind != "none" and result.status < 400:
                 self.balancer.served(key.key, request.path, raw)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
         return self._finish(request, self._no_replica(failure, bool(tried)), None, key, None, t0, None, len(tried))
+
+    async def last_served(self, key: bytes) -> tuple[str | None, bool]:
+        """Where the session was served last, and whether this process's own entry says so (else
+        another worker's or router's newer news does): the newest of the three wins."""
+        last = self.sessions.get(key)
+        local = last is not None
+        if self.shared_sessions is None and self.redis_sessions is None:
+            return last, local
+        newest = self.sessions.written_ms(key) if last is not None else 0
+        if self.shared_sessions is not None:
+            found = self.shared_sessions.get(key)
+            if found is not None and found[1] > newest:
+                last, newest, local = found[0].id, found[1], False
+        if self.redis_sessions is not None:
+            shared = await self.redis_sessions.lookup(key)
+            if shared is not None and shared[1] > newest:
+                last, local = shared[0], False
+                left = self.config.sticky_ttl_s - (time.time() * 1000 - shared[1]) / 1000
+                self.sessions.restore(key, last, left, shared[1])
+        return last, local
 
     def _no_replica(self, failure: Retry | None, tried: bool) -> web.Response:
         if failure is not None and failure.cause == "http_5xx" and failure.body:
@@ -562,6 +630,7 @@ class Router:
         first_choice: ReplicaState | None,
         t0: float,
         alone: bool = False,
+        local: bool = True,
     ) -> None:
         m = self.metrics
         if result.prompt_tokens:
@@ -587,20 +656,25 @@ class Router:
         if key.kind != "none" and result.status < 400:
             if last is not None:
                 m.followups.inc()
-                moved = self.sessions.moved(key.key)
-                if moved is not None and last == replica.id:
+                moved = self.sessions.moved(key.key) if local else None  # else the news came from elsewhere
+                if moved is not None and last == replica.id == self.sessions.get(key.key):
                     m.child(m.jumps, moved).inc()  # the router moved it here (its cache was warmed first)
                 elif last != replica.id:
                     m.child(m.jumps, self._jump_reason(last, decision)).inc()
-            if replica.state == "draining" and self.sessions.get(key.key) not in (None, replica.id):
-                pass  # the drain moved it while this request ran: its next turn goes where it was moved
+            started_ms = (time.time() - (time.monotonic() - t0)) * 1000
+            if (
+                self.sessions.moved(key.key) is not None
+                and self.sessions.written_ms(key.key) > started_ms
+                and self.sessions.get(key.key) != replica.id
+            ):
+                pass  # the router moved it (drain, migration) while this request ran: its next turn goes there
             else:
                 self.sessions.put(key.key, replica.id)
                 written = self.sessions.written_ms(key.key)
                 if self.shared_sessions is not None:
                     self.shared_sessions.put(key.key, replica, written)
-                if self.redis is not None:
-                    self.redis.session_served(key.key, replica.id, written)
+                if self.redis_sessions is not None:
+                    self.redis_sessions.served(key.key, replica.id, written)
 
     def _jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last`: the reason is a label of router_session_jumps."""
@@ -701,7 +775,8 @@ class Router:
         }
         return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    def metrics_registry(self) -> CollectorRegistry:
+        """What /metrics serves, brought up to date: the per-replica gauges as of now."""
         m = self.metrics
         if self.follower is not None:  # this worker's view of every worker's in-flight requests, and of health
             self.follower.refresh()
@@ -714,5 +789,8 @@ class Router:
             m.routable.labels(r.id).set(1 if r.health.routable else 0)
             m.state_changes.labels(r.id).set(r.health.transitions)
             m.show_health(r.id, r.state, r.inputs)
-        registry = self.multiprocess_metrics or self.metrics.registry
-        return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
+        return self.multiprocess_metrics or self.metrics.registry
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics_registry())
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")

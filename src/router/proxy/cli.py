@@ -80,7 +80,10 @@ HELP = {
     "shm_name": "shared-memory segment name for workers and colocated router-agents (default: kvar-<pid> "
     "with --workers above 1; with one worker, set it to let router-agent --shm write GPU figures)",
     "shm_slots": "replicas the shared-memory table holds at most (default 1024)",
-    "admin_token": "bearer token of the /admin API (default: API off)",
+    "console": "serve the operator console at /console (default on; its data needs the admin token when one is set)",
+    "console_interval_s": "seconds between the console's samples of the metrics (default 2)",
+    "console_history_s": "seconds of history the console keeps and shows (default 900)",
+    "admin_token": "bearer token of the /admin API and the console's data (default: API off, console open)",
     "log_requests": "one JSON log line per request (default off)",
     "demo": "start N emulated replicas in-process and route to them too",
 }
@@ -144,14 +147,18 @@ async def serve(config: RouterConfig) -> None:
         config = RouterConfig(**{**config.__dict__, "replicas": config.replicas + specs})
     base = f"http://{config.host}:{config.port}"
     banner = f"router-serve listening on {base} ({config.policy}, {len(config.replicas)} replicas)"
+    console = f"{base}/console" + (" (asks for the admin token)" if config.admin_token else "")
     if demo_fleet is not None:
         banner += f"""
 demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.replicas)}
   send a request:  curl -s {base}/v1/chat/completions -H 'X-Session-ID: demo-1' \\
                      -d '{{"model": "emulated-llm", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
   metrics:         {base}/metrics        health: {base}/health
+  console:         {console if config.console else "off (--console turns it on)"}
   measure it:      router-bench replay --target {base} --duration 60
   stop:            Ctrl-C"""
+    elif config.console:
+        banner += f"\nconsole: {console}"
     try:
         if config.workers > 1:
             await serve_workers(config, banner)

@@ -26,11 +26,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from aiohttp import web
-from prometheus_client import multiprocess
+from prometheus_client import multiprocess, values
 
 from router._runtime import run, stop_event, until_stopped
 from router.config import RouterConfig
 from router.proxy.app import Router
+from router.proxy.internal import WorkerLink, worker_socket
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 
@@ -232,7 +233,14 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         metrics_dir = os.path.join(private, "metrics")
         os.mkdir(metrics_dir)
         control_socket = os.path.join(private, "control.sock")
+        # the control process's own metrics (moves, warm-ups, migrations, scale signals) go to the
+        # multiprocess files too, so any worker's /metrics shows them: prometheus_client picks the
+        # value class when a metric's child is made, and none is made before this point
+        os.environ[METRICS_ENV] = metrics_dir
+        values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
         router = Router(config, table=table)
+        router.metrics.in_files = True
+        router.view = link = WorkerLink([worker_socket(control_socket, i) for i in range(config.workers)])
         router.publish()
         pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=router.worker_restarted)
         runner = web.AppRunner(router.app(control_only=True), handle_signals=False, access_log=None)
@@ -242,6 +250,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
             watcher = None
             try:
                 await pool.start_all()
+                router.view_ready.set()  # the balance loop can ask the workers now
                 print(banner, flush=True)
                 print(router.state_line(), flush=True)
                 print(
@@ -252,13 +261,17 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                 watcher = asyncio.create_task(pool.watch())
                 await until_stopped(stop)
             finally:
+                with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell
+                    await router.save_state(force=True)
                 await pool.stop()
+                router.view_ready.clear()  # the final save keeps the sessions saved above
                 if watcher is not None:
                     watcher.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await watcher
         finally:
             await runner.cleanup()
+            await link.close()
     finally:
         table.close()
         shutil.rmtree(private, ignore_errors=True)

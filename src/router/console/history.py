@@ -1,0 +1,210 @@
+"""The console's time series and events: a bounded history sampled from the router's own metrics.
+
+Every `interval_s` the sampler reads the same registry `/metrics` serves (with worker processes,
+every worker's counters merged and the replica table's gauges), so the console never shows a
+figure `/metrics` does not. From two samples it derives, per replica and for the fleet:
+
+- `inflight`: requests in flight at the sample;
+- `qps`: requests answered per second since the previous sample;
+- `hit`: KV hit rate, cached / prompt tokens reported by replicas, over the last `window_s`;
+- `jump`: for the fleet, jumps / follow-up requests of sessions over the last `window_s`;
+- `ttft_p99`: the 99th percentile of time to first byte over the last `window_s`, read off the
+  `router_ttft_seconds` histogram's buckets (so it is a bucket's upper bound);
+- `state`: the replica's health state, or `left` once it is no longer in the fleet.
+
+Events are what changed between two samples: a replica's state (removed, returned, draining,
+warming, ...), a replica added or gone, vnode migrations, spills, sessions moved and warm-up
+requests. Points are kept for `history_s`, events up to MAX_EVENTS; memory is bounded by both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_EVENTS = 500
+STATE_EVENTS = {
+    "removed": "removed",
+    "draining": "drain",
+    "warming": "warming",
+    "recovering": "recovering",
+    "suspect": "suspect",
+}
+
+
+@dataclass
+class Totals:
+    """One reading of the metrics (counters are totals since the router started)."""
+
+    at: float
+    requests: dict[str, float] = field(default_factory=dict)
+    prompt: dict[str, float] = field(default_factory=dict)
+    cached: dict[str, float] = field(default_factory=dict)
+    inflight: dict[str, float] = field(default_factory=dict)
+    state: dict[str, str] = field(default_factory=dict)
+    followups: float = 0.0
+    jumps: dict[str, float] = field(default_factory=dict)
+    moved: dict[str, float] = field(default_factory=dict)
+    warmups: dict[str, float] = field(default_factory=dict)
+    migrations: float = 0.0
+    ttft: dict[str, dict[float, float]] = field(default_factory=dict)  # replica -> bucket bound -> count
+
+
+# sample name -> (Totals field, the label that keys it): plain per-label readings
+BY_LABEL = {
+    "router_prompt_tokens_total": ("prompt", "replica"),
+    "router_cached_tokens_total": ("cached", "replica"),
+    "router_inflight": ("inflight", "replica"),
+    "router_session_jumps_total": ("jumps", "reason"),
+    "router_sessions_moved_total": ("moved", "reason"),
+    "router_warmup_requests_total": ("warmups", "result"),
+}
+
+
+def read_totals(families: Iterable[Any], at: float) -> Totals:
+    """Totals from prometheus_client metric families (registry.collect())."""
+    t = Totals(at)
+    for family in families:
+        for s in family.samples:
+            name, labels, value = s.name, s.labels, s.value
+            if name in BY_LABEL:
+                field_name, label = BY_LABEL[name]
+                getattr(t, field_name)[labels[label]] = value
+            elif name == "router_requests_total":
+                replica = labels.get("replica", "none")
+                if replica != "none":
+                    t.requests[replica] = t.requests.get(replica, 0.0) + value
+            elif name == "router_replica_state" and value == 1:
+                t.state[labels["replica"]] = labels["state"]
+            elif name == "router_session_followups_total":
+                t.followups = value
+            elif name == "router_vnode_migrations_total":
+                t.migrations = value
+            elif name == "router_ttft_seconds_bucket":
+                t.ttft.setdefault(labels["replica"], {})[float(labels["le"])] = value
+    return t
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den > 0 else None
+
+
+def _delta(new: dict[Any, float], old: dict[Any, float], key: Any) -> float:
+    return max(new.get(key, 0.0) - old.get(key, 0.0), 0.0)  # a restarted worker's counts start over
+
+
+def quantile_bound(new: dict[float, float], old: dict[float, float], q: float) -> float | None:
+    """The upper bound of the histogram bucket holding quantile `q` of what was observed between
+    two readings (cumulative buckets), or None if nothing was; inf: beyond the last bound."""
+    total = _delta(new, old, float("inf"))
+    if total <= 0:
+        return None
+    for bound in sorted(new):
+        if _delta(new, old, bound) >= q * total:
+            return bound
+    return float("inf")
+
+
+class History:
+    def __init__(
+        self,
+        collect: Callable[[], Iterable[Any]],
+        interval_s: float = 2.0,
+        history_s: float = 900.0,
+        window_s: float = 20.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.collect = collect
+        self.interval_s = interval_s
+        self.history_s = history_s
+        self.points: deque[dict[str, Any]] = deque(maxlen=max(int(history_s / interval_s), 2))
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self._readings: deque[Totals] = deque(maxlen=max(int(window_s / interval_s), 1) + 1)
+        self._clock = clock
+        self._seen: set[str] = set()
+
+    def sample(self) -> None:
+        now = self._clock()
+        totals = read_totals(self.collect(), now)
+        readings = self._readings
+        if readings:
+            self._seen.update(readings[-1].state)  # a replica that left before the second reading too
+            self._point(totals, readings[-1], readings[0])
+            self._events(totals, readings[-1])
+        readings.append(totals)
+
+    def _point(self, new: Totals, last: Totals, oldest: Totals) -> None:
+        dt = max(new.at - last.at, 1e-6)
+        replicas: dict[str, Any] = {}
+        for rid in sorted(set(new.state) | set(new.requests) | self._seen):
+            present = rid in new.state
+            if not present and rid not in self._seen:
+                continue  # requests counted for a replica this history never saw in the fleet
+            self._seen.add(rid)
+            replicas[rid] = {
+                "inflight": new.inflight.get(rid, 0.0) if present else 0.0,
+                "qps": round(_delta(new.requests, last.requests, rid) / dt, 3),
+                "hit": _ratio(_delta(new.cached, oldest.cached, rid), _delta(new.prompt, oldest.prompt, rid)),
+                "ttft_p99": quantile_bound(new.ttft.get(rid, {}), oldest.ttft.get(rid, {}), 0.99),
+                "state": new.state.get(rid, "left"),
+            }
+        jumps = sum(new.jumps.values()) - sum(oldest.jumps.values())
+        self.points.append(
+            {
+                "t": round(new.at, 3),
+                "qps": round(sum(_delta(new.requests, last.requests, r) for r in new.requests) / dt, 3),
+                "inflight": sum(new.inflight.values()),
+                "hit": _ratio(
+                    sum(_delta(new.cached, oldest.cached, r) for r in new.cached),
+                    sum(_delta(new.prompt, oldest.prompt, r) for r in new.prompt),
+                ),
+                "jump": _ratio(max(jumps, 0.0), new.followups - oldest.followups),
+                "replicas": replicas,
+            }
+        )
+
+    def _event(self, at: float, kind: str, text: str, replica: str | None = None) -> None:
+        self.events.append({"t": round(at, 3), "kind": kind, "replica": replica, "text": text})
+
+    def _events(self, new: Totals, old: Totals) -> None:
+        at = new.at
+        for rid in sorted(set(new.state) | set(old.state)):
+            before, after = old.state.get(rid), new.state.get(rid)
+            if before == after:
+                continue
+            if before is None:
+                self._event(at, "added", f"{rid} joined the fleet ({after})", rid)
+            elif after is None:
+                self._event(at, "left", f"{rid} left the fleet", rid)
+            elif after == "healthy" and before in ("removed", "recovering", "warming"):
+                self._event(at, "returned", f"{rid} is back at full weight ({before} → healthy)", rid)
+            elif after == "recovering":
+                self._event(at, "returned", f"{rid} returns, its weight ramping up ({before} → recovering)", rid)
+            else:
+                kind = STATE_EVENTS.get(after, "state")
+                self._event(at, kind, f"{rid}: {before} → {after}", rid)
+        migrations = new.migrations - old.migrations
+        if migrations > 0:
+            self._event(at, "migration", f"{migrations:.0f} vnode(s) handed from a hot replica to a cool one")
+        spills = _delta(new.jumps, old.jumps, "spill")
+        if spills > 0:
+            self._event(at, "spill", f"{spills:.0f} request(s) spilled past a replica at its load cap")
+        for reason in sorted(new.moved):
+            moved = _delta(new.moved, old.moved, reason)
+            if moved > 0:
+                self._event(at, "moved", f"{moved:.0f} session(s) moved ({reason.replace('_', '-')})")
+        ok, failed = _delta(new.warmups, old.warmups, "ok"), _delta(new.warmups, old.warmups, "failed")
+        if ok or failed:
+            self._event(at, "warmup", f"{ok:.0f} warm-up request(s) ok, {failed:.0f} failed")
+
+    def since(self, t: float) -> dict[str, Any]:
+        """The points and events after unix time `t` (0: all of them)."""
+        return {
+            "interval_s": self.interval_s,
+            "history_s": self.history_s,
+            "points": [p for p in self.points if p["t"] > t],
+            "events": [e for e in self.events if e["t"] > t],
+        }

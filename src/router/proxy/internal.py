@@ -1,0 +1,236 @@
+"""The control process's line to its workers: each worker answers on a private Unix socket.
+
+The requests pass through the workers, so each keeps its own session table, prompt store and
+per-vnode traffic counts. The control process runs the balance loop, and asks them here
+(`WorkerLink`, a `SessionSource`):
+
+- `GET /traffic`: keyed requests per vnode since the last call, as `[[origin, vnode, count]]`;
+- `POST /live` `{"replica": id | null}`: the worker's live sessions (last served by `replica`),
+  as `[[key hex, replica, seconds left, written ms]]`, leaving out those another worker has
+  served (or moved) since, as the shared session table says;
+- `POST /prompts` `{"keys": [hex]}`: the latest stored request of each, with its expiry, so
+  the newest copy among workers wins;
+- `POST /move` `{"keys": [hex], "replica": id, "reason": r}`: every worker points its entries
+  (and, for the sessions it has not served, the shared table's) at the new replica, marked with
+  the reason, so whichever worker takes the next turn counts the jump under it;
+- `POST /restore` `{"sessions": [...]}`: sessions from the saved routing state (each worker gets
+  its share, by key hash, and writes it to the shared table, where all workers find it);
+- `GET /version`: changes whenever the worker's session table does.
+
+The sockets live in the control process's private directory (mode 0700), next to its own.
+A worker that does not answer within `timeout_s` is left out of that answer, never waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from router.balance.view import LinkDown, SessionEntry
+from router.ring import xxh3_64
+
+if TYPE_CHECKING:
+    from router.proxy.app import Router
+
+log = logging.getLogger("router.workers")
+LINK_TIMEOUT_S = 2.0
+RESTORE_CHUNK = 20_000
+
+
+def worker_socket(control_socket: str, index: int) -> str:
+    return os.path.join(os.path.dirname(control_socket), f"worker-{index}.sock")
+
+
+def _json(data: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+
+def internal_app(router: Router) -> web.Application:
+    """A worker's answers to the control process."""
+    sessions, shared, balancer = router.sessions, router.shared_sessions, router.balancer
+
+    def newest_elsewhere(key: bytes, replica: str, written: int) -> bool:
+        """Another worker served (or moved) this session since we did, to another replica."""
+        found = shared.get(key) if shared is not None else None
+        return found is not None and found[1] > written and found[0].id != replica
+
+    async def traffic(request: web.Request) -> web.Response:
+        counts, balancer.traffic.recent = balancer.traffic.recent, Counter()
+        return _json([[origin, number, count] for (origin, number), count in counts.items()])
+
+    async def live(request: web.Request) -> web.Response:
+        data = orjson.loads(await request.read())
+        replica = data.get("replica")
+        entries = [
+            [key.hex(), r, left, written]
+            for key, r, left, written in sessions.live(replica)
+            if not newest_elsewhere(key, r, written)
+        ]
+        return _json(entries)
+
+    async def prompts(request: web.Request) -> web.Response:
+        data = orjson.loads(await request.read())
+        found = []
+        for text in data["keys"]:
+            entry = balancer.prompts.entry(bytes.fromhex(text))
+            if entry is not None:
+                path, body, expires = entry
+                found.append([text, path, base64.b64encode(body).decode(), expires])
+        return _json(found)
+
+    async def move(request: web.Request) -> web.Response:
+        data = orjson.loads(await request.read())
+        router.follow()  # a replica added a moment ago must be in this worker's view
+        target, reason = router.fleet.find(data["replica"]), data["reason"]
+        if target is None or target.index is None:
+            return _json([])  # it is not in this worker's view (yet): nothing moves here
+        ttl_s = router.config.sticky_ttl_s
+        # one time for every worker's entry: none is newer than another's, so each worker's own
+        # entry (with its reason) decides there
+        written = int(data["written"])
+        moved = []
+        for text in data["keys"]:
+            key = bytes.fromhex(text)
+            if not sessions.move(key, target.id, reason, written):
+                found = shared.get(key) if shared is not None else None
+                if found is None:
+                    continue  # not live anywhere: its next turn goes by the ring
+                sessions.place(key, target.id, reason, ttl_s - (written - found[1]) / 1000, written)
+            if shared is not None:
+                shared.put(key, target, written)
+            moved.append([text, written])
+        return _json(moved)
+
+    async def restore(request: web.Request) -> web.Response:
+        data = orjson.loads(await request.read())
+        for text, replica_id, left, written in data["sessions"]:
+            key = bytes.fromhex(text)
+            sessions.restore(key, replica_id, left, written)
+            replica = router.fleet.find(replica_id)
+            if shared is not None and replica is not None:
+                shared.put(key, replica, written)
+        return _json({"restored": len(data["sessions"])})
+
+    async def version(request: web.Request) -> web.Response:
+        return _json({"version": sessions.version, "pid": os.getpid()})
+
+    app = web.Application(client_max_size=256 << 20)
+    app.router.add_get("/traffic", traffic)
+    app.router.add_post("/live", live)
+    app.router.add_post("/prompts", prompts)
+    app.router.add_post("/move", move)
+    app.router.add_post("/restore", restore)
+    app.router.add_get("/version", version)
+    return app
+
+
+class WorkerLink:
+    """The control process's `SessionSource`: the workers' answers, merged."""
+
+    def __init__(self, sockets: list[str], timeout_s: float = LINK_TIMEOUT_S) -> None:
+        self.sockets = sockets
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._clients: list[aiohttp.ClientSession] = []
+
+    def _ensure(self) -> list[aiohttp.ClientSession]:
+        if not self._clients:  # made on first use: a client session needs the running loop
+            self._clients = [
+                aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path), timeout=self.timeout)
+                for path in self.sockets
+            ]
+        return self._clients
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, []
+        for client in clients:
+            await client.close()
+
+    async def _one(self, index: int, method: str, path: str, payload: Any) -> Any:
+        client = self._ensure()[index]
+        try:
+            body = None if payload is None else orjson.dumps(payload)
+            async with client.request(method, "http://worker" + path, data=body) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                return orjson.loads(await resp.read())
+        except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
+            log.warning("worker %d did not answer %s %s: %s", index, method, path, exc or type(exc).__name__)
+            return None
+
+    async def _all(self, method: str, path: str, payload: Any = None) -> list[Any]:
+        answers = await asyncio.gather(*(self._one(i, method, path, payload) for i in range(len(self.sockets))))
+        return [a for a in answers if a is not None]
+
+    async def live(self, replica: str | None = None) -> list[SessionEntry]:
+        newest: dict[bytes, SessionEntry] = {}
+        answers = await self._all("POST", "/live", {"replica": replica})
+        if not answers and self.sockets:
+            raise LinkDown("no worker answered")
+        for answer in answers:
+            for text, r, left, written in answer:
+                key = bytes.fromhex(text)
+                known = newest.get(key)
+                if known is None or written > known[3]:
+                    newest[key] = (key, r, float(left), int(written))
+        return sorted(newest.values(), key=lambda e: e[3])
+
+    async def prompts(self, keys: list[bytes]) -> dict[bytes, tuple[str, bytes]]:
+        best: dict[bytes, tuple[float, str, bytes]] = {}
+        if not keys:
+            return {}
+        for answer in await self._all("POST", "/prompts", {"keys": [k.hex() for k in keys]}):
+            for text, path, body, expires in answer:
+                key = bytes.fromhex(text)
+                if key not in best or expires > best[key][0]:
+                    best[key] = (expires, path, base64.b64decode(body))
+        return {key: (path, body) for key, (_, path, body) in best.items()}
+
+    async def move(self, keys: list[bytes], replica: str, reason: str) -> list[tuple[bytes, int]]:
+        if not keys:
+            return []
+        moved: dict[bytes, int] = {}
+        payload = {"keys": [k.hex() for k in keys], "replica": replica, "reason": reason, "written": time.time() * 1000}
+        for answer in await self._all("POST", "/move", payload):
+            for text, written in answer:
+                key = bytes.fromhex(text)
+                moved[key] = max(moved.get(key, 0), int(written))
+        return list(moved.items())
+
+    async def restore(self, entries: list[SessionEntry]) -> None:
+        shares: list[list[list[Any]]] = [[] for _ in self.sockets]
+        for key, replica, left, written in entries:
+            shares[xxh3_64(key) % len(shares)].append([key.hex(), replica, left, written])
+        for index, share in enumerate(shares):
+            for start in range(0, len(share), RESTORE_CHUNK):
+                await self._one(index, "POST", "/restore", {"sessions": share[start : start + RESTORE_CHUNK]})
+
+    async def traffic(self) -> Counter[tuple[str, int]]:
+        total: Counter[tuple[str, int]] = Counter()
+        for answer in await self._all("GET", "/traffic"):
+            for origin, number, count in answer:
+                total[(origin, int(number))] += count
+        return total
+
+    async def version(self) -> int:
+        answers = await self._all("GET", "/version")
+        return hash(tuple(sorted((a["pid"], a["version"]) for a in answers)))
+
+
+async def serve_internal(router: Router, path: str) -> web.AppRunner:
+    """Start a worker's internal site on `path` (a stale socket file there is replaced)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    runner = web.AppRunner(internal_app(router), handle_signals=False, access_log=None)
+    await runner.setup()
+    await web.UnixSite(runner, path).start()
+    return runner

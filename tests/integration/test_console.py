@@ -1,0 +1,266 @@
+"""The console: its routes, and the page itself in real headless Chromium against router-serve --demo.
+
+The browser test drives Debian's chromium through chromedriver (Selenium from PyPI); `.ci/run`
+installs both. It skips, saying so, only where they are not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from router.bench.common import free_port
+
+TOKEN = "console-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+async def test_console_routes_page_assets_and_data(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    _, url = await start_router(named, admin_token=TOKEN, console_interval_s="0.1", health_checks="false")
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/console") as r:
+            page = await r.text()
+            assert r.status == 200 and r.content_type == "text/html"
+            assert "default-src 'self'" in r.headers["Content-Security-Policy"]
+        assert "/console/assets/console.js" in page and "http" not in page.replace("http://www.w3.org", "")
+        for name in ("console.js", "console.css"):
+            async with http.get(url + "/console/assets/" + name) as r:
+                assert r.status == 200 and len(await r.read()) > 1000
+        async with http.get(url + "/console/assets/../../config.py") as r:
+            assert r.status == 404
+        # the data needs the token; the page can ask whether without an error
+        async with http.get(url + "/console/api/state") as r:
+            assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+        async with http.get(url + "/console/api/auth") as r:
+            assert await r.json() == {"required": True, "accepted": False}
+        async with http.get(url + "/console/api/auth", headers=AUTH) as r:
+            assert await r.json() == {"required": True, "accepted": True}
+        for i in range(10):
+            body = {"messages": [{"role": "user", "content": "hello there " * 50}], "max_tokens": 3}
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": f"s{i % 3}"}) as r:
+                assert r.status == 200
+        await asyncio.sleep(0.5)
+        async with http.get(url + "/console/api/state", headers=AUTH) as r:
+            state = await r.json()
+        assert {row["id"] for row in state["replicas"]} == {"emu-0", "emu-1"}
+        assert all(row["state"] == "healthy" and row["ring_share"] > 0 for row in state["replicas"])
+        assert state["points"] and sum(p["qps"] for p in state["points"]) > 0
+        assert any(p["hit"] for p in state["points"])  # the repeated prompt was cached
+        last = state["points"][-1]["t"]
+        async with http.get(url + "/console/api/state", params={"since": str(last)}, headers=AUTH) as r:
+            assert all(p["t"] > last for p in (await r.json())["points"])
+        async with http.get(url + "/console/api/state", params={"since": "soon"}, headers=AUTH) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "since"
+        async with http.get(url + "/console/api/route", params={"key": "s1"}, headers=AUTH) as r:
+            route = await r.json()
+        assert route["replica"] in ("emu-0", "emu-1") and route["sticky"] == route["replica"]
+
+
+async def test_console_without_a_token_is_open_and_can_be_turned_off(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    _, open_url = await start_router(named, health_checks="false")
+    _, off_url = await start_router(named, health_checks="false", console="false")
+    async with aiohttp.ClientSession() as http:
+        async with http.get(open_url + "/console/api/auth") as r:
+            assert await r.json() == {"required": False, "accepted": True}
+        async with http.get(open_url + "/console/api/state") as r:
+            assert r.status == 200
+        async with http.get(off_url + "/console") as r:
+            assert r.status == 404
+
+
+# -- the page in a real browser ----------------------------------------------------------------
+
+
+def _browser() -> Any:
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install them)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+
+
+@pytest.fixture
+async def demo() -> AsyncIterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "router.proxy.cli",
+            "--demo",
+            "3",
+            "--port",
+            str(port),
+            "--state",
+            "none",
+            "--admin-token",
+            TOKEN,
+            "--console-interval-s",
+            "0.5",
+            "--console-history-s",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{port}"
+    lines = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the banner names the console's address
+        line = await asyncio.to_thread(proc.stdout.readline)
+        lines.append(line)
+        if "console:" in line:
+            assert f"{url}/console (asks for the admin token)" in line
+            break
+    else:
+        proc.kill()
+        raise AssertionError(f"no console line in the banner: {lines}")
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)  # our own child, by its PID
+        await asyncio.to_thread(proc.wait, 30)
+
+
+async def _traffic(url: str, stop: asyncio.Event) -> int:
+    """Multi-turn sessions with a growing history (so the hit rate is real), until stopped."""
+    sent = 0
+    async with aiohttp.ClientSession() as http:
+
+        async def user(i: int) -> None:
+            nonlocal sent
+            messages: list[dict[str, str]] = [{"role": "system", "content": "You are helpful. " * 40}]
+            turn = 0
+            while not stop.is_set() and turn < 200:
+                messages.append({"role": "user", "content": f"question {turn} of user {i}"})
+                body = {"messages": messages, "max_tokens": 8, "stream": True}
+                async with http.post(
+                    url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": f"user-{i}"}
+                ) as r:
+                    await r.read()
+                    assert r.status == 200
+                sent += 1
+                messages.append({"role": "assistant", "content": "an answer"})
+                turn += 1
+                await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(user(i) for i in range(8)))
+    return sent
+
+
+async def _until(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(check)
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not in {timeout} s: {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_the_console_in_headless_chromium(demo: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver = await asyncio.to_thread(_browser)
+    stop = asyncio.Event()
+    traffic = asyncio.create_task(_traffic(demo, stop))
+    try:
+        await asyncio.to_thread(driver.get, demo + "/console")
+        # the page asks for the token (it is never in the URL), then shows the data
+        form = driver.find_element(By.ID, "token-form")
+        assert form.is_displayed()
+        driver.find_element(By.ID, "token").send_keys(TOKEN)
+        driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        assert TOKEN not in driver.current_url
+
+        def drawn() -> bool:
+            heat = driver.find_element(By.ID, "heatmap")
+            curve = driver.find_element(By.ID, "hitcurve")
+            return (
+                int(heat.get_attribute("data-rows") or 0) == 3
+                and int(heat.get_attribute("data-cells") or 0) >= 6
+                and int(curve.get_attribute("data-points") or 0) >= 2
+            )
+
+        await _until(drawn, 20, "the heatmap and the hit-rate curve drawn with data")
+        hit = driver.find_element(By.ID, "hit-now").text
+        assert hit.startswith("hit ") and hit != "hit 0.0%", hit
+        rows = driver.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
+        assert len(rows) == 3 and all("healthy" in row.text for row in rows)
+
+        # a replica removed through the admin API shows as removed within a few seconds
+        victim = rows[0].get_attribute("data-replica")
+        async with aiohttp.ClientSession() as http, http.delete(f"{demo}/admin/replicas/{victim}", headers=AUTH) as r:
+            assert r.status == 200
+        removed_at = time.monotonic()
+
+        def shown_removed() -> bool:
+            row = driver.find_element(By.CSS_SELECTOR, f'#replicas tbody tr[data-replica="{victim}"]')
+            return "removed" in row.text
+
+        await _until(shown_removed, 5, f"{victim} shown as removed")
+        assert time.monotonic() - removed_at < 5
+        await _until(lambda: "left the fleet" in driver.find_element(By.ID, "events").text, 5, "a removal event")
+
+        # the key lookup box answers
+        driver.find_element(By.ID, "key").send_keys("user-3")
+        driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        answer = await _until(
+            lambda: driver.find_element(By.ID, "key-answer").text or None, 5, "an answer from the key lookup"
+        )
+        assert answer.startswith("→ emu-") and "last served by" in answer and victim not in answer.split("(")[0]
+
+        # sorting by a column, and the heatmap's other colouring, keep working
+        driver.find_element(By.CSS_SELECTOR, '#replicas th[data-key="qps"]').click()
+        driver.find_element(By.CSS_SELECTOR, 'input[name="metric"][value="qps"]').click()
+        assert "req/s" in driver.find_element(By.ID, "heat-max").text
+
+        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+        assert errors == []
+    finally:
+        stop.set()
+        await traffic
+        await asyncio.to_thread(driver.quit)
+
+
+def test_the_browser_is_there_in_ci() -> None:
+    """.ci/run installs the browser (and says so with KVAR_CI=1): a skip there would hide the test."""
+    if os.environ.get("KVAR_CI") != "1":
+        pytest.skip("checked only under .ci/run (KVAR_CI=1)")
+    assert shutil.which("chromium") and shutil.which("chromedriver")
+    pytest.importorskip("selenium")

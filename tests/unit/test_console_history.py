@@ -1,0 +1,99 @@
+"""The console's history: points and events derived from the router's own metric registry."""
+
+from __future__ import annotations
+
+from router.console.history import History, quantile_bound
+from router.metrics import RouterMetrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def serve(m: RouterMetrics, replica: str, requests: int, prompt: int, cached: int) -> None:
+    m.requests.labels(replica, "affinity", "header", "200").inc(requests)
+    m.prompt_tokens.labels(replica).inc(prompt)
+    m.cached_tokens.labels(replica).inc(cached)
+
+
+def test_points_are_rates_and_windowed_hit_rates_from_the_metrics() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=2, history_s=10, window_s=4, clock=clock)
+    for r in ("a", "b"):
+        m.show_health(r, "healthy", None)
+        m.inflight.labels(r).set(0)
+    history.sample()
+    assert not history.points  # the first reading only sets the base
+    serve(m, "a", 10, 1000, 500)
+    serve(m, "b", 4, 1000, 0)
+    m.inflight.labels("a").set(3)
+    m.followups.inc(10)
+    m.jumps.labels("spill").inc(1)
+    clock.now += 2
+    history.sample()
+    p = history.points[-1]
+    assert p["qps"] == 7.0 and p["inflight"] == 3.0
+    assert p["replicas"]["a"] == {"inflight": 3.0, "qps": 5.0, "hit": 0.5, "ttft_p99": None, "state": "healthy"}
+    assert p["replicas"]["b"]["hit"] == 0.0 and p["hit"] == 0.25 and p["jump"] == 0.1
+    for _ in range(3):  # nothing more: the window slides past the traffic, rates fall to zero
+        clock.now += 2
+        history.sample()
+    p = history.points[-1]
+    assert p["qps"] == 0.0 and p["hit"] is None and p["jump"] is None
+    assert len(history.points) == 4 and history.since(clock.now - 1)["points"] == [p]
+    for _ in range(10):
+        clock.now += 2
+        history.sample()
+    assert len(history.points) == 5  # bounded by history_s / interval_s
+
+
+def test_events_say_what_changed_between_samples() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=1, clock=clock)
+    for r in ("a", "b"):
+        m.show_health(r, "healthy", None)
+    history.sample()
+    m.show_health("a", "removed", None)
+    m.migrations.inc(2)
+    m.jumps.labels("spill").inc(3)
+    m.sessions_moved.labels("scale_out").inc(4)
+    m.warmups.labels("ok").inc(4)
+    m.show_health("c", "warming", None)
+    clock.now += 1
+    history.sample()
+    kinds = [e["kind"] for e in history.events]
+    assert kinds == ["removed", "added", "migration", "spill", "moved", "warmup"]
+    assert history.events[0]["text"] == "a: healthy → removed" and history.events[0]["replica"] == "a"
+    m.show_health("a", "recovering", None)
+    m.forget_replica("b")  # it left the fleet: its row stays in the heatmap as "left"
+    clock.now += 1
+    history.sample()
+    assert [e["kind"] for e in history.since(clock.now - 0.5)["events"]] == ["returned", "left"]
+    assert history.points[-1]["replicas"]["b"]["state"] == "left"
+
+
+def test_quantile_bound_of_histogram_deltas() -> None:
+    old = {0.1: 5.0, 0.5: 5.0, 1.0: 5.0, float("inf"): 5.0}
+    new = {0.1: 55.0, 0.5: 103.0, 1.0: 104.0, float("inf"): 105.0}  # 100 new: 50, 48, 1, 1
+    assert quantile_bound(new, old, 0.5) == 0.1
+    assert quantile_bound(new, old, 0.98) == 0.5
+    assert quantile_bound(new, old, 0.99) == 1.0
+    assert quantile_bound(new, old, 1.0) == float("inf")
+    assert quantile_bound(old, old, 0.99) is None
+
+
+def test_a_replica_gone_before_the_second_reading_is_still_shown_as_left() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=1, clock=clock)
+    m.show_health("x", "healthy", None)
+    serve(m, "x", 1, 10, 0)
+    history.sample()
+    m.forget_replica("x")
+    clock.now += 1
+    history.sample()
+    assert history.points[-1]["replicas"]["x"]["state"] == "left"
+    assert [e["kind"] for e in history.events] == ["left"]
