@@ -211,6 +211,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
             raise bad(name, "must be a positive number of seconds")
+    if cfg.console_interval_s < 0.1:
+        raise bad("console_interval_s", "must be at least 0.1 s")
     for name in (
         "sticky_max_sessions",
         "prefix_chars",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.core import GaugeMetricFamily
 
 from router.health.score import HealthInputs
@@ -133,9 +134,33 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
+@contextlib.contextmanager
+def _values(value_class: Any) -> Iterator[None]:
+    """prometheus_client picks a metric's value class (in memory, or a multiprocess file) when the
+    metric or a child of it is made, from a module global: swap it for this router's metrics only."""
+    if value_class is None:
+        yield
+        return
+    saved = values.ValueClass
+    values.ValueClass = value_class
+    try:
+        yield
+    finally:
+        values.ValueClass = saved
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, value_class: Any = None) -> None:
+        """`value_class`: prometheus_client's multiprocess value class, for the control process of
+        worker processes (its figures then reach every worker's /metrics); None: in memory, or
+        whatever PROMETHEUS_MULTIPROC_DIR selected at import (a worker)."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.value_class = value_class
+        with _values(value_class):
+            made = self._make()
+        self._init(made)
+
+    def _make(self) -> dict[str, Any]:
         made: dict[str, Any] = {}
         for name, (kind, doc, labels) in TABLE.items():
             if kind == "counter":
@@ -145,6 +170,9 @@ class RouterMetrics:
                 made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livemostrecent")
             else:
                 made[name] = Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        return made
+
+    def _init(self, made: dict[str, Any]) -> None:
         self.requests = made["router_requests"]
         self.inflight = made["router_inflight"]
         self.ttft = made["router_ttft_seconds"]
@@ -173,10 +201,14 @@ class RouterMetrics:
         self._children: dict[tuple[Any, ...], Any] = {}
         # in prometheus_client's multiprocess files (the control process of worker processes):
         # labels cannot be removed there; the workers' /metrics leave out replicas that are gone
-        self.in_files = False
+        self.in_files = self.value_class is not None
 
     def forget_replica(self, replica: str) -> None:
         """A replica left: its gauges go (counters keep their history)."""
+        gauges = (self.inflight, self.score, self.routable, self.state_changes, self.replica_load, self.state)
+        gauges_ids = {id(g) for g in (*gauges, self.health_input)}
+        for key in [k for k in self._children if k[0] in gauges_ids and len(k) > 1 and k[1] == replica]:
+            del self._children[key]  # a replica re-added under this id gets live children again
         if self.in_files:
             return
         for gauge in (self.inflight, self.score, self.routable, self.state_changes, self.replica_load):
@@ -209,7 +241,8 @@ class RouterMetrics:
         key = (id(metric), *labels)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = metric.labels(*labels)
+            with _values(self.value_class):
+                found = self._children[key] = metric.labels(*labels)
         return found
 
 

@@ -240,11 +240,14 @@ class RedisState:
         for origin, number in current.keys() - desired.keys():
             ring.clear_override(ring.index(origin), number)
             changed = True
+        for replica in added:  # slow start before anything is published: no cold full-weight moment
+            replica.health.start_warming(time.monotonic())
+            fleet.apply_health(replica, time.monotonic())
         if changed:
             router.publish()
         # after the whole state is followed (no await above): scale-out and drain work
         for replica in added:
-            await router.balancer.added(replica)
+            await router.balancer.added(replica, started=True)
         for replica, remove in drained:
             await router.balancer.drain(replica, remove)
 

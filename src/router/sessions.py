@@ -88,6 +88,11 @@ class SessionTable:
             if expires >= now and (replica is None or r == replica)
         ]
 
+    def snapshot(self) -> tuple[float, list[tuple[bytes, tuple[str, float, str | None, int]]]]:
+        """(now, every entry as (key, (replica, expires, moved reason, written ms))), copied at
+        once, for work on it elsewhere (another thread) while the table goes on changing."""
+        return self._clock(), list(self._entries.items())
+
     def on(self, replica: str) -> list[bytes]:
         """The live sessions last served by `replica`, most recent last."""
         now = self._clock()

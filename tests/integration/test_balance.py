@@ -185,3 +185,33 @@ async def test_a_migration_is_not_undone_by_a_request_running_there(start_fleet,
     assert router.sessions.get(session.encode()) == "emu-2"
     assert await turn(url, session, "hello " * 200 + "next") == "emu-2"
     assert jumps(router) == {"migration": 1.0}
+
+
+async def test_a_drain_waits_to_know_the_sessions_before_it_removes(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    from router.balance.view import LinkDown, LocalSessions
+
+    fleet = await start_fleet(3)
+    router, url = await start_router(named(fleet), health_checks="false")
+    sessions = [f"u{i}" for i in range(30)]
+    where = {s: await turn(url, s) for s in sessions}
+    on_emu0 = [s for s, r in where.items() if r == "emu-0"]
+    assert on_emu0
+
+    class Silent(LocalSessions):  # workers that do not answer at first, as while they start
+        calls = 0
+
+        async def live(self, replica: str | None = None) -> Any:
+            Silent.calls += 1
+            if Silent.calls <= 2:
+                raise LinkDown("not yet")
+            return await super().live(replica)
+
+    router.view = Silent(router)
+    router.fleet.drain("emu-0")
+    assert await router.balancer.drain(router.fleet.find("emu-0"), remove=True) is None  # type: ignore[arg-type]
+    assert router.fleet.find("emu-0") is not None  # not removed blind
+    deadline = time.monotonic() + 10
+    while router.fleet.find("emu-0") is not None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert router.metrics.sessions_moved.labels("drain")._value.get() == len(on_emu0)  # moved, then removed

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from yarl import URL
 
 from router.bench.common import free_port
 
@@ -41,8 +42,9 @@ async def test_console_routes_page_assets_and_data(start_fleet, start_router) ->
         for name in ("console.js", "console.css"):
             async with http.get(url + "/console/assets/" + name) as r:
                 assert r.status == 200 and len(await r.read()) > 1000
-        async with http.get(url + "/console/assets/../../config.py") as r:
-            assert r.status == 404
+        for name in ("history.py", "%2e%2e%2fhistory.py", "..%2F..%2Fconfig.py"):  # only the page's own files
+            async with http.get(URL(url + "/console/assets/" + name, encoded=True)) as r:
+                assert r.status == 404, name
         # the data needs the token; the page can ask whether without an error
         async with http.get(url + "/console/api/state") as r:
             assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
@@ -54,10 +56,15 @@ async def test_console_routes_page_assets_and_data(start_fleet, start_router) ->
             body = {"messages": [{"role": "user", "content": "hello there " * 50}], "max_tokens": 3}
             async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": f"s{i % 3}"}) as r:
                 assert r.status == 200
-        await asyncio.sleep(0.5)
-        async with http.get(url + "/console/api/state", headers=AUTH) as r:
-            state = await r.json()
+        deadline = time.monotonic() + 10
+        while True:  # the sampler (every 0.1 s) has seen the traffic
+            async with http.get(url + "/console/api/state", headers=AUTH) as r:
+                state = await r.json()
+            if any(p["hit"] for p in state["points"]) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
         assert {row["id"] for row in state["replicas"]} == {"emu-0", "emu-1"}
+        assert all("url" not in row for row in state["replicas"])  # internal addresses stay inside
         assert all(row["state"] == "healthy" and row["ring_share"] > 0 for row in state["replicas"])
         assert state["points"] and sum(p["qps"] for p in state["points"]) > 0
         assert any(p["hit"] for p in state["points"])  # the repeated prompt was cached

@@ -97,3 +97,26 @@ def test_a_replica_gone_before_the_second_reading_is_still_shown_as_left() -> No
     history.sample()
     assert history.points[-1]["replicas"]["x"]["state"] == "left"
     assert [e["kind"] for e in history.events] == ["left"]
+
+
+def test_a_replica_removed_and_added_again_comes_back_to_life() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=1, clock=clock)
+    m.show_health("a", "healthy", None)
+    m.child(m.inflight, "a").set(2)
+    history.sample()
+    m.forget_replica("a")
+    clock.now += 1
+    history.sample()
+    m.show_health("a", "warming", None)  # the same id, added again
+    m.child(m.inflight, "a").set(1)
+    clock.now += 1
+    history.sample()
+    assert history.points[-1]["replicas"]["a"] == {
+        "inflight": 1.0,
+        "qps": 0.0,
+        "hit": None,
+        "ttft_p99": None,
+        "state": "warming",
+    }
+    assert [e["kind"] for e in history.events] == ["left", "added"]

@@ -132,14 +132,12 @@ class AdminApi:
             moved = self.router.fleet.add(spec)
         except ValueError as exc:
             return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
-        index = len(self.router.fleet) - 1
+        replica = self.router.fleet.replicas[-1]
         self.router.shared_change("add", (spec.id, spec.url))
-        warming = await self.router.balancer.added(self.router.fleet.replicas[index])  # slow start, warm-up
-        return _json(
-            self._replica_json(index)
-            | {"moved_share": sum(m.width for m in moved) / 2**64, "sessions_to_warm": warming},
-            201,
-        )
+        self.router.balancer.start_added(replica)  # slow start, at once
+        answer = self._replica_json(len(self.router.fleet) - 1)  # before the await: indices may shift
+        warming = await self.router.balancer.added(replica, started=True)  # warm-up and moves
+        return _json(answer | {"moved_share": sum(m.width for m in moved) / 2**64, "sessions_to_warm": warming}, 201)
 
     async def remove_replica(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
@@ -166,8 +164,9 @@ class AdminApi:
         assert replica is not None and replica.index is not None
         removing = remove in ("true", "1")
         self.router.shared_change("drain", (replica.id, replica.url, removing))
+        answer = self._replica_json(replica.index)  # before the await: indices may shift
         moving = await self.router.balancer.drain(replica, removing)
-        return _json(self._replica_json(replica.index) | {"sessions_to_move": moving, "remove": removing})
+        return _json(answer | {"sessions_to_move": moving, "remove": removing})
 
     async def set_override(self, request: web.Request) -> web.Response:
         """Hand one vnode to another replica: {"origin": id, "vnode": n, "owner": id}."""
@@ -221,7 +220,7 @@ class AdminApi:
         router = self.router
         fleet, ring = router.fleet, router.fleet.ring
         key = RoutingKey(bounded_key(raw_key, router.config.max_key_bytes), "header", "query")
-        last, _ = await router.last_served(key.key)
+        last, _ = await router.last_served(key.key, remember=False)
         # round_robin and least_load ignore keys, and asking them would move their rotation
         decision = router.policy.pick(key, last, set()) if router.policy.name in KEYED_POLICIES else None
         located = ring.locate(key.key)

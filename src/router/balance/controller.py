@@ -68,7 +68,7 @@ class Balancer:
     def served(self, key: bytes, path: str, body: bytes) -> None:
         """A keyed request was served: count its vnode's traffic, keep its prompt for warm-up."""
         ring = self.router.fleet.ring
-        located = ring.locate(key)
+        located = ring.locate(key) if self.router.config.rebalance else None
         if located is not None:
             self.traffic.record(ring.replica_ids[located[1]], located[2])
         self.prompts.put(key, path, body)
@@ -192,8 +192,11 @@ class Balancer:
         source, target = fleet.find(move.source), fleet.find(move.target)
         if source is None or target is None or move.origin not in ring.replica_ids:
             return
+        found = await self._live(source.id)
+        if found is None:
+            return  # its sessions cannot be asked for now: no move without their warm-up
         keys = []
-        for key, *_ in await self._live(source.id):
+        for key, *_ in found:
             located = ring.locate(key)
             if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
                 keys.append(key)
@@ -209,32 +212,42 @@ class Balancer:
             "moved vnode %s#%d from %s to %s (%d sessions)", move.origin, move.number, source.id, target.id, len(keys)
         )
 
-    async def added(self, replica: ReplicaState) -> int:
-        """Scale-out: slow start, and warm-up and move of the sessions that now belong to it.
-        Returns how many sessions will be warmed and moved."""
-        router = self.router
+    def start_added(self, replica: ReplicaState) -> None:
+        """Scale-out, the part that cannot wait: slow start (the replica is `warming`, its ring
+        weight ramping up), published at once."""
         now = time.monotonic()
         replica.health.start_warming(now)
-        router.fleet.apply_health(replica, now)
-        router.publish()
+        self.router.fleet.apply_health(replica, now)
+        self.router.publish()
+
+    async def added(self, replica: ReplicaState, started: bool = False) -> int | None:
+        """Scale-out: slow start (unless `started` already), then warm-up and move of the sessions
+        that now belong to it. Returns how many sessions will be warmed and moved (None: the
+        sessions cannot be asked for now, so none are)."""
+        router = self.router
+        if not started:
+            self.start_added(replica)
         if replica.index is None or not router.config.warmup_sessions:
             return 0
         sessions = await self._live(None)
+        if sessions is None:
+            return None
         keys = self._owned_at_full_weight(replica, [key for key, owner, _, _ in sessions if owner != replica.id])
         keys = keys[-router.config.warmup_sessions :]
         if keys:
             self._spawn(self._warm_and_move(replica, keys, "scale_out", all_keys=False))
         return len(keys)
 
-    async def _live(self, replica: str | None) -> list[SessionEntry]:
-        """The live sessions (of `replica`); none while the view cannot answer."""
+    async def _live(self, replica: str | None) -> list[SessionEntry] | None:
+        """The live sessions (of `replica`); None while the view cannot answer (worker processes
+        starting, or none answering)."""
         router = self.router
         if router.view is None or not router.view_ready.is_set():
-            return []
+            return None
         try:
             return await router.view.live(replica)
         except LinkDown:
-            return []
+            return None
 
     def _owned_at_full_weight(self, replica: ReplicaState, keys: list[bytes]) -> list[bytes]:
         """The keys the ring gives `replica` once its slow start is over."""
@@ -252,20 +265,30 @@ class Balancer:
             ring.set_weight(i, weight)
             ring.set_available(i, available)
 
-    async def drain(self, replica: ReplicaState, remove: bool) -> int:
+    async def drain(self, replica: ReplicaState, remove: bool) -> int | None:
         """Move a draining replica's sessions to their ring owners, warming first; then remove it
-        if asked. Returns how many sessions are to move."""
-        keys = [key for key, *_ in await self._live(replica.id)]
+        if asked. Returns how many sessions are to move (None: not known yet; the drain asks
+        again until it knows, or until `drain_timeout_s`)."""
+        found = await self._live(replica.id)
         if remove:
             self.removing.add(replica.id)
+        keys = None if found is None else [key for key, *_ in found]
         self._spawn(self._drain(replica, keys, remove))
-        return len(keys)
+        return None if keys is None else len(keys)
 
-    async def _drain(self, replica: ReplicaState, keys: list[bytes], remove: bool) -> None:
+    async def _drain(self, replica: ReplicaState, keys: list[bytes] | None, remove: bool) -> None:
         router = self.router
         fleet = router.fleet
         deadline = time.monotonic() + router.config.drain_timeout_s
-        for _ in range(3):  # a membership change while we warm: group what is left again
+        rounds = 0
+        # a membership change while we warm: group what is left again, three times at most
+        while rounds < 3 and time.monotonic() < deadline and replica.index is not None:
+            if keys is None:  # the sessions cannot be asked for yet: never remove it blind
+                await asyncio.sleep(1.0)
+                found = await self._live(replica.id)
+                keys = None if found is None else [key for key, *_ in found]
+                continue
+            rounds += 1
             groups: dict[int, tuple[ReplicaState, list[bytes]]] = {}
             for key in keys:
                 owner = fleet.ring.lookup(key)
@@ -275,8 +298,9 @@ class Balancer:
             for target, group in groups.values():
                 if target.index is not None:
                     await self._warm_and_move(target, group, "drain", all_keys=True)
-            keys = [key for key, *_ in await self._live(replica.id)]
-            if not keys or replica.index is None or replica.state != "draining":
+            found = await self._live(replica.id)
+            keys = None if found is None else [key for key, *_ in found]
+            if keys == [] or replica.state != "draining":
                 break
         if not remove:
             return

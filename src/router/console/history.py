@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_EVENTS = 500
+MAX_POINTS = 10_000  # whatever history_s / interval_s asks for
 STATE_EVENTS = {
     "removed": "removed",
     "draining": "drain",
@@ -88,6 +89,11 @@ def read_totals(families: Iterable[Any], at: float) -> Totals:
     return t
 
 
+def _last_bound(buckets: dict[float, float]) -> float:
+    finite = [b for b in buckets if b != float("inf")]
+    return max(finite) if finite else 0.0
+
+
 def _ratio(num: float, den: float) -> float | None:
     return round(num / den, 4) if den > 0 else None
 
@@ -120,18 +126,19 @@ class History:
         self.collect = collect
         self.interval_s = interval_s
         self.history_s = history_s
-        self.points: deque[dict[str, Any]] = deque(maxlen=max(int(history_s / interval_s), 2))
+        self.points: deque[dict[str, Any]] = deque(maxlen=min(max(int(history_s / interval_s), 2), MAX_POINTS))
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self._readings: deque[Totals] = deque(maxlen=max(int(window_s / interval_s), 1) + 1)
         self._clock = clock
-        self._seen: set[str] = set()
+        self._seen: dict[str, float] = {}  # replica -> when it was last in the fleet (unix s)
 
     def sample(self) -> None:
         now = self._clock()
         totals = read_totals(self.collect(), now)
         readings = self._readings
         if readings:
-            self._seen.update(readings[-1].state)  # a replica that left before the second reading too
+            for rid in readings[-1].state:  # a replica that left before the second reading too
+                self._seen.setdefault(rid, readings[-1].at)
             self._point(totals, readings[-1], readings[0])
             self._events(totals, readings[-1])
         readings.append(totals)
@@ -139,16 +146,21 @@ class History:
     def _point(self, new: Totals, last: Totals, oldest: Totals) -> None:
         dt = max(new.at - last.at, 1e-6)
         replicas: dict[str, Any] = {}
-        for rid in sorted(set(new.state) | set(new.requests) | self._seen):
+        oldest_kept = new.at - self.interval_s * (self.points.maxlen or 1)
+        for rid, at in list(self._seen.items()):
+            if rid not in new.state and at < oldest_kept:
+                del self._seen[rid]  # gone for longer than the history reaches: its row goes too
+        for rid in sorted(set(new.state) | set(self._seen)):
             present = rid in new.state
-            if not present and rid not in self._seen:
-                continue  # requests counted for a replica this history never saw in the fleet
-            self._seen.add(rid)
+            if present:
+                self._seen[rid] = new.at
+            ttft = quantile_bound(new.ttft.get(rid, {}), oldest.ttft.get(rid, {}), 0.99)
             replicas[rid] = {
                 "inflight": new.inflight.get(rid, 0.0) if present else 0.0,
                 "qps": round(_delta(new.requests, last.requests, rid) / dt, 3),
                 "hit": _ratio(_delta(new.cached, oldest.cached, rid), _delta(new.prompt, oldest.prompt, rid)),
-                "ttft_p99": quantile_bound(new.ttft.get(rid, {}), oldest.ttft.get(rid, {}), 0.99),
+                # JSON has no infinity: beyond the last bucket reads as that bucket's bound, marked
+                "ttft_p99": ttft if ttft != float("inf") else f"> {_last_bound(new.ttft.get(rid, {}))} s",
                 "state": new.state.get(rid, "left"),
             }
         jumps = sum(new.jumps.values()) - sum(oldest.jumps.values())

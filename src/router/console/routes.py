@@ -136,7 +136,7 @@ def add_console_routes(app: web.Application, router: Router) -> None:
 
 def replica_rows(router: Router, history: History) -> list[dict[str, Any]]:
     """Each replica now: the admin API's figures, with QPS and hit rate from the latest point;
-    replicas that left the fleet while in the history stay listed, as `left`."""
+    replicas that left the fleet stay listed, as `left`, while the history still shows them."""
     fleet = router.fleet
     router.metrics_registry()  # the same refresh as a scrape: every worker's in-flight counts, health
     shares = fleet.ring.shares()
@@ -147,7 +147,6 @@ def replica_rows(router: Router, history: History) -> list[dict[str, Any]]:
         rows.append(
             {
                 "id": r.id,
-                "url": r.url,
                 "state": r.state,
                 "score": round(r.health.score, 4),
                 "weight": round(fleet.routing_weight(i), 4),

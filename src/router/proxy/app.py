@@ -49,6 +49,8 @@ STREAMABLE = ("/v1/chat/completions", "/v1/completions")
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
 STATE_SAVE_S = 5.0  # how often the routing state is saved while it changes
+MOVE_SLACK_MS = 2000  # the control process's line to its workers answers within this (LINK_TIMEOUT_S)
+SESSIONS_SAVE_S = 30.0  # with worker processes: how often their sessions are asked for, to save
 SYNC_INTERVAL_S = 0.05  # how often a worker follows the shared table and publishes its counters
 
 
@@ -66,6 +68,7 @@ class Router:
         table: SlotTable | None = None,
         worker: int | None = None,
         control_socket: str | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = config
         self.worker = worker
@@ -85,7 +88,7 @@ class Router:
         )
         self.policy = make_policy(config.policy, self.fleet, config)
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
-        self.metrics = RouterMetrics()
+        self.metrics = metrics or RouterMetrics()
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.client: aiohttp.ClientSession | None = None
         self.publisher = Publisher(self.fleet, table) if table is not None and worker is None else None
@@ -131,7 +134,8 @@ class Router:
         if self.view is not None:
             self.view_ready.set()
         self._restored_sessions: list[SessionEntry] = []  # for the workers, once they answer
-        self._saved_sessions: list[SessionEntry] = []
+        self._saved_sessions: list[SessionEntry] = []  # the sessions as last asked for ...
+        self._sessions_at = -SESSIONS_SAVE_S  # ... then (monotonic seconds)
         self.state_file: StateFile | None = None
         self._restored: dict[str, int] | None = None  # what the saved routing state brought back
         self._restored_drains: list[tuple[str, bool]] = []
@@ -192,7 +196,7 @@ class Router:
                 self.sessions.restore(key, replica, left, written)
         else:  # the workers get them when they answer (`_after_start`)
             self._restored_sessions = live
-        self._saved_sessions = live
+        self._saved_sessions, self._sessions_at = live, time.monotonic()
         self._restored = describe(saved)
         access_log.info("routing state restored: %s", self._restored)
 
@@ -208,23 +212,32 @@ class Router:
             removing=sorted(self.balancer.removing),
             discovered=sorted(self.discovery.managed) if self.discovery is not None else [],
             overrides=[(origin, number, owner) for (origin, number), owner in fleet.ring.overrides.items()],
-            sessions=[(key, replica, left) for key, replica, left, _ in sessions],
+            sessions=[(key, replica, left) for key, replica, left, _ in sessions if left > 0],
         )
 
     async def save_state(self, force: bool = False) -> None:
-        """Save the routing state if it changed since the last save (or `force`)."""
+        """Save the routing state if it changed since the last save (or `force`). A lone router
+        saves its sessions whenever they changed; with worker processes their sessions are asked
+        for every SESSIONS_SAVE_S (and when forced), while a membership change is saved at once
+        with the sessions last asked for, their time left counted down since."""
         if self.state_file is None:
             return
         view = self.view
-        answering = view is not None and self.view_ready.is_set()
-        mark = (self.changes, await view.version() if view is not None and answering else None)
+        # not while restored sessions wait for the workers: they are the sessions until then
+        answering = view is not None and self.view_ready.is_set() and not self._restored_sessions
+        lone = isinstance(view, LocalSessions)
+        due = time.monotonic() - self._sessions_at >= SESSIONS_SAVE_S
+        ask = answering and (lone or force or due)
+        mark = (self.changes, await view.version() if view is not None and ask else self._saved_at[1])
         if mark == self._saved_at and not force:
             return
         async with self._save_lock:  # one save at a time: an older snapshot never lands last
-            if view is not None and answering:
-                with contextlib.suppress(LinkDown):  # the workers are gone (stopping): as last saved
+            if view is not None and ask:
+                with contextlib.suppress(LinkDown):  # no worker answers, and none ever has
                     self._saved_sessions = await view.live()
-            state = self.routing_state(self._saved_sessions)
+                    self._sessions_at = time.monotonic()
+            aged = time.monotonic() - self._sessions_at
+            state = self.routing_state([(k, r, left - aged, w) for k, r, left, w in self._saved_sessions])
             await asyncio.to_thread(self.state_file.save, state)
             self._saved_at = mark
 
@@ -273,9 +286,15 @@ class Router:
     async def _after_start(self) -> None:
         """Once the view answers: restored sessions to the workers, restored drains go on."""
         await self.view_ready.wait()
-        if self._restored_sessions and self.view is not None:
-            await self.view.restore(self._restored_sessions)
-            self._restored_sessions = []
+        for tries in range(5):
+            if not self._restored_sessions or self.view is None:
+                break
+            try:
+                await self.view.restore(self._restored_sessions)
+                self._restored_sessions = []
+            except LinkDown:  # a worker did not take its share: all again (a restore skips what is newer)
+                await asyncio.sleep(1.0 + tries)
+        self._restored_sessions = []
         for rid, remove in self._restored_drains:  # drains under way when the router stopped go on
             replica = self.fleet.find(rid)
             if replica is not None and replica.state == "draining":
@@ -586,9 +605,10 @@ class Router:
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
         return self._finish(request, self._no_replica(failure, bool(tried)), None, key, None, t0, None, len(tried))
 
-    async def last_served(self, key: bytes) -> tuple[str | None, bool]:
+    async def last_served(self, key: bytes, remember: bool = True) -> tuple[str | None, bool]:
         """Where the session was served last, and whether this process's own entry says so (else
-        another worker's or router's newer news does): the newest of the three wins."""
+        another worker's or router's newer news does): the newest of the three wins. A session
+        found in Redis is entered here too, unless not `remember` (a lookup that routes nothing)."""
         last = self.sessions.get(key)
         local = last is not None
         if self.shared_sessions is None and self.redis_sessions is None:
@@ -602,8 +622,9 @@ class Router:
             shared = await self.redis_sessions.lookup(key)
             if shared is not None and shared[1] > newest:
                 last, local = shared[0], False
-                left = self.config.sticky_ttl_s - (time.time() * 1000 - shared[1]) / 1000
-                self.sessions.restore(key, last, left, shared[1])
+                if remember:
+                    left = self.config.sticky_ttl_s - (time.time() * 1000 - shared[1]) / 1000
+                    self.sessions.restore(key, last, left, shared[1])
         return last, local
 
     def _no_replica(self, failure: Retry | None, tried: bool) -> web.Response:
@@ -661,7 +682,9 @@ class Router:
                     m.child(m.jumps, moved).inc()  # the router moved it here (its cache was warmed first)
                 elif last != replica.id:
                     m.child(m.jumps, self._jump_reason(last, decision)).inc()
-            started_ms = (time.time() - (time.monotonic() - t0)) * 1000
+            # a move is stamped by the control process before it reaches the workers: one that
+            # arrives while this request starts counts as made while it ran
+            started_ms = (time.time() - (time.monotonic() - t0)) * 1000 - MOVE_SLACK_MS
             if (
                 self.sessions.moved(key.key) is not None
                 and self.sessions.written_ms(key.key) > started_ms

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("router.workers")
 LINK_TIMEOUT_S = 2.0
+TRAFFIC_TIMEOUT_S = 0.5  # the balance loop asks every second: it must not wait long
 RESTORE_CHUNK = 20_000
 
 
@@ -71,12 +72,19 @@ def internal_app(router: Router) -> web.Application:
     async def live(request: web.Request) -> web.Response:
         data = orjson.loads(await request.read())
         replica = data.get("replica")
-        entries = [
-            [key.hex(), r, left, written]
-            for key, r, left, written in sessions.live(replica)
-            if not newest_elsewhere(key, r, written)
-        ]
-        return _json(entries)
+        now, entries = sessions.snapshot()  # at once; the filtering and encoding run in a thread
+
+        def answer() -> bytes:
+            return orjson.dumps(
+                [
+                    [key.hex(), r, expires - now, written]
+                    for key, (r, expires, _, written) in entries
+                    if expires >= now and (replica is None or r == replica) and not newest_elsewhere(key, r, written)
+                ]
+            )
+
+        body = await asyncio.to_thread(answer)
+        return web.Response(body=body, content_type="application/json")
 
     async def prompts(request: web.Request) -> web.Response:
         data = orjson.loads(await request.read())
@@ -115,6 +123,9 @@ def internal_app(router: Router) -> web.Application:
         data = orjson.loads(await request.read())
         for text, replica_id, left, written in data["sessions"]:
             key = bytes.fromhex(text)
+            found = shared.get(key) if shared is not None else None
+            if sessions.get(key) is not None or (found is not None and found[1] >= written):
+                continue  # served (or moved) since the router started: that is newer
             sessions.restore(key, replica_id, left, written)
             replica = router.fleet.find(replica_id)
             if shared is not None and replica is not None:
@@ -141,6 +152,9 @@ class WorkerLink:
         self.sockets = sockets
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clients: list[aiohttp.ClientSession] = []
+        # each worker's last whole session list, and when (monotonic): it stands in for a worker
+        # that does not answer, so that a save never loses the sessions of a slow or stopped worker
+        self._last_live: dict[int, tuple[float, list[Any]]] = {}
 
     def _ensure(self) -> list[aiohttp.ClientSession]:
         if not self._clients:  # made on first use: a client session needs the running loop
@@ -155,11 +169,12 @@ class WorkerLink:
         for client in clients:
             await client.close()
 
-    async def _one(self, index: int, method: str, path: str, payload: Any) -> Any:
+    async def _one(self, index: int, method: str, path: str, payload: Any, timeout_s: float | None = None) -> Any:
         client = self._ensure()[index]
         try:
             body = None if payload is None else orjson.dumps(payload)
-            async with client.request(method, "http://worker" + path, data=body) as resp:
+            timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+            async with client.request(method, "http://worker" + path, data=body, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 return orjson.loads(await resp.read())
@@ -167,17 +182,31 @@ class WorkerLink:
             log.warning("worker %d did not answer %s %s: %s", index, method, path, exc or type(exc).__name__)
             return None
 
-    async def _all(self, method: str, path: str, payload: Any = None) -> list[Any]:
-        answers = await asyncio.gather(*(self._one(i, method, path, payload) for i in range(len(self.sockets))))
-        return [a for a in answers if a is not None]
+    async def _each(self, method: str, path: str, payload: Any = None, timeout_s: float | None = None) -> list[Any]:
+        """Every worker's answer, in worker order; None for one that did not answer."""
+        return await asyncio.gather(*(self._one(i, method, path, payload, timeout_s) for i in range(len(self.sockets))))
+
+    async def _all(self, method: str, path: str, payload: Any = None, timeout_s: float | None = None) -> list[Any]:
+        return [a for a in await self._each(method, path, payload, timeout_s) if a is not None]
 
     async def live(self, replica: str | None = None) -> list[SessionEntry]:
+        """The workers' live sessions, merged (the newest entry of a key wins). For the whole list,
+        a worker that does not answer is represented by its last whole answer (aged); LinkDown if
+        no worker has ever answered."""
         newest: dict[bytes, SessionEntry] = {}
-        answers = await self._all("POST", "/live", {"replica": replica})
-        if not answers and self.sockets:
+        answers = await self._each("POST", "/live", {"replica": replica})
+        now = time.monotonic()
+        if replica is None:
+            for i, answer in enumerate(answers):
+                if answer is not None:
+                    self._last_live[i] = (now, answer)
+                elif i in self._last_live:
+                    at, last = self._last_live[i]
+                    answers[i] = [[t, r, left - (now - at), w] for t, r, left, w in last if left > now - at]
+        if all(a is None for a in answers) and self.sockets:
             raise LinkDown("no worker answered")
         for answer in answers:
-            for text, r, left, written in answer:
+            for text, r, left, written in answer or ():
                 key = bytes.fromhex(text)
                 known = newest.get(key)
                 if known is None or written > known[3]:
@@ -207,16 +236,22 @@ class WorkerLink:
         return list(moved.items())
 
     async def restore(self, entries: list[SessionEntry]) -> None:
+        """Each worker its share; LinkDown if a share did not get through (a worker skips what it
+        has newer, so sending all again is safe)."""
         shares: list[list[list[Any]]] = [[] for _ in self.sockets]
         for key, replica, left, written in entries:
             shares[xxh3_64(key) % len(shares)].append([key.hex(), replica, left, written])
+        failed = 0
         for index, share in enumerate(shares):
             for start in range(0, len(share), RESTORE_CHUNK):
-                await self._one(index, "POST", "/restore", {"sessions": share[start : start + RESTORE_CHUNK]})
+                chunk = {"sessions": share[start : start + RESTORE_CHUNK]}
+                failed += await self._one(index, "POST", "/restore", chunk) is None
+        if failed:
+            raise LinkDown(f"{failed} part(s) of the restored sessions did not reach their worker")
 
     async def traffic(self) -> Counter[tuple[str, int]]:
         total: Counter[tuple[str, int]] = Counter()
-        for answer in await self._all("GET", "/traffic"):
+        for answer in await self._all("GET", "/traffic", timeout_s=TRAFFIC_TIMEOUT_S):
             for origin, number, count in answer:
                 total[(origin, int(number))] += count
         return total

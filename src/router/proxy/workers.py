@@ -30,6 +30,7 @@ from prometheus_client import multiprocess, values
 
 from router._runtime import run, stop_event, until_stopped
 from router.config import RouterConfig
+from router.metrics import RouterMetrics
 from router.proxy.app import Router
 from router.proxy.internal import WorkerLink, worker_socket
 from router.shm.layout import COUNTER_CELL
@@ -234,12 +235,11 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         os.mkdir(metrics_dir)
         control_socket = os.path.join(private, "control.sock")
         # the control process's own metrics (moves, warm-ups, migrations, scale signals) go to the
-        # multiprocess files too, so any worker's /metrics shows them: prometheus_client picks the
-        # value class when a metric's child is made, and none is made before this point
+        # multiprocess files too, so any worker's /metrics shows them (and only the router's: a
+        # demo fleet's emulators in this process keep theirs in memory)
         os.environ[METRICS_ENV] = metrics_dir
-        values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
-        router = Router(config, table=table)
-        router.metrics.in_files = True
+        files = RouterMetrics(values.MultiProcessValue())  # type: ignore[no-untyped-call]
+        router = Router(config, table=table, metrics=files)
         router.view = link = WorkerLink([worker_socket(control_socket, i) for i in range(config.workers)])
         router.publish()
         pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=router.worker_restarted)
@@ -263,8 +263,8 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
             finally:
                 with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell
                     await router.save_state(force=True)
+                router.view_ready.clear()  # from here on, saves keep the sessions saved above
                 await pool.stop()
-                router.view_ready.clear()  # the final save keeps the sessions saved above
                 if watcher is not None:
                     watcher.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

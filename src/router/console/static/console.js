@@ -70,9 +70,12 @@ $("#token-form").addEventListener("submit", (event) => {
 // -- data ----------------------------------------------------------------------------------------
 
 let timer = null;
+let polling = false;
 
 async function poll() {
   clearTimeout(timer);
+  if (polling) return;  // one poll at a time: a second would add the same points and events twice
+  polling = true;
   try {
     const data = await api("/console/api/state?since=" + view.since);
     merge(data);
@@ -83,6 +86,7 @@ async function poll() {
     $("#live").classList.remove("ok");
     $("#summary").textContent = error.message;
   }
+  polling = false;
   if (!view.waitingForToken) {
     timer = setTimeout(poll, view.interval * 1000);
   }
@@ -97,7 +101,13 @@ function merge(data) {
   for (const p of data.points) {
     if (p.t > view.since) view.points.push(p);
   }
-  for (const e of data.events) view.events.push(e);
+  // with worker processes, each keeps its own history (sampled at its own moments): the same
+  // event may come from two of them, a sample apart
+  const near = 2 * view.interval + 0.5;
+  for (const e of data.events) {
+    const twin = view.events.slice(-200).some((x) => x.kind === e.kind && x.text === e.text && Math.abs(x.t - e.t) <= near);
+    if (!twin) view.events.push(e);
+  }
   if (view.points.length) view.since = view.points[view.points.length - 1].t;
   const oldest = data.now - view.historyS;
   while (view.points.length && view.points[0].t < oldest) view.points.shift();
@@ -272,7 +282,7 @@ function format(name, value) {
   if (value === null || value === undefined) return "–";
   if (typeof value === "string") return value;
   if (["hit", "ring_share", "kv_usage", "fragmentation", "error_rate"].includes(name)) return percent(value);
-  if (name === "ttft_p99") return value === Infinity ? "> 300 s" : value < 1 ? `${Math.round(value * 1000)} ms` : `${value} s`;
+  if (name === "ttft_p99") return value < 1 ? `${Math.round(value * 1000)} ms` : `${value} s`;
   if (name === "qps" || name === "latency_ratio") return value.toFixed(1);
   if (name === "score" || name === "weight") return value.toFixed(2);
   return String(value);
