@@ -241,13 +241,15 @@ class RedisState:
             ring.clear_override(ring.index(origin), number)
             changed = True
         for replica in added:  # slow start before anything is published: no cold full-weight moment
-            replica.health.start_warming(time.monotonic())
-            fleet.apply_health(replica, time.monotonic())
+            if replica.state != "draining":  # added and already draining elsewhere: it stays draining
+                replica.health.start_warming(time.monotonic())
+                fleet.apply_health(replica, time.monotonic())
         if changed:
             router.publish()
         # after the whole state is followed (no await above): scale-out and drain work
         for replica in added:
-            await router.balancer.added(replica, started=True)
+            if replica.state != "draining":
+                await router.balancer.added(replica, started=True)
         for replica, remove in drained:
             await router.balancer.drain(replica, remove)
 

@@ -59,7 +59,8 @@ async def test_answers_merge_and_a_silent_worker_is_stood_in_for(tmp_path: Path)
         time.sleep(0.05)
         again = {k: (r, left) for k, r, left, _ in await link.live()}
         assert again[b"k1"][0] == "r2" and again[b"k1"][1] < 100.0
-        assert {k for k, *_ in await link.live("r1")} == {b"k1", b"k2"}  # per replica: no stand-in
+        with pytest.raises(LinkDown):  # per replica, no stand-in: a partial list is no answer
+            await link.live("r1")
         # a restore that cannot reach a worker says so (and may be sent again)
         entries = [(f"s{i}".encode(), "r1", 50.0, 3000) for i in range(20)]
         with pytest.raises(LinkDown):
@@ -70,6 +71,70 @@ async def test_answers_merge_and_a_silent_worker_is_stood_in_for(tmp_path: Path)
         assert {k for k, *_ in stale} == {b"k1", b"k2"}
     finally:
         await link.close()
+
+
+async def test_a_worker_that_hangs_costs_the_link_time_out_not_for_ever(tmp_path: Path) -> None:
+    import asyncio
+
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", hang)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    path = str(tmp_path / "hung.sock")
+    await web.UnixSite(runner, path).start()
+    link = WorkerLink([path], timeout_s=0.3)
+    try:
+        start = time.monotonic()
+        with pytest.raises(LinkDown):
+            await link.live()
+        with pytest.raises(LinkDown):
+            await link.restore([(b"k", "r", 10.0, 1)])
+        assert await link.version() == hash(())
+        assert time.monotonic() - start < 3  # three calls, each cut at 0.3 s
+    finally:
+        await link.close()
+        await runner.cleanup()
+
+
+async def test_a_partial_answer_for_one_replica_is_not_the_whole_truth(tmp_path: Path) -> None:
+    a = FakeWorker(str(tmp_path / "w0.sock"))
+    await a.start()
+    link = WorkerLink([a.path, str(tmp_path / "gone.sock")], timeout_s=0.5)
+    try:
+        with pytest.raises(LinkDown):  # "none on r1" from one worker of two would let a drain remove blind
+            await link.live("r1")
+    finally:
+        await link.close()
+        await a.stop()
+
+
+async def test_traffic_is_the_difference_of_running_totals(tmp_path: Path) -> None:
+    totals: list[Any] = [["a", 1, 5]]
+
+    async def traffic(request: web.Request) -> web.Response:
+        return web.json_response(totals)
+
+    app = web.Application()
+    app.router.add_get("/traffic", traffic)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    path = str(tmp_path / "t.sock")
+    await web.UnixSite(runner, path).start()
+    link = WorkerLink([path])
+    try:
+        assert await link.traffic() == {("a", 1): 5}
+        totals[:] = [["a", 1, 8], ["b", 2, 1]]
+        assert await link.traffic() == {("a", 1): 3, ("b", 2): 1}
+        assert await link.traffic() == {}
+        totals[:] = [["a", 1, 2]]  # the worker restarted: its totals start over
+        assert await link.traffic() == {("a", 1): 2}
+    finally:
+        await link.close()
+        await runner.cleanup()
 
 
 async def test_no_answer_ever_is_link_down(tmp_path: Path) -> None:

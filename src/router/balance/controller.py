@@ -302,6 +302,10 @@ class Balancer:
             keys = None if found is None else [key for key, *_ in found]
             if keys == [] or replica.state != "draining":
                 break
+        if keys is None and replica.index is not None and replica.state == "draining":
+            log.warning("drain of %s: its sessions could not be asked for; it stays draining", replica.id)
+            self.removing.discard(replica.id)
+            return  # never removed blind: a later drain (or a removal by hand) finishes it
         if not remove:
             return
         while time.monotonic() < deadline:

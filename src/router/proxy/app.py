@@ -212,7 +212,7 @@ class Router:
             removing=sorted(self.balancer.removing),
             discovered=sorted(self.discovery.managed) if self.discovery is not None else [],
             overrides=[(origin, number, owner) for (origin, number), owner in fleet.ring.overrides.items()],
-            sessions=[(key, replica, left) for key, replica, left, _ in sessions if left > 0],
+            sessions=[(key, replica, left) for key, replica, left, _ in sessions if left > 0 and replica in present],
         )
 
     async def save_state(self, force: bool = False) -> None:
@@ -294,6 +294,11 @@ class Router:
                 self._restored_sessions = []
             except LinkDown:  # a worker did not take its share: all again (a restore skips what is newer)
                 await asyncio.sleep(1.0 + tries)
+        if self._restored_sessions:
+            logging.getLogger("router.state").warning(
+                "%d restored sessions did not all reach the workers; those not taken start over",
+                len(self._restored_sessions),
+            )
         self._restored_sessions = []
         for rid, remove in self._restored_drains:  # drains under way when the router stopped go on
             replica = self.fleet.find(rid)

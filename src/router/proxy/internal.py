@@ -4,7 +4,8 @@ The requests pass through the workers, so each keeps its own session table, prom
 per-vnode traffic counts. The control process runs the balance loop, and asks them here
 (`WorkerLink`, a `SessionSource`):
 
-- `GET /traffic`: keyed requests per vnode since the last call, as `[[origin, vnode, count]]`;
+- `GET /traffic`: keyed requests per vnode since the worker started, as `[[origin, vnode, count]]`
+  (running totals: the control process takes the differences);
 - `POST /live` `{"replica": id | null}`: the worker's live sessions (last served by `replica`),
   as `[[key hex, replica, seconds left, written ms]]`, leaving out those another worker has
   served (or moved) since, as the shared session table says;
@@ -66,8 +67,9 @@ def internal_app(router: Router) -> web.Application:
         return found is not None and found[1] > written and found[0].id != replica
 
     async def traffic(request: web.Request) -> web.Response:
-        counts, balancer.traffic.recent = balancer.traffic.recent, Counter()
-        return _json([[origin, number, count] for (origin, number), count in counts.items()])
+        # running totals since this worker started, never reset here: an answer lost on the way
+        # (a time-out) loses no counts, the control process takes the differences
+        return _json([[origin, number, count] for (origin, number), count in balancer.traffic.recent.items()])
 
     async def live(request: web.Request) -> web.Response:
         data = orjson.loads(await request.read())
@@ -155,6 +157,7 @@ class WorkerLink:
         # each worker's last whole session list, and when (monotonic): it stands in for a worker
         # that does not answer, so that a save never loses the sessions of a slow or stopped worker
         self._last_live: dict[int, tuple[float, list[Any]]] = {}
+        self._traffic_seen: dict[int, dict[tuple[str, int], int]] = {}  # each worker's last running totals
 
     def _ensure(self) -> list[aiohttp.ClientSession]:
         if not self._clients:  # made on first use: a client session needs the running loop
@@ -173,7 +176,8 @@ class WorkerLink:
         client = self._ensure()[index]
         try:
             body = None if payload is None else orjson.dumps(payload)
-            timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+            # None would mean no limit at all to aiohttp: the link's own limit unless told otherwise
+            timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
             async with client.request(method, "http://worker" + path, data=body, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
@@ -205,6 +209,9 @@ class WorkerLink:
                     answers[i] = [[t, r, left - (now - at), w] for t, r, left, w in last if left > now - at]
         if all(a is None for a in answers) and self.sockets:
             raise LinkDown("no worker answered")
+        if replica is not None and any(a is None for a in answers):
+            # a partial list of one replica's sessions would read as "nothing left there"
+            raise LinkDown("a worker did not answer")
         for answer in answers:
             for text, r, left, written in answer or ():
                 key = bytes.fromhex(text)
@@ -250,10 +257,22 @@ class WorkerLink:
             raise LinkDown(f"{failed} part(s) of the restored sessions did not reach their worker")
 
     async def traffic(self) -> Counter[tuple[str, int]]:
+        """Keyed requests per vnode since the last call: the differences of each worker's running
+        totals (a worker that restarted starts from zero; one that did not answer is asked again
+        next time, and nothing it counted is lost)."""
         total: Counter[tuple[str, int]] = Counter()
-        for answer in await self._all("GET", "/traffic", timeout_s=TRAFFIC_TIMEOUT_S):
-            for origin, number, count in answer:
-                total[(origin, int(number))] += count
+        answers = await self._each("GET", "/traffic", timeout_s=TRAFFIC_TIMEOUT_S)
+        for i, answer in enumerate(answers):
+            if answer is None:
+                continue
+            now = {(origin, int(number)): int(count) for origin, number, count in answer}
+            before = self._traffic_seen.get(i, {})
+            restarted = any(count < before.get(vnode, 0) for vnode, count in now.items()) or len(now) < len(before)
+            for vnode, count in now.items():
+                grew = count if restarted else count - before.get(vnode, 0)
+                if grew > 0:
+                    total[vnode] += grew
+            self._traffic_seen[i] = now
         return total
 
     async def version(self) -> int:

@@ -16,7 +16,7 @@ const COLUMNS = [
   ["inflight", (r) => r.inflight],
   ["qps", (r) => r.qps],
   ["hit", (r) => r.hit],
-  ["ttft_p99", (r) => r.ttft_p99],
+  ["ttft_p99", (r) => (typeof r.ttft_p99 === "string" ? Infinity : r.ttft_p99)],  // "> 300 s"
   ["waiting", (r) => r.inputs && r.inputs.waiting],
   ["kv_usage", (r) => r.inputs && r.inputs.kv_usage],
   ["fragmentation", (r) => r.inputs && r.inputs.fragmentation],
@@ -102,10 +102,15 @@ function merge(data) {
     if (p.t > view.since) view.points.push(p);
   }
   // with worker processes, each keeps its own history (sampled at its own moments): the same
-  // event may come from two of them, a sample apart
+  // event may come from two of them, a sample apart; twins are the same event from two workers
   const near = 2 * view.interval + 0.5;
   for (const e of data.events) {
-    const twin = view.events.slice(-200).some((x) => x.kind === e.kind && x.text === e.text && Math.abs(x.t - e.t) <= near);
+    e.worker = data.worker;
+    const twin =
+      data.worker !== null &&
+      view.events.slice(-200).some(
+        (x) => x.worker !== e.worker && x.kind === e.kind && x.text === e.text && Math.abs(x.t - e.t) <= near,
+      );
     if (!twin) view.events.push(e);
   }
   if (view.points.length) view.since = view.points[view.points.length - 1].t;
@@ -258,7 +263,7 @@ function drawTable() {
     tr.addEventListener("click", () => pick(r.id));
     for (const [name, get] of COLUMNS) {
       const td = document.createElement("td");
-      const value = get(r);
+      const value = name === "ttft_p99" ? r.ttft_p99 : get(r);
       if (name === "state") {
         const badge = document.createElement("span");
         badge.className = "state " + r.state;
