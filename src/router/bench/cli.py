@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import balance_bench, health_bench, proxy_bench, replay, ring_bench
+from router.bench import balance_bench, health_bench, proxy_bench, replay, ring_bench, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_bench.add_parser(sub)
     health_bench.add_parser(sub)
     balance_bench.add_parser(sub)
+    simulate.add_parser(sub)
     return parser
 
 

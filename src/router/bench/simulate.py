@@ -1,0 +1,458 @@
+"""`router-bench simulate`: the router's routing code against modelled replicas, on a virtual clock.
+
+No sockets and no processes: one loop of timed events, so a fleet of 1000 replicas and a million
+sessions runs in minutes on a laptop-class CPU. What routes is the router's own code: the ring
+(`_ring`, or its pure-Python twin), the policy objects (`router.policy`), the session table
+(`router.sessions`), the fleet's in-flight loads and ring weights (`router.fleet`), and the
+health state machine with its slow start (`router.health.states`), fed one score per probe
+interval. What serves is a model of a replica, coarser than the emulator's:
+
+- KV cache: a replica holds up to `--kv-tokens` tokens of conversation context. A session's
+  context stays there after each turn and is evicted least recently used first. A turn that
+  lands where its session's context still is computes only its new tokens (the emulator's
+  paged prefix cache, counted per session instead of per block; no prefix is shared between
+  sessions).
+- Scheduler: `--slots` requests run at once, the rest wait in arrival order. A request takes
+  `--prefill-s-per-token` per prompt token it computes plus `--tpot-s` per output token.
+
+Sessions arrive at `--rate` per second (Poisson), take 3 to 8 turns (`--turns`), each user
+message 50 to 200 tokens and each reply 50 to 250, with an exponential think time between turns.
+
+Events, each optional: at `--scale-out-at` a replica joins (slow start: `warming`, its weight
+ramping over `--ramp-s`); at `--scale-in-at` one leaves (removed at once; its requests in flight
+finish); at `--fail-at` one dies: its requests in flight and queued fail and are retried on the
+policy's next choice, new ones routed there fail over the same way, its cache is lost, and it
+leaves the ring after `--remove-after` probes (`--probe-s` apart) score 0.
+
+Reported: KV hit rate (cached / prompt tokens), load CV (requests per replica), jump rate
+(turns served elsewhere than the session's previous turn), latency P50/P99 and time to first
+token P99 in virtual seconds, failed attempts, the share of live sessions whose ring owner each
+event moved, and the run's wall time and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import resource
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.config import ReplicaSpec, load
+from router.fleet import Fleet, ReplicaState
+from router.health.states import Hysteresis
+from router.keys import RoutingKey
+from router.measures import coefficient_of_variation, kv_hit_rate
+from router.policy import make_policy
+from router.sessions import SessionTable
+
+SYSTEM_TOKENS = 400
+SAMPLE = 200_000  # latencies kept for the percentiles (a uniform reservoir)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="the router's routing code against modelled replicas on a virtual clock (no sockets)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--replicas", type=int, default=1000, help="replicas at the start (default 1000)")
+    p.add_argument("--sessions", type=int, default=1_000_000, help="sessions in all (default 1,000,000)")
+    p.add_argument("--rate", type=float, default=0.0, help="new sessions per second (default: ~70%% busy)")
+    p.add_argument("--policy", default="affinity", help="affinity, consistent_hash, round_robin or least_load")
+    p.add_argument("--turns", default="3-8", help="turns per session, MIN-MAX (default 3-8)")
+    p.add_argument("--think-s", type=float, default=10.0, help="mean think time between turns (default 10)")
+    p.add_argument("--slots", type=int, default=32, help="requests a replica runs at once (default 32)")
+    p.add_argument("--kv-tokens", type=int, default=400_000, help="context tokens a replica caches (default 400k)")
+    p.add_argument("--prefill-s-per-token", type=float, default=0.0002, help="default 0.0002 (5k tokens/s)")
+    p.add_argument("--tpot-s", type=float, default=0.02, help="seconds per output token (default 0.02)")
+    p.add_argument("--scale-out-at", type=float, default=None, help="virtual second a replica joins")
+    p.add_argument("--scale-in-at", type=float, default=None, help="virtual second a replica leaves")
+    p.add_argument("--fail-at", type=float, default=None, help="virtual second a replica dies")
+    p.add_argument("--probe-s", type=float, default=2.0, help="health probe interval (default 2)")
+    p.add_argument("--remove-after", type=int, default=3, help="failed probes before removal (default 3)")
+    p.add_argument("--ramp-s", type=float, default=30.0, help="slow start of a joining replica (default 30)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=run_cli)
+
+
+@dataclass
+class Model:
+    """A replica's KV cache and scheduler."""
+
+    kv_tokens: int
+    slots: int
+    cache: OrderedDict[int, int] = field(default_factory=OrderedDict)  # session -> context tokens
+    cached_tokens: int = 0
+    running: int = 0
+    queue: deque[Any] = field(default_factory=deque)
+    dead: bool = False
+
+    def cached(self, session: int) -> int:
+        found = self.cache.get(session)
+        if found is not None:
+            self.cache.move_to_end(session)
+        return found or 0
+
+    def keep(self, session: int, tokens: int) -> None:
+        self.cached_tokens += tokens - self.cache.pop(session, 0)
+        self.cache[session] = tokens
+        while self.cached_tokens > self.kv_tokens and self.cache:
+            _, dropped = self.cache.popitem(last=False)
+            self.cached_tokens -= dropped
+
+
+@dataclass
+class Turn:
+    session: int
+    number: int
+    turns: int
+    context: int  # tokens of the conversation before this turn's message
+    message: int
+    output: int
+    started: float = 0.0
+    tried: set[int] = field(default_factory=set)
+    cached: int = 0
+    replica: ReplicaState | None = None
+    lost: bool = False  # its replica died while it ran: a copy was retried elsewhere
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    requests: int = 0
+    failed_attempts: int = 0
+    followups: int = 0
+    jumps: int = 0
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    seen: int = 0
+    per_replica: dict[str, int] = field(default_factory=dict)
+    moved: dict[str, float] = field(default_factory=dict)
+    live_at: dict[str, int] = field(default_factory=dict)  # live sessions when each event happened
+
+
+def default_rate(args: argparse.Namespace, turns: tuple[int, int]) -> float:
+    """New sessions per second that keep the fleet about 70% busy, assuming most turns hit."""
+    mean_turns = sum(turns) / 2
+    service_s = 125 * args.prefill_s_per_token * 2 + 150 * args.tpot_s  # new tokens, then the reply
+    capacity = args.replicas * args.slots / service_s  # requests per second
+    return float(0.7 * capacity / mean_turns)
+
+
+class Simulation:
+    def __init__(self, args: argparse.Namespace) -> None:
+        low, _, high = args.turns.partition("-")
+        self.turns = (int(low), int(high or low))
+        if not (1 <= self.turns[0] <= self.turns[1]):
+            raise ValueError("--turns must be MIN-MAX with 1 <= MIN <= MAX")
+        self.args = args
+        self.rate = args.rate or default_rate(args, self.turns)
+        self.rng = random.Random(args.seed)  # timing: arrivals, think times, the latency sample
+        # the sessions' shapes (turns, message and reply sizes), drawn in arrival order only, so
+        # every policy and every event replays the same conversations
+        self.shapes = random.Random(args.seed + 1)
+        specs = [ReplicaSpec(f"r{i}", f"http://sim/{i}") for i in range(args.replicas)]
+        self.config = load(None, {}, {"replicas": [f"{s.id}={s.url}" for s in specs], "policy": args.policy})
+        self.rules = Hysteresis(remove_after=args.remove_after, ramp_s=args.ramp_s)
+        self.fleet = Fleet(specs, self.config.vnodes, self.config.hash_seed, self.rules)
+        self.policy = make_policy(args.policy, self.fleet, self.config)
+        self.sessions = SessionTable(args.sessions + 1, 3600.0, clock=lambda: self.now)
+        self.models = {r.id: Model(args.kv_tokens, args.slots) for r in self.fleet.replicas}
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.stats = Stats()
+        self.live: set[int] = set()
+        self.started = 0
+        self.keys: dict[int, RoutingKey] = {}
+        self._offered: dict[str, int] = {}
+        self._owners_at_fail: dict[int, str] = {}
+        self.shape: dict[int, list[tuple[int, int]]] = {}  # live session -> (message, reply) tokens per turn
+
+    # -- the event loop ----------------------------------------------------------------------
+
+    def at(self, t: float, kind: str, payload: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        wall0 = time.perf_counter()
+        self.at(0.0, "arrive")
+        for when, kind in ((a.scale_out_at, "scale_out"), (a.scale_in_at, "scale_in"), (a.fail_at, "fail")):
+            if when is not None:
+                self.at(when, kind)
+        handlers: dict[str, Callable[[Any], None]] = {
+            "arrive": self._arrive,
+            "turn": self._turn,
+            "done": self._done,
+            "scale_out": self._scale_out,
+            "scale_in": self._scale_in,
+            "fail": self._fail,
+            "probe": self._probe,
+        }
+        while self.events:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            handlers[kind](payload)
+        return self._report(time.perf_counter() - wall0)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def _arrive(self, _: Any) -> None:
+        session = self.started
+        self.started += 1
+        if self.started < self.args.sessions:
+            self.at(self.now + self.rng.expovariate(self.rate), "arrive")
+        shapes = self.shapes
+        turns = shapes.randint(*self.turns)
+        self.keys[session] = RoutingKey(f"session-{session}".encode(), "header", "sim")
+        self.shape[session] = [(shapes.randint(50, 200), shapes.randint(50, 250)) for _ in range(turns)]
+        self.live.add(session)
+        self._turn(self._new_turn(session, 0, turns, SYSTEM_TOKENS))
+
+    def _new_turn(self, session: int, number: int, turns: int, context: int) -> Turn:
+        message, output = self.shape[session][number]
+        return Turn(session, number, turns, context, message, output)
+
+    def _turn(self, turn: Turn) -> None:
+        if not turn.tried:
+            turn.started = self.now
+        key = self.keys[turn.session]
+        last = self.sessions.get(key.key)
+        decision = self.policy.pick(key, last, turn.tried)
+        if decision is None:
+            self.stats.failed_attempts += 1
+            self._finish(turn, failed=True)
+            return
+        replica = self.fleet.replicas[decision.index]
+        model = self.models[replica.id]
+        if model.dead:  # a connect error: the router fails over at once
+            self.stats.failed_attempts += 1
+            turn.tried.add(decision.index)
+            self._turn(turn)
+            return
+        turn.replica = replica
+        self.fleet.acquire(replica)
+        if model.running < model.slots:
+            self._start(turn, model)
+        else:
+            model.queue.append(turn)
+
+    def _start(self, turn: Turn, model: Model) -> None:
+        model.running += 1
+        prompt = turn.context + turn.message
+        turn.cached = min(model.cached(turn.session), prompt - 1)
+        prefill = (prompt - turn.cached) * self.args.prefill_s_per_token
+        ttft = self.now - turn.started + prefill
+        self._sample("ttft", self.stats.ttfts, ttft)
+        self.at(self.now + prefill + turn.output * self.args.tpot_s, "done", turn)
+
+    def _done(self, turn: Turn) -> None:
+        replica = turn.replica
+        assert replica is not None
+        model = self.models[replica.id]
+        if turn.lost:
+            return  # its replica died while it ran: already retried elsewhere
+        model.running -= 1
+        self.fleet.release(replica)
+        while model.queue and model.running < model.slots:
+            self._start(model.queue.popleft(), model)
+        prompt = turn.context + turn.message
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += prompt
+        s.cached_tokens += turn.cached
+        s.per_replica[replica.id] = s.per_replica.get(replica.id, 0) + 1
+        key = self.keys[turn.session].key
+        last = self.sessions.get(key)
+        if last is not None:
+            s.followups += 1
+            s.jumps += last != replica.id
+        self.sessions.put(key, replica.id)
+        model.keep(turn.session, prompt + turn.output)
+        self._sample("latency", s.latencies, self.now - turn.started)
+        self._finish(turn, failed=False)
+
+    def _finish(self, turn: Turn, failed: bool) -> None:
+        if turn.number + 1 < turn.turns and not failed:
+            nxt = self._new_turn(turn.session, turn.number + 1, turn.turns, turn.context + turn.message + turn.output)
+            self.at(self.now + self.rng.expovariate(1 / self.args.think_s), "turn", nxt)
+        else:
+            self.live.discard(turn.session)
+            self.keys.pop(turn.session, None)
+            self.shape.pop(turn.session, None)
+
+    def _sample(self, name: str, into: list[float], value: float) -> None:
+        """A uniform reservoir of SAMPLE values (Algorithm R)."""
+        n = self._offered[name] = self._offered.get(name, 0) + 1
+        if len(into) < SAMPLE:
+            into.append(value)
+        else:
+            j = self.rng.randrange(n)
+            if j < SAMPLE:
+                into[j] = value
+
+    # -- membership and health -----------------------------------------------------------------
+
+    def _moved_share(self, change: Any, event: str = "") -> float:
+        """Apply `change` (a callable) and return the share of live sessions whose ring owner moved."""
+        keys = [self.keys[s].key for s in self.live]
+        if event:
+            self.stats.live_at[event] = len(keys)
+        ring = self.fleet.ring
+        before = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        change()
+        after = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        return sum(b != c for b, c in zip(before, after, strict=True)) / max(len(keys), 1)
+
+    def _scale_out(self, _: Any) -> None:
+        rid = f"r{len(self.models)}"
+        self.models[rid] = Model(self.args.kv_tokens, self.args.slots)
+
+        def join() -> None:
+            self.fleet.add(ReplicaSpec(rid, f"http://sim/{rid}"))
+            replica = self.fleet.replicas[-1]
+            replica.health.start_warming(self.now)
+            self.fleet.apply_health(replica, self.now)
+
+        self.stats.moved["scale_out_at_slow_start"] = self._moved_share(join, "scale_out")
+        joined = self.fleet.replicas[-1]
+        self.stats.moved["scale_out_full_weight"] = self._moved_share(lambda: self.fleet.set_routing(joined, 1.0))
+        self.fleet.apply_health(joined, self.now)  # back to the ramp's weight; probes take it up
+        self.at(self.now + self.args.probe_s, "probe", (joined.id, 1.0))
+
+    def _scale_in(self, _: Any) -> None:
+        victim = self.fleet.replicas[0].id
+        self.stats.moved["scale_in"] = self._moved_share(lambda: self.fleet.remove(victim), "scale_in")
+
+    def _fail(self, _: Any) -> None:
+        victim = self.fleet.replicas[len(self.fleet.replicas) // 2]
+        model = self.models[victim.id]
+        model.dead = True
+        model.cache.clear()
+        model.cached_tokens = 0
+        lost = list(model.queue)
+        model.queue.clear()
+        for turn in lost:  # queued there: retried elsewhere at once
+            self.fleet.release(victim)
+            self._retry(turn, victim)
+        self.at(self.now + self.args.probe_s, "probe", (victim.id, 0.0))
+        # ring owners now, to compare with once health has taken it out (its weight drops at the
+        # first bad score already, then it leaves: the share counts both steps)
+        ring = self.fleet.ring
+        live = list(self.live)
+        owners = ring.lookup_many([self.keys[s].key for s in live])
+        self._owners_at_fail = {s: ring.replica_ids[i] for s, i in zip(live, owners, strict=True) if i >= 0}
+        # the requests running there are cut: their "done" events are marked lost, copies retried
+        running = [p for _, _, kind, p in self.events if kind == "done" and p.replica is victim and not p.lost]
+        for turn in running:
+            turn.lost = True
+            self.fleet.release(victim)
+            self._retry(
+                Turn(
+                    turn.session,
+                    turn.number,
+                    turn.turns,
+                    turn.context,
+                    turn.message,
+                    turn.output,
+                    turn.started,
+                    set(turn.tried),
+                ),
+                victim,
+            )
+        model.running = 0
+
+    def _retry(self, turn: Turn, dead: ReplicaState) -> None:
+        self.stats.failed_attempts += 1
+        if dead.index is not None:
+            turn.tried.add(dead.index)
+        self._turn(turn)
+
+    def _probe(self, payload: tuple[str, float]) -> None:
+        rid, score = payload
+        replica = self.fleet.find(rid)
+        if replica is None:
+            return
+        before = replica.state
+        replica.health.observe(score, self.now)
+        if replica.state == "removed" and before != "removed":
+            self.fleet.apply_health(replica, self.now)
+            ring = self.fleet.ring
+            live = [s for s in self.live if s in self._owners_at_fail]
+            owners = ring.lookup_many([self.keys[s].key for s in live])
+            now_owner = [ring.replica_ids[i] if i >= 0 else None for i in owners]
+            moved = sum(self._owners_at_fail[s] != o for s, o in zip(live, now_owner, strict=True))
+            self.stats.moved["failure"] = moved / max(len(live), 1)
+            self.stats.live_at["failure"] = len(live)
+            return  # out of the ring; nobody probes it back here
+        self.fleet.apply_health(replica, self.now)
+        if replica.state != "healthy" or score < 1.0:
+            self.at(self.now + self.args.probe_s, "probe", payload)
+
+    # -- report --------------------------------------------------------------------------------
+
+    def _report(self, wall_s: float) -> dict[str, Any]:
+        s = self.stats
+
+        def pct(values: list[float], q: int) -> float | None:
+            return round(statistics.quantiles(values, n=100)[q - 1], 3) if len(values) >= 100 else None
+
+        return {
+            "policy": self.args.policy,
+            "replicas": self.args.replicas,
+            "sessions": self.started,
+            "requests": s.requests,
+            "rate_sessions_per_s": round(self.rate, 2),
+            "virtual_s": round(self.now, 1),
+            "kv_hit_rate": round(kv_hit_rate(s.cached_tokens, s.prompt_tokens), 4),
+            "load_cv": round(coefficient_of_variation(list(s.per_replica.values())), 4),
+            "jump_rate": round(s.jumps / s.followups, 4) if s.followups else 0.0,
+            "latency_p50_s": pct(s.latencies, 50),
+            "latency_p99_s": pct(s.latencies, 99),
+            "ttft_p99_s": pct(s.ttfts, 99),
+            "failed_attempts": s.failed_attempts,
+            "moved_share": {k: round(v, 4) for k, v in s.moved.items()},
+            "live_sessions_at": s.live_at,
+            "wall_s": round(wall_s, 1),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        }
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        sim = Simulation(args)
+    except ValueError as exc:
+        print(f"router-bench simulate: {exc}")
+        return 2
+    if args.replicas < 2 or args.sessions < 1 or args.slots < 1 or args.kv_tokens < 1:
+        print("router-bench simulate: need --replicas >= 2, --sessions >= 1, --slots >= 1 and --kv-tokens >= 1")
+        return 2
+    out = sim.run()
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"simulate {out['policy']}: {out['replicas']} replicas, {out['sessions']:,} sessions, "
+        f"{out['requests']:,} requests over {out['virtual_s']:,} virtual s ({out['rate_sessions_per_s']} sessions/s)"
+    )
+    print(
+        f"  KV hit {out['kv_hit_rate']:.1%}, load CV {out['load_cv']:.3f}, jump rate {out['jump_rate']:.1%}, "
+        f"latency p50 {out['latency_p50_s']} s p99 {out['latency_p99_s']} s, TTFT p99 {out['ttft_p99_s']} s, "
+        f"failed attempts {out['failed_attempts']}"
+    )
+    for event, share in out["moved_share"].items():
+        live = out["live_sessions_at"].get(event.split("_at_")[0].replace("_full_weight", ""), 0)
+        print(f"  {event}: {share:.2%} of the {live:,} live sessions changed ring owner")
+    print(f"  ran in {out['wall_s']} s wall, peak memory {out['peak_rss_mib']} MiB")
+    return 0

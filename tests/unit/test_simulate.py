@@ -1,0 +1,51 @@
+"""router-bench simulate: the router's routing code against modelled replicas on a virtual clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.bench.cli import build_parser
+from router.bench.simulate import Model, Simulation
+
+
+def simulate(*flags: str) -> dict[str, Any]:
+    args = build_parser().parse_args(["simulate", "--replicas", "12", "--sessions", "1500", *flags])
+    return Simulation(args).run()
+
+
+def test_affinity_keeps_caches_that_round_robin_scatters() -> None:
+    affinity = simulate("--policy", "affinity")
+    scattered = simulate("--policy", "round_robin")
+    assert affinity["requests"] == scattered["requests"]  # the same sessions, every turn served
+    assert affinity["kv_hit_rate"] > 3 * scattered["kv_hit_rate"]
+    assert affinity["jump_rate"] < 0.2 < scattered["jump_rate"]
+    assert affinity["failed_attempts"] == scattered["failed_attempts"] == 0
+
+
+def test_scale_out_moves_about_one_share_and_a_failure_is_failed_over() -> None:
+    out = simulate("--scale-out-at", "40", "--fail-at", "50", "--scale-in-at", "60", "--rate", "40")
+    moved = out["moved_share"]
+    assert out["live_sessions_at"]["scale_out"] > 200
+    assert moved["scale_out_at_slow_start"] < moved["scale_out_full_weight"] < 2 / 13  # about 1/13 at full weight
+    assert 0 < moved["failure"] < 3 / 13 and 0 < moved["scale_in"] < 3 / 13
+    assert out["failed_attempts"] > 0  # requests on the dead replica were cut, and retried
+    baseline = simulate("--rate", "40")
+    assert out["requests"] == baseline["requests"]  # ... so no turn was lost
+
+
+def test_the_cache_model_evicts_least_recently_used_sessions() -> None:
+    m = Model(kv_tokens=100, slots=1)
+    m.keep(1, 40)
+    m.keep(2, 40)
+    assert m.cached(1) == 40  # 1 is now the most recent
+    m.keep(3, 40)  # 120 > 100: the least recently used (2) goes
+    assert m.cached(2) == 0 and m.cached(1) == 40 and m.cached(3) == 40 and m.cached_tokens == 80
+    m.keep(1, 90)  # a session's context grows: its old entry is replaced, then 3 goes
+    assert m.cached(3) == 0 and m.cached_tokens == 90
+
+
+def test_bad_arguments_are_one_line() -> None:
+    with pytest.raises(ValueError, match="--turns"):
+        Simulation(build_parser().parse_args(["simulate", "--turns", "5-2"]))
