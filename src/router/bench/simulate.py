@@ -37,7 +37,6 @@ import heapq
 import json
 import random
 import resource
-import statistics
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
 from router.keys import RoutingKey
-from router.measures import coefficient_of_variation, kv_hit_rate
+from router.measures import coefficient_of_variation, kv_hit_rate, percentile
 from router.policy import make_policy
 from router.sessions import SessionTable
 
@@ -123,6 +122,7 @@ class Turn:
     cached: int = 0
     replica: ReplicaState | None = None
     lost: bool = False  # its replica died while it ran: a copy was retried elsewhere
+    ttft: float = 0.0
 
 
 @dataclass
@@ -130,7 +130,8 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     requests: int = 0
-    failed_attempts: int = 0
+    failed_attempts: int = 0  # attempts on a dead replica, retried elsewhere
+    failed_requests: int = 0  # turns no replica could serve
     followups: int = 0
     jumps: int = 0
     latencies: list[float] = field(default_factory=list)
@@ -151,16 +152,21 @@ def default_rate(args: argparse.Namespace, turns: tuple[int, int]) -> float:
 
 class Simulation:
     def __init__(self, args: argparse.Namespace) -> None:
+        check(args)
         low, _, high = args.turns.partition("-")
+        if not (low.isdigit() and (high.isdigit() or not high)):
+            raise ValueError(f"--turns {args.turns!r} is not MIN-MAX")
         self.turns = (int(low), int(high or low))
         if not (1 <= self.turns[0] <= self.turns[1]):
             raise ValueError("--turns must be MIN-MAX with 1 <= MIN <= MAX")
         self.args = args
         self.rate = args.rate or default_rate(args, self.turns)
-        self.rng = random.Random(args.seed)  # timing: arrivals, think times, the latency sample
-        # the sessions' shapes (turns, message and reply sizes), drawn in arrival order only, so
-        # every policy and every event replays the same conversations
+        # three streams, none drawn in an order the routing could change, so every policy and every
+        # event replays the same sessions at the same times: arrivals; each session's shape (turns,
+        # message and reply sizes, think times), drawn when it arrives; the latency sample
+        self.arrivals = random.Random(args.seed)
         self.shapes = random.Random(args.seed + 1)
+        self.rng = random.Random(args.seed + 2)
         specs = [ReplicaSpec(f"r{i}", f"http://sim/{i}") for i in range(args.replicas)]
         self.config = load(None, {}, {"replicas": [f"{s.id}={s.url}" for s in specs], "policy": args.policy})
         self.rules = Hysteresis(remove_after=args.remove_after, ramp_s=args.ramp_s)
@@ -176,8 +182,9 @@ class Simulation:
         self.started = 0
         self.keys: dict[int, RoutingKey] = {}
         self._offered: dict[str, int] = {}
+        self.touched: set[str] = set()  # replicas an event changed (left out of the load CV)
         self._owners_at_fail: dict[int, str] = {}
-        self.shape: dict[int, list[tuple[int, int]]] = {}  # live session -> (message, reply) tokens per turn
+        self.shape: dict[int, list[tuple[int, int, float]]] = {}  # live session -> per turn: message, reply, think
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -212,16 +219,19 @@ class Simulation:
         session = self.started
         self.started += 1
         if self.started < self.args.sessions:
-            self.at(self.now + self.rng.expovariate(self.rate), "arrive")
+            self.at(self.now + self.arrivals.expovariate(self.rate), "arrive")
         shapes = self.shapes
         turns = shapes.randint(*self.turns)
         self.keys[session] = RoutingKey(f"session-{session}".encode(), "header", "sim")
-        self.shape[session] = [(shapes.randint(50, 200), shapes.randint(50, 250)) for _ in range(turns)]
+        think = 1 / self.args.think_s
+        self.shape[session] = [
+            (shapes.randint(50, 200), shapes.randint(50, 250), shapes.expovariate(think)) for _ in range(turns)
+        ]
         self.live.add(session)
         self._turn(self._new_turn(session, 0, turns, SYSTEM_TOKENS))
 
     def _new_turn(self, session: int, number: int, turns: int, context: int) -> Turn:
-        message, output = self.shape[session][number]
+        message, output, _ = self.shape[session][number]
         return Turn(session, number, turns, context, message, output)
 
     def _turn(self, turn: Turn) -> None:
@@ -230,8 +240,8 @@ class Simulation:
         key = self.keys[turn.session]
         last = self.sessions.get(key.key)
         decision = self.policy.pick(key, last, turn.tried)
-        if decision is None:
-            self.stats.failed_attempts += 1
+        if decision is None:  # no replica left to try: the turn fails, and its session ends
+            self.stats.failed_requests += 1
             self._finish(turn, failed=True)
             return
         replica = self.fleet.replicas[decision.index]
@@ -253,8 +263,7 @@ class Simulation:
         prompt = turn.context + turn.message
         turn.cached = min(model.cached(turn.session), prompt - 1)
         prefill = (prompt - turn.cached) * self.args.prefill_s_per_token
-        ttft = self.now - turn.started + prefill
-        self._sample("ttft", self.stats.ttfts, ttft)
+        turn.ttft = self.now - turn.started + prefill  # sampled when it completes (a cut one is not)
         self.at(self.now + prefill + turn.output * self.args.tpot_s, "done", turn)
 
     def _done(self, turn: Turn) -> None:
@@ -281,12 +290,13 @@ class Simulation:
         self.sessions.put(key, replica.id)
         model.keep(turn.session, prompt + turn.output)
         self._sample("latency", s.latencies, self.now - turn.started)
+        self._sample("ttft", s.ttfts, turn.ttft)
         self._finish(turn, failed=False)
 
     def _finish(self, turn: Turn, failed: bool) -> None:
         if turn.number + 1 < turn.turns and not failed:
             nxt = self._new_turn(turn.session, turn.number + 1, turn.turns, turn.context + turn.message + turn.output)
-            self.at(self.now + self.rng.expovariate(1 / self.args.think_s), "turn", nxt)
+            self.at(self.now + self.shape[turn.session][turn.number][2], "turn", nxt)
         else:
             self.live.discard(turn.session)
             self.keys.pop(turn.session, None)
@@ -325,18 +335,29 @@ class Simulation:
             replica.health.start_warming(self.now)
             self.fleet.apply_health(replica, self.now)
 
+        live = list(self.live)
+        keys = [self.keys[x].key for x in live]
+        ring = self.fleet.ring
+        before = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
         self.stats.moved["scale_out_at_slow_start"] = self._moved_share(join, "scale_out")
         joined = self.fleet.replicas[-1]
-        self.stats.moved["scale_out_full_weight"] = self._moved_share(lambda: self.fleet.set_routing(joined, 1.0))
+        self.touched.add(joined.id)
+        self.fleet.set_routing(joined, 1.0)  # what its slow start ends in, from before it joined
+        after = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        self.stats.moved["scale_out_full_weight"] = sum(b != c for b, c in zip(before, after, strict=True)) / max(
+            len(keys), 1
+        )
         self.fleet.apply_health(joined, self.now)  # back to the ramp's weight; probes take it up
         self.at(self.now + self.args.probe_s, "probe", (joined.id, 1.0))
 
     def _scale_in(self, _: Any) -> None:
         victim = self.fleet.replicas[0].id
+        self.touched.add(victim)
         self.stats.moved["scale_in"] = self._moved_share(lambda: self.fleet.remove(victim), "scale_in")
 
     def _fail(self, _: Any) -> None:
         victim = self.fleet.replicas[len(self.fleet.replicas) // 2]
+        self.touched.add(victim.id)
         model = self.models[victim.id]
         model.dead = True
         model.cache.clear()
@@ -353,6 +374,7 @@ class Simulation:
         live = list(self.live)
         owners = ring.lookup_many([self.keys[s].key for s in live])
         self._owners_at_fail = {s: ring.replica_ids[i] for s, i in zip(live, owners, strict=True) if i >= 0}
+        self.stats.live_at["failure"] = len(live)
         # the requests running there are cut: their "done" events are marked lost, copies retried
         running = [p for _, _, kind, p in self.events if kind == "done" and p.replica is victim and not p.lost]
         for turn in running:
@@ -392,9 +414,13 @@ class Simulation:
             live = [s for s in self.live if s in self._owners_at_fail]
             owners = ring.lookup_many([self.keys[s].key for s in live])
             now_owner = [ring.replica_ids[i] if i >= 0 else None for i in owners]
-            moved = sum(self._owners_at_fail[s] != o for s, o in zip(live, now_owner, strict=True))
+            # moves for the failure's sake only: to or from the dead replica (a joining replica's
+            # ramp may move others meanwhile)
+            moved = sum(
+                before != after and rid in (before, after)
+                for before, after in zip((self._owners_at_fail[s] for s in live), now_owner, strict=True)
+            )
             self.stats.moved["failure"] = moved / max(len(live), 1)
-            self.stats.live_at["failure"] = len(live)
             return  # out of the ring; nobody probes it back here
         self.fleet.apply_health(replica, self.now)
         if replica.state != "healthy" or score < 1.0:
@@ -406,7 +432,7 @@ class Simulation:
         s = self.stats
 
         def pct(values: list[float], q: int) -> float | None:
-            return round(statistics.quantiles(values, n=100)[q - 1], 3) if len(values) >= 100 else None
+            return round(percentile(values, q), 3) if values else None
 
         return {
             "policy": self.args.policy,
@@ -416,17 +442,32 @@ class Simulation:
             "rate_sessions_per_s": round(self.rate, 2),
             "virtual_s": round(self.now, 1),
             "kv_hit_rate": round(kv_hit_rate(s.cached_tokens, s.prompt_tokens), 4),
-            "load_cv": round(coefficient_of_variation(list(s.per_replica.values())), 4),
+            # over the replicas in the fleet the whole run: one that joined, died or left late
+            # would count its partial run as imbalance
+            "load_cv": round(
+                coefficient_of_variation([n for rid, n in s.per_replica.items() if rid not in self.touched]), 4
+            ),
             "jump_rate": round(s.jumps / s.followups, 4) if s.followups else 0.0,
             "latency_p50_s": pct(s.latencies, 50),
             "latency_p99_s": pct(s.latencies, 99),
             "ttft_p99_s": pct(s.ttfts, 99),
             "failed_attempts": s.failed_attempts,
+            "failed_requests": s.failed_requests,
             "moved_share": {k: round(v, 4) for k, v in s.moved.items()},
             "live_sessions_at": s.live_at,
             "wall_s": round(wall_s, 1),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
         }
+
+
+def check(args: argparse.Namespace) -> None:
+    """ValueError, one line, for arguments the simulation cannot run with."""
+    if args.replicas < 2 or args.sessions < 1 or args.slots < 1 or args.kv_tokens < 1:
+        raise ValueError("need --replicas >= 2, --sessions >= 1, --slots >= 1 and --kv-tokens >= 1")
+    if not (args.rate >= 0 and args.think_s > 0 and args.probe_s > 0 and args.ramp_s >= 0 and args.remove_after >= 1):
+        raise ValueError("need --rate >= 0, --think-s > 0, --probe-s > 0, --ramp-s >= 0 and --remove-after >= 1")
+    if not (args.prefill_s_per_token >= 0 and args.tpot_s >= 0 and args.prefill_s_per_token + args.tpot_s > 0):
+        raise ValueError("--prefill-s-per-token and --tpot-s must be >= 0, and not both 0")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -434,9 +475,6 @@ def run_cli(args: argparse.Namespace) -> int:
         sim = Simulation(args)
     except ValueError as exc:
         print(f"router-bench simulate: {exc}")
-        return 2
-    if args.replicas < 2 or args.sessions < 1 or args.slots < 1 or args.kv_tokens < 1:
-        print("router-bench simulate: need --replicas >= 2, --sessions >= 1, --slots >= 1 and --kv-tokens >= 1")
         return 2
     out = sim.run()
     if args.json:
@@ -449,7 +487,7 @@ def run_cli(args: argparse.Namespace) -> int:
     print(
         f"  KV hit {out['kv_hit_rate']:.1%}, load CV {out['load_cv']:.3f}, jump rate {out['jump_rate']:.1%}, "
         f"latency p50 {out['latency_p50_s']} s p99 {out['latency_p99_s']} s, TTFT p99 {out['ttft_p99_s']} s, "
-        f"failed attempts {out['failed_attempts']}"
+        f"attempts failed over {out['failed_attempts']}, requests failed {out['failed_requests']}"
     )
     for event, share in out["moved_share"].items():
         live = out["live_sessions_at"].get(event.split("_at_")[0].replace("_full_weight", ""), 0)

@@ -36,6 +36,7 @@ from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
 from router.proxy.internal import serve_internal, worker_socket
 from router.redis_state import RedisSessions, RedisState
+from router.ring import xxh3_64
 from router.sessions import SessionTable
 from router.shared import Follower, Publisher, SharedSessions
 from router.shm.table import SlotTable
@@ -282,6 +283,22 @@ class Router:
             await self.save_state(force=True)
         except OSError as exc:
             logging.getLogger("router.state").error("cannot save the routing state: %s", exc)
+
+    def prefill_shared_sessions(self, table: SlotTable) -> None:
+        """Control process, before the workers start: write the restored sessions into the
+        workers' shared session tables (each its share by key hash; nobody writes them yet), so
+        that the first requests already go where the sessions' caches are. The workers' own
+        tables get them too, once they answer (`_after_start`), for saving and drains."""
+        if not self._restored_sessions or not table.sticky_entries or table.workers < 1:
+            return
+        rows = [SharedSessions(table, w, self.fleet, self.config.sticky_ttl_s) for w in range(table.workers)]
+        now_ms = time.time() * 1000
+        for key, replica_id, left, _ in self._restored_sessions:
+            replica = self.fleet.find(replica_id)
+            if replica is not None:
+                # the entry's age is what makes it expire there: written so that `left` remains
+                written = int(now_ms - (self.config.sticky_ttl_s - left) * 1000)
+                rows[xxh3_64(key) % len(rows)].put(key, replica, written)
 
     async def _after_start(self) -> None:
         """Once the view answers: restored sessions to the workers, restored drains go on."""

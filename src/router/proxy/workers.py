@@ -242,6 +242,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         router = Router(config, table=table, metrics=files)
         router.view = link = WorkerLink([worker_socket(control_socket, i) for i in range(config.workers)])
         router.publish()
+        router.prefill_shared_sessions(table)  # restored sessions route right from the first request
         pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=router.worker_restarted)
         runner = web.AppRunner(router.app(control_only=True), handle_signals=False, access_log=None)
         await runner.setup()
