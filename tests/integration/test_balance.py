@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import aiohttp
+import chat
 import orjson
 
 from router.balance.controller import Balancer
@@ -19,13 +20,7 @@ def named(fleet: Any) -> list[str]:
 
 
 async def turn(url: str, session: str, text: str = "") -> str:
-    body = {"messages": [{"role": "user", "content": f"{session} says " + (text or "hello " * 200)}], "max_tokens": 4}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
-    ):
-        assert r.status == 200
-        return r.headers["X-Router-Replica"]
+    return await chat.turn(url, session, f"{session} says " + (text or "hello " * 200))
 
 
 def jumps(router: Any) -> dict[str, float]:

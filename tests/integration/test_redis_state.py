@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
+from chat import turn
 
 from router.keys import RoutingKey
 
@@ -69,16 +69,6 @@ async def wait_for(predicate: Any, timeout: float = 5.0) -> float:
         assert time.monotonic() - start < timeout, "condition not reached in time"
         await asyncio.sleep(0.02)
     return time.monotonic() - start
-
-
-async def turn(url: str, session: str) -> str:
-    body = {"messages": [{"role": "user", "content": f"hello from {session}"}], "max_tokens": 4}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
-    ):
-        assert r.status == 200
-        return r.headers["X-Router-Replica"]
 
 
 async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet, start_router, redis_server) -> None:  # type: ignore[no-untyped-def]

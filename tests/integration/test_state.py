@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from aiohttp import web
+from chat import turn
 
 from router.config import load
 from router.proxy.app import Router
@@ -26,16 +26,6 @@ async def serve(config: Any) -> tuple[Router, web.AppRunner, str]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return router, runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-
-async def turn(url: str, session: str) -> str:
-    body = {"messages": [{"role": "user", "content": f"hello from {session}"}], "max_tokens": 4}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
-    ):
-        assert r.status == 200
-        return r.headers["X-Router-Replica"]
 
 
 async def test_a_restart_brings_back_membership_drains_overrides_and_sessions(start_fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
