@@ -92,7 +92,7 @@ async def test_stream_interval_groups_tokens(start_fleet) -> None:  # type: igno
     ):
         events = [e for e in (await r.read()).split(b"\n\n") if e]
     texts = [orjson.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
-    assert [len(t) // 4 for t in texts] == [4, 4, 2]
+    assert [len(t) // 4 for t in texts] == [1, 4, 4, 1]  # the first token alone, then chunks of 4
 
 
 async def test_models_health_and_metrics(replica: Replica) -> None:

@@ -447,9 +447,10 @@ class Replica:
                 raise ConnectionResetError("replica crashed")
             if not seed_known:
                 reply_seed, seed_known = self.engine.reply_seed(seq), True
-            # one chunk per `interval` tokens, also when several steps' tokens arrive at once
-            while seq.output_tokens - sent >= interval or (seq.done and seq.output_tokens > sent):
-                count = min(interval, seq.output_tokens - sent)
+            # the first token goes out alone (time to first token does not wait for a whole chunk),
+            # then one chunk per `interval` tokens, also when several steps' tokens arrive at once
+            while seq.output_tokens - sent >= (interval if sent else 1) or (seq.done and seq.output_tokens > sent):
+                count = min(interval if sent else 1, seq.output_tokens - sent)
                 text = generated_text(reply_seed, sent, count)
                 sent += count
                 finish = "length" if seq.done and sent == seq.output_tokens else None
