@@ -8,6 +8,7 @@ import pytest
 
 from router.bench.cli import build_parser
 from router.bench.simulate import Model, Simulation
+from router.keys import RoutingKey
 
 
 def simulate(*flags: str) -> dict[str, Any]:
@@ -26,7 +27,9 @@ def test_affinity_keeps_caches_that_round_robin_scatters() -> None:
     scattered = simulate("--policy", "round_robin")
     assert affinity["requests"] == scattered["requests"]  # the same sessions, every turn served
     assert affinity["failed_requests"] == scattered["failed_requests"] == 0
-    assert affinity["kv_hit_rate"] > 3 * scattered["kv_hit_rate"]
+    # round robin still hits the shared system prompts; affinity hits the whole conversation
+    assert 0.2 < scattered["kv_hit_rate"] < 0.6 and affinity["kv_hit_rate"] > scattered["kv_hit_rate"] + 0.3
+    assert 0 < affinity["slot_occupancy"] < scattered["slot_occupancy"] < 1  # recomputing costs slot time
     assert affinity["jump_rate"] < 0.2 < scattered["jump_rate"]
     assert affinity["failed_attempts"] == scattered["failed_attempts"] == 0
 
@@ -41,6 +44,53 @@ def test_scale_out_moves_about_one_share_and_a_failure_is_failed_over() -> None:
     assert out["failed_attempts"] > 0  # requests on the dead replica were cut, and retried
     baseline = simulate("--rate", "40")
     assert out["requests"] == baseline["requests"] and out["failed_requests"] == 0  # ... so no turn was lost
+
+
+def test_shared_system_prompts_and_batch_speed_shape_the_figures() -> None:
+    one = simulate("--policy", "round_robin", "--system-prompts", "1")
+    many = simulate("--policy", "round_robin", "--system-prompts", "5000")
+    assert one["kv_hit_rate"] > many["kv_hit_rate"] + 0.1  # a prompt every replica has cached hits everywhere
+    alone = simulate("--batch-slowdown", "0", "--rate", "60")
+    crowded = simulate("--batch-slowdown", "3", "--rate", "60")
+    assert crowded["latency_p50_s"] > 1.2 * alone["latency_p50_s"]  # a fuller batch decodes slower
+
+
+def test_the_rebalancer_moves_a_hot_replicas_vnode_with_its_sessions() -> None:
+    args = build_parser().parse_args(["simulate", "--replicas", "4", "--sessions", "10"])
+    sim = Simulation(args)
+    ring, fleet = sim.fleet.ring, sim.fleet
+    hot = fleet.replicas[0]
+    # a live session whose key lands on one of the hot replica's own vnodes, cached there
+    session = next(
+        n for n in range(10_000) if (loc := ring.locate(f"session-{n}".encode())) is not None and loc[1] == 0
+    )
+    key = f"session-{session}".encode()
+    _, origin, number = ring.locate(key)  # type: ignore[misc]
+    sim.live.add(session)
+    sim.keys[session] = RoutingKey(key, "header", "sim")
+    sim.system[session] = 0
+    sim.models[hot.id].keep(session, 900)
+    sim.sessions.put(key, hot.id)
+    for _ in range(30):  # 30 requests in flight on replica 0, 2 on each other one
+        fleet.acquire(hot)
+    for other in fleet.replicas[1:]:
+        fleet.acquire(other)
+        fleet.acquire(other)
+    window = sim.config.rebalance_window_s
+    others = [v for v in range(1, 40) if v != number][:9]  # traffic spread over ten of its vnodes
+    for t in range(int(window) + 3):
+        sim.now = float(t)
+        sim.traffic.record(ring.replica_ids[origin], number)  # the session's vnode the hottest
+        for v in [number, *others]:
+            sim.traffic.record(ring.replica_ids[origin], v)
+        sim._tick(None)
+    assert sim.stats.migrations >= 1
+    target = sim.sessions.get(key)
+    assert target is not None and target != hot.id  # the session moved with its vnode ...
+    assert sim.models[target].cached(session) == 900  # ... warmed on its new replica
+    assert ring.lookup(key) == ring.index(target)
+    args = build_parser().parse_args(["simulate", "--replicas", "4", "--sessions", "10", "--no-rebalance"])
+    assert not Simulation(args).rebalancing
 
 
 def test_the_cache_model_evicts_least_recently_used_sessions() -> None:
@@ -61,6 +111,8 @@ def test_bad_arguments_are_one_line() -> None:
         (["--probe-s", "0"], "--probe-s"),
         (["--rate", "-1"], "--rate"),
         (["--tpot-s", "0", "--prefill-s-per-token", "0"], "not both 0"),
+        (["--batch-slowdown", "-1"], "--batch-slowdown"),
+        (["--system-prompts", "0"], "--system-prompts"),
     ):
         with pytest.raises(ValueError, match=message):
             Simulation(build_parser().parse_args(["simulate", *flags]))

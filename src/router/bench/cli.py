@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import balance_bench, health_bench, proxy_bench, replay, ring_bench, simulate
+from router.bench import balance_bench, fleet, health_bench, proxy_bench, replay, ring_bench, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     health_bench.add_parser(sub)
     balance_bench.add_parser(sub)
     simulate.add_parser(sub)
+    fleet.add_parser(sub)
     return parser
 
 

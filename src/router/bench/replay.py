@@ -78,6 +78,7 @@ class ReplayOptions:
     output_tokens: int | None = None  # cap on every request's max_tokens
     seed: int = 1
     spec: SessionsSpec | None = None
+    key_headers: tuple[str, ...] = ("X-Session-ID",)  # headers that carry the session id
 
 
 class Replayer:
@@ -210,6 +211,9 @@ class Replayer:
             body["max_tokens"] = min(body.get("max_tokens", self.opts.output_tokens), self.opts.output_tokens)
         return body
 
+    def _key_headers(self, session: str) -> dict[str, str]:
+        return {"Content-Type": "application/json"} | dict.fromkeys(self.opts.key_headers, session)
+
     async def _session_run(self, plan: SessionPlan, deadline: float) -> None:
         scale = self.opts.time_scale
         messages: list[dict[str, str]] = [{"role": "system", "content": plan.system}]
@@ -227,7 +231,7 @@ class Replayer:
                 k,
                 "/v1/chat/completions",
                 self._body({"messages": list(messages), "max_tokens": turn.max_tokens, "user": plan.user}),
-                {"X-Session-ID": plan.session_id},
+                self._key_headers(plan.session_id),
             )
             if not rec.ok:
                 return  # a failed turn ends the conversation
@@ -269,7 +273,7 @@ class Replayer:
                 break
             await _sleep_until(start + at / scale)
             body = self._body({"prompt": trace_prompt(row), "max_tokens": max(1, row.output_length)})
-            request = self.send(row.session, row.turn, "/v1/completions", body, {"X-Session-ID": row.session})
+            request = self.send(row.session, row.turn, "/v1/completions", body, self._key_headers(row.session))
             if gate is not None:
                 await gate.acquire()
                 tasks.append(asyncio.ensure_future(_release_after(request, gate)))

@@ -10,10 +10,23 @@ interval. What serves is a model of a replica, coarser than the emulator's:
 - KV cache: a replica holds up to `--kv-tokens` tokens of conversation context. A session's
   context stays there after each turn and is evicted least recently used first. A turn that
   lands where its session's context still is computes only its new tokens (the emulator's
-  paged prefix cache, counted per session instead of per block; no prefix is shared between
-  sessions).
+  paged prefix cache, counted per session instead of per block). Every session opens with one of
+  `--system-prompts` shared system prompts of 400 tokens; a replica that has served one keeps it,
+  so a turn landing anywhere else still hits those 400 tokens.
 - Scheduler: `--slots` requests run at once, the rest wait in arrival order. A request takes
-  `--prefill-s-per-token` per prompt token it computes plus `--tpot-s` per output token.
+  `--prefill-s-per-token` per prompt token it computes plus a time per output token that grows
+  with the batch it starts in: `--tpot-s` x (1 + `--batch-slowdown` x (running - 1) / (slots - 1)),
+  so a full batch decodes each token `1 + batch-slowdown` times slower than a lone request.
+
+The emulator's engine (block-level cache, token-by-token continuous batching) is the model the
+fleet benchmark runs; here it would cost one event per step per replica, far too many for a
+thousand replicas, so this coarser model stands in, with the same knobs in the same places.
+
+Balance: with the `affinity` policy the rebalancer runs in the loop as in the router's control
+loop: every virtual second each routable replica's in-flight count feeds `Rebalancer.observe`,
+served requests count per vnode, and `plan` picks vnodes to move; a move carries the vnode's
+live sessions (up to the router's `warmup_sessions`, their cached context copied to the target as
+warm-up would) and reassigns the vnode on the ring. `--no-rebalance` turns it off.
 
 Sessions arrive at `--rate` per second (Poisson), take 3 to 8 turns (`--turns`), each user
 message 50 to 200 tokens and each reply 50 to 250, with an exponential think time between turns.
@@ -43,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
@@ -52,6 +66,7 @@ from router.policy import make_policy
 from router.sessions import SessionTable
 
 SYSTEM_TOKENS = 400
+TICK_S = 1.0  # the balance loop's period, as in the router
 SAMPLE = 200_000  # latencies kept for the percentiles (a uniform reservoir)
 
 
@@ -71,7 +86,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slots", type=int, default=32, help="requests a replica runs at once (default 32)")
     p.add_argument("--kv-tokens", type=int, default=400_000, help="context tokens a replica caches (default 400k)")
     p.add_argument("--prefill-s-per-token", type=float, default=0.0002, help="default 0.0002 (5k tokens/s)")
-    p.add_argument("--tpot-s", type=float, default=0.02, help="seconds per output token (default 0.02)")
+    p.add_argument("--tpot-s", type=float, default=0.02, help="seconds per output token alone (default 0.02)")
+    p.add_argument(
+        "--batch-slowdown",
+        type=float,
+        default=1.0,
+        help="a full batch decodes each token 1 + this times slower (default 1)",
+    )
+    p.add_argument("--system-prompts", type=int, default=4, help="shared system prompts (default 4)")
+    p.add_argument(
+        "--rebalance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the rebalancer in the loop (affinity only; default on)",
+    )
     p.add_argument("--scale-out-at", type=float, default=None, help="virtual second a replica joins")
     p.add_argument("--scale-in-at", type=float, default=None, help="virtual second a replica leaves")
     p.add_argument("--fail-at", type=float, default=None, help="virtual second a replica dies")
@@ -94,6 +122,7 @@ class Model:
     running: int = 0
     queue: deque[Any] = field(default_factory=deque)
     dead: bool = False
+    systems: set[int] = field(default_factory=set)  # shared system prompts it has cached
 
     def cached(self, session: int) -> int:
         found = self.cache.get(session)
@@ -123,6 +152,7 @@ class Turn:
     replica: ReplicaState | None = None
     lost: bool = False  # its replica died while it ran: a copy was retried elsewhere
     ttft: float = 0.0
+    busy_s: float = 0.0  # the slot time it took
 
 
 @dataclass
@@ -140,12 +170,16 @@ class Stats:
     per_replica: dict[str, int] = field(default_factory=dict)
     moved: dict[str, float] = field(default_factory=dict)
     live_at: dict[str, int] = field(default_factory=dict)  # live sessions when each event happened
+    slot_seconds: float = 0.0  # summed service time of completed requests
+    migrations: int = 0  # vnodes the rebalancer moved
+    migrated_sessions: int = 0
 
 
 def default_rate(args: argparse.Namespace, turns: tuple[int, int]) -> float:
     """New sessions per second that keep the fleet about 70% busy, assuming most turns hit."""
     mean_turns = sum(turns) / 2
-    service_s = 125 * args.prefill_s_per_token * 2 + 150 * args.tpot_s  # new tokens, then the reply
+    # new tokens, then the reply at a half-full batch's speed
+    service_s = 125 * args.prefill_s_per_token * 2 + 150 * args.tpot_s * (1 + args.batch_slowdown / 2)
     capacity = args.replicas * args.slots / service_s  # requests per second
     return float(0.7 * capacity / mean_turns)
 
@@ -185,6 +219,17 @@ class Simulation:
         self.touched: set[str] = set()  # replicas an event changed (left out of the load CV)
         self._owners_at_fail: dict[int, str] = {}
         self.shape: dict[int, list[tuple[int, int, float]]] = {}  # live session -> per turn: message, reply, think
+        self.system: dict[int, int] = {}  # live session -> its system prompt
+        self.rebalancing = args.rebalance and args.policy == "affinity"
+        self.rebalancer = Rebalancer(
+            RebalanceSettings(
+                threshold=self.config.rebalance_threshold,
+                window_s=self.config.rebalance_window_s,
+                cooldown_s=self.config.rebalance_cooldown_s,
+                max_vnodes=self.config.rebalance_max_vnodes,
+            )
+        )
+        self.traffic = VnodeTraffic()
 
     # -- the event loop ----------------------------------------------------------------------
 
@@ -196,6 +241,7 @@ class Simulation:
         a = self.args
         wall0 = time.perf_counter()
         self.at(0.0, "arrive")
+        self.at(TICK_S, "tick")
         for when, kind in ((a.scale_out_at, "scale_out"), (a.scale_in_at, "scale_in"), (a.fail_at, "fail")):
             if when is not None:
                 self.at(when, kind)
@@ -207,6 +253,7 @@ class Simulation:
             "scale_in": self._scale_in,
             "fail": self._fail,
             "probe": self._probe,
+            "tick": self._tick,
         }
         while self.events:
             self.now, _, kind, payload = heapq.heappop(self.events)
@@ -227,6 +274,7 @@ class Simulation:
         self.shape[session] = [
             (shapes.randint(50, 200), shapes.randint(50, 250), shapes.expovariate(think)) for _ in range(turns)
         ]
+        self.system[session] = shapes.randrange(self.args.system_prompts)
         self.live.add(session)
         self._turn(self._new_turn(session, 0, turns, SYSTEM_TOKENS))
 
@@ -260,11 +308,15 @@ class Simulation:
 
     def _start(self, turn: Turn, model: Model) -> None:
         model.running += 1
+        a = self.args
         prompt = turn.context + turn.message
-        turn.cached = min(model.cached(turn.session), prompt - 1)
-        prefill = (prompt - turn.cached) * self.args.prefill_s_per_token
+        shared = SYSTEM_TOKENS if self.system[turn.session] in model.systems else 0
+        turn.cached = min(max(model.cached(turn.session), shared), prompt - 1)
+        prefill = (prompt - turn.cached) * a.prefill_s_per_token
         turn.ttft = self.now - turn.started + prefill  # sampled when it completes (a cut one is not)
-        self.at(self.now + prefill + turn.output * self.args.tpot_s, "done", turn)
+        tpot = a.tpot_s * (1 + a.batch_slowdown * (model.running - 1) / max(model.slots - 1, 1))
+        turn.busy_s = prefill + turn.output * tpot
+        self.at(self.now + turn.busy_s, "done", turn)
 
     def _done(self, turn: Turn) -> None:
         replica = turn.replica
@@ -289,6 +341,12 @@ class Simulation:
             s.jumps += last != replica.id
         self.sessions.put(key, replica.id)
         model.keep(turn.session, prompt + turn.output)
+        model.systems.add(self.system[turn.session])
+        s.slot_seconds += turn.busy_s
+        if self.rebalancing:
+            located = self.fleet.ring.locate(key)
+            if located is not None:
+                self.traffic.record(self.fleet.ring.replica_ids[located[1]], located[2])
         self._sample("latency", s.latencies, self.now - turn.started)
         self._sample("ttft", s.ttfts, turn.ttft)
         self._finish(turn, failed=False)
@@ -301,6 +359,7 @@ class Simulation:
             self.live.discard(turn.session)
             self.keys.pop(turn.session, None)
             self.shape.pop(turn.session, None)
+            self.system.pop(turn.session, None)
 
     def _sample(self, name: str, into: list[float], value: float) -> None:
         """A uniform reservoir of SAMPLE values (Algorithm R)."""
@@ -311,6 +370,55 @@ class Simulation:
             j = self.rng.randrange(n)
             if j < SAMPLE:
                 into[j] = value
+
+    # -- balance -----------------------------------------------------------------------------------
+
+    def _tick(self, _: Any) -> None:
+        """The balance loop's turn: loads into the rebalancer; with affinity, its moves made."""
+        if self.events:  # the run goes on while anything else is pending
+            self.at(self.now + TICK_S, "tick")
+        if not self.rebalancing:
+            return
+        fleet, ring = self.fleet, self.fleet.ring
+        loads = {
+            r.id: float(r.inflight) for r in fleet.replicas if r.index is not None and r.state in ("healthy", "suspect")
+        }
+        self.rebalancer.observe(loads, self.now)
+        present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
+        owners = {v: ring.overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
+        moves = self.rebalancer.plan(self.now, self.traffic.recent, owners)
+        for move in moves:
+            self._migrate(move)
+        self.rebalancer.moved(moves, self.now)
+        self.traffic.decay()
+
+    def _migrate(self, move: Move) -> None:
+        """What the router's migration does, at once: the vnode's live sessions on the source (up to
+        `warmup_sessions`) get their context warmed on the target and move there; then the vnode."""
+        fleet, ring = self.fleet, self.fleet.ring
+        source, target = fleet.find(move.source), fleet.find(move.target)
+        if source is None or target is None or target.index is None or move.origin not in ring.replica_ids:
+            return
+        src, dst = self.models[source.id], self.models[target.id]
+        moved = 0
+        for session in list(self.live):
+            if moved >= self.config.warmup_sessions:
+                break
+            key = self.keys[session].key
+            if self.sessions.get(key) != source.id:
+                continue
+            located = ring.locate(key)
+            if located is None or ring.replica_ids[located[1]] != move.origin or located[2] != move.number:
+                continue
+            context = src.cache.get(session)
+            if context:
+                dst.keep(session, context)
+                dst.systems.add(self.system[session])
+            self.sessions.put(key, target.id)
+            moved += 1
+        ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
+        self.stats.migrations += 1
+        self.stats.migrated_sessions += moved
 
     # -- membership and health -----------------------------------------------------------------
 
@@ -453,6 +561,12 @@ class Simulation:
             "ttft_p99_s": pct(s.ttfts, 99),
             "failed_attempts": s.failed_attempts,
             "failed_requests": s.failed_requests,
+            # share of the fleet's slots busy serving, over the run (the model's "GPU busy")
+            "slot_occupancy": round(
+                s.slot_seconds / (self.now * self.args.slots * max(len(self.models), 1)) if self.now else 0.0, 4
+            ),
+            "migrations": s.migrations,
+            "migrated_sessions": s.migrated_sessions,
             "moved_share": {k: round(v, 4) for k, v in s.moved.items()},
             "live_sessions_at": s.live_at,
             "wall_s": round(wall_s, 1),
@@ -462,8 +576,12 @@ class Simulation:
 
 def check(args: argparse.Namespace) -> None:
     """ValueError, one line, for arguments the simulation cannot run with."""
-    if args.replicas < 2 or args.sessions < 1 or args.slots < 1 or args.kv_tokens < 1:
-        raise ValueError("need --replicas >= 2, --sessions >= 1, --slots >= 1 and --kv-tokens >= 1")
+    if args.replicas < 2 or args.sessions < 1 or args.slots < 1 or args.kv_tokens < 1 or args.system_prompts < 1:
+        raise ValueError(
+            "need --replicas >= 2, --sessions >= 1, --slots >= 1, --kv-tokens >= 1 and --system-prompts >= 1"
+        )
+    if not args.batch_slowdown >= 0:
+        raise ValueError("--batch-slowdown must be >= 0")
     if not (args.rate >= 0 and args.think_s > 0 and args.probe_s > 0 and args.ramp_s >= 0 and args.remove_after >= 1):
         raise ValueError("need --rate >= 0, --think-s > 0, --probe-s > 0, --ramp-s >= 0 and --remove-after >= 1")
     if not (args.prefill_s_per_token >= 0 and args.tpot_s >= 0 and args.prefill_s_per_token + args.tpot_s > 0):
@@ -488,6 +606,10 @@ def run_cli(args: argparse.Namespace) -> int:
         f"  KV hit {out['kv_hit_rate']:.1%}, load CV {out['load_cv']:.3f}, jump rate {out['jump_rate']:.1%}, "
         f"latency p50 {out['latency_p50_s']} s p99 {out['latency_p99_s']} s, TTFT p99 {out['ttft_p99_s']} s, "
         f"attempts failed over {out['failed_attempts']}, requests failed {out['failed_requests']}"
+    )
+    print(
+        f"  slots busy {out['slot_occupancy']:.0%}; rebalancer: {out['migrations']} vnodes moved, "
+        f"{out['migrated_sessions']:,} sessions with them"
     )
     for event, share in out["moved_share"].items():
         live = out["live_sessions_at"].get(event.split("_at_")[0].replace("_full_weight", ""), 0)

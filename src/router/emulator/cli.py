@@ -97,7 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.attention_per_token_s * 1e9,
         help=f"extra step time per context token of decoding requests (default {d.attention_per_token_s * 1e9:g})",
     )
-    g.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk after the first token, which goes alone (default 1)")
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk after the first token, which goes alone (default 1)",
+    )
     g.add_argument(
         "--default-max-tokens",
         type=int,

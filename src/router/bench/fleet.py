@@ -1,0 +1,827 @@
+"""`router-bench fleet`: the same traffic through every contender, on the same emulated fleet.
+
+For each workload and each contender, one run: a fresh emulated fleet (`router-emulator`, cold
+caches, its own process), the contender in front of it (its own process), and the replayer in
+this process sending the workload. Contenders:
+
+- `round-robin`: the client sends each request to the next replica (the baseline, no router);
+- `least_load`, `consistent_hash`: `router-serve` with that policy, rebalancing and warm-up off;
+- `full`: `router-serve` as shipped: affinity (sticky sessions, ring, bounded load), health,
+  rebalancing, warm-up;
+- `sglang-cache-aware`, `sglang-header`: `sglang-router` with `--policy cache_aware`, and with
+  `--policy manual` and the session id in `X-SMG-Routing-Key` (when sglang-router is installed);
+- `vllm-consistent-hash`: `vllm-router --policy consistent_hash`, session id in `x-session-id`
+  (when vllm-router is installed);
+- `oracle`: the client pins each session to one replica by hash, with no router: the hit rate a
+  sticky router could reach, with no regard for load.
+
+Workloads: `sessions@R` (synthetic multi-turn chats, R new sessions per engine second for
+`--duration`, one workload per `--rate`) and, with `--trace-dir`, the Mooncake `mooncake-conversation` and
+`mooncake-synthetic` traces (`--trace-window` seconds from their start, `--trace-speedup` times
+faster). Everything the client measures (KV hit rate from `usage`, latencies, jumps from
+`X-Replica-Id`) is as in `router-bench replay`; load per replica and the emulated GPU busy share
+come from the emulators' own counters (`GET /replicas` on the fleet's control port, every
+`--sample-s`). Latencies are engine seconds (wall seconds x `--time-scale`).
+
+Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
+`--replicas`) whose multi-turn P99 on the busiest `sessions@R` stays within `--p99-target`
+(default: the P99 round-robin reaches on the full fleet in this run), by bisection, one run per
+probed size.
+
+`--rounds K` runs every (workload, contender) K times, contenders taking turns, and reports
+medians. Results go to `--out` as fleet.json, fleet.md and PNG plots (matplotlib, from the
+`bench` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.bench.common import free_port, parse_settings
+from router.bench.proxy_bench import cpu_seconds, spawn, stop, wait_ready
+from router.bench.replay import Replayer, ReplayOptions
+from router.bench.workloads import SessionsSpec, TraceError
+from router.measures import coefficient_of_variation
+
+TRACES = {
+    "mooncake-conversation": "mooncake_conversation_trace.jsonl",
+    "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
+}
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str
+    kind: str  # direct | router | sglang | vllm
+    args: tuple[str, ...] = ()
+    spread: str = "round-robin"  # direct contenders only
+    key_headers: tuple[str, ...] = ("X-Session-ID",)
+
+
+CONTENDERS = {
+    c.name: c
+    for c in (
+        Contender("round-robin", "round-robin (client, no router)", "direct"),
+        Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load")),
+        Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash")),
+        Contender("full", "router-serve full policy", "router", ("--policy", "affinity", "--rebalance", "--warmup")),
+        Contender("sglang-cache-aware", "sglang-router cache_aware", "sglang", ("--policy", "cache_aware")),
+        Contender(
+            "sglang-header",
+            "sglang-router manual (session header)",
+            "sglang",
+            ("--policy", "manual"),
+            key_headers=("X-Session-ID", "X-SMG-Routing-Key"),
+        ),
+        Contender("vllm-consistent-hash", "vllm-router consistent_hash", "vllm", ("--policy", "consistent_hash")),
+        Contender("oracle", "sticky oracle (client pins sessions)", "direct", spread="session"),
+    )
+}
+PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
+
+
+def vllm_router_command() -> str | None:
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def available(name: str) -> bool:
+    kind = CONTENDERS[name].kind
+    if kind == "sglang":
+        return importlib.util.find_spec("sglang_router") is not None
+    if kind == "vllm":
+        return vllm_router_command() is not None
+    return True
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive ports that are free now (the emulator fleet binds a run)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+@dataclass
+class Fleet:
+    proc: subprocess.Popen[bytes]
+    urls: list[str]
+    control: str
+
+
+async def start_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
+    problem = ""
+    for _ in range(3):  # a port of the run can be taken between the check and the bind: try another run
+        base, control = free_port_run(replicas), free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.emulator.cli",
+            "--replicas",
+            str(replicas),
+            "--base-port",
+            str(base),
+            "--control-port",
+            str(control),
+            "--time-scale",
+            str(args.time_scale),
+            "--stream-interval",
+            str(args.stream_interval),
+            *args.emulator_arg,
+        ]
+        proc = spawn(cmd)
+        fleet = Fleet(
+            proc, [f"http://127.0.0.1:{p}" for p in range(base, base + replicas)], f"http://127.0.0.1:{control}"
+        )
+        try:
+            await wait_ready(fleet.control, "/replicas", timeout=30)
+            for url in fleet.urls:
+                await wait_ready(url, "/health", timeout=10)
+            return fleet
+        except RuntimeError as exc:
+            problem = str(exc)
+            stop(proc)
+    raise RuntimeError(f"the emulated fleet did not start: {problem}")
+
+
+async def start_contender(
+    c: Contender, urls: list[str], settings: dict[str, str]
+) -> tuple[subprocess.Popen[bytes] | None, list[str]]:
+    """The contender's process (None for the client-side ones) and the targets to send to."""
+    if c.kind == "direct":
+        return None, urls
+    port = free_port()
+    env: dict[str, str] | None = None
+    if c.kind == "router":
+        cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
+        if c.name != "full":
+            cmd += PLAIN
+        for url in urls:
+            cmd += ["--replica", url]
+        env = {"ROUTER_" + k.upper(): v for k, v in settings.items()}
+    else:
+        common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
+        common += ["--prometheus-port", str(free_port()), "--log-level", "error", "--worker-urls", *urls]
+        if c.kind == "sglang":
+            cmd = [sys.executable, "-m", "sglang_router.launch_router", *common, *c.args]
+            env = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # its tokenizer download stays on loopback and fails
+        else:
+            exe = vllm_router_command()
+            assert exe is not None
+            cmd = [exe, *common, *c.args]
+    proc = spawn(cmd, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, "/health", timeout=60)
+        # a peer may answer /health before its workers are registered: wait for one real answer
+        await _first_answer(url)
+    except RuntimeError:
+        stop(proc)
+        raise RuntimeError(f"{c.label} did not come up (command: {' '.join(cmd[:6])} ...)") from None
+    return proc, [url]
+
+
+async def _first_answer(url: str, timeout: float = 60.0) -> None:
+    body = orjson.dumps({"model": "emulated-llm", "prompt": "ready?", "max_tokens": 1})
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+                async with s.post(
+                    url + "/v1/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=5),
+                ) as r:
+                    await r.read()
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url} answered no completion within {timeout:g} s")
+
+
+# -- the fleet's own counters ---------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    wall_s: float  # since the replay began
+    engine_s: list[float]
+    busy_s: list[float]
+    queued: list[int]  # running + waiting
+    finished: list[int]
+
+
+@dataclass
+class Sampler:
+    control: str
+    interval_s: float
+    samples: list[Sample] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def take(self, http: aiohttp.ClientSession, t0: float) -> None:
+        async with http.get(self.control + "/replicas", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            rows = await r.json(loads=orjson.loads)
+        self.samples.append(
+            Sample(
+                wall_s=time.perf_counter() - t0,
+                engine_s=[float(x["engine_time_s"]) for x in rows],
+                busy_s=[float(x["engine"]["busy_seconds"]) for x in rows],
+                queued=[int(x["engine"]["running"]) + int(x["engine"]["waiting"]) for x in rows],
+                finished=[int(x["engine"]["finished_total"]) for x in rows],
+            )
+        )
+
+    async def run(self, t0: float) -> None:
+        async with aiohttp.ClientSession() as http:
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, KeyError, ValueError):
+                    await self.take(http, t0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.interval_s)
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, KeyError, ValueError):
+                await self.take(http, t0)  # the final counters
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def fleet_figures(samples: list[Sample], window_end_wall_s: float) -> dict[str, Any]:
+    """Load and busy figures from the emulators' counters: requests each replica finished (the whole
+    run), GPU busy share and in-flight spread while arrivals lasted (first sample to the last one
+    before `window_end_wall_s`)."""
+    if len(samples) < 2:
+        return {"gpu_busy": math.nan, "load_cv": math.nan, "inflight_cv": math.nan, "finished": []}
+    window = [s for s in samples if s.wall_s <= window_end_wall_s] or samples[:2]
+    if len(window) < 2:
+        window = samples[:2]
+    first, last = window[0], window[-1]
+    busy = [
+        (b1 - b0) / (e1 - e0) if e1 > e0 else 0.0
+        for b0, b1, e0, e1 in zip(first.busy_s, last.busy_s, first.engine_s, last.engine_s, strict=True)
+    ]
+    finished = samples[-1].finished
+    loaded = [s for s in window if sum(s.queued) > 0]
+    return {
+        "gpu_busy": sum(busy) / len(busy),
+        "gpu_busy_per_replica": busy,
+        "finished": finished,
+        "load_cv": coefficient_of_variation(finished),
+        "inflight_cv": statistics.fmean(coefficient_of_variation(s.queued) for s in loaded) if loaded else math.nan,
+    }
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+def workload_options(name: str, args: argparse.Namespace, targets: list[str], c: Contender) -> ReplayOptions:
+    common: dict[str, Any] = {
+        "targets": tuple(targets),
+        "spread": c.spread,
+        "time_scale": args.time_scale,
+        "seed": args.seed,
+        "key_headers": c.key_headers,
+    }
+    rate = session_rate(name)
+    if rate is not None:
+        return ReplayOptions(
+            workload="sessions",
+            duration_s=args.duration,
+            spec=SessionsSpec(rate=rate, think_s=args.think, seed=args.seed),
+            **common,
+        )
+    return ReplayOptions(
+        workload=name,
+        trace=str(Path(args.trace_dir) / TRACES[name]),
+        speedup=args.trace_speedup,
+        duration_s=args.trace_window / args.trace_speedup,
+        **common,
+    )
+
+
+def session_rate(workload: str) -> float | None:
+    """`sessions@8` -> 8.0 (new sessions per engine second); None for a trace."""
+    return float(workload.partition("@")[2]) if workload.startswith("sessions@") else None
+
+
+def size_workload(workloads: list[str]) -> str | None:
+    """The sessions workload the fleet-size search runs: the busiest one."""
+    rated = [w for w in workloads if session_rate(w) is not None]
+    return max(rated, key=lambda w: session_rate(w) or 0.0) if rated else None
+
+
+def arrivals_s(name: str, args: argparse.Namespace) -> float:
+    """Engine seconds over which requests arrive (the window for busy and spread figures)."""
+    return float(args.duration) if session_rate(name) is not None else float(args.trace_window / args.trace_speedup)
+
+
+async def run_one(
+    args: argparse.Namespace,
+    c: Contender,
+    workload: str,
+    replicas: int,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    fleet = await start_fleet(replicas, args)
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        router, targets = await start_contender(c, fleet.urls, args.settings)
+        opts = workload_options(workload, args, targets, c)
+        sampler = Sampler(fleet.control, args.sample_s)
+        cpu_emu0 = cpu_seconds(fleet.proc.pid)
+        cpu_router0 = cpu_seconds(router.pid) if router else 0.0
+        t0 = time.perf_counter()
+        sampling = asyncio.ensure_future(sampler.run(t0))
+        try:
+            result = await Replayer(opts, progress).run()
+        finally:
+            sampler.stop()
+            await sampling
+        wall = time.perf_counter() - t0
+        result["emulator_cpu_share"] = (cpu_seconds(fleet.proc.pid) - cpu_emu0) / wall
+        result["router_cpu_share"] = (cpu_seconds(router.pid) - cpu_router0) / wall if router else None
+    finally:
+        if router is not None:
+            stop(router)
+        stop(fleet.proc)
+    window_wall = arrivals_s(workload, args) / args.time_scale
+    result.update(fleet_figures(sampler.samples, window_wall))
+    result["contender"] = c.name
+    result["replicas"] = replicas
+    result["load_timeline"] = {
+        "t_s": [round(s.wall_s * args.time_scale, 2) for s in sampler.samples],
+        "queued": [s.queued for s in sampler.samples],
+    }
+    result.pop("targets", None)
+    return result
+
+
+# -- the whole benchmark --------------------------------------------------------------------------
+
+FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figure, how to get it from a run)
+    ("kv_hit_rate", lambda r: r["kv_hit_rate"]),
+    ("multi_turn_mean_s", lambda r: r["e2e_later_turns_s"].get("mean", math.nan)),
+    ("multi_turn_p99_s", lambda r: r["e2e_later_turns_s"].get("p99", math.nan)),
+    ("ttft_p99_s", lambda r: r["ttft_s"].get("p99", math.nan)),
+    ("load_cv", lambda r: r["load_cv"]),
+    ("inflight_cv", lambda r: r["inflight_cv"]),
+    ("jump_rate", lambda r: r["jump_rate"]),
+    ("gpu_busy", lambda r: r["gpu_busy"]),
+    ("requests", lambda r: r["requests"]),
+    ("failed", lambda r: r["requests"] - r["ok"]),
+    ("client_cpu_share", lambda r: r["client_cpu_share"]),
+    ("emulator_cpu_share", lambda r: r["emulator_cpu_share"]),
+    ("router_cpu_share", lambda r: r["router_cpu_share"] if r["router_cpu_share"] is not None else math.nan),
+)
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of each figure over a contender's rounds."""
+    out: dict[str, float] = {}
+    for key, get in FIGURES:
+        values = [float(get(r)) for r in runs]
+        values = [v for v in values if not math.isnan(v)]
+        out[key] = statistics.median(values) if values else math.nan
+    out["rounds"] = len(runs)
+    return out
+
+
+async def bisect_size(lo: int, hi: int, meets: Callable[[int], Awaitable[bool]]) -> int | None:
+    """The smallest n in [lo, hi] with meets(n), assuming meets is monotone (more replicas, lower
+    P99); None when even hi does not. Each size is probed at most once."""
+    if not await meets(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await meets(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+async def size_search(
+    args: argparse.Namespace,
+    name: str,
+    workload: str,
+    at_full: float,
+    target: float,
+    progress: Callable[[str], None] | None,
+    note: Callable[[str], None],
+) -> dict[str, Any]:
+    probes: dict[int, float] = {args.replicas: at_full}
+
+    async def p99_at(n: int) -> float:
+        if n not in probes:
+            run = await run_one(args, CONTENDERS[name], workload, n, progress)
+            probes[n] = float(run["e2e_later_turns_s"].get("p99", math.inf))
+            note(f"size search {name}: {n} replicas -> multi-turn P99 {probes[n]:.3f} s (target {target:.3f})")
+        return probes[n]
+
+    async def meets(n: int) -> bool:
+        return await p99_at(n) <= target
+
+    needed = await bisect_size(max(2, args.replicas // 2), args.replicas, meets)
+    return {"needed": needed, "probes": dict(sorted(probes.items()))}
+
+
+async def run_all(
+    args: argparse.Namespace, note: Callable[[str], None], bar: Callable[[str], None] | None
+) -> dict[str, Any]:
+    contenders = [CONTENDERS[n] for n in args.contenders]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {c.name: [] for c in contenders} for w in args.workloads}
+    total = args.rounds * len(args.workloads) * len(contenders)
+    k = 0
+    started = time.perf_counter()
+    for rnd in range(args.rounds):
+        for workload in args.workloads:
+            for c in contenders:
+                k += 1
+                prefix = f"[{k}/{total}] {workload} · {c.name}"
+
+                def progress(msg: str, prefix: str = prefix) -> None:
+                    if bar is not None:
+                        bar(f"{prefix}  {msg}")
+
+                t = time.perf_counter()
+                run = await run_one(args, c, workload, args.replicas, progress)
+                runs[workload][c.name].append(run)
+                p99 = run["e2e_later_turns_s"].get("p99", math.nan)
+                note(
+                    f"{prefix} round {rnd + 1}: {run['requests']} requests, {run['requests'] - run['ok']} failed, "
+                    f"KV hit {run['kv_hit_rate']:.1%}, multi-turn P99 {p99:.3f} s, "
+                    f"GPU busy {run['gpu_busy']:.0%}, client CPU {run['client_cpu_share']:.0%} "
+                    f"({time.perf_counter() - t:.0f} s)"
+                )
+    tables = {w: {name: summarize_runs(rs) for name, rs in by.items()} for w, by in runs.items()}
+    sizes: dict[str, Any] = {}
+    searched = size_workload(args.workloads)
+    if args.size_search and searched is not None:
+        table = tables[searched]
+        target = args.p99_target or table.get("round-robin", {}).get("multi_turn_p99_s")
+        if target and not math.isnan(target):
+            sizes = {"workload": searched, "target_p99_s": target, "contenders": {}}
+            for name in args.size_search:
+                at_full = table[name]["multi_turn_p99_s"]
+                sizes["contenders"][name] = await size_search(args, name, searched, at_full, target, bar, note)
+    return {
+        "benchmark": "fleet",
+        "replicas": args.replicas,
+        "time_scale": args.time_scale,
+        "stream_interval": args.stream_interval,
+        "rounds": args.rounds,
+        "workloads": {
+            "sessions": {"rates": args.rate, "duration_s": args.duration, "think_s": args.think, "seed": args.seed},
+            "traces": {"window_s": args.trace_window, "speedup": args.trace_speedup, "dir": args.trace_dir},
+        },
+        "settings": args.settings,
+        "emulator_args": args.emulator_arg,
+        "contenders": {c.name: c.label for c in contenders},
+        "tables": tables,
+        "replicas_needed": sizes,
+        "runs": runs,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.1%}"
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    labels = result["contenders"]
+    sizes = result.get("replicas_needed") or {}
+    lines = [
+        f"{result['replicas']} emulated replicas, time scale {result['time_scale']:g}, "
+        f"median of {result['rounds']} round(s); latencies in engine seconds.",
+        "",
+    ]
+    for workload, table in result["tables"].items():
+        lines += [f"**{workload}**", ""]
+        head = "| contender | requests | failed | KV hit | multi-turn mean (s) | multi-turn P99 (s) | TTFT P99 (s) "
+        head += "| load CV | in-flight CV | jump rate | GPU busy |"
+        rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        searched = workload == sizes.get("workload")
+        if searched:
+            head += f" replicas for P99 ≤ {sizes['target_p99_s']:.2f} s |"
+            rule += "---:|"
+        lines += [head, rule]
+        for name, f in table.items():
+            row = (
+                f"| {labels[name]} | {f['requests']:,.0f} | {f['failed']:,.0f} | {_pct(f['kv_hit_rate'])} "
+                f"| {_num(f['multi_turn_mean_s'])} | {_num(f['multi_turn_p99_s'])} | {_num(f['ttft_p99_s'])} "
+                f"| {_num(f['load_cv'])} | {_num(f['inflight_cv'])} | {_pct(f['jump_rate'])} | {_pct(f['gpu_busy'])} |"
+            )
+            if searched:
+                found = sizes["contenders"].get(name)
+                if found is None:
+                    row += " |"
+                elif found["needed"] is None:
+                    row += f" > {result['replicas']} |"
+                else:
+                    row += f" {found['needed']} |"
+            lines.append(row)
+        lines.append("")
+        cpu = [
+            f"{labels[n]} {f['router_cpu_share']:.0%}"
+            for n, f in table.items()
+            if not math.isnan(f["router_cpu_share"])
+        ]
+        lines.append(
+            "CPU, share of one core: client "
+            + f"{max(f['client_cpu_share'] for f in table.values()):.0%} at most, emulated fleet "
+            + f"{max(f['emulator_cpu_share'] for f in table.values()):.0%} at most; routers: "
+            + (", ".join(cpu) or "none")
+            + "."
+        )
+        lines.append("")
+        lines += _goals(table, labels)
+    return "\n".join(lines)
+
+
+def _goals(table: dict[str, dict[str, float]], labels: dict[str, str]) -> list[str]:
+    """The full policy against each other contender: ratios of the medians above."""
+    full = table.get("full")
+    if not full:
+        return []
+    out = [
+        "| full policy against | KV hit, full ÷ other | multi-turn mean, full vs other "
+        "| multi-turn P99, other ÷ full | load CV, full / other |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, f in table.items():
+        if name == "full":
+            continue
+        hit = full["kv_hit_rate"] / f["kv_hit_rate"] if f["kv_hit_rate"] > 0 else math.nan
+        mean = full["multi_turn_mean_s"] / f["multi_turn_mean_s"] - 1 if f["multi_turn_mean_s"] > 0 else math.nan
+        p99 = f["multi_turn_p99_s"] / full["multi_turn_p99_s"] if full["multi_turn_p99_s"] > 0 else math.nan
+        out.append(
+            f"| {labels[name]} | {_num(hit, 2)}× | {'n/a' if math.isnan(mean) else f'{mean:+.0%}'} "
+            f"| {_num(p99, 2)}× | {_num(full['load_cv'])} / {_num(f['load_cv'])} |"
+        )
+    return [*out, ""]
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[str]:
+    """PNG plots; [] when matplotlib is not installed (the `bench` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    labels = result["contenders"]
+    written = []
+    tables = result["tables"]
+    fig, axes = plt.subplots(len(tables), 2, figsize=(12, 3.2 * len(tables)), squeeze=False)
+    for row, (workload, table) in enumerate(tables.items()):
+        names = list(table)
+        colours = [
+            "#c0392b" if n == "full" else "#7f8c8d" if n in ("round-robin", "oracle") else "#2980b9" for n in names
+        ]
+        for col, (key, title, scale) in enumerate(
+            (("kv_hit_rate", "KV hit rate (%)", 100.0), ("multi_turn_p99_s", "multi-turn P99 (engine s)", 1.0))
+        ):
+            ax = axes[row][col]
+            ax.barh([labels[n] for n in names], [table[n][key] * scale for n in names], color=colours)
+            ax.invert_yaxis()
+            ax.set_title(f"{workload}: {title}", fontsize=10)
+            ax.tick_params(labelsize=8)
+            if col == 1:
+                ax.set_yticklabels([])
+    fig.tight_layout()
+    path = out / "fleet-hit-p99.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path.name)
+
+    busiest = size_workload(list(result["runs"]))
+    runs = result["runs"][busiest] if busiest else next(iter(result["runs"].values()))
+    shown = [n for n in runs if runs[n]]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 1.6 * len(shown)), squeeze=False, sharex=True)
+    peak = max((max(max(q) for q in runs[n][0]["load_timeline"]["queued"] if q) for n in shown), default=1) or 1
+    for ax, name in zip((a[0] for a in axes), shown, strict=True):
+        tl = runs[name][0]["load_timeline"]
+        if not tl["queued"]:
+            continue
+        grid = list(map(list, zip(*tl["queued"], strict=True)))  # replicas x time
+        t = tl["t_s"]
+        ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap="magma",
+            vmin=0,
+            vmax=peak,
+            extent=(t[0], t[-1], len(grid), 0),
+        )
+        ax.set_ylabel(labels[name], rotation=0, ha="right", va="center", fontsize=8)
+        ax.set_yticks([])
+    axes[-1][0].set_xlabel("engine seconds (requests running + waiting per replica, one row each)")
+    fig.tight_layout()
+    path = out / "fleet-load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path.name)
+    return written
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "fleet",
+        help="the same traffic through round-robin, this router's policies, the peer routers and an oracle",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--replicas", type=int, default=20, help="emulated replicas (default 20)")
+    p.add_argument(
+        "--contenders",
+        default=None,
+        metavar="A,B,...",
+        help=f"which to run, in order (default: all installed of {', '.join(CONTENDERS)})",
+    )
+    p.add_argument(
+        "--workloads",
+        default=None,
+        metavar="A,B,...",
+        help="sessions, mooncake-conversation, mooncake-synthetic (default: sessions, and the traces with --trace-dir)",
+    )
+    p.add_argument(
+        "--rate",
+        default="4,16",
+        metavar="R[,R...]",
+        help="sessions: new sessions per engine second; each rate is a workload, sessions@R (default 4,16)",
+    )
+    p.add_argument("--think", type=float, default=8.0, help="sessions: mean think time, engine s (default 8)")
+    p.add_argument("--duration", type=float, default=120.0, help="sessions: engine seconds of arrivals (default 120)")
+    p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the Mooncake trace files are")
+    p.add_argument(
+        "--trace-window", type=float, default=600.0, metavar="S", help="trace seconds replayed (default 600)"
+    )
+    p.add_argument("--trace-speedup", type=float, default=5.0, help="trace clock compression (default 5)")
+    p.add_argument("--time-scale", type=float, default=2.0, help="engine seconds per wall second (default 2)")
+    p.add_argument(
+        "--stream-interval", type=int, default=4, help="tokens per streamed chunk after the first (default 4)"
+    )
+    p.add_argument(
+        "--emulator-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra router-emulator argument, e.g. --emulator-arg=--num-blocks=20000; repeatable",
+    )
+    p.add_argument(
+        "--setting", action="append", default=[], metavar="NAME=VALUE", help="router-serve setting for its contenders"
+    )
+    p.add_argument("--rounds", type=int, default=1, help="runs per contender and workload; medians (default 1)")
+    p.add_argument(
+        "--size-search",
+        default="round-robin,full",
+        metavar="A,B,...",
+        help="contenders whose fleet size for the P99 target is searched ('' for none; default round-robin,full)",
+    )
+    p.add_argument("--p99-target", type=float, default=None, metavar="S", help="multi-turn P99 target, engine seconds")
+    p.add_argument("--sample-s", type=float, default=1.0, help="wall seconds between fleet samples (default 1)")
+    p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    p.add_argument("--out", default="fleet-results", metavar="DIR", help="where results go (default fleet-results)")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the Markdown tables")
+    p.set_defaults(run=run_cli)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Validate and normalise; ValueError with a readable message."""
+    if args.think < 0:
+        raise ValueError("--think must be >= 0")
+    for name in ("duration", "trace_window", "trace_speedup", "time_scale", "sample_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.replicas < 2 or args.rounds < 1 or args.stream_interval < 1:
+        raise ValueError("need --replicas >= 2, --rounds >= 1 and --stream-interval >= 1")
+    if args.p99_target is not None and not args.p99_target > 0:
+        raise ValueError("--p99-target must be positive")
+    names = args.contenders.split(",") if args.contenders else [n for n in CONTENDERS if available(n)]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown contender {unknown[0]!r}; choose from {', '.join(CONTENDERS)}")
+    missing = [n for n in names if not available(n)]
+    if missing:
+        raise ValueError(f"contender {missing[0]!r} is not installed (pip install '.[bench]')")
+    args.contenders = names
+    try:
+        args.rate = [float(r) for r in str(args.rate).split(",")]
+    except ValueError:
+        raise ValueError(f"--rate must be numbers separated by commas, got {args.rate!r}") from None
+    if not all(r > 0 for r in args.rate):
+        raise ValueError("--rate must be positive")
+    asked = args.workloads.split(",") if args.workloads else ["sessions", *(TRACES if args.trace_dir else ())]
+    workloads = []
+    for w in asked:
+        if w == "sessions":
+            workloads += [f"sessions@{r:g}" for r in args.rate]
+            continue
+        if w not in TRACES:
+            raise ValueError(f"unknown workload {w!r}; choose from sessions, {', '.join(TRACES)}")
+        if w in TRACES:
+            if not args.trace_dir:
+                raise ValueError(f"workload {w} needs --trace-dir")
+            path = Path(args.trace_dir) / TRACES[w]
+            if not path.is_file():
+                raise ValueError(f"no trace file {path}")
+        workloads.append(w)
+    args.workloads = workloads
+    args.size_search = [n for n in args.size_search.split(",") if n] if args.size_search else []
+    for n in args.size_search:
+        if n not in names:
+            raise ValueError(f"--size-search names {n!r}, which is not among the contenders")
+    args.settings = parse_settings(args.setting)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"router-bench fleet: {exc}", file=sys.stderr)
+        return 2
+    live = sys.stderr.isatty()
+    last = [0.0]
+
+    def bar(msg: str) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.2:
+            last[0] = now
+            print(f"\r\x1b[K  {msg}", end="", file=sys.stderr, flush=True)
+
+    def note(msg: str) -> None:
+        print(("\r\x1b[K" if live else "") + msg, file=sys.stderr, flush=True)
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"router-bench fleet: cannot write to {out}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        result = uvloop.run(run_all(args, note, bar if live else None))
+    except (RuntimeError, TraceError, OSError) as exc:
+        print(f"\nrouter-bench fleet: {exc}", file=sys.stderr)
+        return 1
+    (out / "fleet.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    markdown = render_markdown(result)
+    (out / "fleet.md").write_text(markdown + "\n")
+    plots = write_plots(result, out)
+    note(
+        f"wrote {out}/fleet.json, fleet.md"
+        + "".join(f", {p}" for p in plots)
+        + (" (no matplotlib: no plots)" if not plots else "")
+    )
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1) if args.json else markdown)
+    failed = sum(f["failed"] for t in result["tables"].values() for f in t.values())
+    return 0 if not failed else 1
