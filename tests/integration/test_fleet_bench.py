@@ -4,8 +4,14 @@ files it writes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from router.bench import fleet
 from router.bench.cli import build_parser
@@ -42,6 +48,8 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
             "10",
             "--think",
             "0.5",
+            "--turns",
+            "2-3",
             "--time-scale",
             "10",
             "--sample-s",
@@ -78,6 +86,9 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
     assert rr["jump_rate"] > 0.3
     for sticky in ("consistent_hash", "oracle", "sglang-header", "vllm-consistent-hash"):
         assert sessions[sticky]["jump_rate"] == 0, sticky
+        # ... and the replica ids were seen (a router hiding X-Replica-Id would show no jumps too)
+        served = result["runs"]["sessions@3"][sticky][0]["per_replica"]
+        assert len([n for n in served.values() if n > 0]) >= 2, sticky
         assert sessions[sticky]["kv_hit_rate"] > rr["kv_hit_rate"] + 0.1, sticky
     assert sessions["full"]["kv_hit_rate"] > rr["kv_hit_rate"] + 0.1
     assert result["runs"]["sessions@3"]["full"][0]["router_cpu_share"] > 0
@@ -90,7 +101,68 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
 
     sizes = result["replicas_needed"]
     assert sizes["workload"] == "sessions@3"
+    target = sizes["target_p99_s"]
+    assert target == sessions["round-robin"]["multi_turn_p99_s"]  # by default: round robin's own P99
     for name in ("round-robin", "full"):
         found = sizes["contenders"][name]
-        assert found["needed"] in (2, 3, None)
-        assert "3" in found["probes"]  # the full-size run counts as a probe
+        probes = found["probes"]
+        assert "3" in probes and found["lowest_probed"] == 2  # the full-size run is the first probe
+
+        def meets(p: dict[str, float]) -> bool:
+            return p["multi_turn_p99_s"] <= target and p["failed"] == 0 and p["sessions_cut"] == 0
+
+        # the answer agrees with what was probed
+        if found["needed"] is None:
+            assert not meets(probes["3"])
+        elif found["needed"] == 3:
+            assert meets(probes["3"]) and not meets(probes["2"])
+        else:
+            assert found["needed"] == 2 and meets(probes["2"])
+    assert sizes["contenders"]["round-robin"]["needed"] is not None  # it meets its own P99
+
+
+def fleet_args(*flags: str) -> Any:
+    args = build_parser().parse_args(["fleet", *flags])
+    fleet.check_args(args)
+    return args
+
+
+async def test_a_cancelled_run_leaves_no_process_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    spawned: list[fleet.Child] = []
+    real = fleet.Child.spawn
+
+    def spy(cls: type[fleet.Child], cmd: list[str], what: str, env: dict[str, str] | None = None) -> fleet.Child:
+        child = real(cmd, what, env)
+        spawned.append(child)
+        return child
+
+    monkeypatch.setattr(fleet.Child, "spawn", classmethod(spy))
+    args = fleet_args("--replicas", "2", "--contenders", "full", "--rate", "2", "--duration", "60", "--time-scale", "5")
+    run = asyncio.ensure_future(fleet.run_one(args, fleet.CONTENDERS["full"], "sessions@2", 2, None))
+    for _ in range(300):  # until both the fleet and the router run, and requests flow
+        await asyncio.sleep(0.1)
+        if len(spawned) == 2:
+            break
+    await asyncio.sleep(1.0)
+    assert len(spawned) == 2 and not run.done()
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    assert all(child.proc.poll() is not None for child in spawned)  # both stopped, none left running
+
+
+def test_a_fleet_that_cannot_start_is_one_line_and_the_rest_is_written(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            *("fleet", "--replicas", "2", "--contenders", "round-robin", "--emulator-arg=--block-size=0"),
+            *("--out", str(tmp_path), "--size-search", ""),
+        ]
+    )
+    t0 = time.monotonic()
+    assert args.run(args) == 1
+    assert time.monotonic() - t0 < 30  # noticed when the emulator exits, not after waiting for it
+    md = (tmp_path / "fleet.md").read_text()
+    assert (
+        "| round-robin (client, no router) | did not run: the emulated fleet did not start: "
+        "router-emulator exited with status 2: router-emulator: block_size must be positive, got 0 |"
+    ) in md

@@ -61,6 +61,9 @@ def test_arguments() -> None:
     assert fleet.size_workload(args.workloads) == "sessions@16"
     assert fleet.session_rate("sessions@16") == 16.0 and fleet.session_rate("mooncake-synthetic") is None
     assert args.size_search == ["round-robin", "full"]
+    assert args_of("--contenders", "full,oracle").size_search == ["full"]  # by default: those that run
+    assert args_of("--contenders", "full", "--size-search", "").size_search == []
+    assert args_of("--contenders", "full", "--setting", "bounded_load_c=1.5").settings == {"bounded_load_c": "1.5"}
     for flags, message in (
         (["--contenders", "full,nginx"], "unknown contender 'nginx'"),
         (["--workloads", "sessions,chat"], "unknown workload 'chat'"),
@@ -68,10 +71,19 @@ def test_arguments() -> None:
         (["--workloads", "mooncake-synthetic", "--trace-dir", "/nonexistent"], "no trace file"),
         (["--rate", "4,x"], "--rate must be numbers"),
         (["--rate", "0"], "--rate must be positive"),
-        (["--replicas", "1"], "--replicas >= 2"),
-        (["--time-scale", "0"], "--time-scale must be positive"),
+        (["--rate", "inf"], "--rate must be positive"),
+        (["--rate", "4,4"], "--rate names '4' twice"),
+        (["--contenders", "full,full"], "--contenders names 'full' twice"),
+        (["--replicas", "1"], r"2 <= --replicas <= 1000"),
+        (["--replicas", "50000"], r"2 <= --replicas <= 1000"),
+        (["--time-scale", "0"], "--time-scale must be a positive number"),
+        (["--duration", "inf"], "--duration must be a positive number"),
+        (["--turns", "5-2"], "--turns"),
         (["--contenders", "full", "--size-search", "round-robin"], "not among the contenders"),
         (["--setting", "novalue"], "NAME=VALUE"),
+        (["--setting", "policy=round_robin"], "set by each contender"),
+        (["--setting", "bounded_load_c=0.5"], "bounded_load_c"),
+        (["--setting", "no_such_thing=1"], "unknown"),
     ):
         with pytest.raises(ValueError, match=message):
             args_of(*flags)
@@ -84,7 +96,9 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(err) == 1 and err[0].startswith("router-bench fleet: unknown contender")
 
 
-def run_result(hit: float, mean: float, p99: float, cv: float, router_cpu: float | None = 0.1) -> dict[str, Any]:
+def run_result(
+    hit: float, mean: float, p99: float, cv: float, router_cpu: float | None = 0.1, ok: int = 100
+) -> dict[str, Any]:
     return {
         "kv_hit_rate": hit,
         "e2e_later_turns_s": {"n": 10, "mean": mean, "p99": p99},
@@ -94,7 +108,7 @@ def run_result(hit: float, mean: float, p99: float, cv: float, router_cpu: float
         "jump_rate": 0.5,
         "gpu_busy": 0.8,
         "requests": 100,
-        "ok": 100,
+        "ok": ok,
         "client_cpu_share": 0.1,
         "emulator_cpu_share": 0.2,
         "router_cpu_share": router_cpu,
@@ -102,22 +116,31 @@ def run_result(hit: float, mean: float, p99: float, cv: float, router_cpu: float
 
 
 def test_medians_tables_and_ratios() -> None:
-    runs = [run_result(0.3, 2.0, 4.0, 0.01), run_result(0.4, 2.2, 5.0, 0.02), run_result(0.35, 9.0, 4.5, 0.03)]
+    runs = [run_result(0.3, 2.0, 4.0, 0.01), run_result(0.4, 2.2, 5.0, 0.02), run_result(0.35, 9.0, 4.5, 0.03, ok=97)]
     med = summarize_runs(runs)
     assert med["kv_hit_rate"] == 0.35 and med["multi_turn_mean_s"] == 2.2 and med["multi_turn_p99_s"] == 4.5
-    assert med["rounds"] == 3 and med["failed"] == 0
+    assert med["rounds"] == 3 and med["failed"] == 3  # failures are summed over rounds, not a median
+    assert summarize_runs([{"error": "sglang-router exited"}]) == {"error": "sglang-router exited", "rounds": 0}
     full = summarize_runs([run_result(0.7, 1.1, 1.5, 0.04)])
     rr = summarize_runs([run_result(0.35, 2.2, 4.5, 0.01, router_cpu=None)])
     result = {
         "replicas": 20,
         "time_scale": 2.0,
         "rounds": 1,
-        "contenders": {"round-robin": "round-robin (client)", "full": "router-serve full policy"},
-        "tables": {"sessions@16": {"round-robin": rr, "full": full}},
+        "contenders": {
+            "round-robin": "round-robin (client)",
+            "full": "router-serve full policy",
+            "oracle": "oracle",
+            "vllm": "vllm-router",
+        },
+        "tables": {"sessions@16": {"round-robin": rr, "full": full, "vllm": {"error": "exited", "rounds": 0}}},
         "replicas_needed": {
             "workload": "sessions@16",
             "target_p99_s": 4.5,
-            "contenders": {"round-robin": {"needed": 20}, "full": {"needed": 14}},
+            "contenders": {
+                "round-robin": {"needed": 20, "lowest_probed": 10},
+                "full": {"needed": 14, "lowest_probed": 10},
+            },
         },
     }
     md = render_markdown(result)
@@ -128,3 +151,24 @@ def test_medians_tables_and_ratios() -> None:
     # the full policy against round robin: hit 2.00x, mean -50%, P99 3.00x lower
     assert "| round-robin (client) | 2.00× | -50% | 3.00× | 0.040 / 0.010 |" in md
     assert "routers: router-serve full policy 10%." in md
+    assert "| vllm-router | did not run: exited |" in md
+    result["replicas_needed"]["contenders"]["full"]["needed"] = 10  # the search's floor: "at most"
+    assert next(ln for ln in render_markdown(result).splitlines() if ln.startswith("| router-serve")).endswith("≤ 10 |")
+
+
+async def test_a_fleet_that_fails_requests_does_not_meet_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fake_run_one(args: Any, c: Any, workload: str, n: int, progress: Any) -> dict[str, Any]:
+        # every size keeps its P99, but below 15 replicas only by failing or cutting requests
+        return {
+            "e2e_later_turns_s": {"p99": 1.0},
+            "requests": 10,
+            "ok": 10 if n >= 14 else 9,
+            "sessions_cut": 0 if n >= 15 else 1,
+        }
+
+    monkeypatch.setattr(fleet, "run_one", fake_run_one)
+    args = args_of("--contenders", "round-robin,full")
+    full = {"multi_turn_p99_s": 1.0, "failed": 0, "sessions_cut": 0}
+    found = await fleet.size_search(args, "full", "sessions@16", full, 2.0, None, lambda msg: None)
+    assert found["needed"] == 15 and found["lowest_probed"] == 10
+    assert found["probes"][20] == full  # the full-size run is the first probe

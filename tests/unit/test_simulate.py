@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from router.bench.cli import build_parser
-from router.bench.simulate import Model, Simulation
+from router.bench.simulate import Model, Simulation, Turn
 from router.keys import RoutingKey
 
 
@@ -71,6 +71,7 @@ def test_the_rebalancer_moves_a_hot_replicas_vnode_with_its_sessions() -> None:
     sim.system[session] = 0
     sim.models[hot.id].keep(session, 900)
     sim.sessions.put(key, hot.id)
+    sim._served(session, None, hot.id)
     for _ in range(30):  # 30 requests in flight on replica 0, 2 on each other one
         fleet.acquire(hot)
     for other in fleet.replicas[1:]:
@@ -89,8 +90,35 @@ def test_the_rebalancer_moves_a_hot_replicas_vnode_with_its_sessions() -> None:
     assert target is not None and target != hot.id  # the session moved with its vnode ...
     assert sim.models[target].cached(session) == 900  # ... warmed on its new replica
     assert ring.lookup(key) == ring.index(target)
+    assert session in sim.served_by[target] and session not in sim.served_by[hot.id]
     args = build_parser().parse_args(["simulate", "--replicas", "4", "--sessions", "10", "--no-rebalance"])
     assert not Simulation(args).rebalancing
+
+
+def test_a_turn_running_while_its_session_moves_does_not_undo_the_move() -> None:
+    args = build_parser().parse_args(["simulate", "--replicas", "4", "--sessions", "10"])
+    sim = Simulation(args)
+    source, target = sim.fleet.replicas[0], sim.fleet.replicas[1]
+    key = b"session-0"
+    sim.keys[0] = RoutingKey(key, "header", "sim")
+    sim.shape[0] = [(10, 10, 1.0), (10, 10, 1.0)]
+    sim.system[0] = 0
+    sim.live.add(0)
+    sim.sessions.put(key, source.id)
+    sim._served(0, None, source.id)
+    turn = Turn(0, 1, 2, 500, 10, 10, started=5.0, replica=source)
+    sim.fleet.acquire(source)
+    sim.models[source.id].running = 1
+    # while it runs, a migration moves the session to `target`
+    sim.now = 6.0
+    sim.sessions.put(key, target.id)
+    sim._served(0, source.id, target.id)
+    sim.migrated[0] = 6.0
+    sim.now = 7.0
+    sim._done(turn)
+    assert sim.sessions.get(key) == target.id  # the move stands
+    assert sim.stats.jumps == 0 and sim.stats.followups == 0  # and no jump is counted for it
+    assert sim.models[source.id].cached(0) == 520  # the replica that served it did cache its context
 
 
 def test_the_cache_model_evicts_least_recently_used_sessions() -> None:
@@ -102,6 +130,8 @@ def test_the_cache_model_evicts_least_recently_used_sessions() -> None:
     assert m.cached(2) == 0 and m.cached(1) == 40 and m.cached(3) == 40 and m.cached_tokens == 80
     m.keep(1, 90)  # a session's context grows: its old entry is replaced, then 3 goes
     assert m.cached(3) == 0 and m.cached_tokens == 90
+    m.keep_system(0)  # a shared system prompt (400 tokens) stays for good and takes room
+    assert 0 in m.systems and m.cached(1) == 0 and m.cached_tokens == 400
 
 
 def test_bad_arguments_are_one_line() -> None:

@@ -41,12 +41,15 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -57,9 +60,10 @@ import aiohttp
 import orjson
 
 from router.bench.common import free_port, parse_settings
-from router.bench.proxy_bench import cpu_seconds, spawn, stop, wait_ready
+from router.bench.proxy_bench import cpu_seconds, stop
 from router.bench.replay import Replayer, ReplayOptions
 from router.bench.workloads import SessionsSpec, TraceError
+from router.config import FIELDS, ConfigError, load
 from router.measures import coefficient_of_variation
 
 TRACES = {
@@ -138,8 +142,59 @@ def free_port_run(n: int) -> int:
 
 
 @dataclass
-class Fleet:
+class Child:
+    """A child process in its own process group, its stderr kept in a file for the error line."""
+
     proc: subprocess.Popen[bytes]
+    stderr: Any  # a temporary file
+    what: str
+
+    @classmethod
+    def spawn(cls, cmd: list[str], what: str, env: dict[str, str] | None = None) -> Child:
+        err = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            env=(os.environ | env) if env else None,
+        )
+        return cls(proc, err, what)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def problem(self) -> str:
+        """The last line the child wrote to stderr (why it stopped), if any."""
+        self.stderr.seek(0)
+        lines = [ln.strip() for ln in self.stderr.read()[-4000:].decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1] if lines else "no message"
+
+    async def wait_up(self, url: str, path: str, timeout: float) -> None:
+        """Until `url + path` answers below 500; RuntimeError at once if the child exits meanwhile."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.what} exited with status {self.proc.returncode}: {self.problem()}")
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+                    async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status < 500:
+                            return
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"{self.what} did not answer {url}{path} within {timeout:g} s")
+
+    def stop(self) -> None:
+        try:
+            stop(self.proc)
+        finally:
+            self.stderr.close()
+
+
+@dataclass
+class Fleet:
+    child: Child
     urls: list[str]
     control: str
 
@@ -164,24 +219,27 @@ async def start_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
             str(args.stream_interval),
             *args.emulator_arg,
         ]
-        proc = spawn(cmd)
+        child = Child.spawn(cmd, "router-emulator")
         fleet = Fleet(
-            proc, [f"http://127.0.0.1:{p}" for p in range(base, base + replicas)], f"http://127.0.0.1:{control}"
+            child, [f"http://127.0.0.1:{p}" for p in range(base, base + replicas)], f"http://127.0.0.1:{control}"
         )
         try:
-            await wait_ready(fleet.control, "/replicas", timeout=30)
+            await child.wait_up(fleet.control, "/replicas", timeout=30)
             for url in fleet.urls:
-                await wait_ready(url, "/health", timeout=10)
+                await child.wait_up(url, "/health", timeout=10)
             return fleet
         except RuntimeError as exc:
+            child.stop()
             problem = str(exc)
-            stop(proc)
+            if child.proc.returncode not in (None, -signal.SIGTERM) and "address" not in problem.lower():
+                break  # it refused its arguments: another port will not help
+        except BaseException:  # cancelled, interrupted: no fleet left behind
+            child.stop()
+            raise
     raise RuntimeError(f"the emulated fleet did not start: {problem}")
 
 
-async def start_contender(
-    c: Contender, urls: list[str], settings: dict[str, str]
-) -> tuple[subprocess.Popen[bytes] | None, list[str]]:
+async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
     """The contender's process (None for the client-side ones) and the targets to send to."""
     if c.kind == "direct":
         return None, urls
@@ -204,19 +262,20 @@ async def start_contender(
             exe = vllm_router_command()
             assert exe is not None
             cmd = [exe, *common, *c.args]
-    proc = spawn(cmd, env)
+    child = Child.spawn(cmd, c.label, env)
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_ready(url, "/health", timeout=60)
+        await child.wait_up(url, "/health", timeout=60)
         # a peer may answer /health before its workers are registered: wait for one real answer
         await _first_answer(url)
-    except RuntimeError:
-        stop(proc)
-        raise RuntimeError(f"{c.label} did not come up (command: {' '.join(cmd[:6])} ...)") from None
-    return proc, [url]
+    except BaseException:
+        child.stop()
+        raise
+    return child, [url]
 
 
 async def _first_answer(url: str, timeout: float = 60.0) -> None:
+    """One completion through a just-started router (before the replay and its counters)."""
     body = orjson.dumps({"model": "emulated-llm", "prompt": "ready?", "max_tokens": 1})
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
@@ -282,9 +341,9 @@ class Sampler:
 
 
 def fleet_figures(samples: list[Sample], window_end_wall_s: float) -> dict[str, Any]:
-    """Load and busy figures from the emulators' counters: requests each replica finished (the whole
-    run), GPU busy share and in-flight spread while arrivals lasted (first sample to the last one
-    before `window_end_wall_s`)."""
+    """Load and busy figures from the emulators' counters: requests each replica finished (from the
+    first sample, taken as the replay starts, to the last); GPU busy share and in-flight spread
+    while arrivals lasted (first sample to the last one before `window_end_wall_s`)."""
     if len(samples) < 2:
         return {"gpu_busy": math.nan, "load_cv": math.nan, "inflight_cv": math.nan, "finished": []}
     window = [s for s in samples if s.wall_s <= window_end_wall_s] or samples[:2]
@@ -295,7 +354,8 @@ def fleet_figures(samples: list[Sample], window_end_wall_s: float) -> dict[str, 
         (b1 - b0) / (e1 - e0) if e1 > e0 else 0.0
         for b0, b1, e0, e1 in zip(first.busy_s, last.busy_s, first.engine_s, last.engine_s, strict=True)
     ]
-    finished = samples[-1].finished
+    # requests each replica finished from the replay's start (not the routers' readiness request)
+    finished = [b - a for a, b in zip(samples[0].finished, samples[-1].finished, strict=True)]
     loaded = [s for s in window if sum(s.queued) > 0]
     return {
         "gpu_busy": sum(busy) / len(busy),
@@ -322,7 +382,13 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
         return ReplayOptions(
             workload="sessions",
             duration_s=args.duration,
-            spec=SessionsSpec(rate=rate, think_s=args.think, seed=args.seed),
+            spec=SessionsSpec(
+                rate=rate,
+                think_s=args.think,
+                turns_min=args.turns_range[0],
+                turns_max=args.turns_range[1],
+                seed=args.seed,
+            ),
             **common,
         )
     return ReplayOptions(
@@ -358,12 +424,12 @@ async def run_one(
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     fleet = await start_fleet(replicas, args)
-    router: subprocess.Popen[bytes] | None = None
+    router: Child | None = None
     try:
         router, targets = await start_contender(c, fleet.urls, args.settings)
         opts = workload_options(workload, args, targets, c)
         sampler = Sampler(fleet.control, args.sample_s)
-        cpu_emu0 = cpu_seconds(fleet.proc.pid)
+        cpu_emu0 = cpu_seconds(fleet.child.pid)
         cpu_router0 = cpu_seconds(router.pid) if router else 0.0
         t0 = time.perf_counter()
         sampling = asyncio.ensure_future(sampler.run(t0))
@@ -373,12 +439,14 @@ async def run_one(
             sampler.stop()
             await sampling
         wall = time.perf_counter() - t0
-        result["emulator_cpu_share"] = (cpu_seconds(fleet.proc.pid) - cpu_emu0) / wall
+        result["emulator_cpu_share"] = (cpu_seconds(fleet.child.pid) - cpu_emu0) / wall
         result["router_cpu_share"] = (cpu_seconds(router.pid) - cpu_router0) / wall if router else None
     finally:
-        if router is not None:
-            stop(router)
-        stop(fleet.proc)
+        try:
+            if router is not None:
+                router.stop()
+        finally:
+            fleet.child.stop()
     window_wall = arrivals_s(workload, args) / args.time_scale
     result.update(fleet_figures(sampler.samples, window_wall))
     result["contender"] = c.name
@@ -410,14 +478,22 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
 )
 
 
-def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """The median of each figure over a contender's rounds."""
-    out: dict[str, float] = {}
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over a contender's rounds; failed requests summed over them. A
+    contender that could not run at all is {"error": why}."""
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return {"error": runs[0]["error"] if runs else "not run", "rounds": 0}
+    out: dict[str, Any] = {}
     for key, get in FIGURES:
-        values = [float(get(r)) for r in runs]
+        values = [float(get(r)) for r in done]
         values = [v for v in values if not math.isnan(v)]
         out[key] = statistics.median(values) if values else math.nan
-    out["rounds"] = len(runs)
+    out["failed"] = sum(r["requests"] - r["ok"] for r in done)
+    out["sessions_cut"] = sum(r.get("sessions_cut", 0) for r in done)
+    out["rounds"] = len(done)
+    if len(done) < len(runs):
+        out["error"] = next(r["error"] for r in runs if "error" in r)
     return out
 
 
@@ -439,66 +515,36 @@ async def size_search(
     args: argparse.Namespace,
     name: str,
     workload: str,
-    at_full: float,
+    full: dict[str, Any],
     target: float,
     progress: Callable[[str], None] | None,
     note: Callable[[str], None],
 ) -> dict[str, Any]:
-    probes: dict[int, float] = {args.replicas: at_full}
-
-    async def p99_at(n: int) -> float:
-        if n not in probes:
-            run = await run_one(args, CONTENDERS[name], workload, n, progress)
-            probes[n] = float(run["e2e_later_turns_s"].get("p99", math.inf))
-            note(f"size search {name}: {n} replicas -> multi-turn P99 {probes[n]:.3f} s (target {target:.3f})")
-        return probes[n]
+    """A size meets the target when its multi-turn P99 is within it and no request failed and no
+    session was cut (an overloaded fleet must not pass by dropping its slowest turns)."""
+    probes: dict[int, dict[str, Any]] = {args.replicas: full}
 
     async def meets(n: int) -> bool:
-        return await p99_at(n) <= target
+        if n not in probes:
+            run = await run_one(args, CONTENDERS[name], workload, n, progress)
+            probes[n] = {
+                "multi_turn_p99_s": float(run["e2e_later_turns_s"].get("p99", math.inf)),
+                "failed": run["requests"] - run["ok"],
+                "sessions_cut": run.get("sessions_cut", 0),
+            }
+            note(
+                f"size search {name}: {n} replicas -> multi-turn P99 {probes[n]['multi_turn_p99_s']:.3f} s "
+                f"(target {target:.3f}), {probes[n]['failed']} failed, {probes[n]['sessions_cut']} sessions cut"
+            )
+        p = probes[n]
+        return bool(p["multi_turn_p99_s"] <= target and not p["failed"] and not p["sessions_cut"])
 
-    needed = await bisect_size(max(2, args.replicas // 2), args.replicas, meets)
-    return {"needed": needed, "probes": dict(sorted(probes.items()))}
+    lowest = max(2, args.replicas // 2)
+    needed = await bisect_size(lowest, args.replicas, meets)
+    return {"needed": needed, "lowest_probed": lowest, "probes": dict(sorted(probes.items()))}
 
 
-async def run_all(
-    args: argparse.Namespace, note: Callable[[str], None], bar: Callable[[str], None] | None
-) -> dict[str, Any]:
-    contenders = [CONTENDERS[n] for n in args.contenders]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {c.name: [] for c in contenders} for w in args.workloads}
-    total = args.rounds * len(args.workloads) * len(contenders)
-    k = 0
-    started = time.perf_counter()
-    for rnd in range(args.rounds):
-        for workload in args.workloads:
-            for c in contenders:
-                k += 1
-                prefix = f"[{k}/{total}] {workload} · {c.name}"
-
-                def progress(msg: str, prefix: str = prefix) -> None:
-                    if bar is not None:
-                        bar(f"{prefix}  {msg}")
-
-                t = time.perf_counter()
-                run = await run_one(args, c, workload, args.replicas, progress)
-                runs[workload][c.name].append(run)
-                p99 = run["e2e_later_turns_s"].get("p99", math.nan)
-                note(
-                    f"{prefix} round {rnd + 1}: {run['requests']} requests, {run['requests'] - run['ok']} failed, "
-                    f"KV hit {run['kv_hit_rate']:.1%}, multi-turn P99 {p99:.3f} s, "
-                    f"GPU busy {run['gpu_busy']:.0%}, client CPU {run['client_cpu_share']:.0%} "
-                    f"({time.perf_counter() - t:.0f} s)"
-                )
-    tables = {w: {name: summarize_runs(rs) for name, rs in by.items()} for w, by in runs.items()}
-    sizes: dict[str, Any] = {}
-    searched = size_workload(args.workloads)
-    if args.size_search and searched is not None:
-        table = tables[searched]
-        target = args.p99_target or table.get("round-robin", {}).get("multi_turn_p99_s")
-        if target and not math.isnan(target):
-            sizes = {"workload": searched, "target_p99_s": target, "contenders": {}}
-            for name in args.size_search:
-                at_full = table[name]["multi_turn_p99_s"]
-                sizes["contenders"][name] = await size_search(args, name, searched, at_full, target, bar, note)
+def new_result(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "fleet",
         "replicas": args.replicas,
@@ -506,17 +552,89 @@ async def run_all(
         "stream_interval": args.stream_interval,
         "rounds": args.rounds,
         "workloads": {
-            "sessions": {"rates": args.rate, "duration_s": args.duration, "think_s": args.think, "seed": args.seed},
+            "sessions": {
+                "rates": args.rate,
+                "duration_s": args.duration,
+                "think_s": args.think,
+                "turns": args.turns,
+                "seed": args.seed,
+            },
             "traces": {"window_s": args.trace_window, "speedup": args.trace_speedup, "dir": args.trace_dir},
         },
         "settings": args.settings,
         "emulator_args": args.emulator_arg,
-        "contenders": {c.name: c.label for c in contenders},
-        "tables": tables,
-        "replicas_needed": sizes,
-        "runs": runs,
-        "wall_s": time.perf_counter() - started,
+        "contenders": {n: CONTENDERS[n].label for n in args.contenders},
+        "runs": {w: {n: [] for n in args.contenders} for w in args.workloads},
+        "tables": {},
+        "replicas_needed": {},
+        "complete": False,
     }
+
+
+def make_tables(result: dict[str, Any]) -> None:
+    result["tables"] = {
+        w: {name: summarize_runs(rs) for name, rs in by.items() if rs} for w, by in result["runs"].items()
+    }
+
+
+async def run_all(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    note: Callable[[str], None],
+    bar: Callable[[str], None] | None,
+) -> None:
+    """Every run, filling `result` as they finish (a caller interrupted keeps what was done)."""
+    started = time.perf_counter()
+    total = args.rounds * len(args.workloads) * len(args.contenders)
+    k = 0
+    for rnd in range(args.rounds):
+        for workload in args.workloads:
+            for name in args.contenders:
+                k += 1
+                prefix = f"[{k}/{total}] {workload} · {name}"
+
+                def progress(msg: str, prefix: str = prefix) -> None:
+                    if bar is not None:
+                        bar(f"{prefix}  {msg}")
+
+                t = time.perf_counter()
+                try:
+                    run = await run_one(args, CONTENDERS[name], workload, args.replicas, progress)
+                except RuntimeError as exc:  # this contender could not run; the others still do
+                    result["runs"][workload][name].append({"error": str(exc)})
+                    note(f"{prefix} round {rnd + 1}: did not run: {exc}")
+                    continue
+                result["runs"][workload][name].append(run)
+                p99 = run["e2e_later_turns_s"].get("p99", math.nan)
+                note(
+                    f"{prefix} round {rnd + 1}: {run['requests']} requests, {run['requests'] - run['ok']} failed, "
+                    f"KV hit {run['kv_hit_rate']:.1%}, multi-turn P99 {p99:.3f} s, "
+                    f"GPU busy {run['gpu_busy']:.0%}, client CPU {run['client_cpu_share']:.0%} "
+                    f"({time.perf_counter() - t:.0f} s)"
+                )
+    make_tables(result)
+    searched = size_workload(args.workloads)
+    if args.size_search and searched is not None:
+        table = result["tables"][searched]
+        target = args.p99_target or table.get("round-robin", {}).get("multi_turn_p99_s")
+        if target and not math.isnan(target):
+            sizes: dict[str, Any] = {"workload": searched, "target_p99_s": target, "contenders": {}}
+            result["replicas_needed"] = sizes
+            for name in args.size_search:
+                f = table.get(name, {})
+                if "multi_turn_p99_s" not in f:
+                    continue
+                full = {
+                    "multi_turn_p99_s": f["multi_turn_p99_s"],
+                    "failed": f["failed"],
+                    "sessions_cut": f["sessions_cut"],
+                }
+                try:
+                    sizes["contenders"][name] = await size_search(args, name, searched, full, target, bar, note)
+                except RuntimeError as exc:
+                    sizes["contenders"][name] = {"needed": None, "error": str(exc)}
+    result["wall_s"] = time.perf_counter() - started
+    result["complete"] = True
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -535,7 +653,8 @@ def render_markdown(result: dict[str, Any]) -> str:
     sizes = result.get("replicas_needed") or {}
     lines = [
         f"{result['replicas']} emulated replicas, time scale {result['time_scale']:g}, "
-        f"median of {result['rounds']} round(s); latencies in engine seconds.",
+        f"median of {result['rounds']} round(s) (failed requests: summed); latencies in engine seconds."
+        + ("" if result.get("complete", True) else " **Interrupted: only the runs that finished.**"),
         "",
     ]
     for workload, table in result["tables"].items():
@@ -548,40 +667,50 @@ def render_markdown(result: dict[str, Any]) -> str:
             head += f" replicas for P99 ≤ {sizes['target_p99_s']:.2f} s |"
             rule += "---:|"
         lines += [head, rule]
+        ran = {name: f for name, f in table.items() if "requests" in f}
         for name, f in table.items():
+            if name not in ran:
+                lines.append(f"| {labels[name]} | did not run: {f['error']} |")
+                continue
             row = (
                 f"| {labels[name]} | {f['requests']:,.0f} | {f['failed']:,.0f} | {_pct(f['kv_hit_rate'])} "
                 f"| {_num(f['multi_turn_mean_s'])} | {_num(f['multi_turn_p99_s'])} | {_num(f['ttft_p99_s'])} "
                 f"| {_num(f['load_cv'])} | {_num(f['inflight_cv'])} | {_pct(f['jump_rate'])} | {_pct(f['gpu_busy'])} |"
             )
             if searched:
-                found = sizes["contenders"].get(name)
-                if found is None:
-                    row += " |"
-                elif found["needed"] is None:
-                    row += f" > {result['replicas']} |"
-                else:
-                    row += f" {found['needed']} |"
+                row += f" {_needed(sizes['contenders'].get(name), result['replicas'])} |"
             lines.append(row)
         lines.append("")
+        if not ran:
+            continue
         cpu = [
-            f"{labels[n]} {f['router_cpu_share']:.0%}"
-            for n, f in table.items()
-            if not math.isnan(f["router_cpu_share"])
+            f"{labels[n]} {f['router_cpu_share']:.0%}" for n, f in ran.items() if not math.isnan(f["router_cpu_share"])
         ]
         lines.append(
             "CPU, share of one core: client "
-            + f"{max(f['client_cpu_share'] for f in table.values()):.0%} at most, emulated fleet "
-            + f"{max(f['emulator_cpu_share'] for f in table.values()):.0%} at most; routers: "
+            + f"{max(f['client_cpu_share'] for f in ran.values()):.0%} at most, emulated fleet "
+            + f"{max(f['emulator_cpu_share'] for f in ran.values()):.0%} at most; routers: "
             + (", ".join(cpu) or "none")
             + "."
         )
         lines.append("")
-        lines += _goals(table, labels)
+        lines += _goals(ran, labels)
     return "\n".join(lines)
 
 
-def _goals(table: dict[str, dict[str, float]], labels: dict[str, str]) -> list[str]:
+def _needed(found: dict[str, Any] | None, replicas: int) -> str:
+    if found is None:
+        return ""
+    if found.get("error"):
+        return "n/a"
+    if found["needed"] is None:
+        return f"> {replicas}"
+    if found["needed"] == found.get("lowest_probed"):
+        return f"≤ {found['needed']}"  # the search goes no lower than half the fleet
+    return str(found["needed"])
+
+
+def _goals(table: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
     """The full policy against each other contender: ratios of the medians above."""
     full = table.get("full")
     if not full:
@@ -604,18 +733,22 @@ def _goals(table: dict[str, dict[str, float]], labels: dict[str, str]) -> list[s
     return [*out, ""]
 
 
-def write_plots(result: dict[str, Any], out: Path) -> list[str]:
-    """PNG plots; [] when matplotlib is not installed (the `bench` extra)."""
+def write_plots(result: dict[str, Any], out: Path) -> list[str] | None:
+    """The PNG plots written (none when no run finished); None when matplotlib, from the `bench`
+    extra, is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
+        return None
     labels = result["contenders"]
-    written = []
-    tables = result["tables"]
+    written: list[str] = []
+    tables = {w: {n: f for n, f in t.items() if "requests" in f} for w, t in result["tables"].items()}
+    tables = {w: t for w, t in tables.items() if t}
+    if not tables:
+        return written
     fig, axes = plt.subplots(len(tables), 2, figsize=(12, 3.2 * len(tables)), squeeze=False)
     for row, (workload, table) in enumerate(tables.items()):
         names = list(table)
@@ -640,13 +773,17 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str]:
 
     busiest = size_workload(list(result["runs"]))
     runs = result["runs"][busiest] if busiest else next(iter(result["runs"].values()))
-    shown = [n for n in runs if runs[n]]
+    # the first round that ran, of every contender with a load timeline
+    timelines = {
+        n: next((r["load_timeline"] for r in rs if r.get("load_timeline", {}).get("queued")), None)
+        for n, rs in runs.items()
+    }
+    shown = {n: tl for n, tl in timelines.items() if tl is not None}
+    if not shown:
+        return written
     fig, axes = plt.subplots(len(shown), 1, figsize=(12, 1.6 * len(shown)), squeeze=False, sharex=True)
-    peak = max((max(max(q) for q in runs[n][0]["load_timeline"]["queued"] if q) for n in shown), default=1) or 1
-    for ax, name in zip((a[0] for a in axes), shown, strict=True):
-        tl = runs[name][0]["load_timeline"]
-        if not tl["queued"]:
-            continue
+    peak = max(max(max(q) for q in tl["queued"]) for tl in shown.values()) or 1
+    for ax, (name, tl) in zip((a[0] for a in axes), shown.items(), strict=True):
         grid = list(map(list, zip(*tl["queued"], strict=True)))  # replicas x time
         t = tl["t_s"]
         ax.imshow(
@@ -698,6 +835,7 @@ def add_parser(sub: Any) -> None:
         metavar="R[,R...]",
         help="sessions: new sessions per engine second; each rate is a workload, sessions@R (default 4,16)",
     )
+    p.add_argument("--turns", default="3-8", metavar="MIN-MAX", help="sessions: turns per session (default 3-8)")
     p.add_argument("--think", type=float, default=8.0, help="sessions: mean think time, engine s (default 8)")
     p.add_argument("--duration", type=float, default=120.0, help="sessions: engine seconds of arrivals (default 120)")
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the Mooncake trace files are")
@@ -722,7 +860,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=1, help="runs per contender and workload; medians (default 1)")
     p.add_argument(
         "--size-search",
-        default="round-robin,full",
+        default=None,
         metavar="A,B,...",
         help="contenders whose fleet size for the P99 target is searched ('' for none; default round-robin,full)",
     )
@@ -734,18 +872,35 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run_cli)
 
 
+RESERVED_SETTINGS = ("policy", "rebalance", "warmup", "replicas", "host", "port", "state")  # set per contender
+
+
+def _names(text: str, what: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{what} names {repeated[0]!r} twice")
+    return names
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Validate and normalise; ValueError with a readable message."""
-    if args.think < 0:
-        raise ValueError("--think must be >= 0")
-    for name in ("duration", "trace_window", "trace_speedup", "time_scale", "sample_s"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if args.replicas < 2 or args.rounds < 1 or args.stream_interval < 1:
-        raise ValueError("need --replicas >= 2, --rounds >= 1 and --stream-interval >= 1")
-    if args.p99_target is not None and not args.p99_target > 0:
-        raise ValueError("--p99-target must be positive")
-    names = args.contenders.split(",") if args.contenders else [n for n in CONTENDERS if available(n)]
+    for name in ("think", "duration", "trace_window", "trace_speedup", "time_scale", "sample_s"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value >= 0 if name == "think" else value > 0)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a {'' if name == 'think' else 'positive '}number")
+    if not (2 <= args.replicas <= 1000) or args.rounds < 1 or args.stream_interval < 1:
+        raise ValueError("need 2 <= --replicas <= 1000, --rounds >= 1 and --stream-interval >= 1")
+    if args.p99_target is not None and not (math.isfinite(args.p99_target) and args.p99_target > 0):
+        raise ValueError("--p99-target must be a positive number")
+    low, sep, high = args.turns.partition("-")
+    try:
+        args.turns_range = (int(low), int(high if sep else low))
+    except ValueError:
+        raise ValueError(f"--turns must look like 3-8 or 5, got {args.turns!r}") from None
+    if not 1 <= args.turns_range[0] <= args.turns_range[1]:
+        raise ValueError("--turns must be MIN-MAX with 1 <= MIN <= MAX")
+    names = _names(args.contenders, "--contenders") if args.contenders else [n for n in CONTENDERS if available(n)]
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contender {unknown[0]!r}; choose from {', '.join(CONTENDERS)}")
@@ -754,12 +909,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"contender {missing[0]!r} is not installed (pip install '.[bench]')")
     args.contenders = names
     try:
-        args.rate = [float(r) for r in str(args.rate).split(",")]
-    except ValueError:
+        args.rate = [float(r) for r in _names(str(args.rate), "--rate")]
+    except ValueError as exc:
+        if "twice" in str(exc):
+            raise
         raise ValueError(f"--rate must be numbers separated by commas, got {args.rate!r}") from None
-    if not all(r > 0 for r in args.rate):
-        raise ValueError("--rate must be positive")
-    asked = args.workloads.split(",") if args.workloads else ["sessions", *(TRACES if args.trace_dir else ())]
+    if not args.rate or not all(math.isfinite(r) and r > 0 for r in args.rate):
+        raise ValueError("--rate must be positive numbers")
+    asked = (
+        _names(args.workloads, "--workloads") if args.workloads else ["sessions", *(TRACES if args.trace_dir else ())]
+    )
     workloads = []
     for w in asked:
         if w == "sessions":
@@ -767,19 +926,32 @@ def check_args(args: argparse.Namespace) -> None:
             continue
         if w not in TRACES:
             raise ValueError(f"unknown workload {w!r}; choose from sessions, {', '.join(TRACES)}")
-        if w in TRACES:
-            if not args.trace_dir:
-                raise ValueError(f"workload {w} needs --trace-dir")
-            path = Path(args.trace_dir) / TRACES[w]
-            if not path.is_file():
-                raise ValueError(f"no trace file {path}")
+        if not args.trace_dir:
+            raise ValueError(f"workload {w} needs --trace-dir")
+        path = Path(args.trace_dir) / TRACES[w]
+        if not path.is_file():
+            raise ValueError(f"no trace file {path}")
         workloads.append(w)
     args.workloads = workloads
-    args.size_search = [n for n in args.size_search.split(",") if n] if args.size_search else []
-    for n in args.size_search:
-        if n not in names:
-            raise ValueError(f"--size-search names {n!r}, which is not among the contenders")
-    args.settings = parse_settings(args.setting)
+    if args.size_search is None:  # by default, those of round-robin and full that run
+        args.size_search = [n for n in ("round-robin", "full") if n in names]
+    else:
+        args.size_search = _names(args.size_search, "--size-search")
+        for n in args.size_search:
+            if n not in names:
+                raise ValueError(f"--size-search names {n!r}, which is not among the contenders")
+    settings = parse_settings(args.setting)
+    for name in settings:
+        if name in RESERVED_SETTINGS:
+            raise ValueError(f"--setting {name} is set by each contender; it cannot be overridden here")
+    try:
+        load(None, {"ROUTER_" + k.upper(): v for k, v in settings.items()}, {"replicas": ["http://127.0.0.1:1"]})
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    unknown = [k for k in settings if k not in FIELDS]
+    if unknown:
+        raise ValueError(f"--setting {unknown[0]}: unknown router setting")
+    args.settings = settings
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -806,22 +978,38 @@ def run_cli(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"router-bench fleet: cannot write to {out}: {exc.strerror}", file=sys.stderr)
         return 2
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds like Ctrl-C: every child is stopped, finished runs are written
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    result = new_result(args)
+    status = 0
     try:
         import uvloop
 
-        result = uvloop.run(run_all(args, note, bar if live else None))
+        uvloop.run(run_all(args, result, note, bar if live else None))
+    except KeyboardInterrupt:
+        note("router-bench fleet: interrupted; writing the runs that finished")
+        status = 130
     except (RuntimeError, TraceError, OSError) as exc:
-        print(f"\nrouter-bench fleet: {exc}", file=sys.stderr)
-        return 1
+        note(f"router-bench fleet: {exc}; writing the runs that finished")
+        status = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not result["complete"]:
+        make_tables(result)
     (out / "fleet.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     markdown = render_markdown(result)
     (out / "fleet.md").write_text(markdown + "\n")
     plots = write_plots(result, out)
     note(
         f"wrote {out}/fleet.json, fleet.md"
-        + "".join(f", {p}" for p in plots)
-        + (" (no matplotlib: no plots)" if not plots else "")
+        + "".join(f", {p}" for p in plots or ())
+        + (" (no plots: matplotlib is not installed)" if plots is None else "")
     )
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1) if args.json else markdown)
-    failed = sum(f["failed"] for t in result["tables"].values() for f in t.values())
-    return 0 if not failed else 1
+    if status:
+        return status
+    broken = [f for t in result["tables"].values() for f in t.values() if f.get("error") or f.get("failed", 0) > 0]
+    return 1 if broken else 0

@@ -122,7 +122,16 @@ class Model:
     running: int = 0
     queue: deque[Any] = field(default_factory=deque)
     dead: bool = False
-    systems: set[int] = field(default_factory=set)  # shared system prompts it has cached
+    systems: set[int] = field(default_factory=set)  # shared system prompts it has cached (never evicted)
+    born: float = 0.0  # virtual second it joined
+    gone: float | None = None  # ... and left or died
+
+    def keep_system(self, system: int) -> None:
+        """A shared system prompt joins the cache for good (its tokens count against the capacity)."""
+        if system not in self.systems:
+            self.systems.add(system)
+            self.cached_tokens += SYSTEM_TOKENS
+            self._evict()
 
     def cached(self, session: int) -> int:
         found = self.cache.get(session)
@@ -133,6 +142,9 @@ class Model:
     def keep(self, session: int, tokens: int) -> None:
         self.cached_tokens += tokens - self.cache.pop(session, 0)
         self.cache[session] = tokens
+        self._evict()
+
+    def _evict(self) -> None:
         while self.cached_tokens > self.kv_tokens and self.cache:
             _, dropped = self.cache.popitem(last=False)
             self.cached_tokens -= dropped
@@ -220,6 +232,10 @@ class Simulation:
         self._owners_at_fail: dict[int, str] = {}
         self.shape: dict[int, list[tuple[int, int, float]]] = {}  # live session -> per turn: message, reply, think
         self.system: dict[int, int] = {}  # live session -> its system prompt
+        # live sessions by the replica that last served them, most recent last (what the router's
+        # session table gives a migration), and when a migration last moved each session
+        self.served_by: dict[str, OrderedDict[int, None]] = {}
+        self.migrated: dict[int, float] = {}
         self.rebalancing = args.rebalance and args.policy == "affinity"
         self.rebalancer = Rebalancer(
             RebalanceSettings(
@@ -336,12 +352,16 @@ class Simulation:
         s.per_replica[replica.id] = s.per_replica.get(replica.id, 0) + 1
         key = self.keys[turn.session].key
         last = self.sessions.get(key)
-        if last is not None:
-            s.followups += 1
-            s.jumps += last != replica.id
-        self.sessions.put(key, replica.id)
         model.keep(turn.session, prompt + turn.output)
-        model.systems.add(self.system[turn.session])
+        model.keep_system(self.system[turn.session])
+        if self.migrated.get(turn.session, -1.0) >= turn.started and last is not None and last != replica.id:
+            pass  # moved while this turn ran: the move stands (as in the router); no jump happened
+        else:
+            if last is not None:
+                s.followups += 1
+                s.jumps += last != replica.id
+            self.sessions.put(key, replica.id)
+            self._served(turn.session, last, replica.id)
         s.slot_seconds += turn.busy_s
         if self.rebalancing:
             located = self.fleet.ring.locate(key)
@@ -357,9 +377,23 @@ class Simulation:
             self.at(self.now + self.shape[turn.session][turn.number][2], "turn", nxt)
         else:
             self.live.discard(turn.session)
-            self.keys.pop(turn.session, None)
+            key = self.keys.pop(turn.session, None)
+            last = self.sessions.get(key.key) if key is not None else None
+            recent = self.served_by.get(last) if last is not None else None
+            if recent is not None:
+                recent.pop(turn.session, None)
             self.shape.pop(turn.session, None)
             self.system.pop(turn.session, None)
+            self.migrated.pop(turn.session, None)
+
+    def _served(self, session: int, before: str | None, now: str) -> None:
+        if before is not None and before != now:
+            previous = self.served_by.get(before)
+            if previous is not None:
+                previous.pop(session, None)
+        recent = self.served_by.setdefault(now, OrderedDict())
+        recent[session] = None
+        recent.move_to_end(session)
 
     def _sample(self, name: str, into: list[float], value: float) -> None:
         """A uniform reservoir of SAMPLE values (Algorithm R)."""
@@ -400,22 +434,22 @@ class Simulation:
         if source is None or target is None or target.index is None or move.origin not in ring.replica_ids:
             return
         src, dst = self.models[source.id], self.models[target.id]
-        moved = 0
-        for session in list(self.live):
-            if moved >= self.config.warmup_sessions:
+        chosen: list[int] = []
+        for session in reversed(self.served_by.get(source.id, OrderedDict())):  # the most recent first
+            if len(chosen) >= self.config.warmup_sessions:
                 break
-            key = self.keys[session].key
-            if self.sessions.get(key) != source.id:
-                continue
-            located = ring.locate(key)
-            if located is None or ring.replica_ids[located[1]] != move.origin or located[2] != move.number:
-                continue
+            located = ring.locate(self.keys[session].key)
+            if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
+                chosen.append(session)
+        for session in chosen:
             context = src.cache.get(session)
-            if context:
-                dst.keep(session, context)
-                dst.systems.add(self.system[session])
-            self.sessions.put(key, target.id)
-            moved += 1
+            if context and self.config.warmup:
+                dst.keep(session, context)  # warmed: free and at once here (see the module doc)
+                dst.keep_system(self.system[session])
+            self.sessions.put(self.keys[session].key, target.id)
+            self._served(session, source.id, target.id)
+            self.migrated[session] = self.now
+        moved = len(chosen)
         ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
         self.stats.migrations += 1
         self.stats.migrated_sessions += moved
@@ -435,7 +469,7 @@ class Simulation:
 
     def _scale_out(self, _: Any) -> None:
         rid = f"r{len(self.models)}"
-        self.models[rid] = Model(self.args.kv_tokens, self.args.slots)
+        self.models[rid] = Model(self.args.kv_tokens, self.args.slots, born=self.now)
 
         def join() -> None:
             self.fleet.add(ReplicaSpec(rid, f"http://sim/{rid}"))
@@ -461,6 +495,7 @@ class Simulation:
     def _scale_in(self, _: Any) -> None:
         victim = self.fleet.replicas[0].id
         self.touched.add(victim)
+        self.models[victim].gone = self.now
         self.stats.moved["scale_in"] = self._moved_share(lambda: self.fleet.remove(victim), "scale_in")
 
     def _fail(self, _: Any) -> None:
@@ -468,6 +503,7 @@ class Simulation:
         self.touched.add(victim.id)
         model = self.models[victim.id]
         model.dead = True
+        model.gone = self.now
         model.cache.clear()
         model.cached_tokens = 0
         lost = list(model.queue)
@@ -538,6 +574,10 @@ class Simulation:
 
     def _report(self, wall_s: float) -> dict[str, Any]:
         s = self.stats
+        # slot time the fleet had: each replica from when it joined until it left, died or the end
+        slot_time = self.args.slots * sum(
+            (m.gone if m.gone is not None else self.now) - m.born for m in self.models.values()
+        )
 
         def pct(values: list[float], q: int) -> float | None:
             return round(percentile(values, q), 3) if values else None
@@ -562,9 +602,7 @@ class Simulation:
             "failed_attempts": s.failed_attempts,
             "failed_requests": s.failed_requests,
             # share of the fleet's slots busy serving, over the run (the model's "GPU busy")
-            "slot_occupancy": round(
-                s.slot_seconds / (self.now * self.args.slots * max(len(self.models), 1)) if self.now else 0.0, 4
-            ),
+            "slot_occupancy": round(s.slot_seconds / slot_time if slot_time else 0.0, 4),
             "migrations": s.migrations,
             "migrated_sessions": s.migrated_sessions,
             "moved_share": {k: round(v, 4) for k, v in s.moved.items()},
