@@ -64,6 +64,8 @@ class RouterConfig:
     max_header_bytes: int = 16 * 1024
     upstream_connections: int = 256  # per replica
     inject_usage: bool = True
+    resume_streams: bool = True  # continue a stream a replica broke mid-way on another replica
+    resume_buffer_bytes: int = 1024 * 1024  # per stream: what was sent, to continue from (past it: no resume)
     # health
     health_checks: bool = True
     agents: tuple[str, ...] = ()  # REPLICA_ID=URL of a router-agent whose /stats the control loop reads
@@ -224,6 +226,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "rebalance_max_vnodes",
         "warmup_concurrency",
         "bounded_load_floor",
+        "resume_buffer_bytes",
     ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be at least 1")

@@ -128,8 +128,14 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "router_stream_errors": (
         "counter",
-        "Streams cut after the first byte; the client got an SSE error event.",
+        "Streams a replica broke after the first byte (then resumed elsewhere, or ended with an SSE error event).",
         ("replica",),
+    ),
+    "router_stream_resumes": (
+        "counter",
+        "Broken streams by what came of them: resumed on another replica, failed (no replica could "
+        "continue them: ended with an SSE error event) or impossible (not continuable: SSE error event).",
+        ("outcome",),
     ),
 }
 
@@ -184,6 +190,7 @@ class RouterMetrics:
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
         self.stream_errors = made["router_stream_errors"]
+        self.stream_resumes = made["router_stream_resumes"]
         self.score = made["router_replica_score"]
         self.routable = made["router_replica_routable"]
         self.state_changes = made["router_replica_state_changes"]

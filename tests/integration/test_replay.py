@@ -31,7 +31,7 @@ SPEC = SessionsSpec(
 
 async def replay(targets: list[str], **kw: Any) -> dict[str, Any]:
     opts = ReplayOptions(
-        targets=tuple(targets), workload=kw.pop("workload", "sessions"), time_scale=100.0, spec=SPEC, **kw
+        targets=tuple(targets), workload=kw.pop("workload", "sessions"), time_scale=20.0, spec=SPEC, **kw
     )
     return await Replayer(opts).run()
 

@@ -33,8 +33,9 @@ from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import PER_REPLICA_GAUGES, RouterMetrics, replica_gauge_families
 from router.policy import Decision, make_policy
-from router.proxy.forward import Outcome, Retry, Timeouts, attempt, forward_headers
+from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.internal import serve_internal, worker_socket
+from router.proxy.resume import Splicer, continuation, read_so_far
 from router.redis_state import RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.sessions import SessionTable
@@ -579,6 +580,8 @@ class Router:
         deadline = asyncio.get_running_loop().time() - (time.monotonic() - t0) + cfg.total_timeout_s
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
         failure: Retry | None = None
+        # a stream broken mid-way is resumed on another replica when it can be (see resume.py)
+        keep = cfg.resume_buffer_bytes if cfg.resume_streams and request.path in STREAMABLE else 0
         first_choice: ReplicaState | None = None
         loop = asyncio.get_running_loop()
         for _ in range(cfg.max_attempts):
@@ -610,6 +613,7 @@ class Router:
                     deadline,
                     strip_usage,
                     t0,
+                    keep,
                 )
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 self._finish(request, web.Response(status=499), replica, key, decision, t0, None, len(tried))
@@ -622,10 +626,81 @@ class Router:
                 self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
             self._account(key, last, replica, decision, result, first_choice, t0, alone, local)
+            if result.broken:
+                replica = await self._resume(request, body, key, result, replica, tried, headers, deadline, t0)
             if key.kind != "none" and result.status < 400:
                 self.balancer.served(key.key, request.path, raw)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
         return self._finish(request, self._no_replica(failure, bool(tried)), None, key, None, t0, None, len(tried))
+
+    async def _resume(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        key: RoutingKey,
+        result: Outcome,
+        broke: ReplicaState,
+        tried: list[ReplicaState],
+        headers: dict[str, str],
+        deadline: float,
+        t0: float,
+    ) -> ReplicaState:
+        """Continue `result`'s broken stream on other replicas (at most `max_attempts` in all, within
+        the deadline); end it with an SSE error event when that is impossible or they all fail.
+        Returns the replica that served the end of the stream."""
+        cfg, m = self.config, self.metrics
+        chat = request.path == "/v1/chat/completions"
+        served = broke
+        loop = asyncio.get_running_loop()
+        while result.broken:
+            assert result.record is not None
+            so_far = read_so_far(result.record)
+            follow = continuation(body, chat, so_far) if so_far is not None and not so_far.finished else None
+            if follow is None or so_far is None:
+                m.child(m.stream_resumes, "impossible").inc()
+                await end_stream(result)
+                return served
+            raw = orjson.dumps(follow)
+            strip = bool(getattr(result.framer, "strip_usage", False))
+            resumed = False
+            while len(tried) < cfg.max_attempts and loop.time() < deadline:
+                decision = self.policy.pick(key, None, {r.index for r in tried if r.index is not None})
+                if decision is None:
+                    break
+                replica = self.fleet.replicas[decision.index]
+                tried.append(replica)
+                self.fleet.acquire(replica)
+                try:
+                    failed = await resume(
+                        self.http,
+                        replica.url + request.path,
+                        raw,
+                        headers,
+                        self.timeouts,
+                        deadline,
+                        result,
+                        Splicer(so_far, chat, strip),
+                        t0,
+                    )
+                finally:
+                    self.fleet.release(replica)
+                if failed is not None:
+                    replica.errors += 1
+                    m.child(m.retries, failed.cause).inc()
+                    continue
+                resumed = True
+                served = replica
+                m.child(m.stream_resumes, "resumed").inc()
+                if result.stream_error and not result.client_gone:
+                    replica.errors += 1
+                    m.child(m.stream_errors, replica.id).inc()
+                if key.kind != "none" and not result.broken and not result.stream_error:
+                    self._remember(key, replica)  # its cache now holds the whole conversation
+                break
+            if not resumed:
+                m.child(m.stream_resumes, "failed").inc()
+                await end_stream(result)
+        return served
 
     async def last_served(self, key: bytes, remember: bool = True) -> tuple[str | None, bool]:
         """Where the session was served last, and whether this process's own entry says so (else
@@ -714,12 +789,16 @@ class Router:
             ):
                 pass  # the router moved it (drain, migration) while this request ran: its next turn goes there
             else:
-                self.sessions.put(key.key, replica.id)
-                written = self.sessions.written_ms(key.key)
-                if self.shared_sessions is not None:
-                    self.shared_sessions.put(key.key, replica, written)
-                if self.redis_sessions is not None:
-                    self.redis_sessions.served(key.key, replica.id, written)
+                self._remember(key, replica)
+
+    def _remember(self, key: RoutingKey, replica: ReplicaState) -> None:
+        """The session was served by `replica`: its next turn goes there."""
+        self.sessions.put(key.key, replica.id)
+        written = self.sessions.written_ms(key.key)
+        if self.shared_sessions is not None:
+            self.shared_sessions.put(key.key, replica, written)
+        if self.redis_sessions is not None:
+            self.redis_sessions.served(key.key, replica.id, written)
 
     def _jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last`: the reason is a label of router_session_jumps."""

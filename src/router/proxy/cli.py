@@ -42,6 +42,10 @@ HELP = {
     "max_header_bytes": "largest request header block (default 16 KiB)",
     "upstream_connections": "keep-alive connections per replica (default 256)",
     "inject_usage": "ask streams for usage on the client's behalf, then hide it (default on)",
+    "resume_streams": "continue a stream a replica broke mid-way on another replica, in the same client stream "
+    "(default on)",
+    "resume_buffer_bytes": "per stream, the most of it kept to continue from; a longer stream is not resumed "
+    "(default 1 MiB)",
     "health_checks": "probe replicas and route around sick ones (default on)",
     "agents": "comma-separated REPLICA_ID=URL of router-agents whose GPU figures join the health score",
     "probe_interval_s": "seconds between health probes (default 2)",

@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from router.errors import sse_error_event
+from router.proxy.resume import StreamRecord
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -69,6 +70,11 @@ class Outcome:
     stream_error: str | None = None
     client_gone: bool = False  # the client closed the connection mid-stream (not the replica's fault)
     extra: dict[str, Any] = field(default_factory=dict)
+    # resuming: what was forwarded so far, and whether the stream broke with the response left open
+    record: StreamRecord | None = None
+    broken: bool = False
+    framer: Any = None
+    transport: Any = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,10 @@ async def attempt(
     deadline: float,
     strip_usage: bool,
     t0: float,
+    keep: int = 0,
 ) -> Retry | Outcome:
+    """With `keep` > 0, a stream's forwarded bytes are recorded (up to `keep`) and a stream the
+    replica breaks is left open (`broken`) for the caller to resume or end with `end_stream`."""
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
@@ -138,7 +147,7 @@ async def attempt(
             return Retry("connect", 502)
         except (aiohttp.ClientError, OSError):
             return Retry("reset", 502)
-        return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0)
+        return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
     finally:
         if upstream is not None:
             if upstream.content.at_eof():
@@ -171,6 +180,7 @@ async def _relay(
     deadline: float,
     strip_usage: bool,
     t0: float,
+    keep: int = 0,
 ) -> Retry | Outcome:
     loop = asyncio.get_running_loop()
     content_type = upstream.headers.get("Content-Type", "")
@@ -204,32 +214,114 @@ async def _relay(
         return outcome
     resp = web.StreamResponse(status=upstream.status, headers=headers)
     outcome = Outcome(resp, upstream.status, streamed=True)
-    framer = _SseFramer(strip_usage)
-    transport = request.transport
+    outcome.framer = _SseFramer(strip_usage)
+    outcome.transport = request.transport
+    if keep > 0 and upstream.status == 200:
+        outcome.record = StreamRecord(keep)
+    try:
+        async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
+            await resp.prepare(request)
+    except ConnectionResetError:
+        outcome.client_gone = True
+        return outcome
+    except TimeoutError:
+        outcome.stream_error = "the request's total time-out expired"
+        return outcome
+    await _stream(upstream, outcome, first, idle, deadline, t0)
+    return outcome
+
+
+async def _stream(
+    upstream: aiohttp.ClientResponse, outcome: Outcome, first: bytes, idle: float, deadline: float, t0: float
+) -> None:
+    """Pump `upstream` into the outcome's prepared response. A break is left open (`broken`) for the
+    caller when the outcome keeps a record (resuming is on); otherwise the stream is ended here."""
+    framer = outcome.framer
     try:
         # the whole request, client writes included; the grace lets an expired stream still send its error event
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
-            await resp.prepare(request)
-            await _pump(upstream, resp, first, framer, outcome, idle, deadline, transport, t0)
+            await _pump(upstream, outcome.response, first, framer, outcome, idle, deadline, outcome.transport, t0)
             if not outcome.client_gone:
                 tail = framer.pending()
                 if outcome.stream_error is None and not framer.done:
                     outcome.stream_error = "upstream closed the stream early"
                 if tail and outcome.stream_error is None:
-                    await resp.write(tail)  # the last event, sent without its blank line
-                if outcome.stream_error:
-                    # a cut-off event is dropped, so the error event stands on its own
-                    await resp.write(sse_error_event(outcome.stream_error))
-                await resp.write_eof()
+                    await outcome.response.write(tail)  # the last event, sent without its blank line
+                    if outcome.record is not None:
+                        outcome.record.add(tail)
+                resumable = outcome.record is not None  # the caller resumes it, or says why it cannot
+                if outcome.stream_error and resumable and asyncio.get_running_loop().time() < deadline:
+                    outcome.broken = True  # the caller resumes it elsewhere, or ends it
+                else:
+                    await end_stream(outcome)
     except ConnectionResetError:  # the client left while we wrote to it: nobody to tell
         outcome.client_gone = True
     except TimeoutError:
         outcome.stream_error = outcome.stream_error or "the request's total time-out expired"
-        if transport is not None:
-            transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
+        outcome.broken = False
+        if outcome.transport is not None:
+            outcome.transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
     if framer.usage:
         outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = framer.usage
-    return outcome
+
+
+async def end_stream(outcome: Outcome) -> None:
+    """End the client's stream: with an SSE error event (and `[DONE]`) if it broke."""
+    outcome.broken = False
+    try:
+        if outcome.stream_error:
+            # a cut-off event is dropped, so the error event stands on its own
+            await outcome.response.write(sse_error_event(outcome.stream_error))
+        await outcome.response.write_eof()
+    except ConnectionResetError:
+        outcome.client_gone = True
+
+
+async def resume(
+    client: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeouts: Timeouts,
+    deadline: float,
+    outcome: Outcome,
+    splicer: Any,
+    t0: float,
+) -> Retry | None:
+    """Continue a broken stream from another replica into the same client response. A failure
+    before the continuation's first byte is a `Retry` (the client has seen nothing new); after it,
+    the outcome is broken again (resumable again) or ended, as with the first replica."""
+    loop = asyncio.get_running_loop()
+    upstream: aiohttp.ClientResponse | None = None
+    try:
+        try:
+            async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)):
+                upstream = await client.post(
+                    url, data=body, headers=headers, timeout=timeouts.upstream, allow_redirects=False
+                )
+                if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
+                    "text/event-stream"
+                ):
+                    return Retry("http_5xx" if upstream.status >= 500 else "reset", upstream.status)
+                first = await upstream.content.readany()
+        except TimeoutError:
+            return Retry("timeout", 504)
+        except aiohttp.ClientConnectorError:
+            return Retry("connect", 502)
+        except (aiohttp.ClientError, OSError):
+            return Retry("reset", 502)
+        if not first:
+            return Retry("reset", 502)
+        outcome.stream_error = None
+        outcome.framer = splicer
+        await _stream(upstream, outcome, first, timeouts.idle_s, deadline, t0)
+        return None
+    finally:
+        if upstream is not None:
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
 
 
 async def _pump(
@@ -255,6 +347,8 @@ async def _pump(
             while chunk:
                 out = framer.feed(chunk)
                 if out:
+                    if outcome.record is not None:
+                        outcome.record.add(out)
                     if transport is not None and transport.get_write_buffer_size():
                         timer.reschedule(deadline)  # the client is slow: that is not upstream silence
                         moved = -idle

@@ -1,0 +1,216 @@
+"""Resuming a stream that a replica broke mid-way, on another replica, in the same client stream.
+
+While a stream is forwarded, the events sent to the client are kept (raw bytes, at most
+`resume_buffer_bytes` per stream; past that the stream can no longer be resumed). When the
+replica cuts the stream, stalls past the idle time-out or closes it before `[DONE]`, the router
+reads back what the client already has — the text, and the number of content chunks as the count
+of tokens generated (one token per chunk, as vLLM streams by default) — and sends the original
+request to the next replica, continued:
+
+- chat completions: the text so far becomes a final assistant message with vLLM's
+  `continue_final_message: true` and `add_generation_prompt: false` (a final assistant message the
+  client sent with `continue_final_message` gets the text appended instead);
+- completions: the text so far is appended to the prompt (a single string prompt only);
+- `max_tokens` / `max_completion_tokens` shrink by the tokens already generated.
+
+The continuation's events are rewritten to look like the original's (its `id` and `created`; the
+chat role-only opening chunk dropped; the usage event's prompt and completion counts put back in
+the original request's terms) and spliced into the client's stream, which sees one response. A
+request that cannot be continued (several choices, `echo`, a prompt that is not a string, a stream
+past the buffer) ends with an SSE error event, as does one whose replicas all fail.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_EVENT = re.compile(rb"(.*?)(?:\r\n\r\n|\n\n|\r\r)", re.DOTALL)
+_DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
+
+
+class StreamRecord:
+    """The bytes forwarded to the client so far, up to `cap`; past it, only the fact it overflowed."""
+
+    __slots__ = ("buf", "cap", "overflowed")
+
+    def __init__(self, cap: int) -> None:
+        self.buf = bytearray()
+        self.cap = cap
+        self.overflowed = False
+
+    def add(self, data: bytes) -> None:
+        if self.overflowed:
+            return
+        if len(self.buf) + len(data) > self.cap:
+            self.overflowed = True
+            self.buf = bytearray()  # the memory goes back at once
+            return
+        self.buf += data
+
+
+@dataclass
+class SoFar:
+    """What the client has received of a stream."""
+
+    text: str = ""
+    chunks: int = 0  # chunks that carried text: the tokens generated, at one token per chunk
+    id: Any = None
+    created: Any = None
+    finished: bool = False  # a choice carried its finish_reason: nothing is left to generate
+
+
+def _events(data: bytes) -> list[Any]:
+    """The JSON objects of the `data:` lines of whole events in `data` (others skipped)."""
+    out = []
+    for m in _EVENT.finditer(data):
+        for line in _DATA_LINE.finditer(m.group(1)):
+            payload = line.group(1).strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            try:
+                out.append(orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                continue
+    return out
+
+
+def read_so_far(record: StreamRecord) -> SoFar | None:
+    """What the client already has; None when the record overflowed."""
+    if record.overflowed:
+        return None
+    so_far = SoFar()
+    parts: list[str] = []
+    for event in _events(bytes(record.buf)):
+        if not isinstance(event, dict):
+            continue
+        if so_far.id is None and "id" in event:
+            so_far.id, so_far.created = event.get("id"), event.get("created")
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            piece = choice.get("text")
+            if piece is None:
+                delta = choice.get("delta")
+                piece = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(piece, str) and piece:
+                parts.append(piece)
+                so_far.chunks += 1
+            if choice.get("finish_reason"):
+                so_far.finished = True
+    so_far.text = "".join(parts)
+    return so_far
+
+
+def continuation(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, Any] | None:
+    """The request that continues `body` after `so_far`; None when it cannot be continued."""
+    if body.get("n", 1) not in (1, None) or body.get("best_of", 1) not in (1, None) or body.get("echo"):
+        return None
+    new = dict(body)
+    for name in ("max_tokens", "max_completion_tokens"):
+        limit = body.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            new[name] = max(limit - so_far.chunks, 1)
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        last = messages[-1]
+        if (
+            body.get("continue_final_message")
+            and isinstance(last, dict)
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            new["messages"] = [*messages[:-1], {**last, "content": last["content"] + so_far.text}]
+        else:
+            new["messages"] = [*messages, {"role": "assistant", "content": so_far.text}]
+        new["continue_final_message"] = True
+        new["add_generation_prompt"] = False
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            new["prompt"] = [prompt[0] + so_far.text]
+        elif isinstance(prompt, str):
+            new["prompt"] = prompt + so_far.text
+        else:
+            return None
+    return new
+
+
+class Splicer:
+    """A continuation's SSE stream, rewritten into the original's: same `id` and `created`, no
+    second role chunk, usage in the original request's terms (and dropped when the router asked
+    for it on the client's behalf). The same interface as the forwarding framer."""
+
+    __slots__ = ("_buf", "chat", "done", "so_far", "strip_usage", "usage")
+
+    def __init__(self, so_far: SoFar, chat: bool, strip_usage: bool) -> None:
+        self._buf = bytearray()
+        self.so_far = so_far
+        self.chat = chat
+        self.strip_usage = strip_usage
+        self.usage: tuple[int, int, int] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        out = bytearray()
+        end = 0
+        for m in _EVENT.finditer(self._buf):
+            end = m.end()
+            out += self._event(m.group(1))
+        del self._buf[:end]
+        return bytes(out)
+
+    def pending(self) -> bytes:
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return self._event(rest) if rest.strip() else b""
+
+    def _event(self, raw: bytes) -> bytes:
+        line = _DATA_LINE.search(raw)
+        if line is None:
+            return b""  # comments and other fields are not needed in a spliced stream
+        payload = line.group(1).strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return b""
+        if not isinstance(event, dict):
+            return b""
+        if self.so_far.id is not None:
+            event["id"] = self.so_far.id
+        if self.so_far.created is not None:
+            event["created"] = self.so_far.created
+        choices = event.get("choices")
+        if self.chat and isinstance(choices, list) and choices and all(_role_only(c) for c in choices):
+            return b""  # the continuation's opening chunk: the client had its own
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            generated = self.so_far.chunks
+            prompt = max(int(usage.get("prompt_tokens") or 0) - generated, 0)
+            completion = int(usage.get("completion_tokens") or 0) + generated
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+            cached = min(max(int(cached or 0), 0), prompt)
+            self.usage = (prompt, cached, completion)
+            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            if isinstance(details, dict):
+                details["cached_tokens"] = cached
+            if self.strip_usage and not choices:
+                return b""
+        return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def _role_only(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and "role" in delta and not delta.get("content") and not choice.get("finish_reason")
