@@ -133,8 +133,9 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "router_stream_resumes": (
         "counter",
-        "Broken streams by what came of them: resumed on another replica, failed (no replica could "
-        "continue them: ended with an SSE error event) or impossible (not continuable: SSE error event).",
+        "Broken streams by what came of them: resumed (the continuation on another replica ran to its end), "
+        "failed (it broke too, or no replica could take it), refused (a replica answered the continuation "
+        "with a 4xx), impossible (not continuable), finished (cut after its last token), timeout (no time left).",
         ("outcome",),
     ),
 }

@@ -124,11 +124,14 @@ async def test_streams_that_cannot_be_resumed_end_with_an_error_event(start_flee
     router, url = await start_router(named(fleet.replicas))
     m = router.metrics
     body = {"model": "emulated-llm", "prompt": "abcd" * 50, "max_tokens": 20, "stream": True}
-    # every replica breaks it: resumed once, then no replica is left to try
+    # every replica breaks it: its continuation breaks too, and it is not resumed a second time
     status, events, _ = await stream(url, "/v1/completions", body, "resume-3")
     assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2]
-    assert m.stream_resumes.labels("resumed")._value.get() == 1
+    assert m.stream_resumes.labels("resumed")._value.get() == 0
     assert m.stream_resumes.labels("failed")._value.get() == 1
+    assert (
+        sum(r.state()["engine"]["finished_total"] + r.state()["engine"]["aborted_total"] for r in fleet.replicas) == 2
+    )
     # and with resuming off, the first break ends the stream
     router2, url2 = await start_router(named(fleet.replicas), resume_streams=False)
     status, events, _ = await stream(url2, "/v1/completions", body, "resume-5")
@@ -145,3 +148,16 @@ async def test_a_stream_past_the_resume_buffer_is_not_resumed(start_fleet, start
     _, events, _ = await stream(url, "/v1/completions", body, "resume-6")
     assert "error" in events[-2]
     assert router.metrics.stream_resumes.labels("impossible")._value.get() == 1
+
+
+async def test_a_stream_cut_after_its_last_token_is_closed_without_an_error(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    for r in fleet.replicas:
+        r.set_faults({"drop_after": 4})  # role, three tokens (the last with its finish_reason), then the cut
+    router, url = await start_router(named(fleet.replicas))
+    body = {"model": "emulated-llm", "messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 3}
+    _, events, raw = await stream(url, "/v1/chat/completions", {**body, "stream": True}, "resume-7")
+    assert events[-1] == "[DONE]" and b"error" not in raw
+    assert text_of(events)[1] == 3
+    assert router.metrics.stream_resumes.labels("finished")._value.get() == 1
+    assert sum(r.state()["engine"]["finished_total"] for r in fleet.replicas) == 1  # nothing was sent again

@@ -32,8 +32,12 @@ def test_the_record_reads_back_text_chunks_and_ids() -> None:
     so_far = read_so_far(record)
     assert so_far is not None
     assert (so_far.text, so_far.chunks, so_far.id, so_far.created, so_far.finished) == ("Hello", 2, "c-1", 7, False)
+    assert so_far.role and not so_far.other
     record.add(sse(chat_chunk("!", finish="length")))
     assert read_so_far(record).finished  # type: ignore[union-attr]
+    tools = StreamRecord(10_000)
+    tools.add(sse({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}, {"choices": "odd"}, {"choices": 5}))
+    assert read_so_far(tools).other  # type: ignore[union-attr]
     small = StreamRecord(50)
     small.add(sse(chat_chunk("x" * 100)))
     assert small.overflowed and not small.buf and read_so_far(small) is None
@@ -62,7 +66,25 @@ def test_continuations() -> None:
         "max_tokens": 2,
     }
     assert continuation({"prompt": ["Tell: "]}, False, so_far) == {"prompt": ["Tell: Once upon"]}
+    assert continuation({"prompt": "x", "max_tokens": 5, "min_tokens": 4}, False, so_far) == {
+        "prompt": "xOnce upon",
+        "max_tokens": 2,
+        "min_tokens": 1,
+    }
+    assert continuation({"prompt": "x", "response_format": {"type": "text"}}, False, so_far) is not None
+    assert continuation({"messages": [{"role": "user", "content": "q"}], "tool_choice": "auto"}, True, so_far)
+    assert continuation({"prompt": "x"}, False, SoFar(text="t", chunks=1, other=True)) is None  # tool calls seen
     for impossible, is_chat in (
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, False),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, False),
+        ({"messages": [{"role": "user", "content": "q"}], "tool_choice": "required"}, True),
+        (
+            {
+                "messages": [{"role": "assistant", "content": [{"type": "text", "text": "A"}]}],
+                "continue_final_message": True,
+            },
+            True,
+        ),
         ({"prompt": "x", "n": 2}, False),
         ({"prompt": "x", "best_of": 3}, False),
         ({"prompt": "x", "echo": True}, False),
@@ -75,7 +97,7 @@ def test_continuations() -> None:
 
 
 def test_the_splicer_rewrites_a_continuation_into_the_original_stream() -> None:
-    so_far = SoFar(text="Hello", chunks=2, id="c-1", created=7)
+    so_far = SoFar(text="Hello", chunks=2, id="c-1", created=7, role=True)
     splicer = Splicer(so_far, chat=True, strip_usage=False)
     cont = sse(
         {
@@ -116,6 +138,12 @@ def test_the_splicer_rewrites_a_continuation_into_the_original_stream() -> None:
     # when the router asked for usage on the client's behalf, that event is not sent
     hidden = Splicer(so_far, chat=True, strip_usage=True)
     assert b"usage" not in hidden.feed(cont) and hidden.usage == (50, 50, 5)
+    # a client that never got the role chunk (cut before it) gets the continuation's
+    bare = Splicer(SoFar(text="", chunks=0), chat=True, strip_usage=False)
+    assert b'"role"' in bare.feed(cont)
+    # odd usage figures are passed on untouched rather than failing the stream
+    odd = Splicer(so_far, chat=True, strip_usage=False)
+    assert b'"prompt_tokens":"many"' in odd.feed(sse({"choices": [], "usage": {"prompt_tokens": "many"}}))
     # completions keep every chunk; a last event without its blank line comes out of pending()
     plain = Splicer(SoFar(text="ab", chunks=1, id="t-1", created=1), chat=False, strip_usage=False)
     assert plain.feed(b'data: {"id":"t-2","choices":[{"text":"cd"}]}') == b""

@@ -16,12 +16,15 @@ this process sending the workload. Contenders:
   sticky router could reach, with no regard for load.
 
 Workloads: `sessions@R` (synthetic multi-turn chats, R new sessions per engine second for
-`--duration`, one workload per `--rate`) and, with `--trace-dir`, the Mooncake `mooncake-conversation` and
-`mooncake-synthetic` traces (`--trace-window` seconds from their start, `--trace-speedup` times
-faster). Everything the client measures (KV hit rate from `usage`, latencies, jumps from
-`X-Replica-Id`) is as in `router-bench replay`; load per replica and the emulated GPU busy share
-come from the emulators' own counters (`GET /replicas` on the fleet's control port, every
-`--sample-s`). Latencies are engine seconds (wall seconds x `--time-scale`).
+`--duration`, one workload per `--rate`) and, with `--trace-dir`, the Mooncake
+`mooncake-conversation` and `mooncake-synthetic` traces (`--trace-window` seconds from their
+start, `--trace-speedup` times faster). Everything the client measures (KV hit rate from
+`usage`, latencies, jumps from `X-Replica-Id`) is as in `router-bench replay`; load per replica
+(requests each replica finished, and its requests running + waiting over time) and the emulated
+GPU busy share (engine time spent in steps while arrivals last) come from the emulators' own
+counters (`GET /replicas` on the fleet's control port, every `--sample-s`). Latencies are engine
+seconds (wall seconds x `--time-scale`). Router timers (health probes, the rebalancing window)
+run on the wall clock, so at time scale 2 they span twice as many engine seconds.
 
 Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
 `--replicas`) whose multi-turn P99 on the busiest `sessions@R` stays within `--p99-target`

@@ -35,7 +35,7 @@ from router.metrics import PER_REPLICA_GAUGES, RouterMetrics, replica_gauge_fami
 from router.policy import Decision, make_policy
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.internal import serve_internal, worker_socket
-from router.proxy.resume import Splicer, continuation, read_so_far
+from router.proxy.resume import SoFar, Splicer, continuation, read_so_far
 from router.redis_state import RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.sessions import SessionTable
@@ -581,7 +581,11 @@ class Router:
         tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
         failure: Retry | None = None
         # a stream broken mid-way is resumed on another replica when it can be (see resume.py)
-        keep = cfg.resume_buffer_bytes if cfg.resume_streams and request.path in STREAMABLE else 0
+        keep = 0
+        chat = request.path == "/v1/chat/completions"
+        streamed = request.path in STREAMABLE and body.get("stream") is True
+        if cfg.resume_streams and streamed and continuation(body, chat, SoFar()) is not None:
+            keep = cfg.resume_buffer_bytes
         first_choice: ReplicaState | None = None
         loop = asyncio.get_running_loop()
         for _ in range(cfg.max_attempts):
@@ -626,8 +630,12 @@ class Router:
                 self.metrics.child(self.metrics.retries, result.cause).inc()
                 continue
             self._account(key, last, replica, decision, result, first_choice, t0, alone, local)
-            if result.broken:
-                replica = await self._resume(request, body, key, result, replica, tried, headers, deadline, t0)
+            if keep and result.streamed:
+                try:
+                    replica = await self._resume(request, body, key, result, replica, tried, headers, deadline, t0)
+                except asyncio.CancelledError:  # the client went away during the continuation
+                    self._finish(request, web.Response(status=499), replica, key, decision, t0, None, len(tried))
+                    raise
             if key.kind != "none" and result.status < 400:
                 self.balancer.served(key.key, request.path, raw)
             return self._finish(request, result.response, replica, key, decision, t0, result, len(tried))
@@ -645,62 +653,82 @@ class Router:
         deadline: float,
         t0: float,
     ) -> ReplicaState:
-        """Continue `result`'s broken stream on other replicas (at most `max_attempts` in all, within
-        the deadline); end it with an SSE error event when that is impossible or they all fail.
-        Returns the replica that served the end of the stream."""
-        cfg, m = self.config, self.metrics
+        """Continue `result`'s broken stream on another replica (within `max_attempts` in all and the
+        deadline) and return the replica that ended the stream. A stream is resumed once: if its
+        continuation breaks too, the request itself may be what breaks replicas, so it ends there
+        with an SSE error event, as when it cannot be continued or no replica takes it."""
+        m = self.metrics
+        if not result.broken:
+            if result.stream_error and not result.client_gone:
+                m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
+            return broke
+        result.extra["broke_on"] = broke.id
         chat = request.path == "/v1/chat/completions"
-        served = broke
+        assert result.record is not None
+        so_far = read_so_far(result.record)
+        if so_far is not None and so_far.finished:
+            # the answer was whole; only its end was missing: close it as a finished stream
+            m.child(m.stream_resumes, "finished").inc()
+            result.stream_error = None
+            result.broken = False
+            with contextlib.suppress(ConnectionResetError):
+                await result.response.write(b"data: [DONE]\n\n")
+                await result.response.write_eof()
+            return broke
+        follow = continuation(body, chat, so_far) if so_far is not None else None
+        if follow is None or so_far is None:
+            m.child(m.stream_resumes, "impossible").inc()
+            await end_stream(result)
+            return broke
+        raw = orjson.dumps(follow)
+        strip = bool(getattr(result.framer, "strip_usage", False))
         loop = asyncio.get_running_loop()
-        while result.broken:
-            assert result.record is not None
-            so_far = read_so_far(result.record)
-            follow = continuation(body, chat, so_far) if so_far is not None and not so_far.finished else None
-            if follow is None or so_far is None:
-                m.child(m.stream_resumes, "impossible").inc()
-                await end_stream(result)
-                return served
-            raw = orjson.dumps(follow)
-            strip = bool(getattr(result.framer, "strip_usage", False))
-            resumed = False
-            while len(tried) < cfg.max_attempts and loop.time() < deadline:
-                decision = self.policy.pick(key, None, {r.index for r in tried if r.index is not None})
-                if decision is None:
-                    break
-                replica = self.fleet.replicas[decision.index]
-                tried.append(replica)
-                self.fleet.acquire(replica)
-                try:
-                    failed = await resume(
-                        self.http,
-                        replica.url + request.path,
-                        raw,
-                        headers,
-                        self.timeouts,
-                        deadline,
-                        result,
-                        Splicer(so_far, chat, strip),
-                        t0,
-                    )
-                finally:
-                    self.fleet.release(replica)
-                if failed is not None:
-                    replica.errors += 1
-                    m.child(m.retries, failed.cause).inc()
-                    continue
-                resumed = True
-                served = replica
-                m.child(m.stream_resumes, "resumed").inc()
-                if result.stream_error and not result.client_gone:
-                    replica.errors += 1
-                    m.child(m.stream_errors, replica.id).inc()
-                if key.kind != "none" and not result.broken and not result.stream_error:
-                    self._remember(key, replica)  # its cache now holds the whole conversation
+        while len(tried) < self.config.max_attempts and loop.time() < deadline:
+            decision = self.policy.pick(key, None, {r.index for r in tried if r.index is not None})
+            if decision is None:
                 break
-            if not resumed:
-                m.child(m.stream_resumes, "failed").inc()
+            replica = self.fleet.replicas[decision.index]
+            tried.append(replica)
+            self.fleet.acquire(replica)
+            try:
+                failed = await resume(
+                    self.http,
+                    replica.url + request.path,
+                    raw,
+                    headers,
+                    self.timeouts,
+                    deadline,
+                    result,
+                    Splicer(so_far, chat, strip),
+                    t0,
+                )
+            finally:
+                self.fleet.release(replica)
+            if failed is not None and failed.cause == "refused":
+                m.child(m.stream_resumes, "refused").inc()  # the continuation itself was refused (4xx)
                 await end_stream(result)
-        return served
+                return broke
+            if failed is not None:
+                replica.errors += 1
+                m.child(m.retries, failed.cause).inc()
+                continue
+            result.extra["resumed_on"] = replica.id
+            if result.client_gone:
+                return replica
+            if result.stream_error:
+                replica.errors += 1
+                m.child(m.stream_errors, replica.id).inc()
+                m.child(m.stream_resumes, "failed").inc()
+                if result.broken:
+                    await end_stream(result)  # broken twice: not resumed again
+            else:
+                m.child(m.stream_resumes, "resumed").inc()
+                if key.kind != "none":
+                    self._remember(key, replica, t0)  # its cache now holds the whole conversation
+            return replica
+        m.child(m.stream_resumes, "failed").inc()
+        await end_stream(result)
+        return broke
 
     async def last_served(self, key: bytes, remember: bool = True) -> tuple[str | None, bool]:
         """Where the session was served last, and whether this process's own entry says so (else
@@ -779,20 +807,20 @@ class Router:
                     m.child(m.jumps, moved).inc()  # the router moved it here (its cache was warmed first)
                 elif last != replica.id:
                     m.child(m.jumps, self._jump_reason(last, decision)).inc()
-            # a move is stamped by the control process before it reaches the workers: one that
-            # arrives while this request starts counts as made while it ran
-            started_ms = (time.time() - (time.monotonic() - t0)) * 1000 - MOVE_SLACK_MS
-            if (
-                self.sessions.moved(key.key) is not None
-                and self.sessions.written_ms(key.key) > started_ms
-                and self.sessions.get(key.key) != replica.id
-            ):
-                pass  # the router moved it (drain, migration) while this request ran: its next turn goes there
-            else:
-                self._remember(key, replica)
+            self._remember(key, replica, t0)
 
-    def _remember(self, key: RoutingKey, replica: ReplicaState) -> None:
-        """The session was served by `replica`: its next turn goes there."""
+    def _remember(self, key: RoutingKey, replica: ReplicaState, t0: float) -> None:
+        """The session was served by `replica` (a request that started at `t0`): its next turn goes
+        there, unless the router moved the session while the request ran."""
+        # a move is stamped by the control process before it reaches the workers: one that
+        # arrives while this request starts counts as made while it ran
+        started_ms = (time.time() - (time.monotonic() - t0)) * 1000 - MOVE_SLACK_MS
+        if (
+            self.sessions.moved(key.key) is not None
+            and self.sessions.written_ms(key.key) > started_ms
+            and self.sessions.get(key.key) != replica.id
+        ):
+            return  # the router moved it (drain, migration) while this request ran: its next turn goes there
         self.sessions.put(key.key, replica.id)
         written = self.sessions.written_ms(key.key)
         if self.shared_sessions is not None:
@@ -854,6 +882,8 @@ class Router:
                         "prompt_tokens": result.prompt_tokens if result else None,
                         "cached_tokens": result.cached_tokens if result else None,
                         "stream_error": result.stream_error if result else None,
+                        "broke_on": result.extra.get("broke_on") if result else None,
+                        "resumed_on": result.extra.get("resumed_on") if result else None,
                     }
                 )
             )

@@ -2,8 +2,9 @@
 
 The client's response is not started until the replica's first body bytes arrive, so anything
 that goes wrong before then (refused connection, reset, 5xx, time-out) is reported as a
-`Retry` and the caller tries the next replica. Once bytes have gone out, a broken upstream
-ends the client's stream with an SSE error event and `[DONE]`, never a silent cut.
+`Retry` and the caller tries the next replica. Once bytes have gone out, a broken upstream is
+left open for the caller to resume on another replica (`resume`, see resume.py) or ends the
+client's stream with an SSE error event and `[DONE]`, never a silent cut.
 
 Streams pass through byte for byte, framed only at event boundaries (`\\n\\n`) so the router can
 read the usage event; when the router asked upstream for usage on the client's behalf, that one
@@ -226,6 +227,8 @@ async def _relay(
         return outcome
     except TimeoutError:
         outcome.stream_error = "the request's total time-out expired"
+        if outcome.transport is not None:
+            outcome.transport.abort()
         return outcome
     await _stream(upstream, outcome, first, idle, deadline, t0)
     return outcome
@@ -261,6 +264,8 @@ async def _stream(
         outcome.broken = False
         if outcome.transport is not None:
             outcome.transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
+    if outcome.client_gone:
+        outcome.broken = False  # nobody to resume it for
     if framer.usage:
         outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = framer.usage
 
@@ -302,7 +307,9 @@ async def resume(
                 if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
                     "text/event-stream"
                 ):
-                    return Retry("http_5xx" if upstream.status >= 500 else "reset", upstream.status)
+                    # a 4xx refuses the continuation itself (the next replica would too): "refused"
+                    cause = "http_5xx" if upstream.status >= 500 else "refused" if upstream.status >= 400 else "reset"
+                    return Retry(cause, upstream.status)
                 first = await upstream.content.readany()
         except TimeoutError:
             return Retry("timeout", 504)
@@ -313,6 +320,7 @@ async def resume(
         if not first:
             return Retry("reset", 502)
         outcome.stream_error = None
+        outcome.broken = False
         outcome.framer = splicer
         await _stream(upstream, outcome, first, timeouts.idle_s, deadline, t0)
         return None

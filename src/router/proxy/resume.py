@@ -16,8 +16,9 @@ request to the next replica, continued:
 The continuation's events are rewritten to look like the original's (its `id` and `created`; the
 chat role-only opening chunk dropped; the usage event's prompt and completion counts put back in
 the original request's terms) and spliced into the client's stream, which sees one response. A
-request that cannot be continued (several choices, `echo`, a prompt that is not a string, a stream
-past the buffer) ends with an SSE error event, as does one whose replicas all fail.
+request that cannot be continued ends with an SSE error event, as does one whose replicas all
+fail: several choices, `echo`, a prompt that is not a string, structured output (a grammar would
+restart after the prefix), tool calls or reasoning already streamed, a stream past the buffer.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class SoFar:
     id: Any = None
     created: Any = None
     finished: bool = False  # a choice carried its finish_reason: nothing is left to generate
+    role: bool = False  # the client got the chat opening chunk (the role)
+    other: bool = False  # tool calls or reasoning were streamed: text alone cannot continue them
 
 
 def _events(data: bytes) -> list[Any]:
@@ -89,13 +92,19 @@ def read_so_far(record: StreamRecord) -> SoFar | None:
             continue
         if so_far.id is None and "id" in event:
             so_far.id, so_far.created = event.get("id"), event.get("created")
-        for choice in event.get("choices") or ():
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            continue
+        for choice in choices:
             if not isinstance(choice, dict):
                 continue
             piece = choice.get("text")
-            if piece is None:
-                delta = choice.get("delta")
-                piece = delta.get("content") if isinstance(delta, dict) else None
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                so_far.role = so_far.role or "role" in delta
+                so_far.other = so_far.other or bool(delta.get("tool_calls") or delta.get("reasoning_content"))
+                if piece is None:
+                    piece = delta.get("content")
             if isinstance(piece, str) and piece:
                 parts.append(piece)
                 so_far.chunks += 1
@@ -105,26 +114,42 @@ def read_so_far(record: StreamRecord) -> SoFar | None:
     return so_far
 
 
+STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
 def continuation(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, Any] | None:
     """The request that continues `body` after `so_far`; None when it cannot be continued."""
     if body.get("n", 1) not in (1, None) or body.get("best_of", 1) not in (1, None) or body.get("echo"):
         return None
+    if so_far.other or any(body.get(name) for name in STRUCTURED):
+        return None
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    tool_choice = body.get("tool_choice")
+    if tool_choice is not None and tool_choice not in ("auto", "none"):
+        return None  # a forced tool call is a grammar too
     new = dict(body)
     for name in ("max_tokens", "max_completion_tokens"):
         limit = body.get(name)
         if isinstance(limit, int) and not isinstance(limit, bool):
             new[name] = max(limit - so_far.chunks, 1)
+    floor = body.get("min_tokens")
+    if isinstance(floor, int) and not isinstance(floor, bool):
+        new["min_tokens"] = max(floor - so_far.chunks, 0)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if isinstance(new.get(name), int):
+                new["min_tokens"] = min(new["min_tokens"], new[name])
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
         last = messages[-1]
-        if (
-            body.get("continue_final_message")
-            and isinstance(last, dict)
-            and last.get("role") == "assistant"
-            and isinstance(last.get("content"), str)
-        ):
+        if body.get("continue_final_message"):
+            if not (
+                isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)
+            ):
+                return None
             new["messages"] = [*messages[:-1], {**last, "content": last["content"] + so_far.text}]
         else:
             new["messages"] = [*messages, {"role": "assistant", "content": so_far.text}]
@@ -190,20 +215,30 @@ class Splicer:
         if self.so_far.created is not None:
             event["created"] = self.so_far.created
         choices = event.get("choices")
-        if self.chat and isinstance(choices, list) and choices and all(_role_only(c) for c in choices):
+        if (
+            self.chat
+            and self.so_far.role
+            and isinstance(choices, list)
+            and choices
+            and all(_role_only(c) for c in choices)
+        ):
             return b""  # the continuation's opening chunk: the client had its own
         usage = event.get("usage")
         if isinstance(usage, dict):
-            generated = self.so_far.chunks
-            prompt = max(int(usage.get("prompt_tokens") or 0) - generated, 0)
-            completion = int(usage.get("completion_tokens") or 0) + generated
-            details = usage.get("prompt_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-            cached = min(max(int(cached or 0), 0), prompt)
-            self.usage = (prompt, cached, completion)
-            usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-            if isinstance(details, dict):
-                details["cached_tokens"] = cached
+            try:
+                generated = self.so_far.chunks
+                prompt = max(int(usage.get("prompt_tokens") or 0) - generated, 0)
+                completion = int(usage.get("completion_tokens") or 0) + generated
+                details = usage.get("prompt_tokens_details")
+                cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+                cached = min(max(int(cached or 0), 0), prompt)
+            except (TypeError, ValueError, OverflowError):
+                pass  # odd figures are passed on as they came
+            else:
+                self.usage = (prompt, cached, completion)
+                usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+                if isinstance(details, dict):
+                    details["cached_tokens"] = cached
             if self.strip_usage and not choices:
                 return b""
         return b"data: " + orjson.dumps(event) + b"\n\n"
