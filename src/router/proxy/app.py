@@ -45,6 +45,16 @@ from router.state import RoutingState, StateFile, default_directory, describe
 
 access_log = logging.getLogger("router.access")
 
+
+def _matches(resource: Any, path: str) -> bool:
+    """Whether `path` is `resource`'s path (plain or with {placeholders})."""
+    info = resource.get_info()
+    if "path" in info:
+        return bool(info["path"] == path)
+    pattern = info.get("pattern")
+    return bool(pattern is not None and pattern.fullmatch(path))
+
+
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 STREAMABLE = ("/v1/chat/completions", "/v1/completions")
 
@@ -492,11 +502,31 @@ class Router:
         add_admin_routes(app, self)
         if self.config.console:
             add_console_routes(app, self)
+        # last: any other method or path gets an OpenAI-shaped 404 or 405, not aiohttp's plain text
+        app.router.add_route("*", "/{tail:.*}", self._no_route)
         if self.follower is not None:
             app.cleanup_ctx.append(self._follower_ctx)  # a worker: the control process runs the loops
         else:
             self._control_loops(app)
         return app
+
+    async def _no_route(self, request: web.Request) -> web.Response:
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource.get_info().get("formatter") == "/{tail}":
+                continue  # this catch-all
+            if _matches(resource, request.path):
+                allowed.update(route.method for route in resource)
+        allowed -= {"HEAD", "*"}
+        if allowed:
+            methods = ", ".join(sorted(allowed))
+            return error_response(
+                f"{request.method} is not allowed on {request.path}; use {methods}",
+                405,
+                "method_not_allowed",
+                headers={"Allow": methods},
+            )
+        return error_response(f"no route {request.method} {request.path}", 404, "not_found")
 
     def _control_loops(self, app: web.Application) -> None:
         """Health probes, the balance loop, routing state, Redis and discovery, as configured."""
