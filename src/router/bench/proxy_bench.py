@@ -3,7 +3,8 @@
 Contenders, each its own process in front of one emulated replica (`router-emulator`, time
 scale 1000, so the replica answers at once): direct (no proxy), a bare aiohttp pass-through
 (the floor for any aiohttp proxy; it lives here, in the benchmark), `router-serve` with the
-affinity policy, and `sglang-router` (cache_aware) when it is installed.
+affinity policy, the same with `--no-resume-streams` (what keeping streams resumable costs),
+and `sglang-router` (cache_aware) when it is installed.
 
 For each: CPU time of the proxy process (user + system, all threads, from /proc) per small
 non-streamed request and per forwarded SSE event, and the median time to first token of
@@ -265,6 +266,26 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
                     backend,
                     "--state",
                     "none",
+                ],
+                None,
+                f"http://127.0.0.1:{port}",
+            )
+        )
+        port = free_port()
+        contenders.append(  # the cost of keeping each stream's record for resuming, side by side
+            (
+                "router-serve (affinity, resume off)",
+                [
+                    sys.executable,
+                    "-m",
+                    "router.proxy.cli",
+                    "--port",
+                    str(port),
+                    "--replica",
+                    backend,
+                    "--state",
+                    "none",
+                    "--no-resume-streams",
                 ],
                 None,
                 f"http://127.0.0.1:{port}",
