@@ -36,7 +36,7 @@ def test_proxy_benchmark_smoke() -> None:
     )
     result = json.loads(out.stdout)
     names = [r["contender"] for r in result["results"]]
-    assert names == ["direct", "bare aiohttp", "router-serve (affinity)"]
+    assert names == ["direct", "bare aiohttp", "router-serve (affinity)", "router-serve (affinity, resume off)"]
     for r in result["results"]:
         assert r["small_ok"] == 40 and r["events"] >= 8 * 5 and r["ttft_ms_median"] > 0
     assert result["results"][0]["cpu_us_per_request"] is None
