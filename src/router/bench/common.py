@@ -4,6 +4,8 @@ running one measurement to a result (or to one readable error line)."""
 from __future__ import annotations
 
 import socket
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,3 +45,16 @@ def measure(command: str, run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[
         print(f"router-bench {command}: {exc}", flush=True)
         return None
     return out
+
+
+def progress_line(every_s: float = 0.2) -> Callable[[str], None]:
+    """A progress line on stderr, rewritten in place at most every `every_s` seconds (for a terminal)."""
+    last = [0.0]
+
+    def show(msg: str) -> None:
+        now = time.monotonic()
+        if now - last[0] > every_s:
+            last[0] = now
+            print(f"\r\x1b[K  {msg}", end="", file=sys.stderr, flush=True)
+
+    return show

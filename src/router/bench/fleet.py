@@ -62,7 +62,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.bench.common import free_port, parse_settings
+from router.bench.common import free_port, parse_settings, progress_line
 from router.bench.proxy_bench import cpu_seconds, stop
 from router.bench.replay import Replayer, ReplayOptions
 from router.bench.workloads import SessionsSpec, TraceError
@@ -964,13 +964,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"router-bench fleet: {exc}", file=sys.stderr)
         return 2
     live = sys.stderr.isatty()
-    last = [0.0]
-
-    def bar(msg: str) -> None:
-        now = time.monotonic()
-        if now - last[0] > 0.2:
-            last[0] = now
-            print(f"\r\x1b[K  {msg}", end="", file=sys.stderr, flush=True)
+    bar = progress_line()
 
     def note(msg: str) -> None:
         print(("\r\x1b[K" if live else "") + msg, file=sys.stderr, flush=True)

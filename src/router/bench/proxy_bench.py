@@ -252,45 +252,14 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
                 f"http://127.0.0.1:{port}",
             )
         )
-        port = free_port()
-        contenders.append(
-            (
-                "router-serve (affinity)",
-                [
-                    sys.executable,
-                    "-m",
-                    "router.proxy.cli",
-                    "--port",
-                    str(port),
-                    "--replica",
-                    backend,
-                    "--state",
-                    "none",
-                ],
-                None,
-                f"http://127.0.0.1:{port}",
-            )
-        )
-        port = free_port()
-        contenders.append(  # the cost of keeping each stream's record for resuming, side by side
-            (
-                "router-serve (affinity, resume off)",
-                [
-                    sys.executable,
-                    "-m",
-                    "router.proxy.cli",
-                    "--port",
-                    str(port),
-                    "--replica",
-                    backend,
-                    "--state",
-                    "none",
-                    "--no-resume-streams",
-                ],
-                None,
-                f"http://127.0.0.1:{port}",
-            )
-        )
+        # router-serve as shipped, and without resuming (what keeping streams resumable costs)
+        for name, extra in (
+            ("router-serve (affinity)", []),
+            ("router-serve (affinity, resume off)", ["--no-resume-streams"]),
+        ):
+            port = free_port()
+            serve = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend]
+            contenders.append((name, [*serve, "--state", "none", *extra], None, f"http://127.0.0.1:{port}"))
         if not args.no_peers and _has("sglang_router"):
             port = free_port()
             contenders.append(

@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from router.bench.common import progress_line
 from router.bench.workloads import (
     SessionPlan,
     SessionsSpec,
@@ -502,13 +503,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"router-bench replay: {exc}", file=sys.stderr)
         return 2
     live = not args.json and sys.stderr.isatty()
-    last = [0.0]
-
-    def progress(msg: str) -> None:
-        now = time.monotonic()
-        if now - last[0] > 0.2:
-            last[0] = now
-            print(f"\r\x1b[K  {msg}", end="", file=sys.stderr, flush=True)
+    progress = progress_line()
 
     try:
         import uvloop

@@ -151,10 +151,14 @@ async def attempt(
         return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
     finally:
         if upstream is not None:
-            if upstream.content.at_eof():
-                upstream.release()  # read to the end: the keep-alive connection goes back to the pool
-            else:
-                upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
+            _let_go(upstream)
+
+
+def _let_go(upstream: aiohttp.ClientResponse) -> None:
+    if upstream.content.at_eof():
+        upstream.release()  # read to the end: the keep-alive connection goes back to the pool
+    else:
+        upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
 
 
 def _usage_of(obj: Any) -> tuple[int, int, int] | None:
@@ -326,10 +330,7 @@ async def resume(
         return None
     finally:
         if upstream is not None:
-            if upstream.content.at_eof():
-                upstream.release()
-            else:
-                upstream.close()
+            _let_go(upstream)
 
 
 async def _pump(
