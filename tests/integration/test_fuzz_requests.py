@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from demo import running_demo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from router.bench.common import free_port
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
@@ -29,32 +23,8 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[tuple[int, int]]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "router.proxy.cli",
-            "--demo",
-            "1",
-            "--port",
-            str(port),
-            "--state",
-            "none",
-            "--max-body-bytes",
-            "65536",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 30
-    while post(port, "GET", "/health", b"")[0] != 200:
-        assert time.monotonic() < deadline and proc.poll() is None, "router-serve --demo did not come up"
-        time.sleep(0.2)
-    yield port, proc.pid
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=20)
+    with running_demo(1, "--max-body-bytes", "65536") as running:
+        yield running
 
 
 def post(port: int, method: str, path: str, body: bytes, headers: dict[str, Any] | None = None) -> tuple[int, bytes]:

@@ -3,38 +3,17 @@
 from __future__ import annotations
 
 import csv
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from router.bench.common import free_port
+from demo import running_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_locust_sessions_against_the_demo_have_no_errors(tmp_path: Path) -> None:
-    port = free_port()
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port), "--state", "none"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "router-serve --demo did not come up"
-            time.sleep(0.2)
+    with running_demo(2) as (port, _):
         run = subprocess.run(
             [
                 sys.executable,
@@ -64,9 +43,6 @@ def test_locust_sessions_against_the_demo_have_no_errors(tmp_path: Path) -> None
             timeout=90,
             cwd=tmp_path,
         )
-    finally:
-        os.killpg(router.pid, signal.SIGTERM)
-        router.wait(timeout=20)
     assert run.returncode == 0, run.stderr[-2000:]  # locust exits 1 on any failed request
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader((tmp_path / "run_stats.csv").open())}
     streamed = rows[("POST", "chat stream")]

@@ -142,16 +142,21 @@ async def attempt(
                     )
                 # until the first body bytes arrive, failing over is invisible to the client
                 first = await upstream.content.readany()
-        except TimeoutError:
-            return Retry("timeout", 504)
-        except aiohttp.ClientConnectorError:
-            return Retry("connect", 502)
-        except (aiohttp.ClientError, OSError):
-            return Retry("reset", 502)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return _retry_for(exc)
         return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
     finally:
         if upstream is not None:
             _let_go(upstream)
+
+
+def _retry_for(exc: BaseException) -> Retry:
+    """What a failure before the first body byte means: time-out, unreachable, or reset."""
+    if isinstance(exc, TimeoutError):
+        return Retry("timeout", 504)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return Retry("connect", 502)
+    return Retry("reset", 502)
 
 
 def _let_go(upstream: aiohttp.ClientResponse) -> None:
@@ -315,12 +320,8 @@ async def resume(
                     cause = "http_5xx" if upstream.status >= 500 else "refused" if upstream.status >= 400 else "reset"
                     return Retry(cause, upstream.status)
                 first = await upstream.content.readany()
-        except TimeoutError:
-            return Retry("timeout", 504)
-        except aiohttp.ClientConnectorError:
-            return Retry("connect", 502)
-        except (aiohttp.ClientError, OSError):
-            return Retry("reset", 502)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return _retry_for(exc)
         if not first:
             return Retry("reset", 502)
         outcome.stream_error = None
