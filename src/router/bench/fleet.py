@@ -474,7 +474,6 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("jump_rate", lambda r: r["jump_rate"]),
     ("gpu_busy", lambda r: r["gpu_busy"]),
     ("requests", lambda r: r["requests"]),
-    ("failed", lambda r: r["requests"] - r["ok"]),
     ("client_cpu_share", lambda r: r["client_cpu_share"]),
     ("emulator_cpu_share", lambda r: r["emulator_cpu_share"]),
     ("router_cpu_share", lambda r: r["router_cpu_share"] if r["router_cpu_share"] is not None else math.nan),
