@@ -76,6 +76,7 @@ class RouterConfig:
     remove_after: int = 3
     return_after: int = 3
     recovery_ramp_s: float = 30.0
+    flap_backoff: int = 8  # a replica removed again while recovering needs up to 8x return_after to return
     score_weights: tuple[str, ...] = ()  # NAME=VALUE overrides of router.health.score.ScoreWeights
     # balance and elasticity
     load_queue_weight: float = 0.0  # bounded load counts in-flight + this x requests waiting in the engine
@@ -243,6 +244,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("return_above", "need 0 <= remove_below < return_above <= 1")
     if cfg.remove_after < 1 or cfg.return_after < 1:
         raise bad("remove_after" if cfg.remove_after < 1 else "return_after", "must be at least 1")
+    if cfg.flap_backoff < 1:
+        raise bad("flap_backoff", "must be at least 1 (1 turns the back-off off)")
     if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
         raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
     try:

@@ -40,6 +40,7 @@ class ReplicaState:
     health: ReplicaHealth = field(default_factory=ReplicaHealth)
     engine: EngineStats = field(default_factory=EngineStats)
     inputs: HealthInputs | None = None  # what the last score was computed from
+    agent: str = "none"  # its router-agent's last reading: none (no agent), fresh, stale or gone
     # (when, seconds per output token) of recent streamed replies, for the latency signal
     tpot: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # (when, time to first token per prompt token computed, at least TTFT_FLOOR_TOKENS of them)

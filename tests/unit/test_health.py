@@ -141,3 +141,48 @@ def test_gpu_signals_from_the_agent() -> None:
     assert health_score(HealthInputs(ecc_errors=1)) == 0.0
     assert health_score(HealthInputs(ecc_errors=0, gpu_slowed=False, gpu_temperature_c=70)) == 1.0
     assert health_score(HealthInputs(gpu_temperature_c=90)) == pytest.approx(0.5)
+
+
+def test_a_flapping_replica_needs_longer_to_return_each_time() -> None:
+    from router.health.states import Hysteresis, ReplicaHealth
+
+    h = ReplicaHealth(Hysteresis(remove_after=2, return_after=2, ramp_s=10.0, flap_backoff=4))
+    now = 0.0
+
+    def feed(score: float, n: int) -> None:
+        nonlocal now
+        for _ in range(n):
+            now += 1.0
+            h.observe(score, now)
+
+    feed(0.0, 2)
+    assert h.state == "removed" and h.return_needed == 2
+    feed(1.0, 2)
+    assert h.state == "recovering"
+    feed(0.0, 2)  # relapse during the ramp
+    assert h.state == "removed" and h.relapses == 1 and h.return_needed == 4
+    feed(1.0, 3)
+    assert h.state == "removed"  # two more good scores than before are needed
+    feed(1.0, 1)
+    assert h.state == "recovering"
+    feed(0.0, 2)
+    feed(1.0, 8)
+    assert h.state == "recovering" and h.return_needed == 8  # capped at 4 x return_after
+    feed(0.0, 2)
+    assert h.return_needed == 8
+    feed(1.0, 8)
+    feed(1.0, 10)  # a whole ramp: healthy, and the back-off is forgiven
+    assert h.state == "healthy" and h.return_needed == 2
+    feed(0.0, 2)
+    feed(1.0, 2)
+    assert h.state == "recovering"
+
+
+def test_flap_backoff_one_turns_the_back_off_off() -> None:
+    from router.health.states import Hysteresis, ReplicaHealth
+
+    h = ReplicaHealth(Hysteresis(remove_after=1, return_after=1, flap_backoff=1))
+    for i in range(5):
+        h.observe(0.0, 2 * i)
+        h.observe(1.0, 2 * i + 1)
+        assert h.state == "recovering" and h.return_needed == 1

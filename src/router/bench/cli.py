@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import balance_bench, fleet, health_bench, proxy_bench, replay, ring_bench, simulate
+from router.bench import balance_bench, faults, fleet, health_bench, proxy_bench, replay, ring_bench, simulate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     balance_bench.add_parser(sub)
     simulate.add_parser(sub)
     fleet.add_parser(sub)
+    faults.add_parser(sub)
     return parser
 
 

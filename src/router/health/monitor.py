@@ -62,6 +62,11 @@ class _Window:
     errors: int = 0
 
 
+def _number(value: Any) -> float:
+    """A reading's timestamp; anything that is not a number makes the reading stale."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
 class HealthMonitor:
     def __init__(
         self,
@@ -157,13 +162,19 @@ class HealthMonitor:
     def _agent_slot(self, replica: ReplicaState) -> dict[str, Any]:
         """The colocated agent's figures from shared memory, when it wrote them for this replica lately."""
         if self.table is None or replica.slot is None:
+            replica.agent = "none"
             return {}
         try:
             row = self.table.read_agent(replica.slot)
         except TornRead:  # an agent died mid-write (or two write one slot): no usable reading
             return {}
-        if row.replica_id != replica.id or not self._fresh(row.updated_at):
-            return {}  # no agent here, or it stopped writing: aged out
+        if row.replica_id != replica.id:
+            replica.agent = "none"
+            return {}
+        if not self._fresh(row.updated_at):
+            replica.agent = "stale"
+            return {}  # it stopped writing: aged out
+        replica.agent = "fresh"
         return {
             "gpu_temperature_c": row.temperature_c,
             "gpu_slowed": bool(row.throttle_reasons & SLOWED_CLOCKS) if row.throttle_reasons is not None else None,
@@ -184,9 +195,12 @@ class HealthMonitor:
             async with self._client().get(url + "/stats", timeout=self.timeout) as resp:
                 stats = await resp.json() if resp.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return {}  # agent gone: routing goes on from probes and passive figures
-        if not isinstance(stats, dict) or not self._fresh(float(stats.get("taken_at") or 0)):
-            return {}  # stale: aged out
+            replica.agent = "gone"
+            return {}  # routing goes on from probes and passive figures
+        if not isinstance(stats, dict) or not self._fresh(_number(stats.get("taken_at"))):
+            replica.agent = "stale"
+            return {}  # aged out
+        replica.agent = "fresh"
         gpus = [g for g in stats.get("gpus") or () if isinstance(g, dict)]
         temps = [g["temperature_c"] for g in gpus if isinstance(g.get("temperature_c"), (int, float))]
         reasons = [g["throttle_reasons"] for g in gpus if isinstance(g.get("throttle_reasons"), int)]

@@ -11,7 +11,9 @@
 its weight ramps up while sessions' caches are warmed on it, see router.balance) leaves like
 `recovering`. Removal needs k low
 scores in a row and return needs k' scores above a higher threshold in a row, so a noisy signal
-near one threshold never flaps a replica in and out of routing.
+near one threshold never flaps a replica in and out of routing. A replica removed again while
+still recovering is flapping: each such relapse doubles the good scores its next return needs
+(up to `flap_backoff` times `return_after`), until it completes a ramp and is healthy again.
 
 Ring weight: 0 when removed or draining; otherwise score / full_weight_at, clamped to
 [min_weight, 1], so a degraded-but-alive replica takes a smaller share; while recovering it is
@@ -37,6 +39,7 @@ class Hysteresis:
     ramp_from: float = 0.1
     full_weight_at: float = 0.9
     min_weight: float = 0.1
+    flap_backoff: int = 8  # a flapping replica's return needs at most this many times return_after
 
     def __post_init__(self) -> None:
         if not 0 <= self.remove_below < self.return_above <= 1:
@@ -47,6 +50,8 @@ class Hysteresis:
             raise ValueError("ramp_s >= 0, ramp_from in (0, 1] and full_weight_at in (0, 1] are required")
         if not 0 < self.min_weight <= 1:
             raise ValueError("min_weight must be in (0, 1]")
+        if self.flap_backoff < 1:
+            raise ValueError("flap_backoff must be at least 1")
 
 
 class ReplicaHealth:
@@ -57,6 +62,8 @@ class ReplicaHealth:
         self.state = state
         self.score = 1.0
         self.transitions = 0
+        self.relapses = 0  # removals during recovery: the replica is flapping
+        self.return_needed = self.rules.return_after  # grows while it flaps
         self._bad = 0
         self._good = 0
         self._ramp_start = 0.0
@@ -66,6 +73,12 @@ class ReplicaHealth:
         return self.state in ROUTABLE
 
     def _move(self, state: str, now: float) -> str:
+        if state == "removed" and self.state == "recovering":
+            self.relapses += 1
+            cap = self.rules.return_after * self.rules.flap_backoff
+            self.return_needed = min(self.return_needed * 2, cap)
+        elif state == "healthy" and self.state == "recovering":
+            self.return_needed = self.rules.return_after  # it stayed up for a whole ramp
         self.state = state
         self.transitions += 1
         self._bad = self._good = 0
@@ -96,7 +109,7 @@ class ReplicaHealth:
             return self.tick(now)
         # removed
         self._good = self._good + 1 if self.score > r.return_above else 0
-        if self._good >= r.return_after:
+        if self._good >= self.return_needed:
             return self._move("recovering", now)
         return None
 

@@ -96,6 +96,7 @@ class Router:
                 config.remove_after,
                 config.return_after,
                 config.recovery_ramp_s,
+                flap_backoff=config.flap_backoff,
             ),
         )
         self.policy = make_policy(config.policy, self.fleet, config)

@@ -55,6 +55,8 @@ HELP = {
     "remove_after": "low scores in a row before removal (default 3)",
     "return_after": "high scores in a row before return (default 3)",
     "recovery_ramp_s": "seconds over which a returning replica's weight ramps back to full (default 30)",
+    "flap_backoff": "a replica removed again while recovering needs twice the good scores to return, up to "
+    "this many times return_after (default 8; 1 turns it off)",
     "score_weights": "comma-separated NAME=VALUE overrides of the health score's weights and thresholds "
     "(e.g. latency=0.5,queue_from=16; see docs/router.md)",
     "load_queue_weight": "bounded load counts in-flight requests plus this times the engine's waiting queue "

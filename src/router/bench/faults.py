@@ -1,0 +1,789 @@
+"""`router-bench faults`: what clients lose when replicas, agents, Redis or the router itself fail.
+
+Each scenario starts its own world: emulated replicas (in this process, real time), the router
+in front of them (in this process, or as a `router-serve` child where it must be restarted) and
+clients that hold multi-turn chat sessions, three requests in four streamed. After a warm-up the
+fault is injected while the clients keep going, and every answer is sorted into one of:
+
+- succeeded: the whole answer: HTTP 200, every token asked for, one finish reason, `[DONE]`;
+- failed clean: an OpenAI-shaped error, as an HTTP status or as an SSE error event;
+- cut silently: anything else (a stream that stops, a truncated or doubled answer, a bare
+  connection reset, an error that is not OpenAI-shaped). The goal is 0;
+- refused: the connection to the router itself was refused (only while a router is down).
+
+Resumed streams and retried attempts are read from the routers' own `/metrics`.
+
+Scenarios (the victim is one replica; the others stay well):
+- `crash-before-first-byte`: the victim accepts requests and sits on them, then crashes before
+  answering any: they must be retried elsewhere, as must the new ones it refuses;
+- `crash-mid-stream`: the victim crashes while streams run on it, and restarts cold later;
+- `stall-mid-stream`: every stream on the victim stops after a few tokens with its connection
+  open (for a while), so the router's idle time-out ends it;
+- `hang`: the victim accepts and never answers (for good): first-byte time-out, retry, removal;
+- `flapping`: the victim crashes and comes back every `--flap-s` seconds: hysteresis and the
+  flap back-off must keep it out, so its state changes stay few;
+- `agent-gone`: every replica has a `router-agent`; one agent stops, another's reading freezes
+  an hour old and claims GPU memory errors. Both readings must age out, not remove a replica;
+- `redis-gone` (needs `redis-server`): two routers share state in Redis; Redis stops, one router
+  removes a replica meanwhile, Redis comes back empty and the other router must learn of it;
+- `router-restart`: `router-serve` (state in a file) is stopped with SIGTERM under load and
+  started again: streams in flight finish, clients are refused only while it is down, and the
+  sessions go back to the replicas that hold their caches.
+
+The router's time-outs and probe interval are shortened (`FAULT_SETTINGS`, shown in the output)
+so each scenario takes seconds; `--setting` overrides them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from router.bench.common import free_port, measure, parse_settings
+from router.config import load
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from router.emulator.server import Fleet as EmulatorFleet
+    from router.proxy.app import Router
+
+SCENARIOS = (
+    "crash-before-first-byte",
+    "crash-mid-stream",
+    "stall-mid-stream",
+    "hang",
+    "flapping",
+    "agent-gone",
+    "redis-gone",
+    "router-restart",
+)
+
+# shortened so that a scenario takes seconds; the router's defaults are in docs/router.md
+FAULT_SETTINGS = {
+    "probe_interval_s": "0.25",
+    "probe_timeout_s": "0.5",
+    "connect_timeout_s": "0.5",
+    "first_byte_timeout_s": "2",
+    "idle_timeout_s": "1",
+    "recovery_ramp_s": "2",
+    "drain_timeout_s": "10",
+    "state": "none",
+}
+TOKEN = "faults-bench"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+VICTIM = "emu-0"
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    succeeded: int = 0
+    failed_clean: int = 0
+    cut_silently: int = 0
+    refused: int = 0
+    resumed: int = 0
+    retried: int = 0
+    lost: list[str] = field(default_factory=list)  # what the first few silent cuts looked like
+
+    def add(self, verdict: str, detail: str = "") -> None:
+        self.sent += 1
+        setattr(self, verdict, getattr(self, verdict) + 1)
+        if verdict == "cut_silently" and len(self.lost) < 5:
+            self.lost.append(detail)
+
+
+def _pieces(events: list[Any]) -> tuple[int, list[str], bool, bool]:
+    """(content pieces, finish reasons, [DONE] seen, error event seen) of a parsed stream."""
+    pieces, reasons, done, error = 0, [], False, False
+    for event in events:
+        if event == "[DONE]":
+            done = True
+            continue
+        if not isinstance(event, dict):
+            continue
+        if "error" in event:
+            error = True
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or choice.get("text"):
+                pieces += 1
+            if choice.get("finish_reason"):
+                reasons.append(choice["finish_reason"])
+    return pieces, reasons, done, error
+
+
+def _openai_error(raw: bytes) -> bool:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]
+
+
+def classify(status: int, raw: bytes, stream: bool, max_tokens: int) -> tuple[str, str]:
+    """The verdict on one answer (a `Tally` field) and, for a silent cut, what it looked like."""
+    if status != 200:
+        if _openai_error(raw):
+            return "failed_clean", ""
+        return "cut_silently", f"HTTP {status} without an OpenAI error: {raw[:80]!r}"
+    if not stream:
+        try:
+            body = orjson.loads(raw)
+            tokens = body["usage"]["completion_tokens"]
+            content = body["choices"][0]["message"]["content"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            return "cut_silently", f"unreadable answer: {raw[:80]!r}"
+        if tokens == max_tokens and isinstance(content, str) and len(content) > 0:
+            return "succeeded", ""
+        return "cut_silently", f"{tokens} of {max_tokens} tokens"
+    events: list[Any] = []
+    for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[6:].strip()
+            try:
+                events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                return "cut_silently", f"a broken event: {payload[:80]!r}"
+    pieces, reasons, done, error = _pieces(events)
+    if error:
+        return "failed_clean", ""
+    if done and pieces == max_tokens and len(reasons) == 1:
+        return "succeeded", ""
+    return "cut_silently", f"stream with {pieces} of {max_tokens} tokens, finish {reasons}, [DONE] {done}"
+
+
+class Clients:
+    """Users holding multi-turn chat sessions against the router URLs (taken in turn), every
+    answer classified into a `Tally`. Each user waits `think_s` between turns."""
+
+    def __init__(self, urls: list[str], users: int, max_tokens: int, think_s: float, tag: str) -> None:
+        self.urls = urls
+        self.users = users
+        self.max_tokens = max_tokens
+        self.think_s = think_s
+        self.tag = tag
+        self.tally = Tally()
+        self.served: dict[str, list[tuple[float, str]]] = {}  # session -> (time, replica) of each turn
+        self.refused_at: list[float] = []
+        self.streaming: Counter[str] = Counter()  # streams under way, by the replica serving them
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._user(i)) for i in range(self.users)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+    async def _user(self, user: int) -> None:
+        timeout = aiohttp.ClientTimeout(total=60)
+        n, turns = 0, 3 + user % 4  # sessions of 3 to 6 turns, users starting apart: no common beat
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), 0.04 * user)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while not self._stop.is_set():
+                session = f"{self.tag}-u{user}-s{n // turns}"
+                history: list[dict[str, str]] = [{"role": "system", "content": "You are terse. " * 8}]
+                for turn in range(turns):
+                    if self._stop.is_set():
+                        return
+                    history.append({"role": "user", "content": f"turn {turn} of {session}: " + "tell me more " * 6})
+                    url = self.urls[(user + n) % len(self.urls)]
+                    stream = n % 4 != 3
+                    n += 1
+                    reply = await self._turn(http, url, session, history, stream)
+                    while reply is None and not self._stop.is_set():  # refused: the same turn again
+                        reply = await self._turn(http, url, session, history, stream)
+                    history.append({"role": "assistant", "content": reply or "..."})
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), self.think_s)
+
+    async def _turn(
+        self, http: aiohttp.ClientSession, url: str, session: str, history: list[dict[str, str]], stream: bool
+    ) -> str | None:
+        """One request, classified; its reply ("" if it failed), or None if the router refused the connection."""
+        body = {"model": "emulated-llm", "messages": history, "max_tokens": self.max_tokens, "stream": stream}
+        try:
+            async with http.post(
+                url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}
+            ) as r:
+                status, replica = r.status, r.headers.get("X-Router-Replica", "")
+                opened = stream and status == 200
+                self.streaming[replica] += opened  # past its first byte: a scenario may break it now
+                try:
+                    raw = await r.read()
+                finally:
+                    self.streaming[replica] -= opened
+        except aiohttp.ClientConnectorError:
+            self.tally.add("refused")
+            self.refused_at.append(time.monotonic())
+            await asyncio.sleep(0.05)  # a client backs off a little before trying again
+            return None
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self.tally.add("cut_silently", f"{type(exc).__name__}: {exc}"[:120])
+            return ""
+        verdict, detail = classify(status, raw, stream, self.max_tokens)
+        self.tally.add(verdict, detail)
+        if verdict == "succeeded" and replica:
+            self.served.setdefault(session, []).append((time.monotonic(), replica))
+        return "" if verdict != "succeeded" else "ok " * 8
+
+
+# -- the world of one scenario ----------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    replicas: int = 4
+    users: int = 12
+    max_tokens: int = 40
+    think_s: float = 0.05
+    warmup_s: float = 2.0
+    fault_s: float = 6.0  # how long the clients go on after the fault
+    flap_s: float = 1.0
+    settings: dict[str, str] = field(default_factory=dict)
+
+
+class World:
+    """What a scenario runs in; `close` stops every part of it, whatever happened."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.fleet: EmulatorFleet | None = None
+        self.routers: list[tuple[Router, web.AppRunner, str]] = []
+        self.closers: list[Callable[[], Awaitable[None]]] = []
+
+    async def start_fleet(self) -> EmulatorFleet:
+        from router.emulator.engine import EngineConfig
+        from router.emulator.server import Fleet, Replica, ReplicaOptions
+
+        replicas = [
+            Replica(ReplicaOptions(replica_id=f"emu-{i}", port=free_port()), EngineConfig(num_blocks=4000))
+            for i in range(self.opts.replicas)
+        ]
+        self.fleet = Fleet(replicas)
+        await self.fleet.start()
+        return self.fleet
+
+    @property
+    def named(self) -> list[str]:
+        assert self.fleet is not None
+        return [f"{r.options.replica_id}={r.url}" for r in self.fleet.replicas]
+
+    def settings(self, **more: Any) -> dict[str, Any]:
+        return {**FAULT_SETTINGS, "admin_token": TOKEN, **more, **self.opts.settings}
+
+    async def start_router(self, **more: Any) -> tuple[Router, str]:
+        from aiohttp import web
+
+        from router.proxy.app import Router
+
+        config = load(None, {}, {"replicas": self.named, **self.settings(**more)})
+        router = Router(config)
+        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        self.routers.append((router, runner, url))
+        return router, url
+
+    def clients(self, urls: list[str], tag: str) -> Clients:
+        return Clients(urls, self.opts.users, self.opts.max_tokens, self.opts.think_s, tag)
+
+    async def close(self) -> None:
+        for closer in reversed(self.closers):
+            with contextlib.suppress(Exception):
+                await closer()
+        for _, runner, _ in self.routers:
+            await runner.cleanup()
+        if self.fleet is not None:
+            await self.fleet.stop()
+
+
+async def metric_sum(url: str, name: str, label: str = "") -> float:
+    """Σ of a counter family on a router's `/metrics` (series with `label` in their labels only)."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics", headers=AUTH) as r:
+        text = await r.text()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}_total(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
+        if m and label in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+async def router_counts(url: str) -> tuple[int, int]:
+    """(streams resumed, attempts retried) so far, from a router's metrics."""
+    resumed = await metric_sum(url, "router_stream_resumes", 'outcome="resumed"')
+    retried = await metric_sum(url, "router_retries")
+    return int(resumed), int(retried)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float) -> float | None:
+    """Seconds until `predicate` held, or None if it did not within `timeout`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            return None
+        await asyncio.sleep(0.02)
+    return round(time.monotonic() - start, 3)
+
+
+def running_on(world: World, index: int) -> int:
+    assert world.fleet is not None
+    return int(world.fleet.replicas[index].engine.stats().get("running", 0))
+
+
+# -- scenarios ------------------------------------------------------------------------------------------
+# Each returns (the clients' tally, figures of its own). The victim is replica 0.
+
+
+async def _simple(
+    world: World,
+    inject: Callable[[Router, Clients], Awaitable[dict[str, Any]]],
+    **router_settings: Any,
+) -> tuple[Tally, dict[str, Any]]:
+    await world.start_fleet()
+    router, url = await world.start_router(**router_settings)
+    clients = world.clients([url], "f")
+    clients.start()
+    world.closers.append(clients.stop)
+    await asyncio.sleep(world.opts.warmup_s)
+    extra = await inject(router, clients)
+    await clients.stop()
+    clients.tally.resumed, clients.tally.retried = await router_counts(url)
+    victim = router.fleet.find(VICTIM)
+    if victim is not None:
+        extra["victim_state"] = victim.state
+        extra["victim_state_changes"] = victim.health.transitions
+    extra["other_state_changes"] = sum(r.health.transitions for r in router.fleet.replicas if r.id != VICTIM)
+    return clients.tally, extra
+
+
+async def crash_before_first_byte(world: World) -> tuple[Tally, dict[str, Any]]:
+    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+        assert world.fleet is not None
+        victim = world.fleet.replicas[0]
+        state = router.fleet.find(VICTIM)
+        assert state is not None
+        victim.set_faults({"hang": True})  # it takes new requests and sits on them, before any byte ...
+        # ... until the streams it had have ended and new requests wait on it (within the first-byte time-out)
+        await wait_until(lambda: running_on(world, 0) == 0 and state.inflight >= 2, 1.5)
+        held = state.inflight - running_on(world, 0)
+        await victim.crash()  # ... then it dies: they must go elsewhere, as must those it now refuses
+        victim.set_faults({"hang": False})
+        await asyncio.sleep(world.opts.fault_s)
+        return {"held_at_crash": held}
+
+    return await _simple(world, inject)
+
+
+async def crash_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
+    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+        assert world.fleet is not None
+        await wait_until(lambda: clients.streaming[VICTIM] >= 2, 10)
+        streams = clients.streaming[VICTIM]
+        await world.fleet.replicas[0].crash()
+        await asyncio.sleep(world.opts.fault_s / 2)
+        await world.fleet.replicas[0].restart()
+        back = await wait_until(lambda: (r := router.fleet.find(VICTIM)) is not None and r.health.routable, 10)
+        await asyncio.sleep(world.opts.fault_s / 2)
+        return {"streams_on_victim_at_crash": streams, "back_after_restart_s": back}
+
+    return await _simple(world, inject)
+
+
+async def stall_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
+    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+        assert world.fleet is not None
+        world.fleet.replicas[0].set_faults({"stall_after": 5})
+        await asyncio.sleep(world.opts.fault_s / 2)
+        world.fleet.replicas[0].set_faults({"stall_after": None})
+        await asyncio.sleep(world.opts.fault_s / 2)
+        return {}
+
+    return await _simple(world, inject)
+
+
+async def hang(world: World) -> tuple[Tally, dict[str, Any]]:
+    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+        assert world.fleet is not None
+        world.fleet.replicas[0].set_faults({"hang": True})
+        victim = router.fleet.find(VICTIM)
+        assert victim is not None
+        removed = await wait_until(lambda: victim.state == "removed", world.opts.fault_s)
+        await asyncio.sleep(max(world.opts.fault_s - (removed or world.opts.fault_s), 1.0))
+        return {"removed_after_s": removed}
+
+    return await _simple(world, inject)
+
+
+async def flapping(world: World) -> tuple[Tally, dict[str, Any]]:
+    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+        assert world.fleet is not None
+        victim = world.fleet.replicas[0]
+        state = router.fleet.find(VICTIM)
+        assert state is not None
+        flips, before, requests_before = 0, state.health.transitions, state.requests
+        end = time.monotonic() + world.opts.fault_s
+        while time.monotonic() < end:
+            await victim.crash()
+            await asyncio.sleep(world.opts.flap_s)
+            await victim.restart()
+            await asyncio.sleep(world.opts.flap_s)
+            flips += 2
+        return {
+            "flips": flips,
+            "victim_state_changes_during": state.health.transitions - before,
+            "relapses": state.health.relapses,
+            "return_needs": state.health.return_needed,
+            "victim_requests_during": state.requests - requests_before,
+        }
+
+    return await _simple(world, inject)
+
+
+async def agent_gone(world: World) -> tuple[Tally, dict[str, Any]]:
+    from aiohttp import web
+
+    readings: dict[str, dict[str, Any]] = {}
+
+    async def start_agent(replica_id: str) -> tuple[str, web.AppRunner]:
+        readings[replica_id] = {"age": 0.0, "ecc": 0}
+
+        async def stats(request: web.Request) -> web.Response:
+            r = readings[replica_id]
+            gpu = {"temperature_c": 55.0, "throttle_reasons": 0, "ecc_uncorrected": r["ecc"]}
+            body = {"replica_id": replica_id, "taken_at": time.time() - r["age"], "gpus": [gpu], "engine": {}}
+            return web.json_response(body)
+
+        app = web.Application()
+        app.router.add_get("/stats", stats)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        world.closers.append(runner.cleanup)
+        return f"http://127.0.0.1:{port}", runner
+
+    fleet = await world.start_fleet()
+    agents = {r.options.replica_id: await start_agent(r.options.replica_id) for r in fleet.replicas}
+    router, url = await world.start_router(agents=[f"{rid}={u}" for rid, (u, _) in agents.items()])
+    clients = world.clients([url], "a")
+    clients.start()
+    world.closers.append(clients.stop)
+    await asyncio.sleep(world.opts.warmup_s)
+    seen_fresh = sorted(r.agent for r in router.fleet.replicas)
+    await agents[VICTIM][1].cleanup()  # the victim's agent is gone
+    readings["emu-1"].update(age=3600.0, ecc=4)  # emu-1's agent answers with an hour-old reading of ECC errors
+    await asyncio.sleep(world.opts.fault_s)
+    await clients.stop()
+    clients.tally.resumed, clients.tally.retried = await router_counts(url)
+    states = {r.id: (r.state, r.agent) for r in router.fleet.replicas}
+    return clients.tally, {
+        "agents_before": seen_fresh,
+        "victim": states[VICTIM],
+        "stale_one": states["emu-1"],
+        "state_changes": sum(r.health.transitions for r in router.fleet.replicas),
+    }
+
+
+class RedisServer:
+    """A `redis-server` child on a loopback port, stopped by its PID."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                writer.close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            while self.proc.poll() is None:
+                await asyncio.sleep(0.01)
+
+
+async def redis_gone(world: World) -> tuple[Tally, dict[str, Any]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
+    redis = RedisServer(binary)
+    await redis.start()
+    world.closers.append(redis.stop)
+    await world.start_fleet()
+    a, url_a = await world.start_router(state=redis.url)
+    b, url_b = await world.start_router(state=redis.url)
+    if (
+        await wait_until(lambda: a.redis is not None and b.redis is not None and a.redis.online and b.redis.online, 10)
+        is None
+    ):
+        raise RuntimeError("the routers did not reach redis-server")
+    clients = world.clients([url_a, url_b], "r")
+    clients.start()
+    world.closers.append(clients.stop)
+    await asyncio.sleep(world.opts.warmup_s)
+    await redis.stop()
+    assert a.redis is not None and b.redis is not None
+    noticed = await wait_until(lambda: not a.redis.online and not b.redis.online, 10)  # type: ignore[union-attr]
+    async with aiohttp.ClientSession() as http, http.delete(url_a + f"/admin/replicas/{VICTIM}", headers=AUTH) as r:
+        removed = r.status == 200
+    await asyncio.sleep(world.opts.fault_s / 2)
+    b_knew_during = b.fleet.find(VICTIM) is None
+    await redis.start()  # empty: the routers write back what they know
+
+    def members(router: Router) -> list[str]:
+        return sorted(r.id for r in router.fleet.replicas)
+
+    reconciled = await wait_until(lambda: members(a) == members(b) and VICTIM not in members(b), 15)
+    await asyncio.sleep(world.opts.fault_s / 2)
+    await clients.stop()
+    resumed_a, retried_a = await router_counts(url_a)
+    resumed_b, retried_b = await router_counts(url_b)
+    clients.tally.resumed, clients.tally.retried = resumed_a + resumed_b, retried_a + retried_b
+    return clients.tally, {
+        "outage_noticed_after_s": noticed,
+        "removed_during_outage": removed,
+        "other_router_knew_during_outage": b_knew_during,
+        "reconciled_after_s": reconciled,
+        "members": members(b),
+    }
+
+
+async def _stop_child(proc: subprocess.Popen[bytes], grace_s: float) -> float:
+    """SIGTERM to our child router, then wait (without blocking the loop); seconds it took."""
+    start = time.monotonic()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    while proc.poll() is None and time.monotonic() - start < grace_s:
+        await asyncio.sleep(0.01)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        while proc.poll() is None:
+            await asyncio.sleep(0.01)
+    return round(time.monotonic() - start, 3)
+
+
+async def router_restart(world: World) -> tuple[Tally, dict[str, Any]]:
+    from router.bench.fleet import Child
+
+    await world.start_fleet()
+    state_dir = tempfile.mkdtemp(prefix="faults-state-")
+    world.closers.append(lambda: asyncio.to_thread(shutil.rmtree, state_dir, True))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    settings = world.settings(state=f"file:{state_dir}", port=port, host="127.0.0.1")
+    cmd = [sys.executable, "-m", "router.proxy.cli", *(f"--replica={r}" for r in world.named)]
+    env = {f"ROUTER_{k.upper()}": str(v) for k, v in settings.items()}  # strings, as an operator would set them
+    children: list[Child] = []
+
+    async def start() -> None:
+        child = Child.spawn(cmd, "router-serve", env)
+        children.append(child)
+        await child.wait_up(url, "/health", timeout=30)
+
+    async def stop_all() -> None:
+        for child in children:
+            await _stop_child(child.proc, 10)
+            child.stderr.close()
+
+    world.closers.append(stop_all)
+    await start()
+    clients = world.clients([url], "x")
+    clients.start()
+    world.closers.append(clients.stop)
+    await asyncio.sleep(world.opts.warmup_s)
+    resumed, retried = await router_counts(url)
+    down_at = time.monotonic()
+    stop_took = await _stop_child(children[-1].proc, 15)
+    await start()
+    downtime = round(time.monotonic() - down_at, 3)
+    up_at = time.monotonic()
+    await asyncio.sleep(world.opts.fault_s)
+    await clients.stop()
+    more_resumed, more_retried = await router_counts(url)
+    clients.tally.resumed, clients.tally.retried = resumed + more_resumed, retried + more_retried
+    # sessions that had turns before and after the restart: did they come back to the same replica?
+    kept = moved = 0
+    for turns in clients.served.values():
+        before = [rep for t, rep in turns if t < down_at]
+        after = [rep for t, rep in turns if t > up_at]
+        if before and after:
+            kept += after[0] == before[-1]
+            moved += after[0] != before[-1]
+    return clients.tally, {
+        "stop_took_s": stop_took,
+        "down_s": downtime,
+        "refused_outside_downtime": sum(not down_at <= t <= up_at for t in clients.refused_at),
+        "sessions_across_restart": kept + moved,
+        "same_replica_after_restart": kept,
+    }
+
+
+RUNNERS: dict[str, Callable[[World], Awaitable[tuple[Tally, dict[str, Any]]]]] = {
+    "crash-before-first-byte": crash_before_first_byte,
+    "crash-mid-stream": crash_mid_stream,
+    "stall-mid-stream": stall_mid_stream,
+    "hang": hang,
+    "flapping": flapping,
+    "agent-gone": agent_gone,
+    "redis-gone": redis_gone,
+    "router-restart": router_restart,
+}
+
+
+async def run_scenario(name: str, opts: Options) -> dict[str, Any]:
+    """One scenario in a world of its own: its tally and figures (or the reason it could not run)."""
+    world = World(opts)
+    start = time.monotonic()
+    try:
+        tally, extra = await RUNNERS[name](world)
+    finally:
+        await world.close()
+    return {"scenario": name, **asdict(tally), "figures": extra, "wall_s": round(time.monotonic() - start, 1)}
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "faults",
+        help="inject replica, agent, Redis and router faults under load; count what clients lose",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all)",
+    )
+    p.add_argument("--replicas", type=int, default=4, help="emulated replicas (default 4)")
+    p.add_argument("--users", type=int, default=12, help="clients holding sessions (default 12)")
+    p.add_argument("--max-tokens", type=int, default=40, help="tokens per answer (default 40)")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before the fault (default 2)")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds of load after the fault (default 6)")
+    p.add_argument("--flap-s", type=float, default=1.0, help="flapping: seconds down, then as long up (default 1)")
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a router setting for every scenario (repeatable; default FAULT_SETTINGS, shown in the output)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.set_defaults(run=run_cli)
+
+
+def options_from(args: argparse.Namespace) -> tuple[list[str], Options]:
+    names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown or not names:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SCENARIOS)}")
+    if args.replicas < 3:
+        raise ValueError("--replicas must be at least 3 (a victim, a stale agent's replica and a healthy one)")
+    for flag in ("users", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("warmup", "duration", "flap_s"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number of seconds > 0")
+    settings = parse_settings(args.setting)
+    load(None, {}, {"replicas": ["x=http://127.0.0.1:1"], **FAULT_SETTINGS, **settings})  # one line if bad
+    opts = Options(
+        replicas=args.replicas,
+        users=args.users,
+        max_tokens=args.max_tokens,
+        warmup_s=args.warmup,
+        fault_s=args.duration,
+        flap_s=args.flap_s,
+        settings=settings,
+    )
+    return names, opts
+
+
+COLUMNS = ("sent", "succeeded", "resumed", "retried", "failed_clean", "cut_silently", "refused")
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    head = "| scenario | " + " | ".join(c.replace("_", " ") for c in COLUMNS) + " | figures |"
+    lines = [head, "|---|" + "---:|" * len(COLUMNS) + "---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['scenario']} | " + " | ".join("" for _ in COLUMNS) + f" | not run: {r['error']} |")
+            continue
+        figures = ", ".join(f"{k} {v}" for k, v in r["figures"].items())
+        lines.append(f"| {r['scenario']} | " + " | ".join(str(r[c]) for c in COLUMNS) + f" | {figures} |")
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        names, opts = options_from(args)
+    except ValueError as exc:  # ConfigError is a ValueError
+        print(f"router-bench faults: {exc}", file=sys.stderr)
+        return 2
+    settings = {**FAULT_SETTINGS, **opts.settings}
+    print("router settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
+    results: list[dict[str, Any]] = []
+
+    async def all_scenarios() -> dict[str, Any]:
+        for name in names:
+            try:
+                result = await run_scenario(name, opts)
+            except RuntimeError as exc:  # a scenario that cannot run here (no redis-server, ...)
+                result = {"scenario": name, "error": str(exc)}
+            results.append(result)
+            if "error" in result:
+                print(f"{name}: not run: {result['error']}", flush=True)
+            else:
+                print(f"{name}: " + ", ".join(f"{c} {result[c]}" for c in COLUMNS), flush=True)
+                for lost in result["lost"]:
+                    print(f"  cut: {lost}", flush=True)
+        return {}
+
+    done = measure("faults", all_scenarios)
+    print(render(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"settings": settings, "options": asdict(opts), "results": results}, f, indent=1)
+    lost = sum(r.get("cut_silently", 0) for r in results)
+    return 1 if done is None or lost else 0
