@@ -109,6 +109,9 @@ class RouterConfig:
     console_history_s: float = 900.0  # how far back the heatmap and curves go
     # operating
     admin_token: str = ""
+    # the admin API, console and /metrics on an address of their own; port 0: on the proxy's address
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 0
     log_requests: bool = False
     demo: int = 0
 
@@ -186,6 +189,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
 
     if not 0 < cfg.port <= 65535:
         raise bad("port", "must be in 1..65535")
+    if not 0 <= cfg.admin_port <= 65535:
+        raise bad("admin_port", "must be in 1..65535, or 0 to serve admin, console and metrics on the proxy's port")
+    if cfg.admin_port == cfg.port and cfg.admin_host == cfg.host:
+        raise bad("admin_port", f"{cfg.admin_host}:{cfg.admin_port} is the proxy's own address; use another, or 0")
     if cfg.policy not in POLICIES:
         raise bad("policy", f"unknown policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
     if not 1 <= cfg.vnodes <= 65536:

@@ -486,7 +486,6 @@ class Router:
 
     def app(self, control_only: bool = False) -> web.Application:
         from router.admin.api import add_admin_routes
-        from router.console.routes import add_console_routes
 
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app[ROUTER_KEY] = self
@@ -499,10 +498,8 @@ class Router:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        add_admin_routes(app, self)
-        if self.config.console:
-            add_console_routes(app, self)
+        if not self.config.admin_port:
+            self._add_admin(app)
         # last: any other method or path gets an OpenAI-shaped 404 or 405, not aiohttp's plain text
         app.router.add_route("*", "/{tail:.*}", self._no_route)
         if self.follower is not None:
@@ -510,6 +507,25 @@ class Router:
         else:
             self._control_loops(app)
         return app
+
+    def admin_app(self) -> web.Application:
+        """The admin API, console and /metrics on an address of their own (`admin_port`); it runs
+        beside `app()`, whose upstream client and control loops it shares."""
+        app = web.Application(client_max_size=1 << 20)
+        app[ROUTER_KEY] = self
+        app.router.add_get("/health", self._health)
+        self._add_admin(app)
+        app.router.add_route("*", "/{tail:.*}", self._no_route)
+        return app
+
+    def _add_admin(self, app: web.Application) -> None:
+        from router.admin.api import add_admin_routes
+        from router.console.routes import add_console_routes
+
+        app.router.add_get("/metrics", self._metrics)
+        add_admin_routes(app, self)
+        if self.config.console:
+            add_console_routes(app, self)
 
     async def _no_route(self, request: web.Request) -> web.Response:
         allowed: set[str] = set()

@@ -90,6 +90,9 @@ HELP = {
     "console_interval_s": "seconds between the console's samples of the metrics (default 2)",
     "console_history_s": "seconds of history the console keeps and shows (default 900)",
     "admin_token": "bearer token of the /admin API and the console's data (default: API off, console open)",
+    "admin_host": "address the admin API, console and /metrics bind when admin_port is set (default 127.0.0.1)",
+    "admin_port": "serve the admin API, console and /metrics on this port instead of the proxy's "
+    "(default 0: on the proxy's port)",
     "log_requests": "one JSON log line per request (default off)",
     "demo": "start N emulated replicas in-process and route to them too",
 }
@@ -152,14 +155,17 @@ async def serve(config: RouterConfig) -> None:
         specs = tuple(ReplicaSpec(f"emu-{p}", f"http://127.0.0.1:{p}") for p in ports)
         config = RouterConfig(**{**config.__dict__, "replicas": config.replicas + specs})
     base = f"http://{config.host}:{config.port}"
+    admin = f"http://{config.admin_host}:{config.admin_port}" if config.admin_port else base
     banner = f"router-serve listening on {base} ({config.policy}, {len(config.replicas)} replicas)"
-    console = f"{base}/console" + (" (asks for the admin token)" if config.admin_token else "")
+    if config.admin_port:
+        banner += f"\nadmin API, console and metrics on {admin}"
+    console = f"{admin}/console" + (" (asks for the admin token)" if config.admin_token else "")
     if demo_fleet is not None:
         banner += f"""
 demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.replicas)}
   send a request:  curl -s {base}/v1/chat/completions -H 'X-Session-ID: demo-1' \\
                      -d '{{"model": "emulated-llm", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
-  metrics:         {base}/metrics        health: {base}/health
+  metrics:         {admin}/metrics        health: {base}/health
   console:         {console if config.console else "off (--console turns it on)"}
   measure it:      router-bench replay --target {base} --duration 60
   stop:            Ctrl-C"""
@@ -182,14 +188,20 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
         router.publish()
         runner = runner_for(router.app(), config)
         await runner.setup()
+        admin = runner_for(router.admin_app(), config) if config.admin_port else None
         try:
             await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
+            if admin is not None:
+                await admin.setup()
+                await web.TCPSite(admin, config.admin_host, config.admin_port, reuse_address=True).start()
             print(banner, flush=True)
             print(router.state_line(), flush=True)
             if table is not None:
                 print(f"shared memory: {table.name} (router-agent --shm {table.name})", flush=True)
             await until_stopped()
         finally:
+            if admin is not None:
+                await admin.cleanup()
             await runner.cleanup()
     finally:
         if table is not None:

@@ -74,15 +74,23 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
         ready.send(f"cannot attach shared memory {shm_name!r}: {exc}")
         return
     runner = None
+    runners: list[web.AppRunner] = []
     try:
         router = Router(config, table=table, worker=index, control_socket=control_socket)
         runner = runner_for(router.app(), config)
         await runner.setup()
-        try:
-            await web.TCPSite(runner, config.host, config.port, reuse_address=True, reuse_port=True).start()
-        except OSError as exc:
-            ready.send(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
-            return
+        sites = [(runner, config.host, config.port)]
+        if config.admin_port:
+            admin = runner_for(router.admin_app(), config)
+            await admin.setup()
+            runners.append(admin)
+            sites.append((admin, config.admin_host, config.admin_port))
+        for serving, host, port in sites:
+            try:
+                await web.TCPSite(serving, host, port, reuse_address=True, reuse_port=True).start()
+            except OSError as exc:
+                ready.send(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+                return
         ready.send(None)
         ready.close()
         stop = asyncio.create_task(until_stopped())
@@ -92,6 +100,8 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
                 break
         stop.cancel()
     finally:
+        for other in runners:
+            await other.cleanup()
         if runner is not None:
             await runner.cleanup()
         table.close()
@@ -223,6 +233,8 @@ def check_port(host: str, port: int) -> None:
 async def serve_workers(config: RouterConfig, banner: str) -> None:
     stop = stop_event()  # from here on a SIGTERM is a clean stop, also while workers start
     check_port(config.host, config.port)
+    if config.admin_port:
+        check_port(config.admin_host, config.admin_port)
     # each worker's session table holds all of sticky_max_sessions (a power of two): connections,
     # and so sessions, need not spread evenly over the workers
     sticky = min(max(1 << (config.sticky_max_sessions - 1).bit_length(), 1024), 1 << 22)
