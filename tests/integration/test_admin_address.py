@@ -111,9 +111,9 @@ def test_a_taken_admin_port_is_one_line() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "router.proxy.cli", "--replica", "http://127.0.0.1:9", "--state", "none"]
         proc = subprocess.run(
-            [sys.executable, "-m", "router.proxy.cli", "--replica", "http://127.0.0.1:9", "--state", "none"]
-            + ["--port", str(free_port()), "--admin-port", str(port)],
+            [*cmd, "--port", str(free_port()), "--admin-port", str(port)],
             capture_output=True,
             text=True,
             timeout=30,

@@ -585,7 +585,16 @@ class Router:
                 t0,
             )
         try:
-            raw = await request.read()
+            async with asyncio.timeout(cfg.client_timeout_s):  # a body sent slowly on purpose, or stuck
+                raw = await request.read()
+        except TimeoutError:
+            slow = error_response(
+                f"the request body did not arrive within client_timeout_s ({cfg.client_timeout_s:g} s)",
+                408,
+                "request_timeout",
+            )
+            slow.force_close()  # the rest of that body must not be read as a next request
+            return self._finish(request, slow, None, NO_KEY, None, t0)
         except web.HTTPRequestEntityTooLarge:
             return self._finish(
                 request,

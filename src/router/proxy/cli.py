@@ -38,6 +38,8 @@ HELP = {
     "first_byte_timeout_s": "time-out until the replica's first body bytes (default 60)",
     "idle_timeout_s": "longest silence inside a stream (default 60)",
     "total_timeout_s": "time-out of a whole request (default 600)",
+    "client_timeout_s": "a client must send its request headers within this, and then its body; idle "
+    "keep-alive connections close after it too (default 60)",
     "max_body_bytes": "largest request body (default 32 MiB)",
     "max_header_bytes": "largest request header block (default 16 KiB)",
     "upstream_connections": "keep-alive connections per replica (default 256)",

@@ -90,12 +90,18 @@ class Timeouts:
         return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=None)
 
 
+def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
+    """`headers` without `drop` and without the hop-by-hop headers their `Connection` headers name
+    (every `Connection` header, not only the first)."""
+    named = {h.strip().lower() for value in headers.getall("Connection", ()) for h in value.split(",")}
+    return {k: v for k, v in headers.items() if k.lower() not in drop and k.lower() not in named}
+
+
+REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding"}
+
+
 def forward_headers(request: web.Request) -> dict[str, str]:
-    drop = set(HOP_BY_HOP) | {"accept-encoding", "content-encoding"}
-    connection = request.headers.get("Connection")
-    if connection:
-        drop.update(h.strip().lower() for h in connection.split(","))
-    out = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+    out = end_to_end(request.headers, REQUEST_DROP)
     peer = request.remote or ""
     prior = request.headers.get("X-Forwarded-For")
     out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -194,7 +200,7 @@ async def _relay(
 ) -> Retry | Outcome:
     loop = asyncio.get_running_loop()
     content_type = upstream.headers.get("Content-Type", "")
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
+    headers = end_to_end(upstream.headers, RESPONSE_DROP)
     headers.update(extra_headers)
     idle = timeouts.idle_s
     streaming = content_type.startswith("text/event-stream")

@@ -50,8 +50,17 @@ def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
         access_log=None,
         handler_cancellation=True,
         shutdown_timeout=config.drain_timeout_s,  # on stop, requests in flight get this long to finish
+        # a connection whose request headers are not all in within this is closed (slow clients,
+        # slowloris), as is an idle keep-alive connection; aiohttp's own default is an hour
+        keepalive_timeout=config.client_timeout_s,
+        # after an early answer (413, 408) the rest of the body is read and dropped for this long, so
+        # the client sees the answer rather than a reset; a slow client gets no longer than usual
+        lingering_time=min(config.client_timeout_s, 10.0),
+        # generous parser limits, so that the router's own check answers an OpenAI-shaped 431 for
+        # headers over max_header_bytes; only beyond these does aiohttp answer a plain 400
         max_field_size=max(config.max_header_bytes * 4, 65536),
         max_line_size=max(config.max_header_bytes * 4, 65536),
+        max_headers=max(config.max_header_bytes // 4, 128),
     )
 
 
