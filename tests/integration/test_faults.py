@@ -9,6 +9,7 @@ import pytest
 
 from router.bench import faults
 from router.bench.cli import main as bench_main
+from router.bench.fleet import available
 
 OPTS = faults.Options(replicas=4, users=8, max_tokens=32, warmup_s=1.5, fault_s=5.0)
 
@@ -103,3 +104,20 @@ def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytes
     assert bench_main(["faults", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.skipif(not available("vllm-consistent-hash"), reason="vllm-router is not installed (test extra)")
+async def test_a_peer_router_is_put_through_the_same_fault() -> None:
+    from dataclasses import replace
+
+    result = await faults.run_scenario("crash-mid-stream", replace(OPTS, router="vllm"))
+    assert result["router"] == "vllm" and result["resumed"] is None  # it does not say
+    assert result["sent"] == result["succeeded"] + result["failed_clean"] + result["cut_silently"] > 50
+    assert result["figures"]["streams_on_victim_at_crash"] >= 1
+
+
+def test_peers_take_only_the_replica_faults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["faults", "--routers", "sglang", "--scenarios", "redis-gone"]) == 2
+    assert "the peers take only these scenarios" in capsys.readouterr().err
+    assert bench_main(["faults", "--routers", "nginx"]) == 2
+    assert "choose from router-serve, sglang, vllm" in capsys.readouterr().err

@@ -11,7 +11,12 @@ fault is injected while the clients keep going, and every answer is sorted into 
   connection reset, an error that is not OpenAI-shaped). The goal is 0;
 - refused: the connection to the router itself was refused (only while a router is down).
 
-Resumed streams and retried attempts are read from the routers' own `/metrics`.
+A request still unanswered 10 s after the clients stop is given up and counted as cut. Resumed
+streams and retried attempts are read from router-serve's own `/metrics`.
+
+`--routers sglang,vllm` puts the peer routers (`sglang-router --policy manual` keyed by the
+session header, `vllm-router --policy consistent_hash`, as `router-bench fleet` runs them)
+through the replica faults too, in front of the same emulated fleet, with their default settings.
 
 Scenarios (the victim is one replica; the others stay well):
 - `crash-before-first-byte`: the victim accepts requests and sits on them, then crashes before
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -90,6 +96,13 @@ FAULT_SETTINGS = {
 TOKEN = "faults-bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VICTIM = "emu-0"
+# the session id in every request, under the names router-serve, sglang-router (policy manual)
+# and vllm-router (consistent_hash) read it from
+SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
+ROUTERS = ("router-serve", "sglang", "vllm")
+PEER_CONTENDERS = {"sglang": "sglang-header", "vllm": "vllm-consistent-hash"}  # from router.bench.fleet
+# the replica faults, which any router in front of the fleet can be put through
+PEER_SCENARIOS = ("crash-before-first-byte", "crash-mid-stream", "stall-mid-stream", "hang", "flapping")
 
 
 @dataclass
@@ -99,8 +112,8 @@ class Tally:
     failed_clean: int = 0
     cut_silently: int = 0
     refused: int = 0
-    resumed: int = 0
-    retried: int = 0
+    resumed: int | None = 0  # None: the router does not say (a peer)
+    retried: int | None = 0
     lost: list[str] = field(default_factory=list)  # what the first few silent cuts looked like
 
     def add(self, verdict: str, detail: str = "") -> None:
@@ -175,6 +188,7 @@ class Clients:
     answer classified into a `Tally`. Each user waits `think_s` between turns."""
 
     def __init__(self, urls: list[str], users: int, max_tokens: int, think_s: float, tag: str) -> None:
+        self.pending = 0  # requests sent and not answered yet
         self.urls = urls
         self.users = users
         self.max_tokens = max_tokens
@@ -190,9 +204,16 @@ class Clients:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._user(i)) for i in range(self.users)]
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the users; a request still unanswered `grace_s` later is given up (and counted as cut)."""
         self._stop.set()
-        await asyncio.gather(*self._tasks)
+        if not self._tasks:
+            return
+        _, late = await asyncio.wait(self._tasks, timeout=grace_s)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
 
     async def _user(self, user: int) -> None:
         timeout = aiohttp.ClientTimeout(total=60)
@@ -222,11 +243,12 @@ class Clients:
     ) -> str | None:
         """One request, classified; its reply ("" if it failed), or None if the router refused the connection."""
         body = {"model": "emulated-llm", "messages": history, "max_tokens": self.max_tokens, "stream": stream}
+        headers = {"Content-Type": "application/json", **{name: session for name in SESSION_HEADERS}}
+        self.pending += 1
         try:
-            async with http.post(
-                url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}
-            ) as r:
-                status, replica = r.status, r.headers.get("X-Router-Replica", "")
+            async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
+                # the emulated replica that answered names itself, through any router
+                status, replica = r.status, r.headers.get("X-Replica-Id", "")
                 opened = stream and status == 200
                 self.streaming[replica] += opened  # past its first byte: a scenario may break it now
                 try:
@@ -241,6 +263,11 @@ class Clients:
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             self.tally.add("cut_silently", f"{type(exc).__name__}: {exc}"[:120])
             return ""
+        except asyncio.CancelledError:
+            self.tally.add("cut_silently", "no answer by the end of the run")
+            raise
+        finally:
+            self.pending -= 1
         verdict, detail = classify(status, raw, stream, self.max_tokens)
         self.tally.add(verdict, detail)
         if verdict == "succeeded" and replica:
@@ -260,6 +287,7 @@ class Options:
     warmup_s: float = 2.0
     fault_s: float = 6.0  # how long the clients go on after the fault
     flap_s: float = 1.0
+    router: str = "router-serve"  # or a peer: sglang, vllm
     settings: dict[str, str] = field(default_factory=dict)
 
 
@@ -306,6 +334,19 @@ class World:
         url = f"http://127.0.0.1:{port}"
         self.routers.append((router, runner, url))
         return router, url
+
+    async def start_peer(self) -> str:
+        """The peer router `opts.router` in front of the fleet, as `router-bench fleet` runs it."""
+        from router.bench.fleet import CONTENDERS, available, start_contender
+
+        name = PEER_CONTENDERS[self.opts.router]
+        if not available(name):
+            raise RuntimeError(f"{CONTENDERS[name].label} is not installed (pip install '.[bench]')")
+        assert self.fleet is not None
+        child, urls = await start_contender(CONTENDERS[name], [r.url for r in self.fleet.replicas], {})
+        assert child is not None
+        self.closers.append(lambda: asyncio.to_thread(child.stop))
+        return urls[0]
 
     def clients(self, urls: list[str], tag: str) -> Clients:
         return Clients(urls, self.opts.users, self.opts.max_tokens, self.opts.think_s, tag)
@@ -359,18 +400,25 @@ def running_on(world: World, index: int) -> int:
 
 
 async def _simple(
-    world: World,
-    inject: Callable[[Router, Clients], Awaitable[dict[str, Any]]],
-    **router_settings: Any,
+    world: World, inject: Callable[[Router | None, Clients], Awaitable[dict[str, Any]]]
 ) -> tuple[Tally, dict[str, Any]]:
+    """A replica fault: the fleet, the router under test (ours in this process, whose state the
+    figures then include, or a peer), the clients, and `inject` after the warm-up."""
     await world.start_fleet()
-    router, url = await world.start_router(**router_settings)
+    router: Router | None = None
+    if world.opts.router == "router-serve":
+        router, url = await world.start_router()
+    else:
+        url = await world.start_peer()
     clients = world.clients([url], "f")
     clients.start()
     world.closers.append(clients.stop)
     await asyncio.sleep(world.opts.warmup_s)
     extra = await inject(router, clients)
     await clients.stop()
+    if router is None:
+        clients.tally.resumed = clients.tally.retried = None
+        return clients.tally, extra
     clients.tally.resumed, clients.tally.retried = await router_counts(url)
     victim = router.fleet.find(VICTIM)
     if victim is not None:
@@ -381,15 +429,13 @@ async def _simple(
 
 
 async def crash_before_first_byte(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         victim = world.fleet.replicas[0]
-        state = router.fleet.find(VICTIM)
-        assert state is not None
         victim.set_faults({"hang": True})  # it takes new requests and sits on them, before any byte ...
         # ... until the streams it had have ended and new requests wait on it (within the first-byte time-out)
-        await wait_until(lambda: running_on(world, 0) == 0 and state.inflight >= 2, 1.5)
-        held = state.inflight - running_on(world, 0)
+        await wait_until(lambda: running_on(world, 0) == 0 and victim.held >= 2, 1.5)
+        held = victim.held
         await victim.crash()  # ... then it dies: they must go elsewhere, as must those it now refuses
         victim.set_faults({"hang": False})
         await asyncio.sleep(world.opts.fault_s)
@@ -399,13 +445,16 @@ async def crash_before_first_byte(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def crash_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         await wait_until(lambda: clients.streaming[VICTIM] >= 2, 10)
         streams = clients.streaming[VICTIM]
         await world.fleet.replicas[0].crash()
         await asyncio.sleep(world.opts.fault_s / 2)
         await world.fleet.replicas[0].restart()
+        if router is None:
+            await asyncio.sleep(world.opts.fault_s / 2)
+            return {"streams_on_victim_at_crash": streams}
         back = await wait_until(lambda: (r := router.fleet.find(VICTIM)) is not None and r.health.routable, 10)
         await asyncio.sleep(world.opts.fault_s / 2)
         return {"streams_on_victim_at_crash": streams, "back_after_restart_s": back}
@@ -414,7 +463,7 @@ async def crash_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def stall_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         world.fleet.replicas[0].set_faults({"stall_after": 5})
         await asyncio.sleep(world.opts.fault_s / 2)
@@ -426,9 +475,12 @@ async def stall_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def hang(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         world.fleet.replicas[0].set_faults({"hang": True})
+        if router is None:
+            await asyncio.sleep(world.opts.fault_s)
+            return {}
         victim = router.fleet.find(VICTIM)
         assert victim is not None
         removed = await wait_until(lambda: victim.state == "removed", world.opts.fault_s)
@@ -439,19 +491,21 @@ async def hang(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def flapping(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         victim = world.fleet.replicas[0]
-        state = router.fleet.find(VICTIM)
-        assert state is not None
-        flips, before, requests_before = 0, state.health.transitions, state.requests
+        flips = 0
         end = time.monotonic() + world.opts.fault_s
+        state = router.fleet.find(VICTIM) if router is not None else None
+        before, requests_before = (state.health.transitions, state.requests) if state is not None else (0, 0)
         while time.monotonic() < end:
             await victim.crash()
             await asyncio.sleep(world.opts.flap_s)
             await victim.restart()
             await asyncio.sleep(world.opts.flap_s)
             flips += 2
+        if state is None:
+            return {"flips": flips}
         return {
             "flips": flips,
             "victim_state_changes_during": state.health.transitions - before,
@@ -678,7 +732,8 @@ async def run_scenario(name: str, opts: Options) -> dict[str, Any]:
         tally, extra = await RUNNERS[name](world)
     finally:
         await world.close()
-    return {"scenario": name, **asdict(tally), "figures": extra, "wall_s": round(time.monotonic() - start, 1)}
+    wall = round(time.monotonic() - start, 1)
+    return {"scenario": name, "router": opts.router, **asdict(tally), "figures": extra, "wall_s": wall}
 
 
 # -- command line -------------------------------------------------------------------------------------
@@ -695,6 +750,12 @@ def add_parser(sub: Any) -> None:
         "--scenarios",
         default=",".join(SCENARIOS),
         help=f"comma-separated, from: {', '.join(SCENARIOS)} (default: all)",
+    )
+    p.add_argument(
+        "--routers",
+        default="router-serve",
+        help="comma-separated routers to put through the scenarios: router-serve, sglang, vllm; the peers "
+        f"take the replica faults only ({', '.join(PEER_SCENARIOS)}) (default: router-serve)",
     )
     p.add_argument("--replicas", type=int, default=4, help="emulated replicas (default 4)")
     p.add_argument("--users", type=int, default=12, help="clients holding sessions (default 12)")
@@ -713,11 +774,18 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run_cli)
 
 
-def options_from(args: argparse.Namespace) -> tuple[list[str], Options]:
+def options_from(args: argparse.Namespace) -> tuple[list[tuple[str, str]], Options]:
+    """The (router, scenario) runs asked for, and the options they share; ValueError if bad."""
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [n for n in names if n not in RUNNERS]
     if unknown or not names:
         raise ValueError(f"unknown scenario(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(SCENARIOS)}")
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    if not routers or any(r not in ROUTERS for r in routers):
+        raise ValueError(f"--routers {args.routers!r}: choose from {', '.join(ROUTERS)}")
+    runs = [(r, n) for r in routers for n in names if r == "router-serve" or n in PEER_SCENARIOS]
+    if not runs:
+        raise ValueError(f"the peers take only these scenarios: {', '.join(PEER_SCENARIOS)}")
     if args.replicas < 3:
         raise ValueError("--replicas must be at least 3 (a victim, a stale agent's replica and a healthy one)")
     for flag in ("users", "max_tokens"):
@@ -737,27 +805,29 @@ def options_from(args: argparse.Namespace) -> tuple[list[str], Options]:
         flap_s=args.flap_s,
         settings=settings,
     )
-    return names, opts
+    return runs, opts
 
 
 COLUMNS = ("sent", "succeeded", "resumed", "retried", "failed_clean", "cut_silently", "refused")
 
 
 def render(results: list[dict[str, Any]]) -> str:
-    head = "| scenario | " + " | ".join(c.replace("_", " ") for c in COLUMNS) + " | figures |"
-    lines = [head, "|---|" + "---:|" * len(COLUMNS) + "---|"]
+    head = "| scenario | router | " + " | ".join(c.replace("_", " ") for c in COLUMNS) + " | figures |"
+    lines = [head, "|---|---|" + "---:|" * len(COLUMNS) + "---|"]
     for r in results:
+        first = f"| {r['scenario']} | {r['router']} | "
         if "error" in r:
-            lines.append(f"| {r['scenario']} | " + " | ".join("" for _ in COLUMNS) + f" | not run: {r['error']} |")
+            lines.append(first + " | ".join("" for _ in COLUMNS) + f" | not run: {r['error']} |")
             continue
         figures = ", ".join(f"{k} {v}" for k, v in r["figures"].items())
-        lines.append(f"| {r['scenario']} | " + " | ".join(str(r[c]) for c in COLUMNS) + f" | {figures} |")
+        cells = ("—" if r[c] is None else str(r[c]) for c in COLUMNS)
+        lines.append(first + " | ".join(cells) + f" | {figures} |")
     return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        names, opts = options_from(args)
+        runs, opts = options_from(args)
     except ValueError as exc:  # ConfigError is a ValueError
         print(f"router-bench faults: {exc}", file=sys.stderr)
         return 2
@@ -766,16 +836,16 @@ def run_cli(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
 
     async def all_scenarios() -> dict[str, Any]:
-        for name in names:
+        for router, name in runs:
             try:
-                result = await run_scenario(name, opts)
-            except RuntimeError as exc:  # a scenario that cannot run here (no redis-server, ...)
-                result = {"scenario": name, "error": str(exc)}
+                result = await run_scenario(name, dataclasses.replace(opts, router=router))
+            except RuntimeError as exc:  # it cannot run here (no redis-server, a peer not installed, ...)
+                result = {"scenario": name, "router": router, "error": str(exc)}
             results.append(result)
             if "error" in result:
-                print(f"{name}: not run: {result['error']}", flush=True)
+                print(f"{name} ({router}): not run: {result['error']}", flush=True)
             else:
-                print(f"{name}: " + ", ".join(f"{c} {result[c]}" for c in COLUMNS), flush=True)
+                print(f"{name} ({router}): " + ", ".join(f"{c} {result[c]}" for c in COLUMNS), flush=True)
                 for lost in result["lost"]:
                     print(f"  cut: {lost}", flush=True)
         return {}

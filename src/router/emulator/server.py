@@ -120,6 +120,7 @@ class Replica:
         self._site: web.TCPSite | None = None
         self.port = options.port
         self.crashed = False
+        self.held = 0  # requests the hang fault is sitting on
         self.started = False
         self._epoch = 0  # bumped by a crash
 
@@ -252,8 +253,14 @@ class Replica:
         response.headers[REPLICA_HEADER] = self.options.replica_id
 
     async def _maybe_hang(self) -> None:
-        while self.faults.hang:
-            await self._unhang.wait()
+        if not self.faults.hang:
+            return
+        self.held += 1
+        try:
+            while self.faults.hang:
+                await self._unhang.wait()
+        finally:
+            self.held -= 1
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()
@@ -508,6 +515,7 @@ class Replica:
             "replica_id": self.options.replica_id,
             "url": self.url,
             "crashed": self.crashed,
+            "held": self.held,
             "engine_time_s": self.now(),
             "faults": asdict(self.faults),
             "engine": self.engine.stats(),
