@@ -192,8 +192,11 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("port", "must be in 1..65535")
     if not 0 <= cfg.admin_port <= 65535:
         raise bad("admin_port", "must be in 1..65535, or 0 to serve admin, console and metrics on the proxy's port")
-    if cfg.admin_port == cfg.port and cfg.admin_host == cfg.host:
-        raise bad("admin_port", f"{cfg.admin_host}:{cfg.admin_port} is the proxy's own address; use another, or 0")
+    if cfg.admin_port == cfg.port:
+        # refused whatever the hosts: a wildcard or a name for the same address would share the port
+        raise bad("admin_port", f"{cfg.admin_port} is the proxy's own port; give the admin API a port of its own, or 0")
+    if cfg.admin_port and not cfg.admin_host.strip():
+        raise bad("admin_host", "must be an address (an empty one would listen on every interface)")
     if cfg.policy not in POLICIES:
         raise bad("policy", f"unknown policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
     if not 1 <= cfg.vnodes <= 65536:
@@ -253,8 +256,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("return_above", "need 0 <= remove_below < return_above <= 1")
     if cfg.remove_after < 1 or cfg.return_after < 1:
         raise bad("remove_after" if cfg.remove_after < 1 else "return_after", "must be at least 1")
-    if cfg.flap_backoff < 1:
-        raise bad("flap_backoff", "must be at least 1 (1 turns the back-off off)")
+    if not 1 <= cfg.flap_backoff <= 1024:
+        raise bad("flap_backoff", "must be in 1..1024 (1 turns the back-off off)")
     if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
         raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
     try:

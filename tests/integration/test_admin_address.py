@@ -97,14 +97,20 @@ async def test_workers_serve_admin_apart(start_fleet, serve_workers) -> None:  #
 def test_defaults_bind_loopback_and_bad_admin_addresses_are_refused() -> None:
     cfg = load(None, {}, {"replicas": ["http://127.0.0.1:9"]})
     assert cfg.host == "127.0.0.1" and cfg.admin_host == "127.0.0.1" and cfg.admin_port == 0
-    with pytest.raises(ConfigError, match="admin_port"):
-        load(None, {}, {"replicas": ["http://127.0.0.1:9"], "port": "8080", "admin_port": "8080"})
+    for host in ("127.0.0.1", "localhost", "0.0.0.0"):  # the same port is refused whatever the host
+        with pytest.raises(ConfigError, match="admin_port"):
+            load(
+                None, {}, {"replicas": ["http://127.0.0.1:9"], "port": "8080", "admin_port": "8080", "admin_host": host}
+            )
+    with pytest.raises(ConfigError, match="admin_host"):
+        load(None, {}, {"replicas": ["http://127.0.0.1:9"], "admin_host": " ", "admin_port": "8081"})
     with pytest.raises(ConfigError, match="admin_port"):
         load(None, {}, {"replicas": ["http://127.0.0.1:9"], "admin_port": "70000"})
-    load(None, {}, {"replicas": ["http://127.0.0.1:9"], "admin_host": "127.0.0.2", "admin_port": "8080"})
+    load(None, {}, {"replicas": ["http://127.0.0.1:9"], "admin_host": "127.0.0.2", "admin_port": "8081"})
 
 
-def test_a_taken_admin_port_is_one_line() -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_taken_admin_port_is_one_line_naming_it(workers: str) -> None:
     import socket
 
     with socket.socket() as taken:
@@ -113,11 +119,11 @@ def test_a_taken_admin_port_is_one_line() -> None:
         port = taken.getsockname()[1]
         cmd = [sys.executable, "-m", "router.proxy.cli", "--replica", "http://127.0.0.1:9", "--state", "none"]
         proc = subprocess.run(
-            [*cmd, "--port", str(free_port()), "--admin-port", str(port)],
+            [*cmd, "--port", str(free_port()), "--admin-port", str(port), "--workers", workers],
             capture_output=True,
             text=True,
             timeout=30,
         )
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and str(port) in lines[0], proc.stderr
+    assert lines == [f"router-serve: cannot listen on 127.0.0.1:{port}: Address already in use"], proc.stderr

@@ -18,6 +18,8 @@ async def run(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     result = await faults.run_scenario(name, OPTS)
     assert result["cut_silently"] == 0, result["lost"]
     assert result["failed_clean"] == 0
+    if name != "router-restart":  # the only one where the router itself is down for a while
+        assert result["refused"] == 0
     assert result["succeeded"] == result["sent"] - result["refused"] > 50
     return result, result["figures"]
 
@@ -47,8 +49,9 @@ async def test_a_hung_replica_times_out_is_retried_and_removed() -> None:
 async def test_a_flapping_replica_is_kept_out() -> None:
     _, f = await run("flapping")
     assert f["flips"] >= 4
-    # without hysteresis and back-off every flip would be a state change
-    assert f["victim_state_changes_during"] <= f["flips"] // 2 + 1 and f["relapses"] <= 2
+    # taken out once, back once at most, then kept out by the back-off: without it, every cycle
+    # would take it out and bring it back (four changes a cycle, counting suspect)
+    assert f["victim_state_changes_during"] <= 5 and f["relapses"] <= 1
     assert f["other_state_changes"] == 0
 
 
@@ -85,10 +88,16 @@ def test_classification() -> None:
     assert faults.classify(200, error, True, 5) == ("failed_clean", "")
     assert faults.classify(502, b'{"error":{"message":"no replica"}}', True, 5) == ("failed_clean", "")
     assert faults.classify(502, b"Bad Gateway", False, 5)[0] == "cut_silently"
-    plain = b'{"choices":[{"message":{"content":"abc"}}],"usage":{"completion_tokens":3}}'
+    plain = b'{"choices":[{"message":{"content":"abc"},"finish_reason":"length"}],"usage":{"completion_tokens":3}}'
     assert faults.classify(200, plain, False, 3) == ("succeeded", "")
     assert faults.classify(200, plain, False, 4)[0] == "cut_silently"
     assert faults.classify(200, b"{", False, 4)[0] == "cut_silently"
+    unfinished = b'{"choices":[{"message":{"content":"abc"},"finish_reason":null}],"usage":{"completion_tokens":3}}'
+    assert faults.classify(200, unfinished, False, 3)[0] == "cut_silently"
+    after_done = done + b'data: {"choices":[{"delta":{"content":"zz"}}]}\n\n'
+    assert faults.classify(200, after_done, True, 1)[0] == "cut_silently"  # nothing may follow [DONE]
+    odd_error = b'data: {"choices":[{"delta":{"content":"ab"}}]}\n\ndata: {"error":"boom"}\n\n'
+    assert faults.classify(200, odd_error, True, 5)[0] == "cut_silently"  # not OpenAI-shaped
 
 
 @pytest.mark.parametrize(
@@ -98,6 +107,7 @@ def test_classification() -> None:
         (["--replicas", "2"], "--replicas must be at least 3"),
         (["--duration", "0"], "--duration must be a number of seconds > 0"),
         (["--setting", "probe_interval_s=soon"], "probe_interval_s"),
+        (["--setting", "state=none"], "--setting state: the scenarios set these themselves"),
     ],
 )
 def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

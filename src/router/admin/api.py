@@ -90,7 +90,7 @@ class AdminApi:
             "score": r.health.score,
             "state_changes": r.health.transitions,
             "relapses": r.health.relapses,
-            "return_needs": r.health.return_needed,
+            "return_needed": r.health.return_needed,
             "agent": r.agent,
             "engine": dataclasses.asdict(r.engine),
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,

@@ -93,6 +93,10 @@ FAULT_SETTINGS = {
     "drain_timeout_s": "10",
     "state": "none",
 }
+# what each scenario sets for itself (where the router listens, its state, its admin API)
+SCENARIO_OWNED = frozenset(
+    {"host", "port", "state", "state_namespace", "admin_token", "admin_host", "admin_port", "workers", "demo"}
+)
 TOKEN = "faults-bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VICTIM = "emu-0"
@@ -123,32 +127,40 @@ class Tally:
             self.lost.append(detail)
 
 
-def _pieces(events: list[Any]) -> tuple[int, list[str], bool, bool]:
-    """(content pieces, finish reasons, [DONE] seen, error event seen) of a parsed stream."""
-    pieces, reasons, done, error = 0, [], False, False
+def _openai_shaped(body: Any) -> bool:
+    return isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]
+
+
+def _pieces(events: list[Any]) -> tuple[int, list[str], bool, bool, bool]:
+    """(content pieces, finish reasons, [DONE] seen, OpenAI-shaped error event seen, anything odd:
+    an event after [DONE], an error event of another shape, an event that is not an object)."""
+    pieces, reasons, done, error, odd = 0, [], False, False, False
     for event in events:
+        if done and not error:
+            odd = True  # nothing may follow [DONE]
         if event == "[DONE]":
             done = True
             continue
         if not isinstance(event, dict):
+            odd = True
             continue
         if "error" in event:
-            error = True
+            error = error or _openai_shaped(event)
+            odd = odd or not _openai_shaped(event)
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content") or choice.get("text"):
                 pieces += 1
             if choice.get("finish_reason"):
                 reasons.append(choice["finish_reason"])
-    return pieces, reasons, done, error
+    return pieces, reasons, done, error, odd
 
 
 def _openai_error(raw: bytes) -> bool:
     try:
-        body = orjson.loads(raw)
+        return _openai_shaped(orjson.loads(raw))
     except orjson.JSONDecodeError:
         return False
-    return isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]
 
 
 def classify(status: int, raw: bytes, stream: bool, max_tokens: int) -> tuple[str, str]:
@@ -161,12 +173,13 @@ def classify(status: int, raw: bytes, stream: bool, max_tokens: int) -> tuple[st
         try:
             body = orjson.loads(raw)
             tokens = body["usage"]["completion_tokens"]
-            content = body["choices"][0]["message"]["content"]
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            (choice,) = body["choices"]
+            content, finish = choice["message"]["content"], choice["finish_reason"]
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             return "cut_silently", f"unreadable answer: {raw[:80]!r}"
-        if tokens == max_tokens and isinstance(content, str) and len(content) > 0:
+        if tokens == max_tokens and isinstance(content, str) and content and finish:
             return "succeeded", ""
-        return "cut_silently", f"{tokens} of {max_tokens} tokens"
+        return "cut_silently", f"{tokens} of {max_tokens} tokens, finish {finish!r}"
     events: list[Any] = []
     for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
         if block.startswith(b"data: "):
@@ -175,12 +188,12 @@ def classify(status: int, raw: bytes, stream: bool, max_tokens: int) -> tuple[st
                 events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
             except orjson.JSONDecodeError:
                 return "cut_silently", f"a broken event: {payload[:80]!r}"
-    pieces, reasons, done, error = _pieces(events)
-    if error:
+    pieces, reasons, done, error, odd = _pieces(events)
+    if error and not odd:
         return "failed_clean", ""
-    if done and pieces == max_tokens and len(reasons) == 1:
+    if done and not odd and pieces == max_tokens and len(reasons) == 1:
         return "succeeded", ""
-    return "cut_silently", f"stream with {pieces} of {max_tokens} tokens, finish {reasons}, [DONE] {done}"
+    return "cut_silently", f"stream with {pieces} of {max_tokens} tokens, finish {reasons}, [DONE] {done}, odd {odd}"
 
 
 class Clients:
@@ -318,7 +331,7 @@ class World:
         return [f"{r.options.replica_id}={r.url}" for r in self.fleet.replicas]
 
     def settings(self, **more: Any) -> dict[str, Any]:
-        return {**FAULT_SETTINGS, "admin_token": TOKEN, **more, **self.opts.settings}
+        return {**FAULT_SETTINGS, "admin_token": TOKEN, **self.opts.settings, **more}
 
     async def start_router(self, **more: Any) -> tuple[Router, str]:
         from aiohttp import web
@@ -356,7 +369,8 @@ class World:
             with contextlib.suppress(Exception):
                 await closer()
         for _, runner, _ in self.routers:
-            await runner.cleanup()
+            with contextlib.suppress(Exception):
+                await runner.cleanup()
         if self.fleet is not None:
             await self.fleet.stop()
 
@@ -364,6 +378,8 @@ class World:
 async def metric_sum(url: str, name: str, label: str = "") -> float:
     """Σ of a counter family on a router's `/metrics` (series with `label` in their labels only)."""
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics", headers=AUTH) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}/metrics answered HTTP {r.status}")
         text = await r.text()
     total = 0.0
     for line in text.splitlines():
@@ -510,7 +526,7 @@ async def flapping(world: World) -> tuple[Tally, dict[str, Any]]:
             "flips": flips,
             "victim_state_changes_during": state.health.transitions - before,
             "relapses": state.health.relapses,
-            "return_needs": state.health.return_needed,
+            "return_needed": state.health.return_needed,
             "victim_requests_during": state.requests - requests_before,
         }
 
@@ -644,6 +660,8 @@ async def redis_gone(world: World) -> tuple[Tally, dict[str, Any]]:
 async def _stop_child(proc: subprocess.Popen[bytes], grace_s: float) -> float:
     """SIGTERM to our child router, then wait (without blocking the loop); seconds it took."""
     start = time.monotonic()
+    if proc.poll() is not None:
+        return 0.0  # exited and reaped: its pid may be someone else's by now
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     while proc.poll() is None and time.monotonic() - start < grace_s:
@@ -795,6 +813,9 @@ def options_from(args: argparse.Namespace) -> tuple[list[tuple[str, str]], Optio
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be a number of seconds > 0")
     settings = parse_settings(args.setting)
+    owned = sorted(set(settings) & SCENARIO_OWNED)
+    if owned:
+        raise ValueError(f"--setting {', '.join(owned)}: the scenarios set these themselves")
     load(None, {}, {"replicas": ["x=http://127.0.0.1:1"], **FAULT_SETTINGS, **settings})  # one line if bad
     opts = Options(
         replicas=args.replicas,

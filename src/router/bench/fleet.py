@@ -154,13 +154,16 @@ class Child:
 
     @classmethod
     def spawn(cls, cmd: list[str], what: str, env: dict[str, str] | None = None) -> Child:
+        """Start `cmd` with this environment, less any router setting (`ROUTER_<SETTING>`) that
+        would change a router child behind the bench's back, plus `env`."""
         err = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
+        inherited = {k: v for k, v in os.environ.items() if not (k.startswith("ROUTER_") and k[7:].lower() in FIELDS)}
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
-            env=(os.environ | env) if env else None,
+            env=inherited | (env or {}),
         )
         return cls(proc, err, what)
 

@@ -157,7 +157,10 @@ class HealthMonitor:
         return ok, stats
 
     def _fresh(self, taken_at: float) -> bool:
-        return time.time() - taken_at <= 3 * max(self.interval_s, 1.0)
+        """Taken within the last three probe intervals (at least 3 s); a reading from more than
+        5 s in the future (a clock gone wrong, or Infinity) is not fresh either."""
+        age = time.time() - taken_at
+        return -5.0 <= age <= 3 * max(self.interval_s, 1.0)
 
     def _agent_slot(self, replica: ReplicaState) -> dict[str, Any]:
         """The colocated agent's figures from shared memory, when it wrote them for this replica lately."""
@@ -167,6 +170,7 @@ class HealthMonitor:
         try:
             row = self.table.read_agent(replica.slot)
         except TornRead:  # an agent died mid-write (or two write one slot): no usable reading
+            replica.agent = "stale"
             return {}
         if row.replica_id != replica.id:
             replica.agent = "none"

@@ -9,12 +9,10 @@ import socket
 import sys
 from typing import Any
 
-from aiohttp import web
-
 from router._runtime import run, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.proxy.app import Router
-from router.proxy.workers import WorkerFailed, runner_for, serve_workers
+from router.proxy.workers import CannotListen, WorkerFailed, listen, runner_for, serve_workers
 from router.shm.table import SlotTable
 from router.state import StateError
 
@@ -192,10 +190,10 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
         await runner.setup()
         admin = runner_for(router.admin_app(), config) if config.admin_port else None
         try:
-            await web.TCPSite(runner, config.host, config.port, reuse_address=True).start()
+            await listen(runner, config.host, config.port)
             if admin is not None:
                 await admin.setup()
-                await web.TCPSite(admin, config.admin_host, config.admin_port, reuse_address=True).start()
+                await listen(admin, config.admin_host, config.admin_port)
             print(banner, flush=True)
             print(router.state_line(), flush=True)
             if table is not None:
@@ -231,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FileExistsError:
         print(f"router-serve: shared memory {config.shm_name!r} already exists (another router?)", file=sys.stderr)
+        return 1
+    except CannotListen as exc:
+        print(f"router-serve: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"router-serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)

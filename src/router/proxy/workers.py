@@ -42,6 +42,22 @@ RESTART_BACKOFF_S = 1.0
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+class CannotListen(OSError):
+    """An address the router was told to listen on is taken or not ours; says which."""
+
+    def __init__(self, host: str, port: int, exc: OSError) -> None:
+        reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+
+
+async def listen(runner: web.AppRunner, host: str, port: int, reuse_port: bool = False) -> None:
+    """Serve `runner` on host:port; CannotListen names the address if that fails."""
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port).start()
+    except OSError as exc:
+        raise CannotListen(host, port, exc) from None
+
+
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     """The aiohttp runner of a proxying process (a lone router or a worker)."""
     return web.AppRunner(
@@ -96,9 +112,9 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
             sites.append((admin, config.admin_host, config.admin_port))
         for serving, host, port in sites:
             try:
-                await web.TCPSite(serving, host, port, reuse_address=True, reuse_port=True).start()
-            except OSError as exc:
-                ready.send(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+                await listen(serving, host, port, reuse_port=True)
+            except CannotListen as exc:
+                ready.send(str(exc))
                 return
         ready.send(None)
         ready.close()
@@ -236,7 +252,10 @@ def check_port(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise CannotListen(host, port, exc) from None
 
 
 async def serve_workers(config: RouterConfig, banner: str) -> None:
