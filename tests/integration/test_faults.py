@@ -72,7 +72,7 @@ async def test_redis_gone_and_back_routing_goes_on_and_state_reconciles() -> Non
 
 async def test_a_router_restart_refuses_only_while_down_and_keeps_sessions() -> None:
     result, f = await run("router-restart")
-    assert result["refused"] >= 1 and f["refused_outside_downtime"] == 0
+    assert result["refused"] >= 1 and f["refused_outside_downtime"] == 0 and f["ring_with_overrides_back"]
     assert f["sessions_across_restart"] >= 1 and f["same_replica_after_restart"] == f["sessions_across_restart"]
 
 

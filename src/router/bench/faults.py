@@ -396,6 +396,14 @@ async def router_counts(url: str) -> tuple[int, int]:
     return int(resumed), int(retried)
 
 
+async def ring_shares(url: str) -> dict[str, float]:
+    """Each replica's share of the ring (overrides included), from the admin API."""
+    async with aiohttp.ClientSession(headers=AUTH) as http, http.get(url + "/admin/ring") as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}/admin/ring answered HTTP {r.status}")
+        return {e["id"]: round(e["share"], 9) for e in (await r.json())["replicas"]}
+
+
 async def wait_until(predicate: Callable[[], bool], timeout: float) -> float | None:
     """Seconds until `predicate` held, or None if it did not within `timeout`."""
     start = time.monotonic()
@@ -703,12 +711,20 @@ async def router_restart(world: World) -> tuple[Tally, dict[str, Any]]:
     clients.start()
     world.closers.append(clients.stop)
     await asyncio.sleep(world.opts.warmup_s)
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        for vnode in range(8):  # routing state beyond the ring's own placement: vnode overrides
+            override = {"origin": "emu-1", "vnode": vnode, "owner": "emu-2"}
+            async with http.post(url + "/admin/overrides", json=override) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"the override was refused: HTTP {r.status} {await r.text()}")
+    ring_before = await ring_shares(url)
     resumed, retried = await router_counts(url)
     down_at = time.monotonic()
     stop_took = await _stop_child(children[-1].proc, 15)
     await start()
     downtime = round(time.monotonic() - down_at, 3)
     up_at = time.monotonic()
+    ring_after = await ring_shares(url)
     await asyncio.sleep(world.opts.fault_s)
     await clients.stop()
     more_resumed, more_retried = await router_counts(url)
@@ -725,6 +741,7 @@ async def router_restart(world: World) -> tuple[Tally, dict[str, Any]]:
         "stop_took_s": stop_took,
         "down_s": downtime,
         "refused_outside_downtime": sum(not down_at <= t <= up_at for t in clients.refused_at),
+        "ring_with_overrides_back": ring_after == ring_before,
         "sessions_across_restart": kept + moved,
         "same_replica_after_restart": kept,
     }
