@@ -64,7 +64,6 @@ class RedisState:
         self.version: int | None = None
         self._pending: list[tuple[str, Any]] = []  # changes made while Redis was away
         self._tasks: list[asyncio.Task[None]] = []
-        self.pulls = 0
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.leader = False  # this instance holds the lease: it alone rebalances
 
@@ -196,7 +195,6 @@ class RedisState:
         pipe.hkeys(self.key("discovered"))
         version, replicas, removed, overrides, discovered = await pipe.execute()
         self.version = int(version or 0)
-        self.pulls += 1
         router, fleet = self.router, self.router.fleet
         wanted = {k.decode(): orjson.loads(v) for k, v in replicas.items()}
         gone = {k.decode() for k in removed} - wanted.keys()

@@ -155,7 +155,6 @@ class WorkerPool:
         self.metrics_dir = metrics_dir
         self.ctx = mp.get_context("spawn")
         self.procs: list[BaseProcess | None] = [None] * config.workers
-        self.restarts = 0
         self.stopping = False
         # the workers' config: same settings, but replicas come from the table and the demo is ours
         self.worker_config = RouterConfig(**{**config.__dict__, "demo": 0})
@@ -225,7 +224,6 @@ class WorkerPool:
                 print(f"router-serve: worker {i} (pid {proc.pid}) exited ({proc.exitcode}); restarting", flush=True)
                 self._bury(i, proc)
                 last_start[i] = time.monotonic()
-                self.restarts += 1
                 try:
                     await self.start(i)
                 except WorkerFailed as exc:
