@@ -60,7 +60,8 @@ class RouterConfig:
     first_byte_timeout_s: float = 60.0
     idle_timeout_s: float = 60.0
     total_timeout_s: float = 600.0
-    client_timeout_s: float = 60.0  # a client's headers, and then its body, must arrive within this
+    client_timeout_s: float = 60.0  # longest pause while a client sends its request body
+    keepalive_timeout_s: float = 75.0  # idle connections close; a request's headers must be in within it
     max_body_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = 16 * 1024
     upstream_connections: int = 256  # per replica
@@ -212,6 +213,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "idle_timeout_s",
         "total_timeout_s",
         "client_timeout_s",
+        "keepalive_timeout_s",
         "probe_interval_s",
         "probe_timeout_s",
         "rebalance_threshold",

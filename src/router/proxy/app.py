@@ -46,6 +46,25 @@ from router.state import RoutingState, StateFile, default_directory, describe
 access_log = logging.getLogger("router.access")
 
 
+async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float) -> bytes:
+    """The request body as it arrives. TimeoutError if it pauses for `pause_s` (a client stuck, or
+    slow on purpose) or takes more than `total_s` in all; HTTPRequestEntityTooLarge past `limit`."""
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    parts: list[bytes] = []
+    size = 0
+    async with asyncio.timeout(total_s):
+        while True:
+            async with asyncio.timeout(pause_s):
+                chunk = await request.content.readany()
+            if not chunk:
+                return b"".join(parts)
+            size += len(chunk)
+            if size > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            parts.append(chunk)
+
+
 def _matches(resource: Any, path: str) -> bool:
     """Whether `path` is `resource`'s path (plain or with {placeholders})."""
     info = resource.get_info()
@@ -585,11 +604,11 @@ class Router:
                 t0,
             )
         try:
-            async with asyncio.timeout(cfg.client_timeout_s):  # a body sent slowly on purpose, or stuck
-                raw = await request.read()
+            raw = await read_body(request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s)
         except TimeoutError:
             slow = error_response(
-                f"the request body did not arrive within client_timeout_s ({cfg.client_timeout_s:g} s)",
+                f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s) or took longer "
+                f"than total_timeout_s ({cfg.total_timeout_s:g} s)",
                 408,
                 "request_timeout",
             )

@@ -9,6 +9,8 @@ import socket
 import sys
 from typing import Any
 
+from aiohttp import web
+
 from router._runtime import run, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.proxy.app import Router
@@ -36,8 +38,9 @@ HELP = {
     "first_byte_timeout_s": "time-out until the replica's first body bytes (default 60)",
     "idle_timeout_s": "longest silence inside a stream (default 60)",
     "total_timeout_s": "time-out of a whole request (default 600)",
-    "client_timeout_s": "a client must send its request headers within this, and then its body; idle "
-    "keep-alive connections close after it too (default 60)",
+    "client_timeout_s": "longest pause while a client sends its request body, else 408 (default 60)",
+    "keepalive_timeout_s": "idle client connections close after this, as do those that have not sent a "
+    "whole request's headers within it (default 75)",
     "max_body_bytes": "largest request body (default 32 MiB)",
     "max_header_bytes": "largest request header block (default 16 KiB)",
     "upstream_connections": "keep-alive connections per replica (default 256)",
@@ -188,10 +191,11 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
         router.publish()
         runner = runner_for(router.app(), config)
         await runner.setup()
-        admin = runner_for(router.admin_app(), config) if config.admin_port else None
+        admin: web.AppRunner | None = None
         try:
             await listen(runner, config.host, config.port)
-            if admin is not None:
+            if config.admin_port:
+                admin = runner_for(router.admin_app(), config)
                 await admin.setup()
                 await listen(admin, config.admin_host, config.admin_port)
             print(banner, flush=True)
@@ -200,9 +204,11 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
                 print(f"shared memory: {table.name} (router-agent --shm {table.name})", flush=True)
             await until_stopped()
         finally:
-            if admin is not None:
-                await admin.cleanup()
-            await runner.cleanup()
+            try:
+                if admin is not None:
+                    await admin.cleanup()
+            finally:
+                await runner.cleanup()
     finally:
         if table is not None:
             table.close()

@@ -31,6 +31,7 @@ HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
         "Connection",
+        "Proxy-Connection",  # the non-standard one some clients still send
         "Keep-Alive",
         "Proxy-Authenticate",
         "Proxy-Authorization",
@@ -97,13 +98,15 @@ def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in drop and k.lower() not in named}
 
 
-REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding"}
+# `Expect: 100-continue` was the client's business with the router, which has the whole body now
+REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect"}
 
 
 def forward_headers(request: web.Request) -> dict[str, str]:
     out = end_to_end(request.headers, REQUEST_DROP)
     peer = request.remote or ""
-    prior = request.headers.get("X-Forwarded-For")
+    prior = next((v for k, v in out.items() if k.lower() == "x-forwarded-for"), None)  # unless hop-by-hop
+    out = {k: v for k, v in out.items() if k.lower() != "x-forwarded-for"}
     out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
     out["Content-Type"] = "application/json"
     # streams are framed and usage is read, so replicas must not compress; and the body we send is

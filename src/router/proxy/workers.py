@@ -46,7 +46,8 @@ class CannotListen(OSError):
     """An address the router was told to listen on is taken or not ours; says which."""
 
     def __init__(self, host: str, port: int, exc: OSError) -> None:
-        reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+        # asyncio wraps bind errors in a long message of its own; a lookup error (negative errno) has its text
+        reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
         super().__init__(f"cannot listen on {host}:{port}: {reason}")
 
 
@@ -60,23 +61,25 @@ async def listen(runner: web.AppRunner, host: str, port: int, reuse_port: bool =
 
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     """The aiohttp runner of a proxying process (a lone router or a worker)."""
+    field_size = max(config.max_header_bytes + 1024, 8190)
     return web.AppRunner(
         app,
         handle_signals=False,
         access_log=None,
         handler_cancellation=True,
         shutdown_timeout=config.drain_timeout_s,  # on stop, requests in flight get this long to finish
-        # a connection whose request headers are not all in within this is closed (slow clients,
-        # slowloris), as is an idle keep-alive connection; aiohttp's own default is an hour
-        keepalive_timeout=config.client_timeout_s,
+        # an idle keep-alive connection is closed after this, and so is one that has not sent a whole
+        # request's headers within it (slow clients, slowloris); aiohttp's own default is an hour
+        keepalive_timeout=config.keepalive_timeout_s,
         # after an early answer (413, 408) the rest of the body is read and dropped for this long, so
         # the client sees the answer rather than a reset; a slow client gets no longer than usual
         lingering_time=min(config.client_timeout_s, 10.0),
-        # generous parser limits, so that the router's own check answers an OpenAI-shaped 431 for
-        # headers over max_header_bytes; only beyond these does aiohttp answer a plain 400
-        max_field_size=max(config.max_header_bytes * 4, 65536),
-        max_line_size=max(config.max_header_bytes * 4, 65536),
-        max_headers=max(config.max_header_bytes // 4, 128),
+        # one header line may be as long as the whole block may be, so that the router's own check
+        # answers an OpenAI-shaped 431; the line count keeps what the parser buffers per connection
+        # near 2 MiB (about aiohttp's own default; a count over it gets the parser's plain 400)
+        max_field_size=field_size,
+        max_line_size=field_size,
+        max_headers=max(128, (2 << 20) // field_size),
     )
 
 
@@ -125,11 +128,14 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
                 break
         stop.cancel()
     finally:
-        for other in runners:
-            await other.cleanup()
-        if runner is not None:
-            await runner.cleanup()
-        table.close()
+        try:
+            for other in runners:
+                with contextlib.suppress(Exception):  # the proxy's own runner is cleaned up whatever happens
+                    await other.cleanup()
+            if runner is not None:
+                await runner.cleanup()
+        finally:
+            table.close()
 
 
 # -- the control process ---------------------------------------------------------------------------
