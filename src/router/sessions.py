@@ -54,10 +54,22 @@ class SessionTable:
 
     def put(self, key: bytes, replica: str) -> None:
         self.version += 1
-        self._entries[key] = (replica, self._clock() + self.ttl_s, None, _now_ms())
+        now = self._clock()
+        self._entries[key] = (replica, now + self.ttl_s, None, _now_ms())
         self._entries.move_to_end(key)
+        self._drop_expired(now)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
+
+    def _drop_expired(self, now: float) -> None:
+        """Forget expired entries at the old end, so that memory follows the sessions alive within
+        the TTL rather than filling up to `max_sessions` (amortised O(1) per put)."""
+        entries = self._entries
+        while entries:
+            key = next(iter(entries))
+            if entries[key][1] >= now:
+                return
+            del entries[key]
 
     def move(self, key: bytes, replica: str, reason: str, written_ms: int | None = None) -> bool:
         """The router moved a live session to `replica` (its cache has been warmed there)."""

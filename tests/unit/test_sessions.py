@@ -69,3 +69,23 @@ def test_a_move_made_elsewhere_is_placed_with_its_reason_and_listed() -> None:
     assert table.live("r2") == [(b"b", "r2", 6.0, 1234)]
     clock.now = 11
     assert table.live() == []
+
+
+def test_expired_sessions_are_forgotten_as_new_ones_come() -> None:
+    from router.balance.warmup import PromptStore
+
+    clock = Clock()
+    table = SessionTable(max_sessions=1_000_000, ttl_s=10, clock=clock)
+    store = PromptStore(max_bytes=1 << 30, ttl_s=10, clock=clock)
+    body = b'{"messages": []}' + b" " * 1000
+    for second in range(100):  # ten new sessions a second for 100 s, each seen once
+        clock.now = float(second)
+        for i in range(10):
+            key = f"s{second}-{i}".encode()
+            table.put(key, "r1")
+            store.put(key, "/v1/chat/completions", body)
+    # only the sessions of the last TTL are held, far below either bound
+    assert len(table) <= 110 and len(store) <= 110
+    assert store.bytes == sum(len(store.get(k)[1]) for k, _, _ in table.items())  # type: ignore[index]
+    assert table.get(b"s99-0") == "r1" and store.get(b"s99-0") is not None
+    assert table.get(b"s50-0") is None and store.get(b"s50-0") is None

@@ -48,10 +48,16 @@ class PromptStore:
         old = self._entries.pop(key, None)
         if old is not None:
             self.bytes -= len(old[1])
-        self._entries[key] = (path, body, self._clock() + self.ttl_s)
+        now = self._clock()
+        self._entries[key] = (path, body, now + self.ttl_s)
         self.bytes += len(body)
-        while self.bytes > self.max_bytes and self._entries:
-            _, (_, dropped, _) = self._entries.popitem(last=False)
+        # expired prompts go first (oldest first: one TTL for all keeps them in expiry order), so the
+        # store holds the sessions alive within the TTL, not max_bytes of dead ones
+        while self._entries:
+            oldest = next(iter(self._entries))
+            if self._entries[oldest][2] >= now and self.bytes <= self.max_bytes:
+                break
+            _, dropped, _ = self._entries.pop(oldest)
             self.bytes -= len(dropped)
 
     def get(self, key: bytes) -> tuple[str, bytes] | None:
