@@ -201,7 +201,6 @@ class Clients:
     answer classified into a `Tally`. Each user waits `think_s` between turns."""
 
     def __init__(self, urls: list[str], users: int, max_tokens: int, think_s: float, tag: str) -> None:
-        self.pending = 0  # requests sent and not answered yet
         self.urls = urls
         self.users = users
         self.max_tokens = max_tokens
@@ -257,7 +256,6 @@ class Clients:
         """One request, classified; its reply ("" if it failed), or None if the router refused the connection."""
         body = {"model": "emulated-llm", "messages": history, "max_tokens": self.max_tokens, "stream": stream}
         headers = {"Content-Type": "application/json", **{name: session for name in SESSION_HEADERS}}
-        self.pending += 1
         try:
             async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
                 # the emulated replica that answered names itself, through any router
@@ -279,8 +277,6 @@ class Clients:
         except asyncio.CancelledError:
             self.tally.add("cut_silently", "no answer by the end of the run")
             raise
-        finally:
-            self.pending -= 1
         verdict, detail = classify(status, raw, stream, self.max_tokens)
         self.tally.add(verdict, detail)
         if verdict == "succeeded" and replica:
