@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from router.keys import RoutingKey, routing_key
 
 HEADERS = ("x-session-id", "conversation-id")
@@ -85,3 +88,57 @@ def test_hostile_values_never_crash() -> None:
         result = key({}, body)
         assert isinstance(result, RoutingKey)
     assert key({}, {"messages": [{"role": "user", "content": "\ud800 lone surrogate"}]}).kind == "prefix"
+
+
+# -- properties: any headers and any JSON body give a key, never an exception --------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+# header values as aiohttp hands them over: text, where bytes that are not UTF-8 arrive as surrogate escapes
+HEADER_VALUES = st.binary(max_size=300).map(lambda b: b.decode("utf-8", "surrogateescape"))
+BODIES = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": JSON,
+        "messages": JSON,
+        "prompt": JSON,
+        "input": JSON,
+        "session_id": JSON,
+        "user": JSON,
+        "metadata": JSON,
+    },
+)
+
+
+@given(
+    headers=st.dictionaries(st.sampled_from((*HEADERS, "other")), HEADER_VALUES, max_size=3),
+    body=BODIES | JSON,
+    limit=st.integers(min_value=1, max_value=128),
+)
+def test_any_request_gives_a_bounded_deterministic_key(headers: dict[str, str], body: Any, limit: int) -> None:
+    got = key(headers, body, limit)
+    assert got == key(dict(headers), body, limit)  # the same request, the same key
+    assert got.kind in ("header", "body", "prefix", "none")
+    assert (got.kind == "none") == (got.key == b"")
+    assert len(got.key) <= max(limit, 34)  # at most the limit, or the fixed-length hash of a longer key
+    if got.kind == "header":
+        assert got.source in HEADERS and headers[got.source].strip()
+
+
+@given(session=HEADER_VALUES.filter(lambda v: bool(v.strip())), body=BODIES | JSON)
+def test_a_session_header_wins_over_any_body(session: str, body: Any) -> None:
+    got = key({"x-session-id": session}, body, 1 << 16)
+    assert got == RoutingKey(session.strip().encode("utf-8", "surrogateescape"), "header", "x-session-id")
+
+
+@given(turns=st.lists(st.text(min_size=1, max_size=60), min_size=2, max_size=6), model=st.text(max_size=10))
+def test_a_growing_conversation_keeps_its_prefix_key(turns: list[str], model: str) -> None:
+    history: list[dict[str, str]] = [{"role": "system", "content": "shared system prompt"}]
+    keys = set()
+    for i, text in enumerate(turns):
+        history = [*history, {"role": "user" if i % 2 == 0 else "assistant", "content": text}]
+        keys.add(key({}, {"model": model, "messages": history}))
+    assert len(keys) == 1 and next(iter(keys)).kind == "prefix"
