@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,39 +12,10 @@ import aiohttp
 import pytest
 from chat import turn
 
+from router.bench.faults import RedisServer
 from router.keys import RoutingKey
 
 AUTH = {"Authorization": "Bearer t"}
-
-
-class RedisServer:
-    def __init__(self, binary: str, port: int) -> None:
-        self.binary = binary
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"redis://127.0.0.1:{port}/0"
-
-    async def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                writer.close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                await asyncio.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # our own process, by its PID
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -54,13 +23,10 @@ async def redis_server() -> AsyncIterator[RedisServer]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = RedisServer(binary, port)
+    server = RedisServer(binary)
     await server.start()
     yield server
-    server.stop()
+    await server.stop()
 
 
 async def wait_for(predicate: Any, timeout: float = 5.0) -> float:
@@ -114,7 +80,7 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
         assert await turn(url_b, s) == expected[s]
 
     # Redis goes away: both keep routing on what they know; a change made meanwhile is kept
-    redis_server.stop()
+    await redis_server.stop()
     await wait_for(lambda: not a.redis.online and not b.redis.online, 5)
     async with aiohttp.ClientSession() as http, http.delete(url_a + "/admin/replicas/emu-1", headers=AUTH) as r:
         assert r.status == 200
