@@ -333,10 +333,11 @@ class World:
         from aiohttp import web
 
         from router.proxy.app import Router
+        from router.proxy.workers import runner_for
 
         config = load(None, {}, {"replicas": self.named, **self.settings(**more)})
         router = Router(config)
-        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
+        runner = runner_for(router.app(), config)  # as router-serve serves it: its limits and time-outs
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
