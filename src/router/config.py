@@ -45,6 +45,9 @@ class RouterConfig:
     hash_seed: int = 0
     bounded_load_c: float = 1.25
     bounded_load_floor: int = 8  # a replica with fewer requests in flight than this never spills
+    # REPLICA_ID=N (or *=N for every other replica): requests a replica runs at once, where its
+    # engine does not say (llama-server's slots and the emulator's max_num_seqs are read from it)
+    replica_capacity: tuple[str, ...] = ()
     # affinity
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000
@@ -266,6 +269,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         score_weights(cfg)
     except ValueError as exc:
         raise bad("score_weights", str(exc)) from None
+    try:
+        replica_capacities(cfg)
+    except ValueError as exc:
+        raise bad("replica_capacity", str(exc)) from None
     known = {r.id for r in cfg.replicas}
     for entry in cfg.agents:
         rid, sep, url = entry.partition("=")
@@ -311,6 +318,24 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if dup_url is not None:
         raise bad("replicas", f"{dup_url} is listed twice (a retry could go back to the same replica)")
     return cfg
+
+
+def replica_capacities(cfg: RouterConfig) -> dict[str, int]:
+    """`replica_capacity` as {replica id or "*": requests it runs at once}."""
+    out: dict[str, int] = {}
+    for entry in cfg.replica_capacity:
+        rid, sep, text = entry.rpartition("=")
+        rid = rid.strip()
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not sep or not rid or value < 1:
+            raise ValueError(f"{entry!r} is not REPLICA_ID=N (or *=N) with N a whole number >= 1")
+        if rid in out:
+            raise ValueError(f"{rid!r} is given twice")
+        out[rid] = value
+    return out
 
 
 def score_weights(cfg: RouterConfig) -> ScoreWeights:

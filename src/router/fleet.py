@@ -6,10 +6,18 @@ replica removed mid-request is still released correctly) and are mirrored, by in
 for the ring's bounded-load walk (plus, with load_queue_weight, a share of the engine's queue).
 A request increments in-flight before it goes upstream and decrements exactly once however it
 ends.
+
+Capacity: a replica may say (or be told, `replica_capacity`) how many requests it runs at once.
+Once any routable replica's capacity is known, bounded-load caps scale with it: replica i's cap
+is ceil(U · k_i / mean k) for the uniform cap U, with the load floor never above k_i, so a
+4-slot llama-server spills its fifth request while a 256-sequence vLLM beside it takes many more;
+replicas of unknown capacity count as the mean of the known ones. With no capacity known, or all
+equal, every cap is U exactly, as before.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
 from collections import deque
@@ -48,6 +56,7 @@ class ReplicaState:
     # with worker processes: this replica's slot in the shared table, and (median, samples) of
     # the workers' recent time per output token, pooled by the control loop (router.shared)
     queue_load: int = 0  # load_queue_weight x the engine's waiting requests, part of `Fleet.loads`
+    capacity: int | None = None  # requests it runs at once: reported by its engine, else configured
     slot: int | None = None
     epoch: int = 0
     owner_tag: int = 0
@@ -70,10 +79,14 @@ class Fleet:
         vnodes: int = 128,
         seed: int = 0,
         rules: Hysteresis | None = None,
+        capacities: dict[str, int] | None = None,
     ) -> None:
         self.rules = rules or Hysteresis()
+        # configured capacities by replica id ("*": every replica not named), for engines that report none
+        self.capacities = dict(capacities or {})
         self.replicas = [
-            ReplicaState(s.id, s.url, index=i, health=ReplicaHealth(self.rules)) for i, s in enumerate(specs)
+            ReplicaState(s.id, s.url, index=i, health=ReplicaHealth(self.rules), capacity=self._configured(s.id))
+            for i, s in enumerate(specs)
         ]
         self._by_id = {r.id: r for r in self.replicas}
         self.by_slot: dict[int, ReplicaState] = {}  # with worker processes: shared-table slot -> replica
@@ -84,6 +97,9 @@ class Fleet:
         # counts into `loads` before a decision that depends on them (a spill)
         self.shared_inflight: memoryview | None = None
         self.refresh_loads: Callable[[], None] | None = None
+        self._capacity_changes = 0
+        self._ratios: list[float] | None = None  # capacity / mean capacity by index; None: uniform
+        self._ratios_for: tuple[object, int] | None = None  # the ring snapshot and capacities they are for
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -117,6 +133,47 @@ class Fleet:
         if self.shared_inflight is not None and replica.slot is not None:
             self.shared_inflight[replica.slot * COUNTER_CELL] = replica.inflight
 
+    # -- capacity -----------------------------------------------------------------------------
+
+    def _configured(self, replica_id: str) -> int | None:
+        return self.capacities.get(replica_id, self.capacities.get("*"))
+
+    def set_capacity(self, replica: ReplicaState, reported: float | None) -> None:
+        """The capacity its engine reported (None: it reports none, so the configured one holds)."""
+        value = int(reported) if reported is not None and reported >= 1 else self._configured(replica.id)
+        if value != replica.capacity:
+            replica.capacity = value
+            self._capacity_changes += 1
+
+    def capacity_ratios(self) -> list[float] | None:
+        """Each replica's capacity over the mean capacity of routable replicas (unknown ones count as
+        the mean); None while no capacity is known, or all are alike."""
+        key = (self.ring.current, self._capacity_changes)
+        if key != self._ratios_for:
+            known = [r.capacity for i, r in enumerate(self.replicas) if r.capacity and self.routing_weight(i) > 0]
+            if not known or min(known) == max(known):
+                self._ratios = None  # nothing known, or all alike: every replica takes the uniform cap
+            else:
+                mean = sum(known) / len(known)
+                self._ratios = [(r.capacity if r.capacity is not None else mean) / mean for r in self.replicas]
+            self._ratios_for = key
+        return self._ratios
+
+    def load_cap(self, index: int, uniform: int, floor: int) -> int:
+        """Replica `index`'s bounded-load cap when the uniform cap is `uniform`: scaled by its
+        capacity against the mean, and at least `floor` (or its capacity, if that is smaller)."""
+        ratios = self.capacity_ratios()
+        capacity = self.replicas[index].capacity
+        own_floor = floor if capacity is None else min(floor, capacity)
+        if ratios is None:
+            return max(uniform, own_floor)
+        return max(math.ceil(uniform * ratios[index]), own_floor)
+
+    def fullness(self, index: int) -> float:
+        """In-flight load against capacity (the load alone while capacities are unknown or alike)."""
+        ratios = self.capacity_ratios()
+        return self.loads[index] if ratios is None else self.loads[index] / ratios[index]
+
     # -- membership ---------------------------------------------------------------------------
 
     def add(self, spec: ReplicaSpec) -> list[MovedRange]:
@@ -125,7 +182,13 @@ class Fleet:
         if any(r.url == spec.url for r in self.replicas):
             raise ValueError(f"a replica with url {spec.url} is already in the fleet")
         moved = self.ring.add_replica(spec.id)
-        replica = ReplicaState(spec.id, spec.url, index=len(self.replicas), health=ReplicaHealth(self.rules))
+        replica = ReplicaState(
+            spec.id,
+            spec.url,
+            index=len(self.replicas),
+            health=ReplicaHealth(self.rules),
+            capacity=self._configured(spec.id),
+        )
         self.replicas.append(replica)
         self._by_id[replica.id] = replica
         self.loads.append(0)

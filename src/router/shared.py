@@ -67,6 +67,7 @@ def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
         ttft_ratio=i.ttft_ratio,
         gpu_slowed=_flag(i.gpu_slowed),
         probe_ok=_flag(i.probe_ok) if replica.inputs is not None else None,
+        capacity=replica.capacity,
         updated_at=time.time(),
     )
 
@@ -310,6 +311,7 @@ class Follower:
         health.transitions = row.transitions
         replica.inputs = inputs_of(row)
         replica.engine = EngineStats(row.waiting, row.running, row.kv_usage, row.fragmentation)
+        self.fleet.set_capacity(replica, row.capacity)
         replica.queue_load = round(self.queue_weight * (row.waiting or 0.0))
 
     def refresh(self) -> None:

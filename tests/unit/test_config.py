@@ -151,3 +151,13 @@ def test_score_weights_override_the_defaults() -> None:
     assert Router(cfg).monitor.weights == weights  # the control loop scores with them
     queued = load(None, {"ROUTER_LOAD_QUEUE_WEIGHT": "2"}, {"replicas": ["http://a:1"], "state": "none"})
     assert Router(queued).monitor.queue_weight == 2.0  # probes add 2 x waiting to the load cap's count
+
+
+def test_replica_capacity_entries() -> None:
+    from router.config import replica_capacities
+
+    cfg = load(None, {"ROUTER_REPLICA_CAPACITY": "gpu-1=4, *=256"}, {"replicas": ["gpu-1=http://h:1"]})
+    assert replica_capacities(cfg) == {"gpu-1": 4, "*": 256}
+    for bad in ("gpu-1", "gpu-1=0", "=4", "gpu-1=four", "gpu-1=2.5", "a=1,a=2"):
+        with pytest.raises(ConfigError, match=r"invalid setting 'replica_capacity' \(from ROUTER_REPLICA_CAPACITY\)"):
+            load(None, {"ROUTER_REPLICA_CAPACITY": bad}, {"replicas": ["gpu-1=http://h:1"]})

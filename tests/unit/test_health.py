@@ -1,4 +1,4 @@
-"""Health: engine signal parsing, the score function, and the state machine's hysteresis."""
+"""Health: the score function and the state machine's hysteresis (engine signals: test_engine_signals.py)."""
 
 from __future__ import annotations
 
@@ -7,35 +7,7 @@ import random
 import pytest
 
 from router.health.score import HealthInputs, ScoreWeights, health_score, ramp
-from router.health.signals import EngineStats, parse_engine_metrics
 from router.health.states import Hysteresis, ReplicaHealth
-
-VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 12.0
-vllm:num_requests_running{engine="1",model_name="m"} 3.0
-vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.41
-vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.87
-vllm:prefix_cache_queries_total{model_name="m"} 1000.0
-vllm:prefix_cache_hits_total{model_name="m"} 640.0
-vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0
-"""
-
-
-def test_vllm_metrics() -> None:
-    stats = parse_engine_metrics(VLLM)
-    assert stats == EngineStats(waiting=4.0, running=15.0, kv_usage=0.87, prefix_queries=1000.0, prefix_hits=640.0)
-
-
-def test_older_vllm_sglang_and_missing_figures() -> None:
-    old = parse_engine_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
-    assert old.kv_usage == 0.5 and old.waiting is None and old.running is None  # missing, not zero
-    sglang = parse_engine_metrics("sglang:num_queue_reqs 7\nsglang:num_running_reqs 30\nsglang:token_usage 0.9\n")
-    assert (sglang.waiting, sglang.running, sglang.kv_usage) == (7.0, 30.0, 0.9)
-    assert parse_engine_metrics("") == EngineStats()
-    junk = 'vllm:num_requests_waiting\nvllm:num_requests_waiting{a="b"} NaN\nvllm:num_requests_running x\n{}\n'
-    assert parse_engine_metrics(junk) == EngineStats()
 
 
 def test_score_is_one_for_a_busy_but_healthy_replica() -> None:

@@ -110,3 +110,62 @@ def test_the_engine_queue_can_count_toward_the_load_cap() -> None:
     assert policy.pick(key, None, ()).reason == "spill"  # type: ignore[attr-defined]
     fleet.set_queue_load(fleet.replicas[owner], 0)  # the queue drained
     assert fleet.loads[owner] == 0 and policy.pick(key, None, ()).reason == "ring"  # type: ignore[attr-defined]
+
+
+def test_a_full_replica_spills_even_under_the_floor_when_its_capacity_is_known() -> None:
+    # issue 16: a 4-slot llama-server kept getting a session's requests up to the floor of 8, so
+    # the queued ones waited ~23 s; with its slots known, its floor is its capacity
+    fleet, policy = setup("affinity", n=2)
+    key = k(3)
+    owner = fleet.ring.lookup(key.key)
+    other = 1 - owner
+    fleet.loads[owner] = 4
+    assert policy.pick(key, fleet.replicas[owner].id, ()).index == owner  # type: ignore[attr-defined]  # unknown: floor 8
+    for r in fleet.replicas:
+        fleet.set_capacity(r, 4)
+    moved = policy.pick(key, fleet.replicas[owner].id, ())  # type: ignore[attr-defined]
+    assert (moved.index, moved.reason) == (other, "spill")
+    fleet.loads[owner] = 3
+    assert policy.pick(key, fleet.replicas[owner].id, ()).reason == "sticky"  # type: ignore[attr-defined]
+
+
+def test_caps_scale_with_capacity_and_stay_uniform_when_all_alike() -> None:
+    fleet, _policy = setup("affinity", n=3)
+    uniform = fleet.ring.load_cap(fleet.loads, 1.25)
+    assert [fleet.load_cap(i, 40, 8) for i in range(3)] == [40, 40, 40]
+    for r in fleet.replicas:
+        fleet.set_capacity(r, 64)
+    assert fleet.capacity_ratios() is None  # all alike: exactly the uniform caps
+    assert [fleet.load_cap(i, uniform, 8) for i in range(3)] == [max(uniform, 8)] * 3
+    sizes = (32, 64, 96)
+    for r, size in zip(fleet.replicas, sizes, strict=True):
+        fleet.set_capacity(r, size)
+    assert [fleet.load_cap(i, 40, 8) for i in range(3)] == [20, 40, 60]
+    assert [fleet.load_cap(i, 4, 8) for i in range(3)] == [8, 8, 8]  # the floor still holds below them
+    # a replica of unknown capacity counts as the mean of the known ones
+    fleet.set_capacity(fleet.replicas[1], None)
+    assert fleet.replicas[1].capacity is None and fleet.load_cap(1, 40, 8) == 40
+    # least-loaded goes by load for its capacity: 30 of 96 is emptier than 12 of 32
+    fleet.loads[0], fleet.loads[1], fleet.loads[2] = 12, 50, 30
+    assert fleet.fullness(2) < fleet.fullness(0)
+
+
+def test_least_load_goes_by_capacity() -> None:
+    fleet, policy = setup("least_load", n=2)
+    fleet.loads[0], fleet.loads[1] = 3, 5
+    assert policy.pick(NO_KEY, None, ()).index == 0  # type: ignore[attr-defined]
+    fleet.set_capacity(fleet.replicas[0], 4)
+    fleet.set_capacity(fleet.replicas[1], 16)
+    assert policy.pick(NO_KEY, None, ()).index == 1  # type: ignore[attr-defined]  # 5 of 16 beats 3 of 4
+
+
+def test_configured_capacity_stands_until_the_engine_reports_one() -> None:
+    specs = tuple(parse_replica(f"a{i}=http://127.0.0.1:{9000 + i}") for i in range(3))
+    fleet = Fleet(specs, 16, 0, capacities={"a0": 2, "*": 8})
+    assert [r.capacity for r in fleet.replicas] == [2, 8, 8]
+    fleet.set_capacity(fleet.replicas[1], 4.0)  # llama-server's /slots
+    assert fleet.replicas[1].capacity == 4
+    fleet.set_capacity(fleet.replicas[1], None)  # an engine that reports none: the setting again
+    assert fleet.replicas[1].capacity == 8
+    fleet.add(parse_replica("a9=http://127.0.0.1:9009"))
+    assert fleet.replicas[-1].capacity == 8

@@ -30,6 +30,7 @@ FULL = ReplicaSlot(
     mem_total=80 << 30,
     throttle_reasons=4,
     ecc_errors=0,
+    capacity=256,
     updated_at=1795962901.25,
 )
 
@@ -73,7 +74,7 @@ def test_attach_refuses_something_else() -> None:
 
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-8 replica table"):
+        with pytest.raises(ValueError, match="not a version-9 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()

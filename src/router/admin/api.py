@@ -92,6 +92,7 @@ class AdminApi:
             "relapses": r.health.relapses,
             "return_needed": r.health.return_needed,
             "agent": r.agent,
+            "capacity": r.capacity,
             "engine": dataclasses.asdict(r.engine),
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index],

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one emulated replica, under vLLM's names, plus two emulator gauges.
+"""Prometheus metrics of one emulated replica, under vLLM's names, plus a few of the emulator's own.
 
 Anything built to scrape vLLM (the router's health checks, dashboards) works against the
 emulator unchanged. Times are engine seconds: what the emulated GPU would show, whatever the
@@ -99,6 +99,9 @@ class ReplicaMetrics:
             label,
             registry=r,
         )
+        self.max_num_seqs = Gauge(
+            "emulator:max_num_seqs", "Requests the engine runs at once at most (its batch).", label, registry=r
+        )
         self.busy_seconds = Counter("emulator:busy_seconds", "Engine seconds spent running steps.", label, registry=r)
         self.model = model
         self._steps: deque[tuple[float, float]] = deque()  # (end, duration) of recent steps
@@ -135,4 +138,5 @@ class ReplicaMetrics:
         self.kv_usage.labels(m).set(engine.cache.usage)
         self.fragmentation.labels(m).set(engine.fragmentation())
         self.busy.labels(m).set(self.busy_fraction(now))
+        self.max_num_seqs.labels(m).set(engine.config.max_num_seqs)
         return generate_latest(self.registry)

@@ -29,7 +29,7 @@ import aiohttp
 
 from router.fleet import Fleet, ReplicaState
 from router.health.score import HealthInputs, ScoreWeights, health_score
-from router.health.signals import EngineStats, parse_engine_metrics
+from router.health.signals import BY_KIND, LLAMA_CPP, EngineStats, parse_engine_metrics, read_slots, with_slots
 from router.shm.table import SlotTable, TornRead
 
 log = logging.getLogger("router.health")
@@ -38,7 +38,7 @@ MIN_SAMPLES = 5
 # NVML clock event reasons that mean the GPU runs slower than it should: HW slowdown, SW thermal,
 # HW thermal, HW power brake (a power cap alone is normal under load)
 SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
-ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats))
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.name != "kind")
 LATENCY_WINDOW_PROBES = 5  # latency samples older than this many probe intervals are ignored,
 LATENCY_WINDOW_MIN_S = 10.0  # or than this many seconds, whichever is longer
 LATENCY_RECENT = 9  # and of the rest, only the latest this many count: a slowdown shows within a few replies
@@ -120,6 +120,8 @@ class HealthMonitor:
                     **{k: v if v is not None else gpu.get(k) for k, v in dataclasses.asdict(stats).items()}
                 )
             replica.engine = stats
+            if stats.kind is not None:  # its engine answered (else the capacity last read stands)
+                self.fleet.set_capacity(replica, stats.capacity)
             if self.queue_weight:
                 self.fleet.set_queue_load(replica, round(self.queue_weight * (stats.waiting or 0.0)))
             inputs = HealthInputs(
@@ -147,6 +149,7 @@ class HealthMonitor:
             async with client.get(replica.url + "/health", timeout=self.timeout) as resp:
                 await resp.read()
                 ok = resp.status < 500
+                server = resp.headers.get("Server", "")
         except (aiohttp.ClientError, OSError, TimeoutError):
             return False, EngineStats()
         stats = EngineStats()
@@ -154,6 +157,14 @@ class HealthMonitor:
             async with client.get(replica.url + "/metrics", timeout=self.timeout) as resp:
                 if resp.status == 200:
                     stats = parse_engine_metrics(await resp.text())
+        engine = BY_KIND.get(stats.kind or "")
+        if engine is None and server.startswith("llama.cpp"):
+            engine = LLAMA_CPP  # llama-server started without --metrics still lists its slots
+        if engine is not None and engine.slots:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                async with client.get(replica.url + "/slots", timeout=self.timeout) as resp:
+                    if resp.status == 200:
+                        stats = with_slots(stats, read_slots(await resp.json(content_type=None)), engine)
         return ok, stats
 
     def _fresh(self, taken_at: float) -> bool:

@@ -1,31 +1,114 @@
-"""What an inference engine's Prometheus `/metrics` says about its load, read by name.
+"""What an inference engine says about its load, read by name from one table per engine.
 
-Understands vLLM (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
-`vllm:kv_cache_usage_perc` and the older `vllm:gpu_cache_usage_perc`, prefix-cache counters),
-SGLang (`sglang:num_queue_reqs`, `sglang:num_running_reqs`, `sglang:token_usage`) and the
-emulator's `emulator:kv_fragmentation`. A figure the engine does not export stays None: missing,
-never invented. Several series of one gauge (one per engine or model label) add up, except
-usage and fragmentation ratios, which take the worst.
+Each engine exports its figures under names of its own. `ENGINES` below says, for each engine the
+router knows, which Prometheus metric (or sum of metrics, or `/slots` field) means each figure the
+router uses: requests waiting, requests running, KV-cache usage (0..1), fragmentation of held KV,
+prefix-cache queries and hits (tokens), and capacity (requests it runs at once). An engine is
+recognised by its metrics' prefix. A figure the engine does not export stays None: missing, never
+invented. Several series of one metric (one per engine core or model label) add up, except usage
+and fragmentation ratios, which take the worst.
+
+Where a figure has several sources, the first one the engine exports wins (vLLM's current name,
+then its older one). Worked example, llama.cpp's `llama-server --metrics`:
+
+    llamacpp:requests_deferred 3            -> waiting 3
+    llamacpp:requests_processing 4          -> running 4
+    llamacpp:prompt_tokens_total 900        -> prefix queries 900 + 300 = 1200 (it counts uncached
+    llamacpp:prompt_tokens_cached_total 300    tokens only), prefix hits 300
+    GET /slots: four slot objects           -> capacity 4
+
+No KV usage: llama-server exports no such gauge (older builds had `kv_cache_usage_ratio`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
-# engine metric name -> (EngineStats field, how series combine)
-NAMES: dict[str, tuple[str, str]] = {
-    "vllm:num_requests_waiting": ("waiting", "sum"),
-    "vllm:num_requests_running": ("running", "sum"),
-    "vllm:kv_cache_usage_perc": ("kv_usage", "max"),
-    "vllm:gpu_cache_usage_perc": ("kv_usage", "max"),
-    "vllm:prefix_cache_queries_total": ("prefix_queries", "sum"),
-    "vllm:prefix_cache_hits_total": ("prefix_hits", "sum"),
-    "sglang:num_queue_reqs": ("waiting", "sum"),
-    "sglang:num_running_reqs": ("running", "sum"),
-    "sglang:token_usage": ("kv_usage", "max"),
-    "emulator:kv_fragmentation": ("fragmentation", "max"),
+SUM, MAX = "sum", "max"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """One source of a figure: these metrics' series added up (`MAX`: the worst series instead)."""
+
+    names: tuple[str, ...]
+    combine: str = SUM
+
+
+@dataclass(frozen=True)
+class Slots:
+    """A figure from llama-server's `GET /slots` (a list of slot objects): how many slots there
+    are (`count`), or how many have `is_processing` set (`processing`)."""
+
+    what: str
+
+
+Source = Metrics | Slots
+
+
+@dataclass(frozen=True)
+class Engine:
+    kind: str  # how /admin/replicas names it
+    prefix: str  # recognised by metrics named so
+    figures: Mapping[str, tuple[Source, ...]]  # EngineStats field -> its sources, first exported wins
+    slots: bool = False  # also read GET /slots
+
+
+def _m(*names: str, combine: str = SUM) -> Metrics:
+    return Metrics(names, combine)
+
+
+_VLLM: dict[str, tuple[Source, ...]] = {
+    # v0 also counted requests swapped out to CPU memory apart: they wait to run again too
+    "waiting": (_m("vllm:num_requests_waiting", "vllm:num_requests_swapped"),),
+    "running": (_m("vllm:num_requests_running"),),
+    "kv_usage": (_m("vllm:kv_cache_usage_perc", combine=MAX), _m("vllm:gpu_cache_usage_perc", combine=MAX)),
+    "prefix_queries": (_m("vllm:prefix_cache_queries_total"),),
+    "prefix_hits": (_m("vllm:prefix_cache_hits_total"),),
+    # vLLM exports no concurrency limit (max_num_seqs): the `replica_capacity` setting gives it
 }
+
+ENGINES: tuple[Engine, ...] = (
+    # first: it also exports vLLM's names
+    Engine(
+        "emulator",
+        "emulator:",
+        {
+            **_VLLM,
+            "fragmentation": (_m("emulator:kv_fragmentation", combine=MAX),),
+            "capacity": (_m("emulator:max_num_seqs"),),
+        },
+    ),
+    Engine("vllm", "vllm:", _VLLM),
+    Engine(
+        "sglang",
+        "sglang:",
+        {
+            "waiting": (_m("sglang:num_queue_reqs"),),
+            "running": (_m("sglang:num_running_reqs"),),
+            "kv_usage": (_m("sglang:token_usage", combine=MAX),),
+        },
+    ),
+    Engine(
+        "llama.cpp",
+        "llamacpp:",
+        {
+            "waiting": (_m("llamacpp:requests_deferred"),),
+            "running": (_m("llamacpp:requests_processing"), Slots("processing")),
+            "kv_usage": (_m("llamacpp:kv_cache_usage_ratio", combine=MAX),),
+            # prompt_tokens_total counts the tokens it computed, not those it found cached
+            "prefix_queries": (_m("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total"),),
+            "prefix_hits": (_m("llamacpp:prompt_tokens_cached_total"),),
+            "capacity": (Slots("count"),),
+        },
+        slots=True,
+    ),
+)
+BY_KIND = {e.kind: e for e in ENGINES}
+LLAMA_CPP = BY_KIND["llama.cpp"]
 
 
 @dataclass(frozen=True)
@@ -36,31 +119,80 @@ class EngineStats:
     fragmentation: float | None = None  # 0..1
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    capacity: float | None = None  # requests the engine runs at once (slots, max_num_seqs)
+    kind: str | None = None  # which engine it is (ENGINES), None when not recognised
 
 
-def parse_engine_metrics(text: str) -> EngineStats:
-    """Read the known figures out of Prometheus text exposition; unknown lines are skipped and a
-    malformed line never raises."""
-    found: dict[str, float] = {}
+def _samples(text: str) -> list[tuple[str, float]]:
+    """(metric name, value) of every well-formed sample line; a malformed line never raises."""
+    out = []
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end <= 0:
             continue
-        target = NAMES.get(line[:name_end])
-        if target is None:
-            continue
         fields = line[line.rfind("}") + 1 if "}" in line else name_end :].split()
         try:
             value = float(fields[0])
         except (IndexError, ValueError):
             continue
-        if not math.isfinite(value):
-            continue
-        field, how = target
-        if field in found:
-            found[field] = found[field] + value if how == "sum" else max(found[field], value)
-        else:
-            found[field] = value
+        if math.isfinite(value):
+            out.append((line[:name_end], value))
+    return out
+
+
+def recognise(names: set[str] | list[str]) -> Engine | None:
+    """The engine whose metrics these are (the first in ENGINES with one of its prefix)."""
+    return next((e for e in ENGINES if any(n.startswith(e.prefix) for n in names)), None)
+
+
+def parse_engine_metrics(text: str, engine: Engine | None = None) -> EngineStats:
+    """The known figures out of Prometheus text exposition, by the table of the engine that
+    exported it (recognised from the text unless given)."""
+    samples = _samples(text)
+    engine = engine or recognise([name for name, _ in samples])
+    if engine is None:
+        return EngineStats()
+    combine = {
+        name: source.combine
+        for sources in engine.figures.values()
+        for source in sources
+        if isinstance(source, Metrics)
+        for name in source.names
+    }
+    values: dict[str, float] = {}  # per metric name, its series combined
+    for name, value in samples:
+        how = combine.get(name)
+        if how is not None:
+            before = values.get(name)
+            values[name] = value if before is None else before + value if how == SUM else max(before, value)
+    found: dict[str, Any] = {"kind": engine.kind}
+    for figure, sources in engine.figures.items():
+        for source in sources:
+            if isinstance(source, Metrics):
+                present = [values[n] for n in source.names if n in values]
+                if present:
+                    found[figure] = sum(present)
+                    break
     return EngineStats(**found)
+
+
+def read_slots(slots: Any, engine: Engine = LLAMA_CPP) -> dict[str, float]:
+    """The figures `engine` reads from a `GET /slots` answer; {} for anything but a list of objects."""
+    if not isinstance(slots, list) or not all(isinstance(s, dict) for s in slots):
+        return {}
+    counts = {"count": float(len(slots)), "processing": float(sum(1 for s in slots if s.get("is_processing") is True))}
+    return {
+        figure: counts[source.what]
+        for figure, sources in engine.figures.items()
+        for source in sources
+        if isinstance(source, Slots)
+    }
+
+
+def with_slots(stats: EngineStats, slots: Mapping[str, float], engine: Engine = LLAMA_CPP) -> EngineStats:
+    """`stats` with the figures read from /slots filled in where the metrics did not give them (a
+    figure whose metric source comes first in the table keeps the metric's value)."""
+    fill = {k: v for k, v in slots.items() if getattr(stats, k) is None}
+    return replace(stats, kind=stats.kind or engine.kind, **fill)

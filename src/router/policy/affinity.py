@@ -9,7 +9,9 @@
    else its successor ("spill"), never a random replica.
 The cap never goes below `bounded_load_floor`: at a few requests in flight the cap's rounding
 would otherwise spill sessions away from their cache for a queue of one or two, which costs a
-replica far less than recomputing a conversation.
+replica far less than recomputing a conversation. Where replicas' capacities are known (engine
+slots, `max_num_seqs`, or `replica_capacity`), each cap scales with its replica's capacity and the
+floor never exceeds it (router.fleet): a queue behind full slots is not "one or two".
 Requests without a key spread least-loaded (ties rotate).
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count
@@ -41,7 +43,11 @@ class Affinity(Policy):
         fleet, ring = self.fleet, self.fleet.ring
         floor = self.config.bounded_load_floor
         capped = False
-        c = self.config.bounded_load_c
+        uniform = ring.load_cap(fleet.loads, self.config.bounded_load_c)
+
+        def under(i: int) -> bool:
+            return fleet.loads[i] < fleet.load_cap(i, uniform, floor)
+
         if last is not None:
             previous = fleet.find(last)
             if (
@@ -50,29 +56,28 @@ class Affinity(Policy):
                 and previous.index not in exclude
                 and (fleet.routable(previous.index) or previous.state == "draining")
             ):
-                if fleet.loads[previous.index] < max(ring.load_cap(fleet.loads, c), floor):
+                if under(previous.index):
                     return Decision(previous.index, "sticky"), False
                 capped = True
-        cap = max(ring.load_cap(fleet.loads, c), floor)
         if not exclude:
             owner = ring.lookup(key.key)
             if owner < 0:
                 return None, capped
-            if fleet.loads[owner] < cap:
+            if under(owner):
                 return Decision(owner, "ring"), capped
-            # the next replica clockwise under the cap (the floor included, which the ring's own
-            # lookup_bounded does not know); every one at the cap: the least loaded of them
+            # the next replica clockwise under its cap (the floor included, which the ring's own
+            # lookup_bounded does not know); every one at its cap: the least full of them
             walk = ring.successors(key.key)
-            spill = next((i for i in walk if fleet.loads[i] < cap), min(walk, key=fleet.loads.__getitem__))
+            spill = next((i for i in walk if under(i)), min(walk, key=fleet.fullness))
             return Decision(spill, "spill"), True
         fallback: int | None = None
         for i in ring.successors(key.key):
             if i in exclude:
                 continue
-            if fleet.loads[i] < cap:
+            if under(i):
                 return Decision(i, "failover"), capped
             capped = True
             if fallback is None:
                 fallback = i
-        # every untried replica is at the cap: a retry still beats an error
+        # every untried replica is at its cap: a retry still beats an error
         return (None if fallback is None else Decision(fallback, "failover")), capped

@@ -30,18 +30,21 @@ class Policy:
         raise NotImplementedError
 
     def least_loaded(self, exclude: Collection[int], reason: str = "least_load") -> Decision | None:
-        """The routable replica with the fewest in-flight requests. Ties rotate, so equal loads
-        never pin traffic to the first replica in the list."""
+        """The routable replica with the fewest in-flight requests for its capacity. Ties rotate, so
+        equal loads never pin traffic to the first replica in the list."""
         n = len(self.fleet)
         if n == 0:
             return None
         start = next(self._rotation) % n
         best: int | None = None
         loads = self.fleet.loads
+        ratios = self.fleet.capacity_ratios()
+        fullest = float("inf")
         for step in range(n):
             i = (start + step) % n
             if i in exclude or not self.fleet.routable(i):
                 continue
-            if best is None or loads[i] < loads[best]:
-                best = i
+            full = loads[i] if ratios is None else loads[i] / ratios[i]
+            if full < fullest:
+                best, fullest = i, full
         return None if best is None else Decision(best, reason)

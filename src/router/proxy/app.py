@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from router.balance.controller import Balancer
 from router.balance.view import LinkDown, LocalSessions, SessionEntry, SessionSource
-from router.config import ReplicaSpec, RouterConfig, score_weights
+from router.config import ReplicaSpec, RouterConfig, replica_capacities, score_weights
 from router.discovery import Discovery
 from router.errors import error_response
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
@@ -117,6 +117,7 @@ class Router:
                 config.recovery_ramp_s,
                 flap_backoff=config.flap_backoff,
             ),
+            replica_capacities(config),
         )
         self.policy = make_policy(config.policy, self.fleet, config)
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)

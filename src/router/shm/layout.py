@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 8
+VERSION = 9
 HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation, then padding to 64
 GENERATION_AT = 32
 HEADER_SIZE = 64
@@ -50,7 +50,7 @@ OPTIONAL_FLOATS = (
     "latency_ratio",
     "ttft_ratio",
 )
-OPTIONAL_INTS = ("mem_used", "mem_total", "throttle_reasons", "ecc_errors", "gpu_slowed", "probe_ok")
+OPTIONAL_INTS = ("mem_used", "mem_total", "throttle_reasons", "ecc_errors", "gpu_slowed", "probe_ok", "capacity")
 OPTIONAL = OPTIONAL_FLOATS + OPTIONAL_INTS
 SLOT_PAYLOAD = struct.Struct(
     f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIIddq" + "d" * len(OPTIONAL_FLOATS) + "Q" * len(OPTIONAL_INTS) + "d"
@@ -105,6 +105,7 @@ class ReplicaSlot:
     ttft_ratio: float | None = None
     gpu_slowed: int | None = None  # 0 or 1
     probe_ok: int | None = None  # 0 or 1
+    capacity: int | None = None  # requests the replica runs at once (reported or configured)
     updated_at: float = 0.0
 
 

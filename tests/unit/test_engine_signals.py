@@ -1,0 +1,87 @@
+"""Engine signals as data: each engine's /metrics (fixtures in tests/data/engines) read by its table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from router.health.signals import BY_KIND, ENGINES, EngineStats, Metrics, parse_engine_metrics, read_slots, with_slots
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "engines"
+
+
+def fixture(name: str) -> str:
+    return (DATA / name).read_text()
+
+
+def test_vllm_current_names_add_engine_cores_and_take_the_fuller_cache() -> None:
+    stats = parse_engine_metrics(fixture("vllm.txt"))
+    assert stats == EngineStats(
+        waiting=4.0, running=15.0, kv_usage=0.87, prefix_queries=1000.0, prefix_hits=640.0, kind="vllm"
+    )
+    assert stats.capacity is None  # vLLM exports no max_num_seqs: the setting must give it
+
+
+def test_older_vllm_names_and_swapped_requests_wait_too() -> None:
+    stats = parse_engine_metrics(fixture("vllm-v0.txt"))
+    assert (stats.kind, stats.waiting, stats.running, stats.kv_usage) == ("vllm", 7.0, 30.0, 0.96)
+    assert stats.prefix_queries is None and stats.prefix_hits is None  # a hit-rate gauge is not a count
+
+
+def test_sglang() -> None:
+    stats = parse_engine_metrics(fixture("sglang.txt"))
+    assert stats == EngineStats(waiting=7.0, running=30.0, kv_usage=0.9, kind="sglang")
+
+
+def test_llama_cpp_recorded_from_the_real_server() -> None:
+    stats = parse_engine_metrics(fixture("llamacpp.txt"))
+    # prompt_tokens_total counts computed tokens only: queries are computed + cached
+    assert stats == EngineStats(
+        waiting=0.0, running=1.0, prefix_queries=102.0 + 663.0, prefix_hits=663.0, kind="llama.cpp"
+    )
+    assert stats.kv_usage is None  # it exports no KV usage gauge: missing, not zero
+    slots = read_slots(json.loads(fixture("llamacpp-slots.json")))
+    assert slots == {"running": 1.0, "capacity": 2.0}
+    full = with_slots(stats, slots)
+    assert full.capacity == 2.0 and full.running == 1.0  # the metric's running stands, /slots adds capacity
+
+
+def test_llama_server_without_metrics_is_read_from_its_slots_alone() -> None:
+    slots = [{"id": i, "is_processing": i < 3, "n_ctx": 4096} for i in range(4)]
+    stats = with_slots(EngineStats(), read_slots(slots), BY_KIND["llama.cpp"])
+    assert (stats.kind, stats.capacity, stats.running, stats.waiting) == ("llama.cpp", 4.0, 3.0, None)
+    for odd in (None, {}, {"slots": []}, [1, 2], "x", [{"is_processing": "yes"}]):
+        got = read_slots(odd)
+        assert got in ({}, {"running": 0.0, "capacity": 1.0}), odd  # never raises, never a wrong shape
+
+
+def test_the_emulator_is_told_from_vllm_by_its_own_metrics() -> None:
+    stats = parse_engine_metrics(fixture("emulator.txt"))
+    assert stats.kind == "emulator"
+    assert (stats.capacity, stats.fragmentation, stats.prefix_queries, stats.prefix_hits) == (64.0, 0.0, 246.0, 160.0)
+    assert (stats.waiting, stats.running, stats.kv_usage) == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("text", ["", "# only comments\n", "something_else 1\n", "{}\n"])
+def test_unknown_or_empty_text_is_no_engine(text: str) -> None:
+    assert parse_engine_metrics(text) == EngineStats()
+
+
+def test_malformed_lines_are_skipped_and_never_raise() -> None:
+    junk = 'vllm:num_requests_waiting\nvllm:num_requests_waiting{a="b"} NaN\nvllm:num_requests_running x\n{}\n'
+    assert parse_engine_metrics(junk) == EngineStats()  # no valid sample: nothing recognised
+    mixed = 'vllm:num_requests_waiting{a="b"} inf\nvllm:num_requests_waiting{a="c"} 2\n'
+    assert parse_engine_metrics(mixed).waiting == 2.0
+
+
+def test_every_table_names_only_figures_the_router_has() -> None:
+    fields = set(EngineStats.__dataclass_fields__) - {"kind"}
+    for engine in ENGINES:
+        assert set(engine.figures) <= fields, engine.kind
+        for sources in engine.figures.values():
+            for source in sources:
+                if isinstance(source, Metrics):
+                    assert all(n.startswith(engine.prefix) or n.startswith("vllm:") for n in source.names)
+    assert len(BY_KIND) == len(ENGINES)
