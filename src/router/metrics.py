@@ -57,6 +57,12 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "on another replica while attempts remain.",
         ("cause",),
     ),
+    "router_upstream_reconnects": (
+        "counter",
+        "Requests sent again, at once, on a new connection to the same replica because the pooled keep-alive "
+        "connection they were given had been closed by the replica before any answer (not a replica error).",
+        ("replica",),
+    ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
     "router_replica_score": ("gauge", "Each replica's latest health score (0..1).", ("replica",)),
     "router_replica_routable": (
@@ -190,6 +196,7 @@ class RouterMetrics:
         self.jumps = made["router_session_jumps"]
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
+        self.reconnects = made["router_upstream_reconnects"]
         self.stream_errors = made["router_stream_errors"]
         self.stream_resumes = made["router_stream_resumes"]
         self.score = made["router_replica_score"]

@@ -1,11 +1,16 @@
-"""The stream pump when the client leaves: no error blamed on the replica, nothing raised."""
+"""The stream pump and framer: a client that leaves, and what the router hides of a stream."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
+import orjson
+import pytest
+
 from router.proxy.forward import Outcome, _pump, _SseFramer
+from router.proxy.resume import SoFar, Splicer
 
 
 class Upstream:
@@ -42,3 +47,78 @@ async def test_a_client_that_leaves_mid_stream_is_not_an_upstream_error() -> Non
     await _pump(upstream, client, events[0], _SseFramer(False), outcome, 5.0, loop.time() + 5, None, 0.0)  # type: ignore[arg-type]
     assert outcome.client_gone and outcome.stream_error is None
     assert len(client.written) == 2 and upstream.reads == 2  # stopped reading the replica at once
+
+
+# llama-server's stream when asked for usage (recorded): `timings` ride on the usage chunk, and
+# on the finish chunk when usage was not asked for
+LLAMA = [
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],'
+    b'"created":1796132651,"id":"chatcmpl-J","model":"tiny.gguf","object":"chat.completion.chunk"}\n\n',
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" TCP"}}],'
+    b'"created":1796132651,"id":"chatcmpl-J","model":"tiny.gguf","object":"chat.completion.chunk"}\n\n',
+    b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+    b'"created":1796132651,"id":"chatcmpl-J","model":"tiny.gguf","object":"chat.completion.chunk"}\n\n',
+    b'data: {"choices":[],"created":1796132651,"id":"chatcmpl-J","model":"tiny.gguf",'
+    b'"object":"chat.completion.chunk","usage":{"completion_tokens":1,"prompt_tokens":18,"total_tokens":19,'
+    b'"prompt_tokens_details":{"cached_tokens":17}},"timings":{"cache_n":17,"prompt_n":1,"predicted_n":1}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def run_framer(framer: _SseFramer | Splicer, pieces: list[bytes]) -> bytes:
+    out = b"".join(framer.feed(p) for p in pieces)
+    return out + framer.release() + framer.pending()
+
+
+def pieces_of(data: bytes, how: str) -> list[bytes]:
+    if how == "events":
+        return [e + b"\n\n" for e in data.split(b"\n\n") if e]
+    if how == "bytes":
+        return [data[i : i + 1] for i in range(len(data))]
+    if how == "whole":
+        return [data]
+    rng = random.Random(how)
+    cuts = sorted(rng.sample(range(1, len(data)), 12))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+@pytest.mark.parametrize("how", ["events", "bytes", "whole", "seed-1", "seed-2"])
+def test_timings_on_the_hidden_usage_chunk_reach_the_client_on_the_finish_chunk(how: str) -> None:
+    framer = _SseFramer(strip_usage=True)
+    out = run_framer(framer, pieces_of(b"".join(LLAMA), how))
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[:2] == [e.strip() for e in LLAMA[:2]]  # untouched, byte for byte
+    assert b'"usage"' not in out and events[-1] == b"data: [DONE]"
+    finish = orjson.loads(events[2][5:])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert finish["timings"] == {"cache_n": 17, "prompt_n": 1, "predicted_n": 1}
+    assert events[2].startswith(LLAMA[2].strip()[:-1])  # the engine's bytes, the field added at the end
+    assert framer.usage == (18, 17, 1) and framer.done
+
+
+@pytest.mark.parametrize("how", ["events", "bytes", "seed-3"])
+def test_a_stream_is_unchanged_when_nothing_is_hidden(how: str) -> None:
+    data = b"".join(LLAMA)
+    assert run_framer(_SseFramer(strip_usage=False), pieces_of(data, how)) == data  # the client asked for usage
+    plain = b"".join([*LLAMA[:3], LLAMA[4]])  # no usage chunk: the finish chunk goes out as it came
+    assert run_framer(_SseFramer(strip_usage=True), pieces_of(plain, how)) == plain
+    vllm_usage = LLAMA[3].replace(b',"timings":{"cache_n":17,"prompt_n":1,"predicted_n":1}', b"")
+    no_extras = b"".join([*LLAMA[:3], vllm_usage, LLAMA[4]])
+    assert run_framer(_SseFramer(strip_usage=True), pieces_of(no_extras, how)) == plain
+
+
+def test_a_finish_chunk_held_when_the_stream_breaks_still_reaches_the_client() -> None:
+    framer = _SseFramer(strip_usage=True)
+    assert framer.feed(b"".join(LLAMA[:3])) == b"".join(LLAMA[:2])
+    assert framer.release() == LLAMA[2]  # the replica broke before its usage chunk
+    assert framer.release() == b""
+
+
+def test_the_splicer_keeps_timings_too() -> None:
+    so_far = SoFar(text="x", chunks=1, id="chatcmpl-A", created=1, role=True)
+    splicer = Splicer(so_far, chat=True, strip_usage=True)
+    out = run_framer(splicer, pieces_of(b"".join(LLAMA), "events"))
+    events = [orjson.loads(e[5:]) for e in out.split(b"\n\n") if e and e != b"data: [DONE]"]
+    assert [e["id"] for e in events] == ["chatcmpl-A", "chatcmpl-A"]  # role chunk dropped, ids rewritten
+    assert "usage" not in events[-1] and events[-1]["timings"]["cache_n"] == 17
+    assert out.endswith(b"data: [DONE]\n\n")

@@ -33,7 +33,7 @@ from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import PER_REPLICA_GAUGES, RouterMetrics, replica_gauge_families
 from router.policy import Decision, make_policy
-from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
+from router.proxy.forward import Outcome, Retry, Timeouts, Upstream, attempt, end_stream, forward_headers, resume
 from router.proxy.internal import serve_internal, worker_socket
 from router.proxy.resume import SoFar, Splicer, continuation, read_so_far
 from router.redis_state import RedisSessions, RedisState
@@ -124,6 +124,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.timeouts = Timeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.idle_timeout_s)
         self.client: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None  # the client, and a pool-less one for stale connections
         self.publisher = Publisher(self.fleet, table) if table is not None and worker is None else None
         self.follower: Follower | None = None
         self.shared_sessions: SharedSessions | None = None
@@ -497,6 +498,11 @@ class Router:
             await task
 
     @property
+    def upstream_client(self) -> Upstream:
+        assert self.upstream is not None, "the router application is not running"
+        return self.upstream
+
+    @property
     def http(self) -> aiohttp.ClientSession:
         """The upstream client session; it exists while the application runs."""
         assert self.client is not None, "the router application is not running"
@@ -583,8 +589,20 @@ class Router:
         self.client = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
+        fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True, enable_cleanup_closed=True),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        self.upstream = Upstream(self.client, fresh, self._reconnected)
         yield
         await self.client.close()
+        await fresh.close()
+
+    def _reconnected(self, url: str) -> None:
+        """A request went out again on a new connection: its pooled one was closed by the replica."""
+        replica = next((r for r in self.fleet.replicas if url.startswith(r.url + "/")), None)
+        self.metrics.child(self.metrics.reconnects, replica.id if replica is not None else "none").inc()
 
     # -- proxying ----------------------------------------------------------------------------
 
@@ -683,7 +701,7 @@ class Router:
             alone = replica.index is not None and self.fleet.loads[replica.index] <= 1
             try:
                 result = await attempt(
-                    self.http,
+                    self.upstream_client,
                     request,
                     replica.url + request.path,
                     raw,
@@ -768,7 +786,7 @@ class Router:
             self.fleet.acquire(replica)
             try:
                 failed = await resume(
-                    self.http,
+                    self.upstream_client,
                     replica.url + request.path,
                     raw,
                     headers,

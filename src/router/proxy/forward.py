@@ -2,7 +2,12 @@
 
 The client's response is not started until the replica's first body bytes arrive, so anything
 that goes wrong before then (refused connection, reset, 5xx, time-out) is reported as a
-`Retry` and the caller tries the next replica. Once bytes have gone out, a broken upstream is
+`Retry` and the caller tries the next replica. One failure is not the replica's: a pooled
+keep-alive connection it had already closed (llama-server closes one after every streamed
+response although it answers `Keep-Alive`; uvicorn closes idle ones after 5 s), found out when the
+request cannot be written or the connection ends before any answer. That request is sent once
+more, at once, on a new connection to the same replica (`Upstream`): no failover, no error charged,
+no session jump. Once bytes have gone out, a broken upstream is
 left open for the caller to resume on another replica (`resume`, see resume.py) or ends the
 client's stream with an SSE error event and `[DONE]`, never a silent cut.
 
@@ -17,6 +22,7 @@ import asyncio
 import functools
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from router.errors import sse_error_event
-from router.proxy.resume import StreamRecord
+from router.proxy.resume import FinishHold, StreamRecord, finishes
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -79,6 +85,27 @@ class Outcome:
     transport: Any = None
 
 
+@dataclass
+class Upstream:
+    """How the router reaches replicas: the pooled client, and a pool-less one for resending a
+    request whose pooled connection the replica had closed (each told to `on_reconnect`, by URL)."""
+
+    pooled: aiohttp.ClientSession
+    fresh: aiohttp.ClientSession
+    on_reconnect: Callable[[str], None] = lambda url: None
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout) -> Any:
+        try:
+            return await self.pooled.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # a connection that could not be made is the replica's fault; one that was already
+            # open and is found closed before any answer is a stale pooled connection
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+        self.on_reconnect(url)
+        return await self.fresh.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
+
+
 @dataclass(frozen=True)
 class Timeouts:
     connect_s: float
@@ -116,7 +143,7 @@ def forward_headers(request: web.Request) -> dict[str, str]:
 
 
 async def attempt(
-    client: aiohttp.ClientSession,
+    client: Upstream,
     request: web.Request,
     url: str,
     body: bytes,
@@ -137,9 +164,7 @@ async def attempt(
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)) as timer:
-                upstream = await client.post(
-                    url, data=body, headers=headers, timeout=timeouts.upstream, allow_redirects=False
-                )
+                upstream = await client.post(url, body, headers, timeouts.upstream)
                 if upstream.status >= 500:
                     timer.reschedule(min(loop.time() + timeouts.idle_s, deadline))
                     try:
@@ -263,6 +288,11 @@ async def _stream(
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
             await _pump(upstream, outcome.response, first, framer, outcome, idle, deadline, outcome.transport, t0)
             if not outcome.client_gone:
+                held = framer.release()  # a finish event waiting for a usage event that never came
+                if held:
+                    await outcome.response.write(held)
+                    if outcome.record is not None:
+                        outcome.record.add(held)
                 tail = framer.pending()
                 if outcome.stream_error is None and not framer.done:
                     outcome.stream_error = "upstream closed the stream early"
@@ -301,7 +331,7 @@ async def end_stream(outcome: Outcome) -> None:
 
 
 async def resume(
-    client: aiohttp.ClientSession,
+    client: Upstream,
     url: str,
     body: bytes,
     headers: dict[str, str],
@@ -319,9 +349,7 @@ async def resume(
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)):
-                upstream = await client.post(
-                    url, data=body, headers=headers, timeout=timeouts.upstream, allow_redirects=False
-                )
+                upstream = await client.post(url, body, headers, timeouts.upstream)
                 if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
                     "text/event-stream"
                 ):
@@ -409,13 +437,16 @@ _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
 
 class _SseFramer:
     """Splits a byte stream into SSE events (any of the spec's line endings); reads usage, drops
-    the injected usage event, notices `[DONE]`. Events are forwarded byte for byte."""
+    the injected usage event, notices `[DONE]`. Events are forwarded byte for byte, except that when
+    the router hides the usage event, the engine's own fields on it (llama-server's `timings`) are
+    added to the finish event, held back until then (FinishHold)."""
 
-    __slots__ = ("_buf", "_scanned", "done", "strip_usage", "usage")
+    __slots__ = ("_buf", "_hold", "_scanned", "done", "strip_usage", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for an event end
+        self._hold = FinishHold()
         self.strip_usage = strip_usage
         self.usage: tuple[int, int, int] | None = None
         self.done = False
@@ -426,7 +457,7 @@ class _SseFramer:
             # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
             if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
                 self.done = True
-            if b'"usage"' not in chunk:
+            if b'"usage"' not in chunk and not (self.strip_usage and (self._hold.held or finishes(chunk))):
                 return chunk
             return self._filter(chunk)
         buf += chunk
@@ -442,13 +473,14 @@ class _SseFramer:
         self._scanned = len(buf)
         if b"[DONE]" in complete and not self.done and _DONE.search(complete):
             self.done = True
-        if b'"usage"' not in complete:
+        if b'"usage"' not in complete and not (self.strip_usage and (self._hold.held or finishes(complete))):
             return complete  # forward untouched
         return self._filter(complete)
 
     def _filter(self, complete: bytes) -> bytes:
         """Read the usage event out of whole events; drop it if the router injected the request."""
         kept = []
+        hold = self._hold
         for m in _EVENT.finditer(complete):
             event = m.group(1)
             body = event.strip()
@@ -461,9 +493,18 @@ class _SseFramer:
                 if usage is not None:
                     self.usage = usage
                     if self.strip_usage and not obj.get("choices"):
+                        kept.append(hold.hidden(obj))
                         continue
+            if self.strip_usage and finishes(event):
+                kept.append(hold.hold(m.group(0)))
+                continue
+            kept.append(hold.release())
             kept.append(m.group(0))
         return b"".join(kept)
+
+    def release(self) -> bytes:
+        """The finish event held back, if any (the stream ended or broke before the next event)."""
+        return self._hold.release()
 
     def pending(self) -> bytes:
         """Bytes after the last complete event (a cut-off event, or a last one without its blank line)."""

@@ -31,6 +31,53 @@ import orjson
 
 _EVENT = re.compile(rb"(.*?)(?:\r\n\r\n|\n\n|\r\r)", re.DOTALL)
 _DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
+# the fields of an OpenAI stream chunk; anything else on the usage chunk the router hides (such as
+# llama-server's `timings`) is the engine's and goes to the client on the finish chunk instead
+CHUNK_FIELDS = frozenset(
+    ("id", "object", "created", "model", "system_fingerprint", "service_tier", "choices", "usage", "obfuscation")
+)
+
+
+def finishes(data: bytes) -> bool:
+    """Whether serialised events name a finish reason (not `"finish_reason":null`)."""
+    return b'"finish_reason":"' in data or b'"finish_reason": "' in data
+
+
+class FinishHold:
+    """Holds a stream's finish event back until the next event arrives (at once, in practice): if
+    that is the usage event the router asked for on the client's behalf and hides, the engine's own
+    fields riding on it are added to the held event; otherwise the held event goes out unchanged."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = b""
+
+    def hold(self, event: bytes) -> bytes:
+        """Keep `event` (whole, with its blank line); return what was held before it."""
+        out, self.held = self.held, event
+        return out
+
+    def hidden(self, usage_event: Any) -> bytes:
+        """The hidden usage event's extra fields onto the held event, which is returned."""
+        held, self.held = self.held, b""
+        extras = {k: v for k, v in usage_event.items() if k not in CHUNK_FIELDS} if held else {}
+        if not extras:
+            return held
+        line = _DATA_LINE.search(held)
+        try:
+            event = orjson.loads(line.group(1).strip()) if line is not None else None
+        except orjson.JSONDecodeError:
+            event = None
+        if not isinstance(event, dict) or any(k in event for k in extras):
+            return held
+        assert line is not None
+        end = line.start(1) + line.group(1).rstrip().rfind(b"}")
+        return held[:end] + b"," + orjson.dumps(extras)[1:-1] + held[end:]
+
+    def release(self) -> bytes:
+        out, self.held = self.held, b""
+        return out
 
 
 class StreamRecord:
@@ -171,10 +218,11 @@ class Splicer:
     second role chunk, usage in the original request's terms (and dropped when the router asked
     for it on the client's behalf). The same interface as the forwarding framer."""
 
-    __slots__ = ("_buf", "chat", "done", "so_far", "strip_usage", "usage")
+    __slots__ = ("_buf", "_hold", "chat", "done", "so_far", "strip_usage", "usage")
 
     def __init__(self, so_far: SoFar, chat: bool, strip_usage: bool) -> None:
         self._buf = bytearray()
+        self._hold = FinishHold()
         self.so_far = so_far
         self.chat = chat
         self.strip_usage = strip_usage
@@ -194,7 +242,12 @@ class Splicer:
     def pending(self) -> bytes:
         rest = bytes(self._buf)
         self._buf.clear()
-        return self._event(rest) if rest.strip() else b""
+        last = self._event(rest) if rest.strip() else b""
+        return last + self._hold.release()
+
+    def release(self) -> bytes:
+        """The finish event held back, if any (the stream ended or broke before the next event)."""
+        return self._hold.release()
 
     def _event(self, raw: bytes) -> bytes:
         line = _DATA_LINE.search(raw)
@@ -203,7 +256,7 @@ class Splicer:
         payload = line.group(1).strip()
         if payload == b"[DONE]":
             self.done = True
-            return b"data: [DONE]\n\n"
+            return self._hold.release() + b"data: [DONE]\n\n"
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -240,8 +293,15 @@ class Splicer:
                 if isinstance(details, dict):
                     details["cached_tokens"] = cached
             if self.strip_usage and not choices:
-                return b""
-        return b"data: " + orjson.dumps(event) + b"\n\n"
+                return self._hold.hidden(event)
+        out = b"data: " + orjson.dumps(event) + b"\n\n"
+        if self.strip_usage and isinstance(choices, list) and any(_finished(c) for c in choices):
+            return self._hold.hold(out)
+        return self._hold.release() + out
+
+
+def _finished(choice: Any) -> bool:
+    return isinstance(choice, dict) and bool(choice.get("finish_reason"))
 
 
 def _role_only(choice: Any) -> bool:
