@@ -7,12 +7,13 @@ for the ring's bounded-load walk (plus, with load_queue_weight, a share of the e
 A request increments in-flight before it goes upstream and decrements exactly once however it
 ends.
 
-Capacity: a replica may say (or be told, `replica_capacity`) how many requests it runs at once.
-Once any routable replica's capacity is known, bounded-load caps scale with it: replica i's cap
-is ceil(U · k_i / mean k) for the uniform cap U, with the load floor never above k_i, so a
-4-slot llama-server spills its fifth request while a 256-sequence vLLM beside it takes many more;
-replicas of unknown capacity count as the mean of the known ones. With no capacity known, or all
-equal, every cap is U exactly, as before.
+Capacity: a replica may say (or be told, `replica_capacity`) how many requests it runs at once
+(k). Bounded-load caps then respect it (`LoadCaps`): replica i's cap is ceil(U · k_i / mean k) for
+the uniform cap U, the load floor is never above k_i, and while the fleet's in-flight total is
+below its total capacity (a slot is free somewhere) no cap is above k_i: a 2-slot llama-server
+spills its third request to an idle replica instead of queueing it, and once every slot is busy
+the queues are shared out by the caps. Replicas of unknown capacity count as the mean of the
+known ones. With no capacity known, every cap is max(U, floor), as before.
 """
 
 from __future__ import annotations
@@ -72,6 +73,31 @@ class ReplicaState:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
+class LoadCaps:
+    """Bounded-load caps for one routing decision. Replica i's cap is the uniform cap U (scaled by
+    capacity / mean capacity where capacities differ), at least the floor, but the floor never
+    above its capacity k; and while the fleet has a free slot somewhere, never above k either."""
+
+    __slots__ = ("floor", "ratios", "replicas", "spare", "uniform")
+
+    def __init__(
+        self, replicas: list[ReplicaState], uniform: int, floor: int, ratios: list[float] | None, spare: bool
+    ) -> None:
+        self.replicas = replicas
+        self.uniform = uniform
+        self.floor = floor
+        self.ratios = ratios
+        self.spare = spare
+
+    def of(self, index: int) -> int:
+        cap = self.uniform if self.ratios is None else math.ceil(self.uniform * self.ratios[index])
+        capacity = self.replicas[index].capacity
+        if capacity is None:
+            return max(cap, self.floor)
+        cap = max(cap, min(self.floor, capacity))
+        return min(cap, capacity) if self.spare else cap
+
+
 class Fleet:
     def __init__(
         self,
@@ -100,6 +126,7 @@ class Fleet:
         self._capacity_changes = 0
         self._ratios: list[float] | None = None  # capacity / mean capacity by index; None: uniform
         self._ratios_for: tuple[object, int] | None = None  # the ring snapshot and capacities they are for
+        self._total_capacity = 0.0
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -148,26 +175,29 @@ class Fleet:
     def capacity_ratios(self) -> list[float] | None:
         """Each replica's capacity over the mean capacity of routable replicas (unknown ones count as
         the mean); None while no capacity is known, or all are alike."""
+        return self._capacity_view()[0]
+
+    def _capacity_view(self) -> tuple[list[float] | None, float]:
+        """(capacity ratios, total capacity of routable replicas; 0 while none is known)."""
         key = (self.ring.current, self._capacity_changes)
         if key != self._ratios_for:
-            known = [r.capacity for i, r in enumerate(self.replicas) if r.capacity and self.routing_weight(i) > 0]
+            routing = [r for i, r in enumerate(self.replicas) if self.routing_weight(i) > 0]
+            known = [r.capacity for r in routing if r.capacity]
+            mean = sum(known) / len(known) if known else 0.0
+            self._total_capacity = mean * len(routing)
             if not known or min(known) == max(known):
                 self._ratios = None  # nothing known, or all alike: every replica takes the uniform cap
             else:
-                mean = sum(known) / len(known)
                 self._ratios = [(r.capacity if r.capacity is not None else mean) / mean for r in self.replicas]
             self._ratios_for = key
-        return self._ratios
+        return self._ratios, self._total_capacity
 
-    def load_cap(self, index: int, uniform: int, floor: int) -> int:
-        """Replica `index`'s bounded-load cap when the uniform cap is `uniform`: scaled by its
-        capacity against the mean, and at least `floor` (or its capacity, if that is smaller)."""
-        ratios = self.capacity_ratios()
-        capacity = self.replicas[index].capacity
-        own_floor = floor if capacity is None else min(floor, capacity)
-        if ratios is None:
-            return max(uniform, own_floor)
-        return max(math.ceil(uniform * ratios[index]), own_floor)
+    def load_caps(self, uniform: int, floor: int) -> LoadCaps:
+        """Each replica's bounded-load cap for one decision, given the uniform cap and the floor."""
+        ratios, total = self._capacity_view()
+        # a full replica spills while some other has a free slot; once all are full, queues are shared
+        spare = total > 0 and sum(self.loads) < total
+        return LoadCaps(self.replicas, uniform, floor, ratios, spare)
 
     def fullness(self, index: int) -> float:
         """In-flight load against capacity (the load alone while capacities are unknown or alike)."""

@@ -131,23 +131,41 @@ def test_a_full_replica_spills_even_under_the_floor_when_its_capacity_is_known()
 
 def test_caps_scale_with_capacity_and_stay_uniform_when_all_alike() -> None:
     fleet, _policy = setup("affinity", n=3)
-    uniform = fleet.ring.load_cap(fleet.loads, 1.25)
-    assert [fleet.load_cap(i, 40, 8) for i in range(3)] == [40, 40, 40]
+
+    def caps(uniform: int, floor: int = 8) -> list[int]:
+        got = fleet.load_caps(uniform, floor)
+        return [got.of(i) for i in range(3)]
+
+    assert caps(40) == [40, 40, 40] and caps(4) == [8, 8, 8]  # nothing known: as before
     for r in fleet.replicas:
         fleet.set_capacity(r, 64)
-    assert fleet.capacity_ratios() is None  # all alike: exactly the uniform caps
-    assert [fleet.load_cap(i, uniform, 8) for i in range(3)] == [max(uniform, 8)] * 3
-    sizes = (32, 64, 96)
-    for r, size in zip(fleet.replicas, sizes, strict=True):
+    assert fleet.capacity_ratios() is None and caps(40) == [40, 40, 40]  # all alike: the uniform caps
+    for r, size in zip(fleet.replicas, (32, 64, 96), strict=True):
         fleet.set_capacity(r, size)
-    assert [fleet.load_cap(i, 40, 8) for i in range(3)] == [20, 40, 60]
-    assert [fleet.load_cap(i, 4, 8) for i in range(3)] == [8, 8, 8]  # the floor still holds below them
+    assert caps(40) == [20, 40, 60]
+    assert caps(4) == [8, 8, 8]  # the floor still holds below them
     # a replica of unknown capacity counts as the mean of the known ones
     fleet.set_capacity(fleet.replicas[1], None)
-    assert fleet.replicas[1].capacity is None and fleet.load_cap(1, 40, 8) == 40
+    assert fleet.replicas[1].capacity is None and caps(40)[1] == 40
     # least-loaded goes by load for its capacity: 30 of 96 is emptier than 12 of 32
     fleet.loads[0], fleet.loads[1], fleet.loads[2] = 12, 50, 30
     assert fleet.fullness(2) < fleet.fullness(0)
+
+
+def test_no_cap_above_capacity_while_a_slot_is_free_somewhere() -> None:
+    fleet, policy = setup("affinity", n=2)
+    for r in fleet.replicas:
+        fleet.set_capacity(r, 2)
+    # three in flight, four slots: the uniform cap (3) would queue one on a full replica
+    fleet.loads[0], fleet.loads[1] = 2, 1
+    assert fleet.load_caps(3, 8).of(0) == 2
+    key = next(k(i) for i in range(100) if fleet.ring.lookup(k(i).key) == 0)
+    spilled = policy.pick(key, None, ())  # type: ignore[attr-defined]
+    assert (spilled.index, spilled.reason) == (1, "spill")
+    # every slot busy: nothing to gain by moving, the queue is shared out by the caps
+    fleet.loads[0], fleet.loads[1] = 2, 2
+    assert fleet.load_caps(3, 8).of(0) == 3
+    assert policy.pick(key, None, ()).index == 0  # type: ignore[attr-defined]
 
 
 def test_least_load_goes_by_capacity() -> None:

@@ -229,11 +229,19 @@ class AdminApi:
         decision = router.policy.pick(key, last, set()) if router.policy.name in KEYED_POLICIES else None
         located = ring.locate(key.key)
         cap = ring.load_cap(fleet.loads, router.config.bounded_load_c) if len(fleet) else 0
+        caps = fleet.load_caps(cap, router.config.bounded_load_floor)
         walk = []
         for i in ring.successors(key.key):
             r = fleet.replicas[i]
+            own = caps.of(i)  # with the floor, and the replica's capacity where known
             walk.append(
-                {"replica": r.id, "state": r.state, "inflight": r.inflight, "over_load_cap": fleet.loads[i] >= cap}
+                {
+                    "replica": r.id,
+                    "state": r.state,
+                    "inflight": r.inflight,
+                    "load_cap": own,
+                    "over_load_cap": fleet.loads[i] >= own,
+                }
             )
             if decision is not None and i == decision.index:
                 break

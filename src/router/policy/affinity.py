@@ -10,8 +10,9 @@
 The cap never goes below `bounded_load_floor`: at a few requests in flight the cap's rounding
 would otherwise spill sessions away from their cache for a queue of one or two, which costs a
 replica far less than recomputing a conversation. Where replicas' capacities are known (engine
-slots, `max_num_seqs`, or `replica_capacity`), each cap scales with its replica's capacity and the
-floor never exceeds it (router.fleet): a queue behind full slots is not "one or two".
+slots, `max_num_seqs`, or `replica_capacity`), caps and floor respect them (router.fleet.LoadCaps):
+a request queued behind full slots waits a whole reply, while a free slot elsewhere only costs a
+recompute of the context, so a full replica spills while another has room.
 Requests without a key spread least-loaded (ties rotate).
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count
@@ -43,10 +44,10 @@ class Affinity(Policy):
         fleet, ring = self.fleet, self.fleet.ring
         floor = self.config.bounded_load_floor
         capped = False
-        uniform = ring.load_cap(fleet.loads, self.config.bounded_load_c)
+        caps = fleet.load_caps(ring.load_cap(fleet.loads, self.config.bounded_load_c), floor)
 
         def under(i: int) -> bool:
-            return fleet.loads[i] < fleet.load_cap(i, uniform, floor)
+            return fleet.loads[i] < caps.of(i)
 
         if last is not None:
             previous = fleet.find(last)
