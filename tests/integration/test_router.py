@@ -334,8 +334,11 @@ async def test_health_models_and_metrics(start_fleet, start_router) -> None:  # 
     assert "router_session_followups_total 3.0" in text
     for r in list(router.fleet.replicas):
         router.fleet.drain(r.id)
-    async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
-        assert r.status == 503
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/health") as r:
+            assert r.status == 503  # not ready: nothing to route to
+        async with s.get(url + "/health/live") as r:
+            assert r.status == 200  # but alive: a liveness probe must not restart it for that
     status, _, body = await call(url, chat("x"))
     assert status == 503 and "no replica is available" in orjson.loads(body)["error"]["message"]
 

@@ -524,6 +524,7 @@ class Router:
             app.router.add_post(path, self._proxy)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/health/live", self._live)
         if not self.config.admin_port:
             self._add_admin(app)
         # last: any other method or path gets an OpenAI-shaped 404 or 405, not aiohttp's plain text
@@ -1022,6 +1023,11 @@ class Router:
             "worker": self.worker,
         }
         return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
+
+    async def _live(self, request: web.Request) -> web.Response:
+        """Liveness: this process answers, whatever its replicas do (for a Kubernetes liveness
+        probe, which must not restart routers because their replicas are down; /health is readiness)."""
+        return web.Response(body=b'{"status":"alive"}', content_type="application/json")
 
     def metrics_registry(self) -> CollectorRegistry:
         """What /metrics serves, brought up to date: the per-replica gauges as of now."""

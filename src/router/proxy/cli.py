@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE", help="TOML file of settings (the names below, with underscores)")
     p.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the settings (file, environment and flags together), print what they amount to, and exit: "
+        "0 when valid, 2 with the problem otherwise",
+    )
+    p.add_argument(
         "--replica",
         dest="replicas",
         action="append",
@@ -133,6 +139,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in FIELDS}
+
+
+def summary(config: RouterConfig) -> str:
+    """One line of what a configuration amounts to (for --check-config)."""
+    replicas = [f"{len(config.replicas)} replicas"]
+    if config.discovery:
+        replicas.append(f"discovered through {config.discovery}")
+    if config.demo:
+        replicas.append(f"{config.demo} emulated")
+    parts = [
+        f"listens on {config.host}:{config.port}",
+        f"policy {config.policy}",
+        " + ".join(replicas),
+        f"{config.workers} worker process{'es' if config.workers > 1 else ''}",
+        f"admin on {config.admin_host}:{config.admin_port}" if config.admin_port else "admin on the proxy's port",
+        "admin API " + ("on (token set)" if config.admin_token else "off (no token)"),
+        f"state {config.state}",
+    ]
+    return ", ".join(parts)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -223,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"router-serve: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:
+        print(f"router-serve: the configuration is valid: {summary(config)}")
+        return 0
     if config.log_requests:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:

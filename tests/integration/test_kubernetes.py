@@ -1,0 +1,234 @@
+"""deploy/: the kustomize base and overlay render, every object is a valid Kubernetes object, the
+config they carry is accepted by router-serve, and the container recipe is the one CI runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUSTOMIZATIONS = ("kubernetes/base", "kubernetes/overlays/production")
+MODELS = {  # (apiVersion, kind) -> the kubernetes package's model
+    ("v1", "ConfigMap"): "V1ConfigMap",
+    ("v1", "Service"): "V1Service",
+    ("apps/v1", "Deployment"): "V1Deployment",
+    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+}
+
+KUBECTL = shutil.which("kubectl")
+if KUBECTL is None and os.environ.get("KVAR_CI"):
+    raise RuntimeError("under CI kubectl must be installed (.ci/run installs it)")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")
+
+
+def render(path: str) -> list[dict[str, Any]]:
+    assert KUBECTL is not None
+    out = subprocess.run([KUBECTL, "kustomize", str(DEPLOY / path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def strict(value: Any, kind: str, where: str) -> None:
+    """`value` is a `kind` (a model's name, or an OpenAPI type such as List[V1Container]), with no
+    field the model does not have; the models' own checks (required fields, types) run after."""
+    container = re.fullmatch(r"(?:List\[|list\[)(.*)\]", kind)
+    if container:
+        assert isinstance(value, list), f"{where}: expected a list"
+        for i, item in enumerate(value):
+            strict(item, container[1], f"{where}[{i}]")
+        return
+    mapping = re.fullmatch(r"(?:Dict\[|dict\()str, (.*)[\])]", kind)
+    if mapping:
+        assert isinstance(value, dict), f"{where}: expected a mapping"
+        for k, item in value.items():
+            strict(item, mapping[1], f"{where}.{k}")
+        return
+    simple: dict[str, Any] = {"str": str, "int": int, "bool": bool, "float": (int, float), "bytes": str}
+    if kind in simple:
+        assert isinstance(value, simple[kind]) and (kind == "bool") == isinstance(value, bool), (
+            f"{where}: expected {kind}, got {value!r}"
+        )
+        return
+    if kind in ("object", "datetime"):  # int-or-string fields, times
+        return
+    model = getattr(kubernetes.client, kind)
+    assert isinstance(value, dict), f"{where}: expected an object ({kind})"
+    by_json = {json_name: attr for attr, json_name in model.attribute_map.items()}
+    for key, item in value.items():
+        assert key in by_json, f"{where}: {kind} has no field {key!r}"
+        strict(item, model.openapi_types[by_json[key]], f"{where}.{key}")
+
+
+def validate(obj: dict[str, Any]) -> Any:
+    """The object as its kubernetes model (strictly: unknown fields are errors)."""
+    name = MODELS[(obj["apiVersion"], obj["kind"])]
+    strict(obj, name, f"{obj['kind']}/{obj['metadata']['name']}")
+    return kubernetes.client.ApiClient().deserialize(json.dumps(obj), name, "application/json")
+
+
+def validate_service_monitor(obj: dict[str, Any]) -> None:
+    """The Prometheus Operator's ServiceMonitor (a CRD, not in the kubernetes package): the fields used here."""
+    assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+    strict(obj["metadata"], "V1ObjectMeta", "ServiceMonitor.metadata")
+    spec = obj["spec"]
+    assert set(spec) <= {"selector", "endpoints", "namespaceSelector", "jobLabel"}
+    strict(spec["selector"], "V1LabelSelector", "ServiceMonitor.spec.selector")
+    for endpoint in spec["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+        assert re.fullmatch(r"\d+(ms|s|m)", endpoint["interval"])
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed")
+    return render(request.param)
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    """The object of `kind` named `name` (a generated ConfigMap's name has a hash after it)."""
+    found = [o for o in objs if o["kind"] == kind and re.fullmatch(rf"{name}(-[a-z0-9]{{10}})?", o["metadata"]["name"])]
+    assert len(found) == 1, (kind, name, [o["metadata"]["name"] for o in objs])
+    return found[0]
+
+
+@needs_kubectl
+def test_every_object_validates(rendered: list[dict[str, Any]]) -> None:
+    kinds = set()
+    for obj in rendered:
+        kinds.add(obj["kind"])
+        if obj["kind"] == "ServiceMonitor":
+            validate_service_monitor(obj)
+        else:
+            validate(obj)
+        assert obj["metadata"].get("namespace") == "kv-affinity-router", obj["metadata"]["name"]
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+
+
+def test_strictness_catches_a_misspelt_field() -> None:
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {"spec": {"containers": [{"name": "c", "imagePullPolicy": "Always", "readinesProbe": {}}]}},
+        },
+    }
+    with pytest.raises(AssertionError, match="has no field 'readinesProbe'"):
+        validate(deployment)
+    deployment["spec"]["template"]["spec"]["containers"][0].pop("readinesProbe")
+    deployment["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": "8080"}]
+    with pytest.raises(AssertionError, match="expected int"):
+        validate(deployment)
+    deployment["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": 8080}]
+    validate(deployment)
+    del deployment["spec"]["selector"]
+    with pytest.raises(ValueError, match="selector"):  # required, by the model's own check
+        validate(deployment)
+
+
+@needs_kubectl
+def test_the_deployment_probes_drains_and_sizes_its_workers(rendered: list[dict[str, Any]]) -> None:
+    deployment = one(rendered, "Deployment", "kv-affinity-router")
+    pod = deployment["spec"]["template"]["spec"]
+    (router,) = [c for c in pod["containers"] if c["name"] == "router"]
+    config = tomllib.loads(one(rendered, "ConfigMap", "kv-affinity-router-config")["data"]["router.toml"])
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports == {"http": config["port"], "admin": config["admin_port"]} and ports["http"] != ports["admin"]
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+    env = {e["name"]: e for e in router["env"]}
+    cpu = env["ROUTER_WORKERS"]["valueFrom"]["resourceFieldRef"]
+    assert (
+        cpu["resource"] == "requests.cpu"
+        and cpu["containerName"] == "router"
+        and "cpu" in router["resources"]["requests"]
+    )
+    pause = int(router["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] >= pause + config["drain_timeout_s"] + 5
+    assert pod["securityContext"]["runAsNonRoot"] and router["securityContext"]["readOnlyRootFilesystem"]
+    mounts = {m["mountPath"] for m in router["volumeMounts"]}
+    assert {"/etc/kv-affinity-router", "/tmp", "/dev/shm", config["state"].removeprefix("file:")} <= mounts
+    pdb = one(rendered, "PodDisruptionBudget", "kv-affinity-router")
+    assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    # the replicas' headless Service is the one the config discovers
+    headless = one(rendered, "Service", "inference-replicas")
+    assert headless["spec"]["clusterIP"] == "None"
+    name = f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.svc.cluster.local"
+    assert config["discovery"] == f"dns:{name}:{headless['spec']['ports'][0]['port']}"
+
+
+@needs_kubectl
+def test_the_overlay_shares_state_through_redis_and_is_scraped() -> None:
+    objs = render("kubernetes/overlays/production")
+    deployment = one(objs, "Deployment", "kv-affinity-router")
+    (router,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in router["env"]}
+    redis = one(objs, "Service", "kv-affinity-router-redis")
+    assert env["ROUTER_STATE"] == f"redis://{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/0"
+    assert deployment["spec"]["replicas"] == 3
+    monitor = one(objs, "ServiceMonitor", "kv-affinity-router")
+    service = one(objs, "Service", "kv-affinity-router")
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+@needs_kubectl
+def test_router_serve_accepts_the_config_the_cluster_gets(tmp_path: Path) -> None:
+    for path in KUSTOMIZATIONS:
+        objs = render(path)
+        toml = tmp_path / "router.toml"
+        toml.write_text(one(objs, "ConfigMap", "kv-affinity-router-config")["data"]["router.toml"])
+        (router,) = one(objs, "Deployment", "kv-affinity-router")["spec"]["template"]["spec"]["containers"]
+        env = {"ROUTER_WORKERS": "2"} | {e["name"]: e["value"] for e in router["env"] if "value" in e}
+        out = subprocess.run(
+            [sys.executable, "-m", "router.proxy.cli", *router["args"][:1], str(toml), "--check-config"],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("ROUTER_")} | env,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "configuration is valid" in out.stdout and "2 worker processes" in out.stdout
+        if path.endswith("production"):
+            assert "state redis://" in out.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('admin_port = 8080\nport = 8080\ndiscovery = "dns:x:1"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "router.proxy.cli", "--config", str(bad), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "admin_port" in out.stderr
+
+
+def test_the_container_recipe_runs_the_scripts_ci_runs() -> None:
+    dockerfile = (DEPLOY / "container" / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", dockerfile, re.M)
+    assert len(stages) == 2 and stages[0][1] == "build"  # the compiled core is built in the first stage
+    runs = " ".join(re.findall(r"^RUN (.*(?:\\\n.*)*)", dockerfile, re.M))
+    assert "deploy/container/build-wheels.sh /wheels" in runs
+    assert "install.sh /wheels /opt/kv-affinity-router" in runs
+    assert re.search(r"^COPY --from=build /wheels /wheels$", dockerfile, re.M)
+    user = re.findall(r"^USER (\S+)$", dockerfile, re.M)
+    assert user and user[-1].split(":")[0] not in ("0", "root")
+    assert re.search(r'^ENTRYPOINT \["router-serve"\]$', dockerfile, re.M)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "deploy/container/build-wheels.sh" in ci and "deploy/container/install.sh" in ci
+    for script in ("build-wheels.sh", "install.sh"):
+        assert os.access(DEPLOY / "container" / script, os.X_OK), script
