@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,38 @@ def test_a_fleet_that_cannot_start_is_one_line_and_the_rest_is_written(tmp_path:
         "| round-robin (client, no router) | did not run: the emulated fleet did not start: "
         "router-emulator exited with status 2: router-emulator: block_size must be positive, got 0 |"
     ) in md
+
+
+def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
+    from router.bench.llama_server import NotBuilt, find_binary
+
+    try:
+        find_binary()
+    except NotBuilt as exc:
+        if os.environ.get("KVAR_CI"):
+            raise
+        pytest.skip(str(exc))
+    out = tmp_path / "out"
+    contenders = ["round-robin", "full", "vllm-consistent-hash"]
+    args = build_parser().parse_args(
+        [
+            *("fleet", "--engine", "llama-server", "--replicas", "2", "--slots", "2", "--rate", "1"),
+            *("--duration", "6", "--think", "0.5", "--turns", "2-3", "--sample-s", "0.2"),
+            *("--contenders", ",".join(contenders), "--size-search", "", "--out", str(out)),
+        ]
+    )
+    assert args.run(args) in (0, 1)  # 1: a request failed somewhere (the client's own connections, say)
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["engine"] == "llama-server" and result["time_scale"] == 1.0
+    assert (out / "fleet.md").read_text().startswith("2 llama-server replicas (2 slots each, real time)")
+    table = result["tables"]["sessions@1"]
+    assert list(table) == contenders
+    for name, f in table.items():
+        assert f["requests"] > 5 and f["failed"] <= 1, name
+        assert 0 < f["gpu_busy"] <= 1, name  # from the servers' own prompt and generation seconds
+        run = result["runs"]["sessions@1"][name][0]
+        assert sum(run["finished"]) > 0 and len(run["load_timeline"]["queued"][0]) == 2  # their /metrics
+    assert table["full"]["failed"] == 0  # the router resends on the connections llama-server closes
+    # the engines' own cached-token counts: sticky routing finds more of each session's prefix cached
+    assert table["full"]["kv_hit_rate"] > table["round-robin"]["kv_hit_rate"]
+    assert table["full"]["jump_rate"] < table["round-robin"]["jump_rate"]

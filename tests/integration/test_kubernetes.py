@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUSTOMIZATIONS = ("kubernetes/base", "kubernetes/overlays/production")
 MODELS = {  # (apiVersion, kind) -> the kubernetes package's model
+    ("v1", "Namespace"): "V1Namespace",
+    ("v1", "Secret"): "V1Secret",
     ("v1", "ConfigMap"): "V1ConfigMap",
     ("v1", "Service"): "V1Service",
     ("apps/v1", "Deployment"): "V1Deployment",
@@ -34,8 +37,18 @@ needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not insta
 
 
 def render(path: str) -> list[dict[str, Any]]:
+    """`kubectl kustomize` of a copy of deploy/kubernetes, with the admin token file an operator writes."""
     assert KUBECTL is not None
-    out = subprocess.run([KUBECTL, "kustomize", str(DEPLOY / path)], capture_output=True, text=True, timeout=60)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "kubernetes"
+        shutil.copytree(DEPLOY / "kubernetes", tree)
+        (tree / "overlays" / "production" / "admin-token").write_text("0123456789abcdef")
+        out = subprocess.run(
+            [KUBECTL, "kustomize", str(tree / path.removeprefix("kubernetes/"))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -113,8 +126,9 @@ def test_every_object_validates(rendered: list[dict[str, Any]]) -> None:
             validate_service_monitor(obj)
         else:
             validate(obj)
-        assert obj["metadata"].get("namespace") == "kv-affinity-router", obj["metadata"]["name"]
-    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "kv-affinity-router", obj["metadata"]["name"]
+    assert {"Namespace", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
 
 
 def test_strictness_catches_a_misspelt_field() -> None:
@@ -185,6 +199,10 @@ def test_the_overlay_shares_state_through_redis_and_is_scraped() -> None:
     service = one(objs, "Service", "kv-affinity-router")
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    # the admin token: the generated Secret, which the Deployment reads under its generated name
+    secret = one(objs, "Secret", "kv-affinity-router-admin")
+    token = next(e for e in router["env"] if e["name"] == "ROUTER_ADMIN_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert token["name"] == secret["metadata"]["name"] and token["key"] in secret["data"]
 
 
 @needs_kubectl

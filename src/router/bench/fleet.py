@@ -34,6 +34,14 @@ probed size.
 `--rounds K` runs every (workload, contender) K times, contenders taking turns, and reports
 medians. Results go to `--out` as fleet.json, fleet.md and PNG plots (matplotlib, from the
 `bench` extra).
+
+`--engine llama-server` runs the same contenders in front of real llama.cpp `llama-server`
+processes instead (scripts/build-llama-server.sh builds the binary; a random-weight model is
+written for the run, router.bench.llama_server): `--slots` each, one CPU thread each, in real time
+(time scale 1). Their figures come from each server's `/metrics`: requests running + deferred
+for the spread, slot-seconds spent on prompts and generation for the busy share, and generated
+tokens per replica for the load CV (llama-server counts no finished requests). llama-server sends
+no replica header, so jumps are known only through router-serve (`X-Router-Replica`).
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ import aiohttp
 import orjson
 
 from router.bench.common import free_port, parse_settings, progress_line
+from router.bench.llama_server import LlamaServer, NotBuilt, find_binary, model_for
 from router.bench.proxy_bench import cpu_seconds, stop
 from router.bench.replay import Replayer, ReplayOptions
 from router.bench.workloads import SessionsSpec, TraceError
@@ -200,12 +209,18 @@ class Child:
 
 @dataclass
 class Fleet:
-    child: Child
+    """The replicas of one run: where they answer, their processes, how to read their counters."""
+
     urls: list[str]
-    control: str
+    pids: list[int]
+    read: Callable[[aiohttp.ClientSession, float], Awaitable[Sample]]  # (http, seconds since t0)
+    stop: Callable[[], None]
+    what: str  # for the tables: "emulated replicas", "llama-server replicas"
 
 
 async def start_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
+    if args.engine == "llama-server":
+        return await start_llama_fleet(replicas, args)
     problem = ""
     for _ in range(3):  # a port of the run can be taken between the check and the bind: try another run
         base, control = free_port_run(replicas), free_port()
@@ -226,23 +241,90 @@ async def start_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
             *args.emulator_arg,
         ]
         child = Child.spawn(cmd, "router-emulator")
-        fleet = Fleet(
-            child, [f"http://127.0.0.1:{p}" for p in range(base, base + replicas)], f"http://127.0.0.1:{control}"
-        )
+        urls = [f"http://127.0.0.1:{p}" for p in range(base, base + replicas)]
+        control_url = f"http://127.0.0.1:{control}"
         try:
-            await child.wait_up(fleet.control, "/replicas", timeout=30)
-            for url in fleet.urls:
+            await child.wait_up(control_url, "/replicas", timeout=30)
+            for url in urls:
                 await child.wait_up(url, "/health", timeout=10)
-            return fleet
         except RuntimeError as exc:
             child.stop()
             problem = str(exc)
             if child.proc.returncode not in (None, -signal.SIGTERM) and "address" not in problem.lower():
                 break  # it refused its arguments: another port will not help
+            continue
         except BaseException:  # cancelled, interrupted: no fleet left behind
             child.stop()
             raise
+
+        async def read(http: aiohttp.ClientSession, wall_s: float, control_url: str = control_url) -> Sample:
+            async with http.get(control_url + "/replicas", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                rows = await r.json(loads=orjson.loads)
+            return Sample(
+                wall_s=wall_s,
+                engine_s=[float(x["engine_time_s"]) for x in rows],
+                busy_s=[float(x["engine"]["busy_seconds"]) for x in rows],
+                queued=[int(x["engine"]["running"]) + int(x["engine"]["waiting"]) for x in rows],
+                finished=[int(x["engine"]["finished_total"]) for x in rows],
+            )
+
+        return Fleet(urls, [child.pid], read, child.stop, "emulated replicas")
     raise RuntimeError(f"the emulated fleet did not start: {problem}")
+
+
+async def start_llama_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
+    """`replicas` llama-server processes of `--slots` slots, on the random model written for the run."""
+    try:
+        binary = find_binary()
+    except NotBuilt as exc:
+        raise RuntimeError(str(exc)) from None
+    if args.llama_model is None:
+        args.llama_model = model_for(Path(tempfile.mkdtemp(prefix="kvar-llama-")), binary)
+    servers = [
+        LlamaServer(
+            args.llama_model,
+            free_port(),
+            slots=args.slots,
+            context=args.slots * args.slot_context,
+            binary=binary,
+            extra=tuple(args.llama_arg),
+            name=f"llama-{i}",
+        )
+        for i in range(replicas)
+    ]
+
+    def stop_all() -> None:
+        for server in servers:
+            server.stop()
+
+    try:
+        await asyncio.gather(*(s.start() for s in servers))
+    except BaseException:
+        stop_all()
+        raise
+
+    async def read(http: aiohttp.ClientSession, wall_s: float) -> Sample:
+        async def one(server: LlamaServer) -> dict[str, float]:
+            async with http.get(server.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text()
+            return {
+                name: float(value)
+                for name, value in (line.split(" ", 1) for line in text.splitlines() if line.startswith("llamacpp:"))
+            }
+
+        rows = await asyncio.gather(*(one(s) for s in servers))
+        return Sample(
+            wall_s=wall_s,
+            # slot-seconds: a replica of k slots has k of them each wall second
+            engine_s=[wall_s * args.slots] * len(rows),
+            busy_s=[m["llamacpp:prompt_seconds_total"] + m["llamacpp:tokens_predicted_seconds_total"] for m in rows],
+            queued=[int(m["llamacpp:requests_processing"] + m["llamacpp:requests_deferred"]) for m in rows],
+            finished=[int(m["llamacpp:tokens_predicted_total"]) for m in rows],
+        )
+
+    return Fleet(
+        [s.url for s in servers], [s.proc.pid for s in servers if s.proc], read, stop_all, "llama-server replicas"
+    )
 
 
 async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
@@ -314,23 +396,13 @@ class Sample:
 
 @dataclass
 class Sampler:
-    control: str
+    fleet: Fleet
     interval_s: float
     samples: list[Sample] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def take(self, http: aiohttp.ClientSession, t0: float) -> None:
-        async with http.get(self.control + "/replicas", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            rows = await r.json(loads=orjson.loads)
-        self.samples.append(
-            Sample(
-                wall_s=time.perf_counter() - t0,
-                engine_s=[float(x["engine_time_s"]) for x in rows],
-                busy_s=[float(x["engine"]["busy_seconds"]) for x in rows],
-                queued=[int(x["engine"]["running"]) + int(x["engine"]["waiting"]) for x in rows],
-                finished=[int(x["engine"]["finished_total"]) for x in rows],
-            )
-        )
+        self.samples.append(await self.fleet.read(http, time.perf_counter() - t0))
 
     async def run(self, t0: float) -> None:
         async with aiohttp.ClientSession() as http:
@@ -434,8 +506,8 @@ async def run_one(
     try:
         router, targets = await start_contender(c, fleet.urls, args.settings)
         opts = workload_options(workload, args, targets, c)
-        sampler = Sampler(fleet.control, args.sample_s)
-        cpu_emu0 = cpu_seconds(fleet.child.pid)
+        sampler = Sampler(fleet, args.sample_s)
+        cpu_fleet0 = sum(cpu_seconds(pid) for pid in fleet.pids)
         cpu_router0 = cpu_seconds(router.pid) if router else 0.0
         t0 = time.perf_counter()
         sampling = asyncio.ensure_future(sampler.run(t0))
@@ -445,14 +517,14 @@ async def run_one(
             sampler.stop()
             await sampling
         wall = time.perf_counter() - t0
-        result["emulator_cpu_share"] = (cpu_seconds(fleet.child.pid) - cpu_emu0) / wall
+        result["emulator_cpu_share"] = (sum(cpu_seconds(pid) for pid in fleet.pids) - cpu_fleet0) / wall
         result["router_cpu_share"] = (cpu_seconds(router.pid) - cpu_router0) / wall if router else None
     finally:
         try:
             if router is not None:
                 router.stop()
         finally:
-            fleet.child.stop()
+            fleet.stop()
     window_wall = arrivals_s(workload, args) / args.time_scale
     result.update(fleet_figures(sampler.samples, window_wall))
     result["contender"] = c.name
@@ -552,6 +624,10 @@ async def size_search(
 def new_result(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "fleet",
+        "engine": args.engine,
+        "engine_settings": {"slots": args.slots, "slot_context": args.slot_context, "llama_args": args.llama_arg}
+        if args.engine == "llama-server"
+        else None,
         "replicas": args.replicas,
         "time_scale": args.time_scale,
         "stream_interval": args.stream_interval,
@@ -656,9 +732,16 @@ def _num(x: float, digits: int = 3) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     labels = result["contenders"]
     sizes = result.get("replicas_needed") or {}
+    llama = result.get("engine") == "llama-server"
+    what = (
+        f"llama-server replicas ({result['engine_settings']['slots']} slots each, real time)"
+        if llama
+        else f"emulated replicas, time scale {result['time_scale']:g}"
+    )
     lines = [
-        f"{result['replicas']} emulated replicas, time scale {result['time_scale']:g}, "
+        f"{result['replicas']} {what}, "
         f"median of {result['rounds']} round(s) (failed requests: summed); latencies in engine seconds."
+        + (" Load CV: of generated tokens per replica; GPU busy: share of slot time busy." if llama else "")
         + ("" if result.get("complete", True) else " **Interrupted: only the runs that finished.**"),
         "",
     ]
@@ -693,7 +776,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         ]
         lines.append(
             "CPU, share of one core: client "
-            + f"{max(f['client_cpu_share'] for f in ran.values()):.0%} at most, emulated fleet "
+            + f"{max(f['client_cpu_share'] for f in ran.values()):.0%} at most, "
+            + ("llama-servers " if llama else "emulated fleet ")
             + f"{max(f['emulator_cpu_share'] for f in ran.values()):.0%} at most; routers: "
             + (", ".join(cpu) or "none")
             + "."
@@ -821,7 +905,25 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--replicas", type=int, default=20, help="emulated replicas (default 20)")
+    p.add_argument("--replicas", type=int, default=20, help="replicas (default 20)")
+    p.add_argument(
+        "--engine",
+        choices=("emulator", "llama-server"),
+        default="emulator",
+        help="what the replicas are: router-emulator (default), or real llama.cpp llama-server processes "
+        "(scripts/build-llama-server.sh; a random-weight model; real time)",
+    )
+    p.add_argument("--slots", type=int, default=2, help="llama-server: slots (requests run at once) each (default 2)")
+    p.add_argument(
+        "--slot-context", type=int, default=16384, help="llama-server: context tokens per slot (default 16384)"
+    )
+    p.add_argument(
+        "--llama-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra llama-server argument, e.g. --llama-arg=--cache-ram=64; repeatable",
+    )
     p.add_argument(
         "--contenders",
         default=None,
@@ -848,7 +950,12 @@ def add_parser(sub: Any) -> None:
         "--trace-window", type=float, default=600.0, metavar="S", help="trace seconds replayed (default 600)"
     )
     p.add_argument("--trace-speedup", type=float, default=5.0, help="trace clock compression (default 5)")
-    p.add_argument("--time-scale", type=float, default=2.0, help="engine seconds per wall second (default 2)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="engine seconds per wall second (default 2; llama-server runs in real time: 1)",
+    )
     p.add_argument(
         "--stream-interval", type=int, default=4, help="tokens per streamed chunk after the first (default 4)"
     )
@@ -890,6 +997,23 @@ def _names(text: str, what: str) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Validate and normalise; ValueError with a readable message."""
+    args.llama_model = None  # written once for the run, by the first llama fleet
+    if args.engine == "llama-server":
+        if args.time_scale not in (None, 1.0):
+            raise ValueError("--engine llama-server runs in real time: --time-scale must be 1 (or left out)")
+        if args.emulator_arg:
+            raise ValueError("--emulator-arg is for --engine emulator")
+        if not (1 <= args.slots <= 64 and 256 <= args.slot_context <= 131072):
+            raise ValueError("need 1 <= --slots <= 64 and 256 <= --slot-context <= 131072")
+        try:
+            find_binary()
+        except NotBuilt as exc:
+            raise ValueError(str(exc)) from None
+        args.time_scale = 1.0
+    elif args.llama_arg:
+        raise ValueError("--llama-arg is for --engine llama-server")
+    if args.time_scale is None:
+        args.time_scale = 2.0
     for name in ("think", "duration", "trace_window", "trace_speedup", "time_scale", "sample_s"):
         value = getattr(args, name)
         if not (math.isfinite(value) and (value >= 0 if name == "think" else value > 0)):
