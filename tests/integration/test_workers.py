@@ -183,3 +183,21 @@ async def test_a_killed_worker_is_replaced_and_stopping_cleans_up(start_fleet, s
     for pid in served.pids[1:]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_capacities_the_control_process_reads_reach_every_worker(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]
+    from router.emulator.engine import EngineConfig
+
+    fleet = await start_fleet(2, EngineConfig(num_blocks=4000, max_num_seqs=4))
+    served = await serve_workers(named(fleet), "--probe-interval-s", "0.1", "--replica-capacity", "emu-1=3")
+    caps: dict[tuple[int, str], int] = {}
+    for i in range(200):  # the emulators' max_num_seqs, read by the control process's probes
+        for worker, answer in (await from_both_workers(served.url, f"k{i}")).items():
+            first = answer["walk"][0]
+            caps[(worker, first["replica"])] = first["load_cap"]
+        if len(caps) == 4 and set(caps.values()) == {4}:
+            break
+        await asyncio.sleep(0.05)
+    # in both workers, each replica's floor (8) is no higher than its capacity; the engine's own
+    # figure (4) wins over the setting (3)
+    assert caps == {(w, r): 4 for w in (0, 1) for r in ("emu-0", "emu-1")}
