@@ -59,8 +59,10 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "router_upstream_reconnects": (
         "counter",
-        "Requests sent again, at once, on a new connection to the same replica because the pooled keep-alive "
-        "connection they were given had been closed by the replica before any answer (not a replica error).",
+        "Requests sent again, at once, on a new connection to the same replica because the connection they "
+        "went out on closed before any answer: a pooled keep-alive connection the replica had closed (as "
+        "llama-server does after every stream). Not a replica error; a replica that then refuses the new "
+        "connection is retried elsewhere as usual.",
         ("replica",),
     ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),

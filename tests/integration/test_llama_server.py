@@ -124,8 +124,7 @@ async def test_sessions_stick_and_the_engines_cached_tokens_are_counted(llama, s
                 r, raw = await post(http, url, body, session)
                 assert r.status == 200, raw
                 homes.setdefault(session, set()).add(r.headers["X-Router-Replica"])
-                if body["stream"]:
-                    usage = None  # asked for by the router on the client's behalf, and hidden
+                if body["stream"]:  # usage asked for by the router on the client's behalf, and hidden
                     assert b'"usage"' not in raw and events_of(raw)[-1] == "[DONE]"
                 else:
                     usage = orjson.loads(raw)["usage"]

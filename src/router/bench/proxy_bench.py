@@ -49,6 +49,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="parallel clients for the CPU runs (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, contenders taking turns; medians reported (3)")
     p.add_argument("--no-peers", action="store_true", help="leave sglang-router out even if it is installed")
+    p.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="NAME=PYTHON",
+        help="also router-serve as another installation runs it (e.g. an older checkout's venv: "
+        "base=/tmp/old/.venv/bin/python), side by side in the same run; repeatable",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
 
@@ -260,6 +268,10 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
             port = free_port()
             serve = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend]
             contenders.append((name, [*serve, "--state", "none", *extra], None, f"http://127.0.0.1:{port}"))
+        for name, python in args.against_pythons:  # another installation of router-serve, in the same run
+            port = free_port()
+            serve = [python, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend, "--state", "none"]
+            contenders.append((f"router-serve (affinity, {name})", serve, None, f"http://127.0.0.1:{port}"))
         if not args.no_peers and _has("sglang_router"):
             port = free_port()
             contenders.append(
@@ -359,6 +371,13 @@ def run_cli(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"router-bench proxy: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    args.against_pythons = []
+    for entry in args.against:
+        name, sep, python = entry.partition("=")
+        if not (sep and name and os.access(python, os.X_OK)):
+            print(f"router-bench proxy: --against {entry!r} is not NAME=PATH of a Python executable", file=sys.stderr)
+            return 2
+        args.against_pythons.append((name, python))
     if not os.path.exists("/proc/self/stat"):
         print("router-bench proxy: needs Linux /proc to read process CPU time", file=sys.stderr)
         return 2

@@ -98,8 +98,10 @@ class Upstream:
         try:
             return await self.pooled.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # a connection that could not be made is the replica's fault; one that was already
-            # open and is found closed before any answer is a stale pooled connection
+            # a connection that could not be made is the replica's fault; one found closed before
+            # any answer is most often a pooled one the replica had closed: sent again once, on a
+            # new connection (as aiohttp itself does for idempotent methods); a replica that died
+            # refuses that one, and the caller tries the next replica
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise
         self.on_reconnect(url)
