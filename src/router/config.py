@@ -44,7 +44,7 @@ class RouterConfig:
     vnodes: int = 128
     hash_seed: int = 0
     bounded_load_c: float = 1.25
-    bounded_load_floor: int = 8  # a replica with fewer requests in flight than this never spills
+    bounded_load_floor: int = 8  # fewer requests in flight than this never spill (nor more than its capacity)
     # REPLICA_ID=N (or *=N for every other replica): requests a replica runs at once, where its
     # engine does not say (llama-server's slots and the emulator's max_num_seqs are read from it)
     replica_capacity: tuple[str, ...] = ()
@@ -183,6 +183,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError(f"expected a number, got {value!r}") from None
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
+        if name == "admin_token":
+            return value.strip()  # a token read from a file or a Secret often ends in a newline
         return value
     except (TypeError, ValueError) as exc:
         raise ConfigError(name, source, str(exc)) from None

@@ -124,9 +124,11 @@ class Fleet:
         self.shared_inflight: memoryview | None = None
         self.refresh_loads: Callable[[], None] | None = None
         self._capacity_changes = 0
+        self._known_capacities = sum(1 for r in self.replicas if r.capacity is not None)
         self._ratios: list[float] | None = None  # capacity / mean capacity by index; None: uniform
         self._ratios_for: tuple[object, int] | None = None  # the ring snapshot and capacities they are for
         self._total_capacity = 0.0
+        self._not_routing: list[int] = []  # indices out of the ring, as of `_ratios_for`
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -169,19 +171,21 @@ class Fleet:
         """The capacity its engine reported (None: it reports none, so the configured one holds)."""
         value = int(reported) if reported is not None and reported >= 1 else self._configured(replica.id)
         if value != replica.capacity:
+            self._known_capacities += (value is not None) - (replica.capacity is not None)
             replica.capacity = value
             self._capacity_changes += 1
 
     def capacity_ratios(self) -> list[float] | None:
         """Each replica's capacity over the mean capacity of routable replicas (unknown ones count as
         the mean); None while no capacity is known, or all are alike."""
-        return self._capacity_view()[0]
+        return self._capacity_view()[0] if self._known_capacities else None
 
     def _capacity_view(self) -> tuple[list[float] | None, float]:
         """(capacity ratios, total capacity of routable replicas; 0 while none is known)."""
         key = (self.ring.current, self._capacity_changes)
         if key != self._ratios_for:
             routing = [r for i, r in enumerate(self.replicas) if self.routing_weight(i) > 0]
+            self._not_routing = [i for i in range(len(self.replicas)) if self.routing_weight(i) <= 0]
             known = [r.capacity for r in routing if r.capacity]
             mean = sum(known) / len(known) if known else 0.0
             self._total_capacity = mean * len(routing)
@@ -192,11 +196,19 @@ class Fleet:
             self._ratios_for = key
         return self._ratios, self._total_capacity
 
+    def load_limit(self, uniform: int, floor: int) -> int | LoadCaps:
+        """The bounded-load cap of one decision given the uniform cap and the floor: one number for
+        every replica while no capacity is known (the common case, kept cheap), else per replica."""
+        if not self._known_capacities:
+            return max(uniform, floor)
+        return self.load_caps(uniform, floor)
+
     def load_caps(self, uniform: int, floor: int) -> LoadCaps:
         """Each replica's bounded-load cap for one decision, given the uniform cap and the floor."""
         ratios, total = self._capacity_view()
         # a full replica spills while some other has a free slot; once all are full, queues are shared
-        spare = total > 0 and sum(self.loads) < total
+        # (in flight on replicas out of the ring, draining say, takes no routable slot)
+        spare = total > 0 and sum(self.loads) - sum(self.loads[i] for i in self._not_routing) < total
         return LoadCaps(self.replicas, uniform, floor, ratios, spare)
 
     def fullness(self, index: int) -> float:
@@ -222,6 +234,7 @@ class Fleet:
         self.replicas.append(replica)
         self._by_id[replica.id] = replica
         self.loads.append(0)
+        self._known_capacities += replica.capacity is not None
         return moved
 
     def remove(self, replica_id: str) -> list[MovedRange]:
@@ -233,6 +246,7 @@ class Fleet:
         del self.replicas[replica.index]
         del self.loads[replica.index]
         del self._by_id[replica_id]
+        self._known_capacities -= replica.capacity is not None
         replica.index = None
         replica.slot = None  # a late release must not write into a slot that another replica may get
         for i, r in enumerate(self.replicas):

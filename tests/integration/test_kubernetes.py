@@ -3,6 +3,7 @@ config they carry is accepted by router-serve, and the container recipe is the o
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -17,6 +18,8 @@ from typing import Any
 import kubernetes.client
 import pytest
 import yaml
+
+from router.config import load
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,7 +45,8 @@ def render(path: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "kubernetes"
         shutil.copytree(DEPLOY / "kubernetes", tree)
-        (tree / "overlays" / "production" / "admin-token").write_text("0123456789abcdef")
+        # as `openssl rand -hex 32 > admin-token` writes it: with its newline (the router strips it)
+        (tree / "overlays" / "production" / "admin-token").write_text("0123456789abcdef\n")
         out = subprocess.run(
             [KUBECTL, "kustomize", str(tree / path.removeprefix("kubernetes/"))],
             capture_output=True,
@@ -108,6 +112,18 @@ def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     if KUBECTL is None:
         pytest.skip("kubectl is not installed")
     return render(request.param)
+
+
+def expanded(env: list[dict[str, Any]], namespace: str) -> dict[str, str]:
+    """A container's plain environment as the kubelet gives it: $(VAR) of earlier variables
+    expanded, the pod's namespace from its fieldRef (values from Secrets and resources left out)."""
+    out: dict[str, str] = {}
+    for e in env:
+        if "value" in e:
+            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m[1], m[0]), e["value"])
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            out[e["name"]] = namespace
+    return out
 
 
 def one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -179,11 +195,13 @@ def test_the_deployment_probes_drains_and_sizes_its_workers(rendered: list[dict[
     pdb = one(rendered, "PodDisruptionBudget", "kv-affinity-router")
     assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
     assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
-    # the replicas' headless Service is the one the config discovers
+    # the replicas' headless Service is the one the router discovers, in the pod's own namespace
     headless = one(rendered, "Service", "inference-replicas")
     assert headless["spec"]["clusterIP"] == "None"
+    discovery = expanded(router["env"], deployment["metadata"]["namespace"])["ROUTER_DISCOVERY"]
     name = f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.svc.cluster.local"
-    assert config["discovery"] == f"dns:{name}:{headless['spec']['ports'][0]['port']}"
+    assert discovery == f"dns:{name}:{headless['spec']['ports'][0]['port']}"
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a drain never waits on unready pods
 
 
 @needs_kubectl
@@ -191,7 +209,7 @@ def test_the_overlay_shares_state_through_redis_and_is_scraped() -> None:
     objs = render("kubernetes/overlays/production")
     deployment = one(objs, "Deployment", "kv-affinity-router")
     (router,) = deployment["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e.get("value") for e in router["env"]}
+    env = expanded(router["env"], deployment["metadata"]["namespace"])
     redis = one(objs, "Service", "kv-affinity-router-redis")
     assert env["ROUTER_STATE"] == f"redis://{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/0"
     assert deployment["spec"]["replicas"] == 3
@@ -203,6 +221,9 @@ def test_the_overlay_shares_state_through_redis_and_is_scraped() -> None:
     secret = one(objs, "Secret", "kv-affinity-router-admin")
     token = next(e for e in router["env"] if e["name"] == "ROUTER_ADMIN_TOKEN")["valueFrom"]["secretKeyRef"]
     assert token["name"] == secret["metadata"]["name"] and token["key"] in secret["data"]
+    value = base64.b64decode(secret["data"][token["key"]]).decode()
+    config = load(None, {"ROUTER_ADMIN_TOKEN": value}, {"replicas": ["http://h:1"]})
+    assert config.admin_token == "0123456789abcdef"  # the file's newline is not part of the token
 
 
 @needs_kubectl
@@ -211,8 +232,9 @@ def test_router_serve_accepts_the_config_the_cluster_gets(tmp_path: Path) -> Non
         objs = render(path)
         toml = tmp_path / "router.toml"
         toml.write_text(one(objs, "ConfigMap", "kv-affinity-router-config")["data"]["router.toml"])
-        (router,) = one(objs, "Deployment", "kv-affinity-router")["spec"]["template"]["spec"]["containers"]
-        env = {"ROUTER_WORKERS": "2"} | {e["name"]: e["value"] for e in router["env"] if "value" in e}
+        deployment = one(objs, "Deployment", "kv-affinity-router")
+        (router,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {"ROUTER_WORKERS": "2"} | expanded(router["env"], deployment["metadata"]["namespace"])
         out = subprocess.run(
             [sys.executable, "-m", "router.proxy.cli", *router["args"][:1], str(toml), "--check-config"],
             capture_output=True,
@@ -222,6 +244,7 @@ def test_router_serve_accepts_the_config_the_cluster_gets(tmp_path: Path) -> Non
         )
         assert out.returncode == 0, out.stderr
         assert "configuration is valid" in out.stdout and "2 worker processes" in out.stdout
+        assert "discovered through dns:inference-replicas.kv-affinity-router.svc.cluster.local:8000" in out.stdout
         if path.endswith("production"):
             assert "state redis://" in out.stdout
     bad = tmp_path / "bad.toml"
@@ -250,3 +273,9 @@ def test_the_container_recipe_runs_the_scripts_ci_runs() -> None:
     assert "deploy/container/build-wheels.sh" in ci and "deploy/container/install.sh" in ci
     for script in ("build-wheels.sh", "install.sh"):
         assert os.access(DEPLOY / "container" / script, os.X_OK), script
+    # the state directory the image points XDG_STATE_HOME at belongs to the user it runs as
+    state = re.search(r"XDG_STATE_HOME=(\S+)", dockerfile)
+    assert state and re.search(rf"install -d -o {user[-1].split(':')[0]} -g \S+ {state[1]}\b", dockerfile)
+    # the build context leaves local builds out: their compiled core may not match the sources
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "src/*.c", "src/*.so"} <= set(ignored)

@@ -161,3 +161,8 @@ def test_replica_capacity_entries() -> None:
     for bad in ("gpu-1", "gpu-1=0", "=4", "gpu-1=four", "gpu-1=2.5", "a=1,a=2"):
         with pytest.raises(ConfigError, match=r"invalid setting 'replica_capacity' \(from ROUTER_REPLICA_CAPACITY\)"):
             load(None, {"ROUTER_REPLICA_CAPACITY": bad}, {"replicas": ["gpu-1=http://h:1"]})
+
+
+def test_an_admin_token_from_a_file_loses_its_newline() -> None:
+    cfg = load(None, {"ROUTER_ADMIN_TOKEN": "0123abcd\n"}, {"replicas": ["http://h:1"]})
+    assert cfg.admin_token == "0123abcd"

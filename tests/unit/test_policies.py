@@ -187,3 +187,12 @@ def test_configured_capacity_stands_until_the_engine_reports_one() -> None:
     assert fleet.replicas[1].capacity == 8
     fleet.add(parse_replica("a9=http://127.0.0.1:9009"))
     assert fleet.replicas[-1].capacity == 8
+
+
+def test_requests_on_a_draining_replica_take_no_routable_slot() -> None:
+    fleet, _policy = setup("affinity", n=3)
+    for r in fleet.replicas:
+        fleet.set_capacity(r, 2)
+    fleet.loads[0], fleet.loads[1], fleet.loads[2] = 2, 2, 1
+    fleet.drain(fleet.replicas[0].id)  # its two requests finish there; replica 2 still has a free slot
+    assert fleet.load_caps(3, 8).of(1) == 2

@@ -156,7 +156,11 @@ class Balancer:
         chosen = [(key, stored[key]) for key in hottest if key in stored]
         if cfg.warmup and chosen:
             result = await warm(
-                router.http, target.url, [prompt for _, prompt in chosen], cfg.warmup_concurrency, cfg.warmup_timeout_s
+                router.upstream_client.post,
+                target.url,
+                [prompt for _, prompt in chosen],
+                cfg.warmup_concurrency,
+                cfg.warmup_timeout_s,
             )
             for outcome, count in (("ok", result.ok), ("failed", result.failed), ("skipped", result.skipped)):
                 if count:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -102,8 +102,13 @@ class WarmupResult:
     succeeded: list[bool] = field(default_factory=list)  # per request, in order
 
 
+# how warm-up sends one request: the router's upstream client (router.proxy.forward.Upstream.post),
+# which resends a request whose pooled connection the replica had closed
+Post = Callable[[str, bytes, dict[str, str], aiohttp.ClientTimeout], Awaitable[aiohttp.ClientResponse]]
+
+
 async def warm(
-    http: aiohttp.ClientSession,
+    post: Post,
     base_url: str,
     requests: list[tuple[str, bytes]],
     concurrency: int,
@@ -113,6 +118,7 @@ async def warm(
     result = WarmupResult(succeeded=[False] * len(requests))
     queue = list(enumerate(requests))
     deadline = time.monotonic() + timeout_s
+    headers = {"Content-Type": "application/json", WARMUP_HEADER: "1"}
 
     async def one(i: int, path: str, body: bytes) -> None:
         payload = prefill_only(body)
@@ -122,18 +128,17 @@ async def warm(
         result.sent += 1
         left = deadline - time.monotonic()
         try:
-            async with http.post(
-                base_url + path,
-                data=payload,
-                headers={"Content-Type": "application/json", WARMUP_HEADER: "1"},
-                timeout=aiohttp.ClientTimeout(total=max(left, 0.1)),
-            ) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    result.ok += 1
-                    result.succeeded[i] = True
-                else:
-                    result.failed += 1
+            async with asyncio.timeout(max(left, 0.1)):
+                resp = await post(base_url + path, payload, headers, aiohttp.ClientTimeout(total=max(left, 0.1)))
+                try:
+                    await resp.read()
+                finally:
+                    resp.release()
+            if resp.status == 200:
+                result.ok += 1
+                result.succeeded[i] = True
+            else:
+                result.failed += 1
         except (aiohttp.ClientError, OSError, TimeoutError):
             result.failed += 1
 

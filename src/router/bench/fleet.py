@@ -76,6 +76,7 @@ from router.bench.proxy_bench import cpu_seconds, stop
 from router.bench.replay import Replayer, ReplayOptions
 from router.bench.workloads import SessionsSpec, TraceError
 from router.config import FIELDS, ConfigError, load
+from router.health.signals import samples
 from router.measures import coefficient_of_variation
 
 TRACES = {
@@ -278,7 +279,7 @@ async def start_llama_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
         binary = find_binary()
     except NotBuilt as exc:
         raise RuntimeError(str(exc)) from None
-    if args.llama_model is None:
+    if args.llama_model is None:  # one model for the whole benchmark, removed when it ends (run_cli)
         args.llama_model = model_for(Path(tempfile.mkdtemp(prefix="kvar-llama-")), binary)
     servers = [
         LlamaServer(
@@ -306,11 +307,8 @@ async def start_llama_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
     async def read(http: aiohttp.ClientSession, wall_s: float) -> Sample:
         async def one(server: LlamaServer) -> dict[str, float]:
             async with http.get(server.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                text = await r.text()
-            return {
-                name: float(value)
-                for name, value in (line.split(" ", 1) for line in text.splitlines() if line.startswith("llamacpp:"))
-            }
+                values, _ = samples(await r.text())
+            return {name: sum(series) for name, series in values.items()}  # a missing one: KeyError, no sample
 
         rows = await asyncio.gather(*(one(s) for s in servers))
         return Sample(
@@ -1120,6 +1118,8 @@ def run_cli(args: argparse.Namespace) -> int:
         status = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if args.llama_model is not None:
+            shutil.rmtree(args.llama_model.parent, ignore_errors=True)
     if not result["complete"]:
         make_tables(result)
     (out / "fleet.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))

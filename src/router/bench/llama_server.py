@@ -16,6 +16,8 @@ stops it by its PID alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import glob
 import os
 import signal
@@ -48,18 +50,24 @@ def cache_root() -> Path:
 
 
 def find_binary() -> Path:
-    """The llama-server binary: $KVAR_LLAMA_SERVER, else the newest one in the build script's cache."""
-    named = os.environ.get("KVAR_LLAMA_SERVER")
+    """The llama-server binary: $KVAR_LLAMA_SERVER, else the newest build in the build script's
+    cache that runs on this machine (a native build from another CPU does not)."""
+    return _find(os.environ.get("KVAR_LLAMA_SERVER") or "", str(cache_root()))
+
+
+@functools.cache
+def _find(named: str, root: str) -> Path:
     if named:
         path = Path(named)
         if not (path.is_file() and os.access(path, os.X_OK)):
             raise NotBuilt(f"KVAR_LLAMA_SERVER={named} is not an executable file")
         return path
-    root = cache_root()
-    found = sorted(glob.glob(str(root / "llama-server-*" / "llama-server")), key=os.path.getmtime)
-    if not found:
-        raise NotBuilt(f"no llama-server under {root}: run scripts/build-llama-server.sh (or set KVAR_LLAMA_SERVER)")
-    return Path(found[-1])
+    found = sorted(glob.glob(str(Path(root) / "llama-server-*" / "llama-server")), key=os.path.getmtime)
+    for candidate in reversed(found):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            if subprocess.run([candidate, "--version"], capture_output=True, timeout=30).returncode == 0:
+                return Path(candidate)
+    raise NotBuilt(f"no llama-server under {root} that runs here: run scripts/build-llama-server.sh")
 
 
 @dataclass(frozen=True)

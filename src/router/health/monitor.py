@@ -35,6 +35,7 @@ from router.shm.table import SlotTable, TornRead
 log = logging.getLogger("router.health")
 
 MIN_SAMPLES = 5
+SLOTS_EVERY = 15  # probe rounds between reads of a llama-server's /slots (30 s at the default interval)
 # NVML clock event reasons that mean the GPU runs slower than it should: HW slowdown, SW thermal,
 # HW thermal, HW power brake (a power cap alone is normal under load)
 SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
@@ -161,10 +162,16 @@ class HealthMonitor:
         if engine is None and server.startswith("llama.cpp"):
             engine = LLAMA_CPP  # llama-server started without --metrics still lists its slots
         if engine is not None and engine.slots:
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                async with client.get(replica.url + "/slots", timeout=self.timeout) as resp:
-                    if resp.status == 200:
-                        stats = with_slots(stats, read_slots(await resp.json(content_type=None)), engine)
+            last = replica.engine.capacity
+            # its slots rarely change: read again every SLOTS_EVERY rounds, or when the metrics lack
+            # what only they give (running, without --metrics)
+            if last is None or stats.running is None or self.rounds % SLOTS_EVERY == 0:
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    async with client.get(replica.url + "/slots", timeout=self.timeout) as resp:
+                        if resp.status == 200:
+                            stats = with_slots(stats, read_slots(await resp.json(content_type=None)), engine)
+            if stats.capacity is None and last is not None:
+                stats = dataclasses.replace(stats, capacity=last, kind=stats.kind or engine.kind)
         return ok, stats
 
     def _fresh(self, taken_at: float) -> bool:

@@ -32,7 +32,8 @@ SUM, MAX = "sum", "max"
 
 @dataclass(frozen=True)
 class Metrics:
-    """One source of a figure: these metrics' series added up (`MAX`: the worst series instead)."""
+    """One source of a figure: these metrics added up, the series of each added up (`MAX`: its
+    worst series instead)."""
 
     names: tuple[str, ...]
     combine: str = SUM
@@ -123,14 +124,30 @@ class EngineStats:
     kind: str | None = None  # which engine it is (ENGINES), None when not recognised
 
 
-def _samples(text: str) -> list[tuple[str, float]]:
-    """(metric name, value) of every well-formed sample line; a malformed line never raises."""
-    out = []
+# every metric name some table reads: only these lines' values are parsed (an engine's /metrics
+# is mostly histogram buckets the router does not read)
+KNOWN = frozenset(
+    n for e in ENGINES for sources in e.figures.values() for s in sources if isinstance(s, Metrics) for n in s.names
+)
+
+
+def samples(text: str, names: frozenset[str] | None = None) -> tuple[dict[str, list[float]], set[str]]:
+    """The values of the series of each metric in `names` (every one when None) whose value is a
+    finite number, and the name prefixes (up to `:`) of every sample line; a malformed line never
+    raises."""
+    values: dict[str, list[float]] = {}
+    prefixes: set[str] = set()
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end <= 0:
+            continue
+        name = line[:name_end]
+        if names is not None and name not in names:
+            prefix, colon, _ = name.partition(":")
+            if colon:
+                prefixes.add(prefix + ":")
             continue
         fields = line[line.rfind("}") + 1 if "}" in line else name_end :].split()
         try:
@@ -138,40 +155,32 @@ def _samples(text: str) -> list[tuple[str, float]]:
         except (IndexError, ValueError):
             continue
         if math.isfinite(value):
-            out.append((line[:name_end], value))
-    return out
+            values.setdefault(name, []).append(value)
+            prefix, colon, _ = name.partition(":")
+            if colon:
+                prefixes.add(prefix + ":")
+    return values, prefixes
 
 
-def recognise(names: set[str] | list[str]) -> Engine | None:
-    """The engine whose metrics these are (the first in ENGINES with one of its prefix)."""
-    return next((e for e in ENGINES if any(n.startswith(e.prefix) for n in names)), None)
+def recognise(prefixes: set[str]) -> Engine | None:
+    """The engine whose metrics these are: the first in ENGINES whose prefix is among `prefixes`."""
+    return next((e for e in ENGINES if e.prefix in prefixes), None)
 
 
 def parse_engine_metrics(text: str, engine: Engine | None = None) -> EngineStats:
     """The known figures out of Prometheus text exposition, by the table of the engine that
-    exported it (recognised from the text unless given)."""
-    samples = _samples(text)
-    engine = engine or recognise([name for name, _ in samples])
+    exported it (recognised from the text unless given). A source's metrics add up; the series of
+    one metric add up, or take the largest (`MAX`)."""
+    values, prefixes = samples(text, KNOWN)
+    engine = engine or recognise(prefixes)
     if engine is None:
         return EngineStats()
-    combine = {
-        name: source.combine
-        for sources in engine.figures.values()
-        for source in sources
-        if isinstance(source, Metrics)
-        for name in source.names
-    }
-    values: dict[str, float] = {}  # per metric name, its series combined
-    for name, value in samples:
-        how = combine.get(name)
-        if how is not None:
-            before = values.get(name)
-            values[name] = value if before is None else before + value if how == SUM else max(before, value)
     found: dict[str, Any] = {"kind": engine.kind}
     for figure, sources in engine.figures.items():
         for source in sources:
             if isinstance(source, Metrics):
-                present = [values[n] for n in source.names if n in values]
+                combine = sum if source.combine == SUM else max
+                present = [combine(values[n]) for n in source.names if n in values]
                 if present:
                     found[figure] = sum(present)
                     break

@@ -44,10 +44,18 @@ class Affinity(Policy):
         fleet, ring = self.fleet, self.fleet.ring
         floor = self.config.bounded_load_floor
         capped = False
-        caps = fleet.load_caps(ring.load_cap(fleet.loads, self.config.bounded_load_c), floor)
+        loads = fleet.loads
+        limit = fleet.load_limit(ring.load_cap(loads, self.config.bounded_load_c), floor)
+        if isinstance(limit, int):  # no capacity known: one cap for every replica, as before
 
-        def under(i: int) -> bool:
-            return fleet.loads[i] < caps.of(i)
+            def under(i: int) -> bool:
+                return loads[i] < limit
+
+        else:
+            cap_of = limit.of
+
+            def under(i: int) -> bool:
+                return loads[i] < cap_of(i)
 
         if last is not None:
             previous = fleet.find(last)

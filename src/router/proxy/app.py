@@ -591,7 +591,12 @@ class Router:
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True, enable_cleanup_closed=True),
+            connector=aiohttp.TCPConnector(
+                limit=0,
+                limit_per_host=self.config.upstream_connections,
+                force_close=True,
+                enable_cleanup_closed=True,
+            ),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )

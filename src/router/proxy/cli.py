@@ -25,7 +25,8 @@ HELP = {
     "vnodes": "virtual nodes per replica (default 128)",
     "hash_seed": "ring hash seed (default 0); changing it remaps every session",
     "bounded_load_c": "bounded-load factor c >= 1 (default 1.25)",
-    "bounded_load_floor": "a replica with fewer requests in flight than this is never passed over for load (default 8)",
+    "bounded_load_floor": "a replica with fewer requests in flight than this (and than its capacity, where known) "
+    "is never passed over for load (default 8)",
     "replica_capacity": "comma-separated REPLICA_ID=N (or *=N for the rest): requests a replica runs at once, "
     "where its engine does not report it; load caps and the floor scale with it (default: as reported, else unknown)",
     "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",

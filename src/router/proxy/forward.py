@@ -94,7 +94,9 @@ class Upstream:
     fresh: aiohttp.ClientSession
     on_reconnect: Callable[[str], None] = lambda url: None
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout) -> Any:
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
+    ) -> aiohttp.ClientResponse:
         try:
             return await self.pooled.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -104,8 +106,9 @@ class Upstream:
             # refuses that one, and the caller tries the next replica
             if isinstance(exc, aiohttp.ClientConnectorError):
                 raise
-        self.on_reconnect(url)
-        return await self.fresh.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
+        response = await self.fresh.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
+        self.on_reconnect(url)  # counted once the new connection answered: else it is the replica's failure
+        return response
 
 
 @dataclass(frozen=True)
