@@ -48,6 +48,7 @@ class RouterConfig:
     # REPLICA_ID=N (or *=N for every other replica): requests a replica runs at once, where its
     # engine does not say (llama-server's slots and the emulator's max_num_seqs are read from it)
     replica_capacity: tuple[str, ...] = ()
+    capacity_caps: bool = True  # bounded-load caps respect capacities; off: capacity-blind, as before
     # affinity
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000

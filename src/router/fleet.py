@@ -106,8 +106,10 @@ class Fleet:
         seed: int = 0,
         rules: Hysteresis | None = None,
         capacities: dict[str, int] | None = None,
+        capacity_caps: bool = True,
     ) -> None:
         self.rules = rules or Hysteresis()
+        self.capacity_caps = capacity_caps  # off: capacities are shown, never routed by
         # configured capacities by replica id ("*": every replica not named), for engines that report none
         self.capacities = dict(capacities or {})
         self.replicas = [
@@ -178,7 +180,7 @@ class Fleet:
     def capacity_ratios(self) -> list[float] | None:
         """Each replica's capacity over the mean capacity of routable replicas (unknown ones count as
         the mean); None while no capacity is known, or all are alike."""
-        return self._capacity_view()[0] if self._known_capacities else None
+        return self._capacity_view()[0] if self._known_capacities and self.capacity_caps else None
 
     def _capacity_view(self) -> tuple[list[float] | None, float]:
         """(capacity ratios, total capacity of routable replicas; 0 while none is known)."""
@@ -199,7 +201,7 @@ class Fleet:
     def load_limit(self, uniform: int, floor: int) -> int | LoadCaps:
         """The bounded-load cap of one decision given the uniform cap and the floor: one number for
         every replica while no capacity is known (the common case, kept cheap), else per replica."""
-        if not self._known_capacities:
+        if not (self._known_capacities and self.capacity_caps):
             return max(uniform, floor)
         return self.load_caps(uniform, floor)
 

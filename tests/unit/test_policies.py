@@ -196,3 +196,17 @@ def test_requests_on_a_draining_replica_take_no_routable_slot() -> None:
     fleet.loads[0], fleet.loads[1], fleet.loads[2] = 2, 2, 1
     fleet.drain(fleet.replicas[0].id)  # its two requests finish there; replica 2 still has a free slot
     assert fleet.load_caps(3, 8).of(1) == 2
+
+
+def test_capacity_caps_off_routes_as_if_no_capacity_were_known() -> None:
+    specs = tuple(parse_replica(f"http://127.0.0.1:{9000 + i}") for i in range(2))
+    config = RouterConfig(replicas=specs, capacity_caps=False)
+    fleet = Fleet(specs, config.vnodes, config.hash_seed, capacity_caps=False)
+    policy = make_policy("affinity", fleet, config)
+    for r in fleet.replicas:
+        fleet.set_capacity(r, 2)
+    assert [r.capacity for r in fleet.replicas] == [2, 2]  # still known, and shown
+    fleet.loads[0] = 4
+    assert fleet.load_limit(1, 8) == 8 and fleet.capacity_ratios() is None
+    key = next(k(i) for i in range(100) if fleet.ring.lookup(k(i).key) == 0)
+    assert policy.pick(key, fleet.replicas[0].id, ()).reason == "sticky"  # type: ignore[attr-defined]

@@ -229,11 +229,11 @@ class AdminApi:
         decision = router.policy.pick(key, last, set()) if router.policy.name in KEYED_POLICIES else None
         located = ring.locate(key.key)
         cap = ring.load_cap(fleet.loads, router.config.bounded_load_c) if len(fleet) else 0
-        caps = fleet.load_caps(cap, router.config.bounded_load_floor)
+        limit = fleet.load_limit(cap, router.config.bounded_load_floor)
         walk = []
         for i in ring.successors(key.key):
             r = fleet.replicas[i]
-            own = caps.of(i)  # with the floor, and the replica's capacity where known
+            own = limit if isinstance(limit, int) else limit.of(i)  # the floor, and its capacity where known
             walk.append(
                 {
                     "replica": r.id,

@@ -7,7 +7,8 @@ this process sending the workload. Contenders:
 - `round-robin`: the client sends each request to the next replica (the baseline, no router);
 - `least_load`, `consistent_hash`: `router-serve` with that policy, rebalancing and warm-up off;
 - `full`: `router-serve` as shipped: affinity (sticky sessions, ring, bounded load), health,
-  rebalancing, warm-up;
+  rebalancing, warm-up; `full-capacity-blind`: the same with `--no-capacity-caps` (bounded load
+  that ignores how many requests each replica runs at once, as before that setting);
 - `sglang-cache-aware`, `sglang-header`: `sglang-router` with `--policy cache_aware`, and with
   `--policy manual` and the session id in `X-SMG-Routing-Key` (when sglang-router is installed);
 - `vllm-consistent-hash`: `vllm-router --policy consistent_hash`, session id in `x-session-id`
@@ -102,6 +103,12 @@ CONTENDERS = {
         Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load")),
         Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash")),
         Contender("full", "router-serve full policy", "router", ("--policy", "affinity", "--rebalance", "--warmup")),
+        Contender(
+            "full-capacity-blind",
+            "router-serve full policy, capacity-blind",
+            "router",
+            ("--policy", "affinity", "--rebalance", "--warmup", "--no-capacity-caps"),
+        ),
         Contender("sglang-cache-aware", "sglang-router cache_aware", "sglang", ("--policy", "cache_aware")),
         Contender(
             "sglang-header",
@@ -333,7 +340,7 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
     env: dict[str, str] | None = None
     if c.kind == "router":
         cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
-        if c.name != "full":
+        if not c.name.startswith("full"):
             cmd += PLAIN
         for url in urls:
             cmd += ["--replica", url]

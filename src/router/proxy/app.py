@@ -117,7 +117,8 @@ class Router:
                 config.recovery_ramp_s,
                 flap_backoff=config.flap_backoff,
             ),
-            replica_capacities(config),
+            replica_capacities(config) if config.capacity_caps else {},
+            capacity_caps=config.capacity_caps,
         )
         self.policy = make_policy(config.policy, self.fleet, config)
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)

@@ -29,6 +29,8 @@ HELP = {
     "is never passed over for load (default 8)",
     "replica_capacity": "comma-separated REPLICA_ID=N (or *=N for the rest): requests a replica runs at once, "
     "where its engine does not report it; load caps and the floor scale with it (default: as reported, else unknown)",
+    "capacity_caps": "bounded-load caps and the floor respect replicas' capacities: a full replica spills while "
+    "another has a free slot (default on; off: capacity-blind, as before)",
     "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",
     "sticky_max_sessions": "sessions remembered at most (default 200000)",
     "key_headers": "comma-separated headers carrying a session key, tried in order",
