@@ -927,7 +927,8 @@ def add_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra llama-server argument, e.g. --llama-arg=--cache-ram=64; repeatable",
+        help="extra llama-server argument, one word each (it takes no --flag=value): "
+        "--llama-arg=--cache-ram --llama-arg=64; repeatable",
     )
     p.add_argument(
         "--contenders",
