@@ -11,6 +11,7 @@ import pytest
 
 from router.proxy.forward import Outcome, _pump, _SseFramer
 from router.proxy.resume import SoFar, Splicer
+from router.proxy.sse import StreamFramer
 
 
 class Upstream:
@@ -65,7 +66,7 @@ LLAMA = [
 ]
 
 
-def run_framer(framer: _SseFramer | Splicer, pieces: list[bytes]) -> bytes:
+def run_framer(framer: StreamFramer, pieces: list[bytes]) -> bytes:
     out = b"".join(framer.feed(p) for p in pieces)
     return out + framer.release() + framer.pending()
 
@@ -122,3 +123,20 @@ def test_the_splicer_keeps_timings_too() -> None:
     assert [e["id"] for e in events] == ["chatcmpl-A", "chatcmpl-A"]  # role chunk dropped, ids rewritten
     assert "usage" not in events[-1] and events[-1]["timings"]["cache_n"] == 17
     assert out.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("usage", "figures"),
+    [
+        ({"prompt_tokens": 18, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 17}}, (18, 17, 1)),
+        ({"prompt_tokens": -4, "completion_tokens": -2, "prompt_tokens_details": {"cached_tokens": 9}}, (0, 0, 0)),
+        ({"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 9}}, (5, 5, 2)),
+    ],
+)
+def test_the_framer_and_the_splicer_read_usage_alike(usage: dict[str, Any], figures: tuple[int, int, int]) -> None:
+    data = b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
+    framer = _SseFramer(strip_usage=False)
+    splicer = Splicer(SoFar(), chat=True, strip_usage=False)  # nothing generated before: no figure moves
+    run_framer(framer, [data])
+    run_framer(splicer, [data])
+    assert framer.usage == splicer.usage == figures  # odd figures never go negative nor past the prompt

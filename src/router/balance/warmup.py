@@ -102,7 +102,7 @@ class WarmupResult:
     succeeded: list[bool] = field(default_factory=list)  # per request, in order
 
 
-# how warm-up sends one request: the router's upstream client (router.proxy.forward.Upstream.post),
+# how warm-up sends one request: the router's upstream client (router.upstream.Upstream.post),
 # which resends a request whose pooled connection the replica had closed
 Post = Callable[[str, bytes, dict[str, str], aiohttp.ClientTimeout], Awaitable[aiohttp.ClientResponse]]
 

@@ -33,7 +33,7 @@ from router.health.states import Hysteresis
 from router.keys import NO_KEY, RoutingKey, routing_key
 from router.metrics import PER_REPLICA_GAUGES, RouterMetrics, replica_gauge_families
 from router.policy import Decision, make_policy
-from router.proxy.forward import Outcome, Retry, Timeouts, Upstream, attempt, end_stream, forward_headers, resume
+from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.internal import serve_internal, worker_socket
 from router.proxy.resume import SoFar, Splicer, continuation, read_so_far
 from router.redis_state import RedisSessions, RedisState
@@ -42,6 +42,7 @@ from router.sessions import SessionTable
 from router.shared import Follower, Publisher, SharedSessions
 from router.shm.table import SlotTable
 from router.state import RoutingState, StateFile, default_directory, describe
+from router.upstream import Upstream
 
 access_log = logging.getLogger("router.access")
 
@@ -782,7 +783,7 @@ class Router:
             await end_stream(result)
             return broke
         raw = orjson.dumps(follow)
-        strip = bool(getattr(result.framer, "strip_usage", False))
+        strip = result.framer is not None and result.framer.strip_usage
         loop = asyncio.get_running_loop()
         while len(tried) < self.config.max_attempts and loop.time() < deadline:
             decision = self.policy.pick(key, None, {r.index for r in tried if r.index is not None})

@@ -22,7 +22,6 @@ import asyncio
 import functools
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,8 @@ from aiohttp import web
 
 from router.errors import sse_error_event
 from router.proxy.resume import FinishHold, StreamRecord, finishes
+from router.proxy.sse import EVENT, EVENT_END, StreamFramer, usage_of
+from router.upstream import Upstream
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -81,34 +82,8 @@ class Outcome:
     # resuming: what was forwarded so far, and whether the stream broke with the response left open
     record: StreamRecord | None = None
     broken: bool = False
-    framer: Any = None
-    transport: Any = None
-
-
-@dataclass
-class Upstream:
-    """How the router reaches replicas: the pooled client, and a pool-less one for resending a
-    request whose pooled connection the replica had closed (each told to `on_reconnect`, by URL)."""
-
-    pooled: aiohttp.ClientSession
-    fresh: aiohttp.ClientSession
-    on_reconnect: Callable[[str], None] = lambda url: None
-
-    async def post(
-        self, url: str, body: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
-    ) -> aiohttp.ClientResponse:
-        try:
-            return await self.pooled.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # a connection that could not be made is the replica's fault; one found closed before
-            # any answer is most often a pooled one the replica had closed: sent again once, on a
-            # new connection (as aiohttp itself does for idempotent methods); a replica that died
-            # refuses that one, and the caller tries the next replica
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                raise
-        response = await self.fresh.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
-        self.on_reconnect(url)  # counted once the new connection answered: else it is the replica's failure
-        return response
+    framer: StreamFramer | None = None  # a stream's framer, or its splicer once resumed
+    transport: asyncio.Transport | None = None
 
 
 @dataclass(frozen=True)
@@ -205,21 +180,6 @@ def _let_go(upstream: aiohttp.ClientResponse) -> None:
         upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
 
 
-def _usage_of(obj: Any) -> tuple[int, int, int] | None:
-    """(prompt, cached, completion) tokens from a response's `usage`."""
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-    try:
-        prompt = max(int(usage.get("prompt_tokens") or 0), 0)
-        completion = max(int(usage.get("completion_tokens") or 0), 0)
-        return prompt, min(max(int(cached or 0), 0), prompt), completion  # odd figures never go negative
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
 async def _relay(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
@@ -255,7 +215,7 @@ async def _relay(
         outcome.ttft_s = time.monotonic() - t0
         if upstream.status == 200 and content_type.startswith("application/json"):
             try:
-                usage = _usage_of(orjson.loads(data))
+                usage = usage_of(orjson.loads(data))
             except orjson.JSONDecodeError:
                 usage = None
             if usage:
@@ -263,7 +223,7 @@ async def _relay(
         return outcome
     resp = web.StreamResponse(status=upstream.status, headers=headers)
     outcome = Outcome(resp, upstream.status, streamed=True)
-    outcome.framer = _SseFramer(strip_usage)
+    framer = outcome.framer = _SseFramer(strip_usage)
     outcome.transport = request.transport
     if keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(keep)
@@ -278,16 +238,22 @@ async def _relay(
         if outcome.transport is not None:
             outcome.transport.abort()
         return outcome
-    await _stream(upstream, outcome, first, idle, deadline, t0)
+    await _stream(upstream, outcome, framer, first, idle, deadline, t0)
     return outcome
 
 
 async def _stream(
-    upstream: aiohttp.ClientResponse, outcome: Outcome, first: bytes, idle: float, deadline: float, t0: float
+    upstream: aiohttp.ClientResponse,
+    outcome: Outcome,
+    framer: StreamFramer,
+    first: bytes,
+    idle: float,
+    deadline: float,
+    t0: float,
 ) -> None:
-    """Pump `upstream` into the outcome's prepared response. A break is left open (`broken`) for the
-    caller when the outcome keeps a record (resuming is on); otherwise the stream is ended here."""
-    framer = outcome.framer
+    """Pump `upstream` through `framer` (the outcome's) into the outcome's prepared response. A break
+    is left open (`broken`) for the caller when the outcome keeps a record (resuming is on); otherwise
+    the stream is ended here."""
     try:
         # the whole request, client writes included; the grace lets an expired stream still send its error event
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
@@ -343,7 +309,7 @@ async def resume(
     timeouts: Timeouts,
     deadline: float,
     outcome: Outcome,
-    splicer: Any,
+    splicer: StreamFramer,
     t0: float,
 ) -> Retry | None:
     """Continue a broken stream from another replica into the same client response. A failure
@@ -369,7 +335,7 @@ async def resume(
         outcome.stream_error = None
         outcome.broken = False
         outcome.framer = splicer
-        await _stream(upstream, outcome, first, timeouts.idle_s, deadline, t0)
+        await _stream(upstream, outcome, splicer, first, timeouts.idle_s, deadline, t0)
         return None
     finally:
         if upstream is not None:
@@ -380,11 +346,11 @@ async def _pump(
     upstream: aiohttp.ClientResponse,
     resp: web.StreamResponse,
     chunk: bytes,
-    framer: _SseFramer,
+    framer: StreamFramer,
     outcome: Outcome,
     idle: float,
     deadline: float,
-    transport: Any,
+    transport: asyncio.Transport | None,
     t0: float,
 ) -> None:
     """Upstream to client until `[DONE]` or the end. The idle timer covers upstream reads only: it is
@@ -435,8 +401,6 @@ async def _pump(
             outcome.stream_error = "upstream connection lost mid-stream"
 
 
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # the blank line that ends an SSE event, any line ending
-_EVENT = re.compile(rb"(.*?)(\r\n\r\n|\n\n|\r\r)", re.DOTALL)
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
 
 
@@ -468,7 +432,7 @@ class _SseFramer:
         buf += chunk
         end = -1
         # only the new bytes (and the three before them) can hold a new event end: linear overall
-        for m in _EVENT_END.finditer(buf, max(0, self._scanned - 3)):
+        for m in EVENT_END.finditer(buf, max(0, self._scanned - 3)):
             end = m.end()
         if end < 0:
             self._scanned = len(buf)
@@ -486,7 +450,7 @@ class _SseFramer:
         """Read the usage event out of whole events; drop it if the router injected the request."""
         kept = []
         hold = self._hold
-        for m in _EVENT.finditer(complete):
+        for m in EVENT.finditer(complete):
             event = m.group(1)
             body = event.strip()
             if b'"usage"' in body and body.startswith(b"data:"):
@@ -494,7 +458,7 @@ class _SseFramer:
                     obj = orjson.loads(body[5:].strip())
                 except orjson.JSONDecodeError:
                     obj = None
-                usage = _usage_of(obj)
+                usage = usage_of(obj)
                 if usage is not None:
                     self.usage = usage
                     if self.strip_usage and not obj.get("choices"):

@@ -23,14 +23,13 @@ restart after the prefix), tool calls or reasoning already streamed, a stream pa
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-_EVENT = re.compile(rb"(.*?)(?:\r\n\r\n|\n\n|\r\r)", re.DOTALL)
-_DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
+from router.proxy.sse import DATA_LINE, EVENT, usage_of
+
 # the fields of an OpenAI stream chunk; anything else on the usage chunk the router hides (such as
 # llama-server's `timings`) is the engine's and goes to the client on the finish chunk instead
 CHUNK_FIELDS = frozenset(
@@ -64,7 +63,7 @@ class FinishHold:
         extras = {k: v for k, v in usage_event.items() if k not in CHUNK_FIELDS} if held else {}
         if not extras:
             return held
-        line = _DATA_LINE.search(held)
+        line = DATA_LINE.search(held)
         try:
             event = orjson.loads(line.group(1).strip()) if line is not None else None
         except orjson.JSONDecodeError:
@@ -116,8 +115,8 @@ class SoFar:
 def _events(data: bytes) -> list[Any]:
     """The JSON objects of the `data:` lines of whole events in `data` (others skipped)."""
     out = []
-    for m in _EVENT.finditer(data):
-        for line in _DATA_LINE.finditer(m.group(1)):
+    for m in EVENT.finditer(data):
+        for line in DATA_LINE.finditer(m.group(1)):
             payload = line.group(1).strip()
             if not payload or payload == b"[DONE]":
                 continue
@@ -216,7 +215,7 @@ def continuation(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, A
 class Splicer:
     """A continuation's SSE stream, rewritten into the original's: same `id` and `created`, no
     second role chunk, usage in the original request's terms (and dropped when the router asked
-    for it on the client's behalf). The same interface as the forwarding framer."""
+    for it on the client's behalf). A `StreamFramer`, as the forwarding framer is."""
 
     __slots__ = ("_buf", "_hold", "chat", "done", "so_far", "strip_usage", "usage")
 
@@ -233,7 +232,7 @@ class Splicer:
         self._buf += chunk
         out = bytearray()
         end = 0
-        for m in _EVENT.finditer(self._buf):
+        for m in EVENT.finditer(self._buf):
             end = m.end()
             out += self._event(m.group(1))
         del self._buf[:end]
@@ -250,7 +249,7 @@ class Splicer:
         return self._hold.release()
 
     def _event(self, raw: bytes) -> bytes:
-        line = _DATA_LINE.search(raw)
+        line = DATA_LINE.search(raw)
         if line is None:
             return b""  # comments and other fields are not needed in a spliced stream
         payload = line.group(1).strip()
@@ -278,18 +277,16 @@ class Splicer:
             return b""  # the continuation's opening chunk: the client had its own
         usage = event.get("usage")
         if isinstance(usage, dict):
-            try:
+            figures = usage_of(event)
+            if figures is not None:  # odd figures are passed on as they came
+                # the text generated so far is in the continuation's prompt: in the original's terms it is output
                 generated = self.so_far.chunks
-                prompt = max(int(usage.get("prompt_tokens") or 0) - generated, 0)
-                completion = int(usage.get("completion_tokens") or 0) + generated
-                details = usage.get("prompt_tokens_details")
-                cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-                cached = min(max(int(cached or 0), 0), prompt)
-            except (TypeError, ValueError, OverflowError):
-                pass  # odd figures are passed on as they came
-            else:
+                prompt = max(figures[0] - generated, 0)
+                cached = min(figures[1], prompt)
+                completion = figures[2] + generated
                 self.usage = (prompt, cached, completion)
                 usage.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+                details = usage.get("prompt_tokens_details")
                 if isinstance(details, dict):
                     details["cached_tokens"] = cached
             if self.strip_usage and not choices:

@@ -1,0 +1,48 @@
+"""What the router reads of a replica's answer: SSE event boundaries, `data:` lines, token usage."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+# the blank line that ends an SSE event, in any of the spec's line endings
+EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# one whole event: group 1 is the event without its blank line
+EVENT = re.compile(rb"(.*?)(?:" + EVENT_END.pattern + rb")", re.DOTALL)
+DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
+
+
+def usage_of(obj: Any) -> tuple[int, int, int] | None:
+    """(prompt, cached, completion) tokens from a response's or a stream chunk's `usage`."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    try:
+        prompt = max(int(usage.get("prompt_tokens") or 0), 0)
+        completion = max(int(usage.get("completion_tokens") or 0), 0)
+        return prompt, min(max(int(cached or 0), 0), prompt), completion  # odd figures never go negative
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+class StreamFramer(Protocol):
+    """Turns a replica's SSE bytes into the client's, whole events at a time, reading usage on the
+    way: the forwarding framer (forward.py) and a continuation's splicer (resume.py)."""
+
+    strip_usage: bool  # the router asked for usage on the client's behalf: the usage event is hidden
+    usage: tuple[int, int, int] | None  # (prompt, cached, completion) tokens, once the usage event passed
+    done: bool  # `[DONE]` has passed: nothing may follow
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The events `chunk` completes, as the client gets them."""
+        ...
+
+    def release(self) -> bytes:
+        """The finish event held back, if any (the stream ended or broke before the next event)."""
+        ...
+
+    def pending(self) -> bytes:
+        """What is left after the last whole event, once the stream has ended."""
+        ...
