@@ -27,7 +27,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import router
 from router.config import load
-from router.proxy.app import Router
+
+try:  # the router as it is built since issue 17: a node, and its application
+    from router.node import Node
+    from router.proxy.app import build_app
+
+    def router_app(config: object) -> web.Application:
+        return build_app(Node(config))  # type: ignore[arg-type]
+
+except ImportError:  # an older checkout (run against one with PYTHONPATH): its Router class
+    from router.proxy.app import Router  # type: ignore[attr-defined,no-redef]
+
+    def router_app(config: object) -> web.Application:
+        return Router(config).app()  # type: ignore[no-any-return]
+
 
 HARNESS = Path(__file__).resolve().parents[1] / "src" / "router" / "bench" / "llama_server.py"
 COUNTED = (
@@ -63,7 +76,7 @@ async def main() -> None:
     try:
         specs = [f"{s.name}={s.url}" for s in servers]
         config = load(None, {}, {"replicas": specs, "state": "none", "health_checks": False})
-        runner = web.AppRunner(Router(config).app(), handle_signals=False, access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(router_app(config), handle_signals=False, access_log=None, handler_cancellation=True)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -2,7 +2,9 @@
 
 It is the oracle the compiled core is tested against and the fallback where no compiler
 exists (ROUTER_NO_EXTENSIONS=1). The algorithm is documented in `src/_ring.pyx`; this file
-follows it step by step with Python ints and `bisect`, hashing with the `xxhash` package.
+follows it step by step with Python ints and `bisect`, hashing with the `xxhash` package. It is
+one file, as long as it is, because it mirrors the compiled module name for name and step for
+step: a reader checks the two side by side.
 """
 
 from __future__ import annotations

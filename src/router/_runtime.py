@@ -25,7 +25,7 @@ async def until_stopped(stop: asyncio.Event | None = None) -> None:
 def run(main: Coroutine[Any, Any, None]) -> None:
     """Run `main` on uvloop (the design's event loop), or asyncio's where uvloop is missing."""
     try:
-        import uvloop
+        import uvloop  # noqa: PLC0415 -- may be missing: then asyncio's loop runs it
     except ImportError:  # pragma: no cover - uvloop is a dependency
         asyncio.run(main)
         return

@@ -149,6 +149,23 @@ def parse_replica(text: str) -> ReplicaSpec:
     return spec
 
 
+def parse_source(text: str) -> tuple[str, str, int]:
+    """(kind, name, port) of a `discovery` setting (router.discovery); ValueError with a one-line reason."""
+    kind, sep, rest = text.partition(":")
+    if not sep or not rest:
+        raise ValueError(f"{text!r}: use file:PATH, dns:NAME:PORT or srv:NAME")
+    if kind == "file":
+        return kind, rest, 0
+    if kind == "srv":
+        return kind, rest, 0
+    if kind == "dns":
+        name, sep, port = rest.rpartition(":")
+        if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r}: dns needs NAME:PORT, e.g. dns:vllm-headless:8000")
+        return kind, name, int(port)
+    raise ValueError(f"{text!r}: unknown discovery kind {kind!r}; use file:, dns: or srv:")
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     f = FIELDS[name]
     kind = f.type
@@ -300,8 +317,6 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if len(cfg.replicas) + cfg.demo > cfg.shm_slots:
         raise bad("shm_slots", f"must hold the {len(cfg.replicas) + cfg.demo} configured replicas")
     if cfg.discovery:
-        from router.discovery import parse_source
-
         try:
             parse_source(cfg.discovery)
         except ValueError as exc:

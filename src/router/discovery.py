@@ -19,40 +19,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
 
 import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
-from router.config import ReplicaSpec, parse_replica
-
-if TYPE_CHECKING:
-    from router.proxy.app import Router
+from router.config import ReplicaSpec, parse_replica, parse_source
+from router.membership import Clash, Membership, NoRoom
+from router.metrics import RouterMetrics
 
 log = logging.getLogger("router.discovery")
 
 
 class DiscoveryError(RuntimeError):
     """This round's lookup failed; nothing changes."""
-
-
-def parse_source(text: str) -> tuple[str, str, int]:
-    """(kind, name, port) of a `discovery` setting; ValueError with a one-line reason."""
-    kind, sep, rest = text.partition(":")
-    if not sep or not rest:
-        raise ValueError(f"{text!r}: use file:PATH, dns:NAME:PORT or srv:NAME")
-    if kind == "file":
-        return kind, rest, 0
-    if kind == "srv":
-        return kind, rest, 0
-    if kind == "dns":
-        name, sep, port = rest.rpartition(":")
-        if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{text!r}: dns needs NAME:PORT, e.g. dns:vllm-headless:8000")
-        return kind, name, int(port)
-    raise ValueError(f"{text!r}: unknown discovery kind {kind!r}; use file:, dns: or srv:")
 
 
 def read_replica_file(path: str) -> list[ReplicaSpec]:
@@ -115,18 +96,28 @@ def _resolver(nameserver: tuple[str, int] | None) -> dns.asyncresolver.Resolver:
 class Discovery:
     def __init__(
         self,
-        router: Router,
+        membership: Membership,
+        metrics: RouterMetrics,
         source: str,
         interval_s: float,
+        static: Sequence[ReplicaSpec] = (),
         lookup: Callable[[], Awaitable[list[ReplicaSpec]]] | None = None,
     ) -> None:
-        self.router = router
+        """`static`: the replicas from `--replica`, which discovery never touches."""
+        self.membership = membership
+        membership.discovery = True  # which replicas it added is kept and shared from now on
+        self.metrics = metrics
+        self.static = {r.id for r in static}
         self.kind, self.name, self.port = parse_source(source)
         self.interval_s = interval_s
         self._lookup = lookup or self._default_lookup
         self._file_mark: tuple[float, int] | None = None
-        self.managed: set[str] = set()  # replicas this discovery added (and may remove)
         self.rounds = 0
+
+    @property
+    def managed(self) -> set[str]:
+        """The replicas discovery added (and may remove): a fleet-wide fact, kept by membership."""
+        return self.membership.discovered
 
     async def _default_lookup(self) -> list[ReplicaSpec]:
         if self.kind == "file":
@@ -153,7 +144,7 @@ class Discovery:
     async def once(self) -> None:
         if self.kind == "file" and not self._file_changed() and self.rounds:
             return
-        m = self.router.metrics
+        m = self.metrics
         try:
             found = await self._lookup()
         except DiscoveryError as exc:
@@ -169,35 +160,27 @@ class Discovery:
         await self.apply(found)
 
     async def apply(self, found: list[ReplicaSpec]) -> None:
-        router = self.router
-        fleet = router.fleet
-        static = {r.id for r in router.config.replicas}
-        wanted = {s.id: s for s in found if s.id not in static}
+        membership, m = self.membership, self.metrics
+        fleet = membership.fleet
+        wanted = {s.id: s for s in found if s.id not in self.static}
         for rid in sorted(self.managed - wanted.keys()):
             replica = fleet.find(rid)
             self.managed.discard(rid)
             if replica is not None and replica.state != "draining":
-                fleet.drain(rid)
-                router.publish()
-                router.shared_change("drain", (replica.id, replica.url, True))
-                await router.balancer.drain(replica, remove=True)
-                router.metrics.child(router.metrics.discovery_changes, "removed").inc()
+                await membership.drain(rid, remove=True)
+                m.child(m.discovery_changes, "removed").inc()
                 log.info("discovery: %s is gone; draining and removing it", rid)
         for rid, spec in wanted.items():
             if fleet.find(rid) is not None:
                 self.managed.add(rid)
                 continue
-            if not router.has_room():
+            try:
+                await membership.add(spec, discovered=True)
+            except NoRoom:
                 log.warning("discovery: no room for %s in the shared replica table", rid)
                 continue
-            try:
-                fleet.add(spec)
-            except ValueError as exc:  # its URL is another replica's
+            except Clash as exc:  # its URL is another replica's
                 log.warning("discovery: cannot add %s: %s", rid, exc)
                 continue
-            self.managed.add(rid)
-            router.shared_change("add", (spec.id, spec.url))
-            router.shared_change("discovered", rid)
-            await router.balancer.added(fleet.replicas[-1])
-            router.metrics.child(router.metrics.discovery_changes, "added").inc()
+            m.child(m.discovery_changes, "added").inc()
             log.info("discovery: added %s (%s)", rid, spec.url)

@@ -287,3 +287,14 @@ class Fleet:
     def routing_weight(self, index: int) -> float:
         """The weight the ring routes by: 0 while out of the ring."""
         return self.ring.weights[index] if self.ring.available[index] else 0.0
+
+
+LATENCY_RECENT = 9  # and of the rest, only the latest this many count: a slowdown shows within a few replies
+
+
+def recent_samples(replica: ReplicaState, kind: str, horizon: float) -> list[float]:
+    """The replica's latest latency samples of `kind` ("tpot": time per output token, "ttft":
+    time to first token per prompt token) since `horizon`. Samples age out, so a replica removed
+    for being slow (and sent nothing since) is judged afresh by its probes later."""
+    samples: deque[tuple[float, float]] = getattr(replica, kind)
+    return [value for when, value in samples if when >= horizon][-LATENCY_RECENT:]

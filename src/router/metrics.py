@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
 from prometheus_client.core import GaugeMetricFamily
 
+from router.fleet import Fleet
 from router.health.score import HealthInputs
 from router.health.states import STATES
 
@@ -292,3 +294,63 @@ def replica_gauge_families(rows: list[tuple[str, int, float, bool, int, str, Hea
             if value is not None:
                 families["router_replica_health_input"].add_metric([rid, name], float(value))
     return list(families.values())
+
+
+def _replica_rows(fleet: Fleet) -> list[tuple[str, int, float, bool, int, str, HealthInputs | None]]:
+    return [
+        (
+            r.id,
+            fleet.loads[r.index] - r.queue_load,
+            r.health.score,
+            r.health.routable,
+            r.health.transitions,
+            r.state,
+            r.inputs,
+        )
+        for r in fleet.replicas
+        if r.index is not None
+    ]
+
+
+def show_replica_gauges(metrics: RouterMetrics, fleet: Fleet) -> None:
+    """Bring the per-replica gauges of a process's own registry up to date with its fleet."""
+    for rid, inflight, score, routable, transitions, state, inputs in _replica_rows(fleet):
+        metrics.inflight.labels(rid).set(inflight)
+        metrics.score.labels(rid).set(score)
+        metrics.routable.labels(rid).set(1 if routable else 0)
+        metrics.state_changes.labels(rid).set(transitions)
+        metrics.show_health(rid, state, inputs)
+
+
+def multiprocess_registry(fleet: Fleet) -> CollectorRegistry | None:
+    """A worker's /metrics: every worker's counters and histograms (prometheus_client's
+    multiprocess files), and per-replica gauges from this worker's copy of the table. None
+    outside multiprocess mode (no PROMETHEUS_MULTIPROC_DIR)."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return None
+    registry = CollectorRegistry()
+    files = multiprocess.MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
+
+    class FromFiles:
+        """Every process's counters, histograms and the control process's gauges; the
+        per-replica gauges come from the table instead, and only for replicas still there."""
+
+        def collect(self) -> list[Any]:
+            present = {r.id for r in fleet.replicas if r.index is not None}
+            families = []
+            for family in files.collect():  # type: ignore[no-untyped-call]
+                if family.name in PER_REPLICA_GAUGES:
+                    continue
+                if family.name == "router_replica_load":
+                    family.samples = [s for s in family.samples if s.labels.get("replica") in present]
+                families.append(family)
+            return families
+
+    class ReplicaGauges:
+        def collect(self) -> list[Any]:
+            return replica_gauge_families(_replica_rows(fleet))
+
+    registry.register(FromFiles())
+    registry.register(ReplicaGauges())
+    return registry

@@ -5,8 +5,9 @@ Redis, and each instance follows them; sessions (where each was served last) liv
 session's next turn lands on the same replica whichever instance takes it.
 
 Keys, under `kvar:<state_namespace>:`
-- `replicas`: hash, replica id -> {"url", "draining"} (JSON); `removed`: hash, id -> unix time
-  (a removal made on one instance removes the replica everywhere);
+- `replicas`: hash, replica id -> {"url", "draining", "remove", "since"} (JSON): "since" is the
+  unix time its slow start (or its drain) began, so that every instance ramps its weight alike;
+  `removed`: hash, id -> unix time (a removal made on one instance removes the replica everywhere);
 - `overrides`: hash, "origin#vnode" -> owner id; `discovered`: hash of the replicas discovery
   added (and may remove); a replica entry's "remove" marks a drain that removes it at the end;
 - `version`: a counter bumped by every change, announced on the channel `changes`;
@@ -33,17 +34,14 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router.config import ReplicaSpec
-
-if TYPE_CHECKING:
-    from router.fleet import ReplicaState
-    from router.proxy.app import Router
+from router.config import RouterConfig
+from router.membership import Facts, Membership
 
 log = logging.getLogger("router.redis_state")
 POLL_S = 1.0
@@ -55,12 +53,15 @@ MAX_PENDING_SESSIONS = 200_000  # session writes kept while Redis is away, at mo
 
 
 class RedisState:
-    def __init__(self, router: Router, url: str, namespace: str) -> None:
-        self.router = router
+    """This instance's membership, drains and overrides, shared with the others (membership's `Peers`)."""
+
+    def __init__(self, url: str, namespace: str, membership: Membership, config: RouterConfig) -> None:
+        self.membership = membership
+        self.configured = config.replicas
         self.url = url
         self.prefix = f"kvar:{namespace}:"
         self.redis = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        self.sessions = RedisSessions(self.redis, self.prefix, router.config.sticky_ttl_s)
+        self.sessions = RedisSessions(self.redis, self.prefix, config.sticky_ttl_s)
         self.version: int | None = None
         self._pending: list[tuple[str, Any]] = []  # changes made while Redis was away
         self._tasks: list[asyncio.Task[None]] = []
@@ -112,9 +113,9 @@ class RedisState:
         else:
             for op, arg in self._pending:
                 await self._apply_remote(op, arg)
-            fleet = self.router.fleet
+            fleet = self.membership.fleet
             removed = await r.hgetall(self.key("removed"))
-            for spec in self.router.config.replicas:  # configured replicas nobody removed join
+            for spec in self.configured:  # configured replicas nobody removed join
                 if spec.id.encode() not in removed and fleet.find(spec.id) is not None:
                     await r.hsetnx(self.key("replicas"), spec.id, orjson.dumps({"url": spec.url, "draining": False}))
         self._pending.clear()
@@ -123,24 +124,30 @@ class RedisState:
         await self.pull()
 
     async def _write_everything(self) -> None:
-        fleet = self.router.fleet
+        facts = self.membership.facts()
         pipe = self.redis.pipeline(transaction=True)
-        for replica in fleet.replicas:
-            entry = {
-                "url": replica.url,
-                "draining": replica.state == "draining",
-                "remove": replica.id in self.router.balancer.removing,
-            }
-            pipe.hset(self.key("replicas"), replica.id, orjson.dumps(entry))
-        for rid in self.router.discovery.managed if self.router.discovery is not None else ():
+        for rid, url in facts.replicas.items():
+            pipe.hset(self.key("replicas"), rid, orjson.dumps(self._entry(facts, rid, url)))
+        for rid in facts.discovered:
             pipe.hset(self.key("discovered"), rid, 1)
         for op, arg in self._pending:
             if op == "remove":
                 pipe.hset(self.key("removed"), arg, time.time())
-        for (origin, number), owner in fleet.ring.overrides.items():
+        for (origin, number), owner in facts.overrides.items():
             pipe.hset(self.key("overrides"), f"{origin}#{number}", owner)
         pipe.incr(self.key("version"))
         await pipe.execute()
+
+    def _entry(self, facts: Facts, rid: str, url: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "url": url,
+            "draining": rid in facts.draining,
+            "remove": facts.draining.get(rid, False),
+        }
+        since = facts.drained.get(rid) if rid in facts.draining else facts.warming.get(rid)
+        if since is not None:
+            entry["since"] = since
+        return entry
 
     # -- following ------------------------------------------------------------------------------
 
@@ -195,61 +202,24 @@ class RedisState:
         pipe.hkeys(self.key("discovered"))
         version, replicas, removed, overrides, discovered = await pipe.execute()
         self.version = int(version or 0)
-        router, fleet = self.router, self.router.fleet
-        wanted = {k.decode(): orjson.loads(v) for k, v in replicas.items()}
-        gone = {k.decode() for k in removed} - wanted.keys()
-        changed = False
-        added: list[ReplicaState] = []
-        drained: list[tuple[ReplicaState, bool]] = []
-        for rid in gone:
-            replica = fleet.find(rid)
-            if replica is not None:
-                fleet.remove(rid)
-                router.forget(replica)
-                changed = True
-        for rid, entry in wanted.items():
-            replica = fleet.find(rid)
-            if replica is None:
-                try:
-                    fleet.add(ReplicaSpec(rid, str(entry["url"])))
-                except ValueError as exc:
-                    log.warning("cannot follow Redis: %s", exc)
-                    continue
-                replica = fleet.replicas[-1]
-                added.append(replica)
-                changed = True
-            if entry.get("draining") and replica.state != "draining":
-                fleet.drain(rid)
-                drained.append((replica, bool(entry.get("remove"))))
-                changed = True
-        if router.discovery is not None:  # replicas discovery added are discovery's to remove
-            router.discovery.managed |= {d.decode() for d in discovered if fleet.find(d.decode()) is not None}
-        ring = fleet.ring
-        desired: dict[tuple[str, int], str] = {}
+        facts = Facts(removed={k.decode() for k in removed}, discovered={d.decode() for d in discovered})
+        for field, value in replicas.items():
+            rid, entry = field.decode(), orjson.loads(value)
+            facts.replicas[rid] = str(entry["url"])
+            since = entry.get("since")
+            started = float(since) if isinstance(since, (int, float)) else None
+            if entry.get("draining"):
+                facts.draining[rid] = bool(entry.get("remove"))
+                if started is not None:
+                    facts.drained[rid] = started
+            elif started is not None:
+                facts.warming[rid] = started
         for field, owner in overrides.items():
             origin, _, number = field.decode().rpartition("#")
-            if origin in ring.replica_ids and owner.decode() in ring.replica_ids and number.isdigit():
-                desired[(origin, int(number))] = owner.decode()
-        current = ring.overrides
-        for (origin, number), owner in desired.items():
-            if current.get((origin, number)) != owner and number < ring.vnodes:
-                ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
-                changed = True
-        for origin, number in current.keys() - desired.keys():
-            ring.clear_override(ring.index(origin), number)
-            changed = True
-        for replica in added:  # slow start before anything is published: no cold full-weight moment
-            if replica.state != "draining":  # added and already draining elsewhere: it stays draining
-                replica.health.start_warming(time.monotonic())
-                fleet.apply_health(replica, time.monotonic())
-        if changed:
-            router.publish()
-        # after the whole state is followed (no await above): scale-out and drain work
-        for replica in added:
-            if replica.state != "draining":
-                await router.balancer.added(replica, started=True)
-        for replica, remove in drained:
-            await router.balancer.drain(replica, remove)
+            if number.isdigit():
+                facts.overrides[(origin, int(number))] = owner.decode()
+        # the whole state is followed at once (no await in between), then scale-out and drains go on
+        await self.membership.settle(self.membership.reconcile(facts))
 
     # -- this instance's changes --------------------------------------------------------------------
 
@@ -272,15 +242,16 @@ class RedisState:
     async def _apply_remote(self, op: str, arg: Any) -> None:
         pipe = self.redis.pipeline(transaction=True)
         if op == "add":
-            rid, url = arg
-            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": False}))
+            rid, url, since = arg
+            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": False, "since": since}))
             pipe.hdel(self.key("removed"), rid)
         elif op == "remove":
             pipe.hdel(self.key("replicas"), arg)
             pipe.hset(self.key("removed"), arg, time.time())
         elif op == "drain":
-            rid, url, remove = arg
-            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": True, "remove": remove}))
+            rid, url, remove, since = arg
+            entry = {"url": url, "draining": True, "remove": remove, "since": since}
+            pipe.hset(self.key("replicas"), rid, orjson.dumps(entry))
         elif op == "discovered":
             pipe.hset(self.key("discovered"), arg, 1)
         elif op == "override":
@@ -293,14 +264,6 @@ class RedisState:
         version, *_ = reversed(await pipe.execute())
         self.version = int(version)  # our own change: nothing to pull for it
         await self.redis.publish(self.key("changes"), str(version))
-
-    # -- sessions ------------------------------------------------------------------------------------
-
-    def session_served(self, key: bytes, replica: str, written_ms: int) -> None:
-        self.sessions.served(key, replica, written_ms)
-
-    async def session(self, key: bytes) -> tuple[str, int] | None:
-        return await self.sessions.lookup(key)
 
 
 class RedisSessions:

@@ -12,20 +12,33 @@ reason; the session's next request goes there and its jump is counted under that
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+# (key, replica, seconds left, written unix ms)
+SessionEntry = tuple[bytes, str, float, int]
 
 
-def _now_ms() -> int:
+def wall_ms() -> int:
+    """Now, in unix milliseconds: what session entries are stamped with (newest wins)."""
     return int(time.time() * 1000)
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], int] = wall_ms,
+    ) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._clock = clock
+        self._wall = wall
         # key -> (replica, expires, why the router moved it there or None, when written: unix ms)
         self._entries: OrderedDict[bytes, tuple[str, float, str | None, int]] = OrderedDict()
         self.version = 0  # goes up with every change (for saving only when something changed)
@@ -55,7 +68,7 @@ class SessionTable:
     def put(self, key: bytes, replica: str) -> None:
         self.version += 1
         now = self._clock()
-        self._entries[key] = (replica, now + self.ttl_s, None, _now_ms())
+        self._entries[key] = (replica, now + self.ttl_s, None, self._wall())
         self._entries.move_to_end(key)
         self._drop_expired(now)
         while len(self._entries) > self.max_sessions:
@@ -76,7 +89,7 @@ class SessionTable:
         entry = self._entries.get(key)
         if entry is None or entry[1] < self._clock():
             return False
-        self._entries[key] = (replica, entry[1], reason, _now_ms() if written_ms is None else written_ms)
+        self._entries[key] = (replica, entry[1], reason, self._wall() if written_ms is None else written_ms)
         self.version += 1
         return True
 
@@ -105,22 +118,66 @@ class SessionTable:
         once, for work on it elsewhere (another thread) while the table goes on changing."""
         return self._clock(), list(self._entries.items())
 
-    def on(self, replica: str) -> list[bytes]:
-        """The live sessions last served by `replica`, most recent last."""
-        now = self._clock()
-        return [k for k, (r, expires, _, _) in self._entries.items() if r == replica and expires >= now]
-
-    def items(self) -> Iterator[tuple[bytes, str, float]]:
-        """(key, replica, seconds left) of every live session, oldest first: for saving."""
-        now = self._clock()
-        for key, (replica, expires, _, _) in list(self._entries.items()):
-            if expires >= now:
-                yield key, replica, expires - now
-
     def restore(self, key: bytes, replica: str, seconds_left: float, written_ms: int | None = None) -> None:
         if seconds_left > 0:
-            written = _now_ms() if written_ms is None else written_ms
+            written = self._wall() if written_ms is None else written_ms
             self._entries[key] = (replica, self._clock() + min(seconds_left, self.ttl_s), None, written)
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_sessions:
                 self._entries.popitem(last=False)
+
+
+class LinkDown(RuntimeError):
+    """No worker answered: what they know cannot be had now (they are stopping, or starting)."""
+
+
+class SessionSource(Protocol):
+    """Where the balance loop and the saved state find sessions, their prompts and per-vnode
+    traffic: this process's own table (router.balance.view.LocalSessions) or, for the control
+    process of worker processes, the workers' (router.balance.link.WorkerLink)."""
+
+    async def live(self, replica: str | None = None) -> list[SessionEntry]:
+        """The live sessions last served by `replica` (all, if None), oldest first."""
+        ...
+
+    async def prompts(self, keys: list[bytes]) -> dict[bytes, tuple[str, bytes]]:
+        """The latest stored request (path, body) of each of `keys` that has one."""
+        ...
+
+    async def move(self, keys: list[bytes], replica: str, reason: str) -> list[tuple[bytes, int]]:
+        """Point live sessions at `replica` (their caches were warmed there); (key, written ms)
+        of those moved."""
+        ...
+
+    async def restore(self, entries: list[SessionEntry]) -> None:
+        """Sessions from a saved routing state."""
+        ...
+
+    async def traffic(self) -> Counter[tuple[str, int]]:
+        """Keyed requests per vnode counted elsewhere since the last call."""
+        ...
+
+    async def version(self) -> int:
+        """Changes whenever a session entry does (to save the routing state only then)."""
+        ...
+
+
+class SessionView:
+    """This node's `SessionSource` once it answers: a lone router's own at once; the control
+    process's (its workers) once they have started; a worker has none."""
+
+    def __init__(self, source: SessionSource | None, lone: bool) -> None:
+        self.source = source
+        self.lone = lone  # the source is this process's own table
+        self.ready = asyncio.Event()
+        if source is not None:
+            self.ready.set()
+
+    def attach(self, source: SessionSource, ready: bool = True) -> None:
+        self.source = source
+        if ready:
+            self.ready.set()
+
+    def current(self) -> SessionSource | None:
+        """The source, if it answers now."""
+        return self.source if self.ready.is_set() else None

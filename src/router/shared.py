@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable
 
 from router.config import ReplicaSpec
-from router.fleet import Fleet, ReplicaState
-from router.health.monitor import recent_samples
+from router.fleet import Fleet, ReplicaState, recent_samples
 from router.health.score import HealthInputs
 from router.health.signals import EngineStats
 from router.ring import xxh3_64

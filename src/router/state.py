@@ -17,22 +17,35 @@ seconds while something changed and when the router stops. Read back when the ro
  "overrides": [["gpu-0", 17, "gpu-5"]],
  "sessions": [["<base64 key>", "gpu-1", 412.5]]}
 ```
+
+`Persistence` is the node's part: restore at start, a save loop while it runs, a last save when it stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
+import logging
 import os
 import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from router.config import ReplicaSpec
+from router.membership import Facts, Membership, Settle
+from router.sessions import LinkDown, SessionEntry, SessionTable, SessionView
+
 VERSION = 1
+STATE_SAVE_S = 5.0  # how often the routing state is saved while it changes
+SESSIONS_SAVE_S = 30.0  # with worker processes: how often their sessions are asked for, to save
+log = logging.getLogger("router.state")
 
 
 class StateError(ValueError):
@@ -132,3 +145,118 @@ def describe(state: RoutingState) -> dict[str, Any]:
         "overrides": len(state.overrides),
         "sessions": len(state.sessions),
     }
+
+
+class Persistence:
+    """A router's routing state in its state file: restored when it starts, saved while it runs."""
+
+    def __init__(self, file: StateFile, membership: Membership, configured: Sequence[ReplicaSpec], view: SessionView):
+        self.file = file
+        self.membership = membership
+        self.configured = configured
+        self.view = view
+        self.restored: dict[str, int] | None = None  # what the saved state brought back
+        self.restored_sessions: list[SessionEntry] = []  # for the workers, once they answer
+        self.settle: Settle | None = None  # restored drains, resumed once the balance loop runs
+        self._saved_sessions: list[SessionEntry] = []  # the sessions as last asked for ...
+        self._sessions_at = -SESSIONS_SAVE_S  # ... then (monotonic seconds)
+        self._saved_at: tuple[int, int | None] = (-1, -1)
+        self._lock = asyncio.Lock()
+
+    def line(self) -> str:
+        """For the start-up banner."""
+        line = f"routing state: saved to {self.file.path} (--state none turns it off)"
+        if self.restored is not None:
+            line += "; restored: " + ", ".join(f"{count} {what}" for what, count in self.restored.items())
+        return line
+
+    def restore(self, sessions: SessionTable) -> None:
+        """Bring the saved state back (StateError if it cannot be read); a lone router's sessions
+        go into `sessions`, a control process's wait for its workers (`restored_sessions`)."""
+        saved = self.file.load()
+        if saved is None:
+            return
+        configured = {r.id for r in self.configured}
+        facts = Facts(
+            replicas={rid: url for rid, url in saved.added},
+            removed={rid for rid in saved.removed if rid in configured},
+            draining={rid: rid in saved.removing for rid in saved.draining},
+            overrides={(origin, number): owner for origin, number, owner in saved.overrides},
+            discovered=set(saved.discovered),
+        )
+        self.settle = self.membership.reconcile(facts, everything=False)
+        down = max(time.time() - saved.saved_at, 0.0)
+        now_ms = int(time.time() * 1000)
+        live = [(key, replica, left - down, now_ms) for key, replica, left in saved.sessions if left > down]
+        if self.view.lone:
+            for key, replica, left, written in live:
+                sessions.restore(key, replica, left, written)
+        else:  # the workers get them when they answer
+            self.restored_sessions = live
+        self._saved_sessions, self._sessions_at = live, time.monotonic()
+        self.restored = describe(saved)
+        logging.getLogger("router.access").info("routing state restored: %s", self.restored)
+
+    def routing_state(self, sessions: list[SessionEntry]) -> RoutingState:
+        membership = self.membership
+        fleet = membership.fleet
+        configured = {r.id for r in self.configured}
+        present = {r.id for r in fleet.replicas}
+        return RoutingState(
+            saved_at=time.time(),
+            added=[(r.id, r.url) for r in fleet.replicas if r.id not in configured],
+            removed=[rid for rid in configured if rid not in present],
+            draining=[r.id for r in fleet.replicas if r.state == "draining"],
+            removing=sorted(membership.removing),
+            discovered=sorted(membership.discovered),
+            overrides=[(origin, number, owner) for (origin, number), owner in fleet.ring.overrides.items()],
+            sessions=[(key, replica, left) for key, replica, left, _ in sessions if left > 0 and replica in present],
+        )
+
+    async def save(self, force: bool = False) -> None:
+        """Save the routing state if it changed since the last save (or `force`). A lone router
+        saves its sessions whenever they changed; with worker processes their sessions are asked
+        for every SESSIONS_SAVE_S (and when forced), while a membership change is saved at once
+        with the sessions last asked for, their time left counted down since."""
+        view = self.view
+        source = view.source
+        # not while restored sessions wait for the workers: they are the sessions until then
+        answering = source is not None and view.ready.is_set() and not self.restored_sessions
+        due = time.monotonic() - self._sessions_at >= SESSIONS_SAVE_S
+        ask = answering and (view.lone or force or due)
+        mark = (self.membership.changes, await source.version() if source is not None and ask else self._saved_at[1])
+        if mark == self._saved_at and not force:
+            return
+        async with self._lock:  # one save at a time: an older snapshot never lands last
+            if source is not None and ask:
+                with contextlib.suppress(LinkDown):  # no worker answers, and none ever has
+                    self._saved_sessions = await source.live()
+                    self._sessions_at = time.monotonic()
+            aged = time.monotonic() - self._sessions_at
+            state = self.routing_state([(k, r, left - aged, w) for k, r, left, w in self._saved_sessions])
+            await asyncio.to_thread(self.file.save, state)
+            self._saved_at = mark
+
+    async def context(self, app: Any) -> AsyncIterator[None]:
+        """The save loop, for `cleanup_ctx`: every STATE_SAVE_S while something changed, and once
+        more when the router stops."""
+        stop = asyncio.Event()
+
+        async def loop() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), STATE_SAVE_S)
+                    return  # stopping: the final save follows
+                try:
+                    await self.save()
+                except OSError as exc:
+                    log.error("cannot save the routing state: %s", exc)
+
+        task = asyncio.create_task(loop(), name="routing state")
+        yield
+        stop.set()
+        await task  # a save under way finishes first, never cut off in its thread
+        try:
+            await self.save(force=True)
+        except OSError as exc:
+            log.error("cannot save the routing state: %s", exc)

@@ -16,9 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from router.config import load
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
+from router.node import Node
+from router.proxy.app import build_app
 
 WORKERS_TOKEN = "workers-test-token"  # the admin token of the routers `serve_workers` starts
 FAST = 100.0  # engine seconds per wall second: a 10 ms step sleeps 0.1 ms
@@ -65,17 +69,12 @@ async def start_fleet() -> AsyncIterator[Callable[..., Any]]:
 @pytest.fixture
 async def start_router() -> AsyncIterator[Callable[..., Any]]:
     """Start router-serve's app in this event loop in front of the given replica URLs."""
-    from aiohttp import web
-
-    from router.config import load
-    from router.proxy.app import Router
-
     runners: list[web.AppRunner] = []
 
-    async def start(urls: list[str], **settings: Any) -> tuple[Router, str]:
+    async def start(urls: list[str], **settings: Any) -> tuple[Node, str]:
         config = load(None, {}, {"replicas": urls, "state": "none", **settings})
-        router = Router(config)
-        runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
+        router = Node(config)
+        runner = web.AppRunner(build_app(router), handle_signals=False, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -92,8 +91,6 @@ async def start_router() -> AsyncIterator[Callable[..., Any]]:
 async def sse_upstream() -> AsyncIterator[Callable[..., Any]]:
     """A stand-in replica that answers every chat request with fixed bytes in fixed pieces, and
     records the headers it got; returns (base URL, list of received headers)."""
-    from aiohttp import web
-
     runners: list[web.AppRunner] = []
 
     async def start(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -111,8 +112,6 @@ def test_defaults_bind_loopback_and_bad_admin_addresses_are_refused() -> None:
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_taken_admin_port_is_one_line_naming_it(workers: str) -> None:
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,9 +12,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from router.agent.agent import Agent
 from router.agent.nvml import NvmlReader
+from router.config import load
+from router.node import Node
+from router.proxy.app import build_app
 from router.shm.layout import ReplicaSlot
 from router.shm.table import SlotTable
 
@@ -122,8 +127,6 @@ async def test_agent_reads_the_engine_and_publishes(replica) -> None:  # type: i
 
 
 async def test_stats_endpoint(replica) -> None:  # type: ignore[no-untyped-def]
-    from aiohttp import web
-
     agent = Agent("emu-a", replica.url, NvmlReader(FakeNvml()), interval_s=0.05)
     runner = web.AppRunner(agent.app())
     await runner.setup()
@@ -148,13 +151,6 @@ def test_bad_command_lines_exit_2(args: list[str]) -> None:
 
 
 async def test_a_colocated_agent_reaches_the_score_through_shared_memory(start_fleet) -> None:  # type: ignore[no-untyped-def]
-    import asyncio
-
-    from aiohttp import web
-
-    from router.config import load
-    from router.proxy.app import Router
-
     fleet = await start_fleet(2)
     specs = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
     name = f"kvar-agent-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -162,9 +158,9 @@ async def test_a_colocated_agent_reaches_the_score_through_shared_memory(start_f
     table = SlotTable.create(config.shm_name, config.shm_slots)
     runner = None
     try:
-        router = Router(config, table=table)
+        router = Node(config, table=table)
         router.publish()  # as router-serve --shm-name does at start
-        runner = web.AppRunner(router.app())
+        runner = web.AppRunner(build_app(router))
         await runner.setup()
         nvml = FakeNvml()
         agent = Agent("emu-1", fleet.replicas[1].url, NvmlReader(nvml), interval_s=0.05, table=SlotTable.attach(name))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import socket
 import time
 from typing import Any
 
@@ -13,6 +13,9 @@ import orjson
 
 from router.balance.controller import Balancer
 from router.balance.rebalance import Move
+from router.balance.view import LocalSessions
+from router.metrics import RouterMetrics
+from router.sessions import LinkDown
 
 
 def named(fleet: Any) -> list[str]:
@@ -89,10 +92,9 @@ async def test_autoscaler_signals(start_fleet, start_router) -> None:  # type: i
     router, _ = await start_router(
         named(fleet), health_checks="false", scale_target_load="4", rebalance_window_s="10", rebalance="false"
     )
-    router.balance_task.cancel()  # this test ticks a balancer itself, on its own clock
-    with contextlib.suppress(asyncio.CancelledError):
-        await router.balance_task
-    balancer, m = Balancer(router), router.metrics
+    # this test ticks a balancer of its own, on its own clock, into metrics of its own
+    m = RouterMetrics()
+    balancer = Balancer(router.config, router.fleet, m, router.membership, router.view.current, router.upstream_client)
     await balancer.tick(100.0)
     assert m.scale_recommended._value.get() == 1 and m.scale_idle._value.get() == 0
     await balancer.tick(111.0)  # idle for a whole window
@@ -132,8 +134,6 @@ async def test_a_drain_is_not_undone_by_a_request_still_running_there(start_flee
 
 
 async def test_a_scale_out_whose_warm_up_fails_moves_nobody(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
-    import socket
-
     fleet = await start_fleet(2)
     router, url = await start_router(named(fleet), admin_token="t", health_checks="false")
     for i in range(40):
@@ -183,8 +183,6 @@ async def test_a_migration_is_not_undone_by_a_request_running_there(start_fleet,
 
 
 async def test_a_drain_waits_to_know_the_sessions_before_it_removes(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
-    from router.balance.view import LinkDown, LocalSessions
-
     fleet = await start_fleet(3)
     router, url = await start_router(named(fleet), health_checks="false")
     sessions = [f"u{i}" for i in range(30)]
@@ -201,9 +199,8 @@ async def test_a_drain_waits_to_know_the_sessions_before_it_removes(start_fleet,
                 raise LinkDown("not yet")
             return await super().live(replica)
 
-    router.view = Silent(router)
-    router.fleet.drain("emu-0")
-    assert await router.balancer.drain(router.fleet.find("emu-0"), remove=True) is None  # type: ignore[arg-type]
+    router.view.attach(Silent(router.sessions, router.balancer.prompts))
+    assert (await router.membership.drain("emu-0", remove=True))[1] is None
     await asyncio.sleep(0.5)  # a drain that took "unknown" for "none" would have removed it by now
     assert router.fleet.find("emu-0") is not None  # not removed blind
     deadline = time.monotonic() + 10

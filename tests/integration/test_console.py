@@ -99,8 +99,9 @@ def _browser() -> Any:
     if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
         pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install them)")
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
+    # selenium is optional (the test extra): imported only after importorskip found it
+    from selenium.webdriver.chrome.options import Options  # noqa: PLC0415
+    from selenium.webdriver.chrome.service import Service  # noqa: PLC0415
 
     options = Options()
     options.binary_location = CHROMIUM
@@ -201,7 +202,7 @@ async def _until(check: Any, timeout: float, what: str) -> Any:
 
 
 async def test_the_console_in_headless_chromium(demo: str) -> None:
-    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.by import By  # noqa: PLC0415 -- optional (test extra); _browser skips without it
 
     driver = await asyncio.to_thread(_browser)
     stop = asyncio.Event()

@@ -100,7 +100,14 @@ async def test_dns_discovery_follows_the_records(start_fleet, start_router) -> N
         server.records[(name + ".", "SRV")] = [f"0 0 {ports[1]} localhost."]
         static = f"emu-0={fleet.replicas[0].url}"  # configured: discovery never touches it
         router, _ = await start_router([static], health_checks="false")
-        discovery = Discovery(router, "srv:" + name, 0.05, lambda: resolve_srv(name, ns))
+        discovery = Discovery(
+            router.membership,
+            router.metrics,
+            "srv:" + name,
+            0.05,
+            router.config.replicas,
+            lambda: resolve_srv(name, ns),
+        )
 
         def ids() -> list[str]:
             return sorted(r.id for r in router.fleet.replicas)

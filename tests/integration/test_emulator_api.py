@@ -9,6 +9,7 @@ import openai
 import orjson
 import pytest
 
+from router.emulator.engine import EngineConfig
 from router.emulator.server import Replica
 
 CHAT = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "Tell me a story."}]
@@ -158,8 +159,6 @@ async def test_invalid_json_is_a_clear_400(replica: Replica) -> None:
 
 
 async def test_queue_and_kv_gauges_under_load(make_replica) -> None:  # type: ignore[no-untyped-def]
-    from router.emulator.engine import EngineConfig
-
     r = make_replica(config=EngineConfig(max_num_seqs=2, num_blocks=500), time_scale=1.0)  # 0.6 s per request
     await r.start()
     try:

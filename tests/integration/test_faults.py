@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -118,8 +119,6 @@ def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytes
 
 @pytest.mark.skipif(not available("vllm-consistent-hash"), reason="vllm-router is not installed (test extra)")
 async def test_a_peer_router_is_put_through_the_same_fault() -> None:
-    from dataclasses import replace
-
     result = await faults.run_scenario("crash-mid-stream", replace(OPTS, router="vllm"))
     assert result["router"] == "vllm" and result["resumed"] is None  # it does not say
     assert result["sent"] == result["succeeded"] + result["failed_clean"] + result["cut_silently"] > 50

@@ -16,6 +16,7 @@ import pytest
 
 from router.bench import fleet
 from router.bench.cli import build_parser
+from router.bench.llama_server import NotBuilt, find_binary
 
 # a tiny Mooncake-format trace: three conversations of two turns sharing a system block
 TRACE = [
@@ -170,8 +171,6 @@ def test_a_fleet_that_cannot_start_is_one_line_and_the_rest_is_written(tmp_path:
 
 
 def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
-    from router.bench.llama_server import NotBuilt, find_binary
-
     try:
         find_binary()
     except NotBuilt as exc:

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 FAST_PROBES = {"probe_interval_s": 0.05, "probe_timeout_s": 0.5, "recovery_ramp_s": 0.5}
 
@@ -118,8 +119,6 @@ async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:
 
 
 async def test_agent_figures_join_the_score(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
-    from aiohttp import web
-
     gpu: dict[str, Any] = {"temperature_c": 60.0, "throttle_reasons": 0x4, "ecc_uncorrected": 0}
     taken_at = {"delta": 0.0}
 

@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from router.config import load
-from router.proxy.app import Router
+from router.node import Node
+from router.proxy.app import build_app
 from router.proxy.workers import runner_for
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -60,8 +61,8 @@ async def world() -> AsyncIterator[tuple[Upstream, str, int]]:
             "max_header_bytes": "4096",
         },
     )
-    router = Router(config)
-    runner = runner_for(router.app(), config)
+    router = Node(config)
+    runner = runner_for(build_app(router), config)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

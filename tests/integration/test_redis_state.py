@@ -10,10 +10,16 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from chat import turn
 
+from router.bench.common import free_port
 from router.bench.faults import RedisServer
+from router.config import load
+from router.health.states import RAMP_STEPS
 from router.keys import RoutingKey
+from router.node import Node
+from router.proxy.app import build_app
 
 AUTH = {"Authorization": "Bearer t"}
 
@@ -124,3 +130,109 @@ async def test_workers_share_sessions_via_redis(start_fleet, start_router, serve
         assert await turn(url_lone, session) == replica
     for session, replica in through_lone.items():  # nor have the workers seen these
         assert await turn(workers.url, session) == replica
+
+
+class Served:
+    """A router in this event loop, stopped and started again on the same port as a restart would."""
+
+    def __init__(self, replicas: list[str], settings: dict[str, str]) -> None:
+        self.config = load(None, {}, {"replicas": replicas, "state": "none", **settings})
+        self.url = f"http://127.0.0.1:{self.config.port}"
+        self.node: Node | None = None
+        self.runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        self.node = Node(self.config)
+        self.runner = web.AppRunner(build_app(self.node), handle_signals=False, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.config.port, reuse_address=True).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+async def _routes(http: aiohttp.ClientSession, url: str, keys: list[str]) -> list[tuple[Any, Any]]:
+    """Where `url`'s router sends each key, and its ring owner, as /admin/route says."""
+    limit = asyncio.Semaphore(32)
+
+    async def one(key: str) -> tuple[Any, Any]:
+        async with limit, http.get(url + "/admin/route", params={"key": key}, headers=AUTH) as r:
+            assert r.status == 200
+            answer = await r.json()
+            return answer["replica"], answer["ring_owner"]
+
+    return list(await asyncio.gather(*(one(k) for k in keys)))
+
+
+async def test_routers_agree_at_once_after_a_restart(start_fleet, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A slow start, a drain and an override are fleet-wide facts: a router that restarts while a
+    replica added through its peer ramps up routes like its peer from its first answer on."""
+    fleet = await start_fleet(5)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    # a 120 s slow start climbs in steps of 12 s (RAMP_STEPS): the checks below fall between steps
+    settings = {"state": redis_server.url, "admin_token": "t", "health_checks": "false", "recovery_ramp_s": "120"}
+    a = Served(named[:4], {**settings, "port": str(free_port())})
+    b = Served(named[:4], {**settings, "port": str(free_port())})
+    routers = [a, b]
+    keys = [f"user-{i}" for i in range(1000)]
+    step_s = 120 / RAMP_STEPS
+    try:
+        for router in routers:
+            await router.start()
+        assert a.node is not None and a.node.redis is not None
+        await wait_for(
+            lambda: all(r.node is not None and r.node.redis is not None and r.node.redis.online for r in routers)
+        )
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                a.url + "/admin/replicas", json={"id": "emu-4", "url": fleet.replicas[4].url}, headers=AUTH
+            ) as r:
+                assert r.status == 201
+                since = (await r.json())["slow_start_since"]
+            assert since is not None
+
+            async def restart_b_between_steps() -> float:
+                """Restart B just after a step of the slow start; how long its /health took to answer."""
+                into_step = (time.time() - since) % step_s
+                await asyncio.sleep(step_s - into_step + 1.3)  # A's balance loop has stepped it by then
+                await b.stop()
+                started = time.monotonic()
+                await b.start()
+                async with http.get(b.url + "/health") as r:
+                    assert r.status == 200
+                return time.monotonic() - started
+
+            async def agree() -> None:
+                on_a, on_b = await asyncio.gather(_routes(http, a.url, keys), _routes(http, b.url, keys))
+                # A's answers taken again: no step of the ramp fell within the comparison
+                assert await _routes(http, a.url, keys) == on_a
+                assert sum(x != y for x, y in zip(on_a, on_b, strict=True)) == 0
+                assert {replica for replica, _ in on_a} >= {"emu-4"}  # the new replica takes a share already
+
+            await asyncio.sleep(step_s)  # into the ramp's second step: a fresh slow start would differ
+            assert await restart_b_between_steps() < step_s / 4
+            assert b.node is not None and b.node.fleet.find("emu-4") is not None
+            assert b.node.fleet.find("emu-4").state == "warming"  # type: ignore[union-attr]
+            await agree()
+            weights = [(r.id, a.node.fleet.ring.weights[r.index]) for r in a.node.fleet.replicas]  # type: ignore[index]
+            assert [(r.id, b.node.fleet.ring.weights[r.index]) for r in b.node.fleet.replicas] == weights  # type: ignore[index]
+            # a drain and an override, made on A: followed by B at once, and still after B restarts
+            async with http.post(a.url + "/admin/replicas/emu-1/drain", headers=AUTH) as r:
+                assert r.status == 200
+            ring = a.node.fleet.ring
+            _, origin, number = ring.locate(b"user-7")
+            owner = next(rid for rid in ("emu-0", "emu-2", "emu-3") if rid != ring.replica_ids[origin])
+            override = {"origin": ring.replica_ids[origin], "vnode": number, "owner": owner}
+            async with http.post(a.url + "/admin/overrides", json=override, headers=AUTH) as r:
+                assert r.status == 200
+            node_b = b.node
+            await wait_for(lambda: node_b.fleet.ring.overrides == ring.overrides, 2)
+            assert node_b.fleet.find("emu-1").state == "draining"  # type: ignore[union-attr]
+            await restart_b_between_steps()
+            assert b.node.fleet.ring.overrides == ring.overrides and b.node.fleet.find("emu-1").state == "draining"  # type: ignore[union-attr]
+            await agree()
+    finally:
+        for router in routers:
+            await router.stop()

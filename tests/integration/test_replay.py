@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -136,8 +137,6 @@ def test_command_line_errors_are_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("spread", ["round-robin", "session"])
 def test_cli_json_against_a_fleet_process(spread: str, tmp_path: Path) -> None:
-    import socket
-
     with socket.socket() as s1, socket.socket() as s2:
         s1.bind(("127.0.0.1", 0))
         s2.bind(("127.0.0.1", 0))

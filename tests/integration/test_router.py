@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 from typing import Any
 
 import aiohttp
@@ -10,6 +21,10 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
+
+from router.config import load
+from router.node import Node
+from router.proxy.app import build_app
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}
 
@@ -344,9 +359,6 @@ async def test_health_models_and_metrics(start_fleet, start_router) -> None:  # 
 
 
 async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) -> None:  # type: ignore[no-untyped-def]
-    import json
-    import logging
-
     fleet = await start_fleet(1)
     _, url = await start_router(named(fleet.replicas), log_requests=True)
     with caplog.at_level(logging.INFO, logger="router.access"):
@@ -361,16 +373,6 @@ async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) 
 
 
 def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
-    import os
-    import queue
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import threading
-    import time
-    import urllib.request
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -405,14 +407,9 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
 
 async def test_tcp_nodelay_on_both_legs(start_fleet) -> None:  # type: ignore[no-untyped-def]
     # Nagle + delayed ACK would hold a stream's first small chunk for ~40 ms on a keep-alive connection.
-    import socket
-
-    from router.config import load
-    from router.proxy.app import Router
-
     fleet = await start_fleet(1)
-    router = Router(load(None, {}, {"replicas": named(fleet.replicas), "state": "none"}))
-    runner = web.AppRunner(router.app(), handle_signals=False)
+    router = Node(load(None, {}, {"replicas": named(fleet.replicas), "state": "none"}))
+    runner = web.AppRunner(build_app(router), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -15,13 +15,14 @@ from aiohttp import web
 from chat import turn
 
 from router.config import load
-from router.proxy.app import Router
+from router.node import Node
+from router.proxy.app import build_app
 from router.state import RoutingState, StateError, StateFile
 
 
-async def serve(config: Any) -> tuple[Router, web.AppRunner, str]:
-    router = Router(config)
-    runner = web.AppRunner(router.app(), handle_signals=False, access_log=None)
+async def serve(config: Any) -> tuple[Node, web.AppRunner, str]:
+    router = Node(config)
+    runner = web.AppRunner(build_app(router), handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -10,8 +11,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from router.balance.view import LinkDown
-from router.proxy.internal import WorkerLink
+from router.balance.link import WorkerLink
+from router.sessions import LinkDown
 
 
 class FakeWorker:
@@ -74,8 +75,6 @@ async def test_answers_merge_and_a_silent_worker_is_stood_in_for(tmp_path: Path)
 
 
 async def test_a_worker_that_hangs_costs_the_link_time_out_not_for_ever(tmp_path: Path) -> None:
-    import asyncio
-
     async def hang(request: web.Request) -> web.Response:
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")

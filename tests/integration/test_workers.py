@@ -13,6 +13,8 @@ import orjson
 import pytest
 from yarl import URL
 
+from router.emulator.engine import EngineConfig
+
 TOKEN = "workers-test-token"
 
 
@@ -186,8 +188,6 @@ async def test_a_killed_worker_is_replaced_and_stopping_cleans_up(start_fleet, s
 
 
 async def test_capacities_the_control_process_reads_reach_every_worker(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]
-    from router.emulator.engine import EngineConfig
-
     fleet = await start_fleet(2, EngineConfig(num_blocks=4000, max_num_seqs=4))
     served = await serve_workers(named(fleet), "--probe-interval-s", "0.1", "--replica-capacity", "emu-1=3")
     caps: dict[tuple[int, str], int] = {}

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, ReplicaSpec, load, parse_replica
+from router.config import FIELDS, ConfigError, ReplicaSpec, load, parse_replica, replica_capacities, score_weights
+from router.health.score import ScoreWeights
+from router.node import Node
+from router.proxy.cli import build_parser, cli_values
 
 
 def test_defaults_file_env_cli_in_that_order(tmp_path: Path) -> None:
@@ -116,9 +119,6 @@ def test_router_serve_exits_2_with_one_line(args: list[str]) -> None:
 
 
 def test_every_setting_has_a_flag() -> None:
-    from router.config import FIELDS
-    from router.proxy.cli import build_parser, cli_values
-
     args = build_parser().parse_args(
         [
             "--replica",
@@ -138,24 +138,17 @@ def test_every_setting_has_a_flag() -> None:
 
 
 def test_score_weights_override_the_defaults() -> None:
-    from router.config import score_weights
-    from router.health.score import ScoreWeights
-
     cfg = load(
         None, {"ROUTER_SCORE_WEIGHTS": "latency=0.5, queue_from=16"}, {"replicas": ["http://a:1"], "state": "none"}
     )
     weights = score_weights(cfg)
     assert (weights.latency, weights.queue_from, weights.queue) == (0.5, 16.0, ScoreWeights().queue)
-    from router.proxy.app import Router
-
-    assert Router(cfg).monitor.weights == weights  # the control loop scores with them
+    assert Node(cfg).monitor.weights == weights  # the control loop scores with them
     queued = load(None, {"ROUTER_LOAD_QUEUE_WEIGHT": "2"}, {"replicas": ["http://a:1"], "state": "none"})
-    assert Router(queued).monitor.queue_weight == 2.0  # probes add 2 x waiting to the load cap's count
+    assert Node(queued).monitor.queue_weight == 2.0  # probes add 2 x waiting to the load cap's count
 
 
 def test_replica_capacity_entries() -> None:
-    from router.config import replica_capacities
-
     cfg = load(None, {"ROUTER_REPLICA_CAPACITY": "gpu-1=4, *=256"}, {"replicas": ["gpu-1=http://h:1"]})
     assert replica_capacities(cfg) == {"gpu-1": 4, "*": 256}
     for bad in ("gpu-1", "gpu-1=0", "=4", "gpu-1=four", "gpu-1=2.5", "a=1,a=2"):

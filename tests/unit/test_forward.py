@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from router.proxy.forward import Outcome, _pump, _SseFramer
+from router.proxy.forward import Outcome, _pump
+from router.proxy.framer import SseFramer
 from router.proxy.resume import SoFar, Splicer
 from router.proxy.sse import StreamFramer
 
@@ -45,7 +46,7 @@ async def test_a_client_that_leaves_mid_stream_is_not_an_upstream_error() -> Non
     client = GoneClient(after=2)
     outcome = Outcome(response=None, status=200, streamed=True)  # type: ignore[arg-type]
     loop: Any = asyncio.get_running_loop()
-    await _pump(upstream, client, events[0], _SseFramer(False), outcome, 5.0, loop.time() + 5, None, 0.0)  # type: ignore[arg-type]
+    await _pump(upstream, client, events[0], SseFramer(False), outcome, 5.0, loop.time() + 5, None, 0.0)  # type: ignore[arg-type]
     assert outcome.client_gone and outcome.stream_error is None
     assert len(client.written) == 2 and upstream.reads == 2  # stopped reading the replica at once
 
@@ -85,7 +86,7 @@ def pieces_of(data: bytes, how: str) -> list[bytes]:
 
 @pytest.mark.parametrize("how", ["events", "bytes", "whole", "seed-1", "seed-2"])
 def test_timings_on_the_hidden_usage_chunk_reach_the_client_on_the_finish_chunk(how: str) -> None:
-    framer = _SseFramer(strip_usage=True)
+    framer = SseFramer(strip_usage=True)
     out = run_framer(framer, pieces_of(b"".join(LLAMA), how))
     events = [e for e in out.split(b"\n\n") if e]
     assert events[:2] == [e.strip() for e in LLAMA[:2]]  # untouched, byte for byte
@@ -100,16 +101,16 @@ def test_timings_on_the_hidden_usage_chunk_reach_the_client_on_the_finish_chunk(
 @pytest.mark.parametrize("how", ["events", "bytes", "seed-3"])
 def test_a_stream_is_unchanged_when_nothing_is_hidden(how: str) -> None:
     data = b"".join(LLAMA)
-    assert run_framer(_SseFramer(strip_usage=False), pieces_of(data, how)) == data  # the client asked for usage
+    assert run_framer(SseFramer(strip_usage=False), pieces_of(data, how)) == data  # the client asked for usage
     plain = b"".join([*LLAMA[:3], LLAMA[4]])  # no usage chunk: the finish chunk goes out as it came
-    assert run_framer(_SseFramer(strip_usage=True), pieces_of(plain, how)) == plain
+    assert run_framer(SseFramer(strip_usage=True), pieces_of(plain, how)) == plain
     vllm_usage = LLAMA[3].replace(b',"timings":{"cache_n":17,"prompt_n":1,"predicted_n":1}', b"")
     no_extras = b"".join([*LLAMA[:3], vllm_usage, LLAMA[4]])
-    assert run_framer(_SseFramer(strip_usage=True), pieces_of(no_extras, how)) == plain
+    assert run_framer(SseFramer(strip_usage=True), pieces_of(no_extras, how)) == plain
 
 
 def test_a_finish_chunk_held_when_the_stream_breaks_still_reaches_the_client() -> None:
-    framer = _SseFramer(strip_usage=True)
+    framer = SseFramer(strip_usage=True)
     assert framer.feed(b"".join(LLAMA[:3])) == b"".join(LLAMA[:2])
     assert framer.release() == LLAMA[2]  # the replica broke before its usage chunk
     assert framer.release() == b""
@@ -135,7 +136,7 @@ def test_the_splicer_keeps_timings_too() -> None:
 )
 def test_the_framer_and_the_splicer_read_usage_alike(usage: dict[str, Any], figures: tuple[int, int, int]) -> None:
     data = b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
-    framer = _SseFramer(strip_usage=False)
+    framer = SseFramer(strip_usage=False)
     splicer = Splicer(SoFar(), chat=True, strip_usage=False)  # nothing generated before: no figure moves
     run_framer(framer, [data])
     run_framer(splicer, [data])

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import random
 import uuid
 from array import array
+from bisect import bisect_left
 from types import ModuleType
 from typing import Any
 
 import pytest
+import xxhash
 
 N = 20
 
@@ -61,8 +64,6 @@ def test_lookup_is_deterministic_and_in_range(impl: ModuleType) -> None:
 
 def test_lookup_is_the_owner_of_the_first_point_at_or_after_the_hash(impl: ModuleType) -> None:
     # Independent of both implementations: place the points by hand and search.
-    import xxhash
-
     ids = fleet(5)
     ring = impl.Ring(ids, vnodes=16, seed=42)
     points = sorted(
@@ -465,8 +466,6 @@ def test_a_failed_mutation_changes_nothing(impl: ModuleType) -> None:
 
 
 def test_string_subclass_ids_place_like_their_plain_value(impl: ModuleType) -> None:
-    import enum
-
     class Name(str, enum.Enum):  # noqa: UP042 - the (str, Enum) idiom is what callers pass
         A = "gpu-a"
         B = "gpu-b"
@@ -517,8 +516,6 @@ def test_uninitialised_and_negative_limits_are_harmless(impl: ModuleType) -> Non
 def test_rings_past_the_bucket_table_cap_bisect_correctly(compiled: ModuleType) -> None:
     # 2**21 points: the bucket table stops at 2**20 entries, so buckets hold several points and
     # the bisect-then-count path runs; check it against a plain bisect over the published points.
-    from bisect import bisect_left
-
     ring = compiled.Ring([f"r{i}" for i in range(32)], vnodes=65536, seed=4)
     points = ring.points()
     hashes = [p[0] for p in points]

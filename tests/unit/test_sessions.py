@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from router.balance.warmup import PromptStore
 from router.sessions import SessionTable
 
 
@@ -45,14 +46,14 @@ def test_sessions_on_a_replica_and_save_restore() -> None:
     clock.now = 4
     table.put(b"b", "r2")
     table.put(b"c", "r1")
-    assert table.on("r1") == [b"a", b"c"]
-    saved = list(table.items())
+    assert [key for key, *_ in table.live("r1")] == [b"a", b"c"]
+    saved = [(key, replica, left) for key, replica, left, _ in table.live()]
     assert saved == [(b"a", "r1", 6.0), (b"b", "r2", 10.0), (b"c", "r1", 10.0)]
     other = SessionTable(max_sessions=2, ttl_s=5, clock=Clock())
     for key, replica, left in saved:
         other.restore(key, replica, left)
     assert len(other) == 2 and other.get(b"a") is None  # bounded like any other table
-    assert other.get(b"c") == "r1" and list(other.items())[-1][2] == 5.0  # capped at the TTL
+    assert other.get(b"c") == "r1" and other.live()[-1][2] == 5.0  # capped at the TTL
 
 
 def test_a_move_made_elsewhere_is_placed_with_its_reason_and_listed() -> None:
@@ -72,8 +73,6 @@ def test_a_move_made_elsewhere_is_placed_with_its_reason_and_listed() -> None:
 
 
 def test_expired_sessions_are_forgotten_as_new_ones_come() -> None:
-    from router.balance.warmup import PromptStore
-
     clock = Clock()
     table = SessionTable(max_sessions=1_000_000, ttl_s=10, clock=clock)
     store = PromptStore(max_bytes=1 << 30, ttl_s=10, clock=clock)
@@ -86,6 +85,6 @@ def test_expired_sessions_are_forgotten_as_new_ones_come() -> None:
             store.put(key, "/v1/chat/completions", body)
     # only the sessions of the last TTL are held, far below either bound
     assert len(table) <= 110 and len(store) <= 110
-    assert store.bytes == sum(len(store.get(k)[1]) for k, _, _ in table.items())  # type: ignore[index]
+    assert store.bytes == sum(len(store.get(k)[1]) for k, *_ in table.live())  # type: ignore[index]
     assert table.get(b"s99-0") == "r1" and store.get(b"s99-0") is not None
     assert table.get(b"s50-0") is None and store.get(b"s50-0") is None

@@ -13,7 +13,7 @@ from router.config import ReplicaSpec, RouterConfig
 from router.fleet import Fleet
 from router.keys import RoutingKey
 from router.policy import make_policy
-from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, owner_tag
+from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, SharedSessions, owner_tag
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 
@@ -204,8 +204,6 @@ def test_unchanged_slots_are_not_rewritten(table: SlotTable) -> None:
 
 
 def test_sessions_are_shared_between_workers() -> None:
-    from router.shared import SharedSessions
-
     table = SlotTable.create(f"kvar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", 8, workers=2, sticky_entries=8)
     try:
         control, publisher, fleets, followers = published(table, SPECS[:3])

@@ -5,10 +5,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import uuid
+from multiprocessing import shared_memory
 
 import pytest
 
-from router.shm.layout import ReplicaSlot, pack, unpack
+from router.config import ReplicaSpec
+from router.fleet import Fleet
+from router.health.monitor import HealthMonitor
+from router.shm.layout import HEADER_SIZE, SLOT_SIZE, ReplicaSlot, pack, unpack
 from router.shm.table import SlotTable
 
 FULL = ReplicaSlot(
@@ -70,8 +74,6 @@ def test_create_attach_write_read_and_ownership() -> None:
 
 
 def test_attach_refuses_something_else() -> None:
-    from multiprocessing import shared_memory
-
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
         with pytest.raises(ValueError, match="not a version-9 replica table"):
@@ -159,11 +161,6 @@ def test_agent_slots_counters_and_generation_are_separate_regions() -> None:
 
 
 def test_a_stuck_agent_slot_reads_as_no_agent() -> None:
-    from router.config import ReplicaSpec
-    from router.fleet import Fleet
-    from router.health.monitor import HealthMonitor
-    from router.shm.layout import HEADER_SIZE, SLOT_SIZE
-
     table = SlotTable.create(name(), 2)
     try:
         fleet = Fleet([ReplicaSpec("gpu-7", "http://10.0.0.7:8000")])

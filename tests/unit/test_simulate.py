@@ -71,7 +71,7 @@ def test_the_rebalancer_moves_a_hot_replicas_vnode_with_its_sessions() -> None:
     sim.system[session] = 0
     sim.models[hot.id].keep(session, 900)
     sim.sessions.put(key, hot.id)
-    sim._served(session, None, hot.id)
+    sim._placed(session, hot.id)
     for _ in range(30):  # 30 requests in flight on replica 0, 2 on each other one
         fleet.acquire(hot)
     for other in fleet.replicas[1:]:
@@ -105,19 +105,21 @@ def test_a_turn_running_while_its_session_moves_does_not_undo_the_move() -> None
     sim.system[0] = 0
     sim.live.add(0)
     sim.sessions.put(key, source.id)
-    sim._served(0, None, source.id)
-    turn = Turn(0, 1, 2, 500, 10, 10, started=5.0, replica=source)
-    sim.fleet.acquire(source)
+    sim._placed(0, source.id)
+    sim.now = 5.0
+    turn = Turn(0, 1, 2, 500, 10, 10, started=5.0)
+    turn.route = sim.routing.local_route(sim.keys[0], 5.0, 605.0)
+    turn.replica = turn.route.next(5.0)  # the router's pick: back where its cache is
+    assert turn.replica is source
     sim.models[source.id].running = 1
-    # while it runs, a migration moves the session to `target`
+    # while it runs, a migration moves the session to `target`, as the router's view does
     sim.now = 6.0
-    sim.sessions.put(key, target.id)
-    sim._served(0, source.id, target.id)
-    sim.migrated[0] = 6.0
+    assert sim.sessions.move(key, target.id, "migration")
+    sim._placed(0, target.id)
     sim.now = 7.0
     sim._done(turn)
     assert sim.sessions.get(key) == target.id  # the move stands
-    assert sim.stats.jumps == 0 and sim.stats.followups == 0  # and no jump is counted for it
+    assert sim.stats.followups == 1 and sim.stats.jumps == 0  # a follow-up served where it was; no jump
     assert sim.models[source.id].cached(0) == 520  # the replica that served it did cache its context
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import aiohttp
@@ -18,21 +18,18 @@ from aiohttp import web
 
 from router.config import parse_replica
 from router.errors import error_response
+from router.fleet import ReplicaState
 from router.keys import RoutingKey, bounded_key
-
-KEYED_POLICIES = ("affinity", "consistent_hash")
-
-if TYPE_CHECKING:
-    from router.proxy.app import Router
+from router.membership import Clash, NoRoom
+from router.node import Node
 
 
-def add_admin_routes(app: web.Application, router: Router, replica_routes_only: bool = False) -> None:
-    """The admin routes. In a worker process (router.follower is set), the replica and override
-    routes go to the control process, which owns membership and the ring; route explanation and
-    ring shares are answered from the worker's own copy of the ring, which is the one its
-    requests are routed by."""
-    api = AdminApi(router)
-    replicas = api.forward if router.follower is not None else None
+def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool = False) -> None:
+    """The admin routes. In a worker process, the replica and override routes go to the control
+    process, which owns membership and the ring; route explanation and ring shares are answered
+    from the worker's own copy of the ring, which is the one its requests are routed by."""
+    api = AdminApi(node)
+    replicas = api.forward if node.follower is not None else None
     app.router.add_get("/admin/replicas", api.guard(replicas or api.list_replicas))
     app.router.add_post("/admin/replicas", api.guard(replicas or api.add_replica))
     app.router.add_delete("/admin/replicas/{id}", api.guard(replicas or api.remove_replica))
@@ -56,12 +53,12 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 class AdminApi:
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, node: Node) -> None:
+        self.node = node
 
     def guard(self, handler: Any) -> Any:
         async def guarded(request: web.Request) -> web.StreamResponse:
-            token = self.router.config.admin_token
+            token = self.node.config.admin_token
             if not token:
                 return error_response(
                     "the admin API is disabled: set ROUTER_ADMIN_TOKEN or admin_token", 404, "not_found"
@@ -75,14 +72,14 @@ class AdminApi:
 
         return guarded
 
-    def _replica_json(self, index: int) -> dict[str, Any]:
-        fleet = self.router.fleet
-        r = fleet.replicas[index]
+    def _replica_json(self, r: ReplicaState) -> dict[str, Any]:
+        fleet = self.node.fleet
+        index = r.index
         return {
             "id": r.id,
             "url": r.url,
             "state": r.state,
-            "weight": fleet.ring.weights[index],
+            "weight": fleet.ring.weights[index] if index is not None else 0.0,
             "inflight": r.inflight,
             "requests": r.requests,
             "errors": r.errors,
@@ -95,12 +92,13 @@ class AdminApi:
             "capacity": r.capacity,
             "engine": dataclasses.asdict(r.engine),
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
-            "ring_share": fleet.ring.shares()[index],
+            "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,
+            "slow_start_since": self.node.membership.warming_since.get(r.id) if r.state == "warming" else None,
         }
 
     async def forward(self, request: web.Request) -> web.Response:
         """Hand a replica route to the control process and relay its answer (worker processes)."""
-        control = self.router.control
+        control = self.node.control
         assert control is not None
         try:
             async with control.request(
@@ -114,12 +112,12 @@ class AdminApi:
                 status, content_type = resp.status, resp.content_type
         except (aiohttp.ClientError, OSError, TimeoutError):
             return error_response("the router's control process is not answering", 503, "service_unavailable")
-        self.router.follow()  # this worker sees its own change before it answers
+        self.node.follow()  # this worker sees its own change before it answers
         return web.Response(status=status, body=body, content_type=content_type)
 
     async def list_replicas(self, request: web.Request) -> web.Response:
-        self.router.gather()
-        return _json([self._replica_json(i) for i in range(len(self.router.fleet))])
+        self.node.gather()
+        return _json([self._replica_json(r) for r in self.node.fleet.replicas])
 
     async def add_replica(self, request: web.Request) -> web.Response:
         try:
@@ -131,27 +129,26 @@ class AdminApi:
         text = body["url"] if not isinstance(body.get("id"), str) else f"{body['id']}={body['url']}"
         try:
             spec = parse_replica(text)
-            if not self.router.has_room():
-                return error_response("the shared replica table is full", 507, "insufficient_storage")
-            moved = self.router.fleet.add(spec)
         except ValueError as exc:
+            return error_response(str(exc), param="url")
+        shown: list[dict[str, Any]] = []  # the replica as it was added, before warm-up and moves
+        try:
+            _, moved, warming = await self.node.membership.add(
+                spec, seen=lambda replica: shown.append(self._replica_json(replica))
+            )
+        except NoRoom as exc:
+            return error_response(str(exc), 507, "insufficient_storage")
+        except Clash as exc:
             return error_response(str(exc), 409 if "already" in str(exc) else 400, param="url")
-        replica = self.router.fleet.replicas[-1]
-        self.router.shared_change("add", (spec.id, spec.url))
-        self.router.balancer.start_added(replica)  # slow start, at once
-        answer = self._replica_json(len(self.router.fleet) - 1)  # before the await: indices may shift
-        warming = await self.router.balancer.added(replica, started=True)  # warm-up and moves
+        answer = shown[0]
         return _json(answer | {"moved_share": sum(m.width for m in moved) / 2**64, "sessions_to_warm": warming}, 201)
 
     async def remove_replica(self, request: web.Request) -> web.Response:
         rid = request.match_info["id"]
-        replica = self.router.fleet.find(rid)
         try:
-            moved = self.router.fleet.remove(rid)
+            moved = self.node.membership.remove(rid)
         except KeyError:
             return error_response(f"no replica {rid!r}", 404, "not_found")
-        self.router.forget(replica)
-        self.router.shared_change("remove", rid)
         return _json({"removed": rid, "moved_share": sum(m.width for m in moved) / 2**64})
 
     async def drain_replica(self, request: web.Request) -> web.Response:
@@ -159,18 +156,15 @@ class AdminApi:
         remove = request.query.get("remove", "false").lower()
         if remove not in ("true", "false", "1", "0"):
             return error_response("remove must be true or false", param="remove")
+        removing = remove in ("true", "1")
+        shown: list[dict[str, Any]] = []  # the replica as its drain began, before the moves
         try:
-            self.router.fleet.drain(rid)
+            _, moving = await self.node.membership.drain(
+                rid, removing, seen=lambda replica: shown.append(self._replica_json(replica))
+            )
         except KeyError:
             return error_response(f"no replica {rid!r}", 404, "not_found")
-        self.router.publish()
-        replica = self.router.fleet.find(rid)
-        assert replica is not None and replica.index is not None
-        removing = remove in ("true", "1")
-        self.router.shared_change("drain", (replica.id, replica.url, removing))
-        answer = self._replica_json(replica.index)  # before the await: indices may shift
-        moving = await self.router.balancer.drain(replica, removing)
-        return _json(answer | {"sessions_to_move": moving, "remove": removing})
+        return _json(shown[0] | {"sessions_to_move": moving, "remove": removing})
 
     async def set_override(self, request: web.Request) -> web.Response:
         """Hand one vnode to another replica: {"origin": id, "vnode": n, "owner": id}."""
@@ -178,7 +172,7 @@ class AdminApi:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
             return error_response("the request body is not valid JSON")
-        ring = self.router.fleet.ring
+        ring = self.node.fleet.ring
         if not (
             isinstance(body, dict)
             and isinstance(body.get("origin"), str)
@@ -193,20 +187,16 @@ class AdminApi:
                 return error_response(f"no replica {rid!r}", 404, "not_found")
         if not 0 <= number < ring.vnodes:
             return error_response(f"vnode must be in 0..{ring.vnodes - 1}", param="vnode")
-        moved = ring.reassign_vnode(ring.index(origin), number, ring.index(owner))
-        self.router.publish()
-        self.router.shared_change("override", (origin, number, owner))
+        moved = self.node.membership.override(origin, number, owner)
         share = sum(m.width for m in moved) / 2**64
         return _json({"origin": origin, "vnode": number, "owner": owner, "moved_share": share})
 
     async def clear_override(self, request: web.Request) -> web.Response:
         origin, vnode = request.match_info["origin"], request.match_info["vnode"]
-        ring = self.router.fleet.ring
+        ring = self.node.fleet.ring
         if origin not in ring.replica_ids or not vnode.isdigit() or (origin, int(vnode)) not in ring.overrides:
             return error_response(f"no override of {origin}#{vnode}", 404, "not_found")
-        ring.clear_override(ring.index(origin), int(vnode))
-        self.router.publish()
-        self.router.shared_change("override", (origin, int(vnode), None))
+        self.node.membership.override(origin, int(vnode), None)
         return _json({"origin": origin, "vnode": int(vnode), "owner": None})
 
     async def explain_route(self, request: web.Request) -> web.Response:
@@ -221,15 +211,15 @@ class AdminApi:
         )
         if not raw_key:
             return error_response("give the routing key as ?key=...", param="key")
-        router = self.router
-        fleet, ring = router.fleet, router.fleet.ring
-        key = RoutingKey(bounded_key(raw_key, router.config.max_key_bytes), "header", "query")
-        last, _ = await router.last_served(key.key, remember=False)
+        node = self.node
+        fleet, ring, policy = node.fleet, node.fleet.ring, node.policy
+        key = RoutingKey(bounded_key(raw_key, node.config.max_key_bytes), "header", "query")
+        last, _ = await node.directory.last_served(key.key, remember=False)
         # round_robin and least_load ignore keys, and asking them would move their rotation
-        decision = router.policy.pick(key, last, set()) if router.policy.name in KEYED_POLICIES else None
+        decision = policy.pick(key, last, set()) if policy.keyed else None
         located = ring.locate(key.key)
-        cap = ring.load_cap(fleet.loads, router.config.bounded_load_c) if len(fleet) else 0
-        limit = fleet.load_limit(cap, router.config.bounded_load_floor)
+        cap = ring.load_cap(fleet.loads, node.config.bounded_load_c) if len(fleet) else 0
+        limit = fleet.load_limit(cap, node.config.bounded_load_floor)
         walk = []
         for i in ring.successors(key.key):
             r = fleet.replicas[i]
@@ -251,33 +241,29 @@ class AdminApi:
                 "replica": fleet.replicas[decision.index].id if decision else None,
                 "reason": decision.reason
                 if decision
-                else (
-                    "no replica can serve"
-                    if router.policy.name in KEYED_POLICIES
-                    else f"the {router.policy.name} policy does not route by key"
-                ),
-                "policy": router.policy.name,
+                else ("no replica can serve" if policy.keyed else f"the {policy.name} policy does not route by key"),
+                "policy": policy.name,
                 "hash": ring.key_hash(key.key),
                 "vnode": None if located is None else {"origin": fleet.replicas[located[1]].id, "number": located[2]},
                 "ring_owner": None if located is None else fleet.replicas[located[0]].id,
                 "sticky": last,
                 "load_cap": cap,
                 "walk": walk,
-                "worker": router.worker,
+                "worker": node.worker,
             }
         )
 
     async def ring_shares(self, request: web.Request) -> web.Response:
-        ring = self.router.fleet.ring
+        ring = self.node.fleet.ring
         shares = ring.shares()
         return _json(
             {
-                "worker": self.router.worker,
+                "worker": self.node.worker,
                 "vnodes": ring.vnodes,
                 "seed": ring.seed,
                 "points": ring.size,
                 "replicas": [
-                    {"id": r.id, "state": r.state, "share": shares[i]} for i, r in enumerate(self.router.fleet.replicas)
+                    {"id": r.id, "state": r.state, "share": shares[i]} for i, r in enumerate(self.node.fleet.replicas)
                 ],
             }
         )

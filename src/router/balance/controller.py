@@ -6,8 +6,8 @@ the sessions on the moved vnode that were last served by the hot replica are war
 one (their latest prompts replayed as prefill-only requests), then the vnode's override and
 their session entries switch together.
 
-Scale-out (`added`): the new replica starts `warming`, with its ring weight ramping up (slow
-start); the most recent sessions whose keys now belong to it are warmed there and moved; the
+Scale-out (`added`): the new replica is `warming` (router.membership started its slow start,
+its ring weight ramping up); the most recent sessions whose keys now belong to it are warmed there and moved; the
 others stay where their cache is until their session entry expires. Drain (`drain`): the replica
 takes no new sessions; its sessions are warmed on their new ring owners and moved, batch by
 batch; it keeps serving the ones not moved yet and its in-flight requests; with `remove`, it
@@ -15,7 +15,8 @@ leaves the fleet once nothing is in flight (or after `drain_timeout_s`).
 
 In a router with worker processes these act in the control process, which asks the workers
 for what they saw (sessions, prompts, per-vnode traffic) and tells them what moved, through
-`router.view` (router.balance.view, router.proxy.internal).
+its `SessionSource` (router.balance.view, router.balance.link). Membership changes it makes
+(a drained replica's removal, a migrated vnode's override) go through router.membership.
 """
 
 from __future__ import annotations
@@ -26,27 +27,51 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
-from router.balance.view import LinkDown, SessionEntry
 from router.balance.warmup import PromptStore, warm
-from router.fleet import ReplicaState
-
-if TYPE_CHECKING:
-    from router.proxy.app import Router
+from router.config import RouterConfig
+from router.fleet import Fleet, ReplicaState
+from router.membership import Membership
+from router.metrics import RouterMetrics
+from router.routing import PeerSessions
+from router.sessions import LinkDown, SessionEntry, SessionSource
+from router.upstream import Upstream
 
 log = logging.getLogger("router.balance")
 TICK_S = 1.0
 
 
 class Balancer:
-    def __init__(self, router: Router) -> None:
-        cfg = router.config
-        self.router = router
+    def __init__(
+        self,
+        config: RouterConfig,
+        fleet: Fleet,
+        metrics: RouterMetrics,
+        membership: Membership,
+        sessions: Callable[[], SessionSource | None],
+        upstream: Callable[[], Upstream],
+        gather: Callable[[], None] = lambda: None,
+        leader: Callable[[], bool] = lambda: True,
+        peers: PeerSessions | None = None,
+        share: int = 1,
+    ) -> None:
+        """`sessions`: where sessions are found, once they can be asked for; `upstream`: the client
+        warm-ups go out on; `gather`: brings the workers' in-flight counts in; `leader`: whether
+        this router is the one that rebalances; `peers`: the other routers' sessions (Redis), told
+        of moves; `share`: of the prompt store's cap, this process keeps 1/share (a worker)."""
+        cfg = self.config = config
+        self.fleet = fleet
+        self.metrics = metrics
+        self.membership = membership
+        self._sessions = sessions
+        self._upstream = upstream
+        self._gather = gather
+        self._leader = leader
+        self._peers = peers
         # with worker processes each keeps the prompts of the requests it proxies: a share of the cap
-        share = max(cfg.workers, 1) if router.worker is not None else 1
         self.prompts = PromptStore(cfg.prompt_store_bytes // share, cfg.sticky_ttl_s)
         self.traffic = VnodeTraffic()
         self.rebalancer = Rebalancer(
@@ -58,7 +83,6 @@ class Balancer:
             )
         )
         self.tasks: set[asyncio.Task[None]] = set()
-        self.removing: set[str] = set()  # draining replicas that leave the fleet once drained
         self._migrating: set[tuple[str, int]] = set()
         self._migrating_replicas: set[str] = set()
         self._idle_since: float | None = None
@@ -67,8 +91,8 @@ class Balancer:
 
     def served(self, key: bytes, path: str, body: bytes) -> None:
         """A keyed request was served: count its vnode's traffic, keep its prompt for warm-up."""
-        ring = self.router.fleet.ring
-        located = ring.locate(key) if self.router.config.rebalance else None
+        ring = self.fleet.ring
+        located = ring.locate(key) if self.config.rebalance else None
         if located is not None:
             self.traffic.record(ring.replica_ids[located[1]], located[2])
         self.prompts.put(key, path, body)
@@ -81,19 +105,19 @@ class Balancer:
                 await self.tick(time.monotonic())
             except Exception:  # a bug here must not stop routing; it is logged and the loop goes on
                 log.exception("balance tick failed")
-            await asyncio.sleep(TICK_S)
+            # on the wall clock's whole ticks: routers on one fleet step slow starts at the same moment
+            await asyncio.sleep(TICK_S - time.time() % TICK_S)
 
     async def tick(self, now: float) -> None:
-        router = self.router
-        fleet = router.fleet
+        fleet = self.fleet
         changed = False
         for replica in fleet.replicas:
             if replica.health.tick(now) is not None or replica.state in ("warming", "recovering"):
                 changed |= bool(fleet.apply_health(replica, now))
         if changed:
-            router.publish()
+            self.membership.publish()
         # a replica's load here: its requests in flight plus those waiting in its engine's queue
-        router.gather()  # with worker processes: their in-flight counts, summed
+        self._gather()  # with worker processes: their in-flight counts, summed
         loads = {
             r.id: r.inflight + (r.engine.waiting or 0.0)
             for r in fleet.replicas
@@ -101,13 +125,14 @@ class Balancer:
         }
         self.rebalancer.observe(loads, now)
         self._scale_signals(now)
+        m = self.metrics
         for rid in loads:
-            router.metrics.child(router.metrics.replica_load, rid).set(self.rebalancer.load(rid))
-        view = router.view if router.view_ready.is_set() else None
-        if view is not None and router.config.rebalance:
+            m.child(m.replica_load, rid).set(self.rebalancer.load(rid))
+        view = self._sessions()
+        if view is not None and self.config.rebalance:
             for vnode, count in (await view.traffic()).items():  # what the workers counted
                 self.traffic.recent[vnode] += count
-        if view is not None and router.config.rebalance and (router.redis is None or router.redis.leader):
+        if view is not None and self.config.rebalance and self._leader():
             ring = fleet.ring
             overrides = ring.overrides
             present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
@@ -126,8 +151,8 @@ class Balancer:
 
     def _scale_signals(self, now: float) -> None:
         """Signals for an autoscaler: sustained overheat, sustained idleness, replicas needed."""
-        m = self.router.metrics
-        target = self.router.config.scale_target_load
+        m = self.metrics
+        target = self.config.scale_target_load
         total = self.rebalancer.total()
         m.overheated.set(len(self.rebalancer.overheated(now)))
         m.scale_recommended.set(max(1, math.ceil(total / target - 1e-9)))
@@ -145,10 +170,9 @@ class Balancer:
         """Warm the most recent of `keys` on `target` and move those whose warm-up succeeded (or,
         with warm-up off, the same most recent ones, cold); with `all_keys`, move the rest too.
         Returns how many moved."""
-        router = self.router
-        cfg = router.config
-        m = router.metrics
-        view = router.view
+        cfg = self.config
+        m = self.metrics
+        view = self._sessions()
         if view is None:
             return 0
         hottest = list(reversed(keys[-cfg.warmup_sessions :])) if cfg.warmup_sessions else []
@@ -156,7 +180,7 @@ class Balancer:
         chosen = [(key, stored[key]) for key in hottest if key in stored]
         if cfg.warmup and chosen:
             result = await warm(
-                router.upstream_client.post,
+                self._upstream().post,
                 target.url,
                 [prompt for _, prompt in chosen],
                 cfg.warmup_concurrency,
@@ -171,9 +195,9 @@ class Balancer:
         if target.index is None:
             return 0  # it left the fleet while we warmed
         moved = await view.move(keys if all_keys else ready, target.id, reason)
-        if router.redis is not None:
+        if self._peers is not None:
             for key, written in moved:
-                router.redis.session_served(key, target.id, written)
+                self._peers.served(key, target.id, written)
         if moved:
             m.child(m.sessions_moved, reason).inc(len(moved))
         return len(moved)
@@ -191,8 +215,7 @@ class Balancer:
             self._migrating_replicas.difference_update((move.source, move.target))
 
     async def _migrate(self, move: Move) -> None:
-        router = self.router
-        fleet, ring = router.fleet, router.fleet.ring
+        fleet, ring = self.fleet, self.fleet.ring
         source, target = fleet.find(move.source), fleet.find(move.target)
         if source is None or target is None or move.origin not in ring.replica_ids:
             return
@@ -208,36 +231,23 @@ class Balancer:
         await self._warm_and_move(target, keys, "migration", all_keys=False)
         if target.index is None or move.origin not in ring.replica_ids:
             return  # the fleet changed while we warmed
-        ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
-        router.metrics.migrations.inc()
-        router.publish()
-        router.shared_change("override", (move.origin, move.number, target.id))
+        self.membership.override(move.origin, move.number, target.id)
+        self.metrics.migrations.inc()
         log.info(
             "moved vnode %s#%d from %s to %s (%d sessions)", move.origin, move.number, source.id, target.id, len(keys)
         )
 
-    def start_added(self, replica: ReplicaState) -> None:
-        """Scale-out, the part that cannot wait: slow start (the replica is `warming`, its ring
-        weight ramping up), published at once."""
-        now = time.monotonic()
-        replica.health.start_warming(now)
-        self.router.fleet.apply_health(replica, now)
-        self.router.publish()
-
-    async def added(self, replica: ReplicaState, started: bool = False) -> int | None:
-        """Scale-out: slow start (unless `started` already), then warm-up and move of the sessions
-        that now belong to it. Returns how many sessions will be warmed and moved (None: the
-        sessions cannot be asked for now, so none are)."""
-        router = self.router
-        if not started:
-            self.start_added(replica)
-        if replica.index is None or not router.config.warmup_sessions:
+    async def added(self, replica: ReplicaState) -> int | None:
+        """Scale-out (its slow start is under way): warm-up and move of the sessions that now belong
+        to it. Returns how many sessions will be warmed and moved (None: the sessions cannot be
+        asked for now, so none are)."""
+        if replica.index is None or not self.config.warmup_sessions:
             return 0
         sessions = await self._live(None)
         if sessions is None:
             return None
         keys = self._owned_at_full_weight(replica, [key for key, owner, _, _ in sessions if owner != replica.id])
-        keys = keys[-router.config.warmup_sessions :]
+        keys = keys[-self.config.warmup_sessions :]
         if keys:
             self._spawn(self._warm_and_move(replica, keys, "scale_out", all_keys=False))
         return len(keys)
@@ -245,17 +255,17 @@ class Balancer:
     async def _live(self, replica: str | None) -> list[SessionEntry] | None:
         """The live sessions (of `replica`); None while the view cannot answer (worker processes
         starting, or none answering)."""
-        router = self.router
-        if router.view is None or not router.view_ready.is_set():
+        view = self._sessions()
+        if view is None:
             return None
         try:
-            return await router.view.live(replica)
+            return await view.live(replica)
         except LinkDown:
             return None
 
     def _owned_at_full_weight(self, replica: ReplicaState, keys: list[bytes]) -> list[bytes]:
         """The keys the ring gives `replica` once its slow start is over."""
-        ring = self.router.fleet.ring
+        ring = self.fleet.ring
         i = replica.index
         if i is None:
             return []
@@ -274,16 +284,13 @@ class Balancer:
         if asked. Returns how many sessions are to move (None: not known yet; the drain asks
         again until it knows, or until `drain_timeout_s`)."""
         found = await self._live(replica.id)
-        if remove:
-            self.removing.add(replica.id)
         keys = None if found is None else [key for key, *_ in found]
         self._spawn(self._drain(replica, keys, remove))
         return None if keys is None else len(keys)
 
     async def _drain(self, replica: ReplicaState, keys: list[bytes] | None, remove: bool) -> None:
-        router = self.router
-        fleet = router.fleet
-        deadline = time.monotonic() + router.config.drain_timeout_s
+        fleet = self.fleet
+        deadline = time.monotonic() + self.config.drain_timeout_s
         rounds = 0
         # a membership change while we warm: group what is left again, three times at most
         while rounds < 3 and time.monotonic() < deadline and replica.index is not None:
@@ -308,20 +315,18 @@ class Balancer:
                 break
         if keys is None and replica.index is not None and replica.state == "draining":
             log.warning("drain of %s: its sessions could not be asked for; it stays draining", replica.id)
-            self.removing.discard(replica.id)
+            self.membership.removing.discard(replica.id)
             return  # never removed blind: a later drain (or a removal by hand) finishes it
         if not remove:
             return
         while time.monotonic() < deadline:
-            router.gather()  # with worker processes: their in-flight counts, summed
+            self._gather()  # with worker processes: their in-flight counts, summed
             if replica.inflight <= 0:
                 break
             await asyncio.sleep(0.1)
-        self.removing.discard(replica.id)
+        self.membership.removing.discard(replica.id)
         if replica.index is not None and replica.state == "draining":
-            fleet.remove(replica.id)
-            router.forget(replica)
-            router.shared_change("remove", replica.id)
+            self.membership.remove(replica.id)
             log.info("drained and removed %s", replica.id)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
@@ -39,10 +39,11 @@ from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
 from router.config import load
+from router.emulator.server import Fleet as EmulatorFleet
+from router.emulator.server import Replica, ReplicaOptions
 from router.measures import coefficient_of_variation, kv_hit_rate
-
-if TYPE_CHECKING:
-    from router.proxy.app import Router
+from router.node import Node
+from router.proxy.app import build_app
 
 ADMIN_TOKEN = "bench"
 SCENARIOS = ("skew", "scale-out", "drain")
@@ -157,7 +158,7 @@ class Harness:
         self.n = replicas
         self.settings = settings
         self.workers = workers
-        self.router: Router | None = None
+        self.router: Node | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.runner: web.AppRunner | None = None
         self.run = Run()
@@ -165,10 +166,6 @@ class Harness:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Harness:
-        from router.emulator.server import Fleet as EmulatorFleet
-        from router.emulator.server import Replica, ReplicaOptions
-        from router.proxy.app import Router
-
         # the emulators take ports the kernel gives them (picked ahead, one could be taken meanwhile)
         self.emulators = EmulatorFleet(
             [Replica(ReplicaOptions(replica_id=f"emu-{i}", port=0)) for i in range(self.n + 1)]  # one spare
@@ -183,8 +180,8 @@ class Harness:
         if self.workers > 1:
             await self._start_workers(port, specs)
         else:
-            self.router = Router(self.config)
-            self.runner = web.AppRunner(self.router.app(), handle_signals=False, access_log=None)
+            self.router = Node(self.config)
+            self.runner = web.AppRunner(build_app(self.router), handle_signals=False, access_log=None)
             await self.runner.setup()
             await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.t0 = time.monotonic()

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from router._runtime import run as run_loop
 from router.config import ConfigError
 
 
@@ -32,8 +33,6 @@ def parse_settings(entries: list[str]) -> dict[str, str]:
 def measure(command: str, run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
     """Run a measurement on the router's event loop; on bad settings or a failed run, print one
     line (`router-bench COMMAND: ...`) and return None."""
-    from router._runtime import run as run_loop
-
     out: dict[str, Any] = {}
 
     async def main() -> None:

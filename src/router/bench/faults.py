@@ -57,19 +57,21 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
+from router.bench.fleet import CONTENDERS, Child, available, start_contender
 from router.config import load
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-    from router.emulator.server import Fleet as EmulatorFleet
-    from router.proxy.app import Router
+from router.emulator.engine import EngineConfig
+from router.emulator.server import Fleet as EmulatorFleet
+from router.emulator.server import Replica, ReplicaOptions
+from router.node import Node
+from router.proxy.app import build_app
+from router.proxy.workers import runner_for
 
 SCENARIOS = (
     "crash-before-first-byte",
@@ -306,18 +308,15 @@ class World:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self.fleet: EmulatorFleet | None = None
-        self.routers: list[tuple[Router, web.AppRunner, str]] = []
+        self.routers: list[tuple[Node, web.AppRunner, str]] = []
         self.closers: list[Callable[[], Awaitable[None]]] = []
 
     async def start_fleet(self) -> EmulatorFleet:
-        from router.emulator.engine import EngineConfig
-        from router.emulator.server import Fleet, Replica, ReplicaOptions
-
         replicas = [
             Replica(ReplicaOptions(replica_id=f"emu-{i}", port=free_port()), EngineConfig(num_blocks=4000))
             for i in range(self.opts.replicas)
         ]
-        self.fleet = Fleet(replicas)
+        self.fleet = EmulatorFleet(replicas)
         await self.fleet.start()
         return self.fleet
 
@@ -329,15 +328,10 @@ class World:
     def settings(self, **more: Any) -> dict[str, Any]:
         return {**FAULT_SETTINGS, "admin_token": TOKEN, **self.opts.settings, **more}
 
-    async def start_router(self, **more: Any) -> tuple[Router, str]:
-        from aiohttp import web
-
-        from router.proxy.app import Router
-        from router.proxy.workers import runner_for
-
+    async def start_router(self, **more: Any) -> tuple[Node, str]:
         config = load(None, {}, {"replicas": self.named, **self.settings(**more)})
-        router = Router(config)
-        runner = runner_for(router.app(), config)  # as router-serve serves it: its limits and time-outs
+        router = Node(config)
+        runner = runner_for(build_app(router), config)  # as router-serve serves it: its limits and time-outs
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -347,8 +341,6 @@ class World:
 
     async def start_peer(self) -> str:
         """The peer router `opts.router` in front of the fleet, as `router-bench fleet` runs it."""
-        from router.bench.fleet import CONTENDERS, available, start_contender
-
         name = PEER_CONTENDERS[self.opts.router]
         if not available(name):
             raise RuntimeError(f"{CONTENDERS[name].label} is not installed (pip install '.[bench]')")
@@ -421,12 +413,12 @@ def running_on(world: World, index: int) -> int:
 
 
 async def _simple(
-    world: World, inject: Callable[[Router | None, Clients], Awaitable[dict[str, Any]]]
+    world: World, inject: Callable[[Node | None, Clients], Awaitable[dict[str, Any]]]
 ) -> tuple[Tally, dict[str, Any]]:
     """A replica fault: the fleet, the router under test (ours in this process, whose state the
     figures then include, or a peer), the clients, and `inject` after the warm-up."""
     await world.start_fleet()
-    router: Router | None = None
+    router: Node | None = None
     if world.opts.router == "router-serve":
         router, url = await world.start_router()
     else:
@@ -450,7 +442,7 @@ async def _simple(
 
 
 async def crash_before_first_byte(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Node | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         victim = world.fleet.replicas[0]
         victim.set_faults({"hang": True})  # it takes new requests and sits on them, before any byte ...
@@ -466,7 +458,7 @@ async def crash_before_first_byte(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def crash_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Node | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         await wait_until(lambda: clients.streaming[VICTIM] >= 2, 10)
         streams = clients.streaming[VICTIM]
@@ -484,7 +476,7 @@ async def crash_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def stall_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Node | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         world.fleet.replicas[0].set_faults({"stall_after": 5})
         await asyncio.sleep(world.opts.fault_s / 2)
@@ -496,7 +488,7 @@ async def stall_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def hang(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Node | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         world.fleet.replicas[0].set_faults({"hang": True})
         if router is None:
@@ -512,7 +504,7 @@ async def hang(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def flapping(world: World) -> tuple[Tally, dict[str, Any]]:
-    async def inject(router: Router | None, clients: Clients) -> dict[str, Any]:
+    async def inject(router: Node | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
         victim = world.fleet.replicas[0]
         flips = 0
@@ -539,8 +531,6 @@ async def flapping(world: World) -> tuple[Tally, dict[str, Any]]:
 
 
 async def agent_gone(world: World) -> tuple[Tally, dict[str, Any]]:
-    from aiohttp import web
-
     readings: dict[str, dict[str, Any]] = {}
 
     async def start_agent(replica_id: str) -> tuple[str, web.AppRunner]:
@@ -644,7 +634,7 @@ async def redis_gone(world: World) -> tuple[Tally, dict[str, Any]]:
     b_knew_during = b.fleet.find(VICTIM) is None
     await redis.start()  # empty: the routers write back what they know
 
-    def members(router: Router) -> list[str]:
+    def members(router: Node) -> list[str]:
         return sorted(r.id for r in router.fleet.replicas)
 
     reconciled = await wait_until(lambda: members(a) == members(b) and VICTIM not in members(b), 15)
@@ -680,8 +670,6 @@ async def _stop_child(proc: subprocess.Popen[bytes], grace_s: float) -> float:
 
 
 async def router_restart(world: World) -> tuple[Tally, dict[str, Any]]:
-    from router.bench.fleet import Child
-
     await world.start_fleet()
     state_dir = tempfile.mkdtemp(prefix="faults-state-")
     world.closers.append(lambda: asyncio.to_thread(shutil.rmtree, state_dir, True))

@@ -70,6 +70,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import uvloop
 
 from router.bench.common import free_port, parse_settings, progress_line
 from router.bench.llama_server import LlamaServer, NotBuilt, find_binary, model_for
@@ -831,10 +832,10 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str] | None:
     """The PNG plots written (none when no run finished); None when matplotlib, from the `bench`
     extra, is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 -- optional (the bench extra): None when it is missing
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 -- optional, and only after the Agg backend is chosen
     except ImportError:
         return None
     labels = result["contenders"]
@@ -1115,8 +1116,6 @@ def run_cli(args: argparse.Namespace) -> int:
     result = new_result(args)
     status = 0
     try:
-        import uvloop
-
         uvloop.run(run_all(args, result, note, bar if live else None))
     except KeyboardInterrupt:
         note("router-bench fleet: interrupted; writing the runs that finished")

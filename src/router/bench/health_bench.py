@@ -28,9 +28,14 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
 from router.config import load
+from router.emulator.server import Fleet as EmulatorFleet
+from router.emulator.server import Replica, ReplicaOptions
+from router.node import Node
+from router.proxy.app import build_app
 
 
 @dataclass
@@ -78,12 +83,6 @@ async def _chat(http: aiohttp.ClientSession, url: str, key: str, text: str, max_
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from aiohttp import web
-
-    from router.emulator.server import Fleet as EmulatorFleet
-    from router.emulator.server import Replica, ReplicaOptions
-    from router.proxy.app import Router
-
     if args.replicas < 3:
         raise ValueError("--replicas must be at least 3 (a victim, a busy one, and a healthy one)")
     settings = parse_settings(args.setting)
@@ -92,8 +91,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = load(None, {}, {"replicas": replicas, "state": "none", **settings})
     emulators = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{i}", port=p)) for i, p in enumerate(ports)])
     await emulators.start()
-    router = Router(config)
-    runner = web.AppRunner(router.app(), handle_signals=False, access_log=None, handler_cancellation=True)
+    router = Node(config)
+    runner = web.AppRunner(build_app(router), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -84,8 +84,8 @@ class ModelShape:
 def write_model(path: Path, vocab: Path, shape: ModelShape = ModelShape()) -> Path:
     """A llama-architecture GGUF at `path`: random weights (N(0, 0.05), fixed seed) of `shape`, and
     the tokenizer of the vocab-only GGUF `vocab`."""
-    import gguf  # the test and bench extras bring it (with numpy)
-    import numpy as np
+    import gguf  # noqa: PLC0415 -- optional: the test and bench extras bring it (with numpy)
+    import numpy as np  # noqa: PLC0415 -- optional: comes with gguf
 
     source = gguf.GGUFReader(str(vocab))
 

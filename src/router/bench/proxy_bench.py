@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +30,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+import uvloop
+from aiohttp import web
 
 from router.bench.common import free_port
 
@@ -66,7 +69,6 @@ def add_parser(sub: Any) -> None:
 
 def bare_proxy_main(port: int, upstream: str) -> None:
     """The least an aiohttp proxy can do: forward the body, stream the answer back."""
-    from aiohttp import web
 
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -87,8 +89,6 @@ def bare_proxy_main(port: int, upstream: str) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
     app.cleanup_ctx.append(client_ctx)
-    import uvloop
-
     uvloop.install()
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
@@ -341,8 +341,6 @@ def _median_of(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _has(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
@@ -386,8 +384,6 @@ def run_cli(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         if live:
             print(f"\r\x1b[K  {msg} ...", end="", file=sys.stderr, flush=True)
-
-    import uvloop
 
     result = uvloop.run(run(args, progress))
     if live:

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import uvloop
 
 from router.bench.common import progress_line
 from router.bench.workloads import (
@@ -506,8 +507,6 @@ def run_cli(args: argparse.Namespace) -> int:
     progress = progress_line()
 
     try:
-        import uvloop
-
         result = uvloop.run(Replayer(opts, progress if live else None).run())
     except TraceError as exc:
         print(f"router-bench replay: {exc}", file=sys.stderr)

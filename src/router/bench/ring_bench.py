@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import statistics
@@ -105,7 +106,7 @@ def bench_fleet(
     progress(f"{n}x{vnodes}: pure Python twin")
     row["python_ns"] = median_ns_per_key(per_key(twin.lookup, slow), len(slow), repeat)
     try:
-        import uhashring
+        import uhashring  # noqa: PLC0415 -- optional (the bench extra): its row is n/a without it
     except ImportError:
         row["uhashring_ns"] = None
     else:
@@ -160,8 +161,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

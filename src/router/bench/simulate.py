@@ -1,11 +1,13 @@
 """`router-bench simulate`: the router's routing code against modelled replicas, on a virtual clock.
 
 No sockets and no processes: one loop of timed events, so a fleet of 1000 replicas and a million
-sessions runs in minutes on a laptop-class CPU. What routes is the router's own code: the ring
-(`_ring`, or its pure-Python twin), the policy objects (`router.policy`), the session table
-(`router.sessions`), the fleet's in-flight loads and ring weights (`router.fleet`), and the
-health state machine with its slow start (`router.health.states`), fed one score per probe
-interval. What serves is a model of a replica, coarser than the emulator's:
+sessions runs in minutes on a laptop-class CPU. What routes is the router's own code: each turn
+is one `Route` of the router's routing core (`router.routing`: picks within `max_attempts` and the
+deadline, failover, jump causes, session entries and their moves), over the ring (`_ring`, or its
+pure-Python twin), the policy objects (`router.policy`), the session table (`router.sessions`),
+the fleet's in-flight loads and ring weights (`router.fleet`), and the health state machine with
+its slow start (`router.health.states`), fed one score per probe interval. The clock the route
+reads is the virtual one. What serves is a model of a replica, coarser than the emulator's:
 
 - KV cache: a replica holds up to `--kv-tokens` tokens of conversation context. A session's
   context stays there after each turn and is evicted least recently used first. A turn that
@@ -62,7 +64,9 @@ from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
 from router.keys import RoutingKey
 from router.measures import coefficient_of_variation, kv_hit_rate, percentile
+from router.metrics import RouterMetrics
 from router.policy import make_policy
+from router.routing import Route, Routing, Served, SessionDirectory
 from router.sessions import SessionTable
 
 SYSTEM_TOKENS = 400
@@ -159,7 +163,7 @@ class Turn:
     message: int
     output: int
     started: float = 0.0
-    tried: set[int] = field(default_factory=set)
+    route: Route | None = None  # the router's routing of this turn, from its first attempt on
     cached: int = 0
     replica: ReplicaState | None = None
     lost: bool = False  # its replica died while it ran: a copy was retried elsewhere
@@ -218,7 +222,19 @@ class Simulation:
         self.rules = Hysteresis(remove_after=args.remove_after, ramp_s=args.ramp_s)
         self.fleet = Fleet(specs, self.config.vnodes, self.config.hash_seed, self.rules)
         self.policy = make_policy(args.policy, self.fleet, self.config)
-        self.sessions = SessionTable(args.sessions + 1, 3600.0, clock=lambda: self.now)
+        self.sessions = SessionTable(args.sessions + 1, 3600.0, clock=lambda: self.now, wall=self._wall_ms)
+        # the router's routing core on the virtual clock; a move reaches no worker process, so no slack
+        self.routing = Routing(
+            self.fleet,
+            self.policy,
+            SessionDirectory(self.sessions, 3600.0, wall=self._wall_ms),
+            RouterMetrics(),
+            self.config.max_attempts,
+            observer=self,
+            clock=lambda: self.now,
+            wall=lambda: self.now,
+            move_slack_ms=0,
+        )
         self.models = {r.id: Model(args.kv_tokens, args.slots) for r in self.fleet.replicas}
         self.now = 0.0
         self.events: list[tuple[float, int, str, Any]] = []
@@ -233,9 +249,9 @@ class Simulation:
         self.shape: dict[int, list[tuple[int, int, float]]] = {}  # live session -> per turn: message, reply, think
         self.system: dict[int, int] = {}  # live session -> its system prompt
         # live sessions by the replica that last served them, most recent last (what the router's
-        # session table gives a migration), and when a migration last moved each session
+        # session table gives a migration), and where each is now
         self.served_by: dict[str, OrderedDict[int, None]] = {}
-        self.migrated: dict[int, float] = {}
+        self.home: dict[int, str] = {}
         self.rebalancing = args.rebalance and args.policy == "affinity"
         self.rebalancer = Rebalancer(
             RebalanceSettings(
@@ -298,25 +314,35 @@ class Simulation:
         message, output, _ = self.shape[session][number]
         return Turn(session, number, turns, context, message, output)
 
+    def _wall_ms(self) -> int:
+        return int(self.now * 1000)
+
+    def served(self, key: bytes, path: str, body: bytes) -> None:
+        """The route's observer, as the balance loop is the router's: a keyed turn was served."""
+        if self.rebalancing:
+            located = self.fleet.ring.locate(key)
+            if located is not None:
+                self.traffic.record(self.fleet.ring.replica_ids[located[1]], located[2])
+
     def _turn(self, turn: Turn) -> None:
-        if not turn.tried:
+        if turn.route is None:
             turn.started = self.now
-        key = self.keys[turn.session]
-        last = self.sessions.get(key.key)
-        decision = self.policy.pick(key, last, turn.tried)
-        if decision is None:  # no replica left to try: the turn fails, and its session ends
+            key = self.keys[turn.session]
+            turn.route = self.routing.local_route(key, self.now, self.now + self.config.total_timeout_s)
+        route = turn.route
+        replica = route.next(self.now)
+        if replica is None:  # no replica left to try: the turn fails, and its session ends
             self.stats.failed_requests += 1
             self._finish(turn, failed=True)
             return
-        replica = self.fleet.replicas[decision.index]
         model = self.models[replica.id]
         if model.dead:  # a connect error: the router fails over at once
+            route.release(replica)
+            route.failed(replica, "connect")
             self.stats.failed_attempts += 1
-            turn.tried.add(decision.index)
             self._turn(turn)
             return
         turn.replica = replica
-        self.fleet.acquire(replica)
         if model.running < model.slots:
             self._start(turn, model)
         else:
@@ -341,7 +367,9 @@ class Simulation:
         if turn.lost:
             return  # its replica died while it ran: already retried elsewhere
         model.running -= 1
-        self.fleet.release(replica)
+        route = turn.route
+        assert route is not None
+        route.release(replica)
         while model.queue and model.running < model.slots:
             self._start(model.queue.popleft(), model)
         prompt = turn.context + turn.message
@@ -350,23 +378,17 @@ class Simulation:
         s.prompt_tokens += prompt
         s.cached_tokens += turn.cached
         s.per_replica[replica.id] = s.per_replica.get(replica.id, 0) + 1
-        key = self.keys[turn.session].key
-        last = self.sessions.get(key)
         model.keep(turn.session, prompt + turn.output)
         model.keep_system(self.system[turn.session])
-        if self.migrated.get(turn.session, -1.0) >= turn.started and last is not None and last != replica.id:
-            pass  # moved while this turn ran: the move stands (as in the router); no jump happened
-        else:
-            if last is not None:
-                s.followups += 1
-                s.jumps += last != replica.id
-            self.sessions.put(key, replica.id)
-            self._served(turn.session, last, replica.id)
+        facts = Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)
+        verdict = route.served(replica, facts, "/v1/chat/completions")
+        if verdict.followup:
+            s.followups += 1
+            s.jumps += verdict.jump is not None and not verdict.moved  # a move is counted as migrated
+        current = self.sessions.get(self.keys[turn.session].key)
+        if current is not None:
+            self._placed(turn.session, current)
         s.slot_seconds += turn.busy_s
-        if self.rebalancing:
-            located = self.fleet.ring.locate(key)
-            if located is not None:
-                self.traffic.record(self.fleet.ring.replica_ids[located[1]], located[2])
         self._sample("latency", s.latencies, self.now - turn.started)
         self._sample("ttft", s.ttfts, turn.ttft)
         self._finish(turn, failed=False)
@@ -377,20 +399,22 @@ class Simulation:
             self.at(self.now + self.shape[turn.session][turn.number][2], "turn", nxt)
         else:
             self.live.discard(turn.session)
-            key = self.keys.pop(turn.session, None)
-            last = self.sessions.get(key.key) if key is not None else None
+            self.keys.pop(turn.session, None)
+            last = self.home.pop(turn.session, None)
             recent = self.served_by.get(last) if last is not None else None
             if recent is not None:
                 recent.pop(turn.session, None)
             self.shape.pop(turn.session, None)
             self.system.pop(turn.session, None)
-            self.migrated.pop(turn.session, None)
 
-    def _served(self, session: int, before: str | None, now: str) -> None:
+    def _placed(self, session: int, now: str) -> None:
+        """The session's entry points at `now` (served there, or moved there)."""
+        before = self.home.get(session)
         if before is not None and before != now:
             previous = self.served_by.get(before)
             if previous is not None:
                 previous.pop(session, None)
+        self.home[session] = now
         recent = self.served_by.setdefault(now, OrderedDict())
         recent[session] = None
         recent.move_to_end(session)
@@ -446,9 +470,8 @@ class Simulation:
             if context and self.config.warmup:
                 dst.keep(session, context)  # warmed: free and at once here (see the module doc)
                 dst.keep_system(self.system[session])
-            self.sessions.put(self.keys[session].key, target.id)
-            self._served(session, source.id, target.id)
-            self.migrated[session] = self.now
+            if self.sessions.move(self.keys[session].key, target.id, "migration"):  # as the router's view does
+                self._placed(session, target.id)
         moved = len(chosen)
         ring.reassign_vnode(ring.index(move.origin), move.number, target.index)
         self.stats.migrations += 1
@@ -509,8 +532,7 @@ class Simulation:
         lost = list(model.queue)
         model.queue.clear()
         for turn in lost:  # queued there: retried elsewhere at once
-            self.fleet.release(victim)
-            self._retry(turn, victim)
+            self._retry(turn, victim, "reset")
         self.at(self.now + self.args.probe_s, "probe", (victim.id, 0.0))
         # ring owners now, to compare with once health has taken it out (its weight drops at the
         # first bad score already, then it leaves: the share counts both steps)
@@ -523,26 +545,17 @@ class Simulation:
         running = [p for _, _, kind, p in self.events if kind == "done" and p.replica is victim and not p.lost]
         for turn in running:
             turn.lost = True
-            self.fleet.release(victim)
-            self._retry(
-                Turn(
-                    turn.session,
-                    turn.number,
-                    turn.turns,
-                    turn.context,
-                    turn.message,
-                    turn.output,
-                    turn.started,
-                    set(turn.tried),
-                ),
-                victim,
-            )
+            again = Turn(turn.session, turn.number, turn.turns, turn.context, turn.message, turn.output, turn.started)
+            again.route = turn.route
+            self._retry(again, victim, "reset")
         model.running = 0
 
-    def _retry(self, turn: Turn, dead: ReplicaState) -> None:
+    def _retry(self, turn: Turn, dead: ReplicaState, cause: str) -> None:
+        """The attempt on `dead` failed: the same route offers the next replica (never `dead` again)."""
+        assert turn.route is not None
+        turn.route.release(dead)
+        turn.route.failed(dead, cause)
         self.stats.failed_attempts += 1
-        if dead.index is not None:
-            turn.tried.add(dead.index)
         self._turn(turn)
 
     def _probe(self, payload: tuple[str, float]) -> None:

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -30,9 +30,7 @@ from aiohttp import web
 from router.admin.api import AdminApi, token_ok
 from router.console.history import History
 from router.errors import error_response
-
-if TYPE_CHECKING:
-    from router.proxy.app import Router
+from router.node import Node
 
 log = logging.getLogger("router.console")
 ASSETS = {
@@ -51,15 +49,15 @@ def _asset(name: str) -> bytes:
     return resources.files("router.console").joinpath("static", name).read_bytes()
 
 
-def add_console_routes(app: web.Application, router: Router) -> None:
+def add_console_routes(app: web.Application, node: Node) -> None:
     history = History(
-        lambda: router.metrics_registry().collect(),
-        interval_s=router.config.console_interval_s,
-        history_s=router.config.console_history_s,
+        lambda: node.metrics_registry().collect(),
+        interval_s=node.config.console_interval_s,
+        history_s=node.config.console_history_s,
     )
     page = _asset("console.html")
     assets = {name: _asset(name) for name in ASSETS}
-    admin = AdminApi(router)
+    admin = AdminApi(node)
 
     async def index(request: web.Request) -> web.Response:
         return web.Response(body=page, content_type="text/html", charset="utf-8", headers=SECURITY_HEADERS)
@@ -71,7 +69,7 @@ def add_console_routes(app: web.Application, router: Router) -> None:
         return web.Response(body=assets[name], content_type=ASSETS[name], charset="utf-8", headers=SECURITY_HEADERS)
 
     def allowed(request: web.Request) -> web.Response | None:
-        token = router.config.admin_token
+        token = node.config.admin_token
         if token and not token_ok(request, token):
             return error_response(
                 "the console's data needs the admin token",
@@ -91,9 +89,9 @@ def add_console_routes(app: web.Application, router: Router) -> None:
             return error_response("since must be a unix time in seconds", param="since")
         body = {
             "now": time.time(),
-            "worker": router.worker,
-            "policy": router.policy.name,
-            "replicas": replica_rows(router, history),
+            "worker": node.worker,
+            "policy": node.policy.name,
+            "replicas": replica_rows(node, history),
             **history.since(since),
         }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
@@ -101,7 +99,7 @@ def add_console_routes(app: web.Application, router: Router) -> None:
     async def auth(request: web.Request) -> web.Response:
         """Whether the data needs a token, and whether the one sent (if any) is it: the page asks
         this first, so that opening it without a token is not an error."""
-        token = router.config.admin_token
+        token = node.config.admin_token
         body = {"required": bool(token), "accepted": not token or token_ok(request, token)}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
@@ -134,11 +132,11 @@ def add_console_routes(app: web.Application, router: Router) -> None:
     app.cleanup_ctx.append(sampling)
 
 
-def replica_rows(router: Router, history: History) -> list[dict[str, Any]]:
+def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
     """Each replica now: the admin API's figures, with QPS and hit rate from the latest point;
     replicas that left the fleet stay listed, as `left`, while the history still shows them."""
-    fleet = router.fleet
-    router.metrics_registry()  # the same refresh as a scrape: every worker's in-flight counts, health
+    fleet = node.fleet
+    node.metrics_registry()  # the same refresh as a scrape: every worker's in-flight counts, health
     shares = fleet.ring.shares()
     latest = history.points[-1]["replicas"] if history.points else {}
     rows = []

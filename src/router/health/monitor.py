@@ -20,14 +20,13 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from router.fleet import Fleet, ReplicaState
+from router.fleet import Fleet, ReplicaState, recent_samples
 from router.health.score import HealthInputs, ScoreWeights, health_score
 from router.health.signals import BY_KIND, LLAMA_CPP, EngineStats, parse_engine_metrics, read_slots, with_slots
 from router.shm.table import SlotTable, TornRead
@@ -42,19 +41,10 @@ SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.name != "kind")
 LATENCY_WINDOW_PROBES = 5  # latency samples older than this many probe intervals are ignored,
 LATENCY_WINDOW_MIN_S = 10.0  # or than this many seconds, whichever is longer
-LATENCY_RECENT = 9  # and of the rest, only the latest this many count: a slowdown shows within a few replies
 
 
 def latency_window_s(probe_interval_s: float) -> float:
     return max(LATENCY_WINDOW_PROBES * probe_interval_s, LATENCY_WINDOW_MIN_S)
-
-
-def recent_samples(replica: ReplicaState, kind: str, horizon: float) -> list[float]:
-    """The replica's latest latency samples of `kind` ("tpot": time per output token, "ttft":
-    time to first token per prompt token) since `horizon`. Samples age out, so a replica removed
-    for being slow (and sent nothing since) is judged afresh by its probes later."""
-    samples: deque[tuple[float, float]] = getattr(replica, kind)
-    return [value for when, value in samples if when >= horizon][-LATENCY_RECENT:]
 
 
 @dataclass

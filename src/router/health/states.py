@@ -17,16 +17,20 @@ still recovering is flapping: each such relapse doubles the good scores its next
 
 Ring weight: 0 when removed or draining; otherwise score / full_weight_at, clamped to
 [min_weight, 1], so a degraded-but-alive replica takes a smaller share; while recovering it is
-further capped by a linear ramp from `ramp_from` to 1 over `ramp_s` seconds, so a returning replica
-does not take its whole share (and a cold cache's worth of sessions) at once.
+further capped by a ramp from `ramp_from` to 1 over `ramp_s` seconds, climbed in RAMP_STEPS equal
+steps, so a returning replica does not take its whole share (and a cold cache's worth of
+sessions) at once. Whole steps let several routers that know when a slow start began agree on
+its weight at every moment, not only at its end.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 STATES = ("healthy", "suspect", "removed", "recovering", "draining", "warming")
 ROUTABLE = frozenset({"healthy", "suspect", "recovering", "warming"})
+RAMP_STEPS = 10  # 0.09 of weight a step from ramp_from 0.1: each above fleet.WEIGHT_STEP, so each is applied
 
 
 @dataclass(frozen=True)
@@ -123,11 +127,6 @@ class ReplicaHealth:
         if self.state != "draining":
             self._move("draining", now)
 
-    def undrain(self, now: float) -> None:
-        """Back from draining, through the ramp: its cache has gone cold meanwhile."""
-        if self.state == "draining":
-            self._move("recovering", now)
-
     def start_warming(self, now: float) -> None:
         """A new replica: routable, its weight ramping up (slow start) while caches are warmed."""
         self._move("warming", now)
@@ -139,6 +138,9 @@ class ReplicaHealth:
             return 0.0
         weight = min(max(self.score / r.full_weight_at, r.min_weight), 1.0)
         if self.state in ("recovering", "warming") and r.ramp_s > 0:
-            progress = min(max((now - self._ramp_start) / r.ramp_s, 0.0), 1.0)
+            # in whole steps, each on a whole second from its start: routers that share a slow
+            # start's start time step it alike, in the same second (router.membership)
+            elapsed = math.floor(now - self._ramp_start) if r.ramp_s >= 1 else now - self._ramp_start
+            progress = math.floor(min(max(elapsed / r.ramp_s, 0.0), 1.0) * RAMP_STEPS) / RAMP_STEPS
             weight = min(weight, r.ramp_from + (1.0 - r.ramp_from) * progress)
         return weight

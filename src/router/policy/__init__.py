@@ -7,7 +7,7 @@ known), `exclude` the indices already tried for this request (a retry never goes
 
 from __future__ import annotations
 
-from router.config import RouterConfig
+from router.config import POLICIES, RouterConfig
 from router.fleet import Fleet
 from router.policy.affinity import Affinity
 from router.policy.base import Decision, Policy
@@ -15,12 +15,9 @@ from router.policy.consistent_hash import ConsistentHash
 from router.policy.least_load import LeastLoad
 from router.policy.round_robin import RoundRobin
 
-REGISTRY: dict[str, type[Policy]] = {
-    "affinity": Affinity,
-    "consistent_hash": ConsistentHash,
-    "round_robin": RoundRobin,
-    "least_load": LeastLoad,
-}
+REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Affinity, ConsistentHash, RoundRobin, LeastLoad)}
+# config validates `policy` against its own list of names (config sits below the policies)
+assert tuple(REGISTRY) == POLICIES, "config.POLICIES must name the policies of REGISTRY, in order"
 
 
 def make_policy(name: str, fleet: Fleet, config: RouterConfig) -> Policy:

@@ -29,6 +29,7 @@ from router.policy.base import Decision, Policy
 
 class Affinity(Policy):
     name = "affinity"
+    keyed = True
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         if key.kind == "none":

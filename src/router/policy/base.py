@@ -20,6 +20,7 @@ class Decision:
 
 class Policy:
     name: ClassVar[str] = ""
+    keyed: ClassVar[bool] = False  # it routes by the request's key (else the key only counts jumps)
 
     def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
         self.fleet = fleet

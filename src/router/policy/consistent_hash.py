@@ -13,6 +13,7 @@ from router.policy.base import Decision, Policy
 
 class ConsistentHash(Policy):
     name = "consistent_hash"
+    keyed = True
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         if key.kind == "none":

@@ -13,7 +13,10 @@ from aiohttp import web
 
 from router._runtime import run, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
-from router.proxy.app import Router
+from router.emulator.server import Fleet as EmulatorFleet
+from router.emulator.server import Replica, ReplicaOptions
+from router.node import Node
+from router.proxy.app import admin_app, build_app
 from router.proxy.workers import CannotListen, WorkerFailed, listen, runner_for, serve_workers
 from router.shm.table import SlotTable
 from router.state import StateError
@@ -62,7 +65,7 @@ HELP = {
     "return_above": "a removed replica returns after return_after scores above this (default 0.7)",
     "remove_after": "low scores in a row before removal (default 3)",
     "return_after": "high scores in a row before return (default 3)",
-    "recovery_ramp_s": "seconds over which a returning replica's weight ramps back to full (default 30)",
+    "recovery_ramp_s": "seconds a returning or new replica's weight takes to ramp to full, in ten steps (default 30)",
     "flap_backoff": "a replica removed again while recovering needs twice the good scores to return, up to "
     "this many times return_after (default 8; 1 turns it off)",
     "score_weights": "comma-separated NAME=VALUE overrides of the health score's weights and thresholds "
@@ -179,9 +182,6 @@ def _free_ports(n: int) -> list[int]:
 async def serve(config: RouterConfig) -> None:
     demo_fleet = None
     if config.demo:
-        from router.emulator.server import Fleet as EmulatorFleet
-        from router.emulator.server import Replica, ReplicaOptions
-
         ports = _free_ports(config.demo)
         demo_fleet = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{p}", port=p)) for p in ports])
         await demo_fleet.start()
@@ -217,19 +217,19 @@ demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.re
 async def _serve_alone(config: RouterConfig, banner: str) -> None:
     table = SlotTable.create(config.shm_name, config.shm_slots) if config.shm_name else None
     try:
-        router = Router(config, table=table)
-        router.publish()
-        runner = runner_for(router.app(), config)
+        node = Node(config, table=table)
+        node.publish()
+        runner = runner_for(build_app(node), config)
         await runner.setup()
         admin: web.AppRunner | None = None
         try:
             await listen(runner, config.host, config.port)
             if config.admin_port:
-                admin = runner_for(router.admin_app(), config)
+                admin = runner_for(admin_app(node), config)
                 await admin.setup()
                 await listen(admin, config.admin_host, config.admin_port)
             print(banner, flush=True)
-            print(router.state_line(), flush=True)
+            print(node.state_line(), flush=True)
             if table is not None:
                 print(f"shared memory: {table.name} (router-agent --shm {table.name})", flush=True)
             await until_stopped()

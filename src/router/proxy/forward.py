@@ -11,16 +11,15 @@ no session jump. Once bytes have gone out, a broken upstream is
 left open for the caller to resume on another replica (`resume`, see resume.py) or ends the
 client's stream with an SSE error event and `[DONE]`, never a silent cut.
 
-Streams pass through byte for byte, framed only at event boundaries (`\\n\\n`) so the router can
-read the usage event; when the router asked upstream for usage on the client's behalf, that one
-event is dropped. Non-streamed bodies pass through unchanged.
+Streams pass through byte for byte, framed only at event boundaries (`\\n\\n`, router.proxy.framer)
+so the router can read the usage event; when the router asked upstream for usage on the client's
+behalf, that one event is dropped. Non-streamed bodies pass through unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +29,9 @@ import orjson
 from aiohttp import web
 
 from router.errors import sse_error_event
-from router.proxy.resume import FinishHold, StreamRecord, finishes
-from router.proxy.sse import EVENT, EVENT_END, StreamFramer, usage_of
+from router.proxy.framer import SseFramer
+from router.proxy.resume import StreamRecord
+from router.proxy.sse import StreamFramer, usage_of
 from router.upstream import Upstream
 
 HOP_BY_HOP = frozenset(
@@ -223,7 +223,7 @@ async def _relay(
         return outcome
     resp = web.StreamResponse(status=upstream.status, headers=headers)
     outcome = Outcome(resp, upstream.status, streamed=True)
-    framer = outcome.framer = _SseFramer(strip_usage)
+    framer = outcome.framer = SseFramer(strip_usage)
     outcome.transport = request.transport
     if keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(keep)
@@ -399,87 +399,3 @@ async def _pump(
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError):
         if not framer.done:
             outcome.stream_error = "upstream connection lost mid-stream"
-
-
-_DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
-
-
-class _SseFramer:
-    """Splits a byte stream into SSE events (any of the spec's line endings); reads usage, drops
-    the injected usage event, notices `[DONE]`. Events are forwarded byte for byte, except that when
-    the router hides the usage event, the engine's own fields on it (llama-server's `timings`) are
-    added to the finish event, held back until then (FinishHold)."""
-
-    __slots__ = ("_buf", "_hold", "_scanned", "done", "strip_usage", "usage")
-
-    def __init__(self, strip_usage: bool) -> None:
-        self._buf = bytearray()
-        self._scanned = 0  # bytes of _buf already searched for an event end
-        self._hold = FinishHold()
-        self.strip_usage = strip_usage
-        self.usage: tuple[int, int, int] | None = None
-        self.done = False
-
-    def feed(self, chunk: bytes) -> bytes:
-        buf = self._buf
-        if not buf and chunk.endswith(b"\n\n") and b"\r" not in chunk:
-            # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
-            if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
-                self.done = True
-            if b'"usage"' not in chunk and not (self.strip_usage and (self._hold.held or finishes(chunk))):
-                return chunk
-            return self._filter(chunk)
-        buf += chunk
-        end = -1
-        # only the new bytes (and the three before them) can hold a new event end: linear overall
-        for m in EVENT_END.finditer(buf, max(0, self._scanned - 3)):
-            end = m.end()
-        if end < 0:
-            self._scanned = len(buf)
-            return b""
-        complete = bytes(buf[:end])
-        del buf[:end]
-        self._scanned = len(buf)
-        if b"[DONE]" in complete and not self.done and _DONE.search(complete):
-            self.done = True
-        if b'"usage"' not in complete and not (self.strip_usage and (self._hold.held or finishes(complete))):
-            return complete  # forward untouched
-        return self._filter(complete)
-
-    def _filter(self, complete: bytes) -> bytes:
-        """Read the usage event out of whole events; drop it if the router injected the request."""
-        kept = []
-        hold = self._hold
-        for m in EVENT.finditer(complete):
-            event = m.group(1)
-            body = event.strip()
-            if b'"usage"' in body and body.startswith(b"data:"):
-                try:
-                    obj = orjson.loads(body[5:].strip())
-                except orjson.JSONDecodeError:
-                    obj = None
-                usage = usage_of(obj)
-                if usage is not None:
-                    self.usage = usage
-                    if self.strip_usage and not obj.get("choices"):
-                        kept.append(hold.hidden(obj))
-                        continue
-            if self.strip_usage and finishes(event):
-                kept.append(hold.hold(m.group(0)))
-                continue
-            kept.append(hold.release())
-            kept.append(m.group(0))
-        return b"".join(kept)
-
-    def release(self) -> bytes:
-        """The finish event held back, if any (the stream ended or broke before the next event)."""
-        return self._hold.release()
-
-    def pending(self) -> bytes:
-        """Bytes after the last complete event (a cut-off event, or a last one without its blank line)."""
-        rest = bytes(self._buf)
-        self._buf.clear()
-        self._scanned = 0
-        if not self.done and _DONE.search(rest):
-            self.done = True
-        return rest

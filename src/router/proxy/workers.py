@@ -29,10 +29,11 @@ from aiohttp import web
 from prometheus_client import multiprocess, values
 
 from router._runtime import run, stop_event, until_stopped
+from router.balance.link import WorkerLink, worker_socket
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.proxy.app import Router
-from router.proxy.internal import WorkerLink, worker_socket
+from router.node import Node
+from router.proxy.app import admin_app, build_app
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 
@@ -104,12 +105,12 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
     runner = None
     runners: list[web.AppRunner] = []
     try:
-        router = Router(config, table=table, worker=index, control_socket=control_socket)
-        runner = runner_for(router.app(), config)
+        node = Node(config, table=table, worker=index, control_socket=control_socket)
+        runner = runner_for(build_app(node), config)
         await runner.setup()
         sites = [(runner, config.host, config.port)]
         if config.admin_port:
-            admin = runner_for(router.admin_app(), config)
+            admin = runner_for(admin_app(node), config)
             await admin.setup()
             runners.append(admin)
             sites.append((admin, config.admin_host, config.admin_port))
@@ -283,21 +284,22 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         # demo fleet's emulators in this process keep theirs in memory)
         os.environ[METRICS_ENV] = metrics_dir
         files = RouterMetrics(values.MultiProcessValue())  # type: ignore[no-untyped-call]
-        router = Router(config, table=table, metrics=files)
-        router.view = link = WorkerLink([worker_socket(control_socket, i) for i in range(config.workers)])
-        router.publish()
-        router.prefill_shared_sessions(table)  # restored sessions route right from the first request
-        pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=router.worker_restarted)
-        runner = web.AppRunner(router.app(control_only=True), handle_signals=False, access_log=None)
+        node = Node(config, table=table, metrics=files)
+        link = WorkerLink([worker_socket(control_socket, i) for i in range(config.workers)])
+        node.view.attach(link, ready=False)  # ready once the workers have started
+        node.publish()
+        node.prefill_shared_sessions(table)  # restored sessions route right from the first request
+        pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=node.worker_restarted)
+        runner = web.AppRunner(build_app(node, control_only=True), handle_signals=False, access_log=None)
         await runner.setup()
         try:
             await web.UnixSite(runner, control_socket).start()
             watcher = None
             try:
                 await pool.start_all()
-                router.view_ready.set()  # the balance loop can ask the workers now
+                node.view.ready.set()  # the balance loop can ask the workers now
                 print(banner, flush=True)
-                print(router.state_line(), flush=True)
+                print(node.state_line(), flush=True)
                 print(
                     f"workers: {config.workers} processes (pids {', '.join(str(p.pid) for p in pool.procs if p)}); "
                     f"shared memory: {table.name} (router-agent --shm {table.name})",
@@ -307,8 +309,8 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                 await until_stopped(stop)
             finally:
                 with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell
-                    await router.save_state(force=True)
-                router.view_ready.clear()  # from here on, saves keep the sessions saved above
+                    await node.save_state(force=True)
+                node.view.ready.clear()  # from here on, saves keep the sessions saved above
                 await pool.stop()
                 if watcher is not None:
                     watcher.cancel()

@@ -31,17 +31,19 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from router.balance.view import LinkDown, SessionEntry
+from router.balance.rebalance import VnodeTraffic
+from router.balance.warmup import PromptStore
+from router.fleet import Fleet
 from router.ring import xxh3_64
-
-if TYPE_CHECKING:
-    from router.proxy.app import Router
+from router.routing import SiblingSessions
+from router.sessions import LinkDown, SessionEntry, SessionTable
 
 log = logging.getLogger("router.workers")
 LINK_TIMEOUT_S = 2.0
@@ -57,19 +59,27 @@ def _json(data: Any) -> web.Response:
     return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
-def internal_app(router: Router) -> web.Application:
-    """A worker's answers to the control process."""
-    sessions, shared, balancer = router.sessions, router.shared_sessions, router.balancer
+def internal_app(
+    sessions: SessionTable,
+    shared: SiblingSessions | None,
+    traffic: VnodeTraffic,
+    prompts: PromptStore,
+    fleet: Fleet,
+    follow: Callable[[], None],
+    ttl_s: float,
+) -> web.Application:
+    """A worker's answers to the control process: its session table, the workers' shared one, the
+    per-vnode traffic and prompts its balancer keeps; `follow` catches up with the shared replica table."""
 
     def newest_elsewhere(key: bytes, replica: str, written: int) -> bool:
         """Another worker served (or moved) this session since we did, to another replica."""
         found = shared.get(key) if shared is not None else None
         return found is not None and found[1] > written and found[0].id != replica
 
-    async def traffic(request: web.Request) -> web.Response:
+    async def counted(request: web.Request) -> web.Response:
         # running totals since this worker started, never reset here: an answer lost on the way
         # (a time-out) loses no counts, the control process takes the differences
-        return _json([[origin, number, count] for (origin, number), count in balancer.traffic.recent.items()])
+        return _json([[origin, number, count] for (origin, number), count in traffic.recent.items()])
 
     async def live(request: web.Request) -> web.Response:
         data = orjson.loads(await request.read())
@@ -88,11 +98,11 @@ def internal_app(router: Router) -> web.Application:
         body = await asyncio.to_thread(answer)
         return web.Response(body=body, content_type="application/json")
 
-    async def prompts(request: web.Request) -> web.Response:
+    async def stored(request: web.Request) -> web.Response:
         data = orjson.loads(await request.read())
         found = []
         for text in data["keys"]:
-            entry = balancer.prompts.entry(bytes.fromhex(text))
+            entry = prompts.entry(bytes.fromhex(text))
             if entry is not None:
                 path, body, expires = entry
                 found.append([text, path, base64.b64encode(body).decode(), expires])
@@ -100,11 +110,10 @@ def internal_app(router: Router) -> web.Application:
 
     async def move(request: web.Request) -> web.Response:
         data = orjson.loads(await request.read())
-        router.follow()  # a replica added a moment ago must be in this worker's view
-        target, reason = router.fleet.find(data["replica"]), data["reason"]
+        follow()  # a replica added a moment ago must be in this worker's view
+        target, reason = fleet.find(data["replica"]), data["reason"]
         if target is None or target.index is None:
             return _json([])  # it is not in this worker's view (yet): nothing moves here
-        ttl_s = router.config.sticky_ttl_s
         # one time for every worker's entry: none is newer than another's, so each worker's own
         # entry (with its reason) decides there
         written = int(data["written"])
@@ -129,7 +138,7 @@ def internal_app(router: Router) -> web.Application:
             if sessions.get(key) is not None or (found is not None and found[1] >= written):
                 continue  # served (or moved) since the router started: that is newer
             sessions.restore(key, replica_id, left, written)
-            replica = router.fleet.find(replica_id)
+            replica = fleet.find(replica_id)
             if shared is not None and replica is not None:
                 shared.put(key, replica, written)
         return _json({"restored": len(data["sessions"])})
@@ -138,9 +147,9 @@ def internal_app(router: Router) -> web.Application:
         return _json({"version": sessions.version, "pid": os.getpid()})
 
     app = web.Application(client_max_size=256 << 20)
-    app.router.add_get("/traffic", traffic)
+    app.router.add_get("/traffic", counted)
     app.router.add_post("/live", live)
-    app.router.add_post("/prompts", prompts)
+    app.router.add_post("/prompts", stored)
     app.router.add_post("/move", move)
     app.router.add_post("/restore", restore)
     app.router.add_get("/version", version)
@@ -280,11 +289,11 @@ class WorkerLink:
         return hash(tuple(sorted((a["pid"], a["version"]) for a in answers)))
 
 
-async def serve_internal(router: Router, path: str) -> web.AppRunner:
-    """Start a worker's internal site on `path` (a stale socket file there is replaced)."""
+async def serve_internal(path: str, app: web.Application) -> web.AppRunner:
+    """Serve a worker's internal site (`internal_app`) on `path` (a stale socket file there is replaced)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    runner = web.AppRunner(internal_app(router), handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     await web.UnixSite(runner, path).start()
     return runner

@@ -1,0 +1,391 @@
+"""The composition root: builds a lone router, the control process of workers, or a worker, from config.
+
+A node owns what lives as long as the process: the fleet and its policy, the session table and
+directory, the routing core, membership, health monitor, balance loop, discovery, Redis, the saved
+routing state, shared memory, metrics, and the upstream client. Each piece gets the narrow
+collaborators it uses; none reaches back into the node. The roles:
+
+- lone (the default): probes, scores, balances and proxies; given a shared table, publishes to it
+  for colocated router-agents;
+- control (with `table`, no `worker`): probes, scores, owns membership and publishes the fleet to
+  the shared table; its workers proxy (router.proxy.workers);
+- worker (with `table` and `worker`): follows the shared table and proxies by its view; the
+  control process runs the loops.
+
+`contexts()` are the node's background work, for an aiohttp application's `cleanup_ctx`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from router.balance.controller import Balancer
+from router.balance.link import internal_app, serve_internal, worker_socket
+from router.balance.view import LocalSessions
+from router.config import RouterConfig, replica_capacities, score_weights
+from router.discovery import Discovery
+from router.fleet import Fleet
+from router.health.monitor import HealthMonitor, latency_window_s
+from router.health.states import Hysteresis
+from router.membership import Membership
+from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
+from router.policy import make_policy
+from router.redis_state import RedisSessions, RedisState
+from router.ring import xxh3_64
+from router.routing import Routing, SessionDirectory
+from router.sessions import LinkDown, SessionTable, SessionView
+from router.shared import Follower, Publisher, SharedSessions
+from router.shm.table import SlotTable
+from router.state import Persistence, StateFile, default_directory
+from router.upstream import Upstream
+
+log = logging.getLogger("router.node")
+SYNC_INTERVAL_S = 0.05  # how often a worker follows the shared table and publishes its counters
+
+Context = Callable[[web.Application], AsyncIterator[None]]
+
+
+class Node:
+    def __init__(
+        self,
+        config: RouterConfig,
+        table: SlotTable | None = None,
+        worker: int | None = None,
+        control_socket: str | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self.control_socket = control_socket
+        self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
+        self.client: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None  # the client, and a pool-less one for stale connections
+        self.fleet = fleet = Fleet(
+            () if worker is not None else config.replicas,
+            config.vnodes,
+            config.hash_seed,
+            Hysteresis(
+                config.remove_below,
+                config.return_above,
+                config.remove_after,
+                config.return_after,
+                config.recovery_ramp_s,
+                flap_backoff=config.flap_backoff,
+            ),
+            replica_capacities(config) if config.capacity_caps else {},
+            capacity_caps=config.capacity_caps,
+        )
+        self.policy = make_policy(config.policy, fleet, config)
+        self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
+        self.metrics = metrics or RouterMetrics()
+        self.publisher = Publisher(fleet, table) if table is not None and worker is None else None
+        self.membership = Membership(
+            fleet,
+            forget=self.metrics.forget_replica,  # its sessions stay: their next turns count as membership jumps
+            room=self.publisher.has_room if self.publisher is not None else lambda: True,
+        )
+        if self.publisher is not None:
+            self.membership.published.append(self.publisher.publish)
+            self.membership.released.append(self.publisher.forget)
+        self.follower: Follower | None = None
+        self.shared_sessions: SharedSessions | None = None
+        if table is not None and worker is not None:
+            self.follower = Follower(
+                fleet,
+                table,
+                worker,
+                latency_window_s(config.probe_interval_s),
+                on_removed=self.metrics.forget_replica,
+                queue_weight=config.load_queue_weight,
+            )
+            self.follower.reload()
+            if table.sticky_entries:
+                self.shared_sessions = SharedSessions(table, worker, fleet, config.sticky_ttl_s)
+        self.redis: RedisState | None = None
+        self.redis_sessions: RedisSessions | None = None  # where sessions are looked up and written in Redis
+        if config.state.startswith(("redis://", "rediss://")):
+            if worker is None:
+                self.redis = RedisState(config.state, config.state_namespace, self.membership, config)
+                self.redis_sessions = self.redis.sessions
+                self.membership.peers = self.redis
+            else:  # a worker looks sessions up and writes them itself; the control process does the rest
+                self.redis_sessions = RedisSessions.connect(config.state, config.state_namespace, config.sticky_ttl_s)
+        # where the balance loop finds sessions: here (a lone router), or, for the control process of
+        # worker processes, the workers (router.proxy.workers sets it); a worker has none
+        lone = worker is None and config.workers <= 1
+        self.view = SessionView(None, lone)
+        self.balancer = Balancer(
+            config,
+            fleet,
+            self.metrics,
+            self.membership,
+            self.view.current,
+            self.upstream_client,
+            gather=self.gather,
+            leader=lambda: self.redis is None or self.redis.leader,
+            peers=self.redis_sessions if worker is None else None,
+            share=max(config.workers, 1) if worker is not None else 1,
+        )
+        self.membership.mover = self.balancer
+        if lone:
+            self.view.attach(LocalSessions(self.sessions, self.balancer.prompts))
+        self.directory = SessionDirectory(
+            self.sessions, config.sticky_ttl_s, siblings=self.shared_sessions, peers=self.redis_sessions
+        )
+        self.routing = Routing(fleet, self.policy, self.directory, self.metrics, config.max_attempts, self.balancer)
+        self.monitor = HealthMonitor(
+            fleet,
+            lambda: self.http,
+            config.probe_interval_s,
+            config.probe_timeout_s,
+            weights=score_weights(config),
+            agents=dict(entry.split("=", 1) for entry in config.agents),
+            table=table,
+            queue_weight=config.load_queue_weight,
+            before_round=self.gather,
+            after_round=self._publish_table,
+        )
+        self.discovery = (
+            Discovery(self.membership, self.metrics, config.discovery, config.discovery_interval_s, config.replicas)
+            if config.discovery and worker is None
+            else None
+        )
+        self.persistence: Persistence | None = None
+        if worker is None and self.redis is None and config.state != "none":
+            directory = config.state[5:] if config.state.startswith("file:") else default_directory()
+            self.persistence = Persistence(
+                StateFile(directory, config.host, config.port), self.membership, config.replicas, self.view
+            )
+            self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
+        self.multiprocess_metrics = multiprocess_registry(fleet) if worker is not None else None
+
+    def state_line(self) -> str:
+        """Where the routing state lives, for the start-up banner."""
+        if self.redis is not None:
+            return f"routing state: shared through {self.config.state} (namespace {self.config.state_namespace})"
+        if self.persistence is not None:
+            return self.persistence.line()
+        return "routing state: not saved (--state none)"
+
+    async def save_state(self, force: bool = False) -> None:
+        """Save the routing state now if it changed (or `force`), where it is saved to a file."""
+        if self.persistence is not None:
+            await self.persistence.save(force)
+
+    # -- shared state (worker processes) ---------------------------------------------------------
+
+    def publish(self) -> None:
+        """Routing changed: write the fleet to the shared table (if any), mark the state for saving."""
+        self.membership.publish()
+
+    def _publish_table(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish()
+
+    def gather(self) -> None:
+        """Control process: add up the workers' counters (no-op for a lone router)."""
+        if self.publisher is not None:
+            self.publisher.collect()
+
+    def follow(self) -> None:
+        """Worker: catch up with the shared table now."""
+        if self.follower is not None:
+            self.follower.sync()
+
+    def worker_restarted(self, worker: int) -> None:
+        """Control process: worker `worker` was restarted and counts from zero."""
+        if self.publisher is not None:
+            self.publisher.worker_restarted(worker)
+
+    def prefill_shared_sessions(self, table: SlotTable) -> None:
+        """Control process, before the workers start: write the restored sessions into the
+        workers' shared session tables (each its share by key hash; nobody writes them yet), so
+        that the first requests already go where the sessions' caches are. The workers' own
+        tables get them too, once they answer (`_after_start`), for saving and drains."""
+        restored = self.persistence.restored_sessions if self.persistence is not None else []
+        if not restored or not table.sticky_entries or table.workers < 1:
+            return
+        rows = [SharedSessions(table, w, self.fleet, self.config.sticky_ttl_s) for w in range(table.workers)]
+        now_ms = time.time() * 1000
+        for key, replica_id, left, _ in restored:
+            replica = self.fleet.find(replica_id)
+            if replica is not None:
+                # the entry's age is what makes it expire there: written so that `left` remains
+                written = int(now_ms - (self.config.sticky_ttl_s - left) * 1000)
+                rows[xxh3_64(key) % len(rows)].put(key, replica, written)
+
+    def metrics_registry(self) -> CollectorRegistry:
+        """What /metrics serves, brought up to date: the per-replica gauges as of now."""
+        if self.follower is not None:  # this worker's view of every worker's in-flight requests, and of health
+            self.follower.refresh()
+            self.follower.pull_loads()
+        if self.multiprocess_metrics is not None:
+            return self.multiprocess_metrics
+        show_replica_gauges(self.metrics, self.fleet)
+        return self.metrics.registry
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The upstream client session; it exists while the application runs."""
+        assert self.client is not None, "the router application is not running"
+        return self.client
+
+    def upstream_client(self) -> Upstream:
+        assert self.upstream is not None, "the router application is not running"
+        return self.upstream
+
+    # -- background work -------------------------------------------------------------------------
+
+    def contexts(self, control_only: bool = False) -> list[Context]:
+        """The node's background work, for `cleanup_ctx` after `client_context` (which the
+        routes' own contexts may need): a worker's line to the control process, or the control
+        loops (health probes, balance, routing state, Redis, discovery, as configured)."""
+        if self.follower is not None and not control_only:
+            return [self._follower_ctx]
+        contexts: list[Context] = []
+        if self.config.health_checks:
+            contexts.append(self._monitor_ctx)
+        contexts.append(self._balance_ctx)
+        if self.persistence is not None:
+            contexts.append(self.persistence.context)
+        if self.redis is not None:
+            contexts.append(self._redis_ctx)
+        if self.discovery is not None:
+            contexts.append(self._discovery_ctx)
+        return contexts
+
+    async def client_context(self, app: web.Application) -> AsyncIterator[None]:
+        """The upstream client, while the application runs (first in `cleanup_ctx`)."""
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=self.config.upstream_connections, enable_cleanup_closed=True
+        )
+        self.client = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0,
+                limit_per_host=self.config.upstream_connections,
+                force_close=True,
+                enable_cleanup_closed=True,
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        self.upstream = Upstream(self.client, fresh, self._reconnected)
+        yield
+        await self.client.close()
+        await fresh.close()
+
+    def _reconnected(self, url: str) -> None:
+        """A request went out again on a new connection: its pooled one was closed by the replica."""
+        replica = next((r for r in self.fleet.replicas if url.startswith(r.url + "/")), None)
+        self.metrics.child(self.metrics.reconnects, replica.id if replica is not None else "none").inc()
+
+    @staticmethod
+    async def _run(task: asyncio.Task[Any]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.monitor.run(), name="health monitor")
+        yield
+        await self._run(task)
+
+    async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.balancer.run(), name="balance")
+        start = asyncio.create_task(self._after_start(), name="restored drains")
+        yield
+        for t in (start, task):
+            await self._run(t)
+        await self.balancer.close()
+
+    async def _after_start(self) -> None:
+        """Once the sessions can be asked for: restored sessions to the workers, restored drains go on."""
+        await self.view.ready.wait()
+        persistence = self.persistence
+        if persistence is None:
+            return
+        source = self.view.source
+        for tries in range(5):
+            if not persistence.restored_sessions or source is None:
+                break
+            try:
+                await source.restore(persistence.restored_sessions)
+                persistence.restored_sessions = []
+            except LinkDown:  # a worker did not take its share: all again (a restore skips what is newer)
+                await asyncio.sleep(1.0 + tries)
+        if persistence.restored_sessions:
+            logging.getLogger("router.state").warning(
+                "%d restored sessions did not all reach the workers; those not taken start over",
+                len(persistence.restored_sessions),
+            )
+        persistence.restored_sessions = []
+        settle, persistence.settle = persistence.settle, None  # drains under way when the router stopped go on
+        if settle is not None:
+            await self.membership.settle(settle)
+
+    async def _redis_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.redis is not None
+        await self.redis.start()
+        yield
+        await self.redis.close()
+
+    async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.discovery is not None
+        task = asyncio.create_task(self.discovery.run(), name="discovery")
+        yield
+        await self._run(task)
+
+    async def _follower_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        follower = self.follower
+        assert follower is not None
+        self.control = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.control_socket or ""))
+
+        async def tick() -> None:
+            last_refresh = 0.0
+            while True:
+                now = time.monotonic()
+                try:
+                    follower.sync()
+                    if now - last_refresh >= 1.0:  # scores and states for display; routing follows the generation
+                        follower.refresh()
+                        last_refresh = now
+                    follower.publish(now)
+                    follower.pull_loads()
+                except Exception:  # a bug in one tick must not freeze this worker's view for good
+                    logging.getLogger("router.workers").exception("following the shared table failed")
+                await asyncio.sleep(SYNC_INTERVAL_S)
+
+        tasks = [asyncio.create_task(tick(), name="shared table follower")]
+        if self.redis_sessions is not None:
+            tasks.append(asyncio.create_task(self.redis_sessions.run(), name="redis sessions"))
+        internal = await serve_internal(
+            worker_socket(self.control_socket or "", follower.worker),
+            internal_app(
+                self.sessions,
+                self.shared_sessions,
+                self.balancer.traffic,
+                self.balancer.prompts,
+                self.fleet,
+                self.follow,
+                self.config.sticky_ttl_s,
+            ),
+        )
+        yield
+        await internal.cleanup()
+        for task in tasks:
+            await self._run(task)
+        if self.redis_sessions is not None:
+            await self.redis_sessions.close(own_client=True)
+        await self.control.close()

@@ -1,0 +1,105 @@
+"""Admission of a proxied request: its headers and body within the limits, JSON parsed, routing key found.
+
+A request that fails gets the OpenAI-shaped answer it deserves (431, 408, 413 or 400) and never
+reaches a replica. One that passes may be changed on the way: a stream that did not ask for usage
+is asked for it (`inject_usage`), so the router learns its token counts, and the client is not
+shown it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.errors import error_response
+from router.keys import RoutingKey, routing_key
+from router.proxy.resume import SoFar, continuation
+
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+STREAMABLE = ("/v1/chat/completions", "/v1/completions")
+
+
+async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float) -> bytes:
+    """The request body as it arrives. TimeoutError if it pauses for `pause_s` (a client stuck, or
+    slow on purpose) or takes more than `total_s` in all; HTTPRequestEntityTooLarge past `limit`."""
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    parts: list[bytes] = []
+    size = 0
+    async with asyncio.timeout(total_s):
+        while True:
+            async with asyncio.timeout(pause_s):
+                chunk = await request.content.readany()
+            if not chunk:
+                return b"".join(parts)
+            size += len(chunk)
+            if size > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            parts.append(chunk)
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request that passed admission: its body parsed, its key found, usage asked for if hidden."""
+
+    body: dict[str, Any]
+    raw: bytes
+    key: RoutingKey
+    strip_usage: bool  # the router asked for usage: the client is not shown it
+    keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
+
+
+async def admit(request: web.Request, cfg: RouterConfig) -> Admitted | web.Response:
+    """The request's body and key, or the error answer it gets (431, 408, 413, 400)."""
+    # checked here rather than in a middleware: a middleware wraps every request's handler
+    size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+    if size > cfg.max_header_bytes:
+        return error_response(
+            f"request headers are {size} bytes; the limit is {cfg.max_header_bytes}", 431, "request_too_large"
+        )
+    try:
+        raw = await read_body(request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s)
+    except TimeoutError:
+        slow = error_response(
+            f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s) or took longer "
+            f"than total_timeout_s ({cfg.total_timeout_s:g} s)",
+            408,
+            "request_timeout",
+        )
+        slow.force_close()  # the rest of that body must not be read as a next request
+        return slow
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(
+            f"request body is larger than the limit of {cfg.max_body_bytes} bytes", 413, "request_too_large"
+        )
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return error_response(f"the request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return error_response("the request body must be a JSON object")
+    key = routing_key(
+        request.headers,
+        body,
+        header_names=cfg.key_headers,
+        body_fields=cfg.key_body_fields,
+        prefix_chars=cfg.prefix_chars,
+        max_key_bytes=cfg.max_key_bytes,
+    )
+    streamed = request.path in STREAMABLE and body.get("stream") is True
+    strip_usage = False
+    if streamed and cfg.inject_usage:
+        options = body.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage")):
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            raw = orjson.dumps(body)
+            strip_usage = True
+    # a stream broken mid-way is resumed on another replica when it can be (see resume.py)
+    chat = request.path == "/v1/chat/completions"
+    resumable = cfg.resume_streams and streamed and continuation(body, chat, SoFar()) is not None
+    return Admitted(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0)

@@ -1,0 +1,16 @@
+"""The routing decision, below HTTP: which replica serves a request, and where its session lives."""
+
+from router.routing.directory import PeerSessions, SessionDirectory, SiblingSessions
+from router.routing.route import MOVE_SLACK_MS, Observer, Route, Routing, Served, Verdict
+
+__all__ = [
+    "MOVE_SLACK_MS",
+    "Observer",
+    "PeerSessions",
+    "Route",
+    "Routing",
+    "Served",
+    "SessionDirectory",
+    "SiblingSessions",
+    "Verdict",
+]

@@ -1,0 +1,246 @@
+"""One request's routing: the replicas it is offered, what each attempt taught, the session's next home.
+
+`Routing` is a process's decision-maker: the fleet, the policy, the session directory and the
+metrics the decision feeds. `Routing.route` opens a `Route` for one request. The caller (the HTTP
+handler, a resumed stream, the simulator) then asks `next` for a replica, makes its attempt and
+reports back: `failed` before the first byte, `served` with what the attempt showed (status, time
+to first token, tokens, whether it streamed and whether the stream broke), `resumed` for a broken
+stream continued elsewhere. `release` ends an attempt's in-flight count and must run however it
+ended.
+
+A route offers at most `max_attempts` replicas, never one it has tried, never past its deadline.
+Served, it remembers the session where it was served (unless the router moved the session while
+the request ran), counts a follow-up turn served elsewhere as a jump with its cause, and feeds
+the replica's latency samples, its token counts and the balance loop's per-vnode traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
+from router.keys import RoutingKey
+from router.metrics import RouterMetrics
+from router.policy import Decision, Policy
+from router.routing.directory import SessionDirectory
+
+# a move is stamped by the control process before it reaches the workers: one that arrives while a
+# request starts counts as made while it ran (the line to the workers answers within this)
+MOVE_SLACK_MS = 2000
+# the policy's own reasons, which say why a session left its replica better than the fleet can
+POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load"})
+
+
+@dataclass(slots=True)
+class Served:
+    """What a served attempt showed."""
+
+    status: int
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    streamed: bool = False
+    cut: bool = False  # the stream broke (an error event, or cut off)
+    client_gone: bool = False  # the client left mid-stream: not the replica's fault
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """How a served keyed request counted: a follow-up turn, and the cause of its jump if it jumped."""
+
+    followup: bool = False
+    jump: str | None = None  # a label of router_session_jumps
+    moved: bool = False  # the jump was the router's own move (warmed first)
+
+
+class Observer(Protocol):
+    """Who else learns of a served keyed request (the balance loop: vnode traffic, prompts for warm-up)."""
+
+    def served(self, key: bytes, path: str, body: bytes) -> None: ...
+
+
+class Routing:
+    def __init__(
+        self,
+        fleet: Fleet,
+        policy: Policy,
+        directory: SessionDirectory,
+        metrics: RouterMetrics,
+        max_attempts: int,
+        observer: Observer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        move_slack_ms: float = MOVE_SLACK_MS,
+    ) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.directory = directory
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+        self.observer = observer
+        self.clock = clock  # monotonic seconds: request starts, latency samples
+        self.wall = wall  # unix seconds: session entries
+        self.move_slack_ms = move_slack_ms
+
+    async def route(self, key: RoutingKey, t0: float, deadline: float) -> Route:
+        """A route for a request that arrived at `t0` (clock) and must end by `deadline` (the
+        clock its caller passes to `next`)."""
+        last, local = await self.directory.last_served(key.key) if key.kind != "none" else (None, False)
+        return Route(self, key, last, local, t0, deadline)
+
+    def local_route(self, key: RoutingKey, t0: float, deadline: float) -> Route:
+        """A route by this process's own session table alone: what `route` opens when no other
+        store is configured (the simulator has none), without waiting on one."""
+        last = self.directory.table.get(key.key) if key.kind != "none" else None
+        return Route(self, key, last, last is not None, t0, deadline)
+
+    def jump_reason(self, last: str, decision: Decision) -> str:
+        """Why a session left `last` for `decision`: a label of router_session_jumps."""
+        if decision.reason in POLICY_REASONS:
+            return decision.reason
+        previous = self.fleet.find(last)
+        if previous is None:
+            return "membership"  # its replica left the fleet
+        if previous.state == "draining":
+            return "drain"
+        if not previous.health.routable:
+            return "health"
+        if self.policy.name == "affinity":
+            return "spill"  # routable and not tried, yet passed over: it was at its load cap
+        return "ring"  # the key's ring owner changed (membership, weights or an override)
+
+
+class Route:
+    __slots__ = (
+        "alone",
+        "deadline",
+        "decision",
+        "first",
+        "key",
+        "last",
+        "local",
+        "routing",
+        "t0",
+        "timed_out",
+        "tried",
+    )
+
+    def __init__(
+        self, routing: Routing, key: RoutingKey, last: str | None, local: bool, t0: float, deadline: float
+    ) -> None:
+        self.routing = routing
+        self.key = key
+        self.last = last  # where the session was served last (None: new, or keyless)
+        self.local = local  # ... as this process's own entry says (else newer news from elsewhere)
+        self.t0 = t0
+        self.deadline = deadline
+        self.tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
+        self.first: ReplicaState | None = None
+        self.decision: Decision | None = None  # the latest pick for the request itself
+        self.alone = False  # the latest pick had nothing else in flight when acquired
+        self.timed_out = False  # `next` refused for the deadline
+
+    @property
+    def attempts(self) -> int:
+        return len(self.tried)
+
+    def next(self, now: float, resuming: bool = False) -> ReplicaState | None:
+        """The next replica to try, counted in flight there (`release` it); None when the attempts
+        or the time are spent or no replica is left. `resuming`: for the continuation of a broken
+        stream, which goes by the ring, not back to the replica it broke on."""
+        routing = self.routing
+        if len(self.tried) >= routing.max_attempts:
+            return None
+        if now >= self.deadline:
+            self.timed_out = True  # no replica is charged for an attempt that was never made
+            return None
+        decision = routing.policy.pick(
+            self.key, None if resuming else self.last, {r.index for r in self.tried if r.index is not None}
+        )
+        if decision is None:
+            return None
+        fleet = routing.fleet
+        replica = fleet.replicas[decision.index]
+        self.tried.append(replica)
+        if self.first is None:
+            self.first = replica
+        if not resuming:
+            self.decision = decision
+        fleet.acquire(replica)
+        # nothing else in flight there: its time to first token measures the replica, not a queue
+        self.alone = replica.index is not None and fleet.loads[replica.index] <= 1
+        return replica
+
+    def release(self, replica: ReplicaState) -> None:
+        self.routing.fleet.release(replica)
+
+    def failed(self, replica: ReplicaState, cause: str) -> None:
+        """The attempt on `replica` failed before its first byte (`cause`: connect, timeout, http_5xx, reset)."""
+        replica.errors += 1
+        m = self.routing.metrics
+        m.child(m.retries, cause).inc()
+
+    def served(self, replica: ReplicaState, facts: Served, path: str = "", body: bytes = b"") -> Verdict:
+        """`replica` answered (`facts`): feed its samples and counts; a keyed success remembers the
+        session there and tells the observer (`path` and `body`: the request, for warm-up)."""
+        routing = self.routing
+        m = routing.metrics
+        if facts.prompt_tokens:
+            replica.prompt_tokens += facts.prompt_tokens
+            replica.cached_tokens += facts.cached_tokens
+            m.child(m.prompt_tokens, replica.id).inc(facts.prompt_tokens)
+            m.child(m.cached_tokens, replica.id).inc(facts.cached_tokens)
+        if facts.streamed and facts.ttft_s is not None and not facts.cut:
+            now = routing.clock()
+            if facts.completion_tokens >= 2:
+                # time per output token after the first: the latency signal, normalised by reply length
+                replica.tpot.append((now, (now - self.t0 - facts.ttft_s) / (facts.completion_tokens - 1)))
+            if facts.prompt_tokens and self.alone:
+                # time to first token per prompt token computed (cached ones are nearly free), from
+                # requests that found the replica otherwise idle: a queue is load, not sickness
+                computed = max(facts.prompt_tokens - facts.cached_tokens, TTFT_FLOOR_TOKENS)
+                replica.ttft.append((now, facts.ttft_s / computed))
+        if facts.cut and not facts.client_gone:
+            replica.errors += 1
+            m.child(m.stream_errors, replica.id).inc()
+        if replica is not self.first:
+            m.failovers.inc()
+        key = self.key
+        if key.kind == "none" or facts.status >= 400:
+            return Verdict()
+        verdict = Verdict()
+        last = self.last
+        if last is not None:
+            m.followups.inc()
+            table = routing.directory.table
+            moved = table.moved(key.key) if self.local else None  # else the news came from elsewhere
+            if moved is not None and last == replica.id == table.get(key.key):
+                verdict = Verdict(True, moved, moved=True)  # the router moved it here (its cache was warmed first)
+            elif last != replica.id and self.decision is not None:
+                verdict = Verdict(True, routing.jump_reason(last, self.decision))
+            else:
+                verdict = Verdict(True)
+            if verdict.jump is not None:
+                m.child(m.jumps, verdict.jump).inc()
+        self._remember(replica)
+        if routing.observer is not None:
+            routing.observer.served(key.key, path, body)
+        return verdict
+
+    def resumed(self, replica: ReplicaState, whole: bool) -> None:
+        """A broken stream was continued on `replica`; `whole`: the continuation ended well (else it broke too)."""
+        if not whole:
+            replica.errors += 1
+            m = self.routing.metrics
+            m.child(m.stream_errors, replica.id).inc()
+        elif self.key.kind != "none":
+            self._remember(replica)  # its cache now holds the whole conversation
+
+    def _remember(self, replica: ReplicaState) -> None:
+        routing = self.routing
+        started_ms = (routing.wall() - (routing.clock() - self.t0)) * 1000 - routing.move_slack_ms
+        routing.directory.remember(self.key.key, replica, started_ms)
