@@ -8,11 +8,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
-from router.balance.link import WorkerLink
-from router.sessions import LinkDown
+from router.balance.link import WorkerLink, internal_app
+from router.balance.rebalance import VnodeTraffic
+from router.balance.warmup import PromptStore
+from router.config import ReplicaSpec
+from router.fleet import Fleet, ReplicaState
+from router.sessions import LinkDown, SessionTable
 
 
 class FakeWorker:
@@ -144,3 +150,31 @@ async def test_no_answer_ever_is_link_down(tmp_path: Path) -> None:
         assert await link.traffic() == {}
     finally:
         await link.close()
+
+
+class TornShared:
+    """The workers' shared session table at the moment another worker rewrites this session's
+    entry for the same move: the entry reads as absent."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[bytes, str, int]] = []
+
+    def get(self, key: bytes) -> tuple[ReplicaState, int] | None:
+        return None
+
+    def put(self, key: bytes, replica: ReplicaState, written_ms: int) -> None:
+        self.puts.append((key, replica.id, written_ms))
+
+
+async def test_a_move_reaches_a_worker_that_never_served_the_session_while_its_entry_is_rewritten() -> None:
+    fleet = Fleet([ReplicaSpec("r0", "http://127.0.0.1:1"), ReplicaSpec("r1", "http://127.0.0.1:2")], 16, 0)
+    sessions, shared = SessionTable(100, 600), TornShared()
+    app = internal_app(sessions, shared, VnodeTraffic(), PromptStore(1 << 20, 600), fleet, lambda: None, 600)
+    written = int(time.time() * 1000)
+    async with TestClient(TestServer(app)) as client:
+        payload = {"keys": [b"s1".hex()], "replica": "r1", "reason": "scale_out", "written": written}
+        response = await client.post("/move", data=orjson.dumps(payload))
+        assert await response.json() == [[b"s1".hex(), written]]
+    # its next turn, whichever worker takes it, counts the jump under the move's reason
+    assert sessions.get(b"s1") == "r1" and sessions.moved(b"s1") == "scale_out"
+    assert sessions.written_ms(b"s1") == written and shared.puts == [(b"s1", "r1", written)]

@@ -12,8 +12,8 @@ per-vnode traffic counts. The control process runs the balance loop, and asks th
 - `POST /prompts` `{"keys": [hex]}`: the latest stored request of each, with its expiry, so
   the newest copy among workers wins;
 - `POST /move` `{"keys": [hex], "replica": id, "reason": r}`: every worker points its entries
-  (and, for the sessions it has not served, the shared table's) at the new replica, marked with
-  the reason, so whichever worker takes the next turn counts the jump under it;
+  (and, for the live sessions it has not served, an entry of its own) at the new replica, marked
+  with the reason, so whichever worker takes the next turn counts the jump under it;
 - `POST /restore` `{"sessions": [...]}`: sessions from the saved routing state (each worker gets
   its share, by key hash, and writes it to the shared table, where all workers find it);
 - `GET /version`: changes whenever the worker's session table does.
@@ -121,10 +121,14 @@ def internal_app(
         for text in data["keys"]:
             key = bytes.fromhex(text)
             if not sessions.move(key, target.id, reason, written):
-                found = shared.get(key) if shared is not None else None
-                if found is None:
-                    continue  # not live anywhere: its next turn goes by the ring
-                sessions.place(key, target.id, reason, ttl_s - (written - found[1]) / 1000, written)
+                if shared is None:
+                    continue  # not served here, and no other worker's entries to follow
+                # the control process moves only live sessions; one another worker served may read
+                # as absent while that worker rewrites its entry for this same move (an entry reads
+                # empty while it changes): it is placed all the same, as the shared entry will say
+                found = shared.get(key)
+                left = ttl_s - (written - found[1]) / 1000 if found is not None else ttl_s
+                sessions.place(key, target.id, reason, left, written)
             if shared is not None:
                 shared.put(key, target, written)
             moved.append([text, written])
