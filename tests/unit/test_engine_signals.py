@@ -19,9 +19,37 @@ def fixture(name: str) -> str:
 def test_vllm_current_names_add_engine_cores_and_take_the_fuller_cache() -> None:
     stats = parse_engine_metrics(fixture("vllm.txt"))
     assert stats == EngineStats(
-        waiting=4.0, running=15.0, kv_usage=0.87, prefix_queries=1000.0, prefix_hits=640.0, kind="vllm"
+        waiting=4.0,
+        running=15.0,
+        kv_usage=0.87,
+        prefix_queries=1000.0,
+        prefix_hits=640.0,
+        kv_tokens=29845.0 * 16,  # vllm:cache_config_info's num_gpu_blocks x block_size
+        kind="vllm",
     )
     assert stats.capacity is None  # vLLM exports no max_num_seqs: the setting must give it
+
+
+@pytest.mark.parametrize(
+    ("labels", "tokens"),
+    [
+        ('block_size="16",num_gpu_blocks="2048"', 32768.0),
+        ('num_gpu_blocks="10",cache_dtype="auto",block_size="32"', 320.0),
+        ('block_size="16"', None),  # half the shape: unknown, never a guess
+        ('block_size="16",num_gpu_blocks="None"', None),  # vLLM before its profiling run
+        ('block_size="16",num_gpu_blocks="-3"', None),
+        ('block_size="16",num_gpu_blocks=', None),
+        ("", None),
+    ],
+)
+def test_vllm_kv_size_from_its_cache_config_labels(labels: str, tokens: float | None) -> None:
+    text = f"vllm:num_requests_running 1\nvllm:cache_config_info{{{labels}}} 1.0\n"
+    assert parse_engine_metrics(text).kv_tokens == tokens
+
+
+def test_sglang_kv_size_is_its_token_capacity() -> None:
+    text = 'sglang:num_running_reqs 2\nsglang:max_total_num_tokens{name="m"} 161721.0\n'
+    assert parse_engine_metrics(text).kv_tokens == 161721.0
 
 
 def test_older_vllm_names_and_swapped_requests_wait_too() -> None:

@@ -103,6 +103,13 @@ class ReplicaMetrics:
             "emulator:max_num_seqs", "Requests the engine runs at once at most (its batch).", label, registry=r
         )
         self.busy_seconds = Counter("emulator:busy_seconds", "Engine seconds spent running steps.", label, registry=r)
+        # vLLM's own: its KV-cache shape as labels of a gauge at 1 (routers size their prefix index by it)
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig.",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
+        )
         self.model = model
         self._steps: deque[tuple[float, float]] = deque()  # (end, duration) of recent steps
 
@@ -139,4 +146,7 @@ class ReplicaMetrics:
         self.fragmentation.labels(m).set(engine.fragmentation())
         self.busy.labels(m).set(self.busy_fraction(now))
         self.max_num_seqs.labels(m).set(engine.config.max_num_seqs)
+        cfg = engine.config
+        self.cache_config.clear()  # a restart may come back with another shape
+        self.cache_config.labels(str(cfg.block_size), str(cfg.num_blocks), "True").set(1)
         return generate_latest(self.registry)

@@ -3,7 +3,8 @@
 Each engine exports its figures under names of its own. `ENGINES` below says, for each engine the
 router knows, which Prometheus metric (or sum of metrics, or `/slots` field) means each figure the
 router uses: requests waiting, requests running, KV-cache usage (0..1), fragmentation of held KV,
-prefix-cache queries and hits (tokens), and capacity (requests it runs at once). An engine is
+prefix-cache queries and hits (tokens), capacity (requests it runs at once) and the KV cache's
+size in tokens (vLLM: labels of `vllm:cache_config_info`; SGLang: `max_total_num_tokens`). An engine is
 recognised by its metrics' prefix. A figure the engine does not export stays None: missing, never
 invented. Several series of one metric (one per engine core or model label) add up, except usage
 and fragmentation ratios, which take the worst.
@@ -47,7 +48,17 @@ class Slots:
     what: str
 
 
-Source = Metrics | Slots
+@dataclass(frozen=True)
+class LabelProduct:
+    """A figure an engine exports as labels of an info gauge: the product of these labels' numeric
+    values on the metric's first series (vLLM's `vllm:cache_config_info{block_size="16",
+    num_gpu_blocks="2048"} 1` -> 32768 tokens of KV)."""
+
+    name: str
+    labels: tuple[str, ...]
+
+
+Source = Metrics | Slots | LabelProduct
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,7 @@ _VLLM: dict[str, tuple[Source, ...]] = {
     "kv_usage": (_m("vllm:kv_cache_usage_perc", combine=MAX), _m("vllm:gpu_cache_usage_perc", combine=MAX)),
     "prefix_queries": (_m("vllm:prefix_cache_queries_total"),),
     "prefix_hits": (_m("vllm:prefix_cache_hits_total"),),
+    "kv_tokens": (LabelProduct("vllm:cache_config_info", ("block_size", "num_gpu_blocks")),),
     # vLLM exports no concurrency limit (max_num_seqs): the `replica_capacity` setting gives it
 }
 
@@ -91,6 +103,7 @@ ENGINES: tuple[Engine, ...] = (
             "waiting": (_m("sglang:num_queue_reqs"),),
             "running": (_m("sglang:num_running_reqs"),),
             "kv_usage": (_m("sglang:token_usage", combine=MAX),),
+            "kv_tokens": (_m("sglang:max_total_num_tokens"),),
         },
     ),
     Engine(
@@ -121,6 +134,7 @@ class EngineStats:
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     capacity: float | None = None  # requests the engine runs at once (slots, max_num_seqs)
+    kv_tokens: float | None = None  # tokens its KV cache holds (vLLM: blocks x block size)
     kind: str | None = None  # which engine it is (ENGINES), None when not recognised
 
 
@@ -129,12 +143,17 @@ class EngineStats:
 KNOWN = frozenset(
     n for e in ENGINES for sources in e.figures.values() for s in sources if isinstance(s, Metrics) for n in s.names
 )
+LABELLED = frozenset(
+    s.name for e in ENGINES for sources in e.figures.values() for s in sources if isinstance(s, LabelProduct)
+)
 
 
-def samples(text: str, names: frozenset[str] | None = None) -> tuple[dict[str, list[float]], set[str]]:
+def samples(
+    text: str, names: frozenset[str] | None = None, labelled: dict[str, str] | None = None
+) -> tuple[dict[str, list[float]], set[str]]:
     """The values of the series of each metric in `names` (every one when None) whose value is a
     finite number, and the name prefixes (up to `:`) of every sample line; a malformed line never
-    raises."""
+    raises. Metrics in LABELLED have the label text of their first series put in `labelled`."""
     values: dict[str, list[float]] = {}
     prefixes: set[str] = set()
     for line in text.splitlines():
@@ -144,6 +163,10 @@ def samples(text: str, names: frozenset[str] | None = None) -> tuple[dict[str, l
         if name_end <= 0:
             continue
         name = line[:name_end]
+        if labelled is not None and name in LABELLED and name not in labelled and line[name_end] == "{":
+            end = line.rfind("}")
+            if end > name_end:
+                labelled[name] = line[name_end + 1 : end]
         if names is not None and name not in names:
             prefix, colon, _ = name.partition(":")
             if colon:
@@ -171,20 +194,48 @@ def parse_engine_metrics(text: str, engine: Engine | None = None) -> EngineStats
     """The known figures out of Prometheus text exposition, by the table of the engine that
     exported it (recognised from the text unless given). A source's metrics add up; the series of
     one metric add up, or take the largest (`MAX`)."""
-    values, prefixes = samples(text, KNOWN)
+    labelled: dict[str, str] = {}
+    values, prefixes = samples(text, KNOWN, labelled)
     engine = engine or recognise(prefixes)
     if engine is None:
         return EngineStats()
     found: dict[str, Any] = {"kind": engine.kind}
     for figure, sources in engine.figures.items():
         for source in sources:
-            if isinstance(source, Metrics):
+            if isinstance(source, LabelProduct):
+                product = _label_product(labelled.get(source.name), source.labels)
+                if product is not None:
+                    found[figure] = product
+                    break
+            elif isinstance(source, Metrics):
                 combine = sum if source.combine == SUM else max
                 present = [combine(values[n]) for n in source.names if n in values]
                 if present:
                     found[figure] = sum(present)
                     break
     return EngineStats(**found)
+
+
+def _label_product(text: str | None, names: tuple[str, ...]) -> float | None:
+    """The product of the named labels' values in `a="1",b="2"` label text; None if one is missing,
+    not a positive finite number, or the text is malformed."""
+    if not text:
+        return None
+    found: dict[str, str] = {}
+    for part in text.split(","):
+        label, eq, value = part.partition("=")
+        if eq:
+            found[label.strip()] = value.strip().strip('"')
+    product = 1.0
+    for name in names:
+        try:
+            number = float(found[name])
+        except (KeyError, ValueError):
+            return None
+        if not (math.isfinite(number) and number > 0):
+            return None
+        product *= number
+    return product
 
 
 def read_slots(slots: Any, engine: Engine = LLAMA_CPP) -> dict[str, float]:
