@@ -117,10 +117,12 @@ def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytes
     assert message in err and "\n" not in err
 
 
-@pytest.mark.skipif(not available("vllm-consistent-hash"), reason="vllm-router is not installed (test extra)")
-async def test_a_peer_router_is_put_through_the_same_fault() -> None:
-    result = await faults.run_scenario("crash-mid-stream", replace(OPTS, router="vllm"))
-    assert result["router"] == "vllm" and result["resumed"] is None  # it does not say
+@pytest.mark.parametrize("peer", ["vllm", "smg"])
+async def test_a_peer_router_is_put_through_the_same_fault(peer: str) -> None:
+    if not available(faults.PEER_CONTENDERS[peer]):
+        pytest.skip(f"{peer} is not installed (test extra)")
+    result = await faults.run_scenario("crash-mid-stream", replace(OPTS, router=peer))
+    assert result["router"] == peer and result["resumed"] is None  # it does not say
     assert result["sent"] == result["succeeded"] + result["failed_clean"] + result["cut_silently"] > 50
     assert result["figures"]["streams_on_victim_at_crash"] >= 1
 
@@ -129,4 +131,4 @@ def test_peers_take_only_the_replica_faults(capsys: pytest.CaptureFixture[str]) 
     assert bench_main(["faults", "--routers", "sglang", "--scenarios", "redis-gone"]) == 2
     assert "the peers take only these scenarios" in capsys.readouterr().err
     assert bench_main(["faults", "--routers", "nginx"]) == 2
-    assert "choose from router-serve, sglang, vllm" in capsys.readouterr().err
+    assert "choose from router-serve, sglang, smg, vllm" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """router-bench fleet end to end: every contender (the peer routers included) in front of a small
 emulated fleet, a synthetic session workload and a short trace, the fleet-size search, and the
-files it writes."""
+files it writes; the long-document and keyless workloads, their engine shape and what they send."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from router.bench import fleet
 from router.bench.cli import build_parser
 from router.bench.llama_server import NotBuilt, find_binary
+from router.bench.replay import Record, Replayer
 
 # a tiny Mooncake-format trace: three conversations of two turns sharing a system block
 TRACE = [
@@ -38,7 +39,7 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
     for name in fleet.TRACES.values():
         (traces / name).write_text("".join(json.dumps(row) + "\n" for row in TRACE))
     out = tmp_path / "out"
-    contenders = list(fleet.CONTENDERS)  # the test extra installs both peer routers: none is left out
+    contenders = list(fleet.CONTENDERS)  # the test extra installs the peer routers: none is left out
     args = build_parser().parse_args(
         [
             "fleet",
@@ -86,7 +87,7 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
         assert len(run["load_timeline"]["queued"][0]) == 3
     rr = sessions["round-robin"]
     assert rr["jump_rate"] > 0.3
-    for sticky in ("consistent_hash", "oracle", "sglang-header", "vllm-consistent-hash"):
+    for sticky in ("consistent_hash", "oracle", "sglang-header", "smg-header", "vllm-consistent-hash"):
         assert sessions[sticky]["jump_rate"] == 0, sticky
         # ... and the replica ids were seen (a router hiding X-Replica-Id would show no jumps too)
         served = result["runs"]["sessions@3"][sticky][0]["per_replica"]
@@ -121,6 +122,78 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
         else:
             assert found["needed"] == 2 and meets(probes["2"])
     assert sizes["contenders"]["round-robin"]["needed"] is not None  # it meets its own P99
+
+
+def test_long_documents_and_keyless_sessions_on_a_small_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, bool, dict[str, str], dict[str, Any]]] = []  # (workload, keyed, headers, body)
+    real_send = Replayer.send
+
+    async def spy(
+        self: Replayer, session: str, turn: int, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Record:
+        sent.append((self.opts.workload, self.opts.session_keys, headers, body))
+        return await real_send(self, session, turn, path, body, headers)
+
+    monkeypatch.setattr(Replayer, "send", spy)
+    out = tmp_path / "out"
+    contenders = ["round-robin", "full", "smg-cache-aware", "smg-header"]
+    args = build_parser().parse_args(
+        [
+            *("fleet", "--replicas", "3", "--workloads", "longdoc,longdoc-keyless,sessions-keyless"),
+            *("--rate", "3", "--turns", "2-3", "--duration", "10", "--think", "0.5"),
+            *("--docs", "4", "--doc-tokens", "1000-2000", "--doc-rate", "1", "--doc-turns", "2-3"),
+            *("--time-scale", "10", "--sample-s", "0.2", "--size-search", ""),
+            *("--contenders", ",".join(contenders), "--out", str(out)),
+        ]
+    )
+    assert args.run(args) == 0  # 0: no request failed anywhere
+    result = json.loads((out / "fleet.json").read_text())
+    assert list(result["tables"]) == ["longdoc", "longdoc-keyless", "sessions-keyless@3"]
+    for workload, table in result["tables"].items():
+        assert list(table) == contenders
+        requests = {f["requests"] for f in table.values()}
+        assert len(requests) == 1 and requests.pop() >= 10, workload  # every contender served the same turns
+        for name, f in table.items():
+            assert f["failed"] == 0 and f["sessions_cut"] == 0, (workload, name)
+            assert 0 < f["kv_hit_rate"] < 1 and f["multi_turn_p99_s"] > 0 and f["ttft_later_p99_s"] > 0, name
+            run = result["runs"][workload][name][0]
+            assert run["session_keys"] is (not workload.startswith(("longdoc-keyless", "sessions-keyless")))
+            assert 0 <= run["kv_hit_rate_later_turns"] <= 1 and run["later_turns"] > 0
+
+    # what went on the wire: keyed workloads name their session in a header and the user field,
+    # keyless ones in neither
+    for workload, keyed, headers, body in sent:
+        assert body["messages"][0]["role"] == "system"
+        if keyed:
+            assert headers["X-Session-ID"] and body["user"], workload
+        else:
+            assert set(headers) == {"Content-Type"} and "user" not in body, workload
+    assert {(w, k) for w, k, _, _ in sent} == {("longdoc", True), ("longdoc", False), ("sessions", False)}
+    firsts = [b["messages"] for w, _, _, b in sent if w == "longdoc" and len(b["messages"]) == 2]
+    assert firsts and all(1000 * 4 < len(m[1]["content"]) < 2100 * 4 for m in firsts)  # a document, a question
+    # fewer documents than sessions: sessions share them
+    assert len({m[1]["content"].partition("\n\nQuestion:")[0] for m in firsts}) < len(firsts)
+
+    # the session header reached smg in the keyed runs only: sticky there, spread without it
+    assert result["tables"]["longdoc"]["smg-header"]["jump_rate"] == 0
+    assert result["tables"]["longdoc-keyless"]["smg-header"]["jump_rate"] > 0
+    assert result["tables"]["sessions-keyless@3"]["smg-header"]["jump_rate"] > 0
+    # without keys a cache-aware router still finds the documents from the prompt alone
+    keyless = result["tables"]["longdoc-keyless"]
+    assert keyless["smg-cache-aware"]["kv_hit_rate"] > keyless["round-robin"]["kv_hit_rate"] + 0.05
+
+    # the long-document fleets ran on their engine shape, and the tables say so
+    shapes = result["engine_shapes"]
+    assert (
+        shapes["longdoc"]["emulator_args"] == list(fleet.LONGDOC_ENGINE) == shapes["longdoc-keyless"]["emulator_args"]
+    )
+    assert (
+        shapes["longdoc"]["kv_tokens_per_replica"] == 6144 * 16 and shapes["sessions-keyless@3"]["emulator_args"] == []
+    )
+    assert 0 < shapes["longdoc"]["working_set_tokens"] <= 4 * 2000
+    md = (out / "fleet.md").read_text()
+    assert md.count("Engine: 70B-class, long context (`--num-blocks=6144 ") == 2 and "Engine: emulator defaults" in md
+    assert result["peer_versions"]["smg"].startswith("1.")
 
 
 def fleet_args(*flags: str) -> Any:

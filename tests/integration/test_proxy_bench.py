@@ -1,10 +1,13 @@
-"""`router-bench proxy` runs end to end (a tiny run: it measures, it asserts no speed)."""
+"""`router-bench proxy` runs end to end, with and without the peer routers (tiny runs: they measure,
+they assert no speed)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+from router.bench.proxy_bench import PEER_POLICIES, PEERS, peer_command, peer_installed
 
 
 def test_proxy_benchmark_smoke() -> None:
@@ -53,3 +56,34 @@ def test_proxy_benchmark_smoke() -> None:
         [sys.executable, "-m", "router.bench.cli", "proxy", "--against", "nope"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--against 'nope' is not NAME=PATH" in bad.stderr
+
+
+def test_the_peer_routers_side_by_side() -> None:
+    assert all(peer_installed(kind) for kind in PEERS)  # the test extra installs every peer
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "router.bench.cli", "proxy", "--json", "--requests", "40", "--streams", "8"),
+            *("--tokens", "5", "--ttft-samples", "10", "--rounds", "1", "--concurrency", "4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    results = {r["contender"]: r for r in json.loads(out.stdout)["results"]}
+    peers = ["sglang-router (cache_aware)", "smg (cache_aware)", "vllm-router (consistent_hash)"]
+    assert [f"{PEERS[kind].package} ({policy})" for kind, policy in PEER_POLICIES] == peers
+    assert list(results)[-3:] == peers
+    for name in peers:
+        r = results[name]
+        assert r["small_ok"] == 40 and r["events"] >= 8 * 5 and r["ttft_ms_median"] > 0, name
+        assert r["cpu_us_per_request"] is not None and r["cpu_us_per_request"] >= 0, name
+
+
+def test_smg_runs_from_its_own_module_not_the_script_sglang_router_shares() -> None:
+    cmd, env = peer_command("smg", 1234, ["http://127.0.0.1:9001"], ["--policy", "cache_aware"])
+    assert cmd[:3] == [sys.executable, "-m", "smg.launch_router"] and env == {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    assert cmd[cmd.index("--host") + 1] == cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert cmd[-2:] == ["--policy", "cache_aware"] and "http://127.0.0.1:9001" in cmd
+    vllm, env = peer_command("vllm", 1234, ["http://127.0.0.1:9001"], ["--policy", "consistent_hash"])
+    assert vllm[0].endswith("vllm-router") and env is None

@@ -67,6 +67,14 @@ def test_arguments() -> None:
     for flags, message in (
         (["--contenders", "full,nginx"], "unknown contender 'nginx'"),
         (["--workloads", "sessions,chat"], "unknown workload 'chat'"),
+        (["--workloads", "longdoc@2"], "unknown workload 'longdoc@2'"),
+        (["--workloads", "sessions@x"], "the rate after @ must be a positive number"),
+        (["--workloads", "sessions-keyless@0"], "the rate after @ must be a positive number"),
+        (["--workloads", "sessions,sessions@4", "--rate", "4"], "--workloads names 'sessions@4' twice"),
+        (["--doc-tokens", "900-100"], "--doc-tokens must be MIN-MAX"),
+        (["--doc-turns", "x"], "--doc-turns must look like"),
+        (["--docs", "0"], "--docs"),
+        (["--doc-rate", "0"], "--doc-rate must be a positive number"),
         (["--workloads", "mooncake-synthetic"], "needs --trace-dir"),
         (["--workloads", "mooncake-synthetic", "--trace-dir", "/nonexistent"], "no trace file"),
         (["--rate", "4,x"], "--rate must be numbers"),
@@ -89,6 +97,74 @@ def test_arguments() -> None:
             args_of(*flags)
 
 
+def test_workloads_by_name() -> None:
+    args = args_of("--contenders", "full", "--rate", "2,8", "--workloads", "sessions-keyless,longdoc,sessions@3")
+    assert args.workloads == ["sessions-keyless@2", "sessions-keyless@8", "longdoc", "sessions@3"]
+    assert fleet.session_rate("sessions-keyless@8") == 8.0 and fleet.session_rate("longdoc") is None
+    # the size search runs on the busiest sessions that carry keys
+    assert fleet.size_workload(args.workloads) == "sessions@3"
+    assert fleet.size_workload(["sessions-keyless@8", "longdoc-keyless"]) is None
+    parsed = [
+        fleet.Workload.parse(w) for w in ("sessions-keyless@2", "longdoc", "longdoc-keyless", "mooncake-synthetic")
+    ]
+    assert [(w.kind, w.keyed) for w in parsed] == [
+        ("sessions", False),
+        ("longdoc", True),
+        ("longdoc", False),
+        ("trace", True),
+    ]
+    targets = ["http://127.0.0.1:1"]
+    for name, keys in (
+        ("sessions-keyless@2", False),
+        ("sessions@3", True),
+        ("longdoc", True),
+        ("longdoc-keyless", False),
+    ):
+        opts = fleet.workload_options(name, args, targets, fleet.CONTENDERS["full"])
+        assert opts.session_keys is keys and opts.workload == name.split("@")[0].removesuffix("-keyless")
+    doc = fleet.workload_options("longdoc", args, targets, fleet.CONTENDERS["full"]).longdoc
+    assert doc is not None and (doc.documents, doc.doc_tokens, doc.turns_min, doc.turns_max) == (
+        24,
+        (6000, 12000),
+        3,
+        6,
+    )
+    assert fleet.arrivals_s("longdoc", args) == args.duration
+
+
+def test_longdoc_runs_on_its_own_engine_shape() -> None:
+    args = args_of("--contenders", "full", "--replicas", "8", "--workloads", "longdoc,sessions")
+    assert fleet.emulator_args("longdoc", args) == list(fleet.LONGDOC_ENGINE)
+    assert fleet.emulator_args("sessions@4", args) == []
+    shape = fleet.engine_shape("longdoc", args)
+    assert shape["kv_tokens_per_replica"] == 6144 * 16 and shape["kv_tokens_fleet"] == 8 * 6144 * 16
+    # by default the documents asked about outgrow one replica's KV and fit the fleet's
+    assert shape["kv_tokens_per_replica"] < shape["working_set_tokens"] < shape["kv_tokens_fleet"]
+    assert 1 < shape["documents_asked"] < 24
+    assert fleet.engine_shape("sessions@4", args)["kv_tokens_per_replica"] == 30000 * 16
+    assert "working_set_tokens" not in fleet.engine_shape("sessions@4", args)
+    # --emulator-arg comes after the shape: it changes it, in either spelling
+    more = args_of("--contenders", "full", "--workloads", "longdoc", "--emulator-arg=--num-blocks=1000")
+    assert fleet.emulator_args("longdoc", more)[-1] == "--num-blocks=1000"
+    assert fleet.engine_shape("longdoc", more)["kv_tokens_per_replica"] == 16000
+    assert fleet._last_int(["--block-size", "32", "--num-blocks", "x"], "--block-size", 16) == 32
+    assert fleet._last_int(["--num-blocks", "x"], "--num-blocks", 16) is None
+    line = fleet._shape_line(shape, 8)
+    assert line.startswith("Engine: 70B-class, long context (`--num-blocks=6144 ")
+    assert "KV for 98,304 tokens a replica, 786,432 in the fleet" in line and "× one replica's KV" in line
+
+
+def test_contenders_of_the_router_and_the_peers() -> None:
+    args = {name: c.args for name, c in fleet.CONTENDERS.items()}
+    assert "--policy" not in args["full"] and {"--rebalance", "--warmup"} <= set(args["full"])  # as shipped
+    assert args["affinity"] == ("--policy", "affinity", "--rebalance", "--warmup")
+    assert args["full-capacity-blind"] == ("--policy", "affinity", "--rebalance", "--warmup", "--no-capacity-caps")
+    assert args["least_load"][-2:] == fleet.PLAIN and args["consistent_hash"][-2:] == fleet.PLAIN
+    assert args["smg-cache-aware"] == ("--policy", "cache_aware")
+    assert args["smg-header"] == ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id")
+    assert fleet.CONTENDERS["smg-header"].key_headers == ("X-Session-ID",)
+
+
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(["fleet", "--contenders", "bogus"])
     assert args.run(args) == 2
@@ -103,6 +179,7 @@ def run_result(
         "kv_hit_rate": hit,
         "e2e_later_turns_s": {"n": 10, "mean": mean, "p99": p99},
         "ttft_s": {"n": 10, "p99": p99 / 10},
+        "ttft_later_turns_s": {"n": 8, "p99": p99 / 20},
         "load_cv": cv,
         "inflight_cv": cv * 2,
         "jump_rate": 0.5,
@@ -146,6 +223,8 @@ def test_medians_tables_and_ratios() -> None:
     md = render_markdown(result)
     rows = [line for line in md.splitlines() if line.startswith("| round-robin (client)")]
     assert "| 35.0% |" in rows[0] and rows[0].endswith("| 20 |")
+    assert "| 0.450 | 0.225 |" in rows[0]  # TTFT P99, then the later turns' TTFT P99
+    assert "| later-turn TTFT P99 (s) |" in md
     assert "replicas for P99 ≤ 4.50 s" in md
     assert next(line for line in md.splitlines() if line.startswith("| router-serve full policy")).endswith("| 14 |")
     # the full policy against round robin: hit 2.00x, mean -50%, P99 3.00x lower

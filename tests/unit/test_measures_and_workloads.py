@@ -1,21 +1,26 @@
-"""Figure definitions, the session generator, and trace loading."""
+"""Figure definitions, the session and long-document generators, keyless requests, and trace loading."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from router.bench.replay import Replayer, ReplayOptions
 from router.bench.workloads import (
+    LongDocSpec,
     SessionsSpec,
     TraceError,
     best_case_prefix_reuse,
     block_text,
+    generate_longdoc,
     generate_sessions,
     load_trace,
+    longdoc_documents,
     trace_prompt,
 )
 from router.measures import coefficient_of_variation, jump_rate, kv_hit_rate, percentile
@@ -55,6 +60,52 @@ def test_sessions_are_deterministic_skewed_and_well_formed() -> None:
     assert len({p.system for p in plans}) == spec.system_prompts
     first = plans[0].turns[0]
     assert spec.first_tokens[0] * 4 <= len(first.user_text) <= spec.first_tokens[1] * 4 and first.user_text.isascii()
+
+
+def test_longdoc_sessions_share_documents_deterministically() -> None:
+    spec = LongDocSpec(rate=2, documents=10, doc_tokens=(500, 900), turns_min=2, turns_max=4, seed=3)
+    docs = longdoc_documents(spec)
+    assert len(docs) == 10 and len(set(docs)) == 10
+    assert all(len(d) % 4 == 0 and 500 <= len(d) // 4 <= 900 and d.isascii() for d in docs)  # 4 bytes a token
+    assert longdoc_documents(replace(spec, rate=9, turns_max=6)) == docs  # the same documents at any rate
+    assert longdoc_documents(replace(spec, seed=4)) != docs
+    gen = generate_longdoc(spec)
+    plans = [next(gen) for _ in range(400)]
+    again = generate_longdoc(spec)
+    assert [(p.session_id, p.document, p.turns) for p in plans[:30]] == [
+        (q.session_id, q.document, q.turns) for q in (next(again) for _ in range(30))
+    ]
+    starts = [p.start_s for p in plans]
+    assert starts == sorted(starts) and 400 / starts[-1] == pytest.approx(2, rel=0.2)  # Poisson at the rate
+    assert len({p.session_id for p in plans}) == 400 and len({p.system for p in plans}) == 1
+    # several sessions share each popular document; popularity is skewed
+    readers = Counter(p.document for p in plans).most_common()
+    assert len(readers) == 10 and readers[0][1] > 3 * readers[-1][1] and readers[-1][1] >= 2
+    for p in plans:
+        assert p.document is not None and 2 <= len(p.turns) <= 4
+        first, *later = p.turns
+        doc, sep, question = first.user_text.partition("\n\nQuestion: ")
+        assert doc == docs[p.document] and sep and 15 <= len(question) // 4 <= 60
+        assert first.think_s == 0 and all(t.think_s >= 0 and 15 <= len(t.user_text) // 4 <= 60 for t in later)
+        assert all(50 <= t.max_tokens <= 200 for t in p.turns)
+    with pytest.raises(ValueError):
+        LongDocSpec(doc_tokens=(900, 100))
+    with pytest.raises(ValueError):
+        LongDocSpec(rate=0)
+
+
+def test_keyless_requests_carry_no_session_key() -> None:
+    keyed = Replayer(ReplayOptions(targets=("http://127.0.0.1:1",), workload="longdoc"))
+    assert keyed._key_headers("longdoc-s1") == {"Content-Type": "application/json", "X-Session-ID": "longdoc-s1"}
+    keyless = Replayer(
+        ReplayOptions(
+            targets=("http://127.0.0.1:1",),
+            workload="sessions",
+            session_keys=False,
+            key_headers=("X-Session-ID", "X-SMG-Routing-Key"),
+        )
+    )
+    assert keyless._key_headers("user-0001-s1") == {"Content-Type": "application/json"}
 
 
 def write_trace(path: Path, rows: list[dict]) -> Path:

@@ -14,9 +14,10 @@ fault is injected while the clients keep going, and every answer is sorted into 
 A request still unanswered 10 s after the clients stop is given up and counted as cut. Resumed
 streams and retried attempts are read from router-serve's own `/metrics`.
 
-`--routers sglang,vllm` puts the peer routers (`sglang-router --policy manual` keyed by the
-session header, `vllm-router --policy consistent_hash`, as `router-bench fleet` runs them)
-through the replica faults too, in front of the same emulated fleet, with their default settings.
+`--routers sglang,smg,vllm` puts the peer routers (`sglang-router --policy manual` and `smg
+--policy consistent_hashing`, each keyed by its session header, `vllm-router --policy
+consistent_hash`, as `router-bench fleet` runs them) through the replica faults too, in front of
+the same emulated fleet, with their default settings.
 
 Scenarios (the victim is one replica; the others stay well):
 - `crash-before-first-byte`: the victim accepts requests and sits on them, then crashes before
@@ -102,11 +103,13 @@ SCENARIO_OWNED = frozenset(
 TOKEN = "faults-bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VICTIM = "emu-0"
-# the session id in every request, under the names router-serve, sglang-router (policy manual)
-# and vllm-router (consistent_hash) read it from
+# the session id in every request, under the names router-serve, sglang-router (policy manual),
+# smg (consistent_hashing, --routing-key-headers x-session-id) and vllm-router (consistent_hash)
+# read it from
 SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
-ROUTERS = ("router-serve", "sglang", "vllm")
-PEER_CONTENDERS = {"sglang": "sglang-header", "vllm": "vllm-consistent-hash"}  # from router.bench.fleet
+ROUTERS = ("router-serve", "sglang", "smg", "vllm")
+# from router.bench.fleet
+PEER_CONTENDERS = {"sglang": "sglang-header", "smg": "smg-header", "vllm": "vllm-consistent-hash"}
 # the replica faults, which any router in front of the fleet can be put through
 PEER_SCENARIOS = ("crash-before-first-byte", "crash-mid-stream", "stall-mid-stream", "hang", "flapping")
 
@@ -298,7 +301,7 @@ class Options:
     warmup_s: float = 2.0
     fault_s: float = 6.0  # how long the clients go on after the fault
     flap_s: float = 1.0
-    router: str = "router-serve"  # or a peer: sglang, vllm
+    router: str = "router-serve"  # or a peer: sglang, smg, vllm
     settings: dict[str, str] = field(default_factory=dict)
 
 
@@ -774,7 +777,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--routers",
         default="router-serve",
-        help="comma-separated routers to put through the scenarios: router-serve, sglang, vllm; the peers "
+        help="comma-separated routers to put through the scenarios: router-serve, sglang, smg, vllm; the peers "
         f"take the replica faults only ({', '.join(PEER_SCENARIOS)}) (default: router-serve)",
     )
     p.add_argument("--replicas", type=int, default=4, help="emulated replicas (default 4)")

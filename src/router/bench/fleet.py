@@ -6,29 +6,56 @@ this process sending the workload. Contenders:
 
 - `round-robin`: the client sends each request to the next replica (the baseline, no router);
 - `least_load`, `consistent_hash`: `router-serve` with that policy, rebalancing and warm-up off;
-- `full`: `router-serve` as shipped: affinity (sticky sessions, ring, bounded load), health,
-  rebalancing, warm-up; `full-capacity-blind`: the same with `--no-capacity-caps` (bounded load
-  that ignores how many requests each replica runs at once, as before that setting);
+- `full`: `router-serve` as shipped (no `--policy`: its default policy), with health, rebalancing
+  and warm-up; `affinity`: the same with `--policy affinity` (sticky sessions, ring, bounded
+  load), to compare with the default; `full-capacity-blind`: `affinity` with `--no-capacity-caps`
+  (bounded load that ignores how many requests each replica runs at once, as before that setting);
 - `sglang-cache-aware`, `sglang-header`: `sglang-router` with `--policy cache_aware`, and with
   `--policy manual` and the session id in `X-SMG-Routing-Key` (when sglang-router is installed);
+- `smg-cache-aware`, `smg-header`: `smg` 1.13, the Shepherd Model Gateway (sglang-router's
+  successor), with `--policy cache_aware`, and with `--policy consistent_hashing
+  --routing-key-headers x-session-id`, the session id in `X-Session-ID` (when smg is installed).
+  It runs as `python -m smg.launch_router`: its `smg` script shares its name with one of
+  sglang-router's (router.bench.proxy_bench). It finds neither `/version` (vLLM) nor
+  `/server_info` (SGLang) on an emulated replica, registers it as a generic OpenAI-compatible
+  backend and fetches no loads from it (its log says so): its worker overload protection (8
+  waiting requests, 80 % KV) has no engine figures to act on, and its load gate balances on what
+  smg counts itself. Requests without a key under `consistent_hashing` are spread, not hashed;
 - `vllm-consistent-hash`: `vllm-router --policy consistent_hash`, session id in `x-session-id`
   (when vllm-router is installed);
 - `oracle`: the client pins each session to one replica by hash, with no router: the hit rate a
   sticky router could reach, with no regard for load.
 
-Workloads: `sessions@R` (synthetic multi-turn chats, R new sessions per engine second for
-`--duration`, one workload per `--rate`) and, with `--trace-dir`, the Mooncake
-`mooncake-conversation` and `mooncake-synthetic` traces (`--trace-window` seconds from their
-start, `--trace-speedup` times faster). Everything the client measures (KV hit rate from
+Workloads (`--workloads`; by default `sessions`, and the traces with `--trace-dir`):
+- `sessions@R`: synthetic multi-turn chats, R new sessions per engine second for `--duration`;
+  `sessions` is one workload per `--rate`. `sessions-keyless@R` (`sessions-keyless`: one per
+  `--rate`): the same chats with no session key at all, neither header nor `user` field;
+- `longdoc`: long-document question answering (router.bench.workloads): `--docs` documents of
+  `--doc-tokens` tokens, `--doc-rate` new sessions per engine second for `--duration`, each
+  asking `--doc-turns` questions about one document (Zipf popularity: sessions share documents).
+  Its fleet has a long-context engine shape, `LONGDOC_ENGINE`: a 70B-class model with KV room for
+  98,304 tokens, prefill at 4,000 tokens/s in chunks of 2,048, 25 ms steps (`--emulator-arg`
+  comes after it, so it can change the shape). By default the documents a run asks about hold
+  more tokens than one replica's KV and fewer than a fleet of 8's; each table says how many.
+  `longdoc-keyless`: the same sessions with no session key, so only the prompt tells a router
+  where the context is. The figures that matter there: KV hit rate, later-turn TTFT P99 and
+  multi-turn P99;
+- `mooncake-conversation`, `mooncake-synthetic` (with `--trace-dir`): the Mooncake traces,
+  `--trace-window` seconds from their start, `--trace-speedup` times faster (one speed-up per
+  run: 2× and 5× are two runs).
+
+Each table opens with its workload's engine: the emulator's arguments, KV per replica and in the
+fleet, and the working set against them. Everything the client measures (KV hit rate from
 `usage`, latencies, jumps from `X-Replica-Id`) is as in `router-bench replay`; load per replica
 (requests each replica finished, and its requests running + waiting over time) and the emulated
 GPU busy share (engine time spent in steps while arrivals last) come from the emulators' own
 counters (`GET /replicas` on the fleet's control port, every `--sample-s`). Latencies are engine
-seconds (wall seconds x `--time-scale`). Router timers (health probes, the rebalancing window)
-run on the wall clock, so at time scale 2 they span twice as many engine seconds.
+seconds (wall seconds x `--time-scale`); "multi-turn" and "later-turn" are a session's turns
+after its first. Router timers (health probes, the rebalancing window) run on the wall clock,
+so at time scale 2 they span twice as many engine seconds.
 
 Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
-`--replicas`) whose multi-turn P99 on the busiest `sessions@R` stays within `--p99-target`
+`--replicas`) whose multi-turn P99 on the busiest keyed `sessions@R` stays within `--p99-target`
 (default: the P99 round-robin reaches on the full fleet in this run), by bisection, one run per
 probed size.
 
@@ -42,7 +69,8 @@ written for the run, router.bench.llama_server): `--slots` each, one CPU thread 
 (time scale 1). Their figures come from each server's `/metrics`: requests running + deferred
 for the spread, slot-seconds spent on prompts and generation for the busy share, and generated
 tokens per replica for the load CV (llama-server counts no finished requests). llama-server sends
-no replica header, so jumps are known only through router-serve (`X-Router-Replica`).
+no replica header, so jumps are known only through router-serve (`X-Router-Replica`). The
+longdoc workloads need the emulator (their engine shape is an emulator's).
 """
 
 from __future__ import annotations
@@ -50,7 +78,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
+import importlib.metadata
 import json
 import math
 import os
@@ -74,10 +102,11 @@ import uvloop
 
 from router.bench.common import free_port, parse_settings, progress_line
 from router.bench.llama_server import LlamaServer, NotBuilt, find_binary, model_for
-from router.bench.proxy_bench import cpu_seconds, stop
+from router.bench.proxy_bench import PEERS, cpu_seconds, first_answer, peer_command, peer_installed, stop
 from router.bench.replay import Replayer, ReplayOptions
-from router.bench.workloads import SessionsSpec, TraceError
+from router.bench.workloads import LongDocSpec, SessionsSpec, TraceError, generate_longdoc, longdoc_documents
 from router.config import FIELDS, ConfigError, load
+from router.emulator.engine import EngineConfig
 from router.health.signals import samples
 from router.measures import coefficient_of_variation
 
@@ -85,30 +114,79 @@ TRACES = {
     "mooncake-conversation": "mooncake_conversation_trace.jsonl",
     "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
 }
+# The engine shape of the longdoc workloads' fleets: a 70B-class model serving long contexts
+# with little KV room (docs/emulator.md has the defaults, an 8B model on one H100). KV for 98,304
+# tokens, 6,144 blocks of 16 (a 70B model's 320 KiB of KV a token makes that 30 GB): about ten of
+# the documents, so the working set of a longdoc run outgrows one replica and fits a fleet of 8;
+# prefill at 4,000 tokens/s, about a quarter of the 8B default, in chunks of 2,048 so decoding
+# goes on beside a document's prefill; 25 ms steps (reading the weights); 95 ns per context token
+# of attention (320 KiB of KV at 3.35 TB/s).
+LONGDOC_ENGINE = (
+    "--num-blocks=6144",
+    "--max-num-batched-tokens=2048",
+    "--prefill-tokens-per-s=4000",
+    "--step-ms=25",
+    "--attention-ns-per-token=95",
+)
+WORKLOAD_NAMES = "sessions, sessions-keyless, sessions@R, longdoc, longdoc-keyless, " + ", ".join(TRACES)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload of the benchmark, read from its name: `sessions@4`, `sessions-keyless@4`, `longdoc`,
+    `longdoc-keyless`, or a trace's."""
+
+    name: str
+    kind: str  # sessions | longdoc | trace
+    keyed: bool = True  # False: no session key is sent at all
+    rate: float | None = None  # sessions: new sessions per engine second
+
+    @classmethod
+    def parse(cls, name: str) -> Workload:
+        if name in TRACES:
+            return cls(name, "trace")
+        base, at, rate = name.partition("@")
+        keyed = not base.endswith("-keyless")
+        base = base.removesuffix("-keyless")
+        if base == "longdoc" and not at:
+            return cls(name, "longdoc", keyed)
+        if base == "sessions" and at:
+            try:
+                value = float(rate)
+            except ValueError:
+                value = math.nan
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"workload {name!r}: the rate after @ must be a positive number")
+            return cls(name, "sessions", keyed, value)
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOAD_NAMES}")
 
 
 @dataclass(frozen=True)
 class Contender:
     name: str
     label: str
-    kind: str  # direct | router | sglang | vllm
+    kind: str  # direct | router | a peer router of router.bench.proxy_bench.PEERS: sglang | smg | vllm
     args: tuple[str, ...] = ()
     spread: str = "round-robin"  # direct contenders only
     key_headers: tuple[str, ...] = ("X-Session-ID",)
 
 
+PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
+SHIPPED = ("--rebalance", "--warmup")
+
 CONTENDERS = {
     c.name: c
     for c in (
         Contender("round-robin", "round-robin (client, no router)", "direct"),
-        Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load")),
-        Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash")),
-        Contender("full", "router-serve full policy", "router", ("--policy", "affinity", "--rebalance", "--warmup")),
+        Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load", *PLAIN)),
+        Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash", *PLAIN)),
+        Contender("full", "router-serve as shipped", "router", SHIPPED),  # its default policy
+        Contender("affinity", "router-serve affinity", "router", ("--policy", "affinity", *SHIPPED)),
         Contender(
             "full-capacity-blind",
-            "router-serve full policy, capacity-blind",
+            "router-serve affinity, capacity-blind",
             "router",
-            ("--policy", "affinity", "--rebalance", "--warmup", "--no-capacity-caps"),
+            ("--policy", "affinity", *SHIPPED, "--no-capacity-caps"),
         ),
         Contender("sglang-cache-aware", "sglang-router cache_aware", "sglang", ("--policy", "cache_aware")),
         Contender(
@@ -118,25 +196,32 @@ CONTENDERS = {
             ("--policy", "manual"),
             key_headers=("X-Session-ID", "X-SMG-Routing-Key"),
         ),
+        Contender("smg-cache-aware", "smg cache_aware", "smg", ("--policy", "cache_aware")),
+        Contender(
+            "smg-header",
+            "smg consistent_hashing (session header)",
+            "smg",
+            ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id"),
+        ),
         Contender("vllm-consistent-hash", "vllm-router consistent_hash", "vllm", ("--policy", "consistent_hash")),
         Contender("oracle", "sticky oracle (client pins sessions)", "direct", spread="session"),
     )
 }
-PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
-
-
-def vllm_router_command() -> str | None:
-    beside = Path(sys.executable).parent / "vllm-router"
-    return str(beside) if beside.exists() else shutil.which("vllm-router")
 
 
 def available(name: str) -> bool:
     kind = CONTENDERS[name].kind
-    if kind == "sglang":
-        return importlib.util.find_spec("sglang_router") is not None
-    if kind == "vllm":
-        return vllm_router_command() is not None
-    return True
+    return peer_installed(kind) if kind in PEERS else True
+
+
+def peer_versions(names: list[str]) -> dict[str, str]:
+    """The installed version of each peer router among the contenders `names`."""
+    out = {}
+    for kind in dict.fromkeys(CONTENDERS[n].kind for n in names if CONTENDERS[n].kind in PEERS):
+        package = PEERS[kind].package
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[package] = importlib.metadata.version(package)
+    return out
 
 
 # -- processes ------------------------------------------------------------------------------------
@@ -227,7 +312,9 @@ class Fleet:
     what: str  # for the tables: "emulated replicas", "llama-server replicas"
 
 
-async def start_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
+async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: list[str]) -> Fleet:
+    """The replicas of one run; `emulator_args` (the workload's engine shape and `--emulator-arg`)
+    go to router-emulator."""
     if args.engine == "llama-server":
         return await start_llama_fleet(replicas, args)
     problem = ""
@@ -247,7 +334,7 @@ async def start_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
             str(args.time_scale),
             "--stream-interval",
             str(args.stream_interval),
-            *args.emulator_arg,
+            *emulator_args,
         ]
         child = Child.spawn(cmd, "router-emulator")
         urls = [f"http://127.0.0.1:{p}" for p in range(base, base + replicas)]
@@ -341,51 +428,22 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
     env: dict[str, str] | None = None
     if c.kind == "router":
         cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
-        if not c.name.startswith("full"):
-            cmd += PLAIN
         for url in urls:
             cmd += ["--replica", url]
         env = {"ROUTER_" + k.upper(): v for k, v in settings.items()}
     else:
-        common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
-        common += ["--prometheus-port", str(free_port()), "--log-level", "error", "--worker-urls", *urls]
-        if c.kind == "sglang":
-            cmd = [sys.executable, "-m", "sglang_router.launch_router", *common, *c.args]
-            env = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # its tokenizer download stays on loopback and fails
-        else:
-            exe = vllm_router_command()
-            assert exe is not None
-            cmd = [exe, *common, *c.args]
+        cmd, env = peer_command(c.kind, port, urls, c.args)
     child = Child.spawn(cmd, c.label, env)
     url = f"http://127.0.0.1:{port}"
     try:
         await child.wait_up(url, "/health", timeout=60)
         # a peer may answer /health before its workers are registered: wait for one real answer
-        await _first_answer(url)
+        # (before the replay and its counters)
+        await first_answer(url)
     except BaseException:
         child.stop()
         raise
     return child, [url]
-
-
-async def _first_answer(url: str, timeout: float = 60.0) -> None:
-    """One completion through a just-started router (before the replay and its counters)."""
-    body = orjson.dumps({"model": "emulated-llm", "prompt": "ready?", "max_tokens": 1})
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
-                async with s.post(
-                    url + "/v1/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=5),
-                ) as r:
-                    await r.read()
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.25)
-    raise RuntimeError(f"{url} answered no completion within {timeout:g} s")
 
 
 # -- the fleet's own counters ---------------------------------------------------------------------
@@ -453,21 +511,35 @@ def fleet_figures(samples: list[Sample], window_end_wall_s: float) -> dict[str, 
 # -- one run --------------------------------------------------------------------------------------
 
 
+def longdoc_spec(args: argparse.Namespace) -> LongDocSpec:
+    return LongDocSpec(
+        rate=args.doc_rate,
+        documents=args.docs,
+        doc_tokens=args.doc_tokens_range,
+        turns_min=args.doc_turns_range[0],
+        turns_max=args.doc_turns_range[1],
+        think_s=args.think,
+        seed=args.seed,
+    )
+
+
 def workload_options(name: str, args: argparse.Namespace, targets: list[str], c: Contender) -> ReplayOptions:
+    w = Workload.parse(name)
     common: dict[str, Any] = {
         "targets": tuple(targets),
         "spread": c.spread,
         "time_scale": args.time_scale,
         "seed": args.seed,
         "key_headers": c.key_headers,
+        "session_keys": w.keyed,
     }
-    rate = session_rate(name)
-    if rate is not None:
+    if w.kind == "sessions":
+        assert w.rate is not None
         return ReplayOptions(
             workload="sessions",
             duration_s=args.duration,
             spec=SessionsSpec(
-                rate=rate,
+                rate=w.rate,
                 think_s=args.think,
                 turns_min=args.turns_range[0],
                 turns_max=args.turns_range[1],
@@ -475,6 +547,8 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
             ),
             **common,
         )
+    if w.kind == "longdoc":
+        return ReplayOptions(workload="longdoc", duration_s=args.duration, longdoc=longdoc_spec(args), **common)
     return ReplayOptions(
         workload=name,
         trace=str(Path(args.trace_dir) / TRACES[name]),
@@ -485,19 +559,70 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
 
 
 def session_rate(workload: str) -> float | None:
-    """`sessions@8` -> 8.0 (new sessions per engine second); None for a trace."""
-    return float(workload.partition("@")[2]) if workload.startswith("sessions@") else None
+    """`sessions@8`, `sessions-keyless@8` -> 8.0 (new sessions per engine second); None for the others."""
+    return Workload.parse(workload).rate
 
 
 def size_workload(workloads: list[str]) -> str | None:
-    """The sessions workload the fleet-size search runs: the busiest one."""
-    rated = [w for w in workloads if session_rate(w) is not None]
+    """The sessions workload the fleet-size search runs: the busiest one that sends session keys."""
+    rated = [w for w in workloads if (p := Workload.parse(w)).kind == "sessions" and p.keyed]
     return max(rated, key=lambda w: session_rate(w) or 0.0) if rated else None
 
 
 def arrivals_s(name: str, args: argparse.Namespace) -> float:
     """Engine seconds over which requests arrive (the window for busy and spread figures)."""
-    return float(args.duration) if session_rate(name) is not None else float(args.trace_window / args.trace_speedup)
+    if Workload.parse(name).kind == "trace":
+        return float(args.trace_window / args.trace_speedup)
+    return float(args.duration)
+
+
+def emulator_args(workload: str, args: argparse.Namespace) -> list[str]:
+    """What router-emulator is given for a workload's fleet: its engine shape, then `--emulator-arg`."""
+    shape = LONGDOC_ENGINE if Workload.parse(workload).kind == "longdoc" else ()
+    return [*shape, *args.emulator_arg]
+
+
+def _last_int(argv: list[str], flag: str, default: int) -> int | None:
+    """The value the last `flag` in `argv` sets (`--flag=V` or `--flag V`); None if not an integer."""
+    value: str | int = default
+    for i, word in enumerate(argv):
+        if word.startswith(flag + "="):
+            value = word.partition("=")[2]
+        elif word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def engine_shape(workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a workload runs on (for the results): the emulator's arguments, its KV capacity, and for
+    longdoc the working set, the tokens of the documents that the sessions arriving within
+    `--duration` ask about."""
+    longdoc = Workload.parse(workload).kind == "longdoc"
+    argv = emulator_args(workload, args)
+    blocks = _last_int(argv, "--num-blocks", EngineConfig.num_blocks)
+    block_size = _last_int(argv, "--block-size", EngineConfig.block_size)
+    kv = blocks * block_size if blocks is not None and block_size is not None else None
+    shape: dict[str, Any] = {
+        "engine": "70B-class, long context" if longdoc else "emulator defaults",
+        "emulator_args": argv,
+        "kv_tokens_per_replica": kv,
+        "kv_tokens_fleet": kv * args.replicas if kv is not None else None,
+    }
+    if longdoc:
+        spec = longdoc_spec(args)
+        asked: set[int] = set()
+        for plan in generate_longdoc(spec):
+            if plan.start_s > args.duration:
+                break
+            if plan.document is not None:
+                asked.add(plan.document)
+        documents = longdoc_documents(spec)
+        shape["documents_asked"] = len(asked)
+        shape["working_set_tokens"] = sum(len(documents[d]) // 4 for d in asked)  # 4 bytes an emulator token
+    return shape
 
 
 async def run_one(
@@ -507,7 +632,7 @@ async def run_one(
     replicas: int,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    fleet = await start_fleet(replicas, args)
+    fleet = await start_fleet(replicas, args, emulator_args(workload, args))
     router: Child | None = None
     try:
         router, targets = await start_contender(c, fleet.urls, args.settings)
@@ -550,6 +675,7 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("multi_turn_mean_s", lambda r: r["e2e_later_turns_s"].get("mean", math.nan)),
     ("multi_turn_p99_s", lambda r: r["e2e_later_turns_s"].get("p99", math.nan)),
     ("ttft_p99_s", lambda r: r["ttft_s"].get("p99", math.nan)),
+    ("ttft_later_p99_s", lambda r: r.get("ttft_later_turns_s", {}).get("p99", math.nan)),
     ("load_cv", lambda r: r["load_cv"]),
     ("inflight_cv", lambda r: r["inflight_cv"]),
     ("jump_rate", lambda r: r["jump_rate"]),
@@ -646,10 +772,22 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
                 "turns": args.turns,
                 "seed": args.seed,
             },
+            "longdoc": {
+                "rate": args.doc_rate,
+                "documents": args.docs,
+                "doc_tokens": args.doc_tokens,
+                "turns": args.doc_turns,
+                "duration_s": args.duration,
+                "think_s": args.think,
+                "seed": args.seed,
+            },
             "traces": {"window_s": args.trace_window, "speedup": args.trace_speedup, "dir": args.trace_dir},
         },
         "settings": args.settings,
         "emulator_args": args.emulator_arg,
+        # per workload: what its replicas are (emulator arguments, KV capacity, working set)
+        "engine_shapes": {w: engine_shape(w, args) for w in args.workloads} if args.engine == "emulator" else {},
+        "peer_versions": peer_versions(args.contenders),
         "contenders": {n: CONTENDERS[n].label for n in args.contenders},
         "runs": {w: {n: [] for n in args.contenders} for w in args.workloads},
         "tables": {},
@@ -753,9 +891,12 @@ def render_markdown(result: dict[str, Any]) -> str:
     ]
     for workload, table in result["tables"].items():
         lines += [f"**{workload}**", ""]
+        shape = result.get("engine_shapes", {}).get(workload)
+        if shape:
+            lines += [_shape_line(shape, result["replicas"]), ""]
         head = "| contender | requests | failed | KV hit | multi-turn mean (s) | multi-turn P99 (s) | TTFT P99 (s) "
-        head += "| load CV | in-flight CV | jump rate | GPU busy |"
-        rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        head += "| later-turn TTFT P99 (s) | load CV | in-flight CV | jump rate | GPU busy |"
+        rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         searched = workload == sizes.get("workload")
         if searched:
             head += f" replicas for P99 ≤ {sizes['target_p99_s']:.2f} s |"
@@ -769,7 +910,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             row = (
                 f"| {labels[name]} | {f['requests']:,.0f} | {f['failed']:,.0f} | {_pct(f['kv_hit_rate'])} "
                 f"| {_num(f['multi_turn_mean_s'])} | {_num(f['multi_turn_p99_s'])} | {_num(f['ttft_p99_s'])} "
-                f"| {_num(f['load_cv'])} | {_num(f['inflight_cv'])} | {_pct(f['jump_rate'])} | {_pct(f['gpu_busy'])} |"
+                f"| {_num(f['ttft_later_p99_s'])} | {_num(f['load_cv'])} | {_num(f['inflight_cv'])} "
+                f"| {_pct(f['jump_rate'])} | {_pct(f['gpu_busy'])} |"
             )
             if searched:
                 row += f" {_needed(sizes['contenders'].get(name), result['replicas'])} |"
@@ -793,6 +935,22 @@ def render_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shape_line(shape: dict[str, Any], replicas: int) -> str:
+    """Engine: what the replicas of a workload are, and its working set against their KV."""
+    argv = " ".join(shape["emulator_args"])
+    line = f"Engine: {shape['engine']}" + (f" (`{argv}`)" if argv else "")
+    kv = shape.get("kv_tokens_per_replica")
+    if kv:
+        line += f"; KV for {kv:,} tokens a replica, {kv * replicas:,} in the fleet"
+        work = shape.get("working_set_tokens")
+        if work is not None:
+            line += (
+                f"; the {shape['documents_asked']} documents asked about hold {work:,} tokens, "
+                f"{work / kv:.2f}× one replica's KV and {work / (kv * replicas):.2f}× the fleet's"
+            )
+    return line + "."
+
+
 def _needed(found: dict[str, Any] | None, replicas: int) -> str:
     if found is None:
         return ""
@@ -806,12 +964,12 @@ def _needed(found: dict[str, Any] | None, replicas: int) -> str:
 
 
 def _goals(table: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
-    """The full policy against each other contender: ratios of the medians above."""
+    """`full` (router-serve as shipped) against each other contender: ratios of the medians above."""
     full = table.get("full")
     if not full:
         return []
     out = [
-        "| full policy against | KV hit, full ÷ other | multi-turn mean, full vs other "
+        "| as shipped (full) against | KV hit, full ÷ other | multi-turn mean, full vs other "
         "| multi-turn P99, other ÷ full | load CV, full / other |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -941,17 +1099,30 @@ def add_parser(sub: Any) -> None:
         "--workloads",
         default=None,
         metavar="A,B,...",
-        help="sessions, mooncake-conversation, mooncake-synthetic (default: sessions, and the traces with --trace-dir)",
+        help=f"{WORKLOAD_NAMES} (default: sessions, and the traces with --trace-dir); "
+        "sessions and sessions-keyless mean one workload per --rate",
     )
     p.add_argument(
         "--rate",
         default="4,16",
         metavar="R[,R...]",
-        help="sessions: new sessions per engine second; each rate is a workload, sessions@R (default 4,16)",
+        help="sessions, sessions-keyless: new sessions per engine second; each rate is a workload, sessions@R "
+        "(default 4,16)",
     )
     p.add_argument("--turns", default="3-8", metavar="MIN-MAX", help="sessions: turns per session (default 3-8)")
-    p.add_argument("--think", type=float, default=8.0, help="sessions: mean think time, engine s (default 8)")
-    p.add_argument("--duration", type=float, default=120.0, help="sessions: engine seconds of arrivals (default 120)")
+    p.add_argument("--think", type=float, default=8.0, help="sessions, longdoc: mean think time, engine s (default 8)")
+    p.add_argument(
+        "--duration", type=float, default=120.0, help="sessions, longdoc: engine seconds of arrivals (default 120)"
+    )
+    p.add_argument("--doc-rate", type=float, default=0.5, help="longdoc: new sessions per engine second (default 0.5)")
+    p.add_argument("--docs", type=int, default=24, help="longdoc: documents (default 24)")
+    p.add_argument(
+        "--doc-tokens",
+        default="6000-12000",
+        metavar="MIN-MAX",
+        help="longdoc: tokens per document (default 6000-12000)",
+    )
+    p.add_argument("--doc-turns", default="3-6", metavar="MIN-MAX", help="longdoc: questions per session (default 3-6)")
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the Mooncake trace files are")
     p.add_argument(
         "--trace-window", type=float, default=600.0, metavar="S", help="trace seconds replayed (default 600)"
@@ -971,7 +1142,8 @@ def add_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra router-emulator argument, e.g. --emulator-arg=--num-blocks=20000; repeatable",
+        help="extra router-emulator argument, e.g. --emulator-arg=--num-blocks=20000, after the workload's "
+        "engine shape (longdoc's); repeatable",
     )
     p.add_argument(
         "--setting", action="append", default=[], metavar="NAME=VALUE", help="router-serve setting for its contenders"
@@ -992,6 +1164,18 @@ def add_parser(sub: Any) -> None:
 
 
 RESERVED_SETTINGS = ("policy", "rebalance", "warmup", "replicas", "host", "port", "state")  # set per contender
+
+
+def _range(text: str, flag: str) -> tuple[int, int]:
+    """`3-8` -> (3, 8), `5` -> (5, 5); ValueError unless 1 <= MIN <= MAX."""
+    low, sep, high = text.partition("-")
+    try:
+        span = (int(low), int(high if sep else low))
+    except ValueError:
+        raise ValueError(f"{flag} must look like 3-8 or 5, got {text!r}") from None
+    if not 1 <= span[0] <= span[1]:
+        raise ValueError(f"{flag} must be MIN-MAX with 1 <= MIN <= MAX")
+    return span
 
 
 def _names(text: str, what: str) -> list[str]:
@@ -1021,7 +1205,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--llama-arg is for --engine llama-server")
     if args.time_scale is None:
         args.time_scale = 2.0
-    for name in ("think", "duration", "trace_window", "trace_speedup", "time_scale", "sample_s"):
+    for name in ("think", "duration", "doc_rate", "trace_window", "trace_speedup", "time_scale", "sample_s"):
         value = getattr(args, name)
         if not (math.isfinite(value) and (value >= 0 if name == "think" else value > 0)):
             raise ValueError(f"--{name.replace('_', '-')} must be a {'' if name == 'think' else 'positive '}number")
@@ -1029,13 +1213,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("need 2 <= --replicas <= 1000, --rounds >= 1 and --stream-interval >= 1")
     if args.p99_target is not None and not (math.isfinite(args.p99_target) and args.p99_target > 0):
         raise ValueError("--p99-target must be a positive number")
-    low, sep, high = args.turns.partition("-")
-    try:
-        args.turns_range = (int(low), int(high if sep else low))
-    except ValueError:
-        raise ValueError(f"--turns must look like 3-8 or 5, got {args.turns!r}") from None
-    if not 1 <= args.turns_range[0] <= args.turns_range[1]:
-        raise ValueError("--turns must be MIN-MAX with 1 <= MIN <= MAX")
+    args.turns_range = _range(args.turns, "--turns")
+    args.doc_turns_range = _range(args.doc_turns, "--doc-turns")
+    args.doc_tokens_range = _range(args.doc_tokens, "--doc-tokens")
+    if not 1 <= args.docs <= 10000:
+        raise ValueError("need 1 <= --docs <= 10000")
     names = _names(args.contenders, "--contenders") if args.contenders else [n for n in CONTENDERS if available(n)]
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
@@ -1057,18 +1239,20 @@ def check_args(args: argparse.Namespace) -> None:
     )
     workloads = []
     for w in asked:
-        if w == "sessions":
-            workloads += [f"sessions@{r:g}" for r in args.rate]
+        if w in ("sessions", "sessions-keyless"):
+            workloads += [f"{w}@{r:g}" for r in args.rate]
             continue
-        if w not in TRACES:
-            raise ValueError(f"unknown workload {w!r}; choose from sessions, {', '.join(TRACES)}")
-        if not args.trace_dir:
-            raise ValueError(f"workload {w} needs --trace-dir")
-        path = Path(args.trace_dir) / TRACES[w]
-        if not path.is_file():
-            raise ValueError(f"no trace file {path}")
+        kind = Workload.parse(w).kind  # ValueError if unknown
+        if kind == "longdoc" and args.engine != "emulator":
+            raise ValueError(f"workload {w} needs --engine emulator (its engine shape is an emulator's)")
+        if kind == "trace":
+            if not args.trace_dir:
+                raise ValueError(f"workload {w} needs --trace-dir")
+            path = Path(args.trace_dir) / TRACES[w]
+            if not path.is_file():
+                raise ValueError(f"no trace file {path}")
         workloads.append(w)
-    args.workloads = workloads
+    args.workloads = _names(",".join(workloads), "--workloads")
     if args.size_search is None:  # by default, those of round-robin and full that run
         args.size_search = [n for n in ("round-robin", "full") if n in names]
     else:

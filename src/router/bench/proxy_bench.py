@@ -4,12 +4,23 @@ Contenders, each its own process in front of one emulated replica (`router-emula
 scale 1000, so the replica answers at once): direct (no proxy), a bare aiohttp pass-through
 (the floor for any aiohttp proxy; it lives here, in the benchmark), `router-serve` with the
 affinity policy, the same with `--no-resume-streams` (what keeping streams resumable costs),
-and `sglang-router` (cache_aware) when it is installed.
+and the peer routers that are installed: `sglang-router` (cache_aware), `smg` (the Shepherd Model
+Gateway, sglang-router's successor; cache_aware) and `vllm-router` (consistent_hash).
 
 For each: CPU time of the proxy process (user + system, all threads, from /proc) per small
 non-streamed request and per forwarded SSE event, and the median time to first token of
 unloaded streamed requests over one keep-alive connection. Ratios compare medians of the same
 run. The client runs in this process; its CPU is not counted.
+
+The peers are launched here the same way for every benchmark (`PEERS`, `peer_command`; `router-bench
+fleet` and `faults` use them too): on loopback (they bind 0.0.0.0 for their API and metrics
+unless told otherwise), `HF_ENDPOINT` pointed at a closed loopback port (sglang-router tries to
+download a tokenizer from the Hugging Face hub when a worker registers; it only warns). smg is
+started as `python -m smg.launch_router`, a module of the smg package: its `smg` console script
+has the name of one sglang-router 0.3.2 installs too, so with both installed `smg` runs whichever
+package pip installed last (sglang-router's CLI when `.[test]` installs them together), and
+uninstalling either removes it. smg is also given `--shutdown-grace-period-secs 0`: it is stopped
+only once its requests are done, and otherwise it waits 5 s on every SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,12 +31,15 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,6 +50,9 @@ from aiohttp import web
 from router.bench.common import free_port
 
 SMALL = {"model": "emulated-llm", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+# the peers this benchmark runs when installed, with the policy each runs under (vllm-router's
+# cache_aware asks every worker to tokenize every request: consistent_hash is its plain policy)
+PEER_POLICIES = (("sglang", "cache_aware"), ("smg", "cache_aware"), ("vllm", "consistent_hash"))
 
 
 def add_parser(sub: Any) -> None:
@@ -51,7 +68,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ttft-samples", type=int, default=200, help="sequential TTFT probes (default 200)")
     p.add_argument("--concurrency", type=int, default=8, help="parallel clients for the CPU runs (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, contenders taking turns; medians reported (3)")
-    p.add_argument("--no-peers", action="store_true", help="leave sglang-router out even if it is installed")
+    p.add_argument(
+        "--no-peers", action="store_true", help="leave the peer routers (sglang-router, smg, vllm-router) out"
+    )
     p.add_argument(
         "--against",
         action="append",
@@ -137,6 +156,83 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# -- the peer routers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How one peer router is started: `python -m module`, or a console script where it has no module."""
+
+    package: str  # its distribution on PyPI, and its name in tables
+    module: str | None = None
+    script: str | None = None
+    launch_args: tuple[str, ...] = ()  # given at every launch, before the policy's
+
+
+PEERS = {
+    "sglang": Peer("sglang-router", module="sglang_router.launch_router"),
+    # smg's own module, never the `smg` script (sglang-router 0.3.2 installs one of that name too);
+    # without a grace period of 0 it holds its listener open for 5 s after SIGTERM, idle or not
+    "smg": Peer("smg", module="smg.launch_router", launch_args=("--shutdown-grace-period-secs", "0")),
+    "vllm": Peer("vllm-router", script="vllm-router"),
+}
+
+
+def _script(name: str) -> str | None:
+    beside = Path(sys.executable).parent / name  # this venv's, even when it is not on PATH
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def peer_installed(kind: str) -> bool:
+    peer = PEERS[kind]
+    if peer.module is not None:
+        try:
+            return importlib.util.find_spec(peer.module) is not None
+        except ModuleNotFoundError:  # its package is not installed
+            return False
+    return peer.script is not None and _script(peer.script) is not None
+
+
+def peer_command(
+    kind: str, port: int, worker_urls: Sequence[str], args: Sequence[str]
+) -> tuple[list[str], dict[str, str] | None]:
+    """The command line and extra environment of peer `kind` on loopback port `port` (its metrics on
+    another free one), in front of `worker_urls`, with its policy `args`."""
+    peer = PEERS[kind]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
+    common += ["--prometheus-port", str(free_port()), "--log-level", "error", *peer.launch_args]
+    common += ["--worker-urls", *worker_urls]
+    if peer.module is not None:
+        # a tokenizer download at worker registration stays on loopback and fails (it only warns)
+        return [sys.executable, "-m", peer.module, *common, *args], {"HF_ENDPOINT": "http://127.0.0.1:9"}
+    assert peer.script is not None
+    exe = _script(peer.script)
+    if exe is None:
+        raise RuntimeError(f"{peer.package} is not installed (pip install '.[bench]')")
+    return [exe, *common, *args], None
+
+
+async def first_answer(url: str, timeout: float = 60.0) -> None:
+    """Until a just-started router answers one completion (a peer may answer /health before its
+    workers are registered)."""
+    body = orjson.dumps(SMALL)
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+                async with s.post(
+                    url + "/v1/chat/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=5),
+                ) as r:
+                    await r.read()
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url} answered no completion within {timeout:g} s")
 
 
 # -- load --------------------------------------------------------------------------------------------
@@ -272,39 +368,18 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
             port = free_port()
             serve = [python, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend, "--state", "none"]
             contenders.append((f"router-serve (affinity, {name})", serve, None, f"http://127.0.0.1:{port}"))
-        if not args.no_peers and _has("sglang_router"):
+        for kind, policy in PEER_POLICIES:
+            if args.no_peers or not peer_installed(kind):
+                continue
             port = free_port()
-            contenders.append(
-                (
-                    "sglang-router (cache_aware)",
-                    [
-                        sys.executable,
-                        "-m",
-                        "sglang_router.launch_router",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--prometheus-host",
-                        "127.0.0.1",
-                        "--prometheus-port",
-                        str(free_port()),
-                        "--worker-urls",
-                        backend,
-                        "--policy",
-                        "cache_aware",
-                        "--log-level",
-                        "error",
-                    ],
-                    {"HF_ENDPOINT": "http://127.0.0.1:9"},
-                    f"http://127.0.0.1:{port}",
-                )
-            )
+            cmd, env = peer_command(kind, port, [backend], ["--policy", policy])
+            contenders.append((f"{PEERS[kind].package} ({policy})", cmd, env, f"http://127.0.0.1:{port}"))
         running: list[tuple[str, str, int | None]] = [("direct", backend, None)]
         for name, cmd, env, url in contenders:
             proc = spawn(cmd, env)
             procs.append(proc)
             await wait_ready(url, "/health")
+            await first_answer(url)  # its worker registered
             await small_requests(url, 200, 4)  # warm-up
             running.append((name, url, proc.pid))
         # contenders take turns, round after round, so machine noise falls on all of them alike
@@ -338,10 +413,6 @@ def _median_of(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if field != "contender":
             out[field] = statistics.median(values) if values else None
     return out
-
-
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def render(result: dict[str, Any]) -> str:

@@ -5,6 +5,11 @@ replicas directly) is judged the same way: KV hit rate from the responses' usage
 (`prompt_tokens_details.cached_tokens`), latency and time to first token from the stream,
 per-replica counts and the jump rate from the `X-Replica-Id` response header.
 
+Session keys: each request carries its session id in `X-Session-ID` (and in any other header a
+target reads it from, such as `X-SMG-Routing-Key`) and, in chat workloads, its user in the body's
+`user` field. With `--no-session-keys` it carries neither, so a router knows where a
+conversation's context is only from the prompt.
+
 Arrivals are open-loop: sessions (or trace requests) start on their schedule whether or not
 earlier ones have finished; within a session each turn waits for the previous reply plus a
 think time. Times given on the command line and reported are engine seconds: wall seconds times
@@ -21,7 +26,7 @@ import resource
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +36,12 @@ import uvloop
 
 from router.bench.common import progress_line
 from router.bench.workloads import (
+    LongDocSpec,
     SessionPlan,
     SessionsSpec,
     TraceError,
     TraceRequest,
+    generate_longdoc,
     generate_sessions,
     load_trace,
     trace_prompt,
@@ -42,7 +49,8 @@ from router.bench.workloads import (
 from router.measures import coefficient_of_variation, jump_rate, kv_hit_rate, percentile
 from router.ring import xxh3_64
 
-WORKLOADS = ("sessions", "mooncake-conversation", "mooncake-synthetic")
+WORKLOADS = ("sessions", "longdoc", "mooncake-conversation", "mooncake-synthetic")
+CHATS = ("sessions", "longdoc")  # generated multi-turn chats; the others are traces
 DRAIN_FACTOR = 3.0  # started sessions may run on until 3 x --duration
 REPLICA_HEADERS = ("X-Replica-Id", "X-Router-Replica")
 
@@ -80,7 +88,9 @@ class ReplayOptions:
     output_tokens: int | None = None  # cap on every request's max_tokens
     seed: int = 1
     spec: SessionsSpec | None = None
+    longdoc: LongDocSpec | None = None
     key_headers: tuple[str, ...] = ("X-Session-ID",)  # headers that carry the session id
+    session_keys: bool = True  # False: no key header and no `user` field at all (keyless workloads)
 
 
 class Replayer:
@@ -214,7 +224,8 @@ class Replayer:
         return body
 
     def _key_headers(self, session: str) -> dict[str, str]:
-        return {"Content-Type": "application/json"} | dict.fromkeys(self.opts.key_headers, session)
+        headers = {"Content-Type": "application/json"}
+        return headers | dict.fromkeys(self.opts.key_headers, session) if self.opts.session_keys else headers
 
     async def _session_run(self, plan: SessionPlan, deadline: float) -> None:
         scale = self.opts.time_scale
@@ -228,20 +239,23 @@ class Replayer:
                 self._cut_sessions += 1  # past the drain cap: counted, so a slow target is visible
                 return
             messages.append({"role": "user", "content": turn.user_text})
+            body: dict[str, Any] = {"messages": list(messages), "max_tokens": turn.max_tokens}
+            if self.opts.session_keys:
+                body["user"] = plan.user
             rec = await self.send(
-                plan.session_id,
-                k,
-                "/v1/chat/completions",
-                self._body({"messages": list(messages), "max_tokens": turn.max_tokens, "user": plan.user}),
-                self._key_headers(plan.session_id),
+                plan.session_id, k, "/v1/chat/completions", self._body(body), self._key_headers(plan.session_id)
             )
             if not rec.ok:
                 return  # a failed turn ends the conversation
             messages.append({"role": "assistant", "content": rec.text})
             rec.text = ""
 
+    def _plans(self) -> Iterator[SessionPlan]:
+        if self.opts.workload == "longdoc":
+            return generate_longdoc(self.opts.longdoc or LongDocSpec())
+        return generate_sessions(self.opts.spec or SessionsSpec())
+
     async def _run_sessions(self) -> None:
-        spec = self.opts.spec or SessionsSpec()
         scale = self.opts.time_scale
         duration = self.opts.duration_s if self.opts.duration_s is not None else 60.0
         start = time.perf_counter()
@@ -250,7 +264,7 @@ class Replayer:
         # the same conversations; DRAIN_FACTOR bounds the run if a target is very slow
         deadline = start + DRAIN_FACTOR * duration / scale
         tasks = []
-        for plan in generate_sessions(spec):
+        for plan in self._plans():
             if plan.start_s > duration or not self._budget_left():
                 break
             await _sleep_until(start + plan.start_s / scale)
@@ -285,7 +299,7 @@ class Replayer:
 
     async def run(self) -> dict[str, Any]:
         rows: list[TraceRequest] | None = None
-        if self.opts.workload != "sessions":
+        if self.opts.workload not in CHATS:
             if not self.opts.trace:
                 raise TraceError(f"--workload {self.opts.workload} needs --trace PATH (a Mooncake-format JSONL file)")
             rows = load_trace(self.opts.trace, self.opts.requests)
@@ -358,6 +372,7 @@ def summarize(
         "targets": list(opts.targets),
         "spread": opts.spread if len(opts.targets) > 1 else "single",
         "time_scale": opts.time_scale,
+        "session_keys": opts.session_keys,
         "requests": len(records),
         "ok": len(ok),
         "errors": dict(errors),
@@ -414,13 +429,20 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="stop starting sessions/requests after S engine seconds (sessions default 60)",
+        help="stop starting sessions/requests after S engine seconds (sessions, longdoc: default 60)",
     )
     p.add_argument("--requests", type=int, default=None, metavar="N", help="send at most N requests")
-    p.add_argument("--rate", type=float, default=None, help="sessions workload: new sessions per engine second")
-    p.add_argument("--turns", default=None, metavar="MIN-MAX", help="sessions workload: turns per session (3-8)")
-    p.add_argument("--think", type=float, default=None, metavar="S", help="sessions workload: mean think time")
+    p.add_argument(
+        "--rate", type=float, default=None, help="sessions, longdoc: new sessions per engine second (2, 0.5)"
+    )
+    p.add_argument("--turns", default=None, metavar="MIN-MAX", help="sessions, longdoc: turns per session (3-8, 3-6)")
+    p.add_argument("--think", type=float, default=None, metavar="S", help="sessions, longdoc: mean think time (8)")
     p.add_argument("--users", type=int, default=None, help="sessions workload: number of users (200)")
+    p.add_argument(
+        "--no-session-keys",
+        action="store_true",
+        help="send no session key: no X-Session-ID header, no user field (the prompt is all a router sees)",
+    )
     p.add_argument("--speedup", type=float, default=1.0, help="trace workloads: compress the trace's clock by this")
     p.add_argument(
         "--concurrency",
@@ -462,19 +484,20 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         "users",
     ):
         positive("--" + name.replace("_", "-"), getattr(args, name))
-    spec_changes: dict[str, Any] = {"seed": args.seed}
+    chat_changes: dict[str, Any] = {"seed": args.seed}  # what sessions and longdoc share
     if args.turns is not None:
         lo, sep, hi = args.turns.partition("-")
         try:
-            spec_changes["turns_min"], spec_changes["turns_max"] = int(lo), int(hi if sep else lo)
+            chat_changes["turns_min"], chat_changes["turns_max"] = int(lo), int(hi if sep else lo)
         except ValueError:
             raise ValueError(f"--turns must look like 3-8 or 5, got {args.turns!r}") from None
     if args.think is not None:
-        spec_changes["think_s"] = args.think
+        chat_changes["think_s"] = args.think
+    if args.rate is not None:
+        chat_changes["rate"] = args.rate
+    spec_changes = dict(chat_changes)
     if args.users is not None:
         spec_changes["users"] = args.users
-    if args.rate is not None:
-        spec_changes["rate"] = args.rate
     for url in args.target:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--target must be an http(s) URL, got {url!r}")
@@ -494,6 +517,8 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         output_tokens=args.output_tokens,
         seed=args.seed,
         spec=SessionsSpec(**spec_changes),
+        longdoc=LongDocSpec(**chat_changes),
+        session_keys=not args.no_session_keys,
     )
 
 

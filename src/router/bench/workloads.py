@@ -1,10 +1,24 @@
-"""Workloads that `router-bench replay` sends: synthetic multi-turn chats and Mooncake traces.
+"""Workloads that `router-bench replay` sends: synthetic multi-turn chats, long-document question
+answering, and Mooncake traces.
 
 `sessions`: chat sessions arrive as a Poisson process. Each belongs to a user drawn from a Zipf
 law (a few users start most sessions), opens with one of a few shared system prompts and a
 longer first message, then alternates replies and new user messages; every turn resends the
 whole history, so a replica that served the previous turn holds most of the prompt in its KV
 cache. Think time between turns is exponential.
+
+`longdoc`: question answering over a few dozen long documents (by default 24 of 6,000–12,000
+tokens). Sessions arrive as a Poisson process; each picks a document by a Zipf law of popularity,
+so several sessions share one (the popular ones, most). A session opens with [the shared system
+prompt, user: the document and a first question] and goes on for 3–6 turns in all: questions of
+15–60 tokens, replies of 50–200, the whole history resent each turn. So the reuse
+that matters crosses sessions: the system prompt and the document are the same prefix for every
+session about it, and only the prompt says which document that is. With the defaults the
+documents hold about 215,000 tokens: more than one long-context replica's KV cache, less than a
+fleet's. Example: a session asks about a document of 8,211 tokens; its first prompt is about
+8,570 tokens, of which the 8,500 or so of system prompt and document are cached on any replica
+that served a session about the same document before (and still holds it); its third turn
+resends those plus two questions and two replies.
 
 Traces (`mooncake-conversation`, `mooncake-synthetic`): one JSON object per line with
 `timestamp` (ms), `input_length`, `output_length` and `hash_ids`, the prompt's 512-token blocks
@@ -58,6 +72,31 @@ class SessionsSpec:
             raise ValueError("think time must be >= 0, users and system prompts >= 1")
 
 
+@dataclass(frozen=True)
+class LongDocSpec:
+    rate: float = 0.5  # new sessions per engine second
+    documents: int = 24
+    doc_tokens: tuple[int, int] = (6000, 12000)
+    turns_min: int = 3  # the opening question included
+    turns_max: int = 6
+    think_s: float = 8.0  # mean think time between turns, engine seconds
+    system_tokens: int = 300
+    question_tokens: tuple[int, int] = (15, 60)
+    reply_tokens: tuple[int, int] = (50, 200)  # max_tokens of each turn
+    zipf_s: float = 1.0  # document popularity
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError("session rate must be positive")
+        if not 1 <= self.turns_min <= self.turns_max:
+            raise ValueError("turns must satisfy 1 <= min <= max")
+        if self.documents < 1 or not 1 <= self.doc_tokens[0] <= self.doc_tokens[1]:
+            raise ValueError("need at least one document and document tokens 1 <= min <= max")
+        if self.think_s < 0:
+            raise ValueError("think time must be >= 0")
+
+
 @dataclass
 class Turn:
     user_text: str
@@ -72,6 +111,7 @@ class SessionPlan:
     start_s: float  # engine seconds since the replay began
     system: str
     turns: list[Turn] = field(default_factory=list)
+    document: int | None = None  # longdoc: the index of the document the session asks about
 
 
 def _words(rng: random.Random, tokens: int) -> str:
@@ -109,6 +149,41 @@ def generate_sessions(spec: SessionsSpec) -> Iterator[SessionPlan]:
             start_s=t,
             system=systems[rng.randrange(len(systems))],
             turns=turns,
+        )
+
+
+def longdoc_documents(spec: LongDocSpec) -> list[str]:
+    """The documents of a longdoc workload, the same for every rate (their own random stream):
+    each exactly its number of emulator tokens, drawn uniformly from `doc_tokens`."""
+    rng = random.Random(f"longdoc-documents-{spec.seed}")
+    return [_words(rng, rng.randint(*spec.doc_tokens)) for _ in range(spec.documents)]
+
+
+def generate_longdoc(spec: LongDocSpec) -> Iterator[SessionPlan]:
+    """An endless stream of document question-answering sessions in arrival order; the caller stops it."""
+    documents = longdoc_documents(spec)
+    rng = random.Random(spec.seed)
+    system = "Answer questions about the document the user gives. " + _words(rng, spec.system_tokens)
+    weights = [1 / (k**spec.zipf_s) for k in range(1, spec.documents + 1)]
+    popularity = list(range(spec.documents))
+    rng.shuffle(popularity)  # the most read document is not always the first
+    t, n = 0.0, 0
+    while True:
+        n += 1
+        t += rng.expovariate(spec.rate)
+        doc = rng.choices(popularity, weights)[0]
+        turns = []
+        for k in range(rng.randint(spec.turns_min, spec.turns_max)):
+            question = _words(rng, rng.randint(*spec.question_tokens))
+            turns.append(
+                Turn(
+                    user_text=documents[doc] + "\n\nQuestion: " + question if k == 0 else question,
+                    max_tokens=rng.randint(*spec.reply_tokens),
+                    think_s=0.0 if k == 0 else rng.expovariate(1 / spec.think_s) if spec.think_s > 0 else 0.0,
+                )
+            )
+        yield SessionPlan(
+            session_id=f"longdoc-s{n}", user=f"reader-{n}", start_s=t, system=system, turns=turns, document=doc
         )
 
 
