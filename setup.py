@@ -1,7 +1,7 @@
-"""Builds the compiled ring core `_ring` and ships its cimport contract beside it.
+"""Builds the compiled cores `_ring` and `_prefix` and ships their cimport contracts beside them.
 
-A failed compile fails the build. ROUTER_NO_EXTENSIONS=1 skips the extension on purpose:
-the package then runs on the pure-Python twin (router/_ring_py.py).
+A failed compile fails the build. ROUTER_NO_EXTENSIONS=1 skips the extensions on purpose:
+the package then runs on the pure-Python twins (router/_ring_py.py, router/_prefix_py.py).
 """
 
 import os
@@ -11,8 +11,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 NO_EXTENSIONS = os.environ.get("ROUTER_NO_EXTENSIONS", "").strip().lower() not in ("", "0", "false", "no")
-# Shipped at the top level next to `_ring`, so `cimport _ring` and type checkers find them.
-CONTRACT_FILES = ("src/_ring.pxd", "src/_ring.pyi")
+# Shipped at the top level next to the modules, so `cimport _ring`, `cimport _prefix` and type
+# checkers find them (`_prefix` cimports `_ring`).
+CONTRACT_FILES = ("src/_ring.pxd", "src/_ring.pyi", "src/_prefix.pxd", "src/_prefix.pyi")
 
 
 class BuildPyWithContract(build_py):
@@ -25,14 +26,10 @@ class BuildPyWithContract(build_py):
 def extensions() -> list:
     if NO_EXTENSIONS:
         return []
-    from Cython.Build import cythonize
+    from Cython.Build import cythonize  # noqa: PLC0415 -- needed only when building the extensions
 
-    ring = Extension(
-        "_ring",
-        ["src/_ring.pyx"],
-        extra_compile_args=["-O3"],
-    )
-    return cythonize([ring], compiler_directives={"language_level": "3"})
+    modules = [Extension(name, [f"src/{name}.pyx"], extra_compile_args=["-O3"]) for name in ("_ring", "_prefix")]
+    return cythonize(modules, include_path=["src"], compiler_directives={"language_level": "3"})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithContract})

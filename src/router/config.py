@@ -39,7 +39,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     replicas: tuple[ReplicaSpec, ...] = ()
-    policy: str = "affinity"
+    policy: str = "ttft"
     # ring
     vnodes: int = 128
     hash_seed: int = 0
@@ -49,7 +49,22 @@ class RouterConfig:
     # engine does not say (llama-server's slots and the emulator's max_num_seqs are read from it)
     replica_capacity: tuple[str, ...] = ()
     capacity_caps: bool = True  # bounded-load caps respect capacities; off: capacity-blind, as before
-    # affinity
+    # ttft: placement by predicted time to first token (router.placement, router.policy.ttft)
+    prefix_block_bytes: int = 64  # the prefix index's block: 64 bytes of prompt, about 16 tokens
+    # REPLICA_ID=TOKENS (or *=TOKENS): KV-cache size where the engine does not say (vLLM and SGLang do)
+    kv_capacity_tokens: tuple[str, ...] = ()
+    prefill_tokens_per_s: float = 10_000.0  # a replica's prefill speed until its answers show it
+    ttft_decode_s: float = 0.002  # time to first token added by each request in flight there
+    # the prefill's own time counts once more for each request in flight there (each is delayed by it)
+    ttft_interference: float = 1.0
+    # a new conversation on a replica with recent traffic past the fleet's mean costs as if this many
+    # more tokens were computed there, per (recent - mean) / (mean + 4) (router.placement)
+    ttft_spread_tokens: float = 2000.0
+    ttft_gate_c: float = 1.5  # never a replica past max(ceil(c x (in flight + 1) / replicas), floor)
+    ttft_stay_share: float = 1.0  # the conversation's replica keeps it unless another costs < 1 / (1 + this) of it
+    ttft_tie_s: float = 0.001  # costs this close are equal (the least full, then the ring, break the tie)
+    ttft_tie_share: float = 0.1  # ... or this close as a share of the cheapest
+    # affinity (and ttft: the sessions' table)
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000
     # routing keys
@@ -124,7 +139,7 @@ class RouterConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
 HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-POLICIES = ("affinity", "consistent_hash", "round_robin", "least_load")
+POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load")
 
 
 def parse_replica(text: str) -> ReplicaSpec:
@@ -229,6 +244,19 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("hash_seed", "must be in [0, 2**64)")
     if not (math.isfinite(cfg.bounded_load_c) and cfg.bounded_load_c >= 1):
         raise bad("bounded_load_c", "must be a finite number >= 1")
+    if not (math.isfinite(cfg.ttft_gate_c) and cfg.ttft_gate_c >= 1):
+        raise bad("ttft_gate_c", "must be a finite number >= 1")
+    if not 16 <= cfg.prefix_block_bytes <= 240:
+        # XXH3 hashes inputs up to 240 bytes without a derived secret: the chain stays cheap
+        raise bad("prefix_block_bytes", "must be in 16..240 bytes")
+    if not (math.isfinite(cfg.prefill_tokens_per_s) and cfg.prefill_tokens_per_s > 0):
+        raise bad("prefill_tokens_per_s", "must be a positive number of tokens per second")
+    for name in ("ttft_decode_s", "ttft_tie_s", "ttft_spread_tokens", "ttft_interference", "ttft_stay_share"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise bad(name, "must be a number >= 0")
+    if not 0 <= cfg.ttft_tie_share < 1:
+        raise bad("ttft_tie_share", "must be a share in [0, 1)")
     for name in (
         "sticky_ttl_s",
         "connect_timeout_s",
@@ -293,6 +321,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         replica_capacities(cfg)
     except ValueError as exc:
         raise bad("replica_capacity", str(exc)) from None
+    try:
+        kv_capacities(cfg)
+    except ValueError as exc:
+        raise bad("kv_capacity_tokens", str(exc)) from None
     known = {r.id for r in cfg.replicas}
     for entry in cfg.agents:
         rid, sep, url = entry.partition("=")
@@ -340,8 +372,17 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
 
 def replica_capacities(cfg: RouterConfig) -> dict[str, int]:
     """`replica_capacity` as {replica id or "*": requests it runs at once}."""
+    return _per_replica(cfg.replica_capacity)
+
+
+def kv_capacities(cfg: RouterConfig) -> dict[str, int]:
+    """`kv_capacity_tokens` as {replica id or "*": tokens its KV cache holds}."""
+    return _per_replica(cfg.kv_capacity_tokens)
+
+
+def _per_replica(entries: tuple[str, ...]) -> dict[str, int]:
     out: dict[str, int] = {}
-    for entry in cfg.replica_capacity:
+    for entry in entries:
         rid, sep, text = entry.rpartition("=")
         rid = rid.strip()
         try:

@@ -117,6 +117,7 @@ class Fleet:
             for i, s in enumerate(specs)
         ]
         self._by_id = {r.id: r for r in self.replicas}
+        self.version = 0  # bumped by every add and remove: positions may have moved
         self.by_slot: dict[int, ReplicaState] = {}  # with worker processes: shared-table slot -> replica
         self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
         self.loads = array("q", [0] * len(self.replicas))
@@ -237,6 +238,7 @@ class Fleet:
         self._by_id[replica.id] = replica
         self.loads.append(0)
         self._known_capacities += replica.capacity is not None
+        self.version += 1
         return moved
 
     def remove(self, replica_id: str) -> list[MovedRange]:
@@ -253,6 +255,7 @@ class Fleet:
         replica.slot = None  # a late release must not write into a slot that another replica may get
         for i, r in enumerate(self.replicas):
             r.index = i
+        self.version += 1
         return moved
 
     def drain(self, replica_id: str) -> list[MovedRange]:

@@ -14,9 +14,10 @@ fall through to the next source. Nothing here raises on client input.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from router.prompt import Prompt
 from router.ring import xxh3_64
 
 KINDS = ("header", "body", "prefix", "none")
@@ -29,6 +30,7 @@ class RoutingKey:
     key: bytes
     kind: str  # one of KINDS: a metric label
     source: str  # the header or field it came from, for /admin/route and logs
+    prompt: Prompt | None = field(default=None, compare=False)  # its blocks, for policies that read them
 
 
 NO_KEY = RoutingKey(b"", "none", "")

@@ -44,13 +44,44 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Cached prompt tokens reported by replicas (usage.prompt_tokens_details.cached_tokens).",
         ("replica",),
     ),
+    "router_prefix_prompt_tokens": (
+        "counter",
+        "Prompt tokens of the requests the ttft policy predicted a cached prefix for and whose answer reported "
+        "usage (the denominator of the predicted and the reported hit rate).",
+        ("replica",),
+    ),
+    "router_prefix_predicted_tokens": (
+        "counter",
+        "Cached prompt tokens the prefix index predicted for those requests (predicted hit rate = this / "
+        "router_prefix_prompt_tokens).",
+        ("replica",),
+    ),
+    "router_prefix_reported_tokens": (
+        "counter",
+        "Cached prompt tokens the replicas reported for those requests (reported hit rate = this / "
+        "router_prefix_prompt_tokens).",
+        ("replica",),
+    ),
+    "router_prefix_error_tokens": (
+        "counter",
+        "|predicted - reported| cached tokens of those requests (prediction error = this / "
+        "router_prefix_prompt_tokens).",
+        ("replica",),
+    ),
+    "router_prefix_index_blocks": (
+        "gauge",
+        "Blocks the prefix index says each replica holds (each block is prefix_block_bytes of prompt).",
+        ("replica",),
+    ),
     "router_session_followups": ("counter", "Requests of a session seen before (the jump rate's denominator).", ()),
     "router_session_jumps": (
         "counter",
         "Requests served by a different replica than their session's previous one, by reason: spill "
         "(load cap), failover (retry), health (previous replica removed), drain, membership (previous "
         "replica left), migration (overheat rebalancing), scale_out, ring (owner changed, "
-        "consistent_hash), round_robin, least_load.",
+        "consistent_hash), round_robin, least_load, cost (ttft: another replica's first token was predicted "
+        "sooner, its recompute counted), prefix (ttft: a keyless conversation went where the index saw more "
+        "of it).",
         ("reason",),
     ),
     "router_retries": (
@@ -197,6 +228,11 @@ class RouterMetrics:
         self.prompt_tokens = made["router_prompt_tokens"]
         self.cached_tokens = made["router_cached_tokens"]
         self.followups = made["router_session_followups"]
+        self.prefix_prompt_tokens = made["router_prefix_prompt_tokens"]
+        self.prefix_predicted_tokens = made["router_prefix_predicted_tokens"]
+        self.prefix_reported_tokens = made["router_prefix_reported_tokens"]
+        self.prefix_error_tokens = made["router_prefix_error_tokens"]
+        self.prefix_index_blocks = made["router_prefix_index_blocks"]
         self.jumps = made["router_session_jumps"]
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
@@ -224,13 +260,20 @@ class RouterMetrics:
 
     def forget_replica(self, replica: str) -> None:
         """A replica left: its gauges go (counters keep their history)."""
-        gauges = (self.inflight, self.score, self.routable, self.state_changes, self.replica_load, self.state)
-        gauges_ids = {id(g) for g in (*gauges, self.health_input)}
+        gauges = (  # labelled by replica alone
+            self.inflight,
+            self.score,
+            self.routable,
+            self.state_changes,
+            self.replica_load,
+            self.prefix_index_blocks,
+        )
+        gauges_ids = {id(g) for g in (*gauges, self.state, self.health_input)}
         for key in [k for k in self._children if k[0] in gauges_ids and len(k) > 1 and k[1] == replica]:
             del self._children[key]  # a replica re-added under this id gets live children again
         if self.in_files:
             return
-        for gauge in (self.inflight, self.score, self.routable, self.state_changes, self.replica_load):
+        for gauge in gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
         for state in STATES:

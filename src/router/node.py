@@ -39,7 +39,7 @@ from router.health.states import Hysteresis
 from router.membership import Membership
 from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
 from router.policy import make_policy
-from router.redis_state import RedisSessions, RedisState
+from router.redis_state import RedisPlacements, RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.routing import Routing, SessionDirectory
 from router.sessions import LinkDown, SessionTable, SessionView
@@ -112,7 +112,14 @@ class Node:
                 self.shared_sessions = SharedSessions(table, worker, fleet, config.sticky_ttl_s)
         self.redis: RedisState | None = None
         self.redis_sessions: RedisSessions | None = None  # where sessions are looked up and written in Redis
-        if config.state.startswith(("redis://", "rediss://")):
+        # ttft: prompts placed by this process and by the other routers (and workers) on one Redis
+        self.placements: RedisPlacements | None = None
+        placement = self.policy.placement
+        redis = config.state.startswith(("redis://", "rediss://"))
+        if redis and placement is not None and (worker is not None or config.workers <= 1):
+            self.placements = RedisPlacements(config.state, config.state_namespace, placement.learned)
+            placement.share = self.placements.placed
+        if redis:
             if worker is None:
                 self.redis = RedisState(config.state, config.state_namespace, self.membership, config)
                 self.redis_sessions = self.redis.sessions
@@ -134,6 +141,8 @@ class Node:
             leader=lambda: self.redis is None or self.redis.leader,
             peers=self.redis_sessions if worker is None else None,
             share=max(config.workers, 1) if worker is not None else 1,
+            warmed=self.policy.placement.warmed if self.policy.placement is not None else None,
+            by_ring=self.policy.placement is None,
         )
         self.membership.mover = self.balancer
         if lone:
@@ -249,9 +258,14 @@ class Node:
         """The node's background work, for `cleanup_ctx` after `client_context` (which the
         routes' own contexts may need): a worker's line to the control process, or the control
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
-        if self.follower is not None and not control_only:
-            return [self._follower_ctx]
         contexts: list[Context] = []
+        if self.follower is not None and not control_only:
+            contexts.append(self._follower_ctx)
+            if self.placements is not None:
+                contexts.append(self._placements_ctx)
+            return contexts
+        if self.placements is not None and not control_only:
+            contexts.append(self._placements_ctx)
         if self.config.health_checks:
             contexts.append(self._monitor_ctx)
         contexts.append(self._balance_ctx)
@@ -340,6 +354,13 @@ class Node:
         await self.redis.start()
         yield
         await self.redis.close()
+
+    async def _placements_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.placements is not None
+        task = asyncio.create_task(self.placements.run(), name="shared placements")
+        yield
+        await self._run(task)
+        await self.placements.close()
 
     async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.discovery is not None

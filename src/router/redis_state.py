@@ -15,6 +15,10 @@ Keys, under `kvar:<state_namespace>:`
   moves, so N routers never make N conflicting moves);
 - `s:<hex of the session key>`: the replica that served the session last and when (unix ms,
   after a NUL byte), expiring after `sticky_ttl_s`; of two records of a session, the newer wins.
+- the channel `placements` (under `ttft`): each prompt an instance placed that added blocks to
+  its prefix index, as `instance NUL replica NUL block keys` (8 bytes each, little-endian, at most
+  MAX_SHARED_BLOCKS): the other instances put those blocks into their own index for that replica,
+  so routers on one Redis send a new reader of a document where another router sent the first.
 
 An instance applies its own changes locally at once and writes them to Redis; it follows the
 others' changes when `changes` announces them and, as a fallback, when it sees `version` move
@@ -33,7 +37,11 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
+from array import array
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -50,6 +58,8 @@ LOOKUP_TIMEOUT_S = 0.05
 LEASE_S = 3
 CLOSE_TIMEOUT_S = 2.0
 MAX_PENDING_SESSIONS = 200_000  # session writes kept while Redis is away, at most
+MAX_PENDING_PLACEMENTS = 1024  # placements waiting to be told; older ones are dropped (the index is a guess)
+MAX_SHARED_BLOCKS = 8192  # blocks of one placement told at most (64 KiB; 512k bytes of prompt)
 
 
 class RedisState:
@@ -350,3 +360,76 @@ class RedisSessions:
             for key, entry in batch.items():  # keep them for the next flush (newer writes win)
                 self._pending.setdefault(key, entry)
             raise
+
+
+class RedisPlacements:
+    """Placements of new prefixes, told to the other routers on one Redis and learnt from them.
+
+    `placed(replica, chain)` queues what this router's prefix index just learnt; every FLUSH_S the
+    queue is published on `placements` in one pipeline. Messages from other instances go to
+    `learn(replica, chain)`. Best effort by design: the index is a prediction that the replicas'
+    own reports correct, so a placement lost while Redis is away costs a guess, never a request.
+    """
+
+    def __init__(self, url: str, namespace: str, learn: Callable[[str, array[int]], None]) -> None:
+        # its own connection: a subscribed connection can do nothing else
+        self.redis = aioredis.from_url(url, socket_timeout=None, socket_connect_timeout=0.5)
+        self.channel = f"kvar:{namespace}:placements"
+        self.learn = learn
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}".encode()
+        self._pending: deque[bytes] = deque(maxlen=MAX_PENDING_PLACEMENTS)
+        self.told = 0
+        self.learnt = 0
+
+    def placed(self, replica: str, chain: array[int]) -> None:
+        keys = chain[:MAX_SHARED_BLOCKS]
+        if sys.byteorder != "little":
+            keys = array("Q", keys)
+            keys.byteswap()
+        self._pending.append(b"%s\0%s\0%s" % (self.instance, replica.encode(), keys.tobytes()))
+
+    def received(self, message: bytes) -> None:
+        """One message from the channel: learnt unless it is this instance's own, or malformed."""
+        instance, _, rest = message.partition(b"\0")
+        replica, sep, keys = rest.partition(b"\0")
+        if instance == self.instance or not sep or not keys or len(keys) % 8:
+            return
+        chain = array("Q", keys)
+        if sys.byteorder != "little":
+            chain.byteswap()
+        self.learnt += 1
+        self.learn(replica.decode("utf-8", "replace"), chain)
+
+    async def run(self) -> None:
+        await asyncio.gather(self._tell(), self._listen())
+
+    async def _tell(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            if not self._pending:
+                continue
+            batch = list(self._pending)
+            self._pending.clear()
+            pipe = self.redis.pipeline(transaction=False)
+            for message in batch:
+                pipe.publish(self.channel, message)
+            try:
+                await pipe.execute()
+                self.told += len(batch)
+            except (RedisError, OSError):
+                await asyncio.sleep(POLL_S)  # dropped: Redis is away, and these were guesses
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message" and isinstance(message.get("data"), bytes):
+                            self.received(message["data"])
+            except (RedisError, OSError):
+                await asyncio.sleep(POLL_S)
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)

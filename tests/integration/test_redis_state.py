@@ -236,3 +236,36 @@ async def test_routers_agree_at_once_after_a_restart(start_fleet, redis_server) 
     finally:
         for router in routers:
             await router.stop()
+
+
+async def test_routers_on_one_redis_share_where_they_placed_new_prefixes(
+    start_fleet, start_router, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(4)
+    named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
+    settings = {"state": redis_server.url, "health_checks": "false"}
+    a, url_a = await start_router(named, **settings)
+    b, url_b = await start_router(named, **settings)
+    await wait_for(lambda: a.redis.online and b.redis.online)
+    system = {"role": "system", "content": "Answer from the document. " * 8}
+    documents = [f"Document {i}: " + f"paragraph {i} of a long report. " * 300 for i in range(6)]
+    placed = {}
+    async with aiohttp.ClientSession() as http:
+
+        async def ask(url: str, doc: str, question: str) -> tuple[str, float]:
+            body = {"max_tokens": 4, "messages": [system, {"role": "user", "content": doc + question}]}
+            async with http.post(url + "/v1/chat/completions", json=body) as r:  # no session key at all
+                reply = await r.json()
+                usage = reply["usage"]
+                return r.headers["X-Router-Replica"], usage["prompt_tokens_details"]["cached_tokens"] / usage[
+                    "prompt_tokens"
+                ]
+
+        for doc in documents:  # the first reader of each document comes through router A
+            placed[doc], _ = await ask(url_a, doc, "\nWhat is it about?")
+        # B learns A's placements from Redis, never having routed a request
+        await wait_for(lambda: b.placements is not None and b.placements.learnt >= len(documents))
+        for doc in documents:  # a second reader of each comes through B: it goes where A put the document
+            replica, hit = await ask(url_b, doc, "\nAnd who wrote it?")
+            assert replica == placed[doc] and hit > 0.9
+    assert a.placements is not None and a.placements.told >= len(documents)

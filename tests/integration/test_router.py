@@ -267,7 +267,7 @@ async def test_client_disconnect_cancels_the_upstream_request(start_fleet, start
         await asyncio.sleep(0.02)
     assert engine.aborted_total == 1 and not engine.has_work()
     assert router.fleet.replicas[0].inflight == 0
-    assert router.metrics.requests.labels("emu-0", "affinity", "prefix", "499")._value.get() == 1
+    assert router.metrics.requests.labels("emu-0", "ttft", "prefix", "499")._value.get() == 1
 
 
 async def test_limits_and_bad_bodies_get_openai_errors(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
@@ -345,7 +345,7 @@ async def test_health_models_and_metrics(start_fleet, start_router) -> None:  # 
         "router_session_followups_total",
     ):
         assert name in text
-    assert 'key_kind="header"' in text and 'policy="affinity"' in text
+    assert 'key_kind="header"' in text and 'policy="ttft"' in text
     assert "router_session_followups_total 3.0" in text
     for r in list(router.fleet.replicas):
         router.fleet.drain(r.id)
@@ -369,7 +369,8 @@ async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) 
         (200, "emu-0", "header"),
         (400, None, "none"),
     ]
-    assert lines[0]["reason"] == "ring" and lines[0]["attempts"] == 1 and lines[0]["e2e_ms"] > 0
+    # one replica, nothing cached yet: placed by its cost (under ttft, the default)
+    assert lines[0]["reason"] == "cost" and lines[0]["attempts"] == 1 and lines[0]["e2e_ms"] > 0
 
 
 def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
@@ -388,7 +389,7 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
         threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
         # bounded: a wedged start fails the test instead of hanging the suite
         head = [lines.get(timeout=30) for _ in range(4)]
-        assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (affinity, 2 replicas)")
+        assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (ttft, 2 replicas)")
         assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2]
         more = [lines.get(timeout=5) for _ in range(3)]
         assert f"console:         http://127.0.0.1:{port}/console" in "".join(head + more)

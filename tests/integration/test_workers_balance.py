@@ -2,7 +2,8 @@
 
 Scale-out, drain and overheat migration warm and move sessions served by either worker; the
 moves, warm-ups and jumps show in any worker's /metrics; a restart brings the workers' sessions
-back from the state file.
+back from the state file. Sessions are placed by the ring (`--policy affinity`) here: where
+each lands, which vnode it is on, what overheats, is then known in advance.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ async def until(url: str, name: str, at_least: float, timeout: float = 15.0) -> 
 
 async def test_scale_out_and_drain_move_what_both_workers_served(start_fleet, serve_workers) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(4)
-    served = await serve_workers(named(fleet)[:3], "--no-health-checks", "--recovery-ramp-s", "0.5")
+    served = await serve_workers(
+        named(fleet)[:3], "--policy", "affinity", "--no-health-checks", "--recovery-ramp-s", "0.5"
+    )
     url = served.url
     sessions = [f"w{i}" for i in range(60)]
     workers = set()
@@ -144,6 +147,8 @@ async def test_an_overheated_replica_hands_a_vnode_over_with_workers(start_fleet
     fleet = await start_fleet(3, time_scale=10.0)  # a 200-token reply takes about half a second
     served = await serve_workers(
         named(fleet),
+        "--policy",
+        "affinity",
         "--no-health-checks",
         "--rebalance-threshold",
         "0.3",
@@ -193,7 +198,7 @@ async def test_an_overheated_replica_hands_a_vnode_over_with_workers(start_fleet
 
 async def test_a_restart_brings_back_the_workers_sessions(start_fleet, serve_workers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(3)
-    state = ["--state", f"file:{tmp_path}", "--no-health-checks"]
+    state = ["--state", f"file:{tmp_path}", "--no-health-checks", "--policy", "affinity"]
     first = await serve_workers(named(fleet), *state)
     url = first.url
     port = int(url.rsplit(":", 1)[1])

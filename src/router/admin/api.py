@@ -19,9 +19,11 @@ from aiohttp import web
 from router.config import parse_replica
 from router.errors import error_response
 from router.fleet import ReplicaState
-from router.keys import RoutingKey, bounded_key
+from router.keys import RoutingKey, bounded_key, routing_key
 from router.membership import Clash, NoRoom
 from router.node import Node
+from router.policy.ttft import Ttft
+from router.prompt import prompt_of
 
 
 def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool = False) -> None:
@@ -38,6 +40,7 @@ def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool
     app.router.add_delete("/admin/overrides/{origin}/{vnode}", api.guard(replicas or api.clear_override))
     if not replica_routes_only:
         app.router.add_get("/admin/route", api.guard(api.explain_route))
+        app.router.add_post("/admin/route", api.guard(api.explain_request))
         app.router.add_get("/admin/ring", api.guard(api.ring_shares))
 
 
@@ -252,6 +255,58 @@ class AdminApi:
                 "worker": node.worker,
             }
         )
+
+    async def explain_request(self, request: web.Request) -> web.Response:
+        """Where a request with this body (and this request's session headers) would go, and why:
+        under `ttft`, every candidate's predicted cached tokens, wait and cost. Nothing is sent,
+        and nothing is counted in flight."""
+        node = self.node
+        cfg = node.config
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            return error_response(f"the body must be the JSON of a completion request: {exc}")
+        if not isinstance(body, dict):
+            return error_response("the body must be a JSON object: the request to explain")
+        key = routing_key(
+            request.headers,
+            body,
+            header_names=cfg.key_headers,
+            body_fields=cfg.key_body_fields,
+            prefix_chars=cfg.prefix_chars,
+            max_key_bytes=cfg.max_key_bytes,
+        )
+        policy, fleet = node.policy, node.fleet
+        last = None
+        if key.kind != "none":
+            last, _ = await node.directory.last_served(key.key, remember=False)
+        prompt = prompt_of(body, cfg.prefix_block_bytes) if isinstance(policy, Ttft) else None
+        answer: dict[str, Any] = {"policy": policy.name, "key_kind": key.kind, "key_source": key.source, "sticky": last}
+        if isinstance(policy, Ttft) and prompt is not None:
+            decision, placement = policy.decide(key, prompt, last, set())
+            candidates = placement.rows() if decision is not None else []
+            answer |= {
+                "blocks": len(prompt.chain),
+                "prompt_tokens": round(prompt.nbytes / placement.bytes_per_token),
+                "candidates": [
+                    {
+                        "replica": fleet.replicas[c.index].id,
+                        "cached_tokens": round(c.cached_tokens),
+                        "uncached_tokens": round(c.uncached_tokens),
+                        "wait_s": round(c.wait_s, 6),
+                        "cost_s": round(c.cost_s, 6),
+                        "spread_s": round(c.spread_s, 6),
+                        "gated": c.gated,
+                        "prefill_tokens_per_s": round(1 / placement.of(fleet.replicas[c.index]).seconds_per_token),
+                    }
+                    for c in sorted(candidates, key=lambda c: c.cost_s)
+                ],
+            }
+        else:
+            decision = policy.pick(key, last, set()) if policy.keyed else None
+        answer["replica"] = fleet.replicas[decision.index].id if decision else None
+        answer["reason"] = decision.reason if decision else "no replica can serve"
+        return _json(answer)
 
     async def ring_shares(self, request: web.Request) -> web.Response:
         ring = self.node.fleet.ring

@@ -57,11 +57,17 @@ class Balancer:
         leader: Callable[[], bool] = lambda: True,
         peers: PeerSessions | None = None,
         share: int = 1,
+        warmed: Callable[[ReplicaState, bytes], None] | None = None,
+        by_ring: bool = True,
     ) -> None:
         """`sessions`: where sessions are found, once they can be asked for; `upstream`: the client
         warm-ups go out on; `gather`: brings the workers' in-flight counts in; `leader`: whether
         this router is the one that rebalances; `peers`: the other routers' sessions (Redis), told
-        of moves; `share`: of the prompt store's cap, this process keeps 1/share (a worker)."""
+        of moves; `share`: of the prompt store's cap, this process keeps 1/share (a worker); `warmed`:
+        told of each request body a warm-up computed on a replica (the prefix index learns it);
+        `by_ring`: the policy places sessions by the ring, so a hot replica's traffic is its vnodes'
+        and overheat moves vnodes (under `ttft` it is not: placement by cost steers new work off a
+        hot replica, and only scale-out and drain move sessions)."""
         cfg = self.config = config
         self.fleet = fleet
         self.metrics = metrics
@@ -71,6 +77,8 @@ class Balancer:
         self._gather = gather
         self._leader = leader
         self._peers = peers
+        self._warmed = warmed
+        self.migrates = cfg.rebalance and by_ring  # overheat moves vnodes (and counts their traffic)
         # with worker processes each keeps the prompts of the requests it proxies: a share of the cap
         self.prompts = PromptStore(cfg.prompt_store_bytes // share, cfg.sticky_ttl_s)
         self.traffic = VnodeTraffic()
@@ -92,7 +100,7 @@ class Balancer:
     def served(self, key: bytes, path: str, body: bytes) -> None:
         """A keyed request was served: count its vnode's traffic, keep its prompt for warm-up."""
         ring = self.fleet.ring
-        located = ring.locate(key) if self.config.rebalance else None
+        located = ring.locate(key) if self.migrates else None
         if located is not None:
             self.traffic.record(ring.replica_ids[located[1]], located[2])
         self.prompts.put(key, path, body)
@@ -129,10 +137,10 @@ class Balancer:
         for rid in loads:
             m.child(m.replica_load, rid).set(self.rebalancer.load(rid))
         view = self._sessions()
-        if view is not None and self.config.rebalance:
+        if view is not None and self.migrates:
             for vnode, count in (await view.traffic()).items():  # what the workers counted
                 self.traffic.recent[vnode] += count
-        if view is not None and self.config.rebalance and self._leader():
+        if view is not None and self.migrates and self._leader():
             ring = fleet.ring
             overrides = ring.overrides
             present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
@@ -190,6 +198,10 @@ class Balancer:
                 if count:
                     m.child(m.warmups, outcome).inc(count)
             ready = [key for (key, _), ok in zip(chosen, result.succeeded, strict=True) if ok]
+            if self._warmed is not None:
+                for (_, (_, body)), ok in zip(chosen, result.succeeded, strict=True):
+                    if ok:
+                        self._warmed(target, body)
         else:
             ready = [key for key, _ in chosen]
         if target.index is None:

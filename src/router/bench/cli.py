@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from router.bench import balance_bench, faults, fleet, health_bench, proxy_bench, replay, ring_bench, simulate
+from router.bench import (
+    balance_bench,
+    faults,
+    fleet,
+    health_bench,
+    prefix_bench,
+    proxy_bench,
+    replay,
+    ring_bench,
+    simulate,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ring_bench.add_parser(sub)
+    prefix_bench.add_parser(sub)
     replay.add_parser(sub)
     proxy_bench.add_parser(sub)
     health_bench.add_parser(sub)

@@ -7,6 +7,9 @@ figure `/metrics` does not. From two samples it derives, per replica and for the
 - `inflight`: requests in flight at the sample;
 - `qps`: requests answered per second since the previous sample;
 - `hit`: KV hit rate, cached / prompt tokens reported by replicas, over the last `window_s`;
+- `predicted` / `reported`: for the fleet, under the `ttft` policy, the hit rate the prefix index
+  predicted and the one replicas reported, over the same requests (those it predicted for) and the
+  last `window_s`: how far the index is from the caches it models;
 - `jump`: for the fleet, jumps / follow-up requests of sessions over the last `window_s`;
 - `ttft_p99`: the 99th percentile of time to first byte over the last `window_s`, read off the
   `router_ttft_seconds` histogram's buckets (so it is a bucket's upper bound);
@@ -44,6 +47,9 @@ class Totals:
     requests: dict[str, float] = field(default_factory=dict)
     prompt: dict[str, float] = field(default_factory=dict)
     cached: dict[str, float] = field(default_factory=dict)
+    prefix_prompt: dict[str, float] = field(default_factory=dict)
+    prefix_predicted: dict[str, float] = field(default_factory=dict)
+    prefix_reported: dict[str, float] = field(default_factory=dict)
     inflight: dict[str, float] = field(default_factory=dict)
     state: dict[str, str] = field(default_factory=dict)
     followups: float = 0.0
@@ -58,6 +64,9 @@ class Totals:
 BY_LABEL = {
     "router_prompt_tokens_total": ("prompt", "replica"),
     "router_cached_tokens_total": ("cached", "replica"),
+    "router_prefix_prompt_tokens_total": ("prefix_prompt", "replica"),
+    "router_prefix_predicted_tokens_total": ("prefix_predicted", "replica"),
+    "router_prefix_reported_tokens_total": ("prefix_reported", "replica"),
     "router_inflight": ("inflight", "replica"),
     "router_session_jumps_total": ("jumps", "reason"),
     "router_sessions_moved_total": ("moved", "reason"),
@@ -164,6 +173,12 @@ class History:
                 "state": new.state.get(rid, "left"),
             }
         jumps = sum(new.jumps.values()) - sum(oldest.jumps.values())
+
+        def fleet_delta(name: str) -> float:
+            later, earlier = getattr(new, name), getattr(oldest, name)
+            return sum(_delta(later, earlier, r) for r in later)
+
+        predicted_over = fleet_delta("prefix_prompt")
         self.points.append(
             {
                 "t": round(new.at, 3),
@@ -173,6 +188,8 @@ class History:
                     sum(_delta(new.cached, oldest.cached, r) for r in new.cached),
                     sum(_delta(new.prompt, oldest.prompt, r) for r in new.prompt),
                 ),
+                "predicted": _ratio(fleet_delta("prefix_predicted"), predicted_over),
+                "reported": _ratio(fleet_delta("prefix_reported"), predicted_over),
                 "jump": _ratio(max(jumps, 0.0), new.followups - oldest.followups),
                 "replicas": replicas,
             }

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 from router.config import RouterConfig
 from router.fleet import Fleet
 from router.keys import RoutingKey
 
+if TYPE_CHECKING:
+    from router.placement import Candidate, Placement
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     index: int
-    reason: str  # sticky | ring | spill | failover | round_robin | least_load
+    reason: str  # sticky | ring | spill | failover | round_robin | least_load | prefix | cost
+    cost: Candidate | None = field(default=None, compare=False)  # ttft: the chosen replica's row
 
 
 class Policy:
     name: ClassVar[str] = ""
     keyed: ClassVar[bool] = False  # it routes by the request's key (else the key only counts jumps)
+    placement: Placement | None = None  # ttft: the prefix index and prefill queues its answers feed
 
     def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
         self.fleet = fleet

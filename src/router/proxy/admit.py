@@ -9,7 +9,7 @@ shown it.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -18,6 +18,7 @@ from aiohttp import web
 from router.config import RouterConfig
 from router.errors import error_response
 from router.keys import RoutingKey, routing_key
+from router.prompt import prompt_of
 from router.proxy.resume import SoFar, continuation
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -54,8 +55,9 @@ class Admitted:
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
 
 
-async def admit(request: web.Request, cfg: RouterConfig) -> Admitted | web.Response:
-    """The request's body and key, or the error answer it gets (431, 408, 413, 400)."""
+async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Admitted | web.Response:
+    """The request's body and key, or the error answer it gets (431, 408, 413, 400). `prompts`:
+    the key carries the prompt's blocks too (for a policy that reads them, router.prompt)."""
     # checked here rather than in a middleware: a middleware wraps every request's handler
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > cfg.max_header_bytes:
@@ -91,6 +93,10 @@ async def admit(request: web.Request, cfg: RouterConfig) -> Admitted | web.Respo
         prefix_chars=cfg.prefix_chars,
         max_key_bytes=cfg.max_key_bytes,
     )
+    if prompts and request.path in STREAMABLE:  # an embedding's input leaves no KV cache behind
+        prompt = prompt_of(body, cfg.prefix_block_bytes)
+        if prompt is not None:
+            key = replace(key, prompt=prompt)
     streamed = request.path in STREAMABLE and body.get("stream") is True
     strip_usage = False
     if streamed and cfg.inject_usage:

@@ -124,6 +124,7 @@ def served(result: Outcome) -> Served:
         result.streamed,
         bool(result.stream_error),
         result.client_gone,
+        result.token_s,
     )
 
 
@@ -134,10 +135,11 @@ class Proxy:
         self.routing = node.routing
         self.metrics = node.metrics
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.first_byte_timeout_s, cfg.idle_timeout_s)
+        self.prompts = node.policy.placement is not None  # the policy reads prompts: cut them into blocks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        admitted = await admit(request, self.config)
+        admitted = await admit(request, self.config, self.prompts)
         if not isinstance(admitted, Admitted):
             return self._finish(request, admitted, None, NO_KEY, None, t0)
         key, raw = admitted.key, admitted.raw

@@ -24,7 +24,9 @@ from router.state import StateError
 HELP = {
     "host": "address to bind (default 127.0.0.1)",
     "port": "port to listen on (default 8080)",
-    "policy": "affinity (default), consistent_hash, round_robin or least_load",
+    "policy": "ttft (default: placement by predicted time to first token, from a prefix index of what each "
+    "replica holds and its prefill queue), affinity (sticky sessions on the ring), consistent_hash, round_robin "
+    "or least_load",
     "vnodes": "virtual nodes per replica (default 128)",
     "hash_seed": "ring hash seed (default 0); changing it remaps every session",
     "bounded_load_c": "bounded-load factor c >= 1 (default 1.25)",
@@ -34,6 +36,23 @@ HELP = {
     "where its engine does not report it; load caps and the floor scale with it (default: as reported, else unknown)",
     "capacity_caps": "bounded-load caps and the floor respect replicas' capacities: a full replica spills while "
     "another has a free slot (default on; off: capacity-blind, as before)",
+    "prefix_block_bytes": "ttft: bytes of prompt per block of the prefix index, 16..240 (default 64, about 16 tokens)",
+    "kv_capacity_tokens": "ttft: comma-separated REPLICA_ID=TOKENS (or *=TOKENS for the rest): the KV cache's size "
+    "where the engine does not report it (vLLM and SGLang do; default 262144)",
+    "prefill_tokens_per_s": "ttft: a replica's prefill speed until its answers show it (default 10000)",
+    "ttft_decode_s": "ttft: seconds of time to first token each request in flight on a replica adds (default 0.002)",
+    "ttft_interference": "ttft: a prefill's time counts once more, times this, for each request in flight on the "
+    "replica (each of them is delayed by it; default 1, 0 turns it off)",
+    "ttft_spread_tokens": "ttft: a new conversation costs this many more tokens of prefill on a replica whose "
+    "recent traffic is past the fleet's mean, times (recent - mean) / (mean + 4) and the share of the prompt it "
+    "would compute (its later turns will load it; default 2000)",
+    "ttft_gate_c": "ttft: never a replica with more in flight than max(ceil(c x (in flight + 1) / replicas), "
+    "bounded_load_floor), c >= 1 (default 1.5)",
+    "ttft_stay_share": "ttft: the replica holding a conversation (a keyed session's, or one holding half a keyless "
+    "prompt) keeps it unless another costs less than 1 / (1 + this) of its cost (default 1: half; 0 turns it off)",
+    "ttft_tie_s": "ttft: costs within this many seconds of the cheapest count as equal: the least full of them, "
+    "then the ring, breaks the tie (default 0.001)",
+    "ttft_tie_share": "ttft: ... or within this share of the cheapest cost (default 0.1)",
     "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",
     "sticky_max_sessions": "sessions remembered at most (default 200000)",
     "key_headers": "comma-separated headers carrying a session key, tried in order",

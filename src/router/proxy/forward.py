@@ -71,7 +71,8 @@ class Outcome:
 
     response: web.StreamResponse
     status: int
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # the first body bytes sent to the client
+    token_s: float | None = None  # the first event past a bare opener (a chat stream's role chunk)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -342,6 +343,12 @@ async def resume(
             _let_go(upstream)
 
 
+def _opener(out: bytes) -> bool:
+    """One event that only opens a chat stream (`"delta": {"role": "assistant", "content": ""}`): an
+    engine may send it before its prefill is done (the emulator does), so it says nothing of TTFT."""
+    return out.count(b"data:") == 1 and b'"role"' in out and (b'"content":""' in out or b'"content": ""' in out)
+
+
 async def _pump(
     upstream: aiohttp.ClientResponse,
     resp: web.StreamResponse,
@@ -375,8 +382,12 @@ async def _pump(
                     except ConnectionResetError:  # the client left: stop reading the replica's stream
                         outcome.client_gone = True
                         return
-                    if outcome.ttft_s is None:
-                        outcome.ttft_s = time.monotonic() - t0
+                    if outcome.token_s is None:
+                        since = time.monotonic() - t0
+                        if outcome.ttft_s is None:
+                            outcome.ttft_s = since
+                        if not _opener(out):
+                            outcome.token_s = since
                 if framer.done:
                     break
                 now = loop.time()

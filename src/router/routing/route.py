@@ -24,6 +24,7 @@ from typing import Protocol
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.metrics import RouterMetrics
+from router.placement import Placed
 from router.policy import Decision, Policy
 from router.routing.directory import SessionDirectory
 
@@ -31,7 +32,7 @@ from router.routing.directory import SessionDirectory
 # request starts counts as made while it ran (the line to the workers answers within this)
 MOVE_SLACK_MS = 2000
 # the policy's own reasons, which say why a session left its replica better than the fleet can
-POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load"})
+POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix"})
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class Served:
     streamed: bool = False
     cut: bool = False  # the stream broke (an error event, or cut off)
     client_gone: bool = False  # the client left mid-stream: not the replica's fault
+    token_s: float | None = None  # time to the first generated token (past a bare opening event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,9 @@ class Routing:
         self.max_attempts = max_attempts
         self.observer = observer
         self.clock = clock  # monotonic seconds: request starts, latency samples
+        self.placement = policy.placement
+        if self.placement is not None:
+            self.placement.clock = clock  # its prefill queues run on the same clock
         self.wall = wall  # unix seconds: session entries
         self.move_slack_ms = move_slack_ms
 
@@ -123,6 +128,7 @@ class Route:
         "key",
         "last",
         "local",
+        "placed",
         "routing",
         "t0",
         "timed_out",
@@ -142,6 +148,7 @@ class Route:
         self.first: ReplicaState | None = None
         self.decision: Decision | None = None  # the latest pick for the request itself
         self.alone = False  # the latest pick had nothing else in flight when acquired
+        self.placed: tuple[ReplicaState, Placed] | None = None  # ttft: what the latest pick expected there
         self.timed_out = False  # `next` refused for the deadline
 
     @property
@@ -173,10 +180,16 @@ class Route:
         fleet.acquire(replica)
         # nothing else in flight there: its time to first token measures the replica, not a queue
         self.alone = replica.index is not None and fleet.loads[replica.index] <= 1
+        placement, prompt = routing.placement, self.key.prompt
+        if placement is not None and prompt is not None and decision.cost is not None:
+            self.placed = (replica, placement.sent(replica, prompt, decision.cost, now))
         return replica
 
     def release(self, replica: ReplicaState) -> None:
-        self.routing.fleet.release(replica)
+        routing = self.routing
+        routing.fleet.release(replica)
+        if routing.placement is not None:
+            routing.placement.released(replica, routing.clock())
 
     def failed(self, replica: ReplicaState, cause: str) -> None:
         """The attempt on `replica` failed before its first byte (`cause`: connect, timeout, http_5xx, reset)."""
@@ -210,6 +223,8 @@ class Route:
         if replica is not self.first:
             m.failovers.inc()
         key = self.key
+        if routing.placement is not None and key.prompt is not None and facts.status < 400:
+            self._placed(replica, facts)
         if key.kind == "none" or facts.status >= 400:
             return Verdict()
         verdict = Verdict()
@@ -230,6 +245,23 @@ class Route:
         if routing.observer is not None:
             routing.observer.served(key.key, path, body)
         return verdict
+
+    def _placed(self, replica: ReplicaState, facts: Served) -> None:
+        """Tell the prefix index and the prefill model what the answer showed."""
+        routing = self.routing
+        placement, prompt = routing.placement, self.key.prompt
+        assert placement is not None and prompt is not None
+        placed = self.placed[1] if self.placed is not None and self.placed[0] is replica else None
+        ttft = facts.token_s if facts.streamed and not facts.cut else None
+        predicted = placement.answered(replica, prompt, placed, facts.prompt_tokens, facts.cached_tokens, ttft)
+        m = routing.metrics
+        rid = replica.id
+        if predicted is not None:
+            m.child(m.prefix_prompt_tokens, rid).inc(facts.prompt_tokens)
+            m.child(m.prefix_predicted_tokens, rid).inc(predicted)
+            m.child(m.prefix_reported_tokens, rid).inc(facts.cached_tokens)
+            m.child(m.prefix_error_tokens, rid).inc(abs(predicted - facts.cached_tokens))
+        m.child(m.prefix_index_blocks, rid).set(placement.blocks_held(rid))
 
     def resumed(self, replica: ReplicaState, whole: bool) -> None:
         """A broken stream was continued on `replica`; `whole`: the continuation ended well (else it broke too)."""

@@ -220,9 +220,11 @@ function drawCurve() {
   const t0 = t1 - view.historyS;
   const fleet = view.points.map((p) => p.hit);
   const jump = view.points.map((p) => p.jump);
+  const predicted = view.points.map((p) => p.predicted);
   const replica = view.points.map((p) => (view.picked && p.replicas[view.picked] ? p.replicas[view.picked].hit : null));
   svg.querySelector("polyline.fleet").setAttribute("points", polyline(fleet, t0, view.historyS));
   svg.querySelector("polyline.jump").setAttribute("points", polyline(jump, t0, view.historyS));
+  svg.querySelector("polyline.predicted").setAttribute("points", polyline(predicted, t0, view.historyS));
   svg.querySelector("polyline.replica").setAttribute("points", polyline(replica, t0, view.historyS));
   svg.dataset.points = fleet.filter((v) => v !== null && v !== undefined).length;
   const grid = svg.querySelector(".grid");
@@ -238,8 +240,11 @@ function drawCurve() {
   }
   const latest = [...view.points].reverse().find((p) => p.hit !== null && p.hit !== undefined);
   const jumpNow = [...view.points].reverse().find((p) => p.jump !== null && p.jump !== undefined);
+  const guess = [...view.points].reverse().find((p) => p.predicted !== null && p.predicted !== undefined);
   $("#hit-now").textContent =
-    (latest ? `hit ${percent(latest.hit)}` : "no prompt tokens yet") + (jumpNow ? ` · jumps ${percent(jumpNow.jump)}` : "");
+    (latest ? `hit ${percent(latest.hit)}` : "no prompt tokens yet") +
+    (guess ? ` · predicted ${percent(guess.predicted)} vs reported ${percent(guess.reported)}` : "") +
+    (jumpNow ? ` · jumps ${percent(jumpNow.jump)}` : "");
   $("#selected-name").textContent = view.picked ? view.picked : "click a replica to add its curve";
   $("#hit-axis").textContent = `${Math.round(view.historyS / 60)} min ago · 0 to 100%, a line every 25%`;
 }

@@ -1,0 +1,507 @@
+"""What each replica should hold and how soon it could answer: the prefix index and the TTFT model.
+
+The `ttft` policy asks two things of every routable replica, and this module answers both.
+
+**How much of this prompt does it hold?** One `PrefixIndex` (router.prefix, compiled) keeps per
+replica an LRU of the blocks (router.prompt) the router sent there, as many as the replica's KV
+cache holds: the engine's own figure (vLLM `vllm:cache_config_info` block_size x num_gpu_blocks,
+SGLang `max_total_num_tokens`), else `kv_capacity_tokens`, else `DEFAULT_KV_TOKENS`. Tokens become
+blocks at the bytes-per-token ratio the replicas' `usage.prompt_tokens` shows (learnt, 4 at
+first). After every answer the engine's `cached_tokens` says how right the guess was:
+- it held less than predicted: the blocks past what it held are dropped, and the replica's LRU
+  shrinks by the share it over-predicted (its KV also holds what others sent, or decode blocks);
+- it held next to nothing of a long predicted prefix twice running: it restarted or cleared its
+  cache, and its LRU is emptied;
+- it held all it was said to: the LRU grows back towards the engine's capacity.
+
+**When would its first token come?** A replica prefills what it is given in order, so the router
+keeps, per replica, the time its prefill queue drains (`busy_until`): a request of u uncached
+tokens sent at t starts at max(t, busy_until) and moves it to that + u x seconds per token. The
+seconds per token are learnt from every streamed answer: its measured TTFT, less the decode share,
+over the tokens it waited for and computed (an EWMA), starting at `prefill_tokens_per_s`; a replica not yet
+measured takes the median of those that are (else the first one measured fast would look like
+the only fast one, and draw everything). So
+
+    cost(replica) = max(0, busy_until - now)                      wait for what was sent there
+                  + other_waiting x mean uncached x s_per_token   queued by others (probed)
+                  + running x ttft_decode_s                       its decode steps slow prefill
+                  + (prompt tokens - cached tokens) x s_per_token x (1 + ttft_interference x running)
+                                                                  this request's own prefill, and
+                                                                  the delay it causes the running
+                  + ttft_spread_tokens x s_per_token x excess x uncached / prompt   what new context commits
+
+The last term is not this request's time to first token but the turns a conversation placed there
+will bring: excess = (recent - mean recent)+ / (mean recent + SPREAD_SMOOTH), from the requests
+sent to each replica, decaying over SPREAD_WINDOW_S, and scaled by the share of the prompt the
+replica would compute (a replica that holds nearly all of it is continuing a conversation, not
+taking a new one). Without it an idle fleet sends every new conversation to the replica holding
+their shared system prompt: right for one first token, wrong for the load (and the cache room)
+of every turn after it. A keyed session's own replica never pays it.
+
+Worked example, 1 s of work queued on replica A holding a 10,000-token document, replica B empty,
+both at 20,000 tokens/s, a 10,400-token question on that document: A costs 1 + 400 / 20,000 =
+1.02 s, B 10,400 / 20,000 = 0.52 s: B wins, and now holds the document too (a hot prefix gained a
+second holder because its first was the bottleneck). With 0.2 s queued on A instead, A costs 0.22 s
+and keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import orjson
+
+from router.config import RouterConfig, kv_capacities
+from router.fleet import Fleet, ReplicaState
+from router.prefix import PRICE_GATED, PRICE_NEAR, PrefixIndex
+from router.prompt import Prompt, prompt_of
+
+DEFAULT_KV_TOKENS = 262_144  # a replica that says nothing of its KV cache: a mid-sized GPU's worth
+BYTES_PER_TOKEN = 4.0  # English text, before any usage says otherwise
+RATIO_ALPHA = 0.05  # EWMA weight of one answer's bytes-per-token
+SPEED_ALPHA = 0.2  # ... and of one answer's seconds per token
+SHRINK_FLOOR = 0.05  # an LRU never shrinks below this share of the engine's capacity
+GROW = 1.02  # an exact prediction grows the LRU back by 2 %
+RESET_AFTER = 2  # answers in a row that found nothing of a long predicted prefix: the cache was lost
+RESET_MIN_BLOCKS = 8  # ... a prediction this long at least
+SPREAD_WINDOW_S = 30.0  # recent traffic decays with this time constant
+RECENT_RENORMALISE_S = 600.0  # recent traffic is kept in a frame that is moved this often
+WAITING_REFRESH_S = 0.05  # the engines' probed queues are re-read at most this often
+
+
+@dataclass(slots=True)
+class Held:
+    """The router's view of one replica's cache and prefill queue."""
+
+    holder: int  # its number in the index
+    engine_blocks: int  # what its engine can hold, in blocks
+    blocks: int  # what its LRU may hold now (shrunk by over-predictions)
+    seconds_per_token: float  # prefill speed, learnt (until then: the fleet's, see Placement.speed)
+    samples: int = 0  # answers it was learnt from
+    busy_until: float = 0.0  # when what was sent there is prefilled (monotonic seconds)
+    recent: float = 0.0  # requests sent there, decaying with SPREAD_WINDOW_S (in Placement's frame)
+    pos: int = 0  # its fleet position in the row arrays
+    misses: int = 0  # answers in a row that found nothing of a long predicted prefix
+    resets: int = 0
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One replica's side of a decision, for the pick and for /admin/route."""
+
+    index: int
+    cached_tokens: float
+    uncached_tokens: float
+    wait_s: float
+    cost_s: float
+    spread_s: float = 0.0  # the part of the cost that is its recent traffic past the fleet's mean
+    gated: bool = False
+
+
+@dataclass(slots=True)
+class Placed:
+    """What the router expected of a request it sent: kept on its route until the answer."""
+
+    held: Held
+    blocks: int  # blocks predicted cached there
+    wait_tokens: float  # tokens of prefill it waited for (queue) at the time it was sent
+    decode_s: float  # the decode share of its predicted wait
+
+
+@dataclass(slots=True)
+class Accuracy:
+    """Predicted against reported cached tokens, over the answers that reported usage."""
+
+    prompt_tokens: int = 0
+    predicted_tokens: float = 0.0
+    reported_tokens: int = 0
+    over_tokens: float = 0.0
+    under_tokens: float = 0.0
+    answers: int = 0
+
+
+class Placement:
+    def __init__(self, fleet: Fleet, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.fleet = fleet
+        self.clock = clock
+        self.block_bytes = config.prefix_block_bytes
+        self.decode_s = config.ttft_decode_s
+        self.interference = config.ttft_interference
+        self.spread_tokens = config.ttft_spread_tokens
+        self.default_spt = 1.0 / config.prefill_tokens_per_s
+        self.configured = kv_capacities(config)
+        self.index = PrefixIndex()
+        self.held: dict[str, Held] = {}
+        self.bytes_per_token = BYTES_PER_TOKEN
+        self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
+        self.accuracy = Accuracy()
+        self.fleet_spt = self.default_spt  # the median of the learnt speeds: a replica's until it has its own
+        # told of every prompt that added blocks to the index (routers on one Redis share them)
+        self.share: Callable[[str, array[int]], None] | None = None
+        self.gate_c = config.ttft_gate_c
+        self.floor = config.bounded_load_floor
+        self.tie_s = config.ttft_tie_s
+        self.tie_share = config.ttft_tie_share
+        self._out = array("i")
+        # the row arrays of a decision, by fleet position (`_layout`), and what they are for
+        self._layout_for = -1
+        self._helds: list[Held] = []
+        self._holders = array("i")
+        self._busy = self._spt = self._spt_loaded = self._recent = self._waiting = array("d")
+        self._cached = self._wait = self._cost = self._spread = array("d")
+        self._flags = self._routable = self._candidates = array("B")
+        self._caps = array("q")
+        self._uniform_cap: tuple[int, int] | None = None
+        self._routable_for: object = None
+        self._waiting_at = -math.inf
+        # recent traffic x exp((ref - now) / SPREAD_WINDOW_S) is what it is now (`_frame`)
+        self._recent_ref: float | None = None
+        self._total = 0.0
+
+    # -- the replicas' state ----------------------------------------------------------------------
+
+    def engine_blocks(self, replica: ReplicaState) -> int:
+        tokens = replica.engine.kv_tokens
+        if tokens is None:
+            tokens = self.configured.get(replica.id, self.configured.get("*", DEFAULT_KV_TOKENS))
+        return max(1, int(tokens * self.bytes_per_token) // self.block_bytes)
+
+    def of(self, replica: ReplicaState) -> Held:
+        """Its state, made on first use (and kept in step with what its engine says it holds)."""
+        held = self.held.get(replica.id)
+        engine = self.engine_blocks(replica)
+        if held is None:
+            self._forget_gone()
+            held = Held(self.index.add_holder(engine), engine, engine, self.fleet_spt)
+            self.held[replica.id] = held
+            self._layout_for = -1  # the row arrays lack it
+        elif abs(engine - held.engine_blocks) > held.engine_blocks // 100:  # another size (or token ratio)
+            held.blocks = max(1, round(held.blocks * engine / held.engine_blocks))
+            held.engine_blocks = engine
+            self.index.set_capacity(held.holder, held.blocks)
+        return held
+
+    def _forget_gone(self) -> None:
+        present = {r.id for r in self.fleet.replicas}
+        for rid in [rid for rid in self.held if rid not in present]:
+            self.index.remove_holder(self.held.pop(rid).holder)
+
+    def forget(self, replica_id: str) -> None:
+        held = self.held.pop(replica_id, None)
+        if held is not None:
+            self.index.remove_holder(held.holder)
+
+    # -- a decision ------------------------------------------------------------------------------
+
+    def _layout(self) -> None:
+        """The row arrays, by fleet position, rebuilt when the fleet's membership changed."""
+        fleet = self.fleet
+        if self._layout_for == fleet.version and len(self._holders) == len(fleet.replicas):
+            return
+        replicas = fleet.replicas
+        helds = [self.held.get(r.id) or self.of(r) for r in replicas]
+        n = len(replicas)
+        for pos, held in enumerate(helds):
+            held.pos = pos
+        self._holders = array("i", [h.holder for h in helds])
+        self._busy = array("d", [h.busy_until for h in helds])
+        self._spt = array("d", [h.seconds_per_token for h in helds])
+        self._spt_loaded = array("d", self._spt)
+        self._recent = array("d", [h.recent for h in helds])
+        self._waiting = array("d", [-1.0] * n)
+        self._waiting_at = -math.inf
+        self._cached, self._wait, self._cost, self._spread = (array("d", [0.0] * n) for _ in range(4))
+        self._flags = array("B", [0] * n)
+        self._routable_for = None
+        self._helds = helds
+        self._layout_for = fleet.version
+
+    def set_busy(self, held: Held, value: float) -> None:
+        """When what was sent to `held` is prefilled (kept in its row too)."""
+        held.busy_until = value
+        if held.pos < len(self._busy) and self._helds[held.pos] is held:
+            self._busy[held.pos] = value
+
+    def set_spt(self, held: Held, value: float) -> None:
+        """Its prefill speed, in seconds per token (kept in its row too)."""
+        held.seconds_per_token = value
+        if held.pos < len(self._spt) and self._helds[held.pos] is held:
+            self._spt[held.pos] = value
+
+    def price(self, prompt: Prompt, exclude: Collection[int], last: int | None, now: float) -> tuple[int, int]:
+        """Price `prompt` on every routable position not in `exclude` (and on `last`, the position of
+        the keyed session's replica, even while it drains), in the compiled core (router.prefix):
+        the rows (`row(i)`) are filled for every candidate. Returns (the cheapest position under the
+        gate: -1 when every candidate is past it, -2 when there is no candidate; how many are
+        within the tie margin of it)."""
+        self._layout()
+        fleet = self.fleet
+        n = len(self._holders)
+        if now - self._waiting_at > WAITING_REFRESH_S:  # probes come every few seconds
+            for i, r in enumerate(fleet.replicas):
+                w = r.engine.waiting
+                self._waiting[i] = -1.0 if w is None else w
+            self._waiting_at = now
+        snapshot = fleet.ring.current
+        if self._routable_for is not snapshot:
+            self._routable = array("B", [0 if fleet.routable(i) else 1 for i in range(n)])
+            self._routable_for = snapshot
+        excluded = self._routable
+        if exclude or (last is not None and excluded[last]):
+            excluded = array("B", excluded)
+            for i in exclude:
+                excluded[i] = 1
+            if last is not None:
+                excluded[last] = 0
+        if not excluded.count(0):
+            return -2, 0
+        limit = fleet.load_limit(fleet.ring.load_cap(fleet.loads, self.gate_c), self.floor)
+        if isinstance(limit, int):
+            if self._uniform_cap != (limit, n):
+                self._caps = array("q", [limit]) * n
+                self._uniform_cap = (limit, n)
+        else:
+            self._caps = array("q", [limit.of(i) for i in range(n)])
+            self._uniform_cap = None
+        history = prompt.history_blocks
+        if last is not None:  # a keyed session's replica holds whatever of this prompt any replica holds
+            out = self._out
+            if len(out) < self.index.n_holders:
+                out.extend([0] * (self.index.n_holders - len(out)))
+            self.index.match_all(prompt.chain, out)
+            history = max(history, max(out[h] for h in self._holders))
+        ref = self._frame(now)
+        ratio = self.bytes_per_token
+        self._total = prompt.nbytes / ratio
+        self._candidates = excluded
+        spt = self._spt
+        if self.interference:  # a prefill there delays every request running there by as long
+            spt = self._spt_loaded
+            loads = fleet.loads
+            for i in range(n):
+                spt[i] = self._spt[i] * (1.0 + self.interference * loads[i])
+        return self.index.price(
+            prompt.chain,
+            self._holders,
+            self._busy,
+            spt,
+            fleet.loads,
+            self._waiting,
+            self._caps,
+            excluded,
+            now,
+            self.decode_s,
+            self.mean_uncached,
+            self.block_bytes / ratio,
+            self._total,
+            -1 if last is None else last,
+            history,
+            self.tie_s,
+            self.tie_share,
+            self._cached,
+            self._wait,
+            self._cost,
+            self._flags,
+            recent=self._recent,
+            recent_scale=math.exp((ref - now) / SPREAD_WINDOW_S),
+            spread_tokens=self.spread_tokens,
+            spread_out=self._spread,
+        )
+
+    def candidates(self, prompt: Prompt, indices: Collection[int], last: int | None, now: float) -> list[Candidate]:
+        """The rows of pricing `prompt` on the positions `indices` alone."""
+        keep = set(indices)
+        self.price(prompt, [i for i in range(len(self.fleet)) if i not in keep], last, now)
+        return [c for c in self.rows() if c.index in keep]
+
+    def row(self, pos: int) -> Candidate:
+        """The priced row of position `pos` (a candidate of the latest `price`)."""
+        cached = self._cached[pos]
+        return Candidate(
+            pos,
+            cached,
+            self._total - cached,
+            self._wait[pos],
+            self._cost[pos],
+            self._spread[pos],
+            bool(self._flags[pos] & PRICE_GATED),
+        )
+
+    def rows(self) -> list[Candidate]:
+        """Every candidate of the latest `price` (rows of other positions are stale)."""
+        return [self.row(i) for i, x in enumerate(self._candidates) if not x]
+
+    def home(self, share: float) -> int | None:
+        """The candidate of the latest `price` that holds the most of the prompt, if that is at
+        least `share` of it."""
+        cached, excluded = self._cached, self._candidates
+        home, most = None, share * self._total
+        for i in range(len(excluded)):
+            if not excluded[i] and cached[i] >= most and cached[i] > 0:
+                home, most = i, cached[i]
+        return home
+
+    def stays(self, home: int, best: int, share: float) -> bool:
+        """`home` keeps the request from `best`: it is not past the gate, and `best` costs at least
+        1 / (1 + share) of what it does."""
+        return not self._flags[home] & PRICE_GATED and self._cost[home] <= self._cost[best] * (1 + share)
+
+    def near(self) -> list[int]:
+        """The candidates within the tie margin of the cheapest, after `price`."""
+        flags = self._flags
+        return [i for i, x in enumerate(self._candidates) if not x and flags[i] & PRICE_NEAR]
+
+    def sent(self, replica: ReplicaState, prompt: Prompt, candidate: Candidate, now: float) -> Placed:
+        """`prompt` goes to `replica` (its `candidate` row): its prefill joins the queue there."""
+        held = self.of(replica)
+        held.recent += math.exp((now - self._frame(now)) / SPREAD_WINDOW_S)  # one request, now
+        if held.pos < len(self._recent) and self._helds[held.pos] is held:
+            self._recent[held.pos] = held.recent
+        start = max(now, held.busy_until)
+        wait_tokens = (start - now) / held.seconds_per_token
+        self.set_busy(held, start + candidate.uncached_tokens * held.seconds_per_token)
+        blocks = round(candidate.cached_tokens * self.bytes_per_token / self.block_bytes)
+        return Placed(held, blocks, wait_tokens, candidate.wait_s - (start - now))
+
+    def released(self, replica: ReplicaState, now: float) -> None:
+        """An attempt there ended: with nothing left in flight, nothing is queued either."""
+        if replica.inflight <= 0:
+            held = self.held.get(replica.id)
+            if held is not None and held.busy_until > now:
+                self.set_busy(held, now)
+
+    # -- an answer -------------------------------------------------------------------------------
+
+    def answered(
+        self,
+        replica: ReplicaState,
+        prompt: Prompt,
+        placed: Placed | None,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ttft_s: float | None,
+    ) -> float | None:
+        """`replica` answered `prompt`: it holds the prompt's blocks now; what it reported (tokens,
+        cached tokens, time to first token when streamed) corrects the model. Returns the cached
+        tokens that were predicted, when the answer reported usage to check them against."""
+        held = self.of(replica)
+        if self.index.insert(held.holder, prompt.chain) and self.share is not None:
+            self.share(replica.id, prompt.chain)
+        if prompt_tokens <= 0:
+            return None
+        ratio = prompt.nbytes / prompt_tokens
+        if 0.5 <= ratio <= 64:  # a tokenizer's plausible range; anything else is someone's odd count
+            self.bytes_per_token += RATIO_ALPHA * (ratio - self.bytes_per_token)
+        uncached = max(prompt_tokens - cached_tokens, 0)
+        self.mean_uncached += 0.1 * (uncached - self.mean_uncached)
+        if ttft_s is not None and placed is not None:
+            computed = placed.wait_tokens + max(uncached, 1)
+            sample = max(ttft_s - max(placed.decode_s, 0.0), 0.0) / computed
+            if math.isfinite(sample) and sample > 0:
+                self.set_spt(held, held.seconds_per_token + SPEED_ALPHA * (sample - held.seconds_per_token))
+                held.samples += 1
+                self._fleet_speed()
+        if placed is None:
+            return None
+        predicted = min(placed.blocks * self.block_bytes / self.bytes_per_token, prompt_tokens)
+        self._correct(held, prompt, placed.blocks, predicted, prompt_tokens, cached_tokens)
+        return predicted
+
+    def _fleet_speed(self) -> None:
+        learnt = sorted(h.seconds_per_token for h in self.held.values() if h.samples)
+        self.fleet_spt = learnt[len(learnt) // 2]
+        for h in self.held.values():
+            if not h.samples:  # not measured yet: as fast as the fleet's median, not the prior
+                self.set_spt(h, self.fleet_spt)
+
+    def _frame(self, now: float) -> float:
+        """The time recent traffic is kept relative to, moved to `now` every RECENT_RENORMALISE_S
+        (so its numbers stay finite)."""
+        ref = self._recent_ref
+        if ref is not None and abs(now - ref) <= RECENT_RENORMALISE_S:
+            return ref
+        factor = 0.0 if ref is None else math.exp((ref - now) / SPREAD_WINDOW_S)
+        for h in self.held.values():
+            h.recent *= factor
+        for i in range(len(self._recent)):
+            self._recent[i] *= factor
+        self._recent_ref = now
+        return now
+
+    def _correct(
+        self, held: Held, prompt: Prompt, predicted_blocks: int, predicted: float, prompt_tokens: int, cached: int
+    ) -> None:
+        block_tokens = self.block_bytes / self.bytes_per_token
+        a = self.accuracy
+        a.answers += 1
+        a.prompt_tokens += prompt_tokens
+        a.predicted_tokens += predicted
+        a.reported_tokens += cached
+        error = predicted - cached
+        if error > 0:
+            a.over_tokens += error
+        else:
+            a.under_tokens -= error
+        held_blocks = int(cached / block_tokens)
+        if error <= block_tokens:  # right within a block (or it held more: a reply, another router)
+            held.misses = 0
+            if held.blocks < held.engine_blocks:
+                held.blocks = min(held.engine_blocks, math.ceil(held.blocks * GROW))
+                self.index.set_capacity(held.holder, held.blocks)
+            return
+        if predicted_blocks >= RESET_MIN_BLOCKS and cached < block_tokens:
+            held.misses += 1
+            if held.misses >= RESET_AFTER:  # it restarted, or its cache was cleared
+                self.index.clear(held.holder)
+                held.blocks = held.engine_blocks
+                self.index.set_capacity(held.holder, held.blocks)
+                held.misses = 0
+                held.resets += 1
+                return
+        else:
+            held.misses = 0
+        self.index.truncate(held.holder, prompt.chain, held_blocks)
+        share = error / max(predicted, 1.0)  # how far off, as a share of the prediction
+        floor = max(1, int(held.engine_blocks * SHRINK_FLOOR))
+        held.blocks = max(floor, int(held.blocks * (1 - share / 4)))
+        self.index.set_capacity(held.holder, held.blocks)
+
+    def learned(self, replica_id: str, chain: array[int]) -> None:
+        """Another router placed this prompt on `replica_id` (router.redis_state.RedisPlacements)."""
+        replica = self.fleet.find(replica_id)
+        if replica is not None and replica.index is not None:
+            self.index.insert(self.of(replica).holder, chain)
+
+    def warmed(self, replica: ReplicaState, body: bytes) -> None:
+        """A warm-up computed this request body on `replica` (before sessions move there)."""
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(parsed, dict) and (prompt := prompt_of(parsed, self.block_bytes)) is not None:
+            self.index.insert(self.of(replica).holder, prompt.chain)
+
+    # -- figures ---------------------------------------------------------------------------------
+
+    def blocks_held(self, replica_id: str) -> int:
+        held = self.held.get(replica_id)
+        return 0 if held is None else self.index.size(held.holder)
+
+    def figures(self) -> dict[str, float | int | None]:
+        a = self.accuracy
+        return {
+            "index_blocks": self.index.total(),
+            "index_bytes": self.index.memory_bytes(),
+            "bytes_per_token": round(self.bytes_per_token, 3),
+            "predicted_hit_rate": a.predicted_tokens / a.prompt_tokens if a.prompt_tokens else None,
+            "reported_hit_rate": a.reported_tokens / a.prompt_tokens if a.prompt_tokens else None,
+            "prediction_error": (a.over_tokens + a.under_tokens) / a.prompt_tokens if a.prompt_tokens else None,
+            "answers": a.answers,
+        }
+
+
+__all__ = ["Accuracy", "Candidate", "Held", "Placed", "Placement"]

@@ -1,0 +1,359 @@
+"""The `ttft` policy and its placement model: cost arithmetic, the gate, ties, feedback from usage."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from router.config import RouterConfig, parse_replica
+from router.fleet import Fleet
+from router.health.signals import EngineStats
+from router.keys import RoutingKey
+from router.placement import Placed, Placement
+from router.policy import make_policy
+from router.policy.ttft import Ttft
+from router.prompt import Prompt, prompt_of, render
+
+BLOCK = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(n: int = 4, **cfg: object) -> tuple[Fleet, Ttft, Clock]:
+    specs = tuple(parse_replica(f"http://127.0.0.1:{9000 + i}") for i in range(n))
+    config = RouterConfig(replicas=specs, **cfg)  # type: ignore[arg-type]
+    fleet = Fleet(specs, config.vnodes, config.hash_seed)
+    policy = make_policy("ttft", fleet, config)
+    assert isinstance(policy, Ttft)
+    clock = Clock()
+    policy.placement.clock = clock
+    return fleet, policy, clock
+
+
+def chat(document: str, *turns: str, model: str = "m") -> dict[str, object]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You answer questions about documents."}]
+    messages.append({"role": "user", "content": document + "\n" + turns[0]})
+    for i, turn in enumerate(turns[1:]):
+        messages.append({"role": "assistant", "content": f"answer {i} " * 20})
+        messages.append({"role": "user", "content": turn})
+    return {"model": model, "messages": messages}
+
+
+def doc(i: int, tokens: int = 4000) -> str:
+    words = f"doc{i} " * (tokens * 4 // 5)
+    return words[: tokens * 4]
+
+
+def keyless(body: dict[str, object]) -> RoutingKey:
+    prompt = prompt_of(body, BLOCK)
+    assert prompt is not None
+    return RoutingKey(b"fp:" + str(body["messages"][1]["content"])[:32].encode(), "prefix", "messages", prompt)  # type: ignore[index]
+
+
+def keyed(session: str, body: dict[str, object]) -> RoutingKey:
+    return RoutingKey(session.encode(), "header", "x-session-id", prompt_of(body, BLOCK))
+
+
+def serve(fleet: Fleet, policy: Ttft, key: RoutingKey, cached: int | None = None, ttft: float | None = None) -> int:
+    """Pick, send, and answer at once (cached tokens as predicted unless given)."""
+    d = policy.pick(key, None, ())
+    assert d is not None and d.cost is not None and key.prompt is not None
+    replica = fleet.replicas[d.index]
+    placed = policy.placement.sent(replica, key.prompt, d.cost, policy.placement.clock())
+    tokens = round(key.prompt.nbytes / policy.placement.bytes_per_token)
+    got = round(d.cost.cached_tokens) if cached is None else cached
+    policy.placement.answered(replica, key.prompt, placed, tokens, got, ttft)
+    policy.placement.released(replica, policy.placement.clock())
+    return d.index
+
+
+# -- the prompt -----------------------------------------------------------------------------------
+
+
+def test_a_conversation_renders_to_a_growing_prefix_and_models_keep_apart() -> None:
+    one = render(chat(doc(1), "first?"))[0]
+    two = render(chat(doc(1), "first?", "second?"))[0]
+    assert two.startswith(one)
+    a, b = prompt_of(chat(doc(1), "first?"), BLOCK), prompt_of(chat(doc(1), "first?", "second?"), BLOCK)
+    assert a is not None and b is not None
+    assert list(b.chain[: len(a.chain)]) == list(a.chain)
+    assert b.history_blocks >= len(a.chain)  # the earlier turn, its reply too, is history
+    other = prompt_of(chat(doc(1), "first?", model="other"), BLOCK)
+    assert other is not None and not set(other.chain) & set(a.chain)
+    assert prompt_of({"messages": [{"role": "user", "content": "hi"}]}, BLOCK) is None  # no whole block
+    assert prompt_of({"prompt": ["x" * 200]}, BLOCK) is not None
+    assert render({"messages": "nonsense"}) == (b"", 0)
+
+
+# -- cost arithmetic ------------------------------------------------------------------------------
+
+
+def test_cost_is_the_queue_plus_the_uncached_prefill() -> None:
+    fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, ttft_decode_s=0.002, ttft_interference=0)
+    placement = policy.placement
+    body = chat(doc(1, 2000), "q?")
+    key = keyless(body)
+    assert key.prompt is not None
+    p = key.prompt
+    total = p.nbytes / 4
+    held = placement.of(fleet.replicas[0])
+    placement.index.insert(held.holder, p.chain, 10)  # ten blocks of 16 tokens
+    placement.set_busy(held, clock.now + 0.5)
+    fleet.acquire(fleet.replicas[0])  # one request decoding there
+    rows = {c.index: c for c in placement.candidates(p, [0, 1], None, clock.now)}
+    assert rows[0].cached_tokens == pytest.approx(160)
+    assert rows[0].wait_s == pytest.approx(0.5 + 0.002)
+    assert rows[0].cost_s == pytest.approx(0.502 + (total - 160) / 10_000)
+    assert rows[1].cached_tokens == 0 and rows[1].wait_s == 0
+    assert rows[1].cost_s == pytest.approx(total / 10_000)
+    # the engine's waiting queue beyond what the router sent counts as that many average requests
+    placement.mean_uncached = 1000
+    fleet.replicas[1].engine = EngineStats(waiting=3)
+    clock.now += 0.1  # probed queues are re-read at most every 50 ms
+    again = {c.index: c for c in placement.candidates(p, [0, 1], None, clock.now)}
+    assert again[1].wait_s == pytest.approx(3 * 1000 / 10_000)
+    # with interference, the prefill counts once more for each request running there
+    placement.interference = 0.5
+    loaded = {c.index: c for c in placement.candidates(p, [0, 1], None, clock.now)}
+    assert loaded[0].cost_s == pytest.approx(loaded[0].wait_s + (total - 160) / 10_000 * (1 + 0.5 * 1))
+    assert loaded[1].cost_s == pytest.approx(again[1].cost_s)  # nothing in flight there
+
+
+def test_a_sent_request_queues_its_prefill_and_the_queue_drains_with_time() -> None:
+    fleet, policy, clock = setup(1, prefill_tokens_per_s=1_000)
+    key = keyless(chat(doc(1, 1000), "q?"))
+    assert key.prompt is not None
+    d = policy.pick(key, None, ())
+    assert d is not None and d.cost is not None
+    replica = fleet.replicas[0]
+    placed = policy.placement.sent(replica, key.prompt, d.cost, clock.now)
+    held = policy.placement.of(replica)
+    assert held.busy_until == pytest.approx(clock.now + d.cost.uncached_tokens / 1000)
+    assert placed.wait_tokens == 0
+    second = policy.placement.sent(replica, key.prompt, d.cost, clock.now)
+    assert second.wait_tokens == pytest.approx(d.cost.uncached_tokens)  # it waits for the first
+    clock.now += 100
+    assert policy.placement.candidates(key.prompt, [0], None, clock.now)[0].wait_s == 0
+
+
+def test_prefill_speed_is_learnt_from_measured_ttft() -> None:
+    fleet, policy, clock = setup(1, prefill_tokens_per_s=1_000, ttft_decode_s=0)
+    placement = policy.placement
+    key = keyless(chat(doc(1, 3000), "q?"))
+    for _ in range(30):  # the replica is 4x faster than the prior: 4,000 tokens/s
+        assert key.prompt is not None
+        d = policy.pick(key, None, ())
+        assert d is not None and d.cost is not None
+        replica = fleet.replicas[0]
+        placed = placement.sent(replica, key.prompt, d.cost, clock.now)
+        tokens = round(key.prompt.nbytes / 4)
+        placement.answered(replica, key.prompt, placed, tokens, 0, tokens / 4000)
+        placement.index.clear(placement.of(replica).holder)
+        clock.now += 100
+    assert 1 / placement.of(fleet.replicas[0]).seconds_per_token == pytest.approx(4000, rel=0.05)
+
+
+# -- placement ------------------------------------------------------------------------------------
+
+
+def test_new_conversations_on_a_held_document_go_where_it_is_held() -> None:
+    fleet, policy, clock = setup(4)
+    first = serve(fleet, policy, keyless(chat(doc(7), "who?")))
+    clock.now += 10
+    for q in ("what?", "when?", "where?"):
+        assert serve(fleet, policy, keyless(chat(doc(7), q))) == first
+        clock.now += 10
+
+
+def test_a_keyed_session_sticks_and_moves_only_when_moving_is_cheaper() -> None:
+    fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, bounded_load_floor=100)
+    body = chat(doc(1, 2000), "a?", "b?")
+    key = keyed("s1", body)
+    d = policy.pick(key, fleet.replicas[1].id, ())
+    assert d is not None and d.index == 1 and d.reason == "sticky"  # its history lives there
+    held = policy.placement.of(fleet.replicas[1])
+    policy.placement.set_busy(held, clock.now + 5.0)  # five seconds of prefill queued on it
+    moved = policy.pick(key, fleet.replicas[1].id, ())
+    assert moved is not None and moved.index == 0 and moved.reason == "cost"
+
+
+def test_no_death_spiral_a_slow_replica_holding_every_prefix_still_spreads() -> None:
+    fleet, policy, clock = setup(4, prefill_tokens_per_s=10_000)
+    placement = policy.placement
+    slow = placement.of(fleet.replicas[0])
+    placement.set_spt(slow, 1 / 500)  # twenty times slower than the others
+    bodies = [chat(doc(i, 2000), "q?") for i in range(40)]
+    for body in bodies:  # it holds every document
+        prompt = prompt_of(body, BLOCK)
+        assert prompt is not None
+        placement.index.insert(slow.holder, prompt.chain)
+    picks = Counter()
+    held = []
+    for body in bodies:  # forty new questions arrive together: none is answered yet
+        key = keyless(body)
+        d = policy.pick(key, None, ())
+        assert d is not None and d.cost is not None and key.prompt is not None
+        replica = fleet.replicas[d.index]
+        fleet.acquire(replica)
+        placement.sent(replica, key.prompt, d.cost, clock.now)
+        held.append(replica)
+        picks[d.index] += 1
+    assert len(picks) == 4 and min(picks.values()) >= 5
+    assert picks[0] <= len(bodies) // 2  # cache alone never drew them all onto it
+    cap = fleet.ring.load_cap(fleet.loads, policy.placement.gate_c)
+    assert max(fleet.loads) <= max(cap, policy.config.bounded_load_floor) + 1
+
+
+def test_the_gate_keeps_traffic_off_a_replica_far_past_the_fleet() -> None:
+    fleet, policy, _clock = setup(4, bounded_load_floor=2, ttft_gate_c=1.5)
+    body = chat(doc(3, 3000), "q?")
+    owner = serve(fleet, policy, keyless(body))
+    for _ in range(6):
+        fleet.acquire(fleet.replicas[owner])
+    d = policy.pick(keyless(chat(doc(3, 3000), "again?")), None, ())
+    assert d is not None and d.index != owner
+
+
+def test_a_hot_prefix_gains_a_second_holder_when_its_first_is_the_bottleneck() -> None:
+    fleet, policy, clock = setup(4, prefill_tokens_per_s=10_000, bounded_load_floor=1000)
+    placement = policy.placement
+    owner = serve(fleet, policy, keyless(chat(doc(5, 8000), "first?")))
+    chosen = []
+    for i in range(100):  # a burst of questions on the one document: the owner's queue grows
+        key = keyless(chat(doc(5, 8000), f"question {i}? " * 40))
+        d = policy.pick(key, None, ())
+        assert d is not None and d.cost is not None and key.prompt is not None
+        fleet.acquire(fleet.replicas[d.index])
+        placement.sent(fleet.replicas[d.index], key.prompt, d.cost, clock.now)
+        chosen.append(d.index)
+    assert chosen[0] == owner
+    others = [i for i in chosen if i != owner]
+    assert others, "the hot document never gained a second holder"
+    second = others[0]
+    key = keyless(chat(doc(5, 8000), "later?"))
+    assert key.prompt is not None
+    placement.answered(fleet.replicas[second], key.prompt, None, 0, 0, None)  # it answered: it holds it
+    rows = {c.index: c for c in placement.candidates(key.prompt, [owner, second], None, clock.now)}
+    assert rows[second].cached_tokens > 7000 and rows[owner].cached_tokens > 7000
+
+
+def test_ties_break_by_the_ring_never_by_list_order() -> None:
+    fleet, policy, _clock = setup(4)
+    picks = Counter()
+    for i in range(200):
+        key = RoutingKey(f"s{i}".encode(), "header", "x", prompt_of(chat(doc(i, 200), "q"), BLOCK))
+        d = policy.pick(key, None, ())
+        assert d is not None
+        assert d.index == fleet.ring.lookup(key.key)  # an idle fleet with nothing cached: the ring
+        assert d.reason == "ring"
+        picks[d.index] += 1
+    assert len(picks) == 4
+
+
+# -- feedback from usage --------------------------------------------------------------------------
+
+
+def test_usage_that_shows_an_over_prediction_shrinks_the_lru_and_drops_the_blocks() -> None:
+    fleet, policy, clock = setup(1)
+    placement = policy.placement
+    replica = fleet.replicas[0]
+    key = keyless(chat(doc(2, 4000), "q?"))
+    assert key.prompt is not None
+    serve(fleet, policy, key)  # now it holds the prompt (all ~250 blocks)
+    held = placement.of(replica)
+    before = held.blocks
+    d = policy.pick(key, None, ())
+    assert d is not None and d.cost is not None and d.cost.cached_tokens > 3900
+    placed = placement.sent(replica, key.prompt, d.cost, clock.now)
+    # the engine held only the first 1,000 tokens: someone else's requests evicted the rest
+    tokens = round(key.prompt.nbytes / 4)
+    predicted = placement.answered(replica, key.prompt, placed, tokens, 1000, None)
+    assert predicted is not None and predicted > 3900
+    assert held.blocks < before
+    assert placement.index.size(held.holder) <= held.blocks
+    again = placement.candidates(key.prompt, [0], None, clock.now)[0]
+    assert again.cached_tokens == pytest.approx(1000, abs=16)
+    assert placement.accuracy.over_tokens == pytest.approx(predicted - 1000)
+
+
+def test_a_replica_that_lost_its_cache_is_emptied_and_exact_answers_grow_it_back() -> None:
+    fleet, policy, _clock = setup(1)
+    placement = policy.placement
+    replica = fleet.replicas[0]
+    # three models: chains that share no block (a miss on one truncates only its own)
+    keys = [keyless(chat(doc(i, 2000), "q?", model=f"m{i}")) for i in range(3)]
+    for key in keys:
+        serve(fleet, policy, key)
+    held = placement.of(replica)
+    assert placement.index.size(held.holder) > 300
+    for key in keys[:2]:  # it restarted: two answers in a row found nothing of a long prefix
+        serve(fleet, policy, key, cached=0)
+    assert held.resets == 1
+    assert placement.index.size(held.holder) <= len(keys[1].prompt.chain)  # type: ignore[union-attr]
+    held.blocks = held.engine_blocks // 2
+    for _ in range(5):
+        serve(fleet, policy, keys[1])  # exact: grows back
+    assert held.blocks > held.engine_blocks // 2
+
+
+def test_capacity_follows_what_the_engine_reports() -> None:
+    fleet, policy, _clock = setup(1, kv_capacity_tokens=("*=1000",))
+    placement = policy.placement
+    replica = fleet.replicas[0]
+    assert placement.of(replica).engine_blocks == 1000 * 4 // BLOCK
+    replica.engine = EngineStats(kv_tokens=2048 * 16)
+    assert placement.of(replica).engine_blocks == 2048 * 16 * 4 // BLOCK
+    key = keyless(chat(doc(1, 40_000), "q?"))  # longer than the cache: the start of it is kept
+    serve(fleet, policy, key)
+    assert placement.index.size(placement.of(replica).holder) == 2048
+
+
+def test_without_a_usable_prompt_the_policy_places_as_affinity_does() -> None:
+    fleet, policy, _clock = setup(4)
+    for i in range(50):
+        key = RoutingKey(f"s{i}".encode(), "header", "x")
+        d = policy.pick(key, None, ())
+        assert d is not None and d.index == fleet.ring.lookup(key.key) and d.cost is None
+
+
+def test_placed_carries_the_prediction() -> None:
+    fleet, policy, clock = setup(2)
+    key = keyless(chat(doc(1), "q?"))
+    serve(fleet, policy, key)
+    d = policy.pick(key, None, ())
+    assert d is not None and d.cost is not None and key.prompt is not None
+    placed = policy.placement.sent(fleet.replicas[d.index], key.prompt, d.cost, clock.now)
+    assert isinstance(placed, Placed) and placed.blocks == len(key.prompt.chain)
+    assert isinstance(key.prompt, Prompt)
+
+
+def test_placement_forgets_replicas_that_left() -> None:
+    fleet, policy, _clock = setup(3)
+    placement: Placement = policy.placement
+    for r in fleet.replicas:
+        placement.of(r)
+    gone = fleet.replicas[1].id
+    fleet.remove(gone)
+    fleet.add(parse_replica("http://127.0.0.1:9100"))
+    placement.of(fleet.replicas[-1])
+    assert gone not in placement.held and len(placement.held) == 3
+
+
+def test_a_session_stays_unless_moving_saves_a_real_share_of_its_cost() -> None:
+    fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, bounded_load_floor=100, ttft_interference=0)
+    body = chat(doc(1, 2000), "a?", "b?")
+    key = keyed("s1", body)
+    held = policy.placement.of(fleet.replicas[1])
+    policy.placement.set_busy(held, clock.now + 0.3)  # staying costs 0.3 s; moving, ~0.21 s of recompute
+    stay = policy.pick(key, fleet.replicas[1].id, ())
+    assert stay is not None and stay.index == 1 and stay.reason == "sticky"
+    policy.stay_share = 0.0  # without the margin the cheaper guess wins
+    moved = policy.pick(key, fleet.replicas[1].id, ())
+    assert moved is not None and moved.index == 0 and moved.reason == "cost"
