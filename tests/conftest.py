@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
+from twins import implementations
 
 from router import _ring_py
-from router._compat import NO_EXTENSIONS
 
 settings.register_profile(
     "ci",
@@ -27,18 +26,8 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def load_compiled() -> ModuleType | None:
-    """The compiled `_ring`, or None where the package was installed without it on purpose."""
-    try:
-        return importlib.import_module("_ring")
-    except ImportError:
-        if NO_EXTENSIONS:
-            return None
-        raise
-
-
-COMPILED = load_compiled()
-IMPLEMENTATIONS = {"python": _ring_py} | ({"compiled": COMPILED} if COMPILED is not None else {})
+IMPLEMENTATIONS = implementations("_ring", _ring_py)
+COMPILED = IMPLEMENTATIONS.get("compiled")
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))

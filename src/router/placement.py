@@ -17,10 +17,10 @@ first). After every answer the engine's `cached_tokens` says how right the guess
 **When would its first token come?** A replica prefills what it is given in order, so the router
 keeps, per replica, the time its prefill queue drains (`busy_until`): a request of u uncached
 tokens sent at t starts at max(t, busy_until) and moves it to that + u x seconds per token. The
-seconds per token are learnt from every streamed answer: its measured TTFT, less the decode share,
-over the tokens it waited for and computed (an EWMA), starting at `prefill_tokens_per_s`; a replica not yet
-measured takes the median of those that are (else the first one measured fast would look like
-the only fast one, and draw everything). So
+seconds per token are learnt from every streamed answer: its measured TTFT, less the decode
+share, over the tokens it waited for and computed (an EWMA), starting at `prefill_tokens_per_s`;
+a replica not yet measured takes the median of those that are (else the first one measured fast
+would look like the only fast one, and draw everything). So
 
     cost(replica) = max(0, busy_until - now)                      wait for what was sent there
                   + other_waiting x mean uncached x s_per_token   queued by others (probed)
@@ -31,18 +31,22 @@ the only fast one, and draw everything). So
                   + ttft_spread_tokens x s_per_token x excess x uncached / prompt   what new context commits
 
 The last term is not this request's time to first token but the turns a conversation placed there
-will bring: excess = (recent - mean recent)+ / (mean recent + SPREAD_SMOOTH), from the requests
+will bring: excess = (recent - mean recent)+ / (mean recent + 4), from the requests
 sent to each replica, decaying over SPREAD_WINDOW_S, and scaled by the share of the prompt the
 replica would compute (a replica that holds nearly all of it is continuing a conversation, not
 taking a new one). Without it an idle fleet sends every new conversation to the replica holding
 their shared system prompt: right for one first token, wrong for the load (and the cache room)
 of every turn after it. A keyed session's own replica never pays it.
 
-Worked example, 1 s of work queued on replica A holding a 10,000-token document, replica B empty,
-both at 20,000 tokens/s, a 10,400-token question on that document: A costs 1 + 400 / 20,000 =
-1.02 s, B 10,400 / 20,000 = 0.52 s: B wins, and now holds the document too (a hot prefix gained a
-second holder because its first was the bottleneck). With 0.2 s queued on A instead, A costs 0.22 s
-and keeps it.
+`price` hands all of it to the compiled core (`PrefixIndex.price`: one loop over raw arrays kept
+here by fleet position), which also applies the gate and finds the cheapest and its near-ties;
+router.policy.ttft breaks ties and applies the stay margin.
+
+Worked example, 2 s of work queued on replica A holding a 10,000-token document, replica B empty,
+both at 20,000 tokens/s, nothing in flight, a 10,400-token question on that document: A costs
+2 + 400 / 20,000 = 2.02 s, B 10,400 / 20,000 = 0.52 s, under half of A's (the stay margin): B
+wins, and now holds the document too (a hot prefix gained a second holder because its first was
+the bottleneck). With 0.2 s queued on A instead, A costs 0.22 s and keeps it.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ RESET_MIN_BLOCKS = 8  # ... a prediction this long at least
 SPREAD_WINDOW_S = 30.0  # recent traffic decays with this time constant
 RECENT_RENORMALISE_S = 600.0  # recent traffic is kept in a frame that is moved this often
 WAITING_REFRESH_S = 0.05  # the engines' probed queues are re-read at most this often
+FLEET_SPEED_EVERY = 32  # the fleet's median speed is taken again every this many answers (and at a first one)
 
 
 @dataclass(slots=True)
@@ -80,7 +85,7 @@ class Held:
     holder: int  # its number in the index
     engine_blocks: int  # what its engine can hold, in blocks
     blocks: int  # what its LRU may hold now (shrunk by over-predictions)
-    seconds_per_token: float  # prefill speed, learnt (until then: the fleet's, see Placement.speed)
+    seconds_per_token: float  # prefill speed, learnt (until then: the fleet median, Placement.fleet_spt)
     samples: int = 0  # answers it was learnt from
     busy_until: float = 0.0  # when what was sent there is prefilled (monotonic seconds)
     recent: float = 0.0  # requests sent there, decaying with SPREAD_WINDOW_S (in Placement's frame)
@@ -140,6 +145,7 @@ class Placement:
         self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
         self.accuracy = Accuracy()
         self.fleet_spt = self.default_spt  # the median of the learnt speeds: a replica's until it has its own
+        self._speed_answers = 0
         # told of every prompt that added blocks to the index (routers on one Redis share them)
         self.share: Callable[[str, array[int]], None] | None = None
         self.gate_c = config.ttft_gate_c
@@ -404,7 +410,9 @@ class Placement:
             if math.isfinite(sample) and sample > 0:
                 self.set_spt(held, held.seconds_per_token + SPEED_ALPHA * (sample - held.seconds_per_token))
                 held.samples += 1
-                self._fleet_speed()
+                self._speed_answers += 1
+                if held.samples == 1 or self._speed_answers % FLEET_SPEED_EVERY == 0:
+                    self._fleet_speed()
         if placed is None:
             return None
         predicted = min(placed.blocks * self.block_bytes / self.bytes_per_token, prompt_tokens)

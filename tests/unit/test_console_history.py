@@ -120,3 +120,22 @@ def test_a_replica_removed_and_added_again_comes_back_to_life() -> None:
         "state": "warming",
     }
     assert [e["kind"] for e in history.events] == ["left", "added"]
+
+
+def test_the_fleet_point_has_the_predicted_and_the_reported_hit_rate_of_the_same_requests() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=2, history_s=10, window_s=4, clock=clock)
+    m.show_health("a", "healthy", None)
+    history.sample()
+    serve(m, "a", 4, 4000, 3000)  # four answers, one without a prediction (1000 tokens, none cached)
+    m.prefix_prompt_tokens.labels("a").inc(3000)
+    m.prefix_predicted_tokens.labels("a").inc(2700)
+    m.prefix_reported_tokens.labels("a").inc(3000)
+    clock.now += 2
+    history.sample()
+    p = history.points[-1]
+    assert p["hit"] == 0.75 and p["predicted"] == 0.9 and p["reported"] == 1.0
+    for _ in range(3):
+        clock.now += 2
+        history.sample()
+    assert history.points[-1]["predicted"] is None  # nothing predicted in the window

@@ -3,7 +3,6 @@ their agreement over any history, golden answers."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import re
@@ -16,23 +15,13 @@ import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
+from twins import implementations
 
 from router import _prefix_py, _ring_py, prefix
 from router._compat import NO_EXTENSIONS
 
-
-def load_compiled() -> ModuleType | None:
-    """The compiled `_prefix`, or None where the package was installed without it on purpose."""
-    try:
-        return importlib.import_module("_prefix")
-    except ImportError:
-        if NO_EXTENSIONS:
-            return None
-        raise
-
-
-COMPILED = load_compiled()
-IMPLEMENTATIONS = {"python": _prefix_py} | ({"compiled": COMPILED} if COMPILED is not None else {})
+IMPLEMENTATIONS = implementations("_prefix", _prefix_py)
+COMPILED = IMPLEMENTATIONS.get("compiled")
 GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "prefix_golden.json").read_text())
 
 

@@ -4,7 +4,6 @@ and fleet."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import random
 from array import array
@@ -15,22 +14,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from twins import implementations
 
 from router import _prefix_py, prefix
 from router._compat import NO_EXTENSIONS
 
-
-def load_compiled() -> ModuleType | None:
-    try:
-        return importlib.import_module("_prefix")
-    except ImportError:
-        if NO_EXTENSIONS:
-            return None
-        raise
-
-
-COMPILED = load_compiled()
-IMPLEMENTATIONS = {"python": _prefix_py} | ({"compiled": COMPILED} if COMPILED is not None else {})
+IMPLEMENTATIONS = implementations("_prefix", _prefix_py)
+COMPILED = IMPLEMENTATIONS.get("compiled")
 CANDIDATE, GATED, NEAR = 1, 2, 4
 UNTOUCHED = -7.0  # what the output rows hold before the call: excluded positions keep it
 UNTOUCHED_FLAGS = 0xEE

@@ -19,11 +19,12 @@ from aiohttp import web
 from router.config import parse_replica
 from router.errors import error_response
 from router.fleet import ReplicaState
-from router.keys import RoutingKey, bounded_key, routing_key
+from router.keys import RoutingKey, bounded_key
 from router.membership import Clash, NoRoom
 from router.node import Node
 from router.policy.ttft import Ttft
 from router.prompt import prompt_of
+from router.proxy.admit import request_key
 
 
 def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool = False) -> None:
@@ -268,14 +269,7 @@ class AdminApi:
             return error_response(f"the body must be the JSON of a completion request: {exc}")
         if not isinstance(body, dict):
             return error_response("the body must be a JSON object: the request to explain")
-        key = routing_key(
-            request.headers,
-            body,
-            header_names=cfg.key_headers,
-            body_fields=cfg.key_body_fields,
-            prefix_chars=cfg.prefix_chars,
-            max_key_bytes=cfg.max_key_bytes,
-        )
+        key = request_key(request, body, cfg)
         policy, fleet = node.policy, node.fleet
         last = None
         if key.kind != "none":

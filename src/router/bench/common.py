@@ -3,6 +3,7 @@ running one measurement to a result (or to one readable error line)."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 import time
@@ -11,6 +12,17 @@ from typing import Any
 
 from router._runtime import run as run_loop
 from router.config import ConfigError
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer, `_` and `,` allowed as digit separators."""
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def free_port() -> int:

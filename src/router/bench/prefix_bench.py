@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from router import _prefix_py, prefix
+from router.bench.common import positive_int
 from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet
 from router.keys import RoutingKey
@@ -63,11 +64,11 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--impl", choices=("compiled", "python"), default="compiled", help="index implementation")
-    p.add_argument("--replicas", type=_positive, default=8, help="holders in the index (default 8)")
-    p.add_argument("--block-bytes", type=_positive, default=64, help="bytes per KV block (default 64: 16 tokens)")
+    p.add_argument("--replicas", type=positive_int, default=8, help="holders in the index (default 8)")
+    p.add_argument("--block-bytes", type=positive_int, default=64, help="bytes per KV block (default 64: 16 tokens)")
     p.add_argument(
         "--fill",
-        type=_positive,
+        type=positive_int,
         default=1 << 20,
         help="blocks the index holds, all holders together; each holder's capacity is its share (default 1,048,576)",
     )
@@ -75,7 +76,7 @@ def add_parser(sub: Any) -> None:
         "--tokens", type=_sizes, default=(1024, 8192, 32768), help="prompt sizes in tokens (default 1024,8192,32768)"
     )
     p.add_argument(
-        "--repeat", type=_positive, default=25, help="batches per timing; the median is reported (default 25)"
+        "--repeat", type=positive_int, default=25, help="batches per timing; the median is reported (default 25)"
     )
     p.add_argument("--max-seconds", type=float, default=1.0, help="time budget of one timing (default 1.0)")
     p.add_argument(
@@ -89,18 +90,8 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(_positive(part) for part in text.split(",") if part.strip())
+    return tuple(positive_int(part) for part in text.split(",") if part.strip())
 
 
 def median_us_per_call(make_batch: Callable[[int], Callable[[], object]], repeat: int, budget_s: float) -> float:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from router import _ring_py
+from router.bench.common import positive_int
 from router.ring import IMPLEMENTATION, Ring
 
 FLEETS = ((20, 128), (200, 160))
@@ -35,27 +36,17 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--keys", type=_positive, default=1_000_000, help="UUID-like keys to route (default 1,000,000)")
+    p.add_argument("--keys", type=positive_int, default=1_000_000, help="UUID-like keys to route (default 1,000,000)")
     p.add_argument(
         "--slow-keys",
-        type=_positive,
+        type=positive_int,
         default=100_000,
         help="keys for the slow contenders (pure Python, uhashring); default 100,000",
     )
-    p.add_argument("--repeat", type=_positive, default=5, help="runs per timing; the median is reported (default 5)")
+    p.add_argument("--repeat", type=positive_int, default=5, help="runs per timing; the median is reported (default 5)")
     p.add_argument("--seed", type=int, default=1, help="random seed for the keys (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def uuid_keys(count: int, seed: int) -> list[str]:

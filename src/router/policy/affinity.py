@@ -58,17 +58,11 @@ class Affinity(Policy):
             def under(i: int) -> bool:
                 return loads[i] < cap_of(i)
 
-        if last is not None:
-            previous = fleet.find(last)
-            if (
-                previous is not None
-                and previous.index is not None
-                and previous.index not in exclude
-                and (fleet.routable(previous.index) or previous.state == "draining")
-            ):
-                if under(previous.index):
-                    return Decision(previous.index, "sticky"), False
-                capped = True
+        previous = self.session_replica(last, exclude)
+        if previous is not None:
+            if under(previous):
+                return Decision(previous, "sticky"), False
+            capped = True
         if not exclude:
             owner = ring.lookup(key.key)
             if owner < 0:

@@ -35,6 +35,22 @@ class Policy:
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         raise NotImplementedError
 
+    def session_replica(self, last: str | None, exclude: Collection[int]) -> int | None:
+        """The index of `last`, the replica the session was served on last, while it can take the
+        session's next turn: in the fleet, not tried for this request, routable or draining (a
+        draining replica keeps its sessions until the drain has warmed and moved them)."""
+        if last is None:
+            return None
+        previous = self.fleet.find(last)
+        if (
+            previous is None
+            or previous.index is None
+            or previous.index in exclude
+            or not (self.fleet.routable(previous.index) or previous.state == "draining")
+        ):
+            return None
+        return previous.index
+
     def least_loaded(self, exclude: Collection[int], reason: str = "least_load") -> Decision | None:
         """The routable replica with the fewest in-flight requests for its capacity. Ties rotate, so
         equal loads never pin traffic to the first replica in the list."""

@@ -2,7 +2,9 @@
 
 For each routable replica not yet tried, router.placement prices the request in seconds of time
 to first token: the wait for the prefill already sent there (and queued by others, and its decode
-load) plus this prompt's tokens it does not hold, at its learnt prefill speed. What it holds comes
+load) plus this prompt's tokens it does not hold, at its learnt prefill speed — counted once more
+for each request running there, which that prefill delays — plus, for a conversation new to it,
+the traffic it recently got above the fleet's mean (router.placement has the formula). What it holds comes
 from the prefix index (blocks the router sent there, corrected by the `cached_tokens` it reports);
 the replica a session was served on last holds that session's whole history, its replies too.
 
@@ -70,17 +72,7 @@ class Ttft(Policy):
         `rows()`, for /admin/route)."""
         fleet = self.fleet
         placement = self.placement
-        last = self.evidence(key, last)
-        last_index: int | None = None
-        if last is not None:
-            previous = fleet.find(last)
-            if (
-                previous is not None
-                and previous.index is not None
-                and previous.index not in exclude
-                and (fleet.routable(previous.index) or previous.state == "draining")
-            ):
-                last_index = previous.index
+        last_index = self.session_replica(self.evidence(key, last), exclude)
         best, near = placement.price(prompt, exclude, last_index, placement.clock())
         if best == -2:
             return None, placement

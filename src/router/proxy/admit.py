@@ -55,6 +55,18 @@ class Admitted:
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
 
 
+def request_key(request: web.Request, body: dict[str, Any], cfg: RouterConfig) -> RoutingKey:
+    """The routing key of a request with this (parsed) body, by the configured sources."""
+    return routing_key(
+        request.headers,
+        body,
+        header_names=cfg.key_headers,
+        body_fields=cfg.key_body_fields,
+        prefix_chars=cfg.prefix_chars,
+        max_key_bytes=cfg.max_key_bytes,
+    )
+
+
 async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Admitted | web.Response:
     """The request's body and key, or the error answer it gets (431, 408, 413, 400). `prompts`:
     the key carries the prompt's blocks too (for a policy that reads them, router.prompt)."""
@@ -85,14 +97,7 @@ async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) 
         return error_response(f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return error_response("the request body must be a JSON object")
-    key = routing_key(
-        request.headers,
-        body,
-        header_names=cfg.key_headers,
-        body_fields=cfg.key_body_fields,
-        prefix_chars=cfg.prefix_chars,
-        max_key_bytes=cfg.max_key_bytes,
-    )
+    key = request_key(request, body, cfg)
     if prompts and request.path in STREAMABLE:  # an embedding's input leaves no KV cache behind
         prompt = prompt_of(body, cfg.prefix_block_bytes)
         if prompt is not None:
