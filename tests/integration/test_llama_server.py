@@ -359,8 +359,14 @@ async def test_a_drain_warms_and_moves_its_sessions(llama, start_router) -> None
 
 async def test_health_reads_llama_cpp_and_a_full_replica_spills(llama, start_router) -> None:  # type: ignore[no-untyped-def]
     servers = await llama(2, slots=2)
+    # affinity's capacity-aware spill (one session's burst past its replica's slots) is the subject
     _router, url = await start_router(
-        specs(servers), admin_token=TOKEN, probe_interval_s=0.2, probe_timeout_s=1.0, rebalance=False
+        specs(servers),
+        admin_token=TOKEN,
+        probe_interval_s=0.2,
+        probe_timeout_s=1.0,
+        rebalance=False,
+        policy="affinity",
     )
     auth = {"Authorization": f"Bearer {TOKEN}"}
 
