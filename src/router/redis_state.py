@@ -11,6 +11,7 @@ Keys, under `kvar:<state_namespace>:`
 - `overrides`: hash, "origin#vnode" -> owner id; `discovered`: hash of the replicas discovery
   added (and may remove); a replica entry's "remove" marks a drain that removes it at the end;
 - `version`: a counter bumped by every change, announced on the channel `changes`;
+- `reconcile`: a lock held by the instance (re)connecting, while it seeds or catches up Redis;
 - `leader`: which instance rebalances (a lease of 3 s renewed every second; the others follow its
   moves, so N routers never make N conflicting moves);
 - `s:<hex of the session key>`: the replica that served the session last and when (unix ms,
@@ -57,6 +58,8 @@ FLUSH_S = 0.1
 LOOKUP_TIMEOUT_S = 0.05
 LEASE_S = 3
 CLOSE_TIMEOUT_S = 2.0
+RECONCILE_LOCK_S = 5.0  # an instance that dies while reconciling holds the others back this long, at most
+RECONCILE_WAIT_S = 2.0  # how long an instance waits for another's reconciling, then tries again later
 MAX_PENDING_SESSIONS = 200_000  # session writes kept while Redis is away, at most
 MAX_PENDING_PLACEMENTS = 1024  # placements waiting to be told; older ones are dropped (the index is a guess)
 MAX_SHARED_BLOCKS = 8192  # blocks of one placement told at most (64 KiB; 512k bytes of prompt)
@@ -116,18 +119,22 @@ class RedisState:
             await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
 
     async def _connect(self) -> None:
-        """Seed what Redis lacks, write what changed while away, then follow Redis."""
+        """Seed what Redis lacks, write what changed while away, then follow Redis. One instance
+        at a time (a lock in Redis): two that found an emptied Redis together would both seed it,
+        and a replica one of them removed meanwhile would come back from the other's state."""
         r = self.redis
-        if not await r.exists(self.key("version")):
-            await self._write_everything()  # a new (or emptied) Redis: our state is the best there is
-        else:
-            for op, arg in self._pending:
-                await self._apply_remote(op, arg)
-            fleet = self.membership.fleet
-            removed = await r.hgetall(self.key("removed"))
-            for spec in self.configured:  # configured replicas nobody removed join
-                if spec.id.encode() not in removed and fleet.find(spec.id) is not None:
-                    await r.hsetnx(self.key("replicas"), spec.id, orjson.dumps({"url": spec.url, "draining": False}))
+        async with r.lock(self.key("reconcile"), timeout=RECONCILE_LOCK_S, blocking_timeout=RECONCILE_WAIT_S):
+            if not await r.exists(self.key("version")):
+                await self._write_everything()  # a new (or emptied) Redis: our state is the best there is
+            else:
+                for op, arg in self._pending:
+                    await self._apply_remote(op, arg)
+                fleet = self.membership.fleet
+                removed = await r.hgetall(self.key("removed"))
+                for spec in self.configured:  # configured replicas nobody removed join
+                    if spec.id.encode() not in removed and fleet.find(spec.id) is not None:
+                        entry = orjson.dumps({"url": spec.url, "draining": False})
+                        await r.hsetnx(self.key("replicas"), spec.id, entry)
         self._pending.clear()
         self.online = True
         await self._lease()

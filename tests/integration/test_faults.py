@@ -74,7 +74,12 @@ async def test_redis_gone_and_back_routing_goes_on_and_state_reconciles() -> Non
 async def test_a_router_restart_refuses_only_while_down_and_keeps_sessions() -> None:
     result, f = await run("router-restart")
     assert result["refused"] >= 1 and f["refused_outside_downtime"] == 0 and f["ring_with_overrides_back"]
-    assert f["sessions_across_restart"] >= 1 and f["same_replica_after_restart"] == f["sessions_across_restart"]
+    across = f["sessions_across_restart"]
+    assert across >= 1 and f["saved_at_last_replica"] == across
+    # each session came back where its cache is, or was moved on knowingly (ttft: a burst of
+    # returning turns may make another replica's first token come sooner); a forgotten session
+    # would land by cost or ring with no jump counted
+    assert across - f["same_replica_after_restart"] <= f["session_jumps_after_restart"]
 
 
 def test_classification() -> None:

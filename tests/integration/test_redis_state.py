@@ -94,8 +94,10 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
         await turn(url_a, f"offline-{i}")
         await turn(url_b, f"offline-{i}")
     assert "emu-1" in members(b)  # B cannot know yet
-    # Redis comes back, empty: the routers write back what they know and B learns of the removal
+    # Redis comes back, empty: the routers write back what they know and B learns of the removal,
+    # even when both find it back at the same moment (each one's loop may, by chance)
     await redis_server.start()
+    await asyncio.gather(b.redis._connect(), a.redis._connect())
     await wait_for(lambda: a.redis.online and b.redis.online, 10)
     await wait_for(lambda: members(b) == members(a) == ["emu-0", "emu-2", "emu-3"], 5)
     assert b.fleet.ring.overrides == a.fleet.ring.overrides

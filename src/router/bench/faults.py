@@ -33,8 +33,10 @@ Scenarios (the victim is one replica; the others stay well):
 - `redis-gone` (needs `redis-server`): two routers share state in Redis; Redis stops, one router
   removes a replica meanwhile, Redis comes back empty and the other router must learn of it;
 - `router-restart`: `router-serve` (state in a file) is stopped with SIGTERM under load and
-  started again: streams in flight finish, clients are refused only while it is down, and the
-  sessions go back to the replicas that hold their caches.
+  started again: streams in flight finish, clients are refused only while it is down, the saved
+  state holds every session at the replica that served it last, and the sessions go back to the
+  replicas that hold their caches (under `ttft` one may move on, knowingly: the restarted router
+  counts it as a session jump, as it would not for a session it had forgotten).
 
 The router's time-outs and probe interval are shortened (`FAULT_SETTINGS`, shown in the output)
 so each scenario takes seconds; `--setting` overrides them.
@@ -73,6 +75,7 @@ from router.emulator.server import Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import build_app
 from router.proxy.workers import runner_for
+from router.state import StateFile
 
 SCENARIOS = (
     "crash-before-first-byte",
@@ -212,7 +215,9 @@ class Clients:
         self.think_s = think_s
         self.tag = tag
         self.tally = Tally()
-        self.served: dict[str, list[tuple[float, str]]] = {}  # session -> (time, replica) of each turn
+        # session -> (when it was sent, replica) of each turn: a turn sent before a router stops is that
+        # router's to place, even when its answer comes while the router drains
+        self.served: dict[str, list[tuple[float, str]]] = {}
         self.refused_at: list[float] = []
         self.streaming: Counter[str] = Counter()  # streams under way, by the replica serving them
         self._stop = asyncio.Event()
@@ -260,6 +265,7 @@ class Clients:
     ) -> str | None:
         """One request, classified; its reply ("" if it failed), or None if the router refused the connection."""
         body = {"model": "emulated-llm", "messages": history, "max_tokens": self.max_tokens, "stream": stream}
+        sent = time.monotonic()
         headers = {"Content-Type": "application/json", **{name: session for name in SESSION_HEADERS}}
         try:
             async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
@@ -285,7 +291,7 @@ class Clients:
         verdict, detail = classify(status, raw, stream, self.max_tokens)
         self.tally.add(verdict, detail)
         if verdict == "succeeded" and replica:
-            self.served.setdefault(session, []).append((time.monotonic(), replica))
+            self.served.setdefault(session, []).append((sent, replica))
         return "" if verdict != "succeeded" else "ok " * 8
 
 
@@ -709,6 +715,8 @@ async def router_restart(world: World) -> tuple[Tally, dict[str, Any]]:
     resumed, retried = await router_counts(url)
     down_at = time.monotonic()
     stop_took = await _stop_child(children[-1].proc, 15)
+    saved = StateFile(state_dir, "127.0.0.1", port).load()
+    saved_sessions = {key.decode(errors="replace"): replica for key, replica, _ in saved.sessions} if saved else {}
     await start()
     downtime = round(time.monotonic() - down_at, 3)
     up_at = time.monotonic()
@@ -716,22 +724,28 @@ async def router_restart(world: World) -> tuple[Tally, dict[str, Any]]:
     await asyncio.sleep(world.opts.fault_s)
     await clients.stop()
     more_resumed, more_retried = await router_counts(url)
+    jumps = await metric_sum(url, "router_session_jumps")  # the restarted router's: it counts from 0
     clients.tally.resumed, clients.tally.retried = resumed + more_resumed, retried + more_retried
     # sessions that had turns before and after the restart: did they come back to the same replica?
-    kept = moved = 0
-    for turns in clients.served.values():
+    # (by when each turn was sent: the old router placed those sent before it was stopped, the
+    # restarted one those sent once it was up; a turn sent in between may meet either, or neither)
+    kept = moved = saved_right = 0
+    for session, turns in clients.served.items():
         before = [rep for t, rep in turns if t < down_at]
         after = [rep for t, rep in turns if t > up_at]
         if before and after:
             kept += after[0] == before[-1]
             moved += after[0] != before[-1]
+            saved_right += saved_sessions.get(session) == before[-1]
     return clients.tally, {
         "stop_took_s": stop_took,
         "down_s": downtime,
         "refused_outside_downtime": sum(not down_at <= t <= up_at for t in clients.refused_at),
         "ring_with_overrides_back": ring_after == ring_before,
         "sessions_across_restart": kept + moved,
+        "saved_at_last_replica": saved_right,
         "same_replica_after_restart": kept,
+        "session_jumps_after_restart": jumps,  # by the restarted router, of sessions it knew
     }
 
 

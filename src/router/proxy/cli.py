@@ -17,7 +17,7 @@ from router.emulator.server import Fleet as EmulatorFleet
 from router.emulator.server import Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import admin_app, build_app
-from router.proxy.workers import CannotListen, WorkerFailed, listen, runner_for, serve_workers
+from router.proxy.workers import HANDOVER_S, CannotListen, WorkerFailed, listen, runner_for, serve_workers, stop_serving
 from router.shm.table import SlotTable
 from router.state import StateError
 
@@ -257,7 +257,7 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
                 if admin is not None:
                     await admin.cleanup()
             finally:
-                await runner.cleanup()
+                await stop_serving(runner, min(HANDOVER_S, config.drain_timeout_s))
     finally:
         if table is not None:
             table.close()

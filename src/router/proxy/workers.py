@@ -60,9 +60,22 @@ async def listen(runner: web.AppRunner, host: str, port: int, reuse_port: bool =
         raise CannotListen(host, port, exc) from None
 
 
+HANDOVER_S = 1.0  # on stop, how long keep-alive connections may still bring a last request
+CLOSING: web.AppKey[list[bool]] = web.AppKey("closing", list)  # [True] once the process stops
+
+
+async def _close_after_answer(request: web.Request, response: web.StreamResponse) -> None:
+    if request.app[CLOSING]:
+        # the headers are made by now: say it, and close after it; the client's next request goes elsewhere
+        response.headers["Connection"] = "close"
+        response.force_close()
+
+
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
-    """The aiohttp runner of a proxying process (a lone router or a worker)."""
+    """The aiohttp runner of a proxying process (a lone router or a worker); stop it with `stop_serving`."""
     field_size = max(config.max_header_bytes + 1024, 8190)
+    app[CLOSING] = []
+    app.on_response_prepare.append(_close_after_answer)
     return web.AppRunner(
         app,
         handle_signals=False,
@@ -82,6 +95,24 @@ def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
         max_line_size=field_size,
         max_headers=max(128, (2 << 20) // field_size),
     )
+
+
+async def stop_serving(runner: web.AppRunner, handover_s: float = HANDOVER_S) -> None:
+    """Stop serving: no new connections; for `handover_s` (less once none is left) an open
+    keep-alive connection may still bring a request, answered with `Connection: close`; then what
+    is in flight gets `drain_timeout_s` to finish and the rest is closed. A keep-alive connection
+    closed while idle can meet a request already on its way (the client sees a disconnect, not
+    an answer); handed over, a busy client's connection closes after an answer instead (one
+    with an answer under way when the stop came takes its next request in the handover)."""
+    for site in list(runner.sites):
+        await site.stop()  # the listening sockets: new connections are refused from here on
+    server = runner.server
+    if server is not None and runner.app is not None and handover_s > 0:
+        runner.app[CLOSING].append(True)
+        deadline = time.monotonic() + handover_s
+        while server.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    await runner.cleanup()
 
 
 # -- a worker process ------------------------------------------------------------------------------
@@ -134,7 +165,7 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
                 with contextlib.suppress(Exception):  # the proxy's own runner is cleaned up whatever happens
                     await other.cleanup()
             if runner is not None:
-                await runner.cleanup()
+                await stop_serving(runner, min(HANDOVER_S, config.drain_timeout_s))
         finally:
             table.close()
 
