@@ -10,7 +10,8 @@
 #         best = index.c_price(chain, n_blocks, &fleet, &request, &costs, &n_near)
 #
 # The structs c_price reads have no defaults: set every field, fleet.recent and costs.spread to
-# NULL (and request.spread_tokens to 0) where the spread term is not wanted.
+# NULL (and request.spread_tokens to 0) where the spread term is not wanted, request.interference
+# to 0, history_from_all to 0 and home_share to -1 where those are not.
 #
 # `_prefix` cimports `_ring` (for XXH3), so both .pxd files must be on the include path; they
 # ship side by side. Every function and method here is `noexcept nogil`, touches no Python
@@ -81,6 +82,9 @@ ctypedef struct prefix_request_t:  # the prompt's side of the decision
     Py_ssize_t last              # the position that served the session last, or -1
     double recent_scale          # fleet.recent[i] * recent_scale: requests recently sent to i now
     double spread_tokens         # tokens of extra prefill charged per unit of excess; <= 0: no spread
+    double interference          # seconds_per_token x (1 + interference x loads): 0 leaves it as it is
+    bint history_from_all        # with last >= 0: history_blocks raised to the most any holder keeps
+    double home_share            # < 0: no home; else costs.home is found (see PrefixIndex.price)
 
 
 ctypedef struct prefix_costs_t:  # written at candidate positions only
@@ -89,6 +93,7 @@ ctypedef struct prefix_costs_t:  # written at candidate positions only
     double* cost                 # wait + uncached tokens x seconds per token + spread
     uint8_t* flags               # PREFIX_CANDIDATE | PREFIX_GATED | PREFIX_NEAR
     double* spread               # the spread term of the cost; NULL: not wanted
+    Py_ssize_t home              # out: the candidate holding the most of the prompt, or -1
 
 
 # Hashes the `n_blocks` whole blocks of `data` (`block_len` bytes each) into `out`: out[0] is

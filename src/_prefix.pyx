@@ -620,8 +620,8 @@ cdef class PrefixIndex:
     def price(self, chain, holders, busy_until, seconds_per_token, loads, waiting, caps, excluded,
               now, decode_s, mean_uncached, block_tokens, total_tokens, last, history_blocks, tie_s,
               tie_share, cached_out, wait_out, cost_out, flags_out, recent=None, recent_scale=1.0,
-              spread_tokens=0.0, spread_out=None):
-        """One routing decision over n = len(holders) fleet positions; returns (best, near).
+              spread_tokens=0.0, spread_out=None, interference=0.0, history_from_all=False, home_share=-1.0):
+        """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
         Per position i: holders[i] (int32, -1: holds nothing yet), busy_until[i],
         seconds_per_token[i], waiting[i] (float64, < 0: unknown), loads[i], caps[i] (int64),
@@ -631,6 +631,8 @@ cdef class PrefixIndex:
         for every candidate:
 
             blocks   = match(holders[i], chain), or history_blocks at `last` if that is more
+                       (with history_from_all and last >= 0, history_blocks is first raised to
+                       the most any position's holder keeps, excluded positions included)
             cached   = min(blocks * block_tokens, total_tokens); uncached = total_tokens - cached
             wait     = max(0, busy_until[i] - now) + loads[i] * decode_s
                        + (waiting[i] - loads[i]) * mean_uncached * spt   when waiting[i] > loads[i]
@@ -638,8 +640,11 @@ cdef class PrefixIndex:
             spread   = spread_tokens * spt * excess * uncached / total_tokens   (left to right)
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
                        total_tokens > 0; else 0
-            cost     = wait + uncached * spt + spread                      (spt: seconds_per_token[i])
+            cost     = wait + uncached * spt + spread
             gated    = loads[i] >= caps[i]
+
+        where spt = seconds_per_token[i] x (1 + interference x loads[i]) (a prefill there delays
+        every request running there; exactly seconds_per_token[i] when interference is 0)
 
         and cached_out, wait_out, cost_out (float64), flags_out (uint8: PRICE_CANDIDATE,
         PRICE_GATED, PRICE_NEAR) and spread_out (float64, when given) get its row; other
@@ -647,8 +652,10 @@ cdef class PrefixIndex:
         handful of requests is no imbalance yet. best is the non-gated candidate of lowest cost
         (the lowest position among equals), -1 when there is none; near counts the non-gated
         candidates with cost <= best's + max(tie_s, best's * tie_share), best included, each
-        flagged PRICE_NEAR. The defaults (no recent, spread_tokens 0) add no spread: the costs
-        are those without the term, bit for bit."""
+        flagged PRICE_NEAR. home (when home_share >= 0, else -1) is the candidate, gated or not,
+        with the most cached tokens (the highest position among equals) if that is at least
+        home_share x total_tokens and more than 0, else -1. The defaults (no recent,
+        spread_tokens 0, interference 0) add no term: the costs are those without it, bit for bit."""
         cdef Py_buffer views[_PRICE_BUFFERS]
         cdef uint32_t in_place = 0       # bit k: buffer argument k is an array.array read in place
         cdef uint32_t taken = 0          # bit k: views[k] holds a view to release
@@ -692,6 +699,11 @@ cdef class PrefixIndex:
             request.spread_tokens = _float_arg("spread_tokens", spread_tokens)
             if spread_out is not None:
                 _arg_buffer(spread_out, &views[13], "spread_out", _FLOAT64_OUT, n, 13, &in_place, &taken)
+            request.interference = _float_arg("interference", interference)
+            if not isinstance(history_from_all, bool):
+                raise TypeError(f"history_from_all must be a bool, not {type(history_from_all).__name__}")
+            request.history_from_all = history_from_all
+            request.home_share = _float_arg("home_share", home_share)
             # from here on no Python code runs until the loop is done
             fleet.n = n
             fleet.holders = <const int32_t*>_items(holders, &views[1], in_place & (1 << 1), n, "holders")
@@ -725,7 +737,7 @@ cdef class PrefixIndex:
             for i in range(_PRICE_BUFFERS):
                 if taken & (1u << i):
                     PyBuffer_Release(&views[i])
-        return best, near
+        return best, near, costs.home
 
     def truncate(self, holder, chain, keep):
         """The holder's engine keeps only `keep` blocks of `chain`: drops chain[keep:] from the
@@ -894,13 +906,21 @@ cdef class PrefixIndex:
         # included: the first argument unless the second is strictly past it), so both give
         # equal costs, not only close ones. A spread is added only where it applies, so without
         # one every cost is the same double as before the term existed.
-        cdef Py_ssize_t i, best = -1, near = 0, n_candidates = 0
+        cdef Py_ssize_t i, best = -1, near = 0, n_candidates = 0, home = -1
         cdef int32_t h, matched
-        cdef int64_t blocks
-        cdef double cached, uncached, spt, queued, wait, cost, load, best_cost = 0.0, slack, limit
+        cdef int64_t blocks, history = request.history_blocks
+        cdef double cached, uncached, spt, queued, wait, cost, load, best_cost = 0.0, slack, limit, most
         cdef double recent, recent_sum = 0.0, mean = 0.0, excess, spread
         cdef bint spreading = fleet.recent != NULL and request.spread_tokens > 0.0
         cdef uint8_t flags
+        if request.history_from_all and request.last >= 0:
+            # a keyed session's replica holds whatever of this prompt any replica holds
+            for i in range(fleet.n):
+                h = fleet.holders[i]
+                if 0 <= h < self._n_holders and self._holders[h].in_use:
+                    matched = self.c_match(h, chain, n_chain)
+                    if matched > history:
+                        history = matched
         if n_chain > 0:
             # most holders miss on the first probe: start all their first loads at once
             for i in range(fleet.n):
@@ -921,14 +941,16 @@ cdef class PrefixIndex:
             h = fleet.holders[i]
             matched = self.c_match(h, chain, n_chain) if h >= 0 else 0
             blocks = matched if matched > 0 else 0
-            if i == request.last and request.history_blocks > blocks:
-                blocks = request.history_blocks
+            if i == request.last and history > blocks:
+                blocks = history
             cached = <double>blocks * request.block_tokens
             if request.total_tokens < cached:
                 cached = request.total_tokens
             uncached = request.total_tokens - cached
             spt = fleet.seconds_per_token[i]
             load = <double>fleet.loads[i]
+            if request.interference != 0.0:
+                spt = spt * (1.0 + request.interference * load)
             queued = fleet.busy_until[i] - request.now
             wait = (queued if queued > 0.0 else 0.0) + load * request.decode_s
             if fleet.waiting[i] >= 0.0 and fleet.waiting[i] > load:  # queued there by someone else
@@ -964,6 +986,13 @@ cdef class PrefixIndex:
                         and costs.cost[i] <= limit):
                     costs.flags[i] |= PREFIX_NEAR
                     near += 1
+        if request.home_share >= 0.0:
+            most = request.home_share * request.total_tokens
+            for i in range(fleet.n):
+                if not fleet.excluded[i] and costs.cached[i] >= most and costs.cached[i] > 0.0:
+                    home = i
+                    most = costs.cached[i]
+        costs.home = home
         n_near[0] = near
         return best
 

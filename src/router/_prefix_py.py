@@ -363,8 +363,11 @@ class PrefixIndex:
         recent_scale: float = 1.0,
         spread_tokens: float = 0.0,
         spread_out: Buffer | None = None,
-    ) -> tuple[int, int]:
-        """One routing decision over n = len(holders) fleet positions; returns (best, near).
+        interference: float = 0.0,
+        history_from_all: bool = False,
+        home_share: float = -1.0,
+    ) -> tuple[int, int, int]:
+        """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
         Per position i: holders[i] (int32, -1: holds nothing yet), busy_until[i],
         seconds_per_token[i], waiting[i] (float64, < 0: unknown), loads[i], caps[i] (int64),
@@ -374,6 +377,8 @@ class PrefixIndex:
         for every candidate:
 
             blocks   = match(holders[i], chain), or history_blocks at `last` if that is more
+                       (with history_from_all and last >= 0, history_blocks is first raised to
+                       the most any position's holder keeps, excluded positions included)
             cached   = min(blocks * block_tokens, total_tokens); uncached = total_tokens - cached
             wait     = max(0, busy_until[i] - now) + loads[i] * decode_s
                        + (waiting[i] - loads[i]) * mean_uncached * spt   when waiting[i] > loads[i]
@@ -381,8 +386,11 @@ class PrefixIndex:
             spread   = spread_tokens * spt * excess * uncached / total_tokens   (left to right)
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
                        total_tokens > 0; else 0
-            cost     = wait + uncached * spt + spread                      (spt: seconds_per_token[i])
+            cost     = wait + uncached * spt + spread
             gated    = loads[i] >= caps[i]
+
+        where spt = seconds_per_token[i] x (1 + interference x loads[i]) (a prefill there delays
+        every request running there; exactly seconds_per_token[i] when interference is 0)
 
         and cached_out, wait_out, cost_out (float64), flags_out (uint8: PRICE_CANDIDATE,
         PRICE_GATED, PRICE_NEAR) and spread_out (float64, when given) get its row; other
@@ -390,8 +398,10 @@ class PrefixIndex:
         handful of requests is no imbalance yet. best is the non-gated candidate of lowest cost
         (the lowest position among equals), -1 when there is none; near counts the non-gated
         candidates with cost <= best's + max(tie_s, best's * tie_share), best included, each
-        flagged PRICE_NEAR. The defaults (no recent, spread_tokens 0) add no spread: the costs
-        are those without the term, bit for bit."""
+        flagged PRICE_NEAR. home (when home_share >= 0, else -1) is the candidate, gated or not,
+        with the most cached tokens (the highest position among equals) if that is at least
+        home_share x total_tokens and more than 0, else -1. The defaults (no recent,
+        spread_tokens 0, interference 0) add no term: the costs are those without it, bit for bit."""
         keys = _buffer(chain, "chain", _CHAIN)
         hs = _buffer(holders, "holders", _INT32)
         n = len(hs)
@@ -421,6 +431,10 @@ class PrefixIndex:
         recent_scale = _float_arg("recent_scale", recent_scale)
         spread_tokens = _float_arg("spread_tokens", spread_tokens)
         spread_row = None if spread_out is None else _fleet_buffer(spread_out, "spread_out", _FLOAT64_OUT, n)
+        interference = _float_arg("interference", interference)
+        if not isinstance(history_from_all, bool):
+            raise TypeError(f"history_from_all must be a bool, not {type(history_from_all).__name__}")
+        home_share = _float_arg("home_share", home_share)
         lru = self._lru
         for i in range(n):
             h = hs[i]
@@ -430,6 +444,12 @@ class PrefixIndex:
         # The compiled loop's float operations in its order; min and max written out as it
         # writes them (the first value unless the second is strictly past it, as Python's).
         best, best_cost = -1, 0.0
+        if history_from_all and last >= 0:
+            # a keyed session's replica holds whatever of this prompt any replica holds
+            for i in range(n):
+                h = hs[i]
+                if 0 <= h < len(lru) and lru[h] is not None:
+                    history_blocks = max(history_blocks, _match(lru[h], keys))
         shares = sent if spread_tokens > 0.0 else None  # None: no spread term
         mean = 0.0
         if shares is not None:
@@ -455,6 +475,8 @@ class PrefixIndex:
             uncached = total_tokens - cached
             spt = speeds[i]
             load = float(flights[i])
+            if interference != 0.0:
+                spt = spt * (1.0 + interference * load)
             queued = busy[i] - now
             wait = (queued if queued > 0.0 else 0.0) + load * decode_s
             if queues[i] >= 0.0 and queues[i] > load:  # queued there by someone else
@@ -491,7 +513,13 @@ class PrefixIndex:
                 if not skip[i] and not flags_row[i] & PRICE_GATED and cost_row[i] <= limit:
                     flags_row[i] |= PRICE_NEAR
                     near += 1
-        return best, near
+        home = -1
+        if home_share >= 0.0:
+            most = home_share * total_tokens
+            for i in range(n):
+                if not skip[i] and cached_row[i] >= most and cached_row[i] > 0.0:
+                    home, most = i, cached_row[i]
+        return best, near, home
 
     def truncate(self, holder: int, chain: Buffer, keep: int) -> int:
         """The holder's engine keeps only `keep` blocks of `chain`: drops chain[keep:] from the

@@ -17,8 +17,10 @@ first). After every answer the engine's `cached_tokens` says how right the guess
 **When would its first token come?** A replica prefills what it is given in order, so the router
 keeps, per replica, the time its prefill queue drains (`busy_until`): a request of u uncached
 tokens sent at t starts at max(t, busy_until) and moves it to that + u x seconds per token. The
-seconds per token are learnt from every streamed answer: its measured TTFT, less the decode
-share, over the tokens it waited for and computed (an EWMA), starting at `prefill_tokens_per_s`;
+seconds per token are learnt from every streamed answer that had the replica to itself (with
+others there its first token also waited for their decode steps and for room in its KV cache):
+its measured TTFT, less the decode share, over the tokens it waited for and computed (an EWMA),
+starting at `prefill_tokens_per_s`;
 a replica not yet measured takes the median of those that are (else the first one measured fast
 would look like the only fast one, and draw everything). So
 
@@ -152,12 +154,11 @@ class Placement:
         self.floor = config.bounded_load_floor
         self.tie_s = config.ttft_tie_s
         self.tie_share = config.ttft_tie_share
-        self._out = array("i")
         # the row arrays of a decision, by fleet position (`_layout`), and what they are for
         self._layout_for = -1
         self._helds: list[Held] = []
         self._holders = array("i")
-        self._busy = self._spt = self._spt_loaded = self._recent = self._waiting = array("d")
+        self._busy = self._spt = self._recent = self._waiting = array("d")
         self._cached = self._wait = self._cost = self._spread = array("d")
         self._flags = self._routable = self._candidates = array("B")
         self._caps = array("q")
@@ -216,7 +217,6 @@ class Placement:
         self._holders = array("i", [h.holder for h in helds])
         self._busy = array("d", [h.busy_until for h in helds])
         self._spt = array("d", [h.seconds_per_token for h in helds])
-        self._spt_loaded = array("d", self._spt)
         self._recent = array("d", [h.recent for h in helds])
         self._waiting = array("d", [-1.0] * n)
         self._waiting_at = -math.inf
@@ -238,12 +238,15 @@ class Placement:
         if held.pos < len(self._spt) and self._helds[held.pos] is held:
             self._spt[held.pos] = value
 
-    def price(self, prompt: Prompt, exclude: Collection[int], last: int | None, now: float) -> tuple[int, int]:
+    def price(
+        self, prompt: Prompt, exclude: Collection[int], last: int | None, now: float, home_share: float = -1.0
+    ) -> tuple[int, int, int]:
         """Price `prompt` on every routable position not in `exclude` (and on `last`, the position of
         the keyed session's replica, even while it drains), in the compiled core (router.prefix):
         the rows (`row(i)`) are filled for every candidate. Returns (the cheapest position under the
         gate: -1 when every candidate is past it, -2 when there is no candidate; how many are
-        within the tie margin of it)."""
+        within the tie margin of it; with `home_share` >= 0, the candidate holding the most of the
+        prompt if that is at least that share of it, else -1)."""
         self._layout()
         fleet = self.fleet
         n = len(self._holders)
@@ -264,7 +267,7 @@ class Placement:
             if last is not None:
                 excluded[last] = 0
         if not excluded.count(0):
-            return -2, 0
+            return -2, 0, -1
         limit = fleet.load_limit(fleet.ring.load_cap(fleet.loads, self.gate_c), self.floor)
         if isinstance(limit, int):
             if self._uniform_cap != (limit, n):
@@ -273,28 +276,19 @@ class Placement:
         else:
             self._caps = array("q", [limit.of(i) for i in range(n)])
             self._uniform_cap = None
-        history = prompt.history_blocks
-        if last is not None:  # a keyed session's replica holds whatever of this prompt any replica holds
-            out = self._out
-            if len(out) < self.index.n_holders:
-                out.extend([0] * (self.index.n_holders - len(out)))
-            self.index.match_all(prompt.chain, out)
-            history = max(history, max(out[h] for h in self._holders))
-        ref = self._frame(now)
+        ref = self._recent_ref
+        if ref is None or abs(now - ref) > RECENT_RENORMALISE_S:
+            ref = self._frame(now)
         ratio = self.bytes_per_token
         self._total = prompt.nbytes / ratio
         self._candidates = excluded
-        spt = self._spt
-        if self.interference:  # a prefill there delays every request running there by as long
-            spt = self._spt_loaded
-            loads = fleet.loads
-            for i in range(n):
-                spt[i] = self._spt[i] * (1.0 + self.interference * loads[i])
+        # the kernel counts a prefill's interference (it delays every request running there) and,
+        # for a keyed session's replica, credits it with whatever of this prompt any replica holds
         return self.index.price(
             prompt.chain,
             self._holders,
             self._busy,
-            spt,
+            self._spt,
             fleet.loads,
             self._waiting,
             self._caps,
@@ -305,7 +299,7 @@ class Placement:
             self.block_bytes / ratio,
             self._total,
             -1 if last is None else last,
-            history,
+            prompt.history_blocks,
             self.tie_s,
             self.tie_share,
             self._cached,
@@ -316,6 +310,9 @@ class Placement:
             recent_scale=math.exp((ref - now) / SPREAD_WINDOW_S),
             spread_tokens=self.spread_tokens,
             spread_out=self._spread,
+            interference=self.interference,
+            history_from_all=last is not None,
+            home_share=home_share,
         )
 
     def candidates(self, prompt: Prompt, indices: Collection[int], last: int | None, now: float) -> list[Candidate]:
@@ -341,16 +338,6 @@ class Placement:
         """Every candidate of the latest `price` (rows of other positions are stale)."""
         return [self.row(i) for i, x in enumerate(self._candidates) if not x]
 
-    def home(self, share: float) -> int | None:
-        """The candidate of the latest `price` that holds the most of the prompt, if that is at
-        least `share` of it."""
-        cached, excluded = self._cached, self._candidates
-        home, most = None, share * self._total
-        for i in range(len(excluded)):
-            if not excluded[i] and cached[i] >= most and cached[i] > 0:
-                home, most = i, cached[i]
-        return home
-
     def stays(self, home: int, best: int, share: float) -> bool:
         """`home` keeps the request from `best`: it is not past the gate, and `best` costs at least
         1 / (1 + share) of what it does."""
@@ -362,7 +349,11 @@ class Placement:
         return [i for i, x in enumerate(self._candidates) if not x and flags[i] & PRICE_NEAR]
 
     def sent(self, replica: ReplicaState, prompt: Prompt, candidate: Candidate, now: float) -> Placed:
-        """`prompt` goes to `replica` (its `candidate` row): its prefill joins the queue there."""
+        """`prompt` goes to `replica` (its `candidate` row): its prefill joins the queue there, and
+        its blocks the index there at once. A request close behind it (the next turn of a
+        conversation sent before this one is answered, another reader of the same document) finds
+        them there, not wherever it would go if the first one's answer had to come first: under
+        load that answer is seconds away."""
         held = self.of(replica)
         held.recent += math.exp((now - self._frame(now)) / SPREAD_WINDOW_S)  # one request, now
         if held.pos < len(self._recent) and self._helds[held.pos] is held:
@@ -371,7 +362,15 @@ class Placement:
         wait_tokens = (start - now) / held.seconds_per_token
         self.set_busy(held, start + candidate.uncached_tokens * held.seconds_per_token)
         blocks = round(candidate.cached_tokens * self.bytes_per_token / self.block_bytes)
+        if self.index.insert(held.holder, prompt.chain) and self.share is not None:
+            self.share(replica.id, prompt.chain)
         return Placed(held, blocks, wait_tokens, candidate.wait_s - (start - now))
+
+    def failed(self, replica: ReplicaState, prompt: Prompt, placed: Placed) -> None:
+        """The attempt `placed` on `replica` failed before its first byte: it computed nothing of
+        the prompt past what it held already."""
+        if self.held.get(replica.id) is placed.held:
+            self.index.truncate(placed.held.holder, prompt.chain, placed.blocks)
 
     def released(self, replica: ReplicaState, now: float) -> None:
         """An attempt there ended: with nothing left in flight, nothing is queued either."""

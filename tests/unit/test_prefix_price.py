@@ -70,6 +70,7 @@ class Decision:
     cost: list[float]
     flags: list[int]
     spread: list[float] | None  # None: price got no spread_out
+    home: int = -1
 
 
 SCALARS = {
@@ -84,14 +85,18 @@ SCALARS = {
     "tie_share": 0.0,
     "recent_scale": 1.0,
     "spread_tokens": 0.0,
+    "interference": 0.0,
+    "history_from_all": False,
+    "home_share": -1.0,
 }
+LATER = ("recent_scale", "spread_tokens", "interference", "history_from_all", "home_share")  # optional ones
 
 
 def decide(
     index: Any, chain: array[int], fleet: Fleet, *, spread_out: bool = True, legacy: bool = False, **scalars: Any
 ) -> Decision:
     """price on `fleet`; legacy: called with the arguments price had before the spread term only
-    (the fleet has no recent, the scalars no recent_scale or spread_tokens), else with all of them."""
+    (the fleet has no recent, the scalars none of LATER), else with all of them."""
     s = SCALARS | scalars
     n = len(fleet.holders)
     cached, wait, cost = (array("d", [UNTOUCHED] * n) for _ in range(3))
@@ -99,15 +104,14 @@ def decide(
     spread = array("d", [UNTOUCHED] * n) if spread_out and not legacy else None
     extra: dict[str, Any] = {}
     if legacy:
-        assert fleet.recent is None and "recent_scale" not in scalars and "spread_tokens" not in scalars
+        assert fleet.recent is None and not any(name in scalars for name in LATER)
     else:
         extra = {
             "recent": None if fleet.recent is None else array("d", fleet.recent),
-            "recent_scale": s["recent_scale"],
-            "spread_tokens": s["spread_tokens"],
             "spread_out": spread,
+            **{name: s[name] for name in LATER},
         }
-    best, near = index.price(
+    best, near, home = index.price(
         chain,
         array("i", fleet.holders),
         array("d", fleet.busy_until),
@@ -132,7 +136,7 @@ def decide(
         **extra,
     )
     return Decision(
-        best, near, list(cached), list(wait), list(cost), list(flags), None if spread is None else list(spread)
+        best, near, list(cached), list(wait), list(cost), list(flags), None if spread is None else list(spread), home
     )
 
 
@@ -301,6 +305,52 @@ def test_the_last_server_holds_at_least_the_history(impl: ModuleType) -> None:
     assert decide(index, CHAIN, Fleet(holders=[-1]), last=0, history_blocks=1 << 70).cached == [1000.0]
 
 
+def test_with_history_from_all_the_last_server_holds_what_any_holds(impl: ModuleType) -> None:
+    index = index_holding(impl, CHAIN, 8, 8, 30)
+    fleet = Fleet(holders=[0, 1, 2])
+    got = decide(index, CHAIN, fleet, last=1, history_blocks=20, history_from_all=True)
+    assert got.cached == [128.0, 480.0, 480.0]  # holder 2's 30 blocks beat the history's 20
+    fleet.excluded = [0, 0, 1]  # an excluded position still says what is held
+    got = decide(index, CHAIN, fleet, last=1, history_blocks=20, history_from_all=True)
+    assert got.cached == [128.0, 480.0, UNTOUCHED]
+    got = decide(index, CHAIN, fleet, last=1, history_blocks=40, history_from_all=True)
+    assert got.cached[1] == 640.0  # the history, when it is more
+    assert decide(index, CHAIN, fleet, last=-1, history_from_all=True).cached == [128.0, 128.0, UNTOUCHED]
+
+
+def test_interference_scales_each_speed_by_its_load(impl: ModuleType) -> None:
+    # the hand-computed fleet at interference 1/2: s/token x 2, x 1 and x 1.5 for 2, 0 and 1 in flight
+    index = index_holding(impl, CHAIN, 40, 10)
+    fleet = Fleet(
+        holders=[0, 1, -1],
+        busy_until=[2.5, 1.0, 0.0],
+        seconds_per_token=[1 / 1024, 1 / 2048, 1 / 1024],
+        loads=[2, 0, 1],
+        waiting=[5.0, -1.0, 1.0],
+    )
+    scalars = {"now": 2.0, "decode_s": 1 / 128, "mean_uncached": 128.0, "tie_s": 1 / 16, "tie_share": 0.25}
+    got = decide(index, CHAIN, fleet, interference=0.5, **scalars)
+    assert got.wait == [0.5 + 2 / 128 + 3 * 128 * 2 / 1024, 0.0, 1 / 128]  # others' queue at the scaled speed too
+    assert got.cost == [1.265625 + 360 * 2 / 1024, 840 / 2048, 1 / 128 + 1000 * 1.5 / 1024]
+    # the same doubles as speeds scaled beforehand
+    speeds = zip(fleet.seconds_per_token, fleet.loads, strict=True)
+    fleet.seconds_per_token = [s * (1.0 + 0.5 * load) for s, load in speeds]
+    assert_same(decide(index, CHAIN, fleet, **scalars), got)
+
+
+def test_the_home_holds_the_most_of_the_prompt_and_at_least_its_share(impl: ModuleType) -> None:
+    index = index_holding(impl, CHAIN, 8, 8, 30)  # 128, 128 and 480 of 1000 tokens
+    fleet = Fleet(holders=[0, 1, 2])
+    assert decide(index, CHAIN, fleet).home == -1  # not asked for
+    assert decide(index, CHAIN, fleet, home_share=0.5).home == -1  # 480 < 500
+    assert decide(index, CHAIN, fleet, home_share=0.25).home == 2
+    fleet.excluded = [0, 0, 1]
+    assert decide(index, CHAIN, fleet, home_share=0.0).home == 1  # of equals, the highest position
+    fleet.loads, fleet.caps = [0, 9, 0], [9, 9, 9]  # gated: still the home (the stay margin decides)
+    assert decide(index, CHAIN, fleet, home_share=0.1).home == 1
+    assert decide(index_holding(impl, CHAIN, 0, 0), CHAIN, Fleet(holders=[0, 1]), home_share=0.0).home == -1
+
+
 def test_excluded_positions_are_left_alone(impl: ModuleType) -> None:
     index = index_holding(impl, CHAIN, 64, 0)
     got = decide(index, CHAIN, Fleet(holders=[0, 1, -1], excluded=[1, 0, 7]), tie_s=100.0)
@@ -341,7 +391,7 @@ def test_buffers_may_be_longer_or_numpy(impl: ModuleType) -> None:
     outs = [np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(2, dtype=np.uint8)]
     scalars = [1.0, 0.01, 50.0, 16.0, 2000.0, 1, 5, 0.001, 0.1]
     spread = np.zeros(3)
-    best, near = index.price(
+    best, near, _ = index.price(
         *args,
         *scalars,
         *outs,
@@ -402,6 +452,9 @@ def good_args(index: Any) -> list[Any]:
         1.0,
         0.0,
         array("d", [0.0] * n),
+        0.0,
+        False,
+        -1.0,
     ]
 
 
@@ -449,6 +502,12 @@ BAD = [
     ("spread_out read-only", 24, memoryview(array("d", [0.0] * 2).tobytes()).cast("d")),
     ("spread_out short", 24, array("d", [0.0])),
     ("spread_out float32", 24, array("f", [0.0, 0.0])),
+    ("interference str", 25, "0"),
+    ("interference none", 25, None),
+    ("history_from_all int", 26, 1),
+    ("history_from_all none", 26, None),
+    ("home_share str", 27, "0.5"),
+    ("home_share huge", 27, 1 << 1100),
 ]
 
 
@@ -465,11 +524,11 @@ def refusals(impl: ModuleType) -> dict[str, tuple[type, str]]:
             index.price(*args)
         found[name] = (err.type, str(err.value))
         assert not any(any(args[k]) for k in OUTS if isinstance(args[k], array))  # checked before written
-    assert index.price(*good_args(index)) == (0, 2)  # both hold nothing: a tie
-    assert index.price(*good_args(index)[:21]) == (0, 2)  # the spread's arguments are optional
+    assert index.price(*good_args(index)) == (0, 2, -1)  # both hold nothing: a tie
+    assert index.price(*good_args(index)[:21]) == (0, 2, -1)  # the spread's arguments and later are optional
     args = good_args(index)
     args[21] = args[24] = None
-    assert index.price(*args) == (0, 2)
+    assert index.price(*args) == (0, 2, -1)
     return found
 
 
@@ -507,6 +566,9 @@ def test_bad_input_is_refused_with_a_clear_error(impl: ModuleType) -> None:
         "spread_out must be a writable buffer of float64 (array('d')), not a read-only one",
     )
     assert found["spread_out short"] == (ValueError, "spread_out has 1 entries, fewer than holders (2)")
+    assert found["interference str"] == (TypeError, "interference must be a float, not str")
+    assert found["history_from_all int"] == (TypeError, "history_from_all must be a bool, not int")
+    assert found["home_share str"] == (TypeError, "home_share must be a float, not str")
 
 
 def test_an_excluded_position_may_name_any_holder(impl: ModuleType) -> None:
@@ -549,6 +611,9 @@ request_st = st.fixed_dictionaries(
         "history_blocks": st.one_of(st.integers(0, 60), st.just(1 << 64)),
         "tie_s": seconds_st,
         "tie_share": st.one_of(st.floats(0, 1), seconds_st),
+        "interference": st.one_of(st.just(0.0), st.floats(0, 4), seconds_st),
+        "history_from_all": st.booleans(),
+        "home_share": st.one_of(st.just(-1.0), st.floats(0, 1), st.sampled_from([0.0, 0.5, math.nan, math.inf])),
     }
 )
 # requests recently sent to a position: -8 and 0 make a mean of -SPREAD_SMOOTH, a division by zero
@@ -578,8 +643,8 @@ def same_float(a: float, b: float) -> bool:
 
 
 def assert_same(ours: Decision, theirs: Decision, rows: tuple[str, ...] = ("cached", "wait", "cost", "spread")) -> None:
-    """Bit for bit: the same best, near and flags, and the same doubles in every row (NaN as NaN)."""
-    assert (ours.best, ours.near, ours.flags) == (theirs.best, theirs.near, theirs.flags)
+    """Bit for bit: the same best, near, home and flags, and the same doubles in every row (NaN as NaN)."""
+    assert (ours.best, ours.near, ours.home, ours.flags) == (theirs.best, theirs.near, theirs.home, theirs.flags)
     for row in rows:
         a, b = getattr(ours, row), getattr(theirs, row)
         assert (a is None) == (b is None), (row, a, b)
@@ -642,6 +707,7 @@ def test_without_a_spread_the_costs_are_as_before(
 ) -> None:
     # Every way of asking for no spread gives the doubles price gave before the term, bit for
     # bit: the call with the old arguments only is that decision.
+    request = {name: value for name, value in request.items() if name not in LATER}
     index = holding_index(impl, holding, removed)
     chain, last, spec = drawn_decision(fleet, removed, data)
     n = len(fleet)

@@ -190,7 +190,7 @@ def bench_prompt(
 
     progress(f"{tokens} tokens: price")
     price = pricing(index, chain, tokens, args.block_bytes / 4)
-    best, near = price()
+    best, near, _ = price()
     if best != 0:
         raise SystemExit(f"router-bench prefix: price picked {best}, not holder 0 (it holds all); refusing to report")
     row["price_us"] = median_us_per_call(repeated(price), args.repeat, args.max_seconds)
@@ -222,9 +222,12 @@ def bench_prompt(
     return row
 
 
-def pricing(index: PrefixIndex, chain: array[int], tokens: int, block_tokens: float) -> Callable[[], tuple[int, int]]:
-    """price of `chain` over every holder as a fleet position: equally fast, queued work and
-    traffic on all but holder 0 (queue lengths known on every other replica), none at its cap."""
+def pricing(
+    index: PrefixIndex, chain: array[int], tokens: int, block_tokens: float
+) -> Callable[[], tuple[int, int, int]]:
+    """price of `chain` over every holder as a fleet position, as the ttft policy asks for it (its
+    interference, a session's replica credited with what any holds): equally fast, queued work
+    and traffic on all but holder 0 (queue lengths known on every other replica), none at its cap."""
     n = index.n_holders
     holders = array("i", range(n))
     busy_until = array("d", [100.0 + 0.001 * i for i in range(n)])
@@ -237,10 +240,11 @@ def pricing(index: PrefixIndex, chain: array[int], tokens: int, block_tokens: fl
     flags = array("B", [0] * n)
     total = float(tokens)
 
-    def price() -> tuple[int, int]:
+    def price() -> tuple[int, int, int]:
         return index.price(
             chain, holders, busy_until, seconds_per_token, loads, waiting, caps, excluded,
             100.0, 0.002, 400.0, block_tokens, total, 1, 0, 0.005, 0.05, cached, wait, cost, flags,
+            interference=1.0, history_from_all=True,
         )  # fmt: skip
 
     return price

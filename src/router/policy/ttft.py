@@ -73,7 +73,11 @@ class Ttft(Policy):
         fleet = self.fleet
         placement = self.placement
         last_index = self.session_replica(self.evidence(key, last), exclude)
-        best, near = placement.price(prompt, exclude, last_index, placement.clock())
+        # a conversation's home: a keyed session's replica, else the one holding most of the prompt
+        staying = self.stay_share and last_index is None
+        best, near, held = placement.price(
+            prompt, exclude, last_index, placement.clock(), HOME_SHARE if staying else -1.0
+        )
         if best == -2:
             return None, placement
         tie = near > 1
@@ -93,8 +97,8 @@ class Ttft(Policy):
         if self.stay_share:
             # the replica that holds the conversation keeps it unless moving saves a real share of
             # its cost: a move costs the cache it leaves behind, and near-equal guesses are noise
-            home = last_index if last_index is not None else placement.home(HOME_SHARE)
-            if home is not None and home != best and placement.stays(home, best, self.stay_share):
+            home = last_index if last_index is not None else held
+            if home is not None and home >= 0 and home != best and placement.stays(home, best, self.stay_share):
                 best = home
         chosen = placement.row(best)
         return Decision(best, self._reason(chosen, last_index, exclude, placement, tie), chosen), placement

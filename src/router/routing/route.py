@@ -196,6 +196,10 @@ class Route:
         replica.errors += 1
         m = self.routing.metrics
         m.child(m.retries, cause).inc()
+        placement, prompt = self.routing.placement, self.key.prompt
+        if placement is not None and prompt is not None and self.placed is not None and self.placed[0] is replica:
+            placement.failed(replica, prompt, self.placed[1])
+            self.placed = None
 
     def served(self, replica: ReplicaState, facts: Served, path: str = "", body: bytes = b"") -> Verdict:
         """`replica` answered (`facts`): feed its samples and counts; a keyed success remembers the
@@ -252,7 +256,11 @@ class Route:
         placement, prompt = routing.placement, self.key.prompt
         assert placement is not None and prompt is not None
         placed = self.placed[1] if self.placed is not None and self.placed[0] is replica else None
-        ttft = facts.token_s if facts.streamed and not facts.cut else None
+        # a prefill speed is learnt only from a request that had the replica to itself: with others
+        # there, its first token also waited for their decode steps and for room in a full KV cache,
+        # which the model does not see, and busy replicas would look slow and idle ones fast (every
+        # new conversation then herds onto whichever was measured last while idle)
+        ttft = facts.token_s if facts.streamed and not facts.cut and self.alone else None
         predicted = placement.answered(replica, prompt, placed, facts.prompt_tokens, facts.cached_tokens, ttft)
         m = routing.metrics
         rid = replica.id
