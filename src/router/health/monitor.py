@@ -15,6 +15,7 @@ their ring successors and come back, with a weight ramp, when it recovers.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -51,6 +52,15 @@ def latency_window_s(probe_interval_s: float) -> float:
 class _Window:
     requests: int = 0
     errors: int = 0
+
+
+def _peer_median(values: list[float], own: float | None) -> float | None:
+    """The median of sorted `values` less one occurrence of `own` (None: `own` is not among
+    them); None when no value is left."""
+    if own is not None:
+        at = bisect.bisect_left(values, own)
+        values = values[:at] + values[at + 1 :]
+    return statistics.median(values) if values else None
 
 
 def _number(value: Any) -> float:
@@ -103,6 +113,7 @@ class HealthMonitor:
         now = time.monotonic()
         medians = self._fleet_medians(replicas, "tpot", now)
         first_token = self._fleet_medians(replicas, "ttft", now)
+        queues = sorted(stats.waiting for ok, stats in results if ok and stats.waiting is not None)
         for replica, (ok, stats), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
@@ -118,6 +129,7 @@ class HealthMonitor:
             inputs = HealthInputs(
                 probe_ok=ok,
                 waiting=stats.waiting,
+                peer_waiting=_peer_median(queues, stats.waiting if ok else None),
                 kv_usage=stats.kv_usage,
                 fragmentation=stats.fragmentation,
                 error_rate=self._error_rate(replica),

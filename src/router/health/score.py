@@ -7,8 +7,8 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 
 | signal | penalty 0 at | penalty 1 at | why |
 |---|---|---|---|
-| queue: requests waiting | 8 | 64 | a queue means the engine cannot admit work |
-| memory: KV usage while requests wait | 0.90 | 1.00 | full KV with a queue is pressure; without, just busy |
+| queue: requests waiting, beyond its peers' median | 8 | 64 | a queue means the engine cannot admit work |
+| memory: KV usage while more wait than at its peers | 0.90 | 1.00 | full KV with a queue is pressure; else busy |
 | fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
 | error rate (router-observed) | 0.05 | 0.50 | failing requests |
 | latency: time per output token vs the fleet's median | 2x | 4x | much slower than its peers on like work |
@@ -17,7 +17,13 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 | GPU clocks slowed (agent: thermal, power brake, HW slowdown) | — | yes | every step runs slower |
 | uncorrected ECC errors (agent) | 0 | 1 or more | the GPU's memory is failing |
 
-Worked example: waiting = 36 (queue penalty 0.5), everything else normal, default weights:
+Queue and memory are counted against the replica's peers (`peer_waiting`: the median of the
+others' waiting, this round): when the whole fleet is overloaded every engine has a queue and a
+full KV cache, and removing the ones that happen to have a little more would only hand their
+traffic to the rest (the cascade that takes a fleet down under a surge). A replica with no peers
+probed is counted as it is.
+
+Worked example: waiting = 36, its peers' median 0 (queue penalty 0.5), everything else normal, default weights:
 score = 1 - 0.5 = 0.5; the same replica with a GPU held down by heat (slowdown weight 0.5):
 0.5 x 0.5 = 0.25. A busy replica (running 200, KV 97% full, nothing waiting) scores 1.
 """
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 class HealthInputs:
     probe_ok: bool = True
     waiting: float | None = None
+    peer_waiting: float | None = None  # the median of the other replicas' waiting, this round (None: no peer)
     kv_usage: float | None = None
     fragmentation: float | None = None
     error_rate: float | None = None
@@ -99,10 +106,11 @@ def health_score(inputs: HealthInputs, weights: ScoreWeights | None = None) -> f
     if not inputs.probe_ok:
         return 0.0
     w = weights or ScoreWeights()
-    waiting = inputs.waiting or 0.0
+    # a queue like its peers' is the fleet's load, not this replica's trouble
+    excess = None if inputs.waiting is None else inputs.waiting - (inputs.peer_waiting or 0.0)
     penalties = (
-        (w.queue, ramp(inputs.waiting, w.queue_from, w.queue_to)),
-        (w.memory, ramp(inputs.kv_usage, w.memory_from, w.memory_to) if waiting > 0 else 0.0),
+        (w.queue, ramp(excess, w.queue_from, w.queue_to)),
+        (w.memory, ramp(inputs.kv_usage, w.memory_from, w.memory_to) if (excess or 0.0) > 0 else 0.0),
         (w.fragmentation, ramp(inputs.fragmentation, w.fragmentation_from, w.fragmentation_to)),
         (w.errors, ramp(inputs.error_rate, w.errors_from, w.errors_to)),
         (w.latency, ramp(inputs.latency_ratio, w.latency_from, w.latency_to)),
