@@ -10,6 +10,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.emulator.engine import EngineConfig
+
 FAST_PROBES = {"probe_interval_s": 0.05, "probe_timeout_s": 0.5, "recovery_ramp_s": 0.5}
 
 
@@ -93,6 +95,26 @@ async def test_a_busy_replica_is_never_removed(start_fleet, start_router) -> Non
         i += 1
     assert all(status == 200 for status, _ in await asyncio.gather(*long))
     assert router.monitor.rounds > 20
+    assert [r.health.transitions for r in router.fleet.replicas] == [0, 0, 0]
+
+
+async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # two sequences at a time each: 210 long replies at once leave tens waiting on every replica,
+    # past the queue penalty's midpoint: overload, not sickness, so routing keeps all three
+    fleet = await start_fleet(3, EngineConfig(num_blocks=4000, max_num_seqs=2, max_num_batched_tokens=256))
+    router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
+    deepest = [0.0, 0.0, 0.0]
+
+    def watch() -> None:
+        for i, r in enumerate(router.fleet.replicas):
+            if r.inputs is not None and r.inputs.waiting is not None:
+                deepest[i] = max(deepest[i], r.inputs.waiting)
+
+    router.monitor.after_round = watch
+    answers = await asyncio.gather(*(chat(url, f"surge-{i}", max_tokens=100) for i in range(210)))
+    assert all(status == 200 for status, _ in answers)
+    # every replica queued, and the deepest queues alone would have scored them below removal
+    assert min(deepest) > 8 and max(deepest) > 36
     assert [r.health.transitions for r in router.fleet.replicas] == [0, 0, 0]
 
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from router.health.monitor import peer_median
 from router.health.score import HealthInputs, ScoreWeights, health_score, ramp
 from router.health.states import Hysteresis, ReplicaHealth
 
@@ -31,6 +32,26 @@ def test_score_penalties_match_the_documented_example() -> None:
     assert both == pytest.approx(0.25)  # mild signals add up
     light = ScoreWeights(latency=0.5)
     assert health_score(HealthInputs(latency_ratio=4.0), light) == pytest.approx(0.5)
+
+
+def test_a_queue_like_its_peers_is_load_not_sickness() -> None:
+    # a fleet-wide surge: every engine has a queue and a full cache
+    assert health_score(HealthInputs(waiting=40, peer_waiting=40, kv_usage=0.99)) == 1.0
+    assert health_score(HealthInputs(waiting=40, peer_waiting=44, kv_usage=0.99)) == 1.0
+    # the same replica where its peers have none: its queue is its own
+    assert health_score(HealthInputs(waiting=40, peer_waiting=0, kv_usage=0.99)) == pytest.approx((1 - 32 / 56) * 0.1)
+    # 36 beyond its peers' median: the documented penalty, and the cache pressure with it
+    assert health_score(HealthInputs(waiting=76, peer_waiting=40)) == pytest.approx(0.5)
+    assert health_score(HealthInputs(waiting=41, peer_waiting=40, kv_usage=0.95)) == pytest.approx(0.5)
+    assert health_score(HealthInputs(waiting=36)) == pytest.approx(0.5)  # no peer probed: as it is
+
+
+def test_the_peers_median_leaves_the_replica_itself_out() -> None:
+    assert peer_median([0.0, 2.0, 40.0], 40.0) == 1.0
+    assert peer_median([0.0, 2.0, 40.0], 0.0) == 21.0
+    assert peer_median([3.0, 3.0], 3.0) == 3.0  # one occurrence only
+    assert peer_median([5.0], 5.0) is None  # no peer
+    assert peer_median([1.0, 7.0], None) == 4.0  # its own probe failed: every other counts
 
 
 def test_ramp_and_weight_validation() -> None:

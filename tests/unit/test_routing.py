@@ -14,6 +14,7 @@ from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.metrics import RouterMetrics
 from router.policy import make_policy
+from router.prompt import prompt_of
 from router.routing import Route, Routing, Served, SessionDirectory
 from router.sessions import SessionTable
 
@@ -296,3 +297,64 @@ def test_asyncio_is_not_needed_to_open_a_local_route() -> None:
     route = routing.local_route(key("s1"), clock.now, clock.now + 60)
     assert route.last is None and route.next(clock.now) is not None
     assert asyncio.iscoroutinefunction(routing.route)
+
+
+# -- ttft: what the prefix index and the prefill model learn from the routes ----------------------
+
+
+def prompt_key(text: str, session: str = "s") -> RoutingKey:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    return RoutingKey(session.encode(), "header", "x-session-id", prompt_of(body, 64))
+
+
+async def test_ttft_indexes_a_prompt_where_it_is_sent_before_its_answer() -> None:
+    routing, clock, _ = core("ttft")
+    placement = routing.placement
+    assert placement is not None
+    first = prompt_key("a long document " * 200, "reader-1")
+    route = await routing.route(first, clock.now, clock.now + 60)
+    replica = route.next(clock.now)
+    assert replica is not None and first.prompt is not None
+    chain = first.prompt.chain
+    assert placement.index.match(placement.of(replica).holder, chain) == len(chain)  # not yet answered
+    # another reader of the document, sent before the first one's answer, goes where it is
+    second = prompt_key("a long document " * 200 + "what does it say?", "reader-2")
+    route2 = await routing.route(second, clock.now, clock.now + 60)
+    assert route2.next(clock.now) is replica and route2.decision is not None
+    assert route2.decision.reason == "prefix"
+
+
+async def test_ttft_forgets_a_prompt_whose_attempt_failed_before_its_first_byte() -> None:
+    routing, clock, _ = core("ttft")
+    placement = routing.placement
+    assert placement is not None
+    k = prompt_key("a long document " * 200)
+    route = await routing.route(k, clock.now, clock.now + 60)
+    replica = route.next(clock.now)
+    assert replica is not None and k.prompt is not None
+    route.failed(replica, "connect")
+    route.release(replica)
+    assert placement.index.match(placement.of(replica).holder, k.prompt.chain) == 0
+    retry = route.next(clock.now)  # the retry elsewhere holds it now
+    assert retry is not None and retry is not replica
+    assert placement.index.match(placement.of(retry).holder, k.prompt.chain) == len(k.prompt.chain)
+
+
+async def test_ttft_learns_a_prefill_speed_only_from_a_request_that_had_the_replica_to_itself() -> None:
+    routing, clock, _ = core("ttft", replicas=1)
+    placement = routing.placement
+    assert placement is not None
+    alone = await routing.route(prompt_key("first " * 300, "a"), clock.now, clock.now + 60)
+    replica = alone.next(clock.now)
+    assert replica is not None
+    shared = await routing.route(prompt_key("second " * 300, "b"), clock.now, clock.now + 60)
+    assert shared.next(clock.now) is replica  # two in flight there now
+    held = placement.of(replica)
+    prior = held.seconds_per_token
+    slow = Served(200, 9.0, 400, 0, 10, streamed=True, token_s=9.0)  # it waited behind the other
+    shared.release(replica)
+    shared.served(replica, slow, "/v1/chat/completions", b"{}")
+    assert held.seconds_per_token == prior and held.samples == 0
+    alone.release(replica)
+    alone.served(replica, Served(200, 0.2, 300, 0, 10, streamed=True, token_s=0.2), "/v1/chat/completions", b"{}")
+    assert held.samples == 1 and held.seconds_per_token != prior
