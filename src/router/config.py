@@ -60,7 +60,7 @@ class RouterConfig:
     # a new conversation on a replica with recent traffic past the fleet's mean costs as if this many
     # more tokens were computed there, per (recent - mean) / (mean + 4) (router.placement)
     ttft_spread_tokens: float = 2000.0
-    ttft_gate_c: float = 1.5  # never a replica past max(ceil(c x (in flight + 1) / replicas), floor)
+    ttft_gate_c: float = 1.5  # never a replica past max(ceil(c x (in flight + 1) / replicas), mean + floor)
     ttft_stay_share: float = 1.0  # the conversation's replica keeps it unless another costs < 1 / (1 + this) of it
     ttft_tie_s: float = 0.001  # costs this close are equal (the least full, then the ring, break the tie)
     ttft_tie_share: float = 0.1  # ... or this close as a share of the cheapest

@@ -268,7 +268,7 @@ class Placement:
                 excluded[last] = 0
         if not excluded.count(0):
             return -2, 0, -1
-        limit = fleet.load_limit(fleet.ring.load_cap(fleet.loads, self.gate_c), self.floor)
+        limit = fleet.load_limit(self.gate(), self.floor)
         if isinstance(limit, int):
             if self._uniform_cap != (limit, n):
                 self._caps = array("q", [limit]) * n
@@ -314,6 +314,15 @@ class Placement:
             history_from_all=last is not None,
             home_share=home_share,
         )
+
+    def gate(self) -> int:
+        """The gate's in-flight cap (before any replica's capacity caps it): ttft_gate_c times the
+        fleet's mean, and never within bounded_load_floor of the mean. The slack is absolute: when a
+        surge loads every replica, a relative margin alone would spill sessions off their caches
+        over a difference of a few requests, and each spill recomputes a whole history on a fleet
+        that has no time to spare."""
+        ring, loads = self.fleet.ring, self.fleet.loads
+        return max(ring.load_cap(loads, self.gate_c), ring.load_cap(loads, 1.0) + self.floor)
 
     def candidates(self, prompt: Prompt, indices: Collection[int], last: int | None, now: float) -> list[Candidate]:
         """The rows of pricing `prompt` on the positions `indices` alone."""

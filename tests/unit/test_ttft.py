@@ -207,8 +207,7 @@ def test_no_death_spiral_a_slow_replica_holding_every_prefix_still_spreads() -> 
         picks[d.index] += 1
     assert len(picks) == 4 and min(picks.values()) >= 5
     assert picks[0] <= len(bodies) // 2  # cache alone never drew them all onto it
-    cap = fleet.ring.load_cap(fleet.loads, policy.placement.gate_c)
-    assert max(fleet.loads) <= max(cap, policy.config.bounded_load_floor) + 1
+    assert max(fleet.loads) <= placement.gate() + 1
 
 
 def test_the_gate_keeps_traffic_off_a_replica_far_past_the_fleet() -> None:
@@ -357,3 +356,20 @@ def test_a_session_stays_unless_moving_saves_a_real_share_of_its_cost() -> None:
     policy.stay_share = 0.0  # without the margin the cheaper guess wins
     moved = policy.pick(key, fleet.replicas[1].id, ())
     assert moved is not None and moved.index == 0 and moved.reason == "cost"
+
+
+def test_the_gate_leaves_a_session_within_the_floor_of_the_fleets_mean() -> None:
+    # every replica busy, the session's a little more (12 against 6): past 1.5 x the mean, yet
+    # within bounded_load_floor (8) of it, so the session keeps its cache rather than spill
+    fleet, policy, _clock = setup(4, bounded_load_floor=8, ttft_gate_c=1.5)
+    key = keyed("s1", chat(doc(1, 2000), "a?", "b?"))
+    for i, load in enumerate((12, 6, 6, 6)):
+        for _ in range(load):
+            fleet.acquire(fleet.replicas[i])
+    assert fleet.ring.load_cap(fleet.loads, 1.5) == 12 and policy.placement.gate() == 16
+    stay = policy.pick(key, fleet.replicas[0].id, ())
+    assert stay is not None and stay.index == 0 and stay.reason == "sticky"
+    for _ in range(5):  # 17: more than the floor past the mean: it spills
+        fleet.acquire(fleet.replicas[0])
+    spill = policy.pick(key, fleet.replicas[0].id, ())
+    assert spill is not None and spill.index != 0 and spill.reason == "spill"

@@ -54,7 +54,7 @@ class _Window:
     errors: int = 0
 
 
-def _peer_median(values: list[float], own: float | None) -> float | None:
+def peer_median(values: list[float], own: float | None) -> float | None:
     """The median of sorted `values` less one occurrence of `own` (None: `own` is not among
     them); None when no value is left."""
     if own is not None:
@@ -129,7 +129,7 @@ class HealthMonitor:
             inputs = HealthInputs(
                 probe_ok=ok,
                 waiting=stats.waiting,
-                peer_waiting=_peer_median(queues, stats.waiting if ok else None),
+                peer_waiting=peer_median(queues, stats.waiting if ok else None),
                 kv_usage=stats.kv_usage,
                 fragmentation=stats.fragmentation,
                 error_rate=self._error_rate(replica),

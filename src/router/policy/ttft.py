@@ -9,9 +9,11 @@ from the prefix index (blocks the router sent there, corrected by the `cached_to
 the replica a session was served on last holds that session's whole history, its replies too.
 
 1. Gate: a replica with more in flight than max(ceil(ttft_gate_c x (in flight + 1) / replicas),
-   bounded_load_floor) — capped by its capacity while another has a free slot, as for `affinity` —
-   is not a candidate while another is. Cache alone never draws traffic onto a replica already far
-   past the fleet (the "death spiral" of routers that send every miss to the emptiest cache).
+   ceil((in flight + 1) / replicas) + bounded_load_floor) — capped by its capacity while another
+   has a free slot, as for `affinity` — is not a candidate while another is (the slack over the
+   mean is absolute, so a surge that loads every replica spills no session over a few requests).
+   Cache alone never draws traffic onto a replica already far past the fleet (the "death
+   spiral" of routers that send every miss to the emptiest cache).
 2. The cheapest candidate wins. Costs within max(`ttft_tie_s`, `ttft_tie_share` x the cheapest)
    of it are equal — a shared system prompt held on one replica is not a reason to send every new
    conversation there: the session's last replica among them keeps it, else the least full of

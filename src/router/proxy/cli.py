@@ -47,7 +47,7 @@ HELP = {
     "recent traffic is past the fleet's mean, times (recent - mean) / (mean + 4) and the share of the prompt it "
     "would compute (its later turns will load it; default 2000)",
     "ttft_gate_c": "ttft: never a replica with more in flight than max(ceil(c x (in flight + 1) / replicas), "
-    "bounded_load_floor), c >= 1 (default 1.5)",
+    "ceil((in flight + 1) / replicas) + bounded_load_floor), c >= 1 (default 1.5)",
     "ttft_stay_share": "ttft: the replica holding a conversation (a keyed session's, or one holding half a keyless "
     "prompt) keeps it unless another costs less than 1 / (1 + this) of its cost (default 1: half; 0 turns it off)",
     "ttft_tie_s": "ttft: costs within this many seconds of the cheapest count as equal: the least full of them, "
