@@ -359,7 +359,7 @@ class Placement:
 
     def sent(self, replica: ReplicaState, prompt: Prompt, candidate: Candidate, now: float) -> Placed:
         """`prompt` goes to `replica` (its `candidate` row): its prefill joins the queue there, and
-        its blocks the index there at once. A request close behind it (the next turn of a
+        the index holds its blocks there from now on. A request close behind it (the next turn of a
         conversation sent before this one is answered, another reader of the same document) finds
         them there, not wherever it would go if the first one's answer had to come first: under
         load that answer is seconds away."""

@@ -77,7 +77,7 @@ class Ttft(Policy):
         last_index = self.session_replica(self.evidence(key, last), exclude)
         # a conversation's home: a keyed session's replica, else the one holding most of the prompt
         staying = self.stay_share and last_index is None
-        best, near, held = placement.price(
+        best, near, holding = placement.price(
             prompt, exclude, last_index, placement.clock(), HOME_SHARE if staying else -1.0
         )
         if best == -2:
@@ -99,7 +99,7 @@ class Ttft(Policy):
         if self.stay_share:
             # the replica that holds the conversation keeps it unless moving saves a real share of
             # its cost: a move costs the cache it leaves behind, and near-equal guesses are noise
-            home = last_index if last_index is not None else held
+            home = last_index if last_index is not None else holding
             if home is not None and home >= 0 and home != best and placement.stays(home, best, self.stay_share):
                 best = home
         chosen = placement.row(best)
