@@ -164,6 +164,21 @@ def test_the_selector_exports_what_this_run_asked_for() -> None:
     assert (prefix.PRICE_CANDIDATE, prefix.PRICE_GATED, prefix.PRICE_NEAR) == (CANDIDATE, GATED, NEAR)
 
 
+HAND: dict[str, Any] = {"now": 2.0, "decode_s": 1 / 128, "mean_uncached": 128.0, "tie_s": 1 / 16, "tie_share": 0.25}
+
+
+def hand_fleet(recent: list[float] | None = None) -> Fleet:
+    """The hand-computed decisions' fleet: 0 and 1 hold 40 and 10 blocks (index_holding), 2 nothing."""
+    return Fleet(
+        holders=[0, 1, -1],
+        busy_until=[2.5, 1.0, 0.0],
+        seconds_per_token=[1 / 1024, 1 / 2048, 1 / 1024],
+        loads=[2, 0, 1],
+        waiting=[5.0, -1.0, 1.0],
+        recent=recent,
+    )
+
+
 def test_a_hand_computed_decision(impl: ModuleType) -> None:
     # Powers of two throughout, so every figure below is exact.
     #   0: 40 blocks = 640 cached, 360 to compute at 1/1024 s; queued 0.5 s, 2 in flight
@@ -171,14 +186,8 @@ def test_a_hand_computed_decision(impl: ModuleType) -> None:
     #   1: 10 blocks = 160 cached, 840 at 1/2048 s; its queue drained before now, nothing waits
     #   2: no holder yet: all 1000 tokens at 1/1024 s; 1 in flight, 1 waiting (that one)
     index = index_holding(impl, CHAIN, 40, 10)
-    fleet = Fleet(
-        holders=[0, 1, -1],
-        busy_until=[2.5, 1.0, 0.0],
-        seconds_per_token=[1 / 1024, 1 / 2048, 1 / 1024],
-        loads=[2, 0, 1],
-        waiting=[5.0, -1.0, 1.0],
-    )
-    got = decide(index, CHAIN, fleet, now=2.0, decode_s=1 / 128, mean_uncached=128.0, tie_s=1 / 16, tie_share=0.25)
+    fleet = hand_fleet()
+    got = decide(index, CHAIN, fleet, **HAND)
     assert got.cached == [640.0, 160.0, 0.0]
     assert got.wait == [0.5 + 2 / 128 + 3 * 128 / 1024, 0.0, 1 / 128]
     assert got.cost == [0.890625 + 360 / 1024, 840 / 2048, 1 / 128 + 1000 / 1024]
@@ -194,16 +203,8 @@ def test_a_hand_computed_spread(impl: ModuleType) -> None:
     # 3, 3, 0 at scale 2: r = 6, 6, 0, mean 4, so 0 and 1 are 2 over it, excess 2 / (4 + 4) = 1/4.
     #   0: 8192 x 1/1024 x 1/4 x 384 / 1024 = 0.75 s     1: 8192 x 1/2048 x 1/4 x 864 / 1024 = 0.84375 s
     index = index_holding(impl, CHAIN, 40, 10)
-    fleet = Fleet(
-        holders=[0, 1, -1],
-        busy_until=[2.5, 1.0, 0.0],
-        seconds_per_token=[1 / 1024, 1 / 2048, 1 / 1024],
-        loads=[2, 0, 1],
-        waiting=[5.0, -1.0, 1.0],
-        recent=[3.0, 3.0, 0.0],
-    )
-    scalars = {"now": 2.0, "decode_s": 1 / 128, "mean_uncached": 128.0, "tie_s": 1 / 16, "tie_share": 0.25}
-    scalars |= {"total_tokens": 1024.0, "recent_scale": 2.0}
+    fleet = hand_fleet(recent=[3.0, 3.0, 0.0])
+    scalars = HAND | {"total_tokens": 1024.0, "recent_scale": 2.0}
     plain = decide(index, CHAIN, fleet, **scalars)
     assert plain.cost == [0.890625 + 0.375, 0.421875, 1 / 128 + 1.0] and plain.best == 1
     got = decide(index, CHAIN, fleet, spread_tokens=8192.0, **scalars)
@@ -321,21 +322,14 @@ def test_with_history_from_all_the_last_server_holds_what_any_holds(impl: Module
 def test_interference_scales_each_speed_by_its_load(impl: ModuleType) -> None:
     # the hand-computed fleet at interference 1/2: s/token x 2, x 1 and x 1.5 for 2, 0 and 1 in flight
     index = index_holding(impl, CHAIN, 40, 10)
-    fleet = Fleet(
-        holders=[0, 1, -1],
-        busy_until=[2.5, 1.0, 0.0],
-        seconds_per_token=[1 / 1024, 1 / 2048, 1 / 1024],
-        loads=[2, 0, 1],
-        waiting=[5.0, -1.0, 1.0],
-    )
-    scalars = {"now": 2.0, "decode_s": 1 / 128, "mean_uncached": 128.0, "tie_s": 1 / 16, "tie_share": 0.25}
-    got = decide(index, CHAIN, fleet, interference=0.5, **scalars)
+    fleet = hand_fleet()
+    got = decide(index, CHAIN, fleet, interference=0.5, **HAND)
     assert got.wait == [0.5 + 2 / 128 + 3 * 128 * 2 / 1024, 0.0, 1 / 128]  # others' queue at the scaled speed too
     assert got.cost == [1.265625 + 360 * 2 / 1024, 840 / 2048, 1 / 128 + 1000 * 1.5 / 1024]
     # the same doubles as speeds scaled beforehand
     speeds = zip(fleet.seconds_per_token, fleet.loads, strict=True)
     fleet.seconds_per_token = [s * (1.0 + 0.5 * load) for s, load in speeds]
-    assert_same(decide(index, CHAIN, fleet, **scalars), got)
+    assert_same(decide(index, CHAIN, fleet, **HAND), got)
 
 
 def test_the_home_holds_the_most_of_the_prompt_and_at_least_its_share(impl: ModuleType) -> None:
