@@ -104,9 +104,11 @@ async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start
     fleet = await start_fleet(3, EngineConfig(num_blocks=4000, max_num_seqs=2, max_num_batched_tokens=256))
     router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
     deepest = [0.0, 0.0, 0.0]
+    states: set[str] = set()
 
     def watch() -> None:
         for i, r in enumerate(router.fleet.replicas):
+            states.add(r.state)
             if r.inputs is not None and r.inputs.waiting is not None:
                 deepest[i] = max(deepest[i], r.inputs.waiting)
 
@@ -115,7 +117,9 @@ async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start
     assert all(status == 200 for status, _ in answers)
     # every replica queued, and the deepest queues alone would have scored them below removal
     assert min(deepest) > 8 and max(deepest) > 36
-    assert [r.health.transitions for r in router.fleet.replicas] == [0, 0, 0]
+    # the deepest of the moment may be suspect for a probe or two (it is past its peers), never out
+    assert states <= {"healthy", "suspect"}
+    assert all(r.state in ("healthy", "suspect") for r in router.fleet.replicas)
 
 
 async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
