@@ -276,9 +276,7 @@ class Placement:
         else:
             self._caps = array("q", [limit.of(i) for i in range(n)])
             self._uniform_cap = None
-        ref = self._recent_ref
-        if ref is None or abs(now - ref) > RECENT_RENORMALISE_S:
-            ref = self._frame(now)
+        ref = self._frame(now)
         ratio = self.bytes_per_token
         self._total = prompt.nbytes / ratio
         self._candidates = excluded
