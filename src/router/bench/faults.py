@@ -418,7 +418,8 @@ def running_on(world: World, index: int) -> int:
 
 
 # -- scenarios ------------------------------------------------------------------------------------------
-# Each returns (the clients' tally, figures of its own). The victim is replica 0.
+# Each returns (the clients' tally, figures of its own). The victim is replica 0 (for a peer crashed mid-stream:
+# the replica carrying streams first).
 
 
 async def _simple(
@@ -469,14 +470,21 @@ async def crash_before_first_byte(world: World) -> tuple[Tally, dict[str, Any]]:
 async def crash_mid_stream(world: World) -> tuple[Tally, dict[str, Any]]:
     async def inject(router: Node | None, clients: Clients) -> dict[str, Any]:
         assert world.fleet is not None
-        await wait_until(lambda: clients.streaming[VICTIM] >= 2, 10)
-        streams = clients.streaming[VICTIM]
-        await world.fleet.replicas[0].crash()
+        if router is None:
+            # a peer hashes sessions by its workers' URLs, whose ports differ run to run, so emu-0 may carry
+            # no session at all: the one to crash is whichever replica first carries two streams
+            await wait_until(lambda: max(clients.streaming.values(), default=0) >= 2, 10)
+            victim = max(world.fleet.replicas, key=lambda r: clients.streaming[r.options.replica_id])
+        else:  # router-serve's ring places the same sessions on the same emu-N every run
+            await wait_until(lambda: clients.streaming[VICTIM] >= 2, 10)
+            victim = world.fleet.replicas[0]
+        streams = clients.streaming[victim.options.replica_id]
+        await victim.crash()
         await asyncio.sleep(world.opts.fault_s / 2)
-        await world.fleet.replicas[0].restart()
+        await victim.restart()
         if router is None:
             await asyncio.sleep(world.opts.fault_s / 2)
-            return {"streams_on_victim_at_crash": streams}
+            return {"streams_on_victim_at_crash": streams, "victim_id": victim.options.replica_id}
         back = await wait_until(lambda: (r := router.fleet.find(VICTIM)) is not None and r.health.routable, 10)
         await asyncio.sleep(world.opts.fault_s / 2)
         return {"streams_on_victim_at_crash": streams, "back_after_restart_s": back}
