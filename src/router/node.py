@@ -68,7 +68,7 @@ class Node:
         self.control_socket = control_socket
         self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
         self.client: aiohttp.ClientSession | None = None
-        self.upstream: Upstream | None = None  # the client, and a pool-less one for stale connections
+        self.upstream: Upstream | None = None  # the proxied requests' keep-alive pools
         self.fleet = fleet = Fleet(
             () if worker is not None else config.replicas,
             config.vnodes,
@@ -285,20 +285,11 @@ class Node:
         self.client = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
-        fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=0,
-                limit_per_host=self.config.upstream_connections,
-                force_close=True,
-                enable_cleanup_closed=True,
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
-        self.upstream = Upstream(self.client, fresh, self._reconnected)
+        # the proxied requests' own keep-alive pools (router.upstream); probes and the rest use `client`
+        self.upstream = Upstream(self.config.upstream_connections, self._reconnected)
         yield
+        self.upstream.close()
         await self.client.close()
-        await fresh.close()
 
     def _reconnected(self, url: str) -> None:
         """A request went out again on a new connection: its pooled one was closed by the replica."""

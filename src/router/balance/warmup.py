@@ -17,8 +17,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
+
+from router.upstream import Response
 
 WARMUP_HEADER = "X-Router-Warmup"
 WARMABLE = ("/v1/chat/completions", "/v1/completions")
@@ -104,7 +105,7 @@ class WarmupResult:
 
 # how warm-up sends one request: the router's upstream client (router.upstream.Upstream.post),
 # which resends a request whose pooled connection the replica had closed
-Post = Callable[[str, bytes, dict[str, str], aiohttp.ClientTimeout], Awaitable[aiohttp.ClientResponse]]
+Post = Callable[[str, bytes, dict[str, str], float], Awaitable[Response]]
 
 
 async def warm(
@@ -129,7 +130,7 @@ async def warm(
         left = deadline - time.monotonic()
         try:
             async with asyncio.timeout(max(left, 0.1)):
-                resp = await post(base_url + path, payload, headers, aiohttp.ClientTimeout(total=max(left, 0.1)))
+                resp = await post(base_url + path, payload, headers, max(left, 0.1))
                 try:
                     await resp.read()
                 finally:
@@ -139,7 +140,7 @@ async def warm(
                 result.succeeded[i] = True
             else:
                 result.failed += 1
-        except (aiohttp.ClientError, OSError, TimeoutError):
+        except (OSError, TimeoutError):
             result.failed += 1
 
     async def worker() -> None:

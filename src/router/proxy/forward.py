@@ -19,12 +19,10 @@ behalf, that one event is dropped. Non-streamed bodies pass through unchanged.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -32,7 +30,7 @@ from router.errors import sse_error_event
 from router.proxy.framer import SseFramer
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
-from router.upstream import Upstream
+from router.upstream import ConnectError, Response, Upstream
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -89,14 +87,9 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Timeouts:
-    connect_s: float
+    connect_s: float  # making a connection (the upstream client's own timer; the rest is timed here)
     first_byte_s: float
     idle_s: float
-
-    @functools.cached_property
-    def upstream(self) -> aiohttp.ClientTimeout:
-        """aiohttp's own timer covers connecting; the rest is timed by `attempt`."""
-        return aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=None)
 
 
 def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
@@ -141,23 +134,23 @@ async def attempt(
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Response | None = None
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)) as timer:
-                upstream = await client.post(url, body, headers, timeouts.upstream)
+                upstream = await client.post(url, body, headers, timeouts.connect_s)
                 if upstream.status >= 500:
                     timer.reschedule(min(loop.time() + timeouts.idle_s, deadline))
                     try:
                         data = await upstream.read()
-                    except (aiohttp.ClientError, OSError):
+                    except OSError:
                         data = b""
                     return Retry(
                         "http_5xx", upstream.status, data, upstream.headers.get("Content-Type", "application/json")
                     )
                 # until the first body bytes arrive, failing over is invisible to the client
-                first = await upstream.content.readany()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                first = await upstream.readany()
+        except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
         return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
     finally:
@@ -169,13 +162,13 @@ def _retry_for(exc: BaseException) -> Retry:
     """What a failure before the first body byte means: time-out, unreachable, or reset."""
     if isinstance(exc, TimeoutError):
         return Retry("timeout", 504)
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, ConnectError):
         return Retry("connect", 502)
     return Retry("reset", 502)
 
 
-def _let_go(upstream: aiohttp.ClientResponse) -> None:
-    if upstream.content.at_eof():
+def _let_go(upstream: Response) -> None:
+    if upstream.at_eof():
         upstream.release()  # read to the end: the keep-alive connection goes back to the pool
     else:
         upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
@@ -183,7 +176,7 @@ def _let_go(upstream: aiohttp.ClientResponse) -> None:
 
 async def _relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     first: bytes,
     extra_headers: dict[str, str],
     timeouts: Timeouts,
@@ -206,10 +199,10 @@ async def _relay(
             async with asyncio.timeout_at(None) as timer:
                 while chunks[-1]:
                     timer.reschedule(min(loop.time() + idle, deadline))
-                    chunks.append(await upstream.content.readany())
+                    chunks.append(await upstream.readany())
         except TimeoutError:
             return Retry("timeout", 504)
-        except (aiohttp.ClientError, OSError):
+        except OSError:
             return Retry("reset", 502)
         data = b"".join(chunks)
         outcome = Outcome(web.Response(status=upstream.status, body=data, headers=headers), upstream.status)
@@ -244,7 +237,7 @@ async def _relay(
 
 
 async def _stream(
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     outcome: Outcome,
     framer: StreamFramer,
     first: bytes,
@@ -317,19 +310,19 @@ async def resume(
     before the continuation's first byte is a `Retry` (the client has seen nothing new); after it,
     the outcome is broken again (resumable again) or ended, as with the first replica."""
     loop = asyncio.get_running_loop()
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Response | None = None
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)):
-                upstream = await client.post(url, body, headers, timeouts.upstream)
+                upstream = await client.post(url, body, headers, timeouts.connect_s)
                 if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
                     "text/event-stream"
                 ):
                     # a 4xx refuses the continuation itself (the next replica would too): "refused"
                     cause = "http_5xx" if upstream.status >= 500 else "refused" if upstream.status >= 400 else "reset"
                     return Retry(cause, upstream.status)
-                first = await upstream.content.readany()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                first = await upstream.readany()
+        except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
         if not first:
             return Retry("reset", 502)
@@ -350,7 +343,7 @@ def _opener(out: bytes) -> bool:
 
 
 async def _pump(
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     resp: web.StreamResponse,
     chunk: bytes,
     framer: StreamFramer,
@@ -394,11 +387,11 @@ async def _pump(
                 if now - moved > slack:
                     timer.reschedule(min(now + idle + slack, deadline))
                     moved = now
-                chunk = await upstream.content.readany()
-            if framer.done and not upstream.content.at_eof():
+                chunk = await upstream.readany()
+            if framer.done and not upstream.at_eof():
                 # nothing may follow [DONE]; read the response's end so the connection can be reused
                 timer.reschedule(min(loop.time() + min(idle, 1.0), deadline))
-                while await upstream.content.readany():
+                while await upstream.readany():
                     pass
     except TimeoutError:
         if not framer.done:
@@ -407,6 +400,6 @@ async def _pump(
                 if loop.time() >= deadline
                 else "upstream stopped sending (idle time-out)"
             )
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError):
+    except OSError:
         if not framer.done:
             outcome.stream_error = "upstream connection lost mid-stream"
