@@ -269,7 +269,7 @@ class AdminApi:
             return error_response(f"the body must be the JSON of a completion request: {exc}")
         if not isinstance(body, dict):
             return error_response("the body must be a JSON object: the request to explain")
-        key = request_key(request, body, cfg)
+        key = request_key(request.headers, body, cfg)
         policy, fleet = node.policy, node.fleet
         last = None
         if key.kind != "none":

@@ -9,6 +9,7 @@ shown it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,9 +17,10 @@ import orjson
 from aiohttp import web
 
 from router.config import RouterConfig
-from router.errors import error_response
+from router.errors import error_body
 from router.keys import RoutingKey, routing_key
 from router.prompt import prompt_of
+from router.proxy.exchange import JSON, Exchange
 from router.proxy.resume import SoFar, continuation
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -55,10 +57,10 @@ class Admitted:
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
 
 
-def request_key(request: web.Request, body: dict[str, Any], cfg: RouterConfig) -> RoutingKey:
-    """The routing key of a request with this (parsed) body, by the configured sources."""
+def request_key(headers: Mapping[str, str], body: dict[str, Any], cfg: RouterConfig) -> RoutingKey:
+    """The routing key of a request with these headers and this (parsed) body, by the configured sources."""
     return routing_key(
-        request.headers,
+        headers,
         body,
         header_names=cfg.key_headers,
         body_fields=cfg.key_body_fields,
@@ -67,42 +69,69 @@ def request_key(request: web.Request, body: dict[str, Any], cfg: RouterConfig) -
     )
 
 
-async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Admitted | web.Response:
-    """The request's body and key, or the error answer it gets (431, 408, 413, 400). `prompts`:
-    the key carries the prompt's blocks too (for a policy that reads them, router.prompt)."""
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The answer a request gets instead of being forwarded (OpenAI-shaped)."""
+
+    status: int
+    message: str
+    kind: str = "invalid_request_error"
+    close: bool = False  # the connection closes after it (what is left of the body must not be read as a request)
+
+    def answer(self, exchange: Exchange) -> None:
+        exchange.answer(self.status, error_body(self.message, self.status, self.kind), JSON, self.close)
+
+
+def too_many_header_bytes(size: int, cfg: RouterConfig) -> Refused:
+    return Refused(431, f"request headers are {size} bytes; the limit is {cfg.max_header_bytes}", "request_too_large")
+
+
+def too_slow(cfg: RouterConfig) -> Refused:
+    return Refused(
+        408,
+        f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s) or took longer "
+        f"than total_timeout_s ({cfg.total_timeout_s:g} s)",
+        "request_timeout",
+        close=True,
+    )
+
+
+def too_large(cfg: RouterConfig) -> Refused:
+    return Refused(413, f"request body is larger than the limit of {cfg.max_body_bytes} bytes", "request_too_large")
+
+
+async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Admitted | Refused:
+    """An aiohttp request's body and key, or the answer it gets instead (431, 408, 413, 400)."""
     # checked here rather than in a middleware: a middleware wraps every request's handler
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > cfg.max_header_bytes:
-        return error_response(
-            f"request headers are {size} bytes; the limit is {cfg.max_header_bytes}", 431, "request_too_large"
-        )
+        return too_many_header_bytes(size, cfg)
     try:
         raw = await read_body(request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s)
     except TimeoutError:
-        slow = error_response(
-            f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s) or took longer "
-            f"than total_timeout_s ({cfg.total_timeout_s:g} s)",
-            408,
-            "request_timeout",
-        )
-        slow.force_close()  # the rest of that body must not be read as a next request
-        return slow
+        return too_slow(cfg)
     except web.HTTPRequestEntityTooLarge:
-        return error_response(
-            f"request body is larger than the limit of {cfg.max_body_bytes} bytes", 413, "request_too_large"
-        )
+        return too_large(cfg)
+    return admit_body(request.path, request.headers, raw, cfg, prompts)
+
+
+def admit_body(
+    path: str, headers: Mapping[str, str], raw: bytes, cfg: RouterConfig, prompts: bool = False
+) -> Admitted | Refused:
+    """The request's parsed body and key, or the 400 it gets. `prompts`: the key carries the
+    prompt's blocks too (for a policy that reads them, router.prompt)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        return error_response(f"the request body is not valid JSON: {exc}")
+        return Refused(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
-        return error_response("the request body must be a JSON object")
-    key = request_key(request, body, cfg)
-    if prompts and request.path in STREAMABLE:  # an embedding's input leaves no KV cache behind
+        return Refused(400, "the request body must be a JSON object")
+    key = request_key(headers, body, cfg)
+    if prompts and path in STREAMABLE:  # an embedding's input leaves no KV cache behind
         prompt = prompt_of(body, cfg.prefix_block_bytes)
         if prompt is not None:
             key = replace(key, prompt=prompt)
-    streamed = request.path in STREAMABLE and body.get("stream") is True
+    streamed = path in STREAMABLE and body.get("stream") is True
     strip_usage = False
     if streamed and cfg.inject_usage:
         options = body.get("stream_options")
@@ -111,6 +140,6 @@ async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) 
             raw = orjson.dumps(body)
             strip_usage = True
     # a stream broken mid-way is resumed on another replica when it can be (see resume.py)
-    chat = request.path == "/v1/chat/completions"
+    chat = path == "/v1/chat/completions"
     resumable = cfg.resume_streams and streamed and continuation(body, chat, SoFar()) is not None
     return Admitted(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0)

@@ -28,7 +28,8 @@ from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
 from router.node import Node
 from router.policy import Decision
-from router.proxy.admit import PROXIED, Admitted, admit
+from router.proxy.admit import PROXIED, Admitted, Refused, admit
+from router.proxy.exchange import AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.resume import Splicer, continuation, read_so_far
 from router.routing import Route, Served
@@ -138,21 +139,30 @@ class Proxy:
         self.prompts = node.policy.placement is not None  # the policy reads prompts: cut them into blocks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """A proxied endpoint, served by aiohttp (a connection the front handed over)."""
         t0 = time.monotonic()
-        admitted = await admit(request, self.config, self.prompts)
+        exchange = AioExchange(request)
+        await self.serve(exchange, await admit(request, self.config, self.prompts), t0)
+        assert exchange.response is not None
+        return exchange.response
+
+    async def serve(self, exchange: Exchange, admitted: Admitted | Refused, t0: float) -> None:
+        """Answer one proxied request, admitted or refused, through `exchange`."""
         if not isinstance(admitted, Admitted):
-            return self._finish(request, admitted, None, NO_KEY, None, t0)
+            admitted.answer(exchange)
+            self._finish(exchange, exchange.status, None, NO_KEY, None, t0)
+            return
         key, raw = admitted.key, admitted.raw
         loop = asyncio.get_running_loop()
         route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.config.total_timeout_s)
-        headers = forward_headers(request)
+        headers = forward_headers(exchange.headers, exchange.remote)
         failure: Retry | None = None
         while (replica := route.next(loop.time())) is not None:
             try:
                 result = await attempt(
                     self.node.upstream_client(),
-                    request,
-                    replica.url + request.path,
+                    exchange,
+                    replica.url + exchange.path,
                     raw,
                     headers,
                     self._extra_headers(replica),
@@ -163,7 +173,7 @@ class Proxy:
                     admitted.keep,
                 )
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
-                self._finish(request, web.Response(status=499), replica, key, route.decision, t0, None, route.attempts)
+                self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                 raise
             finally:
                 route.release(replica)
@@ -171,21 +181,19 @@ class Proxy:
                 route.failed(replica, result.cause)
                 failure = result
                 continue
-            route.served(replica, served(result), request.path, raw)
+            route.served(replica, served(result), exchange.path, raw)
             if admitted.keep and result.streamed:
                 try:
-                    replica = await self._resume(request, admitted.body, route, result, replica, headers)
+                    replica = await self._resume(exchange, admitted.body, route, result, replica, headers)
                 except asyncio.CancelledError:  # the client went away during the continuation
-                    self._finish(
-                        request, web.Response(status=499), replica, key, route.decision, t0, None, route.attempts
-                    )
+                    self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                     raise
-            return self._finish(request, result.response, replica, key, route.decision, t0, result, route.attempts)
+            self._finish(exchange, result.status, replica, key, route.decision, t0, result, route.attempts)
+            return
         if route.timed_out:
             failure = failure or Retry("timeout", 504)
-        return self._finish(
-            request, self._no_replica(failure, bool(route.tried)), None, key, None, t0, None, route.attempts
-        )
+        self._no_replica(exchange, failure, bool(route.tried))
+        self._finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
 
     def _extra_headers(self, replica: ReplicaState) -> dict[str, str]:
         name = self.config.replica_header
@@ -197,7 +205,7 @@ class Proxy:
 
     async def _resume(
         self,
-        request: web.Request,
+        exchange: Exchange,
         body: dict[str, Any],
         route: Route,
         result: Outcome,
@@ -214,7 +222,7 @@ class Proxy:
                 m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
             return broke
         result.extra["broke_on"] = broke.id
-        chat = request.path == "/v1/chat/completions"
+        chat = exchange.path == "/v1/chat/completions"
         assert result.record is not None
         so_far = read_so_far(result.record)
         if so_far is not None and so_far.finished:
@@ -238,7 +246,7 @@ class Proxy:
             try:
                 failed = await resume(
                     self.node.upstream_client(),
-                    replica.url + request.path,
+                    replica.url + exchange.path,
                     raw,
                     headers,
                     self.timeouts,
@@ -272,34 +280,36 @@ class Proxy:
         return broke
 
     @staticmethod
-    def _no_replica(failure: Retry | None, tried: bool) -> web.Response:
+    def _no_replica(exchange: Exchange, failure: Retry | None, tried: bool) -> None:
         if failure is not None and failure.cause == "http_5xx" and failure.body:
-            return web.Response(status=failure.status, body=failure.body, content_type=failure.content_type)
+            exchange.answer(failure.status, failure.body, {"Content-Type": failure.content_type})
+            return
         if failure is not None:
             what = {"timeout": "timed out", "connect": "could not be reached", "reset": "closed the connection"}
-            return error_response(
-                f"no replica could serve the request: the last one tried {what.get(failure.cause, 'failed')}",
+            refusal = Refused(
                 failure.status,
+                f"no replica could serve the request: the last one tried {what.get(failure.cause, 'failed')}",
                 "upstream_error",
             )
-        if not tried:
-            return error_response("no replica is available to serve the request", 503, "service_unavailable")
-        return error_response("no replica could serve the request", 502, "upstream_error")
+        elif not tried:
+            refusal = Refused(503, "no replica is available to serve the request", "service_unavailable")
+        else:
+            refusal = Refused(502, "no replica could serve the request", "upstream_error")
+        refusal.answer(exchange)
 
     def _finish(
         self,
-        request: web.Request,
-        response: web.StreamResponse,
+        exchange: Exchange,
+        status: int,
         replica: ReplicaState | None,
         key: RoutingKey,
         decision: Decision | None,
         t0: float,
         result: Outcome | None = None,
         attempts: int = 0,
-    ) -> web.StreamResponse:
+    ) -> None:
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
-        status = response.status
         m = self.metrics
         m.child(m.requests, name, self.node.policy.name, key.kind, str(status)).inc()
         if replica is not None:
@@ -311,8 +321,8 @@ class Proxy:
                 json.dumps(
                     {
                         "ts": round(time.time(), 3),
-                        "method": request.method,
-                        "path": request.path,
+                        "method": exchange.method,
+                        "path": exchange.path,
                         "status": status,
                         "replica": replica.id if replica else None,
                         "policy": self.node.policy.name,
@@ -330,7 +340,6 @@ class Proxy:
                     }
                 )
             )
-        return response
 
     # -- other routes ------------------------------------------------------------------------
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from router.errors import sse_error_event
+from router.proxy.exchange import Exchange
 from router.proxy.framer import SseFramer
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
@@ -67,7 +68,7 @@ class Retry:
 class Outcome:
     """What one attempt did: the response given to the client and what was learned from it."""
 
-    response: web.StreamResponse
+    response: Exchange  # the client's side: the answer is given through it
     status: int
     ttft_s: float | None = None  # the first body bytes sent to the client
     token_s: float | None = None  # the first event past a bare opener (a chat stream's role chunk)
@@ -103,9 +104,9 @@ def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
 REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect"}
 
 
-def forward_headers(request: web.Request) -> dict[str, str]:
-    out = end_to_end(request.headers, REQUEST_DROP)
-    peer = request.remote or ""
+def forward_headers(headers: CIMultiDictProxy[str], remote: str | None) -> dict[str, str]:
+    out = end_to_end(headers, REQUEST_DROP)
+    peer = remote or ""
     prior = next((v for k, v in out.items() if k.lower() == "x-forwarded-for"), None)  # unless hop-by-hop
     out = {k: v for k, v in out.items() if k.lower() != "x-forwarded-for"}
     out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -118,7 +119,7 @@ def forward_headers(request: web.Request) -> dict[str, str]:
 
 async def attempt(
     client: Upstream,
-    request: web.Request,
+    exchange: Exchange,
     url: str,
     body: bytes,
     headers: dict[str, str],
@@ -152,7 +153,7 @@ async def attempt(
                 first = await upstream.readany()
         except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
-        return await _relay(request, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
+        return await _relay(exchange, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
     finally:
         if upstream is not None:
             _let_go(upstream)
@@ -175,7 +176,7 @@ def _let_go(upstream: Response) -> None:
 
 
 async def _relay(
-    request: web.Request,
+    exchange: Exchange,
     upstream: Response,
     first: bytes,
     extra_headers: dict[str, str],
@@ -205,7 +206,8 @@ async def _relay(
         except OSError:
             return Retry("reset", 502)
         data = b"".join(chunks)
-        outcome = Outcome(web.Response(status=upstream.status, body=data, headers=headers), upstream.status)
+        exchange.answer(upstream.status, data, headers)
+        outcome = Outcome(exchange, upstream.status)
         outcome.ttft_s = time.monotonic() - t0
         if upstream.status == 200 and content_type.startswith("application/json"):
             try:
@@ -215,15 +217,14 @@ async def _relay(
             if usage:
                 outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = usage
         return outcome
-    resp = web.StreamResponse(status=upstream.status, headers=headers)
-    outcome = Outcome(resp, upstream.status, streamed=True)
+    outcome = Outcome(exchange, upstream.status, streamed=True)
     framer = outcome.framer = SseFramer(strip_usage)
-    outcome.transport = request.transport
+    outcome.transport = exchange.transport
     if keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(keep)
     try:
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
-            await resp.prepare(request)
+            await exchange.prepare(upstream.status, headers)
     except ConnectionResetError:
         outcome.client_gone = True
         return outcome
@@ -344,7 +345,7 @@ def _opener(out: bytes) -> bool:
 
 async def _pump(
     upstream: Response,
-    resp: web.StreamResponse,
+    resp: Exchange,
     chunk: bytes,
     framer: StreamFramer,
     outcome: Outcome,
