@@ -87,6 +87,7 @@ class RouterConfig:
     inject_usage: bool = True
     resume_streams: bool = True  # continue a stream a replica broke mid-way on another replica
     resume_buffer_bytes: int = 1024 * 1024  # per stream: what was sent, to continue from (past it: no resume)
+    front: bool = True  # the proxied endpoints on the router's own HTTP/1.1 server (httptools), not aiohttp's
     # health
     health_checks: bool = True
     agents: tuple[str, ...] = ()  # REPLICA_ID=URL of a router-agent whose /stats the control loop reads

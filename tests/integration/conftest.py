@@ -23,6 +23,7 @@ from router.emulator.engine import EngineConfig
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import build_app
+from router.proxy.front import FrontRunner
 
 WORKERS_TOKEN = "workers-test-token"  # the admin token of the routers `serve_workers` starts
 FAST = 100.0  # engine seconds per wall second: a 10 ms step sleeps 0.1 ms
@@ -68,13 +69,16 @@ async def start_fleet() -> AsyncIterator[Callable[..., Any]]:
 
 @pytest.fixture
 async def start_router() -> AsyncIterator[Callable[..., Any]]:
-    """Start router-serve's app in this event loop in front of the given replica URLs."""
+    """Start router-serve's app in this event loop in front of the given replica URLs, its proxied
+    endpoints on the front as router-serve serves them (unless `front=False` is among the settings)."""
     runners: list[web.AppRunner] = []
 
     async def start(urls: list[str], **settings: Any) -> tuple[Node, str]:
         config = load(None, {}, {"replicas": urls, "state": "none", **settings})
         router = Node(config)
-        runner = web.AppRunner(build_app(router), handle_signals=False, access_log=None, handler_cancellation=True)
+        runner = FrontRunner(
+            build_app(router), config, lambda: False, handle_signals=False, access_log=None, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

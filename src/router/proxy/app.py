@@ -31,6 +31,7 @@ from router.policy import Decision
 from router.proxy.admit import PROXIED, Admitted, Refused, admit
 from router.proxy.exchange import AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
+from router.proxy.front import PROXY
 from router.proxy.resume import Splicer, continuation, read_so_far
 from router.routing import Route, Served
 
@@ -50,6 +51,7 @@ def build_app(node: Node, control_only: bool = False) -> web.Application:
         app.cleanup_ctx.extend(node.contexts(control_only=True))
         return app
     proxy = Proxy(node)
+    app[PROXY] = proxy  # a runner that has the front serves these on it (router.proxy.front)
     for path in PROXIED:
         app.router.add_post(path, proxy.handle)
     app.router.add_get("/v1/models", proxy.models)

@@ -76,6 +76,8 @@ HELP = {
     "(default on)",
     "resume_buffer_bytes": "per stream, the most of it kept to continue from; a longer stream is not resumed "
     "(default 1 MiB)",
+    "front": "serve the proxied endpoints on the router's own HTTP/1.1 front (httptools) rather than aiohttp's "
+    "server, which keeps every other path (default on)",
     "health_checks": "probe replicas and route around sick ones (default on)",
     "agents": "comma-separated REPLICA_ID=URL of router-agents whose GPU figures join the health score",
     "probe_interval_s": "seconds between health probes (default 2)",

@@ -37,9 +37,6 @@ class Exchange(Protocol):
     def prepared(self) -> bool:
         """Whether any byte of the answer has been sent."""
 
-    def header_bytes(self) -> int:
-        """The size of the request's header block, as the limit counts it."""
-
     def answer(self, status: int, body: bytes, headers: Mapping[str, str], close: bool = False) -> None:
         """Answer with a whole response; `close`: the connection closes after it."""
 
@@ -77,9 +74,6 @@ class AioExchange:
     @property
     def prepared(self) -> bool:
         return self.response is not None and self.response.prepared
-
-    def header_bytes(self) -> int:
-        return sum(len(k) + len(v) + 4 for k, v in self.request.raw_headers)
 
     def answer(self, status: int, body: bytes, headers: Mapping[str, str], close: bool = False) -> None:
         self.response = web.Response(status=status, body=body, headers=headers)

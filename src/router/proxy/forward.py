@@ -101,7 +101,8 @@ def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
 
 
 # `Expect: 100-continue` was the client's business with the router, which has the whole body now
-REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect"}
+# Content-Type is set below, whatever case the client's had (the upstream client writes headers as given)
+REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect", "content-type"}
 
 
 def forward_headers(headers: CIMultiDictProxy[str], remote: str | None) -> dict[str, str]:

@@ -34,6 +34,7 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
+from router.proxy.front import FrontRunner
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 
@@ -72,12 +73,15 @@ async def _close_after_answer(request: web.Request, response: web.StreamResponse
 
 
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
-    """The aiohttp runner of a proxying process (a lone router or a worker); stop it with `stop_serving`."""
+    """The aiohttp runner of a proxying process (a lone router or a worker), its proxied endpoints on
+    the front (router.proxy.front); stop it with `stop_serving`."""
     field_size = max(config.max_header_bytes + 1024, 8190)
     app[CLOSING] = []
     app.on_response_prepare.append(_close_after_answer)
-    return web.AppRunner(
+    return FrontRunner(
         app,
+        config,
+        lambda: bool(app[CLOSING]),
         handle_signals=False,
         access_log=None,
         handler_cancellation=True,

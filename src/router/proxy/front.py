@@ -1,0 +1,653 @@
+"""The front: the proxied endpoints served straight off the socket, on httptools.
+
+aiohttp is the application framework (admin API, console, `/metrics`, `/v1/models`, health, the
+lifecycle of everything); its server machinery (a request object, a router lookup, a response
+object and its writer per request) is most of what a small proxied request costs. The front is an
+`asyncio.Protocol` on each client connection that parses requests with httptools (llhttp) and
+answers `POST` to the proxied endpoints itself, through the same request journey aiohttp's
+handler takes (`Proxy.serve`, with a `FrontExchange`): same admission, routing, attempts,
+resuming, metrics and access log.
+
+Any other request is aiohttp's. When the first request on a connection is not a proxied one, the
+connection is handed to aiohttp's own protocol with the bytes read so far, and stays with it. A
+later one on a front connection is handed over the same way when it starts a read (the usual case:
+a client that waits for each answer); when it comes pipelined behind others, its parsed head and
+body are handed over as one request with `Connection: close`, so that connection closes after its
+answer (a client retries what it had pipelined behind it, RFC 9112 §9.3.2).
+
+Limits and time-outs are those aiohttp applies on the same settings (router.proxy.workers):
+- `keepalive_timeout_s`: an idle connection closes, and so does one that has not sent a whole
+  request's head within it (slowloris);
+- a header block over `max_header_bytes` gets an OpenAI-shaped 431; one header line over the
+  field limit, more headers than the count limit, or a head over `HEAD_CAP` get a 400 and close;
+- a body over `max_body_bytes` gets a 413; one that pauses for `client_timeout_s` or takes
+  longer than `total_timeout_s` gets a 408 and the connection closes;
+- ambiguous or malformed framing (smuggling: Content-Length with Transfer-Encoding, two lengths,
+  chunked not last) is refused by llhttp's strict parser: 400, connection closed.
+
+Pipelined requests are answered in order, one at a time; reading stops while `PIPELINE` requests
+wait. A client that goes away cancels its request, as aiohttp's `handler_cancellation` does (the
+access log records 499). Streams are sent chunked (HTTP/1.1) or until the connection closes
+(HTTP/1.0); a slow reader pauses the stream at the socket's write-buffer limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, Protocol, cast
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.config import RouterConfig
+from router.errors import error_body
+from router.proxy.admit import PROXIED, Admitted, Refused, admit_body, too_large, too_many_header_bytes, too_slow
+from router.proxy.exchange import JSON, Exchange
+
+log = logging.getLogger("router.front")
+
+HOT = frozenset(p.encode() for p in PROXIED)
+HEAD_CAP = 2 << 20  # bytes of one request's head buffered at most (aiohttp's parser keeps about as much)
+PIPELINE = 8  # parsed requests waiting behind the one being answered before reading stops
+WRITE_HIGH = 64 * 1024  # a client's write buffer past this pauses the stream until it drains
+HANDOVER_BODY_CAP = 1 << 20  # a pipelined request handed to aiohttp carries at most this much body
+REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+
+
+class Serving(Protocol):
+    """What the front hands a proxied request to (router.proxy.app.Proxy)."""
+
+    prompts: bool  # the policy reads prompts: admission cuts them into blocks
+
+    async def serve(self, exchange: Exchange, admitted: Admitted | Refused, t0: float) -> None: ...
+
+
+# the application's proxy, set by router.proxy.app.build_app: a runner with one serves its endpoints on the front
+PROXY: web.AppKey[Serving] = web.AppKey("proxy", Serving)
+
+
+class _Date:
+    """The Date header's value, made once a second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def now(cls) -> bytes:
+        t = int(time.time())
+        if t != cls.second:
+            cls.second, cls.value = t, formatdate(t, usegmt=True).encode()
+        return cls.value
+
+
+def _head(version: bytes, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
+    lines = [b"HTTP/", version, b" %d " % status, REASONS.get(status, b"Unknown"), b"\r\n"]
+    for name, value in headers.items():
+        lines += (name.encode("utf-8"), b": ", value.encode("utf-8", "surrogateescape"), b"\r\n")
+    lines += (b"Date: ", _Date.now(), b"\r\n", extra, b"\r\n")
+    return b"".join(lines)
+
+
+class _Message:
+    """One request as it is parsed."""
+
+    __slots__ = (
+        "body",
+        "body_size",
+        "complete",
+        "header_size",
+        "headers",
+        "hot",
+        "keep_alive",
+        "last_body",
+        "method",
+        "path",
+        "raw",
+        "refused",
+        "t0",
+        "url",
+        "version",
+    )
+
+    def __init__(self, raw: list[bytes] | None) -> None:
+        self.raw = raw  # every byte of it read so far, when it began a read (None: it came pipelined)
+        self.url = b""
+        self.headers: list[tuple[str, str]] = []
+        self.header_size = 0
+        self.method = b""
+        self.path = b""
+        self.version = b"1.1"
+        self.hot = False
+        self.keep_alive = True
+        self.body: list[bytes] = []
+        self.body_size = 0
+        self.refused: Refused | None = None
+        self.complete = False
+        self.t0 = 0.0
+        self.last_body = 0.0
+
+
+class FrontExchange:
+    """An `Exchange` on a front connection."""
+
+    __slots__ = (
+        "_chunked",
+        "_front",
+        "_prepared",
+        "_status",
+        "closes",
+        "headers",
+        "method",
+        "path",
+        "remote",
+        "transport",
+        "unended",
+    )
+
+    def __init__(self, front: Front, msg: _Message) -> None:
+        self._front = front
+        self.method = "POST"
+        self.path = msg.path.decode()
+        self.headers = CIMultiDictProxy(CIMultiDict(msg.headers))
+        self.remote = front.remote
+        self.transport = front.transport
+        self._status = 0
+        self._prepared = False
+        self.unended = False  # a stream's head went out and its end did not
+        self._chunked = msg.version == b"1.1"
+        # the connection closes after this answer: the client said so, or the router is stopping
+        self.closes = not msg.keep_alive
+
+    @property
+    def status(self) -> int:
+        return self._status
+
+    @property
+    def prepared(self) -> bool:
+        return self._prepared
+
+    def _connection(self) -> bytes:
+        if self.closes or self._front.server.closing():
+            self.closes = True
+            return b"Connection: close\r\n"
+        return b""
+
+    def answer(self, status: int, body: bytes, headers: Mapping[str, str], close: bool = False) -> None:
+        self._status = status
+        self.closes = self.closes or close
+        extra = b"Content-Length: %d\r\n" % len(body) + self._connection()
+        transport = self._front.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_head(self._front.version, status, headers, extra) + body)
+        self._prepared = True
+
+    async def prepare(self, status: int, headers: Mapping[str, str]) -> None:
+        transport = self._front.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client has gone")
+        self._status = status
+        if self._chunked:
+            extra = b"Transfer-Encoding: chunked\r\n" + self._connection()
+        else:  # HTTP/1.0: the stream ends with the connection
+            self.closes = True
+            extra = b"Connection: close\r\n"
+        transport.write(_head(self._front.version, status, headers, extra))
+        self._prepared = self.unended = True
+
+    async def write(self, data: bytes) -> None:
+        transport = self._front.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client has gone")
+        if not data:
+            return
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if self._front.drained is not None:
+            await self._front.wait_drained()
+
+    async def write_eof(self) -> None:
+        transport = self._front.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client has gone")
+        if self._chunked:
+            transport.write(b"0\r\n\r\n")
+        self.unended = False
+
+
+class Front(asyncio.Protocol):
+    """One client connection: parses requests, answers the proxied ones, hands the rest to aiohttp."""
+
+    def __init__(self, server: FrontServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.cfg = server.cfg
+        self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.msg: _Message | None = None  # the one being parsed
+        self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting to be answered
+        self.task: asyncio.Task[None] | None = None  # the one being answered
+        self.version = b"1.1"
+        self.timer: asyncio.TimerHandle | None = None
+        self.drained: asyncio.Future[None] | None = None
+        self.clean_start = True  # this read began at a request boundary
+        self.begun = 0  # requests begun in this read
+        self.head_bytes = 0
+        self.handover: _Message | None = None
+        self.error: str | None = None  # a 400 to send once what is before it is answered
+        self.read = b""  # the bytes being parsed
+        self.in_head = False  # between a request's first byte and the end of its head
+        self.paused = False
+        self.gone = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = t = cast(asyncio.Transport, transport)
+        t.set_write_buffer_limits(high=WRITE_HIGH)
+        sock = t.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = t.get_extra_info("peername")
+        self.remote = peer[0] if isinstance(peer, tuple) and peer else None
+        self.server.fronts.add(self)
+        self._arm(self.cfg.keepalive_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return  # past a request that could not be read: nothing more is
+        msg = self.msg
+        self.clean_start = msg is None and not self.queue and self.task is None
+        self.begun = 0
+        self.read = data
+        if msg is not None and msg.raw is not None:
+            msg.raw.append(data)
+        if msg is None or self.in_head:  # httptools buffers a head's pieces itself: bound them here
+            self.head_bytes += len(data)
+            if self.head_bytes > HEAD_CAP:
+                self._fail("the request's head is larger than the router reads")
+                return
+        error = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # an upgrade (a websocket) is never a proxied request: aiohttp takes it below
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _TooBig):
+                error = str(exc.__context__)
+            else:
+                log.error("front: parsing a request failed", exc_info=exc.__context__)
+                error = "the request could not be read"
+        except httptools.HttpParserError as exc:
+            error = f"malformed HTTP request: {exc}"
+        self.read = b""
+        if self.handover is not None:
+            self._hand_over()  # aiohttp's from the start of that request, errors and all
+        elif error is not None:
+            self._fail(error)
+        else:
+            self._next()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        self.transport = None
+        self._disarm()
+        self.server.fronts.discard(self)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client went: its request is cancelled (as aiohttp's handler_cancellation)
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_exception(ConnectionResetError("the client has gone"))
+            self.drained.exception()  # whether or not a stream waits on it
+
+    def pause_writing(self) -> None:
+        if self.drained is None:
+            self.drained = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self.drained is not None:
+            if not self.drained.done():
+                self.drained.set_result(None)
+            self.drained = None
+
+    async def wait_drained(self) -> None:
+        if self.drained is not None:
+            await asyncio.shield(self.drained)
+
+    # -- httptools callbacks -----------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        # the keep-alive timer runs on until the head is whole: a head sent slowly is cut off by it
+        self.begun += 1
+        self.in_head = True
+        clean = self.clean_start and self.begun == 1
+        self.msg = _Message([self.read] if clean else None)
+
+    def on_url(self, url: bytes) -> None:
+        assert self.msg is not None
+        self.msg.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        msg = self.msg
+        assert msg is not None
+        size = len(name) + len(value) + 4
+        msg.header_size += size
+        if size > self.server.field_size:
+            raise _TooBig(f"a header line is longer than {self.server.field_size} bytes")
+        if len(msg.headers) >= self.server.max_headers:
+            raise _TooBig(f"more than {self.server.max_headers} headers")
+        if msg.header_size <= self.cfg.max_header_bytes:
+            msg.headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        msg = self.msg
+        assert msg is not None
+        self.in_head = False
+        self.head_bytes = 0
+        msg.method = self.parser.get_method()
+        msg.version = self.parser.get_http_version().encode()
+        msg.keep_alive = self.parser.should_keep_alive()
+        url = msg.url
+        if url.startswith(b"/"):
+            msg.path = url.split(b"?", 1)[0]
+        elif url.startswith((b"http://", b"https://")):  # absolute-form: only the path is ours
+            with contextlib.suppress(httptools.HttpParserInvalidURLError):
+                msg.path = httptools.parse_url(url).path or b""
+        msg.hot = msg.method == b"POST" and msg.path in HOT
+        msg.last_body = self.loop.time()
+        if not msg.hot and msg.raw is not None:
+            self.handover = msg  # the whole connection goes to aiohttp, with every byte read so far
+            self._disarm()
+            return
+        self._arm_body(msg)
+        msg.raw = None  # only a request handed over at once needs its bytes
+        if not msg.hot:
+            return
+        msg.t0 = time.monotonic()
+        if msg.header_size > self.cfg.max_header_bytes:
+            msg.refused = too_many_header_bytes(msg.header_size, self.cfg)
+        if not self.queue and self.task is None:
+            expect = next((v for k, v in msg.headers if k.lower() == "expect"), "")
+            if expect.lower() == "100-continue" and self.transport is not None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        msg = self.msg
+        assert msg is not None
+        if msg.hot and msg.refused is not None:
+            return  # read and dropped
+        msg.body_size += len(body)
+        if msg.hot and msg.body_size > self.cfg.max_body_bytes:
+            msg.refused = too_large(self.cfg)
+            msg.body = []
+            return
+        if not msg.hot and msg.body_size > HANDOVER_BODY_CAP:
+            msg.refused = Refused(
+                413,
+                f"a request pipelined behind others may carry at most {HANDOVER_BODY_CAP} bytes of body",
+                "request_too_large",
+                close=True,
+            )
+            msg.body = []
+            return
+        msg.body.append(body)
+        msg.last_body = self.loop.time()
+
+    def on_message_complete(self) -> None:
+        msg = self.msg
+        assert msg is not None
+        self.msg = None
+        self._disarm()
+        if msg.complete:  # already answered: its body was too slow
+            return
+        msg.complete = True
+        self.queue.append(msg)
+        if len(self.queue) > PIPELINE:
+            self._pause()
+
+    # -- answering ---------------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Start answering the next parsed request, if none is being answered."""
+        if self.task is not None or self.gone:
+            return
+        while self.queue:
+            msg = self.queue.popleft()
+            if not msg.hot and msg.refused is None:
+                self._hand_over_parsed(msg)  # pipelined behind others: handed over with the connection
+                return
+            self.task = self.loop.create_task(self._serve(msg))
+            return
+        if self.error is not None:
+            self._send_error()
+            return
+        if self.paused:
+            self._resume()
+        if self.msg is None:
+            self._arm(self.cfg.keepalive_timeout_s)
+
+    async def _serve(self, msg: _Message) -> None:
+        exchange = FrontExchange(self, msg)
+        try:
+            if not msg.hot:  # refused before it could be handed over
+                assert msg.refused is not None
+                msg.refused.answer(exchange)
+                exchange.closes = True
+            elif msg.refused is not None:
+                admitted: Admitted | Refused = msg.refused
+            else:
+                raw = msg.body[0] if len(msg.body) == 1 else b"".join(msg.body)
+                admitted = admit_body(exchange.path, exchange.headers, raw, self.cfg, self.server.proxy.prompts)
+            await self.server.proxy.serve(exchange, admitted, msg.t0)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("front: serving %s failed", exchange.path)
+            if not exchange.prepared:
+                exchange.answer(500, error_body("the router failed to serve the request", 500, "internal_error"), JSON)
+            exchange.closes = True
+        finally:
+            self.task = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        if exchange.closes or self.server.closing() or not exchange.prepared or exchange.unended:
+            self.transport.close()
+            return
+        self._next()
+
+    # -- handing over to aiohttp ---------------------------------------------------------------------
+
+    def _hand_over(self) -> None:
+        """The request now being parsed is aiohttp's, and this connection with it: every byte read
+        since the request began goes to aiohttp's protocol, which reads the rest off the socket."""
+        msg = self.handover
+        assert msg is not None and msg.raw is not None and self.transport is not None
+        self.handover = None
+        self._give(b"".join(msg.raw))
+
+    def _hand_over_parsed(self, msg: _Message) -> None:
+        """A request that came pipelined behind proxied ones: its head and body as one request that
+        closes the connection after it."""
+        target = msg.url
+        lines = [msg.method, b" ", target, b" HTTP/", msg.version, b"\r\n"]
+        drop = {"connection", "content-length", "transfer-encoding", "keep-alive"}
+        for name, value in msg.headers:
+            if name.lower() not in drop:
+                lines += (
+                    name.encode("utf-8", "surrogateescape"),
+                    b": ",
+                    value.encode("utf-8", "surrogateescape"),
+                    b"\r\n",
+                )
+        body = b"".join(msg.body)
+        lines += (b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body), body)
+        self._pause()  # what follows is not read: the connection closes after this answer
+        self._give(b"".join(lines))
+
+    def _give(self, data: bytes) -> None:
+        transport = self.transport
+        assert transport is not None
+        self._disarm()
+        self.server.fronts.discard(self)
+        self.gone = True  # no longer ours
+        handler = self.server.inner()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        handler.data_received(data)
+
+    # -- errors and timers ---------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        """A request that cannot be read: a 400 once what is before it is answered, then close."""
+        self._pause()
+        self.msg = None
+        self.error = reason
+        if self.task is None and not self.queue:
+            self._send_error()
+
+    def _send_error(self) -> None:
+        if self.transport is None:
+            return
+        body = error_body(self.error or "bad request", 400)
+        head = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        self.transport.write(head + b"Connection: close\r\n\r\n" + body)
+        self.transport.close()
+
+    def _arm(self, after: float) -> None:
+        """Close the connection after `after` seconds unless a request begins meanwhile."""
+        self._disarm()
+        self.timer = self.loop.call_later(after, self._idle)
+
+    def _idle(self) -> None:
+        self.timer = None
+        if self.task is None and not self.queue and self.transport is not None:
+            self.transport.close()  # idle, or a head that never finished: as aiohttp's keep-alive time-out
+
+    def _arm_body(self, msg: _Message) -> None:
+        """Time the body: `client_timeout_s` without a byte, or `total_timeout_s` in all, is a 408."""
+        cfg = self.cfg
+        deadline = self.loop.time() + cfg.total_timeout_s
+
+        def check() -> None:
+            self.timer = None
+            if msg is not self.msg or self.error is not None:
+                return
+            now = self.loop.time()
+            due = min(msg.last_body + cfg.client_timeout_s, deadline)
+            if now < due:
+                self.timer = self.loop.call_at(due, check)
+                return
+            msg.refused = too_slow(cfg)
+            msg.complete = True
+            msg.body = []
+            self.msg = None
+            self.queue.append(msg)
+            self._pause()  # the rest of that body must not be read as a next request
+            self._next()
+
+        self._disarm()
+        self.timer = self.loop.call_at(min(msg.last_body + cfg.client_timeout_s, deadline), check)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if self.paused and self.transport is not None and self.error is None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    # -- shutting down -------------------------------------------------------------------------------
+
+    def close_if_idle(self) -> None:
+        if self.task is None and not self.queue and self.msg is None and self.transport is not None:
+            self.transport.close()
+
+    async def finish(self, timeout: float | None) -> None:
+        """Let the request being answered finish within `timeout`, then close."""
+        task = self.task
+        if task is not None and not task.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(task)
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self.queue.clear()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _TooBig(Exception):
+    """A header line or count past the parser's limits (a 400, as aiohttp's parser gives)."""
+
+
+class FrontServer:
+    """The protocol factory aiohttp's sites listen with: a `Front` per connection, aiohttp's own
+    server (`inner`) for the connections handed to it. It stands in for `web.Server` (its
+    connections, `pre_shutdown` and `shutdown` count both kinds)."""
+
+    def __init__(self, inner: web.Server, proxy: Serving, cfg: RouterConfig, closing: Callable[[], bool]) -> None:
+        self.inner = inner
+        self.proxy = proxy
+        self.cfg = cfg
+        self.closing = closing
+        self.loop = asyncio.get_running_loop()
+        self.fronts: set[Front] = set()
+        self.field_size = max(cfg.max_header_bytes + 1024, 8190)
+        self.max_headers = max(128, (2 << 20) // self.field_size)
+
+    def __call__(self) -> Front:
+        return Front(self)
+
+    @property
+    def connections(self) -> list[Any]:
+        return [*self.inner.connections, *self.fronts]
+
+    @property
+    def requests_count(self) -> int:
+        return self.inner.requests_count
+
+    def pre_shutdown(self) -> None:
+        self.inner.pre_shutdown()
+        for front in list(self.fronts):
+            front.close_if_idle()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        await asyncio.gather(self.inner.shutdown(timeout), *(f.finish(timeout) for f in list(self.fronts)))
+        self.fronts.clear()
+
+
+class FrontRunner(web.AppRunner):
+    """aiohttp's runner, whose sites listen with the front when the application has a proxy (`PROXY`)
+    and `cfg.front` is on; otherwise aiohttp's own server, as `web.AppRunner`."""
+
+    def __init__(self, app: web.Application, cfg: RouterConfig, closing: Callable[[], bool], **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.cfg = cfg
+        self.closing = closing
+
+    async def _make_server(self) -> web.Server:
+        inner = await super()._make_server()
+        proxy = self.app.get(PROXY)
+        if proxy is None or not self.cfg.front:
+            return inner
+        return cast(web.Server, FrontServer(inner, proxy, self.cfg, self.closing))
