@@ -42,7 +42,9 @@ class Raw:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(
-                    int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
                 )
                 self.bodies.append(await reader.readexactly(length))
                 self.requests.append(head)
@@ -160,7 +162,9 @@ async def test_a_replica_that_refuses_connections_is_a_connect_error(unused_tcp_
 
 
 async def test_an_answer_cut_mid_body_raises_and_the_connection_is_not_reused(raw) -> None:  # type: ignore[no-untyped-def]
-    cut = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n"
+    cut = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n"
+    )
     replica = await raw(lambda n, head: (cut, True) if n == 1 else (OK, False))
     client = Upstream()
     resp = await client.post(replica.url + "/x", b"{}", {}, 1.0)

@@ -513,8 +513,7 @@ class Front(asyncio.Protocol):
         self._pause()
         self.msg = None
         self.error = reason
-        if self.task is None and not self.queue:
-            self._send_error()
+        self._next()
 
     def _send_error(self) -> None:
         if self.transport is None:
