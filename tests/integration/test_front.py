@@ -99,7 +99,7 @@ async def test_a_connection_that_starts_elsewhere_is_aiohttps_whole(start_fleet,
     _, url = await start_router([fleet.replicas[0].url])
     conn = await Conn.open(url)
     conn.send(get("/v1/nothing-here"))
-    status, headers, body = await conn.response()
+    status, _, body = await conn.response()
     assert status == 404 and orjson.loads(body)["error"]["type"] == "not_found"
     conn.send(post(b"not json"))
     status, _, body = await conn.response()
