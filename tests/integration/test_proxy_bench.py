@@ -4,6 +4,7 @@ they assert no speed)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,7 +31,11 @@ def test_proxy_benchmark_smoke() -> None:
             "--rounds",
             "1",
             "--concurrency",
-            "4",
+            "1,4",
+            "--saturate-s",
+            "0.5",
+            "--saturate-connections",
+            "8",
             "--against",
             f"same={sys.executable}",  # another installation; this one again, for the test
         ],
@@ -44,18 +49,30 @@ def test_proxy_benchmark_smoke() -> None:
     assert names == [
         "direct",
         "bare aiohttp",
-        "router-serve (affinity)",
-        "router-serve (affinity, resume off)",
-        "router-serve (affinity, same)",
+        "floor: uvloop + httptools",
+        "router-serve",
+        "router-serve, resume off",
+        "router-serve, resume and usage injection off",
+        "router-serve --no-front",
+        "router-serve (same)",
     ]
     for r in result["results"]:
         assert r["small_ok"] == 40 and r["events"] >= 8 * 5 and r["ttft_ms_median"] > 0
+        if len(os.sched_getaffinity(0)) >= 2:  # saturation needs one CPU for the contender, one for the rest
+            sat = r["saturation"]
+            assert sat["requests_per_s"] > 0 and sat["errors"] == 0 and sat["latency_ms_p99"] > 0, r["contender"]
     assert result["results"][0]["cpu_us_per_request"] is None
-    assert result["results"][2]["cpu_us_per_request"] >= 0  # clock ticks: a tiny run may read 0
+    serve = result["results"][3]
+    assert serve["cpu_us_per_request"] == serve["cpu_us_per_request_c4"] >= 0  # clock ticks: a tiny run may read 0
+    assert serve["cpu_us_per_request_c1"] >= 0
     bad = subprocess.run(
         [sys.executable, "-m", "router.bench.cli", "proxy", "--against", "nope"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--against 'nope' is not NAME=PATH" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "router.bench.cli", "proxy", "--concurrency", "8,x"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--concurrency '8,x' is not a list of numbers" in bad.stderr
 
 
 def test_the_peer_routers_side_by_side() -> None:
@@ -63,7 +80,7 @@ def test_the_peer_routers_side_by_side() -> None:
     out = subprocess.run(
         [
             *(sys.executable, "-m", "router.bench.cli", "proxy", "--json", "--requests", "40", "--streams", "8"),
-            *("--tokens", "5", "--ttft-samples", "10", "--rounds", "1", "--concurrency", "4"),
+            *("--tokens", "5", "--ttft-samples", "10", "--rounds", "1", "--concurrency", "4", "--saturate-s", "0"),
         ],
         capture_output=True,
         text=True,

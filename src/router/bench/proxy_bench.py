@@ -1,16 +1,26 @@
 """`router-bench proxy`: what a proxy costs, side by side on the same replica, in one run.
 
 Contenders, each its own process in front of one emulated replica (`router-emulator`, time
-scale 1000, so the replica answers at once): direct (no proxy), a bare aiohttp pass-through
-(the floor for any aiohttp proxy; it lives here, in the benchmark), `router-serve` with the
-affinity policy, the same with `--no-resume-streams` (what keeping streams resumable costs),
-and the peer routers that are installed: `sglang-router` (cache_aware), `smg` (the Shepherd Model
-Gateway, sglang-router's successor; cache_aware) and `vllm-router` (consistent_hash).
+scale 1000, so the replica answers at once): direct (no proxy); two floors that live here, in
+the benchmark: a bare aiohttp pass-through (the least any aiohttp proxy costs) and a uvloop +
+httptools one (router.bench.lean: the least the front can cost); `router-serve` as shipped
+(policy ttft, the front on), with `--no-resume-streams`, with that and `--no-inject-usage` too
+(what keeping streams resumable and asking for usage cost), and with `--no-front` (aiohttp's
+server for every path); and the peer routers that are installed: `sglang-router` (cache_aware),
+`smg` (the Shepherd Model Gateway, sglang-router's successor; cache_aware) and `vllm-router`
+(consistent_hash).
 
 For each: CPU time of the proxy process (user + system, all threads, from /proc) per small
-non-streamed request and per forwarded SSE event, and the median time to first token of
-unloaded streamed requests over one keep-alive connection. Ratios compare medians of the same
-run. The client runs in this process; its CPU is not counted.
+non-streamed request at each `--concurrency` level of parallel clients and per forwarded SSE
+event, and the median time to first token of unloaded streamed requests over one keep-alive
+connection. Ratios compare medians of the same run. The client runs in this process; its CPU is
+not counted.
+
+Saturation (`--saturate-s`, on a machine of 2 CPUs or more): each contender again, alone and
+pinned to one CPU (all its threads: a Rust router's runtime sees one core), in front of a canned
+replica (router.bench.lean) that this process and the replica share the other CPU with;
+`--saturate-connections` keep-alive clients send small requests back to back on raw connections;
+requests per second and the P50/P99 latency the clients saw.
 
 The peers are launched here the same way for every benchmark (`PEERS`, `peer_command`; `router-bench
 fleet` and `faults` use them too): on loopback (they bind 0.0.0.0 for their API and metrics
@@ -47,6 +57,7 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from router.bench import lean
 from router.bench.common import free_port
 
 SMALL = {"model": "emulated-llm", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
@@ -66,7 +77,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--streams", type=int, default=40, help="streamed requests per contender (default 40)")
     p.add_argument("--tokens", type=int, default=200, help="tokens (SSE events) per stream (default 200)")
     p.add_argument("--ttft-samples", type=int, default=200, help="sequential TTFT probes (default 200)")
-    p.add_argument("--concurrency", type=int, default=8, help="parallel clients for the CPU runs (default 8)")
+    p.add_argument(
+        "--concurrency",
+        default="1,8,64",
+        help="comma-separated numbers of parallel clients, CPU per small request measured at each (default 1,8,64)",
+    )
+    p.add_argument(
+        "--saturate-s", type=float, default=5.0, help="seconds of saturation per contender, pinned to one CPU (0: skip)"
+    )
+    p.add_argument("--saturate-connections", type=int, default=64, help="keep-alive clients at saturation (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, contenders taking turns; medians reported (3)")
     p.add_argument(
         "--no-peers", action="store_true", help="leave the peer routers (sglang-router, smg, vllm-router) out"
@@ -136,13 +155,15 @@ async def wait_ready(url: str, path: str = "/health", timeout: float = 30.0) -> 
     raise RuntimeError(f"{url} did not come up within {timeout:g} s")
 
 
-def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(cmd: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
+    """`cmd` in a session of its own; pinned to `cpus` from its start, so every thread it makes is too."""
     return subprocess.Popen(
         cmd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         env=(os.environ | env) if env else None,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
 
 
@@ -299,30 +320,119 @@ async def ttft_probe(url: str, samples: int) -> list[float]:
     return out
 
 
+STREAM_CLIENTS = 8  # parallel clients of the stream and TTFT runs
+
+
 async def measure(
     name: str, url: str, pid: int | None, args: argparse.Namespace, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    progress(f"{name}: small requests")
-    c0 = cpu_seconds(pid) if pid else 0.0
-    ok = await small_requests(url, args.requests, args.concurrency)
-    c1 = cpu_seconds(pid) if pid else 0.0
+    at: dict[str, float | None] = {}
+    oks = []
+    for level in args.levels:
+        progress(f"{name}: small requests, {level} clients")
+        c0 = cpu_seconds(pid) if pid else 0.0
+        ok = await small_requests(url, args.requests, level)
+        c1 = cpu_seconds(pid) if pid else 0.0
+        oks.append(ok)
+        at[str(level)] = (c1 - c0) / max(ok, 1) * 1e6 if pid else None
+    # the headline figure: at the middle level (8 of 1,8,64)
+    per_request = at[str(args.levels[len(args.levels) // 2])]
+    near = min(args.levels, key=lambda level: abs(level - STREAM_CLIENTS))
     progress(f"{name}: streams")
-    events = await streams(url, args.streams, args.tokens, args.concurrency)
+    c1 = cpu_seconds(pid) if pid else 0.0
+    events = await streams(url, args.streams, args.tokens, STREAM_CLIENTS)
     c2 = cpu_seconds(pid) if pid else 0.0
     progress(f"{name}: TTFT")
     ttfts = await ttft_probe(url, args.ttft_samples)
-    n_streams = max(1, args.streams // args.concurrency) * args.concurrency
-    per_request = (c1 - c0) / max(ok, 1) * 1e6 if pid else None
+    n_streams = max(1, args.streams // STREAM_CLIENTS) * STREAM_CLIENTS
+    at_streams = at[str(near)] or 0.0
     return {
         "contender": name,
-        "small_ok": ok,
+        "small_ok": min(oks),
         "cpu_us_per_request": per_request,
+        **{f"cpu_us_per_request_c{level}": at[str(level)] for level in args.levels},
         "events": events,
         # stream CPU less what the stream requests themselves cost as small requests
-        "cpu_us_per_event": (((c2 - c1) * 1e6 - n_streams * (per_request or 0)) / max(events, 1)) if pid else None,
+        "cpu_us_per_event": (((c2 - c1) * 1e6 - n_streams * at_streams) / max(events, 1)) if pid else None,
         "ttft_ms_median": statistics.median(ttfts) * 1000 if ttfts else None,
         "ttft_ms_p90": statistics.quantiles(ttfts, n=10)[8] * 1000 if len(ttfts) >= 10 else None,
     }
+
+
+def contenders_for(backend: str, args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, str] | None, str]]:
+    """(name, command, extra environment, URL) of every contender in front of `backend`."""
+    out: list[tuple[str, list[str], dict[str, str] | None, str]] = []
+    port = free_port()
+    bare = [sys.executable, "-m", "router.bench.proxy_bench", "--bare-proxy", str(port), backend]
+    out.append(("bare aiohttp", bare, None, f"http://127.0.0.1:{port}"))
+    port = free_port()
+    floor = [sys.executable, "-m", "router.bench.lean", "--floor", str(port), backend]
+    out.append(("floor: uvloop + httptools", floor, None, f"http://127.0.0.1:{port}"))
+    # router-serve as shipped; without resuming, and without asking for usage too (what they cost); on aiohttp alone
+    for name, extra in (
+        ("router-serve", []),
+        ("router-serve, resume off", ["--no-resume-streams"]),
+        ("router-serve, resume and usage injection off", ["--no-resume-streams", "--no-inject-usage"]),
+        ("router-serve --no-front", ["--no-front"]),
+    ):
+        port = free_port()
+        serve = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend]
+        out.append((name, [*serve, "--state", "none", *extra], None, f"http://127.0.0.1:{port}"))
+    for name, python in args.against_pythons:  # another installation of router-serve, in the same run
+        port = free_port()
+        serve = [python, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend, "--state", "none"]
+        out.append((f"router-serve ({name})", serve, None, f"http://127.0.0.1:{port}"))
+    for kind, policy in PEER_POLICIES:
+        if args.no_peers or not peer_installed(kind):
+            continue
+        port = free_port()
+        cmd, env = peer_command(kind, port, [backend], ["--policy", policy])
+        out.append((f"{PEERS[kind].package} ({policy})", cmd, env, f"http://127.0.0.1:{port}"))
+    return out
+
+
+async def start(
+    cmd: list[str], env: dict[str, str] | None, url: str, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """A contender, up and answering completions (pinned to `cpus`, all its threads, if given)."""
+    proc = spawn(cmd, env, cpus)
+    try:
+        await wait_ready(url, "/health")
+        await first_answer(url)  # its worker registered
+        await small_requests(url, 200, 4)  # warm-up
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+async def saturation(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Each contender alone on CPU 1 in front of a canned replica, loaded to saturation from CPU 0."""
+    out: dict[str, dict[str, Any]] = {}
+    mine = os.sched_getaffinity(0)
+    port = free_port()
+    canned = spawn([sys.executable, "-m", "router.bench.lean", "--canned", str(port)], None, {0})
+    backend = f"http://127.0.0.1:{port}"
+    os.sched_setaffinity(0, {0})  # the clients share CPU 0 with the replica
+    try:
+        await wait_ready(backend)
+        body = orjson.dumps(SMALL)
+        direct = await lean.saturate(backend, args.saturate_connections, min(args.saturate_s, 2.0), body)
+        out["direct"] = direct
+        for name, cmd, env, url in contenders_for(backend, args):
+            progress(f"{name}: saturation")
+            proc = await start(cmd, env, url, {1})
+            try:
+                c0 = cpu_seconds(proc.pid)
+                result = await lean.saturate(url, args.saturate_connections, args.saturate_s, body)
+                result["cpu_share"] = (cpu_seconds(proc.pid) - c0) / args.saturate_s
+                out[name] = result
+            finally:
+                stop(proc)
+    finally:
+        os.sched_setaffinity(0, mine)
+        stop(canned)
+    return out
 
 
 async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -346,41 +456,10 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
         )
         backend = f"http://127.0.0.1:{backend_port}"
         await wait_ready(backend)
-        contenders: list[tuple[str, list[str], dict[str, str] | None, str]] = []
-        port = free_port()
-        contenders.append(
-            (
-                "bare aiohttp",
-                [sys.executable, "-m", "router.bench.proxy_bench", "--bare-proxy", str(port), backend],
-                None,
-                f"http://127.0.0.1:{port}",
-            )
-        )
-        # router-serve as shipped, and without resuming (what keeping streams resumable costs)
-        for name, extra in (
-            ("router-serve (affinity)", []),
-            ("router-serve (affinity, resume off)", ["--no-resume-streams"]),
-        ):
-            port = free_port()
-            serve = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend]
-            contenders.append((name, [*serve, "--state", "none", *extra], None, f"http://127.0.0.1:{port}"))
-        for name, python in args.against_pythons:  # another installation of router-serve, in the same run
-            port = free_port()
-            serve = [python, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend, "--state", "none"]
-            contenders.append((f"router-serve (affinity, {name})", serve, None, f"http://127.0.0.1:{port}"))
-        for kind, policy in PEER_POLICIES:
-            if args.no_peers or not peer_installed(kind):
-                continue
-            port = free_port()
-            cmd, env = peer_command(kind, port, [backend], ["--policy", policy])
-            contenders.append((f"{PEERS[kind].package} ({policy})", cmd, env, f"http://127.0.0.1:{port}"))
         running: list[tuple[str, str, int | None]] = [("direct", backend, None)]
-        for name, cmd, env, url in contenders:
-            proc = spawn(cmd, env)
+        for name, cmd, env, url in contenders_for(backend, args):
+            proc = await start(cmd, env, url)
             procs.append(proc)
-            await wait_ready(url, "/health")
-            await first_answer(url)  # its worker registered
-            await small_requests(url, 200, 4)  # warm-up
             running.append((name, url, proc.pid))
         # contenders take turns, round after round, so machine noise falls on all of them alike
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in running}
@@ -394,13 +473,20 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
     direct = results[0]["ttft_ms_median"]
     for r in results:
         r["ttft_ms_added"] = (r["ttft_ms_median"] - direct) if r["ttft_ms_median"] is not None and direct else None
+    saturated: dict[str, dict[str, Any]] = {}
+    if args.saturate_s > 0 and len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0):
+        saturated = await saturation(args, progress)
+    for r in results:
+        r["saturation"] = saturated.get(r["contender"])
     return {
         "benchmark": "proxy",
         "rounds": args.rounds,
         "requests": args.requests,
         "streams": args.streams,
         "tokens": args.tokens,
-        "concurrency": args.concurrency,
+        "concurrency": args.levels,
+        "saturate_s": args.saturate_s if saturated else 0,
+        "saturate_connections": args.saturate_connections,
         "machine": f"{os.cpu_count()} CPUs",
         "results": results,
     }
@@ -415,31 +501,78 @@ def _median_of(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+PEER_NAMES = tuple(f"{PEERS[kind].package} ({policy})" for kind, policy in PEER_POLICIES)
+
+
 def render(result: dict[str, Any]) -> str:
     def f(x: float | None, digits: int = 1) -> str:
         return "—" if x is None else f"{x:,.{digits}f}"
 
+    levels = result["concurrency"]
     lines = [
-        f"proxy cost, median of {result['rounds']} rounds: {result['requests']} small requests, {result['streams']} "
-        f"streams of {result['tokens']} tokens, {result['concurrency']} clients; TTFT: sequential, one keep-alive "
-        "connection",
+        f"proxy cost, median of {result['rounds']} rounds: {result['requests']} small requests at "
+        f"{', '.join(map(str, levels))} clients, {result['streams']} streams of {result['tokens']} tokens "
+        f"({STREAM_CLIENTS} clients); TTFT: sequential, one keep-alive connection",
         "",
-        "| contender | CPU µs / request | CPU µs / SSE event | TTFT median (ms) | TTFT p90 (ms) | TTFT added (ms) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| contender | "
+        + " | ".join(f"CPU µs / request, {n} clients" for n in levels)
+        + " | CPU µs / SSE event | TTFT median (ms) | TTFT added (ms) |",
+        "|---|" + "---:|" * (len(levels) + 3),
     ]
     for r in result["results"]:
+        cells = [f(r.get(f"cpu_us_per_request_c{n}"), 0) for n in levels]
         lines.append(
-            f"| {r['contender']} | {f(r['cpu_us_per_request'], 0)} | {f(r['cpu_us_per_event'], 1)} "
-            f"| {f(r['ttft_ms_median'], 3)} | {f(r['ttft_ms_p90'], 3)} | {f(r['ttft_ms_added'], 3)} |"
+            f"| {r['contender']} | {' | '.join(cells)} | {f(r['cpu_us_per_event'], 1)} "
+            f"| {f(r['ttft_ms_median'], 3)} | {f(r['ttft_ms_added'], 3)} |"
         )
+    if result.get("saturate_s"):
+        lines += [
+            "",
+            f"saturation, one CPU each, {result['saturate_connections']} keep-alive clients for "
+            f"{result['saturate_s']:g} s, canned replica:",
+            "",
+            "| contender | requests / s | latency P50 (ms) | latency P99 (ms) | CPU used | errors |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in result["results"]:
+            sat = r.get("saturation")
+            if sat:
+                lines.append(
+                    f"| {r['contender']} | {f(sat['requests_per_s'], 0)} | {f(sat['latency_ms_p50'], 2)} "
+                    f"| {f(sat['latency_ms_p99'], 2)} | {f(sat.get('cpu_share'), 2)} | {sat['errors']} |"
+                )
+    ours = next((r for r in result["results"] if r["contender"] == "router-serve"), None)
+    peers = [r for r in result["results"] if r["contender"] in PEER_NAMES]
+    if ours and peers:
+        lines += ["", "router-serve against the cheapest peer on each figure:"]
+        for field, label in (("cpu_us_per_request", "CPU per request"), ("cpu_us_per_event", "CPU per event")):
+            figures = [(r[field], r["contender"]) for r in peers if r.get(field) is not None]
+            if figures and ours.get(field) is not None:
+                best, who = min(figures)
+                lines.append(f"- {label}: {ours[field] / best:.2f}x {who} ({ours[field]:.0f} vs {best:.0f})")
+        sats = [(r["saturation"]["requests_per_s"], r["contender"]) for r in peers if r.get("saturation")]
+        if sats and ours.get("saturation"):
+            best, who = max(sats)
+            mine = ours["saturation"]["requests_per_s"]
+            lines.append(f"- requests per second on one CPU: {mine / best:.2f}x {who} ({mine:.0f} vs {best:.0f})")
     return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    for name in ("requests", "streams", "tokens", "ttft_samples", "concurrency", "rounds"):
+    for name in ("requests", "streams", "tokens", "ttft_samples", "rounds", "saturate_connections"):
         if getattr(args, name) < 1:
             print(f"router-bench proxy: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    try:
+        args.levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    except ValueError:
+        args.levels = []
+    if not args.levels or min(args.levels) < 1:
+        print(f"router-bench proxy: --concurrency {args.concurrency!r} is not a list of numbers >= 1", file=sys.stderr)
+        return 2
+    if not args.saturate_s >= 0:
+        print("router-bench proxy: --saturate-s must be a number of seconds >= 0", file=sys.stderr)
+        return 2
     args.against_pythons = []
     for entry in args.against:
         name, sep, python = entry.partition("=")
