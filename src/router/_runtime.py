@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -30,3 +31,18 @@ def run(main: Coroutine[Any, Any, None]) -> None:
         asyncio.run(main)
         return
     uvloop.run(main)
+
+
+# Collections of the youngest generation come after this many new objects rather than 700: a
+# request makes a few hundred, and every collection stops the loop (measured at saturation on
+# one CPU: P99 latency about 80 ms with the default, about 30 ms with this, P50 about 20 ms both).
+GC_YOUNG = 50_000
+
+
+def settle() -> None:
+    """Once a serving process has started: what it built to start (the app, the ring, the index
+    as loaded) is moved out of the collector's sight, and young collections come less often."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG, older, oldest)

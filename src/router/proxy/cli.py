@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router._runtime import run, until_stopped
+from router._runtime import run, settle, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.emulator.server import Fleet as EmulatorFleet
 from router.emulator.server import Replica, ReplicaOptions
@@ -249,6 +249,7 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
                 admin = runner_for(admin_app(node), config)
                 await admin.setup()
                 await listen(admin, config.admin_host, config.admin_port)
+            settle()
             print(banner, flush=True)
             print(node.state_line(), flush=True)
             if table is not None:

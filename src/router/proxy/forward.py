@@ -198,10 +198,11 @@ async def _relay(
     if not streaming:
         chunks = [first]
         try:
-            async with asyncio.timeout_at(None) as timer:
-                while chunks[-1]:
-                    timer.reschedule(min(loop.time() + idle, deadline))
-                    chunks.append(await upstream.readany())
+            if not upstream.at_eof():  # a small answer usually came whole with its head: no timer for it
+                async with asyncio.timeout_at(None) as timer:
+                    while chunks[-1]:
+                        timer.reschedule(min(loop.time() + idle, deadline))
+                        chunks.append(await upstream.readany())
         except TimeoutError:
             return Retry("timeout", 504)
         except OSError:

@@ -59,6 +59,7 @@ HOT = frozenset(p.encode() for p in PROXIED)
 HEAD_CAP = 2 << 20  # bytes of one request's head buffered at most (aiohttp's parser keeps about as much)
 PIPELINE = 8  # parsed requests waiting behind the one being answered before reading stops
 WRITE_HIGH = 64 * 1024  # a client's write buffer past this pauses the stream until it drains
+SWEEP_S = 0.25  # how often the server checks its connections' time-outs
 HANDOVER_BODY_CAP = 1 << 20  # a pipelined request handed to aiohttp carries at most this much body
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
@@ -102,6 +103,7 @@ class _Message:
 
     __slots__ = (
         "body",
+        "body_deadline",
         "body_size",
         "complete",
         "header_size",
@@ -134,6 +136,7 @@ class _Message:
         self.complete = False
         self.t0 = 0.0
         self.last_body = 0.0
+        self.body_deadline = 0.0
 
 
 class FrontExchange:
@@ -236,7 +239,8 @@ class Front(asyncio.Protocol):
         self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting to be answered
         self.task: asyncio.Task[None] | None = None  # the one being answered
         self.version = b"1.1"
-        self.timer: asyncio.TimerHandle | None = None
+        self.idle_at = 0.0  # when an idle connection, or one whose head is not whole, closes (0: not timed)
+        self.body_msg: _Message | None = None  # the request whose body is being timed
         self.drained: asyncio.Future[None] | None = None
         self.clean_start = True  # this read began at a request boundary
         self.begun = 0  # requests begun in this read
@@ -523,45 +527,42 @@ class Front(asyncio.Protocol):
         self.transport.write(head + b"Connection: close\r\n\r\n" + body)
         self.transport.close()
 
+    # The time-outs are coarse: the server sweeps its connections every `SWEEP_S` (a timer per
+    # request, armed and cancelled, costs more than the rest of the front's parsing).
+
     def _arm(self, after: float) -> None:
         """Close the connection after `after` seconds unless a request begins meanwhile."""
-        self._disarm()
-        self.timer = self.loop.call_later(after, self._idle)
-
-    def _idle(self) -> None:
-        self.timer = None
-        if self.task is None and not self.queue and self.transport is not None:
-            self.transport.close()  # idle, or a head that never finished: as aiohttp's keep-alive time-out
+        self.idle_at = self.loop.time() + after
+        self.body_msg = None
 
     def _arm_body(self, msg: _Message) -> None:
         """Time the body: `client_timeout_s` without a byte, or `total_timeout_s` in all, is a 408."""
-        cfg = self.cfg
-        deadline = self.loop.time() + cfg.total_timeout_s
-
-        def check() -> None:
-            self.timer = None
-            if msg is not self.msg or self.error is not None:
-                return
-            now = self.loop.time()
-            due = min(msg.last_body + cfg.client_timeout_s, deadline)
-            if now < due:
-                self.timer = self.loop.call_at(due, check)
-                return
-            msg.refused = too_slow(cfg)
-            msg.complete = True
-            msg.body = []
-            self.msg = None
-            self.queue.append(msg)
-            self._pause()  # the rest of that body must not be read as a next request
-            self._next()
-
-        self._disarm()
-        self.timer = self.loop.call_at(min(msg.last_body + cfg.client_timeout_s, deadline), check)
+        msg.body_deadline = msg.last_body + self.cfg.total_timeout_s
+        self.body_msg = msg
+        self.idle_at = 0.0
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.idle_at = 0.0
+        self.body_msg = None
+
+    def sweep(self, now: float) -> None:
+        if self.idle_at and now >= self.idle_at:
+            self.idle_at = 0.0
+            if self.task is None and not self.queue and self.transport is not None:
+                self.transport.close()  # idle, or a head that never finished: as aiohttp's keep-alive time-out
+        msg = self.body_msg
+        if msg is None or now < min(msg.last_body + self.cfg.client_timeout_s, msg.body_deadline):
+            return
+        self.body_msg = None
+        if msg is not self.msg or self.error is not None:
+            return
+        msg.refused = too_slow(self.cfg)
+        msg.complete = True
+        msg.body = []
+        self.msg = None
+        self.queue.append(msg)
+        self._pause()  # the rest of that body must not be read as a next request
+        self._next()
 
     def _pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -613,6 +614,13 @@ class FrontServer:
         self.fronts: set[Front] = set()
         self.field_size = max(cfg.max_header_bytes + 1024, 8190)
         self.max_headers = max(128, (2 << 20) // self.field_size)
+        self.sweeper: asyncio.TimerHandle | None = self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for front in list(self.fronts):
+            front.sweep(now)
+        self.sweeper = self.loop.call_later(SWEEP_S, self._sweep)
 
     def __call__(self) -> Front:
         return Front(self)
@@ -633,6 +641,9 @@ class FrontServer:
     async def shutdown(self, timeout: float | None = None) -> None:
         await asyncio.gather(self.inner.shutdown(timeout), *(f.finish(timeout) for f in list(self.fronts)))
         self.fronts.clear()
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            self.sweeper = None
 
 
 class FrontRunner(web.AppRunner):

@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 from aiohttp import web
 from prometheus_client import multiprocess, values
 
-from router._runtime import run, stop_event, until_stopped
+from router._runtime import run, settle, stop_event, until_stopped
 from router.balance.link import WorkerLink, worker_socket
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -155,6 +155,7 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
             except CannotListen as exc:
                 ready.send(str(exc))
                 return
+        settle()
         ready.send(None)
         ready.close()
         stop = asyncio.create_task(until_stopped())
