@@ -218,3 +218,21 @@ async def test_the_same_answers_with_the_front_on_and_off(start_fleet, start_rou
         (200, "application/json", None, False),
         (200, "application/json", None, False),
     ]
+
+
+async def test_requests_that_arrive_a_byte_at_a_time_are_whole(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    _, url = await start_router([fleet.replicas[0].url])
+    for request, check in (
+        (post(), lambda body: orjson.loads(body)["choices"]),  # the front's, its head and body in pieces
+        (get("/health"), lambda body: orjson.loads(body)["status"] == "ok"),  # aiohttp's: every piece handed over
+    ):
+        conn = await Conn.open(url)
+        for i in range(len(request)):
+            conn.send(request[i : i + 1])
+            await conn.writer.drain()
+            if i % 16 == 0:
+                await asyncio.sleep(0.001)  # separate reads, not one coalesced buffer
+        status, _, body = await conn.response()
+        assert status == 200 and check(body)
+        conn.close()
