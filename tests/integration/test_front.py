@@ -236,3 +236,16 @@ async def test_requests_that_arrive_a_byte_at_a_time_are_whole(start_fleet, star
         status, _, body = await conn.response()
         assert status == 200 and check(body)
         conn.close()
+
+
+async def test_an_upgrade_on_a_proxied_endpoint_is_refused_and_closes(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(1)
+    _, url = await start_router([fleet.replicas[0].url])
+    conn = await Conn.open(url)
+    conn.send(post(BODY, "Connection: Upgrade", "Upgrade: h2c") + post())
+    status, headers, body = await conn.response()
+    assert (
+        status == 400 and headers["connection"] == "close" and "not upgraded" in orjson.loads(body)["error"]["message"]
+    )
+    assert await conn.closed()  # its body was never read as a request, nor what came after it
+    conn.close()

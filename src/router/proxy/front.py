@@ -351,8 +351,7 @@ class Front(asyncio.Protocol):
             raise _TooBig(f"a header line is longer than {self.server.field_size} bytes")
         if len(msg.headers) >= self.server.max_headers:
             raise _TooBig(f"more than {self.server.max_headers} headers")
-        if msg.header_size <= self.cfg.max_header_bytes:
-            msg.headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+        msg.headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         msg = self.msg
@@ -381,6 +380,8 @@ class Front(asyncio.Protocol):
         msg.t0 = time.monotonic()
         if msg.header_size > self.cfg.max_header_bytes:
             msg.refused = too_many_header_bytes(msg.header_size, self.cfg)
+        elif self.parser.should_upgrade():  # llhttp reads no body for it: the rest would be read as a request
+            msg.refused = Refused(400, f"{msg.path.decode()} is not upgraded to another protocol", close=True)
         if not self.queue and self.task is None:
             expect = next((v for k, v in msg.headers if k.lower() == "expect"), "")
             if expect.lower() == "100-continue" and self.transport is not None:
@@ -444,16 +445,18 @@ class Front(asyncio.Protocol):
     async def _serve(self, msg: _Message) -> None:
         exchange = FrontExchange(self, msg)
         try:
-            if not msg.hot:  # refused before it could be handed over
+            if not msg.hot:  # another server's request, refused before it could be handed over
                 assert msg.refused is not None
                 msg.refused.answer(exchange)
                 exchange.closes = True
-            elif msg.refused is not None:
-                admitted: Admitted | Refused = msg.refused
             else:
-                raw = msg.body[0] if len(msg.body) == 1 else b"".join(msg.body)
-                admitted = admit_body(exchange.path, exchange.headers, raw, self.cfg, self.server.proxy.prompts)
-            await self.server.proxy.serve(exchange, admitted, msg.t0)
+                admitted: Admitted | Refused
+                if msg.refused is not None:
+                    admitted = msg.refused
+                else:
+                    raw = msg.body[0] if len(msg.body) == 1 else b"".join(msg.body)
+                    admitted = admit_body(exchange.path, exchange.headers, raw, self.cfg, self.server.proxy.prompts)
+                await self.server.proxy.serve(exchange, admitted, msg.t0)
         except asyncio.CancelledError:
             return
         except Exception:
@@ -485,7 +488,7 @@ class Front(asyncio.Protocol):
         closes the connection after it."""
         target = msg.url
         lines = [msg.method, b" ", target, b" HTTP/", msg.version, b"\r\n"]
-        drop = {"connection", "content-length", "transfer-encoding", "keep-alive"}
+        drop = {"connection", "content-length", "transfer-encoding", "keep-alive", "expect"}
         for name, value in msg.headers:
             if name.lower() not in drop:
                 lines += (
