@@ -250,9 +250,6 @@ class _Connection(asyncio.Protocol):
                 response._end(None)  # an answer without a length ends with its connection
         self._gone()
 
-    def pause_writing(self) -> None:  # a request body larger than the socket buffer: written as it drains
-        pass
-
     # -- httptools callbacks -----------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -441,11 +438,10 @@ class Upstream:
         self,
         per_host: int = 256,
         on_reconnect: Callable[[str], None] = lambda url: None,
-        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.per_host = per_host
         self.on_reconnect = on_reconnect
-        self.loop = loop or asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.pools: dict[tuple[str, str, int], _Pool] = {}
         self.reconnects = 0
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -161,9 +163,11 @@ class _Floor(_Server):
             resp.release()
 
 
-def _serve(factory: Any, port: int) -> None:
+def _serve(protocols: Callable[[], Callable[[], asyncio.Protocol]], port: int) -> None:
+    """Serve on loopback `port` with the protocol factory `protocols()` makes inside the loop."""
+
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(factory(), "127.0.0.1", port, reuse_address=True)
+        server = await asyncio.get_running_loop().create_server(protocols(), "127.0.0.1", port, reuse_address=True)
         async with server:
             await server.serve_forever()
 
@@ -176,17 +180,7 @@ def canned_main(port: int) -> None:
 
 
 def floor_main(port: int, upstream: str) -> None:
-    holder: dict[str, Upstream] = {}
-
-    def factory() -> Any:
-        def make() -> _Floor:
-            if "up" not in holder:
-                holder["up"] = Upstream()
-            return _Floor(holder["up"], upstream)
-
-        return make
-
-    _serve(factory, port)
+    _serve(lambda: functools.partial(_Floor, Upstream(), upstream), port)  # one pool for every connection
 
 
 # -- the load generator ----------------------------------------------------------------------------------

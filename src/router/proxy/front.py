@@ -90,8 +90,9 @@ class _Date:
         return cls.value
 
 
-def _head(version: bytes, status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
-    lines = [b"HTTP/", version, b" %d " % status, REASONS.get(status, b"Unknown"), b"\r\n"]
+def _head(status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
+    """A response's head; HTTP/1.1 to every client (a server answers with its own version)."""
+    lines = [b"HTTP/1.1 %d " % status, REASONS.get(status, b"Unknown"), b"\r\n"]
     for name, value in headers.items():
         lines += (name.encode("utf-8"), b": ", value.encode("utf-8", "surrogateescape"), b"\r\n")
     lines += (b"Date: ", _Date.now(), b"\r\n", extra, b"\r\n")
@@ -190,7 +191,7 @@ class FrontExchange:
         extra = b"Content-Length: %d\r\n" % len(body) + self._connection()
         transport = self._front.transport
         if transport is not None and not transport.is_closing():
-            transport.write(_head(self._front.version, status, headers, extra) + body)
+            transport.write(_head(status, headers, extra) + body)
         self._prepared = True
 
     async def prepare(self, status: int, headers: Mapping[str, str]) -> None:
@@ -203,7 +204,7 @@ class FrontExchange:
         else:  # HTTP/1.0: the stream ends with the connection
             self.closes = True
             extra = b"Connection: close\r\n"
-        transport.write(_head(self._front.version, status, headers, extra))
+        transport.write(_head(status, headers, extra))
         self._prepared = self.unended = True
 
     async def write(self, data: bytes) -> None:
@@ -238,7 +239,6 @@ class Front(asyncio.Protocol):
         self.msg: _Message | None = None  # the one being parsed
         self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting to be answered
         self.task: asyncio.Task[None] | None = None  # the one being answered
-        self.version = b"1.1"
         self.idle_at = 0.0  # when an idle connection, or one whose head is not whole, closes (0: not timed)
         self.body_msg: _Message | None = None  # the request whose body is being timed
         self.drained: asyncio.Future[None] | None = None
