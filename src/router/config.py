@@ -49,6 +49,8 @@ class RouterConfig:
     # engine does not say (llama-server's slots and the emulator's max_num_seqs are read from it)
     replica_capacity: tuple[str, ...] = ()
     capacity_caps: bool = True  # bounded-load caps respect capacities; off: capacity-blind, as before
+    # REPLICA_ID=MODEL (or *=MODEL), one per entry: the models a replica serves, pinned (beats its /v1/models)
+    replica_models: tuple[str, ...] = ()
     # ttft: placement by predicted time to first token (router.placement, router.policy.ttft)
     prefix_block_bytes: int = 64  # the prefix index's block: 64 bytes of prompt, about 16 tokens
     # REPLICA_ID=TOKENS (or *=TOKENS): KV-cache size where the engine does not say (vLLM and SGLang do)
@@ -326,6 +328,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         kv_capacities(cfg)
     except ValueError as exc:
         raise bad("kv_capacity_tokens", str(exc)) from None
+    try:
+        pinned_models(cfg)
+    except ValueError as exc:
+        raise bad("replica_models", str(exc)) from None
     known = {r.id for r in cfg.replicas}
     for entry in cfg.agents:
         rid, sep, url = entry.partition("=")
@@ -379,6 +385,18 @@ def replica_capacities(cfg: RouterConfig) -> dict[str, int]:
 def kv_capacities(cfg: RouterConfig) -> dict[str, int]:
     """`kv_capacity_tokens` as {replica id or "*": tokens its KV cache holds}."""
     return _per_replica(cfg.kv_capacity_tokens)
+
+
+def pinned_models(cfg: RouterConfig) -> dict[str, frozenset[str]]:
+    """`replica_models` as {replica id or "*": the models it serves}."""
+    out: dict[str, set[str]] = {}
+    for entry in cfg.replica_models:
+        rid, sep, model = entry.partition("=")
+        rid, model = rid.strip(), model.strip()
+        if not sep or not rid or not model:
+            raise ValueError(f"{entry!r} is not REPLICA_ID=MODEL (or *=MODEL)")
+        out.setdefault(rid, set()).add(model)
+    return {rid: frozenset(models) for rid, models in out.items()}
 
 
 def _per_replica(entries: tuple[str, ...]) -> dict[str, int]:

@@ -32,6 +32,8 @@ from router.health.states import Hysteresis, ReplicaHealth
 from router.ring import MovedRange, Ring
 from router.shm.layout import COUNTER_CELL
 
+NONE: frozenset[int] = frozenset()
+MODEL_MEMO = 1024  # models whose replica sets are remembered between fleet changes
 TTFT_FLOOR_TOKENS = 256  # a short prompt's first token costs a fixed overhead: normalise by at least this
 WEIGHT_STEP = 0.05  # ring weights follow health in steps at least this big (each change rebuilds the ring)
 
@@ -58,6 +60,8 @@ class ReplicaState:
     # the workers' recent time per output token, pooled by the control loop (router.shared)
     queue_load: int = 0  # load_queue_weight x the engine's waiting requests, part of `Fleet.loads`
     capacity: int | None = None  # requests it runs at once: reported by its engine, else configured
+    # the models (and adapters) it serves: pinned by config, else as its /v1/models lists them; None: unknown
+    models: frozenset[str] | None = None
     slot: int | None = None
     epoch: int = 0
     owner_tag: int = 0
@@ -107,13 +111,23 @@ class Fleet:
         rules: Hysteresis | None = None,
         capacities: dict[str, int] | None = None,
         capacity_caps: bool = True,
+        models: dict[str, frozenset[str]] | None = None,
     ) -> None:
         self.rules = rules or Hysteresis()
+        # pinned models by replica id ("*": every replica not named), for engines that list none
+        self.pinned_models = dict(models or {})
         self.capacity_caps = capacity_caps  # off: capacities are shown, never routed by
         # configured capacities by replica id ("*": every replica not named), for engines that report none
         self.capacities = dict(capacities or {})
         self.replicas = [
-            ReplicaState(s.id, s.url, index=i, health=ReplicaHealth(self.rules), capacity=self._configured(s.id))
+            ReplicaState(
+                s.id,
+                s.url,
+                index=i,
+                health=ReplicaHealth(self.rules),
+                capacity=self._configured(s.id),
+                models=self._pinned(s.id),
+            )
             for i, s in enumerate(specs)
         ]
         self._by_id = {r.id: r for r in self.replicas}
@@ -132,6 +146,9 @@ class Fleet:
         self._ratios_for: tuple[object, int] | None = None  # the ring snapshot and capacities they are for
         self._total_capacity = 0.0
         self._not_routing: list[int] = []  # indices out of the ring, as of `_ratios_for`
+        self._models_changes = 0
+        self._unserving: dict[str, frozenset[int]] = {}  # model -> indices known not to serve it
+        self._unserving_for: tuple[int, int] = (-1, -1)  # the (version, models changes) it is for
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -141,6 +158,50 @@ class Fleet:
 
     def routable(self, index: int) -> bool:
         return self.replicas[index].health.routable
+
+    # -- models --------------------------------------------------------------------------------
+
+    def _pinned(self, replica_id: str) -> frozenset[str] | None:
+        pins = self.pinned_models
+        return pins.get(replica_id, pins.get("*"))
+
+    def set_models(self, replica: ReplicaState, listed: frozenset[str] | None) -> bool:
+        """What the replica's engine lists (None: it does not say); pinned models win. True if it changed."""
+        models = self._pinned(replica.id)
+        if models is None:
+            models = listed
+        if models == replica.models:
+            return False
+        replica.models = models
+        self._models_changes += 1
+        return True
+
+    def not_serving(self, model: str | None) -> frozenset[int]:
+        """The indices of the replicas known not to serve `model`; empty when any may (no model
+        named, or no replica's models known). A replica whose models are unknown may serve any."""
+        if model is None:
+            return NONE
+        key = (self.version, self._models_changes)
+        if key != self._unserving_for:
+            self._unserving.clear()
+            self._unserving_for = key
+        found = self._unserving.get(model)
+        if found is None:
+            if len(self._unserving) >= MODEL_MEMO:
+                self._unserving.clear()  # clients name any model they like: the memo stays bounded
+            found = self._unserving[model] = frozenset(
+                i for i, r in enumerate(self.replicas) if r.models is not None and model not in r.models
+            )
+        return found
+
+    def unserved(self, model: str | None) -> bool:
+        """No replica in the fleet, in any state, serves `model` (as far as every one of them says)."""
+        return bool(self.replicas) and len(self.not_serving(model)) == len(self.replicas)
+
+    def serving(self, model: str | None) -> list[int]:
+        """The indices of the replicas that may serve `model`."""
+        skip = self.not_serving(model)
+        return [i for i in range(len(self.replicas)) if i not in skip]
 
     # -- in-flight accounting -----------------------------------------------------------------
 
@@ -214,6 +275,15 @@ class Fleet:
         spare = total > 0 and sum(self.loads) - sum(self.loads[i] for i in self._not_routing) < total
         return LoadCaps(self.replicas, uniform, floor, ratios, spare)
 
+    def load_cap_among(self, skip: frozenset[int], c: float) -> int:
+        """The ring's bounded-load cap counted over the routing replicas not in `skip` alone (those
+        serving one model): ceil(c * (their load + 1) / their number), at least their mean + 1."""
+        members = [i for i in range(len(self.replicas)) if i not in skip and self.routing_weight(i) > 0]
+        if not members:
+            return 0
+        total = sum(self.loads[i] for i in members)
+        return max(math.ceil(c * (total + 1) / len(members)), total // len(members) + 1)
+
     def fullness(self, index: int) -> float:
         """In-flight load against capacity (the load alone while capacities are unknown or alike)."""
         ratios = self.capacity_ratios()
@@ -233,6 +303,7 @@ class Fleet:
             index=len(self.replicas),
             health=ReplicaHealth(self.rules),
             capacity=self._configured(spec.id),
+            models=self._pinned(spec.id),
         )
         self.replicas.append(replica)
         self._by_id[replica.id] = replica

@@ -31,6 +31,7 @@ class RoutingKey:
     kind: str  # one of KINDS: a metric label
     source: str  # the header or field it came from, for /admin/route and logs
     prompt: Prompt | None = field(default=None, compare=False)  # its blocks, for policies that read them
+    model: str | None = field(default=None, compare=False)  # the model it names: only replicas serving it take it
 
 
 NO_KEY = RoutingKey(b"", "none", "")
@@ -114,21 +115,23 @@ def routing_key(
     prefix_chars: int,
     max_key_bytes: int,
 ) -> RoutingKey:
+    named = body.get("model") if isinstance(body, Mapping) else None
+    model = named if isinstance(named, str) and named else None
     for name in header_names:
         value = headers.get(name)
         if value:
             raw = _encode(value.strip())
             if raw:
-                return RoutingKey(bounded_key(raw, max_key_bytes), "header", name)
+                return RoutingKey(bounded_key(raw, max_key_bytes), "header", name, model=model)
     if not isinstance(body, Mapping):
         return NO_KEY
     for dotted in body_fields:
         raw = _to_bytes(_field(body, dotted))
         if raw:
-            return RoutingKey(bounded_key(raw, max_key_bytes), "body", dotted)
+            return RoutingKey(bounded_key(raw, max_key_bytes), "body", dotted, model=model)
     text = prefix_text(body, prefix_chars)
     if text:
-        model = body.get("model")
-        raw = _encode(model if isinstance(model, str) else "") + b"\x00" + _encode(text)
-        return RoutingKey(bounded_key(raw, max_key_bytes), "prefix", "messages" if "messages" in body else "prompt")
-    return NO_KEY
+        raw = _encode(model or "") + b"\x00" + _encode(text)
+        source = "messages" if "messages" in body else "prompt"
+        return RoutingKey(bounded_key(raw, max_key_bytes), "prefix", source, model=model)
+    return NO_KEY if model is None else RoutingKey(b"", "none", "", model=model)

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
 from router.balance.view import LocalSessions
-from router.config import RouterConfig, replica_capacities, score_weights
+from router.config import RouterConfig, pinned_models, replica_capacities, score_weights
 from router.discovery import Discovery
 from router.fleet import Fleet
 from router.health.monitor import HealthMonitor, latency_window_s
@@ -83,6 +83,7 @@ class Node:
             ),
             replica_capacities(config) if config.capacity_caps else {},
             capacity_caps=config.capacity_caps,
+            models=pinned_models(config),
         )
         self.policy = make_policy(config.policy, fleet, config)
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)

@@ -217,10 +217,13 @@ class AdminApi:
             return error_response("give the routing key as ?key=...", param="key")
         node = self.node
         fleet, ring, policy = node.fleet, node.fleet.ring, node.policy
-        key = RoutingKey(bounded_key(raw_key, node.config.max_key_bytes), "header", "query")
+        model = request.query.get("model") or None  # as a request naming this model would go
+        key = RoutingKey(bounded_key(raw_key, node.config.max_key_bytes), "header", "query", model=model)
         last, _ = await node.directory.last_served(key.key, remember=False)
         # round_robin and least_load ignore keys, and asking them would move their rotation
-        decision = policy.pick(key, last, set()) if policy.keyed else None
+        unserved = fleet.unserved(model)
+        decision = policy.pick(key, last, set()) if policy.keyed and not unserved else None
+        skip = fleet.not_serving(model)
         located = ring.locate(key.key)
         cap = ring.load_cap(fleet.loads, node.config.bounded_load_c) if len(fleet) else 0
         limit = fleet.load_limit(cap, node.config.bounded_load_floor)
@@ -235,6 +238,7 @@ class AdminApi:
                     "inflight": r.inflight,
                     "load_cap": own,
                     "over_load_cap": fleet.loads[i] >= own,
+                    "serves_model": i not in skip,
                 }
             )
             if decision is not None and i == decision.index:
@@ -245,8 +249,15 @@ class AdminApi:
                 "replica": fleet.replicas[decision.index].id if decision else None,
                 "reason": decision.reason
                 if decision
-                else ("no replica can serve" if policy.keyed else f"the {policy.name} policy does not route by key"),
+                else (
+                    f"no replica serves the model {model!r}"
+                    if unserved
+                    else "no replica can serve"
+                    if policy.keyed
+                    else f"the {policy.name} policy does not route by key"
+                ),
                 "policy": policy.name,
+                "model": model,
                 "hash": ring.key_hash(key.key),
                 "vnode": None if located is None else {"origin": fleet.replicas[located[1]].id, "number": located[2]},
                 "ring_owner": None if located is None else fleet.replicas[located[0]].id,
@@ -275,7 +286,15 @@ class AdminApi:
         if key.kind != "none":
             last, _ = await node.directory.last_served(key.key, remember=False)
         prompt = prompt_of(body, cfg.prefix_block_bytes) if isinstance(policy, Ttft) else None
-        answer: dict[str, Any] = {"policy": policy.name, "key_kind": key.kind, "key_source": key.source, "sticky": last}
+        answer: dict[str, Any] = {
+            "policy": policy.name,
+            "key_kind": key.kind,
+            "key_source": key.source,
+            "sticky": last,
+            "model": key.model,
+        }
+        if fleet.unserved(key.model):
+            return _json(answer | {"replica": None, "reason": f"no replica serves the model {key.model!r}"})
         if isinstance(policy, Ttft) and prompt is not None:
             decision, placement = policy.decide(key, prompt, last, set())
             candidates = placement.rows() if decision is not None else []

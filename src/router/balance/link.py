@@ -16,7 +16,9 @@ per-vnode traffic counts. The control process runs the balance loop, and asks th
   with the reason, so whichever worker takes the next turn counts the jump under it;
 - `POST /restore` `{"sessions": [...]}`: sessions from the saved routing state (each worker gets
   its share, by key hash, and writes it to the shared table, where all workers find it);
-- `GET /version`: changes whenever the worker's session table does.
+- `GET /version`: changes whenever the worker's session table does;
+- `POST /models` `{"models": {replica id: [model] | null}}`: the models each replica serves, as
+  the control process's probes read them (pinned ones still win in the worker).
 
 The sockets live in the control process's private directory (mode 0700), next to its own.
 A worker that does not answer within `timeout_s` is left out of that answer, never waited for.
@@ -147,6 +149,16 @@ def internal_app(
                 shared.put(key, replica, written)
         return _json({"restored": len(data["sessions"])})
 
+    async def models(request: web.Request) -> web.Response:
+        data = orjson.loads(await request.read())
+        follow()  # a replica added a moment ago must be in this worker's view
+        changed = 0
+        for rid, names in data["models"].items():
+            replica = fleet.find(rid)
+            if replica is not None:
+                changed += fleet.set_models(replica, frozenset(names) if names else None)
+        return _json({"changed": changed})
+
     async def version(request: web.Request) -> web.Response:
         return _json({"version": sessions.version, "pid": os.getpid()})
 
@@ -157,6 +169,7 @@ def internal_app(
     app.router.add_post("/move", move)
     app.router.add_post("/restore", restore)
     app.router.add_get("/version", version)
+    app.router.add_post("/models", models)
     return app
 
 
@@ -287,6 +300,10 @@ class WorkerLink:
                     total[vnode] += grew
             self._traffic_seen[i] = now
         return total
+
+    async def models(self, listing: dict[str, list[str] | None]) -> int:
+        """Tell every worker which models each replica serves; how many workers answered."""
+        return len(await self._all("POST", "/models", {"models": listing}, TRAFFIC_TIMEOUT_S))
 
     async def version(self) -> int:
         answers = await self._all("GET", "/version")

@@ -47,7 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--control-port", type=int, default=None, help="fleet control API port (crash/restart/faults)")
     g = p.add_argument_group("model")
     d = EngineConfig()
-    g.add_argument("--model", default="emulated-llm", help="served model name (default emulated-llm)")
+    g.add_argument(
+        "--model",
+        nargs="+",
+        default=["emulated-llm"],
+        metavar="NAME",
+        help="served model names: it answers to each, and lists them in /v1/models (default emulated-llm)",
+    )
+    g.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a LoRA adapter it serves on its model, listed with the model as `parent` (repeatable)",
+    )
     g.add_argument(
         "--time-scale",
         type=float,
@@ -197,7 +210,9 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
             replica_id=args.replica_id or f"emu-{port}",
             host=args.host,
             port=port,
-            model=args.model,
+            model=args.model[0],
+            aliases=tuple(args.model[1:]),
+            adapters=tuple(args.lora),
             time_scale=args.time_scale,
             stream_interval=args.stream_interval,
             default_max_tokens=args.default_max_tokens,

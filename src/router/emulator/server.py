@@ -83,6 +83,8 @@ class ReplicaOptions:
     host: str = "127.0.0.1"
     port: int = 0
     model: str = "emulated-llm"
+    aliases: tuple[str, ...] = ()  # more names it answers to (vLLM's --served-model-name with several)
+    adapters: tuple[str, ...] = ()  # LoRA adapters on its model, listed with `parent` as vLLM lists them
     time_scale: float = 1.0  # engine seconds per wall second
     stream_interval: int = 1  # tokens per streamed chunk
     default_max_tokens: int = 256
@@ -282,7 +284,8 @@ class Replica:
 
     def _parse(self, body: dict[str, Any], chat: bool) -> tuple[bytes, int, bool, bool]:
         model = body.get("model")
-        if model is not None and model != self.options.model:
+        served = self.options
+        if model is not None and model != served.model and model not in served.aliases + served.adapters:
             raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
         n = body.get("n", 1)
         if n != 1:
@@ -482,18 +485,24 @@ class Replica:
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._maybe_hang()
+        options = self.options
+
+        def entry(name: str, parent: str | None) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "router-emulator",
+                "root": options.model,
+                "parent": parent,
+                "max_model_len": self.engine.config.max_model_len,
+            }
+
+        names = dict.fromkeys((options.model, *options.aliases))
         return web.json_response(
             {
                 "object": "list",
-                "data": [
-                    {
-                        "id": self.options.model,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "router-emulator",
-                        "max_model_len": self.engine.config.max_model_len,
-                    }
-                ],
+                "data": [entry(n, None) for n in names] + [entry(a, options.model) for a in options.adapters],
             },
             dumps=lambda o: orjson.dumps(o).decode(),
         )

@@ -2,7 +2,10 @@
 
 Every `probe_interval_s`, for each replica at once: `GET /health` (a refused connection, a time-out
 or a 5xx fails the probe; an engine without the route, 404, is not held against it) and
-`GET /metrics` (engine figures; missing ones stay missing). Passive figures come from the proxy:
+`GET /metrics` (engine figures; missing ones stay missing), and for an engine that refuses models
+it does not list (vLLM, the emulator) `GET /v1/models`: the models and adapters it serves, which
+requests naming a model are routed by (router.fleet.Fleet.not_serving; pinned models win).
+Passive figures come from the proxy:
 the error share of the requests sent since the last probe (from 5 requests on), and the replica's
 median time per output token, and median time to first token per prompt token computed, each
 against the fleet's median (from 5 replies on each side; the latest 9 within the last 5 probe
@@ -42,6 +45,16 @@ SLOWED_CLOCKS = 0x8 | 0x20 | 0x40 | 0x80
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.name != "kind")
 LATENCY_WINDOW_PROBES = 5  # latency samples older than this many probe intervals are ignored,
 LATENCY_WINDOW_MIN_S = 10.0  # or than this many seconds, whichever is longer
+
+
+def listed_models(data: Any) -> frozenset[str] | None:
+    """The model ids (adapters included: vLLM lists them with their `parent`) of a /v1/models
+    answer; None when it lists none."""
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return None
+    names = frozenset(e["id"] for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str) and e["id"])
+    return names or None
 
 
 def latency_window_s(probe_interval_s: float) -> float:
@@ -113,10 +126,12 @@ class HealthMonitor:
         now = time.monotonic()
         medians = self._fleet_medians(replicas, "tpot", now)
         first_token = self._fleet_medians(replicas, "ttft", now)
-        queues = sorted(stats.waiting for ok, stats in results if ok and stats.waiting is not None)
-        for replica, (ok, stats), gpu in zip(replicas, results, gpus, strict=True):
+        queues = sorted(stats.waiting for ok, stats, _, _ in results if ok and stats.waiting is not None)
+        for replica, (ok, stats, read, listed), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
+            if read:  # else what was known stands
+                self.fleet.set_models(replica, listed)
             if ok and gpu:  # the engine's own figures win; the agent's fill what its /metrics lacks
                 stats = EngineStats(
                     **{k: v if v is not None else gpu.get(k) for k, v in dataclasses.asdict(stats).items()}
@@ -146,7 +161,9 @@ class HealthMonitor:
         if self.after_round is not None:
             self.after_round()
 
-    async def _probe(self, replica: ReplicaState) -> tuple[bool, EngineStats]:
+    async def _probe(self, replica: ReplicaState) -> tuple[bool, EngineStats, bool, frozenset[str] | None]:
+        """(whether it is up, its engine's figures, whether its models were read this time, the
+        models it lists: None where it lists none or its engine does not check them)."""
         client = self._client()
         try:
             async with client.get(replica.url + "/health", timeout=self.timeout) as resp:
@@ -154,7 +171,7 @@ class HealthMonitor:
                 ok = resp.status < 500
                 server = resp.headers.get("Server", "")
         except (aiohttp.ClientError, OSError, TimeoutError):
-            return False, EngineStats()
+            return False, EngineStats(), False, None
         stats = EngineStats()
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             async with client.get(replica.url + "/metrics", timeout=self.timeout) as resp:
@@ -174,7 +191,14 @@ class HealthMonitor:
                             stats = with_slots(stats, read_slots(await resp.json(content_type=None)), engine)
             if stats.capacity is None and last is not None:
                 stats = dataclasses.replace(stats, capacity=last, kind=stats.kind or engine.kind)
-        return ok, stats
+        read, listed = True, None
+        if engine is not None and engine.checks_model:
+            read = False
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                async with client.get(replica.url + "/v1/models", timeout=self.timeout) as resp:
+                    if resp.status == 200:
+                        read, listed = True, listed_models(await resp.json(content_type=None))
+        return ok, stats, read, listed
 
     def _fresh(self, taken_at: float) -> bool:
         """Taken within the last three probe intervals (at least 3 s); a reading from more than

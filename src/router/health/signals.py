@@ -67,6 +67,9 @@ class Engine:
     prefix: str  # recognised by metrics named so
     figures: Mapping[str, tuple[Source, ...]]  # EngineStats field -> its sources, first exported wins
     slots: bool = False  # also read GET /slots
+    # it refuses (404) a request naming a model it does not list in /v1/models, so the router may
+    # route by that list; SGLang and llama-server answer whatever model is named
+    checks_model: bool = False
 
 
 def _m(*names: str, combine: str = SUM) -> Metrics:
@@ -94,8 +97,9 @@ ENGINES: tuple[Engine, ...] = (
             "fragmentation": (_m("emulator:kv_fragmentation", combine=MAX),),
             "capacity": (_m("emulator:max_num_seqs"),),
         },
+        checks_model=True,
     ),
-    Engine("vllm", "vllm:", _VLLM),
+    Engine("vllm", "vllm:", _VLLM, checks_model=True),
     Engine(
         "sglang",
         "sglang:",

@@ -14,6 +14,9 @@ slots, `max_num_seqs`, or `replica_capacity`), caps and floor respect them (rout
 a request queued behind full slots waits a whole reply, while a free slot elsewhere only costs a
 recompute of the context, so a full replica spills while another has room.
 Requests without a key spread least-loaded (ties rotate).
+A request naming a model goes only to replicas that may serve it (router.fleet.Fleet.not_serving):
+its ring owner is the first of them clockwise, so replicas of other models joining or leaving
+never move its sessions, and its load cap counts only them.
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count
 that has already gone down.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from router.fleet import NONE
 from router.keys import RoutingKey
 from router.policy.base import Decision, Policy
 
@@ -33,20 +37,24 @@ class Affinity(Policy):
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         if key.kind == "none":
-            return self.least_loaded(exclude)
-        decision, capped = self._pick(key, last, exclude)
+            return self.least_loaded(self.avoiding(key, exclude))
+        skip = self.fleet.not_serving(key.model)
+        decision, capped = self._pick(key, last, exclude, skip)
         if capped and self.fleet.refresh_loads is not None:
             self.fleet.refresh_loads()
-            decision, _ = self._pick(key, last, exclude)
+            decision, _ = self._pick(key, last, exclude, skip)
         return decision
 
-    def _pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> tuple[Decision | None, bool]:
-        """The decision, and whether a load cap changed it."""
+    def _pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], skip: frozenset[int] = NONE
+    ) -> tuple[Decision | None, bool]:
+        """The decision, and whether a load cap changed it (`skip`: replicas not serving its model)."""
         fleet, ring = self.fleet, self.fleet.ring
         floor = self.config.bounded_load_floor
         capped = False
         loads = fleet.loads
-        limit = fleet.load_limit(ring.load_cap(loads, self.config.bounded_load_c), floor)
+        c = self.config.bounded_load_c
+        limit = fleet.load_limit(fleet.load_cap_among(skip, c) if skip else ring.load_cap(loads, c), floor)
         if isinstance(limit, int):  # no capacity known: one cap for every replica, as before
 
             def under(i: int) -> bool:
@@ -58,13 +66,15 @@ class Affinity(Policy):
             def under(i: int) -> bool:
                 return loads[i] < cap_of(i)
 
-        previous = self.session_replica(last, exclude)
+        previous = self.session_replica(last, skip.union(exclude) if skip else exclude)
         if previous is not None:
             if under(previous):
                 return Decision(previous, "sticky"), False
             capped = True
         if not exclude:
             owner = ring.lookup(key.key)
+            if skip and owner in skip:  # the model's owner: the first clockwise that serves it
+                owner = next((i for i in ring.successors(key.key) if i not in skip), -1)
             if owner < 0:
                 return None, capped
             if under(owner):
@@ -72,11 +82,13 @@ class Affinity(Policy):
             # the next replica clockwise under its cap (the floor included, which the ring's own
             # lookup_bounded does not know); every one at its cap: the least full of them
             walk = ring.successors(key.key)
+            if skip:
+                walk = [i for i in walk if i not in skip]
             spill = next((i for i in walk if under(i)), min(walk, key=fleet.fullness))
             return Decision(spill, "spill"), True
         fallback: int | None = None
         for i in ring.successors(key.key):
-            if i in exclude:
+            if i in exclude or i in skip:
                 continue
             if under(i):
                 return Decision(i, "failover"), capped

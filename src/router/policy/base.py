@@ -35,6 +35,13 @@ class Policy:
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         raise NotImplementedError
 
+    def avoiding(self, key: RoutingKey, exclude: Collection[int]) -> Collection[int]:
+        """`exclude` (the replicas tried) and those known not to serve the key's model."""
+        skip = self.fleet.not_serving(key.model)
+        if not skip:
+            return exclude
+        return skip.union(exclude) if exclude else skip
+
     def session_replica(self, last: str | None, exclude: Collection[int]) -> int | None:
         """The index of `last`, the replica the session was served on last, while it can take the
         session's next turn: in the fleet, not tried for this request, routable or draining (a

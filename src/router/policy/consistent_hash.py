@@ -16,10 +16,11 @@ class ConsistentHash(Policy):
     keyed = True
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+        avoid = self.avoiding(key, exclude)
         if key.kind == "none":
-            return self.least_loaded(exclude)
+            return self.least_loaded(avoid)
         ring = self.fleet.ring
-        i = ring.lookup_excluding(key.key, exclude) if exclude else ring.lookup(key.key)
+        i = ring.lookup_excluding(key.key, avoid) if avoid else ring.lookup(key.key)
         if i < 0:
             return None
         return Decision(i, "failover" if exclude else "ring")

@@ -12,4 +12,4 @@ class LeastLoad(Policy):
     name = "least_load"
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
-        return self.least_loaded(exclude)
+        return self.least_loaded(self.avoiding(key, exclude))

@@ -13,6 +13,7 @@ class RoundRobin(Policy):
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         n = len(self.fleet)
+        exclude = self.avoiding(key, exclude)
         for _ in range(n):
             i = next(self._rotation) % n
             if i not in exclude and self.fleet.routable(i):

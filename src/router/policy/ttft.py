@@ -74,6 +74,8 @@ class Ttft(Policy):
         `rows()`, for /admin/route)."""
         fleet = self.fleet
         placement = self.placement
+        tried = exclude
+        exclude = self.avoiding(key, exclude)  # and the replicas not serving its model
         last_index = self.session_replica(self.evidence(key, last), exclude)
         # a conversation's home: a keyed session's replica, else the one holding most of the prompt
         staying = self.stay_share and last_index is None
@@ -103,7 +105,7 @@ class Ttft(Policy):
             if home is not None and home >= 0 and home != best and placement.stays(home, best, self.stay_share):
                 best = home
         chosen = placement.row(best)
-        return Decision(best, self._reason(chosen, last_index, exclude, placement, tie), chosen), placement
+        return Decision(best, self._reason(chosen, last_index, tried, placement, tie), chosen), placement
 
     @staticmethod
     def _reason(

@@ -77,9 +77,15 @@ class Refused:
     message: str
     kind: str = "invalid_request_error"
     close: bool = False  # the connection closes after it (what is left of the body must not be read as a request)
+    param: str | None = None  # the request's field at fault
 
     def answer(self, exchange: Exchange) -> None:
-        exchange.answer(self.status, error_body(self.message, self.status, self.kind), JSON, self.close)
+        exchange.answer(self.status, error_body(self.message, self.status, self.kind, self.param), JSON, self.close)
+
+
+def no_such_model(model: str) -> Refused:
+    """No replica in the fleet serves `model` (as each one's /v1/models or the pinned models say)."""
+    return Refused(404, f"The model `{model}` does not exist: no replica behind this router serves it.", param="model")
 
 
 def too_many_header_bytes(size: int, cfg: RouterConfig) -> Refused:

@@ -28,7 +28,7 @@ from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
 from router.node import Node
 from router.policy import Decision
-from router.proxy.admit import PROXIED, Admitted, Refused, admit
+from router.proxy.admit import PROXIED, Admitted, Refused, admit, no_such_model
 from router.proxy.exchange import AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.front import PROXY
@@ -155,6 +155,10 @@ class Proxy:
             self._finish(exchange, exchange.status, None, NO_KEY, None, t0)
             return
         key, raw = admitted.key, admitted.raw
+        if key.model is not None and self.node.fleet.unserved(key.model):
+            no_such_model(key.model).answer(exchange)  # nothing is forwarded
+            self._finish(exchange, exchange.status, None, key, None, t0)
+            return
         loop = asyncio.get_running_loop()
         route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.config.total_timeout_s)
         headers = forward_headers(exchange.headers, exchange.remote)

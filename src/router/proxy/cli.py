@@ -34,6 +34,8 @@ HELP = {
     "is never passed over for load (default 8)",
     "replica_capacity": "comma-separated REPLICA_ID=N (or *=N for the rest): requests a replica runs at once, "
     "where its engine does not report it; load caps and the floor scale with it (default: as reported, else unknown)",
+    "replica_models": "comma-separated REPLICA_ID=MODEL (or *=MODEL for the rest), one model each: the models "
+    "(and adapters) a replica serves, where its engine's /v1/models does not say (default: as listed there)",
     "capacity_caps": "bounded-load caps and the floor respect replicas' capacities: a full replica spills while "
     "another has a free slot (default on; off: capacity-blind, as before)",
     "prefix_block_bytes": "ttft: bytes of prompt per block of the prefix index, 16..240 (default 64, about 16 tokens)",

@@ -31,6 +31,7 @@ from prometheus_client import multiprocess, values
 from router._runtime import run, settle, stop_event, until_stopped
 from router.balance.link import WorkerLink, worker_socket
 from router.config import RouterConfig
+from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
@@ -299,6 +300,18 @@ def check_port(host: str, port: int) -> None:
             raise CannotListen(host, port, exc) from None
 
 
+async def share_models(fleet: Fleet, link: WorkerLink, interval_s: float) -> None:
+    """Every probe interval, the models the control process's probes read, to every worker (each
+    routes by them): always the whole list, so a worker that restarted has it within one interval."""
+    while True:
+        await asyncio.sleep(interval_s)
+        listing = {r.id: sorted(r.models) if r.models is not None else None for r in fleet.replicas}
+        try:
+            await link.models(listing)
+        except Exception:  # a bug here must not stop the sharing for good
+            log.exception("sharing the replicas' models with the workers failed")
+
+
 async def serve_workers(config: RouterConfig, banner: str) -> None:
     stop = stop_event()  # from here on a SIGTERM is a clean stop, also while workers start
     check_port(config.host, config.port)
@@ -330,7 +343,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         await runner.setup()
         try:
             await web.UnixSite(runner, control_socket).start()
-            watcher = None
+            watcher = sharing = None
             try:
                 await pool.start_all()
                 node.view.ready.set()  # the balance loop can ask the workers now
@@ -342,16 +355,18 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                     flush=True,
                 )
                 watcher = asyncio.create_task(pool.watch())
+                sharing = asyncio.create_task(share_models(node.fleet, link, config.probe_interval_s))
                 await until_stopped(stop)
             finally:
                 with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell
                     await node.save_state(force=True)
                 node.view.ready.clear()  # from here on, saves keep the sessions saved above
                 await pool.stop()
-                if watcher is not None:
-                    watcher.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await watcher
+                for task in (watcher, sharing):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
         finally:
             await runner.cleanup()
             await link.close()

@@ -1,0 +1,148 @@
+"""Several models on one fleet: which replicas may take a request naming a model, under every policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import ReplicaSpec, RouterConfig, load, pinned_models
+from router.fleet import MODEL_MEMO, Fleet
+from router.health.monitor import listed_models
+from router.keys import RoutingKey
+from router.policy import make_policy
+from router.prompt import prompt_of
+
+POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load")
+
+
+def fleet_of(models: list[frozenset[str] | None], pins: dict[str, frozenset[str]] | None = None) -> Fleet:
+    fleet = Fleet([ReplicaSpec(f"r{i}", f"http://10.0.0.{i}:8000") for i in range(len(models))], models=pins)
+    for replica, listed in zip(fleet.replicas, models, strict=True):
+        fleet.set_models(replica, listed)
+    return fleet
+
+
+def key(name: str, model: str | None, policy: str = "affinity") -> RoutingKey:
+    body = {"model": model, "messages": [{"role": "user", "content": f"{name} " * 40}]}
+    prompt = prompt_of(body, 64) if policy == "ttft" else None
+    return RoutingKey(name.encode(), "header", "x-session-id", prompt=prompt, model=model)
+
+
+A, B = frozenset({"model-a"}), frozenset({"model-b", "model-b-lora"})
+
+
+def test_who_serves_what() -> None:
+    fleet = fleet_of([A, A, B, None])
+    assert fleet.not_serving("model-a") == {2}  # r3 lists nothing: it may serve anything
+    assert fleet.not_serving("model-b-lora") == {0, 1}
+    assert fleet.not_serving(None) == frozenset()
+    assert fleet.serving("model-b") == [2, 3]
+    assert not fleet.unserved("model-c")  # r3 might serve it
+    fleet.set_models(fleet.replicas[3], B)
+    assert fleet.unserved("model-c") and not fleet.unserved("model-b")
+    assert fleet.not_serving("model-a") == {2, 3}  # the memo follows the change
+
+
+def test_pinned_models_win_over_what_the_engine_lists() -> None:
+    cfg = load(None, {}, {"replicas": ["http://a:1"], "replica_models": ["r0=model-a", "r0=model-x", "*=model-b"]})
+    pins = pinned_models(cfg)
+    assert pins == {"r0": {"model-a", "model-x"}, "*": {"model-b"}}
+    fleet = fleet_of([B, A], pins)
+    assert fleet.replicas[0].models == {"model-a", "model-x"}
+    assert fleet.replicas[1].models == {"model-b"}  # "*": every replica not named
+    assert not fleet.set_models(fleet.replicas[0], frozenset({"other"}))  # a pin stands
+    fleet.add(ReplicaSpec("r9", "http://10.0.0.9:8000"))
+    assert fleet.find("r9").models == {"model-b"}  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="replica_models"):
+        load(None, {}, {"replicas": ["http://a:1"], "replica_models": ["model-a"]})
+
+
+def test_the_memo_of_model_sets_is_bounded_and_follows_membership() -> None:
+    fleet = fleet_of([A, B])
+    for i in range(MODEL_MEMO + 10):
+        fleet.not_serving(f"nobody-{i}")
+    assert len(fleet._unserving) <= MODEL_MEMO
+    assert fleet.not_serving("model-a") == {1}
+    fleet.add(ReplicaSpec("r2", "http://10.0.0.2:8000"))
+    fleet.set_models(fleet.replicas[2], A)
+    assert fleet.not_serving("model-a") == {1}
+    fleet.remove("r0")
+    assert fleet.not_serving("model-a") == {0}  # r1 is at index 0 now
+
+
+def test_a_listing_reads_ids_and_adapters() -> None:
+    data = {
+        "object": "list",
+        "data": [
+            {"id": "base", "object": "model", "parent": None},
+            {"id": "base-lora", "object": "model", "parent": "base"},
+            {"id": ""},
+            {"object": "model"},
+            "junk",
+        ],
+    }
+    assert listed_models(data) == {"base", "base-lora"}
+    assert listed_models({"data": []}) is None
+    assert listed_models({"data": "x"}) is None
+    assert listed_models([]) is None
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_sends_a_model_only_where_it_is_served(policy: str) -> None:
+    fleet = fleet_of([A, B, A, B, None, A])
+    chosen = make_policy(policy, fleet, RouterConfig(policy=policy))
+    for model, allowed in (("model-a", {0, 2, 4, 5}), ("model-b", {1, 3, 4}), (None, set(range(6)))):
+        seen = set()
+        for i in range(200):
+            decision = chosen.pick(key(f"s{i}", model, policy), None, set())
+            assert decision is not None
+            seen.add(decision.index)
+        assert seen <= allowed, (model, seen)
+        assert len(seen) > 1  # spread over the model's replicas, not pinned to one
+        # a retry goes to another replica of the model, and none is left once all are tried
+        tried = set()
+        while (decision := chosen.pick(key("retry", model, policy), None, tried)) is not None:
+            assert decision.index in allowed and decision.index not in tried
+            tried.add(decision.index)
+        assert tried == allowed
+
+
+@pytest.mark.parametrize("policy", ("ttft", "affinity"))
+def test_a_session_on_a_replica_of_another_model_does_not_stick_there(policy: str) -> None:
+    fleet = fleet_of([A, B, B])
+    chosen = make_policy(policy, fleet, RouterConfig(policy=policy))
+    decision = chosen.pick(key("s", "model-b", policy), "r0", set())
+    assert decision is not None and decision.index in (1, 2) and decision.reason != "sticky"
+    decision = chosen.pick(key("s", "model-a", policy), "r0", set())
+    assert decision is not None and (decision.index, decision.reason) == (0, "sticky")
+
+
+@pytest.mark.parametrize("policy", ("affinity", "consistent_hash"))
+def test_replicas_of_one_model_joining_never_move_another_models_sessions(policy: str) -> None:
+    fleet = fleet_of([B, B, B, A])
+    chosen = make_policy(policy, fleet, RouterConfig(policy=policy))
+    keys = [key(f"s{i}", "model-b") for i in range(2000)]
+    blind = [RoutingKey(k.key, k.kind, k.source) for k in keys]  # the same keys, naming no model
+    before = [chosen.pick(k, None, set()).index for k in keys]  # type: ignore[union-attr]
+    blind_before = [chosen.pick(k, None, set()).index for k in blind]  # type: ignore[union-attr]
+    for n in (4, 5):
+        fleet.add(ReplicaSpec(f"r{n}", f"http://10.0.0.{n}:8000"))
+        fleet.set_models(fleet.replicas[n], A)
+    after = [chosen.pick(k, None, set()).index for k in keys]  # type: ignore[union-attr]
+    blind_after = [chosen.pick(k, None, set()).index for k in blind]  # type: ignore[union-attr]
+    assert after == before
+    assert sum(a != b for a, b in zip(blind_after, blind_before, strict=True)) > 200  # without models, they move
+
+
+def test_a_models_load_cap_counts_its_own_replicas() -> None:
+    fleet = fleet_of([A, A, B, B, B, B])
+    cfg = RouterConfig(policy="affinity", bounded_load_floor=1)
+    chosen = make_policy("affinity", fleet, cfg)
+    for i in (2, 3, 4, 5):
+        fleet.loads[i] = 50  # model B is busy; model A idle
+    fleet.loads[0] = 3
+    # A's cap is ceil(1.25 x 4 / 2) = 3: r0 is at it, so its keys spill to r1 (the fleet-wide cap,
+    # ceil(1.25 x 204 / 6) = 43, would have kept them on r0)
+    owned = [k for k in (key(f"s{i}", "model-a") for i in range(400)) if fleet.ring.successors(k.key, 1) == [0]]
+    assert owned
+    decisions = {chosen.pick(k, None, set()) for k in owned[:20]}  # type: ignore[misc]
+    assert {(d.index, d.reason) for d in decisions if d is not None} == {(1, "spill")}
