@@ -20,7 +20,7 @@ from typing import Any
 from router.prompt import Prompt
 from router.ring import xxh3_64
 
-KINDS = ("header", "body", "prefix", "none")
+KINDS = ("response", "header", "body", "prefix", "none")
 MAX_PARTS = 64  # content parts looked at for a fingerprint: bounded work whatever the body holds
 MAX_MESSAGES = 64  # messages skipped looking for the first non-system one
 
@@ -104,6 +104,30 @@ def prefix_text(body: Mapping[str, Any], limit: int) -> str:
         if isinstance(value, str):
             return value[:limit]
     return ""
+
+
+def response_key(body: Mapping[str, Any], max_key_bytes: int) -> RoutingKey | None:
+    """A Responses API request that continues a stored response (`previous_response_id`) or a
+    conversation (`conversation`, an id or {"id": ...}): its key names that state, which lives on
+    one replica alone (kind `response`: pinned there, router.routing.route). None otherwise."""
+    named = body.get("model")
+    model = named if isinstance(named, str) and named else None
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str) and previous:
+        return RoutingKey(stored_key(previous, max_key_bytes), "response", "previous_response_id", model=model)
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    if isinstance(conversation, str) and conversation:
+        return RoutingKey(
+            bounded_key(b"conv\x00" + _encode(conversation), max_key_bytes), "response", "conversation", model=model
+        )
+    return None
+
+
+def stored_key(response_id: str, max_key_bytes: int) -> bytes:
+    """The session key under which the replica holding a stored response is remembered."""
+    return bounded_key(b"resp\x00" + _encode(response_id), max_key_bytes)
 
 
 def routing_key(

@@ -23,6 +23,8 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
 from router.emulator.metrics import ReplicaMetrics
+from router.emulator.responses import InputError, ResponseStore, Turn, event
+from router.emulator.responses import usage as responses_usage
 from router.emulator.tokenizer import PromptError, generated_text, render_chat
 from router.errors import error_response
 
@@ -125,6 +127,7 @@ class Replica:
         self.held = 0  # requests the hang fault is sitting on
         self.started = False
         self._epoch = 0  # bumped by a crash
+        self.stored = ResponseStore()  # the Responses API's stored conversations, in this replica alone
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -141,6 +144,7 @@ class Replica:
         app.on_response_prepare.append(self._stamp)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -184,6 +188,7 @@ class Replica:
             return
         self.crashed = True
         self._epoch += 1
+        self.stored = ResponseStore()  # its stored responses die with it, as a process's memory does
         if self._site is not None:
             await self._site.stop()
             self._site = None
@@ -327,6 +332,73 @@ class Replica:
         except PromptError as exc:
             raise BadRequest(str(exc), "messages" if chat else "prompt") from None
         return text.encode("utf-8", "surrogatepass"), max_tokens, stream, include_usage
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses (router.emulator.responses): stored turns, continued by id, here only."""
+        await self._maybe_hang()
+        try:
+            body = await self._json_body(request)
+            model = body.get("model")
+            served = self.options
+            if model is not None and model != served.model and model not in served.aliases + served.adapters:
+                raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
+            max_tokens = body.get("max_output_tokens", served.default_max_tokens)
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise BadRequest("max_output_tokens must be a positive integer", "max_output_tokens")
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest("stream must be true or false", "stream")
+            turn = Turn(body, self.stored, model if isinstance(model, str) else served.model)
+            seq = self.engine.new_sequence(turn.prompt(), max_tokens, self.now())
+        except (BadRequest, InputError) as exc:
+            kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
+            return error_response(str(exc), exc.status, kind, exc.param)
+        except RequestTooLarge as exc:
+            return error_response(str(exc), 400, "invalid_request_error", "input")
+        injected = self._injected_error()
+        if injected is not None:
+            return injected
+        seq.owner = asyncio.Event()
+        self.engine.add(seq)
+        self._wake.set()
+        try:
+            if not stream:
+                while not seq.done:
+                    await self._wait_tokens(seq)
+                if seq.aborted:
+                    raise ConnectionResetError("replica crashed")
+                text = generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens)
+                turn.finished(text)
+                used = responses_usage(seq.prompt_tokens, seq.cached_tokens, seq.output_tokens)
+                return _json(turn.response(text, used))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await resp.write(event("response.created", 0, response=turn.response("", None, "in_progress")))
+            n, sent, parts = 1, 0, []
+            while True:
+                await self._wait_tokens(seq)
+                if seq.aborted:
+                    raise ConnectionResetError("replica crashed")
+                if seq.output_tokens > sent:
+                    text = generated_text(self.engine.reply_seed(seq), sent, seq.output_tokens - sent)
+                    sent = seq.output_tokens
+                    parts.append(text)
+                    await resp.write(
+                        event("response.output_text.delta", n, item_id="msg_" + turn.id[5:], output_index=0, delta=text)
+                    )
+                    n += 1
+                if seq.done:
+                    break
+            whole = "".join(parts)
+            turn.finished(whole)
+            used = responses_usage(seq.prompt_tokens, seq.cached_tokens, seq.output_tokens)
+            await resp.write(event("response.completed", n, response=turn.response(whole, used)))
+            await resp.write_eof()
+            return resp
+        except ClientConnectionResetError:
+            return web.Response(status=499)  # the client went away: abort, nothing to log
+        finally:
+            self.engine.abort(seq)
 
     def _injected_error(self) -> web.Response | None:
         if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:

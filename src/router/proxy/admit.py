@@ -18,12 +18,13 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.errors import error_body
-from router.keys import RoutingKey, routing_key
+from router.keys import RoutingKey, response_key, routing_key
 from router.prompt import prompt_of
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.resume import SoFar, continuation
 
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+RESPONSES = "/v1/responses"
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", RESPONSES)
 STREAMABLE = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -132,7 +133,7 @@ def admit_body(
         return Refused(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return Refused(400, "the request body must be a JSON object")
-    key = request_key(headers, body, cfg)
+    key = (response_key(body, cfg.max_key_bytes) if path == RESPONSES else None) or request_key(headers, body, cfg)
     if prompts and path in STREAMABLE:  # an embedding's input leaves no KV cache behind
         prompt = prompt_of(body, cfg.prefix_block_bytes)
         if prompt is not None:

@@ -28,7 +28,7 @@ from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
 from router.node import Node
 from router.policy import Decision
-from router.proxy.admit import PROXIED, Admitted, Refused, admit, no_such_model
+from router.proxy.admit import PROXIED, RESPONSES, Admitted, Refused, admit, no_such_model
 from router.proxy.exchange import AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.front import PROXY
@@ -177,6 +177,7 @@ class Proxy:
                     admitted.strip_usage,
                     t0,
                     admitted.keep,
+                    exchange.path == RESPONSES,
                 )
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
@@ -188,6 +189,8 @@ class Proxy:
                 failure = result
                 continue
             route.served(replica, served(result), exchange.path, raw)
+            if result.response_id is not None and result.status == 200 and admitted.body.get("store") is not False:
+                route.produced(result.response_id, replica, self.config.max_key_bytes)
             if admitted.keep and result.streamed:
                 try:
                     replica = await self._resume(exchange, admitted.body, route, result, replica, headers)

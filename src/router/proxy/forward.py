@@ -28,7 +28,7 @@ from multidict import CIMultiDictProxy
 
 from router.errors import sse_error_event
 from router.proxy.exchange import Exchange
-from router.proxy.framer import SseFramer
+from router.proxy.framer import ResponsesFramer, SseFramer
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
 from router.upstream import ConnectError, Response, Upstream
@@ -84,6 +84,7 @@ class Outcome:
     broken: bool = False
     framer: StreamFramer | None = None  # a stream's framer, or its splicer once resumed
     transport: asyncio.Transport | None = None
+    response_id: str | None = None  # a Responses API answer's id: where it is stored, for a follow-up
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,11 @@ async def attempt(
     strip_usage: bool,
     t0: float,
     keep: int = 0,
+    responses: bool = False,
 ) -> Retry | Outcome:
     """With `keep` > 0, a stream's forwarded bytes are recorded (up to `keep`) and a stream the
-    replica breaks is left open (`broken`) for the caller to resume or end with `end_stream`."""
+    replica breaks is left open (`broken`) for the caller to resume or end with `end_stream`.
+    `responses`: a Responses API request (its stream's events are `response.*`, its answer has an id)."""
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
@@ -154,7 +157,9 @@ async def attempt(
                 first = await upstream.readany()
         except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
-        return await _relay(exchange, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep)
+        return await _relay(
+            exchange, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep, responses
+        )
     finally:
         if upstream is not None:
             _let_go(upstream)
@@ -186,6 +191,7 @@ async def _relay(
     strip_usage: bool,
     t0: float,
     keep: int = 0,
+    responses: bool = False,
 ) -> Retry | Outcome:
     loop = asyncio.get_running_loop()
     content_type = upstream.headers.get("Content-Type", "")
@@ -213,14 +219,17 @@ async def _relay(
         outcome.ttft_s = time.monotonic() - t0
         if upstream.status == 200 and content_type.startswith("application/json"):
             try:
-                usage = usage_of(orjson.loads(data))
+                answer = orjson.loads(data)
             except orjson.JSONDecodeError:
-                usage = None
+                answer = None
+            usage = usage_of(answer)
+            if responses and isinstance(answer, dict) and isinstance(answer.get("id"), str):
+                outcome.response_id = answer["id"]
             if usage:
                 outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = usage
         return outcome
     outcome = Outcome(exchange, upstream.status, streamed=True)
-    framer = outcome.framer = SseFramer(strip_usage)
+    framer = outcome.framer = ResponsesFramer() if responses else SseFramer(strip_usage)
     outcome.transport = exchange.transport
     if keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(keep)
@@ -284,6 +293,8 @@ async def _stream(
         outcome.broken = False  # nobody to resume it for
     if framer.usage:
         outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = framer.usage
+    if isinstance(framer, ResponsesFramer):
+        outcome.response_id = framer.response_id
 
 
 async def end_stream(outcome: Outcome) -> None:
@@ -340,9 +351,14 @@ async def resume(
 
 
 def _opener(out: bytes) -> bool:
-    """One event that only opens a chat stream (`"delta": {"role": "assistant", "content": ""}`): an
-    engine may send it before its prefill is done (the emulator does), so it says nothing of TTFT."""
-    return out.count(b"data:") == 1 and b'"role"' in out and (b'"content":""' in out or b'"content": ""' in out)
+    """One event that only opens a stream (a chat's `"delta": {"role": "assistant", "content": ""}`,
+    a Responses stream's `response.created` or `response.in_progress`): an engine may send it before
+    its prefill is done (the emulator does), so it says nothing of TTFT."""
+    if out.count(b"data:") != 1:
+        return False
+    if out.startswith(b"event: response."):
+        return out.startswith((b"event: response.created", b"event: response.in_progress"))
+    return b'"role"' in out and (b'"content":""' in out or b'"content": ""' in out)
 
 
 async def _pump(

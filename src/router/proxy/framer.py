@@ -7,7 +7,7 @@ import re
 import orjson
 
 from router.proxy.resume import FinishHold, finishes
-from router.proxy.sse import EVENT, EVENT_END, usage_of
+from router.proxy.sse import DATA_LINE, EVENT, EVENT_END, usage_of
 
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
 
@@ -90,4 +90,73 @@ class SseFramer:
         self._scanned = 0
         if not self.done and _DONE.search(rest):
             self.done = True
+        return rest
+
+
+# the events of a Responses stream the router reads; every other event passes unread
+_RESPONSE_EVENTS = (b"response.created", b"response.completed", b"response.incomplete", b"response.failed")
+_TERMINAL = frozenset(("response.completed", "response.incomplete", "response.failed"))
+
+
+class ResponsesFramer:
+    """A Responses API stream (`event: response.*`), cut into whole events and forwarded byte for
+    byte: the router reads the response's id from `response.created`, its usage from the final
+    event, and knows the stream is whole at `response.completed` (or `incomplete`, `failed`):
+    these streams end without `[DONE]`. The router never asks them for usage, so nothing is hidden."""
+
+    __slots__ = ("_buf", "_scanned", "done", "response_id", "strip_usage", "usage")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scanned = 0
+        self.strip_usage = False
+        self.usage: tuple[int, int, int] | None = None
+        self.response_id: str | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self._buf
+        buf += chunk
+        end = -1
+        for m in EVENT_END.finditer(buf, max(0, self._scanned - 3)):
+            end = m.end()
+        if end < 0:
+            self._scanned = len(buf)
+            return b""
+        complete = bytes(buf[:end])
+        del buf[:end]
+        self._scanned = len(buf)
+        if any(name in complete for name in _RESPONSE_EVENTS):
+            for m in EVENT.finditer(complete):
+                self._read(m.group(1))
+        return complete
+
+    def _read(self, event: bytes) -> None:
+        if not any(name in event for name in _RESPONSE_EVENTS):
+            return
+        data = b"\n".join(m.group(1) for m in DATA_LINE.finditer(event.replace(b"\r\n", b"\n").replace(b"\r", b"\n")))
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict) or not isinstance(obj.get("response"), dict):
+            return
+        kind, response = obj.get("type"), obj["response"]
+        if kind == "response.created" and isinstance(response.get("id"), str):
+            self.response_id = response["id"]
+        elif kind in _TERMINAL:
+            self.done = True
+            if isinstance(response.get("id"), str):
+                self.response_id = self.response_id or response["id"]
+            self.usage = usage_of(response) or self.usage
+
+    def release(self) -> bytes:
+        return b""
+
+    def pending(self) -> bytes:
+        rest = bytes(self._buf)
+        self._buf.clear()
+        self._scanned = 0
+        if rest.strip():
+            self._read(rest)  # a last event without its blank line
         return rest

@@ -13,15 +13,16 @@ DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
 
 
 def usage_of(obj: Any) -> tuple[int, int, int] | None:
-    """(prompt, cached, completion) tokens from a response's or a stream chunk's `usage`."""
+    """(prompt, cached, completion) tokens from a response's or a stream chunk's `usage` (the
+    Responses API's names too: `input_tokens`, `input_tokens_details`, `output_tokens`)."""
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details") or {}
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     try:
-        prompt = max(int(usage.get("prompt_tokens") or 0), 0)
-        completion = max(int(usage.get("completion_tokens") or 0), 0)
+        prompt = max(int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0), 0)
+        completion = max(int(usage.get("completion_tokens") or usage.get("output_tokens") or 0), 0)
         return prompt, min(max(int(cached or 0), 0), prompt), completion  # odd figures never go negative
     except (TypeError, ValueError, OverflowError):
         return None

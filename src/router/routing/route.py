@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
-from router.keys import RoutingKey
+from router.keys import RoutingKey, stored_key
 from router.metrics import RouterMetrics
 from router.placement import Placed
 from router.policy import Decision, Policy
@@ -165,9 +165,18 @@ class Route:
         if now >= self.deadline:
             self.timed_out = True  # no replica is charged for an attempt that was never made
             return None
-        decision = routing.policy.pick(
-            self.key, None if resuming else self.last, {r.index for r in self.tried if r.index is not None}
-        )
+        if self.key.kind == "response" and self.last is not None and not resuming:
+            # a stored response (or conversation) lives on the replica that produced it: only that
+            # one can continue it, whatever its load, and no other is worth a retry
+            if self.tried:
+                return None
+            decision = self._holder(self.last)
+        else:
+            decision = None
+        if decision is None:
+            decision = routing.policy.pick(
+                self.key, None if resuming else self.last, {r.index for r in self.tried if r.index is not None}
+            )
         if decision is None:
             return None
         fleet = routing.fleet
@@ -184,6 +193,23 @@ class Route:
         if placement is not None and prompt is not None and decision.cost is not None:
             self.placed = (replica, placement.sent(replica, prompt, decision.cost, now))
         return replica
+
+    def _holder(self, last: str) -> Decision | None:
+        """The replica a `response` key was served on, while it is in the fleet, serves the model
+        and takes requests (routable, or draining: it finishes what it holds); else None (then the
+        policy places it, and the replica there says what it knows)."""
+        fleet = self.routing.fleet
+        holder = fleet.find(last)
+        if holder is None or holder.index is None or holder.index in fleet.not_serving(self.key.model):
+            return None
+        if not (fleet.routable(holder.index) or holder.state == "draining"):
+            return None
+        return Decision(holder.index, "sticky")
+
+    def produced(self, response_id: str, replica: ReplicaState, max_key_bytes: int) -> None:
+        """`replica` stored a Responses API answer under `response_id`: a request continuing it
+        (`previous_response_id`) goes there, as a session's turn would (TTL, sharing, saving)."""
+        self._remember(replica, stored_key(response_id, max_key_bytes))
 
     def release(self, replica: ReplicaState) -> None:
         routing = self.routing
@@ -280,7 +306,7 @@ class Route:
         elif self.key.kind != "none":
             self._remember(replica)  # its cache now holds the whole conversation
 
-    def _remember(self, replica: ReplicaState) -> None:
+    def _remember(self, replica: ReplicaState, key: bytes | None = None) -> None:
         routing = self.routing
         started_ms = (routing.wall() - (routing.clock() - self.t0)) * 1000 - routing.move_slack_ms
-        routing.directory.remember(self.key.key, replica, started_ms)
+        routing.directory.remember(self.key.key if key is None else key, replica, started_ms)
