@@ -90,6 +90,11 @@ class RouterConfig:
     resume_streams: bool = True  # continue a stream a replica broke mid-way on another replica
     resume_buffer_bytes: int = 1024 * 1024  # per stream: what was sent, to continue from (past it: no resume)
     front: bool = True  # the proxied endpoints on the router's own HTTP/1.1 server (httptools), not aiohttp's
+    # overload held at the edge (router.admission): requests wait here while every replica for their model is full
+    max_queued: int = 0  # requests waiting at most (0: off, every request forwarded as before)
+    queue_timeout_s: float = 10.0  # the longest a request waits for room before its 429
+    full_waiting: int = 8  # a replica is full once its engine's queue reaches this many requests,
+    full_kv_usage: float = 0.95  # or its KV cache usage this share
     # health
     health_checks: bool = True
     agents: tuple[str, ...] = ()  # REPLICA_ID=URL of a router-agent whose /stats the control loop reads
@@ -260,6 +265,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
             raise bad(name, "must be a number >= 0")
     if not 0 <= cfg.ttft_tie_share < 1:
         raise bad("ttft_tie_share", "must be a share in [0, 1)")
+    if not 0 <= cfg.max_queued <= 1_000_000:
+        raise bad("max_queued", "must be in 0..1000000 requests (0 turns the queue off)")
+    if not (math.isfinite(cfg.full_kv_usage) and 0 < cfg.full_kv_usage <= 1):
+        raise bad("full_kv_usage", "must be a share in (0, 1]")
     for name in (
         "sticky_ttl_s",
         "connect_timeout_s",
@@ -278,6 +287,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "scale_target_load",
         "console_interval_s",
         "console_history_s",
+        "queue_timeout_s",
     ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
@@ -296,6 +306,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "warmup_concurrency",
         "bounded_load_floor",
         "resume_buffer_bytes",
+        "full_waiting",
     ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be at least 1")

@@ -98,6 +98,22 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "connection is retried elsewhere as usual.",
         ("replica",),
     ),
+    "router_queued": (
+        "gauge",
+        "Requests waiting in the router because every replica for their model is full (max_queued).",
+        (),
+    ),
+    "router_shed": (
+        "counter",
+        "Requests answered 429 because every replica for their model was full: queue_full (max_queued "
+        "were waiting already) or timeout (they waited queue_timeout_s).",
+        ("reason",),
+    ),
+    "router_queue_wait_seconds": (
+        "histogram",
+        "How long requests held in the router waited before going on to a replica.",
+        (),
+    ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
     "router_replica_score": ("gauge", "Each replica's latest health score (0..1).", ("replica",)),
     "router_replica_routable": (
@@ -215,7 +231,11 @@ class RouterMetrics:
                 made[name] = Counter(name, doc, labels, registry=self.registry)
             elif kind == "gauge":
                 # with worker processes, the worker being scraped sets every gauge from the shared table
-                made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livemostrecent")
+                # ... except the queue, which each worker holds for itself: theirs add up
+                if name == "router_queued":
+                    made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livesum")
+                else:
+                    made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livemostrecent")
             else:
                 made[name] = Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         return made
@@ -236,6 +256,9 @@ class RouterMetrics:
         self.jumps = made["router_session_jumps"]
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
+        self.queued = made["router_queued"]
+        self.shed = made["router_shed"]
+        self.queue_wait = made["router_queue_wait_seconds"]
         self.reconnects = made["router_upstream_reconnects"]
         self.stream_errors = made["router_stream_errors"]
         self.stream_resumes = made["router_stream_resumes"]

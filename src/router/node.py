@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from router.admission import Admission
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
 from router.balance.view import LocalSessions
@@ -152,6 +153,15 @@ class Node:
             self.sessions, config.sticky_ttl_s, siblings=self.shared_sessions, peers=self.redis_sessions
         )
         self.routing = Routing(fleet, self.policy, self.directory, self.metrics, config.max_attempts, self.balancer)
+        self.admission = Admission(
+            fleet,
+            config.max_queued,
+            config.queue_timeout_s,
+            config.full_waiting,
+            config.full_kv_usage,
+            on_change=self.metrics.queued.set,
+        )
+        self.balancer.held = lambda: self.admission.queued
         self.monitor = HealthMonitor(
             fleet,
             lambda: self.http,
@@ -162,7 +172,7 @@ class Node:
             table=table,
             queue_weight=config.load_queue_weight,
             before_round=self.gather,
-            after_round=self._publish_table,
+            after_round=self._probed,
         )
         self.discovery = (
             Discovery(self.membership, self.metrics, config.discovery, config.discovery_interval_s, config.replicas)
@@ -197,9 +207,11 @@ class Node:
         """Routing changed: write the fleet to the shared table (if any), mark the state for saving."""
         self.membership.publish()
 
-    def _publish_table(self) -> None:
+    def _probed(self) -> None:
+        """A probe round ended: the workers' table is written, and held requests may go where there is room."""
         if self.publisher is not None:
             self.publisher.publish()
+        self.admission.probed()
 
     def gather(self) -> None:
         """Control process: add up the workers' counters (no-op for a lone router)."""

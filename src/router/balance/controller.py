@@ -79,6 +79,8 @@ class Balancer:
         self._peers = peers
         self._warmed = warmed
         self.migrates = cfg.rebalance and by_ring  # overheat moves vnodes (and counts their traffic)
+        # requests held in this process because every replica was full (router.admission): load too
+        self.held: Callable[[], int] = lambda: 0
         # with worker processes each keeps the prompts of the requests it proxies: a share of the cap
         self.prompts = PromptStore(cfg.prompt_store_bytes // share, cfg.sticky_ttl_s)
         self.traffic = VnodeTraffic()
@@ -161,7 +163,7 @@ class Balancer:
         """Signals for an autoscaler: sustained overheat, sustained idleness, replicas needed."""
         m = self.metrics
         target = self.config.scale_target_load
-        total = self.rebalancer.total()
+        total = self.rebalancer.total() + self.held()  # held requests want a replica as much as queued ones
         m.overheated.set(len(self.rebalancer.overheated(now)))
         m.scale_recommended.set(max(1, math.ceil(total / target - 1e-9)))
         routable = max(len(self.rebalancer.loads()), 1)

@@ -22,14 +22,15 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from router.admin.api import add_admin_routes
+from router.admission import Shed, client_of
 from router.console.routes import add_console_routes
-from router.errors import error_response
+from router.errors import error_body, error_response
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
 from router.node import Node
 from router.policy import Decision
 from router.proxy.admit import PROXIED, RESPONSES, Admitted, Refused, admit, no_such_model
-from router.proxy.exchange import AioExchange, Exchange
+from router.proxy.exchange import JSON, AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.front import PROXY
 from router.proxy.resume import Splicer, continuation, read_so_far
@@ -161,6 +162,21 @@ class Proxy:
             return
         loop = asyncio.get_running_loop()
         route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.config.total_timeout_s)
+        admission = self.node.admission
+        if admission.on:
+            try:
+                waited = await admission.enter(
+                    key.model,
+                    client_of(exchange.headers, admitted.body, exchange.remote),
+                    route.last is not None,
+                    t0 + self.config.total_timeout_s,
+                )
+            except Shed as shed:
+                self._shed(exchange, shed)
+                self._finish(exchange, exchange.status, None, key, None, t0)
+                return
+            if waited:
+                self.metrics.queue_wait.observe(waited)
         headers = forward_headers(exchange.headers, exchange.remote)
         failure: Retry | None = None
         while (replica := route.next(loop.time())) is not None:
@@ -184,6 +200,7 @@ class Proxy:
                 raise
             finally:
                 route.release(replica)
+                admission.released()
             if isinstance(result, Retry):
                 route.failed(replica, result.cause)
                 failure = result
@@ -203,6 +220,13 @@ class Proxy:
             failure = failure or Retry("timeout", 504)
         self._no_replica(exchange, failure, bool(route.tried))
         self._finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
+
+    def _shed(self, exchange: Exchange, shed: Shed) -> None:
+        """The 429 of a request every replica for its model was too full for."""
+        m = self.metrics
+        m.child(m.shed, shed.reason).inc()
+        headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
+        exchange.answer(shed.status, error_body(shed.message, shed.status, "rate_limit_exceeded"), headers)
 
     def _extra_headers(self, replica: ReplicaState) -> dict[str, str]:
         name = self.config.replica_header

@@ -34,6 +34,13 @@ HELP = {
     "is never passed over for load (default 8)",
     "replica_capacity": "comma-separated REPLICA_ID=N (or *=N for the rest): requests a replica runs at once, "
     "where its engine does not report it; load caps and the floor scale with it (default: as reported, else unknown)",
+    "max_queued": "requests held at most while every replica for their model is full (its engine's queue at "
+    "full_waiting, or its KV cache at full_kv_usage); past it, or past queue_timeout_s, a 429 with Retry-After "
+    "(default 0: off, everything is forwarded)",
+    "queue_timeout_s": "the longest a held request waits for room before its 429 (default 10)",
+    "full_waiting": "a replica is full once its engine's queue (probed, plus what was sent since) reaches this "
+    "(default 8)",
+    "full_kv_usage": "or once its KV cache usage reaches this share (default 0.95)",
     "replica_models": "comma-separated REPLICA_ID=MODEL (or *=MODEL for the rest), one model each: the models "
     "(and adapters) a replica serves, where its engine's /v1/models does not say (default: as listed there)",
     "capacity_caps": "bounded-load caps and the floor respect replicas' capacities: a full replica spills while "

@@ -1,0 +1,275 @@
+"""Overload held at the edge: when every replica that serves a request's model is full, the request
+waits here, in a bounded queue, instead of in an engine's queue.
+
+A replica is full when its engine's queue reaches `full_waiting` requests or its KV cache
+`full_kv_usage` (as last probed), counting between probes what this router sent it since the probe
+(each request sent to a full engine waits there; each one answered leaves). Where the engine does
+not report its queue but its capacity is known (llama-server's slots), it is full once that many
+plus `full_waiting` are in flight. A replica whose load nothing says is never full.
+
+While some replica that may serve the model has room, and nobody waits for that model, a request
+goes on at once: admission costs one check per request. Otherwise it waits, up to `max_queued`
+requests in all (the next gets a 429 at once) and up to `queue_timeout_s` each (then a 429), both
+with `Retry-After`. Whenever a request ends, or a probe round finds room, the next waiter is let
+through by this order:
+
+1. turns of sessions already running (the router has served the session: its cache is warm, its
+   user mid-conversation) before new sessions and keyless requests;
+2. within each, the clients in turn (round robin by API key, else the body's `user`, else the
+   client's address), so one client's burst does not hold the others back; and when the queue is
+   full, a request from a client with fewer waiting takes the place of the newest request of the
+   client with the most (which gets the 429), as does a running session's turn over new work;
+3. each client's own requests in the order they came.
+
+A waiter is let through only for a model some replica has room for, so one full model never holds
+another's requests back. Nothing here is unbounded: the queue's size is capped and every waiter's
+wait is timed; with it off (`max_queued = 0`, the default) every request is forwarded as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.fleet import Fleet, ReplicaState
+from router.ring import xxh3_64
+
+
+class Shed(Exception):
+    """The request is not forwarded: every replica for its model is full and it waited its fill."""
+
+    def __init__(self, status: int, message: str, reason: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason  # queue_full | timeout: a metric label
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class _Waiter:
+    model: str | None
+    client: str
+    future: asyncio.Future[None]
+    since: float
+    running: bool  # a turn of a session already running
+
+
+@dataclass
+class _Class:
+    """The waiters of one priority class: by client, clients in turn."""
+
+    clients: collections.OrderedDict[str, collections.deque[_Waiter]] = field(default_factory=collections.OrderedDict)
+
+    def add(self, waiter: _Waiter) -> None:
+        self.clients.setdefault(waiter.client, collections.deque()).append(waiter)
+
+    def remove(self, waiter: _Waiter) -> None:
+        line = self.clients.get(waiter.client)
+        if line is not None and waiter in line:
+            line.remove(waiter)
+            if not line:
+                del self.clients[waiter.client]
+
+    def next_for(self, room: Callable[[str | None], bool]) -> _Waiter | None:
+        """The first waiter, clients in turn, whose model has room; its client goes to the back."""
+        for client, line in self.clients.items():
+            for waiter in line:
+                if room(waiter.model):
+                    line.remove(waiter)
+                    if line:
+                        self.clients.move_to_end(client)
+                    else:
+                        del self.clients[client]
+                    return waiter
+        return None
+
+
+def client_of(headers: Mapping[str, str], body: Mapping[str, Any] | None, remote: str | None) -> str:
+    """Who a request is from, for fairness: its API key (hashed), else the body's `user`, else its address."""
+    auth = headers.get("authorization") or headers.get("Authorization")
+    if auth:
+        return f"key:{xxh3_64(auth.encode('utf-8', 'surrogateescape')):016x}"
+    user = body.get("user") if body is not None else None
+    if isinstance(user, str) and user:
+        return "user:" + user[:128]
+    return "addr:" + (remote or "")
+
+
+def _let_through(waiter: _Waiter) -> bool:
+    """Whether the queue is done with this waiter: let through by `wake`, or pushed out (its 429
+    set); a wait cut short leaves its future cancelled, and the waiter still to account for."""
+    return waiter.future.done() and not waiter.future.cancelled()
+
+
+class Admission:
+    def __init__(
+        self,
+        fleet: Fleet,
+        max_queued: int,
+        queue_timeout_s: float,
+        full_waiting: int,
+        full_kv_usage: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self.full_waiting = full_waiting
+        self.full_kv_usage = full_kv_usage
+        self.clock = clock
+        self.on_change = on_change  # told how many wait, whenever that changes (a gauge)
+        self.classes = (_Class(), _Class())  # running sessions' turns first, then the rest
+        self.queued = 0
+        self.waiting_models: collections.Counter[str | None] = collections.Counter()
+        self.shed = collections.Counter[str]()  # by reason, since start
+        self.waits: collections.deque[float] = collections.deque(maxlen=256)  # recent waits of those let through
+        # each replica's in flight when its engine was last probed: what was sent since waits there too
+        self._at_probe: dict[str, int] = {}
+
+    @property
+    def on(self) -> bool:
+        return self.max_queued > 0
+
+    # -- fullness ----------------------------------------------------------------------------
+
+    def probed(self) -> None:
+        """A probe round read every replica's engine: count what is sent from here on, and let
+        waiters through where there is room now."""
+        self._at_probe = {r.id: r.inflight for r in self.fleet.replicas}
+        self.wake(len(self.fleet.replicas))
+
+    def queue_of(self, replica: ReplicaState) -> float | None:
+        """The replica's engine queue now, as far as the router knows (None: unknown)."""
+        waiting = replica.engine.waiting
+        if waiting is not None:
+            sent = replica.inflight - self._at_probe.get(replica.id, replica.inflight)
+            return max(waiting + sent, 0.0)
+        if replica.capacity is not None:
+            return max(replica.inflight - replica.capacity, 0)
+        return None
+
+    def full(self, replica: ReplicaState) -> bool:
+        queue = self.queue_of(replica)
+        if queue is not None and queue >= self.full_waiting:
+            return True
+        kv = replica.engine.kv_usage
+        return kv is not None and kv >= self.full_kv_usage
+
+    def room(self, model: str | None) -> bool:
+        """Some routable replica that may serve `model` is not full."""
+        fleet = self.fleet
+        skip = fleet.not_serving(model)
+        return any(fleet.routable(i) and not self.full(r) for i, r in enumerate(fleet.replicas) if i not in skip)
+
+    def _servable(self, model: str | None) -> bool:
+        fleet = self.fleet
+        skip = fleet.not_serving(model)
+        return any(fleet.routable(i) for i in range(len(fleet.replicas)) if i not in skip)
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    async def enter(self, model: str | None, client: str, running: bool, deadline: float) -> float:
+        """Return once the request may go on (the seconds it waited), or raise Shed. `deadline`:
+        the request's own end (monotonic): it never waits past it."""
+        if not self.on or (not self.waiting_models[model] and self.room(model)):
+            return 0.0
+        if not self._servable(model):
+            return 0.0  # nothing routable at all: the router's 503 says so, not a queue
+        if self.queued >= self.max_queued and not self._push_out(client, running):
+            self.shed["queue_full"] += 1
+            message = f"every replica is full and {self.queued} requests wait already"
+            raise Shed(429, message, "queue_full", self._retry())
+        now = self.clock()
+        waiter = _Waiter(model, client, asyncio.get_running_loop().create_future(), now, running)
+        self.classes[0 if running else 1].add(waiter)
+        self.queued += 1
+        self.waiting_models[model] += 1
+        if self.on_change is not None:
+            self.on_change(self.queued)
+        limit = max(min(self.queue_timeout_s, deadline - now), 0.0)
+        try:
+            async with asyncio.timeout(limit):
+                await waiter.future
+        except TimeoutError:
+            if not _let_through(waiter):
+                self._drop(waiter)
+                self.shed["timeout"] += 1
+                raise Shed(
+                    429, f"every replica is full: waited {limit:.1f} s for room", "timeout", self._retry()
+                ) from None
+            # let through just as its time ran out: it goes on
+        except BaseException:  # the client went away while it waited
+            if not _let_through(waiter):
+                self._drop(waiter)
+            raise
+        waited = self.clock() - waiter.since
+        self.waits.append(waited)
+        return waited
+
+    def _push_out(self, client: str, running: bool) -> bool:
+        """Make room in a full queue for a request from `client`: the newest new-work request of the
+        client with the most waiting gets its 429 instead, if that client has more waiting than
+        `client` would (a running session's turn always goes before new work). False: no room."""
+        line_of = self.classes[1].clients
+        if not line_of:
+            return False
+        victim_client = max(line_of, key=lambda c: len(line_of[c]))
+        line = line_of[victim_client]
+        if not running and len(line) <= len(line_of.get(client, ())) + 1:
+            return False  # it has no more than this client would: fair as it is
+        victim = line[-1]
+        if victim.future.done():
+            return False  # its wait is ending anyway
+        line.pop()
+        if not line:
+            del line_of[victim_client]
+        self._left(victim)
+        self.shed["queue_full"] += 1
+        message = "every replica is full and the queue is too: this request made room for another client's"
+        victim.future.set_exception(Shed(429, message, "queue_full", self._retry()))
+        return True
+
+    def _drop(self, waiter: _Waiter) -> None:
+        """A waiter that was not let through leaves (it may have been taken off its line already)."""
+        waiter.future.cancel()
+        self.classes[0 if waiter.running else 1].remove(waiter)
+        self._left(waiter)
+
+    def _left(self, waiter: _Waiter) -> None:
+        self.queued -= 1
+        self.waiting_models[waiter.model] -= 1
+        if not self.waiting_models[waiter.model]:
+            del self.waiting_models[waiter.model]
+        if self.on_change is not None:
+            self.on_change(self.queued)
+
+    def released(self) -> None:
+        """A request ended: a slot may have freed."""
+        if self.queued:
+            self.wake(1)
+
+    def wake(self, at_most: int) -> None:
+        """Let through up to `at_most` waiters whose models have room, in order."""
+        woken = 0
+        while woken < at_most:
+            waiter = self.classes[0].next_for(self.room) or self.classes[1].next_for(self.room)
+            if waiter is None:
+                return
+            if waiter.future.done():
+                continue  # its wait is being cut short (time-out, client gone): its task accounts for it
+            self._left(waiter)
+            waiter.future.set_result(None)
+            woken += 1
+
+    def _retry(self) -> int:
+        """Retry-After: the recent median wait of those let through, at least a second."""
+        waits = sorted(self.waits)
+        typical = waits[len(waits) // 2] if waits else self.queue_timeout_s / 2
+        return max(1, math.ceil(min(typical, self.queue_timeout_s)))

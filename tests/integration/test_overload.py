@@ -1,0 +1,170 @@
+"""Overload held at the edge, on a saturated emulated fleet: with `max_queued` the router holds what
+the replicas have no room for, lets it through fairly as room frees, turns of running sessions
+first, and answers the rest 429 with Retry-After; the engines' queues stay short, and the router's
+memory and file descriptors stay flat however much is offered."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.emulator.engine import EngineConfig
+from router.emulator.server import Fleet, Replica
+
+SLOW = 1.0  # engine seconds per wall second: a 20-token reply takes about 0.2 s
+HOLD = {"max_queued": 8, "queue_timeout_s": 2.0, "full_waiting": 2, "probe_interval_s": 0.1}
+
+
+async def small_fleet(make_replica: Callable[..., Replica]) -> Fleet:
+    """Two replicas of two slots each: four requests at once, about twenty a second."""
+    fleet = Fleet(
+        [make_replica(f"emu-{i}", EngineConfig(num_blocks=4000, max_num_seqs=2), time_scale=SLOW) for i in range(2)]
+    )
+    await fleet.start()
+    return fleet
+
+
+async def send(
+    http: aiohttp.ClientSession, url: str, client: str, session: str | None = None
+) -> tuple[int, str | None, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {client}"}
+    if session is not None:
+        headers["X-Session-ID"] = session
+    body = {"messages": [{"role": "user", "content": f"hello {session or client}"}], "max_tokens": 20}
+    async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
+        return r.status, r.headers.get("Retry-After"), await r.json(content_type=None)
+
+
+async def peak_queue(fleet: Fleet, done: asyncio.Event) -> int:
+    peak = 0
+    while not done.is_set():
+        peak = max(peak, *(len(r.engine.waiting) for r in fleet.replicas))
+        await asyncio.sleep(0.005)
+    return peak
+
+
+async def burst(url: str, fleet: Fleet, clients: dict[str, int]) -> tuple[dict[str, list[int]], int, list[Any]]:
+    """Every client's requests at once; (statuses by client, the engines' longest queue, the 429s)."""
+    done = asyncio.Event()
+    watcher = asyncio.create_task(peak_queue(fleet, done))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        flat = [(c, send(http, url, c)) for c, n in clients.items() for _ in range(n)]
+        results = await asyncio.gather(*(job for _, job in flat))
+    done.set()
+    statuses: dict[str, list[int]] = {c: [] for c in clients}
+    shed = []
+    for (c, _), (status, retry, body) in zip(flat, results, strict=True):
+        statuses[c].append(status)
+        if status == 429:
+            shed.append((retry, body))
+    return statuses, await watcher, shed
+
+
+async def test_a_saturated_fleet_holds_requests_fairly_and_sheds_with_retry_after(
+    make_replica: Callable[..., Replica], start_router: Callable[..., Any]
+) -> None:
+    fleet = await small_fleet(make_replica)
+    try:
+        _, plain = await start_router([r.url for r in fleet.replicas], probe_interval_s=0.1)
+        statuses, forwarded_peak, _ = await burst(plain, fleet, {"a": 30})
+        assert set(statuses["a"]) == {200}  # without admission everything is forwarded ...
+        node, url = await start_router([r.url for r in fleet.replicas], **HOLD)
+        await asyncio.sleep(0.3)  # a probe round or two: the engines' queues are known
+        statuses, held_peak, shed = await burst(url, fleet, {"a": 30, "b": 6})
+    finally:
+        await fleet.stop()
+    # ... and waits in the engines; with it the engines' queues stay near full_waiting
+    assert forwarded_peak >= 8 and held_peak <= 4, (forwarded_peak, held_peak)
+    assert shed and all(retry is not None and int(retry) >= 1 for retry, _ in shed)
+    assert all(body["error"]["type"] == "rate_limit_exceeded" and body["error"]["code"] == 429 for _, body in shed)
+    # fair between clients: the small client is not starved behind the big one's burst
+    share = {c: s.count(200) / len(s) for c, s in statuses.items()}
+    assert share["b"] >= share["a"] > 0, share
+    assert node.admission.queued == 0
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        metrics = await r.text()
+    assert "router_shed_total{" in metrics and "router_queue_wait_seconds_count" in metrics
+    assert "router_queued 0.0" in metrics
+
+
+async def test_turns_of_running_sessions_go_before_new_work(
+    make_replica: Callable[..., Replica], start_router: Callable[..., Any]
+) -> None:
+    fleet = await small_fleet(make_replica)
+    try:
+        node, url = await start_router(
+            [r.url for r in fleet.replicas], policy="affinity", **(HOLD | {"queue_timeout_s": 3.0})
+        )
+        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            for s in ("s1", "s2", "s3"):  # three conversations under way
+                assert (await send(http, url, "chat", s))[0] == 200
+            flood = [asyncio.create_task(send(http, url, "batch")) for _ in range(24)]
+            while node.admission.queued < 8:  # the queue is full of new work
+                await asyncio.sleep(0.01)
+            turns = await asyncio.gather(*(send(http, url, "chat", s) for s in ("s1", "s2", "s3")))
+            batch = await asyncio.gather(*flood)
+    finally:
+        await fleet.stop()
+    # the turns came when the queue was full: a new request then got a 429 at once, a turn was held
+    # and went ahead of the new work waiting
+    assert [status for status, _, _ in turns] == [200, 200, 200]
+    assert 429 in [status for status, _, _ in batch]
+
+
+async def test_memory_and_descriptors_stay_flat_at_ten_times_overload(
+    make_replica: Callable[..., Replica], start_router: Callable[..., Any]
+) -> None:
+    fleet = await small_fleet(make_replica)
+    try:
+        node, url = await start_router([r.url for r in fleet.replicas], **HOLD)
+        await asyncio.sleep(0.3)
+
+        def fds() -> int:
+            return len(os.listdir("/proc/self/fd"))
+
+        async def wave() -> tuple[int, int]:
+            peak = 0
+            done = asyncio.Event()
+
+            async def watch() -> None:
+                nonlocal peak
+                while not done.is_set():
+                    peak = max(peak, node.admission.queued)
+                    await asyncio.sleep(0.005)
+
+            watcher = asyncio.create_task(watch())
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as http:
+                results = await asyncio.gather(*(send(http, url, f"c{i % 10}") for i in range(400)))
+            done.set()
+            await watcher
+            assert {s for s, _, _ in results} <= {200, 429}
+            assert peak <= HOLD["max_queued"]
+            return sum(s == 429 for s, _, _ in results), peak
+
+        tracemalloc.start()
+        try:
+            await wave()
+            await asyncio.sleep(0.5)  # connections closed, idle pools settled
+            gc.collect()
+            after_one, fds_one = tracemalloc.get_traced_memory()[0], fds()
+            shed, _ = await wave()
+            await asyncio.sleep(0.5)
+            gc.collect()
+            after_two, fds_two = tracemalloc.get_traced_memory()[0], fds()
+        finally:
+            tracemalloc.stop()
+    finally:
+        await fleet.stop()
+    assert shed > 200  # ten times what the fleet takes: most are shed, at once
+    assert after_two - after_one < 512 * 1024, (after_one, after_two)
+    # a leak would grow with the 400 requests of each wave; idle keep-alive connections to the
+    # replicas (at most the few that ran at once) come and go
+    assert fds_two - fds_one <= 16, (fds_one, fds_two)

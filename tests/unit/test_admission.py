@@ -1,0 +1,211 @@
+"""Overload held at the edge (router.admission): who waits, who goes next, and who gets a 429."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import Admission, Shed, client_of
+from router.config import ReplicaSpec
+from router.fleet import Fleet
+from router.health.signals import EngineStats
+
+
+def fleet_of(n: int = 2) -> Fleet:
+    return Fleet([ReplicaSpec(f"r{i}", f"http://10.0.0.{i}:1") for i in range(n)])
+
+
+def admission(fleet: Fleet, max_queued: int = 100, timeout_s: float = 5.0) -> Admission:
+    return Admission(fleet, max_queued, timeout_s, full_waiting=8, full_kv_usage=0.95)
+
+
+def fill(fleet: Fleet, *, waiting: float = 8, kv: float = 0.5) -> None:
+    for r in fleet.replicas:
+        r.engine = EngineStats(waiting=waiting, kv_usage=kv)
+
+
+def test_fullness_from_the_engines_queue_its_kv_and_what_was_sent_since_the_probe() -> None:
+    fleet = fleet_of(1)
+    a = admission(fleet)
+    r = fleet.replicas[0]
+    assert not a.full(r)  # nothing known: never full
+    r.engine = EngineStats(waiting=6, kv_usage=0.5)
+    a.probed()
+    assert not a.full(r)
+    fleet.acquire(r)
+    fleet.acquire(r)  # two more sent since the probe: they wait there too
+    assert a.queue_of(r) == 8 and a.full(r)
+    fleet.release(r)
+    assert not a.full(r)
+    r.engine = EngineStats(waiting=0, kv_usage=0.96)
+    assert a.full(r)
+    r.engine = EngineStats()
+    fleet.release(r)
+    r.capacity = 4  # no queue reported, its slots known (llama-server)
+    for _ in range(11):
+        fleet.acquire(r)
+    assert not a.full(r)
+    fleet.acquire(r)
+    assert a.full(r)  # 4 running + 8 queued
+
+
+async def test_off_or_with_room_a_request_goes_on_at_once() -> None:
+    fleet = fleet_of()
+    assert await Admission(fleet, 0, 1.0, 8, 0.95).enter(None, "c", False, 1e9) == 0.0
+    fill(fleet)
+    assert await Admission(fleet, 0, 1.0, 8, 0.95).enter(None, "c", False, 1e9) == 0.0  # off
+    fleet.replicas[1].engine = EngineStats(waiting=0)
+    assert await admission(fleet).enter(None, "c", False, 1e9) == 0.0  # r1 has room
+
+
+async def test_a_full_fleet_holds_requests_and_lets_one_through_per_request_that_ends() -> None:
+    fleet = fleet_of()
+    fill(fleet)
+    a = admission(fleet)
+    tasks = [asyncio.create_task(a.enter(None, f"c{i}", False, 1e9)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert a.queued == 3 and not any(t.done() for t in tasks)
+    fleet.replicas[0].engine = EngineStats(waiting=7)  # room for one
+    a.released()
+    await asyncio.sleep(0)
+    assert sum(t.done() for t in tasks) == 1 and a.queued == 2
+    a.probed()  # a probe round: up to one per replica with room
+    await asyncio.sleep(0)
+    assert sum(t.done() for t in tasks) == 3 and a.queued == 0
+
+
+async def test_past_the_queue_size_or_the_time_limit_a_429_with_retry_after() -> None:
+    fleet = fleet_of()
+    fill(fleet)
+    a = admission(fleet, max_queued=2, timeout_s=0.05)
+    waiting = [asyncio.create_task(a.enter(None, "c", False, 1e9)) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Shed) as full:
+        await a.enter(None, "c", False, 1e9)
+    assert (full.value.status, full.value.reason) == (429, "queue_full") and full.value.retry_after_s >= 1
+    for task in waiting:
+        with pytest.raises(Shed) as late:
+            await task
+        assert late.value.reason == "timeout"
+    assert a.queued == 0 and a.shed == {"queue_full": 1, "timeout": 2}
+    # the request's own deadline bounds the wait too
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(Shed):
+        await admission(fleet, timeout_s=10).enter(None, "c", False, a.clock() + 0.05)
+    assert loop.time() - start < 5
+
+
+async def test_a_client_that_leaves_while_it_waits_leaves_the_queue() -> None:
+    fleet = fleet_of()
+    fill(fleet)
+    a = admission(fleet)
+    task = asyncio.create_task(a.enter(None, "c", False, 1e9))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert a.queued == 0 and not a.classes[1].clients
+
+
+async def let_through(a: Admission, fleet: Fleet, entries: list[tuple[str, bool]]) -> list[int]:
+    """Queue `entries` (client, running session) on a full fleet, then free one slot at a time:
+    the order they go on in, as indices of `entries`."""
+    order: list[int] = []
+
+    async def one(i: int, client: str, running: bool) -> None:
+        await a.enter(None, client, running, 1e9)
+        order.append(i)
+
+    tasks = [asyncio.create_task(one(i, c, r)) for i, (c, r) in enumerate(entries)]
+    await asyncio.sleep(0)
+    fleet.replicas[0].engine = EngineStats(waiting=0)
+    for _ in entries:
+        a.released()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_running_sessions_go_first_then_clients_take_turns() -> None:
+    fleet = fleet_of(1)
+    fill(fleet)
+    a = admission(fleet)
+    # a burst from "greedy" queued first, then one request from "modest"; a running session's turn last
+    entries = [("greedy", False)] * 4 + [("modest", False), ("greedy", True)]
+    order = await let_through(a, fleet, entries)
+    assert order[0] == 5  # the running session's turn, though it came last
+    assert order.index(4) == 2  # "modest" waits behind one of greedy's requests, not four
+    assert sorted(order) == list(range(6))
+
+
+async def test_one_full_model_does_not_hold_another_back() -> None:
+    fleet = fleet_of(2)
+    fleet.set_models(fleet.replicas[0], frozenset({"a"}))
+    fleet.set_models(fleet.replicas[1], frozenset({"b"}))
+    fill(fleet)
+    a = admission(fleet)
+    for_a = asyncio.create_task(a.enter("a", "c", False, 1e9))
+    for_b = asyncio.create_task(a.enter("b", "c", False, 1e9))
+    await asyncio.sleep(0)
+    fleet.replicas[1].engine = EngineStats(waiting=0)  # room on b's replica only
+    a.released()
+    await asyncio.sleep(0)
+    assert for_b.done() and not for_a.done()
+    # and a new request for b goes on at once; one for a queues behind the one waiting
+    assert await a.enter("b", "d", False, 1e9) == 0.0
+    fleet.replicas[0].engine = EngineStats(waiting=0)
+    late = asyncio.create_task(a.enter("a", "d", False, 1e9))
+    await asyncio.sleep(0)
+    assert not late.done()  # nobody jumps the queue of its model
+    a.released()
+    a.released()
+    await asyncio.wait_for(asyncio.gather(for_a, late), 1)
+
+
+async def test_nothing_routable_is_not_queued() -> None:
+    fleet = fleet_of(1)
+    fill(fleet)
+    fleet.drain("r0")
+    assert await admission(fleet).enter(None, "c", False, 1e9) == 0.0  # the router's 503 answers it
+
+
+def test_clients_by_key_then_user_then_address() -> None:
+    assert client_of({"authorization": "Bearer a"}, {"user": "u"}, "1.2.3.4").startswith("key:")
+    assert client_of({"authorization": "Bearer a"}, None, None) != client_of({"authorization": "Bearer b"}, None, None)
+    assert client_of({}, {"user": "u"}, "1.2.3.4") == "user:u"
+    assert client_of({}, {"user": 5}, "1.2.3.4") == "addr:1.2.3.4"
+
+
+async def test_a_full_queue_makes_room_for_a_client_with_fewer_waiting() -> None:
+    fleet = fleet_of(1)
+    fill(fleet)
+    a = admission(fleet, max_queued=4)
+    greedy = [asyncio.create_task(a.enter(None, "greedy", False, 1e9)) for _ in range(4)]
+    await asyncio.sleep(0)
+    modest = asyncio.create_task(a.enter(None, "modest", False, 1e9))
+    await asyncio.sleep(0)
+    assert a.queued == 4 and not modest.done()  # it took the place of greedy's newest
+    with pytest.raises(Shed):
+        await greedy[-1]
+    second = asyncio.create_task(a.enter(None, "modest", False, 1e9))
+    await asyncio.sleep(0)
+    with pytest.raises(Shed):
+        await greedy[-2]
+    # now 2 and 2: a third from "modest" would leave it with more than greedy: it is shed itself
+    with pytest.raises(Shed):
+        await a.enter(None, "modest", False, 1e9)
+    # a running session's turn goes before new work, whoever waits
+    turn = asyncio.create_task(a.enter(None, "modest", True, 1e9))
+    await asyncio.sleep(0)
+    assert a.queued == 4 and not turn.done()
+    fleet.replicas[0].engine = EngineStats(waiting=0)
+    a.released()
+    await asyncio.sleep(0)
+    assert turn.done()
+    for task in (*greedy[:2], modest, second):
+        task.cancel()
+    await asyncio.gather(*greedy, modest, second, return_exceptions=True)
+    assert a.queued == 0
