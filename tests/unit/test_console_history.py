@@ -62,11 +62,14 @@ def test_events_say_what_changed_between_samples() -> None:
     m.jumps.labels("spill").inc(3)
     m.sessions_moved.labels("scale_out").inc(4)
     m.warmups.labels("ok").inc(4)
+    m.shed.labels("timeout").inc(5)
+    m.queued.set(7)
     m.show_health("c", "warming", None)
     clock.now += 1
     history.sample()
     kinds = [e["kind"] for e in history.events]
-    assert kinds == ["removed", "added", "migration", "spill", "moved", "warmup"]
+    assert kinds == ["removed", "added", "migration", "spill", "moved", "shed", "warmup"]
+    assert history.points[-1]["queued"] == 7.0 and history.points[-1]["shed"] == 5.0
     assert history.events[0]["text"] == "a: healthy → removed" and history.events[0]["replica"] == "a"
     m.show_health("a", "recovering", None)
     m.forget_replica("b")  # it left the fleet: its row stays in the heatmap as "left"

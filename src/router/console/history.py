@@ -57,6 +57,8 @@ class Totals:
     moved: dict[str, float] = field(default_factory=dict)
     warmups: dict[str, float] = field(default_factory=dict)
     migrations: float = 0.0
+    queued: float = 0.0  # requests held in the router (every replica for their model full)
+    shed: dict[str, float] = field(default_factory=dict)  # 429s for overload, by reason
     ttft: dict[str, dict[float, float]] = field(default_factory=dict)  # replica -> bucket bound -> count
 
 
@@ -71,6 +73,7 @@ BY_LABEL = {
     "router_session_jumps_total": ("jumps", "reason"),
     "router_sessions_moved_total": ("moved", "reason"),
     "router_warmup_requests_total": ("warmups", "result"),
+    "router_shed_total": ("shed", "reason"),
 }
 
 
@@ -93,6 +96,8 @@ def read_totals(families: Iterable[Any], at: float) -> Totals:
                 t.followups = value
             elif name == "router_vnode_migrations_total":
                 t.migrations = value
+            elif name == "router_queued":
+                t.queued += value
             elif name == "router_ttft_seconds_bucket":
                 t.ttft.setdefault(labels["replica"], {})[float(labels["le"])] = value
     return t
@@ -191,6 +196,8 @@ class History:
                 "predicted": _ratio(fleet_delta("prefix_predicted"), predicted_over),
                 "reported": _ratio(fleet_delta("prefix_reported"), predicted_over),
                 "jump": _ratio(max(jumps, 0.0), new.followups - oldest.followups),
+                "queued": new.queued,
+                "shed": round(fleet_delta("shed") / dt, 3),  # 429s a second, for overload
                 "replicas": replicas,
             }
         )
@@ -225,6 +232,9 @@ class History:
             moved = _delta(new.moved, old.moved, reason)
             if moved > 0:
                 self._event(at, "moved", f"{moved:.0f} session(s) moved ({reason.replace('_', '-')})")
+        shed = sum(_delta(new.shed, old.shed, r) for r in new.shed)
+        if shed > 0:
+            self._event(at, "shed", f"{shed:.0f} request(s) answered 429: every replica for their model was full")
         ok, failed = _delta(new.warmups, old.warmups, "ok"), _delta(new.warmups, old.warmups, "failed")
         if ok or failed:
             self._event(at, "warmup", f"{ok:.0f} warm-up request(s) ok, {failed:.0f} failed")

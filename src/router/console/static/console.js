@@ -127,6 +127,7 @@ function render() {
   $("#summary").textContent =
     `${view.policy} · ${routable}/${view.replicas.length} replicas routable` +
     (last ? ` · ${last.qps.toFixed(1)} req/s · ${last.inflight} in flight` : "") +
+    (last && (last.queued || last.shed) ? ` · ${last.queued} held · ${last.shed.toFixed(1)} shed/s` : "") +
     (view.worker !== null && view.worker !== undefined ? ` · worker ${view.worker}` : "");
   drawHeatmap();
   drawCurve();
