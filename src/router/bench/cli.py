@@ -10,6 +10,7 @@ from router.bench import (
     faults,
     fleet,
     health_bench,
+    overload,
     prefix_bench,
     proxy_bench,
     replay,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_parser(sub)
     fleet.add_parser(sub)
     faults.add_parser(sub)
+    overload.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,348 @@
+"""`router-bench overload`: goodput when more is offered than the fleet can serve.
+
+One emulated fleet (`--replicas`, each running `--slots` requests at once). Its capacity is
+measured first: requests per second with every slot busy, sent straight to the replicas. Then each
+contender in turn is offered `--loads` times that (open-loop: Poisson arrivals for `--duration-s`,
+each a new conversation's streamed chat turn, whatever came of the ones before). Every request is
+counted once, by the client:
+
+- good: answered whole, its first token within `--ttft-target-s`;
+- late: answered whole, its first token later than that;
+- shed: refused before any byte with a clean 429 or 503 (a client can retry elsewhere or later);
+- failed: anything else (an error status, a cut stream, the client's own time-out).
+
+Goodput is good requests a second. Contenders: `router-serve` with admission (a queue of
+`--max-queued`, by default what the fleet finishes in `--queue-timeout-s`, itself by default
+half the TTFT target in whole seconds; a replica full at `--full-waiting` queued), `router-serve`
+as shipped (everything forwarded), round robin from the client, and smg with its bounded queue
+(`--max-concurrent-requests` the fleet's slots plus `--full-waiting` per replica, the same
+`--queue-size` and `--queue-timeout-secs`) and worker overload protection with shedding.
+Between contenders the fleet drains until every replica is idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.bench.common import measure
+from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
+from router.bench.proxy_bench import peer_installed
+
+CLIENT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Tally:
+    good: int = 0
+    late: int = 0
+    shed: int = 0
+    failed: int = 0
+    ttfts: list[float] = field(default_factory=list)  # of the whole answers
+
+    @property
+    def sent(self) -> int:
+        return self.good + self.late + self.shed + self.failed
+
+
+async def one(http: aiohttp.ClientSession, url: str, body: bytes, target_s: float, tally: Tally) -> None:
+    t0 = time.monotonic()
+    first: float | None = None
+    try:
+        async with http.post(
+            url + "/v1/chat/completions",
+            data=body,
+            headers={"X-Session-ID": uuid.uuid4().hex, "Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),
+        ) as r:
+            if r.status in (429, 503):
+                data = await r.read()
+                clean = data.startswith(b"{") and b'"error"' in data
+                if clean:
+                    tally.shed += 1
+                else:
+                    tally.failed += 1
+                return
+            if r.status != 200:
+                await r.read()
+                tally.failed += 1
+                return
+            done = broke = False
+            async for chunk in r.content.iter_any():
+                if first is None and b'"content":"' in chunk.replace(b'"content":""', b""):
+                    first = time.monotonic() - t0
+                broke = broke or b'"error"' in chunk  # an SSE error event: the stream was cut
+                done = done or b"[DONE]" in chunk
+            if not done or broke or first is None:
+                tally.failed += 1
+                return
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        tally.failed += 1
+        return
+    tally.ttfts.append(first)
+    if first <= target_s:
+        tally.good += 1
+    else:
+        tally.late += 1
+
+
+def chat_body(rng: random.Random, max_tokens: int, prompt_chars: int) -> bytes:
+    words = " ".join(f"w{rng.randrange(1_000_000)}" for _ in range(prompt_chars // 8))
+    return orjson.dumps(
+        {
+            "model": "emulated-llm",  # smg refuses a request without one
+            "messages": [{"role": "user", "content": words[:prompt_chars]}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    )
+
+
+async def offer(
+    targets: list[str], rate: float, duration_s: float, args: argparse.Namespace, seed: int
+) -> tuple[Tally, float]:
+    """Poisson arrivals at `rate` a second for `duration_s`, spread over `targets` in turn."""
+    rng = random.Random(seed)
+    tally = Tally()
+    tasks: list[asyncio.Task[None]] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.monotonic()
+        at = 0.0
+        i = 0
+        while True:
+            at += rng.expovariate(rate)
+            if at >= duration_s:
+                break
+            delay = start + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = chat_body(rng, args.max_tokens, args.prompt_chars)
+            tasks.append(asyncio.create_task(one(http, targets[i % len(targets)], body, args.ttft_target_s, tally)))
+            i += 1
+        await asyncio.gather(*tasks)
+    return tally, time.monotonic() - start
+
+
+async def idle(fleet: Fleet, timeout_s: float = 60.0) -> None:
+    """Until every replica has nothing running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            sample = await fleet.read(http, 0.0)
+            if not any(sample.queued):
+                return
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the fleet did not drain between contenders")
+
+
+async def capacity(fleet: Fleet, args: argparse.Namespace) -> float:
+    """Requests a second the fleet finishes with every slot busy (closed loop, straight to the replicas)."""
+    slots = args.replicas * args.slots
+    rng = random.Random(1)
+    tally = Tally()
+    stop_at = time.monotonic() + args.calibrate_s
+
+    async def worker(http: aiohttp.ClientSession, url: str) -> None:
+        while time.monotonic() < stop_at:
+            await one(http, url, chat_body(rng, args.max_tokens, args.prompt_chars), 1e9, tally)
+
+    start = time.monotonic()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        await asyncio.gather(*(worker(http, fleet.urls[i % len(fleet.urls)]) for i in range(slots)))
+    if tally.failed:
+        raise RuntimeError(f"{tally.failed} requests failed while measuring the fleet's capacity")
+    return (tally.good + tally.late) / (time.monotonic() - start)
+
+
+def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]:
+    wait_s = args.queue_timeout_s or max(1.0, round(args.ttft_target_s / 2))
+    # by default, as many as the fleet finishes in that wait: a longer queue only makes every answer later
+    queue = args.max_queued or max(1, math.ceil(capacity_rps * wait_s))
+    timeout = f"{wait_s:g}"
+    held = (
+        "--max-queued",
+        str(queue),
+        "--queue-timeout-s",
+        timeout,
+        "--full-waiting",
+        str(args.full_waiting),
+        "--probe-interval-s",
+        "0.5",
+    )
+    out = [
+        Contender("admission", "router-serve, admission", "router", held),
+        Contender("shipped", "router-serve as shipped (no admission)", "router", ("--probe-interval-s", "0.5")),
+        Contender("round-robin", "round-robin (client, no router)", "direct"),
+    ]
+    if not args.no_peers and peer_installed("smg"):
+        concurrent = args.replicas * (args.slots + args.full_waiting)
+        out.append(
+            Contender(
+                "smg",
+                "smg cache_aware, bounded queue, overload shedding",
+                "smg",
+                (
+                    "--policy",
+                    "cache_aware",
+                    "--max-concurrent-requests",
+                    str(concurrent),
+                    "--queue-size",
+                    str(queue),
+                    "--queue-timeout-secs",
+                    str(max(1, math.ceil(wait_s))),  # whole seconds only
+                    "--worker-overload-shed",
+                    "--worker-overload-waiting-requests",
+                    str(args.full_waiting),
+                ),
+            )
+        )
+    return out
+
+
+def figures(tally: Tally, elapsed_s: float, offered: float) -> dict[str, Any]:
+    sent = max(tally.sent, 1)
+    ttfts = sorted(tally.ttfts)
+
+    def pct(q: float) -> float | None:
+        return round(ttfts[min(int(q * len(ttfts)), len(ttfts) - 1)], 3) if ttfts else None
+
+    return {
+        "offered_rps": round(offered, 2),
+        "sent": tally.sent,
+        "goodput_rps": round(tally.good / elapsed_s, 2),
+        "good": round(tally.good / sent, 4),
+        "late": round(tally.late / sent, 4),
+        "shed": round(tally.shed / sent, 4),
+        "failed": round(tally.failed / sent, 4),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "ttft_p99_s": pct(0.99),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    shape = ["--max-num-seqs", str(args.slots), "--num-blocks", "20000"]
+    fleet_args = argparse.Namespace(engine="emulator", time_scale=args.time_scale, stream_interval=args.stream_interval)
+    fleet = await start_fleet(args.replicas, fleet_args, shape)
+    result: dict[str, Any] = {
+        "benchmark": "overload",
+        "replicas": args.replicas,
+        "slots": args.slots,
+        "ttft_target_s": args.ttft_target_s,
+        "duration_s": args.duration_s,
+        "max_tokens": args.max_tokens,
+        "runs": [],
+    }
+    try:
+        rate = await capacity(fleet, args)
+        result["capacity_rps"] = round(rate, 2)
+        await idle(fleet)
+        for load in args.loads:
+            for c in contenders(args, rate):
+                child: Child | None
+                child, targets = await start_contender(c, fleet.urls, {})
+                try:
+                    tally, elapsed = await offer(targets, rate * load, args.duration_s, args, seed=int(load * 100))
+                finally:
+                    if child is not None:
+                        child.stop()
+                row = {"load": load, "contender": c.name, "label": c.label, **figures(tally, elapsed, rate * load)}
+                result["runs"].append(row)
+                print(
+                    f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s, good {row['good']:.0%}, "
+                    f"shed {row['shed']:.0%}, late {row['late']:.0%}, failed {row['failed']:.0%}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                await idle(fleet)
+    finally:
+        fleet.stop()
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['replicas']} emulated replicas x {result['slots']} slots: capacity "
+        f"{result['capacity_rps']} requests/s; TTFT target {result['ttft_target_s']:g} s; "
+        f"{result['duration_s']:g} s per run",
+        "",
+        "| offered | contender | goodput / s | good | late | shed (429/503) | failed | TTFT P50 | TTFT P99 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        lines.append(
+            f"| {r['load']:g}x | {r['label']} | {r['goodput_rps']} | {r['good']:.1%} | {r['late']:.1%} | "
+            f"{r['shed']:.1%} | {r['failed']:.1%} | {r['ttft_p50_s']} | {r['ttft_p99_s']} |"
+        )
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "overload",
+        help="goodput at 0.8, 1.5 and 3 times a fleet's capacity: router-serve with and without admission, "
+        "round robin, smg",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--replicas", type=int, default=4, help="emulated replicas (default 4)")
+    p.add_argument("--slots", type=int, default=4, help="requests each replica runs at once (default 4)")
+    p.add_argument("--loads", default="0.8,1.5,3", help="offered load, in capacities (default 0.8,1.5,3)")
+    p.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals per run (default 20)")
+    p.add_argument("--ttft-target-s", type=float, default=2.0, help="a good answer's first token within (default 2)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply (default 32)")
+    p.add_argument("--prompt-chars", type=int, default=400, help="characters per prompt (default 400)")
+    p.add_argument("--time-scale", type=float, default=0.5, help="the emulator's time scale (default 0.5)")
+    p.add_argument("--stream-interval", type=int, default=4, help="tokens per streamed chunk (default 4)")
+    p.add_argument("--calibrate-s", type=float, default=8.0, help="seconds of the capacity measurement (default 8)")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=0,
+        help="admission: requests held at most (default: what the fleet finishes in the queue's time-out)",
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=0.0,
+        help="admission: the longest wait (default: half the TTFT target, in whole seconds, at least 1)",
+    )
+    p.add_argument("--full-waiting", type=int, default=2, help="admission: a replica's queue when full (default 2)")
+    p.add_argument("--no-peers", action="store_true", help="leave smg out")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        args.loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    except ValueError:
+        print(f"router-bench overload: --loads {args.loads!r} is not a list of numbers", file=sys.stderr)
+        return 2
+    for name in ("replicas", "slots", "max_tokens", "full_waiting"):
+        if getattr(args, name) < 1:
+            print(f"router-bench overload: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if args.max_queued < 0 or args.queue_timeout_s < 0:
+        print("router-bench overload: --max-queued and --queue-timeout-s must not be negative", file=sys.stderr)
+        return 2
+    if not args.loads or min(args.loads) <= 0 or args.duration_s <= 0 or args.ttft_target_s <= 0:
+        print("router-bench overload: loads, --duration-s and --ttft-target-s must be positive", file=sys.stderr)
+        return 2
+    result = measure("overload", lambda: run(args))
+    if result is None:
+        return 1
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
