@@ -90,6 +90,9 @@ async def test_a_model_no_replica_serves_gets_the_routers_404(
 ) -> None:
     node, url = await start_router(named(models_fleet), probe_interval_s=0.2, admin_token=TOKEN)
     await known(node, 4)
+    async with aiohttp.ClientSession() as s, s.get(url + "/admin/replicas", headers=AUTH) as r:
+        rows = {row["id"]: row for row in await r.json()}
+    assert rows["emu-2"]["models"] == ["b-lora", "model-b"] and rows["emu-3"]["models"] == ["model-a", "model-b"]
     for stream in (False, True):
         status, replica, body = await chat(url, "model-z", "s", stream=stream)
         assert status == 404 and replica is None  # answered by the router: no replica saw it

@@ -94,6 +94,7 @@ class AdminApi:
             "return_needed": r.health.return_needed,
             "agent": r.agent,
             "capacity": r.capacity,
+            "models": sorted(r.models) if r.models is not None else None,  # None: unknown (may serve any)
             "engine": dataclasses.asdict(r.engine),
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,

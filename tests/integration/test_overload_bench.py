@@ -1,0 +1,55 @@
+"""`router-bench overload` runs end to end on a short schedule (it counts; it asserts no speed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_overload_benchmark_smoke() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.bench.cli",
+            "overload",
+            "--json",
+            "--no-peers",
+            "--replicas",
+            "2",
+            "--slots",
+            "2",
+            "--loads",
+            "3",
+            "--duration-s",
+            "3",
+            "--calibrate-s",
+            "2",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["capacity_rps"] > 0
+    runs = {r["contender"]: r for r in result["runs"]}
+    assert set(runs) == {"admission", "shipped", "round-robin"}
+    for r in runs.values():
+        assert r["sent"] > 0 and abs(r["good"] + r["late"] + r["shed"] + r["failed"] - 1) < 0.01
+    # at three times its capacity, the router with admission refuses part cleanly; the others never do
+    assert runs["admission"]["shed"] > 0 and runs["shipped"]["shed"] == runs["round-robin"]["shed"] == 0
+    assert runs["admission"]["failed"] == 0
+
+
+def test_bad_arguments_are_one_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "router.bench.cli", "overload", "--loads", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stderr.strip() == "router-bench overload: --loads 'x' is not a list of numbers"
