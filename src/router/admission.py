@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.fleet import Fleet, ReplicaState
+from router.fleet import NONE, Fleet, ReplicaState
 from router.ring import xxh3_64
 
 
@@ -161,6 +161,20 @@ class Admission:
             return True
         kv = replica.engine.kv_usage
         return kv is not None and kv >= self.full_kv_usage
+
+    def full_of(self, skip: frozenset[int]) -> frozenset[int]:
+        """The routable replicas not in `skip` that are full, while another of them has room (else
+        none: when all are full, the policy chooses as it would without admission)."""
+        fleet = self.fleet
+        full, room = [], False
+        for i, r in enumerate(fleet.replicas):
+            if i in skip or not fleet.routable(i):
+                continue
+            if self.full(r):
+                full.append(i)
+            else:
+                room = True
+        return frozenset(full) if room and full else NONE
 
     def room(self, model: str | None) -> bool:
         """Some routable replica that may serve `model` is not full."""

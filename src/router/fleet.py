@@ -146,6 +146,9 @@ class Fleet:
         self._ratios_for: tuple[object, int] | None = None  # the ring snapshot and capacities they are for
         self._total_capacity = 0.0
         self._not_routing: list[int] = []  # indices out of the ring, as of `_ratios_for`
+        # with admission on (router.admission): the replicas, of those not in the given set, that
+        # are full while another of them has room (policies pass them over); None: off
+        self.full_of: Callable[[frozenset[int]], frozenset[int]] | None = None
         self._models_changes = 0
         self._unserving: dict[str, frozenset[int]] = {}  # model -> indices known not to serve it
         self._unserving_for: tuple[int, int] = (-1, -1)  # the (version, models changes) it is for

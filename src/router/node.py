@@ -162,6 +162,8 @@ class Node:
             on_change=self.metrics.queued.set,
         )
         self.balancer.held = lambda: self.admission.queued
+        if self.admission.on:
+            fleet.full_of = self.admission.full_of  # a full replica is no candidate while another has room
         self.monitor = HealthMonitor(
             fleet,
             lambda: self.http,

@@ -7,9 +7,11 @@ import asyncio
 import pytest
 
 from router.admission import Admission, Shed, client_of
-from router.config import ReplicaSpec
+from router.config import ReplicaSpec, RouterConfig
 from router.fleet import Fleet
 from router.health.signals import EngineStats
+from router.keys import RoutingKey
+from router.policy import make_policy
 
 
 def fleet_of(n: int = 2) -> Fleet:
@@ -209,3 +211,17 @@ async def test_a_full_queue_makes_room_for_a_client_with_fewer_waiting() -> None
         task.cancel()
     await asyncio.gather(*greedy, modest, second, return_exceptions=True)
     assert a.queued == 0
+
+
+@pytest.mark.parametrize("policy", ["ttft", "affinity", "consistent_hash", "least_load"])
+def test_with_admission_on_a_full_replica_is_no_candidate_while_another_has_room(policy: str) -> None:
+    fleet = fleet_of(3)
+    a = admission(fleet)
+    fleet.full_of = a.full_of
+    chosen = make_policy(policy, fleet, RouterConfig(policy=policy))
+    fill(fleet)
+    fleet.replicas[2].engine = EngineStats(waiting=0)
+    keys = [RoutingKey(f"s{i}".encode(), "header", "x-session-id") for i in range(50)]
+    assert {chosen.pick(k, "r0", set()).index for k in keys} == {2}  # type: ignore[union-attr]
+    fill(fleet)  # every one full: the policy chooses as it would without admission
+    assert len({chosen.pick(k, None, set()).index for k in keys}) > 1  # type: ignore[union-attr]

@@ -39,7 +39,7 @@ import orjson
 
 from router.bench.common import measure
 from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
-from router.bench.proxy_bench import peer_installed
+from router.bench.proxy_bench import cpu_seconds, peer_installed
 
 CLIENT_TIMEOUT_S = 60.0
 
@@ -254,11 +254,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 child: Child | None
                 child, targets = await start_contender(c, fleet.urls, {})
                 try:
+                    # on this machine the replicas and the client share the CPUs with the router
+                    router_cpu = cpu_seconds(child.pid) if child is not None else 0.0
+                    fleet_cpu = cpu_seconds(fleet.pids[0])
                     tally, elapsed = await offer(targets, rate * load, args.duration_s, args, seed=int(load * 100))
+                    used = {
+                        "router_cpu_s": round(cpu_seconds(child.pid) - router_cpu, 2) if child is not None else None,
+                        "fleet_cpu_s": round(cpu_seconds(fleet.pids[0]) - fleet_cpu, 2),
+                    }
                 finally:
                     if child is not None:
                         child.stop()
-                row = {"load": load, "contender": c.name, "label": c.label, **figures(tally, elapsed, rate * load)}
+                row = {
+                    "load": load,
+                    "contender": c.name,
+                    "label": c.label,
+                    **figures(tally, elapsed, rate * load),
+                    **used,
+                }
                 result["runs"].append(row)
                 print(
                     f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s, good {row['good']:.0%}, "
@@ -278,13 +291,15 @@ def render(result: dict[str, Any]) -> str:
         f"{result['capacity_rps']} requests/s; TTFT target {result['ttft_target_s']:g} s; "
         f"{result['duration_s']:g} s per run",
         "",
-        "| offered | contender | goodput / s | good | late | shed (429/503) | failed | TTFT P50 | TTFT P99 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| offered | contender | goodput / s | good | late | shed (429/503) | failed | TTFT P50 | TTFT P99 "
+        "| router CPU s | replicas' CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         lines.append(
             f"| {r['load']:g}x | {r['label']} | {r['goodput_rps']} | {r['good']:.1%} | {r['late']:.1%} | "
-            f"{r['shed']:.1%} | {r['failed']:.1%} | {r['ttft_p50_s']} | {r['ttft_p99_s']} |"
+            f"{r['shed']:.1%} | {r['failed']:.1%} | {r['ttft_p50_s']} | {r['ttft_p99_s']} "
+            f"| {r['router_cpu_s'] if r['router_cpu_s'] is not None else '—'} | {r['fleet_cpu_s']} |"
         )
     return "\n".join(lines)
 

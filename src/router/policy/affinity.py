@@ -16,7 +16,8 @@ recompute of the context, so a full replica spills while another has room.
 Requests without a key spread least-loaded (ties rotate).
 A request naming a model goes only to replicas that may serve it (router.fleet.Fleet.not_serving):
 its ring owner is the first of them clockwise, so replicas of other models joining or leaving
-never move its sessions, and its load cap counts only them.
+never move its sessions, and its load cap counts only them. With admission on (router.admission),
+a full replica is no candidate either while another has room.
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count
 that has already gone down.
@@ -38,7 +39,7 @@ class Affinity(Policy):
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         if key.kind == "none":
             return self.least_loaded(self.avoiding(key, exclude))
-        skip = self.fleet.not_serving(key.model)
+        skip = self.skipping(key)
         decision, capped = self._pick(key, last, exclude, skip)
         if capped and self.fleet.refresh_loads is not None:
             self.fleet.refresh_loads()

@@ -35,9 +35,20 @@ class Policy:
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         raise NotImplementedError
 
+    def skipping(self, key: RoutingKey) -> frozenset[int]:
+        """The replicas that are no candidates for this key: those known not to serve its model,
+        and, with admission on, those full while another that serves it has room."""
+        fleet = self.fleet
+        skip = fleet.not_serving(key.model)
+        if fleet.full_of is not None:
+            full = fleet.full_of(skip)
+            if full:
+                return skip | full
+        return skip
+
     def avoiding(self, key: RoutingKey, exclude: Collection[int]) -> Collection[int]:
-        """`exclude` (the replicas tried) and those known not to serve the key's model."""
-        skip = self.fleet.not_serving(key.model)
+        """`exclude` (the replicas tried) and the `skipping` ones."""
+        skip = self.skipping(key)
         if not skip:
             return exclude
         return skip.union(exclude) if exclude else skip
