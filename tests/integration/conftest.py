@@ -6,6 +6,7 @@ import asyncio
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from router.bench.faults import RedisServer
 from router.config import load
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
@@ -40,6 +42,18 @@ def make_replica(
 def make_replica_fixture() -> Callable[..., Replica]:
     """An unstarted replica factory, for tests that set faults or engine settings first."""
     return make_replica
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    """A real redis-server on a free loopback port, for the tests of routers sharing state."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    server = RedisServer(binary)
+    await server.start()
+    yield server
+    await server.stop()
 
 
 @pytest.fixture

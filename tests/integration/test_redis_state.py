@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 from chat import turn
 from redis.exceptions import RedisError
 
 from router.bench.common import free_port
-from router.bench.faults import RedisServer
 from router.config import load
 from router.health.states import RAMP_STEPS
 from router.keys import RoutingKey
@@ -23,17 +19,6 @@ from router.node import Node
 from router.proxy.app import build_app
 
 AUTH = {"Authorization": "Bearer t"}
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    server = RedisServer(binary)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def wait_for(predicate: Any, timeout: float = 5.0) -> float:

@@ -6,8 +6,7 @@ it, through two routers on one Redis, and across a router restart, every follow-
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,17 +130,6 @@ async def test_a_follow_up_stays_on_a_busy_replica_and_is_not_retried_elsewhere(
     await fleet.replicas[int(holder.split("-")[1])].crash()
     status, again, error = await ask(url, "after the crash", first["id"])
     assert status in (502, 503) and again is None, error  # its holder is gone: no other replica has it
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    server = RedisServer(binary)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def test_a_chain_through_two_routers_on_redis(

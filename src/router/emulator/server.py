@@ -287,11 +287,14 @@ class Replica:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
 
-    def _parse(self, body: dict[str, Any], chat: bool) -> tuple[bytes, int, bool, bool]:
-        model = body.get("model")
+    def _served(self, model: Any) -> None:
+        """A request naming a model this replica does not serve gets vLLM's 404."""
         served = self.options
         if model is not None and model != served.model and model not in served.aliases + served.adapters:
             raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> tuple[bytes, int, bool, bool]:
+        self._served(body.get("model"))
         n = body.get("n", 1)
         if n != 1:
             raise BadRequest("only n=1 is supported", "n")
@@ -339,9 +342,8 @@ class Replica:
         try:
             body = await self._json_body(request)
             model = body.get("model")
+            self._served(model)
             served = self.options
-            if model is not None and model != served.model and model not in served.aliases + served.adapters:
-                raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
             max_tokens = body.get("max_output_tokens", served.default_max_tokens)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise BadRequest("max_output_tokens must be a positive integer", "max_output_tokens")

@@ -12,31 +12,21 @@ from router.proxy.sse import DATA_LINE, EVENT, EVENT_END, usage_of
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
 
 
-class SseFramer:
-    """Splits a byte stream into SSE events (any of the spec's line endings); reads usage, drops
-    the injected usage event, notices `[DONE]`. Events are forwarded byte for byte, except that when
-    the router hides the usage event, the engine's own fields on it (llama-server's `timings`) are
-    added to the finish event, held back until then (FinishHold)."""
+class EventCutter:
+    """Bytes of an SSE stream cut at event ends: `take` returns the whole events a chunk completes."""
 
-    __slots__ = ("_buf", "_hold", "_scanned", "done", "strip_usage", "usage")
+    __slots__ = ("_buf", "_scanned")
 
-    def __init__(self, strip_usage: bool) -> None:
+    def __init__(self) -> None:
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for an event end
-        self._hold = FinishHold()
-        self.strip_usage = strip_usage
-        self.usage: tuple[int, int, int] | None = None
-        self.done = False
 
-    def feed(self, chunk: bytes) -> bytes:
+    @property
+    def pending(self) -> bool:
+        return bool(self._buf)
+
+    def take(self, chunk: bytes) -> bytes:
         buf = self._buf
-        if not buf and chunk.endswith(b"\n\n") and b"\r" not in chunk:
-            # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
-            if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
-                self.done = True
-            if b'"usage"' not in chunk and not (self.strip_usage and (self._hold.held or finishes(chunk))):
-                return chunk
-            return self._filter(chunk)
         buf += chunk
         end = -1
         # only the new bytes (and the three before them) can hold a new event end: linear overall
@@ -48,6 +38,42 @@ class SseFramer:
         complete = bytes(buf[:end])
         del buf[:end]
         self._scanned = len(buf)
+        return complete
+
+    def rest(self) -> bytes:
+        """What is left after the last whole event; the cutter starts over."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        self._scanned = 0
+        return rest
+
+
+class SseFramer:
+    """Splits a byte stream into SSE events (any of the spec's line endings); reads usage, drops
+    the injected usage event, notices `[DONE]`. Events are forwarded byte for byte, except that when
+    the router hides the usage event, the engine's own fields on it (llama-server's `timings`) are
+    added to the finish event, held back until then (FinishHold)."""
+
+    __slots__ = ("_events", "_hold", "done", "strip_usage", "usage")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self._events = EventCutter()
+        self._hold = FinishHold()
+        self.strip_usage = strip_usage
+        self.usage: tuple[int, int, int] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._events.pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
+            if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
+                self.done = True
+            if b'"usage"' not in chunk and not (self.strip_usage and (self._hold.held or finishes(chunk))):
+                return chunk
+            return self._filter(chunk)
+        complete = self._events.take(chunk)
+        if not complete:
+            return b""
         if b"[DONE]" in complete and not self.done and _DONE.search(complete):
             self.done = True
         if b'"usage"' not in complete and not (self.strip_usage and (self._hold.held or finishes(complete))):
@@ -85,9 +111,7 @@ class SseFramer:
 
     def pending(self) -> bytes:
         """Bytes after the last complete event (a cut-off event, or a last one without its blank line)."""
-        rest = bytes(self._buf)
-        self._buf.clear()
-        self._scanned = 0
+        rest = self._events.rest()
         if not self.done and _DONE.search(rest):
             self.done = True
         return rest
@@ -104,28 +128,17 @@ class ResponsesFramer:
     event, and knows the stream is whole at `response.completed` (or `incomplete`, `failed`):
     these streams end without `[DONE]`. The router never asks them for usage, so nothing is hidden."""
 
-    __slots__ = ("_buf", "_scanned", "done", "response_id", "strip_usage", "usage")
+    __slots__ = ("_events", "done", "response_id", "strip_usage", "usage")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._scanned = 0
+        self._events = EventCutter()
         self.strip_usage = False
         self.usage: tuple[int, int, int] | None = None
         self.response_id: str | None = None
         self.done = False
 
     def feed(self, chunk: bytes) -> bytes:
-        buf = self._buf
-        buf += chunk
-        end = -1
-        for m in EVENT_END.finditer(buf, max(0, self._scanned - 3)):
-            end = m.end()
-        if end < 0:
-            self._scanned = len(buf)
-            return b""
-        complete = bytes(buf[:end])
-        del buf[:end]
-        self._scanned = len(buf)
+        complete = self._events.take(chunk)
         if any(name in complete for name in _RESPONSE_EVENTS):
             for m in EVENT.finditer(complete):
                 self._read(m.group(1))
@@ -154,9 +167,7 @@ class ResponsesFramer:
         return b""
 
     def pending(self) -> bytes:
-        rest = bytes(self._buf)
-        self._buf.clear()
-        self._scanned = 0
+        rest = self._events.rest()
         if rest.strip():
             self._read(rest)  # a last event without its blank line
         return rest
