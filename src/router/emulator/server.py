@@ -357,12 +357,9 @@ class Replica:
             return error_response(str(exc), exc.status, kind, exc.param)
         except RequestTooLarge as exc:
             return error_response(str(exc), 400, "invalid_request_error", "input")
-        injected = self._injected_error()
+        injected = self._start(seq)
         if injected is not None:
             return injected
-        seq.owner = asyncio.Event()
-        self.engine.add(seq)
-        self._wake.set()
         try:
             if not stream:
                 while not seq.done:
@@ -402,6 +399,16 @@ class Replica:
         finally:
             self.engine.abort(seq)
 
+    def _start(self, seq: Sequence) -> web.Response | None:
+        """Schedule `seq` on the engine, unless the error fault answers the request instead."""
+        injected = self._injected_error()
+        if injected is not None:
+            return injected
+        seq.owner = asyncio.Event()
+        self.engine.add(seq)
+        self._wake.set()
+        return None
+
     def _injected_error(self) -> web.Response | None:
         if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
             status = self.faults.error_status or self._rng.choice((500, 503))
@@ -421,12 +428,9 @@ class Replica:
         except RequestTooLarge as exc:
             param = ("messages" if chat else "prompt") if "prompt is empty" in str(exc) else "max_tokens"
             return error_response(str(exc), 400, "invalid_request_error", param)
-        injected = self._injected_error()
+        injected = self._start(seq)
         if injected is not None:
             return injected
-        seq.owner = asyncio.Event()
-        self.engine.add(seq)
-        self._wake.set()
         try:
             if stream:
                 return await self._stream(request, seq, chat, include_usage)
