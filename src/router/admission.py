@@ -207,6 +207,8 @@ class Admission:
         self.waiting_models[model] += 1
         if self.on_change is not None:
             self.on_change(self.queued)
+        if self.room(model):
+            self.wake(1)  # it queued behind others while there is room: the first in order goes now
         limit = max(min(self.queue_timeout_s, deadline - now), 0.0)
         try:
             async with asyncio.timeout(limit):
