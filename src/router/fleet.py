@@ -201,11 +201,6 @@ class Fleet:
         """No replica in the fleet, in any state, serves `model` (as far as every one of them says)."""
         return bool(self.replicas) and len(self.not_serving(model)) == len(self.replicas)
 
-    def serving(self, model: str | None) -> list[int]:
-        """The indices of the replicas that may serve `model`."""
-        skip = self.not_serving(model)
-        return [i for i in range(len(self.replicas)) if i not in skip]
-
     # -- in-flight accounting -----------------------------------------------------------------
 
     def acquire(self, replica: ReplicaState) -> None:

@@ -35,7 +35,7 @@ def test_who_serves_what() -> None:
     assert fleet.not_serving("model-a") == {2}  # r3 lists nothing: it may serve anything
     assert fleet.not_serving("model-b-lora") == {0, 1}
     assert fleet.not_serving(None) == frozenset()
-    assert fleet.serving("model-b") == [2, 3]
+    assert fleet.not_serving("model-b") == {0, 1}
     assert not fleet.unserved("model-c")  # r3 might serve it
     fleet.set_models(fleet.replicas[3], B)
     assert fleet.unserved("model-c") and not fleet.unserved("model-b")
