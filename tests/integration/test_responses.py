@@ -182,3 +182,24 @@ async def test_a_chain_goes_on_across_a_router_restart(start_fleet: Callable[...
             previous = response["id"]
     finally:
         await runner.cleanup()
+
+
+async def test_a_stored_responses_own_operations_reach_its_replica(
+    start_fleet: Callable[..., Any], start_router: Callable[..., Any]
+) -> None:
+    fleet = await start_fleet(4)
+    _, url = await start_router([r.url for r in fleet.replicas], health_checks=False)
+    status, holder, first = await ask(url, "keep this")
+    assert status == 200
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):  # wherever the ring would have sent the id, it goes to its holder
+            async with s.get(url + f"/v1/responses/{first['id']}") as r:
+                assert r.status == 200 and r.headers["X-Router-Replica"] == holder
+                assert (await r.json())["output_text"] == first["output"][0]["content"][0]["text"]
+        async with s.delete(url + f"/v1/responses/{first['id']}") as r:
+            assert r.status == 200 and (await r.json())["deleted"]
+        async with s.get(url + f"/v1/responses/{first['id']}") as r:
+            assert r.status == 404  # the replica forgot it
+        async with s.get(url + "/v1/responses/resp_never") as r:
+            body = await r.json()
+            assert r.status == 404 and "not known to this router" in body["error"]["message"]

@@ -79,6 +79,9 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         return found
 
+    def forget(self, response_id: str) -> None:
+        self._items.pop(response_id, None)
+
     def put(self, response_id: str, conversation: list[dict[str, str]]) -> None:
         self._items[response_id] = conversation
         while len(self._items) > self.size:

@@ -145,6 +145,8 @@ class Replica:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{id}", self._stored_response)
+        app.router.add_delete("/v1/responses/{id}", self._stored_response)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -335,6 +337,20 @@ class Replica:
         except PromptError as exc:
             raise BadRequest(str(exc), "messages" if chat else "prompt") from None
         return text.encode("utf-8", "surrogatepass"), max_tokens, stream, include_usage
+
+    async def _stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id} (the stored conversation's last reply) and DELETE (forget it), as
+        vLLM's store answers them; 404 for an id it does not hold."""
+        response_id = request.match_info["id"]
+        try:
+            history = self.stored.history(response_id)
+        except InputError as exc:
+            return error_response(str(exc), 404, "NotFoundError", "response_id")
+        if request.method == "DELETE":
+            self.stored.forget(response_id)
+            return _json({"id": response_id, "object": "response", "deleted": True})
+        reply = history[-1]["content"] if history and history[-1]["role"] == "assistant" else ""
+        return _json({"id": response_id, "object": "response", "status": "completed", "output_text": reply})
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/responses (router.emulator.responses): stored turns, continued by id, here only."""

@@ -26,7 +26,7 @@ from router.admission import Shed, client_of
 from router.console.routes import add_console_routes
 from router.errors import error_body, error_response
 from router.fleet import ReplicaState
-from router.keys import NO_KEY, RoutingKey
+from router.keys import NO_KEY, RoutingKey, stored_key
 from router.node import Node
 from router.policy import Decision
 from router.proxy.admit import PROXIED, RESPONSES, Admitted, Refused, admit, no_such_model
@@ -56,6 +56,11 @@ def build_app(node: Node, control_only: bool = False) -> web.Application:
     for path in PROXIED:
         app.router.add_post(path, proxy.handle)
     app.router.add_get("/v1/models", proxy.models)
+    # a stored response's own operations go to the replica that holds it
+    app.router.add_get(RESPONSES + "/{id}", proxy.stored)
+    app.router.add_delete(RESPONSES + "/{id}", proxy.stored)
+    app.router.add_post(RESPONSES + "/{id}/cancel", proxy.stored)
+    app.router.add_get(RESPONSES + "/{id}/input_items", proxy.stored)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/health/live", live)
     if not node.config.admin_port:
@@ -403,6 +408,33 @@ class Proxy:
         return web.Response(
             body=orjson.dumps({"object": "list", "data": list(merged.values())}), content_type="application/json"
         )
+
+    async def stored(self, request: web.Request) -> web.Response:
+        """Retrieve, delete or cancel a stored response, or list its input items: on the replica that
+        produced it, as the router remembers (a 404 of its own for an id it does not know)."""
+        response_id = request.match_info["id"]
+        last, _ = await self.routing.directory.last_served(stored_key(response_id, self.config.max_key_bytes))
+        replica = self.node.fleet.find(last) if last is not None else None
+        if replica is None or replica.index is None:
+            return error_response(
+                f"Response with id '{response_id}' is not known to this router (or its replica left).",
+                404,
+                param="response_id",
+            )
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.first_byte_timeout_s, sock_connect=self.config.connect_timeout_s
+        )
+        try:
+            async with self.node.http.request(
+                request.method, replica.url + request.path_qs, data=await request.read() or None, timeout=timeout
+            ) as resp:
+                body = await resp.read()
+                headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
+                if self.config.replica_header:
+                    headers[self.config.replica_header] = replica.id
+                return web.Response(status=resp.status, body=body, headers=headers)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return error_response(f"the replica holding response '{response_id}' did not answer", 502, "upstream_error")
 
     async def health(self, request: web.Request) -> web.Response:
         fleet = self.node.fleet
