@@ -192,9 +192,14 @@ async def _traffic(url: str, stop: asyncio.Event) -> int:
 
 
 async def _until(check: Any, timeout: float, what: str) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException  # noqa: PLC0415 -- optional, as above
+
     deadline = time.monotonic() + timeout
     while True:
-        value = await asyncio.to_thread(check)
+        try:
+            value = await asyncio.to_thread(check)
+        except StaleElementReferenceException:
+            value = None  # the page redrew the element between finding and reading it: look again
         if value:
             return value
         assert time.monotonic() < deadline, f"not in {timeout} s: {what}"
@@ -228,11 +233,17 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
         await _until(drawn, 20, "the heatmap and the hit-rate curve drawn with data")
         hit = driver.find_element(By.ID, "hit-now").text
         assert hit.startswith("hit ") and hit != "hit 0.0%", hit
-        rows = driver.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
-        assert len(rows) == 3 and all("healthy" in row.text for row in rows)
+
+        def table() -> list[tuple[str, str]] | None:
+            """The replica table's rows, (replica, text), read at once (the page redraws it every poll)."""
+            rows = driver.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
+            return [(row.get_attribute("data-replica") or "", row.text) for row in rows] or None
+
+        rows = await _until(table, 5, "the replica table")
+        assert len(rows) == 3 and all("healthy" in text for _, text in rows)
 
         # a replica removed through the admin API shows as removed within a few seconds
-        victim = rows[0].get_attribute("data-replica")
+        victim = rows[0][0]
         async with aiohttp.ClientSession() as http, http.delete(f"{demo}/admin/replicas/{victim}", headers=AUTH) as r:
             assert r.status == 200
         removed_at = time.monotonic()
