@@ -117,6 +117,7 @@ class Admission:
         full_kv_usage: float,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[int], None] | None = None,
+        inflight: Callable[[ReplicaState], int] | None = None,
     ) -> None:
         self.fleet = fleet
         self.max_queued = max_queued
@@ -125,6 +126,9 @@ class Admission:
         self.full_kv_usage = full_kv_usage
         self.clock = clock
         self.on_change = on_change  # told how many wait, whenever that changes (a gauge)
+        # what every sender has in flight at a replica: this process's own count, or, for a worker
+        # process, every worker's (router.shared.Follower.fleet_inflight)
+        self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
         self.classes = (_Class(), _Class())  # running sessions' turns first, then the rest
         self.queued = 0
         self.waiting_models: collections.Counter[str | None] = collections.Counter()
@@ -142,17 +146,19 @@ class Admission:
     def probed(self) -> None:
         """A probe round read every replica's engine: count what is sent from here on, and let
         waiters through where there is room now."""
-        self._at_probe = {r.id: r.inflight for r in self.fleet.replicas}
+        inflight = self.inflight
+        self._at_probe = {r.id: inflight(r) for r in self.fleet.replicas}
         self.wake(len(self.fleet.replicas))
 
     def queue_of(self, replica: ReplicaState) -> float | None:
         """The replica's engine queue now, as far as the router knows (None: unknown)."""
         waiting = replica.engine.waiting
+        inflight = self.inflight(replica)
         if waiting is not None:
-            sent = replica.inflight - self._at_probe.get(replica.id, replica.inflight)
+            sent = inflight - self._at_probe.get(replica.id, inflight)
             return max(waiting + sent, 0.0)
         if replica.capacity is not None:
-            return max(replica.inflight - replica.capacity, 0)
+            return max(inflight - replica.capacity, 0)
         return None
 
     def full(self, replica: ReplicaState) -> bool:

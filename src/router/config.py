@@ -66,6 +66,9 @@ class RouterConfig:
     ttft_stay_share: float = 1.0  # the conversation's replica keeps it unless another costs < 1 / (1 + this) of it
     ttft_tie_s: float = 0.001  # costs this close are equal (the least full, then the ring, break the tie)
     ttft_tie_share: float = 0.1  # ... or this close as a share of the cheapest
+    # ttft: a request for a LoRA adapter loaded on other replicas costs this much more time to first
+    # token where it is not (loading it, or waiting for a free adapter slot)
+    adapter_load_s: float = 0.25
     # affinity (and ttft: the sessions' table)
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000
@@ -259,7 +262,14 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("prefix_block_bytes", "must be in 16..240 bytes")
     if not (math.isfinite(cfg.prefill_tokens_per_s) and cfg.prefill_tokens_per_s > 0):
         raise bad("prefill_tokens_per_s", "must be a positive number of tokens per second")
-    for name in ("ttft_decode_s", "ttft_tie_s", "ttft_spread_tokens", "ttft_interference", "ttft_stay_share"):
+    for name in (
+        "ttft_decode_s",
+        "ttft_tie_s",
+        "ttft_spread_tokens",
+        "ttft_interference",
+        "ttft_stay_share",
+        "adapter_load_s",
+    ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value >= 0):
             raise bad(name, "must be a number >= 0")

@@ -62,6 +62,10 @@ class ReplicaState:
     capacity: int | None = None  # requests it runs at once: reported by its engine, else configured
     # the models (and adapters) it serves: pinned by config, else as its /v1/models lists them; None: unknown
     models: frozenset[str] | None = None
+    # the LoRA adapters its engine runs or queues now (vLLM's lora_requests_info), and how many it
+    # batches at once (max_lora); None: it does not say
+    adapters: frozenset[str] | None = None
+    max_lora: int | None = None
     slot: int | None = None
     epoch: int = 0
     owner_tag: int = 0
@@ -152,6 +156,9 @@ class Fleet:
         self._models_changes = 0
         self._unserving: dict[str, frozenset[int]] = {}  # model -> indices known not to serve it
         self._unserving_for: tuple[int, int] = (-1, -1)  # the (version, models changes) it is for
+        self._adapter_changes = 0
+        self._cold: dict[str, frozenset[int]] = {}  # adapter -> indices serving it without it loaded
+        self._cold_for: tuple[int, int, int] = (-1, -1, -1)
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -195,6 +202,40 @@ class Fleet:
             found = self._unserving[model] = frozenset(
                 i for i, r in enumerate(self.replicas) if r.models is not None and model not in r.models
             )
+        return found
+
+    def set_adapters(self, replica: ReplicaState, active: frozenset[str] | None, max_lora: int | None) -> bool:
+        """The adapters its engine runs or queues now (None: it does not say). True if they changed."""
+        replica.max_lora = max_lora
+        if active == replica.adapters:
+            return False
+        replica.adapters = active
+        self._adapter_changes += 1
+        return True
+
+    def adapter_cold(self, model: str | None) -> frozenset[int]:
+        """Where `model` is a LoRA adapter some replica has loaded (runs or queues requests for),
+        the indices of the replicas that serve it without: a request there waits for the adapter
+        to load, or for a free adapter slot. Empty when no replica has it loaded (nowhere is
+        better) or no replica says what it has loaded."""
+        if model is None:
+            return NONE
+        key = (self.version, self._models_changes, self._adapter_changes)
+        if key != self._cold_for:
+            self._cold.clear()
+            self._cold_for = key
+        found = self._cold.get(model)
+        if found is None:
+            if len(self._cold) >= MODEL_MEMO:
+                self._cold.clear()
+            loaded = [r.adapters is not None and model in r.adapters for r in self.replicas]
+            found = NONE
+            if any(loaded):
+                skip = self.not_serving(model)
+                found = frozenset(
+                    i for i, r in enumerate(self.replicas) if i not in skip and r.adapters is not None and not loaded[i]
+                )
+            self._cold[model] = found
         return found
 
     def unserved(self, model: str | None) -> bool:

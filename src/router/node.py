@@ -160,6 +160,7 @@ class Node:
             config.full_waiting,
             config.full_kv_usage,
             on_change=self.metrics.queued.set,
+            inflight=self.follower.fleet_inflight if self.follower is not None else None,
         )
         self.balancer.held = lambda: self.admission.queued
         if self.admission.on:
@@ -213,6 +214,7 @@ class Node:
         """A probe round ended: the workers' table is written, and held requests may go where there is room."""
         if self.publisher is not None:
             self.publisher.publish()
+            self.publisher.table.bump_probe_round()  # the workers' admission counts its sends from here
         self.admission.probed()
 
     def gather(self) -> None:
@@ -381,11 +383,19 @@ class Node:
 
         async def tick() -> None:
             last_refresh = 0.0
+            probe_round = follower.table.probe_round
             while True:
                 now = time.monotonic()
                 try:
                     follower.sync()
-                    if now - last_refresh >= 1.0:  # scores and states for display; routing follows the generation
+                    if follower.table.probe_round != probe_round:
+                        # the engines' queues are new: admission counts sends from here, and lets
+                        # waiters through where there is room now
+                        probe_round = follower.table.probe_round
+                        follower.refresh()
+                        last_refresh = now
+                        self.admission.probed()
+                    elif now - last_refresh >= 1.0:  # scores and states for display; routing follows the generation
                         follower.refresh()
                         last_refresh = now
                     follower.publish(now)
@@ -407,6 +417,7 @@ class Node:
                 self.fleet,
                 self.follow,
                 self.config.sticky_ttl_s,
+                held=lambda: self.admission.queued,
             ),
         )
         yield

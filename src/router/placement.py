@@ -154,6 +154,7 @@ class Placement:
         self.floor = config.bounded_load_floor
         self.tie_s = config.ttft_tie_s
         self.tie_share = config.ttft_tie_share
+        self.adapter_load_s = config.adapter_load_s
         # the row arrays of a decision, by fleet position (`_layout`), and what they are for
         self._layout_for = -1
         self._helds: list[Held] = []
@@ -239,14 +240,22 @@ class Placement:
             self._spt[held.pos] = value
 
     def price(
-        self, prompt: Prompt, exclude: Collection[int], last: int | None, now: float, home_share: float = -1.0
+        self,
+        prompt: Prompt,
+        exclude: Collection[int],
+        last: int | None,
+        now: float,
+        home_share: float = -1.0,
+        cold: frozenset[int] = frozenset(),
     ) -> tuple[int, int, int]:
         """Price `prompt` on every routable position not in `exclude` (and on `last`, the position of
         the keyed session's replica, even while it drains), in the compiled core (router.prefix):
         the rows (`row(i)`) are filled for every candidate. Returns (the cheapest position under the
         gate: -1 when every candidate is past it, -2 when there is no candidate; how many are
         within the tie margin of it; with `home_share` >= 0, the candidate holding the most of the
-        prompt if that is at least that share of it, else -1)."""
+        prompt if that is at least that share of it, else -1). `cold`: positions that must load the
+        request's LoRA adapter first (router.fleet.Fleet.adapter_cold): their prefill starts
+        `adapter_load_s` later, except on `last`, which holds the session whatever the engine says."""
         self._layout()
         fleet = self.fleet
         n = len(self._holders)
@@ -282,10 +291,16 @@ class Placement:
         self._candidates = excluded
         # the kernel counts a prefill's interference (it delays every request running there) and,
         # for a keyed session's replica, credits it with whatever of this prompt any replica holds
+        busy = self._busy
+        if cold and self.adapter_load_s > 0:
+            busy = array("d", busy)
+            for i in cold:
+                if i != last and i < n:
+                    busy[i] = max(busy[i], now) + self.adapter_load_s
         return self.index.price(
             prompt.chain,
             self._holders,
-            self._busy,
+            busy,
             self._spt,
             fleet.loads,
             self._waiting,

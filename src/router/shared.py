@@ -342,19 +342,20 @@ class Follower:
                     row[base + at + 1 + i] = round(value * 1e9)
                 row[base + at] = len(recent)
 
+    def fleet_inflight(self, replica: ReplicaState) -> int:
+        """Every worker's requests in flight at `replica`: this one's now, the others' as last published."""
+        if replica.slot is None:
+            return replica.inflight
+        at = replica.slot * COUNTER_CELL
+        tag = replica.owner_tag
+        return replica.inflight + sum(max(o[at + INFLIGHT], 0) for o in self._others if o[at + OWNER] == tag)
+
     def pull_loads(self) -> None:
         """The bounded-load cap counts every worker's in-flight requests, not only this one's."""
         loads = self.fleet.loads
         for replica in self.fleet.replicas:
-            if replica.slot is None or replica.index is None:
-                continue
-            at = replica.slot * COUNTER_CELL
-            tag = replica.owner_tag
-            loads[replica.index] = (
-                replica.inflight
-                + replica.queue_load
-                + sum(max(other[at + INFLIGHT], 0) for other in self._others if other[at + OWNER] == tag)
-            )
+            if replica.slot is not None and replica.index is not None:
+                loads[replica.index] = self.fleet_inflight(replica) + replica.queue_load
 
 
 PROBES = 8  # entries looked at from a key's home position, in each worker's table

@@ -174,3 +174,59 @@ async def test_memory_and_descriptors_stay_flat_at_ten_times_overload(
     # a leak would grow with the 400 requests of each wave; idle keep-alive connections to the
     # replicas (at most the few that ran at once) come and go
     assert fds_two - fds_one <= 16, (fds_one, fds_two)
+
+
+async def scrape(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+async def test_worker_processes_hold_requests_and_the_scale_signal_counts_them(
+    make_replica: Callable[..., Replica], serve_workers: Callable[..., Any]
+) -> None:
+    fleet = await small_fleet(make_replica)
+    try:
+        flags = ["--max-queued", "32", "--queue-timeout-s", "8", "--full-waiting", "2", "--probe-interval-s", "0.1"]
+        served = await serve_workers([r.url for r in fleet.replicas], *flags, "--scale-target-load", "4")
+        await asyncio.sleep(0.5)  # probe rounds: the engines' queues are known to both workers
+        done = asyncio.Event()
+        watcher = asyncio.create_task(peak_queue(fleet, done))
+        held, recommended = 0.0, 0.0
+
+        async def watch_metrics() -> None:
+            nonlocal held, recommended
+            while not done.is_set():
+                held = max(held, await scrape(served.url, "router_queued"))
+                recommended = max(recommended, await scrape(served.url, "router_scale_recommended_replicas"))
+                await asyncio.sleep(0.05)
+
+        metrics = asyncio.create_task(watch_metrics())
+        workers: set[str] = set()
+
+        async def one(i: int) -> int:
+            # a connection each, so both workers take a share of the burst
+            async with aiohttp.ClientSession() as http:
+                body = {"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 20}
+                headers = {"Authorization": f"Bearer c{i % 4}"}
+                async with http.post(served.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    workers.add(r.headers.get("X-Router-Worker", "?"))
+                    return r.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(60)))
+        await asyncio.sleep(0.3)  # a last scrape after the burst
+        done.set()
+        engine_peak = await watcher
+        await metrics
+    finally:
+        await fleet.stop()
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 40, statuses
+    assert workers >= {"0", "1"}
+    # each worker counts every worker's sends since the last probe round: the engines' queues
+    # stay near full_waiting (forwarded, 60 requests on four slots would queue 28 a replica)
+    assert engine_peak <= 6, engine_peak
+    assert held >= 16  # the workers' held requests, summed on /metrics ...
+    # ... and the control process's scale signal counts them as load: the two replicas' own loads
+    # (at most 2 running + 6 waiting each) would ask for at most 4 replicas of 4
+    assert recommended >= 6, recommended

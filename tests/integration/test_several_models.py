@@ -163,3 +163,34 @@ async def test_worker_processes_route_by_the_models_the_control_process_reads(
             workers.add(r.headers["X-Router-Worker"])
     assert seen == {"emu-2"} and workers == {"0", "1"}
     assert (await chat(served.url, "model-z", "t"))[:2] == (404, None)
+
+
+@pytest.mark.parametrize("policy", ["ttft", "affinity"])
+async def test_new_sessions_of_an_adapter_go_where_it_is_loaded(
+    make_replica: Callable[..., Replica], start_router: Callable[..., Any], policy: str
+) -> None:
+    """Three replicas serve sql-lora; one is running a request with it (vLLM's lora_requests_info
+    says so): new sessions for it go there, while the base model's spread."""
+    fleet = Fleet([make_replica(f"emu-{i}", model="model-b", adapters=("sql-lora",), time_scale=1.0) for i in range(3)])
+    await fleet.start()
+    try:
+        node, url = await start_router(named(fleet), policy=policy, probe_interval_s=0.1, admin_token=TOKEN)
+        await known(node, 3)
+        body = {"model": "sql-lora", "messages": [{"role": "user", "content": "a long report"}], "max_tokens": 2000}
+        async with aiohttp.ClientSession() as s:
+            long = asyncio.create_task(s.post(fleet.replicas[2].url + "/v1/chat/completions", json=body))
+            deadline = time.monotonic() + 10
+            while node.fleet.find("emu-2").adapters != {"sql-lora"}:
+                assert time.monotonic() < deadline, [r.adapters for r in node.fleet.replicas]
+                await asyncio.sleep(0.05)
+            assert node.fleet.find("emu-0").adapters == frozenset() and node.fleet.find("emu-2").max_lora == 4
+            async with s.get(url + "/admin/replicas", headers=AUTH) as r:
+                shown = {row["id"]: (row["adapters"], row["max_lora"]) for row in await r.json()}
+            assert shown["emu-2"] == (["sql-lora"], 4)
+            adapter = {(await chat(url, "sql-lora", f"a{i}"))[1] for i in range(12)}
+            base = {(await chat(url, "model-b", f"b{i}"))[1] for i in range(24)}
+            long.cancel()
+    finally:
+        await fleet.stop()
+    assert adapter == {"emu-2"}
+    assert len(base) > 1  # the base model is loaded everywhere: no preference

@@ -196,3 +196,26 @@ def test_a_request_never_joins_a_step_that_began_before_it_arrived() -> None:
     e.finish(step, step.duration)
     run(e, [])
     assert late.first_token_at is not None and late.first_token_at - late.arrival >= cfg.step_base_s
+
+
+def test_adapters_take_gpu_slots_and_a_load_costs_the_first_step() -> None:
+    cfg = EngineConfig(max_loras=1, lora_load_s=0.05)
+    e = Engine(cfg)
+    sql = [e.new_sequence(text(100, f"s{i}"), 20, 0.0) for i in range(2)]
+    chat = e.new_sequence(text(100, "c"), 5, 0.0)
+    plain = e.new_sequence(text(100, "p"), 5, 0.0)
+    for seq in sql:
+        seq.adapter = "sql"
+    chat.adapter = "chat"
+    run(e, [(0.0, sql[0]), (0.0, chat), (0.0, sql[1]), (0.0, plain)])
+    # one adapter a batch: chat waited for both sql requests; the base model's request did not
+    assert chat.first_token_at is not None and sql[1].finished_at is not None
+    assert chat.first_token_at > sql[1].finished_at
+    assert plain.first_token_at == sql[0].first_token_at == sql[1].first_token_at
+    # loading sql into its slot cost the first step 50 ms; chat's load evicted it
+    assert ttft(sql[0]) == pytest.approx(cfg.step_base_s + 300 / cfg.prefill_tokens_per_s + 0.05)
+    assert list(e.adapters) == ["chat"]
+    again = e.new_sequence(text(100, "c2"), 1, 0.0)
+    again.adapter = "chat"
+    run(e, [(0.0, again)])
+    assert ttft(again) == pytest.approx(cfg.step_base_s + 100 / cfg.prefill_tokens_per_s)  # loaded already

@@ -7,6 +7,7 @@ import pytest
 from router.config import ReplicaSpec, RouterConfig, load, pinned_models
 from router.fleet import MODEL_MEMO, Fleet
 from router.health.monitor import listed_models
+from router.health.signals import lora_state
 from router.keys import RoutingKey
 from router.policy import make_policy
 from router.prompt import prompt_of
@@ -146,3 +147,58 @@ def test_a_models_load_cap_counts_its_own_replicas() -> None:
     assert owned
     decisions = {chosen.pick(k, None, set()) for k in owned[:20]}  # type: ignore[misc]
     assert {(d.index, d.reason) for d in decisions if d is not None} == {(1, "spill")}
+
+
+LORA = frozenset({"model-b", "sql-lora", "chat-lora"})
+
+
+def test_the_lora_state_is_the_newest_series_of_vllms_info_gauge() -> None:
+    text = "\n".join(
+        [
+            "# TYPE vllm:lora_requests_info gauge",
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7e+09',
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora,chat-lora",'
+            'waiting_lora_adapters="x-lora"} 1.9e+09',
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 1.8e+09',
+            "vllm:num_requests_running 3",
+        ]
+    )
+    assert lora_state(text) == (frozenset({"sql-lora", "chat-lora", "x-lora"}), 2)
+    assert lora_state("vllm:num_requests_running 3") == (None, None)  # adapters off: it says nothing
+    assert lora_state('vllm:lora_requests_info{max_lora="2",running_lora_adapters="a} 1') == (None, None)
+    idle = 'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 5'
+    assert lora_state(idle) == (frozenset(), 4)
+
+
+def test_where_an_adapter_is_cold() -> None:
+    fleet = fleet_of([LORA, LORA, LORA, A])
+    assert fleet.adapter_cold("sql-lora") == frozenset()  # nobody says what it has loaded
+    for replica, active in zip(fleet.replicas, (frozenset(), frozenset({"sql-lora"}), None, None), strict=True):
+        fleet.set_adapters(replica, active, 2)
+    assert fleet.adapter_cold("sql-lora") == {0}  # r2 says nothing, r3 serves another model
+    assert fleet.adapter_cold("chat-lora") == frozenset()  # loaded nowhere: nowhere is better
+    assert fleet.adapter_cold("model-b") == frozenset()  # the base model
+    fleet.set_adapters(fleet.replicas[0], frozenset({"sql-lora"}), 2)
+    assert fleet.adapter_cold("sql-lora") == frozenset()  # the memo follows the probes
+
+
+@pytest.mark.parametrize("policy", ("affinity", "ttft"))
+def test_new_sessions_of_an_adapter_prefer_a_replica_that_has_it_loaded(policy: str) -> None:
+    fleet = fleet_of([LORA, LORA, LORA, LORA])
+    cfg = RouterConfig(policy=policy, bounded_load_floor=2)
+    chosen = make_policy(policy, fleet, cfg)
+    before = {chosen.pick(key(f"s{i}", "sql-lora", policy), None, set()).index for i in range(40)}  # type: ignore[union-attr]
+    assert len(before) > 1  # loaded nowhere: spread as any model's sessions
+    for replica in fleet.replicas:
+        fleet.set_adapters(replica, frozenset({"sql-lora"}) if replica.id == "r2" else frozenset(), 4)
+    decisions = [chosen.pick(key(f"s{i}", "sql-lora", policy), None, set()) for i in range(40)]
+    assert {d.index for d in decisions if d is not None} == {2}
+    if policy == "affinity":
+        assert {d.reason for d in decisions if d is not None} <= {"adapter", "ring"}
+    # its session on a replica without it loaded sticks (its history is cached there)
+    decision = chosen.pick(key("s0", "sql-lora", policy), "r0", set())
+    assert decision is not None and (decision.index, decision.reason) == (0, "sticky")
+    # a preference, not a pile-up: past its load cap the others take new sessions again
+    fleet.loads[2] = 30
+    spread = {chosen.pick(key(f"t{i}", "sql-lora", policy), None, set()).index for i in range(40)}  # type: ignore[union-attr]
+    assert 2 not in spread and len(spread) > 1

@@ -76,7 +76,7 @@ def test_create_attach_write_read_and_ownership() -> None:
 def test_attach_refuses_something_else() -> None:
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-9 replica table"):
+        with pytest.raises(ValueError, match="not a version-10 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()
@@ -173,5 +173,20 @@ def test_a_stuck_agent_slot_reads_as_no_agent() -> None:
         at = HEADER_SIZE + (table.slots + 1) * SLOT_SIZE
         table._buf[at] |= 1
         assert monitor._agent_slot(replica) == {}  # no reading, and the probe round goes on
+    finally:
+        table.close()
+
+
+def test_probe_rounds_are_counted_in_the_header_apart_from_the_generation() -> None:
+    table = SlotTable.create(name(), slots=4, workers=2)
+    try:
+        other = SlotTable.attach(table.name)
+        assert (other.probe_round, other.generation) == (0, 0)
+        table.bump_probe_round()
+        table.bump_probe_round()
+        assert (other.probe_round, other.generation) == (2, 0)  # a worker sees the round, routing unchanged
+        table.bump_generation()
+        assert (other.probe_round, other.generation) == (2, 1)
+        other.close()
     finally:
         table.close()

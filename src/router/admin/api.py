@@ -95,6 +95,8 @@ class AdminApi:
             "agent": r.agent,
             "capacity": r.capacity,
             "models": sorted(r.models) if r.models is not None else None,  # None: unknown (may serve any)
+            "adapters": sorted(r.adapters) if r.adapters is not None else None,  # loaded now; None: not said
+            "max_lora": r.max_lora,
             "engine": dataclasses.asdict(r.engine),
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,

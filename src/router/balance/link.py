@@ -17,8 +17,11 @@ per-vnode traffic counts. The control process runs the balance loop, and asks th
 - `POST /restore` `{"sessions": [...]}`: sessions from the saved routing state (each worker gets
   its share, by key hash, and writes it to the shared table, where all workers find it);
 - `GET /version`: changes whenever the worker's session table does;
-- `POST /models` `{"models": {replica id: [model] | null}}`: the models each replica serves, as
-  the control process's probes read them (pinned ones still win in the worker).
+- `POST /models` `{"models": {replica id: [model] | null}, "adapters": {replica id: [[adapter] |
+  null, max_lora | null]}}`: the models each replica serves and the LoRA adapters it has loaded,
+  as the control process's probes read them (pinned models still win in the worker); the answer says
+  how many requests the worker holds in its admission queue (router.admission), which the
+  control process's scale signal counts as load.
 
 The sockets live in the control process's private directory (mode 0700), next to its own.
 A worker that does not answer within `timeout_s` is left out of that answer, never waited for.
@@ -69,9 +72,11 @@ def internal_app(
     fleet: Fleet,
     follow: Callable[[], None],
     ttl_s: float,
+    held: Callable[[], int] = lambda: 0,
 ) -> web.Application:
     """A worker's answers to the control process: its session table, the workers' shared one, the
-    per-vnode traffic and prompts its balancer keeps; `follow` catches up with the shared replica table."""
+    per-vnode traffic and prompts its balancer keeps; `follow` catches up with the shared replica
+    table; `held` is how many requests wait in its admission queue."""
 
     def newest_elsewhere(key: bytes, replica: str, written: int) -> bool:
         """Another worker served (or moved) this session since we did, to another replica."""
@@ -157,7 +162,11 @@ def internal_app(
             replica = fleet.find(rid)
             if replica is not None:
                 changed += fleet.set_models(replica, frozenset(names) if names else None)
-        return _json({"changed": changed})
+        for rid, (active, max_lora) in data.get("adapters", {}).items():
+            replica = fleet.find(rid)
+            if replica is not None:
+                fleet.set_adapters(replica, frozenset(active) if active is not None else None, max_lora)
+        return _json({"changed": changed, "queued": held()})
 
     async def version(request: web.Request) -> web.Response:
         return _json({"version": sessions.version, "pid": os.getpid()})
@@ -184,6 +193,7 @@ class WorkerLink:
         # that does not answer, so that a save never loses the sessions of a slow or stopped worker
         self._last_live: dict[int, tuple[float, list[Any]]] = {}
         self._traffic_seen: dict[int, dict[tuple[str, int], int]] = {}  # each worker's last running totals
+        self._held: dict[int, int] = {}  # each worker's held requests, as it last answered
 
     def _ensure(self) -> list[aiohttp.ClientSession]:
         if not self._clients:  # made on first use: a client session needs the running loop
@@ -301,9 +311,16 @@ class WorkerLink:
             self._traffic_seen[i] = now
         return total
 
-    async def models(self, listing: dict[str, list[str] | None]) -> int:
-        """Tell every worker which models each replica serves; how many workers answered."""
-        return len(await self._all("POST", "/models", {"models": listing}, TRAFFIC_TIMEOUT_S))
+    async def models(self, listing: dict[str, list[str] | None], adapters: dict[str, Any] | None = None) -> int:
+        """Tell every worker which models each replica serves and which adapters it has loaded; how
+        many requests the workers hold in their admission queues (a worker that did not answer
+        counts as it last did)."""
+        payload = {"models": listing, "adapters": adapters or {}}
+        answers = await self._each("POST", "/models", payload, TRAFFIC_TIMEOUT_S)
+        for i, answer in enumerate(answers):
+            if answer is not None:
+                self._held[i] = int(answer.get("queued", 0))
+        return sum(self._held.values())
 
     async def version(self) -> int:
         answers = await self._all("GET", "/version")

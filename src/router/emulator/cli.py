@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="a LoRA adapter it serves on its model, listed with the model as `parent` (repeatable)",
     )
     g.add_argument(
+        "--max-loras",
+        type=int,
+        default=d.max_loras,
+        help=f"distinct adapters in one batch, and GPU slots for them, as vLLM's (default {d.max_loras})",
+    )
+    g.add_argument(
+        "--lora-load-ms",
+        type=float,
+        default=d.lora_load_s * 1000,
+        help="engine milliseconds to load an adapter into a free GPU slot (default 0)",
+    )
+    g.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -188,6 +200,8 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
             step_base_s=args.step_ms / 1000,
             decode_per_seq_s=args.decode_per_seq_ms / 1000,
             attention_per_token_s=args.attention_ns_per_token / 1e9,
+            max_loras=args.max_loras,
+            lora_load_s=args.lora_load_ms / 1000,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,15 +43,21 @@ class EngineConfig:
     step_base_s: float = 0.010
     decode_per_seq_s: float = 0.0001
     attention_per_token_s: float = 38e-9
+    # LoRA adapters (vLLM's --max-loras): at most this many distinct adapters in one batch, each
+    # held in one of as many GPU slots (least recently used out); loading one into a slot takes
+    # `lora_load_s` of the step that first runs it
+    max_loras: int = 4
+    lora_load_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras")
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("prefill_tokens_per_s",):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("step_base_s", "decode_per_seq_s", "attention_per_token_s"):
+        for name in ("step_base_s", "decode_per_seq_s", "attention_per_token_s", "lora_load_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -83,6 +89,7 @@ class Sequence:
     finished_at: float | None = None
     aborted: bool = False
     owner: Any = None  # whoever waits for this sequence's tokens (the HTTP handler)
+    adapter: str | None = None  # the LoRA adapter it runs with, if any
 
     @property
     def prefilling(self) -> bool:
@@ -122,6 +129,7 @@ class Engine:
         self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.adapters: OrderedDict[str, None] = OrderedDict()  # in GPU slots, least recently used first
         self.slowdown = 1.0
         # counters (engine seconds and tokens), read by the metrics exporter
         self.busy_seconds = 0.0
@@ -187,6 +195,7 @@ class Engine:
         for seq in list(self.running) + list(self.waiting):
             self.abort(seq)
         self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+        self.adapters.clear()
         self.busy_seconds = 0.0
         self.steps = self.prompt_tokens_total = self.cached_tokens_total = 0
         self.generation_tokens_total = self.finished_total = self.aborted_total = 0
@@ -197,14 +206,21 @@ class Engine:
         """Pick the next step's batch; None when there is nothing to run."""
         cfg = self.config
         admitted: list[Sequence] = []
+        loads = 0  # adapters loaded into a GPU slot for this step
+        held_back: list[Sequence] = []  # their adapter finds no slot in this batch: they keep their place
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq.arrival > now:
                 break  # it arrived after this step began: it joins the next one
+            if seq.adapter is not None and not self._adapter_fits(seq.adapter):
+                held_back.append(self.waiting.popleft())  # vLLM skips it and schedules the rest
+                continue
             alloc = self.cache.allocate(seq.hashes, seq.prompt_tokens, seq.prompt_tokens + seq.max_tokens)
             if alloc is None:
                 break  # first come, first served: wait for blocks to free up
             self.waiting.popleft()
+            if seq.adapter is not None:
+                loads += self._use_adapter(seq.adapter)
             seq.alloc = alloc
             seq.cached_tokens = alloc.hit_blocks * cfg.block_size
             seq.computed = seq.cached_tokens
@@ -212,6 +228,7 @@ class Engine:
             self.cached_tokens_total += seq.cached_tokens
             self.running.append(seq)
             admitted.append(seq)
+        self.waiting.extendleft(reversed(held_back))
         if not self.running:
             return None
         decode = [s for s in self.running if not s.prefilling]
@@ -232,8 +249,35 @@ class Engine:
             + cfg.decode_per_seq_s * len(decode)
             + cfg.attention_per_token_s * context
             + prefill_tokens / cfg.prefill_tokens_per_s
+            + loads * cfg.lora_load_s
         ) * self.slowdown
         return Step(started=now, duration=duration, decode=decode, prefill=prefill, admitted=admitted)
+
+    def _adapter_fits(self, adapter: str) -> bool:
+        """The batch may take a request for `adapter`: it runs already, or a slot is free of
+        running adapters."""
+        running = {s.adapter for s in self.running if s.adapter is not None}
+        return adapter in running or len(running) < self.config.max_loras
+
+    def _use_adapter(self, adapter: str) -> int:
+        """Put `adapter` in a GPU slot (1: it had to be loaded), evicting the least recently used
+        adapter no running request needs."""
+        if adapter in self.adapters:
+            self.adapters.move_to_end(adapter)
+            return 0
+        if len(self.adapters) >= self.config.max_loras:
+            running = {s.adapter for s in self.running}
+            idle = next((a for a in self.adapters if a not in running), None)
+            if idle is not None:
+                del self.adapters[idle]
+        self.adapters[adapter] = None
+        return 1
+
+    def running_adapters(self) -> list[str]:
+        return sorted({s.adapter for s in self.running if s.adapter is not None})
+
+    def waiting_adapters(self) -> list[str]:
+        return sorted({s.adapter for s in self.waiting if s.adapter is not None})
 
     def finish(self, step: Step, now: float) -> StepEvents:
         """Apply a step's results at its end (`now`): tokens, cached blocks, finished requests."""

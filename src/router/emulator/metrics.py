@@ -7,6 +7,7 @@ emulator's time scale. Gauges are read from the engine at scrape time.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -110,6 +111,15 @@ class ReplicaMetrics:
             ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=r,
         )
+        # vLLM's LoRA state (only with adapters): a series per state seen, its value the time it was
+        # last current, so the newest series is the state now; the emulator keeps the last two
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self._lora_series: list[tuple[str, str, str]] = []
         self.model = model
         self._steps: deque[tuple[float, float]] = deque()  # (end, duration) of recent steps
 
@@ -131,6 +141,19 @@ class ReplicaMetrics:
         self.ttft.labels(self.model).observe(seq.first_token_at - seq.arrival)
         self.e2e.labels(self.model).observe(seq.finished_at - seq.arrival)
 
+    def _lora(self, engine: Engine) -> None:
+        labels = (
+            str(engine.config.max_loras),
+            ",".join(engine.running_adapters()),
+            ",".join(engine.waiting_adapters()),
+        )
+        if labels in self._lora_series:
+            self._lora_series.remove(labels)
+        self._lora_series.append(labels)
+        if len(self._lora_series) > 2:
+            self.lora_info.remove(*self._lora_series.pop(0))
+        self.lora_info.labels(*labels).set(time.time())
+
     def busy_fraction(self, now: float) -> float:
         start = now - BUSY_WINDOW_S
         while self._steps and self._steps[0][0] <= start:
@@ -138,8 +161,10 @@ class ReplicaMetrics:
         busy = sum(min(d, end - start) for end, d in self._steps)
         return min(busy / BUSY_WINDOW_S, 1.0)
 
-    def render(self, engine: Engine, now: float) -> bytes:
+    def render(self, engine: Engine, now: float, adapters: bool = False) -> bytes:
         m = self.model
+        if adapters:
+            self._lora(engine)
         self.running.labels(m).set(len(engine.running))
         self.waiting.labels(m).set(len(engine.waiting))
         self.kv_usage.labels(m).set(engine.cache.usage)

@@ -295,6 +295,10 @@ class Replica:
         if model is not None and model != served.model and model not in served.aliases + served.adapters:
             raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
 
+    def _adapter(self, model: Any) -> str | None:
+        """The LoRA adapter a request names, if it names one of this replica's."""
+        return model if isinstance(model, str) and model in self.options.adapters else None
+
     def _parse(self, body: dict[str, Any], chat: bool) -> tuple[bytes, int, bool, bool]:
         self._served(body.get("model"))
         n = body.get("n", 1)
@@ -368,6 +372,7 @@ class Replica:
                 raise BadRequest("stream must be true or false", "stream")
             turn = Turn(body, self.stored, model if isinstance(model, str) else served.model)
             seq = self.engine.new_sequence(turn.prompt(), max_tokens, self.now())
+            seq.adapter = self._adapter(model)
         except (BadRequest, InputError) as exc:
             kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
             return error_response(str(exc), exc.status, kind, exc.param)
@@ -438,6 +443,7 @@ class Replica:
             body = await self._json_body(request)
             prompt, max_tokens, stream, include_usage = self._parse(body, chat)
             seq = self.engine.new_sequence(prompt, max_tokens, self.now())
+            seq.adapter = self._adapter(body.get("model"))
         except BadRequest as exc:
             kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
             return error_response(str(exc), exc.status, kind, exc.param)
@@ -608,7 +614,9 @@ class Replica:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self._maybe_hang()
         return web.Response(
-            body=self.metrics.render(self.engine, self.now()), content_type="text/plain", charset="utf-8"
+            body=self.metrics.render(self.engine, self.now(), bool(self.options.adapters)),
+            content_type="text/plain",
+            charset="utf-8",
         )
 
     # -- control -------------------------------------------------------------------------------

@@ -32,7 +32,15 @@ import aiohttp
 
 from router.fleet import Fleet, ReplicaState, recent_samples
 from router.health.score import HealthInputs, ScoreWeights, health_score
-from router.health.signals import BY_KIND, LLAMA_CPP, EngineStats, parse_engine_metrics, read_slots, with_slots
+from router.health.signals import (
+    BY_KIND,
+    LLAMA_CPP,
+    EngineStats,
+    lora_state,
+    parse_engine_metrics,
+    read_slots,
+    with_slots,
+)
 from router.shm.table import SlotTable, TornRead
 
 log = logging.getLogger("router.health")
@@ -126,12 +134,14 @@ class HealthMonitor:
         now = time.monotonic()
         medians = self._fleet_medians(replicas, "tpot", now)
         first_token = self._fleet_medians(replicas, "ttft", now)
-        queues = sorted(stats.waiting for ok, stats, _, _ in results if ok and stats.waiting is not None)
-        for replica, (ok, stats, read, listed), gpu in zip(replicas, results, gpus, strict=True):
+        queues = sorted(stats.waiting for ok, stats, *_ in results if ok and stats.waiting is not None)
+        for replica, (ok, stats, read, listed, lora), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
             if read:  # else what was known stands
                 self.fleet.set_models(replica, listed)
+            if ok:
+                self.fleet.set_adapters(replica, *lora)
             if ok and gpu:  # the engine's own figures win; the agent's fill what its /metrics lacks
                 stats = EngineStats(
                     **{k: v if v is not None else gpu.get(k) for k, v in dataclasses.asdict(stats).items()}
@@ -161,9 +171,12 @@ class HealthMonitor:
         if self.after_round is not None:
             self.after_round()
 
-    async def _probe(self, replica: ReplicaState) -> tuple[bool, EngineStats, bool, frozenset[str] | None]:
+    async def _probe(
+        self, replica: ReplicaState
+    ) -> tuple[bool, EngineStats, bool, frozenset[str] | None, tuple[frozenset[str] | None, int | None]]:
         """(whether it is up, its engine's figures, whether its models were read this time, the
-        models it lists: None where it lists none or its engine does not check them)."""
+        models it lists: None where it lists none or its engine does not check them, the LoRA
+        adapters it runs or queues now and its max_lora: None where it does not say)."""
         client = self._client()
         try:
             async with client.get(replica.url + "/health", timeout=self.timeout) as resp:
@@ -171,12 +184,15 @@ class HealthMonitor:
                 ok = resp.status < 500
                 server = resp.headers.get("Server", "")
         except (aiohttp.ClientError, OSError, TimeoutError):
-            return False, EngineStats(), False, None
+            return False, EngineStats(), False, None, (None, None)
         stats = EngineStats()
+        lora: tuple[frozenset[str] | None, int | None] = (None, None)
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             async with client.get(replica.url + "/metrics", timeout=self.timeout) as resp:
                 if resp.status == 200:
-                    stats = parse_engine_metrics(await resp.text())
+                    text = await resp.text()
+                    stats = parse_engine_metrics(text)
+                    lora = lora_state(text)
         engine = BY_KIND.get(stats.kind or "")
         if engine is None and server.startswith("llama.cpp"):
             engine = LLAMA_CPP  # llama-server started without --metrics still lists its slots
@@ -198,7 +214,7 @@ class HealthMonitor:
                 async with client.get(replica.url + "/v1/models", timeout=self.timeout) as resp:
                     if resp.status == 200:
                         read, listed = True, listed_models(await resp.json(content_type=None))
-        return ok, stats, read, listed
+        return ok, stats, read, listed, lora
 
     def _fresh(self, taken_at: float) -> bool:
         """Taken within the last three probe intervals (at least 3 s); a reading from more than

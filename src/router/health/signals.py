@@ -24,6 +24,7 @@ No KV usage: llama-server exports no such gauge (older builds had `kv_cache_usag
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -240,6 +241,58 @@ def _label_product(text: str | None, names: tuple[str, ...]) -> float | None:
             return None
         product *= number
     return product
+
+
+LORA_INFO = "vllm:lora_requests_info"
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def _labels(text: str) -> dict[str, str] | None:
+    """`a="1",b="x,y"` as a dict (values unescaped); None if the text is malformed."""
+    found: dict[str, str] = {}
+    at = 0
+    while at < len(text):
+        match = _LABEL.match(text, at)
+        if match is None or match.end() == at:
+            return None
+        found[match[1]] = match[2].replace('\\"', '"').replace("\\\\", "\\")
+        at = match.end()
+    return found
+
+
+def lora_state(text: str) -> tuple[frozenset[str] | None, int | None]:
+    """The LoRA adapters a vLLM engine runs or queues now, and its `max_lora`, from
+    `vllm:lora_requests_info`: one series per state it has been in (adapters as comma-separated
+    label values), its value the time that state was last current, so the newest series is now's.
+    (None, None) where the engine exports no such metric (no adapters enabled, not vLLM)."""
+    if LORA_INFO not in text:
+        return None, None
+    newest: tuple[float, dict[str, str]] | None = None
+    for line in text.splitlines():
+        if not line.startswith(LORA_INFO + "{"):
+            continue
+        end = line.rfind("}")
+        labels = _labels(line[len(LORA_INFO) + 1 : end]) if end > 0 else None
+        try:
+            value = float(line[end + 1 :].split()[0])
+        except (IndexError, ValueError):
+            continue
+        if labels is not None and math.isfinite(value) and (newest is None or value > newest[0]):
+            newest = (value, labels)
+    if newest is None:
+        return None, None
+    labels = newest[1]
+    active = frozenset(
+        name.strip()
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in labels.get(key, "").split(",")
+        if name.strip()
+    )
+    try:
+        max_lora: int | None = int(labels["max_lora"])
+    except (KeyError, ValueError):
+        max_lora = None
+    return active, max_lora
 
 
 def read_slots(slots: Any, engine: Engine = LLAMA_CPP) -> dict[str, float]:

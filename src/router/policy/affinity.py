@@ -16,7 +16,10 @@ recompute of the context, so a full replica spills while another has room.
 Requests without a key spread least-loaded (ties rotate).
 A request naming a model goes only to replicas that may serve it (router.fleet.Fleet.not_serving):
 its ring owner is the first of them clockwise, so replicas of other models joining or leaving
-never move its sessions, and its load cap counts only them. With admission on (router.admission),
+never move its sessions, and its load cap counts only them. A request for a LoRA adapter that some
+replicas have loaded (router.fleet.Fleet.adapter_cold) and its owner has not goes, unless it has a
+session replica, to the first of those clockwise that is under its cap (reason `adapter`); all at
+their caps, to its owner, which loads it. With admission on (router.admission),
 a full replica is no candidate either while another has room.
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count
@@ -78,6 +81,12 @@ class Affinity(Policy):
                 owner = next((i for i in ring.successors(key.key) if i not in skip), -1)
             if owner < 0:
                 return None, capped
+            cold = fleet.adapter_cold(key.model)
+            if cold and owner in cold:
+                # a LoRA adapter loaded elsewhere: the first replica clockwise that has it, under its cap
+                warm = next((i for i in ring.successors(key.key) if i not in skip and i not in cold and under(i)), -1)
+                if warm >= 0:  # (a session off its capped replica spills there)
+                    return Decision(warm, "spill" if capped else "adapter"), capped
             if under(owner):
                 return Decision(owner, "ring"), capped
             # the next replica clockwise under its cap (the floor included, which the ring's own

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Decision:
     index: int
-    reason: str  # sticky | ring | spill | failover | round_robin | least_load | prefix | cost
+    reason: str  # sticky | ring | spill | failover | round_robin | least_load | prefix | cost | adapter
     cost: Candidate | None = field(default=None, compare=False)  # ttft: the chosen replica's row
 
 

@@ -80,7 +80,12 @@ class Ttft(Policy):
         # a conversation's home: a keyed session's replica, else the one holding most of the prompt
         staying = self.stay_share and last_index is None
         best, near, holding = placement.price(
-            prompt, exclude, last_index, placement.clock(), HOME_SHARE if staying else -1.0
+            prompt,
+            exclude,
+            last_index,
+            placement.clock(),
+            HOME_SHARE if staying else -1.0,
+            cold=fleet.adapter_cold(key.model),
         )
         if best == -2:
             return None, placement

@@ -31,7 +31,6 @@ from prometheus_client import multiprocess, values
 from router._runtime import run, settle, stop_event, until_stopped
 from router.balance.link import WorkerLink, worker_socket
 from router.config import RouterConfig
-from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
@@ -300,14 +299,19 @@ def check_port(host: str, port: int) -> None:
             raise CannotListen(host, port, exc) from None
 
 
-async def share_models(fleet: Fleet, link: WorkerLink, interval_s: float) -> None:
-    """Every probe interval, the models the control process's probes read, to every worker (each
-    routes by them): always the whole list, so a worker that restarted has it within one interval."""
+async def share_models(node: Node, link: WorkerLink, interval_s: float) -> None:
+    """Every probe interval, the models and loaded adapters the control process's probes read, to
+    every worker (each routes by them): always the whole list, so a worker that restarted has it within one interval.
+    The workers answer with the requests they hold, which the scale signal counts."""
+    held = 0
+    node.balancer.held = lambda: held
     while True:
         await asyncio.sleep(interval_s)
-        listing = {r.id: sorted(r.models) if r.models is not None else None for r in fleet.replicas}
+        replicas = node.fleet.replicas
+        listing = {r.id: sorted(r.models) if r.models is not None else None for r in replicas}
+        adapters = {r.id: [sorted(r.adapters) if r.adapters is not None else None, r.max_lora] for r in replicas}
         try:
-            await link.models(listing)
+            held = await link.models(listing, adapters)
         except Exception:  # a bug here must not stop the sharing for good
             log.exception("sharing the replicas' models with the workers failed")
 
@@ -355,7 +359,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                     flush=True,
                 )
                 watcher = asyncio.create_task(pool.watch())
-                sharing = asyncio.create_task(share_models(node.fleet, link, config.probe_interval_s))
+                sharing = asyncio.create_task(share_models(node, link, config.probe_interval_s))
                 await until_stopped(stop)
             finally:
                 with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell

@@ -3,7 +3,8 @@
 Segment, all little-endian:
 
     header    magic "KVAR" | version u32 | slots u32 | slot_size u32 | creator pid u32 | workers u32
-              | sticky entries u32 | padding | generation u64 at GENERATION_AT | padding to 64 bytes
+              | sticky entries u32 | padding | generation u64 at GENERATION_AT | probe round u64 at
+              PROBED_AT | padding to 64 bytes
     replicas  `slots` slots written by the control loop: the replica table every worker routes by
     agents    `slots` slots written by colocated router-agents, agent slot i for replica slot i
     counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
@@ -15,7 +16,9 @@ Segment, all little-endian:
     slot      seq u64 | checksum u64 | payload (SLOT_PAYLOAD below) | padding to SLOT_SIZE
 
 `generation` goes up each time the control loop changes what routing depends on (membership,
-state, ring weight), so a worker re-reads the table only when it changed.
+state, ring weight), so a worker re-reads the table only when it changed. `probe round` goes up
+after each round of health probes, whether or not any figure changed: a worker then knows the
+engines' queues it reads are new, and counts its sends from there (router.admission).
 
 `seq` is the slot's seqlock: odd while a writer is inside. `checksum` is XXH3 of the payload, so a
 reader also rejects a torn copy on hardware that reorders stores. Bump VERSION whenever the payload
@@ -28,9 +31,10 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 9
-HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation, then padding to 64
+VERSION = 10
+HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation and the probe round, then padding to 64
 GENERATION_AT = 32
+PROBED_AT = 40
 HEADER_SIZE = 64
 SEQ = struct.Struct("<QQ")  # seq, checksum: 16 bytes
 MAX_ID_BYTES = 64
@@ -71,7 +75,8 @@ COUNTER_FIELDS = (
     *(f"ttft_{i}" for i in range(LATENCY_SAMPLES)),
 )
 COUNTER_CELL = 32  # int64s per cell
-assert HEADER.size + 8 <= HEADER_SIZE and SEQ.size + SLOT_PAYLOAD.size <= SLOT_SIZE
+assert PROBED_AT + 8 <= HEADER_SIZE and HEADER.size <= GENERATION_AT
+assert SEQ.size + SLOT_PAYLOAD.size <= SLOT_SIZE
 assert len(COUNTER_FIELDS) <= COUNTER_CELL
 
 STATE_CODES = ("empty", "healthy", "suspect", "removed", "recovering", "draining", "warming")

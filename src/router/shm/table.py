@@ -23,6 +23,7 @@ from router.shm.layout import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    PROBED_AT,
     SEQ,
     SLOT_PAYLOAD,
     SLOT_SIZE,
@@ -224,6 +225,17 @@ class SlotTable:
         """Mark the replica table changed (the control loop only, after writing the slots)."""
         value = self.generation + 1
         _U64.pack_into(self._buf, GENERATION_AT, value)
+        return value
+
+    @property
+    def probe_round(self) -> int:
+        value: int = _U64.unpack_from(self._buf, PROBED_AT)[0]
+        return value
+
+    def bump_probe_round(self) -> int:
+        """Mark a round of health probes done (the control loop only, after writing the slots)."""
+        value = self.probe_round + 1
+        _U64.pack_into(self._buf, PROBED_AT, value)
         return value
 
     def counters(self, worker: int) -> memoryview:
