@@ -69,6 +69,9 @@ class RouterConfig:
     # ttft: a request for a LoRA adapter loaded on other replicas costs this much more time to first
     # token where it is not (loading it, or waiting for a free adapter slot)
     adapter_load_s: float = 0.25
+    # ttft: a replica whose requests in flight fill its KV cache makes a new one wait for room
+    # (tokens past its capacity, drained a capacity's worth every reply time: router.placement)
+    ttft_kv_wait: bool = True
     # affinity (and ttft: the sessions' table)
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000

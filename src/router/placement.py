@@ -24,13 +24,20 @@ starting at `prefill_tokens_per_s`;
 a replica not yet measured takes the median of those that are (else the first one measured fast
 would look like the only fast one, and draw everything). So
 
-    cost(replica) = max(0, busy_until - now)                      wait for what was sent there
+    cost(replica) = max(0, busy_until - now, kv_wait)             wait for what was sent there (or
+                                                                  for room in its KV cache)
                   + other_waiting x mean uncached x s_per_token   queued by others (probed)
                   + running x ttft_decode_s                       its decode steps slow prefill
                   + (prompt tokens - cached tokens) x s_per_token x (1 + ttft_interference x running)
                                                                   this request's own prefill, and
                                                                   the delay it causes the running
                   + ttft_spread_tokens x s_per_token x excess x uncached / prompt   what new context commits
+
+kv_wait: an engine admits a request only once its blocks fit. The router counts the tokens it has
+in flight on each replica (prompts, and the mean reply length); past its KV capacity C, a request
+of r tokens waits (in flight + r - C) / C x the fleet's mean reply time (a cache's worth of
+requests finishes every reply). Without it a replica with an empty prefill queue but a full
+cache looked free, and an overloaded fleet's first tokens waited where the model saw no queue.
 
 The last term is not this request's time to first token but the turns a conversation placed there
 will bring: excess = (recent - mean recent)+ / (mean recent + 4), from the requests
@@ -77,6 +84,8 @@ RESET_MIN_BLOCKS = 8  # ... a prediction this long at least
 SPREAD_WINDOW_S = 30.0  # recent traffic decays with this time constant
 RECENT_RENORMALISE_S = 600.0  # recent traffic is kept in a frame that is moved this often
 WAITING_REFRESH_S = 0.05  # the engines' probed queues are re-read at most this often
+KV_NEAR = 0.9  # a replica whose requests in flight and one more fill this share of its KV cache is checked
+REPLY_ALPHA = 0.05  # EWMA weight of one answer's reply length and reply time
 FLEET_SPEED_EVERY = 32  # the fleet's median speed is taken again every this many answers (and at a first one)
 
 
@@ -92,6 +101,7 @@ class Held:
     busy_until: float = 0.0  # when what was sent there is prefilled (monotonic seconds)
     recent: float = 0.0  # requests sent there, decaying with SPREAD_WINDOW_S (in Placement's frame)
     pos: int = 0  # its fleet position in the row arrays
+    kv_tokens: float = 0.0  # tokens of the requests in flight there: their prompts and expected replies
     misses: int = 0  # answers in a row that found nothing of a long predicted prefix
     resets: int = 0
 
@@ -117,6 +127,7 @@ class Placed:
     blocks: int  # blocks predicted cached there
     wait_tokens: float  # tokens of prefill it waited for (queue) at the time it was sent
     decode_s: float  # the decode share of its predicted wait
+    tokens: float = 0.0  # its part of the replica's kv_tokens, until it is released
 
 
 @dataclass(slots=True)
@@ -155,6 +166,12 @@ class Placement:
         self.tie_s = config.ttft_tie_s
         self.tie_share = config.ttft_tie_share
         self.adapter_load_s = config.adapter_load_s
+        self.kv_wait = config.ttft_kv_wait
+        self.mean_prompt = 0.0  # tokens a prompt has, on average
+        self.mean_output = 0.0  # ... and a reply (what a request will add to a KV cache)
+        self.reply_s: float | None = None  # seconds from a reply's first token to its last, on average
+        # replicas whose requests in flight (nearly) fill their KV cache, by holder (`_kv_mark`)
+        self._kv_full: dict[int, Held] = {}
         # the row arrays of a decision, by fleet position (`_layout`), and what they are for
         self._layout_for = -1
         self._helds: list[Held] = []
@@ -292,6 +309,8 @@ class Placement:
         # the kernel counts a prefill's interference (it delays every request running there) and,
         # for a keyed session's replica, credits it with whatever of this prompt any replica holds
         busy = self._busy
+        if self._kv_full and self.kv_wait:
+            busy = self._kv_bound(busy, now, self._total + self.mean_output)
         if cold and self.adapter_load_s > 0:
             busy = array("d", busy)
             for i in cold:
@@ -386,20 +405,81 @@ class Placement:
         blocks = round(candidate.cached_tokens * self.bytes_per_token / self.block_bytes)
         if self.index.insert(held.holder, prompt.chain) and self.share is not None:
             self.share(replica.id, prompt.chain)
-        return Placed(held, blocks, wait_tokens, candidate.wait_s - (start - now))
+        tokens = prompt.nbytes / self.bytes_per_token + self.mean_output
+        held.kv_tokens += tokens
+        self._kv_mark(held)
+        return Placed(held, blocks, wait_tokens, candidate.wait_s - (start - now), tokens)
 
     def failed(self, replica: ReplicaState, prompt: Prompt, placed: Placed) -> None:
         """The attempt `placed` on `replica` failed before its first byte: it computed nothing of
-        the prompt past what it held already."""
+        the prompt past what it held already, and holds none of it in flight."""
         if self.held.get(replica.id) is placed.held:
             self.index.truncate(placed.held.holder, prompt.chain, placed.blocks)
+            self._unload(placed)
 
-    def released(self, replica: ReplicaState, now: float) -> None:
-        """An attempt there ended: with nothing left in flight, nothing is queued either."""
+    def released(self, replica: ReplicaState, now: float, placed: Placed | None = None) -> None:
+        """An attempt there ended (`placed`: what it expected there, if it was priced): its tokens
+        leave the replica's KV cache; with nothing left in flight, nothing is queued either."""
+        held = self.held.get(replica.id)
+        if held is None:
+            return
+        if placed is not None and placed.held is held:
+            self._unload(placed)
         if replica.inflight <= 0:
-            held = self.held.get(replica.id)
-            if held is not None and held.busy_until > now:
+            if held.kv_tokens:
+                held.kv_tokens = 0.0
+                self._kv_mark(held)
+            if held.busy_until > now:
                 self.set_busy(held, now)
+
+    def _unload(self, placed: Placed) -> None:
+        held = placed.held
+        held.kv_tokens = max(0.0, held.kv_tokens - placed.tokens)
+        placed.tokens = 0.0
+        self._kv_mark(held)
+
+    # -- KV-bound queues ---------------------------------------------------------------------------
+
+    def kv_capacity(self, held: Held) -> float:
+        """Tokens its KV cache holds (its engine's figure, else the configured one: `of`)."""
+        return held.engine_blocks * self.block_bytes / self.bytes_per_token
+
+    def _kv_mark(self, held: Held) -> None:
+        """Keep `held` among the replicas `_kv_bound` looks at while its requests in flight and one
+        more of the usual size would not fit its KV cache."""
+        if held.kv_tokens + self.mean_request_tokens() > self.kv_capacity(held) * KV_NEAR:
+            self._kv_full[held.holder] = held
+        else:
+            self._kv_full.pop(held.holder, None)
+
+    def mean_request_tokens(self) -> float:
+        return self.mean_prompt + self.mean_output
+
+    def kv_wait_s(self, held: Held, request_tokens: float) -> float:
+        """How long a request of `request_tokens` (prompt and reply) waits at `held` for room in
+        its KV cache: an engine admits a request only once its blocks fit, so past the capacity C
+        the queue drains as running requests finish, C tokens every reply time (the fleet's mean
+        time from a reply's first token to its last). 0 while they fit, or before any reply was timed."""
+        if not self.kv_wait or self.reply_s is None:
+            return 0.0
+        capacity = self.kv_capacity(held)
+        over = held.kv_tokens + request_tokens - capacity
+        return over / capacity * self.reply_s if over > 0 else 0.0
+
+    def _kv_bound(self, busy: array[float], now: float, request_tokens: float) -> array[float]:
+        """`busy` with each KV-bound replica's prefill queue drained no sooner than its KV wait."""
+        out = busy
+        helds = self._helds
+        for held in self._kv_full.values():
+            pos = held.pos
+            if pos >= len(helds) or helds[pos] is not held:
+                continue
+            wait = self.kv_wait_s(held, request_tokens)
+            if wait > 0 and now + wait > out[pos]:
+                if out is busy:
+                    out = array("d", busy)
+                out[pos] = now + wait
+        return out
 
     # -- an answer -------------------------------------------------------------------------------
 
@@ -411,15 +491,23 @@ class Placement:
         prompt_tokens: int,
         cached_tokens: int,
         ttft_s: float | None,
+        completion_tokens: int = 0,
+        reply_s: float | None = None,
     ) -> float | None:
         """`replica` answered `prompt`: it holds the prompt's blocks now; what it reported (tokens,
-        cached tokens, time to first token when streamed) corrects the model. Returns the cached
-        tokens that were predicted, when the answer reported usage to check them against."""
+        cached tokens, time to first token when streamed; the reply's tokens and the seconds from
+        its first to its last) corrects the model. Returns the cached tokens that were predicted,
+        when the answer reported usage to check them against."""
         held = self.of(replica)
         if self.index.insert(held.holder, prompt.chain) and self.share is not None:
             self.share(replica.id, prompt.chain)
+        if completion_tokens > 0:  # (the first answer sets it: it is a length, no prior fits every fleet)
+            self.mean_output += (REPLY_ALPHA if self.mean_output else 1.0) * (completion_tokens - self.mean_output)
+        if reply_s is not None and math.isfinite(reply_s) and reply_s > 0:
+            self.reply_s = reply_s if self.reply_s is None else self.reply_s + REPLY_ALPHA * (reply_s - self.reply_s)
         if prompt_tokens <= 0:
             return None
+        self.mean_prompt += (REPLY_ALPHA if self.mean_prompt else 1.0) * (prompt_tokens - self.mean_prompt)
         ratio = prompt.nbytes / prompt_tokens
         if 0.5 <= ratio <= 64:  # a tokenizer's plausible range; anything else is someone's odd count
             self.bytes_per_token += RATIO_ALPHA * (ratio - self.bytes_per_token)

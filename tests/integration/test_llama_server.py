@@ -385,7 +385,9 @@ async def test_health_reads_llama_cpp_and_a_full_replica_spills(llama, start_rou
             assert row["engine"]["kv_usage"] is None  # llama-server exports none: missing, not zero
             assert row["engine"]["prefix_queries"] is not None and row["engine"]["running"] == 0
         # one session's burst: its replica runs two at once; the rest go to the idle one, not its queue
-        long = {"messages": [SYSTEM, {"role": "user", "content": "go on"}], "max_tokens": 300, "ignore_eos": True}
+        # long enough that all four still run when a probe looks (CI's pure pass once saw 300 tokens
+        # end on one replica before a probe found both busy)
+        long = {"messages": [SYSTEM, {"role": "user", "content": "go on"}], "max_tokens": 900, "ignore_eos": True}
 
         async def one() -> str:
             r, _ = await post(http, url, {**long, "stream": True}, "burst")

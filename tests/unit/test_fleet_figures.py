@@ -159,6 +159,7 @@ def test_contenders_of_the_router_and_the_peers() -> None:
     assert "--policy" not in args["full"] and {"--rebalance", "--warmup"} <= set(args["full"])  # as shipped
     assert args["affinity"] == ("--policy", "affinity", "--rebalance", "--warmup")
     assert args["full-capacity-blind"] == ("--policy", "affinity", "--rebalance", "--warmup", "--no-capacity-caps")
+    assert args["full-no-kv-wait"] == ("--rebalance", "--warmup", "--no-ttft-kv-wait")
     assert args["least_load"][-2:] == fleet.PLAIN and args["consistent_hash"][-2:] == fleet.PLAIN
     assert args["smg-cache-aware"] == ("--policy", "cache_aware")
     assert args["smg-header"] == ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id")

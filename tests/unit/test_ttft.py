@@ -126,6 +126,57 @@ def test_cost_is_the_queue_plus_the_uncached_prefill() -> None:
     assert loaded[1].cost_s == pytest.approx(again[1].cost_s)  # nothing in flight there
 
 
+def test_a_replica_whose_kv_cache_is_full_makes_a_request_wait_for_room() -> None:
+    config = {"prefill_tokens_per_s": 10_000, "ttft_interference": 0, "ttft_spread_tokens": 0}
+    fleet, policy, clock = setup(2, kv_capacity_tokens=("*=20000",), **config)
+    placement = policy.placement
+    long = [keyless(chat(doc(i, 5000), "q?")) for i in range(4)]
+    one = keyless(chat(doc(9, 5000), "q?"))
+    assert one.prompt is not None
+    tokens = one.prompt.nbytes / placement.bytes_per_token
+    # nothing timed yet: no reply time, so no wait for room however full
+    placement.mean_output = 100
+    full = fleet.replicas[0]
+    placed = []
+    for key in long:
+        assert key.prompt is not None
+        fleet.acquire(full)
+        row = placement.candidates(key.prompt, [0], None, clock.now)[0]
+        placed.append(placement.sent(full, key.prompt, row, clock.now))
+    held = placement.of(full)
+    assert held.kv_tokens == pytest.approx(sum(p.tokens for p in placed))
+    assert held.kv_tokens == pytest.approx(4 * (tokens + 100), rel=0.01)
+    placement.set_busy(held, clock.now)  # prefilled: only the KV cache is in the way
+    rows = {c.index: c for c in placement.candidates(one.prompt, [0, 1], None, clock.now)}
+    assert rows[0].wait_s == pytest.approx(4 * 0.002)
+    # replies take 2 s from first token to last: tokens past the capacity drain 20,000 per 2 s
+    placement.answered(fleet.replicas[1], one.prompt, None, round(tokens), 0, None, 100, 2.0)
+    assert placement.reply_s == 2.0
+    over = held.kv_tokens + tokens + placement.mean_output - placement.kv_capacity(held)
+    assert over > 0
+    rows = {c.index: c for c in placement.candidates(one.prompt, [0, 1], None, clock.now)}
+    assert rows[0].wait_s == pytest.approx(over / placement.kv_capacity(held) * 2.0 + 4 * 0.002)
+    assert rows[1].wait_s == 0
+    d = policy.pick(one, None, ())
+    assert d is not None and d.index == 1  # there is room there
+    # the setting off: no such wait
+    placement.kv_wait = False
+    assert placement.candidates(one.prompt, [0], None, clock.now)[0].wait_s == pytest.approx(4 * 0.002)
+    placement.kv_wait = True
+    # finished and failed attempts take their tokens away; nothing in flight, nothing held
+    fleet.release(full)
+    placement.released(full, clock.now, placed[0])
+    assert placed[0].tokens == 0 and held.kv_tokens == pytest.approx(3 * (tokens + 100), rel=0.01)
+    assert long[1].prompt is not None
+    placement.failed(full, long[1].prompt, placed[1])
+    assert held.kv_tokens == pytest.approx(2 * (tokens + 100), rel=0.01)
+    assert placement.candidates(one.prompt, [0], None, clock.now)[0].wait_s == pytest.approx(3 * 0.002)
+    for _ in range(3):
+        fleet.release(full)
+    placement.released(full, clock.now)  # the rest ended without their records: all gone with them
+    assert held.kv_tokens == 0
+
+
 def test_a_sent_request_queues_its_prefill_and_the_queue_drains_with_time() -> None:
     fleet, policy, clock = setup(1, prefill_tokens_per_s=1_000)
     key = keyless(chat(doc(1, 1000), "q?"))

@@ -64,6 +64,9 @@ HELP = {
     "ttft_tie_share": "ttft: ... or within this share of the cheapest cost (default 0.1)",
     "adapter_load_s": "ttft: seconds added to the cost of a replica without a requested LoRA adapter that other "
     "replicas have loaded (default 0.25; affinity prefers those replicas under their load cap)",
+    "ttft_kv_wait": "ttft: a replica whose requests in flight (prompts and expected replies) fill its KV cache "
+    "costs the wait for room: the tokens past its capacity, drained a capacity's worth every reply time "
+    "(default on)",
     "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",
     "sticky_max_sessions": "sessions remembered at most (default 200000)",
     "key_headers": "comma-separated headers carrying a session key, tried in order",

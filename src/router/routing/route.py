@@ -215,7 +215,8 @@ class Route:
         routing = self.routing
         routing.fleet.release(replica)
         if routing.placement is not None:
-            routing.placement.released(replica, routing.clock())
+            placed = self.placed[1] if self.placed is not None and self.placed[0] is replica else None
+            routing.placement.released(replica, routing.clock(), placed)
 
     def failed(self, replica: ReplicaState, cause: str) -> None:
         """The attempt on `replica` failed before its first byte (`cause`: connect, timeout, http_5xx, reset)."""
@@ -287,7 +288,20 @@ class Route:
         # which the model does not see, and busy replicas would look slow and idle ones fast (every
         # new conversation then herds onto whichever was measured last while idle)
         ttft = facts.token_s if facts.streamed and not facts.cut and self.alone else None
-        predicted = placement.answered(replica, prompt, placed, facts.prompt_tokens, facts.cached_tokens, ttft)
+        # how long a reply holds its KV blocks once it runs (router.placement's KV-bound queues)
+        reply_s = None
+        if facts.streamed and not facts.cut and facts.ttft_s is not None and facts.completion_tokens >= 2:
+            reply_s = routing.clock() - self.t0 - facts.ttft_s
+        predicted = placement.answered(
+            replica,
+            prompt,
+            placed,
+            facts.prompt_tokens,
+            facts.cached_tokens,
+            ttft,
+            facts.completion_tokens,
+            reply_s,
+        )
         m = routing.metrics
         rid = replica.id
         if predicted is not None:
