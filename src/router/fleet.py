@@ -34,6 +34,7 @@ from router.shm.layout import COUNTER_CELL
 
 NONE: frozenset[int] = frozenset()
 MODEL_MEMO = 1024  # models whose replica sets are remembered between fleet changes
+UNLISTED_LABELS = 16  # model names a metric label may carry though no replica lists them (Fleet.model_label)
 TTFT_FLOOR_TOKENS = 256  # a short prompt's first token costs a fixed overhead: normalise by at least this
 WEIGHT_STEP = 0.05  # ring weights follow health in steps at least this big (each change rebuilds the ring)
 
@@ -159,6 +160,9 @@ class Fleet:
         self._adapter_changes = 0
         self._cold: dict[str, frozenset[int]] = {}  # adapter -> indices serving it without it loaded
         self._cold_for: tuple[int, int, int] = (-1, -1, -1)
+        self._names: frozenset[str] = frozenset()  # every model (and adapter) some replica serves
+        self._names_for: tuple[int, int] = (-1, -1)
+        self._unlisted: set[str] = set()  # names labelled as themselves though no replica lists them
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -203,6 +207,25 @@ class Fleet:
                 i for i, r in enumerate(self.replicas) if r.models is not None and model not in r.models
             )
         return found
+
+    def model_label(self, model: str | None) -> str:
+        """`model` as a metric label, from a bounded set (clients name any model they like, and a
+        label per name would grow without bound): its name where some replica lists it (or is
+        pinned to it); `other` where none does; where a replica that does not say what it serves
+        might (an engine that answers any name, or one not probed yet), its name for the first
+        UNLISTED_LABELS such names, `other` past them. `none` for a request that names none."""
+        if model is None:
+            return "none"
+        key = (self.version, self._models_changes)
+        if key != self._names_for:
+            self._names = frozenset().union(*(r.models for r in self.replicas if r.models is not None))
+            self._names_for = key
+        if model in self._names or model in self._unlisted:
+            return model
+        if len(self._unlisted) < UNLISTED_LABELS and any(r.models is None for r in self.replicas):
+            self._unlisted.add(model)
+            return model
+        return "other"
 
     def set_adapters(self, replica: ReplicaState, active: frozenset[str] | None, max_lora: int | None) -> bool:
         """The adapters its engine runs or queues now (None: it does not say). True if they changed."""

@@ -28,8 +28,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_requests": (
         "counter",
-        "Requests answered, by replica (none: not routed), policy, key kind and status.",
-        ("replica", "policy", "key_kind", "status"),
+        "Requests answered, by replica (none: not routed), policy, key kind, status and model (a name "
+        "some replica serves; other: any other name; none: the request named no model).",
+        ("replica", "policy", "key_kind", "status", "model"),
     ),
     "router_inflight": ("gauge", "Requests in flight to each replica.", ("replica",)),
     "router_ttft_seconds": (
@@ -106,8 +107,8 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_shed": (
         "counter",
         "Requests answered 429 because every replica for their model was full: queue_full (max_queued "
-        "were waiting already) or timeout (they waited queue_timeout_s).",
-        ("reason",),
+        "were waiting already) or timeout (they waited queue_timeout_s); model as for router_requests.",
+        ("reason", "model"),
     ),
     "router_queue_wait_seconds": (
         "histogram",

@@ -242,6 +242,12 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
         rows = await _until(table, 5, "the replica table")
         assert len(rows) == 3 and all("healthy" in text for _, text in rows)
 
+        def models_shown() -> bool:  # the models each serves, once a probe has read its /v1/models
+            rows = table()
+            return bool(rows) and all("emulated-llm" in text for _, text in rows)
+
+        await _until(models_shown, 10, "the models each replica serves")
+
         # a replica removed through the admin API shows as removed within a few seconds
         victim = rows[0][0]
         async with aiohttp.ClientSession() as http, http.delete(f"{demo}/admin/replicas/{victim}", headers=AUTH) as r:

@@ -91,7 +91,8 @@ async def test_proxied_and_other_requests_share_one_keep_alive_connection(start_
     assert status == 200 and orjson.loads(body)["choices"]
     conn.close()
     m = router.metrics
-    assert m.requests.labels(router.fleet.replicas[0].id, router.policy.name, "prefix", "200")._value.get() == 2
+    requests = m.requests.labels(router.fleet.replicas[0].id, router.policy.name, "prefix", "200", "emulated-llm")
+    assert requests._value.get() == 2
 
 
 async def test_a_connection_that_starts_elsewhere_is_aiohttps_whole(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]

@@ -100,10 +100,16 @@ async def test_a_model_no_replica_serves_gets_the_routers_404(
         assert "model-z" in text and "no replica behind this router serves it" in text
     status, _, body = await chat(url, "model-z", "s")
     assert body["error"]["param"] == "model" and body["error"]["code"] == 404
+    status, replica, _ = await chat(url, "b-lora", "t")
+    assert status == 200 and replica == "emu-2"
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/metrics") as r:
             metrics = await r.text()
-        assert 'router_requests_total{key_kind="header",policy="ttft",replica="none",status="404"} 3.0' in metrics
+        # a name no replica serves is `other` (a label per client-chosen name would grow without bound)
+        line = 'router_requests_total{key_kind="header",model="other",policy="ttft",replica="none",status="404"} 3.0'
+        assert line in metrics and "model-z" not in metrics
+        line = 'router_requests_total{key_kind="header",model="b-lora",policy="ttft",replica="emu-2",status="200"} 1.0'
+        assert line in metrics
         async with s.get(url + "/admin/route", params={"key": "s", "model": "model-z"}, headers=AUTH) as r:
             explained = await r.json()
         assert explained["replica"] is None and "model-z" in explained["reason"]

@@ -15,7 +15,7 @@ class Clock:
 
 
 def serve(m: RouterMetrics, replica: str, requests: int, prompt: int, cached: int) -> None:
-    m.requests.labels(replica, "affinity", "header", "200").inc(requests)
+    m.requests.labels(replica, "affinity", "header", "200", "m").inc(requests)
     m.prompt_tokens.labels(replica).inc(prompt)
     m.cached_tokens.labels(replica).inc(cached)
 
@@ -62,7 +62,8 @@ def test_events_say_what_changed_between_samples() -> None:
     m.jumps.labels("spill").inc(3)
     m.sessions_moved.labels("scale_out").inc(4)
     m.warmups.labels("ok").inc(4)
-    m.shed.labels("timeout").inc(5)
+    m.shed.labels("timeout", "model-a").inc(3)
+    m.shed.labels("timeout", "other").inc(2)  # summed over models
     m.queued.set(7)
     m.show_health("c", "warming", None)
     clock.now += 1

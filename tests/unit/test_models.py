@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.config import ReplicaSpec, RouterConfig, load, pinned_models
-from router.fleet import MODEL_MEMO, Fleet
+from router.fleet import MODEL_MEMO, UNLISTED_LABELS, Fleet
 from router.health.monitor import listed_models
 from router.health.signals import lora_state
 from router.keys import RoutingKey
@@ -68,6 +68,21 @@ def test_the_memo_of_model_sets_is_bounded_and_follows_membership() -> None:
     assert fleet.not_serving("model-a") == {1}
     fleet.remove("r0")
     assert fleet.not_serving("model-a") == {0}  # r1 is at index 0 now
+
+
+def test_the_model_label_is_a_served_name_or_one_of_a_bounded_few() -> None:
+    listed = fleet_of([A, B])
+    assert listed.model_label("model-a") == "model-a" and listed.model_label("model-b-lora") == "model-b-lora"
+    assert listed.model_label(None) == "none"
+    assert {listed.model_label(f"made-up-{i}") for i in range(100)} == {"other"}  # every replica says no
+    listed.set_models(listed.replicas[1], frozenset({"model-c"}))
+    assert listed.model_label("model-c") == "model-c" and listed.model_label("model-b") == "other"
+    # a replica that does not say (an engine that answers any name): the first few names are kept
+    open_fleet = fleet_of([A, None])
+    labels = [open_fleet.model_label(f"name-{i}") for i in range(3 * UNLISTED_LABELS)]
+    assert labels[:UNLISTED_LABELS] == [f"name-{i}" for i in range(UNLISTED_LABELS)]
+    assert set(labels[UNLISTED_LABELS:]) == {"other"}
+    assert open_fleet.model_label("name-0") == "name-0" and open_fleet.model_label("model-a") == "model-a"
 
 
 def test_a_listing_reads_ids_and_adapters() -> None:

@@ -85,7 +85,8 @@ def read_totals(families: Iterable[Any], at: float) -> Totals:
             name, labels, value = s.name, s.labels, s.value
             if name in BY_LABEL:
                 field_name, label = BY_LABEL[name]
-                getattr(t, field_name)[labels[label]] = value
+                by = getattr(t, field_name)
+                by[labels[label]] = by.get(labels[label], 0.0) + value  # summed over any other label
             elif name == "router_requests_total":
                 replica = labels.get("replica", "none")
                 if replica != "none":

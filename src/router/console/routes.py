@@ -146,6 +146,8 @@ def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
             {
                 "id": r.id,
                 "state": r.state,
+                "models": None if r.models is None else sorted(r.models),
+                "adapters": None if r.adapters is None else sorted(r.adapters),
                 "score": round(r.health.score, 4),
                 "weight": round(fleet.routing_weight(i), 4),
                 "ring_share": round(shares[i], 4),

@@ -177,7 +177,7 @@ class Proxy:
                     t0 + self.config.total_timeout_s,
                 )
             except Shed as shed:
-                self._shed(exchange, shed)
+                self._shed(exchange, shed, key.model)
                 self._finish(exchange, exchange.status, None, key, None, t0)
                 return
             if waited:
@@ -226,10 +226,10 @@ class Proxy:
         self._no_replica(exchange, failure, bool(route.tried))
         self._finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
 
-    def _shed(self, exchange: Exchange, shed: Shed) -> None:
+    def _shed(self, exchange: Exchange, shed: Shed, model: str | None) -> None:
         """The 429 of a request every replica for its model was too full for."""
         m = self.metrics
-        m.child(m.shed, shed.reason).inc()
+        m.child(m.shed, shed.reason, self.node.fleet.model_label(model)).inc()
         headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
         exchange.answer(shed.status, error_body(shed.message, shed.status, "rate_limit_exceeded"), headers)
 
@@ -349,7 +349,8 @@ class Proxy:
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
         m = self.metrics
-        m.child(m.requests, name, self.node.policy.name, key.kind, str(status)).inc()
+        model = self.node.fleet.model_label(key.model)
+        m.child(m.requests, name, self.node.policy.name, key.kind, str(status), model).inc()
         if replica is not None:
             m.child(m.e2e, name).observe(elapsed)
             if result is not None and result.ttft_s is not None:

@@ -10,6 +10,8 @@ const RAMP = [[0x16, 0x26, 0x3a], [0x1f, 0x6f, 0x8b], [0x6c, 0xc0, 0x70], [0xf2,
 const COLUMNS = [
   ["id", (r) => r.id],
   ["state", (r) => r.state],
+  // what it serves (from its /v1/models or the pins; "any": it does not say), and the adapters it has loaded
+  ["models", (r) => (r.models ? r.models.join(", ") + (r.adapters && r.adapters.length ? " · loaded: " + r.adapters.join(", ") : "") : r.state === "left" ? null : "any")],
   ["score", (r) => r.score],
   ["weight", (r) => r.weight],
   ["ring_share", (r) => r.ring_share],
@@ -277,7 +279,7 @@ function drawTable() {
         td.append(badge);
       } else {
         td.textContent = format(name, value);
-        if (name !== "id") td.className = "num";
+        if (name !== "id" && name !== "models") td.className = "num";
       }
       tr.append(td);
     }
@@ -345,7 +347,7 @@ for (const input of document.querySelectorAll("input[name=metric]")) {
 for (const th of document.querySelectorAll("#replicas th")) {
   th.addEventListener("click", () => {
     const key = th.dataset.key;
-    view.sort = { key, dir: view.sort.key === key ? -view.sort.dir : key === "id" || key === "state" ? 1 : -1 };
+    view.sort = { key, dir: view.sort.key === key ? -view.sort.dir : ["id", "state", "models"].includes(key) ? 1 : -1 };
     drawTable();
   });
 }
