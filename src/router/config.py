@@ -72,6 +72,8 @@ class RouterConfig:
     # ttft: a replica whose requests in flight fill its KV cache makes a new one wait for room
     # (tokens past its capacity, drained a capacity's worth every reply time: router.placement)
     ttft_kv_wait: bool = True
+    # ttft: a first token later (or sooner) than modelled moves its replica's queue by this share of the lag
+    ttft_queue_gain: float = 0.5
     # affinity (and ttft: the sessions' table)
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000
@@ -271,6 +273,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "ttft_spread_tokens",
         "ttft_interference",
         "ttft_stay_share",
+        "ttft_queue_gain",
         "adapter_load_s",
     ):
         value = getattr(cfg, name)

@@ -39,6 +39,12 @@ of r tokens waits (in flight + r - C) / C x the fleet's mean reply time (a cache
 requests finishes every reply). Without it a replica with an empty prefill queue but a full
 cache looked free, and an overloaded fleet's first tokens waited where the model saw no queue.
 
+busy_until is the router's model of what it sent; the engines' first tokens correct it. A request
+remembers when its first token was due (`Placed.due`); a streamed answer whose first token came
+`lag` seconds later (less the corrections that replica's queue had since: `Held.shift`) moves
+that replica's busy_until by `ttft_queue_gain` x lag while others are still in flight there
+(`_lagged`), and an early one back (never before now).
+
 The last term is not this request's time to first token but the turns a conversation placed there
 will bring: excess = (recent - mean recent)+ / (mean recent + 4), from the requests
 sent to each replica, decaying over SPREAD_WINDOW_S, and scaled by the share of the prompt the
@@ -102,6 +108,7 @@ class Held:
     recent: float = 0.0  # requests sent there, decaying with SPREAD_WINDOW_S (in Placement's frame)
     pos: int = 0  # its fleet position in the row arrays
     kv_tokens: float = 0.0  # tokens of the requests in flight there: their prompts and expected replies
+    shift: float = 0.0  # seconds its queue was moved by first tokens that came later (or sooner) than modelled
     misses: int = 0  # answers in a row that found nothing of a long predicted prefix
     resets: int = 0
 
@@ -128,6 +135,8 @@ class Placed:
     wait_tokens: float  # tokens of prefill it waited for (queue) at the time it was sent
     decode_s: float  # the decode share of its predicted wait
     tokens: float = 0.0  # its part of the replica's kv_tokens, until it is released
+    due: float = 0.0  # when the model expected its first token (monotonic seconds)
+    shift: float = 0.0  # the replica's queue corrections so far, when it was sent (Held.shift)
 
 
 @dataclass(slots=True)
@@ -167,6 +176,7 @@ class Placement:
         self.tie_share = config.ttft_tie_share
         self.adapter_load_s = config.adapter_load_s
         self.kv_wait = config.ttft_kv_wait
+        self.queue_gain = config.ttft_queue_gain
         self.mean_prompt = 0.0  # tokens a prompt has, on average
         self.mean_output = 0.0  # ... and a reply (what a request will add to a KV cache)
         self.reply_s: float | None = None  # seconds from a reply's first token to its last, on average
@@ -401,14 +411,16 @@ class Placement:
             self._recent[held.pos] = held.recent
         start = max(now, held.busy_until)
         wait_tokens = (start - now) / held.seconds_per_token
-        self.set_busy(held, start + candidate.uncached_tokens * held.seconds_per_token)
+        done = start + candidate.uncached_tokens * held.seconds_per_token
+        self.set_busy(held, done)
         blocks = round(candidate.cached_tokens * self.bytes_per_token / self.block_bytes)
         if self.index.insert(held.holder, prompt.chain) and self.share is not None:
             self.share(replica.id, prompt.chain)
         tokens = prompt.nbytes / self.bytes_per_token + self.mean_output
         held.kv_tokens += tokens
         self._kv_mark(held)
-        return Placed(held, blocks, wait_tokens, candidate.wait_s - (start - now), tokens)
+        decode_s = candidate.wait_s - (start - now)
+        return Placed(held, blocks, wait_tokens, decode_s, tokens, done + max(decode_s, 0.0), held.shift)
 
     def failed(self, replica: ReplicaState, prompt: Prompt, placed: Placed) -> None:
         """The attempt `placed` on `replica` failed before its first byte: it computed nothing of
@@ -493,11 +505,13 @@ class Placement:
         ttft_s: float | None,
         completion_tokens: int = 0,
         reply_s: float | None = None,
+        first_token_at: float | None = None,
     ) -> float | None:
         """`replica` answered `prompt`: it holds the prompt's blocks now; what it reported (tokens,
         cached tokens, time to first token when streamed; the reply's tokens and the seconds from
-        its first to its last) corrects the model. Returns the cached tokens that were predicted,
-        when the answer reported usage to check them against."""
+        its first to its last; when its first token came, on the placement's clock) corrects the
+        model. Returns the cached tokens that were predicted, when the answer reported usage to
+        check them against."""
         held = self.of(replica)
         if self.index.insert(held.holder, prompt.chain) and self.share is not None:
             self.share(replica.id, prompt.chain)
@@ -505,6 +519,8 @@ class Placement:
             self.mean_output += (REPLY_ALPHA if self.mean_output else 1.0) * (completion_tokens - self.mean_output)
         if reply_s is not None and math.isfinite(reply_s) and reply_s > 0:
             self.reply_s = reply_s if self.reply_s is None else self.reply_s + REPLY_ALPHA * (reply_s - self.reply_s)
+        if first_token_at is not None and placed is not None and placed.held is held and placed.due:
+            self._lagged(replica, held, first_token_at - placed.due - (held.shift - placed.shift))
         if prompt_tokens <= 0:
             return None
         self.mean_prompt += (REPLY_ALPHA if self.mean_prompt else 1.0) * (prompt_tokens - self.mean_prompt)
@@ -527,6 +543,27 @@ class Placement:
         predicted = min(placed.blocks * self.block_bytes / self.bytes_per_token, prompt_tokens)
         self._correct(held, prompt, placed.blocks, predicted, prompt_tokens, cached_tokens)
         return predicted
+
+    def _lagged(self, replica: ReplicaState, held: Held, lag: float) -> None:
+        """A first token came `lag` seconds after the model said (less what the queue there was
+        moved by since it was sent): the queue is that much longer than modelled, or shorter if
+        negative, and the requests still in flight there wait with it. Its drain time moves by
+        `ttft_queue_gain` of that. Unlike a prefill speed learnt under load, this moves only the queue
+        there now: it drains away with it, and cannot keep a replica looking slow."""
+        gain = self.queue_gain
+        if not gain or not math.isfinite(lag) or lag == 0:
+            return
+        now = self.clock()
+        if lag > 0:
+            if replica.inflight <= 0:
+                return  # nothing is behind it
+            moved = max(held.busy_until, now) + gain * lag
+        elif held.busy_until > now:
+            moved = max(now, held.busy_until + gain * lag)
+        else:
+            return
+        held.shift += gain * lag
+        self.set_busy(held, moved)
 
     def _fleet_speed(self) -> None:
         learnt = sorted(h.seconds_per_token for h in self.held.values() if h.samples)

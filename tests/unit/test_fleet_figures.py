@@ -160,6 +160,7 @@ def test_contenders_of_the_router_and_the_peers() -> None:
     assert args["affinity"] == ("--policy", "affinity", "--rebalance", "--warmup")
     assert args["full-capacity-blind"] == ("--policy", "affinity", "--rebalance", "--warmup", "--no-capacity-caps")
     assert args["full-no-kv-wait"] == ("--rebalance", "--warmup", "--no-ttft-kv-wait")
+    assert args["full-no-queue-lag"] == ("--rebalance", "--warmup", "--ttft-queue-gain", "0")
     assert args["least_load"][-2:] == fleet.PLAIN and args["consistent_hash"][-2:] == fleet.PLAIN
     assert args["smg-cache-aware"] == ("--policy", "cache_aware")
     assert args["smg-header"] == ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id")

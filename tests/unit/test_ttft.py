@@ -177,6 +177,57 @@ def test_a_replica_whose_kv_cache_is_full_makes_a_request_wait_for_room() -> Non
     assert held.kv_tokens == 0
 
 
+def test_first_tokens_later_than_modelled_lengthen_the_queue_and_sooner_ones_shorten_it() -> None:
+    fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, ttft_interference=0, ttft_spread_tokens=0)
+    placement = policy.placement
+    replica = fleet.replicas[0]
+    keys = [keyless(chat(doc(i, 2000), "q?")) for i in range(4)]
+    placed = []
+    for key in keys:
+        assert key.prompt is not None
+        fleet.acquire(replica)
+        row = placement.candidates(key.prompt, [0], None, clock.now)[0]
+        placed.append(placement.sent(replica, key.prompt, row, clock.now))
+    held = placement.of(replica)
+    assert placed[0].due == pytest.approx(clock.now + 2000 / 10_000 + placed[0].decode_s, rel=0.02)
+    assert placed[-1].due == pytest.approx(held.busy_until + placed[-1].decode_s)
+
+    def answer(i: int, first_at: float) -> None:
+        fleet.release(replica)
+        placement.released(replica, clock.now, placed[i])
+        prompt = keys[i].prompt
+        assert prompt is not None
+        placement.answered(replica, prompt, placed[i], 2000, 0, None, 50, 1.0, first_at)
+
+    clock.now += 0.3
+    busy = held.busy_until
+    answer(0, placed[0].due + 1.0)  # a second later than modelled: the three behind it wait longer too
+    assert held.busy_until == pytest.approx(busy + 0.5) and held.shift == pytest.approx(0.5)
+    # as late again, against the queue as it was when it was sent: half of that lag is news already
+    answer(1, placed[1].due + 1.0)
+    assert held.busy_until == pytest.approx(busy + 0.75) and held.shift == pytest.approx(0.75)
+    d = policy.pick(keys[0], None, ())
+    assert d is not None and d.index == 1  # the longer queue costs more
+    # sooner than modelled: the queue is shorter, never drained before now
+    answer(2, placed[2].due - 10.0)
+    assert held.busy_until == pytest.approx(clock.now)
+    # with nothing left behind it, a late first token delays nobody
+    clock.now += 5
+    answer(3, placed[3].due + 3.0)
+    assert held.busy_until <= clock.now and replica.inflight == 0
+    # ttft_queue_gain = 0: the model's queue alone
+    placement.queue_gain = 0
+    prompt = keys[0].prompt
+    assert prompt is not None
+    fleet.acquire(replica)
+    fleet.acquire(replica)
+    one = placement.sent(replica, prompt, placement.candidates(prompt, [0], None, clock.now)[0], clock.now)
+    busy = held.busy_until
+    fleet.release(replica)
+    placement.answered(replica, prompt, one, 2000, 0, None, 50, 1.0, one.due + 5.0)
+    assert held.busy_until == busy
+
+
 def test_a_sent_request_queues_its_prefill_and_the_queue_drains_with_time() -> None:
     fleet, policy, clock = setup(1, prefill_tokens_per_s=1_000)
     key = keyless(chat(doc(1, 1000), "q?"))

@@ -11,6 +11,7 @@ this process sending the workload. Contenders:
   load), to compare with the default; `full-capacity-blind`: `affinity` with `--no-capacity-caps`
   (bounded load that ignores how many requests each replica runs at once, as before that setting);
   `full-no-kv-wait`: `full` with `--no-ttft-kv-wait` (no wait for room in a full KV cache);
+  `full-no-queue-lag`: `full` with `--ttft-queue-gain 0` (first tokens' lag does not move the queues);
 - `sglang-cache-aware`, `sglang-header`: `sglang-router` with `--policy cache_aware`, and with
   `--policy manual` and the session id in `X-SMG-Routing-Key` (when sglang-router is installed);
 - `smg-cache-aware`, `smg-header`: `smg` 1.13, the Shepherd Model Gateway (sglang-router's
@@ -184,6 +185,9 @@ CONTENDERS = {
         Contender("full", "router-serve as shipped", "router", SHIPPED),  # its default policy
         Contender("affinity", "router-serve affinity", "router", ("--policy", "affinity", *SHIPPED)),
         Contender("full-no-kv-wait", "router-serve, no KV-bound wait", "router", (*SHIPPED, "--no-ttft-kv-wait")),
+        Contender(
+            "full-no-queue-lag", "router-serve, queues not moved by lag", "router", (*SHIPPED, "--ttft-queue-gain", "0")
+        ),
         Contender(
             "full-capacity-blind",
             "router-serve affinity, capacity-blind",

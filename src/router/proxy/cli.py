@@ -67,6 +67,8 @@ HELP = {
     "ttft_kv_wait": "ttft: a replica whose requests in flight (prompts and expected replies) fill its KV cache "
     "costs the wait for room: the tokens past its capacity, drained a capacity's worth every reply time "
     "(default on)",
+    "ttft_queue_gain": "ttft: a streamed answer's first token later (or sooner) than the model predicted moves "
+    "the predicted drain of its replica's queue by this share of the lag (default 0.5; 0 turns it off)",
     "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",
     "sticky_max_sessions": "sessions remembered at most (default 200000)",
     "key_headers": "comma-separated headers carrying a session key, tried in order",

@@ -292,6 +292,7 @@ class Route:
         reply_s = None
         if facts.streamed and not facts.cut and facts.ttft_s is not None and facts.completion_tokens >= 2:
             reply_s = routing.clock() - self.t0 - facts.ttft_s
+        first = self.t0 + facts.token_s if facts.streamed and not facts.cut and facts.token_s is not None else None
         predicted = placement.answered(
             replica,
             prompt,
@@ -301,6 +302,7 @@ class Route:
             ttft,
             facts.completion_tokens,
             reply_s,
+            first,
         )
         m = routing.metrics
         rid = replica.id
