@@ -262,6 +262,37 @@ def test_prefill_speed_is_learnt_from_measured_ttft() -> None:
     assert 1 / placement.of(fleet.replicas[0]).seconds_per_token == pytest.approx(4000, rel=0.05)
 
 
+def test_a_few_odd_samples_do_not_make_one_of_a_uniform_fleet_look_slow() -> None:
+    fleet, policy, clock = setup(4, prefill_tokens_per_s=1_000, ttft_decode_s=0)
+    placement = policy.placement
+    prompt = keyless(chat(doc(1, 3000), "q?")).prompt
+    assert prompt is not None
+    tokens = round(prompt.nbytes / 4)
+
+    def sample(index: int, tokens_per_s: float, computed: int = tokens) -> None:
+        assert prompt is not None
+        replica = fleet.replicas[index]
+        placed = placement.sent(replica, prompt, placement.candidates(prompt, [index], None, clock.now)[0], clock.now)
+        placement.answered(replica, prompt, placed, computed, 0, computed / tokens_per_s)
+        placement.index.clear(placement.of(replica).holder)
+        clock.now += 100
+
+    for _ in range(16):
+        for i in range(4):
+            sample(i, 4000)
+    speeds = [1 / placement.of(r).seconds_per_token for r in fleet.replicas]
+    assert speeds == pytest.approx([4000] * 4, rel=0.01)
+    sample(0, 1000)
+    sample(0, 1000)  # two slow samples (a loaded host, a neighbour's chunk): the median shrugs them off
+    sample(1, 40, computed=200)  # a short prompt's first token is a step's fixed cost: not a speed
+    assert 1 / placement.of(fleet.replicas[0]).seconds_per_token == pytest.approx(4000, rel=0.01)
+    assert 1 / placement.of(fleet.replicas[1]).seconds_per_token == pytest.approx(4000, rel=0.01)
+    # a replica that is slower says so in every sample: it is learnt as such
+    for _ in range(16):
+        sample(3, 2000)
+    assert 1 / placement.of(fleet.replicas[3]).seconds_per_token < 2700
+
+
 # -- placement ------------------------------------------------------------------------------------
 
 
