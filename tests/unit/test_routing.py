@@ -344,17 +344,18 @@ async def test_ttft_learns_a_prefill_speed_only_from_a_request_that_had_the_repl
     routing, clock, _ = core("ttft", replicas=1)
     placement = routing.placement
     assert placement is not None
-    alone = await routing.route(prompt_key("first " * 300, "a"), clock.now, clock.now + 60)
+    # prompts long enough to be a speed sample (router.placement.SPEED_MIN_TOKENS)
+    alone = await routing.route(prompt_key("first " * 1500, "a"), clock.now, clock.now + 60)
     replica = alone.next(clock.now)
     assert replica is not None
-    shared = await routing.route(prompt_key("second " * 300, "b"), clock.now, clock.now + 60)
+    shared = await routing.route(prompt_key("second " * 1500, "b"), clock.now, clock.now + 60)
     assert shared.next(clock.now) is replica  # two in flight there now
     held = placement.of(replica)
     prior = held.seconds_per_token
-    slow = Served(200, 9.0, 400, 0, 10, streamed=True, token_s=9.0)  # it waited behind the other
+    slow = Served(200, 9.0, 2400, 0, 10, streamed=True, token_s=9.0)  # it waited behind the other
     shared.release(replica)
     shared.served(replica, slow, "/v1/chat/completions", b"{}")
     assert held.seconds_per_token == prior and held.samples == 0
     alone.release(replica)
-    alone.served(replica, Served(200, 0.2, 300, 0, 10, streamed=True, token_s=0.2), "/v1/chat/completions", b"{}")
+    alone.served(replica, Served(200, 0.2, 2300, 0, 10, streamed=True, token_s=0.2), "/v1/chat/completions", b"{}")
     assert held.samples == 1 and held.seconds_per_token != prior
