@@ -267,7 +267,7 @@ async def test_client_disconnect_cancels_the_upstream_request(start_fleet, start
         await asyncio.sleep(0.02)
     assert engine.aborted_total == 1 and not engine.has_work()
     assert router.fleet.replicas[0].inflight == 0
-    assert router.metrics.requests.labels("emu-0", "ttft", "prefix", "499")._value.get() == 1
+    assert router.metrics.requests.labels("emu-0", "ttft", "prefix", "499", "emulated-llm")._value.get() == 1
 
 
 async def test_limits_and_bad_bodies_get_openai_errors(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
