@@ -45,6 +45,44 @@ def test_overload_benchmark_smoke() -> None:
     assert runs["admission"]["failed"] == 0
 
 
+def test_the_mixed_traffic_is_counted_per_client_and_kind() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.bench.cli",
+            "overload",
+            "--json",
+            "--no-peers",
+            "--mix",
+            "--replicas",
+            "2",
+            "--slots",
+            "2",
+            "--loads",
+            "3",
+            "--duration-s",
+            "4",
+            "--calibrate-s",
+            "2",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    for run in result["runs"]:
+        c = run["classes"]
+        assert c["heavy"]["sent"] + c["light"]["sent"] == run["sent"] == c["turn"]["sent"] + c["new"]["sent"]
+        assert c["heavy"]["sent"] > c["light"]["sent"] > 0  # three to one
+        assert c["turn"]["sent"] > 0 and c["new"]["sent"] > 0  # conversations go on
+        for name in ("heavy", "light", "turn", "new"):
+            assert 0 <= c[name]["good"] + c[name]["shed"] + c[name]["late"] <= 1.0001
+
+
 def test_bad_arguments_are_one_line() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "router.bench.cli", "overload", "--loads", "x"],

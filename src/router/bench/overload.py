@@ -18,6 +18,14 @@ as shipped (everything forwarded), round robin from the client, and smg with its
 (`--max-concurrent-requests` the fleet's slots plus `--full-waiting` per replica, the same
 `--queue-size` and `--queue-timeout-secs`) and worker overload protection with shedding.
 Between contenders the fleet drains until every replica is idle.
+
+`--mix` makes the traffic two clients and conversations: a heavy client (`user` "heavy") sends
+three requests for every one of a light client ("light"), and each request is, with probability
+`--turn-share`, the next turn of one of that client's conversations whose last turn has ended
+(its session key and history), else a new conversation. The figures are then also kept per
+client and per kind (turn, new): with admission, the light client's share of the goodput should
+stay near half (fair queueing, not first come first served) and turns should fare better than
+new conversations (their cache is warm and their users are mid-conversation).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ from router.bench.fleet import Child, Contender, Fleet, start_contender, start_f
 from router.bench.proxy_bench import cpu_seconds, peer_installed
 
 CLIENT_TIMEOUT_S = 60.0
+CLIENTS = (("heavy", 0.75), ("light", 0.25))  # --mix: who sends, and their shares of the arrivals
+CLASSES = ("heavy", "light", "turn", "new")
 
 
 @dataclass
@@ -57,28 +67,54 @@ class Tally:
         return self.good + self.late + self.shed + self.failed
 
 
-async def one(http: aiohttp.ClientSession, url: str, body: bytes, target_s: float, tally: Tally) -> None:
+async def one(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    target_s: float,
+    tally: Tally,
+    session: str | None = None,
+    also: tuple[Tally, ...] = (),
+) -> bool:
+    """Send one streamed chat turn and count it in `tally` (and in each of `also`); True when it
+    was answered whole."""
+    return await _one(http, url, body, target_s, _Counted((tally, *also)), session or uuid.uuid4().hex)
+
+
+class _Counted:
+    """Counts into several tallies at once."""
+
+    def __init__(self, tallies: tuple[Tally, ...]) -> None:
+        self.tallies = tallies
+
+    def add(self, outcome: str, ttft: float | None = None) -> None:
+        for t in self.tallies:
+            setattr(t, outcome, getattr(t, outcome) + 1)
+            if ttft is not None:
+                t.ttfts.append(ttft)
+
+
+async def _one(
+    http: aiohttp.ClientSession, url: str, body: bytes, target_s: float, tally: _Counted, session: str
+) -> bool:
     t0 = time.monotonic()
     first: float | None = None
     try:
         async with http.post(
             url + "/v1/chat/completions",
             data=body,
-            headers={"X-Session-ID": uuid.uuid4().hex, "Content-Type": "application/json"},
+            headers={"X-Session-ID": session, "Content-Type": "application/json"},
             timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),
         ) as r:
             if r.status in (429, 503):
                 data = await r.read()
                 clean = data.startswith(b"{") and b'"error"' in data
-                if clean:
-                    tally.shed += 1
-                else:
-                    tally.failed += 1
-                return
+                tally.add("shed" if clean else "failed")
+                return False
             if r.status != 200:
                 await r.read()
-                tally.failed += 1
-                return
+                tally.add("failed")
+                return False
             done = broke = False
             async for chunk in r.content.iter_any():
                 if first is None and b'"content":"' in chunk.replace(b'"content":""', b""):
@@ -86,37 +122,57 @@ async def one(http: aiohttp.ClientSession, url: str, body: bytes, target_s: floa
                 broke = broke or b'"error"' in chunk  # an SSE error event: the stream was cut
                 done = done or b"[DONE]" in chunk
             if not done or broke or first is None:
-                tally.failed += 1
-                return
+                tally.add("failed")
+                return False
     except (aiohttp.ClientError, OSError, TimeoutError):
-        tally.failed += 1
-        return
-    tally.ttfts.append(first)
-    if first <= target_s:
-        tally.good += 1
-    else:
-        tally.late += 1
+        tally.add("failed")
+        return False
+    tally.add("good" if first <= target_s else "late", first)
+    return True
 
 
-def chat_body(rng: random.Random, max_tokens: int, prompt_chars: int) -> bytes:
-    words = " ".join(f"w{rng.randrange(1_000_000)}" for _ in range(prompt_chars // 8))
+def words_of(rng: random.Random, chars: int) -> str:
+    return " ".join(f"w{rng.randrange(1_000_000)}" for _ in range(chars // 8))[:chars]
+
+
+def chat_body(
+    rng: random.Random, max_tokens: int, prompt_chars: int, history: list[dict[str, str]] | None = None, **extra: str
+) -> bytes:
+    messages = [*(history or ()), {"role": "user", "content": words_of(rng, prompt_chars)}]
     return orjson.dumps(
         {
             "model": "emulated-llm",  # smg refuses a request without one
-            "messages": [{"role": "user", "content": words[:prompt_chars]}],
+            "messages": messages,
             "max_tokens": max_tokens,
             "stream": True,
+            **extra,
         }
     )
 
 
+@dataclass
+class Conversation:
+    session: str
+    client: str
+    history: list[dict[str, str]] = field(default_factory=list)
+
+
 async def offer(
     targets: list[str], rate: float, duration_s: float, args: argparse.Namespace, seed: int
-) -> tuple[Tally, float]:
-    """Poisson arrivals at `rate` a second for `duration_s`, spread over `targets` in turn."""
+) -> tuple[Tally, float, dict[str, Tally]]:
+    """Poisson arrivals at `rate` a second for `duration_s`, spread over `targets` in turn; with
+    `--mix`, from two clients and partly turns of their conversations, tallied per class too."""
     rng = random.Random(seed)
     tally = Tally()
-    tasks: list[asyncio.Task[None]] = []
+    classes = {name: Tally() for name in CLASSES} if args.mix else {}
+    idle_talks: dict[str, list[Conversation]] = {name: [] for name, _ in CLIENTS}
+    tasks: list[asyncio.Task[bool | None]] = []
+
+    async def turn(url: str, talk: Conversation, body: bytes, kind: str) -> None:
+        if await one(http, url, body, args.ttft_target_s, tally, talk.session, (classes[talk.client], classes[kind])):
+            talk.history.append({"role": "assistant", "content": "(the reply)"})
+        idle_talks[talk.client].append(talk)  # its next turn may come once this one has ended
+
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as http:
         start = time.monotonic()
@@ -129,11 +185,24 @@ async def offer(
             delay = start + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = chat_body(rng, args.max_tokens, args.prompt_chars)
-            tasks.append(asyncio.create_task(one(http, targets[i % len(targets)], body, args.ttft_target_s, tally)))
+            url = targets[i % len(targets)]
             i += 1
+            if not args.mix:
+                body = chat_body(rng, args.max_tokens, args.prompt_chars)
+                tasks.append(asyncio.create_task(one(http, url, body, args.ttft_target_s, tally)))
+                continue
+            client = "heavy" if rng.random() < CLIENTS[0][1] else "light"
+            waiting = idle_talks[client]
+            if waiting and rng.random() < args.turn_share:
+                talk = waiting.pop(rng.randrange(len(waiting)))
+                kind = "turn"
+            else:
+                talk, kind = Conversation(uuid.uuid4().hex, client), "new"
+            body = chat_body(rng, args.max_tokens, args.prompt_chars, talk.history, user=client)
+            talk.history.append({"role": "user", "content": "(the question)"})
+            tasks.append(asyncio.create_task(turn(url, talk, body, kind)))
         await asyncio.gather(*tasks)
-    return tally, time.monotonic() - start
+    return tally, time.monotonic() - start, classes
 
 
 async def idle(fleet: Fleet, timeout_s: float = 60.0) -> None:
@@ -257,7 +326,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     # on this machine the replicas and the client share the CPUs with the router
                     router_cpu = cpu_seconds(child.pid) if child is not None else 0.0
                     fleet_cpu = cpu_seconds(fleet.pids[0])
-                    tally, elapsed = await offer(targets, rate * load, args.duration_s, args, seed=int(load * 100))
+                    tally, elapsed, classes = await offer(
+                        targets, rate * load, args.duration_s, args, seed=int(load * 100)
+                    )
                     used = {
                         "router_cpu_s": round(cpu_seconds(child.pid) - router_cpu, 2) if child is not None else None,
                         "fleet_cpu_s": round(cpu_seconds(fleet.pids[0]) - fleet_cpu, 2),
@@ -272,6 +343,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     **figures(tally, elapsed, rate * load),
                     **used,
                 }
+                if classes:
+                    row["classes"] = {name: _class(t, elapsed) for name, t in classes.items()}
                 result["runs"].append(row)
                 print(
                     f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s, good {row['good']:.0%}, "
@@ -283,6 +356,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         fleet.stop()
     return result
+
+
+def _class(tally: Tally, elapsed_s: float) -> dict[str, Any]:
+    sent = max(tally.sent, 1)
+    return {
+        "sent": tally.sent,
+        "goodput_rps": round(tally.good / elapsed_s, 2),
+        "good": round(tally.good / sent, 4),
+        "shed": round(tally.shed / sent, 4),
+        "late": round(tally.late / sent, 4),
+    }
 
 
 def render(result: dict[str, Any]) -> str:
@@ -301,6 +385,27 @@ def render(result: dict[str, Any]) -> str:
             f"{r['shed']:.1%} | {r['failed']:.1%} | {r['ttft_p50_s']} | {r['ttft_p99_s']} "
             f"| {r['router_cpu_s'] if r['router_cpu_s'] is not None else '—'} | {r['fleet_cpu_s']} |"
         )
+    mixed = [r for r in result["runs"] if "classes" in r]
+    if mixed:
+        lines += [
+            "",
+            "Per client and kind (--mix): goodput / s, and the share of each class's requests answered within "
+            "the target",
+            "",
+            "| offered | contender | heavy | light | light's share of goodput | turns | new | turns ÷ new (good) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in mixed:
+            c = r["classes"]
+            both = c["heavy"]["goodput_rps"] + c["light"]["goodput_rps"]
+            share = f"{c['light']['goodput_rps'] / both:.0%}" if both else "—"
+            ratio = f"{c['turn']['good'] / c['new']['good']:.2f}" if c["new"]["good"] else "—"
+            lines.append(
+                f"| {r['load']:g}x | {r['label']} | {c['heavy']['goodput_rps']} ({c['heavy']['good']:.0%}) "
+                f"| {c['light']['goodput_rps']} ({c['light']['good']:.0%}) | {share} "
+                f"| {c['turn']['goodput_rps']} ({c['turn']['good']:.0%}) | {c['new']['goodput_rps']} "
+                f"({c['new']['good']:.0%}) | {ratio} |"
+            )
     return "\n".join(lines)
 
 
@@ -335,6 +440,17 @@ def add_parser(sub: Any) -> None:
         help="admission: the longest wait (default: half the TTFT target, in whole seconds, at least 1)",
     )
     p.add_argument("--full-waiting", type=int, default=2, help="admission: a replica's queue when full (default 2)")
+    p.add_argument(
+        "--mix",
+        action="store_true",
+        help="two clients (3:1) and conversations: figures per client and for turns against new conversations",
+    )
+    p.add_argument(
+        "--turn-share",
+        type=float,
+        default=0.5,
+        help="--mix: the chance that a request continues one of its client's conversations (default 0.5)",
+    )
     p.add_argument("--no-peers", action="store_true", help="leave smg out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
@@ -350,6 +466,9 @@ def run_cli(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"router-bench overload: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if not 0 <= args.turn_share <= 1:
+        print("router-bench overload: --turn-share must be in [0, 1]", file=sys.stderr)
+        return 2
     if args.max_queued < 0 or args.queue_timeout_s < 0:
         print("router-bench overload: --max-queued and --queue-timeout-s must not be negative", file=sys.stderr)
         return 2
