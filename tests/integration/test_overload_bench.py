@@ -5,36 +5,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
+
+SMALL = ("--no-peers", "--replicas", "2", "--slots", "2", "--loads", "3", "--calibrate-s", "2", "--max-tokens", "16")
 
 
-def test_overload_benchmark_smoke() -> None:
+def small_run(*extra: str) -> dict[str, Any]:
+    """A short run on a small fleet at three times its capacity, without the peers."""
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router.bench.cli",
-            "overload",
-            "--json",
-            "--no-peers",
-            "--replicas",
-            "2",
-            "--slots",
-            "2",
-            "--loads",
-            "3",
-            "--duration-s",
-            "3",
-            "--calibrate-s",
-            "2",
-            "--max-tokens",
-            "16",
-        ],
+        [sys.executable, "-m", "router.bench.cli", "overload", "--json", *SMALL, *extra],
         capture_output=True,
         text=True,
         timeout=240,
         check=True,
     )
-    result = json.loads(out.stdout)
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_overload_benchmark_smoke() -> None:
+    result = small_run("--duration-s", "3")
     assert result["capacity_rps"] > 0
     runs = {r["contender"]: r for r in result["runs"]}
     assert set(runs) == {"admission", "shipped", "round-robin"}
@@ -46,34 +36,7 @@ def test_overload_benchmark_smoke() -> None:
 
 
 def test_the_mixed_traffic_is_counted_per_client_and_kind() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router.bench.cli",
-            "overload",
-            "--json",
-            "--no-peers",
-            "--mix",
-            "--replicas",
-            "2",
-            "--slots",
-            "2",
-            "--loads",
-            "3",
-            "--duration-s",
-            "4",
-            "--calibrate-s",
-            "2",
-            "--max-tokens",
-            "16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    result = json.loads(out.stdout)
+    result = small_run("--mix", "--duration-s", "4")
     for run in result["runs"]:
         c = run["classes"]
         assert c["heavy"]["sent"] + c["light"]["sent"] == run["sent"] == c["turn"]["sent"] + c["new"]["sent"]
