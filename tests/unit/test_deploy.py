@@ -33,6 +33,10 @@ def test_every_dashboard_query_names_a_metric_the_router_exports() -> None:
     assert {"Replica load (in flight)", "KV hit rate", "Jump rate", "Replicas", "Replica state"} <= titles
     assert {"router_inflight", "router_cached_tokens", "router_prompt_tokens", "router_session_jumps"} <= names
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    # several models: requests and 429s by the model label
+    assert {"router_requests_total", "router_shed_total"} <= {
+        name for expr in exprs(dashboard) if "by (model)" in expr for name in re.findall(r"\brouter_[a-z_]+", expr)
+    }
 
 
 def test_the_scrape_example_points_at_metrics() -> None:
