@@ -74,6 +74,17 @@ def serve(fleet: Fleet, policy: Ttft, key: RoutingKey, cached: int | None = None
     return d.index
 
 
+def send_all(fleet: Fleet, policy: Ttft, index: int, keys: list[RoutingKey], now: float) -> list[Placed]:
+    """Send every one of `keys` to the replica at `index` (priced there, counted in flight), unanswered."""
+    replica, placed = fleet.replicas[index], []
+    for key in keys:
+        assert key.prompt is not None
+        fleet.acquire(replica)
+        row = policy.placement.candidates(key.prompt, [index], None, now)[0]
+        placed.append(policy.placement.sent(replica, key.prompt, row, now))
+    return placed
+
+
 # -- the prompt -----------------------------------------------------------------------------------
 
 
@@ -134,21 +145,15 @@ def test_a_replica_whose_kv_cache_is_full_makes_a_request_wait_for_room() -> Non
     one = keyless(chat(doc(9, 5000), "q?"))
     assert one.prompt is not None
     tokens = one.prompt.nbytes / placement.bytes_per_token
-    # nothing timed yet: no reply time, so no wait for room however full
     placement.mean_output = 100
     full = fleet.replicas[0]
-    placed = []
-    for key in long:
-        assert key.prompt is not None
-        fleet.acquire(full)
-        row = placement.candidates(key.prompt, [0], None, clock.now)[0]
-        placed.append(placement.sent(full, key.prompt, row, clock.now))
+    placed = send_all(fleet, policy, 0, long, clock.now)
     held = placement.of(full)
     assert held.kv_tokens == pytest.approx(sum(p.tokens for p in placed))
     assert held.kv_tokens == pytest.approx(4 * (tokens + 100), rel=0.01)
     placement.set_busy(held, clock.now)  # prefilled: only the KV cache is in the way
     rows = {c.index: c for c in placement.candidates(one.prompt, [0, 1], None, clock.now)}
-    assert rows[0].wait_s == pytest.approx(4 * 0.002)
+    assert rows[0].wait_s == pytest.approx(4 * 0.002)  # no reply timed yet: no wait for room, however full
     # replies take 2 s from first token to last: tokens past the capacity drain 20,000 per 2 s
     placement.answered(fleet.replicas[1], one.prompt, None, round(tokens), 0, None, 100, 2.0)
     assert placement.reply_s == 2.0
@@ -182,12 +187,7 @@ def test_first_tokens_later_than_modelled_lengthen_the_queue_and_sooner_ones_sho
     placement = policy.placement
     replica = fleet.replicas[0]
     keys = [keyless(chat(doc(i, 2000), "q?")) for i in range(4)]
-    placed = []
-    for key in keys:
-        assert key.prompt is not None
-        fleet.acquire(replica)
-        row = placement.candidates(key.prompt, [0], None, clock.now)[0]
-        placed.append(placement.sent(replica, key.prompt, row, clock.now))
+    placed = send_all(fleet, policy, 0, keys, clock.now)
     held = placement.of(replica)
     assert placed[0].due == pytest.approx(clock.now + 2000 / 10_000 + placed[0].decode_s, rel=0.02)
     assert placed[-1].due == pytest.approx(held.busy_until + placed[-1].decode_s)
