@@ -2,10 +2,12 @@
 waits here, in a bounded queue, instead of in an engine's queue.
 
 A replica is full when its engine's queue reaches `full_waiting` requests or its KV cache
-`full_kv_usage` (as last probed), counting between probes what this router sent it since the probe
-(each request sent to a full engine waits there; each one answered leaves). Where the engine does
-not report its queue but its capacity is known (llama-server's slots), it is full once that many
-plus `full_waiting` are in flight. A replica whose load nothing says is never full.
+`full_kv_usage` (as last probed), counting between probes what this router sent it and what ended
+there since its figures were read: a request sent first takes a slot the engine had free (its
+capacity, reported or configured, less what it ran; else what it ran when it last queued), then
+waits; each one answered frees a slot or moves a waiting one up. Where the engine does not report
+its queue but its capacity is known (llama-server's slots), it is full once that many plus
+`full_waiting` are in flight. A replica whose load nothing says is never full.
 
 While some replica that may serve the model has room, and nobody waits for that model, a request
 goes on at once: admission costs one check per request. Otherwise it waits, up to `max_queued`
@@ -118,6 +120,7 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[int], None] | None = None,
         inflight: Callable[[ReplicaState], int] | None = None,
+        free_share: float = 1.0,
     ) -> None:
         self.fleet = fleet
         self.max_queued = max_queued
@@ -129,6 +132,7 @@ class Admission:
         # what every sender has in flight at a replica: this process's own count, or, for a worker
         # process, every worker's (router.shared.Follower.fleet_inflight)
         self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
+        self.free_share = free_share  # of an engine's free slots, the part this process may fill
         self.classes = (_Class(), _Class())  # running sessions' turns first, then the rest
         self.queued = 0
         self.waiting_models: collections.Counter[str | None] = collections.Counter()
@@ -136,6 +140,8 @@ class Admission:
         self.waits: collections.deque[float] = collections.deque(maxlen=256)  # recent waits of those let through
         # each replica's in flight when its engine was last probed: what was sent since waits there too
         self._at_probe: dict[str, int] = {}
+        # what each replica's engine ran the last time it queued: its limit, where it reports none
+        self._limit: dict[str, float] = {}
 
     @property
     def on(self) -> bool:
@@ -144,19 +150,41 @@ class Admission:
     # -- fullness ----------------------------------------------------------------------------
 
     def probed(self) -> None:
-        """A probe round read every replica's engine: count what is sent from here on, and let
-        waiters through where there is room now."""
+        """A probe round read every replica's engine: count what is sent from the moment each
+        engine's queue was read (else from now), and let waiters through where there is room now.
+
+        The moment matters: a round ends after its slowest replica answers, and the requests that
+        ended meanwhile at a faster one have left its queue already; counted from the round's end,
+        that queue would look longer than it is until the next round, leaving the engine short."""
         inflight = self.inflight
-        self._at_probe = {r.id: inflight(r) for r in self.fleet.replicas}
+        self._at_probe = {
+            r.id: r.inflight_at_read if r.inflight_at_read is not None else inflight(r) for r in self.fleet.replicas
+        }
+        for r in self.fleet.replicas:
+            engine = r.engine
+            if engine.waiting is not None and engine.waiting > 0 and engine.running is not None:
+                self._limit[r.id] = engine.running  # it queues: this is what it runs at most, for now
         self.wake(len(self.fleet.replicas))
 
     def queue_of(self, replica: ReplicaState) -> float | None:
-        """The replica's engine queue now, as far as the router knows (None: unknown)."""
-        waiting = replica.engine.waiting
+        """The replica's engine queue now, as far as the router knows (None: unknown).
+
+        What was sent since the read first takes the slots its engine had free then: none if it
+        was queueing; else its capacity (reported or configured) less what it ran, or, where that
+        is not known, what it ran the last time it queued (None until it has queued once: its
+        limit is unknown, so nothing says it is full but its KV cache)."""
+        engine = replica.engine
+        waiting = engine.waiting
         inflight = self.inflight(replica)
         if waiting is not None:
             sent = inflight - self._at_probe.get(replica.id, inflight)
-            return max(waiting + sent, 0.0)
+            running = engine.running
+            if waiting > 0 or running is None:
+                return max(waiting + sent, 0.0)
+            limit = replica.capacity if replica.capacity is not None else self._limit.get(replica.id)
+            if limit is None:
+                return None
+            return max(sent - max(limit - running, 0.0) * self.free_share, 0.0)
         if replica.capacity is not None:
             return max(inflight - replica.capacity, 0)
         return None

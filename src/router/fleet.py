@@ -51,6 +51,9 @@ class ReplicaState:
     cached_tokens: int = 0
     health: ReplicaHealth = field(default_factory=ReplicaHealth)
     engine: EngineStats = field(default_factory=EngineStats)
+    # what was in flight there (every worker's) when `engine` was read: admission counts what was
+    # sent and answered since then; None where this process did not read it (a worker process)
+    inflight_at_read: int | None = None
     inputs: HealthInputs | None = None  # what the last score was computed from
     agent: str = "none"  # its router-agent's last reading: none (no agent), fresh, stale or gone
     # (when, seconds per output token) of recent streamed replies, for the latency signal

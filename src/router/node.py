@@ -161,6 +161,9 @@ class Node:
             config.full_kv_usage,
             on_change=self.metrics.queued.set,
             inflight=self.follower.fleet_inflight if self.follower is not None else None,
+            # a worker sees the others' sends only as they publish them: of the slots an engine
+            # had free, it fills its share before it counts its sends as queued
+            free_share=1 / table.workers if self.follower is not None and table is not None else 1.0,
         )
         self.balancer.held = lambda: self.admission.queued
         if self.admission.on:
@@ -176,6 +179,7 @@ class Node:
             queue_weight=config.load_queue_weight,
             before_round=self.gather,
             after_round=self._probed,
+            inflight=self.admission.inflight,
         )
         self.discovery = (
             Discovery(self.membership, self.metrics, config.discovery, config.discovery_interval_s, config.replicas)

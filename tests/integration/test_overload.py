@@ -14,9 +14,14 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 
+from router.admission import Admission
+from router.config import ReplicaSpec
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet, Replica
+from router.fleet import Fleet as Replicas
+from router.health.monitor import HealthMonitor
 
 SLOW = 1.0  # engine seconds per wall second: a 20-token reply takes about 0.2 s
 HOLD = {"max_queued": 8, "queue_timeout_s": 2.0, "full_waiting": 2, "probe_interval_s": 0.1}
@@ -230,3 +235,59 @@ async def test_worker_processes_hold_requests_and_the_scale_signal_counts_them(
     # ... and the control process's scale signal counts them as load: the two replicas' own loads
     # (at most 2 running + 6 waiting each) would ask for at most 4 replicas of 4
     assert recommended >= 6, recommended
+
+
+async def test_sends_are_counted_from_the_moment_each_engines_queue_was_read() -> None:
+    """A probe round ends with its slowest replica. A request that ended at a faster one after its
+    queue was read, but before the round ended, has already left that queue: admission counts it
+    from the read, so the replica is not taken for fuller than it is until the next round."""
+    read_fast = asyncio.Event()
+    replicas: Replicas | None = None
+
+    def metrics(waiting: int) -> str:
+        return (
+            f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+            'vllm:num_requests_running{model_name="m"} 4\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+        )
+
+    async def fast(request: web.Request) -> web.Response:
+        read_fast.set()
+        return web.Response(text=metrics(2))
+
+    async def slow(request: web.Request) -> web.Response:
+        await read_fast.wait()
+        await asyncio.sleep(0.1)  # the router has read the fast replica's figures by now
+        assert replicas is not None
+        replicas.release(replicas.replicas[0])  # ... and one of its requests ends
+        return web.Response(text=metrics(0))
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    runners, urls = [], []
+    for handler in (fast, slow):
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+    try:
+        replicas = Replicas([ReplicaSpec(f"r{i}", url) for i, url in enumerate(urls)])
+        fast_one = replicas.replicas[0]
+        for _ in range(6):  # 4 running, 2 waiting: what its engine reports
+            replicas.acquire(fast_one)
+        admission = Admission(replicas, 8, 1.0, full_waiting=2, full_kv_usage=0.95)
+        async with aiohttp.ClientSession() as http:
+            monitor = HealthMonitor(replicas, lambda: http, 1.0, 2.0, after_round=admission.probed)
+            await monitor.probe_once()
+        assert fast_one.inflight_at_read == 6 and fast_one.inflight == 5
+        assert admission.queue_of(fast_one) == 1  # 2 reported, 1 since moved up into the finished one's slot
+        assert not admission.full(fast_one)
+    finally:
+        for runner in runners:
+            await runner.cleanup()

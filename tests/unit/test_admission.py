@@ -227,3 +227,57 @@ def test_with_admission_on_a_full_replica_is_no_candidate_while_another_has_room
     assert {chosen.pick(k, "r0", set()).index for k in keys} == {2}  # type: ignore[union-attr]
     fill(fleet)  # every one full: the policy chooses as it would without admission
     assert len({chosen.pick(k, None, set()).index for k in keys}) > 1  # type: ignore[union-attr]
+
+
+def test_what_is_sent_after_a_probe_first_takes_the_slots_the_engine_had_free() -> None:
+    fleet = fleet_of(1)
+    a = Admission(fleet, 10, 1.0, full_waiting=2, full_kv_usage=0.95)
+    r = fleet.replicas[0]
+    r.capacity = 4
+    r.engine = EngineStats(waiting=0, running=1, kv_usage=0.1)
+    fleet.acquire(r)
+    r.inflight_at_read = 1  # read with one running: three slots free
+    a.probed()
+    for _ in range(4):
+        fleet.acquire(r)
+    assert a.queue_of(r) == 1 and not a.full(r)  # three took the free slots, one waits
+    fleet.acquire(r)
+    assert a.queue_of(r) == 2 and a.full(r)
+    for _ in range(3):
+        fleet.release(r)
+    assert a.queue_of(r) == 0
+
+    # no capacity known: what it ran the last time it queued stands for it, once it has queued
+    r.capacity = None
+    r.engine = EngineStats(waiting=0, running=2, kv_usage=0.1)
+    r.inflight_at_read = r.inflight
+    a.probed()
+    for _ in range(20):
+        fleet.acquire(r)
+    assert a.queue_of(r) is None and not a.full(r)  # never seen queueing: its limit is unknown
+    r.engine = EngineStats(waiting=3, running=6, kv_usage=0.2)
+    r.inflight_at_read = r.inflight
+    a.probed()
+    assert a.queue_of(r) == 3 and a.full(r)
+    r.engine = EngineStats(waiting=0, running=3, kv_usage=0.2)
+    r.inflight_at_read = r.inflight
+    a.probed()
+    fleet.acquire(r)
+    fleet.acquire(r)
+    fleet.acquire(r)
+    assert a.queue_of(r) == 0  # three slots of the six it ran when it queued were free
+    fleet.acquire(r)
+    fleet.acquire(r)
+    assert a.full(r)
+
+
+def test_a_worker_process_fills_its_share_of_the_free_slots_before_counting_sends_as_queued() -> None:
+    fleet = fleet_of(1)
+    a = Admission(fleet, 10, 1.0, full_waiting=2, full_kv_usage=0.95, free_share=0.5)  # one of two workers
+    r = fleet.replicas[0]
+    r.capacity = 8
+    r.engine = EngineStats(waiting=0, running=4, kv_usage=0.1)
+    a.probed()
+    for _ in range(3):
+        fleet.acquire(r)
+    assert a.queue_of(r) == 1  # two of the four free slots are this worker's; the other two the other's

@@ -316,6 +316,7 @@ class Fleet:
     read: Callable[[aiohttp.ClientSession, float], Awaitable[Sample]]  # (http, seconds since t0)
     stop: Callable[[], None]
     what: str  # for the tables: "emulated replicas", "llama-server replicas"
+    control: str | None = None  # the emulator's control URL (faults, crashes, caches); None for llama-server
 
 
 async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: list[str]) -> Fleet:
@@ -370,7 +371,7 @@ async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: li
                 finished=[int(x["engine"]["finished_total"]) for x in rows],
             )
 
-        return Fleet(urls, [child.pid], read, child.stop, "emulated replicas")
+        return Fleet(urls, [child.pid], read, child.stop, "emulated replicas", control_url)
     raise RuntimeError(f"the emulated fleet did not start: {problem}")
 
 

@@ -17,7 +17,9 @@ half the TTFT target in whole seconds; a replica full at `--full-waiting` queued
 as shipped (everything forwarded), round robin from the client, and smg with its bounded queue
 (`--max-concurrent-requests` the fleet's slots plus `--full-waiting` per replica, the same
 `--queue-size` and `--queue-timeout-secs`) and worker overload protection with shedding.
-Between contenders the fleet drains until every replica is idle.
+Routers probe at their default interval (2 s). Between contenders the fleet drains until every
+replica is idle, and every replica's prefix cache is emptied: each contender is offered the same
+prompts.
 
 `--mix` makes the traffic two clients and conversations: a heavy client (`user` "heavy") sends
 three requests for every one of a light client ("light"), and each request is, with probability
@@ -217,6 +219,17 @@ async def idle(fleet: Fleet, timeout_s: float = 60.0) -> None:
     raise RuntimeError("the fleet did not drain between contenders")
 
 
+async def forget(fleet: Fleet) -> None:
+    """Empty every replica's prefix cache: each contender is offered the same prompts, which the
+    one before it left cached (the contender run last would be served the cheapest)."""
+    assert fleet.control is not None
+    async with aiohttp.ClientSession() as http:
+        for i in range(len(fleet.urls)):
+            async with http.post(f"{fleet.control}/replicas/{i}/reset-cache") as r:
+                if r.status >= 300:
+                    raise RuntimeError(f"the emulator did not empty replica {i}'s cache: HTTP {r.status}")
+
+
 async def capacity(fleet: Fleet, args: argparse.Namespace) -> float:
     """Requests a second the fleet finishes with every slot busy (closed loop, straight to the replicas)."""
     slots = args.replicas * args.slots
@@ -248,12 +261,10 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
         timeout,
         "--full-waiting",
         str(args.full_waiting),
-        "--probe-interval-s",
-        "0.5",
     )
     out = [
         Contender("admission", "router-serve, admission", "router", held),
-        Contender("shipped", "router-serve as shipped (no admission)", "router", ("--probe-interval-s", "0.5")),
+        Contender("shipped", "router-serve as shipped (no admission)", "router"),
         Contender("round-robin", "round-robin (client, no router)", "direct"),
     ]
     if not args.no_peers and peer_installed("smg"):
@@ -320,6 +331,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await idle(fleet)
         for load in args.loads:
             for c in contenders(args, rate):
+                await forget(fleet)
                 child: Child | None
                 child, targets = await start_contender(c, fleet.urls, {})
                 try:

@@ -102,6 +102,7 @@ class HealthMonitor:
         queue_weight: float = 0.0,
         before_round: Callable[[], None] | None = None,
         after_round: Callable[[], None] | None = None,
+        inflight: Callable[[ReplicaState], int] | None = None,
     ) -> None:
         self.agents = {rid: url.rstrip("/") for rid, url in (agents or {}).items()}
         self.fleet = fleet
@@ -113,6 +114,9 @@ class HealthMonitor:
         self.queue_weight = queue_weight
         self.before_round = before_round
         self.after_round = after_round
+        # what the router has in flight at a replica (every worker's, with worker processes): read
+        # the moment its engine's figures arrive, so that admission counts sends from then on
+        self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
         self._last: dict[str, _Window] = {}
         self.rounds = 0
 
@@ -135,7 +139,7 @@ class HealthMonitor:
         medians = self._fleet_medians(replicas, "tpot", now)
         first_token = self._fleet_medians(replicas, "ttft", now)
         queues = sorted(stats.waiting for ok, stats, *_ in results if ok and stats.waiting is not None)
-        for replica, (ok, stats, read, listed, lora), gpu in zip(replicas, results, gpus, strict=True):
+        for replica, (ok, stats, read, listed, lora, sent), gpu in zip(replicas, results, gpus, strict=True):
             if replica.index is None:
                 continue  # removed while we probed
             if read:  # else what was known stands
@@ -147,6 +151,7 @@ class HealthMonitor:
                     **{k: v if v is not None else gpu.get(k) for k, v in dataclasses.asdict(stats).items()}
                 )
             replica.engine = stats
+            replica.inflight_at_read = sent
             if stats.kind is not None:  # its engine answered (else the capacity last read stands)
                 self.fleet.set_capacity(replica, stats.capacity)
             if self.queue_weight:
@@ -173,10 +178,11 @@ class HealthMonitor:
 
     async def _probe(
         self, replica: ReplicaState
-    ) -> tuple[bool, EngineStats, bool, frozenset[str] | None, tuple[frozenset[str] | None, int | None]]:
+    ) -> tuple[bool, EngineStats, bool, frozenset[str] | None, tuple[frozenset[str] | None, int | None], int | None]:
         """(whether it is up, its engine's figures, whether its models were read this time, the
         models it lists: None where it lists none or its engine does not check them, the LoRA
-        adapters it runs or queues now and its max_lora: None where it does not say)."""
+        adapters it runs or queues now and its max_lora: None where it does not say, what was in
+        flight there when its figures arrived: None where none came)."""
         client = self._client()
         try:
             async with client.get(replica.url + "/health", timeout=self.timeout) as resp:
@@ -184,13 +190,15 @@ class HealthMonitor:
                 ok = resp.status < 500
                 server = resp.headers.get("Server", "")
         except (aiohttp.ClientError, OSError, TimeoutError):
-            return False, EngineStats(), False, None, (None, None)
+            return False, EngineStats(), False, None, (None, None), None
         stats = EngineStats()
+        sent: int | None = None
         lora: tuple[frozenset[str] | None, int | None] = (None, None)
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             async with client.get(replica.url + "/metrics", timeout=self.timeout) as resp:
                 if resp.status == 200:
                     text = await resp.text()
+                    sent = self.inflight(replica)  # the queue it reports holds what was sent until now
                     stats = parse_engine_metrics(text)
                     lora = lora_state(text)
         engine = BY_KIND.get(stats.kind or "")
@@ -214,7 +222,7 @@ class HealthMonitor:
                 async with client.get(replica.url + "/v1/models", timeout=self.timeout) as resp:
                     if resp.status == 200:
                         read, listed = True, listed_models(await resp.json(content_type=None))
-        return ok, stats, read, listed, lora
+        return ok, stats, read, listed, lora, sent
 
     def _fresh(self, taken_at: float) -> bool:
         """Taken within the last three probe intervals (at least 3 s); a reading from more than
