@@ -66,8 +66,9 @@ class ReplicaState:
     capacity: int | None = None  # requests it runs at once: reported by its engine, else configured
     # the models (and adapters) it serves: pinned by config, else as its /v1/models lists them; None: unknown
     models: frozenset[str] | None = None
-    # the LoRA adapters its engine runs or queues now (vLLM's lora_requests_info), and how many it
-    # batches at once (max_lora); None: it does not say
+    # the LoRA adapters its engine has loaded: running, queued or run lately (vLLM's
+    # lora_requests_info, router.health.signals.lora_state), and how many its GPU slots hold
+    # (max_lora); None: it does not say
     adapters: frozenset[str] | None = None
     max_lora: int | None = None
     slot: int | None = None
@@ -231,7 +232,7 @@ class Fleet:
         return "other"
 
     def set_adapters(self, replica: ReplicaState, active: frozenset[str] | None, max_lora: int | None) -> bool:
-        """The adapters its engine runs or queues now (None: it does not say). True if they changed."""
+        """The adapters its engine has loaded (None: it does not say). True if they changed."""
         replica.max_lora = max_lora
         if active == replica.adapters:
             return False
@@ -240,7 +241,7 @@ class Fleet:
         return True
 
     def adapter_cold(self, model: str | None) -> frozenset[int]:
-        """Where `model` is a LoRA adapter some replica has loaded (runs or queues requests for),
+        """Where `model` is a LoRA adapter some replica has loaded (runs, queues or ran lately),
         the indices of the replicas that serve it without: a request there waits for the adapter
         to load, or for a free adapter slot. Empty when no replica has it loaded (nowhere is
         better) or no replica says what it has loaded."""

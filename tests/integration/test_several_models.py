@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet, Replica
 
 TOKEN = "models-token"
@@ -169,6 +170,57 @@ async def test_worker_processes_route_by_the_models_the_control_process_reads(
             workers.add(r.headers["X-Router-Worker"])
     assert seen == {"emu-2"} and workers == {"0", "1"}
     assert (await chat(served.url, "model-z", "t"))[:2] == (404, None)
+
+
+async def test_an_adapter_loaded_but_idle_still_draws_its_new_sessions(
+    make_replica: Callable[..., Replica], start_router: Callable[..., Any]
+) -> None:
+    """vLLM names an adapter in the newest series of lora_requests_info only while it has requests;
+    the older series say it ran lately, and it stays in the GPU slots until `max_lora` others have
+    run since. So an adapter whose requests have all ended still reads as loaded where it ran, and
+    as evicted once enough others have run there."""
+    fleet = Fleet(
+        [
+            make_replica(
+                f"emu-{i}",
+                EngineConfig(num_blocks=4000, max_loras=2),
+                model="model-b",
+                adapters=("sql-lora", "x-lora", "y-lora"),
+                time_scale=1.0,
+            )
+            for i in range(3)
+        ]
+    )
+    await fleet.start()
+    try:
+        node, url = await start_router(named(fleet), policy="affinity", probe_interval_s=0.1)
+        await known(node, 3)
+        emu2 = node.fleet.find("emu-2")
+
+        async def run_there(model: str) -> None:  # straight to emu-2, to its end
+            body = {"model": model, "messages": [{"role": "user", "content": "once"}], "max_tokens": 4}
+            target = fleet.replicas[2].url + "/v1/chat/completions"
+            async with aiohttp.ClientSession() as s, s.post(target, json=body) as r:
+                assert r.status == 200, await r.text()
+
+        async def reads(expected: frozenset[str]) -> None:
+            deadline = time.monotonic() + 10
+            while emu2.adapters != expected or emu2.engine.running != 0:
+                assert time.monotonic() < deadline, (emu2.adapters, emu2.engine)
+                await asyncio.sleep(0.05)
+
+        await run_there("sql-lora")
+        await reads(frozenset({"sql-lora"}))  # idle, and still loaded
+        assert list(fleet.replicas[2].engine.adapters) == ["sql-lora"]  # as the engine has it
+        assert node.fleet.find("emu-0").adapters == frozenset()
+        drawn = {(await chat(url, "sql-lora", f"a{i}"))[1] for i in range(8)}
+        assert drawn == {"emu-2"}
+        for other in ("x-lora", "y-lora"):  # two others run there since: sql-lora is evicted
+            await run_there(other)
+        await reads(frozenset({"x-lora", "y-lora"}))
+        assert "sql-lora" not in fleet.replicas[2].engine.adapters
+    finally:
+        await fleet.stop()
 
 
 @pytest.mark.parametrize("policy", ["ttft", "affinity"])

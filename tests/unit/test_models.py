@@ -185,6 +185,25 @@ def test_the_lora_state_is_the_newest_series_of_vllms_info_gauge() -> None:
     assert lora_state(idle) == (frozenset(), 4)
 
 
+def test_adapters_run_lately_stay_loaded_up_to_max_lora() -> None:
+    """vLLM keeps every state's series: the adapters run lately are still in its GPU slots, the
+    most recent `max_lora` of them (it evicts the least recently used)."""
+
+    def info(running: str, waiting: str, at: float, max_lora: int = 2) -> str:
+        return (
+            f'vllm:lora_requests_info{{max_lora="{max_lora}",running_lora_adapters="{running}",'
+            f'waiting_lora_adapters="{waiting}"}} {at}'
+        )
+
+    lately = [info("a", "", 10), info("", "", 40), info("b", "", 30), info("c", "", 20)]
+    assert lora_state("\n".join(lately)) == (frozenset({"b", "c"}), 2)  # idle now: b and c were run last
+    assert lora_state("\n".join([*lately, info("d", "e", 50)])) == (frozenset({"d", "e"}), 2)
+    assert lora_state("\n".join([*lately, info("d", "", 50)])) == (frozenset({"d", "b"}), 2)
+    # waiting is not running: an adapter that only waited was never loaded by that state
+    assert lora_state("\n".join([info("", "", 9), info("", "x", 8)])) == (frozenset(), 2)
+    assert lora_state(info("", "", 9, 4) + "\n" + info("a", "", 8, 4)) == (frozenset({"a"}), 4)
+
+
 def test_where_an_adapter_is_cold() -> None:
     fleet = fleet_of([LORA, LORA, LORA, A])
     assert fleet.adapter_cold("sql-lora") == frozenset()  # nobody says what it has loaded

@@ -8,13 +8,14 @@ emulator's time scale. Gauges are read from the engine at scrape time.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.emulator.engine import Engine, Sequence
 
 # vLLM's bucket edges for these histograms
+LORA_SERIES = 64  # LoRA states whose series are kept (vLLM keeps every one)
 TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -112,14 +113,15 @@ class ReplicaMetrics:
             registry=r,
         )
         # vLLM's LoRA state (only with adapters): a series per state seen, its value the time it was
-        # last current, so the newest series is the state now; the emulator keeps the last two
+        # last current, so the newest series is the state now and the older ones say which adapters
+        # ran lately; vLLM keeps every one, the emulator the latest LORA_SERIES
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=r,
         )
-        self._lora_series: list[tuple[str, str, str]] = []
+        self._lora_series: OrderedDict[tuple[str, str, str], None] = OrderedDict()  # least recently current first
         self.model = model
         self._steps: deque[tuple[float, float]] = deque()  # (end, duration) of recent steps
 
@@ -141,18 +143,26 @@ class ReplicaMetrics:
         self.ttft.labels(self.model).observe(seq.first_token_at - seq.arrival)
         self.e2e.labels(self.model).observe(seq.finished_at - seq.arrival)
 
-    def _lora(self, engine: Engine) -> None:
+    def on_lora(self, engine: Engine) -> None:
+        """The engine's adapters after a step (vLLM records them every step): a state that differs
+        from the last one becomes current, and the last one's series keeps the time it ended."""
         labels = (
             str(engine.config.max_loras),
             ",".join(engine.running_adapters()),
             ",".join(engine.waiting_adapters()),
         )
-        if labels in self._lora_series:
-            self._lora_series.remove(labels)
-        self._lora_series.append(labels)
-        if len(self._lora_series) > 2:
-            self.lora_info.remove(*self._lora_series.pop(0))
-        self.lora_info.labels(*labels).set(time.time())
+        series = self._lora_series
+        current = next(reversed(series), None)
+        if labels == current:
+            return
+        now = time.time()
+        if current is not None:
+            self.lora_info.labels(*current).set(now)
+        series.pop(labels, None)
+        series[labels] = None
+        if len(series) > LORA_SERIES:
+            self.lora_info.remove(*series.popitem(last=False)[0])
+        self.lora_info.labels(*labels).set(now)
 
     def busy_fraction(self, now: float) -> float:
         start = now - BUSY_WINDOW_S
@@ -164,7 +174,8 @@ class ReplicaMetrics:
     def render(self, engine: Engine, now: float, adapters: bool = False) -> bytes:
         m = self.model
         if adapters:
-            self._lora(engine)
+            self.on_lora(engine)
+            self.lora_info.labels(*next(reversed(self._lora_series))).set(time.time())  # current until now
         self.running.labels(m).set(len(engine.running))
         self.waiting.labels(m).set(len(engine.waiting))
         self.kv_usage.labels(m).set(engine.cache.usage)

@@ -244,6 +244,8 @@ class Replica:
                 continue
             for seq in step.admitted:
                 self.metrics.on_admitted(seq)
+            if self.options.adapters:
+                self.metrics.on_lora(engine)  # the adapters this step runs, and those left waiting
             clock += step.duration
             delay = clock / scale - (time.monotonic() - self._t0)
             await asyncio.sleep(max(delay, 0.0))  # yields even when behind, so handlers keep up

@@ -181,7 +181,7 @@ class HealthMonitor:
     ) -> tuple[bool, EngineStats, bool, frozenset[str] | None, tuple[frozenset[str] | None, int | None], int | None]:
         """(whether it is up, its engine's figures, whether its models were read this time, the
         models it lists: None where it lists none or its engine does not check them, the LoRA
-        adapters it runs or queues now and its max_lora: None where it does not say, what was in
+        adapters it has loaded and its max_lora: None where it does not say, what was in
         flight there when its figures arrived: None where none came)."""
         client = self._client()
         try:

@@ -261,13 +261,16 @@ def _labels(text: str) -> dict[str, str] | None:
 
 
 def lora_state(text: str) -> tuple[frozenset[str] | None, int | None]:
-    """The LoRA adapters a vLLM engine runs or queues now, and its `max_lora`, from
-    `vllm:lora_requests_info`: one series per state it has been in (adapters as comma-separated
-    label values), its value the time that state was last current, so the newest series is now's.
+    """The LoRA adapters a vLLM engine has loaded, as far as its `vllm:lora_requests_info` says,
+    and its `max_lora`. That gauge has one series per state the engine has been in (the adapters
+    it ran and queued, as comma-separated label values), its value the time that state was last
+    current, and vLLM never drops one: the newest series is now's. Its adapters are loaded (or
+    loading, for those queued); so are the others most recently run, up to `max_lora` in all,
+    since the engine keeps that many in its GPU slots and evicts the least recently used first.
     (None, None) where the engine exports no such metric (no adapters enabled, not vLLM)."""
     if LORA_INFO not in text:
         return None, None
-    newest: tuple[float, dict[str, str]] | None = None
+    series: list[tuple[float, dict[str, str]]] = []
     for line in text.splitlines():
         if not line.startswith(LORA_INFO + "{"):
             continue
@@ -277,22 +280,29 @@ def lora_state(text: str) -> tuple[frozenset[str] | None, int | None]:
             value = float(line[end + 1 :].split()[0])
         except (IndexError, ValueError):
             continue
-        if labels is not None and math.isfinite(value) and (newest is None or value > newest[0]):
-            newest = (value, labels)
-    if newest is None:
+        if labels is not None and math.isfinite(value):
+            series.append((value, labels))
+    if not series:
         return None, None
-    labels = newest[1]
-    active = frozenset(
-        name.strip()
-        for key in ("running_lora_adapters", "waiting_lora_adapters")
-        for name in labels.get(key, "").split(",")
-        if name.strip()
-    )
+    series.sort(key=lambda s: s[0], reverse=True)
+
+    def names(labels: dict[str, str], *keys: str) -> list[str]:
+        return [n.strip() for key in keys for n in labels.get(key, "").split(",") if n.strip()]
+
+    newest = series[0][1]
+    loaded = set(names(newest, "running_lora_adapters", "waiting_lora_adapters"))
     try:
-        max_lora: int | None = int(labels["max_lora"])
+        max_lora: int | None = int(newest["max_lora"])
     except (KeyError, ValueError):
         max_lora = None
-    return active, max_lora
+    if max_lora is not None:
+        for _, labels in series[1:]:  # the adapters run lately, newest first, while slots remain
+            if len(loaded) >= max_lora:
+                break
+            for name in names(labels, "running_lora_adapters"):
+                if len(loaded) < max_lora:
+                    loaded.add(name)
+    return frozenset(loaded), max_lora
 
 
 def read_slots(slots: Any, engine: Engine = LLAMA_CPP) -> dict[str, float]:
