@@ -25,3 +25,18 @@ def error_response(
 def sse_error_event(message: str, status: int = 502, kind: str = "upstream_error") -> bytes:
     """What a stream that broke after its first byte ends with: an error event, then [DONE]."""
     return b"data: " + error_body(message, status, kind) + b"\n\ndata: [DONE]\n\n"
+
+
+def responses_error_event(message: str, sequence_number: int, status: int = 502, kind: str = "upstream_error") -> bytes:
+    """What a Responses API stream (`event: response.*`, no `[DONE]`) that broke after its first
+    byte ends with: the API's own `error` event, numbered after the last event the client got; its
+    `error` object is the router's usual one, for clients that look for that."""
+    event = {
+        "type": "error",
+        "code": kind,
+        "message": message,
+        "param": None,
+        "sequence_number": sequence_number,
+        "error": {"message": message, "type": kind, "param": None, "code": status},
+    }
+    return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from router.bench.faults import RedisServer
 from router.config import load
+from router.emulator.server import Faults, Fleet
 from router.node import Node
 from router.proxy.app import build_app
 from router.proxy.front import FrontRunner
@@ -203,3 +204,28 @@ async def test_a_stored_responses_own_operations_reach_its_replica(
         async with s.get(url + "/v1/responses/resp_never") as r:
             body = await r.json()
             assert r.status == 404 and "not known to this router" in body["error"]["message"]
+
+
+async def test_a_responses_stream_that_breaks_ends_with_the_apis_own_error_event(
+    make_replica: Callable[..., Any], start_router: Callable[..., Any]
+) -> None:
+    """A Responses stream cut mid-way cannot be continued elsewhere (that API has no way to continue
+    a reply, and a stored response lives on the replica that broke): the client gets the API's
+    `error` event, numbered after the last event it got, and no chat-style `[DONE]`."""
+    fleet = Fleet([make_replica(f"emu-{i}", faults=Faults(drop_after=3)) for i in range(2)])
+    await fleet.start()
+    try:
+        _, url = await start_router([r.url for r in fleet.replicas], health_checks=False)
+        body = {"model": "emulated-llm", "input": "a long answer", "max_output_tokens": 40, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/responses", data=orjson.dumps(body)) as r:
+            assert r.status == 200
+            raw = await r.read()
+    finally:
+        await fleet.stop()
+    events = [e for e in raw.split(b"\n\n") if e.strip()]
+    kinds = [e.split(b"\n", 1)[0] for e in events]
+    assert kinds == [b"event: response.created", *[b"event: response.output_text.delta"] * 2, b"event: error"], kinds
+    error = orjson.loads(events[-1].split(b"data: ", 1)[1])
+    assert error["type"] == "error" and error["sequence_number"] == 3 and error["param"] is None
+    assert error["code"] == "upstream_error" and error["error"]["message"] == error["message"]
+    assert b"[DONE]" not in raw

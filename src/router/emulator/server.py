@@ -405,6 +405,8 @@ class Replica:
                     text = generated_text(self.engine.reply_seed(seq), sent, seq.output_tokens - sent)
                     sent = seq.output_tokens
                     parts.append(text)
+                    if self.faults.drop_after is not None and n >= self.faults.drop_after:
+                        self._cut(request)  # as for chat: after that many events (response.created counts)
                     await resp.write(
                         event("response.output_text.delta", n, item_id="msg_" + turn.id[5:], output_index=0, delta=text)
                     )
@@ -417,6 +419,8 @@ class Replica:
             await resp.write(event("response.completed", n, response=turn.response(whole, used)))
             await resp.write_eof()
             return resp
+        except _Dropped:
+            return web.Response(status=499)  # never sent: the connection is already closed
         except ClientConnectionResetError:
             return web.Response(status=499)  # the client went away: abort, nothing to log
         finally:

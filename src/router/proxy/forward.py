@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 from multidict import CIMultiDictProxy
 
-from router.errors import sse_error_event
+from router.errors import responses_error_event, sse_error_event
 from router.proxy.exchange import Exchange
 from router.proxy.framer import ResponsesFramer, SseFramer
 from router.proxy.resume import StreamRecord
@@ -298,12 +298,18 @@ async def _stream(
 
 
 async def end_stream(outcome: Outcome) -> None:
-    """End the client's stream: with an SSE error event (and `[DONE]`) if it broke."""
+    """End the client's stream: with an SSE error event (and `[DONE]`) if it broke; a Responses
+    API stream with that API's `error` event, numbered after the last one the client got."""
     outcome.broken = False
     try:
         if outcome.stream_error:
             # a cut-off event is dropped, so the error event stands on its own
-            await outcome.response.write(sse_error_event(outcome.stream_error))
+            framer = outcome.framer
+            if isinstance(framer, ResponsesFramer):
+                event = responses_error_event(outcome.stream_error, framer.next_sequence())
+            else:
+                event = sse_error_event(outcome.stream_error)
+            await outcome.response.write(event)
         await outcome.response.write_eof()
     except ConnectionResetError:
         outcome.client_gone = True

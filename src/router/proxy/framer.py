@@ -120,6 +120,7 @@ class SseFramer:
 # the events of a Responses stream the router reads; every other event passes unread
 _RESPONSE_EVENTS = (b"response.created", b"response.completed", b"response.incomplete", b"response.failed")
 _TERMINAL = frozenset(("response.completed", "response.incomplete", "response.failed"))
+_SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')
 
 
 class ResponsesFramer:
@@ -128,17 +129,25 @@ class ResponsesFramer:
     event, and knows the stream is whole at `response.completed` (or `incomplete`, `failed`):
     these streams end without `[DONE]`. The router never asks them for usage, so nothing is hidden."""
 
-    __slots__ = ("_events", "done", "response_id", "strip_usage", "usage")
+    __slots__ = ("_events", "_last", "done", "response_id", "strip_usage", "usage")
 
     def __init__(self) -> None:
         self._events = EventCutter()
+        self._last = b""  # the latest whole events forwarded: where the stream's numbering stands
         self.strip_usage = False
         self.usage: tuple[int, int, int] | None = None
         self.response_id: str | None = None
         self.done = False
 
+    def next_sequence(self) -> int:
+        """The `sequence_number` an event added after those forwarded would carry."""
+        found = _SEQUENCE.findall(self._last)
+        return int(found[-1]) + 1 if found else 0
+
     def feed(self, chunk: bytes) -> bytes:
         complete = self._events.take(chunk)
+        if complete:
+            self._last = complete
         if any(name in complete for name in _RESPONSE_EVENTS):
             for m in EVENT.finditer(complete):
                 self._read(m.group(1))
