@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from router.bench import (
+    adapters,
     balance_bench,
     faults,
     fleet,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_parser(sub)
     faults.add_parser(sub)
     overload.add_parser(sub)
+    adapters.add_parser(sub)
     return parser
 
 

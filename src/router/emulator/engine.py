@@ -139,6 +139,7 @@ class Engine:
         self.generation_tokens_total = 0
         self.finished_total = 0
         self.aborted_total = 0
+        self.adapter_loads_total = 0  # LoRA adapters put into a GPU slot (each costs lora_load_s)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -198,7 +199,7 @@ class Engine:
         self.adapters.clear()
         self.busy_seconds = 0.0
         self.steps = self.prompt_tokens_total = self.cached_tokens_total = 0
-        self.generation_tokens_total = self.finished_total = self.aborted_total = 0
+        self.generation_tokens_total = self.finished_total = self.aborted_total = self.adapter_loads_total = 0
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -271,6 +272,7 @@ class Engine:
             if idle is not None:
                 del self.adapters[idle]
         self.adapters[adapter] = None
+        self.adapter_loads_total += 1
         return 1
 
     def running_adapters(self) -> list[str]:
@@ -364,4 +366,5 @@ class Engine:
             "generation_tokens_total": self.generation_tokens_total,
             "finished_total": self.finished_total,
             "aborted_total": self.aborted_total,
+            "adapter_loads_total": self.adapter_loads_total,
         }
