@@ -71,6 +71,8 @@ class ReplicaState:
     # (max_lora); None: it does not say
     adapters: frozenset[str] | None = None
     max_lora: int | None = None
+    # `adapters`, least recently used first, as far as the router knows (its own sends since the probe last)
+    adapter_order: list[str] = field(default_factory=list)
     slot: int | None = None
     epoch: int = 0
     owner_tag: int = 0
@@ -163,6 +165,7 @@ class Fleet:
         self._unserving_for: tuple[int, int] = (-1, -1)  # the (version, models changes) it is for
         self._adapter_changes = 0
         self._cold: dict[str, frozenset[int]] = {}  # adapter -> indices serving it without it loaded
+        self.adapter_names: set[str] = set()  # names some engine has said are its LoRA adapters (bounded)
         self._cold_for: tuple[int, int, int] = (-1, -1, -1)
         self._names: frozenset[str] = frozenset()  # every model (and adapter) some replica serves
         self._names_for: tuple[int, int] = (-1, -1)
@@ -234,11 +237,32 @@ class Fleet:
     def set_adapters(self, replica: ReplicaState, active: frozenset[str] | None, max_lora: int | None) -> bool:
         """The adapters its engine has loaded (None: it does not say). True if they changed."""
         replica.max_lora = max_lora
+        if active and len(self.adapter_names) < MODEL_MEMO:
+            self.adapter_names.update(active)
         if active == replica.adapters:
             return False
         replica.adapters = active
+        replica.adapter_order = sorted(active) if active else []
         self._adapter_changes += 1
         return True
+
+    def sent_adapter(self, replica: ReplicaState, adapter: str) -> None:
+        """A request for LoRA adapter `adapter` went to `replica`: its engine loads it there if it
+        had not (evicting the least recently used past its `max_lora`). Known from now on, not from
+        the next probe, so the requests for it that follow find it loaded."""
+        order = replica.adapter_order
+        if replica.adapters is None:
+            return  # its engine says nothing of its adapters
+        if adapter in replica.adapters:
+            if adapter in order and order[-1] != adapter:
+                order.remove(adapter)
+                order.append(adapter)
+            return
+        order.append(adapter)
+        if replica.max_lora is not None and len(order) > replica.max_lora:
+            del order[: len(order) - replica.max_lora]
+        replica.adapters = frozenset(order)
+        self._adapter_changes += 1
 
     def adapter_cold(self, model: str | None) -> frozenset[int]:
         """Where `model` is a LoRA adapter some replica has loaded (runs, queues or ran lately),

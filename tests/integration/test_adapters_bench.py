@@ -15,7 +15,6 @@ def test_adapters_benchmark_smoke() -> None:
             "router.bench.cli",
             "adapters",
             "--json",
-            "--no-peers",
             "--replicas",
             "2",
             "--adapters",

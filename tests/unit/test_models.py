@@ -9,8 +9,11 @@ from router.fleet import MODEL_MEMO, UNLISTED_LABELS, Fleet
 from router.health.monitor import listed_models
 from router.health.signals import lora_state
 from router.keys import RoutingKey
+from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.prompt import prompt_of
+from router.routing import Routing, SessionDirectory
+from router.sessions import SessionTable
 
 POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load")
 
@@ -236,3 +239,45 @@ def test_new_sessions_of_an_adapter_prefer_a_replica_that_has_it_loaded(policy: 
     fleet.loads[2] = 30
     spread = {chosen.pick(key(f"t{i}", "sql-lora", policy), None, set()).index for i in range(40)}  # type: ignore[union-attr]
     assert 2 not in spread and len(spread) > 1
+
+
+def test_an_adapter_sent_to_a_replica_counts_as_loaded_there_at_once() -> None:
+    """Between probes the router knows what it sent: a replica a request for an adapter went to
+    loads it (the least recently used goes past max_lora), so the next request for it finds it."""
+    fleet = fleet_of([LORA, LORA, LORA])
+    r0, r1, r2 = fleet.replicas
+    fleet.set_adapters(r0, frozenset({"sql-lora"}), 2)
+    fleet.set_adapters(r1, frozenset(), 2)
+    assert fleet.adapter_cold("chat-lora") == frozenset()  # loaded nowhere, and not known as an adapter
+    fleet.sent_adapter(r1, "chat-lora")
+    assert r1.adapters == {"chat-lora"} and fleet.adapter_cold("chat-lora") == {0}  # r2 says nothing
+    fleet.sent_adapter(r0, "chat-lora")
+    assert r0.adapters == {"sql-lora", "chat-lora"}
+    fleet.sent_adapter(r0, "sql-lora")  # used again: now the most recent
+    fleet.sent_adapter(r0, "x-lora")  # a third on two slots: chat-lora, the least recently used, goes
+    assert r0.adapters == {"sql-lora", "x-lora"}
+    fleet.sent_adapter(r2, "sql-lora")
+    assert r2.adapters is None  # its engine says nothing of adapters: nothing to track
+    fleet.set_adapters(r0, frozenset({"chat-lora"}), 2)  # the next probe says what is so
+    assert r0.adapters == {"chat-lora"}
+
+
+async def test_a_request_for_a_known_adapter_marks_it_loaded_where_it_went() -> None:
+    fleet = fleet_of([LORA, LORA])
+    r0, r1 = fleet.replicas
+    fleet.set_adapters(r0, frozenset({"sql-lora"}), 4)
+    fleet.set_adapters(r1, frozenset(), 4)
+    policy = make_policy("round_robin", fleet, RouterConfig(policy="round_robin"))
+    routing = Routing(fleet, policy, SessionDirectory(SessionTable(100, 60.0), 60.0), RouterMetrics(), 3)
+    went: set[str] = set()
+    for i in range(2):  # round robin: one each, blind to adapters
+        route = await routing.route(RoutingKey(f"s{i}".encode(), "header", "x", model="sql-lora"), 0.0, 1e9)
+        replica = route.next(0.0)
+        assert replica is not None
+        went.add(replica.id)
+        route.release(replica)
+    assert went == {"r0", "r1"} and r1.adapters == {"sql-lora"}  # it loads it there: known at once
+    route = await routing.route(RoutingKey(b"s9", "header", "x", model="chat-lora"), 0.0, 1e9)
+    replica = route.next(0.0)
+    assert replica is not None and replica.adapters is not None
+    assert "chat-lora" not in replica.adapters  # no engine has named chat-lora as an adapter: nothing to track

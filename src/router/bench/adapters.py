@@ -12,9 +12,10 @@ replica, and each replica keeps paging adapters in and out.
 Contenders: router-serve `ttft` (its default: a replica without the adapter, where another has it,
 costs `adapter_load_s` more), the same with that cost set to 0 (the preference off), router-serve
 `affinity` (the first replica clockwise with the adapter loaded, under its load cap), round robin
-from the client, and smg `cache_aware` where installed. Figures: time to first token (median and
-P99), adapter loads per 100 requests (the emulated engines' own count) and the share of requests
-that are not whole answers.
+from the client. smg is not among them: it registers a worker under one model, and answers a
+request naming one of its adapters "No worker available for model". Figures: time to first token
+(median and P99), adapter loads per 100 requests (the emulated engines' own count) and the share
+of requests that are not whole answers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import orjson
 from router.bench.common import measure
 from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
 from router.bench.overload import Tally, chat_body, one
-from router.bench.proxy_bench import peer_installed
 
 MODEL = "model-b"
 
@@ -51,8 +51,6 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
         Contender("affinity", "router-serve affinity", "router", ("--policy", "affinity")),
         Contender("round-robin", "round-robin (client, no router)", "direct"),
     ]
-    if not args.no_peers and peer_installed("smg"):
-        out.append(Contender("smg", "smg cache_aware", "smg", ("--policy", "cache_aware")))
     return out
 
 
@@ -167,7 +165,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "adapters",
         help="time to first token with LoRA adapters to load: router-serve with and without its adapter "
-        "preference, affinity, round robin, smg",
+        "preference, affinity, round robin",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -183,7 +181,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt-chars", type=int, default=400, help="characters per prompt (default 400)")
     p.add_argument("--time-scale", type=float, default=1.0, help="the emulator's time scale (default 1)")
     p.add_argument("--stream-interval", type=int, default=4, help="tokens per streamed chunk (default 4)")
-    p.add_argument("--no-peers", action="store_true", help="leave smg out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
 

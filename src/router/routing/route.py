@@ -187,6 +187,9 @@ class Route:
         if not resuming:
             self.decision = decision
         fleet.acquire(replica)
+        model = self.key.model
+        if model is not None and model in fleet.adapter_names:
+            fleet.sent_adapter(replica, model)  # its engine loads it: the next request for it knows
         # nothing else in flight there: its time to first token measures the replica, not a queue
         self.alone = replica.index is not None and fleet.loads[replica.index] <= 1
         placement, prompt = routing.placement, self.key.prompt
