@@ -133,14 +133,32 @@ async def sse_upstream() -> AsyncIterator[Callable[..., Any]]:
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", seen  # type: ignore[union-attr]
+        return await serve_on_loopback(app, runners), seen
 
     yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def serve_on_loopback(app: web.Application, runners: list[web.AppRunner]) -> str:
+    """Serve `app` on a free loopback port (its runner joins `runners`, to clean up); its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    runners.append(runner)
+    return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+@pytest.fixture
+async def serve_app() -> AsyncIterator[Callable[[web.Application], Any]]:
+    """Serve stand-in apps on free loopback ports for one test; each call returns its base URL."""
+    runners: list[web.AppRunner] = []
+
+    async def serve(app: web.Application) -> str:
+        return await serve_on_loopback(app, runners)
+
+    yield serve
     for runner in runners:
         await runner.cleanup()
 

@@ -237,7 +237,9 @@ async def test_worker_processes_hold_requests_and_the_scale_signal_counts_them(
     assert recommended >= 6, recommended
 
 
-async def test_sends_are_counted_from_the_moment_each_engines_queue_was_read() -> None:
+async def test_sends_are_counted_from_the_moment_each_engines_queue_was_read(
+    serve_app: Callable[[web.Application], Any],
+) -> None:
     """A probe round ends with its slowest replica. A request that ended at a faster one after its
     queue was read, but before the round ended, has already left that queue: admission counts it
     from the read, so the replica is not taken for fuller than it is until the next round."""
@@ -265,29 +267,20 @@ async def test_sends_are_counted_from_the_moment_each_engines_queue_was_read() -
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    runners, urls = [], []
+    urls = []
     for handler in (fast, slow):
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
-    try:
-        replicas = Replicas([ReplicaSpec(f"r{i}", url) for i, url in enumerate(urls)])
-        fast_one = replicas.replicas[0]
-        for _ in range(6):  # 4 running, 2 waiting: what its engine reports
-            replicas.acquire(fast_one)
-        admission = Admission(replicas, 8, 1.0, full_waiting=2, full_kv_usage=0.95)
-        async with aiohttp.ClientSession() as http:
-            monitor = HealthMonitor(replicas, lambda: http, 1.0, 2.0, after_round=admission.probed)
-            await monitor.probe_once()
-        assert fast_one.inflight_at_read == 6 and fast_one.inflight == 5
-        assert admission.queue_of(fast_one) == 1  # 2 reported, 1 since moved up into the finished one's slot
-        assert not admission.full(fast_one)
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+        urls.append(await serve_app(app))
+    replicas = Replicas([ReplicaSpec(f"r{i}", url) for i, url in enumerate(urls)])
+    fast_one = replicas.replicas[0]
+    for _ in range(6):  # 4 running, 2 waiting: what its engine reports
+        replicas.acquire(fast_one)
+    admission = Admission(replicas, 8, 1.0, full_waiting=2, full_kv_usage=0.95)
+    async with aiohttp.ClientSession() as http:
+        monitor = HealthMonitor(replicas, lambda: http, 1.0, 2.0, after_round=admission.probed)
+        await monitor.probe_once()
+    assert fast_one.inflight_at_read == 6 and fast_one.inflight == 5
+    assert admission.queue_of(fast_one) == 1  # 2 reported, 1 since moved up into the finished one's slot
+    assert not admission.full(fast_one)
