@@ -21,13 +21,14 @@ seconds per token are learnt from every streamed answer that had the replica to 
 others there its first token also waited for their decode steps and for room in its KV cache):
 its measured TTFT, less the decode share, over the tokens it waited for and computed (at least
 SPEED_MIN_TOKENS: below that a step's fixed cost dominates), starting at `prefill_tokens_per_s`.
-A replica's speed is the median of its last SPEED_WINDOW samples, weighed against the fleet's
-median (the median of those medians) as if that were SPEED_PRIOR samples more: replicas of one
-model prefill alike, and a few odd samples must not make one look slow (it would get a fraction
-of the traffic for as long as it kept them: at 5x the Mooncake traces, identical emulated
-replicas were learnt at 5,700 to 17,100 tokens/s, and got 11 to 89 requests each). A replica not
-yet measured takes the fleet's median (else the first one measured fast would look like the only
-fast one, and draw everything). So
+A replica's speed is the median of its last SPEED_WINDOW samples, weighed against its peers'
+median (the median of the medians of the replicas serving the same models, else the whole
+fleet's) as if that were SPEED_PRIOR samples more: replicas of one model prefill alike, and a few
+odd samples must not make one look slow (it would get a fraction of the traffic for as long as it
+kept them: at 5x the Mooncake traces, identical emulated replicas were learnt at 5,700 to 17,100
+tokens/s, and got 11 to 89 requests each), while another model's replicas may be several times
+slower or faster. A replica not yet measured takes its peers' median (else the first one measured
+fast would look like the only fast one, and draw everything). So
 
     cost(replica) = max(0, busy_until - now, kv_wait)             wait for what was sent there (or
                                                                   for room in its KV cache)
@@ -122,6 +123,7 @@ class Held:
     shift: float = 0.0  # seconds its queue was moved by first tokens that came later (or sooner) than modelled
     misses: int = 0  # answers in a row that found nothing of a long predicted prefix
     resets: int = 0
+    models: frozenset[str] | None = None  # what it serves (None: unknown): its speed's prior is its peers'
 
 
 @dataclass(slots=True)
@@ -178,7 +180,10 @@ class Placement:
         self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
         self.accuracy = Accuracy()
         self.fleet_spt = self.default_spt  # the median of the learnt speeds: a replica's until it has its own
+        # ... and of those serving the same models (a 70B's replicas prefill slower than an 8B's)
+        self.model_spt: dict[frozenset[str] | None, float] = {}
         self._speed_answers = 0
+        self._peers_changed = False  # some replica's models changed since the priors were taken
         # told of every prompt that added blocks to the index (routers on one Redis share them)
         self.share: Callable[[str, array[int]], None] | None = None
         self.gate_c = config.ttft_gate_c
@@ -222,7 +227,8 @@ class Placement:
         engine = self.engine_blocks(replica)
         if held is None:
             self._forget_gone()
-            held = Held(self.index.add_holder(engine), engine, engine, self.fleet_spt)
+            spt = self.model_spt.get(replica.models, self.fleet_spt)
+            held = Held(self.index.add_holder(engine), engine, engine, spt, models=replica.models)
             self.held[replica.id] = held
             self._layout_for = -1  # the row arrays lack it
         elif abs(engine - held.engine_blocks) > held.engine_blocks // 100:  # another size (or token ratio)
@@ -541,6 +547,9 @@ class Placement:
         uncached = max(prompt_tokens - cached_tokens, 0)
         self.mean_uncached += 0.1 * (uncached - self.mean_uncached)
         computed = (placed.wait_tokens if placed is not None else 0.0) + uncached
+        if held.models != replica.models:  # its models were read (or changed) since: its peers are others
+            held.models = replica.models
+            self._peers_changed = True  # the priors are taken again at the next sample
         if ttft_s is not None and placed is not None and computed >= SPEED_MIN_TOKENS:
             sample = max(ttft_s - max(placed.decode_s, 0.0), 0.0) / computed
             if math.isfinite(sample) and sample > 0:
@@ -548,7 +557,7 @@ class Placement:
                 held.own = statistics.median(held.measured)
                 held.samples += 1
                 self._speed_answers += 1
-                if held.samples == 1 or self._speed_answers % FLEET_SPEED_EVERY == 0:
+                if held.samples == 1 or self._peers_changed or self._speed_answers % FLEET_SPEED_EVERY == 0:
                     self._fleet_speed()
                 else:
                     self.set_spt(held, self._speed_of(held))
@@ -580,20 +589,28 @@ class Placement:
         self.set_busy(held, moved)
 
     def _speed_of(self, held: Held) -> float:
-        """Its seconds per token for routing: its own median, weighed against the fleet's median
-        as if that were SPEED_PRIOR samples more. Replicas of one model on one kind of GPU prefill
+        """Its seconds per token for routing: its own median, weighed against its peers' median
+        (the replicas serving the same models; the fleet's where none of those is measured yet) as
+        if that were SPEED_PRIOR samples more. Replicas of one model on one kind of GPU prefill
         alike, and a few samples (a step's fixed cost, a neighbour's chunk in the batch, a loaded
         host) must not make one look fast or slow for long: a replica that is, says so in every
         sample, and its own median outweighs the prior twice over once its window is full."""
+        prior = self.model_spt.get(held.models, self.fleet_spt)
         n = len(held.measured)
         if not n:
-            return self.fleet_spt
-        return (n * held.own + SPEED_PRIOR * self.fleet_spt) / (n + SPEED_PRIOR)
+            return prior
+        return (n * held.own + SPEED_PRIOR * prior) / (n + SPEED_PRIOR)
 
     def _fleet_speed(self) -> None:
-        learnt = sorted(h.own for h in self.held.values() if h.measured)
+        measured = [h for h in self.held.values() if h.measured]
+        learnt = sorted(h.own for h in measured)
         self.fleet_spt = learnt[len(learnt) // 2]
-        for h in self.held.values():  # those not measured yet: as fast as the fleet's median, not the prior
+        peers: dict[frozenset[str] | None, list[float]] = {}
+        for h in measured:
+            peers.setdefault(h.models, []).append(h.own)
+        self.model_spt = {models: sorted(own)[len(own) // 2] for models, own in peers.items()}
+        self._peers_changed = False
+        for h in self.held.values():  # those not measured yet: as fast as their peers' median, not the prior
             self.set_spt(h, self._speed_of(h))
 
     def _frame(self, now: float) -> float:

@@ -506,3 +506,34 @@ def test_the_gate_leaves_a_session_within_the_floor_of_the_fleets_mean() -> None
         fleet.acquire(fleet.replicas[0])
     spill = policy.pick(key, fleet.replicas[0].id, ())
     assert spill is not None and spill.index != 0 and spill.reason == "spill"
+
+
+def test_a_replicas_speed_is_weighed_against_the_replicas_of_its_own_models() -> None:
+    """A 70B's replicas prefill slower than an 8B's: the prior a replica's few samples are weighed
+    against, and the speed of one not measured yet, are those of its own model's replicas."""
+    fleet, policy, clock = setup(4, prefill_tokens_per_s=1_000, ttft_decode_s=0)
+    placement = policy.placement
+    big, small = frozenset({"big-70b"}), frozenset({"small-8b"})
+    for replica, models in zip(fleet.replicas, (big, big, small, small), strict=True):
+        fleet.set_models(replica, models)
+    prompt = keyless(chat(doc(1, 3000), "q?")).prompt
+    assert prompt is not None
+    tokens = round(prompt.nbytes / 4)
+
+    def sample(index: int, tokens_per_s: float) -> None:
+        assert prompt is not None
+        replica = fleet.replicas[index]
+        placed = placement.sent(replica, prompt, placement.candidates(prompt, [index], None, clock.now)[0], clock.now)
+        placement.answered(replica, prompt, placed, tokens, 0, tokens / tokens_per_s)
+        placement.index.clear(placement.of(replica).holder)
+        clock.now += 100
+
+    for _ in range(16):
+        sample(0, 1000)  # the big model's
+        sample(2, 8000)  # the small model's
+    assert placement.model_spt[big] == pytest.approx(1 / 1000) and placement.model_spt[small] == pytest.approx(1 / 8000)
+    # not measured yet: as fast as its own model's replicas, not the fleet's median of both
+    assert 1 / placement.of(fleet.replicas[1]).seconds_per_token == pytest.approx(1000, rel=0.01)
+    assert 1 / placement.of(fleet.replicas[3]).seconds_per_token == pytest.approx(8000, rel=0.01)
+    sample(3, 8000)  # one sample, weighed against its peers' 8,000: it stays there
+    assert 1 / placement.of(fleet.replicas[3]).seconds_per_token == pytest.approx(8000, rel=0.01)
