@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -262,9 +263,13 @@ def test_prefill_speed_is_learnt_from_measured_ttft() -> None:
     assert 1 / placement.of(fleet.replicas[0]).seconds_per_token == pytest.approx(4000, rel=0.05)
 
 
-def test_a_few_odd_samples_do_not_make_one_of_a_uniform_fleet_look_slow() -> None:
+def speed_sampler(models: list[frozenset[str]] | None = None) -> tuple[Fleet, Placement, Callable[..., None]]:
+    """Four replicas (serving `models`, if given) and a function that has replica i answer the same
+    document alone, `computed` tokens (default: all of it) at `tokens_per_s`."""
     fleet, policy, clock = setup(4, prefill_tokens_per_s=1_000, ttft_decode_s=0)
     placement = policy.placement
+    for replica, served in zip(fleet.replicas, models or (), strict=False):
+        fleet.set_models(replica, served)
     prompt = keyless(chat(doc(1, 3000), "q?")).prompt
     assert prompt is not None
     tokens = round(prompt.nbytes / 4)
@@ -276,6 +281,12 @@ def test_a_few_odd_samples_do_not_make_one_of_a_uniform_fleet_look_slow() -> Non
         placement.answered(replica, prompt, placed, computed, 0, computed / tokens_per_s)
         placement.index.clear(placement.of(replica).holder)
         clock.now += 100
+
+    return fleet, placement, sample
+
+
+def test_a_few_odd_samples_do_not_make_one_of_a_uniform_fleet_look_slow() -> None:
+    fleet, placement, sample = speed_sampler()
 
     for _ in range(16):
         for i in range(4):
@@ -511,23 +522,8 @@ def test_the_gate_leaves_a_session_within_the_floor_of_the_fleets_mean() -> None
 def test_a_replicas_speed_is_weighed_against_the_replicas_of_its_own_models() -> None:
     """A 70B's replicas prefill slower than an 8B's: the prior a replica's few samples are weighed
     against, and the speed of one not measured yet, are those of its own model's replicas."""
-    fleet, policy, clock = setup(4, prefill_tokens_per_s=1_000, ttft_decode_s=0)
-    placement = policy.placement
     big, small = frozenset({"big-70b"}), frozenset({"small-8b"})
-    for replica, models in zip(fleet.replicas, (big, big, small, small), strict=True):
-        fleet.set_models(replica, models)
-    prompt = keyless(chat(doc(1, 3000), "q?")).prompt
-    assert prompt is not None
-    tokens = round(prompt.nbytes / 4)
-
-    def sample(index: int, tokens_per_s: float) -> None:
-        assert prompt is not None
-        replica = fleet.replicas[index]
-        placed = placement.sent(replica, prompt, placement.candidates(prompt, [index], None, clock.now)[0], clock.now)
-        placement.answered(replica, prompt, placed, tokens, 0, tokens / tokens_per_s)
-        placement.index.clear(placement.of(replica).holder)
-        clock.now += 100
-
+    fleet, placement, sample = speed_sampler([big, big, small, small])
     for _ in range(16):
         sample(0, 1000)  # the big model's
         sample(2, 8000)  # the small model's
