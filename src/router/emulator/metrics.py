@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from router.emulator.engine import Engine, Sequence
 
-# vLLM's bucket edges for these histograms
 LORA_SERIES = 64  # LoRA states whose series are kept (vLLM keeps every one)
+# vLLM's bucket edges for these histograms
 TTFT_BUCKETS = (
     0.001,
     0.005,
