@@ -11,15 +11,17 @@ counted once, by the client:
 - shed: refused before any byte with a clean 429 or 503 (a client can retry elsewhere or later);
 - failed: anything else (an error status, a cut stream, the client's own time-out).
 
-Goodput is good requests a second. Contenders: `router-serve` with admission (a queue of
-`--max-queued`, by default what the fleet finishes in `--queue-timeout-s`, itself by default
-half the TTFT target in whole seconds; a replica full at `--full-waiting` queued), `router-serve`
-as shipped (everything forwarded), round robin from the client, and smg with its bounded queue
-(`--max-concurrent-requests` the fleet's slots plus `--full-waiting` per replica, the same
-`--queue-size` and `--queue-timeout-secs`) and worker overload protection with shedding.
-Routers probe at their default interval (2 s). Between contenders the fleet drains until every
-replica is idle, and every replica's prefix cache is emptied: each contender is offered the same
-prompts.
+Goodput is good requests a second, to the last answer; steady goodput counts only the requests
+sent at least STEADY_EDGE_S (5 s, at most a quarter of the run) from either end of the arrivals,
+over that window, so the drain after the last arrival does not count. Contenders: `router-serve`
+with admission (a queue of `--max-queued`, by default what the fleet finishes in
+`--queue-timeout-s`, itself by default half the TTFT target in whole seconds; a replica full at
+`--full-waiting` queued), `router-serve` as shipped (everything forwarded), round robin from the
+client, and smg with its bounded queue (`--max-concurrent-requests` the fleet's slots plus
+`--full-waiting` per replica, the same `--queue-size` and `--queue-timeout-secs`) and worker
+overload protection with shedding. Routers probe at their default interval (2 s). Between
+contenders the fleet drains until every replica is idle, and every replica's prefix cache is
+emptied: each contender is offered the same prompts.
 
 `--mix` makes the traffic two clients and conversations: a heavy client (`user` "heavy") sends
 three requests for every one of a light client ("light"), and each request is, with probability
@@ -52,6 +54,7 @@ from router.bench.fleet import Child, Contender, Fleet, start_contender, start_f
 from router.bench.proxy_bench import cpu_seconds, peer_installed
 
 CLIENT_TIMEOUT_S = 60.0
+STEADY_EDGE_S = 5.0  # the steady goodput leaves out requests sent this close to either end of a run
 CLIENTS = (("heavy", 0.75), ("light", 0.25))  # --mix: who sends, and their shares of the arrivals
 CLASSES = ("heavy", "light", "turn", "new")
 
@@ -63,10 +66,21 @@ class Tally:
     shed: int = 0
     failed: int = 0
     ttfts: list[float] = field(default_factory=list)  # of the whole answers
+    good_sent: list[float] = field(default_factory=list)  # when each good one was sent (monotonic)
 
     @property
     def sent(self) -> int:
         return self.good + self.late + self.shed + self.failed
+
+    def steady_goodput(self, start: float, duration_s: float) -> float:
+        """Good requests a second among those sent away from both ends of the run (STEADY_EDGE_S,
+        at most a quarter of it, from each): once the queues are full, and before the arrivals'
+        end lets the last held requests through. What the whole run gives (good over the time to
+        the last answer) also counts the drain: a router whose last answer comes later reads as
+        slower for the same answers."""
+        edge = min(STEADY_EDGE_S, duration_s / 4)
+        lo, hi = start + edge, start + duration_s - edge
+        return sum(lo <= t < hi for t in self.good_sent) / (hi - lo)
 
 
 async def one(
@@ -89,11 +103,13 @@ class _Counted:
     def __init__(self, tallies: tuple[Tally, ...]) -> None:
         self.tallies = tallies
 
-    def add(self, outcome: str, ttft: float | None = None) -> None:
+    def add(self, outcome: str, ttft: float | None = None, sent_at: float | None = None) -> None:
         for t in self.tallies:
             setattr(t, outcome, getattr(t, outcome) + 1)
             if ttft is not None:
                 t.ttfts.append(ttft)
+            if outcome == "good" and sent_at is not None:
+                t.good_sent.append(sent_at)
 
 
 async def _one(
@@ -129,7 +145,7 @@ async def _one(
     except (aiohttp.ClientError, OSError, TimeoutError):
         tally.add("failed")
         return False
-    tally.add("good" if first <= target_s else "late", first)
+    tally.add("good" if first <= target_s else "late", first, t0)
     return True
 
 
@@ -161,9 +177,11 @@ class Conversation:
 
 async def offer(
     targets: list[str], rate: float, duration_s: float, args: argparse.Namespace, seed: int
-) -> tuple[Tally, float, dict[str, Tally]]:
+) -> tuple[Tally, float, float, dict[str, Tally]]:
     """Poisson arrivals at `rate` a second for `duration_s`, spread over `targets` in turn; with
-    `--mix`, from two clients and partly turns of their conversations, tallied per class too."""
+    `--mix`, from two clients and partly turns of their conversations, tallied per class too.
+    Returns the tally, when the arrivals began (monotonic), the seconds to the last answer, and the
+    tallies by class."""
     rng = random.Random(seed)
     tally = Tally()
     classes = {name: Tally() for name in CLASSES} if args.mix else {}
@@ -204,7 +222,7 @@ async def offer(
             talk.history.append({"role": "user", "content": "(the question)"})
             tasks.append(asyncio.create_task(turn(url, talk, body, kind)))
         await asyncio.gather(*tasks)
-    return tally, time.monotonic() - start, classes
+    return tally, start, time.monotonic() - start, classes
 
 
 async def idle(fleet: Fleet, timeout_s: float = 60.0) -> None:
@@ -292,7 +310,7 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
     return out
 
 
-def figures(tally: Tally, elapsed_s: float, offered: float) -> dict[str, Any]:
+def figures(tally: Tally, elapsed_s: float, offered: float, start: float, duration_s: float) -> dict[str, Any]:
     sent = max(tally.sent, 1)
     ttfts = sorted(tally.ttfts)
 
@@ -303,6 +321,7 @@ def figures(tally: Tally, elapsed_s: float, offered: float) -> dict[str, Any]:
         "offered_rps": round(offered, 2),
         "sent": tally.sent,
         "goodput_rps": round(tally.good / elapsed_s, 2),
+        "steady_goodput_rps": round(tally.steady_goodput(start, duration_s), 2),
         "good": round(tally.good / sent, 4),
         "late": round(tally.late / sent, 4),
         "shed": round(tally.shed / sent, 4),
@@ -338,7 +357,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     # on this machine the replicas and the client share the CPUs with the router
                     router_cpu = cpu_seconds(child.pid) if child is not None else 0.0
                     fleet_cpu = cpu_seconds(fleet.pids[0])
-                    tally, elapsed, classes = await offer(
+                    tally, start, elapsed, classes = await offer(
                         targets, rate * load, args.duration_s, args, seed=int(load * 100)
                     )
                     used = {
@@ -352,14 +371,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "load": load,
                     "contender": c.name,
                     "label": c.label,
-                    **figures(tally, elapsed, rate * load),
+                    **figures(tally, elapsed, rate * load, start, args.duration_s),
                     **used,
                 }
                 if classes:
-                    row["classes"] = {name: _class(t, elapsed) for name, t in classes.items()}
+                    row["classes"] = {name: _class(t, elapsed, start, args.duration_s) for name, t in classes.items()}
                 result["runs"].append(row)
                 print(
-                    f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s, good {row['good']:.0%}, "
+                    f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s (steady {row['steady_goodput_rps']}/s), "
+                    f"good {row['good']:.0%}, "
                     f"shed {row['shed']:.0%}, late {row['late']:.0%}, failed {row['failed']:.0%}",
                     file=sys.stderr,
                     flush=True,
@@ -370,11 +390,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _class(tally: Tally, elapsed_s: float) -> dict[str, Any]:
+def _class(tally: Tally, elapsed_s: float, start: float, duration_s: float) -> dict[str, Any]:
     sent = max(tally.sent, 1)
     return {
         "sent": tally.sent,
         "goodput_rps": round(tally.good / elapsed_s, 2),
+        "steady_goodput_rps": round(tally.steady_goodput(start, duration_s), 2),
         "good": round(tally.good / sent, 4),
         "shed": round(tally.shed / sent, 4),
         "late": round(tally.late / sent, 4),
@@ -387,13 +408,14 @@ def render(result: dict[str, Any]) -> str:
         f"{result['capacity_rps']} requests/s; TTFT target {result['ttft_target_s']:g} s; "
         f"{result['duration_s']:g} s per run",
         "",
-        "| offered | contender | goodput / s | good | late | shed (429/503) | failed | TTFT P50 | TTFT P99 "
-        "| router CPU s | replicas' CPU s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| offered | contender | goodput / s | steady goodput / s | good | late | shed (429/503) | failed | TTFT P50 "
+        "| TTFT P99 | router CPU s | replicas' CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         lines.append(
-            f"| {r['load']:g}x | {r['label']} | {r['goodput_rps']} | {r['good']:.1%} | {r['late']:.1%} | "
+            f"| {r['load']:g}x | {r['label']} | {r['goodput_rps']} | {r['steady_goodput_rps']} | {r['good']:.1%} "
+            f"| {r['late']:.1%} | "
             f"{r['shed']:.1%} | {r['failed']:.1%} | {r['ttft_p50_s']} | {r['ttft_p99_s']} "
             f"| {r['router_cpu_s'] if r['router_cpu_s'] is not None else '—'} | {r['fleet_cpu_s']} |"
         )
