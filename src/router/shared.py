@@ -42,6 +42,10 @@ def _flag(value: bool | None) -> int | None:
     return None if value is None else int(value)
 
 
+def _int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
 def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
     assert replica.index is not None
     e = replica.engine
@@ -67,6 +71,9 @@ def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
         gpu_slowed=_flag(i.gpu_slowed),
         probe_ok=_flag(i.probe_ok) if replica.inputs is not None else None,
         capacity=replica.capacity,
+        deferred=e.deferred,
+        kv_tokens=_int(e.kv_tokens),
+        block_size=_int(e.block_size),
         updated_at=time.time(),
     )
 
@@ -309,7 +316,15 @@ class Follower:
         health.score = row.score
         health.transitions = row.transitions
         replica.inputs = inputs_of(row)
-        replica.engine = EngineStats(row.waiting, row.running, row.kv_usage, row.fragmentation)
+        replica.engine = EngineStats(
+            waiting=row.waiting,
+            deferred=row.deferred,
+            running=row.running,
+            kv_usage=row.kv_usage,
+            fragmentation=row.fragmentation,
+            kv_tokens=row.kv_tokens,
+            block_size=row.block_size,
+        )
         self.fleet.set_capacity(replica, row.capacity)
         replica.queue_load = round(self.queue_weight * (row.waiting or 0.0))
 

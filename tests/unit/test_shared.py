@@ -11,6 +11,7 @@ import pytest
 
 from router.config import ReplicaSpec, RouterConfig
 from router.fleet import Fleet
+from router.health.signals import EngineStats
 from router.keys import RoutingKey
 from router.policy import make_policy
 from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, SharedSessions, owner_tag
@@ -259,3 +260,20 @@ def test_workers_follow_vnode_overrides(table: SlotTable) -> None:
     for f in followers:
         f.sync()
     assert all(fleet.ring.overrides == {} and owners(fleet) == owners(control) for fleet in workers)
+
+
+def test_workers_read_the_engines_kv_size_and_queues(table: SlotTable) -> None:
+    """Each worker sizes its own prefix index for a replica from the engine's KV capacity, so the
+    control loop's probe of it must reach them, with the waiting requests by kind."""
+    control, publisher, workers, followers = published(table, SPECS)
+    engine = EngineStats(waiting=1.0, deferred=2.0, running=3.0, kv_usage=0.25, kv_tokens=4128.0, block_size=32.0)
+    replica = control.find("r1")
+    assert replica is not None
+    replica.engine = engine
+    publisher.publish()
+    for follower, fleet in zip(followers, workers, strict=True):
+        follower.sync()
+        follower.refresh()
+        seen = fleet.find("r1")
+        assert seen is not None and seen.engine == engine
+        assert fleet.find("r2").engine.kv_tokens is None  # type: ignore[union-attr]  # not read: unknown

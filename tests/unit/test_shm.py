@@ -35,6 +35,9 @@ FULL = ReplicaSlot(
     throttle_reasons=4,
     ecc_errors=0,
     capacity=256,
+    deferred=2.0,
+    kv_tokens=29845 * 16,
+    block_size=16,
     updated_at=1795962901.25,
 )
 
@@ -76,7 +79,7 @@ def test_create_attach_write_read_and_ownership() -> None:
 def test_attach_refuses_something_else() -> None:
     shm = shared_memory.SharedMemory(name=name(), create=True, size=4096)
     try:
-        with pytest.raises(ValueError, match="not a version-10 replica table"):
+        with pytest.raises(ValueError, match="not a version-11 replica table"):
             SlotTable.attach(shm.name)
     finally:
         shm.close()

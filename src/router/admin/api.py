@@ -98,9 +98,27 @@ class AdminApi:
             "adapters": sorted(r.adapters) if r.adapters is not None else None,  # loaded now; None: not said
             "max_lora": r.max_lora,
             "engine": dataclasses.asdict(r.engine),
+            "prefix_index": self._index_json(r),
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,
             "slow_start_since": self.node.membership.warming_since.get(r.id) if r.state == "warming" else None,
+        }
+
+    def _index_json(self, r: ReplicaState) -> dict[str, Any] | None:
+        """What the prefix index keeps for the replica (the `ttft` policy's): the blocks its engine's
+        KV holds, as the index counts them (the engine's own figure when it reports one), the blocks
+        it may keep now and those it keeps. None with a policy that keeps no index, or before the
+        replica's first decision."""
+        placement = self.node.policy.placement
+        held = placement.held.get(r.id) if placement is not None else None
+        if placement is None or held is None:
+            return None
+        return {
+            "block_bytes": placement.block_bytes,
+            "engine_blocks": held.engine_blocks,
+            "kv_tokens_source": "engine" if r.engine.kv_tokens is not None else "configured",
+            "capacity_blocks": held.blocks,
+            "blocks": placement.index.size(held.holder),
         }
 
     async def forward(self, request: web.Request) -> web.Response:

@@ -35,10 +35,12 @@ SUM, MAX = "sum", "max"
 @dataclass(frozen=True)
 class Metrics:
     """One source of a figure: these metrics added up, the series of each added up (`MAX`: its
-    worst series instead)."""
+    worst series instead); with `label`, only the series whose label of that name has that value
+    (vLLM's `vllm:num_requests_waiting_by_reason{reason="capacity"}`)."""
 
     names: tuple[str, ...]
     combine: str = SUM
+    label: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,18 +75,26 @@ class Engine:
     checks_model: bool = False
 
 
-def _m(*names: str, combine: str = SUM) -> Metrics:
-    return Metrics(names, combine)
+def _m(*names: str, combine: str = SUM, label: tuple[str, str] | None = None) -> Metrics:
+    return Metrics(names, combine, label)
 
 
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 _VLLM: dict[str, tuple[Source, ...]] = {
+    # the requests waiting for room in the batch: vLLM 0.32 tells them from those `deferred` (for a
+    # LoRA slot, a KV transfer), which wait whatever room there is; older vLLM counts them all, and
     # v0 also counted requests swapped out to CPU memory apart: they wait to run again too
-    "waiting": (_m("vllm:num_requests_waiting", "vllm:num_requests_swapped"),),
+    "waiting": (
+        _m(WAITING_BY_REASON, label=("reason", "capacity")),
+        _m("vllm:num_requests_waiting", "vllm:num_requests_swapped"),
+    ),
+    "deferred": (_m(WAITING_BY_REASON, label=("reason", "deferred")),),
     "running": (_m("vllm:num_requests_running"),),
     "kv_usage": (_m("vllm:kv_cache_usage_perc", combine=MAX), _m("vllm:gpu_cache_usage_perc", combine=MAX)),
     "prefix_queries": (_m("vllm:prefix_cache_queries_total"),),
     "prefix_hits": (_m("vllm:prefix_cache_hits_total"),),
     "kv_tokens": (LabelProduct("vllm:cache_config_info", ("block_size", "num_gpu_blocks")),),
+    "block_size": (LabelProduct("vllm:cache_config_info", ("block_size",)),),
     # vLLM exports no concurrency limit (max_num_seqs): the `replica_capacity` setting gives it
 }
 
@@ -132,7 +142,8 @@ LLAMA_CPP = BY_KIND["llama.cpp"]
 
 @dataclass(frozen=True)
 class EngineStats:
-    waiting: float | None = None
+    waiting: float | None = None  # for room in the batch
+    deferred: float | None = None  # waiting for something else (vLLM: a LoRA slot, a KV transfer)
     running: float | None = None
     kv_usage: float | None = None  # 0..1
     fragmentation: float | None = None  # 0..1
@@ -140,6 +151,7 @@ class EngineStats:
     prefix_hits: float | None = None
     capacity: float | None = None  # requests the engine runs at once (slots, max_num_seqs)
     kv_tokens: float | None = None  # tokens its KV cache holds (vLLM: blocks x block size)
+    block_size: float | None = None  # tokens per KV block (what its prefix cache hits come in)
     kind: str | None = None  # which engine it is (ENGINES), None when not recognised
 
 
@@ -148,6 +160,15 @@ class EngineStats:
 KNOWN = frozenset(
     n for e in ENGINES for sources in e.figures.values() for s in sources if isinstance(s, Metrics) for n in s.names
 )
+# metrics some table reads by one label: their values are also kept under `name{label="value"}`
+BY_LABEL = {
+    n: s.label[0]
+    for e in ENGINES
+    for sources in e.figures.values()
+    for s in sources
+    if isinstance(s, Metrics) and s.label is not None
+    for n in s.names
+}
 LABELLED = frozenset(
     s.name for e in ENGINES for sources in e.figures.values() for s in sources if isinstance(s, LabelProduct)
 )
@@ -184,6 +205,11 @@ def samples(
             continue
         if math.isfinite(value):
             values.setdefault(name, []).append(value)
+            label = BY_LABEL.get(name)
+            if label is not None and line[name_end] == "{":
+                found = _labels(line[name_end + 1 : line.rfind("}")]) or {}
+                if label in found:
+                    values.setdefault(_series(name, (label, found[label])), []).append(value)
             prefix, colon, _ = name.partition(":")
             if colon:
                 prefixes.add(prefix + ":")
@@ -214,11 +240,16 @@ def parse_engine_metrics(text: str, engine: Engine | None = None) -> EngineStats
                     break
             elif isinstance(source, Metrics):
                 combine = sum if source.combine == SUM else max
-                present = [combine(values[n]) for n in source.names if n in values]
+                keys = [_series(n, source.label) for n in source.names] if source.label else source.names
+                present = [combine(values[k]) for k in keys if k in values]
                 if present:
                     found[figure] = sum(present)
                     break
     return EngineStats(**found)
+
+
+def _series(name: str, label: tuple[str, str]) -> str:
+    return f'{name}{{{label[0]}="{label[1]}"}}'
 
 
 def _label_product(text: str | None, names: tuple[str, ...]) -> float | None:

@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = b"KVAR"
-VERSION = 10
+VERSION = 11
 HEADER = struct.Struct("<4sIIIIII4x")  # 32 bytes, then the generation and the probe round, then padding to 64
 GENERATION_AT = 32
 PROBED_AT = 40
@@ -53,13 +53,24 @@ OPTIONAL_FLOATS = (
     "error_rate",
     "latency_ratio",
     "ttft_ratio",
+    "deferred",
 )
-OPTIONAL_INTS = ("mem_used", "mem_total", "throttle_reasons", "ecc_errors", "gpu_slowed", "probe_ok", "capacity")
+OPTIONAL_INTS = (
+    "mem_used",
+    "mem_total",
+    "throttle_reasons",
+    "ecc_errors",
+    "gpu_slowed",
+    "probe_ok",
+    "capacity",
+    "kv_tokens",
+    "block_size",
+)
 OPTIONAL = OPTIONAL_FLOATS + OPTIONAL_INTS
 SLOT_PAYLOAD = struct.Struct(
     f"<{MAX_ID_BYTES}s{MAX_URL_BYTES}sBxxxIIIddq" + "d" * len(OPTIONAL_FLOATS) + "Q" * len(OPTIONAL_INTS) + "d"
 )
-SLOT_SIZE = 512
+SLOT_SIZE = 576
 # one worker's figures for one replica, each an int64 the worker alone writes
 LATENCY_SAMPLES = 9  # a worker's latest samples of each latency kind, in nanoseconds
 COUNTER_FIELDS = (
@@ -111,6 +122,10 @@ class ReplicaSlot:
     gpu_slowed: int | None = None  # 0 or 1
     probe_ok: int | None = None  # 0 or 1
     capacity: int | None = None  # requests the replica runs at once (reported or configured)
+    # the engine's KV cache, which sizes each worker's prefix index for it, and its other waiting requests
+    deferred: float | None = None
+    kv_tokens: int | None = None
+    block_size: int | None = None
     updated_at: float = 0.0
 
 
