@@ -79,7 +79,7 @@ class RouterConfig:
     sticky_max_sessions: int = 200_000
     # routing keys
     key_headers: tuple[str, ...] = ("x-session-id", "session-id", "session_id", "conversation-id", "x-conversation-id")
-    key_body_fields: tuple[str, ...] = ("session_id", "metadata.session_id", "user")
+    key_body_fields: tuple[str, ...] = ("session_id", "metadata.session_id", "metadata.user_id", "user")
     prefix_chars: int = 256
     max_key_bytes: int = 256
     # proxying

@@ -1,8 +1,9 @@
 """Routing keys: which conversation a request belongs to, as bytes, and where that came from.
 
 First match wins: a configured header (`X-Session-ID`, ...), then configured body fields
-(`session_id`, `metadata.session_id`, `user`), then a prefix fingerprint: the model plus the
-first non-system message of a chat (or the start of a completion prompt / embedding input),
+(`session_id`, `metadata.session_id`, `metadata.user_id` (Anthropic's), `user`), then a prefix
+fingerprint: the model plus the first non-system message of a chat (or the start of a completion
+prompt / embedding input; an Anthropic request's system prompt is a field of its own),
 which stays the same across the turns of one conversation because history only grows. The system
 prompt alone is never the key: many sessions share it and would pile onto one replica.
 

@@ -1,7 +1,8 @@
 """A request's prompt as the prefix index sees it: its text in order, cut into chained blocks.
 
 Chat messages render as `<|role|>content<|end|>` one after another (a completion's prompt, or an
-embedding's input, as it is), so the rendering of a history is a prefix of the rendering of any
+embedding's input, as it is; an Anthropic Messages request's `system` field as a first system
+message, as the engine's chat template gets it), so the rendering of a history is a prefix of the rendering of any
 longer history: every turn of a conversation shares its earlier turns' blocks. The bytes are cut
 into `block_bytes`-byte blocks; block i's key is XXH3-64 of its bytes seeded with block i-1's key,
 block 0's seeded with XXH3-64 of the model name (so two models never share a block). Two prompts
@@ -67,6 +68,9 @@ def parts_of(body: Mapping[str, Any]) -> tuple[list[str], int]:
     if isinstance(messages, list):
         parts: list[str] = []
         mark = 0
+        system = body.get("system")  # Anthropic's: a string, or text blocks
+        if isinstance(system, str | list):
+            messages = [{"role": "system", "content": system}, *messages[: MAX_MESSAGES - 1]]
         for m in messages[:MAX_MESSAGES]:
             if isinstance(m, Mapping):
                 mark = len(parts)

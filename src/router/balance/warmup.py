@@ -2,9 +2,9 @@
 there as prefill-only requests, so their next turn finds its prefix in that replica's KV cache.
 
 `PromptStore` keeps the latest request body of each session (bounded by total bytes, per-entry
-size and a time to live; least recently used first out). `prefill_only` turns a stored chat or
-completion request into one that computes the prompt and generates one token (`max_tokens: 1`,
-not streamed). `warm` sends such requests to one replica, a few at a time, each marked with
+size and a time to live; least recently used first out). `prefill_only` turns a stored chat,
+completion or Anthropic Messages request into one that computes the prompt and generates one
+token (`max_tokens: 1`, not streamed). `warm` sends such requests to one replica, a few at a time, each marked with
 `X-Router-Warmup: 1` so it is never mistaken for user traffic, and gives up on what is left when
 its time is up.
 """
@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from router.apis import PROXIED, api_of
 from router.upstream import Response
 
 WARMUP_HEADER = "X-Router-Warmup"
-WARMABLE = ("/v1/chat/completions", "/v1/completions")
+WARMABLE = frozenset(api.path for api in PROXIED.values() if api.prompt)  # what leaves a KV cache behind
 
 
 class PromptStore:
@@ -77,7 +78,7 @@ class PromptStore:
         return entry
 
 
-def prefill_only(body: bytes) -> bytes | None:
+def prefill_only(body: bytes, path: str = "/v1/chat/completions") -> bytes | None:
     """The request, computing its prompt and one token only; None if it is not a JSON object."""
     try:
         data = orjson.loads(body)
@@ -86,9 +87,12 @@ def prefill_only(body: bytes) -> bytes | None:
     if not isinstance(data, dict):
         return None
     data["max_tokens"] = 1
+    data["stream"] = False
+    api = api_of(path)
+    if api is not None and api.anthropic:
+        return orjson.dumps(data)  # Anthropic's API has neither n nor stream_options
     if "max_completion_tokens" in data:
         data["max_completion_tokens"] = 1
-    data["stream"] = False
     data.pop("stream_options", None)
     data["n"] = 1
     return orjson.dumps(data)
@@ -122,7 +126,7 @@ async def warm(
     headers = {"Content-Type": "application/json", WARMUP_HEADER: "1"}
 
     async def one(i: int, path: str, body: bytes) -> None:
-        payload = prefill_only(body)
+        payload = prefill_only(body, path)
         if payload is None:
             result.skipped += 1
             return

@@ -1,9 +1,9 @@
 """Admission of a proxied request: its headers and body within the limits, JSON parsed, routing key found.
 
-A request that fails gets the OpenAI-shaped answer it deserves (431, 408, 413 or 400) and never
-reaches a replica. One that passes may be changed on the way: a stream that did not ask for usage
-is asked for it (`inject_usage`), so the router learns its token counts, and the client is not
-shown it.
+A request that fails gets the answer it deserves (431, 408, 413 or 400), in its API's shape
+(OpenAI's, or Anthropic's on the Messages API), and never reaches a replica. One that passes may
+be changed on the way: a stream that did not ask for usage is asked for it (`inject_usage`), so
+the router learns its token counts, and the client is not shown it.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from router.apis import CHAT, RESPONSES, Api, api_of
 from router.config import RouterConfig
-from router.errors import error_body
+from router.errors import error_body_for
 from router.keys import RoutingKey, response_key, routing_key
 from router.prompt import prompt_of
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.resume import SoFar, continuation
-
-RESPONSES = "/v1/responses"
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", RESPONSES)
-STREAMABLE = ("/v1/chat/completions", "/v1/completions")
 
 
 async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float) -> bytes:
@@ -56,6 +53,7 @@ class Admitted:
     key: RoutingKey
     strip_usage: bool  # the router asked for usage: the client is not shown it
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
+    api: Api
 
 
 def request_key(headers: Mapping[str, str], body: dict[str, Any], cfg: RouterConfig) -> RoutingKey:
@@ -81,7 +79,8 @@ class Refused:
     param: str | None = None  # the request's field at fault
 
     def answer(self, exchange: Exchange) -> None:
-        exchange.answer(self.status, error_body(self.message, self.status, self.kind, self.param), JSON, self.close)
+        body = error_body_for(exchange.path, self.message, self.status, self.kind, self.param)
+        exchange.answer(self.status, body, JSON, self.close)
 
 
 def no_such_model(model: str) -> Refused:
@@ -127,26 +126,30 @@ def admit_body(
 ) -> Admitted | Refused:
     """The request's parsed body and key, or the 400 it gets. `prompts`: the key carries the
     prompt's blocks too (for a policy that reads them, router.prompt)."""
+    api = api_of(path)
+    if api is None:
+        return Refused(404, f"no route POST {path}", "not_found")
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return Refused(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return Refused(400, "the request body must be a JSON object")
-    key = (response_key(body, cfg.max_key_bytes) if path == RESPONSES else None) or request_key(headers, body, cfg)
-    if prompts and path in STREAMABLE:  # an embedding's input leaves no KV cache behind
+    key = (response_key(body, cfg.max_key_bytes) if api is RESPONSES else None) or request_key(headers, body, cfg)
+    if prompts and api.prompt:  # an embedding's input leaves no KV cache behind
         prompt = prompt_of(body, cfg.prefix_block_bytes)
         if prompt is not None:
             key = replace(key, prompt=prompt)
-    streamed = path in STREAMABLE and body.get("stream") is True
+    streamed = body.get("stream") is True
     strip_usage = False
-    if streamed and cfg.inject_usage:
+    if streamed and api.usage_option and cfg.inject_usage:
         options = body.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage")):
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             raw = orjson.dumps(body)
             strip_usage = True
     # a stream broken mid-way is resumed on another replica when it can be (see resume.py)
-    chat = path == "/v1/chat/completions"
-    resumable = cfg.resume_streams and streamed and continuation(body, chat, SoFar()) is not None
-    return Admitted(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0)
+    resumable = (
+        cfg.resume_streams and streamed and api.resumable and continuation(body, api is CHAT, SoFar()) is not None
+    )
+    return Admitted(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api)

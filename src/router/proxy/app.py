@@ -23,13 +23,14 @@ from prometheus_client import generate_latest
 
 from router.admin.api import add_admin_routes
 from router.admission import Shed, client_of
+from router.apis import CHAT, PROXIED, RESPONSES
 from router.console.routes import add_console_routes
-from router.errors import error_body, error_response
+from router.errors import error_body_for, error_response
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey, stored_key
 from router.node import Node
 from router.policy import Decision
-from router.proxy.admit import PROXIED, RESPONSES, Admitted, Refused, admit, no_such_model
+from router.proxy.admit import Admitted, Refused, admit, no_such_model
 from router.proxy.exchange import JSON, AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.front import PROXY
@@ -57,10 +58,11 @@ def build_app(node: Node, control_only: bool = False) -> web.Application:
         app.router.add_post(path, proxy.handle)
     app.router.add_get("/v1/models", proxy.models)
     # a stored response's own operations go to the replica that holds it
-    app.router.add_get(RESPONSES + "/{id}", proxy.stored)
-    app.router.add_delete(RESPONSES + "/{id}", proxy.stored)
-    app.router.add_post(RESPONSES + "/{id}/cancel", proxy.stored)
-    app.router.add_get(RESPONSES + "/{id}/input_items", proxy.stored)
+    stored = RESPONSES.path + "/{id}"
+    app.router.add_get(stored, proxy.stored)
+    app.router.add_delete(stored, proxy.stored)
+    app.router.add_post(stored + "/cancel", proxy.stored)
+    app.router.add_get(stored + "/input_items", proxy.stored)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/health/live", live)
     if not node.config.admin_port:
@@ -113,8 +115,9 @@ async def no_route(request: web.Request) -> web.Response:
             405,
             "method_not_allowed",
             headers={"Allow": methods},
+            path=request.path,
         )
-    return error_response(f"no route {request.method} {request.path}", 404, "not_found")
+    return error_response(f"no route {request.method} {request.path}", 404, "not_found", path=request.path)
 
 
 async def live(request: web.Request) -> web.Response:
@@ -168,7 +171,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.config.total_timeout_s)
         admission = self.node.admission
-        if admission.on:
+        if admission.on and admitted.api.queued:
             try:
                 waited = await admission.enter(
                     key.model,
@@ -198,24 +201,30 @@ class Proxy:
                     admitted.strip_usage,
                     t0,
                     admitted.keep,
-                    exchange.path == RESPONSES,
+                    admitted.api.events,
                 )
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                 raise
             finally:
                 route.release(replica)
-                admission.released()
+                if admitted.api.queued:
+                    admission.released()
             if isinstance(result, Retry):
                 route.failed(replica, result.cause)
                 failure = result
                 continue
             route.served(replica, served(result), exchange.path, raw)
-            if result.response_id is not None and result.status == 200 and admitted.body.get("store") is not False:
+            if (
+                admitted.api is RESPONSES
+                and result.response_id is not None
+                and result.status == 200
+                and admitted.body.get("store") is not False
+            ):
                 route.produced(result.response_id, replica, self.config.max_key_bytes)
             if admitted.keep and result.streamed:
                 try:
-                    replica = await self._resume(exchange, admitted.body, route, result, replica, headers)
+                    replica = await self._resume(exchange, admitted, route, result, replica, headers)
                 except asyncio.CancelledError:  # the client went away during the continuation
                     self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                     raise
@@ -231,7 +240,9 @@ class Proxy:
         m = self.metrics
         m.child(m.shed, shed.reason, self.node.fleet.model_label(model)).inc()
         headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
-        exchange.answer(shed.status, error_body(shed.message, shed.status, "rate_limit_exceeded"), headers)
+        exchange.answer(
+            shed.status, error_body_for(exchange.path, shed.message, shed.status, "rate_limit_exceeded"), headers
+        )
 
     def _extra_headers(self, replica: ReplicaState) -> dict[str, str]:
         name = self.config.replica_header
@@ -244,7 +255,7 @@ class Proxy:
     async def _resume(
         self,
         exchange: Exchange,
-        body: dict[str, Any],
+        admitted: Admitted,
         route: Route,
         result: Outcome,
         broke: ReplicaState,
@@ -260,7 +271,7 @@ class Proxy:
                 m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
             return broke
         result.extra["broke_on"] = broke.id
-        chat = exchange.path == "/v1/chat/completions"
+        chat = admitted.api is CHAT
         assert result.record is not None
         so_far = read_so_far(result.record)
         if so_far is not None and so_far.finished:
@@ -272,7 +283,7 @@ class Proxy:
                 await result.response.write(b"data: [DONE]\n\n")
                 await result.response.write_eof()
             return broke
-        follow = continuation(body, chat, so_far) if so_far is not None else None
+        follow = continuation(admitted.body, chat, so_far) if so_far is not None else None
         if follow is None or so_far is None:
             m.child(m.stream_resumes, "impossible").inc()
             await end_stream(result)

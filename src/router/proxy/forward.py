@@ -13,7 +13,8 @@ client's stream with an SSE error event and `[DONE]`, never a silent cut.
 
 Streams pass through byte for byte, framed only at event boundaries (`\\n\\n`, router.proxy.framer)
 so the router can read the usage event; when the router asked upstream for usage on the client's
-behalf, that one event is dropped. Non-streamed bodies pass through unchanged.
+behalf, that one event is dropped. The Responses API's and Anthropic's Messages streams have
+framers of their own (router.proxy.framer). Non-streamed bodies pass through unchanged.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any
 import orjson
 from multidict import CIMultiDictProxy
 
-from router.errors import responses_error_event, sse_error_event
+from router.errors import messages_error_event, responses_error_event, sse_error_event
 from router.proxy.exchange import Exchange
-from router.proxy.framer import ResponsesFramer, SseFramer
+from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
 from router.upstream import ConnectError, Response, Upstream
@@ -131,11 +132,12 @@ async def attempt(
     strip_usage: bool,
     t0: float,
     keep: int = 0,
-    responses: bool = False,
+    events: str = "sse",
 ) -> Retry | Outcome:
     """With `keep` > 0, a stream's forwarded bytes are recorded (up to `keep`) and a stream the
     replica breaks is left open (`broken`) for the caller to resume or end with `end_stream`.
-    `responses`: a Responses API request (its stream's events are `response.*`, its answer has an id)."""
+    `events`: how its stream is framed (router.apis: `sse`; `responses`, whose events are
+    `response.*` and whose answer has an id; `messages`, Anthropic's)."""
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
@@ -157,12 +159,18 @@ async def attempt(
                 first = await upstream.readany()
         except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
-        return await _relay(
-            exchange, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep, responses
-        )
+        return await _relay(exchange, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep, events)
     finally:
         if upstream is not None:
             _let_go(upstream)
+
+
+def _framer(events: str, strip_usage: bool) -> StreamFramer:
+    if events == "responses":
+        return ResponsesFramer()
+    if events == "messages":
+        return MessagesFramer()
+    return SseFramer(strip_usage)
 
 
 def _retry_for(exc: BaseException) -> Retry:
@@ -191,7 +199,7 @@ async def _relay(
     strip_usage: bool,
     t0: float,
     keep: int = 0,
-    responses: bool = False,
+    events: str = "sse",
 ) -> Retry | Outcome:
     loop = asyncio.get_running_loop()
     content_type = upstream.headers.get("Content-Type", "")
@@ -223,13 +231,13 @@ async def _relay(
             except orjson.JSONDecodeError:
                 answer = None
             usage = usage_of(answer)
-            if responses and isinstance(answer, dict) and isinstance(answer.get("id"), str):
+            if events == "responses" and isinstance(answer, dict) and isinstance(answer.get("id"), str):
                 outcome.response_id = answer["id"]
             if usage:
                 outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = usage
         return outcome
     outcome = Outcome(exchange, upstream.status, streamed=True)
-    framer = outcome.framer = ResponsesFramer() if responses else SseFramer(strip_usage)
+    framer = outcome.framer = _framer(events, strip_usage)
     outcome.transport = exchange.transport
     if keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(keep)
@@ -299,7 +307,8 @@ async def _stream(
 
 async def end_stream(outcome: Outcome) -> None:
     """End the client's stream: with an SSE error event (and `[DONE]`) if it broke; a Responses
-    API stream with that API's `error` event, numbered after the last one the client got."""
+    API stream with that API's `error` event, numbered after the last one the client got; an
+    Anthropic Messages stream with that API's `event: error`."""
     outcome.broken = False
     try:
         if outcome.stream_error:
@@ -307,6 +316,8 @@ async def end_stream(outcome: Outcome) -> None:
             framer = outcome.framer
             if isinstance(framer, ResponsesFramer):
                 event = responses_error_event(outcome.stream_error, framer.next_sequence())
+            elif isinstance(framer, MessagesFramer):
+                event = messages_error_event(outcome.stream_error)
             else:
                 event = sse_error_event(outcome.stream_error)
             await outcome.response.write(event)
@@ -356,10 +367,16 @@ async def resume(
             _let_go(upstream)
 
 
+_MESSAGE_OPENERS = (b"event: message_start", b"event: content_block_start", b"event: ping")
+
+
 def _opener(out: bytes) -> bool:
-    """One event that only opens a stream (a chat's `"delta": {"role": "assistant", "content": ""}`,
-    a Responses stream's `response.created` or `response.in_progress`): an engine may send it before
-    its prefill is done (the emulator does), so it says nothing of TTFT."""
+    """Events that only open a stream (a chat's `"delta": {"role": "assistant", "content": ""}`,
+    a Responses stream's `response.created` or `response.in_progress`, a Messages stream's
+    `message_start`, `content_block_start` and `ping`): an engine may send them before its prefill
+    is done (the emulator does), so they say nothing of TTFT."""
+    if out.startswith(b"event: message_start") or out.startswith(b"event: content_block_start"):
+        return all(e.startswith(_MESSAGE_OPENERS) for e in out.split(b"\n\n") if e.strip())
     if out.count(b"data:") != 1:
         return False
     if out.startswith(b"event: response."):

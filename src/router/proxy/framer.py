@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -171,6 +172,65 @@ class ResponsesFramer:
             if isinstance(response.get("id"), str):
                 self.response_id = self.response_id or response["id"]
             self.usage = usage_of(response) or self.usage
+
+    def release(self) -> bytes:
+        return b""
+
+    def pending(self) -> bytes:
+        rest = self._events.rest()
+        if rest.strip():
+            self._read(rest)  # a last event without its blank line
+        return rest
+
+
+# the events of an Anthropic Messages stream the router reads; every other event passes unread
+_MESSAGE_EVENTS = (b"message_start", b"message_delta", b"message_stop", b"event: error")
+_USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+class MessagesFramer:
+    """An Anthropic Messages stream (`event: message_start`, `content_block_*`, `message_delta`,
+    `message_stop`), cut into whole events and forwarded byte for byte. Its usage comes in parts:
+    `message_start` carries the prompt's (vLLM sends the whole prompt there; Anthropic, what it
+    computed and what it read from cache), `message_delta` the final figures (vLLM adds the cache
+    split there); the latest value of each field counts. The stream is whole at `message_stop`, or
+    at an `error` event (the API's way to end a stream that failed); these streams carry no `[DONE]`."""
+
+    __slots__ = ("_events", "_usage", "done", "strip_usage", "usage")
+
+    def __init__(self) -> None:
+        self._events = EventCutter()
+        self._usage: dict[str, Any] = {}
+        self.strip_usage = False  # these streams always report usage: the router never asks
+        self.usage: tuple[int, int, int] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        complete = self._events.take(chunk)
+        if any(name in complete for name in _MESSAGE_EVENTS):
+            for m in EVENT.finditer(complete):
+                self._read(m.group(1))
+        return complete
+
+    def _read(self, event: bytes) -> None:
+        if not any(name in event for name in _MESSAGE_EVENTS):
+            return
+        data = b"\n".join(m.group(1) for m in DATA_LINE.finditer(event.replace(b"\r\n", b"\n").replace(b"\r", b"\n")))
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(obj, dict):
+            return
+        kind = obj.get("type")
+        if kind in ("message_stop", "error"):
+            self.done = True
+            return
+        holder = obj.get("message") if kind == "message_start" else obj
+        usage = holder.get("usage") if isinstance(holder, dict) else None
+        if isinstance(usage, dict):
+            self._usage.update((k, usage[k]) for k in _USAGE_FIELDS if usage.get(k) is not None)
+            self.usage = usage_of({"usage": self._usage}) or self.usage
 
     def release(self) -> bytes:
         return b""

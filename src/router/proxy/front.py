@@ -48,9 +48,10 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.apis import PROXIED
 from router.config import RouterConfig
-from router.errors import error_body
-from router.proxy.admit import PROXIED, Admitted, Refused, admit_body, too_large, too_many_header_bytes, too_slow
+from router.errors import error_body, error_body_for
+from router.proxy.admit import Admitted, Refused, admit_body, too_large, too_many_header_bytes, too_slow
 from router.proxy.exchange import JSON, Exchange
 
 log = logging.getLogger("router.front")
@@ -462,7 +463,8 @@ class Front(asyncio.Protocol):
         except Exception:
             log.exception("front: serving %s failed", exchange.path)
             if not exchange.prepared:
-                exchange.answer(500, error_body("the router failed to serve the request", 500, "internal_error"), JSON)
+                message = "the router failed to serve the request"
+                exchange.answer(500, error_body_for(exchange.path, message, 500, "internal_error"), JSON)
             exchange.closes = True
         finally:
             self.task = None

@@ -13,15 +13,22 @@ DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
 
 
 def usage_of(obj: Any) -> tuple[int, int, int] | None:
-    """(prompt, cached, completion) tokens from a response's or a stream chunk's `usage` (the
-    Responses API's names too: `input_tokens`, `input_tokens_details`, `output_tokens`)."""
+    """(prompt, cached, completion) tokens from a response's or a stream chunk's `usage`: OpenAI's
+    names, the Responses API's (`input_tokens`, `input_tokens_details`, `output_tokens`), and
+    Anthropic's, where `input_tokens` counts only what was computed and the prompt is that plus
+    `cache_read_input_tokens` (cached) and `cache_creation_input_tokens`."""
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return None
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     cached = details.get("cached_tokens") if isinstance(details, dict) else 0
     try:
-        prompt = max(int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0), 0)
+        prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+        read = usage.get("cache_read_input_tokens")
+        if read is not None or usage.get("cache_creation_input_tokens") is not None:  # Anthropic's
+            cached = int(read or 0)
+            prompt += cached + int(usage.get("cache_creation_input_tokens") or 0)
+        prompt = max(prompt, 0)
         completion = max(int(usage.get("completion_tokens") or usage.get("output_tokens") or 0), 0)
         return prompt, min(max(int(cached or 0), 0), prompt), completion  # odd figures never go negative
     except (TypeError, ValueError, OverflowError):
