@@ -83,6 +83,7 @@ class Sequence:
     id: int = field(default_factory=lambda: next(_ids))
     alloc: Allocation | None = None
     cached_tokens: int = 0
+    created_cache_tokens: int = 0  # prompt tokens it computes into full KV blocks (vLLM's name)
     computed: int = 0  # prompt tokens in KV (cached + prefilled)
     output_tokens: int = 0
     first_token_at: float | None = None
@@ -224,6 +225,7 @@ class Engine:
                 loads += self._use_adapter(seq.adapter)
             seq.alloc = alloc
             seq.cached_tokens = alloc.hit_blocks * cfg.block_size
+            seq.created_cache_tokens = seq.prompt_tokens // cfg.block_size * cfg.block_size - seq.cached_tokens
             seq.computed = seq.cached_tokens
             self.prompt_tokens_total += seq.prompt_tokens
             self.cached_tokens_total += seq.cached_tokens

@@ -22,18 +22,11 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-import orjson
-
+from router.emulator.api import Api, ApiError, Job, Served, openai_error, sse_event
+from router.emulator.engine import Sequence
 from router.emulator.tokenizer import PromptError, render_chat
 
 STORED = 1000  # responses kept, newest first (vLLM's store is unbounded unless told; a test needs a bound)
-
-
-class InputError(ValueError):
-    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
 
 
 def _text(content: Any, where: str) -> str:
@@ -43,24 +36,24 @@ def _text(content: Any, where: str) -> str:
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                raise InputError(f"{where}[{i}] must be a part with `text`", "input")
+                raise ApiError(f"{where}[{i}] must be a part with `text`", "input")
             parts.append(part["text"])
         return "".join(parts)
-    raise InputError(f"{where} must be a string or a list of parts", "input")
+    raise ApiError(f"{where} must be a string or a list of parts", "input")
 
 
 def input_messages(value: Any) -> list[dict[str, str]]:
     """The request's `input` as chat messages."""
     if isinstance(value, str):
         if not value:
-            raise InputError("'input' must not be empty", "input")
+            raise ApiError("'input' must not be empty", "input")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise InputError("'input' must be a string or a non-empty list of messages", "input")
+        raise ApiError("'input' must be a string or a non-empty list of messages", "input")
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, dict) or not isinstance(item.get("role"), str):
-            raise InputError(f"input[{i}] must be a message with a role", "input")
+            raise ApiError(f"input[{i}] must be a message with a role", "input")
         out.append({"role": item["role"], "content": _text(item.get("content"), f"input[{i}].content")})
     return out
 
@@ -75,7 +68,7 @@ class ResponseStore:
     def history(self, response_id: str) -> list[dict[str, str]]:
         found = self._items.get(response_id)
         if found is None:
-            raise InputError(f"Response with id '{response_id}' not found.", "previous_response_id", 404)
+            raise ApiError(f"Response with id '{response_id}' not found.", "previous_response_id", 404)
         self._items.move_to_end(response_id)
         return found
 
@@ -97,17 +90,17 @@ class Turn:
     def __init__(self, body: dict[str, Any], store: ResponseStore, model: str) -> None:
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
-            raise InputError("previous_response_id must be a string", "previous_response_id")
+            raise ApiError("previous_response_id must be a string", "previous_response_id")
         self.previous = previous or None
         history = list(store.history(self.previous)) if self.previous else []
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
-            raise InputError("instructions must be a string", "instructions")
+            raise ApiError("instructions must be a string", "instructions")
         self.new = history + input_messages(body.get("input"))
         self.messages = ([{"role": "system", "content": instructions}] if instructions else []) + self.new
         keep = body.get("store", True)
         if not isinstance(keep, bool):
-            raise InputError("store must be true or false", "store")
+            raise ApiError("store must be true or false", "store")
         self.store = store if keep else None
         self.model = model
         self.id = "resp_" + uuid.uuid4().hex
@@ -117,7 +110,7 @@ class Turn:
         try:
             return render_chat(self.messages).encode("utf-8", "surrogatepass")
         except PromptError as exc:
-            raise InputError(str(exc), "input") from None
+            raise ApiError(str(exc), "input") from None
 
     def response(self, text: str, usage: dict[str, Any] | None, status: str = "completed") -> dict[str, Any]:
         output = []
@@ -161,5 +154,49 @@ def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[st
 
 def event(kind: str, sequence: int, **fields: Any) -> bytes:
     """One SSE event of a Responses stream: `event:` names it, `data:` repeats the name as `type`."""
-    data = orjson.dumps({"type": kind, "sequence_number": sequence, **fields})
-    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+    return sse_event(kind, {"type": kind, "sequence_number": sequence, **fields})
+
+
+class Responses(Api):
+    """One request to POST /v1/responses: a `Turn`, served on the replica's request path."""
+
+    prompt_field = "input"
+    max_tokens_field = "max_output_tokens"
+
+    def __init__(self, served: Served, store: ResponseStore) -> None:
+        self.served = served
+        self.store = store
+        self.events = 0  # sequence_number of the next event
+
+    def parse(self, body: dict[str, Any]) -> Job:
+        model = body.get("model")
+        self.served.check(model)
+        max_tokens = body.get("max_output_tokens", self.served.default_max_tokens)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ApiError("max_output_tokens must be a positive integer", "max_output_tokens")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError("stream must be true or false", "stream")
+        self.turn = Turn(body, self.store, model if isinstance(model, str) else self.served.model)
+        return Job(self.turn.prompt(), max_tokens, stream, self.served.adapter(model))
+
+    def error(self, exc: ApiError) -> bytes:
+        return openai_error(exc)
+
+    def reply(self, seq: Sequence, text: str) -> dict[str, Any]:
+        self.turn.finished(text)
+        return self.turn.response(text, usage(seq.prompt_tokens, seq.cached_tokens, seq.output_tokens))
+
+    def opening(self, seq: Sequence) -> list[bytes]:
+        return [self._event("response.created", response=self.turn.response("", None, "in_progress"))]
+
+    def chunk(self, text: str, finish: str | None) -> list[bytes]:
+        item = "msg_" + self.turn.id[5:]
+        return [self._event("response.output_text.delta", item_id=item, output_index=0, delta=text)]
+
+    def closing(self, seq: Sequence, text: str) -> list[bytes]:
+        return [self._event("response.completed", response=self.reply(seq, text))]
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self.events += 1
+        return event(kind, self.events - 1, **fields)

@@ -1,18 +1,22 @@
-"""HTTP face of emulated replicas: OpenAI-compatible endpoints, vLLM metrics, fault injection.
+"""HTTP face of emulated replicas: vLLM's OpenAI and Anthropic endpoints, its metrics, fault injection.
 
 One `Replica` is one engine behind one listening port; a fleet is many replicas in one asyncio
 process. Every response carries `X-Replica-Id`. Faults (hang, slow, error rate, stall or drop
 mid-stream, crash) are set at start-up or at run time through `/emulator/*` on the replica's
 own port, or through the fleet's control port (which also restarts crashed replicas).
+
+Every generating endpoint (chat and text completions, Responses, Messages) takes one request
+path, `Replica._serve`, faults included; the APIs differ only in their wire format
+(router.emulator.api).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -21,11 +25,13 @@ import orjson
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 
+from router.emulator.api import Api, ApiError, SchemaError, Served, finish_reason
+from router.emulator.completions import Completions
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
+from router.emulator.messages import Messages
 from router.emulator.metrics import ReplicaMetrics
-from router.emulator.responses import InputError, ResponseStore, Turn, event
-from router.emulator.responses import usage as responses_usage
-from router.emulator.tokenizer import PromptError, generated_text, render_chat
+from router.emulator.responses import Responses, ResponseStore
+from router.emulator.tokenizer import generated_text
 from router.errors import error_response
 
 REPLICA_HEADER = "X-Replica-Id"
@@ -97,18 +103,12 @@ class _Dropped(Exception):
     """The drop fault closed the connection; the handler just ends."""
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
 class Replica:
     def __init__(
         self, options: ReplicaOptions, config: EngineConfig | None = None, faults: Faults | None = None
     ) -> None:
         self.options = options
+        self.served = Served(options.model, options.aliases, options.adapters, options.default_max_tokens)
         self.engine = Engine(config)
         self.metrics = ReplicaMetrics(options.model)
         self.faults = faults or Faults()
@@ -142,9 +142,15 @@ class Replica:
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(self._stamp)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/responses", self._responses)
+        generating: dict[str, Callable[[], Api]] = {
+            "/v1/chat/completions": lambda: Completions(self.served, chat=True),
+            "/v1/completions": lambda: Completions(self.served, chat=False),
+            "/v1/responses": lambda: Responses(self.served, self.stored),
+            "/v1/messages": lambda: Messages(self.served),
+        }
+        for path, api in generating.items():
+            app.router.add_post(path, functools.partial(self._serve, api=api))
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_get("/v1/responses/{id}", self._stored_response)
         app.router.add_delete("/v1/responses/{id}", self._stored_response)
         app.router.add_get("/v1/models", self._models)
@@ -278,191 +284,37 @@ class Replica:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+            raise SchemaError(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
+            raise SchemaError("the request body must be a JSON object")
         return body
 
-    # -- OpenAI endpoints ----------------------------------------------------------------------
+    # -- generating endpoints: one request path for every API ---------------------------------
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
-
-    def _served(self, model: Any) -> None:
-        """A request naming a model this replica does not serve gets vLLM's 404."""
-        served = self.options
-        if model is not None and model != served.model and model not in served.aliases + served.adapters:
-            raise BadRequest(f"The model `{model}` does not exist.", "model", 404)
-
-    def _adapter(self, model: Any) -> str | None:
-        """The LoRA adapter a request names, if it names one of this replica's."""
-        return model if isinstance(model, str) and model in self.options.adapters else None
-
-    def _parse(self, body: dict[str, Any], chat: bool) -> tuple[bytes, int, bool, bool]:
-        self._served(body.get("model"))
-        n = body.get("n", 1)
-        if n != 1:
-            raise BadRequest("only n=1 is supported", "n")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            max_tokens = self.options.default_max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("stream must be true or false", "stream")
-        options = body.get("stream_options")
-        if options is not None and not stream:
-            raise BadRequest("stream_options can only be set when stream is true", "stream_options")
-        if not isinstance(options or {}, dict):
-            raise BadRequest("stream_options must be an object", "stream_options")
-        include_usage = _flag(options or {}, "include_usage", False, "stream_options")
-        add_generation_prompt = _flag(body, "add_generation_prompt", True)
-        continue_final_message = _flag(body, "continue_final_message", False)
-        if continue_final_message and add_generation_prompt:
-            raise BadRequest(
-                "continue_final_message needs add_generation_prompt set to false", "continue_final_message"
-            )
-        try:
-            if chat:
-                text = render_chat(
-                    body.get("messages"),  # type: ignore[arg-type]
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                )
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if not isinstance(prompt, str):
-                    raise PromptError("'prompt' must be a string (token-id and batched prompts are not supported)")
-                text = prompt
-        except PromptError as exc:
-            raise BadRequest(str(exc), "messages" if chat else "prompt") from None
-        return text.encode("utf-8", "surrogatepass"), max_tokens, stream, include_usage
-
-    async def _stored_response(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id} (the stored conversation's last reply) and DELETE (forget it), as
-        vLLM's store answers them; 404 for an id it does not hold."""
-        response_id = request.match_info["id"]
-        try:
-            history = self.stored.history(response_id)
-        except InputError as exc:
-            return error_response(str(exc), 404, "NotFoundError", "response_id")
-        if request.method == "DELETE":
-            self.stored.forget(response_id)
-            return _json({"id": response_id, "object": "response", "deleted": True})
-        reply = history[-1]["content"] if history and history[-1]["role"] == "assistant" else ""
-        return _json({"id": response_id, "object": "response", "status": "completed", "output_text": reply})
-
-    async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/responses (router.emulator.responses): stored turns, continued by id, here only."""
+    async def _serve(self, request: web.Request, api: Callable[[], Api]) -> web.StreamResponse:
+        """Parse, queue on the engine, answer whole or streamed, with the faults applied alike;
+        `api` makes the request's wire format (router.emulator.api)."""
         await self._maybe_hang()
+        wire = api()
         try:
-            body = await self._json_body(request)
-            model = body.get("model")
-            self._served(model)
-            served = self.options
-            max_tokens = body.get("max_output_tokens", served.default_max_tokens)
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise BadRequest("max_output_tokens must be a positive integer", "max_output_tokens")
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise BadRequest("stream must be true or false", "stream")
-            turn = Turn(body, self.stored, model if isinstance(model, str) else served.model)
-            seq = self.engine.new_sequence(turn.prompt(), max_tokens, self.now())
-            seq.adapter = self._adapter(model)
-        except (BadRequest, InputError) as exc:
-            kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
-            return error_response(str(exc), exc.status, kind, exc.param)
+            job = wire.parse(await self._json_body(request))
+            seq = self.engine.new_sequence(job.prompt, job.max_tokens, self.now())
+        except ApiError as exc:
+            return self._error(wire, exc)
         except RequestTooLarge as exc:
-            return error_response(str(exc), 400, "invalid_request_error", "input")
-        injected = self._start(seq)
-        if injected is not None:
-            return injected
-        try:
-            if not stream:
-                while not seq.done:
-                    await self._wait_tokens(seq)
-                if seq.aborted:
-                    raise ConnectionResetError("replica crashed")
-                text = generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens)
-                turn.finished(text)
-                used = responses_usage(seq.prompt_tokens, seq.cached_tokens, seq.output_tokens)
-                return _json(turn.response(text, used))
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            await resp.write(event("response.created", 0, response=turn.response("", None, "in_progress")))
-            n, sent, parts = 1, 0, []
-            while True:
-                await self._wait_tokens(seq)
-                if seq.aborted:
-                    raise ConnectionResetError("replica crashed")
-                if seq.output_tokens > sent:
-                    text = generated_text(self.engine.reply_seed(seq), sent, seq.output_tokens - sent)
-                    sent = seq.output_tokens
-                    parts.append(text)
-                    if self.faults.drop_after is not None and n >= self.faults.drop_after:
-                        self._cut(request)  # as for chat: after that many events (response.created counts)
-                    await resp.write(
-                        event("response.output_text.delta", n, item_id="msg_" + turn.id[5:], output_index=0, delta=text)
-                    )
-                    n += 1
-                if seq.done:
-                    break
-            whole = "".join(parts)
-            turn.finished(whole)
-            used = responses_usage(seq.prompt_tokens, seq.cached_tokens, seq.output_tokens)
-            await resp.write(event("response.completed", n, response=turn.response(whole, used)))
-            await resp.write_eof()
-            return resp
-        except _Dropped:
-            return web.Response(status=499)  # never sent: the connection is already closed
-        except ClientConnectionResetError:
-            return web.Response(status=499)  # the client went away: abort, nothing to log
-        finally:
-            self.engine.abort(seq)
-
-    def _start(self, seq: Sequence) -> web.Response | None:
-        """Schedule `seq` on the engine, unless the error fault answers the request instead."""
+            blamed = wire.prompt_field if "prompt is empty" in str(exc) else wire.max_tokens_field
+            return self._error(wire, ApiError(str(exc), blamed))
+        seq.adapter = job.adapter
         injected = self._injected_error()
         if injected is not None:
-            return injected
+            return self._error(wire, injected)
         seq.owner = asyncio.Event()
         self.engine.add(seq)
         self._wake.set()
-        return None
-
-    def _injected_error(self) -> web.Response | None:
-        if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
-            status = self.faults.error_status or self._rng.choice((500, 503))
-            kind = "server_error" if status == 500 else "service_unavailable"
-            return error_response(f"injected fault: HTTP {status}", status, kind)
-        return None
-
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        await self._maybe_hang()
         try:
-            body = await self._json_body(request)
-            prompt, max_tokens, stream, include_usage = self._parse(body, chat)
-            seq = self.engine.new_sequence(prompt, max_tokens, self.now())
-            seq.adapter = self._adapter(body.get("model"))
-        except BadRequest as exc:
-            kind = "NotFoundError" if exc.status == 404 else "invalid_request_error"
-            return error_response(str(exc), exc.status, kind, exc.param)
-        except RequestTooLarge as exc:
-            param = ("messages" if chat else "prompt") if "prompt is empty" in str(exc) else "max_tokens"
-            return error_response(str(exc), 400, "invalid_request_error", param)
-        injected = self._start(seq)
-        if injected is not None:
-            return injected
-        try:
-            if stream:
-                return await self._stream(request, seq, chat, include_usage)
-            return await self._respond(request, seq, chat)
+            if job.stream:
+                return await self._stream(request, seq, wire)
+            return await self._answer(request, seq, wire)
         except _Dropped:
             return web.Response(status=499)  # never sent: the connection is already closed
         except ClientConnectionResetError:
@@ -471,11 +323,21 @@ class Replica:
         finally:
             self.engine.abort(seq)  # no-op once finished; frees the blocks of an abandoned request
 
+    def _error(self, wire: Api, exc: ApiError) -> web.Response:
+        return web.Response(status=exc.status, body=wire.error(exc), content_type="application/json")
+
+    def _injected_error(self) -> ApiError | None:
+        """The error fault: this request gets an HTTP error instead of an answer."""
+        if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
+            status = self.faults.error_status or self._rng.choice((500, 503))
+            return ApiError(f"injected fault: HTTP {status}", None, status)
+        return None
+
     async def _wait_tokens(self, seq: Sequence) -> None:
         await seq.owner.wait()
         seq.owner.clear()
 
-    async def _respond(self, request: web.Request, seq: Sequence, chat: bool) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
         while not seq.done:
             await self._wait_tokens(seq)
         if seq.aborted:  # the replica crashed under it
@@ -484,110 +346,75 @@ class Replica:
             await asyncio.Event().wait()  # never answers; the client times out
         if self.faults.drop_after is not None:
             self._cut(request)
-        text = generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens)
-        rid, created = _ids(chat)
-        usage = _usage(seq)
-        if chat:
-            payload: dict[str, Any] = {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.options.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "length",
-                        "logprobs": None,
-                    }
-                ],
-                "usage": usage,
-            }
-        else:
-            payload = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.options.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
-                "usage": usage,
-            }
-        return web.Response(body=orjson.dumps(payload), content_type="application/json")
+        return _json(wire.reply(seq, generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens)))
 
-    async def _stream(self, request: web.Request, seq: Sequence, chat: bool, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        rid, created = _ids(chat)
-        model = self.options.model
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        seed_known = False
-        reply_seed = 0
-        sent = 0
-        chunks = 0
-        interval = self.options.stream_interval
+        chunks = 0  # events sent, for the stall and drop faults
 
-        async def send(payload: dict[str, Any]) -> None:
+        async def send(events: list[bytes]) -> None:
             nonlocal chunks
-            if self.faults.drop_after is not None and chunks >= self.faults.drop_after:
-                self._cut(request)
-            if self.faults.stall_after is not None and chunks >= self.faults.stall_after:
-                await asyncio.Event().wait()  # keep the connection open, send nothing more
-            await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-            chunks += 1
+            for data in events:
+                if self.faults.drop_after is not None and chunks >= self.faults.drop_after:
+                    self._cut(request)
+                if self.faults.stall_after is not None and chunks >= self.faults.stall_after:
+                    await asyncio.Event().wait()  # keep the connection open, send nothing more
+                await resp.write(data)
+                chunks += 1
 
-        def choice(text: str, finish: str | None) -> dict[str, Any]:
-            if chat:
-                return {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-        if chat:
-            await send(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                            "logprobs": None,
-                        }
-                    ],
-                }
-            )
-        while True:
+        await send(wire.opening(seq))
+        reply_seed = self.engine.reply_seed(seq)
+        interval = self.options.stream_interval
+        parts: list[str] = []
+        sent = 0
+        while not seq.done:
             await self._wait_tokens(seq)
             if seq.aborted:
                 raise ConnectionResetError("replica crashed")
-            if not seed_known:
-                reply_seed, seed_known = self.engine.reply_seed(seq), True
             # the first token goes out alone (time to first token does not wait for a whole chunk),
             # then one chunk per `interval` tokens, also when several steps' tokens arrive at once
             while seq.output_tokens - sent >= (interval if sent else 1) or (seq.done and seq.output_tokens > sent):
                 count = min(interval if sent else 1, seq.output_tokens - sent)
-                text = generated_text(reply_seed, sent, count)
+                parts.append(generated_text(reply_seed, sent, count))
                 sent += count
-                finish = "length" if seq.done and sent == seq.output_tokens else None
-                await send(
-                    {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice(text, finish)]}
-                )
-            if seq.done:
-                break
-        if include_usage:
-            await send(
-                {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(seq)}
-            )
-        await resp.write(b"data: [DONE]\n\n")
+                last = seq.done and sent == seq.output_tokens
+                await send(wire.chunk(parts[-1], finish_reason(seq) if last else None))
+        await send(wire.closing(seq, "".join(parts)))
+        await resp.write(wire.end())
         await resp.write_eof()
         return resp
 
     def _cut(self, request: web.Request) -> None:
-        """The drop fault: close the connection under the handler (caught in _generate, quietly)."""
+        """The drop fault: close the connection under the handler (caught in _serve, quietly)."""
         if request.transport is not None:
             request.transport.abort()
         raise _Dropped
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/messages/count_tokens: the prompt a Messages request would have, counted; the
+        engine never sees it."""
+        await self._maybe_hang()
+        wire = Messages(self.served)
+        try:
+            tokens = wire.count(await self._json_body(request))
+        except ApiError as exc:
+            return self._error(wire, exc)
+        return _json({"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}})
+
+    async def _stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id} (the stored conversation's last reply) and DELETE (forget it), as
+        vLLM's store answers them; 404 for an id it does not hold."""
+        response_id = request.match_info["id"]
+        try:
+            history = self.stored.history(response_id)
+        except ApiError as exc:
+            return error_response(str(exc), 404, "NotFoundError", "response_id")
+        if request.method == "DELETE":
+            self.stored.forget(response_id)
+            return _json({"id": response_id, "object": "response", "deleted": True})
+        reply = history[-1]["content"] if history and history[-1]["role"] == "assistant" else ""
+        return _json({"id": response_id, "object": "response", "status": "completed", "output_text": reply})
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._maybe_hang()
@@ -649,7 +476,7 @@ class Replica:
     async def _set_faults(self, request: web.Request) -> web.Response:
         try:
             self.set_faults(await self._json_body(request))
-        except (BadRequest, ValueError) as exc:
+        except (ApiError, ValueError) as exc:
             return error_response(str(exc))
         return _json(asdict(self.faults))
 
@@ -662,30 +489,8 @@ class Replica:
         return _json({"crashing": self.options.replica_id}, status=202)
 
 
-def _flag(obj: dict[str, Any], name: str, default: bool, where: str | None = None) -> bool:
-    value = obj.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false", where or name)
-    return value
-
-
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-def _ids(chat: bool) -> tuple[str, int]:
-    return (("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()))
-
-
-def _usage(seq: Sequence) -> dict[str, Any]:
-    return {
-        "prompt_tokens": seq.prompt_tokens,
-        "completion_tokens": seq.output_tokens,
-        "total_tokens": seq.prompt_tokens + seq.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
-    }
 
 
 class Fleet:

@@ -16,6 +16,7 @@ from typing import Any
 from router.ring import xxh3_64, xxh3_64_chain
 
 BYTES_PER_TOKEN = 4
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's attribution line in a system prompt
 
 # Four-byte tokens for generated text: lower-case syllables and a space, all ASCII.
 _VOCAB = tuple(f"{a}{b}{c} " for a in "bcdfglmnprstvz" for b in "aeiou" for c in "lnrst")
@@ -40,19 +41,22 @@ class PromptError(ValueError):
     """A request whose prompt cannot be rendered; the message is meant for the API client."""
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
+def _content_text(content: Any, where: str, system: bool = False) -> str:
     if content is None:
         return ""
-    if isinstance(content, list):
+    if isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise PromptError(f"{where}: only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
-    raise PromptError(f"{where}: content must be a string or a list of text parts")
+    else:
+        raise PromptError(f"{where}: content must be a string or a list of text parts")
+    if system:  # vLLM drops Claude Code's attribution line: its per-request hash would defeat prefix caching
+        parts = [p.partition("\n")[2] if p.startswith(BILLING_HEADER) else p for p in parts]
+    return "".join(parts)
 
 
 def render_chat(
@@ -61,7 +65,9 @@ def render_chat(
     """The prompt text of a chat: `<|role|>content<|end|>` per message, then `<|assistant|>`.
 
     The rendering of a history is a prefix of the rendering of any longer history, so every turn
-    of a conversation shares the previous turn's prompt (and reply) as its cached prefix.
+    of a conversation shares the previous turn's prompt (and reply) as its cached prefix. As
+    vLLM 0.32's renderer does, a system text (or text part) that starts with Claude Code's
+    `x-anthropic-billing-header` line loses that line.
     `continue_final_message` (vLLM's extension) leaves the last assistant message open, so the
     model continues it instead of starting a new one.
     """
@@ -74,7 +80,7 @@ def render_chat(
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise PromptError(f"messages[{i}].role must be a non-empty string")
-        text = _content_text(message.get("content"), f"messages[{i}].content")
+        text = _content_text(message.get("content"), f"messages[{i}].content", system=role == "system")
         last = i == len(messages) - 1
         if last and continue_final_message:
             if role != "assistant":

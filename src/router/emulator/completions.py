@@ -1,0 +1,137 @@
+"""The emulator's OpenAI chat and text completions (`/v1/chat/completions`, `/v1/completions`).
+
+A chat renders its messages with the emulator's chat template (router.emulator.tokenizer); a
+text completion's prompt is a single string. Streams send `data: {chunk}` lines (a chat's first
+chunk carries the assistant role and no text), a usage chunk when `stream_options.include_usage`
+is set, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from router.emulator.api import Api, ApiError, Job, Served, finish_reason, openai_error
+from router.emulator.engine import Sequence
+from router.emulator.tokenizer import PromptError, render_chat
+
+
+class Completions(Api):
+    """One chat (`chat=True`) or text completion request."""
+
+    def __init__(self, served: Served, chat: bool) -> None:
+        self.served = served
+        self.chat = chat
+        self.prompt_field = "messages" if chat else "prompt"
+        self.include_usage = False
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def parse(self, body: dict[str, Any]) -> Job:
+        self.served.check(body.get("model"))
+        n = body.get("n", 1)
+        if n != 1:
+            raise ApiError("only n=1 is supported", "n")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = self.served.default_max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ApiError("max_tokens must be a positive integer", "max_tokens")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError("stream must be true or false", "stream")
+        options = body.get("stream_options")
+        if options is not None and not stream:
+            raise ApiError("stream_options can only be set when stream is true", "stream_options")
+        if not isinstance(options or {}, dict):
+            raise ApiError("stream_options must be an object", "stream_options")
+        self.include_usage = flag(options or {}, "include_usage", False, "stream_options")
+        add_generation_prompt = flag(body, "add_generation_prompt", True)
+        continue_final_message = flag(body, "continue_final_message", False)
+        if continue_final_message and add_generation_prompt:
+            raise ApiError("continue_final_message needs add_generation_prompt set to false", "continue_final_message")
+        try:
+            if self.chat:
+                text = render_chat(
+                    body.get("messages"),  # type: ignore[arg-type]
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if not isinstance(prompt, str):
+                    raise PromptError("'prompt' must be a string (token-id and batched prompts are not supported)")
+                text = prompt
+        except PromptError as exc:
+            raise ApiError(str(exc), self.prompt_field) from None
+        return Job(text.encode("utf-8", "surrogatepass"), max_tokens, stream, self.served.adapter(body.get("model")))
+
+    def error(self, exc: ApiError) -> bytes:
+        return openai_error(exc)
+
+    def reply(self, seq: Sequence, text: str) -> dict[str, Any]:
+        finish = finish_reason(seq)
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.served.model,
+            "choices": [choice],
+            "usage": usage(seq),
+        }
+
+    def opening(self, seq: Sequence) -> list[bytes]:
+        if not self.chat:
+            return []
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        return [self._data([role])]
+
+    def chunk(self, text: str, finish: str | None) -> list[bytes]:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return [self._data([choice])]
+
+    def closing(self, seq: Sequence, text: str) -> list[bytes]:
+        return [self._data([], usage=usage(seq))] if self.include_usage else []
+
+    def end(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def _data(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        chunk = {"id": self.id, "object": self.object, "created": self.created, "model": self.served.model}
+        return b"data: " + orjson.dumps({**chunk, "choices": choices, **extra}) + b"\n\n"
+
+
+def flag(obj: dict[str, Any], name: str, default: bool, where: str | None = None) -> bool:
+    value = obj.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false", where or name)
+    return value
+
+
+def usage(seq: Sequence) -> dict[str, Any]:
+    return {
+        "prompt_tokens": seq.prompt_tokens,
+        "completion_tokens": seq.output_tokens,
+        "total_tokens": seq.prompt_tokens + seq.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+    }
