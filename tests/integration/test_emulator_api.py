@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 import openai
@@ -11,6 +12,7 @@ import pytest
 
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Replica
+from router.health.signals import parse_engine_metrics
 
 CHAT = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "Tell me a story."}]
 
@@ -43,6 +45,42 @@ async def test_chat_completion_with_usage_and_replica_header(replica: Replica) -
     _, _, body2 = await post(replica, "/v1/chat/completions", {"messages": turn2, "max_tokens": 3})
     cached = body2["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached % 16 == 0 and usage["prompt_tokens"] + 7 - 16 < cached <= usage["prompt_tokens"] + 7
+    # as vLLM 0.32: what each request wrote to the cache in whole blocks of its prompt
+    created = usage["prompt_tokens_details"]["created_cache_tokens"]
+    assert created == usage["prompt_tokens"] // 16 * 16
+    assert body2["usage"]["prompt_tokens_details"]["created_cache_tokens"] == (
+        body2["usage"]["prompt_tokens"] // 16 * 16 - cached
+    )
+
+
+async def test_requests_waiting_for_a_lora_slot_are_deferred_as_vllm_counts_them(
+    make_replica: Callable[..., Replica],
+) -> None:
+    """vLLM 0.32 splits its waiting requests: those for room in the batch, and those deferred (a LoRA
+    slot, a KV transfer) whatever room there is; the router reads the first as the queue."""
+    replica = make_replica(
+        "lora", EngineConfig(num_blocks=4000, max_num_seqs=4, max_loras=1), adapters=("a", "b"), time_scale=1.0
+    )
+    await replica.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ask(model: str) -> int:
+                body = {"model": model, "messages": [{"role": "user", "content": model}], "max_tokens": 40}
+                async with http.post(replica.url + "/v1/chat/completions", json=body) as r:
+                    return r.status
+
+            sent = [asyncio.create_task(ask(m)) for m in ("a", "b", "b")]
+            await asyncio.sleep(0.1)
+            async with http.get(replica.url + "/metrics") as r:
+                text = await r.text()
+            assert await asyncio.gather(*sent) == [200, 200, 200]
+    finally:
+        await replica.stop()
+    stats = parse_engine_metrics(text)
+    # a runs; both b wait for its slot while the batch has room: deferred, and no queue for room
+    assert (stats.running, stats.waiting, stats.deferred) == (1.0, 0.0, 2.0)
+    assert 'vllm:num_requests_waiting{model_name="emulated-llm"} 2.0' in text
 
 
 async def test_streamed_chat_through_the_openai_client(replica: Replica) -> None:

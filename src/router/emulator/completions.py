@@ -133,5 +133,6 @@ def usage(seq: Sequence) -> dict[str, Any]:
         "prompt_tokens": seq.prompt_tokens,
         "completion_tokens": seq.output_tokens,
         "total_tokens": seq.prompt_tokens + seq.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+        # vLLM 0.32's details: what was read from cache, and what this request wrote to it in full blocks
+        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens, "created_cache_tokens": seq.created_cache_tokens},
     }

@@ -256,6 +256,11 @@ class Engine:
         ) * self.slowdown
         return Step(started=now, duration=duration, decode=decode, prefill=prefill, admitted=admitted)
 
+    def deferred(self) -> int:
+        """Waiting requests held back for a LoRA slot, not for room in the batch (vLLM's `deferred`
+        reason): their adapter fits no slot free of running adapters."""
+        return sum(1 for s in self.waiting if s.adapter is not None and not self._adapter_fits(s.adapter))
+
     def _adapter_fits(self, adapter: str) -> bool:
         """The batch may take a request for `adapter`: it runs already, or a slot is free of
         running adapters."""

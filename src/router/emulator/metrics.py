@@ -73,6 +73,12 @@ class ReplicaMetrics:
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", label, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", label, registry=r)
+        self.waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Requests waiting, by reason: capacity (for room in the batch), deferred (for a LoRA slot).",
+            [*label, "reason"],
+            registry=r,
+        )
         self.kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", label, registry=r
         )
@@ -178,6 +184,9 @@ class ReplicaMetrics:
             self.lora_info.labels(*next(reversed(self._lora_series))).set(time.time())  # current until now
         self.running.labels(m).set(len(engine.running))
         self.waiting.labels(m).set(len(engine.waiting))
+        deferred = engine.deferred()
+        self.waiting_by_reason.labels(m, "capacity").set(len(engine.waiting) - deferred)
+        self.waiting_by_reason.labels(m, "deferred").set(deferred)
         self.kv_usage.labels(m).set(engine.cache.usage)
         self.fragmentation.labels(m).set(engine.fragmentation())
         self.busy.labels(m).set(self.busy_fraction(now))
