@@ -8,7 +8,6 @@ ports and stops them by PID.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +18,8 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from engine_streams import Tap, chunked_body, events_of, metric, normalised, text_of
+from engine_streams import metrics_of as metrics_with_token
 
 from router.bench.common import free_port
 from router.bench.llama_server import MODEL_NAME, LlamaServer, NotBuilt, find_binary, model_for
@@ -35,7 +35,7 @@ except NotBuilt as exc:
     BINARY, WHY = None, str(exc)
 if BINARY is None and os.environ.get("KVAR_CI"):
     raise RuntimeError(f"under CI the llama-server tests must run: {WHY}")
-pytestmark = pytest.mark.skipif(BINARY is None, reason=WHY)
+pytestmark = [pytest.mark.real_engine, pytest.mark.skipif(BINARY is None, reason=WHY)]
 
 
 @pytest.fixture(scope="module")
@@ -68,37 +68,8 @@ def specs(servers: list[LlamaServer]) -> list[str]:
     return [f"{s.name}={s.url}" for s in servers]
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of a metric's samples (counters by their _total name) whose labels include `labels`."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 async def metrics_of(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
-        return await r.text()
-
-
-def events_of(raw: bytes) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            payload = block[6:]
-            out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
-    return out
-
-
-def text_of(events: list[Any]) -> str:
-    return "".join(
-        (c.get("delta") or {}).get("content") or c.get("text") or ""
-        for e in events
-        if isinstance(e, dict)
-        for c in e.get("choices") or ()
-    )
+    return await metrics_with_token(http, url, TOKEN)
 
 
 async def post(
@@ -141,70 +112,6 @@ async def test_sessions_stick_and_the_engines_cached_tokens_are_counted(llama, s
     assert cached > cached_seen and prompt > prompt_seen
     assert 0.5 < cached / prompt < 1.0
     assert metric(text, "router_session_jumps_total") == 0
-
-
-class Tap:
-    """A TCP relay between the router and one replica that keeps every byte the replica sent."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.from_replica: list[bytes] = []  # one entry per connection
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> str:
-        async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-            got = bytearray()
-            self.from_replica.append(b"")
-            index = len(self.from_replica) - 1
-
-            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, keep: bytearray | None) -> None:
-                with contextlib.suppress(ConnectionError):
-                    while data := await src.read(65536):
-                        if keep is not None:
-                            keep += data
-                            self.from_replica[index] = bytes(keep)
-                        dst.write(data)
-                        await dst.drain()
-                dst.close()
-
-            await asyncio.gather(pipe(reader, up_writer, None), pipe(up_reader, writer, got))
-
-        self.server = await asyncio.start_server(relay, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-
-def chunked_body(response: bytes) -> bytes:
-    """The body of one HTTP/1.1 response with chunked transfer coding."""
-    head, _, rest = response.partition(b"\r\n\r\n")
-    assert b"transfer-encoding: chunked" in head.lower(), head
-    body = bytearray()
-    while True:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            return bytes(body)
-        body += rest[:size]
-        rest = rest[size + 2 :]
-
-
-def normalised(events: list[Any]) -> list[Any]:
-    """Events without what differs between two runs of the same request: id, time, timing figures
-    and what the engine found cached."""
-    out = []
-    for e in events:
-        if isinstance(e, dict):
-            e = {k: v for k, v in e.items() if k not in ("id", "created")}
-            if "timings" in e:
-                e["timings"] = sorted(e["timings"])
-            if "usage" in e:
-                e["usage"] = {k: e["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
-        out.append(e)
-    return out
 
 
 async def test_streams_pass_through_byte_for_byte(llama, start_router) -> None:  # type: ignore[no-untyped-def]
