@@ -2,7 +2,8 @@
 
 Chat messages render as `<|role|>content<|end|>` one after another (a completion's prompt, or an
 embedding's input, as it is; an Anthropic Messages request's `system` field as a first system
-message, as the engine's chat template gets it), so the rendering of a history is a prefix of the rendering of any
+message, as the engine's chat template gets it; a system text's Claude Code attribution line, new
+in every request, left out as vLLM leaves it out), so the rendering of a history is a prefix of the rendering of any
 longer history: every turn of a conversation shares its earlier turns' blocks. The bytes are cut
 into `block_bytes`-byte blocks; block i's key is XXH3-64 of its bytes seeded with block i-1's key,
 block 0's seeded with XXH3-64 of the model name (so two models never share a block). Two prompts
@@ -60,6 +61,16 @@ def _encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _unbilled(text: str) -> str:
+    """A system text without Claude Code's attribution line, which carries a new hash in every
+    request: vLLM drops it before the chat template (so its prefix cache still hits), and so must
+    the index, or no two requests of a Claude Code session would share a block."""
+    return text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text
+
+
 def parts_of(body: Mapping[str, Any]) -> tuple[list[str], int]:
     """The prompt as pieces whose concatenation is its rendering, and the number of pieces before
     the last message (its history); ([], 0) when the body holds no prompt the index can use. The
@@ -77,14 +88,16 @@ def parts_of(body: Mapping[str, Any]) -> tuple[list[str], int]:
                 role = m.get("role")
                 content = m.get("content")
                 parts += ("<|", role if isinstance(role, str) else "", "|>")
+                is_system = role == "system"
                 if isinstance(content, str):
-                    parts.append(content)
+                    parts.append(_unbilled(content) if is_system else content)
                 elif isinstance(content, list):
-                    parts += (
+                    texts = (
                         p["text"]
                         for p in content[:MAX_PARTS]
                         if isinstance(p, Mapping) and isinstance(p.get("text"), str)
                     )
+                    parts += (_unbilled(t) for t in texts) if is_system else texts
                 parts.append("<|end|>")
         return parts, mark
     for name in ("prompt", "input"):

@@ -170,3 +170,20 @@ def test_a_broken_messages_stream_ends_with_its_apis_error_event() -> None:
 def test_a_body_that_is_not_an_object_is_refused() -> None:
     refused = admit_body("/v1/messages", {}, b"[]", CFG)
     assert isinstance(refused, Refused) and refused.status == 400
+
+
+def test_claude_codes_attribution_line_is_left_out_of_the_prompt_as_vllm_leaves_it_out() -> None:
+    """Its `cch` hash is new in every request: kept, no two requests of a session would share a block."""
+
+    def claude_code(cch: str) -> dict[str, object]:
+        header = f"x-anthropic-billing-header: cc_version=2.1.37; cc_entrypoint=cli; cch={cch};"
+        system = [{"type": "text", "text": header}, {"type": "text", "text": "You are Claude Code. " * 8}]
+        return {"model": "m", "system": system, "messages": [{"role": "user", "content": "fix the bug"}]}
+
+    one, other = prompt_of(claude_code("0a1b2"), 16), prompt_of(claude_code("ffe93"), 16)
+    assert one is not None and other is not None and list(one.chain) == list(other.chain)
+    # in a chat request's system message (a gateway's translation), its first line goes
+    chat = {"model": "m", "messages": [{"role": "system", "content": "x-anthropic-billing-header: cch=1;\nBe terse."}]}
+    assert render(chat)[0] == b"<|system|>Be terse.<|end|>"
+    user = {"model": "m", "messages": [{"role": "user", "content": "x-anthropic-billing-header: is a header"}]}
+    assert b"billing" in render(user)[0]  # only a system text loses it
