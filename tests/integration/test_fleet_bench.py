@@ -1,6 +1,8 @@
 """router-bench fleet end to end: every contender (the peer routers included) in front of a small
 emulated fleet, a synthetic session workload and a short trace, the fleet-size search, and the
-files it writes; the long-document and keyless workloads, their engine shape and what they send."""
+files it writes; the long-document and keyless workloads, their engine shape and what they send;
+and short runs in front of real llama-server and vLLM replicas (skipped where they are not built,
+failed under CI)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from router.bench import fleet
 from router.bench.cli import build_parser
 from router.bench.llama_server import NotBuilt, find_binary
 from router.bench.replay import Record, Replayer
+from router.bench.vllm import NotBuilt as VllmNotBuilt
+from router.bench.vllm import find_vllm
 
 # a tiny Mooncake-format trace: three conversations of two turns sharing a system block
 TRACE = [
@@ -39,7 +43,8 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
     for name in fleet.TRACES.values():
         (traces / name).write_text("".join(json.dumps(row) + "\n" for row in TRACE))
     out = tmp_path / "out"
-    contenders = list(fleet.CONTENDERS)  # the test extra installs the peer routers: none is left out
+    # the test extra installs the peer routers: none is left out but those for another engine
+    contenders = [n for n, c in fleet.CONTENDERS.items() if "emulator" in c.engines]
     args = build_parser().parse_args(
         [
             "fleet",
@@ -243,6 +248,7 @@ def test_a_fleet_that_cannot_start_is_one_line_and_the_rest_is_written(tmp_path:
     ) in md
 
 
+@pytest.mark.real_engine
 def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
     try:
         find_binary()
@@ -274,3 +280,46 @@ def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
     # the engines' own cached-token counts: sticky routing finds more of each session's prefix cached
     assert table["full"]["kv_hit_rate"] > table["round-robin"]["kv_hit_rate"]
     assert table["full"]["jump_rate"] < table["round-robin"]["jump_rate"]
+
+
+@pytest.mark.real_engine
+def test_real_vllm_side_by_side(tmp_path: Path) -> None:
+    try:
+        find_vllm()
+    except VllmNotBuilt as exc:
+        if os.environ.get("KVAR_CI"):
+            raise
+        pytest.skip(str(exc))
+    out = tmp_path / "out"
+    contenders = ["full", "vllm-cache-aware"]  # the router as shipped, and the peer only vLLM serves
+    args = build_parser().parse_args(
+        [
+            *("fleet", "--engine", "vllm", "--replicas", "2", "--kv-blocks", "64", "--prompt-scale", "0.1"),
+            *("--rate", "1", "--duration", "6", "--think", "0.5", "--turns", "2-3", "--sample-s", "0.2"),
+            *("--contenders", ",".join(contenders), "--size-search", "", "--out", str(out)),
+        ]
+    )
+    assert args.run(args) == 0  # 0: no request failed anywhere
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["engine"] == "vllm" and result["time_scale"] == 1.0
+    assert result["engine_settings"]["vllm_version"] and result["engine_settings"]["max_model_len"] == 63 * 32
+    md = (out / "fleet.md").read_text()
+    assert md.startswith("2 vLLM replicas (8 sequences and KV for 2,048 tokens each, real time)")
+    shape = result["engine_shapes"]["sessions@1"]
+    assert shape["kv_tokens_per_replica"] == 2048 and shape["working_set_tokens"] > 2048  # tokenized by vLLM
+    assert "× one replica's KV" in md and "| KV hit (engine) | KV hit (client) |" in md
+    table = result["tables"]["sessions@1"]
+    assert list(table) == contenders
+    requests = {f["requests"] for f in table.values()}
+    assert len(requests) == 1 and requests.pop() >= 5  # every contender served the same turns
+    for name in contenders:
+        run = result["runs"]["sessions@1"][name][0]
+        assert sum(run["finished"]) == run["ok"] and len(run["load_timeline"]["queued"][0]) == 2, name
+        # the engines' own counters, read as changes over the run: exactly the prompt tokens the
+        # client sent were looked up (none of the routers' own requests), its cached tokens the hits
+        engine = (run["engine_cache_queries"], run["engine_cache_hits"])
+        assert engine == (run["prompt_tokens"], run["cached_tokens"]), name
+        assert run["prompt_tokens"] > 0 and run["engine_ttft_mean_s"] > 0, name
+    # later turns find their conversation on a sticky contender's replica, by the engines' count
+    assert table["full"]["engine_kv_hit_rate"] > 0.2
+    assert table["vllm-cache-aware"]["jump_rate"] is None  # vLLM names no replica: n/a, not 0

@@ -24,7 +24,9 @@ this process sending the workload. Contenders:
   waiting requests, 80 % KV) has no engine figures to act on, and its load gate balances on what
   smg counts itself. Requests without a key under `consistent_hashing` are spread, not hashed;
 - `vllm-consistent-hash`: `vllm-router --policy consistent_hash`, session id in `x-session-id`
-  (when vllm-router is installed);
+  (when vllm-router is installed); `vllm-cache-aware`: `vllm-router --policy cache_aware`, with
+  `--engine vllm` only: it posts every request to `/v1/chat/completions/render` on every replica
+  (vLLM's `--enable-scale-out`) to place it by the tokens it shares with what each replica saw;
 - `oracle`: the client pins each session to one replica by hash, with no router: the hit rate a
   sticky router could reach, with no regard for load.
 
@@ -71,8 +73,31 @@ written for the run, router.bench.llama_server): `--slots` each, one CPU thread 
 (time scale 1). Their figures come from each server's `/metrics`: requests running + deferred
 for the spread, slot-seconds spent on prompts and generation for the busy share, and generated
 tokens per replica for the load CV (llama-server counts no finished requests). llama-server sends
-no replica header, so jumps are known only through router-serve (`X-Router-Replica`). The
-longdoc workloads need the emulator (their engine shape is an emulator's).
+no replica header, so jumps are known only through router-serve (`X-Router-Replica`) and the
+client-side contenders (a peer's jump rate is n/a). The longdoc workloads need the emulator (their
+engine shape is an emulator's).
+
+`--engine vllm` runs them in front of real vLLM replicas: vLLM's CPU build serving a tiny
+random-weight Llama (scripts/build-vllm.sh builds both; router.bench.vllm), `--max-num-seqs`
+requests at once and `--kv-blocks` KV blocks of 32 tokens each, `--enforce-eager`, the render
+endpoints on (`--enable-scale-out`, for `vllm-cache-aware`), in real time. A replica takes a
+minute or two to start on a few shared cores, so the replicas start once and are kept for the
+whole benchmark: before each run they are left to go idle and their prefix caches are emptied
+(`POST /reset_prefix_cache`, served in vLLM's dev mode, `VLLM_SERVER_DEV_MODE=1`), so every
+contender meets cold caches, as on a fresh fleet. Each replica's worker runs one OpenMP thread
+bound to no CPU (`VLLM_CPU_OMP_THREADS_BIND=nobind`, unless the environment sets it; vLLM's own
+default binds every replica to the same CPU). Every request asks for `ignore_eos`, so that the
+random model's replies are max_tokens long for every contender, and the sessions' text is cut to
+`--prompt-scale` of its length (0.25 by default here): the tiny model's tokenizer counts about 3.8
+tokens in the 4 characters of an emulator token, so a quarter of the text holds about as many
+real tokens as the emulator counts in the whole. Figures from each replica's `/metrics`: the KV
+hit rate from the engines' own prefix-cache counters (hit ÷ queried tokens, their changes over the
+run; the client's `cached_tokens` share beside it), requests running + waiting for the spread,
+requests finished for the load CV, preemptions, and the share of sampled time a replica ran a
+request for "busy". Each table opens with the engine settings, the KV per replica and in the
+fleet, and the tokens the run's conversations hold against them. vLLM sends no replica header
+either (a peer's jump rate is n/a). Sessions workloads only: the Mooncake traces' prompts (a
+median of 7,000-12,000 tokens) outgrow the model's 8,192-token context.
 """
 
 from __future__ import annotations
@@ -93,7 +118,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +131,17 @@ from router.bench.common import free_port, parse_settings, progress_line
 from router.bench.llama_server import LlamaServer, NotBuilt, find_binary, model_for
 from router.bench.proxy_bench import PEERS, cpu_seconds, first_answer, peer_command, peer_installed, stop
 from router.bench.replay import Replayer, ReplayOptions
-from router.bench.workloads import LongDocSpec, SessionsSpec, TraceError, generate_longdoc, longdoc_documents
+from router.bench.vllm import NotBuilt as VllmNotBuilt
+from router.bench.vllm import VllmServer, find_vllm, start_all
+from router.bench.workloads import (
+    LongDocSpec,
+    SessionPlan,
+    SessionsSpec,
+    TraceError,
+    generate_longdoc,
+    generate_sessions,
+    longdoc_documents,
+)
 from router.config import FIELDS, ConfigError, load
 from router.emulator.engine import EngineConfig
 from router.health.signals import samples
@@ -131,6 +166,16 @@ LONGDOC_ENGINE = (
     "--attention-ns-per-token=95",
 )
 WORKLOAD_NAMES = "sessions, sessions-keyless, sessions@R, longdoc, longdoc-keyless, " + ", ".join(TRACES)
+ENGINES = ("emulator", "llama-server", "vllm")
+# --engine vllm: KV blocks of 32 tokens (CPU attention wants a multiple of 32); the tiny model's
+# context (max_position_embeddings), which caps --max-model-len; the prompt scale by default (its
+# tokenizer counts about 3.8 tokens in the 4 characters of one emulator token)
+VLLM_BLOCK = 32
+VLLM_CONTEXT = 8192
+VLLM_PROMPT_SCALE = 0.25
+VLLM_RATE = "0.3"  # new sessions a second, by default: about 70 % of two shared cores (docs/benchmarks.md)
+VLLM_MODEL = "emulated-llm"  # the name the replay and the routers' first request ask for
+VLLM_IDLE_S = 120.0  # a kept fleet not idle this long after a run has a stuck request: it is restarted
 
 
 @dataclass(frozen=True)
@@ -171,6 +216,7 @@ class Contender:
     args: tuple[str, ...] = ()
     spread: str = "round-robin"  # direct contenders only
     key_headers: tuple[str, ...] = ("X-Session-ID",)
+    engines: tuple[str, ...] = ENGINES  # the --engine values it runs in front of
 
 
 PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
@@ -210,6 +256,11 @@ CONTENDERS = {
             ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id"),
         ),
         Contender("vllm-consistent-hash", "vllm-router consistent_hash", "vllm", ("--policy", "consistent_hash")),
+        # it asks every replica to render every request (/v1/chat/completions/render, else /tokenize):
+        # only vLLM serves them, so on the others it would not be cache-aware at all
+        Contender(
+            "vllm-cache-aware", "vllm-router cache_aware", "vllm", ("--policy", "cache_aware"), engines=("vllm",)
+        ),
         Contender("oracle", "sticky oracle (client pins sessions)", "direct", spread="session"),
     )
 }
@@ -315,8 +366,8 @@ class Fleet:
     pids: list[int]
     read: Callable[[aiohttp.ClientSession, float], Awaitable[Sample]]  # (http, seconds since t0)
     stop: Callable[[], None]
-    what: str  # for the tables: "emulated replicas", "llama-server replicas"
-    control: str | None = None  # the emulator's control URL (faults, crashes, caches); None for llama-server
+    what: str  # for the tables: "emulated replicas", "llama-server replicas", "vLLM replicas"
+    control: str | None = None  # the emulator's control URL (faults, crashes, caches); None for real engines
 
 
 async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: list[str]) -> Fleet:
@@ -324,6 +375,8 @@ async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: li
     go to router-emulator."""
     if args.engine == "llama-server":
         return await start_llama_fleet(replicas, args)
+    if args.engine == "vllm":
+        return await start_vllm_fleet(replicas, args)
     problem = ""
     for _ in range(3):  # a port of the run can be taken between the check and the bind: try another run
         base, control = free_port_run(replicas), free_port()
@@ -427,6 +480,202 @@ async def start_llama_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
     )
 
 
+# what a run reads from each vLLM replica's /metrics: gauges for the spread, and counters of which
+# the fleet's totals are kept (a run's figures are their changes over it)
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+VLLM_COUNTERS = (
+    "vllm:request_success_total",  # every finished_reason
+    # tokens of new requests only: a preempted request's second lookup is not counted (vLLM keeps it
+    # apart and exports none of it), so these agree with the answers' usage
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:time_to_first_token_seconds_sum",  # from the API server's arrival to the first token
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:request_queue_time_seconds_sum",  # waiting in the scheduler
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",  # first scheduled to first token
+    "vllm:request_prefill_time_seconds_count",
+)
+VLLM_METRICS = frozenset(VLLM_GAUGES + VLLM_COUNTERS)
+
+
+async def vllm_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The VLLM_METRICS of one replica, each summed over its series; KeyError if one is missing."""
+    async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        r.raise_for_status()
+        values, _ = samples(await r.text(), VLLM_METRICS)
+    return {name: sum(values[name]) for name in VLLM_METRICS}
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (a vLLM replica: its API server, engine core, worker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+    return pids
+
+
+@dataclass
+class VllmReplicas:
+    """The vLLM replicas of a benchmark, kept from run to run (a start takes a minute or two on a
+    few shared cores): `ready` hands them over idle, with empty prefix caches; `stop` ends them."""
+
+    kv_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    extra: tuple[str, ...] = ()
+    servers: list[VllmServer] = field(default_factory=list)
+    logs: Path | None = None
+
+    def engine_args(self) -> list[str]:
+        """The engine settings every replica gets (for the tables), less the bench's own flags."""
+        return [
+            *("--max-num-seqs", str(self.max_num_seqs), "--num-gpu-blocks-override", str(self.kv_blocks)),
+            *("--block-size", str(VLLM_BLOCK), "--max-model-len", str(self.max_model_len), *self.extra),
+        ]
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """A replica's environment: vLLM's dev mode (POST /reset_prefix_cache) and, unless the
+        environment binds its workers itself, one unbound OpenMP thread in its worker, so that the
+        kernel spreads the busy replicas over the CPUs. vLLM's own default ('auto') binds every
+        replica's worker to the same CPU and leaves the others to the API servers; binding each to a
+        CPU in turn can leave two busy replicas on one CPU while another idles (docs/benchmarks.md
+        has the measurements)."""
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        return env
+
+    async def ready(self, replicas: int) -> list[VllmServer]:
+        """`replicas` replicas, started (or restarted, when the number differs or one has died)
+        and warmed up, idle, their prefix caches empty."""
+        alive = all(s.proc is not None and s.proc.poll() is None for s in self.servers)
+        if self.servers and (len(self.servers) != replicas or not alive):
+            self.stop()
+        if not self.servers:
+            await self._start(replicas)
+        try:
+            await self._cold()
+        except RuntimeError:
+            self.stop()  # a request stuck in an engine: a fresh fleet, once
+            await self._start(replicas)
+            await self._cold()
+        return self.servers
+
+    async def _start(self, replicas: int) -> None:
+        try:
+            root = find_vllm()
+        except VllmNotBuilt as exc:
+            raise RuntimeError(str(exc)) from None
+        self.logs = Path(tempfile.mkdtemp(prefix="kvar-vllm-"))
+        servers = [
+            VllmServer(
+                root,
+                free_port(),
+                names=(VLLM_MODEL,),
+                max_num_seqs=self.max_num_seqs,
+                block_size=VLLM_BLOCK,
+                kv_blocks=self.kv_blocks,
+                max_model_len=self.max_model_len,
+                scale_out=True,  # the render endpoints, for vllm-router's cache_aware
+                extra=self.extra,
+                env=self.environment(),
+                name=f"vllm-{i}",
+                log=self.logs / f"vllm-{i}.log",
+            )
+            for i in range(replicas)
+        ]
+        try:
+            await start_all(servers)  # stops them all if one fails
+        except RuntimeError as exc:
+            lines = str(exc).splitlines()
+            self.stop()
+            raise RuntimeError(
+                "the vLLM fleet did not start: "
+                + lines[0]
+                + (f" (its log ends: {lines[-1].strip()})" if lines[1:] else "")
+            ) from None
+        except BaseException:
+            self.stop()
+            raise
+        self.servers = servers
+        # the first requests of a fresh engine are slower than the rest: none of them in a run
+        async with aiohttp.ClientSession() as http:
+            for server in servers:
+                for words in (8, 600):
+                    body = {
+                        "model": VLLM_MODEL,
+                        "messages": [{"role": "user", "content": "warm up " * words}],
+                        "max_tokens": 8,
+                    }
+                    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                        async with http.post(server.url + "/v1/chat/completions", json=body) as r:
+                            await r.read()
+
+    async def _cold(self) -> None:
+        """Until every replica is idle (a request of the last run may still be aborting), then empty
+        their prefix caches; RuntimeError if that takes VLLM_IDLE_S."""
+        deadline = time.monotonic() + VLLM_IDLE_S
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, KeyError):
+                    rows = await asyncio.gather(*(vllm_metrics(http, s.url) for s in self.servers))
+                    if not any(m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] for m in rows):
+                        done = []
+                        for s in self.servers:  # success false while a block is still held: try again
+                            async with http.post(
+                                s.url + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)
+                            ) as r:
+                                r.raise_for_status()
+                                done.append(bool((await r.json()).get("success")))
+                        if all(done):
+                            return
+                await asyncio.sleep(0.25)
+        raise RuntimeError(f"the vLLM replicas were not idle with empty caches within {VLLM_IDLE_S:g} s")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.servers = []
+        if self.logs is not None:
+            shutil.rmtree(self.logs, ignore_errors=True)
+            self.logs = None
+
+
+async def start_vllm_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
+    """The benchmark's kept vLLM replicas (args.vllm_replicas), idle and with cold caches, and how
+    to read their counters during one run. Stopping this fleet leaves them running for the next."""
+    servers = await args.vllm_replicas.ready(replicas)
+    busy = [0.0] * len(servers)  # seconds each replica has had a request running, sampled
+    previous: tuple[float, list[float]] | None = None  # the last sample's time and requests running
+
+    async def read(http: aiohttp.ClientSession, wall_s: float) -> Sample:
+        nonlocal previous
+        rows = await asyncio.gather(*(vllm_metrics(http, s.url) for s in servers))
+        running = [m["vllm:num_requests_running"] for m in rows]
+        if previous is not None:  # by the trapezoid rule between samples
+            then, before = previous
+            for i, (a, b) in enumerate(zip(before, running, strict=True)):
+                busy[i] += (wall_s - then) * ((a > 0) + (b > 0)) / 2
+        previous = (wall_s, running)
+        return Sample(
+            wall_s=wall_s,
+            engine_s=[wall_s] * len(rows),
+            busy_s=list(busy),
+            queued=[int(m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]) for m in rows],
+            finished=[int(m["vllm:request_success_total"]) for m in rows],
+            counters={name: sum(m[name] for m in rows) for name in VLLM_COUNTERS},
+        )
+
+    pids = [pid for s in servers if s.proc is not None for pid in group_pids(s.proc.pid)]
+    return Fleet([s.url for s in servers], pids, read, lambda: None, "vLLM replicas")
+
+
 async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
     """The contender's process (None for the client-side ones) and the targets to send to."""
     if c.kind == "direct":
@@ -463,6 +712,7 @@ class Sample:
     busy_s: list[float]
     queued: list[int]  # running + waiting
     finished: list[int]
+    counters: dict[str, float] | None = None  # the real engine's own (VLLM_COUNTERS), the fleet's totals
 
 
 @dataclass
@@ -470,6 +720,7 @@ class Sampler:
     fleet: Fleet
     interval_s: float
     samples: list[Sample] = field(default_factory=list)
+    first: asyncio.Event = field(default_factory=asyncio.Event)  # the first sample was taken (or failed)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def take(self, http: aiohttp.ClientSession, t0: float) -> None:
@@ -479,7 +730,10 @@ class Sampler:
         async with aiohttp.ClientSession() as http:
             while not self._stop.is_set():
                 with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, KeyError, ValueError):
-                    await self.take(http, t0)
+                    try:
+                        await self.take(http, t0)
+                    finally:
+                        self.first.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)
             with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, KeyError, ValueError):
@@ -506,12 +760,37 @@ def fleet_figures(samples: list[Sample], window_end_wall_s: float) -> dict[str, 
     # requests each replica finished from the replay's start (not the routers' readiness request)
     finished = [b - a for a, b in zip(samples[0].finished, samples[-1].finished, strict=True)]
     loaded = [s for s in window if sum(s.queued) > 0]
-    return {
+    out = {
         "gpu_busy": sum(busy) / len(busy),
         "gpu_busy_per_replica": busy,
         "finished": finished,
         "load_cv": coefficient_of_variation(finished),
         "inflight_cv": statistics.fmean(coefficient_of_variation(s.queued) for s in loaded) if loaded else math.nan,
+    }
+    if samples[0].counters is not None and samples[-1].counters is not None:
+        out |= engine_figures(samples[0].counters, samples[-1].counters)
+    return out
+
+
+def engine_figures(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    """A run's figures from vLLM's own counters (VLLM_COUNTERS, fleet totals at its start and end):
+    its hit rate (hit ÷ queried prompt tokens), preemptions, and the mean time to first token, time
+    waiting and time in prefill of the requests that finished."""
+    d = {name: end[name] - start[name] for name in VLLM_COUNTERS}
+
+    def ratio(a: str, b: str) -> float:
+        return d[a] / d[b] if d[b] > 0 else math.nan
+
+    return {
+        "engine_cache_queries": d["vllm:prefix_cache_queries_total"],
+        "engine_cache_hits": d["vllm:prefix_cache_hits_total"],
+        "engine_kv_hit_rate": ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+        "preemptions": d["vllm:num_preemptions_total"],
+        "engine_ttft_mean_s": ratio("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"),
+        "engine_queue_mean_s": ratio("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count"),
+        "engine_prefill_mean_s": ratio(
+            "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count"
+        ),
     }
 
 
@@ -530,6 +809,34 @@ def longdoc_spec(args: argparse.Namespace) -> LongDocSpec:
     )
 
 
+def sessions_spec(w: Workload, args: argparse.Namespace) -> SessionsSpec:
+    """A sessions workload's chats, their text `--prompt-scale` times the default length."""
+    assert w.rate is not None
+    default, scale = SessionsSpec, args.prompt_scale
+
+    def scaled(span: tuple[int, int]) -> tuple[int, int]:
+        return (max(1, round(span[0] * scale)), max(1, round(span[1] * scale)))
+
+    return SessionsSpec(
+        rate=w.rate,
+        think_s=args.think,
+        turns_min=args.turns_range[0],
+        turns_max=args.turns_range[1],
+        system_tokens=max(1, round(default.system_tokens * scale)),
+        first_tokens=scaled(default.first_tokens),
+        user_tokens=scaled(default.user_tokens),
+        seed=args.seed,
+    )
+
+
+def session_plans(w: Workload, args: argparse.Namespace) -> Iterator[SessionPlan]:
+    """The sessions a run of `w` starts (those that arrive within `--duration`)."""
+    for plan in generate_sessions(sessions_spec(w, args)):
+        if plan.start_s > args.duration:
+            return
+        yield plan
+
+
 def workload_options(name: str, args: argparse.Namespace, targets: list[str], c: Contender) -> ReplayOptions:
     w = Workload.parse(name)
     common: dict[str, Any] = {
@@ -539,21 +846,11 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
         "seed": args.seed,
         "key_headers": c.key_headers,
         "session_keys": w.keyed,
+        # a random model stops at its end-of-text token at random: every reply max_tokens long instead
+        "body_fields": (("ignore_eos", True),) if args.engine == "vllm" else (),
     }
     if w.kind == "sessions":
-        assert w.rate is not None
-        return ReplayOptions(
-            workload="sessions",
-            duration_s=args.duration,
-            spec=SessionsSpec(
-                rate=w.rate,
-                think_s=args.think,
-                turns_min=args.turns_range[0],
-                turns_max=args.turns_range[1],
-                seed=args.seed,
-            ),
-            **common,
-        )
+        return ReplayOptions(workload="sessions", duration_s=args.duration, spec=sessions_spec(w, args), **common)
     if w.kind == "longdoc":
         return ReplayOptions(workload="longdoc", duration_s=args.duration, longdoc=longdoc_spec(args), **common)
     return ReplayOptions(
@@ -632,6 +929,48 @@ def engine_shape(workload: str, args: argparse.Namespace) -> dict[str, Any]:
     return shape
 
 
+async def vllm_shape(workload: str, args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """What a workload runs on with `--engine vllm`, and its working set: the tokens of the
+    conversations that start within `--duration` as they end (their messages tokenized by a replica,
+    `url`; each reply its max_tokens, which a random model nearly always reaches), the shared
+    system prompts counted once."""
+    kept = args.vllm_replicas
+    kv = kept.kv_blocks * VLLM_BLOCK
+    plans = list(session_plans(Workload.parse(workload), args))
+    async with aiohttp.ClientSession() as http:
+
+        async def tokens(messages: list[dict[str, str]]) -> int:
+            body = {"model": VLLM_MODEL, "messages": messages}
+            async with http.post(url + "/tokenize", json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                r.raise_for_status()
+                return int((await r.json())["count"])
+
+        systems = {p.system: await tokens([{"role": "system", "content": p.system}]) for p in plans}
+        held = sum(systems.values())
+        for p in plans:
+            users = [{"role": "user", "content": t.user_text} for t in p.turns]
+            held += await tokens([{"role": "system", "content": p.system}, *users]) - systems[p.system]
+            held += sum(t.max_tokens + 3 for t in p.turns)  # a reply and its role tags
+    return {
+        "engine": "vLLM (vllm-cpu), tiny random Llama",
+        "engine_args": kept.engine_args(),
+        "kv_tokens_per_replica": kv,
+        "kv_tokens_fleet": kv * args.replicas,
+        "sessions": len(plans),
+        "working_set_tokens": held,
+        "prompt_scale": args.prompt_scale,
+    }
+
+
+def fleet_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds the fleet's processes have used (one that has exited counts no more)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
 async def run_one(
     args: argparse.Namespace,
     c: Contender,
@@ -645,17 +984,18 @@ async def run_one(
         router, targets = await start_contender(c, fleet.urls, args.settings)
         opts = workload_options(workload, args, targets, c)
         sampler = Sampler(fleet, args.sample_s)
-        cpu_fleet0 = sum(cpu_seconds(pid) for pid in fleet.pids)
+        cpu_fleet0 = fleet_cpu_seconds(fleet.pids)
         cpu_router0 = cpu_seconds(router.pid) if router else 0.0
         t0 = time.perf_counter()
         sampling = asyncio.ensure_future(sampler.run(t0))
         try:
+            await sampler.first.wait()  # the counters before the first request: changes are the run's
             result = await Replayer(opts, progress).run()
         finally:
             sampler.stop()
             await sampling
         wall = time.perf_counter() - t0
-        result["emulator_cpu_share"] = (sum(cpu_seconds(pid) for pid in fleet.pids) - cpu_fleet0) / wall
+        result["emulator_cpu_share"] = (fleet_cpu_seconds(fleet.pids) - cpu_fleet0) / wall
         result["router_cpu_share"] = (cpu_seconds(router.pid) - cpu_router0) / wall if router else None
     finally:
         try:
@@ -665,6 +1005,8 @@ async def run_one(
             fleet.stop()
     window_wall = arrivals_s(workload, args) / args.time_scale
     result.update(fleet_figures(sampler.samples, window_wall))
+    if router is not None and set(result["per_replica"]) <= set(targets):
+        result["jump_rate"] = math.nan  # no answer named its replica (a peer in front of a real engine)
     result["contender"] = c.name
     result["replicas"] = replicas
     result["load_timeline"] = {
@@ -683,6 +1025,9 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("multi_turn_p99_s", lambda r: r["e2e_later_turns_s"].get("p99", math.nan)),
     ("ttft_p99_s", lambda r: r["ttft_s"].get("p99", math.nan)),
     ("ttft_later_p99_s", lambda r: r.get("ttft_later_turns_s", {}).get("p99", math.nan)),
+    ("ttft_later_p50_s", lambda r: r.get("ttft_later_turns_s", {}).get("p50", math.nan)),
+    ("engine_kv_hit_rate", lambda r: r.get("engine_kv_hit_rate", math.nan)),  # vLLM's own counters
+    ("preemptions", lambda r: r.get("preemptions", math.nan)),
     ("load_cv", lambda r: r["load_cv"]),
     ("inflight_cv", lambda r: r["inflight_cv"]),
     ("jump_rate", lambda r: r["jump_rate"]),
@@ -760,13 +1105,29 @@ async def size_search(
     return {"needed": needed, "lowest_probed": lowest, "probes": dict(sorted(probes.items()))}
 
 
+def engine_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The real engines' settings, for the results (the emulator's are in engine_shapes)."""
+    if args.engine == "llama-server":
+        return {"slots": args.slots, "slot_context": args.slot_context, "llama_args": args.llama_arg}
+    if args.engine == "vllm":
+        kept = args.vllm_replicas
+        return {
+            "max_num_seqs": kept.max_num_seqs,
+            "kv_blocks": kept.kv_blocks,
+            "block_size": VLLM_BLOCK,
+            "max_model_len": kept.max_model_len,
+            "vllm_args": args.vllm_arg,
+            "cpu_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind, OMP_NUM_THREADS=1"),
+            "prompt_scale": args.prompt_scale,
+        }
+    return None
+
+
 def new_result(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "fleet",
         "engine": args.engine,
-        "engine_settings": {"slots": args.slots, "slot_context": args.slot_context, "llama_args": args.llama_arg}
-        if args.engine == "llama-server"
-        else None,
+        "engine_settings": engine_settings(args),
         "replicas": args.replicas,
         "time_scale": args.time_scale,
         "stream_interval": args.stream_interval,
@@ -817,6 +1178,15 @@ async def run_all(
 ) -> None:
     """Every run, filling `result` as they finish (a caller interrupted keeps what was done)."""
     started = time.perf_counter()
+    if args.engine == "vllm":  # the engine's version and each workload's working set, from a replica
+        servers = await args.vllm_replicas.ready(args.replicas)
+        try:
+            async with aiohttp.ClientSession() as http, http.get(servers[0].url + "/version") as r:
+                result["engine_settings"]["vllm_version"] = (await r.json())["version"]
+            for workload in args.workloads:
+                result["engine_shapes"][workload] = await vllm_shape(workload, args, servers[0].url)
+        except (TimeoutError, aiohttp.ClientError, KeyError) as exc:
+            raise RuntimeError(f"vLLM did not tell its version or tokenize a workload: {exc!r}") from None
     total = args.rounds * len(args.workloads) * len(args.contenders)
     k = 0
     for rnd in range(args.rounds):
@@ -880,30 +1250,74 @@ def _num(x: float, digits: int = 3) -> str:
     return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
+Column = tuple[str, Callable[[dict[str, Any]], str]]  # (title, the cell of a contender's figures)
+COLUMNS: tuple[Column, ...] = (
+    ("requests", lambda f: f"{f['requests']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
+    ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
+    ("multi-turn P99 (s)", lambda f: _num(f["multi_turn_p99_s"])),
+    ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
+    ("later-turn TTFT P99 (s)", lambda f: _num(f["ttft_later_p99_s"])),
+    ("load CV", lambda f: _num(f["load_cv"])),
+    ("in-flight CV", lambda f: _num(f["inflight_cv"])),
+    ("jump rate", lambda f: _pct(f["jump_rate"])),
+    ("GPU busy", lambda f: _pct(f["gpu_busy"])),
+)
+VLLM_COLUMNS: tuple[Column, ...] = (
+    ("requests", lambda f: f"{f['requests']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("KV hit (engine)", lambda f: _pct(f.get("engine_kv_hit_rate", math.nan))),
+    ("KV hit (client)", lambda f: _pct(f["kv_hit_rate"])),
+    ("later-turn TTFT P50 (s)", lambda f: _num(f.get("ttft_later_p50_s", math.nan))),
+    ("later-turn TTFT P99 (s)", lambda f: _num(f["ttft_later_p99_s"])),
+    ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
+    ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
+    ("multi-turn P99 (s)", lambda f: _num(f["multi_turn_p99_s"])),
+    ("load CV", lambda f: _num(f["load_cv"])),
+    ("jump rate", lambda f: _pct(f["jump_rate"])),
+    ("preempted", lambda f: _num(f.get("preemptions", math.nan), 0)),
+    ("busy", lambda f: _pct(f["gpu_busy"])),
+)
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     labels = result["contenders"]
     sizes = result.get("replicas_needed") or {}
-    llama = result.get("engine") == "llama-server"
-    what = (
-        f"llama-server replicas ({result['engine_settings']['slots']} slots each, real time)"
-        if llama
-        else f"emulated replicas, time scale {result['time_scale']:g}"
-    )
+    engine = result.get("engine", "emulator")
+    settings = result.get("engine_settings") or {}
+    if engine == "llama-server":
+        what = f"llama-server replicas ({settings['slots']} slots each, real time)"
+        notes = " Load CV: of generated tokens per replica; GPU busy: share of slot time busy."
+    elif engine == "vllm":
+        what = (
+            f"vLLM replicas ({settings['max_num_seqs']} sequences and KV for "
+            f"{settings['kv_blocks'] * settings['block_size']:,} tokens each, real time)"
+        )
+        notes = (
+            " KV hit (engine): the replicas' own prefix-cache hits ÷ queries, in tokens, over the run;"
+            " (client): `cached_tokens` ÷ prompt tokens in the answers. Load CV: of requests each replica"
+            " finished; preempted: requests vLLM preempted for KV room; busy: share of sampled time a"
+            " replica ran a request."
+        )
+    else:
+        what, notes = f"emulated replicas, time scale {result['time_scale']:g}", ""
     lines = [
         f"{result['replicas']} {what}, "
-        f"median of {result['rounds']} round(s) (failed requests: summed); latencies in engine seconds."
-        + (" Load CV: of generated tokens per replica; GPU busy: share of slot time busy." if llama else "")
+        f"median of {result['rounds']} round(s) (failed requests: summed); latencies in "
+        + ("engine seconds." if engine == "emulator" else "seconds.")
+        + notes
         + ("" if result.get("complete", True) else " **Interrupted: only the runs that finished.**"),
         "",
     ]
+    columns = VLLM_COLUMNS if engine == "vllm" else COLUMNS
     for workload, table in result["tables"].items():
         lines += [f"**{workload}**", ""]
         shape = result.get("engine_shapes", {}).get(workload)
         if shape:
             lines += [_shape_line(shape, result["replicas"]), ""]
-        head = "| contender | requests | failed | KV hit | multi-turn mean (s) | multi-turn P99 (s) | TTFT P99 (s) "
-        head += "| later-turn TTFT P99 (s) | load CV | in-flight CV | jump rate | GPU busy |"
-        rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        head = "| contender | " + " | ".join(title for title, _ in columns) + " |"
+        rule = "|---|" + "---:|" * len(columns)
         searched = workload == sizes.get("workload")
         if searched:
             head += f" replicas for P99 ≤ {sizes['target_p99_s']:.2f} s |"
@@ -914,12 +1328,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             if name not in ran:
                 lines.append(f"| {labels[name]} | did not run: {f['error']} |")
                 continue
-            row = (
-                f"| {labels[name]} | {f['requests']:,.0f} | {f['failed']:,.0f} | {_pct(f['kv_hit_rate'])} "
-                f"| {_num(f['multi_turn_mean_s'])} | {_num(f['multi_turn_p99_s'])} | {_num(f['ttft_p99_s'])} "
-                f"| {_num(f['ttft_later_p99_s'])} | {_num(f['load_cv'])} | {_num(f['inflight_cv'])} "
-                f"| {_pct(f['jump_rate'])} | {_pct(f['gpu_busy'])} |"
-            )
+            row = f"| {labels[name]} | " + " | ".join(cell(f) for _, cell in columns) + " |"
             if searched:
                 row += f" {_needed(sizes['contenders'].get(name), result['replicas'])} |"
             lines.append(row)
@@ -929,32 +1338,36 @@ def render_markdown(result: dict[str, Any]) -> str:
         cpu = [
             f"{labels[n]} {f['router_cpu_share']:.0%}" for n, f in ran.items() if not math.isnan(f["router_cpu_share"])
         ]
+        fleet = {"llama-server": "llama-servers ", "vllm": "vLLM fleet (every process) "}.get(engine, "emulated fleet ")
         lines.append(
             "CPU, share of one core: client "
             + f"{max(f['client_cpu_share'] for f in ran.values()):.0%} at most, "
-            + ("llama-servers " if llama else "emulated fleet ")
+            + fleet
             + f"{max(f['emulator_cpu_share'] for f in ran.values()):.0%} at most; routers: "
             + (", ".join(cpu) or "none")
             + "."
         )
         lines.append("")
-        lines += _goals(ran, labels)
+        lines += _goals(ran, labels, vllm=engine == "vllm")
     return "\n".join(lines)
 
 
 def _shape_line(shape: dict[str, Any], replicas: int) -> str:
     """Engine: what the replicas of a workload are, and its working set against their KV."""
-    argv = " ".join(shape["emulator_args"])
+    argv = " ".join(shape.get("emulator_args") or shape.get("engine_args") or ())
     line = f"Engine: {shape['engine']}" + (f" (`{argv}`)" if argv else "")
     kv = shape.get("kv_tokens_per_replica")
     if kv:
         line += f"; KV for {kv:,} tokens a replica, {kv * replicas:,} in the fleet"
         work = shape.get("working_set_tokens")
         if work is not None:
-            line += (
-                f"; the {shape['documents_asked']} documents asked about hold {work:,} tokens, "
-                f"{work / kv:.2f}× one replica's KV and {work / (kv * replicas):.2f}× the fleet's"
+            held = (
+                f"the {shape['documents_asked']} documents asked about hold {work:,} tokens"
+                if "documents_asked" in shape
+                else f"the {shape['sessions']} conversations of a run end holding about {work:,} tokens "
+                "(shared system prompts once)"
             )
+            line += f"; {held}, {work / kv:.2f}× one replica's KV and {work / (kv * replicas):.2f}× the fleet's"
     return line + "."
 
 
@@ -970,26 +1383,38 @@ def _needed(found: dict[str, Any] | None, replicas: int) -> str:
     return str(found["needed"])
 
 
-def _goals(table: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
-    """`full` (router-serve as shipped) against each other contender: ratios of the medians above."""
+def _goals(table: dict[str, dict[str, Any]], labels: dict[str, str], vllm: bool = False) -> list[str]:
+    """`full` (router-serve as shipped) against each other contender: ratios of the medians above
+    (on vLLM: of the engines' hit rates, and of later turns' TTFT P50 and P99 too)."""
     full = table.get("full")
     if not full:
         return []
+    hit = "engine_kv_hit_rate" if vllm else "kv_hit_rate"
+
+    def ratio(a: float, b: float) -> str:
+        return _num(a / b, 2) + "×" if b > 0 else "n/a"
+
     out = [
         "| as shipped (full) against | KV hit, full ÷ other | multi-turn mean, full vs other "
-        "| multi-turn P99, other ÷ full | load CV, full / other |",
-        "|---|---:|---:|---:|---:|",
+        "| multi-turn P99, other ÷ full | load CV, full / other |"
+        + (" later-turn TTFT P50, other ÷ full | later-turn TTFT P99, other ÷ full |" if vllm else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if vllm else ""),
     ]
     for name, f in table.items():
         if name == "full":
             continue
-        hit = full["kv_hit_rate"] / f["kv_hit_rate"] if f["kv_hit_rate"] > 0 else math.nan
         mean = full["multi_turn_mean_s"] / f["multi_turn_mean_s"] - 1 if f["multi_turn_mean_s"] > 0 else math.nan
-        p99 = f["multi_turn_p99_s"] / full["multi_turn_p99_s"] if full["multi_turn_p99_s"] > 0 else math.nan
-        out.append(
-            f"| {labels[name]} | {_num(hit, 2)}× | {'n/a' if math.isnan(mean) else f'{mean:+.0%}'} "
-            f"| {_num(p99, 2)}× | {_num(full['load_cv'])} / {_num(f['load_cv'])} |"
+        row = (
+            f"| {labels[name]} | {ratio(full[hit], f[hit])} | {'n/a' if math.isnan(mean) else f'{mean:+.0%}'} "
+            f"| {ratio(f['multi_turn_p99_s'], full['multi_turn_p99_s'])} "
+            f"| {_num(full['load_cv'])} / {_num(f['load_cv'])} |"
         )
+        if vllm:
+            row += (
+                f" {ratio(f['ttft_later_p50_s'], full['ttft_later_p50_s'])} "
+                f"| {ratio(f['ttft_later_p99_s'], full['ttft_later_p99_s'])} |"
+            )
+        out.append(row)
     return [*out, ""]
 
 
@@ -1009,6 +1434,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str] | None:
     tables = {w: t for w, t in tables.items() if t}
     if not tables:
         return written
+    hit = ("engine_kv_hit_rate", "KV hit rate, engines' counters (%)") if result.get("engine") == "vllm" else None
     fig, axes = plt.subplots(len(tables), 2, figsize=(12, 3.2 * len(tables)), squeeze=False)
     for row, (workload, table) in enumerate(tables.items()):
         names = list(table)
@@ -1016,7 +1442,10 @@ def write_plots(result: dict[str, Any], out: Path) -> list[str] | None:
             "#c0392b" if n == "full" else "#7f8c8d" if n in ("round-robin", "oracle") else "#2980b9" for n in names
         ]
         for col, (key, title, scale) in enumerate(
-            (("kv_hit_rate", "KV hit rate (%)", 100.0), ("multi_turn_p99_s", "multi-turn P99 (engine s)", 1.0))
+            (
+                (*(hit or ("kv_hit_rate", "KV hit rate (%)")), 100.0),
+                ("multi_turn_p99_s", "multi-turn P99 (engine s)", 1.0),
+            )
         ):
             ax = axes[row][col]
             ax.barh([labels[n] for n in names], [table[n][key] * scale for n in names], color=colours)
@@ -1079,10 +1508,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--replicas", type=int, default=20, help="replicas (default 20)")
     p.add_argument(
         "--engine",
-        choices=("emulator", "llama-server"),
+        choices=ENGINES,
         default="emulator",
-        help="what the replicas are: router-emulator (default), or real llama.cpp llama-server processes "
-        "(scripts/build-llama-server.sh; a random-weight model; real time)",
+        help="what the replicas are: router-emulator (default), real llama.cpp llama-server processes "
+        "(scripts/build-llama-server.sh), or real vLLM servers, its CPU build (scripts/build-vllm.sh); "
+        "the real engines serve a random-weight model, in real time",
     )
     p.add_argument("--slots", type=int, default=2, help="llama-server: slots (requests run at once) each (default 2)")
     p.add_argument(
@@ -1096,11 +1526,36 @@ def add_parser(sub: Any) -> None:
         help="extra llama-server argument, one word each (it takes no --flag=value): "
         "--llama-arg=--cache-ram --llama-arg=64; repeatable",
     )
+    p.add_argument("--max-num-seqs", type=int, default=8, help="vllm: requests each replica runs at once (default 8)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=256,
+        help=f"vllm: KV blocks of {VLLM_BLOCK} tokens each replica holds (default 256: 8,192 tokens); "
+        f"the longest request it takes (--max-model-len) is one block less, at most {VLLM_CONTEXT:,} tokens",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra vLLM server argument, one word each: --vllm-arg=--max-num-batched-tokens --vllm-arg=1024; "
+        "repeatable",
+    )
+    p.add_argument(
+        "--prompt-scale",
+        type=float,
+        default=None,
+        metavar="F",
+        help="sessions: system prompts, opening and user messages F times their default length "
+        f"(default 1; {VLLM_PROMPT_SCALE:g} with --engine vllm, whose tokenizer counts about 3.8 tokens in the "
+        "4 characters of an emulator token)",
+    )
     p.add_argument(
         "--contenders",
         default=None,
         metavar="A,B,...",
-        help=f"which to run, in order (default: all installed of {', '.join(CONTENDERS)})",
+        help=f"which to run, in order (default: those installed that run with --engine, of {', '.join(CONTENDERS)})",
     )
     p.add_argument(
         "--workloads",
@@ -1111,10 +1566,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--rate",
-        default="4,16",
+        default=None,
         metavar="R[,R...]",
         help="sessions, sessions-keyless: new sessions per engine second; each rate is a workload, sessions@R "
-        "(default 4,16)",
+        f"(default 4,16; {VLLM_RATE} with --engine vllm)",
     )
     p.add_argument("--turns", default="3-8", metavar="MIN-MAX", help="sessions: turns per session (default 3-8)")
     p.add_argument("--think", type=float, default=8.0, help="sessions, longdoc: mean think time, engine s (default 8)")
@@ -1139,7 +1594,7 @@ def add_parser(sub: Any) -> None:
         "--time-scale",
         type=float,
         default=None,
-        help="engine seconds per wall second (default 2; llama-server runs in real time: 1)",
+        help="engine seconds per wall second (default 2; the real engines run in real time: 1)",
     )
     p.add_argument(
         "--stream-interval", type=int, default=4, help="tokens per streamed chunk after the first (default 4)"
@@ -1196,22 +1651,45 @@ def _names(text: str, what: str) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Validate and normalise; ValueError with a readable message."""
     args.llama_model = None  # written once for the run, by the first llama fleet
-    if args.engine == "llama-server":
+    args.vllm_replicas = None  # started by the first vLLM fleet, kept until the end (run_cli stops them)
+    if args.engine != "emulator":
         if args.time_scale not in (None, 1.0):
-            raise ValueError("--engine llama-server runs in real time: --time-scale must be 1 (or left out)")
+            raise ValueError(f"--engine {args.engine} runs in real time: --time-scale must be 1 (or left out)")
         if args.emulator_arg:
             raise ValueError("--emulator-arg is for --engine emulator")
+        args.time_scale = 1.0
+    if args.engine == "llama-server":
         if not (1 <= args.slots <= 64 and 256 <= args.slot_context <= 131072):
             raise ValueError("need 1 <= --slots <= 64 and 256 <= --slot-context <= 131072")
         try:
             find_binary()
         except NotBuilt as exc:
             raise ValueError(str(exc)) from None
-        args.time_scale = 1.0
     elif args.llama_arg:
         raise ValueError("--llama-arg is for --engine llama-server")
+    if args.engine == "vllm":
+        if not (1 <= args.max_num_seqs <= 256 and 17 <= args.kv_blocks <= 1_000_000):
+            raise ValueError("need 1 <= --max-num-seqs <= 256 and 17 <= --kv-blocks (a 512-token context)")
+        try:
+            find_vllm()
+        except VllmNotBuilt as exc:
+            raise ValueError(str(exc)) from None
+        args.vllm_replicas = VllmReplicas(
+            kv_blocks=args.kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=min(VLLM_CONTEXT, (args.kv_blocks - 1) * VLLM_BLOCK),  # vLLM refuses a longer one
+            extra=tuple(args.vllm_arg),
+        )
+    elif args.vllm_arg:
+        raise ValueError("--vllm-arg is for --engine vllm")
     if args.time_scale is None:
         args.time_scale = 2.0
+    if args.rate is None:
+        args.rate = VLLM_RATE if args.engine == "vllm" else "4,16"
+    if args.prompt_scale is None:
+        args.prompt_scale = VLLM_PROMPT_SCALE if args.engine == "vllm" else 1.0
+    if not (math.isfinite(args.prompt_scale) and 0 < args.prompt_scale <= 10):
+        raise ValueError("--prompt-scale must be a number above 0, at most 10")
     for name in ("think", "duration", "doc_rate", "trace_window", "trace_speedup", "time_scale", "sample_s"):
         value = getattr(args, name)
         if not (math.isfinite(value) and (value >= 0 if name == "think" else value > 0)):
@@ -1225,10 +1703,18 @@ def check_args(args: argparse.Namespace) -> None:
     args.doc_tokens_range = _range(args.doc_tokens, "--doc-tokens")
     if not 1 <= args.docs <= 10000:
         raise ValueError("need 1 <= --docs <= 10000")
-    names = _names(args.contenders, "--contenders") if args.contenders else [n for n in CONTENDERS if available(n)]
+    names = (
+        _names(args.contenders, "--contenders")
+        if args.contenders
+        else [n for n, c in CONTENDERS.items() if available(n) and args.engine in c.engines]
+    )
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
         raise ValueError(f"unknown contender {unknown[0]!r}; choose from {', '.join(CONTENDERS)}")
+    elsewhere = [n for n in names if args.engine not in CONTENDERS[n].engines]
+    if elsewhere:
+        c = CONTENDERS[elsewhere[0]]
+        raise ValueError(f"contender {c.name!r} runs with --engine {' or '.join(c.engines)} only")
     missing = [n for n in names if not available(n)]
     if missing:
         raise ValueError(f"contender {missing[0]!r} is not installed (pip install '.[bench]')")
@@ -1252,6 +1738,8 @@ def check_args(args: argparse.Namespace) -> None:
         kind = Workload.parse(w).kind  # ValueError if unknown
         if kind == "longdoc" and args.engine != "emulator":
             raise ValueError(f"workload {w} needs --engine emulator (its engine shape is an emulator's)")
+        if kind == "trace" and args.engine == "vllm":
+            raise ValueError(f"workload {w}: its prompts outgrow the context of --engine vllm's tiny model")
         if kind == "trace":
             if not args.trace_dir:
                 raise ValueError(f"workload {w} needs --trace-dir")
@@ -1318,6 +1806,8 @@ def run_cli(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if args.llama_model is not None:
             shutil.rmtree(args.llama_model.parent, ignore_errors=True)
+        if args.vllm_replicas is not None:
+            args.vllm_replicas.stop()
     if not result["complete"]:
         make_tables(result)
     (out / "fleet.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))

@@ -91,6 +91,9 @@ class ReplayOptions:
     longdoc: LongDocSpec | None = None
     key_headers: tuple[str, ...] = ("X-Session-ID",)  # headers that carry the session id
     session_keys: bool = True  # False: no key header and no `user` field at all (keyless workloads)
+    # fields every request body gets besides the workload's (`router-bench fleet --engine vllm`:
+    # ignore_eos, so that a random model's replies are max_tokens long for every target)
+    body_fields: tuple[tuple[str, Any], ...] = ()
 
 
 class Replayer:
@@ -219,6 +222,7 @@ class Replayer:
         if self.opts.model:
             body["model"] = self.opts.model
         body.update(extra)
+        body.update(self.opts.body_fields)
         if self.opts.output_tokens is not None:
             body["max_tokens"] = min(body.get("max_tokens", self.opts.output_tokens), self.opts.output_tokens)
         return body
