@@ -118,27 +118,68 @@ class SseFramer:
         return rest
 
 
-# the events of a Responses stream the router reads; every other event passes unread
-_RESPONSE_EVENTS = (b"response.created", b"response.completed", b"response.incomplete", b"response.failed")
+class NamedEvents:
+    """A stream of named events (`event: NAME`, then `data:`), cut into whole events and forwarded
+    byte for byte, without `[DONE]`: the events whose bytes hold one of `READ` are parsed and handed
+    to `_on`; every other event passes unread. The router never asks such streams for usage (they
+    carry their own), so nothing is hidden."""
+
+    __slots__ = ("_events", "done", "strip_usage", "usage")
+    READ: tuple[bytes, ...] = ()
+
+    def __init__(self) -> None:
+        self._events = EventCutter()
+        self.strip_usage = False
+        self.usage: tuple[int, int, int] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        complete = self._events.take(chunk)
+        if complete and any(name in complete for name in self.READ):
+            for m in EVENT.finditer(complete):
+                self._read(m.group(1))
+        return complete
+
+    def _read(self, event: bytes) -> None:
+        if not any(name in event for name in self.READ):
+            return
+        data = b"\n".join(m.group(1) for m in DATA_LINE.finditer(event.replace(b"\r\n", b"\n").replace(b"\r", b"\n")))
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict):
+            self._on(obj)
+
+    def _on(self, event: dict[str, Any]) -> None:
+        """Read one parsed event named in READ."""
+
+    def release(self) -> bytes:
+        return b""
+
+    def pending(self) -> bytes:
+        rest = self._events.rest()
+        if rest.strip():
+            self._read(rest)  # a last event without its blank line
+        return rest
+
+
 _TERMINAL = frozenset(("response.completed", "response.incomplete", "response.failed"))
 _SEQUENCE = re.compile(rb'"sequence_number": ?(\d+)')
 
 
-class ResponsesFramer:
-    """A Responses API stream (`event: response.*`), cut into whole events and forwarded byte for
-    byte: the router reads the response's id from `response.created`, its usage from the final
-    event, and knows the stream is whole at `response.completed` (or `incomplete`, `failed`):
-    these streams end without `[DONE]`. The router never asks them for usage, so nothing is hidden."""
+class ResponsesFramer(NamedEvents):
+    """A Responses API stream (`event: response.*`): the router reads the response's id from
+    `response.created`, its usage from the final event, and knows the stream is whole at
+    `response.completed` (or `incomplete`, `failed`)."""
 
-    __slots__ = ("_events", "_last", "done", "response_id", "strip_usage", "usage")
+    __slots__ = ("_last", "response_id")
+    READ = (b"response.created", b"response.completed", b"response.incomplete", b"response.failed")
 
     def __init__(self) -> None:
-        self._events = EventCutter()
+        super().__init__()
         self._last = b""  # the latest whole events forwarded: where the stream's numbering stands
-        self.strip_usage = False
-        self.usage: tuple[int, int, int] | None = None
         self.response_id: str | None = None
-        self.done = False
 
     def next_sequence(self) -> int:
         """The `sequence_number` an event added after those forwarded would carry."""
@@ -146,25 +187,16 @@ class ResponsesFramer:
         return int(found[-1]) + 1 if found else 0
 
     def feed(self, chunk: bytes) -> bytes:
-        complete = self._events.take(chunk)
+        complete = super().feed(chunk)
         if complete:
             self._last = complete
-        if any(name in complete for name in _RESPONSE_EVENTS):
-            for m in EVENT.finditer(complete):
-                self._read(m.group(1))
         return complete
 
-    def _read(self, event: bytes) -> None:
-        if not any(name in event for name in _RESPONSE_EVENTS):
+    def _on(self, event: dict[str, Any]) -> None:
+        response = event.get("response")
+        if not isinstance(response, dict):
             return
-        data = b"\n".join(m.group(1) for m in DATA_LINE.finditer(event.replace(b"\r\n", b"\n").replace(b"\r", b"\n")))
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(obj, dict) or not isinstance(obj.get("response"), dict):
-            return
-        kind, response = obj.get("type"), obj["response"]
+        kind = event.get("type")
         if kind == "response.created" and isinstance(response.get("id"), str):
             self.response_id = response["id"]
         elif kind in _TERMINAL:
@@ -173,70 +205,32 @@ class ResponsesFramer:
                 self.response_id = self.response_id or response["id"]
             self.usage = usage_of(response) or self.usage
 
-    def release(self) -> bytes:
-        return b""
 
-    def pending(self) -> bytes:
-        rest = self._events.rest()
-        if rest.strip():
-            self._read(rest)  # a last event without its blank line
-        return rest
-
-
-# the events of an Anthropic Messages stream the router reads; every other event passes unread
-_MESSAGE_EVENTS = (b"message_start", b"message_delta", b"message_stop", b"event: error")
 _USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
-class MessagesFramer:
+class MessagesFramer(NamedEvents):
     """An Anthropic Messages stream (`event: message_start`, `content_block_*`, `message_delta`,
-    `message_stop`), cut into whole events and forwarded byte for byte. Its usage comes in parts:
-    `message_start` carries the prompt's (vLLM sends the whole prompt there; Anthropic, what it
-    computed and what it read from cache), `message_delta` the final figures (vLLM adds the cache
-    split there); the latest value of each field counts. The stream is whole at `message_stop`, or
-    at an `error` event (the API's way to end a stream that failed); these streams carry no `[DONE]`."""
+    `message_stop`). Its usage comes in parts: `message_start` carries the prompt's (vLLM sends the
+    whole prompt there; Anthropic, what it computed and what it read from cache), `message_delta`
+    the final figures (vLLM adds the cache split there); the latest value of each field counts. The
+    stream is whole at `message_stop`, or at an `error` event (the API's way to end a stream that
+    failed)."""
 
-    __slots__ = ("_events", "_usage", "done", "strip_usage", "usage")
+    __slots__ = ("_usage",)
+    READ = (b"message_start", b"message_delta", b"message_stop", b"event: error")
 
     def __init__(self) -> None:
-        self._events = EventCutter()
+        super().__init__()
         self._usage: dict[str, Any] = {}
-        self.strip_usage = False  # these streams always report usage: the router never asks
-        self.usage: tuple[int, int, int] | None = None
-        self.done = False
 
-    def feed(self, chunk: bytes) -> bytes:
-        complete = self._events.take(chunk)
-        if any(name in complete for name in _MESSAGE_EVENTS):
-            for m in EVENT.finditer(complete):
-                self._read(m.group(1))
-        return complete
-
-    def _read(self, event: bytes) -> None:
-        if not any(name in event for name in _MESSAGE_EVENTS):
-            return
-        data = b"\n".join(m.group(1) for m in DATA_LINE.finditer(event.replace(b"\r\n", b"\n").replace(b"\r", b"\n")))
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(obj, dict):
-            return
-        kind = obj.get("type")
+    def _on(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
         if kind in ("message_stop", "error"):
             self.done = True
             return
-        holder = obj.get("message") if kind == "message_start" else obj
+        holder = event.get("message") if kind == "message_start" else event
         usage = holder.get("usage") if isinstance(holder, dict) else None
         if isinstance(usage, dict):
             self._usage.update((k, usage[k]) for k in _USAGE_FIELDS if usage.get(k) is not None)
             self.usage = usage_of({"usage": self._usage}) or self.usage
-
-    def release(self) -> bytes:
-        return b""
-
-    def pending(self) -> bytes:
-        rest = self._events.rest()
-        if rest.strip():
-            self._read(rest)  # a last event without its blank line
-        return rest
