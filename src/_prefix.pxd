@@ -68,6 +68,8 @@ ctypedef struct prefix_fleet_t:  # one decision's view of the fleet: n positions
     const uint8_t* excluded      # nonzero: not a candidate
     const double* recent         # requests recently sent there, in a shared decay frame (times
                                  # recent_scale: the value now); NULL: no spread term
+    const double* known          # tokens of the prompt position i is known to hold (its engine's
+                                 # KV events), < 0: ask the index; NULL: ask it everywhere
 
 
 ctypedef struct prefix_request_t:  # the prompt's side of the decision

@@ -80,7 +80,7 @@ cdef enum:
     _MAX_CHAIN = 0x7FFFFFFF      # matches are int32
     _AHEAD = 16                  # insert prefetches the blocks this far down the chain
     _STACK_PARTS = 16            # chain_of_parts keeps this many pieces' spans on the stack
-    _PRICE_BUFFERS = 14          # price's buffer arguments
+    _PRICE_BUFFERS = 15          # price's buffer arguments
 
 cdef array.array _UINT64 = _array.array("Q")
 cdef bint _LITTLE = sys.byteorder == "little"
@@ -620,7 +620,8 @@ cdef class PrefixIndex:
     def price(self, chain, holders, busy_until, seconds_per_token, loads, waiting, caps, excluded,
               now, decode_s, mean_uncached, block_tokens, total_tokens, last, history_blocks, tie_s,
               tie_share, cached_out, wait_out, cost_out, flags_out, recent=None, recent_scale=1.0,
-              spread_tokens=0.0, spread_out=None, interference=0.0, history_from_all=False, home_share=-1.0):
+              spread_tokens=0.0, spread_out=None, interference=0.0, history_from_all=False, home_share=-1.0,
+              known=None):
         """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
         Per position i: holders[i] (int32, -1: holds nothing yet), busy_until[i],
@@ -634,6 +635,8 @@ cdef class PrefixIndex:
                        (with history_from_all and last >= 0, history_blocks is first raised to
                        the most any position's holder keeps, excluded positions included)
             cached   = min(blocks * block_tokens, total_tokens); uncached = total_tokens - cached
+                       (with `known` given and known[i] >= 0: min(known[i], total_tokens), the
+                       tokens its engine's KV events say it holds: no match, no history credit)
             wait     = max(0, busy_until[i] - now) + loads[i] * decode_s
                        + (waiting[i] - loads[i]) * mean_uncached * spt   when waiting[i] > loads[i]
             excess   = (r[i] - mean) / (mean + SPREAD_SMOOTH)
@@ -704,6 +707,8 @@ cdef class PrefixIndex:
                 raise TypeError(f"history_from_all must be a bool, not {type(history_from_all).__name__}")
             request.history_from_all = history_from_all
             request.home_share = _float_arg("home_share", home_share)
+            if known is not None:
+                _arg_buffer(known, &views[14], "known", _FLOAT64, n, 14, &in_place, &taken)
             # from here on no Python code runs until the loop is done
             fleet.n = n
             fleet.holders = <const int32_t*>_items(holders, &views[1], in_place & (1 << 1), n, "holders")
@@ -721,6 +726,9 @@ cdef class PrefixIndex:
             fleet.recent = NULL
             if recent is not None:
                 fleet.recent = <const double*>_items(recent, &views[12], in_place & (1 << 12), n, "recent")
+            fleet.known = NULL
+            if known is not None:
+                fleet.known = <const double*>_items(known, &views[14], in_place & (1 << 14), n, "known")
             costs.spread = NULL
             if spread_out is not None:
                 costs.spread = <double*>_items(spread_out, &views[13], in_place & (1 << 13), n, "spread_out")
@@ -939,11 +947,14 @@ cdef class PrefixIndex:
             if fleet.excluded[i]:
                 continue
             h = fleet.holders[i]
-            matched = self.c_match(h, chain, n_chain) if h >= 0 else 0
-            blocks = matched if matched > 0 else 0
-            if i == request.last and history > blocks:
-                blocks = history
-            cached = <double>blocks * request.block_tokens
+            if fleet.known != NULL and fleet.known[i] >= 0.0:
+                cached = fleet.known[i]  # what its engine says it holds: no model, no history credit
+            else:
+                matched = self.c_match(h, chain, n_chain) if h >= 0 else 0
+                blocks = matched if matched > 0 else 0
+                if i == request.last and history > blocks:
+                    blocks = history
+                cached = <double>blocks * request.block_tokens
             if request.total_tokens < cached:
                 cached = request.total_tokens
             uncached = request.total_tokens - cached

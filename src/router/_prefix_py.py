@@ -366,6 +366,7 @@ class PrefixIndex:
         interference: float = 0.0,
         history_from_all: bool = False,
         home_share: float = -1.0,
+        known: Buffer | None = None,
     ) -> tuple[int, int, int]:
         """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
@@ -380,6 +381,8 @@ class PrefixIndex:
                        (with history_from_all and last >= 0, history_blocks is first raised to
                        the most any position's holder keeps, excluded positions included)
             cached   = min(blocks * block_tokens, total_tokens); uncached = total_tokens - cached
+                       (with `known` given and known[i] >= 0: min(known[i], total_tokens), the
+                       tokens its engine's KV events say it holds: no match, no history credit)
             wait     = max(0, busy_until[i] - now) + loads[i] * decode_s
                        + (waiting[i] - loads[i]) * mean_uncached * spt   when waiting[i] > loads[i]
             excess   = (r[i] - mean) / (mean + SPREAD_SMOOTH)
@@ -435,6 +438,7 @@ class PrefixIndex:
         if not isinstance(history_from_all, bool):
             raise TypeError(f"history_from_all must be a bool, not {type(history_from_all).__name__}")
         home_share = _float_arg("home_share", home_share)
+        told = None if known is None else _fleet_buffer(known, "known", _FLOAT64, n)
         lru = self._lru
         for i in range(n):
             h = hs[i]
@@ -465,11 +469,14 @@ class PrefixIndex:
             if skip[i]:
                 continue
             h = hs[i]
-            held = lru[h] if h >= 0 else None
-            blocks = 0 if held is None else _match(held, keys)
-            if i == last and history_blocks > blocks:
-                blocks = history_blocks
-            cached = float(blocks) * block_tokens
+            if told is not None and told[i] >= 0.0:
+                cached = told[i]  # what its engine says it holds: no model, no history credit
+            else:
+                held = lru[h] if h >= 0 else None
+                blocks = 0 if held is None else _match(held, keys)
+                if i == last and history_blocks > blocks:
+                    blocks = history_blocks
+                cached = float(blocks) * block_tokens
             if total_tokens < cached:
                 cached = total_tokens
             uncached = total_tokens - cached

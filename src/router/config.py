@@ -55,6 +55,16 @@ class RouterConfig:
     prefix_block_bytes: int = 64  # the prefix index's block: 64 bytes of prompt, about 16 tokens
     # REPLICA_ID=TOKENS (or *=TOKENS): KV-cache size where the engine does not say (vLLM and SGLang do)
     kv_capacity_tokens: tuple[str, ...] = ()
+    # KV-cache events (router.kvfeed): a replica that publishes them (found through its
+    # /kv_event_sources, or named here) is priced by what its engine says it holds
+    kv_events: bool = True
+    # REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT: where a replica publishes, where its
+    # /kv_event_sources does not say (SGLang, an engine behind a proxy)
+    kv_event_endpoints: tuple[str, ...] = ()
+    # MODEL=DIR (or *=DIR): a model's tokenizer.json and chat template; else the engine's render endpoint
+    tokenizer_dirs: tuple[str, ...] = ()
+    token_check_share: float = 0.01  # share of requests tokenized here whose tokens the engine's render checks
+    kv_tier_tokens_per_s: float = 200_000.0  # tokens a second a second KV tier (CPU offloading) loads back
     prefill_tokens_per_s: float = 10_000.0  # a replica's prefill speed until its answers show it
     ttft_decode_s: float = 0.002  # time to first token added by each request in flight there
     # the prefill's own time counts once more for each request in flight there (each is delayed by it)
@@ -356,6 +366,18 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     except ValueError as exc:
         raise bad("kv_capacity_tokens", str(exc)) from None
     try:
+        event_endpoints(cfg)
+    except ValueError as exc:
+        raise bad("kv_event_endpoints", str(exc)) from None
+    try:
+        tokenizer_dirs(cfg)
+    except ValueError as exc:
+        raise bad("tokenizer_dirs", str(exc)) from None
+    if not (math.isfinite(cfg.token_check_share) and 0 <= cfg.token_check_share <= 1):
+        raise bad("token_check_share", "must be a share in 0..1")
+    if not (math.isfinite(cfg.kv_tier_tokens_per_s) and cfg.kv_tier_tokens_per_s > 0):
+        raise bad("kv_tier_tokens_per_s", "must be a positive number of tokens a second")
+    try:
         pinned_models(cfg)
     except ValueError as exc:
         raise bad("replica_models", str(exc)) from None
@@ -412,6 +434,39 @@ def replica_capacities(cfg: RouterConfig) -> dict[str, int]:
 def kv_capacities(cfg: RouterConfig) -> dict[str, int]:
     """`kv_capacity_tokens` as {replica id or "*": tokens its KV cache holds}."""
     return _per_replica(cfg.kv_capacity_tokens)
+
+
+def event_endpoints(cfg: RouterConfig) -> dict[str, tuple[str, str | None]]:
+    """`kv_event_endpoints` as {replica id: (its PUB endpoint, its replay endpoint or None)}."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for entry in cfg.kv_event_endpoints:
+        rid, sep, rest = entry.partition("=")
+        rid = rid.strip()
+        pub, _, replay = rest.partition(";")
+        pub, replay = pub.strip(), replay.strip()
+        if not sep or not rid or not pub:
+            raise ValueError(f"{entry!r} is not REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT")
+        for endpoint in (pub, replay) if replay else (pub,):
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{entry!r}: {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+        if rid in out:
+            raise ValueError(f"{entry!r}: replica {rid!r} is named twice")
+        out[rid] = (pub, replay or None)
+    return out
+
+
+def tokenizer_dirs(cfg: RouterConfig) -> dict[str, str]:
+    """`tokenizer_dirs` as {model or "*": the folder of its tokenizer.json and chat template}."""
+    out: dict[str, str] = {}
+    for entry in cfg.tokenizer_dirs:
+        model, sep, folder = entry.partition("=")
+        model, folder = model.strip(), folder.strip()
+        if not sep or not model or not folder:
+            raise ValueError(f"{entry!r} is not MODEL=DIR (or *=DIR)")
+        if model in out:
+            raise ValueError(f"{entry!r}: model {model!r} is named twice")
+        out[model] = folder
+    return out
 
 
 def pinned_models(cfg: RouterConfig) -> dict[str, frozenset[str]]:

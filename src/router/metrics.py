@@ -22,6 +22,18 @@ from router.health.states import STATES
 
 INPUTS = tuple(f.name for f in dataclasses.fields(HealthInputs))
 
+# predicted minus reported cached tokens: exact in (-0.5, 0.5], then by powers of 4, either way
+ERROR_BUCKETS = (
+    *(-float(4**k) for k in range(8, 0, -1)),
+    -1.5,
+    -0.5,
+    0.5,
+    1.5,
+    *(float(4**k) for k in range(1, 9)),
+)
+TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5)
+BUCKETS = {"router_prefix_prediction_error_tokens": ERROR_BUCKETS, "router_tokenize_seconds": TOKENIZE_BUCKETS}
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 # name: (kind, help, labels)
@@ -49,6 +61,37 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "counter",
         "Prompt tokens of the requests the ttft policy predicted a cached prefix for and whose answer reported "
         "usage (the denominator of the predicted and the reported hit rate).",
+        ("replica",),
+    ),
+    "router_prefix_prediction_error_tokens": (
+        "histogram",
+        "Per answer that reported usage, the cached prompt tokens the ttft decision counted on at the replica "
+        "that answered minus those it reported, by where the prediction came from: events (its engine's "
+        "KV-cache events) or model (the router's record of what it sent). Exact predictions fall in the "
+        "bucket (-0.5, 0.5].",
+        ("source",),
+    ),
+    "router_tokenize_seconds": (
+        "histogram",
+        "Time to cut a request into its engine's tokens for the event-fed index, by source: tokenizer (the "
+        "model's own, in the router) or render (a round trip to the engine's /v1/*/render endpoint).",
+        ("source",),
+    ),
+    "router_token_checks": (
+        "counter",
+        "The router's tokens of a request checked against its engine's render endpoint, by model and result: "
+        "match, mismatch (the tokenizer or template the router was given is not the engine's) or error.",
+        ("model", "result"),
+    ),
+    "router_kv_event_blocks": (
+        "gauge",
+        "Blocks each replica's engine holds, as its KV-cache events say, by medium (GPU, CPU, ...).",
+        ("replica", "medium"),
+    ),
+    "router_kv_events_believed": (
+        "gauge",
+        "1 while a replica's KV-cache events are followed without a gap (it is priced by them), 0 while they "
+        "are not believed (a gap replay could not fill, a health outage: it is priced by the router's model).",
         ("replica",),
     ),
     "router_prefix_predicted_tokens": (
@@ -238,7 +281,8 @@ class RouterMetrics:
                 else:
                     made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livemostrecent")
             else:
-                made[name] = Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+                buckets = BUCKETS.get(name, LATENCY_BUCKETS)
+                made[name] = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
         return made
 
     def _init(self, made: dict[str, Any]) -> None:
@@ -251,6 +295,11 @@ class RouterMetrics:
         self.followups = made["router_session_followups"]
         self.prefix_prompt_tokens = made["router_prefix_prompt_tokens"]
         self.prefix_predicted_tokens = made["router_prefix_predicted_tokens"]
+        self.prefix_prediction_error = made["router_prefix_prediction_error_tokens"]
+        self.tokenize_seconds = made["router_tokenize_seconds"]
+        self.token_checks = made["router_token_checks"]
+        self.kv_event_blocks = made["router_kv_event_blocks"]
+        self.kv_events_believed = made["router_kv_events_believed"]
         self.prefix_reported_tokens = made["router_prefix_reported_tokens"]
         self.prefix_error_tokens = made["router_prefix_error_tokens"]
         self.prefix_index_blocks = made["router_prefix_index_blocks"]
@@ -291,8 +340,10 @@ class RouterMetrics:
             self.state_changes,
             self.replica_load,
             self.prefix_index_blocks,
+            self.kv_events_believed,
         )
-        gauges_ids = {id(g) for g in (*gauges, self.state, self.health_input)}
+        gauges_ids = {id(g) for g in (*gauges, self.state, self.health_input, self.kv_event_blocks)}
+        media = [k[2] for k in self._children if k[0] == id(self.kv_event_blocks) and k[1] == replica]
         for key in [k for k in self._children if k[0] in gauges_ids and len(k) > 1 and k[1] == replica]:
             del self._children[key]  # a replica re-added under this id gets live children again
         if self.in_files:
@@ -306,6 +357,9 @@ class RouterMetrics:
         for name in INPUTS:
             with contextlib.suppress(KeyError):
                 self.health_input.remove(replica, name)
+        for medium in media:
+            with contextlib.suppress(KeyError):
+                self.kv_event_blocks.remove(replica, medium)
 
     def show_health(self, replica: str, state: str, inputs: HealthInputs | None) -> None:
         """Set a replica's state and score-input gauges (at scrape time)."""

@@ -37,6 +37,7 @@ from router.discovery import Discovery
 from router.fleet import Fleet
 from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
+from router.kvfeed import Feed
 from router.membership import Membership
 from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
 from router.policy import make_policy
@@ -194,6 +195,10 @@ class Node:
             )
             self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
         self.multiprocess_metrics = multiprocess_registry(fleet) if worker is not None else None
+        # ttft: the engines' KV-cache events, read by every process that routes (each subscribes)
+        self.feed: Feed | None = None
+        if placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
+            self.feed = Feed(fleet, placement, config, lambda: self.http, self.metrics)
 
     def state_line(self) -> str:
         """Where the routing state lives, for the start-up banner."""
@@ -284,9 +289,13 @@ class Node:
             contexts.append(self._follower_ctx)
             if self.placements is not None:
                 contexts.append(self._placements_ctx)
+            if self.feed is not None:
+                contexts.append(self._feed_ctx)
             return contexts
         if self.placements is not None and not control_only:
             contexts.append(self._placements_ctx)
+        if self.feed is not None and not control_only:
+            contexts.append(self._feed_ctx)
         if self.config.health_checks:
             contexts.append(self._monitor_ctx)
         contexts.append(self._balance_ctx)
@@ -373,6 +382,13 @@ class Node:
         yield
         await self._run(task)
         await self.placements.close()
+
+    async def _feed_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.feed is not None
+        task = asyncio.create_task(self.feed.run(), name="kv events")
+        yield
+        await self._run(task)
+        await self.feed.close()
 
     async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.discovery is not None

@@ -84,6 +84,7 @@ import orjson
 
 from router.config import RouterConfig, kv_capacities
 from router.fleet import Fleet, ReplicaState
+from router.kvevents.truth import Truth
 from router.prefix import PRICE_GATED, PRICE_NEAR, PrefixIndex
 from router.prompt import Prompt, prompt_of
 
@@ -150,6 +151,16 @@ class Placed:
     tokens: float = 0.0  # its part of the replica's kv_tokens, until it is released
     due: float = 0.0  # when the model expected its first token (monotonic seconds)
     shift: float = 0.0  # the replica's queue corrections so far, when it was sent (Held.shift)
+    predicted: float = 0.0  # the cached tokens the decision counted on there
+    source: str = "model"  # where that came from: "events" (its engine's) or "model" (the router's)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a decision counted on at the replica that answered, to check against its usage."""
+
+    tokens: float  # cached tokens predicted
+    source: str  # "events" or "model"
 
 
 @dataclass(slots=True)
@@ -162,6 +173,7 @@ class Accuracy:
     over_tokens: float = 0.0
     under_tokens: float = 0.0
     answers: int = 0
+    exact: int = 0  # answers whose cached tokens were predicted to the token
 
 
 class Placement:
@@ -176,9 +188,14 @@ class Placement:
         self.configured = kv_capacities(config)
         self.index = PrefixIndex()
         self.held: dict[str, Held] = {}
+        # what the replicas that publish KV-cache events hold, as they say (router.kvfeed feeds it)
+        self.truth = Truth(config.kv_tier_tokens_per_s)
+        self._known = array("d")
+        self._known_used = False  # the latest price read the truth for some position
         self.bytes_per_token = BYTES_PER_TOKEN
         self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
-        self.accuracy = Accuracy()
+        self.accuracy = Accuracy()  # of the decisions that read the model
+        self.events_accuracy = Accuracy()  # ... and of those that read a replica's engine's events
         self.fleet_spt = self.default_spt  # the median of the learnt speeds: a replica's until it has its own
         # ... and of those serving the same models (a 70B's replicas prefill slower than an 8B's)
         self.model_spt: dict[frozenset[str] | None, float] = {}
@@ -241,11 +258,13 @@ class Placement:
         present = {r.id for r in self.fleet.replicas}
         for rid in [rid for rid in self.held if rid not in present]:
             self.index.remove_holder(self.held.pop(rid).holder)
+            self.truth.forget(rid)
 
     def forget(self, replica_id: str) -> None:
         held = self.held.pop(replica_id, None)
         if held is not None:
             self.index.remove_holder(held.holder)
+        self.truth.forget(replica_id)
 
     # -- a decision ------------------------------------------------------------------------------
 
@@ -332,6 +351,9 @@ class Placement:
         ref = self._frame(now)
         ratio = self.bytes_per_token
         self._total = prompt.nbytes / ratio
+        known = self._known_of(prompt, excluded) if prompt.tokens is not None and self.truth else None
+        if known is not None:
+            self._total = float(prompt.tokens.count)  # type: ignore[union-attr]
         self._candidates = excluded
         # the kernel counts a prefill's interference (it delays every request running there) and,
         # for a keyed session's replica, credits it with whatever of this prompt any replica holds
@@ -372,7 +394,42 @@ class Placement:
             interference=self.interference,
             history_from_all=last is not None,
             home_share=home_share,
+            known=known,
         )
+
+    def _known_of(self, prompt: Prompt, excluded: array[int]) -> array[float] | None:
+        """Per position, the cached tokens its engine's events say it holds (a second tier's
+        credited at its speed), -1 where they say nothing or are not believed; None when no
+        candidate's are."""
+        tokens = prompt.tokens
+        assert tokens is not None
+        truth = self.truth
+        n = len(excluded)
+        if len(self._known) != n:
+            self._known = array("d", [-1.0]) * n
+        known = self._known
+        chains: dict[int, array[int]] = {}
+        used = False
+        for i, r in enumerate(self.fleet.replicas):
+            known[i] = -1.0
+            if excluded[i] or r.id not in truth.replicas:
+                continue
+            if r.state == "removed":
+                truth.suspect(r.id)  # its health went down: the next message says whether it restarted
+                continue
+            size = r.engine.block_size
+            found = truth.held(r.id, tokens, chains, int(size) if size else None)
+            if found is not None:
+                known[i] = truth.credit(found, self._spt[i])
+                used = True
+        self._known_used = used
+        return known if used else None
+
+    def source(self, pos: int) -> str:
+        """Where the latest price's cached tokens at `pos` came from: "events" or "model"."""
+        if self._known_used and pos < len(self._known) and self._known[pos] >= 0:
+            return "events"
+        return "model"
 
     def gate(self) -> int:
         """The gate's in-flight cap (before any replica's capacity caps it): ttft_gate_c times the
@@ -437,7 +494,17 @@ class Placement:
         held.kv_tokens += tokens
         self._kv_mark(held)
         decode_s = candidate.wait_s - (start - now)
-        return Placed(held, blocks, wait_tokens, decode_s, tokens, done + max(decode_s, 0.0), held.shift)
+        return Placed(
+            held,
+            blocks,
+            wait_tokens,
+            decode_s,
+            tokens,
+            done + max(decode_s, 0.0),
+            held.shift,
+            candidate.cached_tokens,
+            self.source(candidate.index),
+        )
 
     def failed(self, replica: ReplicaState, prompt: Prompt, placed: Placed) -> None:
         """The attempt `placed` on `replica` failed before its first byte: it computed nothing of
@@ -523,12 +590,12 @@ class Placement:
         completion_tokens: int = 0,
         reply_s: float | None = None,
         first_token_at: float | None = None,
-    ) -> float | None:
+    ) -> Prediction | None:
         """`replica` answered `prompt`: it holds the prompt's blocks now; what it reported (tokens,
         cached tokens, time to first token when streamed; the reply's tokens and the seconds from
         its first to its last; when its first token came, on the placement's clock) corrects the
-        model. Returns the cached tokens that were predicted, when the answer reported usage to
-        check them against."""
+        model. Returns the cached tokens the decision counted on, and whence, when the answer
+        reported usage to check them against."""
         held = self.of(replica)
         if self.index.insert(held.holder, prompt.chain) and self.share is not None:
             self.share(replica.id, prompt.chain)
@@ -563,9 +630,28 @@ class Placement:
                     self.set_spt(held, self._speed_of(held))
         if placed is None:
             return None
-        predicted = min(placed.blocks * self.block_bytes / self.bytes_per_token, prompt_tokens)
-        self._correct(held, prompt, placed.blocks, predicted, prompt_tokens, cached_tokens)
-        return predicted
+        modelled = min(placed.blocks * self.block_bytes / self.bytes_per_token, prompt_tokens)
+        self._correct(held, prompt, placed.blocks, modelled, prompt_tokens, cached_tokens)  # the model learns always
+        if placed.source == "events":
+            predicted = min(placed.predicted, prompt_tokens)
+            self._account(self.events_accuracy, predicted, prompt_tokens, cached_tokens)
+            return Prediction(predicted, "events")
+        self._account(self.accuracy, modelled, prompt_tokens, cached_tokens)
+        return Prediction(modelled, "model")
+
+    @staticmethod
+    def _account(a: Accuracy, predicted: float, prompt_tokens: int, cached: int) -> None:
+        a.answers += 1
+        a.prompt_tokens += prompt_tokens
+        a.predicted_tokens += predicted
+        a.reported_tokens += cached
+        error = predicted - cached
+        if error > 0:
+            a.over_tokens += error
+        else:
+            a.under_tokens -= error
+        if abs(error) < 0.5:
+            a.exact += 1
 
     def _lagged(self, replica: ReplicaState, held: Held, lag: float) -> None:
         """A first token came `lag` seconds after the model said (less what the queue there was
@@ -631,16 +717,7 @@ class Placement:
         self, held: Held, prompt: Prompt, predicted_blocks: int, predicted: float, prompt_tokens: int, cached: int
     ) -> None:
         block_tokens = self.block_bytes / self.bytes_per_token
-        a = self.accuracy
-        a.answers += 1
-        a.prompt_tokens += prompt_tokens
-        a.predicted_tokens += predicted
-        a.reported_tokens += cached
         error = predicted - cached
-        if error > 0:
-            a.over_tokens += error
-        else:
-            a.under_tokens -= error
         held_blocks = int(cached / block_tokens)
         if error <= block_tokens:  # right within a block (or it held more: a reply, another router)
             held.misses = 0
@@ -686,17 +763,37 @@ class Placement:
         held = self.held.get(replica_id)
         return 0 if held is None else self.index.size(held.holder)
 
-    def figures(self) -> dict[str, float | int | None]:
-        a = self.accuracy
+    def figures(self) -> dict[str, object]:
+        """The index's size and how right its predictions were: over every answer, and by source."""
+        model, events = self.accuracy, self.events_accuracy
+        both = Accuracy(
+            model.prompt_tokens + events.prompt_tokens,
+            model.predicted_tokens + events.predicted_tokens,
+            model.reported_tokens + events.reported_tokens,
+            model.over_tokens + events.over_tokens,
+            model.under_tokens + events.under_tokens,
+            model.answers + events.answers,
+            model.exact + events.exact,
+        )
         return {
             "index_blocks": self.index.total(),
             "index_bytes": self.index.memory_bytes(),
+            "events_blocks": self.truth.index.total(),
+            "events_bytes": self.truth.index.memory_bytes(),
             "bytes_per_token": round(self.bytes_per_token, 3),
-            "predicted_hit_rate": a.predicted_tokens / a.prompt_tokens if a.prompt_tokens else None,
-            "reported_hit_rate": a.reported_tokens / a.prompt_tokens if a.prompt_tokens else None,
-            "prediction_error": (a.over_tokens + a.under_tokens) / a.prompt_tokens if a.prompt_tokens else None,
-            "answers": a.answers,
+            **_accuracy_figures(both),
+            "by_source": {"model": _accuracy_figures(model), "events": _accuracy_figures(events)},
         }
 
 
-__all__ = ["Accuracy", "Candidate", "Held", "Placed", "Placement"]
+def _accuracy_figures(a: Accuracy) -> dict[str, float | int | None]:
+    return {
+        "predicted_hit_rate": a.predicted_tokens / a.prompt_tokens if a.prompt_tokens else None,
+        "reported_hit_rate": a.reported_tokens / a.prompt_tokens if a.prompt_tokens else None,
+        "prediction_error": (a.over_tokens + a.under_tokens) / a.prompt_tokens if a.prompt_tokens else None,
+        "exact_share": a.exact / a.answers if a.answers else None,
+        "answers": a.answers,
+    }
+
+
+__all__ = ["Accuracy", "Candidate", "Held", "Placed", "Placement", "Prediction"]

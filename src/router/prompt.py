@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from router.kvevents.tokens import EngineTokens
 from router.prefix import chain_of_parts
 from router.ring import xxh3_64
 
@@ -45,6 +46,7 @@ class Prompt:
     chain: array[int]  # the blocks' keys (typecode 'Q')
     nbytes: int  # bytes rendered (the partial block included)
     history_blocks: int  # blocks covered by every message but the last (0 for a prompt)
+    tokens: EngineTokens | None = None  # the engine's own tokens, where replicas publish KV events (router.kvfeed)
 
 
 def _text(content: Any) -> str:

@@ -50,6 +50,7 @@ class Fleet:
     caps: list[int] = field(default_factory=list)
     excluded: list[int] = field(default_factory=list)
     recent: list[float] | None = None  # None: price gets no recent buffer
+    known: list[float] | None = None  # None: price gets no known buffer (the index answers everywhere)
 
     def __post_init__(self) -> None:
         n = len(self.holders)
@@ -109,6 +110,7 @@ def decide(
         extra = {
             "recent": None if fleet.recent is None else array("d", fleet.recent),
             "spread_out": spread,
+            **({} if fleet.known is None else {"known": array("d", fleet.known)}),
             **{name: s[name] for name in LATER},
         }
     best, near, home = index.price(
@@ -317,6 +319,19 @@ def test_with_history_from_all_the_last_server_holds_what_any_holds(impl: Module
     got = decide(index, CHAIN, fleet, last=1, history_blocks=40, history_from_all=True)
     assert got.cached[1] == 640.0  # the history, when it is more
     assert decide(index, CHAIN, fleet, last=-1, history_from_all=True).cached == [128.0, 128.0, UNTOUCHED]
+
+
+def test_known_tokens_replace_the_match_and_the_history(impl: ModuleType) -> None:
+    """A position whose engine's events say what it holds is priced by that, not by the model."""
+    index = index_holding(impl, CHAIN, 8, 8, 30)
+    fleet = Fleet(holders=[0, 1, 2], known=[-1.0, 64.0, 5000.0])
+    got = decide(index, CHAIN, fleet, last=1, history_blocks=20, history_from_all=True)
+    # 0: its match (8 x 16); 1: what it is known to hold, though it is `last` and any holder keeps 30
+    # blocks; 2: known, stopped at the prompt
+    assert got.cached == [128.0, 64.0, 1000.0]
+    assert got.best == 2 and got.cost[2] == 0.0
+    fleet.known = [0.0, -0.5, -1.0]  # 0 is known to hold nothing; any negative asks the index
+    assert decide(index, CHAIN, fleet, last=1, history_blocks=20).cached == [0.0, 320.0, 480.0]
 
 
 def test_interference_scales_each_speed_by_its_load(impl: ModuleType) -> None:
@@ -747,6 +762,15 @@ def compare_both(
     if with_recent:
         spec.recent = data.draw(st.lists(recent_st, min_size=len(fleet), max_size=len(fleet)), label="recent")
     spread_out = data.draw(st.booleans(), label="with spread_out")
+    if data.draw(st.booleans(), label="with known"):
+        spec.known = data.draw(
+            st.lists(
+                st.one_of(st.just(-1.0), st.floats(0, 5000), st.sampled_from([0.0, math.inf, math.nan])),
+                min_size=len(fleet),
+                max_size=len(fleet),
+            ),
+            label="known",
+        )
     ours, theirs = (decide(index, chain, spec, last=last, spread_out=spread_out, **request) for index in indexes)
     assert_same(ours, theirs)
 

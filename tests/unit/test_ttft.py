@@ -418,12 +418,12 @@ def test_usage_that_shows_an_over_prediction_shrinks_the_lru_and_drops_the_block
     # the engine held only the first 1,000 tokens: someone else's requests evicted the rest
     tokens = round(key.prompt.nbytes / 4)
     predicted = placement.answered(replica, key.prompt, placed, tokens, 1000, None)
-    assert predicted is not None and predicted > 3900
+    assert predicted is not None and predicted.tokens > 3900 and predicted.source == "model"
     assert held.blocks < before
     assert placement.index.size(held.holder) <= held.blocks
     again = placement.candidates(key.prompt, [0], None, clock.now)[0]
     assert again.cached_tokens == pytest.approx(1000, abs=16)
-    assert placement.accuracy.over_tokens == pytest.approx(predicted - 1000)
+    assert placement.accuracy.over_tokens == pytest.approx(predicted.tokens - 1000)
 
 
 def test_a_replica_that_lost_its_cache_is_emptied_and_exact_answers_grow_it_back() -> None:

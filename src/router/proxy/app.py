@@ -168,6 +168,9 @@ class Proxy:
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
             self._finish(exchange, exchange.status, None, key, None, t0)
             return
+        feed = self.node.feed
+        if feed is not None and key.prompt is not None:
+            key = await feed.tokenized(key, admitted.api, admitted.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
         route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.config.total_timeout_s)
         admission = self.node.admission

@@ -48,6 +48,18 @@ HELP = {
     "prefix_block_bytes": "ttft: bytes of prompt per block of the prefix index, 16..240 (default 64, about 16 tokens)",
     "kv_capacity_tokens": "ttft: comma-separated REPLICA_ID=TOKENS (or *=TOKENS for the rest): the KV cache's size "
     "where the engine does not report it (vLLM and SGLang do; default 262144)",
+    "kv_events": "read the KV-cache events of every replica that publishes them (vLLM with --kv-events-config, "
+    "found through its /kv_event_sources, or named in kv_event_endpoints) and price it by what its engine "
+    "holds; off: the router's own model of what it sent everywhere (default on)",
+    "kv_event_endpoints": "comma-separated REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT (ZMQ, "
+    "tcp://HOST:PORT): where a replica publishes its KV-cache events, where its /kv_event_sources does not say",
+    "tokenizer_dirs": "comma-separated MODEL=DIR (or *=DIR): a model's folder with tokenizer.json and its chat "
+    "template, to cut requests into the engine's tokens here (needs the tokenizers package); without it, "
+    "the engine's /v1/*/render endpoint tokenizes them",
+    "token_check_share": "share of the requests tokenized here whose tokens are checked against the engine's "
+    "render endpoint (default 0.01; every model's first request is checked)",
+    "kv_tier_tokens_per_s": "tokens a second a second KV tier (vLLM --kv-offloading-size, SGLang HiCache) "
+    "loads back: blocks held there are priced as that transfer (default 200000)",
     "prefill_tokens_per_s": "ttft: a replica's prefill speed until its answers show it (default 10000)",
     "ttft_decode_s": "ttft: seconds of time to first token each request in flight on a replica adds (default 0.002)",
     "ttft_interference": "ttft: a prefill's time counts once more, times this, for each request in flight on the "

@@ -311,9 +311,10 @@ class Route:
         rid = replica.id
         if predicted is not None:
             m.child(m.prefix_prompt_tokens, rid).inc(facts.prompt_tokens)
-            m.child(m.prefix_predicted_tokens, rid).inc(predicted)
+            m.child(m.prefix_predicted_tokens, rid).inc(predicted.tokens)
             m.child(m.prefix_reported_tokens, rid).inc(facts.cached_tokens)
-            m.child(m.prefix_error_tokens, rid).inc(abs(predicted - facts.cached_tokens))
+            m.child(m.prefix_error_tokens, rid).inc(abs(predicted.tokens - facts.cached_tokens))
+            m.child(m.prefix_prediction_error, predicted.source).observe(predicted.tokens - facts.cached_tokens)
         m.child(m.prefix_index_blocks, rid).set(placement.blocks_held(rid))
 
     def resumed(self, replica: ReplicaState, whole: bool) -> None:

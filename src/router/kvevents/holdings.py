@@ -1,0 +1,267 @@
+"""What one replica's engine holds, as its KV-cache events say: the blocks, per tier, and whether to believe it.
+
+A `Holdings` turns a replica's event batches into blocks of the router's own keys, kept in a
+`PrefixIndex` (router.prefix) of their own, one holder per medium (GPU first; vLLM's CPU
+offloading tier, SGLang's HiCache host tier are others). A stored block's key is the router's
+chained hash of its token ids (router.kvevents.tokens: the parent's key seeds the child's, the
+chain's first block is seeded by its LoRA adapter and cache_salt), so a request cut into the same
+tokens finds exactly the blocks the engine computed. The engine's own hashes are kept only to map
+its removals back to keys: `engine hash -> key`, per medium.
+
+Sequence numbers decide what is believed (`accept`):
+- the next number: applied;
+- 0 after anything else: the engine restarted, its cache empty: cleared, then applied;
+- a number already seen: a replayed duplicate, skipped;
+- a gap (or a first message that is not 0: the router joined late): `GAP`, and the caller asks
+  the engine's replay socket for what is missing (`replayed`); what replay cannot cover leaves the
+  replica `unsure`: its blocks are still kept and updated, but routing reads today's model for it
+  until the cache has turned over once (as many blocks stored since as it holds) or the engine
+  cleared it (AllBlocksCleared, a restart), whichever comes first.
+- `suspect()` (its health went down): unsure until the next message says whether the engine
+  restarted (sequence 0: it starts empty) or only paused (the next number: nothing was missed).
+
+`match` gallops as the model's index does (router.prefix): it assumes what an engine keeps of a
+chain is a prefix of it, which is how vLLM evicts (a request's blocks are freed tail first into
+an LRU queue, and a block in use keeps its parents in use), so a removal leaves no hole a later
+block could be reached across.
+
+A stored block whose parent the router never saw (stored before the router joined, its removal
+already applied) cannot be keyed: it is counted (`orphans`) and skipped; a prefix match could
+never reach it anyway. Memory is bounded by the engine's KV capacity: each tier's holder keeps at
+most as many blocks as the engine says it has (its LRU drops the oldest past that, which happens
+only if removals were missed), and the hash map is trimmed with it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from router.kvevents.tokens import root_of, token_chain
+from router.kvevents.wire import MEDIUM_GPU, Batch, Cleared, Removed, Stored
+from router.prefix import PrefixIndex
+
+OK, RESTART, DUPLICATE, GAP = "ok", "restart", "duplicate", "gap"
+TRIM_SLACK = 1.25  # the hash map is trimmed once it holds this many times the tier's capacity (and 64 more)
+
+
+@dataclass(slots=True)
+class Tier:
+    holder: int  # its number in the events index
+    keys: dict[object, int] = field(default_factory=dict)  # engine hash -> the router's key, oldest first
+
+
+@dataclass(slots=True)
+class Figures:
+    batches: int = 0
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    orphans: int = 0  # stored blocks whose parent the router never saw
+    gaps: int = 0
+    replayed: int = 0  # batches that came from the replay socket and were applied
+    restarts: int = 0
+    unsure_episodes: int = 0
+
+
+class Holdings:
+    def __init__(self, index: PrefixIndex, capacity_blocks: int) -> None:
+        self.index = index
+        self.capacity = max(1, capacity_blocks)
+        self.tiers: dict[str, Tier] = {}
+        self.seq: int | None = None  # the last sequence number applied (None: none since it joined)
+        self.block_size: int | None = None  # tokens per block, as its events say
+        self.unsure = True  # nothing is known until the first message (and replay) says so
+        self.suspect_since_seq: int | None = None  # health went down: the next message decides
+        self._turnover = 0  # blocks stored since it became unsure
+        self.figures = Figures()
+        self.tier(MEDIUM_GPU)
+
+    # -- what it holds -----------------------------------------------------------------------------
+
+    def tier(self, medium: str) -> Tier:
+        t = self.tiers.get(medium)
+        if t is None:
+            t = self.tiers[medium] = Tier(self.index.add_holder(self.capacity))
+        return t
+
+    @property
+    def sure(self) -> bool:
+        return not self.unsure and self.suspect_since_seq is None
+
+    def blocks(self, medium: str = MEDIUM_GPU) -> int:
+        t = self.tiers.get(medium)
+        return 0 if t is None else self.index.size(t.holder)
+
+    def match(self, chain: array[int], medium: str = MEDIUM_GPU) -> int:
+        """How many of `chain`'s leading blocks it holds on `medium`."""
+        t = self.tiers.get(medium)
+        return 0 if t is None or not chain else self.index.match(t.holder, chain)
+
+    def set_capacity(self, blocks: int) -> None:
+        self.capacity = max(1, blocks)
+        for t in self.tiers.values():
+            self.index.set_capacity(t.holder, self.capacity)
+
+    def close(self) -> None:
+        for t in self.tiers.values():
+            self.index.remove_holder(t.holder)
+        self.tiers.clear()
+
+    # -- what its engine says ------------------------------------------------------------------------
+
+    def accept(self, batch: Batch) -> str:
+        """Applies `batch` if it is the next one (or a restart's first); says what it was."""
+        seq = batch.seq
+        last = self.seq
+        restarted = False
+        if last is not None and seq <= last and seq != 0:
+            return DUPLICATE
+        if seq == 0 and last is not None and last >= 0:
+            self._restarted()  # a live publisher never sends 0 twice: the engine started again, empty
+            restarted = True
+        elif (last is None and seq != 0) or (last is not None and seq != last + 1):
+            self.figures.gaps += 1
+            return GAP
+        if seq == 0 and last is None:
+            self._clear()  # the engine's first message: it started empty, and so does this
+            self._believe()
+        self.suspect_since_seq = None  # the next message after a health outage: nothing was missed
+        self.apply(batch)
+        return RESTART if restarted else OK
+
+    def replayed(self, batches: list[Batch], wanted: int) -> bool:
+        """The replay socket's answer to a request from `wanted` on, applied in order. True when it
+        covered the gap (its first batch is `wanted`); else the replica is unsure until rebuilt,
+        and what replay had is applied from where it starts."""
+        batches = sorted((b for b in batches if b.seq >= wanted), key=lambda b: b.seq)
+        covered = bool(batches) and batches[0].seq == wanted
+        if covered and wanted == 0:  # everything since the engine started
+            self._clear()
+            self.seq = -1
+            self._believe()
+        elif not covered:
+            self.make_unsure()
+            if batches and (self.seq is None or batches[0].seq > self.seq):
+                self.seq = batches[0].seq - 1
+        if covered:
+            self.suspect_since_seq = None
+        for b in batches:
+            if self.seq is not None and b.seq <= self.seq:
+                continue
+            if self.seq is not None and b.seq != self.seq + 1:
+                self.make_unsure()  # a hole inside the replay itself
+            self.apply(b)
+            self.figures.replayed += 1
+        return covered
+
+    def caught_up(self) -> None:
+        """The replay socket has nothing at all: the engine has published nothing since it started,
+        so its cache is empty and the next message is its first (sequence 0)."""
+        if self.seq is None:
+            self._clear()
+            self._believe()
+
+    def force(self, batch: Batch) -> None:
+        """Applies `batch` after a gap nothing could fill (the replica is unsure already)."""
+        self.make_unsure()
+        self.seq = batch.seq - 1
+        self.apply(batch)
+
+    def apply(self, batch: Batch) -> None:
+        self.seq = batch.seq
+        f = self.figures
+        f.batches += 1
+        for e in batch.events:
+            if isinstance(e, Stored):
+                self._store(e)
+            elif isinstance(e, Removed):
+                self._remove(e)
+            elif isinstance(e, Cleared):
+                f.cleared += 1
+                self._clear()
+                if self.unsure:
+                    self._believe()
+
+    def suspect(self) -> None:
+        """Its health went down: believe nothing until the next message says what happened."""
+        if self.suspect_since_seq is None:
+            self.suspect_since_seq = -1 if self.seq is None else self.seq
+
+    def make_unsure(self) -> None:
+        if not self.unsure:
+            self.figures.unsure_episodes += 1
+            self._turnover = 0
+        self.unsure = True
+
+    # -- inside -------------------------------------------------------------------------------------
+
+    def _believe(self) -> None:
+        self.unsure = False
+        self._turnover = 0
+
+    def _restarted(self) -> None:
+        self.figures.restarts += 1
+        self._clear()
+        self.seq = -1
+        self.suspect_since_seq = None
+        self._believe()
+
+    def _clear(self) -> None:
+        for t in self.tiers.values():
+            self.index.clear(t.holder)
+            t.keys.clear()
+
+    def _store(self, e: Stored) -> None:
+        t = self.tier(e.medium)
+        self.block_size = e.block_size
+        if e.parent is None:
+            seed = root_of(e.lora_name, e.salt)
+        else:
+            parent = t.keys.get(e.parent)
+            if parent is None and e.medium != MEDIUM_GPU:  # offloaded children of a GPU-held parent
+                parent = self.tiers[MEDIUM_GPU].keys.get(e.parent)
+            if parent is None:
+                self.figures.orphans += len(e.hashes)
+                return
+            seed = parent
+        chain = token_chain(e.token_ids, e.block_size, seed)
+        if len(chain) != len(e.hashes):
+            return
+        self.index.insert(t.holder, chain)
+        keys = t.keys
+        for h, k in zip(e.hashes, chain, strict=True):
+            keys.pop(h, None)  # re-stored: now the newest
+            keys[h] = k
+        self.figures.stored += len(chain)
+        if self.unsure:
+            self._turnover += len(chain)
+            if self._turnover >= self.capacity:  # the cache has turned over once since: rebuilt
+                self._believe()
+        if len(keys) > self.capacity * TRIM_SLACK + 64:
+            self._trim(t)
+
+    def _remove(self, e: Removed) -> None:
+        t = self.tiers.get(e.medium)
+        if t is None:
+            return
+        gone = array("Q", [k for h in e.hashes if (k := t.keys.pop(h, None)) is not None])
+        if gone:
+            self.index.truncate(t.holder, gone, 0)
+            self.figures.removed += len(gone)
+
+    def _trim(self, t: Tier) -> None:
+        """Drops the oldest hashes past the tier's capacity (their blocks' removals were missed)."""
+        keys = t.keys
+        excess = len(keys) - self.capacity
+        old = []
+        for h in keys:
+            if excess <= 0:
+                break
+            old.append(h)
+            excess -= 1
+        gone = array("Q", [keys.pop(h) for h in old])
+        self.index.truncate(t.holder, gone, 0)
+
+
+__all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings"]

@@ -1,0 +1,207 @@
+"""A request in the engine's own tokens, cut into the engine's blocks and keyed by the router's chained hash.
+
+An engine's KV-cache events name token blocks, so the index they feed is matched with token
+blocks: block i of a prompt is its token ids [i x block_size, (i + 1) x block_size), and its key
+is XXH3-64 of those ids (8 bytes each, little-endian) seeded with block i-1's key; block 0 is
+seeded with `root_of(lora_name, cache_salt)`, because an engine keeps the blocks of two adapters,
+or of two salts, apart. The engine's own hash (vLLM: SHA-256 or its builtin hash, with a seed)
+is not ours to copy; the router keys the same token ids its own way, on both sides: the events
+(router.kvevents.holdings) and the requests (here).
+
+Only whole blocks are keyed, and never the prompt's last token: an engine always computes that
+one (a prompt held whole still recomputes its last block's worth in vLLM: 318 tokens in blocks
+of 32 hit at most 288), so a chain of n tokens has (n - 1) // block_size keys.
+
+Worked example, block_size 2: token ids [5, 6, 7, 8, 9] -> 2 keys, k0 = xxh3(u64le(5, 6), root),
+k1 = xxh3(u64le(7, 8), k0); token 9 is the one the engine computes anyway.
+
+Where the token ids come from (`Tokens`): the model's own tokenizer and chat template, read from
+its files (`tokenizer.json` with the `tokenizers` package, the template from `chat_template.jinja`
+or `tokenizer_config.json`, rendered with Jinja as the engine renders it), or the engine's
+`*/render` endpoint (router.kvfeed) where no tokenizer is configured. A conversation's earlier
+messages are not tokenized again: the token ids of each rendered history are kept (bounded LRU,
+by the hash of its text), and a new turn tokenizes only what follows its history when the
+template renders the history as a prefix of the whole (it does for every template that wraps each
+message alike); the engine's render endpoint checks a sample of the results (router.kvfeed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.prefix import block_chain
+from router.ring import xxh3_64
+
+HISTORY_CACHE = 4096  # rendered conversations whose token ids are kept
+HISTORY_LOOKBACK = 4  # messages back a new turn looks for a kept conversation
+_ROOT_TAG = b"kvar-token-root\x00"
+_LITTLE = sys.byteorder == "little"
+
+
+def root_of(lora_name: str | None, salt: str | None) -> int:
+    """Block 0's seed: the adapter and the cache salt a chain was computed under (None: neither)."""
+    data = _ROOT_TAG + (lora_name or "").encode("utf-8", "surrogatepass") + b"\x00"
+    return xxh3_64(data + (salt or "").encode("utf-8", "surrogatepass"))
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    a = array("Q", ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def token_chain(ids: Sequence[int], block_size: int, seed: int) -> array[int]:
+    """The keys of the whole blocks of `ids` (all of them: an event's blocks are whole)."""
+    n = len(ids) // block_size
+    if n <= 0:
+        return array("Q")
+    return block_chain(_ids_bytes(ids[: n * block_size]), 8 * block_size, seed)
+
+
+def request_chain(ids: Sequence[int], block_size: int, seed: int) -> array[int]:
+    """The keys of the blocks an engine may hold of a prompt of `ids`: all but its last token."""
+    return token_chain(ids[: max(0, len(ids) - 1)], block_size, seed)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTokens:
+    """A request in the engine's tokens: its prompt's token count and the chain a replica may hold."""
+
+    count: int  # the prompt's tokens
+    ids: tuple[int, ...]  # its token ids
+    lora_name: str | None
+    salt: str | None
+    source: str  # "tokenizer" or "render"
+
+    def chain(self, block_size: int) -> array[int]:
+        return request_chain(self.ids, block_size, root_of(self.lora_name, self.salt))
+
+
+class TokenizerError(ValueError):
+    """A model folder whose tokenizer or chat template cannot be read; the message names the file."""
+
+
+class Tokenizer:
+    """A model's tokenizer and chat template, from its files, as vLLM applies them to a request."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        try:
+            from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415 (an optional dependency)
+        except ImportError:
+            raise TokenizerError("the `tokenizers` package is not installed (pip install tokenizers)") from None
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerError(f"{file}: no such file (a model folder holds tokenizer.json)")
+        try:
+            self.tokenizer = HfTokenizer.from_file(str(file))
+        except Exception as exc:
+            raise TokenizerError(f"{file}: {exc}") from None
+        config: dict[str, Any] = {}
+        config_file = folder / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"{config_file}: {exc}") from None
+        template = None
+        template_file = folder / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text()
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        self.special = {
+            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        self.template = None
+        if template is not None:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.globals["raise_exception"] = _raise
+                self.template = env.from_string(template)
+            except Exception as exc:
+                raise TokenizerError(f"{folder}: its chat template does not compile: {exc}") from None
+        self.folder = folder
+        self._histories: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.tokenized = 0  # characters tokenized (a history found in the cache is not)
+
+    def encode(self, text: str) -> list[int]:
+        self.tokenized += len(text)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def render(self, messages: list[Mapping[str, Any]], generation: bool = True, **extra: Any) -> str:
+        if self.template is None:
+            raise TokenizerError(f"{self.folder}: the model has no chat template")
+        return str(self.template.render(messages=messages, add_generation_prompt=generation, **self.special, **extra))
+
+    def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]:
+        """The token ids of a chat request's prompt. The conversation so far (rendered without the
+        generation prompt) is kept by the hash of its text; the next turn renders its earlier
+        messages, finds them kept, and tokenizes only what follows (a template that does not
+        render a history as a prefix of the whole is tokenized whole)."""
+        text = self.render(messages, True, **extra)
+        so_far = self.render(messages, False, **extra)
+        if not text.startswith(so_far):
+            return tuple(self.encode(text))
+        head: tuple[int, ...] = ()
+        start = 0
+        for cut in range(len(messages) - 1, max(0, len(messages) - HISTORY_LOOKBACK) - 1, -1):
+            if cut <= 0:
+                break
+            earlier = self.render(messages[:cut], False, **extra)
+            found = self._histories.get(_text_key(earlier)) if so_far.startswith(earlier) else None
+            if found is not None:
+                self._histories.move_to_end(_text_key(earlier))
+                head, start = found, len(earlier)
+                break
+        body = (*head, *self.encode(so_far[start:])) if start < len(so_far) else head
+        self._keep(_text_key(so_far), body)
+        return (*body, *self.encode(text[len(so_far) :])) if len(so_far) < len(text) else body
+
+    def prompt(self, text: str) -> tuple[int, ...]:
+        """A completion's prompt, as vLLM tokenizes it (the tokenizer's own special tokens added)."""
+        self.tokenized += len(text)
+        return tuple(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def _keep(self, h: int, ids: tuple[int, ...]) -> None:
+        self._histories[h] = ids
+        self._histories.move_to_end(h)
+        if len(self._histories) > HISTORY_CACHE:
+            self._histories.popitem(last=False)
+
+
+def _text_key(text: str) -> int:
+    return xxh3_64(text.encode("utf-8", "surrogatepass"))
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return ""
+
+
+def _raise(message: str) -> None:
+    raise TokenizerError(f"the chat template refused the request: {message}")
+
+
+__all__ = [
+    "EngineTokens",
+    "Tokenizer",
+    "TokenizerError",
+    "request_chain",
+    "root_of",
+    "token_chain",
+]

@@ -1,0 +1,130 @@
+"""The fleet's event-fed index: for each replica that publishes KV-cache events, what its engine holds.
+
+One `PrefixIndex` (router.prefix) for the whole fleet, with a holder per replica, data-parallel
+rank and medium (router.kvevents.holdings). `held` answers the one question placement asks of
+it: how many of this request's tokens does that replica hold, on its GPU and on a second tier —
+or None while the replica publishes nothing, or is unsure (a gap replay could not fill, a health
+outage not yet explained): placement then reads today's model for that replica alone.
+
+Blocks on a second tier (vLLM's CPU offloading, SGLang's HiCache host memory) are neither hits nor
+misses: the engine loads them back instead of computing them, at that tier's speed. `credit`
+turns them into the hit they are worth for a replica computing at `seconds_per_token`:
+tier tokens x max(0, 1 - tier seconds per token / seconds per token).
+
+A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
+own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
+replica holds what its best rank holds.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from router.kvevents.holdings import Holdings
+from router.kvevents.tokens import EngineTokens
+from router.kvevents.wire import MEDIUM_GPU
+from router.prefix import PrefixIndex
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    gpu_tokens: int  # tokens of the prompt its GPU holds
+    tier_tokens: int  # ... a second tier holds beyond them
+    block_size: int
+
+
+class Truth:
+    def __init__(self, tier_tokens_per_s: float = 0.0) -> None:
+        self.index = PrefixIndex()
+        self.replicas: dict[str, dict[int, Holdings]] = {}
+        self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.replicas)
+
+    def holdings(self, replica_id: str, rank: int, capacity_blocks: int) -> Holdings:
+        """The Holdings of one replica's rank, made on first use."""
+        ranks = self.replicas.setdefault(replica_id, {})
+        h = ranks.get(rank)
+        if h is None:
+            h = ranks[rank] = Holdings(self.index, capacity_blocks)
+        return h
+
+    def of(self, replica_id: str) -> list[Holdings]:
+        return list(self.replicas.get(replica_id, {}).values())
+
+    def forget(self, replica_id: str) -> None:
+        for h in self.replicas.pop(replica_id, {}).values():
+            h.close()
+
+    def sure(self, replica_id: str) -> bool:
+        ranks = self.replicas.get(replica_id)
+        return ranks is not None and bool(ranks) and all(h.sure for h in ranks.values())
+
+    def suspect(self, replica_id: str) -> None:
+        for h in self.replicas.get(replica_id, {}).values():
+            h.suspect()
+
+    def held(
+        self, replica_id: str, tokens: EngineTokens, chains: dict[int, array[int]], block_size: int | None = None
+    ) -> Found | None:
+        """What of `tokens` the replica holds, if its events say so (None: they do not, or are not
+        believed). `chains`: the request's chain by block size, filled as needed."""
+        ranks = self.replicas.get(replica_id)
+        if not ranks:
+            return None
+        best: Found | None = None
+        for h in ranks.values():
+            if not h.sure:
+                return None
+            size = h.block_size or block_size
+            if not size:
+                return None  # neither its events nor its metrics said its block size yet
+            chain = chains.get(size)
+            if chain is None:
+                chain = chains[size] = tokens.chain(size)
+            gpu = h.match(chain)
+            tier = 0
+            for medium in h.tiers:
+                if medium != MEDIUM_GPU:
+                    tier = max(tier, h.match(chain, medium))
+            found = Found(gpu * size, max(0, tier - gpu) * size, size)
+            if best is None or (found.gpu_tokens, found.tier_tokens) > (best.gpu_tokens, best.tier_tokens):
+                best = found
+        return best
+
+    def credit(self, held: Found, seconds_per_token: float) -> float:
+        """The cached tokens `held` is worth at a replica computing a token in `seconds_per_token`."""
+        if not held.tier_tokens or seconds_per_token <= 0:
+            return float(held.gpu_tokens)
+        saved = 1.0 - self.tier_spt / seconds_per_token
+        return held.gpu_tokens + held.tier_tokens * max(0.0, saved)
+
+    def figures(self, replica_id: str) -> dict[str, object] | None:
+        ranks = self.replicas.get(replica_id)
+        if not ranks:
+            return None
+        out: dict[str, object] = {"sure": self.sure(replica_id)}
+        for rank, h in sorted(ranks.items()):
+            f = h.figures
+            out[f"rank_{rank}" if len(ranks) > 1 else "events"] = {
+                "sure": h.sure,
+                "seq": h.seq,
+                "block_size": h.block_size,
+                "blocks": {medium: h.blocks(medium) for medium in h.tiers},
+                "capacity_blocks": h.capacity,
+                "batches": f.batches,
+                "stored": f.stored,
+                "removed": f.removed,
+                "cleared": f.cleared,
+                "orphans": f.orphans,
+                "gaps": f.gaps,
+                "replayed": f.replayed,
+                "restarts": f.restarts,
+                "unsure_episodes": f.unsure_episodes,
+            }
+        return out
+
+
+__all__ = ["Found", "Truth"]

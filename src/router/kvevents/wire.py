@@ -1,0 +1,215 @@
+"""vLLM's (and SGLang's) KV-cache event messages, decoded: what an engine says it stored, removed or cleared.
+
+An engine publishes on a ZMQ PUB socket, one message per scheduler step that changed its prefix
+cache, three frames each: the topic, the sequence number (8 bytes, big-endian, from 0 when the
+engine starts), and a msgpack payload `[ts, [event, ...], data_parallel_rank]`. An event is a
+map tagged by "type" (vLLM since mid-2026):
+
+    {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": p | None,
+     "token_ids": [...], "block_size": 32, "lora_id": ..., "medium": "GPU", "lora_name": ...,
+     "extra_keys": [[...] | None, ...], ...}
+    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU", ...}
+    {"type": "AllBlocksCleared"}
+
+or, before that, a positional array: `["BlockStored", hashes, parent, token_ids, block_size,
+lora_id, medium, lora_name?]`, `["BlockRemoved", hashes, medium]`, `["AllBlocksCleared"]`.
+Fields an engine adds later are ignored; a message that is not one of these is a `WireError`
+(one readable line), never a crash of the subscriber. The engine's block hashes (ints or bytes)
+are kept only to apply its removals: the router keys blocks by its own hash of the token ids.
+
+A stored block's `extra_keys` entry holds, in order, the LoRA adapter's name (when one is set),
+multimodal identifiers, and the request's `cache_salt` (a string, on the first block only):
+blocks of two adapters or two salts never share a key, and `cache_salt` is how the router's keys
+separate them too (router.kvevents.tokens.root_of).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+MEDIUM_GPU = "GPU"
+END_SEQ = -1  # the replay socket's last answer
+
+
+class WireError(ValueError):
+    """A message that is not a KV-event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    hashes: tuple[object, ...]  # the engine's keys of the stored blocks, in chain order
+    parent: object  # the engine's key of the block before the first (None: the chain's first)
+    token_ids: tuple[int, ...]  # len(hashes) x block_size tokens
+    block_size: int
+    medium: str
+    lora_name: str | None
+    salt: str | None  # the request's cache_salt, where the first block's extra keys carry one
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    hashes: tuple[object, ...]
+    medium: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    seq: int
+    ts: float
+    rank: int
+    events: tuple[Event, ...]
+
+
+def _hashes(value: Any, where: str) -> tuple[object, ...]:
+    if not isinstance(value, list | tuple):
+        raise WireError(f"{where}: block_hashes is not a list")
+    for h in value:
+        if not isinstance(h, int | bytes) or isinstance(h, bool):
+            raise WireError(f"{where}: a block hash is a {type(h).__name__}, not an int or bytes")
+    return tuple(value)
+
+
+def _medium(value: Any) -> str:
+    return value if isinstance(value, str) and value else MEDIUM_GPU
+
+
+def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
+    """The cache_salt in the first block's extra keys: the string that is not the adapter's name."""
+    if not isinstance(extra_keys, list | tuple) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list | tuple):
+        return None
+    items = list(first)
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]
+    strings = [x for x in items if isinstance(x, str)]
+    return strings[-1] if strings else None
+
+
+def _stored(
+    hashes: Any, parent: Any, token_ids: Any, block_size: Any, medium: Any, lora_name: Any, extra: Any, where: str
+) -> Stored:
+    keys = _hashes(hashes, where)
+    if parent is not None and (not isinstance(parent, int | bytes) or isinstance(parent, bool)):
+        raise WireError(f"{where}: parent_block_hash is a {type(parent).__name__}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise WireError(f"{where}: block_size is {block_size!r}, not a whole number >= 1")
+    if not isinstance(token_ids, list | tuple) or not all(isinstance(t, int) and t >= 0 for t in token_ids):
+        raise WireError(f"{where}: token_ids is not a list of token ids")
+    if len(token_ids) != len(keys) * block_size:
+        raise WireError(f"{where}: {len(token_ids)} token ids for {len(keys)} blocks of {block_size}")
+    name = lora_name if isinstance(lora_name, str) and lora_name else None
+    return Stored(keys, parent, tuple(token_ids), block_size, _medium(medium), name, _salt(extra, name))
+
+
+def _event_of_map(e: dict[Any, Any], where: str) -> Event:
+    kind = e.get("type")
+    if kind == "BlockStored":
+        return _stored(
+            e.get("block_hashes"),
+            e.get("parent_block_hash"),
+            e.get("token_ids"),
+            e.get("block_size"),
+            e.get("medium"),
+            e.get("lora_name"),
+            e.get("extra_keys"),
+            where,
+        )
+    if kind == "BlockRemoved":
+        return Removed(_hashes(e.get("block_hashes"), where), _medium(e.get("medium")))
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    raise WireError(f"{where}: unknown event type {kind!r}")
+
+
+def _event_of_array(e: list[Any] | tuple[Any, ...], where: str) -> Event:
+    kind = e[0] if e else None
+    fields = list(e[1:])
+    if kind == "BlockStored":
+        if len(fields) < 4:
+            raise WireError(f"{where}: a positional BlockStored has {len(fields)} fields, not 4 or more")
+        fields += [None] * (7 - len(fields))
+        hashes, parent, token_ids, block_size, _lora_id, medium, lora_name = fields[:7]
+        return _stored(hashes, parent, token_ids, block_size, medium, lora_name, None, where)
+    if kind == "BlockRemoved":
+        if not fields:
+            raise WireError(f"{where}: a positional BlockRemoved has no block hashes")
+        return Removed(_hashes(fields[0], where), _medium(fields[1] if len(fields) > 1 else None))
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    raise WireError(f"{where}: unknown event type {kind!r}")
+
+
+def event_of(e: Any, where: str = "event") -> Event:
+    """One event, tagged map or positional array."""
+    if isinstance(e, dict):
+        return _event_of_map(e, where)
+    if isinstance(e, list | tuple):
+        return _event_of_array(e, where)
+    raise WireError(f"{where}: an event is a {type(e).__name__}, not a map or an array")
+
+
+def seq_of(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise WireError(f"the sequence frame has {len(frame)} bytes, not 8")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def decode(seq: int, payload: bytes) -> Batch:
+    """The batch a message carries (its sequence number already read)."""
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise WireError(f"message {seq}: not msgpack ({exc})") from None
+    if not isinstance(body, list | tuple) or len(body) < 2:
+        raise WireError(f"message {seq}: the payload is not [ts, events, rank]")
+    ts, events = body[0], body[1]
+    rank = body[2] if len(body) > 2 else 0
+    if not isinstance(events, list | tuple):
+        raise WireError(f"message {seq}: events is not a list")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        rank = 0
+    where = f"message {seq}"
+    return Batch(
+        seq,
+        float(ts) if isinstance(ts, int | float) else 0.0,
+        rank,
+        tuple(event_of(e, where) for e in events),
+    )
+
+
+def frames_of(frames: list[bytes]) -> Batch:
+    """A PUB message's frames ([topic, seq, payload]; [seq, payload] without a topic)."""
+    if len(frames) == 3:
+        return decode(seq_of(frames[1]), frames[2])
+    if len(frames) == 2:
+        return decode(seq_of(frames[0]), frames[1])
+    raise WireError(f"a message of {len(frames)} frames, not 3 (topic, sequence, payload)")
+
+
+__all__ = [
+    "END_SEQ",
+    "MEDIUM_GPU",
+    "Batch",
+    "Cleared",
+    "Event",
+    "Removed",
+    "Stored",
+    "WireError",
+    "decode",
+    "event_of",
+    "frames_of",
+    "seq_of",
+]

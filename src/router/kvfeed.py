@@ -1,0 +1,394 @@
+"""The engines' KV-cache events, read: one ZMQ subscriber per replica that publishes, and requests cut into its tokens.
+
+`Feed.run` looks at every replica (every `FIND_EVERY_S`): one that answers `GET /kv_event_sources`
+with a ZMQ publisher (vLLM started with `--kv-events-config`), or is named in `kv_event_endpoints`,
+gets a subscriber per data-parallel rank. An endpoint that binds (`tcp://*:P`, `tcp://0.0.0.0:P`)
+is reached at the replica's own host; one that connects (`tcp://HOST:P`: the engine pushes to a
+socket its subscriber binds) is not supported, and said so once in the log. A replica that
+publishes nothing (llama.cpp, older vLLM, events off) is left to the router's own model.
+
+A subscriber (`_follow`) connects its SUB socket, then asks the replay socket (where there is one)
+for everything from sequence 0, so it starts from what the engine has held since it started
+rather than from whenever it joined; every message then goes to the replica's `Holdings`
+(router.kvevents.holdings), which checks the sequence: a gap is filled from the replay socket,
+and what replay cannot fill leaves that replica unsure (routed by the model) until rebuilt.
+
+`Feed.tokenized` gives a request the engine's tokens when a replica that serves its model is fed
+by events: from the model's tokenizer and chat template when `tokenizer_dirs` names its folder
+(`token_check_share` of them, and each model's first, checked against the engine's render
+endpoint in the background: `router_token_checks`), else from a replica's `/v1/*/render`
+endpoint (`router_tokenize_seconds` says what that round trip costs). A request that cannot be
+tokenized (no render endpoint, a time-out, a template error) is routed by the model, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+import zmq
+import zmq.asyncio
+
+from router.apis import CHAT, COMPLETION, MESSAGES, Api
+from router.config import RouterConfig, event_endpoints, tokenizer_dirs
+from router.fleet import Fleet, ReplicaState
+from router.keys import RoutingKey
+from router.kvevents.holdings import GAP, Holdings
+from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError
+from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
+from router.metrics import RouterMetrics
+from router.placement import Placement
+
+log = logging.getLogger("router.kvfeed")
+
+FIND_EVERY_S = 5.0  # replicas are asked where they publish this often (until they say)
+SOURCES_TIMEOUT_S = 2.0
+REPLAY_TIMEOUT_S = 3.0  # the replay socket's whole answer
+RENDER_TIMEOUT_S = 2.0
+DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has
+RENDER_PATHS = {CHAT.path: "/v1/chat/completions/render", MESSAGES.path: "/v1/messages/render"}
+
+
+def reachable(endpoint: str, replica_url: str) -> str | None:
+    """The endpoint a subscriber connects to, from what the engine says it binds; None where the
+    engine connects instead (it binds nothing the router could reach)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint if endpoint.startswith("ipc://") else None
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    if host in ("*", "0.0.0.0", "[::]", "::", "[*]"):
+        own = urlsplit(replica_url).hostname or "127.0.0.1"
+        return f"tcp://{own}:{port}" if ":" not in own else f"tcp://[{own}]:{port}"
+    return None  # the engine connects to HOST: a SUB socket the router would have to bind
+
+
+def sources_of(answer: Any, replica_url: str) -> dict[int, tuple[str, str | None]]:
+    """vLLM's /kv_event_sources answer ({rank: its KVEventsConfig}) as {rank: (pub, replay)}."""
+    out: dict[int, tuple[str, str | None]] = {}
+    if not isinstance(answer, Mapping):
+        return out
+    for rank_text, config in answer.items():
+        try:
+            rank = int(rank_text)
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(config, Mapping) or not config.get("enable_kv_cache_events"):
+            continue
+        if config.get("publisher", "zmq") != "zmq" or not isinstance(config.get("endpoint"), str):
+            continue
+        pub = reachable(config["endpoint"], replica_url)
+        if pub is None:
+            log.warning(
+                "replica %s publishes KV events to %s (it connects to a subscriber): not read; bind instead "
+                "(tcp://*:PORT)",
+                replica_url,
+                config["endpoint"],
+            )
+            continue
+        replay = config.get("replay_endpoint")
+        out[rank] = (pub, reachable(replay, replica_url) if isinstance(replay, str) else None)
+    return out
+
+
+class Feed:
+    def __init__(
+        self,
+        fleet: Fleet,
+        placement: Placement,
+        config: RouterConfig,
+        http: Callable[[], aiohttp.ClientSession],
+        metrics: RouterMetrics,
+    ) -> None:
+        self.fleet = fleet
+        self.placement = placement
+        self.truth = placement.truth
+        self.http = http
+        self.metrics = metrics
+        self.configured = event_endpoints(config)
+        self.tokenizer_dirs = tokenizer_dirs(config)
+        self.check_share = config.token_check_share
+        self.ctx = zmq.asyncio.Context.instance()
+        self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self.asked: dict[str, float] = {}  # replica id -> when its /kv_event_sources was last asked
+        self.tokenizers: dict[str, Tokenizer | None] = {}
+        self.checked: set[str] = set()  # models whose first tokenization was checked
+        self.checks: set[asyncio.Task[None]] = set()
+        self.bad_messages = 0
+
+    # -- subscribers -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.find()
+                await asyncio.sleep(FIND_EVERY_S / 5)
+        finally:
+            await self.close()
+
+    async def find(self) -> None:
+        """Subscribe to the replicas that publish and are not followed yet; stop following gone ones."""
+        present = {r.id: r for r in self.fleet.replicas}
+        for (rid, rank), task in list(self.tasks.items()):
+            if rid not in present or task.done():
+                task.cancel()
+                del self.tasks[(rid, rank)]
+                if rid not in present:
+                    self.truth.forget(rid)
+                    self.asked.pop(rid, None)
+        now = time.monotonic()
+        m = self.metrics
+        for rid, replica in present.items():
+            ranks = self.truth.of(rid)
+            for h in ranks:
+                blocks = _capacity_blocks(replica, h)
+                if blocks != h.capacity:
+                    h.set_capacity(blocks)
+            if ranks:
+                m.child(m.kv_events_believed, rid).set(1 if self.truth.sure(rid) else 0)
+                for medium in {medium for h in ranks for medium in h.tiers}:
+                    m.child(m.kv_event_blocks, rid, medium).set(sum(h.blocks(medium) for h in ranks))
+            if any(key[0] == rid for key in self.tasks):
+                continue
+            if now - self.asked.get(rid, -FIND_EVERY_S) < FIND_EVERY_S:
+                continue
+            self.asked[rid] = now
+            sources = await self._sources(replica)
+            for rank, (pub, replay) in sources.items():
+                self.tasks[(rid, rank)] = asyncio.create_task(
+                    self._follow(replica, rank, pub, replay), name=f"kv events {rid}/{rank}"
+                )
+
+    async def _sources(self, replica: ReplicaState) -> dict[int, tuple[str, str | None]]:
+        configured = self.configured.get(replica.id)
+        if configured is not None:
+            return {0: configured}
+        try:
+            async with self.http().get(
+                replica.url + "/kv_event_sources", timeout=aiohttp.ClientTimeout(total=SOURCES_TIMEOUT_S)
+            ) as r:
+                if r.status != 200:
+                    return {}
+                answer = await r.json(content_type=None, loads=orjson.loads)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+            return {}
+        return sources_of(answer, replica.url)
+
+    async def _follow(self, replica: ReplicaState, rank: int, pub: str, replay: str | None) -> None:
+        holdings = self.truth.holdings(replica.id, rank, _capacity_blocks(replica, None))
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub)
+        log.info("replica %s: reading its KV events from %s (replay: %s)", replica.id, pub, replay or "none")
+        try:
+            await asyncio.sleep(0.2)  # the subscription reaches the publisher before replay is asked
+            if replay is not None:
+                await self._fill(holdings, replay, 0)
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    batch = frames_of(frames)
+                except WireError as exc:
+                    self._bad(replica.id, exc)
+                    continue
+                if holdings.accept(batch) == GAP:
+                    if replay is not None:
+                        await self._fill(holdings, replay, 0 if holdings.seq is None else holdings.seq + 1)
+                    if holdings.accept(batch) == GAP:
+                        holdings.force(batch)
+        finally:
+            sub.close(linger=0)
+
+    async def _fill(self, holdings: Holdings, endpoint: str, wanted: int) -> bool:
+        """Asks the replay socket for everything from `wanted` on and applies it."""
+        batches = await self.replay(endpoint, wanted)
+        if batches is None:
+            holdings.make_unsure()
+            return False
+        if not batches:
+            if wanted == 0:
+                holdings.caught_up()
+                return True
+            holdings.make_unsure()
+            return False
+        return holdings.replayed(batches, wanted)
+
+    async def replay(self, endpoint: str, start: int) -> list[Batch] | None:
+        """The replay socket's batches from `start` on ([] when it has none); None when it did not
+        answer in time."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        out: list[Batch] = []
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await dealer.poll(left * 1000):
+                    return None
+                frames = await dealer.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                try:
+                    if len(frames) >= 2 and seq_of(frames[1]) == END_SEQ:
+                        return out
+                    out.append(frames_of(frames))
+                except WireError as exc:
+                    self._bad(endpoint, exc)
+        finally:
+            dealer.close(linger=0)
+
+    def _bad(self, where: str, exc: WireError) -> None:
+        self.bad_messages += 1
+        if self.bad_messages <= 10 or self.bad_messages % 1000 == 0:
+            log.warning("KV events from %s: %s (%d such messages)", where, exc, self.bad_messages)
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values()) + list(self.checks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.tasks.clear()
+
+    # -- the engine's tokens -------------------------------------------------------------------------
+
+    def fed(self, model: str | None) -> list[ReplicaState]:
+        """The replicas serving `model` whose events the index believes."""
+        skip = self.fleet.not_serving(model)
+        return [r for r in self.fleet.replicas if r.index not in skip and self.truth.sure(r.id)]
+
+    async def tokenized(self, key: RoutingKey, api: Api, body: Mapping[str, Any]) -> RoutingKey:
+        """`key` with its prompt in the engine's tokens, where a replica serving its model is fed by
+        events and the request can be tokenized; else `key` as it is."""
+        prompt = key.prompt
+        if prompt is None or not self.truth or api.path not in (CHAT.path, COMPLETION.path, MESSAGES.path):
+            return key
+        fed = self.fed(key.model)
+        if not fed:
+            return key
+        t0 = time.perf_counter()
+        model = key.model or ""
+        tokenizer = self._tokenizer(model)
+        ids: tuple[int, ...] | None = None
+        source = "render"
+        if tokenizer is not None:
+            with contextlib.suppress(TokenizerError, ValueError, TypeError):
+                ids = _local(tokenizer, api, body)
+                source = "tokenizer"
+        if ids is None:
+            ids = await self.render(fed, api, body)
+            source = "render"
+        m = self.metrics
+        m.child(m.tokenize_seconds, source).observe(time.perf_counter() - t0)
+        if ids is None:
+            return key
+        if source == "tokenizer" and (model not in self.checked or random.random() < self.check_share):
+            self.checked.add(model)
+            task = asyncio.create_task(self._check(model, fed, api, body, ids), name="token check")
+            self.checks.add(task)
+            task.add_done_callback(self.checks.discard)
+        lora = model if model in self.fleet.adapter_names else None
+        salt = body.get("cache_salt")
+        tokens = EngineTokens(len(ids), ids, lora, salt if isinstance(salt, str) and salt else None, source)
+        return replace(key, prompt=replace(prompt, tokens=tokens))
+
+    def _tokenizer(self, model: str) -> Tokenizer | None:
+        if model in self.tokenizers:
+            return self.tokenizers[model]
+        folder = self.tokenizer_dirs.get(model, self.tokenizer_dirs.get("*"))
+        tokenizer = None
+        if folder is not None:
+            try:
+                tokenizer = Tokenizer(folder)
+            except TokenizerError as exc:
+                log.error("model %s: %s; its requests are tokenized by the engine's render endpoint", model, exc)
+        if len(self.tokenizers) < 256:
+            self.tokenizers[model] = tokenizer
+        return tokenizer
+
+    async def render(self, fed: list[ReplicaState], api: Api, body: Mapping[str, Any]) -> tuple[int, ...] | None:
+        """The engine's token ids for this request, from the render endpoint of one of `fed`."""
+        path = RENDER_PATHS.get(api.path, "/v1/completions/render")
+        replica = random.choice(fed)
+        try:
+            async with self.http().post(
+                replica.url + path,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=RENDER_TIMEOUT_S),
+            ) as r:
+                if r.status != 200:
+                    return None
+                answer = await r.json(content_type=None, loads=orjson.loads)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
+            return None
+        if isinstance(answer, list) and answer:  # /v1/completions/render: one per prompt
+            answer = answer[0]
+        ids = answer.get("token_ids") if isinstance(answer, Mapping) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            return None
+        return tuple(ids)
+
+    async def _check(
+        self, model: str, fed: list[ReplicaState], api: Api, body: Mapping[str, Any], ids: tuple[int, ...]
+    ) -> None:
+        engine = await self.render(fed, api, body)
+        m = self.metrics
+        if engine is None:
+            result = "error"
+        elif engine == ids:
+            result = "match"
+        else:
+            result = "mismatch"
+            first = next((i for i, (a, b) in enumerate(zip(engine, ids, strict=False)) if a != b), None)
+            log.warning(
+                "model %s: the router's tokens differ from the engine's (%d against %d tokens, first at %s): "
+                "check tokenizer_dirs",
+                model,
+                len(ids),
+                len(engine),
+                min(len(engine), len(ids)) if first is None else first,
+            )
+        m.child(m.token_checks, model, result).inc()
+
+
+def _capacity_blocks(replica: ReplicaState, holdings: Holdings | None) -> int:
+    size = (holdings.block_size if holdings is not None else None) or replica.engine.block_size
+    tokens = replica.engine.kv_tokens
+    if size and tokens:
+        return max(1, int(tokens // size))
+    return DEFAULT_CAPACITY_BLOCKS
+
+
+def _local(tokenizer: Tokenizer, api: Api, body: Mapping[str, Any]) -> tuple[int, ...] | None:
+    if api is COMPLETION:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        return tokenizer.prompt(prompt) if isinstance(prompt, str) else None
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    if api is MESSAGES:
+        system = body.get("system")
+        if isinstance(system, list):
+            system = "".join(p.get("text", "") for p in system if isinstance(p, Mapping))
+        if isinstance(system, str) and system:
+            messages = [{"role": "system", "content": system}, *messages]
+    return tokenizer.chat(messages)
+
+
+__all__ = ["Feed", "reachable", "sources_of"]

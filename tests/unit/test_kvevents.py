@@ -1,0 +1,285 @@
+"""The engines' KV-cache events: the wire, what a replica holds by them, the router's token keys, the fleet's truth."""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.kvevents.holdings import DUPLICATE, GAP, OK, RESTART, Holdings
+from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError, request_chain, root_of, token_chain
+from router.kvevents.truth import Truth
+from router.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode, frames_of
+from router.prefix import PrefixIndex
+from router.ring import xxh3_64
+
+BS = 4
+
+
+def tagged_stored(hashes, parent, tokens, lora=None, extra=None, medium="GPU"):  # type: ignore[no-untyped-def]
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None if lora is None else 1,
+        "medium": medium,
+        "lora_name": lora,
+        "extra_keys": extra if extra is not None else [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def payload(*events: object, rank: int = 0) -> bytes:
+    return msgpack.packb([1796301048.5, list(events), rank])
+
+
+def batch(seq: int, *events: object) -> Batch:
+    return decode(seq, payload(*events))
+
+
+TOKENS = list(range(100, 124))  # six blocks of four
+
+
+# -- the wire ---------------------------------------------------------------------------------------
+
+
+def test_a_tagged_batch_as_vllm_032_sends_it() -> None:
+    # as recorded from vLLM 0.32: a LoRA request with a cache_salt
+    extra = [["lora-0", "abc"], ["lora-0"]]
+    frames = [b"kv-events", (7).to_bytes(8, "big"), payload(tagged_stored([11, 12], None, TOKENS[:8], "lora-0", extra))]
+    got = frames_of(frames)
+    assert (got.seq, got.rank) == (7, 0)
+    (e,) = got.events
+    assert isinstance(e, Stored)
+    assert e.hashes == (11, 12) and e.parent is None and e.token_ids == tuple(TOKENS[:8])
+    assert (e.block_size, e.medium, e.lora_name, e.salt) == (BS, "GPU", "lora-0", "abc")
+    removed = batch(8, {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 0})
+    assert removed.events == (Removed((11,), "GPU"),)
+    assert batch(9, {"type": "AllBlocksCleared"}).events == (Cleared(),)
+
+
+def test_the_positional_encoding_of_older_vllm() -> None:
+    b = batch(
+        3,
+        ["BlockStored", [b"\x01" * 32], None, TOKENS[:4], BS, None, "CPU"],
+        ["BlockStored", [5], b"\x01" * 32, TOKENS[4:8], BS, None],  # before `medium`: the GPU
+        ["BlockRemoved", [5], "GPU"],
+        ["AllBlocksCleared"],
+    )
+    first, second, removed, cleared = b.events
+    assert isinstance(first, Stored) and first.medium == "CPU" and first.hashes == (b"\x01" * 32,)
+    assert isinstance(second, Stored) and second.medium == "GPU" and second.parent == b"\x01" * 32
+    assert removed == Removed((5,), "GPU") and cleared == Cleared()
+
+
+def test_a_salt_without_an_adapter() -> None:
+    (e,) = batch(0, tagged_stored([1], None, TOKENS[:4], extra=[["salty"]])).events
+    assert isinstance(e, Stored) and e.salt == "salty" and e.lora_name is None
+
+
+@pytest.mark.parametrize(
+    ("frames", "says"),
+    [
+        ([b"t", b"\x00" * 7, payload()], "8"),
+        ([b"t"], "frames"),
+        ([b"t", b"\x00" * 8, b"\xc1"], "msgpack"),
+        ([b"t", b"\x00" * 8, msgpack.packb({"a": 1})], "payload"),
+        ([b"t", b"\x00" * 8, payload({"type": "Mystery"})], "Mystery"),
+        ([b"t", b"\x00" * 8, payload(tagged_stored([1, 2], None, TOKENS[:5]))], "token ids"),
+        ([b"t", b"\x00" * 8, payload(tagged_stored([1.5], None, TOKENS[:4]))], "hash"),
+        ([b"t", b"\x00" * 8, payload(["BlockStored", [1]])], "fields"),
+        ([b"t", b"\x00" * 8, payload(7)], "event"),
+    ],
+)
+def test_bad_messages_are_named_not_crashed_on(frames: list[bytes], says: str) -> None:
+    with pytest.raises(WireError, match=says):
+        frames_of(frames)
+
+
+@given(st.binary(max_size=64))
+def test_any_payload_decodes_or_is_a_wire_error(data: bytes) -> None:
+    try:
+        decode(0, data)
+    except WireError:
+        pass
+
+
+# -- the router's token keys ------------------------------------------------------------------------
+
+
+def test_token_keys_chain_from_the_adapter_and_salt() -> None:
+    root = root_of(None, None)
+    chain = token_chain(TOKENS[:10], BS, root)  # two whole blocks; the rest is no block
+    assert len(chain) == 2
+    k0 = xxh3_64(array("Q", TOKENS[:4]).tobytes(), root)
+    assert chain[0] == k0 and chain[1] == xxh3_64(array("Q", TOKENS[4:8]).tobytes(), k0)
+    assert token_chain(TOKENS[:8], BS, root_of("lora-0", None))[0] != k0
+    assert token_chain(TOKENS[:8], BS, root_of(None, "salt"))[0] != k0
+    assert root_of("a", "b") != root_of("ab", None) != root_of(None, "ab")
+
+
+def test_a_request_never_counts_its_last_token() -> None:
+    # 8 tokens in blocks of 4: an engine computes the last token anyway, so one block at most is a hit
+    assert len(request_chain(TOKENS[:8], BS, 0)) == 1
+    assert len(request_chain(TOKENS[:9], BS, 0)) == 2
+    tokens = EngineTokens(9, tuple(TOKENS[:9]), None, None, "render")
+    assert tokens.chain(BS) == request_chain(TOKENS[:9], BS, root_of(None, None))
+
+
+# -- what one replica holds ---------------------------------------------------------------------------
+
+
+def holdings(capacity: int = 100) -> Holdings:
+    return Holdings(PrefixIndex(), capacity)
+
+
+def chain_of(tokens: list[int], lora: str | None = None, salt: str | None = None) -> array[int]:
+    return token_chain(tokens, BS, root_of(lora, salt))
+
+
+def test_stored_blocks_are_found_by_a_request_in_the_same_tokens() -> None:
+    h = holdings()
+    assert h.unsure  # nothing is known before the first message
+    assert h.accept(batch(0, tagged_stored([1, 2, 3], None, TOKENS[:12]))) == OK
+    assert h.sure and h.block_size == BS
+    # a later turn: its parent is the engine's hash of block 3
+    assert h.accept(batch(1, tagged_stored([4], 3, TOKENS[12:16]))) == OK
+    request = EngineTokens(21, tuple(TOKENS[:21]), None, None, "render")
+    assert h.match(request.chain(BS)) == 4
+    # another adapter's request in the same tokens holds nothing here
+    assert h.match(EngineTokens(21, tuple(TOKENS[:21]), "lora-0", None, "render").chain(BS)) == 0
+    # vLLM frees a request's blocks tail first, and evicts the least recently freed: leaves go first
+    h.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [4], "medium": "GPU"}))
+    h.accept(batch(3, {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}))
+    assert h.match(request.chain(BS)) == 2
+    h.accept(batch(4, {"type": "AllBlocksCleared"}))
+    assert h.match(request.chain(BS)) == 0 and h.blocks() == 0
+
+
+def test_adapters_and_salts_as_the_engine_keeps_them() -> None:
+    h = holdings()
+    extra = [["lora-0", "s"], ["lora-0"]]
+    h.accept(batch(0, tagged_stored([1, 2], None, TOKENS[:8], "lora-0", extra)))
+    assert h.match(chain_of(TOKENS[:8], "lora-0", "s")) == 2
+    assert h.match(chain_of(TOKENS[:8], "lora-0")) == 0 and h.match(chain_of(TOKENS[:8])) == 0
+
+
+def test_a_block_whose_parent_was_never_seen_is_counted_not_guessed() -> None:
+    h = holdings()
+    h.accept(batch(0, tagged_stored([9], 1234, TOKENS[4:8])))
+    assert h.figures.orphans == 1 and h.blocks() == 0
+
+
+def test_sequence_numbers_decide_what_is_believed() -> None:
+    h = holdings()
+    assert h.accept(batch(0, tagged_stored([1], None, TOKENS[:4]))) == OK
+    assert h.accept(batch(0, tagged_stored([1], None, TOKENS[:4]))) == RESTART  # a live publisher never repeats 0
+    assert h.figures.restarts == 1 and h.blocks() == 1
+    assert h.accept(batch(1, tagged_stored([2], 1, TOKENS[4:8]))) == OK
+    assert h.accept(batch(1, tagged_stored([2], 1, TOKENS[4:8]))) == DUPLICATE
+    missed = batch(2, tagged_stored([3], 2, TOKENS[8:12]))
+    later = batch(3, tagged_stored([4], 3, TOKENS[12:16]))
+    assert h.accept(later) == GAP and h.seq == 1  # nothing applied past the gap
+    assert h.replayed([missed, later], 2) and h.sure and h.seq == 3
+    assert h.match(chain_of(TOKENS[:16])) == 4 and h.figures.replayed == 2
+    assert h.accept(later) == DUPLICATE
+
+
+def test_a_gap_replay_cannot_fill_leaves_it_unsure_until_the_cache_turned_over() -> None:
+    h = holdings(capacity=5)
+    h.accept(batch(0, tagged_stored([1], None, TOKENS[:4])))
+    b = batch(9, tagged_stored([11], None, TOKENS[4:8]))
+    assert h.accept(b) == GAP
+    assert not h.replayed([batch(7, tagged_stored([10], None, TOKENS[8:12])), b], 1)  # replay starts at 7
+    assert h.unsure and h.seq == 9 and h.figures.unsure_episodes == 1
+    h.force(batch(10, tagged_stored([12, 13], None, TOKENS[:8])))
+    assert h.unsure  # 4 blocks stored since, of 5
+    h.accept(batch(11, tagged_stored([14], None, TOKENS[12:16])))
+    assert h.sure  # the cache has turned over once: what it holds now, it was told
+
+
+def test_a_first_message_past_zero_is_a_late_join() -> None:
+    h = holdings()
+    assert h.accept(batch(5, tagged_stored([1], None, TOKENS[:4]))) == GAP
+    assert h.replayed([batch(i, tagged_stored([i + 10], None, TOKENS[:4])) for i in range(6)], 0)
+    assert h.sure and h.seq == 5
+
+
+def test_an_empty_replay_means_nothing_was_published_yet() -> None:
+    h = holdings()
+    h.caught_up()
+    assert h.sure and h.seq is None
+    assert h.accept(batch(0, tagged_stored([1], None, TOKENS[:4]))) == OK
+
+
+def test_after_a_health_outage_the_next_message_tells() -> None:
+    h = holdings()
+    h.accept(batch(0, tagged_stored([1], None, TOKENS[:4])))
+    h.suspect()
+    assert not h.sure
+    assert h.accept(batch(1, tagged_stored([2], 1, TOKENS[4:8]))) == OK and h.sure  # it only paused
+    h.suspect()
+    assert h.accept(batch(0, tagged_stored([7], None, TOKENS[8:12]))) == RESTART and h.sure  # it restarted
+    assert h.match(chain_of(TOKENS[:8])) == 0 and h.blocks() == 1
+
+
+def test_memory_is_bounded_by_the_engines_capacity() -> None:
+    h = holdings(capacity=8)
+    for seq in range(100):  # every removal missed
+        tokens = [seq * 1000 + t for t in range(BS)]
+        h.accept(batch(seq, tagged_stored([seq + 1], None, tokens)))
+    assert h.blocks() <= 8 and len(h.tiers["GPU"].keys) <= 8 * 1.25 + 64
+
+
+def test_a_second_tier_is_held_apart() -> None:
+    h = holdings()
+    h.accept(batch(0, tagged_stored([1, 2], None, TOKENS[:8])))
+    h.accept(batch(1, tagged_stored([3], 2, TOKENS[8:12], medium="CPU")))  # its parent is on the GPU
+    assert h.match(chain_of(TOKENS[:12])) == 2
+    assert h.match(chain_of(TOKENS[:12]), "CPU") == 0  # the CPU tier holds block 3, not blocks 1 and 2
+    h.accept(batch(2, tagged_stored([1, 2], None, TOKENS[:8], medium="CPU")))
+    assert h.match(chain_of(TOKENS[:12]), "CPU") == 3
+    h.accept(batch(3, {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}))
+    assert h.match(chain_of(TOKENS[:12])) == 1 and h.match(chain_of(TOKENS[:12]), "CPU") == 3
+
+
+# -- the fleet's truth -------------------------------------------------------------------------------
+
+
+def test_truth_answers_only_for_believed_replicas_and_prices_a_second_tier() -> None:
+    truth = Truth(tier_tokens_per_s=40_000)
+    tokens = EngineTokens(17, tuple(TOKENS[:17]), None, None, "render")
+    assert truth.held("a", tokens, {}) is None  # it publishes nothing
+    a = truth.holdings("a", 0, 100)
+    assert truth.held("a", tokens, {}) is None  # nothing believed yet
+    a.accept(batch(0, tagged_stored([1, 2], None, TOKENS[:8])))
+    a.accept(batch(1, tagged_stored([1, 2, 3, 4], None, TOKENS[:16], medium="CPU")))
+    found = truth.held("a", tokens, {})
+    assert found is not None and (found.gpu_tokens, found.tier_tokens) == (8, 8)
+    # at 10,000 tokens/s a token computed costs 1e-4 s, one loaded 2.5e-5 s: each saves three quarters
+    assert truth.credit(found, 1e-4) == pytest.approx(8 + 8 * 0.75)
+    assert truth.credit(found, 1e-5) == 8  # a tier slower than computing is worth nothing
+    b0, b1 = truth.holdings("b", 0, 100), truth.holdings("b", 1, 100)
+    b0.accept(batch(0, tagged_stored([1], None, TOKENS[:4])))
+    b1.accept(batch(0, tagged_stored([1, 2, 3], None, TOKENS[:12])))
+    found = truth.held("b", tokens, {})
+    assert found is not None and found.gpu_tokens == 12  # the best rank's
+    b1.suspect()
+    assert truth.held("b", tokens, {}) is None and not truth.sure("b")
+    truth.forget("b")
+    assert truth.of("b") == [] and truth.index.n_holders == 4  # a's two tiers, and b's two ranks' freed numbers
+
+
+# -- the model's own tokenizer ------------------------------------------------------------------------
+
+
+def test_a_folder_without_a_tokenizer_is_named(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
+        Tokenizer(tmp_path)
