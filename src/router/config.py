@@ -74,6 +74,10 @@ class RouterConfig:
     ttft_spread_tokens: float = 2000.0
     ttft_gate_c: float = 1.5  # never a replica past max(ceil(c x (in flight + 1) / replicas), mean + floor)
     ttft_stay_share: float = 1.0  # the conversation's replica keeps it unless another costs < 1 / (1 + this) of it
+    # ... and a keyed session's replica, not past the gate, unless moving also saves this many times
+    # what the move costs the fleet: its recompute, for itself and all it delays there, and what it evicts
+    ttft_move_weight: float = 1.0
+    ttft_move_cooldown_s: float = 60.0  # a session moved by cost does not move by cost again for this long
     ttft_tie_s: float = 0.001  # costs this close are equal (the least full, then the ring, break the tie)
     ttft_tie_share: float = 0.1  # ... or this close as a share of the cheapest
     # ttft: a request for a LoRA adapter loaded on other replicas costs this much more time to first
@@ -283,6 +287,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "ttft_spread_tokens",
         "ttft_interference",
         "ttft_stay_share",
+        "ttft_move_weight",
+        "ttft_move_cooldown_s",
         "ttft_queue_gain",
         "adapter_load_s",
     ):

@@ -359,3 +359,42 @@ async def test_ttft_learns_a_prefill_speed_only_from_a_request_that_had_the_repl
     alone.release(replica)
     alone.served(replica, Served(200, 0.2, 2300, 0, 10, streamed=True, token_s=0.2), "/v1/chat/completions", b"{}")
     assert held.samples == 1 and held.seconds_per_token != prior
+
+
+@pytest.mark.parametrize("cause", ["health", "membership"])
+async def test_ttft_counts_a_session_whose_replica_left_by_that_cause_not_by_cost(cause: str) -> None:
+    """Its replica left routing, and another holds the conversation's prompt: the session goes
+    there, and its jump counts as the replica's leaving, not as a move the policy chose."""
+    routing, clock, _ = core("ttft")
+    placement, fleet = routing.placement, routing.fleet
+    assert placement is not None
+    k = prompt_key("a long document " * 200)
+    _, home = await serve(routing, clock, k)
+    other = next(r for r in fleet.replicas if r is not home)
+    assert k.prompt is not None
+    placement.index.insert(placement.of(other).holder, k.prompt.chain)  # another reader sent it there
+    if cause == "health":
+        home.health.state = "removed"
+        fleet.apply_health(home, clock.now)
+    else:
+        fleet.remove(home.id)
+    route, replica = await serve(routing, clock, k)
+    assert replica is other and route.decision is not None and route.decision.reason == "ring"
+    assert jumps(routing) == {cause: 1.0}
+
+
+async def test_ttft_a_session_moved_by_cost_stays_on_its_new_replica_for_the_cool_down() -> None:
+    routing, clock, _ = core("ttft", replicas=2, prefill_tokens_per_s="10000", bounded_load_floor="100")
+    placement, fleet = routing.placement, routing.fleet
+    assert placement is not None
+    k = prompt_key("a long document " * 200)
+    _, home = await serve(routing, clock, k)
+    placement.set_busy(placement.of(home), clock.now + 5.0)  # five seconds queued there
+    route, moved = await serve(routing, clock, k)
+    assert moved is not home and route.decision is not None and route.decision.reason == "cost"
+    assert jumps(routing) == {"cost": 1.0}
+    clock.now += 10  # its new replica has a queue now; the old one is idle and holds it all
+    placement.set_busy(placement.of(moved), clock.now + 5.0)
+    route, again = await serve(routing, clock, k)
+    assert again is moved and route.decision is not None and route.decision.reason == "sticky"
+    assert fleet.find(home.id) is home and jumps(routing) == {"cost": 1.0}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from router.config import RouterConfig, parse_replica
-from router.fleet import Fleet
+from router.fleet import Fleet, ReplicaState
 from router.health.signals import EngineStats
 from router.keys import RoutingKey
 from router.placement import Placed, Placement
@@ -497,7 +497,7 @@ def test_a_session_stays_unless_moving_saves_a_real_share_of_its_cost() -> None:
     policy.placement.set_busy(held, clock.now + 0.3)  # staying costs 0.3 s; moving, ~0.21 s of recompute
     stay = policy.pick(key, fleet.replicas[1].id, ())
     assert stay is not None and stay.index == 1 and stay.reason == "sticky"
-    policy.stay_share = 0.0  # without the margin the cheaper guess wins
+    policy.stay_share = policy.move_weight = 0.0  # without the margin (or the move's price) the cheaper guess wins
     moved = policy.pick(key, fleet.replicas[1].id, ())
     assert moved is not None and moved.index == 0 and moved.reason == "cost"
 
@@ -517,6 +517,100 @@ def test_the_gate_leaves_a_session_within_the_floor_of_the_fleets_mean() -> None
         fleet.acquire(fleet.replicas[0])
     spill = policy.pick(key, fleet.replicas[0].id, ())
     assert spill is not None and spill.index != 0 and spill.reason == "spill"
+
+
+def fill(policy: Ttft, replica: ReplicaState, *documents: int) -> None:
+    """`replica`'s LRU full of other conversations' documents: whatever is sent there evicts some."""
+    placement = policy.placement
+    held = placement.of(replica)
+    for i in documents:
+        prompt = prompt_of(chat(doc(i, 2000), "q?"), BLOCK)
+        assert prompt is not None
+        placement.index.insert(held.holder, prompt.chain)
+    held.blocks = placement.index.size(held.holder)
+    placement.index.set_capacity(held.holder, held.blocks)
+
+
+def test_a_keyed_session_stays_unless_the_move_pays_for_what_it_costs_the_fleet() -> None:
+    """Staying costs 0.5 s (its replica's queue), moving 0.21 s (the history recomputed on an idle
+    replica): under half, so the session moved. Priced for the fleet it does not: that replica's
+    cache is full (the recompute evicts as much of others' context) or others queued three
+    requests there (each waits for it). A long queue at home still moves it."""
+    for crowded in ("full cache", "queued there"):
+        fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, bounded_load_floor=100)
+        placement = policy.placement
+        key = keyed("s1", chat(doc(1, 2000), "a?", "b?"))
+        home, other = fleet.replicas[1], fleet.replicas[0]
+        placement.set_busy(placement.of(home), clock.now + 0.5)
+        if crowded == "full cache":
+            fill(policy, other, 2, 3)
+        else:
+            other.engine = EngineStats(waiting=3)
+        stay = policy.pick(key, home.id, ())
+        assert stay is not None and stay.index == 1 and stay.reason == "sticky", crowded
+        rows = {c.index: c for c in placement.rows()}
+        assert rows[0].cost_s < rows[1].cost_s / 2  # the cheaper guess by far, for this request alone
+        recompute = (rows[0].uncached_tokens - rows[1].uncached_tokens) / 10_000
+        assert recompute == pytest.approx(0.2, rel=0.05)
+        price = policy.move_price(rows[1], rows[0])
+        assert price == pytest.approx(2 * recompute if crowded == "full cache" else 4 * recompute)
+        placement.set_busy(placement.of(home), clock.now + 5.0)  # a long queue: the move pays
+        moved = policy.pick(key, home.id, ())
+        assert moved is not None and moved.index == 0 and moved.reason == "cost", crowded
+
+
+def test_a_session_moved_by_cost_rests_and_never_flips_back() -> None:
+    fleet, policy, clock = setup(3, prefill_tokens_per_s=10_000, bounded_load_floor=0)
+    placement = policy.placement
+    first = prompt_of(chat(doc(1, 2000), "a?"), BLOCK)
+    key = keyed("s1", chat(doc(1, 2000), "a?", "b?"))
+    assert first is not None and key.prompt is not None
+    a = fleet.replicas[0]
+    placement.index.insert(placement.of(a).holder, first.chain)  # its first turn was answered on A
+    placement.set_busy(placement.of(a), clock.now + 5.0)
+    explained, _ = policy.decide(key, key.prompt, a.id, ())  # /admin/route: nothing is remembered
+    assert explained is not None and explained.reason == "cost" and not policy.moves
+    d = policy.pick(key, a.id, ())
+    assert d is not None and d.index != 0 and d.reason == "cost" and d.cost is not None
+    b = fleet.replicas[d.index]
+    c = next(r for r in fleet.replicas if r not in (a, b))
+    placement.sent(b, key.prompt, d.cost, clock.now)  # served there: B holds it all now
+    # 10 s later B has 5 s queued, A is idle and holds most of it: within the cool-down it stays
+    clock.now += 10
+    placement.set_busy(placement.of(b), clock.now + 5.0)
+    stay = policy.pick(key, b.id, ())
+    assert stay is not None and stay.index == b.index and stay.reason == "sticky"
+    for _ in range(2):  # ... unless B is past the gate: a spill is no cost move
+        fleet.acquire(b)
+    spill = policy.pick(key, b.id, ())
+    assert spill is not None and spill.index != b.index and spill.reason == "spill"
+    for _ in range(2):
+        fleet.release(b)
+    # past the cool-down it may move again, never back to A (the cheapest: it holds the history)
+    clock.now += 60
+    placement.set_busy(placement.of(b), clock.now + 5.0)
+    back = policy.pick(key, b.id, ())
+    assert back is not None and back.index == b.index and back.reason == "sticky"
+    for _ in range(2):  # with A past the gate, C is the cheapest: that move is made
+        fleet.acquire(a)
+    onward = policy.pick(key, b.id, ())
+    assert onward is not None and onward.index == c.index and onward.reason == "cost"
+
+
+def test_a_move_that_did_not_take_leaves_no_cool_down() -> None:
+    """The session was sent away by cost, but its next turn says it was served at home still (the
+    attempt failed over back there): no cool-down holds it."""
+    fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, bounded_load_floor=100)
+    placement = policy.placement
+    key = keyed("s1", chat(doc(1, 2000), "a?", "b?"))
+    home = fleet.replicas[1]
+    placement.set_busy(placement.of(home), clock.now + 5.0)
+    d = policy.pick(key, home.id, ())
+    assert d is not None and d.reason == "cost" and b"s1" in policy.moves
+    clock.now += 1
+    placement.set_busy(placement.of(home), clock.now + 5.0)
+    again = policy.pick(key, home.id, ())
+    assert again is not None and again.index == 0 and again.reason == "cost"
 
 
 def test_a_replicas_speed_is_weighed_against_the_replicas_of_its_own_models() -> None:

@@ -19,20 +19,45 @@ the replica a session was served on last holds that session's whole history, its
    conversation there: the session's last replica among them keeps it, else the least full of
    them, else the first of those clockwise on the ring from the key: an idle fleet places new
    sessions as consistent hashing would (routers with no shared state agree), never by list order.
-3. The replica holding the conversation (a keyed session's own; for a keyless request, the one
-   holding at least half its prompt) keeps it unless another costs less than 1 / (1 +
-   `ttft_stay_share`) of its cost: a move leaves a cache behind, and near-equal guesses are noise.
-4. A hot shared prefix gains a second holder by itself: once its holder's queue costs more than
+3. A keyless request's home (the replica holding at least half its prompt) keeps it unless another
+   costs less than 1 / (1 + `ttft_stay_share`) of its cost: a move leaves a cache behind, and
+   near-equal guesses are noise.
+4. A keyed session's replica, while it is not past the gate, keeps the session unless the time a
+   move saves this turn pays for what the move costs the fleet (`move_price`):
+
+       cost(home) - cost(other) > ttft_stay_share x cost(other) + ttft_move_weight x price
+       price = history x s/token x (1 + behind) + (history - free)+ x s/token
+
+   where history = uncached(other) - uncached(home) is the session's context computed again
+   there, behind the requests in flight there and those others queued there (probed), each of
+   which waits for that recompute, free the room left in that replica's LRU (past it, the history
+   evicts as much of other conversations' context, recomputed when they come back), and s/token
+   its learnt prefill speed. A session that moved so (reason `cost`) makes no other such move for
+   `ttft_move_cooldown_s`, and none back to the replica it left while the router remembers the
+   move (`sticky_ttl_s`): a conversation does not flip between two replicas on guesses. Spills
+   (its replica past the gate) and retries move it as before.
+5. A hot shared prefix gains a second holder by itself: once its holder's queue costs more than
    recomputing the prefix elsewhere, the next request goes elsewhere, and that replica holds it too.
 
-A session jumps only when moving is cheaper, its recompute counted (reason `cost`), when its
-replica is past the gate (`spill`), or on a retry (`failover`). Requests whose prompt the index
-cannot use (no whole block: an embedding of a word, an empty prompt) are placed as by `affinity`.
+Worked example, 10,000 tokens a second everywhere, a 2,000-token history: its replica has 0.5 s
+of prefill queued, another is idle but its KV cache is full. Staying costs 0.5 s, moving 0.2 s
+(the recompute), and the move's price is 0.2 s of recompute plus 0.2 s of others' context it
+evicts: 0.5 - 0.2 = 0.3 s saved is less than 1 x 0.2 + 1 x 0.4, so the session stays (it moved
+before, 0.5 s being more than twice 0.2 s). With 5 s queued it moves (4.8 s saved). With the other
+replica's cache half empty and three requests queued there instead, the price is 0.2 x 4 = 0.8 s.
+
+A session jumps only when moving pays as above (reason `cost`), when its replica is past the gate
+(`spill`), or on a retry (`failover`). One whose replica cannot take it goes where a new
+conversation would, with reason `ring` (router.routing counts its jump by that replica's state:
+gone, draining, out of routing), or `spill` where that replica is routable yet no candidate
+(full, or not serving the model). Requests whose prompt the index cannot use (no whole block: an embedding
+of a word, an empty prompt) are placed as by `affinity`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from router.config import RouterConfig
 from router.fleet import Fleet
@@ -45,6 +70,15 @@ from router.prompt import Prompt
 HOME_SHARE = 0.5  # a keyless conversation's home holds at least this share of its prompt (not only an opening)
 
 
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A keyed session sent away from its replica by cost: when, from where, to where."""
+
+    at: float  # the placement's clock
+    left: str  # the replica it left
+    to: str  # the replica it was sent to (the move took only if its next turn says it was served there)
+
+
 class Ttft(Policy):
     name = "ttft"
     keyed = True
@@ -54,12 +88,24 @@ class Ttft(Policy):
         self.placement: Placement = Placement(fleet, config)
         self.fallback = Affinity(fleet, config)
         self.stay_share = config.ttft_stay_share
+        self.move_weight = config.ttft_move_weight
+        self.cooldown_s = config.ttft_move_cooldown_s
+        # the sessions moved by cost, oldest first: no move again within the cool-down, none back
+        # while remembered (as long as a session entry lives, and as many)
+        self.moves: dict[bytes, Move] = {}
+        self.moves_ttl_s = max(config.sticky_ttl_s, self.cooldown_s)
+        self.moves_kept = config.sticky_max_sessions
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         prompt = key.prompt
         if prompt is None:
             return self.fallback.pick(key, last, exclude)
-        return self.decide(key, prompt, last, exclude)[0]
+        decision = self.decide(key, prompt, last, exclude)[0]
+        if decision is not None and decision.reason == "cost" and last is not None and self.evidence(key, last):
+            # a keyed session leaves a replica that could have kept it (only `pick` remembers:
+            # /admin/route's explanations send nothing)
+            self._moved(key.key, Move(self.placement.clock(), last, self.fleet.replicas[decision.index].id))
+        return decision
 
     @staticmethod
     def evidence(key: RoutingKey, last: str | None) -> str | None:
@@ -103,25 +149,95 @@ class Ttft(Policy):
                 least = {i for i in close if fleet.fullness(i) == fewest}
                 ring_key = key.key if key.kind != "none" else prompt.chain.tobytes()[:8]
                 best = next((i for i in fleet.ring.successors(ring_key) if i in least), min(least))
-        if self.stay_share:
-            # the replica that holds the conversation keeps it unless moving saves a real share of
-            # its cost: a move costs the cache it leaves behind, and near-equal guesses are noise
-            home = last_index if last_index is not None else holding
-            if home is not None and home >= 0 and home != best and placement.stays(home, best, self.stay_share):
-                best = home
+        if last_index is not None:
+            # a keyed session's replica keeps it unless the move pays for what it costs the fleet
+            if best != last_index and not placement.row(last_index).gated and self.keeps(key.key, last_index, best):
+                best = last_index
+        elif self.stay_share and holding >= 0 and holding != best and placement.stays(holding, best, self.stay_share):
+            # the replica that holds a keyless conversation keeps it unless moving saves a real share
+            # of its cost: a move costs the cache it leaves behind, and near-equal guesses are noise
+            best = holding
         chosen = placement.row(best)
-        return Decision(best, self._reason(chosen, last_index, tried, placement, tie), chosen), placement
+        orphan = None
+        if last_index is None and (session := self.evidence(key, last)) is not None:
+            previous = fleet.find(session)
+            orphan = previous is not None and previous.index is not None and fleet.routable(previous.index)
+        return Decision(best, self._reason(chosen, last_index, tried, placement, tie, orphan), chosen), placement
+
+    def keeps(self, session: bytes, home: int, other: int) -> bool:
+        """After `price`: the session's replica `home` (not past the gate) keeps it from the cheaper
+        `other`: the move is within the session's cool-down, or back to the replica it left, or
+        saves less than `ttft_stay_share` of the other's cost plus `ttft_move_weight` times its
+        price to the fleet (`move_price`)."""
+        placement, replicas = self.placement, self.fleet.replicas
+        move = self._move_of(session, replicas[home].id, placement.clock())
+        if move is not None and (placement.clock() - move.at < self.cooldown_s or replicas[other].id == move.left):
+            return True
+        stay, there = placement.row(home), placement.row(other)
+        saving = stay.cost_s - there.cost_s
+        return saving <= self.stay_share * there.cost_s + self.move_weight * self.move_price(stay, there)
+
+    def move_price(self, stay: Candidate, there: Candidate) -> float:
+        """Seconds of the fleet's time a session's move from `stay` to `there` costs beyond its own
+        first token (rows of the latest `price`): the history it recomputes there, once for itself
+        and once for each request in flight or queued there, which waits for it; and the tokens of
+        other conversations' context it pushes out of that KV cache (the history past the free room
+        of the replica's LRU), recomputed when they come back. At that replica's prefill speed."""
+        placement, fleet = self.placement, self.fleet
+        replica = fleet.replicas[there.index]
+        held = placement.of(replica)
+        spt = held.seconds_per_token
+        history = max(there.uncached_tokens - stay.uncached_tokens, 0.0)
+        load = fleet.loads[there.index]
+        waiting = replica.engine.waiting
+        behind = load + max((waiting or 0) - load, 0)  # as priced: what others queued there beyond ours
+        block_tokens = placement.block_bytes / placement.bytes_per_token
+        free = max(held.blocks - placement.blocks_held(replica.id), 0) * block_tokens  # its LRU's room
+        return history * spt * (1 + behind) + max(history - free, 0.0) * spt
+
+    def _move_of(self, session: bytes, serving: str, now: float) -> Move | None:
+        """The session's remembered move, if it took (it is served where it was sent) and is not
+        forgotten yet."""
+        move = self.moves.get(session)
+        if move is None:
+            return None
+        if move.to != serving or now - move.at > self.moves_ttl_s:
+            del self.moves[session]  # it did not take (a retry went elsewhere), or it is old
+            return None
+        return move
+
+    def _moved(self, session: bytes, move: Move) -> None:
+        moves = self.moves
+        moves.pop(session, None)  # (to the end: the dict is oldest first)
+        moves[session] = move
+        while moves:
+            oldest = next(iter(moves.values()))
+            if len(moves) <= self.moves_kept and move.at - oldest.at <= self.moves_ttl_s:
+                break
+            del moves[next(iter(moves))]
 
     @staticmethod
     def _reason(
-        chosen: Candidate, last_index: int | None, exclude: Collection[int], placement: Placement, tie: bool
+        chosen: Candidate,
+        last_index: int | None,
+        exclude: Collection[int],
+        placement: Placement,
+        tie: bool,
+        orphan: bool | None,
     ) -> str:
+        """`orphan`: for a keyed session whose replica is no candidate, whether that replica is
+        routable (None for every other request)."""
         if exclude:
             return "failover"
         if last_index is not None:
             if chosen.index == last_index:
                 return "sticky"
             return "spill" if placement.row(last_index).gated else "cost"
+        if orphan is not None:
+            # a keyed session whose replica cannot take it: no cost of this policy moved it; its
+            # jump counts by that replica's state (router.routing: gone, draining, out of routing),
+            # or as a spill where it is in routing yet no candidate (full, or not serving the model)
+            return "spill" if orphan else "ring"
         if chosen.cached_tokens > 0:
             return "prefix"
         return "ring" if tie else "cost"

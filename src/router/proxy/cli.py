@@ -71,6 +71,12 @@ HELP = {
     "ceil((in flight + 1) / replicas) + bounded_load_floor), c >= 1 (default 1.5)",
     "ttft_stay_share": "ttft: the replica holding a conversation (a keyed session's, or one holding half a keyless "
     "prompt) keeps it unless another costs less than 1 / (1 + this) of its cost (default 1: half; 0 turns it off)",
+    "ttft_move_weight": "ttft: a keyed session's replica, not past the gate, keeps it unless moving saves more than "
+    "ttft_stay_share x the other's cost plus this times the move's price to the fleet: the history recomputed "
+    "there, once for itself and once for each request in flight or queued there, and the context of others it "
+    "evicts there (default 1; 0: the stay share alone)",
+    "ttft_move_cooldown_s": "ttft: a session moved by cost makes no other such move for this many seconds, and none "
+    "back to the replica it left while its move is remembered (sticky_ttl_s) (default 60)",
     "ttft_tie_s": "ttft: costs within this many seconds of the cheapest count as equal: the least full of them, "
     "then the ring, breaks the tie (default 0.001)",
     "ttft_tie_share": "ttft: ... or within this share of the cheapest cost (default 0.1)",
