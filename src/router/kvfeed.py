@@ -124,6 +124,8 @@ class Feed:
         self.checked: set[str] = set()  # models whose first tokenization was checked
         self.checks: set[asyncio.Task[None]] = set()
         self.bad_messages = 0
+        # replica id -> messages to lose on arrival, as a network would (how tests reach the replay path)
+        self.lose: dict[str, int] = {}
 
     # -- subscribers -------------------------------------------------------------------------------
 
@@ -196,6 +198,9 @@ class Feed:
                 await self._fill(holdings, replay, 0)
             while True:
                 frames = await sub.recv_multipart()
+                if self.lose.get(replica.id):
+                    self.lose[replica.id] -= 1
+                    continue
                 try:
                     batch = frames_of(frames)
                 except WireError as exc:
@@ -204,7 +209,8 @@ class Feed:
                 if holdings.accept(batch) == GAP:
                     if replay is not None:
                         await self._fill(holdings, replay, 0 if holdings.seq is None else holdings.seq + 1)
-                    if holdings.accept(batch) == GAP:
+                    missing = holdings.seq is None or batch.seq > holdings.seq  # else the replay had it
+                    if missing and holdings.accept(batch) == GAP:
                         holdings.force(batch)
         finally:
             sub.close(linger=0)

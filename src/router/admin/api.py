@@ -99,6 +99,8 @@ class AdminApi:
             "max_lora": r.max_lora,
             "engine": dataclasses.asdict(r.engine),
             "prefix_index": self._index_json(r),
+            # what its engine's KV-cache events say it holds (router.kvfeed); None: it publishes none
+            "kv_events": placement.truth.figures(r.id) if (placement := self.node.policy.placement) else None,
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,
             "slow_start_since": self.node.membership.warming_since.get(r.id) if r.state == "warming" else None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -76,6 +77,8 @@ class VllmServer:
     adapters: tuple[str, ...] = ()  # of ADAPTERS, served under their own names (--enable-lora)
     max_loras: int = 1
     scale_out: bool = False  # the /render endpoints (vllm-router's cache_aware posts to them)
+    events_port: int | None = None  # publish KV-cache events on tcp://*:PORT (ZMQ PUB; topic kv-events)
+    replay_port: int | None = None  # ... and answer replay requests on tcp://*:PORT (ZMQ ROUTER)
     extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     name: str = ""
@@ -122,6 +125,16 @@ class VllmServer:
             cmd += [f"{a}={self.root / a}" for a in self.adapters]
         if self.scale_out:
             cmd.append("--enable-scale-out")
+        if self.events_port is not None:
+            events: dict[str, object] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.events_port}",
+                "topic": "kv-events",
+            }
+            if self.replay_port is not None:
+                events["replay_endpoint"] = f"tcp://*:{self.replay_port}"
+            cmd += ["--kv-events-config", json.dumps(events)]
         return cmd + list(self.extra)
 
     def environment(self) -> dict[str, str]:

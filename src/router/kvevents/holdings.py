@@ -10,8 +10,8 @@ its removals back to keys: `engine hash -> key`, per medium.
 
 Sequence numbers decide what is believed (`accept`):
 - the next number: applied;
-- 0 after anything else: the engine restarted, its cache empty: cleared, then applied;
-- a number already seen: a replayed duplicate, skipped;
+- a number already seen, or lower (a live publisher never goes back): the engine restarted, its
+  cache empty: cleared, then applied if it is 0, else its first messages were lost: a gap from 0;
 - a gap (or a first message that is not 0: the router joined late): `GAP`, and the caller asks
   the engine's replay socket for what is missing (`replayed`); what replay cannot cover leaves the
   replica `unsure`: its blocks are still kept and updated, but routing reads today's model for it
@@ -41,7 +41,7 @@ from router.kvevents.tokens import root_of, token_chain
 from router.kvevents.wire import MEDIUM_GPU, Batch, Cleared, Removed, Stored
 from router.prefix import PrefixIndex
 
-OK, RESTART, DUPLICATE, GAP = "ok", "restart", "duplicate", "gap"
+OK, RESTART, GAP = "ok", "restart", "gap"
 TRIM_SLACK = 1.25  # the hash map is trimmed once it holds this many times the tier's capacity (and 64 more)
 
 
@@ -111,20 +111,24 @@ class Holdings:
     # -- what its engine says ------------------------------------------------------------------------
 
     def accept(self, batch: Batch) -> str:
-        """Applies `batch` if it is the next one (or a restart's first); says what it was."""
+        """Applies `batch` if it is the next one (or a restarted engine's first); says what it was.
+        A live publisher never sends a number twice nor goes back: one that does started again
+        (its cache empty); if its first messages were lost on the way, that is a GAP from 0."""
         seq = batch.seq
         last = self.seq
         restarted = False
-        if last is not None and seq <= last and seq != 0:
-            return DUPLICATE
-        if seq == 0 and last is not None and last >= 0:
-            self._restarted()  # a live publisher never sends 0 twice: the engine started again, empty
+        if last is not None and seq <= last:
+            self._restarted()
             restarted = True
-        elif (last is None and seq != 0) or (last is not None and seq != last + 1):
+            last = None
+        if last is None and seq != 0:
             self.figures.gaps += 1
             return GAP
-        if seq == 0 and last is None:
-            self._clear()  # the engine's first message: it started empty, and so does this
+        if last is not None and seq != last + 1:
+            self.figures.gaps += 1
+            return GAP
+        if last is None:  # message 0: the engine's first, it started empty (and so does this)
+            self._clear()
             self._believe()
         self.suspect_since_seq = None  # the next message after a health outage: nothing was missed
         self.apply(batch)
@@ -203,9 +207,8 @@ class Holdings:
     def _restarted(self) -> None:
         self.figures.restarts += 1
         self._clear()
-        self.seq = -1
+        self.seq = None
         self.suspect_since_seq = None
-        self._believe()
 
     def _clear(self) -> None:
         for t in self.tiers.values():
@@ -264,4 +267,4 @@ class Holdings:
         self.index.truncate(t.holder, gone, 0)
 
 
-__all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings"]
+__all__ = ["GAP", "OK", "RESTART", "Holdings"]
