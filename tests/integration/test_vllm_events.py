@@ -131,13 +131,13 @@ async def settled(router: Node, timeout: float = 10.0) -> None:
     raise AssertionError(f"the events did not settle: {last}")
 
 
-async def predicted(router: Node, messages: list[dict[str, Any]]) -> dict[str, int | None]:
+async def predicted(router: Node, messages: list[dict[str, Any]], source: str = "render") -> dict[str, int | None]:
     """The cached tokens the router's event-fed index predicts for this prompt on each replica."""
     raw = orjson.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1})
     admitted = admit_body("/v1/chat/completions", {}, raw, router.config, True)
     assert isinstance(admitted, Admitted) and router.feed is not None
     key = await router.feed.tokenized(admitted.key, admitted.api, admitted.body)
-    assert key.prompt is not None and key.prompt.tokens is not None and key.prompt.tokens.source == "render"
+    assert key.prompt is not None and key.prompt.tokens is not None and key.prompt.tokens.source == source
     truth = router.policy.placement.truth  # type: ignore[union-attr]
     out: dict[str, int | None] = {}
     for replica in router.fleet.replicas:
@@ -275,3 +275,33 @@ async def test_a_restarted_engine_is_seen_as_empty(
         await settled(router, timeout=30.0)
         assert holdings.figures.restarts >= 1
         assert (await predicted(router, messages))["own"] == 0 == await probe(http, server, messages)
+
+
+async def test_the_routers_own_tokenizer_cuts_requests_as_the_engine_does(
+    pair: list[VllmServer], start_router: Callable[..., Any]
+) -> None:
+    assert ROOT is not None
+    async with aiohttp.ClientSession() as http:
+        await reset(http, pair)
+        router, url = await start(start_router, pair, tokenizer_dirs=(f"*={ROOT / 'model'}",), token_check_share=1.0)
+        for turn in range(1, 4):
+            for n in range(3):
+                async with http.post(
+                    url + "/v1/chat/completions",
+                    data=orjson.dumps({"model": MODEL_NAME, "messages": conversation(60 + n, turn), "max_tokens": 2}),
+                    headers={"Content-Type": "application/json", "X-Session-ID": f"tok-{n}"},
+                ) as r:
+                    assert r.status == 200
+        await settled(router)
+        assert router.feed is not None
+        while router.feed.checks:  # the checks against the render endpoint, in the background
+            await asyncio.sleep(0.05)
+        m = router.metrics
+        assert m.child(m.token_checks, MODEL_NAME, "match")._value.get() >= 9
+        assert m.child(m.token_checks, MODEL_NAME, "mismatch")._value.get() == 0
+        for n in range(3):
+            for server in pair:
+                messages = conversation(60 + n, 4)
+                expected = (await predicted(router, messages, "tokenizer"))[server.name]
+                assert expected == await probe(http, server, messages), (n, server.name)
+                await settled(router)

@@ -283,3 +283,45 @@ def test_truth_answers_only_for_believed_replicas_and_prices_a_second_tier() -> 
 def test_a_folder_without_a_tokenizer_is_named(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         Tokenizer(tmp_path)
+
+
+def small_model(folder: Path) -> Path:
+    """A model folder as the engines read it: a byte-level BPE trained here, and a chat template."""
+    from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(["the fox jumps over the lazy dog and the weather is fine " * 20], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    (folder / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}\n"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+    return folder
+
+
+def test_a_conversations_earlier_turns_are_not_tokenized_again(tmp_path: Path) -> None:
+    tokenizer = Tokenizer(small_model(tmp_path))
+    messages = [{"role": "system", "content": "the fox " * 50}, {"role": "user", "content": "the dog?"}]
+    first = tokenizer.chat(messages)
+    whole = tokenizer.encode(tokenizer.render(messages))
+    assert list(first) == whole and first[0] == tokenizer.tokenizer.token_to_id("<s>")
+    messages += [{"role": "assistant", "content": "the weather is fine"}, {"role": "user", "content": "and the fox?"}]
+    before = tokenizer.tokenized
+    second = tokenizer.chat(messages)
+    tokenized = tokenizer.tokenized - before
+    rendered = tokenizer.render(messages)
+    assert list(second) == tokenizer.encode(rendered)  # the same ids as tokenizing it whole ...
+    assert tokenized < len(rendered) // 4  # ... from the new turns' text alone
+
+
+def test_a_template_that_refuses_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    small_model(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    with pytest.raises(TokenizerError, match="no system role"):
+        Tokenizer(tmp_path).chat([{"role": "system", "content": "x"}])
