@@ -143,3 +143,16 @@ def test_the_fleet_point_has_the_predicted_and_the_reported_hit_rate_of_the_same
         clock.now += 2
         history.sample()
     assert history.points[-1]["predicted"] is None  # nothing predicted in the window
+
+
+def test_the_fleet_point_has_the_share_predicted_exactly_by_source() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=2, history_s=10, window_s=4, clock=clock)
+    history.sample()
+    for error in (0, 0, 0, -32):  # three exact from the events, one off by a block
+        m.prefix_prediction_error.labels("events").observe(error)
+    for error in (0, 96):
+        m.prefix_prediction_error.labels("model").observe(error)
+    clock.now += 2
+    history.sample()
+    assert history.points[-1]["exact"] == {"events": 0.75, "model": 0.5}

@@ -10,6 +10,9 @@ figure `/metrics` does not. From two samples it derives, per replica and for the
 - `predicted` / `reported`: for the fleet, under the `ttft` policy, the hit rate the prefix index
   predicted and the one replicas reported, over the same requests (those it predicted for) and the
   last `window_s`: how far the index is from the caches it models;
+- `exact`: for the fleet, by where a prediction came from (`events`: the engine's KV-cache events,
+  `model`: the router's own model), the share of answers whose cached tokens were predicted to
+  the token over the last `window_s` (router_prefix_prediction_error_tokens);
 - `jump`: for the fleet, jumps / follow-up requests of sessions over the last `window_s`;
 - `ttft_p99`: the 99th percentile of time to first byte over the last `window_s`, read off the
   `router_ttft_seconds` histogram's buckets (so it is a bucket's upper bound);
@@ -60,6 +63,8 @@ class Totals:
     queued: float = 0.0  # requests held in the router (every replica for their model full)
     shed: dict[str, float] = field(default_factory=dict)  # 429s for overload, by reason
     ttft: dict[str, dict[float, float]] = field(default_factory=dict)  # replica -> bucket bound -> count
+    predictions: dict[str, float] = field(default_factory=dict)  # answers checked, by prediction source
+    exact: dict[str, float] = field(default_factory=dict)  # ... of them predicted to the token
 
 
 # sample name -> (Totals field, the label that keys it): plain per-label readings
@@ -101,6 +106,11 @@ def read_totals(families: Iterable[Any], at: float) -> Totals:
                 t.queued += value
             elif name == "router_ttft_seconds_bucket":
                 t.ttft.setdefault(labels["replica"], {})[float(labels["le"])] = value
+            elif name == "router_prefix_prediction_error_tokens_bucket" and labels["le"] in ("0.5", "-0.5"):
+                sign = 1.0 if labels["le"] == "0.5" else -1.0  # exact: in (-0.5, 0.5]
+                t.exact[labels["source"]] = t.exact.get(labels["source"], 0.0) + sign * value
+            elif name == "router_prefix_prediction_error_tokens_count":
+                t.predictions[labels["source"]] = t.predictions.get(labels["source"], 0.0) + value
     return t
 
 
@@ -196,6 +206,12 @@ class History:
                 ),
                 "predicted": _ratio(fleet_delta("prefix_predicted"), predicted_over),
                 "reported": _ratio(fleet_delta("prefix_reported"), predicted_over),
+                "exact": {
+                    source: _ratio(
+                        _delta(new.exact, oldest.exact, source), _delta(new.predictions, oldest.predictions, source)
+                    )
+                    for source in new.predictions
+                },
                 "jump": _ratio(max(jumps, 0.0), new.followups - oldest.followups),
                 "queued": new.queued,
                 "shed": round(fleet_delta("shed") / dt, 3),  # 429s a second, for overload

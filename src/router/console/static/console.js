@@ -244,9 +244,11 @@ function drawCurve() {
   const latest = [...view.points].reverse().find((p) => p.hit !== null && p.hit !== undefined);
   const jumpNow = [...view.points].reverse().find((p) => p.jump !== null && p.jump !== undefined);
   const guess = [...view.points].reverse().find((p) => p.predicted !== null && p.predicted !== undefined);
+  const exact = last && last.exact ? Object.entries(last.exact).filter(([, v]) => v !== null && v !== undefined) : [];
   $("#hit-now").textContent =
     (latest ? `hit ${percent(latest.hit)}` : "no prompt tokens yet") +
     (guess ? ` · predicted ${percent(guess.predicted)} vs reported ${percent(guess.reported)}` : "") +
+    (exact.length ? ` · predicted exactly: ${exact.map(([s, v]) => `${s} ${percent(v)}`).join(", ")}` : "") +
     (jumpNow ? ` · jumps ${percent(jumpNow.jump)}` : "");
   $("#selected-name").textContent = view.picked ? view.picked : "click a replica to add its curve";
   $("#hit-axis").textContent = `${Math.round(view.historyS / 60)} min ago · 0 to 100%, a line every 25%`;
