@@ -234,6 +234,11 @@ class Fleet:
             return model
         return "other"
 
+    def note_adapters(self, names: frozenset[str]) -> None:
+        """Names a replica's /v1/models lists as LoRA adapters (before any has run there)."""
+        if names and len(self.adapter_names) < MODEL_MEMO:
+            self.adapter_names.update(names)
+
     def set_adapters(self, replica: ReplicaState, active: frozenset[str] | None, max_lora: int | None) -> bool:
         """The adapters its engine has loaded (None: it does not say). True if they changed."""
         replica.max_lora = max_lora

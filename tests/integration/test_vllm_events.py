@@ -42,7 +42,7 @@ if ROOT is None and os.environ.get("KVAR_CI"):
 pytestmark = [pytest.mark.real_engine, pytest.mark.skipif(ROOT is None, reason=WHY)]
 
 
-def publishing(name: str, log_dir: Path) -> VllmServer:
+def publishing(name: str, log_dir: Path, **settings: Any) -> VllmServer:
     assert ROOT is not None
     return VllmServer(
         ROOT,
@@ -56,13 +56,14 @@ def publishing(name: str, log_dir: Path) -> VllmServer:
         events_port=free_port(),
         replay_port=free_port(),
         env={"VLLM_SERVER_DEV_MODE": "1"},
+        **settings,
     )
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
     logs = tmp_path_factory.mktemp("vllm-events")
-    servers = [publishing("e-0", logs), publishing("e-1", logs)]
+    servers = [publishing("e-0", logs, adapters=("lora-0",)), publishing("e-1", logs)]
     asyncio.run(start_all(servers))
     yield servers
     for server in servers:
@@ -107,9 +108,9 @@ async def post(http: aiohttp.ClientSession, url: str, messages: list[dict[str, A
         return answer
 
 
-async def probe(http: aiohttp.ClientSession, server: VllmServer, messages: list[dict[str, Any]]) -> int:
+async def probe(http: aiohttp.ClientSession, server: VllmServer, messages: list[dict[str, Any]], **extra: Any) -> int:
     """The tokens of this prompt the engine finds cached, as it reports them (and then holds it all)."""
-    usage = (await post(http, server.url, messages))["usage"]
+    usage = (await post(http, server.url, messages, **extra))["usage"]
     cached: int = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return cached
 
@@ -131,9 +132,12 @@ async def settled(router: Node, timeout: float = 10.0) -> None:
     raise AssertionError(f"the events did not settle: {last}")
 
 
-async def predicted(router: Node, messages: list[dict[str, Any]], source: str = "render") -> dict[str, int | None]:
-    """The cached tokens the router's event-fed index predicts for this prompt on each replica."""
-    raw = orjson.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1})
+async def predicted(
+    router: Node, messages: list[dict[str, Any]], source: str = "render", **extra: Any
+) -> dict[str, int | None]:
+    """The cached tokens the router's event-fed index predicts for this prompt on each replica
+    (None where it does not know: events not believed, or the replica does not serve the model)."""
+    raw = orjson.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1, **extra})
     admitted = admit_body("/v1/chat/completions", {}, raw, router.config, True)
     assert isinstance(admitted, Admitted) and router.feed is not None
     key = await router.feed.tokenized(admitted.key, admitted.api, admitted.body)
@@ -234,6 +238,38 @@ async def test_a_lost_message_is_replayed(pair: list[VllmServer], start_router: 
         expected = (await predicted(router, conversation(30, 2)))[server.name]
         assert expected is not None and expected >= 4 * 32  # the lost blocks were replayed
         assert expected == await probe(http, server, conversation(30, 2))
+
+
+async def test_adapters_and_salts_are_kept_apart_as_the_engine_keeps_them(
+    pair: list[VllmServer], start_router: Callable[..., Any]
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        await reset(http, pair)
+        router, _url = await start(start_router, pair)
+        assert await until_known(router, "lora-0")  # its /v1/models lists it with a parent
+        server = pair[0]
+        messages = conversation(70, 2)
+        await post(http, server.url, messages, model="lora-0", cache_salt="team-a")
+        await settled(router)
+        ways: list[dict[str, Any]] = [
+            {"model": "lora-0", "cache_salt": "team-a"},  # as it was computed: held
+            {"model": "lora-0", "cache_salt": "team-b"},  # another salt: nothing
+            {"model": "lora-0"},
+            {},  # the base model: nothing
+        ]
+        for extra in ways:
+            expected = (await predicted(router, messages, **extra))[server.name]
+            assert expected == await probe(http, server, messages, **extra), extra
+            await settled(router)
+            if extra == ways[0]:
+                assert expected is not None and expected >= 4 * 32
+
+
+async def until_known(router: Node, adapter: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while adapter not in router.fleet.adapter_names and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return adapter in router.fleet.adapter_names
 
 
 async def test_two_routers_agree(pair: list[VllmServer], start_router: Callable[..., Any]) -> None:

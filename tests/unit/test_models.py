@@ -6,7 +6,7 @@ import pytest
 
 from router.config import ReplicaSpec, RouterConfig, load, pinned_models
 from router.fleet import MODEL_MEMO, UNLISTED_LABELS, Fleet
-from router.health.monitor import listed_models
+from router.health.monitor import listed_adapters, listed_models
 from router.health.signals import lora_state
 from router.keys import RoutingKey
 from router.metrics import RouterMetrics
@@ -100,6 +100,8 @@ def test_a_listing_reads_ids_and_adapters() -> None:
         ],
     }
     assert listed_models(data) == {"base", "base-lora"}
+    assert listed_adapters(data) == {"base-lora"}  # the event-fed index keys an adapter's blocks apart
+    assert listed_adapters({"data": [{"id": "a", "parent": "a"}]}) == frozenset() and listed_adapters([]) == frozenset()
     assert listed_models({"data": []}) is None
     assert listed_models({"data": "x"}) is None
     assert listed_models([]) is None

@@ -65,6 +65,22 @@ def listed_models(data: Any) -> frozenset[str] | None:
     return names or None
 
 
+def listed_adapters(data: Any) -> frozenset[str]:
+    """The LoRA adapters of a /v1/models answer: vLLM lists each with its base model as `parent`."""
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return frozenset()
+    return frozenset(
+        e["id"]
+        for e in entries
+        if isinstance(e, dict)
+        and isinstance(e.get("id"), str)
+        and isinstance(e.get("parent"), str)
+        and e["parent"]
+        and e["parent"] != e["id"]
+    )
+
+
 def latency_window_s(probe_interval_s: float) -> float:
     return max(LATENCY_WINDOW_PROBES * probe_interval_s, LATENCY_WINDOW_MIN_S)
 
@@ -221,7 +237,9 @@ class HealthMonitor:
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
                 async with client.get(replica.url + "/v1/models", timeout=self.timeout) as resp:
                     if resp.status == 200:
-                        read, listed = True, listed_models(await resp.json(content_type=None))
+                        data = await resp.json(content_type=None)
+                        read, listed = True, listed_models(data)
+                        self.fleet.note_adapters(listed_adapters(data))
         return ok, stats, read, listed, lora, sent
 
     def _fresh(self, taken_at: float) -> bool:
