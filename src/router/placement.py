@@ -152,6 +152,7 @@ class Placed:
     due: float = 0.0  # when the model expected its first token (monotonic seconds)
     shift: float = 0.0  # the replica's queue corrections so far, when it was sent (Held.shift)
     predicted: float = 0.0  # the cached tokens the decision counted on there
+    tier_tokens: float = 0.0  # ... of which its engine holds on a second tier (loaded back, not computed)
     source: str = "model"  # where that came from: "events" (its engine's) or "model" (the router's)
 
 
@@ -191,6 +192,7 @@ class Placement:
         # what the replicas that publish KV-cache events hold, as they say (router.kvfeed feeds it)
         self.truth = Truth(config.kv_tier_tokens_per_s)
         self._known = array("d")
+        self._tier = array("d")  # per position, the prompt's tokens its engine holds on a second tier
         self._known_used = False  # the latest price read the truth for some position
         self.bytes_per_token = BYTES_PER_TOKEN
         self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
@@ -407,11 +409,13 @@ class Placement:
         n = len(excluded)
         if len(self._known) != n:
             self._known = array("d", [-1.0]) * n
-        known = self._known
+            self._tier = array("d", [0.0]) * n
+        known, tier = self._known, self._tier
         chains: dict[int, array[int]] = {}
         used = False
         for i, r in enumerate(self.fleet.replicas):
             known[i] = -1.0
+            tier[i] = 0.0
             if excluded[i] or r.id not in truth.replicas:
                 continue
             if r.state == "removed":
@@ -421,6 +425,7 @@ class Placement:
             found = truth.held(r.id, tokens, chains, int(size) if size else None)
             if found is not None:
                 known[i] = truth.credit(found, self._spt[i])
+                tier[i] = found.tier_tokens
                 used = True
         self._known_used = used
         return known if used else None
@@ -494,6 +499,7 @@ class Placement:
         held.kv_tokens += tokens
         self._kv_mark(held)
         decode_s = candidate.wait_s - (start - now)
+        source = self.source(candidate.index)
         return Placed(
             held,
             blocks,
@@ -502,8 +508,9 @@ class Placement:
             tokens,
             done + max(decode_s, 0.0),
             held.shift,
-            candidate.cached_tokens,
-            self.source(candidate.index),
+            predicted=candidate.cached_tokens,
+            tier_tokens=self._tier[candidate.index] if source == "events" else 0.0,
+            source=source,
         )
 
     def failed(self, replica: ReplicaState, prompt: Prompt, placed: Placed) -> None:
@@ -630,6 +637,12 @@ class Placement:
                     self.set_spt(held, self._speed_of(held))
         if placed is None:
             return None
+        if placed.tier_tokens > 0 and ttft_s is not None and cached_tokens > 0:
+            # it loaded tier_tokens back from a second tier: what its first token took past the
+            # prefill of what it computed is that transfer
+            computed_s = max(prompt_tokens - cached_tokens, 0) * held.seconds_per_token
+            spent = ttft_s - max(placed.decode_s, 0.0) - computed_s - placed.wait_tokens * held.seconds_per_token
+            self.truth.learn_tier(spent / placed.tier_tokens)
         modelled = min(placed.blocks * self.block_bytes / self.bytes_per_token, prompt_tokens)
         self._correct(held, prompt, placed.blocks, modelled, prompt_tokens, cached_tokens)  # the model learns always
         if placed.source == "events":

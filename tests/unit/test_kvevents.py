@@ -325,3 +325,14 @@ def test_a_template_that_refuses_is_an_error_not_a_crash(tmp_path: Path) -> None
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     with pytest.raises(TokenizerError, match="no system role"):
         Tokenizer(tmp_path).chat([{"role": "system", "content": "x"}])
+
+
+def test_a_second_tiers_speed_is_learnt_from_answers() -> None:
+    truth = Truth(tier_tokens_per_s=100_000)  # 1e-5 s a token, until answers say otherwise
+    for _ in range(200):
+        truth.learn_tier(4e-5)  # it loads 25,000 tokens a second
+    assert truth.tier_spt == pytest.approx(4e-5, rel=0.01) and truth.tier_samples == 200
+    before = truth.tier_spt
+    for noise in (float("nan"), -1.0, 0.0, 5.0):
+        truth.learn_tier(noise)
+    assert truth.tier_spt == before and truth.tier_samples == 200

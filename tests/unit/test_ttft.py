@@ -627,3 +627,46 @@ def test_a_replicas_speed_is_weighed_against_the_replicas_of_its_own_models() ->
     assert 1 / placement.of(fleet.replicas[3]).seconds_per_token == pytest.approx(8000, rel=0.01)
     sample(3, 8000)  # one sample, weighed against its peers' 8,000: it stays there
     assert 1 / placement.of(fleet.replicas[3]).seconds_per_token == pytest.approx(8000, rel=0.01)
+
+
+def test_a_replica_fed_by_events_is_priced_by_what_its_engine_holds() -> None:
+    """The model sent a document to replica 0; its engine's events say it evicted it, and replica 2
+    holds it (another router sent it there): the decision reads the events, not the model."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    import msgpack  # noqa: PLC0415
+
+    from router.kvevents.tokens import EngineTokens  # noqa: PLC0415
+    from router.kvevents.wire import decode  # noqa: PLC0415
+
+    fleet, policy, clock = setup(3)
+    placement = policy.placement
+    key = keyless(chat(doc(7), "q?"))
+    assert key.prompt is not None
+    serve(fleet, policy, key)  # the model now says: its first replica holds it
+    ids = tuple(range(1, 4002))
+    tokens = EngineTokens(len(ids), ids, None, None, "render")
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": list(range(1, 251)),
+        "parent_block_hash": None,
+        "token_ids": list(ids[:4000]),
+        "block_size": 16,
+        "medium": "GPU",
+    }
+    for i in range(3):
+        h = placement.truth.holdings(fleet.replicas[i].id, 0, 10_000)
+        h.accept(decode(0, msgpack.packb([0.0, [stored] if i == 2 else [], 0])))
+    eventful = replace(key, prompt=replace(key.prompt, tokens=tokens))
+    d = policy.pick(eventful, None, ())
+    assert d is not None and d.cost is not None and d.index == 2
+    assert d.cost.cached_tokens == 4000 and placement.source(2) == "events"
+    assert [c.cached_tokens for c in placement.rows()] == [0.0, 0.0, 4000.0]
+    placed = placement.sent(fleet.replicas[2], eventful.prompt, d.cost, clock.now)  # type: ignore[arg-type]
+    got = placement.answered(fleet.replicas[2], eventful.prompt, placed, 4001, 4000, None)  # type: ignore[arg-type]
+    assert got is not None and (got.tokens, got.source) == (4000, "events")
+    assert placement.events_accuracy.exact == 1 and placement.figures()["by_source"]["events"]["exact_share"] == 1.0  # type: ignore[index]
+    # its events stop being believed: the model prices it again
+    placement.truth.suspect(fleet.replicas[2].id)
+    d = policy.pick(eventful, None, ())
+    assert d is not None and placement.source(2) == "model"

@@ -9,7 +9,8 @@ outage not yet explained): placement then reads today's model for that replica a
 Blocks on a second tier (vLLM's CPU offloading, SGLang's HiCache host memory) are neither hits nor
 misses: the engine loads them back instead of computing them, at that tier's speed. `credit`
 turns them into the hit they are worth for a replica computing at `seconds_per_token`:
-tier tokens x max(0, 1 - tier seconds per token / seconds per token).
+tier tokens x max(0, 1 - tier seconds per token / seconds per token). The tier's speed starts at
+`kv_tier_tokens_per_s` and is learnt from the answers that loaded blocks back (`learn_tier`).
 
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
@@ -26,6 +27,9 @@ from router.kvevents.tokens import EngineTokens
 from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PrefixIndex
 
+TIER_PRIOR = 4  # the configured tier speed counts as this many samples
+TIER_ALPHA = 0.05  # ... and each new sample moves the learnt one this much, once many are in
+
 
 @dataclass(frozen=True, slots=True)
 class Found:
@@ -39,6 +43,7 @@ class Truth:
         self.index = PrefixIndex()
         self.replicas: dict[str, dict[int, Holdings]] = {}
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
+        self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -80,7 +85,11 @@ class Truth:
                 return None
             size = h.block_size or block_size
             if not size:
-                return None  # neither its events nor its metrics said its block size yet
+                if any(h.blocks(medium) for medium in h.tiers):
+                    return None  # neither its events nor its metrics said its block size yet
+                found = Found(0, 0, 0)  # it holds nothing at all (whatever its blocks' size)
+                best = best or found
+                continue
             chain = chains.get(size)
             if chain is None:
                 chain = chains[size] = tokens.chain(size)
@@ -100,6 +109,17 @@ class Truth:
             return float(held.gpu_tokens)
         saved = 1.0 - self.tier_spt / seconds_per_token
         return held.gpu_tokens + held.tier_tokens * max(0.0, saved)
+
+    def learn_tier(self, seconds_per_token: float) -> None:
+        """One answer's time per token loaded back from a second tier (its first token's time, less
+        its wait and its prefill of what it computed): the tier's speed is their running mean,
+        TIER_ALPHA for each new one once TIER_PRIOR have been seen (the configured speed until then
+        counts as that many)."""
+        if not (seconds_per_token > 0 and seconds_per_token < 1.0):  # NaN, negative, absurd: noise
+            return
+        self.tier_samples += 1
+        weight = max(TIER_ALPHA, 1.0 / (TIER_PRIOR + self.tier_samples))
+        self.tier_spt += weight * (seconds_per_token - self.tier_spt)
 
     def figures(self, replica_id: str) -> dict[str, object] | None:
         ranks = self.replicas.get(replica_id)
