@@ -167,7 +167,7 @@ async def test_the_index_equals_what_each_engine_holds(
 ) -> None:
     async with aiohttp.ClientSession() as http:
         await reset(http, pair)
-        router, url = await start(start_router, pair)
+        router, url = await start(start_router, pair, admin_token="events-test")
         # six keyed conversations of three turns through the router: more than both caches hold
         for turn in range(1, 4):
             for n in range(6):
@@ -194,6 +194,17 @@ async def test_the_index_equals_what_each_engine_holds(
                 checked += 1
                 await settled(router)
         assert checked == 12
+        # /admin/route explains the next turn from the events too, as a real route prices it
+        probe_body = {"model": MODEL_NAME, "messages": conversation(0, 5), "max_tokens": 1}
+        async with http.post(
+            url + "/admin/route",
+            data=orjson.dumps(probe_body),
+            headers={"X-Session-ID": "snow-0", "Authorization": "Bearer events-test"},
+        ) as r:
+            assert r.status == 200, await r.text()
+            explained = await r.json()
+        assert {c["cached_from"] for c in explained["candidates"]} == {"events"}
+        assert explained["replica"] in (s.name for s in pair)
         # the routed requests themselves: each answer's cached tokens were predicted from the events
         figures = router.policy.placement.figures()  # type: ignore[union-attr]
         events = figures["by_source"]["events"]  # type: ignore[index]

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.apis import CHAT, COMPLETION, MESSAGES
 from router.config import parse_replica
 from router.errors import error_response
 from router.fleet import ReplicaState
@@ -319,15 +320,24 @@ class AdminApi:
         if fleet.unserved(key.model):
             return _json(answer | {"replica": None, "reason": f"no replica serves the model {key.model!r}"})
         if isinstance(policy, Ttft) and prompt is not None:
+            if node.feed is not None:  # in the engine's tokens, where replicas publish KV events
+                api = (MESSAGES if "system" in body else CHAT) if "messages" in body else COMPLETION
+                key = await node.feed.tokenized(dataclasses.replace(key, prompt=prompt), api, body)
+                prompt = key.prompt or prompt
             decision, placement = policy.decide(key, prompt, last, set())
             candidates = placement.rows() if decision is not None else []
             answer |= {
                 "blocks": len(prompt.chain),
-                "prompt_tokens": round(prompt.nbytes / placement.bytes_per_token),
+                "prompt_tokens": (
+                    prompt.tokens.count
+                    if prompt.tokens is not None
+                    else round(prompt.nbytes / placement.bytes_per_token)
+                ),
                 "candidates": [
                     {
                         "replica": fleet.replicas[c.index].id,
                         "cached_tokens": round(c.cached_tokens),
+                        "cached_from": placement.source(c.index),  # its engine's KV events, or the model
                         "uncached_tokens": round(c.uncached_tokens),
                         "wait_s": round(c.wait_s, 6),
                         "cost_s": round(c.cost_s, 6),
