@@ -123,9 +123,9 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Requests served by a different replica than their session's previous one, by reason: spill "
         "(load cap), failover (retry), health (previous replica removed), drain, membership (previous "
         "replica left), migration (overheat rebalancing), scale_out, ring (owner changed, "
-        "consistent_hash), round_robin, least_load, cost (ttft: another replica's first token was predicted "
-        "sooner, its recompute counted), prefix (ttft: a keyless conversation went where the index saw more "
-        "of it).",
+        "consistent_hash), round_robin, least_load, cost (ttft: moving saved more time than it cost the fleet: "
+        "its recompute, the requests that waited for it, the context it evicted), prefix (ttft: a keyless "
+        "conversation went where the index saw more of it).",
         ("reason",),
     ),
     "router_retries": (
