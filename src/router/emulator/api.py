@@ -75,6 +75,7 @@ class Job:
     max_tokens: int
     stream: bool
     adapter: str | None = None
+    cache_salt: str | None = None  # vLLM's `cache_salt`: the request's blocks are its own
 
 
 class Api(abc.ABC):

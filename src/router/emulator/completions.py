@@ -1,9 +1,10 @@
 """The emulator's OpenAI chat and text completions (`/v1/chat/completions`, `/v1/completions`).
 
 A chat renders its messages with the emulator's chat template (router.emulator.tokenizer); a
-text completion's prompt is a single string. Streams send `data: {chunk}` lines (a chat's first
-chunk carries the assistant role and no text), a usage chunk when `stream_options.include_usage`
-is set, then `data: [DONE]`.
+text completion's prompt is a single string. `cache_salt` (vLLM's extension: a non-empty string)
+keeps the request's KV blocks apart from those of requests without it or with another salt.
+Streams send `data: {chunk}` lines (a chat's first chunk carries the assistant role and no text),
+a usage chunk when `stream_options.include_usage` is set, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Completions(Api):
         if not isinstance(options or {}, dict):
             raise ApiError("stream_options must be an object", "stream_options")
         self.include_usage = flag(options or {}, "include_usage", False, "stream_options")
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
         add_generation_prompt = flag(body, "add_generation_prompt", True)
         continue_final_message = flag(body, "continue_final_message", False)
         if continue_final_message and add_generation_prompt:
@@ -70,7 +74,8 @@ class Completions(Api):
                 text = prompt
         except PromptError as exc:
             raise ApiError(str(exc), self.prompt_field) from None
-        return Job(text.encode("utf-8", "surrogatepass"), max_tokens, stream, self.served.adapter(body.get("model")))
+        prompt_bytes = text.encode("utf-8", "surrogatepass")
+        return Job(prompt_bytes, max_tokens, stream, self.served.adapter(body.get("model")), cache_salt)
 
     def error(self, exc: ApiError) -> bytes:
         return openai_error(exc)

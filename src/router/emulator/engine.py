@@ -14,6 +14,13 @@ Each step, like vLLM's scheduler with chunked prefill:
    + prefill tokens / prefill_tokens_per_s, times the `slowdown` factor.
 A request whose prefill completes in a step gets its first token at the step's end.
 
+Full KV blocks join the prefix cache as they are computed, as in vLLM: a prompt's as each prefill
+chunk completes, a reply's as decoding fills them (all but the last sampled token, whose KV is
+never computed). With `kv_events`, the engine writes down what vLLM publishes as KV-cache events
+(router.emulator.kvcache): one `BlockStored` per request per step that cached blocks of it, one
+`BlockRemoved` per eviction, `AllBlocksCleared` on a prefix-cache reset; whoever drives the
+engine takes them after each step (`take_kv_events`).
+
 Default figures resemble one H100-class GPU serving an ~8B model in bf16 (see docs/emulator.md):
 16-token blocks; 30,000 blocks (480k tokens: 80 GB at 0.9 utilisation less 16 GB of weights, at
 128 KiB of KV per token); prefill at 15,000 tokens/s; a decode step of 10 ms (reading the weights
@@ -28,8 +35,16 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.emulator.kvcache import Allocation, PrefixCache
-from router.emulator.tokenizer import block_hashes, count_tokens, generated_text
+from router.emulator.kvcache import Allocation, BlockStored, CacheEvent, PrefixCache
+from router.emulator.tokenizer import (
+    BYTES_PER_TOKEN,
+    block_hashes,
+    cache_seed,
+    count_tokens,
+    generated_text,
+    token_ids,
+)
+from router.ring import xxh3_64
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,8 @@ class Sequence:
     aborted: bool = False
     owner: Any = None  # whoever waits for this sequence's tokens (the HTTP handler)
     adapter: str | None = None  # the LoRA adapter it runs with, if any
+    cache_salt: str | None = None  # the request's cache_salt: its blocks are its own
+    seed: int = 0  # the seed of its block hash chain (tokenizer.cache_seed of adapter and salt)
 
     @property
     def prefilling(self) -> bool:
@@ -125,9 +142,11 @@ class StepEvents:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, kv_events: bool = False) -> None:
         self.config = config or EngineConfig()
-        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+        # what the cache did since the last take_kv_events (None: nobody listens, nothing is written)
+        self.kv_events: list[CacheEvent] | None = [] if kv_events else None
+        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size, self.kv_events)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.adapters: OrderedDict[str, None] = OrderedDict()  # in GPU slots, least recently used first
@@ -144,8 +163,16 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def new_sequence(self, prompt: bytes, max_tokens: int, now: float) -> Sequence:
-        """Validate and tokenize a request; raises RequestTooLarge when it can never run."""
+    def new_sequence(
+        self,
+        prompt: bytes,
+        max_tokens: int,
+        now: float,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        """Validate and tokenize a request; raises RequestTooLarge when it can never run. Its
+        blocks are keyed by its LoRA adapter and cache salt too (tokenizer.cache_seed)."""
         cfg = self.config
         prompt_tokens = count_tokens(prompt)
         if prompt_tokens == 0:
@@ -163,12 +190,16 @@ class Engine:
                 f"the request needs {prompt_tokens + max_tokens} tokens of KV cache; this replica holds "
                 f"{cfg.num_blocks * cfg.block_size}"
             )
+        seed = cache_seed(adapter, cache_salt)
         return Sequence(
             prompt=prompt,
             max_tokens=max_tokens,
             arrival=now,
             prompt_tokens=prompt_tokens,
-            hashes=block_hashes(prompt, cfg.block_size),
+            hashes=block_hashes(prompt, cfg.block_size, seed),
+            adapter=adapter,
+            cache_salt=cache_salt,
+            seed=seed,
         )
 
     def add(self, seq: Sequence) -> None:
@@ -193,14 +224,29 @@ class Engine:
         return bool(self.running or self.waiting)
 
     def reset(self) -> None:
-        """Forget everything (a crashed replica comes back cold)."""
+        """Forget everything (a crashed replica comes back cold), KV events not yet taken too."""
         for seq in list(self.running) + list(self.waiting):
             self.abort(seq)
-        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size)
+        if self.kv_events is not None:
+            self.kv_events.clear()
+        self.cache = PrefixCache(self.config.num_blocks, self.config.block_size, self.kv_events)
         self.adapters.clear()
         self.busy_seconds = 0.0
         self.steps = self.prompt_tokens_total = self.cached_tokens_total = 0
         self.generation_tokens_total = self.finished_total = self.aborted_total = self.adapter_loads_total = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's `POST /reset_prefix_cache`: refused (False) while a
+        request holds blocks; the AllBlocksCleared event goes out with the next step's events."""
+        return self.cache.reset()
+
+    def take_kv_events(self) -> list[CacheEvent]:
+        """The KV-cache events written down since the last call, oldest first."""
+        if not self.kv_events:
+            return []
+        events = list(self.kv_events)
+        self.kv_events.clear()
+        return events
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -290,7 +336,6 @@ class Engine:
 
     def finish(self, step: Step, now: float) -> StepEvents:
         """Apply a step's results at its end (`now`): tokens, cached blocks, finished requests."""
-        cfg = self.config
         self.steps += 1
         self.busy_seconds += step.duration
         tokens: list[Sequence] = []
@@ -300,13 +345,13 @@ class Engine:
                 continue
             seq.output_tokens += 1
             tokens.append(seq)
+            self._cache_full_blocks(seq)  # the KV of the token sampled last step was computed in this one
         for seq, chunk in step.prefill:
             if seq.done:
                 continue
             seq.computed += chunk
-            assert seq.alloc is not None
             # full prompt blocks computed so far are in KV: later requests can hit them right away
-            self.cache.commit(seq.alloc, seq.hashes, seq.computed // cfg.block_size)
+            self._cache_full_blocks(seq)
             if not seq.prefilling:
                 seq.output_tokens = 1
                 seq.first_token_at = now
@@ -319,15 +364,56 @@ class Engine:
             self._complete(seq, now)
         return StepEvents(tokens=tokens, finished=finished)
 
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Give the sequence's newly computed full blocks their cached identity: prompt blocks as
+        its prefill computes them, then blocks of prompt and reply as decoding fills them, so the
+        next turn hits prompt and reply. The text is bytes (the prompt, then 4-byte reply tokens),
+        cut into blocks of 4 * block_size bytes, as the next turn's prompt will be cut."""
+        alloc = seq.alloc
+        assert alloc is not None
+        bs = self.config.block_size
+        block_bytes = bs * BYTES_PER_TOKEN
+        # the last sampled token never had its KV computed, so it is not counted (as in vLLM); a
+        # block is whole once its bytes are there (a short last prompt token waits for the reply's)
+        kv_tokens = seq.computed + max(seq.output_tokens - 1, 0)
+        text_bytes = min(len(seq.prompt), seq.computed * BYTES_PER_TOKEN) + seq.output_tokens * BYTES_PER_TOKEN
+        start, full = len(alloc.pinned), min(kv_tokens // bs, text_bytes // block_bytes)
+        if full <= start:
+            return
+        new = seq.hashes[start:full]
+        parent = alloc.pinned[-1] if alloc.pinned else None
+        h = new[-1] if new else parent if parent is not None else seq.seed
+        for k in range(start + len(new), full):  # blocks past the prompt's: chained on from it
+            h = xxh3_64(self._text(seq, k * block_bytes, (k + 1) * block_bytes), h)
+            new.append(h)
+        self.cache.store(alloc, new)
+        if self.kv_events is not None:
+            keys = [seq.adapter] if seq.adapter is not None else []
+            salted = [*keys, seq.cache_salt] if seq.cache_salt is not None else keys
+            self.kv_events.append(
+                BlockStored(
+                    block_hashes=new,
+                    parent_block_hash=parent,
+                    token_ids=token_ids(self._text(seq, start * block_bytes, full * block_bytes)),
+                    lora_name=seq.adapter,
+                    extra_keys=[(salted if k == 0 else keys) or None for k in range(start, full)],
+                )
+            )
+
+    def _text(self, seq: Sequence, start: int, end: int) -> bytes:
+        """Bytes `start .. end - 1` of the sequence's text: its prompt, then its reply."""
+        p = len(seq.prompt)
+        head = seq.prompt[start:end]
+        if end <= p:
+            return head
+        # the reply tokens that cover the rest: t0 .. t1 - 1
+        r0, r1 = max(start - p, 0), end - p
+        t0, t1 = r0 // BYTES_PER_TOKEN, -(-r1 // BYTES_PER_TOKEN)
+        reply = generated_text(self.reply_seed(seq), t0, t1 - t0).encode()
+        return head + reply[r0 - t0 * BYTES_PER_TOKEN : r1 - t0 * BYTES_PER_TOKEN]
+
     def _complete(self, seq: Sequence, now: float) -> None:
-        cfg = self.config
         assert seq.alloc is not None
-        # the last sampled token never had its KV computed, so it is not cached (as in vLLM)
-        full_blocks = (seq.prompt_tokens + seq.output_tokens - 1) // cfg.block_size
-        if full_blocks > len(seq.alloc.pinned):
-            # the reply's full blocks are cached too, so the next turn hits prompt and reply
-            text = seq.prompt + generated_text(self.reply_seed(seq), 0, seq.output_tokens).encode()
-            self.cache.commit(seq.alloc, block_hashes(text, cfg.block_size), full_blocks)
         self.cache.release(seq.alloc)
         seq.alloc = None
         seq.finished_at = now

@@ -15,12 +15,17 @@ prefill ends. Request B shares A's first 9 tokens: its first 2 blocks (8 tokens)
 Admission reserves blocks for the prompt and the whole reply up front (vLLM allocates decode
 blocks as it goes and preempts when out of room; reserving avoids modelling preemption, and
 shows up as fragmentation: reserved but unwritten token slots).
+
+Given a journal, the cache writes down what vLLM's block pool reports as KV-cache events: a
+`BlockRemoved` per evicted block, `AllBlocksCleared` when `reset` empties it (the engine writes
+the `BlockStored` events, which carry token ids the cache does not know).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 
 @dataclass
@@ -32,12 +37,39 @@ class Allocation:
     hit_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks of one request that just got their cached identity, in chain order."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None  # the block before the first (None: the first is the prompt's first)
+    token_ids: list[int]  # block_size ids per block, concatenated
+    lora_name: str | None
+    extra_keys: list[list[str] | None]  # per block: the adapter's name, and the cache_salt on block 0
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """One cached block evicted (vLLM sends one event per block)."""
+
+    block_hash: int
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole cache emptied by a prefix-cache reset."""
+
+
+CacheEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, journal: list[CacheEvent] | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.journal = journal  # where evictions and resets are written down, if anywhere
         self._refs: dict[int, int] = {}  # cached block hash -> requests pinning it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refs == 0, oldest first
         self._free = num_blocks  # blocks holding nothing
@@ -101,10 +133,14 @@ class PrefixCache:
 
     def commit(self, alloc: Allocation, hashes: list[int], upto_blocks: int) -> None:
         """The request has computed its first `upto_blocks` full blocks: give them their cached
-        identity so other requests can hit them. A block another request cached meanwhile is
-        shared instead, and this request's duplicate goes back to the free pool."""
-        start = len(alloc.pinned)
-        for h in hashes[start:upto_blocks]:
+        identity so other requests can hit them."""
+        self.store(alloc, hashes[len(alloc.pinned) : upto_blocks])
+
+    def store(self, alloc: Allocation, new_hashes: list[int]) -> None:
+        """The request has computed its next full blocks, `new_hashes` in chain order: give them
+        their cached identity. A block another request cached meanwhile is shared instead, and
+        this request's duplicate goes back to the free pool."""
+        for h in new_hashes:
             alloc.anonymous -= 1
             self._anonymous -= 1
             if h in self._refs:
@@ -129,9 +165,21 @@ class PrefixCache:
         alloc.anonymous = 0
 
     def clear(self) -> None:
-        """Drop every unpinned cached block (a cache reset)."""
+        """Drop every unpinned cached block (a cache reset), each an eviction."""
         while self._evictable:
             self._evict_one()
+
+    def reset(self) -> bool:
+        """Forget every cached block at once, as vLLM's `reset_prefix_cache`: refused (False) while
+        a request holds blocks."""
+        if self.used_blocks:
+            return False
+        self._free += len(self._evictable)
+        self._evictable.clear()
+        self._refs.clear()
+        if self.journal is not None:
+            self.journal.append(AllBlocksCleared())
+        return True
 
     def _pin(self, h: int) -> None:
         refs = self._refs[h]
@@ -144,3 +192,5 @@ class PrefixCache:
         del self._refs[h]
         self._free += 1
         self.evictions += 1
+        if self.journal is not None:
+            self.journal.append(BlockRemoved(h))

@@ -6,10 +6,20 @@ identities are chained XXH3 hashes of those bytes (`xxh3_64_chain`): two prompts
 first k blocks exactly when they share their first `k * 4 * block_size` bytes, which is how
 vLLM's prefix cache keys blocks by token ids. Generated text is made of 4-byte tokens too, so a
 reply appended to the history re-tokenizes to the same tokens the replica produced.
+
+A token's id is its 4 bytes read as a little-endian unsigned integer, a short last token padded
+with zero bytes (`token_ids`): `"Hello, w"` is the ids 1819043144 (`Hell`) and 1998597231 (`o, w`),
+and `"!"` is 33. Ids are what the render endpoints answer and what KV-cache events carry; block N
+of a prompt holds token ids N * block_size .. (N + 1) * block_size - 1.
+
+A request for a LoRA adapter, or with a `cache_salt`, chains its block hashes from a seed of its
+own (`cache_seed`), as vLLM puts the adapter's name and the salt in its block hashes' extra keys:
+its blocks are never another adapter's or another salt's, and a plain request's seed is 0.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +36,24 @@ def count_tokens(data: bytes) -> int:
     return -(-len(data) // BYTES_PER_TOKEN)
 
 
-def block_hashes(data: bytes, block_size: int) -> list[int]:
+def token_ids(data: bytes) -> list[int]:
+    """The ids of the tokens of `data`: each 4 bytes read as a little-endian unsigned integer,
+    the last token padded with zero bytes."""
+    n = count_tokens(data)
+    return list(struct.unpack(f"<{n}I", data.ljust(n * BYTES_PER_TOKEN, b"\0")))
+
+
+def cache_seed(adapter: str | None, cache_salt: str | None) -> int:
+    """The seed of a request's block hash chain: 0 for the base model without a salt, else a hash
+    of the LoRA adapter's name and the salt (neither can pass for the other)."""
+    if adapter is None and cache_salt is None:
+        return 0
+    return xxh3_64(repr((adapter, cache_salt)))
+
+
+def block_hashes(data: bytes, block_size: int, seed: int = 0) -> list[int]:
     """Chained hashes of the full KV blocks of `data` (a trailing partial block has none)."""
-    return xxh3_64_chain(data, block_size * BYTES_PER_TOKEN)
+    return xxh3_64_chain(data, block_size * BYTES_PER_TOKEN, seed)
 
 
 def generated_text(prompt_seed: int, start: int, count: int) -> str:
