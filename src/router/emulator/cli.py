@@ -10,6 +10,7 @@ from typing import Any
 
 from router._runtime import run, until_stopped
 from router.emulator.engine import EngineConfig
+from router.emulator.kvevents import ENCODINGS, KvEventsOptions
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
 
 FAULT_NAMES = {
@@ -20,6 +21,8 @@ FAULT_NAMES = {
     "stall-after": ("stall_after", int),
     "drop-after": ("drop_after", int),
     "crash-after": ("crash_after", float),
+    "kv-events-drop": ("kv_events_drop", float),
+    "kv-events-drop-next": ("kv_events_drop_next", int),
 }
 
 
@@ -34,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "faults: --fault [INDEX:]NAME[=VALUE], repeatable; without INDEX it applies to every replica. "
             "NAME is hang, slow=FACTOR, error-rate=SHARE, error-status=500|503, stall-after=CHUNKS, "
-            "drop-after=CHUNKS or crash-after=SECONDS (wall). At run time: POST /emulator/faults with a "
-            "JSON object on a replica's port, or /replicas/INDEX/{faults,crash,restart} on --control-port."
+            "drop-after=CHUNKS, crash-after=SECONDS (wall), kv-events-drop=SHARE or kv-events-drop-next=N "
+            "(KV-event messages numbered and buffered but not sent). At run time: POST /emulator/faults "
+            "with a JSON object, or POST /emulator/restart-engine, on a replica's port, or "
+            "/replicas/INDEX/{faults,crash,restart,restart-engine} on --control-port."
         ),
     )
     g = p.add_argument_group("listening")
@@ -136,6 +141,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0, help="seed of injected error decisions (default 0)")
     g.add_argument("--fault", action="append", default=[], metavar="[INDEX:]NAME[=VALUE]", help="inject a fault")
+    g = p.add_argument_group("KV-cache events, as vLLM's --kv-events-config publishes them (off by default)")
+    k = KvEventsOptions()
+    g.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="publish each step's KV-cache events on a ZMQ PUB socket on this port (replica i of a fleet: "
+        "P+i; 0: any free port, shown in GET /kv_event_sources)",
+    )
+    g.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        metavar="Q",
+        help="answer replays of buffered messages on a ZMQ ROUTER socket on this port (replica i: Q+i; 0: any "
+        "free port; default none)",
+    )
+    g.add_argument(
+        "--kv-events-encoding",
+        choices=ENCODINGS,
+        default=None,
+        help=f"events as maps tagged by type (vLLM since mid-2026) or positional arrays (before) "
+        f"(default {k.encoding})",
+    )
+    g.add_argument(
+        "--kv-events-buffer",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"messages kept for replay (default {k.buffer_steps:,})",
+    )
     return p
 
 
@@ -205,6 +242,7 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    kv_events = kv_events_options(args, n, first_port)
     faults = [Faults() for _ in range(n)]
     crash_after: dict[int, float] = {}
     for spec in args.fault:
@@ -231,9 +269,47 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
             stream_interval=args.stream_interval,
             default_max_tokens=args.default_max_tokens,
             seed=args.seed + i,
+            kv_events=kv_events[i] if kv_events else None,
         )
         replicas.append(Replica(options, config, faults[i]))
     return Fleet(replicas, args.host, args.control_port), crash_after
+
+
+def kv_events_options(args: argparse.Namespace, n: int, first_port: int) -> list[KvEventsOptions]:
+    """Each replica's KV-event settings (none when --kv-events-port is not given): ports P+i and
+    Q+i, or each its own free port for 0."""
+    port, replay = args.kv_events_port, args.kv_events_replay_port
+    if port is None:
+        given = [f for f in ("replay_port", "encoding", "buffer") if getattr(args, "kv_events_" + f) is not None]
+        if given:
+            raise UsageError(f"--kv-events-{given[0].replace('_', '-')} needs --kv-events-port")
+        return []
+    http = range(first_port, first_port + n)
+    ranges = {"--kv-events-port": port} | ({"--kv-events-replay-port": replay} if replay is not None else {})
+    taken: list[tuple[str, range]] = [("the HTTP ports", http)]
+    for flag, first in ranges.items():
+        if first == 0:
+            continue
+        ports = range(first, first + n)
+        if not (first > 0 and ports[-1] <= 65535):
+            raise UsageError(f"{flag}: ports {first}..{ports[-1]} are out of range")
+        for what, other in taken:
+            if ports[0] <= other[-1] and other[0] <= ports[-1]:
+                raise UsageError(f"{flag}: ports {first}..{ports[-1]} overlap {what}")
+        taken.append((flag, ports))
+    default = KvEventsOptions()
+    try:
+        return [
+            KvEventsOptions(
+                port=port + i if port else 0,
+                replay_port=(replay + i if replay else 0) if replay is not None else None,
+                encoding=args.kv_events_encoding or default.encoding,
+                buffer_steps=args.kv_events_buffer if args.kv_events_buffer is not None else default.buffer_steps,
+            )
+            for i in range(n)
+        ]
+    except ValueError as exc:
+        raise UsageError(f"--kv-events-*: {exc}") from None
 
 
 async def serve(fleet: Fleet, crash_after: dict[int, float]) -> None:
@@ -242,6 +318,9 @@ async def serve(fleet: Fleet, crash_after: dict[int, float]) -> None:
         fleet.crash_later(fleet.replicas[i], delay)
     for r in fleet.replicas:
         print(f"{r.options.replica_id} listening on {r.url}", flush=True)
+        if r.publisher is not None:
+            replay = f", replays on port {r.publisher.replay_port}" if r.publisher.replay_port is not None else ""
+            print(f"{r.options.replica_id} publishing KV events on port {r.publisher.port}{replay}", flush=True)
     if fleet.control_port is not None:
         print(f"control API on http://{fleet.control_host}:{fleet.control_port}/replicas", flush=True)
     try:

@@ -2,8 +2,10 @@
 
 One `Replica` is one engine behind one listening port; a fleet is many replicas in one asyncio
 process. Every response carries `X-Replica-Id`. Faults (hang, slow, error rate, stall or drop
-mid-stream, crash) are set at start-up or at run time through `/emulator/*` on the replica's
-own port, or through the fleet's control port (which also restarts crashed replicas).
+mid-stream, crash, KV-event messages dropped, an engine restart) are set at start-up or at run
+time through `/emulator/*` on the replica's own port, or through the fleet's control port (which
+also restarts crashed replicas). With KV events on, each engine step's cache events go out on
+ZMQ as vLLM publishes them (router.emulator.kvevents).
 
 Every generating endpoint (chat and text completions, Responses, Messages) takes one request
 path, `Replica._serve`, faults included; the APIs differ only in their wire format
@@ -17,6 +19,7 @@ import contextlib
 import functools
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -28,10 +31,11 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 from router.emulator.api import Api, ApiError, SchemaError, Served, finish_reason
 from router.emulator.completions import Completions
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
+from router.emulator.kvevents import KvEventsOptions, Publisher
 from router.emulator.messages import Messages
 from router.emulator.metrics import ReplicaMetrics
 from router.emulator.responses import Responses, ResponseStore
-from router.emulator.tokenizer import generated_text
+from router.emulator.tokenizer import generated_text, token_ids
 from router.errors import error_response
 
 REPLICA_HEADER = "X-Replica-Id"
@@ -50,6 +54,9 @@ class Faults:
     error_status: int = 0  # 500, 503, or 0 for either at random
     stall_after: int | None = None  # streams stop after this many chunks; the connection stays open
     drop_after: int | None = None  # streams are cut (connection closed) after this many chunks
+    # KV-event messages kept off the PUB socket (still numbered and buffered: a replay has them)
+    kv_events_drop: float = 0.0  # this share of them, at random
+    kv_events_drop_next: int = 0  # the next this many (counts down as they go)
 
     def update(self, patch: dict[str, Any]) -> None:
         """Apply a JSON patch; raises ValueError naming the bad field (nothing is applied then)."""
@@ -83,6 +90,12 @@ class Faults:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or null")
+        drop = self.kv_events_drop
+        if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop <= 1:
+            raise ValueError("kv_events_drop must be a number in [0, 1]")
+        drop_next = self.kv_events_drop_next
+        if isinstance(drop_next, bool) or not isinstance(drop_next, int) or drop_next < 0:
+            raise ValueError("kv_events_drop_next must be a non-negative integer")
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,7 @@ class ReplicaOptions:
     stream_interval: int = 1  # tokens per streamed chunk
     default_max_tokens: int = 256
     seed: int = 0
+    kv_events: KvEventsOptions | None = None  # publish KV-cache events (vLLM's --kv-events-config)
 
 
 class _Dropped(Exception):
@@ -109,12 +123,17 @@ class Replica:
     ) -> None:
         self.options = options
         self.served = Served(options.model, options.aliases, options.adapters, options.default_max_tokens)
-        self.engine = Engine(config)
+        self.engine = Engine(config, kv_events=options.kv_events is not None)
         self.metrics = ReplicaMetrics(options.model)
         self.faults = faults or Faults()
         self.faults.validate()
         self.engine.slowdown = self.faults.slow
         self._rng = random.Random(options.seed)
+        self._drop_rng = random.Random(options.seed)  # the KV-event drop fault's, apart from the error fault's
+        self.publisher: Publisher | None = None
+        if options.kv_events is not None:
+            lora_ids = {name: i for i, name in enumerate(options.adapters, 1)}  # vLLM numbers them from 1
+            self.publisher = Publisher(options.kv_events, options.host, self.engine.config.block_size, lora_ids)
         self._wake = asyncio.Event()
         self._unhang = asyncio.Event()
         self._t0 = time.monotonic()
@@ -151,6 +170,11 @@ class Replica:
         for path, api in generating.items():
             app.router.add_post(path, functools.partial(self._serve, api=api))
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+        for path, api in generating.items():
+            if path != "/v1/responses":  # vLLM renders chat, completions and Messages requests
+                app.router.add_post(path + "/render", functools.partial(self._render, api=api))
+        app.router.add_get("/kv_event_sources", self._kv_event_sources)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.router.add_get("/v1/responses/{id}", self._stored_response)
         app.router.add_delete("/v1/responses/{id}", self._stored_response)
         app.router.add_get("/v1/models", self._models)
@@ -161,11 +185,14 @@ class Replica:
         app.router.add_post("/emulator/faults", self._set_faults)
         app.router.add_delete("/emulator/faults", self._clear_faults)
         app.router.add_post("/emulator/crash", self._crash_endpoint)
+        app.router.add_post("/emulator/restart-engine", self._restart_engine_endpoint)
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_S
         )
         await self._runner.setup()
         await self._listen()
+        if self.publisher is not None:
+            await self.publisher.open()
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run_engine(), name=f"engine {self.options.replica_id}")
         self.started = True
@@ -188,6 +215,8 @@ class Replica:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.publisher is not None:
+            await self.publisher.close()
         self.started = False
 
     async def crash(self) -> None:
@@ -204,19 +233,37 @@ class Replica:
             for handler in self._runner.server.connections:
                 if handler.transport is not None:
                     handler.transport.abort()
-        waiting_handlers = [seq.owner for seq in (*self.engine.running, *self.engine.waiting)]
-        self.engine.reset()
-        for owner in waiting_handlers:
-            owner.set()  # wake their handlers: the sequences are gone
+        if self.publisher is not None:
+            await self.publisher.close()  # the KV-event sockets die with the process
+        self._lose_engine()
         self.metrics = ReplicaMetrics(self.options.model)
 
     async def restart(self) -> None:
-        """Come back after a crash, on the same port, with a cold cache."""
+        """Come back after a crash, on the same port, with a cold cache (and KV events from
+        sequence number 0 on the same ports)."""
         if not self.crashed:
             return
         self._unhang.set()
         self._unhang = asyncio.Event()
         await self._listen()
+        if self.publisher is not None:
+            await self.publisher.open()
+
+    def restart_engine(self) -> None:
+        """The engine restarts under a live HTTP server, as a real engine's restart looks: requests
+        in flight fail (500, or a cut stream), the cache comes back empty, and KV events start
+        again from sequence number 0 with nothing to replay, with no AllBlocksCleared before."""
+        self._lose_engine()
+        if self.publisher is not None:
+            self.publisher.restart()
+
+    def _lose_engine(self) -> None:
+        """Every request and every cached block is gone; a step under way yields nothing."""
+        self._epoch += 1
+        waiting_handlers = [seq.owner for seq in (*self.engine.running, *self.engine.waiting)]
+        self.engine.reset()
+        for owner in waiting_handlers:
+            owner.set()  # wake their handlers: the sequences are gone
 
     def set_faults(self, patch: dict[str, Any]) -> None:
         self.faults.update(patch)
@@ -258,11 +305,28 @@ class Replica:
             if epoch != self._epoch:
                 continue  # the replica crashed during the step: its results died with it
             events = engine.finish(step, clock)
+            if self.publisher is not None:
+                self._publish_kv_events()
             self.metrics.on_step(clock, step.duration, len(events.tokens))
             for seq in events.tokens:
                 seq.owner.set()
             for seq in events.finished:
                 self.metrics.on_finished(seq)
+
+    def _publish_kv_events(self) -> None:
+        """One message for the step's KV-cache events (none when the cache did not change), which
+        the drop fault may keep off the wire."""
+        assert self.publisher is not None
+        cache_events = self.engine.take_kv_events()
+        if not cache_events:
+            return
+        faults = self.faults
+        dropped = faults.kv_events_drop_next > 0
+        if dropped:
+            faults.kv_events_drop_next -= 1
+        elif faults.kv_events_drop > 0:
+            dropped = self._drop_rng.random() < faults.kv_events_drop
+        self.publisher.publish(cache_events, deliver=not dropped)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -298,13 +362,11 @@ class Replica:
         wire = api()
         try:
             job = wire.parse(await self._json_body(request))
-            seq = self.engine.new_sequence(job.prompt, job.max_tokens, self.now())
+            seq = self.engine.new_sequence(job.prompt, job.max_tokens, self.now(), job.adapter, job.cache_salt)
         except ApiError as exc:
             return self._error(wire, exc)
         except RequestTooLarge as exc:
-            blamed = wire.prompt_field if "prompt is empty" in str(exc) else wire.max_tokens_field
-            return self._error(wire, ApiError(str(exc), blamed))
-        seq.adapter = job.adapter
+            return self._error(wire, self._too_large(wire, exc))
         injected = self._injected_error()
         if injected is not None:
             return self._error(wire, injected)
@@ -326,6 +388,11 @@ class Replica:
     def _error(self, wire: Api, exc: ApiError) -> web.Response:
         return web.Response(status=exc.status, body=wire.error(exc), content_type="application/json")
 
+    @staticmethod
+    def _too_large(wire: Api, exc: RequestTooLarge) -> ApiError:
+        blamed = wire.prompt_field if "prompt is empty" in str(exc) else wire.max_tokens_field
+        return ApiError(str(exc), blamed)
+
     def _injected_error(self) -> ApiError | None:
         """The error fault: this request gets an HTTP error instead of an answer."""
         if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
@@ -340,8 +407,10 @@ class Replica:
     async def _answer(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
         while not seq.done:
             await self._wait_tokens(seq)
-        if seq.aborted:  # the replica crashed under it
-            raise ConnectionResetError("replica crashed")
+        if seq.aborted:
+            if self.crashed:  # the replica crashed under it
+                raise ConnectionResetError("replica crashed")
+            return self._error(wire, ApiError("the engine restarted: the request was lost", None, 500))
         if self.faults.stall_after is not None:
             await asyncio.Event().wait()  # never answers; the client times out
         if self.faults.drop_after is not None:
@@ -371,7 +440,9 @@ class Replica:
         while not seq.done:
             await self._wait_tokens(seq)
             if seq.aborted:
-                raise ConnectionResetError("replica crashed")
+                if self.crashed:
+                    raise ConnectionResetError("replica crashed")
+                self._cut(request)  # the engine restarted: the stream ends where it is
             # the first token goes out alone (time to first token does not wait for a whole chunk),
             # then one chunk per `interval` tokens, also when several steps' tokens arrive at once
             while seq.output_tokens - sent >= (interval if sent else 1) or (seq.done and seq.output_tokens > sent):
@@ -401,6 +472,57 @@ class Replica:
         except ApiError as exc:
             return self._error(wire, exc)
         return _json({"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}})
+
+    async def _render(self, request: web.Request, api: Callable[[], Api]) -> web.Response:
+        """POST /v1/chat/completions/render, /v1/messages/render (one object) and
+        /v1/completions/render (a list: one per prompt): the token ids the request's prompt would
+        run with, as vLLM's render endpoints answer, with the errors its generating endpoint
+        answers; the engine never sees it."""
+        await self._maybe_hang()
+        wire = api()
+        completions = isinstance(wire, Completions) and not wire.chat
+        try:
+            body = await self._json_body(request)
+            prompt = body.get("prompt")
+            batch = prompt if completions and isinstance(prompt, list) and len(prompt) > 1 else None
+            bodies = [body | {"prompt": p} for p in batch] if batch is not None else [body]
+            batched = batch is not None
+            request_id = uuid.uuid4().hex
+            rendered = []
+            for i, one in enumerate(bodies):
+                job = wire.parse(one)
+                self.engine.new_sequence(job.prompt, job.max_tokens, self.now(), job.adapter, job.cache_salt)
+                rendered.append(
+                    {
+                        "request_id": f"{request_id}-{i}" if batched else request_id,
+                        "token_ids": token_ids(job.prompt),
+                        "features": None,
+                        "sampling_params": {"max_tokens": job.max_tokens},
+                        "model": body.get("model"),
+                        "stream": job.stream,
+                        "stream_options": None,
+                        "cache_salt": job.cache_salt,
+                        "priority": 0,
+                        "kv_transfer_params": None,
+                    }
+                )
+        except ApiError as exc:
+            return self._error(wire, exc)
+        except RequestTooLarge as exc:
+            return self._error(wire, self._too_large(wire, exc))
+        return _json(rendered if completions else rendered[0])
+
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        """GET /kv_event_sources: where the KV events are published, per data-parallel rank
+        (`{}` with events off), as vLLM 0.32 answers."""
+        await self._maybe_hang()
+        return _json(self.publisher.sources() if self.publisher is not None else {})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache, vLLM's dev-mode endpoint: empty the prefix cache, unless a
+        request holds blocks (`success: false`); AllBlocksCleared goes out at the next step."""
+        await self._maybe_hang()
+        return _json({"success": self.engine.reset_prefix_cache()})
 
     async def _stored_response(self, request: web.Request) -> web.Response:
         """GET /v1/responses/{id} (the stored conversation's last reply) and DELETE (forget it), as
@@ -465,6 +587,20 @@ class Replica:
             "engine": self.engine.stats(),
             "config": asdict(self.engine.config),
             "time_scale": self.options.time_scale,
+            "kv_events": self._kv_events_state(),
+        }
+
+    def _kv_events_state(self) -> dict[str, Any] | None:
+        p = self.publisher
+        if p is None:
+            return None
+        return {
+            "port": p.port,
+            "replay_port": p.replay_port,
+            "encoding": p.options.encoding,
+            "next_seq": p.next_seq,
+            "sent": p.sent,
+            "dropped": p.dropped,
         }
 
     async def _state(self, request: web.Request) -> web.Response:
@@ -487,6 +623,10 @@ class Replica:
     async def _crash_endpoint(self, request: web.Request) -> web.Response:
         asyncio.get_running_loop().call_later(0.01, lambda: asyncio.ensure_future(self.crash()))
         return _json({"crashing": self.options.replica_id}, status=202)
+
+    async def _restart_engine_endpoint(self, request: web.Request) -> web.Response:
+        self.restart_engine()
+        return _json(self.state())
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -515,6 +655,7 @@ class Fleet:
             app.router.add_delete("/replicas/{i}/faults", self._action(lambda r, body: r.set_faults(asdict(Faults()))))
             app.router.add_post("/replicas/{i}/crash", self._action(lambda r, body: r.crash()))
             app.router.add_post("/replicas/{i}/restart", self._action(lambda r, body: r.restart()))
+            app.router.add_post("/replicas/{i}/restart-engine", self._action(lambda r, body: r.restart_engine()))
             app.router.add_post("/replicas/{i}/reset-cache", self._action(lambda r, body: r.engine.cache.clear()))
             self._control = web.AppRunner(app, handle_signals=False, access_log=None)
             await self._control.setup()
