@@ -1,8 +1,11 @@
 """The engines' KV-cache events, read: one ZMQ subscriber per replica that publishes, and requests cut into its tokens.
 
-`Feed.run` looks at every replica (every `FIND_EVERY_S`): one that answers `GET /kv_event_sources`
-with a ZMQ publisher (vLLM started with `--kv-events-config`), or is named in `kv_event_endpoints`,
-gets a subscriber per data-parallel rank. An endpoint that binds (`tcp://*:P`, `tcp://0.0.0.0:P`)
+`Feed.run` looks at every replica (every `FIND_EVERY_S`): one whose health probes show vLLM's
+`vllm:cache_config_info` (vLLM, router-emulator: the engines that say where they publish; worker
+processes see it in the shared table) and that answers `GET /kv_event_sources` with a ZMQ
+publisher (vLLM started with `--kv-events-config`), or one named in `kv_event_endpoints`, gets a
+subscriber per data-parallel rank. Nothing else is sent to a replica: with `health_checks = false`
+only the configured endpoints are read. An endpoint that binds (`tcp://*:P`, `tcp://0.0.0.0:P`)
 is reached at the replica's own host; one that connects (`tcp://HOST:P`: the engine pushes to a
 socket its subscriber binds) is not supported, and said so once in the log. A replica that
 publishes nothing (llama.cpp, older vLLM, events off) is left to the router's own model.
@@ -161,6 +164,8 @@ class Feed:
                     m.child(m.kv_event_blocks, rid, medium).set(sum(h.blocks(medium) for h in ranks))
             if any(key[0] == rid for key in self.tasks):
                 continue
+            if rid not in self.configured and replica.engine.block_size is None:
+                continue  # its probes have not shown vLLM's cache_config_info: not an engine that says
             if now - self.asked.get(rid, -FIND_EVERY_S) < FIND_EVERY_S:
                 continue
             self.asked[rid] = now
