@@ -7,10 +7,12 @@ import math
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from router.bench import fleet
 from router.bench.cli import build_parser
 from router.bench.fleet import Sample, bisect_size, fleet_figures, render_markdown, summarize_runs
+from router.metrics import RouterMetrics
 
 
 def args_of(*flags: str) -> argparse.Namespace:
@@ -165,6 +167,45 @@ def test_contenders_of_the_router_and_the_peers() -> None:
     assert args["smg-cache-aware"] == ("--policy", "cache_aware")
     assert args["smg-header"] == ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id")
     assert fleet.CONTENDERS["smg-header"].key_headers == ("X-Session-ID",)
+    assert args["full-model"] == ("--rebalance", "--warmup", "--no-kv-events")  # today's model, events off
+    assert args["full-tokenizer"] == args["full"] and fleet.CONTENDERS["full-tokenizer"].tokenizer
+    assert fleet.CONTENDERS["full-tokenizer"].engines == ("vllm",)  # the model's files are vLLM's tiny model's
+
+
+def test_the_routers_predictions_are_read_from_its_metrics() -> None:
+    metrics = RouterMetrics()
+
+    def page() -> fleet.RouterCounts:
+        return fleet.RouterCounts.parse(generate_latest(metrics.registry).decode())
+
+    before_run = metrics.child(metrics.prefix_prediction_error, "events")
+    before_run.observe(40)  # the readiness request, before the run: not counted
+    metrics.child(metrics.tokenize_seconds, "render").observe(0.5)
+    before = page()
+    for error in (0, 0, 0, -32, 64):  # three exact, one under (the engine had more), one over
+        metrics.child(metrics.prefix_prediction_error, "events").observe(error)
+    metrics.child(metrics.prefix_prediction_error, "model").observe(0.25)
+    metrics.child(metrics.kv_events_believed, "r0").set(1)
+    metrics.child(metrics.kv_events_believed, "r1").set(0)
+    metrics.child(metrics.tokenize_seconds, "render").observe(0.002)
+    metrics.child(metrics.token_checks, "m", "match").inc(2)
+    after = page()
+    assert not after.all_believed(2) and not fleet.RouterCounts({}, {"r0": 1}, {}, {}).all_believed(2)
+    got = fleet.prediction_figures(before, after)
+    events = got["predictions"]["events"]
+    assert (events["answers"], events["exact"], events["under"], events["over"]) == (5, 3, 1, 1)
+    assert events["buckets"]["-16"] == 1 and events["buckets"]["+Inf"] == 5
+    assert got["exact_predicted_events"] == 0.6 and got["predicted_answers_events"] == 5
+    assert got["exact_predicted_model"] == 1.0 and got["predicted_answers_model"] == 1
+    assert got["kv_events_believed"] == {"r0": 1, "r1": 0}
+    assert got["tokenize"]["render"]["count"] == 1 and got["tokenize"]["render"]["seconds"] == pytest.approx(0.002)
+    assert got["token_checks"] == {"match": 2}
+    # the table's cell: per source, the share exact of how many; none without answers; n/a for a peer
+    assert fleet._exact(got) == "60.0% of 5 / 100.0% of 1"
+    assert fleet._exact(fleet.prediction_figures(before, before)) == "none / none"
+    assert fleet._exact({"kv_hit_rate": 0.5}) == "n/a"
+    med = summarize_runs([{**run_result(0.5, 1.0, 2.0, 0.1), **got}])
+    assert med["exact_predicted_events"] == 0.6 and fleet._exact(med) == "60.0% of 5 / 100.0% of 1"
 
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:

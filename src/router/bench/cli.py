@@ -17,6 +17,7 @@ from router.bench import (
     replay,
     ring_bench,
     simulate,
+    tokens_bench,
 )
 
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_parser(sub)
     overload.add_parser(sub)
     adapters.add_parser(sub)
+    tokens_bench.add_parser(sub)
     return parser
 
 

@@ -12,6 +12,10 @@ this process sending the workload. Contenders:
   (bounded load that ignores how many requests each replica runs at once, as before that setting);
   `full-no-kv-wait`: `full` with `--no-ttft-kv-wait` (no wait for room in a full KV cache);
   `full-no-queue-lag`: `full` with `--ttft-queue-gain 0` (first tokens' lag does not move the queues);
+  `full-model`: `full` with `--no-kv-events` (priced by the router's own model of what it sent, even
+  where the engines publish what they hold); `full-tokenizer` (`--engine vllm` only): `full` with
+  `--tokenizer-dirs` naming the served model's folder, so that it cuts requests into the engine's
+  tokens itself instead of asking a replica's render endpoint;
 - `sglang-cache-aware`, `sglang-header`: `sglang-router` with `--policy cache_aware`, and with
   `--policy manual` and the session id in `X-SMG-Routing-Key` (when sglang-router is installed);
 - `smg-cache-aware`, `smg-header`: `smg` 1.13, the Shepherd Model Gateway (sglang-router's
@@ -58,6 +62,12 @@ seconds (wall seconds x `--time-scale`); "multi-turn" and "later-turn" are a ses
 after its first. Router timers (health probes, the rebalancing window) run on the wall clock,
 so at time scale 2 they span twice as many engine seconds.
 
+For router-serve's contenders, its /metrics is read before and after each run: "exact predicted"
+is the share of its answers whose cached tokens it predicted to the token
+(`router_prefix_prediction_error_tokens`, the bucket (-0.5, 0.5]), of those it priced by the
+engine's KV events and of those it priced by its own model, with the whole histogram of errors
+and the replicas whose events it believed at the end in the JSON.
+
 Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
 `--replicas`) whose multi-turn P99 on the busiest keyed `sessions@R` stays within `--p99-target`
 (default: the P99 round-robin reaches on the full fleet in this run), by bisection, one run per
@@ -80,24 +90,26 @@ engine shape is an emulator's).
 `--engine vllm` runs them in front of real vLLM replicas: vLLM's CPU build serving a tiny
 random-weight Llama (scripts/build-vllm.sh builds both; router.bench.vllm), `--max-num-seqs`
 requests at once and `--kv-blocks` KV blocks of 32 tokens each, `--enforce-eager`, the render
-endpoints on (`--enable-scale-out`, for `vllm-cache-aware`), in real time. A replica takes a
-minute or two to start on a few shared cores, so the replicas start once and are kept for the
-whole benchmark: before each run they are left to go idle and their prefix caches are emptied
-(`POST /reset_prefix_cache`, served in vLLM's dev mode, `VLLM_SERVER_DEV_MODE=1`), so every
-contender meets cold caches, as on a fresh fleet. Each replica's worker runs one OpenMP thread
-bound to no CPU (`VLLM_CPU_OMP_THREADS_BIND=nobind`, unless the environment sets it; vLLM's own
-default binds every replica to the same CPU). Every request asks for `ignore_eos`, so that the
-random model's replies are max_tokens long for every contender, and the sessions' text is cut to
-`--prompt-scale` of its length (0.25 by default here): the tiny model's tokenizer counts about 3.8
-tokens in the 4 characters of an emulator token, so a quarter of the text holds about as many
-real tokens as the emulator counts in the whole. Figures from each replica's `/metrics`: the KV
-hit rate from the engines' own prefix-cache counters (hit ÷ queried tokens, their changes over the
-run; the client's `cached_tokens` share beside it), requests running + waiting for the spread,
-requests finished for the load CV, preemptions, and the share of sampled time a replica ran a
-request for "busy". Each table opens with the engine settings, the KV per replica and in the
-fleet, and the tokens the run's conversations hold against them. vLLM sends no replica header
-either (a peer's jump rate is n/a). Sessions workloads only: the Mooncake traces' prompts (a
-median of 7,000-12,000 tokens) outgrow the model's 8,192-token context.
+endpoints on (`--enable-scale-out`: `vllm-cache-aware` posts to them, router-serve tokenizes through
+them), KV-cache events published on ZMQ with a replay socket (router-serve reads them unless
+`--no-kv-events`; a run of a contender that reads them starts once it believes every replica's), in
+real time. A replica takes a minute or two to start on a few shared cores, so the replicas start
+once and are kept for the whole benchmark: before each run they are left to go idle and their prefix
+caches are emptied (`POST /reset_prefix_cache`, served in vLLM's dev mode,
+`VLLM_SERVER_DEV_MODE=1`), so every contender meets cold caches, as on a fresh fleet. Each replica's
+worker runs one OpenMP thread bound to no CPU (`VLLM_CPU_OMP_THREADS_BIND=nobind`, unless the
+environment sets it; vLLM's own default binds every replica to the same CPU). Every request asks for
+`ignore_eos`, so that the random model's replies are max_tokens long for every contender, and the
+sessions' text is cut to `--prompt-scale` of its length (0.25 by default here): the tiny model's
+tokenizer counts about 3.8 tokens in the 4 characters of an emulator token, so a quarter of the text
+holds about as many real tokens as the emulator counts in the whole. Figures from each replica's
+`/metrics`: the KV hit rate from the engines' own prefix-cache counters (hit ÷ queried tokens, their
+changes over the run; the client's `cached_tokens` share beside it), requests running + waiting for
+the spread, requests finished for the load CV, preemptions, and the share of sampled time a replica
+ran a request for "busy". Each table opens with the engine settings, the KV per replica and in the
+fleet, and the tokens the run's conversations hold against them. vLLM sends no replica header either
+(a peer's jump rate is n/a). Sessions workloads only: the Mooncake traces' prompts (a median of
+7,000-12,000 tokens) outgrow the model's 8,192-token context.
 """
 
 from __future__ import annotations
@@ -126,6 +138,7 @@ from typing import Any
 import aiohttp
 import orjson
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.bench.common import free_port, parse_settings, progress_line
 from router.bench.llama_server import LlamaServer, NotBuilt, find_binary, model_for
@@ -217,6 +230,7 @@ class Contender:
     spread: str = "round-robin"  # direct contenders only
     key_headers: tuple[str, ...] = ("X-Session-ID",)
     engines: tuple[str, ...] = ENGINES  # the --engine values it runs in front of
+    tokenizer: bool = False  # router-serve tokenizes requests itself, with the vLLM model's files (tokenizer_dirs)
 
 
 PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
@@ -229,6 +243,11 @@ CONTENDERS = {
         Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load", *PLAIN)),
         Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash", *PLAIN)),
         Contender("full", "router-serve as shipped", "router", SHIPPED),  # its default policy
+        # as shipped, but priced by the router's own model of what it sent, not by the engines' KV events
+        Contender("full-model", "router-serve, KV events off", "router", (*SHIPPED, "--no-kv-events")),
+        Contender(
+            "full-tokenizer", "router-serve, own tokenizer", "router", SHIPPED, engines=("vllm",), tokenizer=True
+        ),
         Contender("affinity", "router-serve affinity", "router", ("--policy", "affinity", *SHIPPED)),
         Contender("full-no-kv-wait", "router-serve, no KV-bound wait", "router", (*SHIPPED, "--no-ttft-kv-wait")),
         Contender(
@@ -368,6 +387,7 @@ class Fleet:
     stop: Callable[[], None]
     what: str  # for the tables: "emulated replicas", "llama-server replicas", "vLLM replicas"
     control: str | None = None  # the emulator's control URL (faults, crashes, caches); None for real engines
+    events: bool = False  # its replicas publish KV-cache events (router-serve waits until it believes them)
 
 
 async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: list[str]) -> Fleet:
@@ -582,7 +602,9 @@ class VllmReplicas:
                 block_size=VLLM_BLOCK,
                 kv_blocks=self.kv_blocks,
                 max_model_len=self.max_model_len,
-                scale_out=True,  # the render endpoints, for vllm-router's cache_aware
+                scale_out=True,  # the render endpoints: vllm-router's cache_aware, router-serve's tokens
+                events_port=free_port(),  # KV-cache events, which router-serve reads (unless --no-kv-events)
+                replay_port=free_port(),
                 extra=self.extra,
                 env=self.environment(),
                 name=f"vllm-{i}",
@@ -673,7 +695,7 @@ async def start_vllm_fleet(replicas: int, args: argparse.Namespace) -> Fleet:
         )
 
     pids = [pid for s in servers if s.proc is not None for pid in group_pids(s.proc.pid)]
-    return Fleet([s.url for s in servers], pids, read, lambda: None, "vLLM replicas")
+    return Fleet([s.url for s in servers], pids, read, lambda: None, "vLLM replicas", events=True)
 
 
 async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
@@ -686,6 +708,11 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
         cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
         for url in urls:
             cmd += ["--replica", url]
+        if c.tokenizer:  # the model's own tokenizer and chat template, not the replicas' render endpoints
+            try:
+                cmd += ["--tokenizer-dirs", f"*={find_vllm() / 'model'}"]
+            except VllmNotBuilt as exc:
+                raise RuntimeError(str(exc)) from None
         env = {"ROUTER_" + k.upper(): v for k, v in settings.items()}
     else:
         cmd, env = peer_command(c.kind, port, urls, c.args)
@@ -700,6 +727,105 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
         child.stop()
         raise
     return child, [url]
+
+
+# -- what router-serve says of its own decisions -----------------------------------------------------
+
+PREDICTION_SOURCES = ("events", "model")  # router_prefix_prediction_error_tokens{source}
+EVENTS_READY_S = 30.0  # router-serve believes every replica's KV events within this, or the run goes on without
+
+
+@dataclass(frozen=True)
+class RouterCounts:
+    """What one read of router-serve's /metrics says of its predictions: per source, the answers
+    checked and the cumulative counts of the error histogram (predicted minus reported cached
+    tokens) by upper bound; per replica, whether its KV events are believed; per tokenizing source,
+    the requests tokenized and their seconds; the router's own tokens checked against the engine's."""
+
+    errors: dict[str, dict[float, float]]  # source -> {le: answers with an error <= le}
+    believed: dict[str, float]  # replica -> router_kv_events_believed
+    tokenized: dict[str, tuple[float, float]]  # source -> (count, seconds)
+    checks: dict[str, float]  # router_token_checks by result: match, mismatch, error
+
+    @classmethod
+    def parse(cls, text: str) -> RouterCounts:
+        errors: dict[str, dict[float, float]] = {}
+        believed: dict[str, float] = {}
+        tokenized: dict[str, list[float]] = {}
+        checks: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == "router_prefix_prediction_error_tokens_bucket":
+                    errors.setdefault(labels.get("source", ""), {})[float(labels["le"])] = sample.value
+                elif sample.name == "router_kv_events_believed":
+                    believed[labels.get("replica", "")] = sample.value
+                elif sample.name in ("router_tokenize_seconds_count", "router_tokenize_seconds_sum"):
+                    pair = tokenized.setdefault(labels.get("source", ""), [0.0, 0.0])
+                    pair[sample.name.endswith("_sum")] = sample.value
+                elif sample.name == "router_token_checks_total":
+                    result = labels.get("result", "")
+                    checks[result] = checks.get(result, 0.0) + sample.value
+        return cls(errors, believed, {k: (v[0], v[1]) for k, v in tokenized.items()}, checks)
+
+    def all_believed(self, replicas: int) -> bool:
+        return len(self.believed) >= replicas and all(v == 1 for v in self.believed.values())
+
+
+def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, Any]:
+    """A run's predictions, per source (the histograms' changes between two reads): answers checked,
+    those predicted to the token (the bucket (-0.5, 0.5]), under (the engine had more cached) and
+    over, and the share exact; `exact_predicted_<source>` is that share (nan without answers)."""
+    out: dict[str, Any] = {"predictions": {}}
+    for source in PREDICTION_SOURCES:
+        end, start = after.errors.get(source, {}), before.errors.get(source, {})
+        cum = {le: n - start.get(le, 0.0) for le, n in end.items()}
+        answers = cum.get(math.inf, 0.0)
+        under, upto = cum.get(-0.5, 0.0), cum.get(0.5, 0.0)
+        exact = upto - under
+        out["predictions"][source] = {
+            "answers": answers,
+            "exact": exact,
+            "under": under,
+            "over": answers - upto,
+            "buckets": {("+Inf" if math.isinf(le) else f"{le:g}"): n for le, n in sorted(cum.items())},
+        }
+        out[f"predicted_answers_{source}"] = answers
+        out[f"exact_predicted_{source}"] = exact / answers if answers else math.nan
+    out["kv_events_believed"] = dict(after.believed)
+    out["tokenize"] = {
+        source: {
+            "count": count - before.tokenized.get(source, (0.0, 0.0))[0],
+            "seconds": seconds - before.tokenized.get(source, (0.0, 0.0))[1],
+        }
+        for source, (count, seconds) in after.tokenized.items()
+    }
+    out["token_checks"] = {k: n - before.checks.get(k, 0.0) for k, n in after.checks.items()}
+    return out
+
+
+async def router_counts(url: str) -> RouterCounts | None:
+    """One read of router-serve's /metrics; None when it did not answer."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r,
+        ):
+            r.raise_for_status()
+            return RouterCounts.parse(await r.text())
+    return None
+
+
+async def events_believed(url: str, replicas: int, timeout: float = EVENTS_READY_S) -> float | None:
+    """Seconds until router-serve at `url` believes every replica's KV events (it finds them through
+    /kv_event_sources every few seconds, then replays what they hold); None if not within `timeout`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        counts = await router_counts(url)
+        if counts is not None and counts.all_believed(replicas):
+            return time.monotonic() - t0
+        await asyncio.sleep(0.25)
+    return None
 
 
 # -- the fleet's own counters ---------------------------------------------------------------------
@@ -982,6 +1108,11 @@ async def run_one(
     router: Child | None = None
     try:
         router, targets = await start_contender(c, fleet.urls, args.settings)
+        reads = c.kind == "router"  # router-serve: its predictions, from its /metrics, before and after
+        ready_s = None
+        if reads and fleet.events and "--no-kv-events" not in c.args:
+            ready_s = await events_believed(targets[0], len(fleet.urls))
+        before = await router_counts(targets[0]) if reads else None
         opts = workload_options(workload, args, targets, c)
         sampler = Sampler(fleet, args.sample_s)
         cpu_fleet0 = fleet_cpu_seconds(fleet.pids)
@@ -997,6 +1128,12 @@ async def run_one(
         wall = time.perf_counter() - t0
         result["emulator_cpu_share"] = (fleet_cpu_seconds(fleet.pids) - cpu_fleet0) / wall
         result["router_cpu_share"] = (cpu_seconds(router.pid) - cpu_router0) / wall if router else None
+        if before is not None:
+            await asyncio.sleep(0.5)  # the last answers' usage is checked after their last byte
+            after = await router_counts(targets[0])
+            if after is not None:
+                result |= prediction_figures(before, after)
+                result["kv_events_ready_s"] = ready_s
     finally:
         try:
             if router is not None:
@@ -1036,6 +1173,11 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("client_cpu_share", lambda r: r["client_cpu_share"]),
     ("emulator_cpu_share", lambda r: r["emulator_cpu_share"]),
     ("router_cpu_share", lambda r: r["router_cpu_share"] if r["router_cpu_share"] is not None else math.nan),
+    # router-serve only: the share of its answers whose cached tokens it predicted to the token, by source
+    ("exact_predicted_events", lambda r: r.get("exact_predicted_events", math.nan)),
+    ("exact_predicted_model", lambda r: r.get("exact_predicted_model", math.nan)),
+    ("predicted_answers_events", lambda r: r.get("predicted_answers_events", math.nan)),
+    ("predicted_answers_model", lambda r: r.get("predicted_answers_model", math.nan)),
 )
 
 
@@ -1118,6 +1260,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any] | None:
             "max_model_len": kept.max_model_len,
             "vllm_args": args.vllm_arg,
             "cpu_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind, OMP_NUM_THREADS=1"),
+            "kv_events": "ZMQ, with a replay socket; render endpoints on (--enable-scale-out)",
             "prompt_scale": args.prompt_scale,
         }
     return None
@@ -1211,8 +1354,9 @@ async def run_all(
                 note(
                     f"{prefix} round {rnd + 1}: {run['requests']} requests, {run['requests'] - run['ok']} failed, "
                     f"KV hit {run['kv_hit_rate']:.1%}, multi-turn P99 {p99:.3f} s, "
-                    f"GPU busy {run['gpu_busy']:.0%}, client CPU {run['client_cpu_share']:.0%} "
-                    f"({time.perf_counter() - t:.0f} s)"
+                    f"GPU busy {run['gpu_busy']:.0%}, client CPU {run['client_cpu_share']:.0%}"
+                    + (f", exact predicted {_exact(run)}" if "predictions" in run else "")
+                    + f" ({time.perf_counter() - t:.0f} s)"
                 )
     make_tables(result)
     searched = size_workload(args.workloads)
@@ -1250,6 +1394,17 @@ def _num(x: float, digits: int = 3) -> str:
     return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
+def _exact(f: dict[str, Any]) -> str:
+    """router-serve's answers predicted to the token, by source: `99.4% of 160 / none`; n/a for the others."""
+    cells = []
+    for source in PREDICTION_SOURCES:
+        answers = f.get(f"predicted_answers_{source}", math.nan)
+        if math.isnan(answers):
+            return "n/a"
+        cells.append(f"{_pct(f[f'exact_predicted_{source}'])} of {answers:,.0f}" if answers else "none")
+    return " / ".join(cells)
+
+
 Column = tuple[str, Callable[[dict[str, Any]], str]]  # (title, the cell of a contender's figures)
 COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
@@ -1263,6 +1418,7 @@ COLUMNS: tuple[Column, ...] = (
     ("in-flight CV", lambda f: _num(f["inflight_cv"])),
     ("jump rate", lambda f: _pct(f["jump_rate"])),
     ("GPU busy", lambda f: _pct(f["gpu_busy"])),
+    ("exact predicted (events / model)", _exact),
 )
 VLLM_COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
@@ -1278,6 +1434,7 @@ VLLM_COLUMNS: tuple[Column, ...] = (
     ("jump rate", lambda f: _pct(f["jump_rate"])),
     ("preempted", lambda f: _num(f.get("preemptions", math.nan), 0)),
     ("busy", lambda f: _pct(f["gpu_busy"])),
+    ("exact predicted (events / model)", _exact),
 )
 
 
@@ -1302,6 +1459,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         )
     else:
         what, notes = f"emulated replicas, time scale {result['time_scale']:g}", ""
+    notes += (
+        " Exact predicted: router-serve's answers whose cached tokens it predicted to the token, of those"
+        " it priced by the engine's KV events / by its own model (`router_prefix_prediction_error_tokens`)."
+    )
     lines = [
         f"{result['replicas']} {what}, "
         f"median of {result['rounds']} round(s) (failed requests: summed); latencies in "
