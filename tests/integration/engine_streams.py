@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
+
+from router.bench.vllm import NotBuilt, find_vllm
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -120,3 +124,14 @@ def normalised(events: list[Any]) -> list[Any]:
                 e["usage"] = {k: e["usage"][k] for k in ("prompt_tokens", "completion_tokens")}
         out.append(e)
     return out
+
+
+def vllm_or_why() -> tuple[Path | None, str]:
+    """The built vLLM environment (scripts/build-vllm.sh), or None and why not; under CI
+    (KVAR_CI set) a missing one is an error: the vLLM tests must run there."""
+    try:
+        return find_vllm(), ""
+    except NotBuilt as exc:
+        if os.environ.get("KVAR_CI"):
+            raise RuntimeError(f"under CI the vLLM tests must run: {exc}") from None
+        return None, str(exc)

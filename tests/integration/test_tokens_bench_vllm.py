@@ -5,21 +5,13 @@ message, failing under CI)."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
+from engine_streams import vllm_or_why
 
 from router.bench.cli import main
-from router.bench.vllm import NotBuilt, find_vllm
 
-try:
-    ROOT: Path | None = find_vllm()
-    WHY = ""
-except NotBuilt as exc:
-    ROOT, WHY = None, str(exc)
-if ROOT is None and os.environ.get("KVAR_CI"):
-    raise RuntimeError(f"under CI the vLLM tests must run: {WHY}")
+ROOT, WHY = vllm_or_why()
 pytestmark = [pytest.mark.real_engine, pytest.mark.skipif(ROOT is None, reason=WHY)]
 
 

@@ -11,7 +11,6 @@ own. Each test starts its own router; everything is stopped by PID (a replica's 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,23 +21,27 @@ import anthropic
 import openai
 import orjson
 import pytest
-from engine_streams import Tap, chunked_bodies, chunked_body, events_of, metric, metrics_of, normalised, text_of
+from engine_streams import (
+    Tap,
+    chunked_bodies,
+    chunked_body,
+    events_of,
+    metric,
+    metrics_of,
+    normalised,
+    text_of,
+    vllm_or_why,
+)
 
 from router.bench.common import free_port
-from router.bench.vllm import MODEL_NAME, NotBuilt, VllmServer, find_vllm, start_all
+from router.bench.vllm import MODEL_NAME, VllmServer, start_all
 from router.health.signals import parse_engine_metrics
 
 TOKEN = "vllm-test-token"
 SYSTEM = {"role": "system", "content": "You answer questions about foxes, dogs and the weather. " * 8}
 SLOTS = 4  # requests each replica runs at once (max_num_seqs)
 
-try:
-    ROOT: Path | None = find_vllm()
-    WHY = ""
-except NotBuilt as exc:
-    ROOT, WHY = None, str(exc)
-if ROOT is None and os.environ.get("KVAR_CI"):
-    raise RuntimeError(f"under CI the vLLM tests must run: {WHY}")
+ROOT, WHY = vllm_or_why()
 pytestmark = [pytest.mark.real_engine, pytest.mark.skipif(ROOT is None, reason=WHY)]
 
 

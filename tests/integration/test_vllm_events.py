@@ -14,7 +14,6 @@ prediction for that prompt, made just before, must be that number exactly.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,22 +22,17 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from engine_streams import vllm_or_why
 
 from router.bench.common import free_port
-from router.bench.vllm import MODEL_NAME, NotBuilt, VllmServer, find_vllm, start_all
+from router.bench.vllm import MODEL_NAME, VllmServer, start_all
 from router.node import Node
 from router.proxy.admit import Admitted, admit_body
 
 BLOCKS = 48  # KV blocks of each replica: 1,536 tokens, two or three of the conversations below
 SYSTEM = {"role": "system", "content": "You answer questions about the weather in the mountains. " * 6}
 
-try:
-    ROOT: Path | None = find_vllm()
-    WHY = ""
-except NotBuilt as exc:
-    ROOT, WHY = None, str(exc)
-if ROOT is None and os.environ.get("KVAR_CI"):
-    raise RuntimeError(f"under CI the vLLM tests must run: {WHY}")
+ROOT, WHY = vllm_or_why()
 pytestmark = [pytest.mark.real_engine, pytest.mark.skipif(ROOT is None, reason=WHY)]
 
 
