@@ -124,8 +124,9 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "(load cap), failover (retry), health (previous replica removed), drain, membership (previous "
         "replica left), migration (overheat rebalancing), scale_out, ring (owner changed, "
         "consistent_hash), round_robin, least_load, cost (ttft: moving saved more time than it cost the fleet: "
-        "its recompute, the requests that waited for it, the context it evicted), prefix (ttft: a keyless "
-        "conversation went where the index saw more of it).",
+        "its recompute, the requests that waited for it, the context it evicted), prefix (ttft: a request "
+        "without a session id, keyed by its opening message, placed by its prompt away from where that "
+        "opening went last: another conversation may open alike, so not necessarily a session moving).",
         ("reason",),
     ),
     "router_retries": (

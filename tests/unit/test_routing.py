@@ -190,6 +190,24 @@ async def test_jump_reasons_by_cause(cause: str, policy: str) -> None:
     assert verdict.followup and verdict.jump == cause and jumps(routing) == {cause: 1.0}
 
 
+async def test_ttft_counts_a_fingerprint_placed_elsewhere_as_prefix_not_as_a_session_moved() -> None:
+    """Two conversations that open alike share a fingerprint key: `ttft` places each by its prompt,
+    so the second going elsewhere is no session the router moved (the console shows it apart)."""
+    routing, clock, _ = core("ttft")
+
+    def opening_alike(text: str) -> RoutingKey:
+        messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+        body = {"model": "m", "messages": [*messages, {"role": "user", "content": text}]}
+        return RoutingKey(b"m hello", "prefix", "prefix", prompt_of(body, 64))
+
+    _, first = await serve(routing, clock, opening_alike("the first conversation " * 100))
+    for _ in range(4):
+        routing.fleet.acquire(first)  # busy: the other conversation is placed elsewhere
+    route, other = await serve(routing, clock, opening_alike("another conversation entirely " * 100))
+    assert other is not first and route.decision is not None and route.decision.reason in ("cost", "ring")
+    assert jumps(routing) == {"prefix": 1.0}
+
+
 async def test_a_spill_at_the_load_cap_is_a_spill() -> None:
     routing, clock, _ = core(bounded_load_floor="1", bounded_load_c="1.0")
     _, home = await serve(routing, clock, key("s1"))

@@ -33,6 +33,8 @@ from router.routing.directory import SessionDirectory
 MOVE_SLACK_MS = 2000
 # the policy's own reasons, which say why a session left its replica better than the fleet can
 POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix"})
+# `ttft`'s reasons for placing a request by its prompt where no session says where it lives
+PLACED = frozenset({"cost", "prefix", "ring"})
 
 
 @dataclass(slots=True)
@@ -103,8 +105,12 @@ class Routing:
         last = self.directory.table.get(key.key) if key.kind != "none" else None
         return Route(self, key, last, last is not None, t0, deadline)
 
-    def jump_reason(self, last: str, decision: Decision) -> str:
+    def jump_reason(self, last: str, decision: Decision, key: RoutingKey | None = None) -> str:
         """Why a session left `last` for `decision`: a label of router_session_jumps."""
+        if key is not None and key.kind == "prefix" and self.placement is not None and decision.reason in PLACED:
+            # a fingerprint is no session id: `ttft` placed the request by its prompt alone, and the
+            # replica the key went to last may have served another conversation that opens alike
+            return "prefix"
         if decision.reason in POLICY_REASONS:
             return decision.reason
         previous = self.fleet.find(last)
@@ -270,7 +276,7 @@ class Route:
             if moved is not None and last == replica.id == table.get(key.key):
                 verdict = Verdict(True, moved, moved=True)  # the router moved it here (its cache was warmed first)
             elif last != replica.id and self.decision is not None:
-                verdict = Verdict(True, routing.jump_reason(last, self.decision))
+                verdict = Verdict(True, routing.jump_reason(last, self.decision, key))
             else:
                 verdict = Verdict(True)
             if verdict.jump is not None:
