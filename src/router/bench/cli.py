@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from router.bench import (
@@ -43,13 +44,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The long benchmarks print what they measured when a signal stops them (router.bench.live); the
+    quick in-process ones (ring, prefix, simulate, proxy's rounds, tokens) end here, with a line."""
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    terms: list[int] = []
+
+    def terminated(signum: int, frame: object) -> None:
+        terms.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         return int(args.run(args))
     except KeyboardInterrupt:
-        print("router-bench: interrupted", file=sys.stderr)
-        return 130
+        signum = terms[0] if terms else signal.SIGINT
+        print(f"router-bench: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

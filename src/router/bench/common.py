@@ -1,16 +1,16 @@
 """What the benchmarks that drive an in-process fleet share: settings from the command line, and
-running one measurement to a result (or to one readable error line)."""
+running one measurement to a result (or to one readable error line, or, stopped by a signal, to
+what it measured until then)."""
 
 from __future__ import annotations
 
 import argparse
 import socket
-import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from router._runtime import run as run_loop
+from router.bench.live import Stop, Stopped, run_until
 from router.config import ConfigError
 
 
@@ -42,30 +42,27 @@ def parse_settings(entries: list[str]) -> dict[str, str]:
     return settings
 
 
-def measure(command: str, run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
-    """Run a measurement on the router's event loop; on bad settings or a failed run, print one
-    line (`router-bench COMMAND: ...`) and return None."""
+def measure(
+    command: str, run: Callable[[dict[str, Any]], Awaitable[object]]
+) -> tuple[dict[str, Any] | None, Stopped | None]:
+    """Run a measurement on the router's event loop; `run` fills the dict it is given as it goes.
+    SIGINT or SIGTERM cancel it (its cleanup runs) and the dict comes back as it stands, with the
+    signal (print it marked partial, exit with `Stopped.exit_status`). On bad settings or a failed
+    run, print one line (`router-bench COMMAND: ...`) and return None for the dict."""
     out: dict[str, Any] = {}
+    stopped: list[Stopped | None] = [None]
 
     async def main() -> None:
-        out.update(await run())
+        stop = Stop().install()
+        try:
+            await run_until(run(out), stop.event)
+        finally:
+            stop.uninstall()
+            stopped[0] = stop.stopped
 
     try:
         run_loop(main())
     except (ConfigError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"router-bench {command}: {exc}", flush=True)
-        return None
-    return out
-
-
-def progress_line(every_s: float = 0.2) -> Callable[[str], None]:
-    """A progress line on stderr, rewritten in place at most every `every_s` seconds (for a terminal)."""
-    last = [0.0]
-
-    def show(msg: str) -> None:
-        now = time.monotonic()
-        if now - last[0] > every_s:
-            last[0] = now
-            print(f"\r\x1b[K  {msg}", end="", file=sys.stderr, flush=True)
-
-    return show
+        return None, stopped[0]
+    return out, stopped[0]

@@ -14,6 +14,13 @@ Arrivals are open-loop: sessions (or trace requests) start on their schedule whe
 earlier ones have finished; within a session each turn waits for the previous reply plus a
 think time. Times given on the command line and reported are engine seconds: wall seconds times
 `--time-scale`, which must match the emulator's (router overhead is scaled along with them).
+
+`--duration` is the whole run: what is still in flight when it ends is cut off. Requests cut
+off are counted as such, not as errors, and are left out of latencies and hit rates (they have
+no end; the output says how many). With `--drain`, sessions that started within `--duration`
+play all their turns instead, for at most DRAIN_FACTOR x `--duration` in all (printed up front).
+SIGINT and SIGTERM cut the run off the same way: the results so far are printed, marked
+partial, and the exit status is 130 or 143.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import aiohttp
 import orjson
 import uvloop
 
-from router.bench.common import progress_line
+from router.bench.live import TICK_S, Progress, Stop, Stopped, partial_headline, run_until
 from router.bench.workloads import (
     LongDocSpec,
     SessionPlan,
@@ -51,7 +58,7 @@ from router.ring import xxh3_64
 
 WORKLOADS = ("sessions", "longdoc", "mooncake-conversation", "mooncake-synthetic")
 CHATS = ("sessions", "longdoc")  # generated multi-turn chats; the others are traces
-DRAIN_FACTOR = 3.0  # started sessions may run on until 3 x --duration
+DRAIN_FACTOR = 3.0  # --drain, and library callers: started sessions may run on until 3 x --duration
 REPLICA_HEADERS = ("X-Replica-Id", "X-Router-Replica")
 
 
@@ -69,6 +76,7 @@ class Record:
     cached_tokens: int = 0
     completion_tokens: int = 0
     text: str = ""
+    cut: bool = False  # still in flight when the run was cut off: neither ok nor an error
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,8 @@ class ReplayOptions:
     workload: str
     trace: str | None = None
     spread: str = "round-robin"
-    duration_s: float | None = None  # engine seconds of arrivals
+    duration_s: float | None = None  # engine seconds of arrivals (with cut_off: of the whole run)
+    cut_off: bool = False  # True: at duration_s, what is in flight is cut off; False: it drains
     requests: int | None = None
     speedup: float = 1.0  # trace time compression
     time_scale: float = 1.0
@@ -107,7 +116,12 @@ class Replayer:
         self._issued = 0
         self._inflight = 0
         self._errors = 0
+        self._ok = 0
+        self._cached = 0
+        self._prompt = 0
         self._cut_sessions = 0
+        self._tasks: list[asyncio.Future[Any]] = []
+        self._deadline: float | None = None  # perf_counter when the run is cut off or the drain capped
         self._slots = asyncio.Semaphore(opts.max_inflight)
         self._session: aiohttp.ClientSession | None = None
         self._started: float | None = None
@@ -148,6 +162,9 @@ class Replayer:
                         await resp.read()
                         return rec
                     await self._read_stream(resp, rec, t0)
+            except asyncio.CancelledError:
+                rec.cut = True  # the run ended (its duration, or a signal) with this one in flight
+                raise
             except TimeoutError:
                 rec.error = "timeout"
             except aiohttp.ClientPayloadError:
@@ -158,6 +175,10 @@ class Replayer:
                 self._inflight -= 1
                 if rec.error:
                     self._errors += 1
+                elif rec.ok:
+                    self._ok += 1
+                    self._cached += rec.cached_tokens
+                    self._prompt += rec.prompt_tokens
                 self._report_progress()
         return rec
 
@@ -203,17 +224,31 @@ class Replayer:
         rec.text = "".join(parts)
         rec.ok = True
 
-    def _report_progress(self) -> None:
-        if self._progress is None:
-            return
+    def describe(self) -> str:
+        """Where the run stands: a bar, requests answered, in flight, failed, hit rate, time left."""
+        now = time.perf_counter()
         done = self._issued / self.opts.requests if self.opts.requests else 0.0
         if self._started is not None and self._span_s:
-            done = max(done, (time.perf_counter() - self._started) * self.opts.time_scale / self._span_s)
+            done = max(done, (now - self._started) * self.opts.time_scale / self._span_s)
         done = min(done, 1.0)
         bar = "#" * int(done * 24)
-        self._progress(
-            f"[{bar:<24}] {done:4.0%}  sent {self._issued}  in flight {self._inflight}  errors {self._errors}"
+        hit = f"{kv_hit_rate(self._cached, self._prompt):.1%}" if self._prompt else "n/a"
+        left = ""
+        if self._deadline is not None:
+            left = f"  {max(self._deadline - now, 0.0):.0f} s left" + ("" if self.opts.cut_off else " at most")
+        return (
+            f"[{bar:<24}] {done:4.0%}  done {self._ok + self._errors}  in flight {self._inflight}  "
+            f"errors {self._errors}  KV hit {hit}{left}"
         )
+
+    def _report_progress(self) -> None:
+        if self._progress is not None:
+            self._progress(self.describe())
+
+    async def _tick(self) -> None:
+        while True:  # a run that answers nothing for a while still says where it stands
+            await asyncio.sleep(TICK_S)
+            self._report_progress()
 
     # -- workloads -------------------------------------------------------------------------------
 
@@ -254,34 +289,37 @@ class Replayer:
             messages.append({"role": "assistant", "content": rec.text})
             rec.text = ""
 
+    async def _session_counted(self, plan: SessionPlan, deadline: float) -> None:
+        try:
+            await self._session_run(plan, deadline)
+        except asyncio.CancelledError:
+            self._cut_sessions += 1  # cut off with turns to go (in flight or still to come)
+            raise
+
     def _plans(self) -> Iterator[SessionPlan]:
         if self.opts.workload == "longdoc":
             return generate_longdoc(self.opts.longdoc or LongDocSpec())
         return generate_sessions(self.opts.spec or SessionsSpec())
 
-    async def _run_sessions(self) -> None:
+    async def _run_sessions(self, start: float) -> None:
         scale = self.opts.time_scale
         duration = self.opts.duration_s if self.opts.duration_s is not None else 60.0
-        start = time.perf_counter()
-        self._started, self._span_s = start, duration
-        # sessions that started within `duration` play all their turns, so every target is compared on
-        # the same conversations; DRAIN_FACTOR bounds the run if a target is very slow
+        self._span_s = duration
+        # without cut_off, sessions that started within `duration` play all their turns, so every target is
+        # compared on the same conversations; DRAIN_FACTOR bounds the run if a target is very slow
         deadline = start + DRAIN_FACTOR * duration / scale
-        tasks = []
         for plan in self._plans():
             if plan.start_s > duration or not self._budget_left():
                 break
             await _sleep_until(start + plan.start_s / scale)
-            tasks.append(asyncio.ensure_future(self._session_run(plan, deadline)))
-        await asyncio.gather(*tasks)
+            self._tasks.append(asyncio.ensure_future(self._session_counted(plan, deadline)))
+        await asyncio.gather(*self._tasks)
 
-    async def _run_trace(self, rows: list[TraceRequest]) -> None:
+    async def _run_trace(self, rows: list[TraceRequest], start: float) -> None:
         scale = self.opts.time_scale
-        start = time.perf_counter()
         gate = asyncio.Semaphore(self.opts.concurrency) if self.opts.concurrency else None
-        tasks = []
+        tasks = self._tasks
         t_first = rows[0].timestamp_s
-        self._started = start
         self._span_s = (rows[-1].timestamp_s - t_first) / self.opts.speedup
         if self.opts.duration_s is not None:
             self._span_s = min(self._span_s, self.opts.duration_s)
@@ -301,7 +339,25 @@ class Replayer:
                 tasks.append(asyncio.ensure_future(request))
         await asyncio.gather(*tasks)
 
-    async def run(self) -> dict[str, Any]:
+    def plan_line(self) -> str | None:
+        """When the run will end, said up front (None when only the workload's end says)."""
+        scale, d = self.opts.time_scale, self.opts.duration_s
+        if self.opts.workload in CHATS:
+            d = d if d is not None else 60.0
+            if not self.opts.cut_off:
+                return (
+                    f"sessions start for {d / scale:.0f} s and play all their turns: "
+                    f"the run ends within {DRAIN_FACTOR * d / scale:.0f} s (sessions still going then are cut)"
+                )
+        if d is None:
+            return None
+        if self.opts.cut_off:
+            return f"the run ends after {d / scale:.0f} s; requests in flight then are cut off (not errors)"
+        return f"requests start for {d / scale:.0f} s; those in flight then run to their end"
+
+    async def run(self, stop: asyncio.Event | None = None) -> dict[str, Any]:
+        """The workload's results; when `stop` is set, or with cut_off when duration_s ends, what is in
+        flight is cut off (counted as cut, not as errors) and the results so far come back."""
         rows: list[TraceRequest] | None = None
         if self.opts.workload not in CHATS:
             if not self.opts.trace:
@@ -312,12 +368,34 @@ class Replayer:
         t0 = time.perf_counter()
         async with aiohttp.ClientSession(connector=connector) as session:
             self._session = session
-            if rows is None:
-                await self._run_sessions()
-            else:
-                await self._run_trace(rows)
+            start = self._started = time.perf_counter()
+            scale = self.opts.time_scale
+            duration = self.opts.duration_s if self.opts.duration_s is not None or rows else 60.0
+            if self.opts.cut_off and duration is not None:
+                self._deadline = start + duration / scale
+            elif rows is None and duration is not None:
+                self._deadline = start + DRAIN_FACTOR * duration / scale
+            work = self._run_sessions(start) if rows is None else self._run_trace(rows, start)
+            ticker = asyncio.ensure_future(self._tick()) if self._progress is not None else None
+            try:
+                cut_at = self._deadline if self.opts.cut_off else None
+                finished = await run_until(work, stop or asyncio.Event(), _monotonic_at(cut_at))
+                if not finished:  # the arrivals stopped: now what they started
+                    for task in self._tasks:
+                        task.cancel()
+                    if self._tasks:
+                        await asyncio.wait(self._tasks)
+            finally:
+                if ticker is not None:
+                    ticker.cancel()
+                    await asyncio.wait([ticker])
         wall = time.perf_counter() - t0
         return summarize(self.records, self.opts, wall, _cpu_seconds() - cpu0, self._cut_sessions)
+
+
+def _monotonic_at(t: float | None) -> float | None:
+    """A perf_counter time as the monotonic clock's (run_until's deadline)."""
+    return None if t is None else time.monotonic() + (t - time.perf_counter())
 
 
 async def _sleep_until(t: float) -> None:
@@ -353,6 +431,7 @@ def _latency(values: list[float]) -> dict[str, float]:
 def summarize(
     records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: float, cut_sessions: int = 0
 ) -> dict[str, Any]:
+    # requests cut off at the run's end are neither ok nor errors; having no end, they are in no latency
     ok = [r for r in records if r.ok]
     later = [r for r in ok if r.turn > 1]
     # every replica that answered anything counts, with 0 if none of its answers succeeded; with several
@@ -377,9 +456,12 @@ def summarize(
         "spread": opts.spread if len(opts.targets) > 1 else "single",
         "time_scale": opts.time_scale,
         "session_keys": opts.session_keys,
+        "duration_s": opts.duration_s,
+        "cut_off_at_duration": opts.cut_off,
         "requests": len(records),
         "ok": len(ok),
         "errors": dict(errors),
+        "cut_off": sum(r.cut for r in records),
         "sessions": len(paths),
         "sessions_cut": cut_sessions,
         "later_turns": len(later),
@@ -433,7 +515,14 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="stop starting sessions/requests after S engine seconds (sessions, longdoc: default 60)",
+        help="the whole run, engine seconds: what is in flight at its end is cut off, counted apart from "
+        "errors (sessions, longdoc: default 60; traces: the whole trace)",
+    )
+    p.add_argument(
+        "--drain",
+        action="store_true",
+        help="let sessions started within --duration play all their turns (the run then takes up to "
+        f"{DRAIN_FACTOR:g} x --duration; printed up front); trace requests run to their end",
     )
     p.add_argument("--requests", type=int, default=None, metavar="N", help="send at most N requests")
     p.add_argument(
@@ -520,6 +609,7 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
         concurrency=args.concurrency,
         output_tokens=args.output_tokens,
         seed=args.seed,
+        cut_off=not args.drain,
         spec=SessionsSpec(**spec_changes),
         longdoc=LongDocSpec(**chat_changes),
         session_keys=not args.no_session_keys,
@@ -532,17 +622,30 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"router-bench replay: {exc}", file=sys.stderr)
         return 2
-    live = not args.json and sys.stderr.isatty()
-    progress = progress_line()
+    progress = Progress()
+    replayer = Replayer(opts, progress.show if progress.enabled else None)
 
+    async def main() -> tuple[dict[str, Any], Stopped | None]:
+        stop = Stop().install()
+        try:
+            return await replayer.run(stop.event), stop.stopped
+        finally:
+            stop.uninstall()
+
+    plan = replayer.plan_line()
+    if plan is not None:
+        print(f"router-bench replay: {plan}", file=sys.stderr, flush=True)
     try:
-        result = uvloop.run(Replayer(opts, progress if live else None).run())
+        result, stopped = uvloop.run(main())
     except TraceError as exc:
         print(f"router-bench replay: {exc}", file=sys.stderr)
         return 2
-    if live:
-        print("\r\x1b[K", end="", file=sys.stderr)
+    progress.clear()
+    if stopped is not None:
+        stopped.mark(result)
     print(json.dumps(result, indent=1) if args.json else render(result))
+    if stopped is not None:
+        return stopped.exit_status
     return 0 if result["ok"] else 1
 
 
@@ -553,11 +656,12 @@ def render(r: dict[str, Any]) -> str:
         return f"mean {d['mean']:.3f}  p50 {d['p50']:.3f}  p90 {d['p90']:.3f}  p99 {d['p99']:.3f}"
 
     errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
-    lines = [
+    lines = [partial_headline(r)] if "partial" in r else []
+    lines += [
         f"{r['workload']} → {len(r['targets'])} target(s), spread {r['spread']}, time scale {r['time_scale']:g}",
-        f"requests {r['requests']}  ok {r['ok']}  errors {errors}  sessions {r['sessions']}  "
-        f"later turns {r['later_turns']}"
-        + (f"  sessions cut at the drain cap {r['sessions_cut']}" if r["sessions_cut"] else ""),
+        f"requests {r['requests']}  ok {r['ok']}  errors {errors}  cut off at the end {r['cut_off']}  "
+        f"sessions {r['sessions']}  later turns {r['later_turns']}"
+        + (f"  sessions cut short {r['sessions_cut']}" if r["sessions_cut"] else ""),
         f"KV hit rate        {r['kv_hit_rate']:.1%}  (later turns {r['kv_hit_rate_later_turns']:.1%})",
         f"e2e s, later turns {lat(r['e2e_later_turns_s'])}",
         f"TTFT s, later      {lat(r['ttft_later_turns_s'])}",
@@ -565,4 +669,9 @@ def render(r: dict[str, Any]) -> str:
         f"load CV            {r['load_cv']:.3f} over {len(r['per_replica'])} replicas   jump rate {r['jump_rate']:.1%}",
         f"client             {r['wall_s']:.1f} s wall, {r['client_cpu_share']:.0%} of one CPU",
     ]
+    if r["cut_off"]:
+        lines.append(
+            f"  ({r['cut_off']} requests were in flight when the run ended: cut off, not errors, "
+            "and in no latency or hit rate above)"
+        )
     return "\n".join(lines)
