@@ -2,12 +2,14 @@
 
 Precedence, lowest first: defaults, the TOML file (`--config`), environment variables
 `ROUTER_<SETTING>` (upper case; lists comma-separated), command-line flags. A bad value raises
-ConfigError naming the setting and where it came from.
+ConfigError naming the setting and where it came from; names that are no setting (a TOML key, a
+`ROUTER_*` variable) raise UnknownSettings, one line each with the closest names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -26,6 +28,15 @@ class ConfigError(ValueError):
     def __init__(self, setting: str, source: str, problem: str) -> None:
         super().__init__(f"invalid setting '{setting}' (from {source}): {problem}")
         self.setting = setting
+
+
+class UnknownSettings(ConfigError):
+    """Names that are no setting, each with the closest known names; str() is one line each."""
+
+    def __init__(self, lines: list[str]) -> None:
+        ValueError.__init__(self, "\n".join(lines))
+        self.setting = "unknown"
+        self.lines = lines
 
 
 @dataclass(frozen=True)
@@ -168,8 +179,14 @@ class RouterConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+ENV_NAMES = {"ROUTER_" + name.upper(): f for name, f in FIELDS.items()}
 HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load")
+# ROUTER_* variables that are not settings: the pure-Python opt-out, read where modules load
+NOT_SETTINGS = frozenset({"ROUTER_NO_EXTENSIONS"})
+# what Kubernetes sets in every pod for a Service named "router" (service links): not settings
+SERVICE_LINK = re.compile(r"ROUTER_(SERVICE_[A-Z0-9_]+|PORT_\d+_[A-Z]+(_[A-Z]+)?)")
 
 
 def parse_replica(text: str) -> ReplicaSpec:
@@ -395,7 +412,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if cfg.state not in ("file", "none") and not (
         (cfg.state.startswith("file:") and len(cfg.state) > 5)
         or (
-            cfg.state.startswith(("redis://", "rediss://", "unix://"))
+            cfg.state.startswith(REDIS_SCHEMES)
             and urlsplit(cfg.state).netloc + urlsplit(cfg.state).path
         )
     ):
@@ -430,6 +447,11 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if dup_url is not None:
         raise bad("replicas", f"{dup_url} is listed twice (a retry could go back to the same replica)")
     return cfg
+
+
+def shared_through_redis(cfg: RouterConfig) -> bool:
+    """The routing state lives in Redis (redis://, rediss:// or unix://), shared by several routers."""
+    return cfg.state.startswith(REDIS_SCHEMES)
 
 
 def replica_capacities(cfg: RouterConfig) -> dict[str, int]:
@@ -529,6 +551,7 @@ def load(
     """Defaults < TOML file < ROUTER_* environment < CLI values (None means "not given")."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    data: dict[str, Any] = {}
     if file:
         try:
             with open(file, "rb") as handle:
@@ -537,14 +560,23 @@ def load(
             raise ConfigError("config", file, exc.strerror or str(exc)) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config", file, f"not valid TOML: {exc}") from None
-        for name, value in data.items():
-            if name not in FIELDS:
-                raise ConfigError(name, file, f"unknown setting; known: {', '.join(sorted(FIELDS))}")
-            values[name] = _coerce(name, value, file)
-            sources[name] = file
+    unknown = [_unknown(name, file or "") for name in data if name not in FIELDS]
+    unknown += [_unknown(key, "the environment") for key in sorted(env or ()) if _unknown_variable(key)]
+    if unknown:
+        raise UnknownSettings(unknown)
+    for name, value in data.items():
+        values[name] = _coerce(name, value, file or "")
+        sources[name] = file or ""
     for name in FIELDS:
         key = "ROUTER_" + name.upper()
         if env is not None and key in env:
+            if key == "ROUTER_PORT" and env[key].startswith("tcp://"):
+                raise ConfigError(
+                    name,
+                    key,
+                    f"{env[key]!r} is Kubernetes' service link for a Service named "
+                    "'router', not a port: set enableServiceLinks: false in the pod, or pass --port",
+                )
             values[name] = _coerce(name, env[key], key)
             sources[name] = key
     for name, value in (cli or {}).items():
@@ -552,7 +584,30 @@ def load(
             flag = "--replica" if name == "replicas" else "--" + name.replace("_", "-")
             values[name] = _coerce(name, value, flag)
             sources[name] = flag
+    if values.get("demo") and "state" not in sources:
+        values["state"] = "none"  # a demo starts clean (its replicas are new each time) unless asked
     return validate(RouterConfig(**values), sources)
+
+
+def _unknown_variable(key: str) -> bool:
+    return (
+        key.startswith("ROUTER_")
+        and key not in ENV_NAMES
+        and key not in NOT_SETTINGS
+        and not SERVICE_LINK.fullmatch(key)
+    )
+
+
+def _unknown(name: str, source: str) -> str:
+    """One line for a name that is no setting: where it was, and the closest settings' names."""
+    variable = name.startswith("ROUTER_")
+    bare = name.removeprefix("ROUTER_").lower() if variable else name
+    if variable and bare.startswith("router_"):  # the prefix written twice
+        bare = bare.removeprefix("router_")
+    close = difflib.get_close_matches(bare, list(FIELDS), n=2, cutoff=0.7)
+    names = [f"ROUTER_{c.upper()}" if variable else c for c in close]
+    hint = f"did you mean {' or '.join(names)}?" if names else "router-serve --help lists the settings"
+    return f"unknown setting {name} (from {source}): {hint}"
 
 
 def from_environment(file: str | None, cli: Mapping[str, Any]) -> RouterConfig:

@@ -32,7 +32,7 @@ from router.admission import Admission
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
 from router.balance.view import LocalSessions
-from router.config import RouterConfig, pinned_models, replica_capacities, score_weights
+from router.config import RouterConfig, pinned_models, replica_capacities, score_weights, shared_through_redis
 from router.discovery import Discovery
 from router.fleet import Fleet
 from router.health.monitor import HealthMonitor, latency_window_s
@@ -47,7 +47,7 @@ from router.routing import Routing, SessionDirectory
 from router.sessions import LinkDown, SessionTable, SessionView
 from router.shared import Follower, Publisher, SharedSessions
 from router.shm.table import SlotTable
-from router.state import Persistence, StateFile, default_directory
+from router.state import Persistence, state_file
 from router.upstream import Upstream
 
 log = logging.getLogger("router.node")
@@ -118,7 +118,7 @@ class Node:
         # ttft: prompts placed by this process and by the other routers (and workers) on one Redis
         self.placements: RedisPlacements | None = None
         placement = self.policy.placement
-        redis = config.state.startswith(("redis://", "rediss://"))
+        redis = shared_through_redis(config)
         if redis and placement is not None and (worker is not None or config.workers <= 1):
             self.placements = RedisPlacements(config.state, config.state_namespace, placement.learned)
             placement.share = self.placements.placed
@@ -188,11 +188,9 @@ class Node:
             else None
         )
         self.persistence: Persistence | None = None
-        if worker is None and self.redis is None and config.state != "none":
-            directory = config.state[5:] if config.state.startswith("file:") else default_directory()
-            self.persistence = Persistence(
-                StateFile(directory, config.host, config.port), self.membership, config.replicas, self.view
-            )
+        file = state_file(config) if worker is None else None
+        if file is not None:
+            self.persistence = Persistence(file, self.membership, config.replicas, self.view)
             self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
         self.multiprocess_metrics = multiprocess_registry(fleet) if worker is not None else None
         # ttft: the engines' KV-cache events, read by every process that routes (each subscribes)

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from router.config import ReplicaSpec
+from router.config import ReplicaSpec, RouterConfig, shared_through_redis
 from router.membership import Facts, Membership, Settle
 from router.sessions import LinkDown, SessionEntry, SessionTable, SessionView
 
@@ -132,6 +132,14 @@ class StateFile:
             raise
 
 
+def state_file(config: RouterConfig) -> StateFile | None:
+    """Where a router with `config` keeps its routing state in a file (None: Redis, or not kept)."""
+    if config.state == "none" or shared_through_redis(config):
+        return None
+    directory = config.state[5:] if config.state.startswith("file:") else default_directory()
+    return StateFile(directory, config.host, config.port)
+
+
 def default_directory() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "kv-affinity-router")
@@ -187,7 +195,12 @@ class Persistence:
         self.settle = self.membership.reconcile(facts, everything=False)
         down = max(time.time() - saved.saved_at, 0.0)
         now_ms = int(time.time() * 1000)
-        live = [(key, replica, left - down, now_ms) for key, replica, left in saved.sessions if left > down]
+        present = {r.id for r in self.membership.fleet.replicas}
+        live = [
+            (key, replica, left - down, now_ms)
+            for key, replica, left in saved.sessions
+            if left > down and replica in present  # a replica no longer in the fleet holds nothing to return to
+        ]
         if self.view.lone:
             for key, replica, left, written in live:
                 sessions.restore(key, replica, left, written)
@@ -195,6 +208,10 @@ class Persistence:
             self.restored_sessions = live
         self._saved_sessions, self._sessions_at = live, time.monotonic()
         self.restored = describe(saved)
+        gone = sum(1 for _, replica, _ in saved.sessions if replica not in present)
+        self.restored["sessions"] = len(live)
+        if gone:
+            self.restored["sessions of replicas no longer in the fleet, dropped"] = gone
         logging.getLogger("router.access").info("routing state restored: %s", self.restored)
 
     def routing_state(self, sessions: list[SessionEntry]) -> RoutingState:

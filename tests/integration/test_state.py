@@ -139,3 +139,24 @@ async def test_drains_and_discovered_replicas_carry_over_a_restart(start_fleet, 
             await asyncio.sleep(0.05)
     finally:
         await runner2.cleanup()
+
+
+def test_sessions_of_replicas_no_longer_in_the_fleet_are_not_restored(tmp_path: Path) -> None:
+    # a demo's (or a re-deployed fleet's) replicas are new: sessions saved for the old ones point nowhere
+    config = load(None, {}, {"replicas": ["a=http://127.0.0.1:9"], "state": f"file:{tmp_path}"})
+    StateFile(str(tmp_path), config.host, config.port).save(
+        RoutingState(
+            saved_at=time.time(),
+            added=[],
+            removed=[],
+            draining=[],
+            overrides=[],
+            sessions=[(b"kept", "a", 300.0), (b"gone-1", "emu-1", 300.0), (b"gone-2", "emu-2", 300.0)],
+        )
+    )
+    router = Node(config)
+    assert len(router.sessions) == 1
+    assert router.state_line().endswith(
+        "restored: 0 added, 0 removed, 0 draining, 0 overrides, 1 sessions, "
+        "2 sessions of replicas no longer in the fleet, dropped"
+    )

@@ -11,7 +11,7 @@ import pytest
 from router.config import FIELDS, ConfigError, ReplicaSpec, load, parse_replica, replica_capacities, score_weights
 from router.health.score import ScoreWeights
 from router.node import Node
-from router.proxy.cli import build_parser, cli_values
+from router.proxy.cli import GROUPS, build_parser, cli_values
 
 
 def test_defaults_file_env_cli_in_that_order(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_bad_files(tmp_path: Path) -> None:
         load(str(bad), {}, {})
     unknown = tmp_path / "unknown.toml"
     unknown.write_text('replicas = ["http://a:1"]\nprot = 1\n')
-    with pytest.raises(ConfigError, match=r"invalid setting 'prot'.*unknown setting"):
+    with pytest.raises(ConfigError, match=rf"unknown setting prot \(from {unknown}\): did you mean port\?"):
         load(str(unknown), {}, {})
     with pytest.raises(ConfigError, match="invalid setting 'config'"):
         load(str(tmp_path / "missing.toml"), {}, {})
@@ -116,6 +116,70 @@ def test_router_serve_exits_2_with_one_line(args: list[str]) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("router-serve: invalid setting '") and proc.stderr.count("\n") == 1
+
+
+def test_unknown_names_are_named_once_each_with_the_closest_settings(tmp_path: Path) -> None:
+    toml = tmp_path / "router.toml"
+    toml.write_text('replicas = ["http://a:1"]\nsticky_ttl = 5\nzzz = 1\n')
+    env = {
+        "ROUTER_STICKY_TLL_S": "5",  # a typo
+        "ROUTER_WORKER": "2",  # a letter short
+        "ROUTER_ROUTER_PORT": "1",  # the prefix twice
+        "ROUTER_NO_EXTENSIONS": "1",  # not a setting, but the pure-Python opt-out
+        "ROUTER_SERVICE_HOST": "10.0.0.1",  # Kubernetes' service links for a Service named "router"
+        "ROUTER_PORT_8080_TCP_ADDR": "10.0.0.1",
+        "OTHER_STICKY_TLL_S": "5",  # not ours
+    }
+    with pytest.raises(ConfigError) as info:
+        load(str(toml), env, {})
+    assert str(info.value).splitlines() == [
+        f"unknown setting sticky_ttl (from {toml}): did you mean sticky_ttl_s?",
+        f"unknown setting zzz (from {toml}): router-serve --help lists the settings",
+        "unknown setting ROUTER_ROUTER_PORT (from the environment): did you mean ROUTER_PORT?",
+        "unknown setting ROUTER_STICKY_TLL_S (from the environment): did you mean ROUTER_STICKY_TTL_S?",
+        "unknown setting ROUTER_WORKER (from the environment): did you mean ROUTER_WORKERS?",
+    ]
+    with pytest.raises(ConfigError, match=r"Kubernetes' service link .* enableServiceLinks: false"):
+        load(None, {"ROUTER_PORT": "tcp://10.0.0.1:8080"}, {"replicas": ["http://a:1"]})
+
+
+def test_check_config_names_every_mistake_and_where_state_is_kept(tmp_path: Path) -> None:
+    def serve(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "router.proxy.cli", "--check-config", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": "/usr/bin:/bin", "XDG_STATE_HOME": str(tmp_path), **env},
+        )
+
+    typo = serve("--replica", "http://a:1", ROUTER_STICKY_TLL_S="5", ROUTER_POLICI="affinity")
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr.splitlines() == [
+        "router-serve: unknown setting ROUTER_POLICI (from the environment): did you mean ROUTER_POLICY?",
+        "router-serve: unknown setting ROUTER_STICKY_TLL_S (from the environment): did you mean ROUTER_STICKY_TTL_S?",
+    ]
+    flag = serve("--replica", "http://a:1", "--stiky-ttl-s", "5")
+    assert flag.returncode == 2 and "--stiky-ttl-s: did you mean --sticky-ttl-s?" in flag.stderr
+    saved = serve("--replica", "http://a:1", "--port", "9123")
+    assert saved.returncode == 0, saved.stderr
+    assert f"routing state saved to {tmp_path}/kv-affinity-router/routing-state-127.0.0.1-9123.json" in saved.stdout
+    demo = serve("--demo", "2")  # a demo starts clean ...
+    assert demo.returncode == 0 and "routing state not saved (a demo's default" in demo.stdout
+    kept = serve("--demo", "2", "--state", f"file:{tmp_path}")  # ... unless asked
+    assert kept.returncode == 0 and f"routing state saved to {tmp_path}/routing-state-" in kept.stdout
+    shared = serve("--demo", "2", ROUTER_STATE="unix:///run/redis.sock")
+    assert shared.returncode == 0 and "routing state shared through unix:///run/redis.sock" in shared.stdout
+
+
+def test_help_puts_the_everyday_options_first_and_every_setting_in_one_group() -> None:
+    grouped = [name for _, _, names in GROUPS for name in names]
+    assert sorted(grouped) == sorted(set(FIELDS) - {"replicas", "demo"})  # once each
+    text = build_parser().format_help()
+    groups = text[text.index("start here:") :]
+    assert groups.index("--demo N") < groups.index("--replica [NAME=]URL") < groups.index("--check-config")
+    assert groups.index("--check-config") < groups.index("--ttft-gate-c") < groups.index("--max-queued")
+    assert len(text.splitlines()[0]) < 130  # usage is one line, not a page of every flag
 
 
 def test_every_setting_has_a_flag() -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
@@ -19,7 +20,7 @@ from router.node import Node
 from router.proxy.app import admin_app, build_app
 from router.proxy.workers import HANDOVER_S, CannotListen, WorkerFailed, listen, runner_for, serve_workers, stop_serving
 from router.shm.table import SlotTable
-from router.state import StateError
+from router.state import StateError, state_file
 
 HELP = {
     "host": "address to bind (default 127.0.0.1)",
@@ -144,8 +145,8 @@ HELP = {
     "records, e.g. a headless Kubernetes service) or srv:NAME (SRV records)",
     "discovery_interval_s": "seconds between discovery lookups (default 5)",
     "state": "where routing state (membership changes, drains, vnode overrides, sessions) lives: file (default, "
-    "under $XDG_STATE_HOME/kv-affinity-router), file:DIRECTORY, redis://HOST:PORT/DB (shared by several "
-    "routers), or none",
+    "under $XDG_STATE_HOME/kv-affinity-router; --check-config prints the path), file:DIRECTORY, "
+    "redis://HOST:PORT/DB (shared by several routers), or none (the default with --demo)",
     "state_namespace": "routers sharing one Redis and one namespace share their state (default: default)",
     "workers": "proxy processes sharing the port (default 1); above 1 a control process probes and "
     "publishes the replica table to them through shared memory",
@@ -160,41 +161,140 @@ HELP = {
     "admin_port": "serve the admin API, console and /metrics on this port instead of the proxy's "
     "(default 0: on the proxy's port)",
     "log_requests": "one JSON log line per request (default off)",
-    "demo": "start N emulated replicas in-process and route to them too",
+    "demo": "start N emulated replicas in-process and route to them too; a demo saves no routing state unless "
+    "--state is given",
 }
 
 
+# --help in the order a newcomer needs it: starting, then one group per part of the router
+GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "start here",
+        "where to listen, what to route to, and how",
+        ("host", "port", "policy", "workers", "state", "admin_token", "admin_port", "console", "log_requests"),
+    ),
+    (
+        "replicas",
+        "how they are found and what each serves",
+        ("discovery", "discovery_interval_s", "replica_models", "replica_capacity", "agents", "replica_header"),
+    ),
+    (
+        "sessions and routing keys",
+        "what keeps a conversation on the replica holding its context",
+        ("key_headers", "key_body_fields", "sticky_ttl_s", "sticky_max_sessions", "prefix_chars", "max_key_bytes"),
+    ),
+    (
+        "placement (ttft)",
+        "the default policy: each request where its time to first token is predicted least",
+        (
+            "kv_events", "kv_event_endpoints", "tokenizer_dirs", "token_check_share", "prefix_block_bytes",
+            "kv_capacity_tokens", "kv_tier_tokens_per_s", "prefill_tokens_per_s", "ttft_decode_s",
+            "ttft_interference", "ttft_spread_tokens", "ttft_gate_c", "ttft_stay_share", "ttft_move_weight",
+            "ttft_move_cooldown_s", "ttft_tie_s", "ttft_tie_share", "adapter_load_s", "ttft_kv_wait",
+            "ttft_queue_gain",
+        ),
+    ),
+    (
+        "the ring and load",
+        "affinity and consistent_hash, and the load caps every policy keeps",
+        ("vnodes", "hash_seed", "bounded_load_c", "bounded_load_floor", "capacity_caps", "load_queue_weight"),
+    ),
+    (
+        "admission",
+        "holding requests while every replica is full",
+        ("max_queued", "queue_timeout_s", "full_waiting", "full_kv_usage"),
+    ),
+    (
+        "health",
+        "probing replicas and routing around sick ones",
+        (
+            "health_checks", "probe_interval_s", "probe_timeout_s", "remove_below", "return_above",
+            "remove_after", "return_after", "recovery_ramp_s", "flap_backoff", "score_weights",
+        ),
+    ),
+    (
+        "balance, warm-up and drains",
+        "moving load off hot replicas without a session storm",
+        (
+            "rebalance", "rebalance_threshold", "rebalance_window_s", "rebalance_cooldown_s",
+            "rebalance_max_vnodes", "scale_target_load", "warmup", "warmup_sessions", "warmup_concurrency",
+            "warmup_timeout_s", "prompt_store_bytes", "drain_timeout_s",
+        ),
+    ),
+    (
+        "proxying: time-outs, limits, streams",
+        "",
+        (
+            "max_attempts", "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "total_timeout_s",
+            "client_timeout_s", "keepalive_timeout_s", "max_body_bytes", "max_header_bytes",
+            "upstream_connections", "inject_usage", "resume_streams", "resume_buffer_bytes", "front",
+        ),
+    ),
+    (
+        "state, processes, console",
+        "",
+        (
+            "state_namespace", "shm_name", "shm_slots", "console_interval_s", "console_history_s", "admin_host",
+        ),
+    ),
+)  # fmt: skip
+
+
+class Parser(argparse.ArgumentParser):
+    """Names the closest flags when one is misspelled."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = [word for word in message.split() if word.startswith("--")]
+        if message.startswith("unrecognized arguments") and unknown:
+            flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+            hints = []
+            for word in unknown:
+                close = difflib.get_close_matches(word.partition("=")[0], flags, n=2, cutoff=0.7)
+                if close:
+                    hints.append(f"{word}: did you mean {' or '.join(close)}?")
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="router-serve",
+        usage="router-serve [--demo N | --replica [NAME=]URL ... | --discovery SOURCE] [--config FILE] "
+        "[--check-config] [OPTIONS]",
         description=(
             "KV-cache-affinity router for OpenAI-compatible inference replicas. Every setting comes from "
-            "defaults < --config TOML < ROUTER_<SETTING> environment variables < these flags."
+            "defaults < --config TOML < ROUTER_<SETTING> environment variables < these flags. "
+            "Try it without GPUs: router-serve --demo 4"
         ),
-        epilog="Try it without GPUs: router-serve --demo 4 (four emulated replicas behind the router).",
+        epilog="Guide and reference: docs/router.md. The settings' names in TOML are the flags' with underscores.",
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file of settings (the names below, with underscores)")
-    p.add_argument(
-        "--check-config",
-        action="store_true",
-        help="validate the settings (file, environment and flags together), print what they amount to, and exit: "
-        "0 when valid, 2 with the problem otherwise",
-    )
-    p.add_argument(
+    first = p.add_argument_group("start here", "where to listen, what to route to, and how")
+    first.add_argument("--demo", metavar="N", help=HELP["demo"])
+    first.add_argument(
         "--replica",
         dest="replicas",
         action="append",
         metavar="[NAME=]URL",
         help="a replica's base URL, e.g. http://10.0.0.5:8000; repeatable",
     )
-    for name, field in FIELDS.items():
-        if name == "replicas":
-            continue
-        flag = "--" + name.replace("_", "-")
-        if field.type == "bool":
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=HELP[name])
-        else:  # a string: the config loader converts and validates it, naming the setting on error
-            p.add_argument(flag, dest=name, metavar=name.upper(), help=HELP[name])
+    first.add_argument("--config", metavar="FILE", help="TOML file of settings (the names below, with underscores)")
+    first.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the settings (file, environment and flags together), print what they amount to and where "
+        "state is kept, and exit: 0 when valid, 2 with the problem otherwise",
+    )
+    for title, about, names in GROUPS:
+        group = first if title == "start here" else p.add_argument_group(title, about or None)
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            if FIELDS[name].type == "bool":
+                group.add_argument(
+                    flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=HELP[name]
+                )
+            else:  # a string: the config loader converts and validates it, naming the setting on error
+                group.add_argument(flag, dest=name, metavar=name.upper(), help=HELP[name])
     return p
 
 
@@ -216,8 +316,14 @@ def summary(config: RouterConfig) -> str:
         f"{config.workers} worker process{'es' if config.workers > 1 else ''}",
         f"admin on {config.admin_host}:{config.admin_port}" if config.admin_port else "admin on the proxy's port",
         "admin API " + ("on (token set)" if config.admin_token else "off (no token)"),
-        f"state {config.state}",
     ]
+    file = state_file(config)
+    if file is not None:
+        parts.append(f"routing state saved to {file.path}")
+    elif config.state == "none":
+        parts.append("routing state not saved" + (" (a demo's default; --state file saves it)" if config.demo else ""))
+    else:
+        parts.append(f"routing state shared through {config.state} (namespace {config.state_namespace})")
     return ", ".join(parts)
 
 
@@ -305,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = from_environment(args.config, cli_values(args))
     except ConfigError as exc:
-        print(f"router-serve: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():  # each mistake on a line of its own
+            print(f"router-serve: {line}", file=sys.stderr)
         return 2
     if args.check_config:
         print(f"router-serve: the configuration is valid: {summary(config)}")
