@@ -8,6 +8,14 @@ from aiohttp import web
 
 from router.apis import anthropic
 
+# OpenAI's error types by status: its API answers other 4xx as invalid requests (an unknown model
+# or path included, told apart by `code`), other 5xx as its own failures
+OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
 # Anthropic's error types by status (its docs' table): other 4xx are invalid requests, other 5xx
 # the API's own failures
 ANTHROPIC_TYPES = {
@@ -19,11 +27,17 @@ ANTHROPIC_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+LONGEST_WRAPPED = 2000  # characters of a replica's own error text kept in a wrapped error
 
 
-def error_body(message: str, status: int, kind: str = "invalid_request_error", param: str | None = None) -> bytes:
-    """OpenAI's error: `{"error": {"message", "type", "param", "code"}}`."""
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+def openai_type(status: int) -> str:
+    return OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> bytes:
+    """OpenAI's error: `{"error": {"message", "type", "param", "code"}}`: `type` one of OpenAI's, by
+    the status; `code` a string saying more (`model_not_found`, `queue_full`, ...) or null."""
+    return orjson.dumps({"error": {"message": message, "type": openai_type(status), "param": param, "code": code}})
 
 
 def anthropic_error_body(message: str, status: int) -> bytes:
@@ -32,19 +46,17 @@ def anthropic_error_body(message: str, status: int) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
-def error_body_for(
-    path: str, message: str, status: int, kind: str = "invalid_request_error", param: str | None = None
-) -> bytes:
+def error_body_for(path: str, message: str, status: int, code: str | None = None, param: str | None = None) -> bytes:
     """The error a client of the API at `path` reads: Anthropic's on the Messages API, else OpenAI's."""
     if anthropic(path):
         return anthropic_error_body(message, status)
-    return error_body(message, status, kind, param)
+    return error_body(message, status, code, param)
 
 
 def error_response(
     message: str,
     status: int = 400,
-    kind: str = "invalid_request_error",
+    code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
     path: str = "",
@@ -52,15 +64,48 @@ def error_response(
     """An error answer, in the shape of the API at `path` (OpenAI's unless it is Anthropic's)."""
     return web.Response(
         status=status,
-        body=error_body_for(path, message, status, kind, param),
+        body=error_body_for(path, message, status, code, param),
         content_type="application/json",
         headers=headers,
     )
 
 
-def sse_error_event(message: str, status: int = 502, kind: str = "upstream_error") -> bytes:
+def in_shape(path: str, body: bytes) -> bool:
+    """`body` is an error the SDKs of the API at `path` read: a JSON object with an `error` object
+    carrying a string `message` (and, on Anthropic's API, `"type": "error"` around it)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    error = data.get("error") if isinstance(data, dict) else None
+    if not (isinstance(error, dict) and isinstance(error.get("message"), str)):
+        return False
+    return not anthropic(path) or (data.get("type") == "error" and isinstance(error.get("type"), str))
+
+
+def wrapped(path: str, status: int, body: bytes) -> bytes:
+    """A replica's error `body` that the API's clients cannot read (plain text, an HTML page, another
+    API's JSON), in the API's own shape: the status kept, the replica's words as the message."""
+    message = ""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):  # another API's shape: its message, where it has one
+        error = data.get("error")
+        found = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        found = found if isinstance(found, str) else data.get("message", data.get("detail"))
+        message = found if isinstance(found, str) else body.decode("utf-8", "replace")
+    else:
+        message = body.decode("utf-8", "replace")
+    message = " ".join(message.split())[:LONGEST_WRAPPED]  # one line, bounded
+    message = f"the replica answered {status}" + (f": {message}" if message else " with no message")
+    return error_body_for(path, message, status, "upstream_error")
+
+
+def sse_error_event(message: str, status: int = 502, code: str = "upstream_error") -> bytes:
     """What a stream that broke after its first byte ends with: an error event, then [DONE]."""
-    return b"data: " + error_body(message, status, kind) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(message, status, code) + b"\n\ndata: [DONE]\n\n"
 
 
 def messages_error_event(message: str, status: int = 502) -> bytes:
@@ -69,16 +114,16 @@ def messages_error_event(message: str, status: int = 502) -> bytes:
     return b"event: error\ndata: " + anthropic_error_body(message, status) + b"\n\n"
 
 
-def responses_error_event(message: str, sequence_number: int, status: int = 502, kind: str = "upstream_error") -> bytes:
+def responses_error_event(message: str, sequence_number: int, status: int = 502, code: str = "upstream_error") -> bytes:
     """What a Responses API stream (`event: response.*`, no `[DONE]`) that broke after its first
     byte ends with: the API's own `error` event, numbered after the last event the client got; its
     `error` object is the router's usual one, for clients that look for that."""
     event = {
         "type": "error",
-        "code": kind,
+        "code": code,
         "message": message,
         "param": None,
         "sequence_number": sequence_number,
-        "error": {"message": message, "type": kind, "param": None, "code": status},
+        "error": {"message": message, "type": openai_type(status), "param": None, "code": code},
     }
     return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"

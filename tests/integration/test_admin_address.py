@@ -36,7 +36,7 @@ async def check_split(proxy: str, admin: str, token: str) -> None:
         assert (await status_of(http, "GET", proxy + "/health"))[0] == 200
         for path in ("/admin/replicas", "/console", "/metrics"):
             status, body = await status_of(http, "GET", proxy + path, headers=auth)
-            assert status == 404 and body["error"]["type"] == "not_found", path
+            assert status == 404 and body["error"]["code"] == "not_found", path
         # the admin address: the token is asked for, compared whole
         status, body = await status_of(http, "GET", admin + "/admin/replicas")
         assert status == 401 and body["error"]["type"] == "authentication_error"
@@ -49,7 +49,7 @@ async def check_split(proxy: str, admin: str, token: str) -> None:
         assert status == 200 and "router_requests_total" in text
         assert (await status_of(http, "GET", admin + "/console"))[0] == 200
         status, body = await status_of(http, "POST", admin + "/v1/chat/completions", json=CHAT)
-        assert status == 404 and body["error"]["type"] == "not_found"  # requests are not proxied here
+        assert status == 404 and body["error"]["code"] == "not_found"  # requests are not proxied here
 
 
 async def wait_up(url: str, proc: subprocess.Popen[str], timeout: float = 30) -> None:

@@ -101,7 +101,7 @@ async def test_a_connection_that_starts_elsewhere_is_aiohttps_whole(start_fleet,
     conn = await Conn.open(url)
     conn.send(get("/v1/nothing-here"))
     status, _, body = await conn.response()
-    assert status == 404 and orjson.loads(body)["error"]["type"] == "not_found"
+    assert status == 404 and orjson.loads(body)["error"]["code"] == "not_found"
     conn.send(post(b"not json"))
     status, _, body = await conn.response()
     assert status == 400 and "not valid JSON" in orjson.loads(body)["error"]["message"]
@@ -207,15 +207,16 @@ async def test_the_same_answers_with_the_front_on_and_off(start_fleet, start_rou
         conn.send(request)
         status, headers, body = await conn.response()
         kind = headers.get("content-type", "").split(";")[0]
-        error = orjson.loads(body)["error"]["type"] if status >= 400 else None
+        error = orjson.loads(body)["error"] if status >= 400 else None
+        error = (error["type"], error["code"]) if error else None
         answers.append((status, kind, error, bool(re.search(rb"data: \[DONE\]", body))))
         conn.close()
     assert answers == [
         (200, "application/json", None, False),
         (200, "text/event-stream", None, True),
-        (400, "application/json", "invalid_request_error", False),
-        (413, "application/json", "request_too_large", False),
-        (431, "application/json", "request_too_large", False),
+        (400, "application/json", ("invalid_request_error", None), False),
+        (413, "application/json", ("invalid_request_error", "request_too_large"), False),
+        (431, "application/json", ("invalid_request_error", "request_too_large"), False),
         (200, "application/json", None, False),
         (200, "application/json", None, False),
     ]

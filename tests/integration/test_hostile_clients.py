@@ -214,7 +214,7 @@ async def test_header_floods_get_an_openai_431(world: tuple[Upstream, str, int])
         answer = await raw(port, request(body, f"Content-Length: {len(body)}", *headers))
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert status(head) == 431, head[:60]
-        assert orjson.loads(payload)["error"]["type"] == "request_too_large"
+        assert orjson.loads(payload)["error"]["code"] == "request_too_large"
     # beyond what the parser buffers for one connection (about 2 MiB): its plain 400, nothing kept
     for headers in ([f"X-H{i}: v" for i in range(2000)], ["X-Huge: " + "y" * 100_000]):
         answer = await raw(port, request(body, f"Content-Length: {len(body)}", *headers))
@@ -262,7 +262,7 @@ async def test_a_slow_body_gets_a_408_and_the_connection_closes(world: tuple[Ups
     writer.close()
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert status(head) == 408 and answered_after is not None and answered_after > 0.8  # a 1 s pause
-    assert orjson.loads(payload)["error"]["type"] == "request_timeout"
+    assert orjson.loads(payload)["error"]["code"] == "request_timeout"
     assert upstream.seen == [] and await ok(url)
 
 

@@ -222,6 +222,43 @@ async def test_all_replicas_failing_gives_a_clear_error(start_fleet, start_route
     assert status == 502 and "could not be reached" in orjson.loads(body)["error"]["message"]
 
 
+async def test_a_replicas_error_the_sdk_cannot_read_is_wrapped_in_openais_shape(  # type: ignore[no-untyped-def]
+    start_fleet, start_router, sse_upstream
+) -> None:
+    # the emulator has no /v1/embeddings: aiohttp's own text/plain "404: Not Found" comes back
+    fleet = await start_fleet(1)
+    _, url = await start_router(named(fleet.replicas))
+    status, headers, body = await call(url, {"model": "emulated-llm", "input": "hi"}, path="/v1/embeddings")
+    error = orjson.loads(body)["error"]
+    assert status == 404 and headers["Content-Type"] == "application/json"
+    assert error == {
+        "message": "the replica answered 404: 404: Not Found",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="the replica answered 404: 404: Not Found"):
+        await client.embeddings.create(model="emulated-llm", input="hi")
+    await client.close()
+    # an HTML page with a 5xx, on every replica tried: wrapped, its status kept, its text one line
+    page, _ = await sse_upstream([b"<html>\n<h1>502 Bad Gateway</h1>\n</html>"], status=502, content_type="text/html")
+    _, url = await start_router([page], max_attempts=1)
+    status, headers, body = await call(url, chat("x"))
+    error = orjson.loads(body)["error"]
+    assert status == 502 and headers["Content-Type"] == "application/json"
+    assert error["message"] == "the replica answered 502: <html> <h1>502 Bad Gateway</h1> </html>"
+    assert (error["type"], error["code"]) == ("server_error", "upstream_error")
+    # an error already in the API's shape (vLLM's: a number in `code`) passes as the engine wrote it
+    engine = orjson.dumps(
+        {"error": {"message": "bad temperature", "type": "BadRequestError", "param": None, "code": 400}}
+    )
+    shaped, _ = await sse_upstream([engine], status=400, content_type="application/json")
+    _, url = await start_router([shaped])
+    status, _, body = await call(url, chat("x"))
+    assert status == 400 and body == engine
+
+
 async def test_a_stream_cut_mid_way_ends_with_an_error_event(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(1)
     fleet.replicas[0].set_faults({"drop_after": 3})
@@ -230,7 +267,7 @@ async def test_a_stream_cut_mid_way_ends_with_an_error_event(start_fleet, start_
     events = [e for e in body.split(b"\n\n") if e]
     assert status == 200 and events[-1] == b"data: [DONE]"
     error = orjson.loads(events[-2][6:])["error"]
-    assert error["code"] == 502 and "mid-stream" in error["message"]
+    assert error["code"] == "upstream_error" and error["type"] == "server_error" and "mid-stream" in error["message"]
     assert router.metrics.stream_errors.labels(fleet.replicas[0].options.replica_id)._value.get() == 1
 
 

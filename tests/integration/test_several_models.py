@@ -100,7 +100,7 @@ async def test_a_model_no_replica_serves_gets_the_routers_404(
         text = body if isinstance(body, str) else str(body)
         assert "model-z" in text and "no replica behind this router serves it" in text
     status, _, body = await chat(url, "model-z", "s")
-    assert body["error"]["param"] == "model" and body["error"]["code"] == 404
+    assert body["error"]["param"] == "model" and body["error"]["code"] == "model_not_found"
     status, replica, _ = await chat(url, "b-lora", "t")
     assert status == 200 and replica == "emu-2"
     async with aiohttp.ClientSession() as s:

@@ -321,7 +321,7 @@ async def test_overload_admission_reads_vllms_waiting_queue(
         for r, raw in answers:
             if r.status == 429:
                 assert int(r.headers["Retry-After"]) >= 1
-                assert orjson.loads(raw)["error"]["type"] == "rate_limit_exceeded"
+                assert orjson.loads(raw)["error"]["type"] == "rate_limit_error"
         return [r.status for r, _ in answers], peak
 
     n = 3 * SLOTS * len(pair)

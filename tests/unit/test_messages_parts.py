@@ -9,7 +9,15 @@ import pytest
 from router.apis import CHAT, COUNT_TOKENS, MESSAGES, PROXIED, anthropic, api_of
 from router.balance.warmup import WARMABLE, prefill_only
 from router.config import RouterConfig
-from router.errors import anthropic_error_body, error_body_for, messages_error_event
+from router.errors import (
+    anthropic_error_body,
+    error_body,
+    error_body_for,
+    in_shape,
+    messages_error_event,
+    openai_type,
+    wrapped,
+)
 from router.prompt import prompt_of, render
 from router.proxy.admit import Admitted, Refused, admit_body
 from router.proxy.framer import MessagesFramer
@@ -154,8 +162,56 @@ def test_errors_on_the_messages_api_take_its_shape(status: int, kind: str) -> No
     body = orjson.loads(error_body_for("/v1/messages", "no", status, "whatever_openai_kind", "model"))
     assert body == {"type": "error", "error": {"type": kind, "message": "no"}}
     assert orjson.loads(anthropic_error_body("no", status)) == body
-    openai = orjson.loads(error_body_for("/v1/chat/completions", "no", status, "whatever_openai_kind", "model"))
-    assert openai == {"error": {"message": "no", "type": "whatever_openai_kind", "param": "model", "code": status}}
+    openai = orjson.loads(error_body_for("/v1/chat/completions", "no", status, "queue_full", "model"))
+    assert openai == {"error": {"message": "no", "type": openai_type(status), "param": "model", "code": "queue_full"}}
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (403, "permission_error"),
+        (404, "invalid_request_error"),  # OpenAI's for an unknown model or path, told apart by `code`
+        (413, "invalid_request_error"),
+        (429, "rate_limit_error"),
+        (500, "server_error"),
+        (502, "server_error"),
+        (503, "service_unavailable_error"),
+    ],
+)
+def test_the_routers_own_errors_use_openais_types_and_a_string_code(status: int, kind: str) -> None:
+    error = orjson.loads(error_body("no", status))["error"]
+    assert error == {"message": "no", "type": kind, "param": None, "code": None}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "shaped"),
+    [
+        ("/v1/chat/completions", b'{"error": {"message": "m", "type": "BadRequestError", "code": 400}}', True),
+        ("/v1/chat/completions", b"404: Not Found", False),
+        ("/v1/chat/completions", b'{"detail": "Not Found"}', False),  # FastAPI's
+        ("/v1/chat/completions", b'{"error": "m"}', False),
+        ("/v1/messages", b'{"type": "error", "error": {"type": "api_error", "message": "m"}}', True),
+        ("/v1/messages", b'{"error": {"message": "m", "type": "BadRequestError", "code": 400}}', False),  # OpenAI's
+    ],
+)
+def test_a_replicas_error_is_kept_when_in_the_apis_shape(path: str, body: bytes, shaped: bool) -> None:
+    assert in_shape(path, body) is shaped
+
+
+def test_a_replicas_error_out_of_shape_is_wrapped_with_its_words() -> None:
+    openai = b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
+    assert orjson.loads(wrapped("/v1/messages", 400, openai)) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "the replica answered 400: prompt too long"},
+    }
+    fastapi = orjson.loads(wrapped("/v1/responses", 404, b'{"detail": "Not Found"}'))["error"]
+    assert fastapi["message"] == "the replica answered 404: Not Found" and fastapi["code"] == "upstream_error"
+    empty = orjson.loads(wrapped("/v1/completions", 500, b""))["error"]
+    assert empty["message"] == "the replica answered 500 with no message" and empty["type"] == "server_error"
+    long = orjson.loads(wrapped("/v1/completions", 500, b"x" * 10_000 + b"\xff"))["error"]["message"]
+    assert len(long) < 2100  # bounded, and bytes that are not UTF-8 do not break it
 
 
 def test_a_broken_messages_stream_ends_with_its_apis_error_event() -> None:

@@ -70,7 +70,7 @@ class AdminApi:
                 )
             if not token_ok(request, token):
                 return error_response(
-                    "missing or wrong admin token", 401, "authentication_error", headers={"WWW-Authenticate": "Bearer"}
+                    "missing or wrong admin token", 401, "invalid_admin_token", headers={"WWW-Authenticate": "Bearer"}
                 )
             response: web.StreamResponse = await handler(request)
             return response
@@ -139,7 +139,7 @@ class AdminApi:
                 body = await resp.read()
                 status, content_type = resp.status, resp.content_type
         except (aiohttp.ClientError, OSError, TimeoutError):
-            return error_response("the router's control process is not answering", 503, "service_unavailable")
+            return error_response("the router's control process is not answering", 503, "control_process_unavailable")
         self.node.follow()  # this worker sees its own change before it answers
         return web.Response(status=status, body=body, content_type=content_type)
 

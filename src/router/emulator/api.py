@@ -20,7 +20,6 @@ from typing import Any
 import orjson
 
 from router.emulator.engine import Sequence
-from router.errors import error_body
 
 # The `type` of an OpenAI-shaped error body by status, where the error does not name its own.
 OPENAI_KINDS = {404: "NotFoundError", 500: "server_error", 503: "service_unavailable"}
@@ -119,10 +118,18 @@ def finish_reason(seq: Sequence) -> str:
     return "length" if seq.output_tokens >= seq.max_tokens else "stop"
 
 
+def engine_error(
+    message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None
+) -> bytes:
+    """`{"error": {"message", "type", "param", "code"}}` as vLLM's OpenAI server answers: its `code`
+    is the HTTP status, a number (the router's own errors carry a string there, as OpenAI's do)."""
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
 def openai_error(exc: ApiError, kind: str | None = None) -> bytes:
-    """`{"error": {"message", "type", "param", "code"}}`, as vLLM's OpenAI server answers."""
+    """An ApiError as vLLM's OpenAI server answers it."""
     kind = kind or exc.kind or OPENAI_KINDS.get(exc.status, "invalid_request_error")
-    return error_body(str(exc), exc.status, kind, exc.param)
+    return engine_error(str(exc), exc.status, kind, exc.param)
 
 
 def sse_event(name: str, data: dict[str, Any]) -> bytes:

@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 
-from router.emulator.api import Api, ApiError, SchemaError, Served, finish_reason
+from router.emulator.api import Api, ApiError, SchemaError, Served, engine_error, finish_reason
 from router.emulator.completions import Completions
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
 from router.emulator.kvevents import KvEventsOptions, Publisher
@@ -36,7 +36,6 @@ from router.emulator.messages import Messages
 from router.emulator.metrics import ReplicaMetrics
 from router.emulator.responses import Responses, ResponseStore
 from router.emulator.tokenizer import generated_text, token_ids
-from router.errors import error_response
 
 REPLICA_HEADER = "X-Replica-Id"
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -531,7 +530,7 @@ class Replica:
         try:
             history = self.stored.history(response_id)
         except ApiError as exc:
-            return error_response(str(exc), 404, "NotFoundError", "response_id")
+            return _error(str(exc), 404, "NotFoundError", "response_id")
         if request.method == "DELETE":
             self.stored.forget(response_id)
             return _json({"id": response_id, "object": "response", "deleted": True})
@@ -613,7 +612,7 @@ class Replica:
         try:
             self.set_faults(await self._json_body(request))
         except (ApiError, ValueError) as exc:
-            return error_response(str(exc))
+            return _error(str(exc))
         return _json(asdict(self.faults))
 
     async def _clear_faults(self, request: web.Request) -> web.Response:
@@ -631,6 +630,13 @@ class Replica:
 
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _error(
+    message: str, status: int = 400, kind: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
+    """An error as vLLM answers one (`code` the status)."""
+    return web.Response(body=engine_error(message, status, kind, param), status=status, content_type="application/json")
 
 
 class Fleet:
@@ -684,7 +690,7 @@ class Fleet:
                     raise IndexError(index)
                 replica = self.replicas[index]
             except (ValueError, IndexError):
-                return error_response(
+                return _error(
                     f"no replica {request.match_info['i']!r}: indices are 0..{len(self.replicas) - 1}", 404, "not_found"
                 )
             body: dict[str, Any] = {}
@@ -692,16 +698,16 @@ class Fleet:
                 try:
                     parsed = orjson.loads(await request.read())
                 except orjson.JSONDecodeError:
-                    return error_response("the request body is not valid JSON")
+                    return _error("the request body is not valid JSON")
                 if not isinstance(parsed, dict):
-                    return error_response("the request body must be a JSON object")
+                    return _error("the request body must be a JSON object")
                 body = parsed
             try:
                 result = act(replica, body)
                 if asyncio.iscoroutine(result):
                     await result
             except ValueError as exc:
-                return error_response(str(exc))
+                return _error(str(exc))
             return _json(replica.state())
 
         return handler

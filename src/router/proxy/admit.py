@@ -74,18 +74,23 @@ class Refused:
 
     status: int
     message: str
-    kind: str = "invalid_request_error"
+    code: str | None = None  # OpenAI's `code`: what went wrong, in a word (its `type` follows the status)
     close: bool = False  # the connection closes after it (what is left of the body must not be read as a request)
     param: str | None = None  # the request's field at fault
 
     def answer(self, exchange: Exchange) -> None:
-        body = error_body_for(exchange.path, self.message, self.status, self.kind, self.param)
+        body = error_body_for(exchange.path, self.message, self.status, self.code, self.param)
         exchange.answer(self.status, body, JSON, self.close)
 
 
 def no_such_model(model: str) -> Refused:
     """No replica in the fleet serves `model` (as each one's /v1/models or the pinned models say)."""
-    return Refused(404, f"The model `{model}` does not exist: no replica behind this router serves it.", param="model")
+    return Refused(
+        404,
+        f"The model `{model}` does not exist: no replica behind this router serves it.",
+        "model_not_found",
+        param="model",
+    )
 
 
 def too_many_header_bytes(size: int, cfg: RouterConfig) -> Refused:

@@ -25,7 +25,7 @@ from router.admin.api import add_admin_routes
 from router.admission import Shed, client_of
 from router.apis import CHAT, PROXIED, RESPONSES
 from router.console.routes import add_console_routes
-from router.errors import error_body_for, error_response
+from router.errors import error_body_for, error_response, in_shape, wrapped
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey, stored_key
 from router.node import Node
@@ -40,6 +40,7 @@ from router.routing import Route, Served
 access_log = logging.getLogger("router.access")
 
 
+SHED_CODES = {"queue_full": "queue_full", "timeout": "queue_timeout"}  # a 429's `code`, by why it was shed
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
 
 
@@ -244,7 +245,7 @@ class Proxy:
         m.child(m.shed, shed.reason, self.node.fleet.model_label(model)).inc()
         headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
         exchange.answer(
-            shed.status, error_body_for(exchange.path, shed.message, shed.status, "rate_limit_exceeded"), headers
+            shed.status, error_body_for(exchange.path, shed.message, shed.status, SHED_CODES[shed.reason]), headers
         )
 
     def _extra_headers(self, replica: ReplicaState) -> dict[str, str]:
@@ -334,7 +335,10 @@ class Proxy:
     @staticmethod
     def _no_replica(exchange: Exchange, failure: Retry | None, tried: bool) -> None:
         if failure is not None and failure.cause == "http_5xx" and failure.body:
-            exchange.answer(failure.status, failure.body, {"Content-Type": failure.content_type})
+            if in_shape(exchange.path, failure.body):
+                exchange.answer(failure.status, failure.body, {"Content-Type": failure.content_type})
+            else:
+                exchange.answer(failure.status, wrapped(exchange.path, failure.status, failure.body), JSON)
             return
         if failure is not None:
             what = {"timeout": "timed out", "connect": "could not be reached", "reset": "closed the connection"}
@@ -344,7 +348,7 @@ class Proxy:
                 "upstream_error",
             )
         elif not tried:
-            refusal = Refused(503, "no replica is available to serve the request", "service_unavailable")
+            refusal = Refused(503, "no replica is available to serve the request", "no_replica_available")
         else:
             refusal = Refused(502, "no replica could serve the request", "upstream_error")
         refusal.answer(exchange)

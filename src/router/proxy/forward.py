@@ -27,8 +27,8 @@ from typing import Any
 import orjson
 from multidict import CIMultiDictProxy
 
-from router.errors import messages_error_event, responses_error_event, sse_error_event
-from router.proxy.exchange import Exchange
+from router.errors import in_shape, messages_error_event, responses_error_event, sse_error_event, wrapped
+from router.proxy.exchange import JSON, Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
@@ -222,6 +222,9 @@ async def _relay(
         except OSError:
             return Retry("reset", 502)
         data = b"".join(chunks)
+        if upstream.status >= 400 and not in_shape(exchange.path, data):  # what the client's SDK can read
+            data = wrapped(exchange.path, upstream.status, data)
+            headers = {k: v for k, v in headers.items() if k.lower() != "content-type"} | JSON
         exchange.answer(upstream.status, data, headers)
         outcome = Outcome(exchange, upstream.status)
         outcome.ttft_s = time.monotonic() - t0
