@@ -234,6 +234,32 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
         hit = driver.find_element(By.ID, "hit-now").text
         assert hit.startswith("hit ") and hit != "hit 0.0%", hit
 
+        # every chart says what it shows: values with their unit beside it, time under it
+        def text(element_id: str) -> list[str]:
+            return (driver.find_element(By.ID, element_id).text or "").split("\n")
+
+        assert text("hit-y") == ["KV hit, % of prompt tokens", "0%", "25%", "50%", "75%", "100%"]
+        jump_y = text("jump-y")
+        assert jump_y[:2] == ["% of follow-up requests", "0%"] and len(jump_y) == 4 and jump_y[-1].endswith("%")
+        for axis in ("heat-axis", "hit-x", "jump-x"):  # --console-history-s 60
+            assert text(axis) == ["60 s ago", "40 s ago", "20 s ago", "now"], axis
+        assert text("heat-max")[0].endswith("in flight")
+        legend = driver.find_element(By.ID, "jump-legend").text
+        for words in ("moved by the router", "no session id", "failed over", "drained or removed"):
+            assert words in legend
+        await _until(lambda: "of follow-up requests" in text("jump-now")[0], 10, "the jump rate")
+
+        # a window without requests is a gap in the line, and so are samples missing: never a
+        # diagonal across, never a drop to 0
+        at = [{"t": t, "v": v} for t, v in [(0, 0.5), (1, 0.6), (2, None), (3, 0.7), (4, 0.7), (20, 0.8)]]
+        stretches = driver.execute_script("return consoleChart.runs(arguments[0], (p) => p.v, 1)", at)
+        assert stretches == [[[0, 0.5], [1, 0.6]], [[3, 0.7], [4, 0.7]], [[20, 0.8]]]
+        path = driver.execute_script("return consoleChart.pathData(arguments[0], 0, 20, 1)", stretches)
+        # one subpath a stretch, 50 % half way up the 200-unit plot, the lone point a dot
+        assert path == "M0.0,100.0 L50.0,80.4 M150.0,60.8 L200.0,60.8 M1000.0,41.2 h0.5"
+        fleet = driver.find_element(By.CSS_SELECTOR, "#hitcurve path.fleet")
+        assert fleet.get_attribute("d").startswith("M") and int(fleet.get_attribute("data-runs") or 0) >= 1
+
         def table() -> list[tuple[str, str]] | None:
             """The replica table's rows, (replica, text), read at once (the page redraws it every poll)."""
             rows = driver.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
@@ -244,7 +270,7 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
 
         def models_shown() -> bool:  # the models each serves, once a probe has read its /v1/models
             rows = table()
-            return bool(rows) and all("emulated-llm" in text for _, text in rows)
+            return rows is not None and all("emulated-llm" in text for _, text in rows)
 
         await _until(models_shown, 10, "the models each replica serves")
 
@@ -261,6 +287,12 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
         await _until(shown_removed, 5, f"{victim} shown as removed")
         assert time.monotonic() - removed_at < 5
         await _until(lambda: "left the fleet" in driver.find_element(By.ID, "events").text, 5, "a removal event")
+        # its sessions' next turns went elsewhere: said as what they are, not as the router's own moves
+        await _until(
+            lambda: "drained or removed: its replica" in driver.find_element(By.ID, "jump-why").text,
+            10,
+            "the removed replica's sessions counted as jumps for its removal",
+        )
 
         # the key lookup box answers
         driver.find_element(By.ID, "key").send_keys("user-3")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from router.console.history import History, quantile_bound
+from router.console.history import JUMP_GROUPS, JUMP_REASONS, History, quantile_bound
 from router.metrics import RouterMetrics
+from router.routing.route import PLACED, POLICY_REASONS
 
 
 class Clock:
@@ -156,3 +157,61 @@ def test_the_fleet_point_has_the_share_predicted_exactly_by_source() -> None:
     clock.now += 2
     history.sample()
     assert history.points[-1]["exact"] == {"events": 0.75, "model": 0.5}
+
+
+def test_an_idle_window_is_no_data_not_zero() -> None:
+    """Nothing to divide by is None (a gap on the console), while a quiet window that had requests
+    is a real 0: the two must never read alike."""
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=2, history_s=60, window_s=4, clock=clock)
+    m.show_health("a", "healthy", None)
+    history.sample()
+    serve(m, "a", 10, 1000, 0)  # served, nothing cached; follow-ups that all stayed
+    m.followups.inc(10)
+    m.prefix_prompt_tokens.labels("a").inc(1000)
+    m.prefix_predicted_tokens.labels("a").inc(0)
+    m.prefix_reported_tokens.labels("a").inc(0)
+    m.prefix_prediction_error.labels("model").observe(0)
+    clock.now += 2
+    history.sample()
+    busy = history.points[-1]
+    assert busy["hit"] == 0.0 and busy["replicas"]["a"]["hit"] == 0.0
+    assert busy["jump"] == 0.0 and set(busy["jumps"].values()) == {0.0} and busy["jump_reasons"] == {}
+    assert busy["predicted"] == 0.0 and busy["reported"] == 0.0 and busy["exact"] == {"model": 1.0}
+    for _ in range(3):  # idle past the window
+        clock.now += 2
+        history.sample()
+    idle = history.points[-1]
+    assert idle["hit"] is None and idle["replicas"]["a"]["hit"] is None
+    assert idle["jump"] is None and set(idle["jumps"].values()) == {None} and idle["jump_reasons"] == {}
+    assert idle["predicted"] is None and idle["reported"] is None and idle["exact"] == {"model": None}
+    assert idle["qps"] == 0.0  # a rate, not a ratio: idle is 0 requests a second
+
+
+def test_jumps_are_split_by_who_moved_the_session() -> None:
+    m, clock = RouterMetrics(), Clock()
+    history = History(m.registry.collect, interval_s=2, history_s=60, window_s=4, clock=clock)
+    m.show_health("a", "healthy", None)
+    history.sample()
+    m.followups.inc(20)
+    for reason, count in {"cost": 2, "spill": 1, "prefix": 2, "failover": 1, "health": 1, "drain": 1}.items():
+        m.jumps.labels(reason).inc(count)
+    m.jumps.labels("membership").inc(1)
+    m.jumps.labels("a-reason-added-later").inc(1)
+    clock.now += 2
+    history.sample()
+    p = history.points[-1]
+    assert p["jump"] == 0.5
+    assert p["jumps"] == {"router": 0.15, "unkeyed": 0.1, "failover": 0.1, "drain": 0.1, "other": 0.05}
+    assert p["jump_reasons"]["cost"] == 0.1 and p["jump_reasons"]["membership"] == 0.05
+    words = history.since(0)["jump_words"]
+    assert words["groups"]["router"] == "moved by the router" and words["groups"]["failover"] == "failed over"
+    assert words["reasons"]["cost"] == {"group": "router", "text": JUMP_REASONS["cost"][1]}
+    assert "faster replica" in words["reasons"]["cost"]["text"]
+
+
+def test_every_jump_reason_the_router_records_has_words() -> None:
+    recorded = POLICY_REASONS | PLACED | {"membership", "drain", "health", "spill", "ring"}
+    moved = {"migration", "scale_out", "drain"}  # router.balance.controller's reasons
+    assert recorded | moved <= set(JUMP_REASONS)
+    assert {group for group, _ in JUMP_REASONS.values()} <= set(JUMP_GROUPS) - {"other"}

@@ -13,10 +13,16 @@ figure `/metrics` does not. From two samples it derives, per replica and for the
 - `exact`: for the fleet, by where a prediction came from (`events`: the engine's KV-cache events,
   `model`: the router's own model), the share of answers whose cached tokens were predicted to
   the token over the last `window_s` (router_prefix_prediction_error_tokens);
-- `jump`: for the fleet, jumps / follow-up requests of sessions over the last `window_s`;
+- `jump`: for the fleet, jumps / follow-up requests of sessions over the last `window_s`; `jumps`
+  the same split by who moved the session (JUMP_GROUPS: the router's own choice, a request without
+  a session id placed by its prompt, a failover, a drain or removal) and `jump_reasons` by each
+  reason of router_session_jumps_total (JUMP_REASONS says each in words);
 - `ttft_p99`: the 99th percentile of time to first byte over the last `window_s`, read off the
   `router_ttft_seconds` histogram's buckets (so it is a bucket's upper bound);
 - `state`: the replica's health state, or `left` once it is no longer in the fleet.
+
+Every ratio is None ("no data", a gap in the console's curves) over a window with nothing to divide
+by: an idle window has no hit rate, not 0 %.
 
 Events are what changed between two samples: a replica's state (removed, returned, draining,
 warming, ...), a replica added or gone, vnode migrations, spills, sessions moved and warm-up
@@ -40,6 +46,34 @@ STATE_EVENTS = {
     "recovering": "recovering",
     "suspect": "suspect",
 }
+
+# router_session_jumps_total's reasons (router.routing.route, router.policy, router.balance), in the
+# words the console shows: who moved the session, then why. A reason missing here shows as `other`.
+JUMP_GROUPS = {
+    "router": "moved by the router",
+    "unkeyed": "no session id: placed by its prompt",
+    "failover": "failed over",
+    "drain": "drained or removed",
+    "other": "jumped for another reason",
+}
+JUMP_REASONS: dict[str, tuple[str, str]] = {  # reason -> (group, why)
+    "cost": ("router", "to a faster replica (ttft: the move saved more time than it cost)"),
+    "spill": ("router", "past a replica at its load cap"),
+    "migration": ("router", "rebalancing: off a replica that ran hot"),
+    "scale_out": ("router", "onto a replica added to the fleet"),
+    "ring": ("router", "the ring gave its key to another replica"),
+    "round_robin": ("router", "round_robin does not keep sessions"),
+    "least_load": ("router", "least_load does not keep sessions"),
+    "prefix": ("unkeyed", "where the prefix index placed it; another conversation may open alike"),
+    "failover": ("failover", "its replica failed to answer; retried on another"),
+    "health": ("failover", "its replica was taken out of routing as unhealthy"),
+    "drain": ("drain", "its replica was draining"),
+    "membership": ("drain", "its replica left the fleet"),
+}
+
+
+def jump_group(reason: str) -> str:
+    return JUMP_REASONS.get(reason, ("other", ""))[0]
 
 
 @dataclass
@@ -188,7 +222,11 @@ class History:
                 "ttft_p99": ttft if ttft != float("inf") else f"> {_last_bound(new.ttft.get(rid, {}))} s",
                 "state": new.state.get(rid, "left"),
             }
-        jumps = sum(new.jumps.values()) - sum(oldest.jumps.values())
+        followups = new.followups - oldest.followups
+        jumped = {reason: _delta(new.jumps, oldest.jumps, reason) for reason in new.jumps}
+        groups = dict.fromkeys(JUMP_GROUPS, 0.0)
+        for reason, count in jumped.items():
+            groups[jump_group(reason)] += count
 
         def fleet_delta(name: str) -> float:
             later, earlier = getattr(new, name), getattr(oldest, name)
@@ -212,7 +250,9 @@ class History:
                     )
                     for source in new.predictions
                 },
-                "jump": _ratio(max(jumps, 0.0), new.followups - oldest.followups),
+                "jump": _ratio(sum(jumped.values()), followups),
+                "jumps": {group: _ratio(count, followups) for group, count in groups.items()},
+                "jump_reasons": {reason: _ratio(count, followups) for reason, count in jumped.items() if count},
                 "queued": new.queued,
                 "shed": round(fleet_delta("shed") / dt, 3),  # 429s a second, for overload
                 "replicas": replicas,
@@ -248,7 +288,8 @@ class History:
         for reason in sorted(new.moved):
             moved = _delta(new.moved, old.moved, reason)
             if moved > 0:
-                self._event(at, "moved", f"{moved:.0f} session(s) moved ({reason.replace('_', '-')})")
+                why = JUMP_REASONS.get(reason, ("", "by the router"))[1]
+                self._event(at, "moved", f"{moved:.0f} session(s) moved ({reason.replace('_', '-')}): {why}")
         shed = sum(_delta(new.shed, old.shed, r) for r in new.shed)
         if shed > 0:
             self._event(at, "shed", f"{shed:.0f} request(s) answered 429: every replica for their model was full")
@@ -263,4 +304,8 @@ class History:
             "history_s": self.history_s,
             "points": [p for p in self.points if p["t"] > t],
             "events": [e for e in self.events if e["t"] > t],
+            "jump_words": {
+                "groups": JUMP_GROUPS,
+                "reasons": {reason: {"group": group, "text": text} for reason, (group, text) in JUMP_REASONS.items()},
+            },
         }

@@ -29,8 +29,10 @@ const COLUMNS = [
 const view = {
   points: [], events: [], replicas: [], since: 0, interval: 2, historyS: 900,
   metric: "inflight", picked: null, sort: { key: "id", dir: 1 }, waitingForToken: false,
+  jumpWords: { groups: {}, reasons: {} },
 };
 window.consoleView = view;  // for the browser test and for the curious
+window.consoleChart = { runs, pathData, ago };  // the drawing's pure parts, for the browser test
 
 const $ = (selector) => document.querySelector(selector);
 
@@ -100,6 +102,7 @@ function merge(data) {
   view.replicas = data.replicas;
   view.policy = data.policy;
   view.worker = data.worker;
+  view.jumpWords = data.jump_words;
   for (const p of data.points) {
     if (p.t > view.since) view.points.push(p);
   }
@@ -123,6 +126,11 @@ function merge(data) {
 
 // -- drawing -------------------------------------------------------------------------------------
 
+const SVG_NS = "http://www.w3.org/2000/svg";
+const PLOT_H = 200;  // every curve's viewBox is 1000 x PLOT_H; PAD keeps a line at 0 or the top visible
+const PAD = 2;
+const JUMP_SCALES = [0.05, 0.1, 0.2, 0.5, 1];  // the jump chart's top: the first that holds every value
+
 function render() {
   const last = view.points[view.points.length - 1];
   const routable = view.replicas.filter((r) => !["removed", "left", "draining"].includes(r.state)).length;
@@ -133,6 +141,7 @@ function render() {
     (view.worker !== null && view.worker !== undefined ? ` · worker ${view.worker}` : "");
   drawHeatmap();
   drawCurve();
+  drawJumps();
   drawTable();
   drawEvents();
 }
@@ -151,6 +160,103 @@ function heatRows() {
   return [...ids].sort();
 }
 
+// the window every chart shows: the latest sample and history_s before it
+function timeWindow() {
+  const last = view.points[view.points.length - 1];
+  const t1 = last ? last.t : Date.now() / 1000;
+  return { t0: t1 - view.historyS, t1, span: view.historyS };
+}
+
+function ago(seconds) {
+  if (seconds <= 0) return "now";
+  return seconds >= 120 ? `${Math.round(seconds / 60)} min ago` : `${Math.round(seconds)} s ago`;
+}
+
+// the time axis under a chart: history_s ago at the left edge, now at the right, two ticks between
+function drawTimeAxis(axis) {
+  const ticks = [0, 1, 2, 3].map((i) => {
+    const span = document.createElement("span");
+    span.textContent = ago(view.historyS * (1 - i / 3));
+    span.style.left = (i / 3) * 100 + "%";
+    return span;
+  });
+  axis.replaceChildren(...ticks);
+}
+
+function yOf(value, top) {
+  return PLOT_H - PAD - (Math.min(value, top) / top) * (PLOT_H - 2 * PAD);
+}
+
+function tickText(value) {
+  return +(value * 100).toFixed(1) + "%";
+}
+
+// the value axis beside a chart (its unit written along it, ticks where the grid lines are), and
+// the grid lines themselves
+function drawValueAxis(axis, svg, unit, ticks, top) {
+  const title = document.createElement("span");
+  title.className = "unit";
+  title.textContent = unit;
+  axis.replaceChildren(title, ...ticks.map((value) => {
+    const span = document.createElement("span");
+    span.className = "tick";
+    span.textContent = tickText(value);
+    span.style.top = (yOf(value, top) / PLOT_H) * 100 + "%";
+    return span;
+  }));
+  svg.querySelector(".grid").replaceChildren(...ticks.filter((v) => v > 0 && v < top).map((value) => {
+    const line = document.createElementNS(SVG_NS, "line");
+    line.setAttribute("x1", 0);
+    line.setAttribute("x2", 1000);
+    line.setAttribute("y1", yOf(value, top));
+    line.setAttribute("y2", yOf(value, top));
+    return line;
+  }));
+}
+
+// the stretches of a series a line may join: a point without a value (nothing to divide by: no
+// requests in its window) ends one, and so do samples missing for longer than two intervals (the
+// router was down, or the tab slept); a line never crosses either
+function runs(points, value, interval) {
+  const out = [];
+  let run = null;
+  let previous = null;
+  for (const p of points) {
+    const v = value(p);
+    const missing = previous !== null && p.t - previous > 2.5 * interval;
+    previous = p.t;
+    if (typeof v !== "number") {
+      run = null;
+      continue;
+    }
+    if (run === null || missing) {
+      run = [];
+      out.push(run);
+    }
+    run.push([p.t, v]);
+  }
+  return out;
+}
+
+// SVG path data for those stretches: one subpath each (a lone point is drawn as a dot)
+function pathData(stretches, t0, span, top) {
+  return stretches
+    .map((run) =>
+      run
+        .map(([t, v], i) => `${i ? "L" : "M"}${(((t - t0) / span) * 1000).toFixed(1)},${yOf(v, top).toFixed(1)}`)
+        .join(" ") + (run.length === 1 ? " h0.5" : ""),
+    )
+    .join(" ");
+}
+
+function drawSeries(path, value, top) {
+  const { t0, span } = timeWindow();
+  const stretches = runs(view.points, value, view.interval);
+  path.setAttribute("d", pathData(stretches, t0, span, top));
+  path.dataset.runs = stretches.length;
+  return stretches;
+}
+
 function drawHeatmap() {
   const canvas = $("#heatmap");
   const rows = heatRows();
@@ -161,16 +267,16 @@ function drawHeatmap() {
   const ctx = canvas.getContext("2d");
   ctx.fillStyle = "#0b1016";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
-  const columns = Math.max(Math.round(view.historyS / view.interval), 1);
-  const cellW = width / columns;
-  const start = view.points.length - columns;
+  // each sample is a column at its own time (samples missing leave the background: no data)
+  const { t0, span } = timeWindow();
+  const cellW = (view.interval / span) * width;
   let max = 0;
   for (const p of view.points) for (const v of Object.values(p.replicas)) max = Math.max(max, v[view.metric] || 0);
   const scale = max > 0 ? max : 1;
   let painted = 0;
-  view.points.forEach((p, i) => {
-    const x = (i - start) * cellW;
-    if (x + cellW < 0) return;
+  for (const p of view.points) {
+    const x = ((p.t - t0) / span) * width - cellW;
+    if (x + cellW < 0) continue;
     rows.forEach((id, row) => {
       const cell = p.replicas[id];
       if (!cell) return;
@@ -185,10 +291,10 @@ function drawHeatmap() {
         ctx.fillRect(x, y, Math.ceil(cellW), Math.max(2, Math.floor(rowH / 4)));
       }
     });
-  });
+  }
   canvas.dataset.rows = rows.length;
   canvas.dataset.cells = painted;
-  $("#heat-max").textContent = `max ${view.metric === "qps" ? max.toFixed(1) + " req/s" : max + " in flight"}`;
+  $("#heat-max").textContent = view.metric === "qps" ? `${max.toFixed(1)} req/s` : `${max} in flight`;
   const labels = $("#heat-labels");
   labels.replaceChildren(...rows.map((id) => {
     const span = document.createElement("span");
@@ -198,60 +304,89 @@ function drawHeatmap() {
     span.addEventListener("click", () => pick(id));
     return span;
   }));
-  const minutes = Math.round(view.historyS / 60);
-  $("#heat-axis").replaceChildren(...[`${minutes} min ago`, "now"].map((text) => {
-    const span = document.createElement("span");
-    span.textContent = text;
-    return span;
-  }));
-}
-
-function polyline(values, t0, span) {
-  const out = [];
-  view.points.forEach((p, i) => {
-    const v = values[i];
-    if (v === null || v === undefined) return;
-    out.push(`${(((p.t - t0) / span) * 1000).toFixed(1)},${(200 - v * 196 - 2).toFixed(1)}`);
-  });
-  return out.join(" ");
+  drawTimeAxis($("#heat-axis"));
 }
 
 function drawCurve() {
   const svg = $("#hitcurve");
   const last = view.points[view.points.length - 1];
-  const t1 = last ? last.t : Date.now() / 1000;
-  const t0 = t1 - view.historyS;
-  const fleet = view.points.map((p) => p.hit);
-  const jump = view.points.map((p) => p.jump);
-  const predicted = view.points.map((p) => p.predicted);
-  const replica = view.points.map((p) => (view.picked && p.replicas[view.picked] ? p.replicas[view.picked].hit : null));
-  svg.querySelector("polyline.fleet").setAttribute("points", polyline(fleet, t0, view.historyS));
-  svg.querySelector("polyline.jump").setAttribute("points", polyline(jump, t0, view.historyS));
-  svg.querySelector("polyline.predicted").setAttribute("points", polyline(predicted, t0, view.historyS));
-  svg.querySelector("polyline.replica").setAttribute("points", polyline(replica, t0, view.historyS));
-  svg.dataset.points = fleet.filter((v) => v !== null && v !== undefined).length;
-  const grid = svg.querySelector(".grid");
-  if (!grid.childElementCount) {
-    for (const level of [0.25, 0.5, 0.75]) {
-      const line = document.createElementNS("http://www.w3.org/2000/svg", "line");
-      line.setAttribute("x1", 0);
-      line.setAttribute("x2", 1000);
-      line.setAttribute("y1", 200 - level * 196 - 2);
-      line.setAttribute("y2", 200 - level * 196 - 2);
-      grid.append(line);
-    }
-  }
+  const picked = view.picked;
+  const fleet = drawSeries(svg.querySelector(".fleet"), (p) => p.hit, 1);
+  drawSeries(svg.querySelector(".predicted"), (p) => p.predicted, 1);
+  drawSeries(svg.querySelector(".replica"), (p) => (picked && p.replicas[picked] ? p.replicas[picked].hit : null), 1);
+  svg.dataset.points = fleet.reduce((n, run) => n + run.length, 0);
+  drawValueAxis($("#hit-y"), svg, "KV hit, % of prompt tokens", [0, 0.25, 0.5, 0.75, 1], 1);
+  drawTimeAxis($("#hit-x"));
   const latest = [...view.points].reverse().find((p) => p.hit !== null && p.hit !== undefined);
-  const jumpNow = [...view.points].reverse().find((p) => p.jump !== null && p.jump !== undefined);
   const guess = [...view.points].reverse().find((p) => p.predicted !== null && p.predicted !== undefined);
   const exact = last && last.exact ? Object.entries(last.exact).filter(([, v]) => v !== null && v !== undefined) : [];
   $("#hit-now").textContent =
     (latest ? `hit ${percent(latest.hit)}` : "no prompt tokens yet") +
+    (last && latest !== last ? ` (${ago(last.t - latest.t)}; none since)` : "") +
     (guess ? ` · predicted ${percent(guess.predicted)} vs reported ${percent(guess.reported)}` : "") +
-    (exact.length ? ` · predicted exactly: ${exact.map(([s, v]) => `${s} ${percent(v)}`).join(", ")}` : "") +
-    (jumpNow ? ` · jumps ${percent(jumpNow.jump)}` : "");
-  $("#selected-name").textContent = view.picked ? view.picked : "click a replica to add its curve";
-  $("#hit-axis").textContent = `${Math.round(view.historyS / 60)} min ago · 0 to 100%, a line every 25%`;
+    (exact.length ? ` · predicted exactly: ${exact.map(([s, v]) => `${s} ${percent(v)}`).join(", ")}` : "");
+  $("#selected-name").textContent = picked ? picked : "click a replica to add its curve";
+}
+
+// the jump rate, a line for each group of reasons (who moved the session), on a scale that fits
+function drawJumps() {
+  const svg = $("#jumpcurve");
+  const groups = Object.keys(view.jumpWords.groups);
+  const group = (p, g) => (p.jumps ? p.jumps[g] : null);
+  let max = 0;
+  for (const p of view.points) for (const g of groups) max = Math.max(max, group(p, g) || 0);
+  const top = JUMP_SCALES.find((s) => s >= max) || 1;
+  const lines = svg.querySelector(".lines");
+  const paths = groups.map((g) => {
+    let path = lines.querySelector(`path[data-group="${g}"]`);
+    if (!path) {
+      path = document.createElementNS(SVG_NS, "path");
+      path.dataset.group = g;
+      path.setAttribute("class", "jumps " + g);
+      lines.append(path);
+    }
+    drawSeries(path, (p) => group(p, g), top);
+    return path;
+  });
+  svg.dataset.top = top;
+  drawValueAxis($("#jump-y"), svg, "% of follow-up requests", [0, top / 2, top], top);
+  drawTimeAxis($("#jump-x"));
+  // the legend: every group but `other`, which shows only while some reason has no words here
+  const shown = groups.filter((g) => g !== "other" || view.points.some((p) => group(p, g)));
+  $("#jump-legend").replaceChildren(...shown.flatMap((g) => {
+    const mark = document.createElement("span");
+    mark.className = "line jumps " + g;
+    return [mark, document.createTextNode(view.jumpWords.groups[g])];
+  }));
+  paths.forEach((path, i) => (path.style.display = shown.includes(groups[i]) ? "" : "none"));
+  const latest = [...view.points].reverse().find((p) => p.jump !== null && p.jump !== undefined);
+  const why = $("#jump-why");
+  if (!latest) {
+    $("#jump-now").textContent = "no follow-up requests yet";
+    why.replaceChildren();
+    return;
+  }
+  const last = view.points[view.points.length - 1];
+  $("#jump-now").textContent =
+    `jumps ${percent(latest.jump)} of follow-up requests` + (latest !== last ? ` (${ago(last.t - latest.t)}; none since)` : "");
+  // each reason that counted, biggest first, in words: who moved the session and why
+  const reasons = Object.entries(latest.jump_reasons || {}).sort((a, b) => b[1] - a[1]);
+  why.replaceChildren(...reasons.map(([reason, share]) => {
+    const words = view.jumpWords.reasons[reason] || { group: "other", text: reason };
+    const li = document.createElement("li");
+    const mark = document.createElement("span");
+    mark.className = "line jumps " + words.group;
+    li.append(mark, document.createTextNode(
+      `${percent(share)} ${view.jumpWords.groups[words.group] || words.group}: ${words.text} (${reason})`,
+    ));
+    return li;
+  }));
+  if (!reasons.length) {
+    const li = document.createElement("li");
+    li.className = "muted";
+    li.textContent = "every follow-up request went where its session was served before";
+    why.append(li);
+  }
 }
 
 function drawTable() {
