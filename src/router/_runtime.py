@@ -9,18 +9,31 @@ from collections.abc import Coroutine
 from typing import Any
 
 
-def stop_event() -> asyncio.Event:
+class Stop(asyncio.Event):
+    """Set by SIGINT or SIGTERM; `signal` says which came first."""
+
+    signal: str = ""
+
+
+def stop_event() -> Stop:
     """An event set by SIGINT or SIGTERM, from now on (instead of the default: dying at once)."""
-    stop = asyncio.Event()
+    stop = Stop()
     loop = asyncio.get_running_loop()
+
+    def received(sig: signal.Signals) -> None:
+        stop.signal = stop.signal or sig.name
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, received, sig)
     return stop
 
 
-async def until_stopped(stop: asyncio.Event | None = None) -> None:
-    """Wait for SIGINT or SIGTERM (the caller then shuts down cleanly)."""
-    await (stop or stop_event()).wait()
+async def until_stopped(stop: Stop | None = None) -> str:
+    """Wait for SIGINT or SIGTERM (the caller then shuts down cleanly); the signal's name."""
+    stop = stop or stop_event()
+    await stop.wait()
+    return stop.signal
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

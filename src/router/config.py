@@ -183,8 +183,9 @@ ENV_NAMES = {"ROUTER_" + name.upper(): f for name, f in FIELDS.items()}
 HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load")
-# ROUTER_* variables that are not settings: the pure-Python opt-out, read where modules load
-NOT_SETTINGS = frozenset({"ROUTER_NO_EXTENSIONS"})
+# ROUTER_* variables that are not settings: the pure-Python opt-out (read where modules load) and
+# router-bench's progress lines (a benchmark's router-serve children inherit its environment)
+NOT_SETTINGS = frozenset({"ROUTER_NO_EXTENSIONS", "ROUTER_BENCH_PROGRESS"})
 # what Kubernetes sets in every pod for a Service named "router" (service links): not settings
 SERVICE_LINK = re.compile(r"ROUTER_(SERVICE_[A-Z0-9_]+|PORT_\d+_[A-Z]+(_[A-Z]+)?)")
 
@@ -411,10 +412,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
             raise bad("agents", f"{entry!r} is not REPLICA_ID=http://host:port for a configured replica")
     if cfg.state not in ("file", "none") and not (
         (cfg.state.startswith("file:") and len(cfg.state) > 5)
-        or (
-            cfg.state.startswith(REDIS_SCHEMES)
-            and urlsplit(cfg.state).netloc + urlsplit(cfg.state).path
-        )
+        or (cfg.state.startswith(REDIS_SCHEMES) and urlsplit(cfg.state).netloc + urlsplit(cfg.state).path)
     ):
         raise bad("state", f"{cfg.state!r}: use file, file:DIRECTORY, redis://HOST:PORT/DB or none")
     if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", cfg.state_namespace):

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -410,26 +411,32 @@ async def test_one_json_log_line_per_request(start_fleet, start_router, caplog) 
     assert lines[0]["reason"] == "cost" and lines[0]["attempts"] == 1 and lines[0]["e2e_ms"] > 0
 
 
-def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
+def demo_process(*flags: str) -> tuple[subprocess.Popen[str], int, queue.Queue[str]]:
+    """`router-serve --demo ...` as a child, its stdout's lines in a queue."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.proxy.cli", "--demo", "2", "--port", str(port), "--state", "none"],
+        [sys.executable, "-m", "router.proxy.cli", "--port", str(port), *flags],
         stdout=subprocess.PIPE,
         text=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "XDG_STATE_HOME": "/nonexistent/state"},  # saves would fail
     )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    return proc, port, lines
+
+
+def test_demo_mode_starts_a_fleet_clean_and_says_how_to_use_it() -> None:
+    proc, port, lines = demo_process("--demo", "2")
     try:
-        assert proc.stdout is not None
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
         # bounded: a wedged start fails the test instead of hanging the suite
         head = [lines.get(timeout=30) for _ in range(4)]
         assert head[0].startswith(f"router-serve listening on http://127.0.0.1:{port} (ttft, 2 replicas)")
-        assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2]
-        more = [lines.get(timeout=5) for _ in range(3)]
+        assert head[1].startswith("demo: 2 emulated replicas") and "curl" in head[2] and '"max_tokens": 32' in head[3]
+        more = [lines.get(timeout=5) for _ in range(6)]
         assert f"console:         http://127.0.0.1:{port}/console" in "".join(head + more)
+        assert "routing state: not saved" in more[-1]  # a demo starts clean: its replicas are new each time
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             data=orjson.dumps(chat("hi")),
@@ -441,6 +448,36 @@ def test_demo_mode_starts_a_fleet_and_says_how_to_use_it() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize(
+    ("drain_s", "ends"), [(30, "every request in flight finished"), (1, "the drain limit was reached: 1 request in flight cut off")]
+)
+def test_sigterm_says_that_draining_began_what_is_in_flight_and_how_it_ended(drain_s: int, ends: str) -> None:
+    proc, port, lines = demo_process("--demo", "1", "--drain-timeout-s", str(drain_s))
+    try:
+        while "routing state" not in lines.get(timeout=30):
+            pass
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:  # a stream of ~2 s (or more)
+            body = orjson.dumps(chat("hi", stream=True, max_tokens=250 if drain_s > 1 else 3000))
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            received = conn.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200")
+            proc.send_signal(signal.SIGTERM)  # our own child, by its PID
+            began = lines.get(timeout=10)
+            assert began.startswith("router-serve: SIGTERM received: draining the router: no new connections; ")
+            assert f"1 request in flight to replicas; they have up to {drain_s} s (drain_timeout_s)" in began
+            while chunk := conn.recv(65536):
+                received += chunk
+        ended = lines.get(timeout=30)
+        assert re.fullmatch(rf"router-serve: stopped after \d+\.\d s: {ends}\n", ended), ended
+        assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") is (drain_s > 1)  # whole, or cut off
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 async def test_tcp_nodelay_on_both_legs(start_fleet) -> None:  # type: ignore[no-untyped-def]

@@ -180,6 +180,9 @@ async def test_a_killed_worker_is_replaced_and_stopping_cleans_up(start_fleet, s
             await asyncio.sleep(0.2)
     assert workers == {"0", "1"}
     served.proc.send_signal(signal.SIGTERM)
+    began = r"router-serve: SIGTERM received: draining 2 worker processes: no new connections; 0 requests in flight"
+    await asyncio.to_thread(served.line, began, 10)
+    await asyncio.to_thread(served.line, r"router-serve: stopped after \d+\.\d s: every request in flight finished", 20)
     assert await asyncio.to_thread(served.proc.wait, 20) == 0
     assert not os.path.exists(f"/dev/shm/{served.shm}")  # the control process unlinked it
     for pid in served.pids[1:]:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from router.config import FIELDS, ConfigError, ReplicaSpec, load, parse_replica, replica_capacities, score_weights
+import router
+from router.config import (
+    ENV_NAMES,
+    FIELDS,
+    NOT_SETTINGS,
+    ConfigError,
+    ReplicaSpec,
+    load,
+    parse_replica,
+    replica_capacities,
+    score_weights,
+)
 from router.health.score import ScoreWeights
 from router.node import Node
 from router.proxy.cli import GROUPS, build_parser, cli_values
@@ -141,6 +153,14 @@ def test_unknown_names_are_named_once_each_with_the_closest_settings(tmp_path: P
     ]
     with pytest.raises(ConfigError, match=r"Kubernetes' service link .* enableServiceLinks: false"):
         load(None, {"ROUTER_PORT": "tcp://10.0.0.1:8080"}, {"replicas": ["http://a:1"]})
+
+
+def test_every_router_variable_the_code_reads_is_a_setting_or_known_not_to_be() -> None:
+    # a new ROUTER_* variable that is not a setting must join NOT_SETTINGS, or router-serve refuses it
+    source = Path(router.__file__).parent
+    read = {m for f in source.rglob("*.py") for m in re.findall(r"[\"'](ROUTER_[A-Z0-9_]+)[\"']", f.read_text())}
+    assert read and all(name in ENV_NAMES or name in NOT_SETTINGS for name in read), read - set(ENV_NAMES)
+    load(None, dict.fromkeys(NOT_SETTINGS, "1"), {"replicas": ["http://a:1"]})
 
 
 def test_check_config_names_every_mistake_and_where_state_is_kept(tmp_path: Path) -> None:

@@ -18,7 +18,16 @@ from router.emulator.server import Fleet as EmulatorFleet
 from router.emulator.server import Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import admin_app, build_app
-from router.proxy.workers import HANDOVER_S, CannotListen, WorkerFailed, listen, runner_for, serve_workers, stop_serving
+from router.proxy.workers import (
+    HANDOVER_S,
+    CannotListen,
+    Shutdown,
+    WorkerFailed,
+    listen,
+    runner_for,
+    serve_workers,
+    stop_serving,
+)
 from router.shm.table import SlotTable
 from router.state import StateError, state_file
 
@@ -358,7 +367,8 @@ async def serve(config: RouterConfig) -> None:
         banner += f"""
 demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.replicas)}
   send a request:  curl -s {base}/v1/chat/completions -H 'X-Session-ID: demo-1' \\
-                     -d '{{"model": "emulated-llm", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+                     -d '{{"model": "emulated-llm", "max_tokens": 32,
+                          "messages": [{{"role": "user", "content": "Hello!"}}]}}'
   metrics:         {admin}/metrics        health: {base}/health
   console:         {console if config.console else "off (--console turns it on)"}
   measure it:      router-bench replay --target {base} --duration 60
@@ -377,6 +387,7 @@ demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.re
 
 async def _serve_alone(config: RouterConfig, banner: str) -> None:
     table = SlotTable.create(config.shm_name, config.shm_slots) if config.shm_name else None
+    shutdown: Shutdown | None = None
     try:
         node = Node(config, table=table)
         node.publish()
@@ -394,13 +405,15 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
             print(node.state_line(), flush=True)
             if table is not None:
                 print(f"shared memory: {table.name} (router-agent --shm {table.name})", flush=True)
-            await until_stopped()
+            shutdown = Shutdown(await until_stopped(), node)
         finally:
             try:
                 if admin is not None:
                     await admin.cleanup()
             finally:
-                await stop_serving(runner, min(HANDOVER_S, config.drain_timeout_s))
+                drain = await stop_serving(runner, min(HANDOVER_S, config.drain_timeout_s))
+                if shutdown is not None:
+                    await shutdown.ended(drain)
     finally:
         if table is not None:
             table.close()

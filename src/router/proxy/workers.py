@@ -101,13 +101,14 @@ def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     )
 
 
-async def stop_serving(runner: web.AppRunner, handover_s: float = HANDOVER_S) -> None:
+async def stop_serving(runner: web.AppRunner, handover_s: float = HANDOVER_S) -> float:
     """Stop serving: no new connections; for `handover_s` (less once none is left) an open
     keep-alive connection may still bring a request, answered with `Connection: close`; then what
     is in flight gets `drain_timeout_s` to finish and the rest is closed. A keep-alive connection
     closed while idle can meet a request already on its way (the client sees a disconnect, not
     an answer); handed over, a busy client's connection closes after an answer instead (one
-    with an answer under way when the stop came takes its next request in the handover)."""
+    with an answer under way when the stop came takes its next request in the handover). Returns
+    when (monotonic) the drain of what is in flight began."""
     for site in list(runner.sites):
         await site.stop()  # the listening sockets: new connections are refused from here on
     server = runner.server
@@ -116,7 +117,60 @@ async def stop_serving(runner: web.AppRunner, handover_s: float = HANDOVER_S) ->
         deadline = time.monotonic() + handover_s
         while server.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+    drain = time.monotonic()
     await runner.cleanup()
+    return drain
+
+
+class Shutdown:
+    """What a stopping router says on stdout: the signal and that draining began, with what was in
+    flight; then, once it ended, how long it took and whether the drain limit cut requests off."""
+
+    def __init__(self, signal: str, node: Node, workers: int = 0) -> None:
+        self.node = node
+        self.limit_s = node.config.drain_timeout_s
+        self.began = time.monotonic()
+        self.seen = [(self.began, self.in_flight())]  # (when, in flight), while it drains
+        where = f"{workers} worker processes" if workers else "the router"
+        held = node.admission.queued
+        print(
+            f"router-serve: {signal or 'stop'} received: draining {where}: no new connections; "
+            f"{_count(self.seen[0][1], 'request')} in flight to replicas"
+            + (f", {held} held waiting for room" if held else "")
+            + f"; they have up to {self.limit_s:g} s (drain_timeout_s)",
+            flush=True,
+        )
+        self._watch = asyncio.create_task(self._follow(), name="drain watch")
+
+    def in_flight(self) -> int:
+        node = self.node
+        node.gather()  # a control process: the workers' counts, as they last wrote them
+        return sum(r.inflight for r in node.fleet.replicas) + node.admission.queued
+
+    async def _follow(self) -> None:
+        while True:  # what is still in flight, for the count cut off at the limit
+            await asyncio.sleep(0.05)
+            self.seen.append((time.monotonic(), self.in_flight()))
+
+    async def ended(self, drain_began: float | None = None) -> None:
+        """`drain_began`: when the limit's clock started (stop_serving's answer); else the signal."""
+        self._watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watch
+        now = time.monotonic()
+        limit_at = (drain_began or self.began) + self.limit_s
+        # what was still in flight just before the limit closed it (cancelled, it counts as gone)
+        left = next((n for t, n in reversed(self.seen) if t < limit_at - 0.06), 0) if now >= limit_at else 0
+        if left:
+            outcome = f"the drain limit was reached: {_count(left, 'request')} in flight cut off"
+        else:
+            outcome = "every request in flight finished"
+        took = now - self.began
+        print(f"router-serve: stopped after {took:.1f} s: {outcome}", flush=True)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
 # -- a worker process ------------------------------------------------------------------------------
@@ -348,6 +402,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         try:
             await web.UnixSite(runner, control_socket).start()
             watcher = sharing = None
+            shutdown: Shutdown | None = None
             try:
                 await pool.start_all()
                 node.view.ready.set()  # the balance loop can ask the workers now
@@ -360,12 +415,14 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                 )
                 watcher = asyncio.create_task(pool.watch())
                 sharing = asyncio.create_task(share_models(node, link, config.probe_interval_s))
-                await until_stopped(stop)
+                shutdown = Shutdown(await until_stopped(stop), node, config.workers)
             finally:
                 with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell
                     await node.save_state(force=True)
                 node.view.ready.clear()  # from here on, saves keep the sessions saved above
                 await pool.stop()
+                if shutdown is not None:
+                    await shutdown.ended()
                 for task in (watcher, sharing):
                     if task is not None:
                         task.cancel()
