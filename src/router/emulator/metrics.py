@@ -118,6 +118,7 @@ class ReplicaMetrics:
             ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=r,
         )
+        self._cache_shape: tuple[str, str, str] | None = None  # the labels it carries now
         # vLLM's LoRA state (only with adapters): a series per state seen, its value the time it was
         # last current, so the newest series is the state now and the older ones say which adapters
         # ran lately; vLLM keeps every one, the emulator the latest LORA_SERIES
@@ -192,6 +193,10 @@ class ReplicaMetrics:
         self.busy.labels(m).set(self.busy_fraction(now))
         self.max_num_seqs.labels(m).set(engine.config.max_num_seqs)
         cfg = engine.config
-        self.cache_config.clear()  # a restart may come back with another shape
-        self.cache_config.labels(str(cfg.block_size), str(cfg.num_blocks), "True").set(1)
+        shape = (str(cfg.block_size), str(cfg.num_blocks), "True")
+        if shape != self._cache_shape:  # a restart may come back with another shape
+            if self._cache_shape is not None:
+                self.cache_config.remove(*self._cache_shape)
+            self._cache_shape = shape
+        self.cache_config.labels(*shape).set(1)
         return generate_latest(self.registry)
