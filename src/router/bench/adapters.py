@@ -16,6 +16,11 @@ from the client. smg is not among them: it registers a worker under one model, a
 request naming one of its adapters "No worker available for model". Figures: time to first token
 (median and P99), adapter loads per 100 requests (the emulated engines' own count) and the share
 of requests that are not whole answers.
+
+Each contender's run is `--duration-s` of arrivals, then the requests still running finish (each
+within the client's time-out); the count of runs is printed up front, and a progress line on a
+terminal says where the run under way stands. SIGINT or SIGTERM print the contenders that
+finished, marked partial (the one under way is left out), and exit 130 or 143.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import orjson
 
 from router.bench.common import measure
 from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
-from router.bench.overload import Tally, chat_body, one
+from router.bench.live import Progress, partial_headline
+from router.bench.overload import CLIENT_TIMEOUT_S, Tally, chat_body, one, run_status
 
 MODEL = "model-b"
 
@@ -62,12 +68,12 @@ async def loads(fleet: Fleet) -> int:
     return sum(int(row["engine"].get("adapter_loads_total", 0)) for row in rows)
 
 
-async def offer(targets: list[str], args: argparse.Namespace) -> Tally:
-    """Poisson arrivals for `--duration-s`, each naming an adapter drawn by Zipf popularity."""
+async def offer(targets: list[str], args: argparse.Namespace, tally: Tally) -> Tally:
+    """Poisson arrivals for `--duration-s`, each naming an adapter drawn by Zipf popularity; counted
+    into `tally` as they end."""
     rng = random.Random(7)  # every contender is offered the same requests
     names = adapter_names(args.adapters)
     weights = [1 / (k + 1) ** args.zipf for k in range(len(names))]
-    tally = Tally()
     tasks: list[asyncio.Task[bool]] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         start = time.monotonic()
@@ -87,7 +93,8 @@ async def offer(targets: list[str], args: argparse.Namespace) -> Tally:
     return tally
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The benchmark, filling `result` as each contender's run ends (a caller stopped early keeps those)."""
     shape = [
         "--model",
         MODEL,
@@ -101,7 +108,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         str(args.slots),
     ]
     fleet_args = argparse.Namespace(engine="emulator", time_scale=args.time_scale, stream_interval=args.stream_interval)
-    result: dict[str, Any] = {
+    result |= {
         "benchmark": "adapters",
         "replicas": args.replicas,
         "adapters": args.adapters,
@@ -112,13 +119,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "zipf": args.zipf,
         "runs": [],
     }
-    for c in contenders(args):
+    runs = contenders(args)
+    progress = Progress()
+    progress.note(
+        f"router-bench adapters: {len(runs)} runs of {args.duration_s:g} s of arrivals, each then drains "
+        f"(each request at most {CLIENT_TIMEOUT_S:g} s): about {len(runs) * args.duration_s / 60:.1f} min, "
+        f"at most {len(runs) * (args.duration_s + CLIENT_TIMEOUT_S) / 60:.0f} min, plus starting each fleet"
+    )
+    for k, c in enumerate(runs, 1):
         fleet = await start_fleet(args.replicas, fleet_args, shape)  # every contender starts with no adapter loaded
         child: Child | None = None
         try:
             child, targets = await start_contender(c, fleet.urls, {})
             before = await loads(fleet)  # the contender's own first answer (start_contender) loaded one
-            tally = await offer(targets, args)
+            tally = Tally()
+            async with progress.ticking(run_status(f"run {k}/{len(runs)} {c.name}", args.duration_s, tally)):
+                await offer(targets, args, tally)
             loaded = await loads(fleet) - before
         finally:
             if child is not None:
@@ -136,17 +152,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "loads_per_100": round(100 * loaded / max(whole, 1), 1),
         }
         result["runs"].append(row)
-        print(
+        progress.note(
             f"  {c.label}: TTFT P50 {row['ttft_p50_s']} s, P99 {row['ttft_p99_s']} s, "
-            f"{row['loads_per_100']} adapter loads per 100 requests, failed {row['failed']:.0%}",
-            file=sys.stderr,
-            flush=True,
+            f"{row['loads_per_100']} adapter loads per 100 requests, failed {row['failed']:.0%}"
         )
-    return result
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = [
+    lines = [partial_headline(result)] if "partial" in result else []
+    lines += [
         f"{result['replicas']} emulated replicas, {result['adapters']} LoRA adapters (Zipf {result['zipf']:g}), "
         f"{result['max_loras']} GPU slots each, {result['lora_load_ms']:g} ms a load; {result['rate']:g} requests/s "
         f"for {result['duration_s']:g} s",
@@ -197,8 +211,10 @@ def run_cli(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    result = measure("adapters", lambda: run(args))
-    if result is None:
-        return 1
+    result, stopped = measure("adapters", lambda result: run(args, result))
+    if result is None or "runs" not in result:
+        return stopped.exit_status if stopped is not None else 1
+    if stopped is not None:
+        stopped.mark(result)
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() if args.json else render(result))
-    return 0
+    return stopped.exit_status if stopped is not None else 0

@@ -16,6 +16,11 @@ The settings the scenarios use (short rebalancing window and cooldown so that a 
 minute, not an hour) are printed with the results; `--setting NAME=VALUE` overrides them.
 With `--workers N` the router is `router-serve --workers N` in a child process (the same
 settings, as ROUTER_* variables), so the control process balances what the workers served.
+
+Every run lasts `--duration` (what is in flight at its end is cut off with the harness); the
+runs' count and total are printed up front, and a progress line on a terminal says where the
+run under way stands. SIGINT or SIGTERM print the runs that finished, marked partial (the one
+under way is left out), and exit 130 or 143.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +44,7 @@ import orjson
 from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
+from router.bench.live import Progress, partial_headline
 from router.config import load
 from router.emulator.server import Fleet as EmulatorFleet
 from router.emulator.server import Replica, ReplicaOptions
@@ -63,7 +70,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--hot-streams", type=int, default=4, help="skew: requests each busy session keeps in flight (4)")
     p.add_argument("--think", type=float, default=2.0, help="mean think time between turns, seconds (default 2)")
     p.add_argument("--hot-think", type=float, default=0.5, help="skew: busy sessions' mean think time (default 0.5)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds per run (default 60)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per run, whole (default 60; 'all' is 5 runs)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument(
         "--workers",
@@ -164,6 +171,17 @@ class Harness:
         self.run = Run()
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
+        self.t0 = time.monotonic()
+
+    def describe(self, what: str, duration_s: float) -> str:
+        """A progress line: the run's time, turns answered and failed, KV hit rate so far."""
+        turns = self.run.turns
+        ok = [t for t in turns if t.status == 200 and not t.cut]
+        hit = kv_hit_rate(sum(t.cached_tokens for t in ok), sum(t.prompt_tokens for t in ok))
+        return (
+            f"{what}: {time.monotonic() - self.t0:.0f} of {duration_s:g} s  turns {len(ok)}  "
+            f"failed {len(turns) - len(ok)}  KV hit {hit:.1%}"
+        )
 
     async def __aenter__(self) -> Harness:
         # the emulators take ports the kernel gives them (picked ahead, one could be taken meanwhile)
@@ -284,10 +302,12 @@ def _jumps(turns: list[Turn]) -> tuple[int, int]:
     return jumps, followups
 
 
-async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
+async def skew(args: argparse.Namespace, rebalance: bool, watch: Watch | None = None) -> dict[str, Any]:
     settings = {**BASE_SETTINGS, "rebalance": str(rebalance).lower(), **_settings(args)}
     rng = random.Random(args.seed)
     async with Harness(args.replicas, settings, args.workers) as h:
+        if watch is not None:
+            watch.harness = h
         for i in range(args.sessions):
             for _ in range(args.hot_streams if i < args.hot else 1):
                 h.session(f"s{i}", args.hot_think if i < args.hot else args.think, rng)
@@ -309,10 +329,12 @@ async def skew(args: argparse.Namespace, rebalance: bool) -> dict[str, Any]:
         }
 
 
-async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
+async def scale_out(args: argparse.Namespace, warmup: bool, watch: Watch | None = None) -> dict[str, Any]:
     settings = {**BASE_SETTINGS, "warmup": str(warmup).lower(), "rebalance": "false", **_settings(args)}
     rng = random.Random(args.seed)
     async with Harness(args.replicas, settings, args.workers) as h:
+        if watch is not None:
+            watch.harness = h
         for i in range(args.sessions):
             h.session(f"s{i}", args.think, rng)
         await asyncio.sleep(args.duration / 2)
@@ -348,10 +370,12 @@ async def scale_out(args: argparse.Namespace, warmup: bool) -> dict[str, Any]:
         }
 
 
-async def drain(args: argparse.Namespace) -> dict[str, Any]:
+async def drain(args: argparse.Namespace, watch: Watch | None = None) -> dict[str, Any]:
     settings = {**BASE_SETTINGS, "rebalance": "false", **_settings(args)}
     rng = random.Random(args.seed)
     async with Harness(args.replicas, settings, args.workers) as h:
+        if watch is not None:
+            watch.harness = h
         for i in range(args.sessions):
             h.session(f"s{i}", args.think / 4, rng)
         await asyncio.sleep(args.duration / 3)
@@ -377,33 +401,68 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
     return parse_settings(args.setting)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class Watch:
+    """The harness of the run under way, for the progress line."""
+
+    harness: Harness | None = None
+
+
+async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The runs, filling `result` as each ends (a caller stopped early keeps those)."""
     which = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    result: dict[str, Any] = {
+    result |= {
         "settings": {**BASE_SETTINGS, **_settings(args)},
         "replicas": args.replicas,
         "workers": args.workers,
     }
     result["settings"].pop("admin_token", None)
+    runs: list[tuple[str, str, Callable[[Watch], Awaitable[dict[str, Any]]]]] = []
     if "skew" in which:
-        result["skew"] = [await skew(args, False), await skew(args, True)]
+        runs += [
+            ("skew", "skew, rebalance off", lambda w: skew(args, False, w)),
+            ("skew", "skew, rebalance on", lambda w: skew(args, True, w)),
+        ]
     if "scale-out" in which:
-        result["scale_out"] = [await scale_out(args, False), await scale_out(args, True)]
+        runs += [
+            ("scale_out", "scale-out, warm-up off", lambda w: scale_out(args, False, w)),
+            ("scale_out", "scale-out, warm-up on", lambda w: scale_out(args, True, w)),
+        ]
     if "drain" in which:
-        result["drain"] = await drain(args)
-    return result
+        runs.append(("drain", "drain", lambda w: drain(args, w)))
+    progress = Progress()
+    progress.note(
+        f"router-bench balance: {len(runs)} runs of {args.duration:g} s: about {len(runs) * args.duration / 60:.1f} "
+        "min, plus starting each fleet"
+    )
+    for k, (key, what, measure_one) in enumerate(runs, 1):
+        watch = Watch()
+
+        def describe(what: str = f"run {k}/{len(runs)} {what}", watch: Watch = watch) -> str:
+            return watch.harness.describe(what, args.duration) if watch.harness else f"{what}: starting"
+
+        async with progress.ticking(describe):
+            row = await measure_one(watch)
+        if key == "drain":
+            result["drain"] = row
+        else:
+            result.setdefault(key, []).append(row)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.replicas < 2 or args.sessions < 1 or args.duration <= 0 or args.workers < 1:
         print("router-bench balance: need --replicas >= 2, --sessions >= 1, --duration > 0 and --workers >= 1")
         return 2
-    out = measure("balance", lambda: run(args))
-    if out is None:
-        return 1
+    out, stopped = measure("balance", lambda result: run(args, result))
+    if out is None or "settings" not in out:
+        return stopped.exit_status if stopped is not None else 1
+    if stopped is not None:
+        stopped.mark(out)
     if args.json:
         print(json.dumps(out))
-        return 0
+        return stopped.exit_status if stopped is not None else 0
+    if stopped is not None:
+        print(partial_headline(out))
     router = f"router-serve --workers {out['workers']}" if out["workers"] > 1 else "the router in this process"
     print(f"balance, {out['replicas']} emulated replicas, {router}, settings {out['settings']}")
     for row in out.get("skew", []):
@@ -426,4 +485,4 @@ def run_cli(args: argparse.Namespace) -> int:
             f"  drain: {d['requests']} requests, failed {d['failed']}, cut streams {d['cut_streams']}; "
             f"{d['sessions_to_move']} sessions moved; removed after {d['removed_after_s']} s"
         )
-    return 0
+    return stopped.exit_status if stopped is not None else 0

@@ -40,6 +40,11 @@ Scenarios (the victim is one replica; the others stay well):
 
 The router's time-outs and probe interval are shortened (`FAULT_SETTINGS`, shown in the output)
 so each scenario takes seconds; `--setting` overrides them.
+
+Each scenario runs `--warmup`, then `--duration` after the fault, then waits at most 10 s for
+the last answers (the total is printed up front; setting up each world comes on top). SIGINT or
+SIGTERM print the scenarios that finished (and write them to `--json PATH`), marked partial,
+and exit 130 or 143; the scenario under way is left out.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
 from router.bench.fleet import CONTENDERS, Child, available, start_contender
+from router.bench.live import Progress, partial_headline
 from router.config import load
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet as EmulatorFleet
@@ -883,25 +889,44 @@ def run_cli(args: argparse.Namespace) -> int:
     print("router settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
     results: list[dict[str, Any]] = []
 
-    async def all_scenarios() -> dict[str, Any]:
-        for router, name in runs:
+    progress = Progress()
+    each_s = opts.warmup_s + opts.fault_s + 10.0
+    progress.note(
+        f"router-bench faults: {len(runs)} scenarios of {opts.warmup_s:g} s warm-up + {opts.fault_s:g} s after the "
+        f"fault + at most 10 s for the last answers: at most {len(runs) * each_s / 60:.1f} min, plus setting up each"
+    )
+
+    async def all_scenarios() -> None:
+        for k, (router, name) in enumerate(runs, 1):
+            began = time.monotonic()
+
+            def describe(what: str = f"scenario {k}/{len(runs)} {name} ({router})", began: float = began) -> str:
+                return f"{what}: {time.monotonic() - began:.0f} s of at most {each_s:g} s plus setting up"
+
             try:
-                result = await run_scenario(name, dataclasses.replace(opts, router=router))
+                async with progress.ticking(describe):
+                    result = await run_scenario(name, dataclasses.replace(opts, router=router))
             except RuntimeError as exc:  # it cannot run here (no redis-server, a peer not installed, ...)
                 result = {"scenario": name, "router": router, "error": str(exc)}
             results.append(result)
+            progress.clear()
             if "error" in result:
                 print(f"{name} ({router}): not run: {result['error']}", flush=True)
             else:
                 print(f"{name} ({router}): " + ", ".join(f"{c} {result[c]}" for c in COLUMNS), flush=True)
                 for lost in result["lost"]:
                     print(f"  cut: {lost}", flush=True)
-        return {}
 
-    done = measure("faults", all_scenarios)
+    done, stopped = measure("faults", lambda _: all_scenarios())
+    saved: dict[str, Any] = {"settings": settings, "options": asdict(opts), "results": results}
+    if stopped is not None:
+        stopped.mark(saved)
+        print(partial_headline(saved))
     print(render(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"settings": settings, "options": asdict(opts), "results": results}, f, indent=1)
+            json.dump(saved, f, indent=1)
+    if stopped is not None:
+        return stopped.exit_status
     lost = sum(r.get("cut_silently", 0) for r in results)
     return 1 if done is None or lost else 0

@@ -140,10 +140,11 @@ import orjson
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.bench.common import free_port, parse_settings, progress_line
+from router.bench.common import free_port, parse_settings
+from router.bench.live import Progress, Stopped
 from router.bench.llama_server import LlamaServer, NotBuilt, find_binary, model_for
 from router.bench.proxy_bench import PEERS, cpu_seconds, first_answer, peer_command, peer_installed, stop
-from router.bench.replay import Replayer, ReplayOptions
+from router.bench.replay import DRAIN_FACTOR, Replayer, ReplayOptions
 from router.bench.vllm import NotBuilt as VllmNotBuilt
 from router.bench.vllm import VllmServer, find_vllm, start_all
 from router.bench.workloads import (
@@ -997,6 +998,28 @@ def size_workload(workloads: list[str]) -> str | None:
     """The sessions workload the fleet-size search runs: the busiest one that sends session keys."""
     rated = [w for w in workloads if (p := Workload.parse(w)).kind == "sessions" and p.keyed]
     return max(rated, key=lambda w: session_rate(w) or 0.0) if rated else None
+
+
+def plan_line(args: argparse.Namespace) -> str:
+    """How long the runs take at most, said up front: each run's arrivals span `--duration` (or the
+    trace window), and the sessions started in it then play all their turns, so that every contender
+    is judged on the same conversations; DRAIN_FACTOR caps that."""
+    runs = args.rounds * len(args.contenders)
+    bound = 0.0
+    traces = False
+    for w in args.workloads:
+        if Workload.parse(w).kind == "trace":
+            traces = True
+            bound += runs * arrivals_s(w, args) / args.time_scale
+        else:
+            bound += runs * DRAIN_FACTOR * arrivals_s(w, args) / args.time_scale
+    return (
+        f"{runs * len(args.workloads)} runs; each starts sessions for its --duration and lets them finish, "
+        f"at most {DRAIN_FACTOR:g} x as long: about {bound / 60:.0f} min at most in all"
+        + (" (trace runs: their requests' own time after the window)" if traces else "")
+        + ", plus starting each run's fleet and contender"
+        + (", plus the size search's runs" if args.size_search and size_workload(args.workloads) else "")
+    )
 
 
 def arrivals_s(name: str, args: argparse.Namespace) -> float:
@@ -1936,11 +1959,8 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"router-bench fleet: {exc}", file=sys.stderr)
         return 2
-    live = sys.stderr.isatty()
-    bar = progress_line()
-
-    def note(msg: str) -> None:
-        print(("\r\x1b[K" if live else "") + msg, file=sys.stderr, flush=True)
+    progress = Progress()
+    note = progress.note
 
     out = Path(args.out)
     try:
@@ -1949,17 +1969,24 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"router-bench fleet: cannot write to {out}: {exc.strerror}", file=sys.stderr)
         return 2
 
+    signals: list[int] = []
+    started = time.monotonic()
+
     def terminated(signum: int, frame: Any) -> None:
+        signals.append(signum)
         raise KeyboardInterrupt  # unwinds like Ctrl-C: every child is stopped, finished runs are written
 
     previous = signal.signal(signal.SIGTERM, terminated)
     result = new_result(args)
     status = 0
+    note(f"router-bench fleet: {plan_line(args)}")
     try:
-        uvloop.run(run_all(args, result, note, bar if live else None))
+        uvloop.run(run_all(args, result, note, progress.show if progress.enabled else None))
     except KeyboardInterrupt:
-        note("router-bench fleet: interrupted; writing the runs that finished")
-        status = 130
+        stopped = Stopped(signals[0] if signals else signal.SIGINT, time.monotonic() - started)
+        stopped.mark(result)
+        note(f"router-bench fleet: {stopped.name}; writing the runs that finished")
+        status = stopped.exit_status
     except (RuntimeError, TraceError, OSError) as exc:
         note(f"router-bench fleet: {exc}; writing the runs that finished")
         status = 1

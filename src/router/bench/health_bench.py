@@ -13,6 +13,11 @@ of the busy replica and of the other healthy replicas over the run (goal: 0); re
 failed. A removed replica gets no traffic, so the latency samples that removed it must age out
 (5 probe intervals, at least 10 s) before its probes can bring it back: time to return is about
 that window plus `return_after` probes, whenever the fault actually cleared.
+
+The run has no fixed length: the warm-up, then each of the three steps waits at most `--timeout`
+(the bound is printed up front). A progress line on a terminal says which step it waits for.
+SIGINT or SIGTERM print the steps reached so far and the timeline, marked partial, and exit 130
+or 143.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import orjson
 from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
+from router.bench.live import Progress, partial_headline
 from router.config import load
 from router.emulator.server import Fleet as EmulatorFleet
 from router.emulator.server import Replica, ReplicaOptions
@@ -82,7 +88,8 @@ async def _chat(http: aiohttp.ClientSession, url: str, key: str, text: str, max_
         return 0
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The benchmark, filling `result` as each step is reached (a caller stopped early keeps those)."""
     if args.replicas < 3:
         raise ValueError("--replicas must be at least 3 (a victim, a busy one, and a healthy one)")
     settings = parse_settings(args.setting)
@@ -156,42 +163,59 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tasks = [asyncio.create_task(sessions(i)) for i in range(args.sessions)]
     tasks += [asyncio.create_task(busy(i)) for i in range(args.busy)]
     tasks.append(asyncio.create_task(watch()))
-    result: dict[str, Any] = {}
+    result |= {
+        "settings": {
+            k: getattr(config, k)
+            for k in (
+                "probe_interval_s",
+                "remove_below",
+                "remove_after",
+                "return_above",
+                "return_after",
+                "recovery_ramp_s",
+            )
+        },
+        "replicas": args.replicas,
+        "slow_factor": args.slow,
+        "timeline": timeline.events,
+    }
+    progress = Progress()
+    progress.note(
+        f"router-bench health: {args.warmup:g} s of warm-up, then removal, return and full weight, each waited "
+        f"for at most {args.timeout:g} s: at most {(args.warmup + 3 * args.timeout) / 60:.1f} min"
+    )
+    step = ["warm-up"]
+
+    def describe() -> str:
+        return f"{timeline.at():.0f} s: {step[0]}  requests {counts['sent']}  failed {counts['failed']}"
+
     try:
-        await asyncio.sleep(args.warmup)
-        emulators.replicas[1].set_faults({"slow": args.slow})
-        fault_at = timeline.at()
-        removed_at = await until(lambda: victim.state == "removed", "removal of the slow replica")
-        emulators.replicas[1].set_faults({"slow": 1.0})
-        healed_at = timeline.at()
-        back_at = await until(lambda: victim.state in ("recovering", "healthy"), "return of the healed replica")
-        full_at = await until(
-            lambda: (
-                victim.state == "healthy"
-                and victim.index is not None
-                and router.fleet.routing_weight(victim.index) == 1.0
-            ),
-            "full weight of the returned replica",
-        )
+        async with progress.ticking(describe):
+            await asyncio.sleep(args.warmup)
+            emulators.replicas[1].set_faults({"slow": args.slow})
+            fault_at = timeline.at()
+            step[0] = "waiting for the slow replica's removal"
+            removed_at = await until(lambda: victim.state == "removed", "removal of the slow replica")
+            result["seconds_to_remove"] = round(removed_at - fault_at, 2)
+            emulators.replicas[1].set_faults({"slow": 1.0})
+            healed_at = timeline.at()
+            step[0] = "healed; waiting for its return"
+            back_at = await until(lambda: victim.state in ("recovering", "healthy"), "return of the healed replica")
+            result["seconds_to_return"] = round(back_at - healed_at, 2)
+            step[0] = "back; waiting for its full weight"
+            full_at = await until(
+                lambda: (
+                    victim.state == "healthy"
+                    and victim.index is not None
+                    and router.fleet.routing_weight(victim.index) == 1.0
+                ),
+                "full weight of the returned replica",
+            )
+            result["seconds_to_full_weight"] = round(full_at - healed_at, 2)
+    finally:
         sample()  # the final state, whatever the watcher's phase
         others = [r for r in router.fleet.replicas if r.id not in (busy_id, victim_id)]
-        result = {
-            "settings": {
-                k: getattr(config, k)
-                for k in (
-                    "probe_interval_s",
-                    "remove_below",
-                    "remove_after",
-                    "return_above",
-                    "return_after",
-                    "recovery_ramp_s",
-                )
-            },
-            "replicas": args.replicas,
-            "slow_factor": args.slow,
-            "seconds_to_remove": round(removed_at - fault_at, 2),
-            "seconds_to_return": round(back_at - healed_at, 2),
-            "seconds_to_full_weight": round(full_at - healed_at, 2),
+        result |= {
             "busy_replica_state_changes": router.fleet.find(busy_id).health.transitions,  # type: ignore[union-attr]
             "busy_replica_peak_running": peak["running"],
             "busy_replica_peak_waiting": peak["waiting"],
@@ -199,9 +223,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "requests_sent": counts["sent"],
             "requests_failed": counts["failed"],
             "run_seconds": timeline.at(),
-            "timeline": timeline.events,
         }
-    finally:
         stop.set()
         for t in tasks:
             t.cancel()
@@ -210,25 +232,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await t
         await runner.cleanup()
         await emulators.stop()
-    return result
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    out = measure("health", lambda: run(args))
-    if out is None:
-        return 1
+    out, stopped = measure("health", lambda result: run(args, result))
+    if out is None or "settings" not in out:
+        return stopped.exit_status if stopped is not None else 1
+    if stopped is not None:
+        stopped.mark(out)
     if args.json:
         print(json.dumps(out))
-        return 0
+        return stopped.exit_status if stopped is not None else 0
+    if stopped is not None:
+        print(partial_headline(out))
     s = out["settings"]
+
+    def seconds(key: str) -> str:
+        return f"{out[key]:7.2f} s" if key in out else "    not reached"
+
     print(
         f"health, {out['replicas']} emulated replicas, slow factor {out['slow_factor']:g}, probe every "
         f"{s['probe_interval_s']:g} s, remove after {s['remove_after']} scores < {s['remove_below']}, return after "
         f"{s['return_after']} > {s['return_above']}, ramp {s['recovery_ramp_s']:g} s"
     )
-    print(f"  slow replica removed after          {out['seconds_to_remove']:7.2f} s")
-    print(f"  healed replica back (recovering) in {out['seconds_to_return']:7.2f} s")
-    print(f"  ... at full weight in               {out['seconds_to_full_weight']:7.2f} s")
+    print(f"  slow replica removed after          {seconds('seconds_to_remove')}")
+    print(f"  healed replica back (recovering) in {seconds('seconds_to_return')}")
+    print(f"  ... at full weight in               {seconds('seconds_to_full_weight')}")
     print(
         f"  busy replica state changes          {out['busy_replica_state_changes']:7d}   (goal 0; it ran up to "
         f"{out['busy_replica_peak_running']:g} requests at once, {out['busy_replica_peak_waiting']:g} waiting)"
@@ -238,4 +267,4 @@ def run_cli(args: argparse.Namespace) -> int:
     print("  timeline (s, replica, state, ring weight):")
     for at, rid, state, weight in out["timeline"]:
         print(f"    {at:8.2f}  {rid:8s}  {state:10s}  {weight:.2f}")
-    return 0
+    return stopped.exit_status if stopped is not None else 0

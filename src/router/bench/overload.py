@@ -30,6 +30,12 @@ three requests for every one of a light client ("light"), and each request is, w
 client and per kind (turn, new): with admission, the light client's share of the goodput should
 stay near half (fair queueing, not first come first served) and turns should fare better than
 new conversations (their cache is warm and their users are mid-conversation).
+
+How long it takes is printed up front: the capacity measurement, then each run's `--duration-s`
+of arrivals and its drain (the requests still queued finish, each within CLIENT_TIMEOUT_S), then
+the wait for an idle fleet. A progress line on a terminal says where the run under way stands.
+SIGINT or SIGTERM print the runs that finished, marked partial (the one under way is left out:
+its figures would cover another window), and exit 130 or 143.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +58,11 @@ import orjson
 
 from router.bench.common import measure
 from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
+from router.bench.live import Progress, partial_headline
 from router.bench.proxy_bench import cpu_seconds, peer_installed
 
 CLIENT_TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 60.0  # the longest wait, between runs, for every replica to be idle
 STEADY_EDGE_S = 5.0  # the steady goodput leaves out requests sent this close to either end of a run
 CLIENTS = (("heavy", 0.75), ("light", 0.25))  # --mix: who sends, and their shares of the arrivals
 CLASSES = ("heavy", "light", "turn", "new")
@@ -176,14 +185,14 @@ class Conversation:
 
 
 async def offer(
-    targets: list[str], rate: float, duration_s: float, args: argparse.Namespace, seed: int
+    targets: list[str], rate: float, duration_s: float, args: argparse.Namespace, seed: int, tally: Tally | None = None
 ) -> tuple[Tally, float, float, dict[str, Tally]]:
     """Poisson arrivals at `rate` a second for `duration_s`, spread over `targets` in turn; with
     `--mix`, from two clients and partly turns of their conversations, tallied per class too.
-    Returns the tally, when the arrivals began (monotonic), the seconds to the last answer, and the
-    tallies by class."""
+    Returns the tally (`tally`, if given: it fills as answers end), when the arrivals began
+    (monotonic), the seconds to the last answer, and the tallies by class."""
     rng = random.Random(seed)
-    tally = Tally()
+    tally = tally if tally is not None else Tally()
     classes = {name: Tally() for name in CLASSES} if args.mix else {}
     idle_talks: dict[str, list[Conversation]] = {name: [] for name, _ in CLIENTS}
     tasks: list[asyncio.Task[bool | None]] = []
@@ -225,7 +234,7 @@ async def offer(
     return tally, start, time.monotonic() - start, classes
 
 
-async def idle(fleet: Fleet, timeout_s: float = 60.0) -> None:
+async def idle(fleet: Fleet, timeout_s: float = IDLE_TIMEOUT_S) -> None:
     """Until every replica has nothing running or waiting."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
@@ -331,11 +340,38 @@ def figures(tally: Tally, elapsed_s: float, offered: float, start: float, durati
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def run_status(what: str, duration_s: float, tally: Tally) -> Callable[[], str]:
+    """A progress line for a run that starts now: its arrivals' time, then its answers so far."""
+    began = time.monotonic()
+
+    def describe() -> str:
+        t = time.monotonic() - began
+        when = f"{t:.0f} of {duration_s:g} s" if t < duration_s else "arrivals over, draining"
+        return (
+            f"{what}: {when}  done {tally.sent}  good {tally.good}  late {tally.late}  shed {tally.shed}  "
+            f"failed {tally.failed}"
+        )
+
+    return describe
+
+
+def plan_line(args: argparse.Namespace, runs: int) -> str:
+    most_s = args.calibrate_s + runs * (args.duration_s + CLIENT_TIMEOUT_S + IDLE_TIMEOUT_S)
+    return (
+        f"{runs} runs of {args.duration_s:g} s of arrivals after {args.calibrate_s:g} s measuring capacity; "
+        f"each run then drains (a few seconds when the fleet keeps up; each request at most "
+        f"{CLIENT_TIMEOUT_S:g} s): about {(args.calibrate_s + runs * args.duration_s) / 60:.1f} min, "
+        f"at most {most_s / 60:.0f} min, plus starting each contender"
+    )
+
+
+async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The benchmark, filling `result` as each run ends (a caller stopped early keeps those)."""
     shape = ["--max-num-seqs", str(args.slots), "--num-blocks", "20000"]
     fleet_args = argparse.Namespace(engine="emulator", time_scale=args.time_scale, stream_interval=args.stream_interval)
+    progress = Progress()
     fleet = await start_fleet(args.replicas, fleet_args, shape)
-    result: dict[str, Any] = {
+    result |= {
         "benchmark": "overload",
         "replicas": args.replicas,
         "slots": args.slots,
@@ -348,46 +384,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rate = await capacity(fleet, args)
         result["capacity_rps"] = round(rate, 2)
         await idle(fleet)
-        for load in args.loads:
-            for c in contenders(args, rate):
-                await forget(fleet)
-                child: Child | None
-                child, targets = await start_contender(c, fleet.urls, {})
-                try:
-                    # on this machine the replicas and the client share the CPUs with the router
-                    router_cpu = cpu_seconds(child.pid) if child is not None else 0.0
-                    fleet_cpu = cpu_seconds(fleet.pids[0])
+        runs = [(load, c) for load in args.loads for c in contenders(args, rate)]
+        progress.note(f"router-bench overload: {plan_line(args, len(runs))}")
+        for k, (load, c) in enumerate(runs, 1):
+            await forget(fleet)
+            child: Child | None
+            child, targets = await start_contender(c, fleet.urls, {})
+            try:
+                # on this machine the replicas and the client share the CPUs with the router
+                router_cpu = cpu_seconds(child.pid) if child is not None else 0.0
+                fleet_cpu = cpu_seconds(fleet.pids[0])
+                live = Tally()
+                describe = run_status(f"run {k}/{len(runs)} {load:g}x {c.name}", args.duration_s, live)
+                async with progress.ticking(describe):
                     tally, start, elapsed, classes = await offer(
-                        targets, rate * load, args.duration_s, args, seed=int(load * 100)
+                        targets, rate * load, args.duration_s, args, seed=int(load * 100), tally=live
                     )
-                    used = {
-                        "router_cpu_s": round(cpu_seconds(child.pid) - router_cpu, 2) if child is not None else None,
-                        "fleet_cpu_s": round(cpu_seconds(fleet.pids[0]) - fleet_cpu, 2),
-                    }
-                finally:
-                    if child is not None:
-                        child.stop()
-                row = {
-                    "load": load,
-                    "contender": c.name,
-                    "label": c.label,
-                    **figures(tally, elapsed, rate * load, start, args.duration_s),
-                    **used,
+                used = {
+                    "router_cpu_s": round(cpu_seconds(child.pid) - router_cpu, 2) if child is not None else None,
+                    "fleet_cpu_s": round(cpu_seconds(fleet.pids[0]) - fleet_cpu, 2),
                 }
-                if classes:
-                    row["classes"] = {name: _class(t, elapsed, start, args.duration_s) for name, t in classes.items()}
-                result["runs"].append(row)
-                print(
-                    f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s (steady {row['steady_goodput_rps']}/s), "
-                    f"good {row['good']:.0%}, "
-                    f"shed {row['shed']:.0%}, late {row['late']:.0%}, failed {row['failed']:.0%}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                await idle(fleet)
+            finally:
+                if child is not None:
+                    child.stop()
+            row = {
+                "load": load,
+                "contender": c.name,
+                "label": c.label,
+                **figures(tally, elapsed, rate * load, start, args.duration_s),
+                **used,
+            }
+            if classes:
+                row["classes"] = {name: _class(t, elapsed, start, args.duration_s) for name, t in classes.items()}
+            result["runs"].append(row)
+            progress.note(
+                f"  {load:g}x {c.label}: goodput {row['goodput_rps']}/s (steady {row['steady_goodput_rps']}/s), "
+                f"good {row['good']:.0%}, "
+                f"shed {row['shed']:.0%}, late {row['late']:.0%}, failed {row['failed']:.0%}"
+            )
+            await idle(fleet, IDLE_TIMEOUT_S)
     finally:
         fleet.stop()
-    return result
 
 
 def _class(tally: Tally, elapsed_s: float, start: float, duration_s: float) -> dict[str, Any]:
@@ -403,9 +440,10 @@ def _class(tally: Tally, elapsed_s: float, start: float, duration_s: float) -> d
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = [
+    lines = [partial_headline(result)] if "partial" in result else []
+    lines += [
         f"{result['replicas']} emulated replicas x {result['slots']} slots: capacity "
-        f"{result['capacity_rps']} requests/s; TTFT target {result['ttft_target_s']:g} s; "
+        f"{result.get('capacity_rps', '(not measured)')} requests/s; TTFT target {result['ttft_target_s']:g} s; "
         f"{result['duration_s']:g} s per run",
         "",
         "| offered | contender | goodput / s | steady goodput / s | good | late | shed (429/503) | failed | TTFT P50 "
@@ -509,8 +547,10 @@ def run_cli(args: argparse.Namespace) -> int:
     if not args.loads or min(args.loads) <= 0 or args.duration_s <= 0 or args.ttft_target_s <= 0:
         print("router-bench overload: loads, --duration-s and --ttft-target-s must be positive", file=sys.stderr)
         return 2
-    result = measure("overload", lambda: run(args))
-    if result is None:
-        return 1
+    result, stopped = measure("overload", lambda result: run(args, result))
+    if result is None or "runs" not in result:
+        return stopped.exit_status if stopped is not None else 1
+    if stopped is not None:
+        stopped.mark(result)
     print(json.dumps(result, indent=2) if args.json else render(result))
-    return 0
+    return stopped.exit_status if stopped is not None else 0
