@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -243,3 +244,42 @@ def test_replica_capacity_entries() -> None:
 def test_an_admin_token_from_a_file_loses_its_newline() -> None:
     cfg = load(None, {"ROUTER_ADMIN_TOKEN": "0123abcd\n"}, {"replicas": ["http://h:1"]})
     assert cfg.admin_token == "0123abcd"
+
+
+def _default_words(value: object) -> set[str]:
+    """The ways the help and the docs may write a setting's default."""
+    if isinstance(value, bool):
+        return {"true", "on"} if value else {"false", "off"}
+    if isinstance(value, tuple):
+        return {", ".join(map(str, value)), "—"} if value else {"—", "none"}
+    if isinstance(value, int | float):
+        words = {f"{value:g}", str(value)}
+        for unit, size in (("KiB", 1 << 10), ("MiB", 1 << 20)):
+            if value >= size and value % size == 0:
+                words.add(f"{value // size:g} {unit}")
+        return words
+    return {str(value), "empty", "—"} if value == "" else {str(value)}
+
+
+def test_each_settings_default_is_written_alike_in_the_dataclass_the_help_and_the_docs() -> None:
+    # three places state a default: a drift between them is a lie in one
+    docs = (Path(router.__file__).parents[2] / "docs" / "router.md").read_text()
+    table: dict[str, str] = {}
+    for line in docs.splitlines():
+        row = re.match(r"\| (`[a-z_0-9]+`(?:, `[a-z_0-9]+`)*) \| ([^|]*) \|", line)
+        if row:
+            names = re.findall(r"`([a-z_0-9]+)`", row[1])
+            defaults = [d.strip() for d in row[2].split(",")] if len(names) > 1 else [row[2].strip()]
+            table.update(zip(names, defaults, strict=len(defaults) == len(names)))
+    from router.proxy.cli import HELP  # noqa: PLC0415 -- beside GROUPS, for this test only
+
+    for name, field in FIELDS.items():
+        default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+        words = _default_words(default)
+        assert name in table, f"{name} has no row in docs/router.md's settings table"
+        written = table[name].strip("`").split("`")[0].strip()
+        assert written in words, (name, default, table[name])
+        said = re.search(r"\(default:? ([^);:,]*)", HELP.get(name, ""))
+        value = said[1].strip() if said else ""
+        if value and len(value.split()) <= 2 and value.split()[0] not in ("as", "API"):  # a value, not words
+            assert value in words, (name, default, value)
