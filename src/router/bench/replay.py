@@ -18,7 +18,7 @@ think time. Times given on the command line and reported are engine seconds: wal
 `--duration` is the whole run: what is still in flight when it ends is cut off. Requests cut
 off are counted as such, not as errors, and are left out of latencies and hit rates (they have
 no end; the output says how many). With `--drain`, sessions that started within `--duration`
-play all their turns instead, for at most DRAIN_FACTOR x `--duration` in all (printed up front).
+play all their turns instead, for at most 3 x `--duration` in all (DRAIN_FACTOR; printed up front).
 SIGINT and SIGTERM cut the run off the same way: the results so far are printed, marked
 partial, and the exit status is 130 or 143.
 """
