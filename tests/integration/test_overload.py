@@ -88,8 +88,10 @@ async def test_a_saturated_fleet_holds_requests_fairly_and_sheds_with_retry_afte
     # ... and waits in the engines; with it the engines' queues stay near full_waiting
     assert forwarded_peak >= 8 and held_peak <= 4, (forwarded_peak, held_peak)
     assert shed and all(retry is not None and int(retry) >= 1 for retry, _ in shed)
-    assert all(body["error"]["type"] == "rate_limit_error" and body["error"]["code"] in ("queue_full", "queue_timeout")
-        for _, body in shed)
+    assert all(
+        body["error"]["type"] == "rate_limit_error" and body["error"]["code"] in ("queue_full", "queue_timeout")
+        for _, body in shed
+    )
     # fair between clients: the small client is not starved behind the big one's burst
     share = {c: s.count(200) / len(s) for c, s in statuses.items()}
     assert share["b"] >= share["a"] > 0, share

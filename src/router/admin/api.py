@@ -25,7 +25,7 @@ from router.membership import Clash, NoRoom
 from router.node import Node
 from router.policy.ttft import Ttft
 from router.prompt import prompt_of
-from router.proxy.admit import request_key
+from router.proxy.intake import request_key
 
 
 def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool = False) -> None:

@@ -30,10 +30,10 @@ from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey, stored_key
 from router.node import Node
 from router.policy import Decision
-from router.proxy.admit import Admitted, Refused, admit, no_such_model
 from router.proxy.exchange import JSON, AioExchange, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.front import PROXY
+from router.proxy.intake import Intake, Refused, no_such_model, take_in
 from router.proxy.resume import Splicer, continuation, read_so_far
 from router.routing import Route, Served
 
@@ -154,32 +154,32 @@ class Proxy:
         """A proxied endpoint, served by aiohttp (a connection the front handed over)."""
         t0 = time.monotonic()
         exchange = AioExchange(request)
-        await self.serve(exchange, await admit(request, self.config, self.prompts), t0)
+        await self.serve(exchange, await take_in(request, self.config, self.prompts), t0)
         assert exchange.response is not None
         return exchange.response
 
-    async def serve(self, exchange: Exchange, admitted: Admitted | Refused, t0: float) -> None:
-        """Answer one proxied request, admitted or refused, through `exchange`."""
-        if not isinstance(admitted, Admitted):
-            admitted.answer(exchange)
+    async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
+        """Answer one proxied request, taken in or refused, through `exchange`."""
+        if not isinstance(intake, Intake):
+            intake.answer(exchange)
             self._finish(exchange, exchange.status, None, NO_KEY, None, t0)
             return
-        key, raw = admitted.key, admitted.raw
+        key, raw = intake.key, intake.raw
         if key.model is not None and self.node.fleet.unserved(key.model):
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
             self._finish(exchange, exchange.status, None, key, None, t0)
             return
         feed = self.node.feed
         if feed is not None and key.prompt is not None:
-            key = await feed.tokenized(key, admitted.api, admitted.body)  # the engine's tokens, where events feed
+            key = await feed.tokenized(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
         route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.config.total_timeout_s)
         admission = self.node.admission
-        if admission.on and admitted.api.queued:
+        if admission.on and intake.api.queued:
             try:
                 waited = await admission.enter(
                     key.model,
-                    client_of(exchange.headers, admitted.body, exchange.remote),
+                    client_of(exchange.headers, intake.body, exchange.remote),
                     route.last is not None,
                     t0 + self.config.total_timeout_s,
                 )
@@ -202,17 +202,17 @@ class Proxy:
                     self._extra_headers(replica),
                     self.timeouts,
                     route.deadline,
-                    admitted.strip_usage,
+                    intake.strip_usage,
                     t0,
-                    admitted.keep,
-                    admitted.api.events,
+                    intake.keep,
+                    intake.api.events,
                 )
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                 raise
             finally:
                 route.release(replica)
-                if admitted.api.queued:
+                if intake.api.queued:
                     admission.released()
             if isinstance(result, Retry):
                 route.failed(replica, result.cause)
@@ -220,15 +220,15 @@ class Proxy:
                 continue
             route.served(replica, served(result), exchange.path, raw)
             if (
-                admitted.api is RESPONSES
+                intake.api is RESPONSES
                 and result.response_id is not None
                 and result.status == 200
-                and admitted.body.get("store") is not False
+                and intake.body.get("store") is not False
             ):
                 route.produced(result.response_id, replica, self.config.max_key_bytes)
-            if admitted.keep and result.streamed:
+            if intake.keep and result.streamed:
                 try:
-                    replica = await self._resume(exchange, admitted, route, result, replica, headers)
+                    replica = await self._resume(exchange, intake, route, result, replica, headers)
                 except asyncio.CancelledError:  # the client went away during the continuation
                     self._finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                     raise
@@ -259,7 +259,7 @@ class Proxy:
     async def _resume(
         self,
         exchange: Exchange,
-        admitted: Admitted,
+        intake: Intake,
         route: Route,
         result: Outcome,
         broke: ReplicaState,
@@ -275,7 +275,7 @@ class Proxy:
                 m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
             return broke
         result.extra["broke_on"] = broke.id
-        chat = admitted.api is CHAT
+        chat = intake.api is CHAT
         assert result.record is not None
         so_far = read_so_far(result.record)
         if so_far is not None and so_far.finished:
@@ -287,7 +287,7 @@ class Proxy:
                 await result.response.write(b"data: [DONE]\n\n")
                 await result.response.write_eof()
             return broke
-        follow = continuation(admitted.body, chat, so_far) if so_far is not None else None
+        follow = continuation(intake.body, chat, so_far) if so_far is not None else None
         if follow is None or so_far is None:
             m.child(m.stream_resumes, "impossible").inc()
             await end_stream(result)

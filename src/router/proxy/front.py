@@ -5,7 +5,7 @@ lifecycle of everything); its server machinery (a request object, a router looku
 object and its writer per request) is most of what a small proxied request costs. The front is an
 `asyncio.Protocol` on each client connection that parses requests with httptools (llhttp) and
 answers `POST` to the proxied endpoints itself, through the same request journey aiohttp's
-handler takes (`Proxy.serve`, with a `FrontExchange`): same admission, routing, attempts,
+handler takes (`Proxy.serve`, with a `FrontExchange`): same intake, routing, attempts,
 resuming, metrics and access log.
 
 Any other request is aiohttp's. When the first request on a connection is not a proxied one, the
@@ -51,8 +51,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.apis import PROXIED
 from router.config import RouterConfig
 from router.errors import error_body, error_body_for
-from router.proxy.admit import Admitted, Refused, admit_body, too_large, too_many_header_bytes, too_slow
 from router.proxy.exchange import JSON, Exchange
+from router.proxy.intake import Intake, Refused, take_in_body, too_large, too_many_header_bytes, too_slow
 
 log = logging.getLogger("router.front")
 
@@ -68,9 +68,9 @@ REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 class Serving(Protocol):
     """What the front hands a proxied request to (router.proxy.app.Proxy)."""
 
-    prompts: bool  # the policy reads prompts: admission cuts them into blocks
+    prompts: bool  # the policy reads prompts: intake cuts them into blocks
 
-    async def serve(self, exchange: Exchange, admitted: Admitted | Refused, t0: float) -> None: ...
+    async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None: ...
 
 
 # the application's proxy, set by router.proxy.app.build_app: a runner with one serves its endpoints on the front
@@ -451,13 +451,13 @@ class Front(asyncio.Protocol):
                 msg.refused.answer(exchange)
                 exchange.closes = True
             else:
-                admitted: Admitted | Refused
+                intake: Intake | Refused
                 if msg.refused is not None:
-                    admitted = msg.refused
+                    intake = msg.refused
                 else:
                     raw = msg.body[0] if len(msg.body) == 1 else b"".join(msg.body)
-                    admitted = admit_body(exchange.path, exchange.headers, raw, self.cfg, self.server.proxy.prompts)
-                await self.server.proxy.serve(exchange, admitted, msg.t0)
+                    intake = take_in_body(exchange.path, exchange.headers, raw, self.cfg, self.server.proxy.prompts)
+                await self.server.proxy.serve(exchange, intake, msg.t0)
         except asyncio.CancelledError:
             return
         except Exception:

@@ -1,4 +1,5 @@
-"""Admission of a proxied request: its headers and body within the limits, JSON parsed, routing key found.
+"""Intake of a proxied request: its headers and body within the limits, JSON parsed, routing key found
+(the overload queue, which may hold it next, is router.admission).
 
 A request that fails gets the answer it deserves (431, 408, 413 or 400), in its API's shape
 (OpenAI's, or Anthropic's on the Messages API), and never reaches a replica. One that passes may
@@ -45,8 +46,8 @@ async def read_body(request: web.Request, limit: int, pause_s: float, total_s: f
 
 
 @dataclass(slots=True)
-class Admitted:
-    """A request that passed admission: its body parsed, its key found, usage asked for if hidden."""
+class Intake:
+    """A request taken in: its body parsed, its key found, usage asked for if hidden."""
 
     body: dict[str, Any]
     raw: bytes
@@ -111,7 +112,7 @@ def too_large(cfg: RouterConfig) -> Refused:
     return Refused(413, f"request body is larger than the limit of {cfg.max_body_bytes} bytes", "request_too_large")
 
 
-async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Admitted | Refused:
+async def take_in(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Intake | Refused:
     """An aiohttp request's body and key, or the answer it gets instead (431, 408, 413, 400)."""
     # checked here rather than in a middleware: a middleware wraps every request's handler
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
@@ -123,12 +124,12 @@ async def admit(request: web.Request, cfg: RouterConfig, prompts: bool = False) 
         return too_slow(cfg)
     except web.HTTPRequestEntityTooLarge:
         return too_large(cfg)
-    return admit_body(request.path, request.headers, raw, cfg, prompts)
+    return take_in_body(request.path, request.headers, raw, cfg, prompts)
 
 
-def admit_body(
+def take_in_body(
     path: str, headers: Mapping[str, str], raw: bytes, cfg: RouterConfig, prompts: bool = False
-) -> Admitted | Refused:
+) -> Intake | Refused:
     """The request's parsed body and key, or the 400 it gets. `prompts`: the key carries the
     prompt's blocks too (for a policy that reads them, router.prompt)."""
     api = api_of(path)
@@ -157,4 +158,4 @@ def admit_body(
     resumable = (
         cfg.resume_streams and streamed and api.resumable and continuation(body, api is CHAT, SoFar()) is not None
     )
-    return Admitted(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api)
+    return Intake(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api)
