@@ -371,7 +371,7 @@ demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.re
                           "messages": [{{"role": "user", "content": "Hello!"}}]}}'
   metrics:         {admin}/metrics        health: {base}/health
   console:         {console if config.console else "off (--console turns it on)"}
-  measure it:      router-bench replay --target {base} --duration 60
+  measure it:      router-bench replay --target {base} --duration 60   (a minute; Ctrl-C keeps what it measured)
   stop:            Ctrl-C"""
     elif config.console:
         banner += f"\nconsole: {console}"
