@@ -51,7 +51,7 @@ def main(out: str) -> None:
             options.add_argument(flag)
         for flag in ("--disable-background-networking", "--disable-component-update", "--disable-sync"):
             options.add_argument(flag)
-        options.add_argument("--window-size=1400,1180")
+        options.add_argument("--window-size=1400,1400")
         driver = webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
         driver.get(base + "/console")
         driver.find_element(By.ID, "token").send_keys(TOKEN)
