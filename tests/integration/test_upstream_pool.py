@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from waiting import until
 
 from router import upstream as upstream_module
 from router.upstream import ConnectError, StaleConnection, Upstream, UpstreamError
@@ -195,7 +196,8 @@ async def test_bytes_past_the_end_of_an_answer_spoil_the_connection(raw) -> None
     replica = await raw(lambda n, head: (OK + b"HTTP/1.1 200 OK\r\n" if n == 1 else OK, False))
     client = Upstream()
     assert await post(client, replica.url) == (200, b"{}")
-    await asyncio.sleep(0.05)
+    pool = next(iter(client.pools.values()))
+    await until(lambda: pool.open == 0, "the connection that carried bytes past its answer dropped")
     assert await post(client, replica.url) == (200, b"{}")
     assert replica.connections == 2  # the first was dropped, not reused with a stray half-answer in it
     client.close()
@@ -231,7 +233,10 @@ async def test_at_most_per_host_connections_and_the_rest_wait(raw) -> None:  # t
         return b""
 
     tasks = [asyncio.create_task(one()) for _ in range(5)]
-    await asyncio.sleep(0.2)
+    await until(
+        lambda: client.pools and len(next(iter(client.pools.values())).waiters) == 3 and len(replica.requests) == 2,
+        "two requests at the replica and three waiting in the pool",
+    )
     assert replica.connections == 2 and len(replica.requests) == 2  # three wait for a connection
     gate.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
@@ -245,8 +250,8 @@ async def test_a_caller_that_stops_reading_stops_the_socket_being_read(raw, monk
     replica = await raw(lambda n, head: (chunked(*[piece] * 4000), False))  # ~2 MB
     client = Upstream()
     resp = await client.post(replica.url + "/x", b"{}", {}, 1.0)
-    await asyncio.sleep(0.2)
     conn = next(iter(client.pools.values())).conns.copy().pop()
+    await until(lambda: conn.paused, "the connection's reading paused")
     assert conn.paused and resp._buffered < 300_000  # not the whole answer in memory
     body = await resp.read()
     assert body == piece * 4000 and not conn.paused
@@ -269,7 +274,7 @@ async def test_a_cancelled_request_closes_its_connection(raw) -> None:  # type: 
     replica = await raw(lambda n, head: (b"", False) if n == 1 else (OK, False))  # never answers the first
     client = Upstream()
     task = asyncio.create_task(post(client, replica.url))
-    await asyncio.sleep(0.1)
+    await until(lambda: replica.requests, "the first request at the replica")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
