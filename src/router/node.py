@@ -45,7 +45,8 @@ from router.redis_state import RedisPlacements, RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.routing import Routing, SessionDirectory
 from router.sessions import LinkDown, SessionTable, SessionView
-from router.shared import Follower, Publisher, SharedSessions
+from router.shared import Follower, Publisher
+from router.shared_sessions import SharedSessions
 from router.shm.table import SlotTable
 from router.state import Persistence, state_file
 from router.upstream import Upstream

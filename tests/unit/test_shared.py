@@ -14,7 +14,8 @@ from router.fleet import Fleet
 from router.health.signals import EngineStats
 from router.keys import RoutingKey
 from router.policy import make_policy
-from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, SharedSessions, owner_tag
+from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, owner_tag
+from router.shared_sessions import SharedSessions
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 

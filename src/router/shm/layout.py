@@ -9,7 +9,7 @@ Segment, all little-endian:
     agents    `slots` slots written by colocated router-agents, agent slot i for replica slot i
     counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
     sessions  `workers` tables of `sticky entries` entries (a power of two) of three uint64s, table w
-              written by worker w only: where each session was served last (router.shared)
+              written by worker w only: where each session was served last (router.shared_sessions)
     overrides seq u64 | checksum u64 | count u32 | padding | MAX_OVERRIDES entries of (origin slot
               u16, owner slot u16, vnode u32): the ring's vnode overrides, written by the control loop
 
