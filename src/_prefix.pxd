@@ -99,8 +99,8 @@ ctypedef struct prefix_costs_t:  # written at candidate positions only
 
 
 # Hashes the `n_blocks` whole blocks of `data` (`block_len` bytes each) into `out`: out[0] is
-# XXH3-64 of block 0 seeded with `seed`, out[i] that of block i seeded with out[i-1]. Bit-exact
-# with _ring.xxh3_64_chain.
+# XXH3-64 of block 0 seeded with `seed`, out[i] that of block i seeded with out[i-1]: the keys
+# of _prefix.block_chain, which wraps it.
 cdef void prefix_chain(const uint8_t* data, Py_ssize_t n_blocks, size_t block_len, uint64_t seed,
                        uint64_t* out) noexcept nogil
 # The same chain of the concatenation of `n_spans` spans, without joining them: blocks inside a

@@ -178,7 +178,8 @@ cdef Py_ssize_t _block_len_arg(object block_len) except -1:
 def block_chain(data, block_len, seed=0):
     """Keys of the whole `block_len`-byte blocks of `data` (str as UTF-8), as array('Q'):
     key[0] = xxh3_64(block 0, seed), key[i] = xxh3_64(block i, key[i-1]). A trailing partial
-    block has no key. The same values as _ring.xxh3_64_chain."""
+    block has no key. Two inputs share their first k keys exactly when they share k whole blocks,
+    which is what a paged prefix cache keys its blocks by."""
     cdef uint64_t s = _seed_value(seed)
     cdef Py_ssize_t length = _block_len_arg(block_len)
     cdef Py_buffer view

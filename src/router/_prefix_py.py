@@ -85,7 +85,8 @@ def _block_len_arg(block_len: object) -> int:
 def block_chain(data: str | Buffer, block_len: int, seed: int = 0) -> array[int]:
     """Keys of the whole `block_len`-byte blocks of `data` (str as UTF-8), as array('Q'):
     key[0] = xxh3_64(block 0, seed), key[i] = xxh3_64(block i, key[i-1]). A trailing partial
-    block has no key. The same values as _ring.xxh3_64_chain."""
+    block has no key. Two inputs share their first k keys exactly when they share k whole blocks,
+    which is what a paged prefix cache keys its blocks by."""
     h = _seed_value(seed)
     block_len = _block_len_arg(block_len)
     if isinstance(data, str):

@@ -56,28 +56,3 @@ def test_bad_seeds_are_rejected(impl: ModuleType, seed: object, error: type[Exce
 def test_lone_surrogates_cannot_be_keys(impl: ModuleType) -> None:
     with pytest.raises(UnicodeEncodeError):
         impl.xxh3_64("\udcff")
-
-
-def chain_oracle(data: bytes, block: int, seed: int) -> list[int]:
-    out, h = [], seed
-    for start in range(0, len(data) - block + 1, block):
-        h = xxhash.xxh3_64_intdigest(data[start : start + block], h)
-        out.append(h)
-    return out
-
-
-@given(data=st.binary(max_size=3000), block=st.sampled_from([1, 4, 16, 64, 241, 512]), seed=st.integers(0, 2**64 - 1))
-def test_chained_block_hashes(impl: ModuleType, data: bytes, block: int, seed: int) -> None:
-    assert impl.xxh3_64_chain(data, block, seed) == chain_oracle(data, block, seed)
-
-
-def test_chained_hashes_share_exactly_the_common_whole_blocks(impl: ModuleType) -> None:
-    a = impl.xxh3_64_chain("x" * 90 + "tail-a" + "y" * 10, 16)  # 106 bytes: 6 whole blocks
-    b = impl.xxh3_64_chain("x" * 90 + "tail-b" + "y" * 10, 16)
-    assert len(a) == len(b) == 6
-    assert a[:5] == b[:5] and a[5] != b[5]
-    assert impl.xxh3_64_chain("héllo" * 10, 8) == chain_oracle(("héllo" * 10).encode(), 8, 0)
-    with pytest.raises(ValueError, match="block_len"):
-        impl.xxh3_64_chain(b"abc", 0)
-    with pytest.raises(TypeError, match="str or bytes-like"):
-        impl.xxh3_64_chain(5, 4)

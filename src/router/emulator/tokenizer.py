@@ -2,10 +2,11 @@
 
 One token is 4 bytes of UTF-8 text (about one short English word), so a prompt of n bytes is
 ceil(n / 4) tokens, and a KV block of `block_size` tokens is `4 * block_size` bytes. Block
-identities are chained XXH3 hashes of those bytes (`xxh3_64_chain`): two prompts share their
-first k blocks exactly when they share their first `k * 4 * block_size` bytes, which is how
-vLLM's prefix cache keys blocks by token ids. Generated text is made of 4-byte tokens too, so a
-reply appended to the history re-tokenizes to the same tokens the replica produced.
+identities are chained XXH3 hashes of those bytes (`block_chain`, the prefix index's keys): two
+prompts share their first k blocks exactly when they share their first `k * 4 * block_size`
+bytes, which is how vLLM's prefix cache keys blocks by token ids. Generated text is made of
+4-byte tokens too, so a reply appended to the history re-tokenizes to the same tokens the
+replica produced.
 
 A token's id is its 4 bytes read as a little-endian unsigned integer, a short last token padded
 with zero bytes (`token_ids`): `"Hello, w"` is the ids 1819043144 (`Hell`) and 1998597231 (`o, w`),
@@ -23,7 +24,8 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from router.ring import xxh3_64, xxh3_64_chain
+from router.prefix import block_chain
+from router.ring import xxh3_64
 
 BYTES_PER_TOKEN = 4
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's attribution line in a system prompt
@@ -53,7 +55,7 @@ def cache_seed(adapter: str | None, cache_salt: str | None) -> int:
 
 def block_hashes(data: bytes, block_size: int, seed: int = 0) -> list[int]:
     """Chained hashes of the full KV blocks of `data` (a trailing partial block has none)."""
-    return xxh3_64_chain(data, block_size * BYTES_PER_TOKEN, seed)
+    return list(block_chain(data, block_size * BYTES_PER_TOKEN, seed))
 
 
 def generated_text(prompt_seed: int, start: int, count: int) -> str:
