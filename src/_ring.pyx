@@ -37,7 +37,7 @@ import array as _array
 import math
 from collections import namedtuple
 
-__all__ = ["MovedRange", "Ring", "active_vnodes", "xxh3_64", "xxh3_64_chain"]
+__all__ = ["MovedRange", "Ring", "active_vnodes", "xxh3_64"]
 
 cdef extern from *:
     """
@@ -398,41 +398,6 @@ def xxh3_64(data, seed=0):
         return _hash_any(data, 0, RING_DEFAULT_SECRET)
     ring_derive_secret(s, secret)
     return _hash_any(data, s, secret)
-
-
-def xxh3_64_chain(data, block_len, seed=0):
-    """Hashes of the full `block_len`-byte blocks of `data`, each seeded with the previous one:
-    h[0] = xxh3_64(block 0, seed), h[i] = xxh3_64(block i, h[i-1]). A trailing partial block is
-    not hashed. Two inputs share their first k hashes exactly when they share k whole blocks,
-    which is what a paged prefix cache keys its blocks by."""
-    cdef uint64_t s = _seed_value(seed)
-    cdef Py_buffer view
-    cdef Py_ssize_t blen, i, n_blocks
-    cdef const uint8_t* p
-    cdef uint8_t secret[RING_SECRET_SIZE]
-    if isinstance(block_len, bool) or not isinstance(block_len, int):
-        raise TypeError(f"block_len must be an int, not {type(block_len).__name__}")
-    if block_len <= 0:
-        raise ValueError(f"block_len must be positive, got {block_len}")
-    blen = block_len
-    if isinstance(data, str):
-        data = (<str>data).encode("utf-8")
-    try:
-        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-    except TypeError:
-        raise TypeError(f"data must be str or bytes-like, not {type(data).__name__}") from None
-    try:
-        p = <const uint8_t*>view.buf
-        n_blocks = view.len // blen
-        out = [0] * n_blocks
-        for i in range(n_blocks):
-            if blen > 240:
-                ring_derive_secret(s, secret)
-            s = ring_xxh3_64(p + i * blen, <size_t>blen, s, secret)
-            out[i] = s
-    finally:
-        PyBuffer_Release(&view)
-    return out
 
 
 cdef class RingSnapshot:

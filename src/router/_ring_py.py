@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import xxhash
 
-__all__ = ["MovedRange", "Ring", "RingSnapshot", "active_vnodes", "xxh3_64", "xxh3_64_chain"]
+__all__ = ["MovedRange", "Ring", "RingSnapshot", "active_vnodes", "xxh3_64"]
 
 _SPAN_MAX = (1 << 64) - 1
 _MAX_VNODES = 65536
@@ -62,31 +62,6 @@ def _hash_any(key: object, seed: int) -> int:
 def xxh3_64(data: Key, seed: int = 0) -> int:
     """XXH3-64 of `data` (bytes-like, or str as UTF-8), equal to xxhash.xxh3_64_intdigest."""
     return _hash_any(data, _seed_value(seed))
-
-
-def xxh3_64_chain(data: Key, block_len: int, seed: int = 0) -> list[int]:
-    """Hashes of the full `block_len`-byte blocks of `data`, each seeded with the previous one:
-    h[0] = xxh3_64(block 0, seed), h[i] = xxh3_64(block i, h[i-1]). A trailing partial block is
-    not hashed. Two inputs share their first k hashes exactly when they share k whole blocks,
-    which is what a paged prefix cache keys its blocks by."""
-    h = _seed_value(seed)
-    if isinstance(block_len, bool) or not isinstance(block_len, int):
-        raise TypeError(f"block_len must be an int, not {type(block_len).__name__}")
-    if block_len <= 0:
-        raise ValueError(f"block_len must be positive, got {block_len}")
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise TypeError(f"data must be str or bytes-like, not {type(data).__name__}") from None
-    out = []
-    with view:
-        flat = view.cast("B")
-        for start in range(0, len(flat) - block_len + 1, block_len):
-            h = xxhash.xxh3_64_intdigest(flat[start : start + block_len], h)
-            out.append(h)
-    return out
 
 
 class RingSnapshot:

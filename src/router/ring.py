@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from router._compat import NO_EXTENSIONS
 
 if TYPE_CHECKING or NO_EXTENSIONS:
-    from router._ring_py import MovedRange, Ring, RingSnapshot, active_vnodes, xxh3_64, xxh3_64_chain
+    from router._ring_py import MovedRange, Ring, RingSnapshot, active_vnodes, xxh3_64
 else:
-    from _ring import MovedRange, Ring, RingSnapshot, active_vnodes, xxh3_64, xxh3_64_chain
+    from _ring import MovedRange, Ring, RingSnapshot, active_vnodes, xxh3_64
 
 IMPLEMENTATION: str = "python" if NO_EXTENSIONS else "compiled"
 
-__all__ = ["IMPLEMENTATION", "MovedRange", "Ring", "RingSnapshot", "active_vnodes", "xxh3_64", "xxh3_64_chain"]
+__all__ = ["IMPLEMENTATION", "MovedRange", "Ring", "RingSnapshot", "active_vnodes", "xxh3_64"]
