@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import chat
 import orjson
+from waiting import until
 
 from router.balance.controller import Balancer
 from router.balance.rebalance import Move
@@ -119,7 +120,7 @@ async def test_a_drain_is_not_undone_by_a_request_still_running_there(start_flee
         long = asyncio.ensure_future(
             http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session})
         )
-        await asyncio.sleep(0.3)
+        await until(fleet.replicas[0].engine.has_work, "the long reply running on emu-0")
         async with http.post(url + "/admin/replicas/emu-0/drain", headers={"Authorization": "Bearer t"}) as r:
             assert r.status == 200
         deadline = time.monotonic() + 5
@@ -171,7 +172,7 @@ async def test_a_migration_is_not_undone_by_a_request_running_there(start_fleet,
         long = asyncio.ensure_future(
             http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session})
         )
-        await asyncio.sleep(0.3)
+        await until(fleet.replicas[0].engine.has_work, "the long reply running on emu-0")
         await router.balancer.migrate(Move(ring.replica_ids[origin], number, "emu-0", "emu-2", 0.5))
         assert router.sessions.get(session.encode()) == "emu-2"
         resp = await long
@@ -202,7 +203,8 @@ async def test_a_drain_waits_to_know_the_sessions_before_it_removes(start_fleet,
 
     router.view.attach(Silent(router.sessions, router.balancer.prompts))
     assert (await router.membership.drain("emu-0", remove=True))[1] is None
-    await asyncio.sleep(0.5)  # a drain that took "unknown" for "none" would have removed it by now
+    # the drain asks again (a second "not yet"): one that took "unknown" for "none" would have removed it by now
+    await until(lambda: Silent.calls >= 2 or router.fleet.find("emu-0") is None, "the drain asking again")
     assert router.fleet.find("emu-0") is not None  # not removed blind
     deadline = time.monotonic() + 10
     while router.fleet.find("emu-0") is not None:
