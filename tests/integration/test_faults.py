@@ -10,7 +10,7 @@ import pytest
 
 from router.bench import faults
 from router.bench.cli import main as bench_main
-from router.bench.fleet import available
+from router.bench.contenders import available
 
 OPTS = faults.Options(replicas=4, users=8, max_tokens=32, warmup_s=1.5, fault_s=5.0)
 

@@ -18,8 +18,12 @@ import pytest
 
 from router.bench import fleet
 from router.bench.cli import build_parser
+from router.bench.contenders import CONTENDERS
+from router.bench.fleet_runs import run_one
+from router.bench.fleet_workloads import LONGDOC_ENGINE, TRACES
 from router.bench.llama_server import NotBuilt, find_binary
 from router.bench.replay import Record, Replayer
+from router.bench.replicas import Child
 from router.bench.vllm import NotBuilt as VllmNotBuilt
 from router.bench.vllm import find_vllm
 
@@ -40,11 +44,11 @@ TRACE = [
 def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
     traces = tmp_path / "traces"
     traces.mkdir()
-    for name in fleet.TRACES.values():
+    for name in TRACES.values():
         (traces / name).write_text("".join(json.dumps(row) + "\n" for row in TRACE))
     out = tmp_path / "out"
     # the test extra installs the peer routers: none is left out but those for another engine
-    contenders = [n for n, c in fleet.CONTENDERS.items() if "emulator" in c.engines]
+    contenders = [n for n, c in CONTENDERS.items() if "emulator" in c.engines]
     args = build_parser().parse_args(
         [
             "fleet",
@@ -189,9 +193,7 @@ def test_long_documents_and_keyless_sessions_on_a_small_fleet(tmp_path: Path, mo
 
     # the long-document fleets ran on their engine shape, and the tables say so
     shapes = result["engine_shapes"]
-    assert (
-        shapes["longdoc"]["emulator_args"] == list(fleet.LONGDOC_ENGINE) == shapes["longdoc-keyless"]["emulator_args"]
-    )
+    assert shapes["longdoc"]["emulator_args"] == list(LONGDOC_ENGINE) == shapes["longdoc-keyless"]["emulator_args"]
     assert (
         shapes["longdoc"]["kv_tokens_per_replica"] == 6144 * 16 and shapes["sessions-keyless@3"]["emulator_args"] == []
     )
@@ -208,17 +210,17 @@ def fleet_args(*flags: str) -> Any:
 
 
 async def test_a_cancelled_run_leaves_no_process_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    spawned: list[fleet.Child] = []
-    real = fleet.Child.spawn
+    spawned: list[Child] = []
+    real = Child.spawn
 
-    def spy(cls: type[fleet.Child], cmd: list[str], what: str, env: dict[str, str] | None = None) -> fleet.Child:
+    def spy(cls: type[Child], cmd: list[str], what: str, env: dict[str, str] | None = None) -> Child:
         child = real(cmd, what, env)
         spawned.append(child)
         return child
 
-    monkeypatch.setattr(fleet.Child, "spawn", classmethod(spy))
+    monkeypatch.setattr(Child, "spawn", classmethod(spy))
     args = fleet_args("--replicas", "2", "--contenders", "full", "--rate", "2", "--duration", "60", "--time-scale", "5")
-    run = asyncio.ensure_future(fleet.run_one(args, fleet.CONTENDERS["full"], "sessions@2", 2, None))
+    run = asyncio.ensure_future(run_one(args, CONTENDERS["full"], "sessions@2", 2, None))
     for _ in range(300):  # until both the fleet and the router run, and requests flow
         await asyncio.sleep(0.1)
         if len(spawned) == 2:

@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from router.bench import fleet
+from router.bench import contenders, fleet, fleet_counters, fleet_report, fleet_runs, fleet_workloads
 from router.bench.cli import build_parser
-from router.bench.fleet import Sample, bisect_size, fleet_figures, render_markdown, summarize_runs
+from router.bench.fleet_counters import fleet_figures
+from router.bench.fleet_report import render_markdown, summarize_runs
+from router.bench.fleet_runs import bisect_size
+from router.bench.replicas import Sample
 from router.metrics import RouterMetrics
 
 
@@ -60,8 +63,11 @@ async def test_the_size_search_finds_the_smallest_fleet_that_meets_the_target() 
 def test_arguments() -> None:
     args = args_of("--contenders", "round-robin,full,oracle", "--rate", "4,16")
     assert args.workloads == ["sessions@4", "sessions@16"] and args.rate == [4.0, 16.0]
-    assert fleet.size_workload(args.workloads) == "sessions@16"
-    assert fleet.session_rate("sessions@16") == 16.0 and fleet.session_rate("mooncake-synthetic") is None
+    assert fleet_workloads.size_workload(args.workloads) == "sessions@16"
+    assert (
+        fleet_workloads.session_rate("sessions@16") == 16.0
+        and fleet_workloads.session_rate("mooncake-synthetic") is None
+    )
     assert args.size_search == ["round-robin", "full"]
     assert args_of("--contenders", "full,oracle").size_search == ["full"]  # by default: those that run
     assert args_of("--contenders", "full", "--size-search", "").size_search == []
@@ -102,12 +108,13 @@ def test_arguments() -> None:
 def test_workloads_by_name() -> None:
     args = args_of("--contenders", "full", "--rate", "2,8", "--workloads", "sessions-keyless,longdoc,sessions@3")
     assert args.workloads == ["sessions-keyless@2", "sessions-keyless@8", "longdoc", "sessions@3"]
-    assert fleet.session_rate("sessions-keyless@8") == 8.0 and fleet.session_rate("longdoc") is None
+    assert fleet_workloads.session_rate("sessions-keyless@8") == 8.0 and fleet_workloads.session_rate("longdoc") is None
     # the size search runs on the busiest sessions that carry keys
-    assert fleet.size_workload(args.workloads) == "sessions@3"
-    assert fleet.size_workload(["sessions-keyless@8", "longdoc-keyless"]) is None
+    assert fleet_workloads.size_workload(args.workloads) == "sessions@3"
+    assert fleet_workloads.size_workload(["sessions-keyless@8", "longdoc-keyless"]) is None
     parsed = [
-        fleet.Workload.parse(w) for w in ("sessions-keyless@2", "longdoc", "longdoc-keyless", "mooncake-synthetic")
+        fleet_workloads.Workload.parse(w)
+        for w in ("sessions-keyless@2", "longdoc", "longdoc-keyless", "mooncake-synthetic")
     ]
     assert [(w.kind, w.keyed) for w in parsed] == [
         ("sessions", False),
@@ -122,61 +129,61 @@ def test_workloads_by_name() -> None:
         ("longdoc", True),
         ("longdoc-keyless", False),
     ):
-        opts = fleet.workload_options(name, args, targets, fleet.CONTENDERS["full"])
+        opts = fleet_workloads.workload_options(name, args, targets, contenders.CONTENDERS["full"])
         assert opts.session_keys is keys and opts.workload == name.split("@")[0].removesuffix("-keyless")
-    doc = fleet.workload_options("longdoc", args, targets, fleet.CONTENDERS["full"]).longdoc
+    doc = fleet_workloads.workload_options("longdoc", args, targets, contenders.CONTENDERS["full"]).longdoc
     assert doc is not None and (doc.documents, doc.doc_tokens, doc.turns_min, doc.turns_max) == (
         24,
         (6000, 12000),
         3,
         6,
     )
-    assert fleet.arrivals_s("longdoc", args) == args.duration
+    assert fleet_workloads.arrivals_s("longdoc", args) == args.duration
 
 
 def test_longdoc_runs_on_its_own_engine_shape() -> None:
     args = args_of("--contenders", "full", "--replicas", "8", "--workloads", "longdoc,sessions")
-    assert fleet.emulator_args("longdoc", args) == list(fleet.LONGDOC_ENGINE)
-    assert fleet.emulator_args("sessions@4", args) == []
-    shape = fleet.engine_shape("longdoc", args)
+    assert fleet_workloads.emulator_args("longdoc", args) == list(fleet_workloads.LONGDOC_ENGINE)
+    assert fleet_workloads.emulator_args("sessions@4", args) == []
+    shape = fleet_workloads.engine_shape("longdoc", args)
     assert shape["kv_tokens_per_replica"] == 6144 * 16 and shape["kv_tokens_fleet"] == 8 * 6144 * 16
     # by default the documents asked about outgrow one replica's KV and fit the fleet's
     assert shape["kv_tokens_per_replica"] < shape["working_set_tokens"] < shape["kv_tokens_fleet"]
     assert 1 < shape["documents_asked"] < 24
-    assert fleet.engine_shape("sessions@4", args)["kv_tokens_per_replica"] == 30000 * 16
-    assert "working_set_tokens" not in fleet.engine_shape("sessions@4", args)
+    assert fleet_workloads.engine_shape("sessions@4", args)["kv_tokens_per_replica"] == 30000 * 16
+    assert "working_set_tokens" not in fleet_workloads.engine_shape("sessions@4", args)
     # --emulator-arg comes after the shape: it changes it, in either spelling
     more = args_of("--contenders", "full", "--workloads", "longdoc", "--emulator-arg=--num-blocks=1000")
-    assert fleet.emulator_args("longdoc", more)[-1] == "--num-blocks=1000"
-    assert fleet.engine_shape("longdoc", more)["kv_tokens_per_replica"] == 16000
-    assert fleet._last_int(["--block-size", "32", "--num-blocks", "x"], "--block-size", 16) == 32
-    assert fleet._last_int(["--num-blocks", "x"], "--num-blocks", 16) is None
-    line = fleet._shape_line(shape, 8)
+    assert fleet_workloads.emulator_args("longdoc", more)[-1] == "--num-blocks=1000"
+    assert fleet_workloads.engine_shape("longdoc", more)["kv_tokens_per_replica"] == 16000
+    assert fleet_workloads._last_int(["--block-size", "32", "--num-blocks", "x"], "--block-size", 16) == 32
+    assert fleet_workloads._last_int(["--num-blocks", "x"], "--num-blocks", 16) is None
+    line = fleet_report._shape_line(shape, 8)
     assert line.startswith("Engine: 70B-class, long context (`--num-blocks=6144 ")
     assert "KV for 98,304 tokens a replica, 786,432 in the fleet" in line and "× one replica's KV" in line
 
 
 def test_contenders_of_the_router_and_the_peers() -> None:
-    args = {name: c.args for name, c in fleet.CONTENDERS.items()}
+    args = {name: c.args for name, c in contenders.CONTENDERS.items()}
     assert "--policy" not in args["full"] and {"--rebalance", "--warmup"} <= set(args["full"])  # as shipped
     assert args["affinity"] == ("--policy", "affinity", "--rebalance", "--warmup")
     assert args["full-capacity-blind"] == ("--policy", "affinity", "--rebalance", "--warmup", "--no-capacity-caps")
     assert args["full-no-kv-wait"] == ("--rebalance", "--warmup", "--no-ttft-kv-wait")
     assert args["full-no-queue-lag"] == ("--rebalance", "--warmup", "--ttft-queue-gain", "0")
-    assert args["least_load"][-2:] == fleet.PLAIN and args["consistent_hash"][-2:] == fleet.PLAIN
+    assert args["least_load"][-2:] == contenders.PLAIN and args["consistent_hash"][-2:] == contenders.PLAIN
     assert args["smg-cache-aware"] == ("--policy", "cache_aware")
     assert args["smg-header"] == ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id")
-    assert fleet.CONTENDERS["smg-header"].key_headers == ("X-Session-ID",)
+    assert contenders.CONTENDERS["smg-header"].key_headers == ("X-Session-ID",)
     assert args["full-model"] == ("--rebalance", "--warmup", "--no-kv-events")  # today's model, events off
-    assert args["full-tokenizer"] == args["full"] and fleet.CONTENDERS["full-tokenizer"].tokenizer
-    assert fleet.CONTENDERS["full-tokenizer"].engines == ("vllm",)  # the model's files are vLLM's tiny model's
+    assert args["full-tokenizer"] == args["full"] and contenders.CONTENDERS["full-tokenizer"].tokenizer
+    assert contenders.CONTENDERS["full-tokenizer"].engines == ("vllm",)  # the model's files are vLLM's tiny model's
 
 
 def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     metrics = RouterMetrics()
 
-    def page() -> fleet.RouterCounts:
-        return fleet.RouterCounts.parse(generate_latest(metrics.registry).decode())
+    def page() -> fleet_counters.RouterCounts:
+        return fleet_counters.RouterCounts.parse(generate_latest(metrics.registry).decode())
 
     before_run = metrics.child(metrics.prefix_prediction_error, "events")
     before_run.observe(40)  # the readiness request, before the run: not counted
@@ -190,8 +197,8 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     metrics.child(metrics.tokenize_seconds, "render").observe(0.002)
     metrics.child(metrics.token_checks, "m", "match").inc(2)
     after = page()
-    assert not after.all_believed(2) and not fleet.RouterCounts({}, {"r0": 1}, {}, {}).all_believed(2)
-    got = fleet.prediction_figures(before, after)
+    assert not after.all_believed(2) and not fleet_counters.RouterCounts({}, {"r0": 1}, {}, {}).all_believed(2)
+    got = fleet_counters.prediction_figures(before, after)
     events = got["predictions"]["events"]
     assert (events["answers"], events["exact"], events["under"], events["over"]) == (5, 3, 1, 1)
     assert events["buckets"]["-16"] == 1 and events["buckets"]["+Inf"] == 5
@@ -201,11 +208,11 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     assert got["tokenize"]["render"]["count"] == 1 and got["tokenize"]["render"]["seconds"] == pytest.approx(0.002)
     assert got["token_checks"] == {"match": 2}
     # the table's cell: per source, the share exact of how many; none without answers; n/a for a peer
-    assert fleet._exact(got) == "60.0% of 5 / 100.0% of 1"
-    assert fleet._exact(fleet.prediction_figures(before, before)) == "none / none"
-    assert fleet._exact({"kv_hit_rate": 0.5}) == "n/a"
+    assert fleet_report.exact_cell(got) == "60.0% of 5 / 100.0% of 1"
+    assert fleet_report.exact_cell(fleet_counters.prediction_figures(before, before)) == "none / none"
+    assert fleet_report.exact_cell({"kv_hit_rate": 0.5}) == "n/a"
     med = summarize_runs([{**run_result(0.5, 1.0, 2.0, 0.1), **got}])
-    assert med["exact_predicted_events"] == 0.6 and fleet._exact(med) == "60.0% of 5 / 100.0% of 1"
+    assert med["exact_predicted_events"] == 0.6 and fleet_report.exact_cell(med) == "60.0% of 5 / 100.0% of 1"
 
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,9 +295,9 @@ async def test_a_fleet_that_fails_requests_does_not_meet_the_target(monkeypatch:
             "sessions_cut": 0 if n >= 15 else 1,
         }
 
-    monkeypatch.setattr(fleet, "run_one", fake_run_one)
+    monkeypatch.setattr(fleet_runs, "run_one", fake_run_one)
     args = args_of("--contenders", "round-robin,full")
     full = {"multi_turn_p99_s": 1.0, "failed": 0, "sessions_cut": 0}
-    found = await fleet.size_search(args, "full", "sessions@16", full, 2.0, None, lambda msg: None)
+    found = await fleet_runs.size_search(args, "full", "sessions@16", full, 2.0, None, lambda msg: None)
     assert found["needed"] == 15 and found["lowest_probed"] == 10
     assert found["probes"][20] == full  # the full-size run is the first probe

@@ -37,9 +37,10 @@ import aiohttp
 import orjson
 
 from router.bench.common import measure
-from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
+from router.bench.contenders import Contender, start_contender
 from router.bench.live import Progress, partial_headline
 from router.bench.overload import CLIENT_TIMEOUT_S, Tally, chat_body, one, run_status
+from router.bench.replicas import Child, Fleet, start_fleet
 
 MODEL = "model-b"
 

@@ -72,8 +72,9 @@ import orjson
 from aiohttp import web
 
 from router.bench.common import free_port, measure, parse_settings
-from router.bench.fleet import CONTENDERS, Child, available, start_contender
+from router.bench.contenders import CONTENDERS, available, start_contender
 from router.bench.live import Progress, partial_headline
+from router.bench.replicas import Child
 from router.config import load
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet as EmulatorFleet
@@ -117,7 +118,7 @@ VICTIM = "emu-0"
 # read it from
 SESSION_HEADERS = ("X-Session-ID", "X-SMG-Routing-Key")
 ROUTERS = ("router-serve", "sglang", "smg", "vllm")
-# from router.bench.fleet
+# from router.bench.contenders
 PEER_CONTENDERS = {"sglang": "sglang-header", "smg": "smg-header", "vllm": "vllm-consistent-hash"}
 # the replica faults, which any router in front of the fleet can be put through
 PEER_SCENARIOS = ("crash-before-first-byte", "crash-mid-stream", "stall-mid-stream", "hang", "flapping")

@@ -57,9 +57,10 @@ import aiohttp
 import orjson
 
 from router.bench.common import measure
-from router.bench.fleet import Child, Contender, Fleet, start_contender, start_fleet
+from router.bench.contenders import Contender, start_contender
 from router.bench.live import Progress, partial_headline
 from router.bench.proxy_bench import cpu_seconds, peer_installed
+from router.bench.replicas import Child, Fleet, start_fleet
 
 CLIENT_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 60.0  # the longest wait, between runs, for every replica to be idle

@@ -13,6 +13,10 @@ dies) and `stop` end that group, which holds only what `start` started. What it 
 machine's CPUs: about 3 GB resident with `kv_gib=1`, ready in 30-40 s with `--enforce-eager`
 (twice that with vLLM's default graph compilation), a block size that is a multiple of 32 (CPU
 attention), and the model's two heads of 64.
+
+`VllmReplicas` keeps `router-bench fleet --engine vllm`'s replicas from run to run (a start takes a
+minute or two): before each run it waits until they are idle and empties their prefix caches.
+`vllm_metrics` reads what a run needs from one replica's `/metrics`.
 """
 
 from __future__ import annotations
@@ -22,16 +26,20 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from router.bench.common import free_port
 from router.bench.llama_server import cache_root
+from router.health.signals import samples
 
 MODEL_NAME = "tiny"  # the name it serves by default (`--served-model-name`)
 ADAPTERS = ("lora-0", "lora-1")  # the LoRA adapters the build writes beside the model
@@ -229,6 +237,170 @@ async def start_all(servers: list[VllmServer], timeout: float = START_S) -> list
             s.stop()
         raise
     return servers
+
+
+# The fleet benchmark's kept replicas (router-bench fleet --engine vllm): KV blocks of 32 tokens
+# (CPU attention wants a multiple of 32)
+VLLM_BLOCK = 32
+VLLM_MODEL = "emulated-llm"  # the name the replay and the routers' first request ask for
+VLLM_IDLE_S = 120.0  # a kept fleet not idle this long after a run has a stuck request: it is restarted
+
+# what a run reads from each vLLM replica's /metrics: gauges for the spread, and counters of which
+# the fleet's totals are kept (a run's figures are their changes over it)
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+VLLM_COUNTERS = (
+    "vllm:request_success_total",  # every finished_reason
+    # tokens of new requests only: a preempted request's second lookup is not counted (vLLM keeps it
+    # apart and exports none of it), so these agree with the answers' usage
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:time_to_first_token_seconds_sum",  # from the API server's arrival to the first token
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:request_queue_time_seconds_sum",  # waiting in the scheduler
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",  # first scheduled to first token
+    "vllm:request_prefill_time_seconds_count",
+)
+VLLM_METRICS = frozenset(VLLM_GAUGES + VLLM_COUNTERS)
+
+
+async def vllm_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The VLLM_METRICS of one replica, each summed over its series; KeyError if one is missing."""
+    async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        r.raise_for_status()
+        values, _ = samples(await r.text(), VLLM_METRICS)
+    return {name: sum(values[name]) for name in VLLM_METRICS}
+
+
+@dataclass
+class VllmReplicas:
+    """The vLLM replicas of a benchmark, kept from run to run (a start takes a minute or two on a
+    few shared cores): `ready` hands them over idle, with empty prefix caches; `stop` ends them."""
+
+    kv_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    extra: tuple[str, ...] = ()
+    servers: list[VllmServer] = field(default_factory=list)
+    logs: Path | None = None
+
+    def engine_args(self) -> list[str]:
+        """The engine settings every replica gets (for the tables), less the bench's own flags."""
+        return [
+            *("--max-num-seqs", str(self.max_num_seqs), "--num-gpu-blocks-override", str(self.kv_blocks)),
+            *("--block-size", str(VLLM_BLOCK), "--max-model-len", str(self.max_model_len), *self.extra),
+        ]
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """A replica's environment: vLLM's dev mode (POST /reset_prefix_cache) and, unless the
+        environment binds its workers itself, one unbound OpenMP thread in its worker, so that the
+        kernel spreads the busy replicas over the CPUs. vLLM's own default ('auto') binds every
+        replica's worker to the same CPU and leaves the others to the API servers; binding each to a
+        CPU in turn can leave two busy replicas on one CPU while another idles (docs/benchmarks.md
+        has the measurements)."""
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        return env
+
+    async def ready(self, replicas: int) -> list[VllmServer]:
+        """`replicas` replicas, started (or restarted, when the number differs or one has died)
+        and warmed up, idle, their prefix caches empty."""
+        alive = all(s.proc is not None and s.proc.poll() is None for s in self.servers)
+        if self.servers and (len(self.servers) != replicas or not alive):
+            self.stop()
+        if not self.servers:
+            await self._start(replicas)
+        try:
+            await self._cold()
+        except RuntimeError:
+            self.stop()  # a request stuck in an engine: a fresh fleet, once
+            await self._start(replicas)
+            await self._cold()
+        return self.servers
+
+    async def _start(self, replicas: int) -> None:
+        try:
+            root = find_vllm()
+        except NotBuilt as exc:
+            raise RuntimeError(str(exc)) from None
+        self.logs = Path(tempfile.mkdtemp(prefix="kvar-vllm-"))
+        servers = [
+            VllmServer(
+                root,
+                free_port(),
+                names=(VLLM_MODEL,),
+                max_num_seqs=self.max_num_seqs,
+                block_size=VLLM_BLOCK,
+                kv_blocks=self.kv_blocks,
+                max_model_len=self.max_model_len,
+                scale_out=True,  # the render endpoints: vllm-router's cache_aware, router-serve's tokens
+                events_port=free_port(),  # KV-cache events, which router-serve reads (unless --no-kv-events)
+                replay_port=free_port(),
+                extra=self.extra,
+                env=self.environment(),
+                name=f"vllm-{i}",
+                log=self.logs / f"vllm-{i}.log",
+            )
+            for i in range(replicas)
+        ]
+        try:
+            await start_all(servers)  # stops them all if one fails
+        except RuntimeError as exc:
+            lines = str(exc).splitlines()
+            self.stop()
+            raise RuntimeError(
+                "the vLLM fleet did not start: "
+                + lines[0]
+                + (f" (its log ends: {lines[-1].strip()})" if lines[1:] else "")
+            ) from None
+        except BaseException:
+            self.stop()
+            raise
+        self.servers = servers
+        # the first requests of a fresh engine are slower than the rest: none of them in a run
+        async with aiohttp.ClientSession() as http:
+            for server in servers:
+                for words in (8, 600):
+                    body = {
+                        "model": VLLM_MODEL,
+                        "messages": [{"role": "user", "content": "warm up " * words}],
+                        "max_tokens": 8,
+                    }
+                    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                        async with http.post(server.url + "/v1/chat/completions", json=body) as r:
+                            await r.read()
+
+    async def _cold(self) -> None:
+        """Until every replica is idle (a request of the last run may still be aborting), then empty
+        their prefix caches; RuntimeError if that takes VLLM_IDLE_S."""
+        deadline = time.monotonic() + VLLM_IDLE_S
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, KeyError):
+                    rows = await asyncio.gather(*(vllm_metrics(http, s.url) for s in self.servers))
+                    if not any(m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] for m in rows):
+                        done = []
+                        for s in self.servers:  # success false while a block is still held: try again
+                            async with http.post(
+                                s.url + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)
+                            ) as r:
+                                r.raise_for_status()
+                                done.append(bool((await r.json()).get("success")))
+                        if all(done):
+                            return
+                await asyncio.sleep(0.25)
+        raise RuntimeError(f"the vLLM replicas were not idle with empty caches within {VLLM_IDLE_S:g} s")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.servers = []
+        if self.logs is not None:
+            shutil.rmtree(self.logs, ignore_errors=True)
+            self.logs = None
 
 
 if __name__ == "__main__":  # python -m router.bench.vllm: where the environment is, or why not

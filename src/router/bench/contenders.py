@@ -1,0 +1,128 @@
+"""The contenders of the fleet benchmarks (`router-bench fleet`, and faults, overload, adapters):
+what each is (a client-side spread, router-serve with its settings, a peer router), whether it is
+installed, and how one is started in front of a run's replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import sys
+from dataclasses import dataclass
+
+from router.bench.common import free_port
+from router.bench.proxy_bench import PEERS, first_answer, peer_command, peer_installed
+from router.bench.replicas import Child
+from router.bench.vllm import NotBuilt as VllmNotBuilt
+from router.bench.vllm import find_vllm
+
+ENGINES = ("emulator", "llama-server", "vllm")
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str
+    kind: str  # direct | router | a peer router of router.bench.proxy_bench.PEERS: sglang | smg | vllm
+    args: tuple[str, ...] = ()
+    spread: str = "round-robin"  # direct contenders only
+    key_headers: tuple[str, ...] = ("X-Session-ID",)
+    engines: tuple[str, ...] = ENGINES  # the --engine values it runs in front of
+    tokenizer: bool = False  # router-serve tokenizes requests itself, with the vLLM model's files (tokenizer_dirs)
+
+
+PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
+SHIPPED = ("--rebalance", "--warmup")
+
+CONTENDERS = {
+    c.name: c
+    for c in (
+        Contender("round-robin", "round-robin (client, no router)", "direct"),
+        Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load", *PLAIN)),
+        Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash", *PLAIN)),
+        Contender("full", "router-serve as shipped", "router", SHIPPED),  # its default policy
+        # as shipped, but priced by the router's own model of what it sent, not by the engines' KV events
+        Contender("full-model", "router-serve, KV events off", "router", (*SHIPPED, "--no-kv-events")),
+        Contender(
+            "full-tokenizer", "router-serve, own tokenizer", "router", SHIPPED, engines=("vllm",), tokenizer=True
+        ),
+        Contender("affinity", "router-serve affinity", "router", ("--policy", "affinity", *SHIPPED)),
+        Contender("full-no-kv-wait", "router-serve, no KV-bound wait", "router", (*SHIPPED, "--no-ttft-kv-wait")),
+        Contender(
+            "full-no-queue-lag", "router-serve, queues not moved by lag", "router", (*SHIPPED, "--ttft-queue-gain", "0")
+        ),
+        Contender(
+            "full-capacity-blind",
+            "router-serve affinity, capacity-blind",
+            "router",
+            ("--policy", "affinity", *SHIPPED, "--no-capacity-caps"),
+        ),
+        Contender("sglang-cache-aware", "sglang-router cache_aware", "sglang", ("--policy", "cache_aware")),
+        Contender(
+            "sglang-header",
+            "sglang-router manual (session header)",
+            "sglang",
+            ("--policy", "manual"),
+            key_headers=("X-Session-ID", "X-SMG-Routing-Key"),
+        ),
+        Contender("smg-cache-aware", "smg cache_aware", "smg", ("--policy", "cache_aware")),
+        Contender(
+            "smg-header",
+            "smg consistent_hashing (session header)",
+            "smg",
+            ("--policy", "consistent_hashing", "--routing-key-headers", "x-session-id"),
+        ),
+        Contender("vllm-consistent-hash", "vllm-router consistent_hash", "vllm", ("--policy", "consistent_hash")),
+        # it asks every replica to render every request (/v1/chat/completions/render, else /tokenize):
+        # only vLLM serves them, so on the others it would not be cache-aware at all
+        Contender(
+            "vllm-cache-aware", "vllm-router cache_aware", "vllm", ("--policy", "cache_aware"), engines=("vllm",)
+        ),
+        Contender("oracle", "sticky oracle (client pins sessions)", "direct", spread="session"),
+    )
+}
+
+
+def available(name: str) -> bool:
+    kind = CONTENDERS[name].kind
+    return peer_installed(kind) if kind in PEERS else True
+
+
+def peer_versions(names: list[str]) -> dict[str, str]:
+    """The installed version of each peer router among the contenders `names`."""
+    out = {}
+    for kind in dict.fromkeys(CONTENDERS[n].kind for n in names if CONTENDERS[n].kind in PEERS):
+        package = PEERS[kind].package
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[package] = importlib.metadata.version(package)
+    return out
+
+
+async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
+    """The contender's process (None for the client-side ones) and the targets to send to."""
+    if c.kind == "direct":
+        return None, urls
+    port = free_port()
+    env: dict[str, str] | None = None
+    if c.kind == "router":
+        cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
+        for url in urls:
+            cmd += ["--replica", url]
+        if c.tokenizer:  # the model's own tokenizer and chat template, not the replicas' render endpoints
+            try:
+                cmd += ["--tokenizer-dirs", f"*={find_vllm() / 'model'}"]
+            except VllmNotBuilt as exc:
+                raise RuntimeError(str(exc)) from None
+        env = {"ROUTER_" + k.upper(): v for k, v in settings.items()}
+    else:
+        cmd, env = peer_command(c.kind, port, urls, c.args)
+    child = Child.spawn(cmd, c.label, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await child.wait_up(url, "/health", timeout=60)
+        # a peer may answer /health before its workers are registered: wait for one real answer
+        # (before the replay and its counters)
+        await first_answer(url)
+    except BaseException:
+        child.stop()
+        raise
+    return child, [url]

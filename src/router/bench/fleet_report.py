@@ -1,0 +1,332 @@
+"""The results of `router-bench fleet`: each contender's figures summed up over its rounds, the
+Markdown tables and the PNG plots."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from router.bench.fleet_counters import PREDICTION_SOURCES
+from router.bench.fleet_workloads import size_workload
+
+FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figure, how to get it from a run)
+    ("kv_hit_rate", lambda r: r["kv_hit_rate"]),
+    ("multi_turn_mean_s", lambda r: r["e2e_later_turns_s"].get("mean", math.nan)),
+    ("multi_turn_p99_s", lambda r: r["e2e_later_turns_s"].get("p99", math.nan)),
+    ("ttft_p99_s", lambda r: r["ttft_s"].get("p99", math.nan)),
+    ("ttft_later_p99_s", lambda r: r.get("ttft_later_turns_s", {}).get("p99", math.nan)),
+    ("ttft_later_p50_s", lambda r: r.get("ttft_later_turns_s", {}).get("p50", math.nan)),
+    ("engine_kv_hit_rate", lambda r: r.get("engine_kv_hit_rate", math.nan)),  # vLLM's own counters
+    ("preemptions", lambda r: r.get("preemptions", math.nan)),
+    ("load_cv", lambda r: r["load_cv"]),
+    ("inflight_cv", lambda r: r["inflight_cv"]),
+    ("jump_rate", lambda r: r["jump_rate"]),
+    ("gpu_busy", lambda r: r["gpu_busy"]),
+    ("requests", lambda r: r["requests"]),
+    ("client_cpu_share", lambda r: r["client_cpu_share"]),
+    ("emulator_cpu_share", lambda r: r["emulator_cpu_share"]),
+    ("router_cpu_share", lambda r: r["router_cpu_share"] if r["router_cpu_share"] is not None else math.nan),
+    # router-serve only: the share of its answers whose cached tokens it predicted to the token, by source
+    ("exact_predicted_events", lambda r: r.get("exact_predicted_events", math.nan)),
+    ("exact_predicted_model", lambda r: r.get("exact_predicted_model", math.nan)),
+    ("predicted_answers_events", lambda r: r.get("predicted_answers_events", math.nan)),
+    ("predicted_answers_model", lambda r: r.get("predicted_answers_model", math.nan)),
+)
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over a contender's rounds; failed requests summed over them. A
+    contender that could not run at all is {"error": why}."""
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return {"error": runs[0]["error"] if runs else "not run", "rounds": 0}
+    out: dict[str, Any] = {}
+    for key, get in FIGURES:
+        values = [float(get(r)) for r in done]
+        values = [v for v in values if not math.isnan(v)]
+        out[key] = statistics.median(values) if values else math.nan
+    out["failed"] = sum(r["requests"] - r["ok"] for r in done)
+    out["sessions_cut"] = sum(r.get("sessions_cut", 0) for r in done)
+    out["rounds"] = len(done)
+    if len(done) < len(runs):
+        out["error"] = next(r["error"] for r in runs if "error" in r)
+    return out
+
+
+def make_tables(result: dict[str, Any]) -> None:
+    result["tables"] = {
+        w: {name: summarize_runs(rs) for name, rs in by.items() if rs} for w, by in result["runs"].items()
+    }
+
+
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.1%}"
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def exact_cell(f: dict[str, Any]) -> str:
+    """router-serve's answers predicted to the token, by source: `99.4% of 160 / none`; n/a for the others."""
+    cells = []
+    for source in PREDICTION_SOURCES:
+        answers = f.get(f"predicted_answers_{source}", math.nan)
+        if math.isnan(answers):
+            return "n/a"
+        cells.append(f"{_pct(f[f'exact_predicted_{source}'])} of {answers:,.0f}" if answers else "none")
+    return " / ".join(cells)
+
+
+Column = tuple[str, Callable[[dict[str, Any]], str]]  # (title, the cell of a contender's figures)
+COLUMNS: tuple[Column, ...] = (
+    ("requests", lambda f: f"{f['requests']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
+    ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
+    ("multi-turn P99 (s)", lambda f: _num(f["multi_turn_p99_s"])),
+    ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
+    ("later-turn TTFT P99 (s)", lambda f: _num(f["ttft_later_p99_s"])),
+    ("load CV", lambda f: _num(f["load_cv"])),
+    ("in-flight CV", lambda f: _num(f["inflight_cv"])),
+    ("jump rate", lambda f: _pct(f["jump_rate"])),
+    ("GPU busy", lambda f: _pct(f["gpu_busy"])),
+    ("exact predicted (events / model)", exact_cell),
+)
+VLLM_COLUMNS: tuple[Column, ...] = (
+    ("requests", lambda f: f"{f['requests']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("KV hit (engine)", lambda f: _pct(f.get("engine_kv_hit_rate", math.nan))),
+    ("KV hit (client)", lambda f: _pct(f["kv_hit_rate"])),
+    ("later-turn TTFT P50 (s)", lambda f: _num(f.get("ttft_later_p50_s", math.nan))),
+    ("later-turn TTFT P99 (s)", lambda f: _num(f["ttft_later_p99_s"])),
+    ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
+    ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
+    ("multi-turn P99 (s)", lambda f: _num(f["multi_turn_p99_s"])),
+    ("load CV", lambda f: _num(f["load_cv"])),
+    ("jump rate", lambda f: _pct(f["jump_rate"])),
+    ("preempted", lambda f: _num(f.get("preemptions", math.nan), 0)),
+    ("busy", lambda f: _pct(f["gpu_busy"])),
+    ("exact predicted (events / model)", exact_cell),
+)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    labels = result["contenders"]
+    sizes = result.get("replicas_needed") or {}
+    engine = result.get("engine", "emulator")
+    settings = result.get("engine_settings") or {}
+    if engine == "llama-server":
+        what = f"llama-server replicas ({settings['slots']} slots each, real time)"
+        notes = " Load CV: of generated tokens per replica; GPU busy: share of slot time busy."
+    elif engine == "vllm":
+        what = (
+            f"vLLM replicas ({settings['max_num_seqs']} sequences and KV for "
+            f"{settings['kv_blocks'] * settings['block_size']:,} tokens each, real time)"
+        )
+        notes = (
+            " KV hit (engine): the replicas' own prefix-cache hits ÷ queries, in tokens, over the run;"
+            " (client): `cached_tokens` ÷ prompt tokens in the answers. Load CV: of requests each replica"
+            " finished; preempted: requests vLLM preempted for KV room; busy: share of sampled time a"
+            " replica ran a request."
+        )
+    else:
+        what, notes = f"emulated replicas, time scale {result['time_scale']:g}", ""
+    notes += (
+        " Exact predicted: router-serve's answers whose cached tokens it predicted to the token, of those"
+        " it priced by the engine's KV events / by its own model (`router_prefix_prediction_error_tokens`)."
+    )
+    lines = [
+        f"{result['replicas']} {what}, "
+        f"median of {result['rounds']} round(s) (failed requests: summed); latencies in "
+        + ("engine seconds." if engine == "emulator" else "seconds.")
+        + notes
+        + ("" if result.get("complete", True) else " **Interrupted: only the runs that finished.**"),
+        "",
+    ]
+    columns = VLLM_COLUMNS if engine == "vllm" else COLUMNS
+    for workload, table in result["tables"].items():
+        lines += [f"**{workload}**", ""]
+        shape = result.get("engine_shapes", {}).get(workload)
+        if shape:
+            lines += [_shape_line(shape, result["replicas"]), ""]
+        head = "| contender | " + " | ".join(title for title, _ in columns) + " |"
+        rule = "|---|" + "---:|" * len(columns)
+        searched = workload == sizes.get("workload")
+        if searched:
+            head += f" replicas for P99 ≤ {sizes['target_p99_s']:.2f} s |"
+            rule += "---:|"
+        lines += [head, rule]
+        ran = {name: f for name, f in table.items() if "requests" in f}
+        for name, f in table.items():
+            if name not in ran:
+                lines.append(f"| {labels[name]} | did not run: {f['error']} |")
+                continue
+            row = f"| {labels[name]} | " + " | ".join(cell(f) for _, cell in columns) + " |"
+            if searched:
+                row += f" {_needed(sizes['contenders'].get(name), result['replicas'])} |"
+            lines.append(row)
+        lines.append("")
+        if not ran:
+            continue
+        cpu = [
+            f"{labels[n]} {f['router_cpu_share']:.0%}" for n, f in ran.items() if not math.isnan(f["router_cpu_share"])
+        ]
+        fleet = {"llama-server": "llama-servers ", "vllm": "vLLM fleet (every process) "}.get(engine, "emulated fleet ")
+        lines.append(
+            "CPU, share of one core: client "
+            + f"{max(f['client_cpu_share'] for f in ran.values()):.0%} at most, "
+            + fleet
+            + f"{max(f['emulator_cpu_share'] for f in ran.values()):.0%} at most; routers: "
+            + (", ".join(cpu) or "none")
+            + "."
+        )
+        lines.append("")
+        lines += _goals(ran, labels, vllm=engine == "vllm")
+    return "\n".join(lines)
+
+
+def _shape_line(shape: dict[str, Any], replicas: int) -> str:
+    """Engine: what the replicas of a workload are, and its working set against their KV."""
+    argv = " ".join(shape.get("emulator_args") or shape.get("engine_args") or ())
+    line = f"Engine: {shape['engine']}" + (f" (`{argv}`)" if argv else "")
+    kv = shape.get("kv_tokens_per_replica")
+    if kv:
+        line += f"; KV for {kv:,} tokens a replica, {kv * replicas:,} in the fleet"
+        work = shape.get("working_set_tokens")
+        if work is not None:
+            held = (
+                f"the {shape['documents_asked']} documents asked about hold {work:,} tokens"
+                if "documents_asked" in shape
+                else f"the {shape['sessions']} conversations of a run end holding about {work:,} tokens "
+                "(shared system prompts once)"
+            )
+            line += f"; {held}, {work / kv:.2f}× one replica's KV and {work / (kv * replicas):.2f}× the fleet's"
+    return line + "."
+
+
+def _needed(found: dict[str, Any] | None, replicas: int) -> str:
+    if found is None:
+        return ""
+    if found.get("error"):
+        return "n/a"
+    if found["needed"] is None:
+        return f"> {replicas}"
+    if found["needed"] == found.get("lowest_probed"):
+        return f"≤ {found['needed']}"  # the search goes no lower than half the fleet
+    return str(found["needed"])
+
+
+def _goals(table: dict[str, dict[str, Any]], labels: dict[str, str], vllm: bool = False) -> list[str]:
+    """`full` (router-serve as shipped) against each other contender: ratios of the medians above
+    (on vLLM: of the engines' hit rates, and of later turns' TTFT P50 and P99 too)."""
+    full = table.get("full")
+    if not full:
+        return []
+    hit = "engine_kv_hit_rate" if vllm else "kv_hit_rate"
+
+    def ratio(a: float, b: float) -> str:
+        return _num(a / b, 2) + "×" if b > 0 else "n/a"
+
+    out = [
+        "| as shipped (full) against | KV hit, full ÷ other | multi-turn mean, full vs other "
+        "| multi-turn P99, other ÷ full | load CV, full / other |"
+        + (" later-turn TTFT P50, other ÷ full | later-turn TTFT P99, other ÷ full |" if vllm else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if vllm else ""),
+    ]
+    for name, f in table.items():
+        if name == "full":
+            continue
+        mean = full["multi_turn_mean_s"] / f["multi_turn_mean_s"] - 1 if f["multi_turn_mean_s"] > 0 else math.nan
+        row = (
+            f"| {labels[name]} | {ratio(full[hit], f[hit])} | {'n/a' if math.isnan(mean) else f'{mean:+.0%}'} "
+            f"| {ratio(f['multi_turn_p99_s'], full['multi_turn_p99_s'])} "
+            f"| {_num(full['load_cv'])} / {_num(f['load_cv'])} |"
+        )
+        if vllm:
+            row += (
+                f" {ratio(f['ttft_later_p50_s'], full['ttft_later_p50_s'])} "
+                f"| {ratio(f['ttft_later_p99_s'], full['ttft_later_p99_s'])} |"
+            )
+        out.append(row)
+    return [*out, ""]
+
+
+def write_plots(result: dict[str, Any], out: Path) -> list[str] | None:
+    """The PNG plots written (none when no run finished); None when matplotlib, from the `bench`
+    extra, is not installed."""
+    try:
+        import matplotlib  # noqa: PLC0415 -- optional (the bench extra): None when it is missing
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415 -- optional, and only after the Agg backend is chosen
+    except ImportError:
+        return None
+    labels = result["contenders"]
+    written: list[str] = []
+    tables = {w: {n: f for n, f in t.items() if "requests" in f} for w, t in result["tables"].items()}
+    tables = {w: t for w, t in tables.items() if t}
+    if not tables:
+        return written
+    hit = ("engine_kv_hit_rate", "KV hit rate, engines' counters (%)") if result.get("engine") == "vllm" else None
+    fig, axes = plt.subplots(len(tables), 2, figsize=(12, 3.2 * len(tables)), squeeze=False)
+    for row, (workload, table) in enumerate(tables.items()):
+        names = list(table)
+        colours = [
+            "#c0392b" if n == "full" else "#7f8c8d" if n in ("round-robin", "oracle") else "#2980b9" for n in names
+        ]
+        for col, (key, title, scale) in enumerate(
+            (
+                (*(hit or ("kv_hit_rate", "KV hit rate (%)")), 100.0),
+                ("multi_turn_p99_s", "multi-turn P99 (engine s)", 1.0),
+            )
+        ):
+            ax = axes[row][col]
+            ax.barh([labels[n] for n in names], [table[n][key] * scale for n in names], color=colours)
+            ax.invert_yaxis()
+            ax.set_title(f"{workload}: {title}", fontsize=10)
+            ax.tick_params(labelsize=8)
+            if col == 1:
+                ax.set_yticklabels([])
+    fig.tight_layout()
+    path = out / "fleet-hit-p99.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path.name)
+
+    busiest = size_workload(list(result["runs"]))
+    runs = result["runs"][busiest] if busiest else next(iter(result["runs"].values()))
+    # the first round that ran, of every contender with a load timeline
+    timelines = {
+        n: next((r["load_timeline"] for r in rs if r.get("load_timeline", {}).get("queued")), None)
+        for n, rs in runs.items()
+    }
+    shown = {n: tl for n, tl in timelines.items() if tl is not None}
+    if not shown:
+        return written
+    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 1.6 * len(shown)), squeeze=False, sharex=True)
+    peak = max(max(max(q) for q in tl["queued"]) for tl in shown.values()) or 1
+    for ax, (name, tl) in zip((a[0] for a in axes), shown.items(), strict=True):
+        grid = list(map(list, zip(*tl["queued"], strict=True)))  # replicas x time
+        t = tl["t_s"]
+        ax.imshow(
+            grid,
+            aspect="auto",
+            interpolation="nearest",
+            cmap="magma",
+            vmin=0,
+            vmax=peak,
+            extent=(t[0], t[-1], len(grid), 0),
+        )
+        ax.set_ylabel(labels[name], rotation=0, ha="right", va="center", fontsize=8)
+        ax.set_yticks([])
+    axes[-1][0].set_xlabel("engine seconds (requests running + waiting per replica, one row each)")
+    fig.tight_layout()
+    path = out / "fleet-load.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path.name)
+    return written
