@@ -1,0 +1,39 @@
+"""Router configuration: the settings (settings.py), read and validated at load (loading.py)."""
+
+from router.config.loading import ENV_NAMES, NOT_SETTINGS, ConfigError, from_environment, load
+from router.config.settings import (
+    FIELDS,
+    POLICIES,
+    ReplicaSpec,
+    RouterConfig,
+    event_endpoints,
+    kv_capacities,
+    parse_replica,
+    parse_source,
+    pinned_models,
+    replica_capacities,
+    score_weights,
+    shared_through_redis,
+    tokenizer_dirs,
+)
+
+__all__ = [
+    "ENV_NAMES",
+    "FIELDS",
+    "NOT_SETTINGS",
+    "POLICIES",
+    "ConfigError",
+    "ReplicaSpec",
+    "RouterConfig",
+    "event_endpoints",
+    "from_environment",
+    "kv_capacities",
+    "load",
+    "parse_replica",
+    "parse_source",
+    "pinned_models",
+    "replica_capacities",
+    "score_weights",
+    "shared_through_redis",
+    "tokenizer_dirs",
+]
