@@ -9,7 +9,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from chat import turn
+from conftest import WORKERS_TOKEN
 from redis.exceptions import RedisError
+from waiting import until
 
 from router.bench.common import free_port
 from router.config import load
@@ -41,6 +43,17 @@ async def reconnect(router: Node) -> None:
     raise AssertionError("Redis did not come back")
 
 
+async def in_redis(router: Node, sessions: list[str]) -> dict[str, str | None]:
+    """Where the session records in Redis itself (not a router's writes still waiting for their
+    batch) say each session was served last."""
+    assert router.redis is not None
+    values = await router.redis.redis.mget([router.redis.sessions._key(s.encode()) for s in sessions])
+    return {
+        s: (v if isinstance(v, bytes) else str(v).encode()).partition(b"\0")[0].decode() if v else None
+        for s, v in zip(sessions, values, strict=True)
+    }
+
+
 async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet, start_router, redis_server) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(5)
     named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
@@ -56,7 +69,11 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
     # sessions served through A are known to B
     sessions = [f"s{i}" for i in range(30)]
     served = {s: await turn(url_a, s) for s in sessions}
-    await asyncio.sleep(0.3)  # session writes are batched every 100 ms
+
+    async def written() -> bool:  # session writes are batched every 100 ms
+        return await in_redis(a, sessions) == served
+
+    await until(written, "the sessions served through A written to Redis")
     # a membership change and an override made on A reach B within a second
     async with aiohttp.ClientSession() as http:
         async with http.post(
@@ -77,7 +94,11 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
     assert [a.fleet.replicas[i].id for i in range(4)] == [b.fleet.replicas[i].id for i in range(4)]
     # a session served (or moved by the scale-out) through A goes where its cache is through B,
     # although its vnode may have moved since
-    await asyncio.sleep(0.3)
+
+    async def moved_and_written() -> bool:  # the scale-out's moves (if any) done, and in Redis
+        return not a.balancer.tasks and await in_redis(a, sessions) == {s: a.sessions.get(s.encode()) for s in sessions}
+
+    await until(moved_and_written, "A's scale-out moves done and its session records written to Redis")
     expected = {s: a.sessions.get(s.encode()) for s in sessions}
     assert expected[moved_session] in (served[moved_session], "emu-3")
     for s in sessions:
@@ -114,7 +135,12 @@ async def test_workers_share_sessions_via_redis(start_fleet, start_router, serve
     # elsewhere, and only the session records in Redis say where their caches are
     through_workers = {f"w{i}": await turn(workers.url, f"w{i}") for i in range(12)}
     through_lone = {f"l{i}": await turn(url_lone, f"l{i}") for i in range(12)}
-    await asyncio.sleep(0.5)  # session writes are batched every 100 ms
+    everyone = through_workers | through_lone
+
+    async def written() -> bool:  # session writes are batched every 100 ms, in each process
+        return await in_redis(lone, list(everyone)) == everyone
+
+    await until(written, "the sessions served by the workers and by the lone router written to Redis")
     moved: dict[tuple[int, int], str] = {}
     for session, replica in (through_workers | through_lone).items():
         _, origin, number = ring.locate(session.encode())
@@ -125,7 +151,26 @@ async def test_workers_share_sessions_via_redis(start_fleet, start_router, serve
             override = {"origin": ring.replica_ids[origin], "vnode": number, "owner": owner}
             async with http.post(url_lone + "/admin/overrides", json=override, headers=AUTH) as r:
                 assert r.status == 200
-    await asyncio.sleep(1.5)  # the control process follows Redis, the workers follow the control process
+    # the control process follows Redis, the workers follow the control process: wait until both
+    # worker processes' rings give every session's vnode to its new owner
+    owners = {s: moved[ring.locate(s.encode())[1:]] for s in everyone}  # type: ignore[index]
+    seen: dict[tuple[int, str], str] = {}  # (worker, session): its ring owner, as last explained
+
+    async def workers_follow() -> bool:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+            for session in owners:  # a connection each: the kernel picks the worker per connection
+                async with http.get(
+                    workers.url + "/admin/route",
+                    params={"key": session},
+                    headers={"Authorization": f"Bearer {WORKERS_TOKEN}"},
+                ) as r:
+                    assert r.status == 200
+                    answer = await r.json()
+                seen[(answer["worker"], session)] = answer["ring_owner"]
+        answered = {w for w, _ in seen}
+        return len(answered) == 2 and all(seen.get((w, s)) == owner for w in answered for s, owner in owners.items())
+
+    await until(workers_follow, "both worker processes following the overrides made on the lone router", 10)
     for session, replica in through_workers.items():  # the lone router has never seen these
         assert await turn(url_lone, session) == replica
     for session, replica in through_lone.items():  # nor have the workers seen these
