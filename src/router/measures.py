@@ -3,7 +3,8 @@
 - KV hit rate: Σ cached prompt tokens / Σ prompt tokens.
 - Jump rate: share of a session's later requests served by a different replica than its previous one.
 - Load imbalance: coefficient of variation (population std / mean) of per-replica request counts.
-- Percentiles: linear interpolation between closest ranks (numpy's default).
+- Percentiles: linear interpolation between closest ranks (numpy's default); every P50, P90 and
+  P99 the benchmarks report comes from `percentile`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ def kv_hit_rate(cached_tokens: float, prompt_tokens: float) -> float:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) of `values`; NaN when there are none."""
+    """The q-th percentile (0..100) of `values`, interpolated between the two closest ranks; NaN
+    when there are none. It stays within the values (statistics.quantiles' default, 'exclusive',
+    reaches past the largest of a few), and P50 is the median."""
     if not values:
         return math.nan
     ordered = sorted(values)

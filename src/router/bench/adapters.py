@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import sys
 import time
 from typing import Any
@@ -41,6 +40,7 @@ from router.bench.contenders import Contender, start_contender
 from router.bench.live import Progress, partial_headline
 from router.bench.overload import CLIENT_TIMEOUT_S, Tally, chat_body, one, run_status
 from router.bench.replicas import Child, Fleet, start_fleet
+from router.measures import percentile
 
 MODEL = "model-b"
 
@@ -141,15 +141,15 @@ async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
             if child is not None:
                 child.stop()
             fleet.stop()
-        ttfts = sorted(tally.ttfts)
+        ttfts = tally.ttfts
         whole = tally.good + tally.late
         row = {
             "contender": c.name,
             "label": c.label,
             "sent": tally.sent,
             "failed": round(tally.failed / max(tally.sent, 1), 4),
-            "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
-            "ttft_p99_s": round(ttfts[min(int(0.99 * len(ttfts)), len(ttfts) - 1)], 3) if ttfts else None,
+            "ttft_p50_s": round(percentile(ttfts, 50), 3) if ttfts else None,
+            "ttft_p99_s": round(percentile(ttfts, 99), 3) if ttfts else None,
             "loads_per_100": round(100 * loaded / max(whole, 1), 1),
         }
         result["runs"].append(row)

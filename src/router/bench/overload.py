@@ -45,7 +45,6 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import sys
 import time
 import uuid
@@ -61,6 +60,7 @@ from router.bench.contenders import Contender, start_contender
 from router.bench.live import Progress, partial_headline
 from router.bench.proxy_bench import cpu_seconds, peer_installed
 from router.bench.replicas import Child, Fleet, start_fleet
+from router.measures import percentile
 
 CLIENT_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 60.0  # the longest wait, between runs, for every replica to be idle
@@ -322,10 +322,10 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
 
 def figures(tally: Tally, elapsed_s: float, offered: float, start: float, duration_s: float) -> dict[str, Any]:
     sent = max(tally.sent, 1)
-    ttfts = sorted(tally.ttfts)
+    ttfts = tally.ttfts
 
     def pct(q: float) -> float | None:
-        return round(ttfts[min(int(q * len(ttfts)), len(ttfts) - 1)], 3) if ttfts else None
+        return round(percentile(ttfts, q), 3) if ttfts else None
 
     return {
         "offered_rps": round(offered, 2),
@@ -336,8 +336,8 @@ def figures(tally: Tally, elapsed_s: float, offered: float, start: float, durati
         "late": round(tally.late / sent, 4),
         "shed": round(tally.shed / sent, 4),
         "failed": round(tally.failed / sent, 4),
-        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
-        "ttft_p99_s": pct(0.99),
+        "ttft_p50_s": pct(50),
+        "ttft_p99_s": pct(99),
     }
 
 

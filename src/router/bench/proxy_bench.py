@@ -59,6 +59,7 @@ from aiohttp import web
 
 from router.bench import lean
 from router.bench.common import free_port
+from router.measures import percentile
 
 SMALL = {"model": "emulated-llm", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
 # the peers this benchmark runs when installed, with the policy each runs under (vllm-router's
@@ -355,7 +356,7 @@ async def measure(
         # stream CPU less what the stream requests themselves cost as small requests
         "cpu_us_per_event": (((c2 - c1) * 1e6 - n_streams * at_streams) / max(events, 1)) if pid else None,
         "ttft_ms_median": statistics.median(ttfts) * 1000 if ttfts else None,
-        "ttft_ms_p90": statistics.quantiles(ttfts, n=10)[8] * 1000 if len(ttfts) >= 10 else None,
+        "ttft_ms_p90": percentile(ttfts, 90) * 1000 if len(ttfts) >= 10 else None,
     }
 
 

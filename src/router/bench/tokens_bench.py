@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +58,7 @@ from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet
 from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError
 from router.kvevents.wire import MEDIUM_GPU, Batch, Stored
+from router.measures import percentile
 from router.placement import Placement
 from router.prompt import Prompt, prompt_of
 
@@ -162,9 +162,11 @@ class Conversation:
 
 
 def _figures(samples_s: list[float]) -> dict[str, float]:
-    ordered = sorted(samples_s)
-    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"calls": len(ordered), "p50_us": statistics.median(ordered) * 1e6, "p99_us": p99 * 1e6}
+    return {
+        "calls": len(samples_s),
+        "p50_us": percentile(samples_s, 50) * 1e6,
+        "p99_us": percentile(samples_s, 99) * 1e6,
+    }
 
 
 def time_calls(fn: Callable[[], object], repeat: int, budget_s: float) -> dict[str, float]:
