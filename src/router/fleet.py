@@ -14,6 +14,10 @@ below its total capacity (a slot is free somewhere) no cap is above k_i: a 2-slo
 spills its third request to an idle replica instead of queueing it, and once every slot is busy
 the queues are shared out by the caps. Replicas of unknown capacity count as the mean of the
 known ones. With no capacity known, every cap is max(U, floor), as before.
+
+Long, but one room: every index Fleet keeps over its replicas (the ring, `loads`, the model and
+adapter memos, the capacity ratios) goes by position in `replicas` and must change with it in one
+place, so membership, models, capacity and in-flight accounting stay in one class.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Code, tests, benchmarks and the console read these names from here. Derived figures use the
 definitions in router.measures: per-replica KV hit rate = cached / prompt tokens; jump rate =
 session_jumps / session_followups.
+
+Long because TABLE spells out every metric's help text (some 200 lines of definitions); the rest is
+made from it (the registry the code increments, the per-replica gauges a scrape shows) and stays
+beside it.
 """
 
 from __future__ import annotations
