@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from waiting import until
 
 from router.emulator.cli import UsageError, build_fleet, build_parser, parse_fault
 from router.emulator.server import Faults, Replica
@@ -105,7 +106,7 @@ async def test_drop_closes_the_connection_mid_stream(replica: Replica) -> None:
     ):
         events, how = await read_events(resp, timeout=2)
     assert how == "cut" and len(events) == 3
-    await asyncio.sleep(0.05)
+    await until(lambda: not replica.engine.has_work(), "the abandoned sequence aborted")
     assert not replica.engine.has_work()  # the abandoned sequence was aborted, its blocks freed
     assert replica.engine.cache.used_blocks == 0
 
@@ -146,7 +147,7 @@ async def test_crash_refuses_connections_cuts_streams_and_restarts_cold(start_fl
 async def test_crash_from_the_replicas_own_endpoint(replica: Replica) -> None:
     async with aiohttp.ClientSession() as s, s.post(replica.url + "/emulator/crash") as resp:
         assert resp.status == 202
-    await asyncio.sleep(0.1)
+    await until(lambda: replica.crashed, "the replica crashed")
     assert replica.crashed
     async with aiohttp.ClientSession() as s:
         with pytest.raises(aiohttp.ClientConnectorError):
@@ -253,7 +254,7 @@ async def test_stop_does_not_wait_on_a_hung_request(make_replica) -> None:  # ty
     await r.start()
     async with aiohttp.ClientSession() as s:
         pending = asyncio.ensure_future(s.get(r.url + "/health"))
-        await asyncio.sleep(0.1)
+        await until(lambda: r.held, "the request held by the hang fault")
         await asyncio.wait_for(r.stop(), 10)  # bounded by the shutdown grace, not by the hung request
         pending.cancel()
 
