@@ -17,6 +17,7 @@ import orjson
 import pytest
 import zmq
 import zmq.asyncio
+from waiting import until
 
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
@@ -295,7 +296,7 @@ async def test_restart_engine_fails_requests_in_flight(make_replica: Callable[..
     await r.start()
     try:
         pending = asyncio.ensure_future(post(r.url + "/v1/completions", {"prompt": "w" * 100, "max_tokens": 300}))
-        await asyncio.sleep(0.3)
+        await until(r.engine.has_work, "the request running in the engine")
         r.restart_engine()
         status, body = await asyncio.wait_for(pending, 5)
         assert status == 500 and "restarted" in body["error"]["message"]
