@@ -40,7 +40,9 @@ from router.health.states import Hysteresis
 from router.kvfeed import Feed
 from router.membership import Membership
 from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
+from router.placement import Placement
 from router.policy import make_policy
+from router.policy.ttft import Ttft
 from router.redis_state import RedisPlacements, RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.routing import Routing, SessionDirectory
@@ -89,6 +91,9 @@ class Node:
             models=pinned_models(config),
         )
         self.policy = make_policy(config.policy, fleet, config)
+        # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
+        # and the admin API read and feed (the root knows the concrete policy; nothing else asks)
+        self.placement: Placement | None = self.policy.placement if isinstance(self.policy, Ttft) else None
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
         self.metrics = metrics or RouterMetrics()
         self.publisher = Publisher(fleet, table) if table is not None and worker is None else None
@@ -118,7 +123,7 @@ class Node:
         self.redis_sessions: RedisSessions | None = None  # where sessions are looked up and written in Redis
         # ttft: prompts placed by this process and by the other routers (and workers) on one Redis
         self.placements: RedisPlacements | None = None
-        placement = self.policy.placement
+        placement = self.placement
         redis = shared_through_redis(config)
         if redis and placement is not None and (worker is not None or config.workers <= 1):
             self.placements = RedisPlacements(config.state, config.state_namespace, placement.learned)
@@ -145,8 +150,8 @@ class Node:
             leader=lambda: self.redis is None or self.redis.leader,
             peers=self.redis_sessions if worker is None else None,
             share=max(config.workers, 1) if worker is not None else 1,
-            warmed=self.policy.placement.warmed if self.policy.placement is not None else None,
-            by_ring=self.policy.placement is None,
+            warmed=self.placement.warmed if self.placement is not None else None,
+            by_ring=self.placement is None,
         )
         self.membership.mover = self.balancer
         if lone:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from router.console.history import JUMP_GROUPS, JUMP_REASONS, History, quantile_bound
 from router.metrics import RouterMetrics
-from router.routing.route import PLACED, POLICY_REASONS
+from router.policy.ttft import PLACED
+from router.routing.route import POLICY_REASONS
 
 
 class Clock:

@@ -327,7 +327,7 @@ def prompt_key(text: str, session: str = "s") -> RoutingKey:
 
 async def test_ttft_indexes_a_prompt_where_it_is_sent_before_its_answer() -> None:
     routing, clock, _ = core("ttft")
-    placement = routing.placement
+    placement = routing.policy.placement  # type: ignore[attr-defined]
     assert placement is not None
     first = prompt_key("a long document " * 200, "reader-1")
     route = await routing.route(first, clock.now, clock.now + 60)
@@ -344,7 +344,7 @@ async def test_ttft_indexes_a_prompt_where_it_is_sent_before_its_answer() -> Non
 
 async def test_ttft_forgets_a_prompt_whose_attempt_failed_before_its_first_byte() -> None:
     routing, clock, _ = core("ttft")
-    placement = routing.placement
+    placement = routing.policy.placement  # type: ignore[attr-defined]
     assert placement is not None
     k = prompt_key("a long document " * 200)
     route = await routing.route(k, clock.now, clock.now + 60)
@@ -360,7 +360,7 @@ async def test_ttft_forgets_a_prompt_whose_attempt_failed_before_its_first_byte(
 
 async def test_ttft_learns_a_prefill_speed_only_from_a_request_that_had_the_replica_to_itself() -> None:
     routing, clock, _ = core("ttft", replicas=1)
-    placement = routing.placement
+    placement = routing.policy.placement  # type: ignore[attr-defined]
     assert placement is not None
     # prompts long enough to be a speed sample (router.placement.SPEED_MIN_TOKENS)
     alone = await routing.route(prompt_key("first " * 1500, "a"), clock.now, clock.now + 60)
@@ -384,7 +384,7 @@ async def test_ttft_counts_a_session_whose_replica_left_by_that_cause_not_by_cos
     """Its replica left routing, and another holds the conversation's prompt: the session goes
     there, and its jump counts as the replica's leaving, not as a move the policy chose."""
     routing, clock, _ = core("ttft")
-    placement, fleet = routing.placement, routing.fleet
+    placement, fleet = routing.policy.placement, routing.fleet  # type: ignore[attr-defined]
     assert placement is not None
     k = prompt_key("a long document " * 200)
     _, home = await serve(routing, clock, k)
@@ -403,7 +403,7 @@ async def test_ttft_counts_a_session_whose_replica_left_by_that_cause_not_by_cos
 
 async def test_ttft_a_session_moved_by_cost_stays_on_its_new_replica_for_the_cool_down() -> None:
     routing, clock, _ = core("ttft", replicas=2, prefill_tokens_per_s="10000", bounded_load_floor="100")
-    placement, fleet = routing.placement, routing.fleet
+    placement, fleet = routing.policy.placement, routing.fleet  # type: ignore[attr-defined]
     assert placement is not None
     k = prompt_key("a long document " * 200)
     _, home = await serve(routing, clock, k)

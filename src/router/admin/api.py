@@ -16,16 +16,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.apis import CHAT, COMPLETION, MESSAGES
+from router.apis import CHAT, COMPLETION, MESSAGES, RESPONSES
 from router.config import parse_replica
 from router.errors import error_response
 from router.fleet import ReplicaState
 from router.keys import RoutingKey, bounded_key
 from router.membership import Clash, NoRoom
 from router.node import Node
-from router.policy.ttft import Ttft
-from router.prompt import prompt_of
-from router.proxy.intake import request_key
+from router.routing.request import request_key
 
 
 def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool = False) -> None:
@@ -101,7 +99,7 @@ class AdminApi:
             "engine": dataclasses.asdict(r.engine),
             "prefix_index": self._index_json(r),
             # what its engine's KV-cache events say it holds (router.kvfeed); None: it publishes none
-            "kv_events": placement.truth.figures(r.id) if (placement := self.node.policy.placement) else None,
+            "kv_events": placement.truth.figures(r.id) if (placement := self.node.placement) else None,
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,
             "slow_start_since": self.node.membership.warming_since.get(r.id) if r.state == "warming" else None,
@@ -112,7 +110,7 @@ class AdminApi:
         KV holds, as the index counts them (the engine's own figure when it reports one), the blocks
         it may keep now and those it keeps. None with a policy that keeps no index, or before the
         replica's first decision."""
-        placement = self.node.policy.placement
+        placement = self.node.placement
         held = placement.held.get(r.id) if placement is not None else None
         if placement is None or held is None:
             return None
@@ -243,10 +241,11 @@ class AdminApi:
         fleet, ring, policy = node.fleet, node.fleet.ring, node.policy
         model = request.query.get("model") or None  # as a request naming this model would go
         key = RoutingKey(bounded_key(raw_key, node.config.max_key_bytes), "header", "query", model=model)
-        last, _ = await node.directory.last_served(key.key, remember=False)
-        # round_robin and least_load ignore keys, and asking them would move their rotation
         unserved = fleet.unserved(model)
-        decision = policy.pick(key, last, set()) if policy.keyed and not unserved else None
+        # as a request's route decides it, nothing counted (round_robin and least_load explain
+        # nothing: they ignore keys, and asking them would move their rotation)
+        explained, last = await node.routing.explain(key)
+        decision = explained.decision if not unserved else None
         skip = fleet.not_serving(model)
         located = ring.locate(key.key)
         cap = ring.load_cap(fleet.loads, node.config.bounded_load_c) if len(fleet) else 0
@@ -304,14 +303,17 @@ class AdminApi:
             return error_response(f"the body must be the JSON of a completion request: {exc}")
         if not isinstance(body, dict):
             return error_response("the body must be a JSON object: the request to explain")
-        key = request_key(request.headers, body, cfg)
-        policy, fleet = node.policy, node.fleet
-        last = None
-        if key.kind != "none":
-            last, _ = await node.directory.last_served(key.key, remember=False)
-        prompt = prompt_of(body, cfg.prefix_block_bytes) if isinstance(policy, Ttft) else None
+        # the request's API by its fields (this path is not the API's), its key as the router reads it
+        api = (MESSAGES if "system" in body else CHAT) if "messages" in body else COMPLETION
+        if "previous_response_id" in body or "input" in body:
+            api = RESPONSES
+        key = request_key(api, request.headers, body, cfg, node.policy.reads_prompts)
+        fleet = node.fleet
+        if node.feed is not None and key.prompt is not None:  # in the engine's tokens, where replicas publish KV events
+            key = await node.feed.tokenized(key, api, body)
+        explained, last = await node.routing.explain(key)
         answer: dict[str, Any] = {
-            "policy": policy.name,
+            "policy": node.policy.name,
             "key_kind": key.kind,
             "key_source": key.source,
             "sticky": last,
@@ -319,37 +321,8 @@ class AdminApi:
         }
         if fleet.unserved(key.model):
             return _json(answer | {"replica": None, "reason": f"no replica serves the model {key.model!r}"})
-        if isinstance(policy, Ttft) and prompt is not None:
-            if node.feed is not None:  # in the engine's tokens, where replicas publish KV events
-                api = (MESSAGES if "system" in body else CHAT) if "messages" in body else COMPLETION
-                key = await node.feed.tokenized(dataclasses.replace(key, prompt=prompt), api, body)
-                prompt = key.prompt or prompt
-            decision, placement = policy.decide(key, prompt, last, set())
-            candidates = placement.rows() if decision is not None else []
-            answer |= {
-                "blocks": len(prompt.chain),
-                "prompt_tokens": (
-                    prompt.tokens.count
-                    if prompt.tokens is not None
-                    else round(prompt.nbytes / placement.bytes_per_token)
-                ),
-                "candidates": [
-                    {
-                        "replica": fleet.replicas[c.index].id,
-                        "cached_tokens": round(c.cached_tokens),
-                        "cached_from": placement.source(c.index),  # its engine's KV events, or the model
-                        "uncached_tokens": round(c.uncached_tokens),
-                        "wait_s": round(c.wait_s, 6),
-                        "cost_s": round(c.cost_s, 6),
-                        "spread_s": round(c.spread_s, 6),
-                        "gated": c.gated,
-                        "prefill_tokens_per_s": round(1 / placement.of(fleet.replicas[c.index]).seconds_per_token),
-                    }
-                    for c in sorted(candidates, key=lambda c: c.cost_s)
-                ],
-            }
-        else:
-            decision = policy.pick(key, last, set()) if policy.keyed else None
+        decision = explained.decision
+        answer |= explained.details
         answer["replica"] = fleet.replicas[decision.index].id if decision else None
         answer["reason"] = decision.reason if decision else "no replica can serve"
         return _json(answer)

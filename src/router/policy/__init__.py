@@ -10,7 +10,7 @@ from __future__ import annotations
 from router.config import POLICIES, RouterConfig
 from router.fleet import Fleet
 from router.policy.affinity import Affinity
-from router.policy.base import Decision, Policy
+from router.policy.base import Decision, Explained, Hearing, Policy
 from router.policy.consistent_hash import ConsistentHash
 from router.policy.least_load import LeastLoad
 from router.policy.round_robin import RoundRobin
@@ -29,4 +29,4 @@ def make_policy(name: str, fleet: Fleet, config: RouterConfig) -> Policy:
     return cls(fleet, config)
 
 
-__all__ = ["REGISTRY", "Decision", "Policy", "make_policy"]
+__all__ = ["REGISTRY", "Decision", "Explained", "Hearing", "Policy", "make_policy"]

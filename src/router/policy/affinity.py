@@ -29,6 +29,7 @@ that has already gone down.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 
 from router.fleet import NONE
 from router.keys import RoutingKey
@@ -38,6 +39,9 @@ from router.policy.base import Decision, Policy
 class Affinity(Policy):
     name = "affinity"
     keyed = True
+    # a session's replica that is there, routable and not tried is passed over only at its load
+    # cap: its jump counts as a spill (where `ttft` falls back on this policy, by its state)
+    passes_over = "spill"
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         if key.kind == "none":
@@ -47,6 +51,8 @@ class Affinity(Policy):
         if capped and self.fleet.refresh_loads is not None:
             self.fleet.refresh_loads()
             decision, _ = self._pick(key, last, exclude, skip)
+        if decision is not None and self.passes_over != decision.passed_over:
+            decision = replace(decision, passed_over=self.passes_over)
         return decision
 
     def _pick(

@@ -1,18 +1,26 @@
-"""The interface every policy implements, and the least-loaded pick they share as a fallback."""
+"""The interface every policy implements, and the least-loaded pick they share as a fallback.
+
+A policy answers one question, `pick`: which replica for this request. Its `Decision` carries what
+the routing core needs to count the answer (why, and how a session's jump counts), and a policy
+that learns from the attempts it caused (`ttft`: its prefix index and prefill queues) hands each
+route a `Hearing`, told of every attempt: sent, released, failed, answered. `explain` gives the
+same answer as `pick` without moving anything (for /admin/route).
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from router.config import RouterConfig
-from router.fleet import Fleet
+from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 
 if TYPE_CHECKING:
-    from router.placement import Candidate, Placement
+    from router.placement import Candidate, Prediction
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,20 +28,73 @@ class Decision:
     index: int
     reason: str  # sticky | ring | spill | failover | round_robin | least_load | prefix | cost | adapter
     cost: Candidate | None = field(default=None, compare=False)  # ttft: the chosen replica's row
+    # how a session's jump to this replica counts (router_session_jumps' reason): `jump` whatever
+    # became of the replica it left; else, where that replica is still there, routable and not
+    # tried, `passed_over` (`affinity` passes it over only at its load cap: `spill`)
+    jump: str | None = field(default=None, compare=False)
+    passed_over: str = field(default="ring", compare=False)
+
+
+class Hearing(Protocol):
+    """What a policy learns from the attempts of one route: each replica it was `sent` to (with
+    the decision), `released` when that attempt ends however it ended, `failed` before its first
+    byte, or `answered` with what the answer showed (the prediction it made there, if any)."""
+
+    def sent(self, replica: ReplicaState, decision: Decision, now: float) -> None: ...
+
+    def released(self, replica: ReplicaState, now: float) -> None: ...
+
+    def failed(self, replica: ReplicaState) -> None: ...
+
+    def answered(
+        self,
+        replica: ReplicaState,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ttft_s: float | None,
+        completion_tokens: int,
+        reply_s: float | None,
+        first_token_at: float | None,
+    ) -> Prediction | None: ...
+
+    def blocks_held(self, replica: ReplicaState) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Explained:
+    """What `explain` found: the decision (None: no replica can serve), and the policy's own
+    account of it (`ttft`: every candidate's price), as JSON-ready fields."""
+
+    decision: Decision | None
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Policy:
     name: ClassVar[str] = ""
     keyed: ClassVar[bool] = False  # it routes by the request's key (else the key only counts jumps)
-    placement: Placement | None = None  # ttft: the prefix index and prefill queues its answers feed
+    reads_prompts: ClassVar[bool] = False  # its keys carry the prompt's blocks (router.prompt)
 
     def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
         self.fleet = fleet
         self.config = config
+        self.clock: Callable[[], float] = time.monotonic
         self._rotation = itertools.count()
 
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         raise NotImplementedError
+
+    def explain(self, key: RoutingKey, last: str | None) -> Explained:
+        """`pick`'s answer for a first attempt, with nothing moved or remembered; a policy that does
+        not route by key (its pick moves a rotation) explains nothing."""
+        return Explained(self.pick(key, last, ()) if self.keyed else None)
+
+    def hear(self, key: RoutingKey) -> Hearing | None:
+        """What hears of the attempts of a route for `key` (None: the policy learns nothing from them)."""
+        return None
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Run on `clock` (monotonic seconds), the routing core's: a simulator's is virtual."""
+        self.clock = clock
 
     def skipping(self, key: RoutingKey) -> frozenset[int]:
         """The replicas that are no candidates for this key: those known not to serve its model,

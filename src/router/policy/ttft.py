@@ -56,18 +56,22 @@ of a word, an empty prompt) are placed as by `affinity`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 
 from router.config import RouterConfig
-from router.fleet import Fleet
+from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
-from router.placement import Candidate, Placement
+from router.placement import Candidate, Placed, Placement, Prediction
 from router.policy.affinity import Affinity
-from router.policy.base import Decision, Policy
+from router.policy.base import Decision, Explained, Policy
 from router.prompt import Prompt
 
 HOME_SHARE = 0.5  # a keyless conversation's home holds at least this share of its prompt (not only an opening)
+# the reasons for placing a request by its prompt where no session says where it lives: for a key
+# that is a fingerprint (its first message), a jump so placed counts as `prefix` (no session id
+# says it is one conversation: another may open alike)
+PLACED = frozenset({"cost", "prefix", "ring"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +83,74 @@ class Move:
     to: str  # the replica it was sent to (the move took only if its next turn says it was served there)
 
 
+class PlacementHearing:
+    """A route's attempts, told to the prefix index and the prefill queues (router.placement): a
+    priced attempt's blocks and queue time there from the moment it is sent, undone if it fails
+    before its first byte, checked against its answer's usage; every attempt's end (a replica
+    with nothing left in flight has nothing queued)."""
+
+    __slots__ = ("placed", "placement", "prompt")
+
+    def __init__(self, placement: Placement, prompt: Prompt | None) -> None:
+        self.placement = placement
+        self.prompt = prompt
+        self.placed: tuple[ReplicaState, Placed] | None = None  # what the latest priced attempt expected there
+
+    def sent(self, replica: ReplicaState, decision: Decision, now: float) -> None:
+        if self.prompt is not None and decision.cost is not None:
+            self.placed = (replica, self.placement.sent(replica, self.prompt, decision.cost, now))
+
+    def _there(self, replica: ReplicaState) -> Placed | None:
+        placed = self.placed
+        return placed[1] if placed is not None and placed[0] is replica else None
+
+    def released(self, replica: ReplicaState, now: float) -> None:
+        self.placement.released(replica, now, self._there(replica))
+
+    def failed(self, replica: ReplicaState) -> None:
+        placed = self._there(replica)
+        if self.prompt is not None and placed is not None:
+            self.placement.failed(replica, self.prompt, placed)
+            self.placed = None
+
+    def answered(
+        self,
+        replica: ReplicaState,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ttft_s: float | None,
+        completion_tokens: int,
+        reply_s: float | None,
+        first_token_at: float | None,
+    ) -> Prediction | None:
+        if self.prompt is None:
+            return None
+        return self.placement.answered(
+            replica,
+            self.prompt,
+            self._there(replica),
+            prompt_tokens,
+            cached_tokens,
+            ttft_s,
+            completion_tokens,
+            reply_s,
+            first_token_at,
+        )
+
+    def blocks_held(self, replica: ReplicaState) -> int:
+        return self.placement.blocks_held(replica.id)
+
+
 class Ttft(Policy):
     name = "ttft"
     keyed = True
+    reads_prompts = True
 
     def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
         super().__init__(fleet, config)
-        self.placement: Placement = Placement(fleet, config)
+        self.placement: Placement = Placement(fleet, config, self.clock)
         self.fallback = Affinity(fleet, config)
+        self.fallback.passes_over = "ring"  # a keyed session left behind counts by its replica's state
         self.stay_share = config.ttft_stay_share
         self.move_weight = config.ttft_move_weight
         self.cooldown_s = config.ttft_move_cooldown_s
@@ -96,16 +160,64 @@ class Ttft(Policy):
         self.moves_ttl_s = max(config.sticky_ttl_s, self.cooldown_s)
         self.moves_kept = config.sticky_max_sessions
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        super().use_clock(clock)
+        self.placement.clock = clock  # its prefill queues run on the same clock
+
+    def hear(self, key: RoutingKey) -> PlacementHearing:
+        return PlacementHearing(self.placement, key.prompt)
+
     def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
         prompt = key.prompt
         if prompt is None:
-            return self.fallback.pick(key, last, exclude)
-        decision = self.decide(key, prompt, last, exclude)[0]
-        if decision is not None and decision.reason == "cost" and last is not None and self.evidence(key, last):
-            # a keyed session leaves a replica that could have kept it (only `pick` remembers:
-            # /admin/route's explanations send nothing)
-            self._moved(key.key, Move(self.placement.clock(), last, self.fleet.replicas[decision.index].id))
+            decision = self.fallback.pick(key, last, exclude)
+        else:
+            decision = self.decide(key, prompt, last, exclude)[0]
+            if decision is not None and decision.reason == "cost" and last is not None and self.evidence(key, last):
+                # a keyed session leaves a replica that could have kept it (only `pick` remembers:
+                # /admin/route's explanations send nothing)
+                self._moved(key.key, Move(self.placement.clock(), last, self.fleet.replicas[decision.index].id))
+        return self._counted(key, decision)
+
+    @staticmethod
+    def _counted(key: RoutingKey, decision: Decision | None) -> Decision | None:
+        """`decision`, a jump it causes counted as `prefix` where the key is a fingerprint and the
+        request was placed by its prompt: the replica the key went to last may have served another
+        conversation that opens alike, so it is no session moving."""
+        if decision is not None and key.kind == "prefix" and decision.reason in PLACED:
+            return replace(decision, jump="prefix")
         return decision
+
+    def explain(self, key: RoutingKey, last: str | None) -> Explained:
+        """As `pick` would decide a first attempt (no move remembered), with every candidate's
+        predicted cached tokens, wait and cost."""
+        prompt = key.prompt
+        if prompt is None:
+            return Explained(self._counted(key, self.fallback.pick(key, last, ())))
+        decision, placement = self.decide(key, prompt, last, ())
+        fleet = self.fleet
+        candidates = placement.rows() if decision is not None else []
+        details = {
+            "blocks": len(prompt.chain),
+            "prompt_tokens": (
+                prompt.tokens.count if prompt.tokens is not None else round(prompt.nbytes / placement.bytes_per_token)
+            ),
+            "candidates": [
+                {
+                    "replica": fleet.replicas[c.index].id,
+                    "cached_tokens": round(c.cached_tokens),
+                    "cached_from": placement.source(c.index),  # its engine's KV events, or the model
+                    "uncached_tokens": round(c.uncached_tokens),
+                    "wait_s": round(c.wait_s, 6),
+                    "cost_s": round(c.cost_s, 6),
+                    "spread_s": round(c.spread_s, 6),
+                    "gated": c.gated,
+                    "prefill_tokens_per_s": round(1 / placement.of(fleet.replicas[c.index]).seconds_per_token),
+                }
+                for c in sorted(candidates, key=lambda c: c.cost_s)
+            ],
+        }
+        return Explained(self._counted(key, decision), details)
 
     @staticmethod
     def evidence(key: RoutingKey, last: str | None) -> str | None:

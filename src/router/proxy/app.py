@@ -148,7 +148,7 @@ class Proxy:
         self.routing = node.routing
         self.metrics = node.metrics
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.first_byte_timeout_s, cfg.idle_timeout_s)
-        self.prompts = node.policy.placement is not None  # the policy reads prompts: cut them into blocks
+        self.prompts = node.policy.reads_prompts  # the keys carry the prompt's blocks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """A proxied endpoint, served by aiohttp (a connection the front handed over)."""

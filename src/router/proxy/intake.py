@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from router.apis import CHAT, RESPONSES, Api, api_of
+from router.apis import CHAT, Api, api_of
 from router.config import RouterConfig
 from router.errors import error_body_for
-from router.keys import RoutingKey, response_key, routing_key
-from router.prompt import prompt_of
+from router.keys import RoutingKey
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.resume import SoFar, continuation
+from router.routing.request import request_key
 
 
 async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float) -> bytes:
@@ -55,18 +55,6 @@ class Intake:
     strip_usage: bool  # the router asked for usage: the client is not shown it
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
     api: Api
-
-
-def request_key(headers: Mapping[str, str], body: dict[str, Any], cfg: RouterConfig) -> RoutingKey:
-    """The routing key of a request with these headers and this (parsed) body, by the configured sources."""
-    return routing_key(
-        headers,
-        body,
-        header_names=cfg.key_headers,
-        body_fields=cfg.key_body_fields,
-        prefix_chars=cfg.prefix_chars,
-        max_key_bytes=cfg.max_key_bytes,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +129,7 @@ def take_in_body(
         return Refused(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return Refused(400, "the request body must be a JSON object")
-    key = (response_key(body, cfg.max_key_bytes) if api is RESPONSES else None) or request_key(headers, body, cfg)
-    if prompts and api.prompt:  # an embedding's input leaves no KV cache behind
-        prompt = prompt_of(body, cfg.prefix_block_bytes)
-        if prompt is not None:
-            key = replace(key, prompt=prompt)
+    key = request_key(api, headers, body, cfg, prompts)
     streamed = body.get("stream") is True
     strip_usage = False
     if streamed and api.usage_option and cfg.inject_usage:

@@ -24,8 +24,7 @@ from typing import Protocol
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.keys import RoutingKey, stored_key
 from router.metrics import RouterMetrics
-from router.placement import Placed
-from router.policy import Decision, Policy
+from router.policy import Decision, Explained, Hearing, Policy
 from router.routing.directory import SessionDirectory
 
 # a move is stamped by the control process before it reaches the workers: one that arrives while a
@@ -33,8 +32,6 @@ from router.routing.directory import SessionDirectory
 MOVE_SLACK_MS = 2000
 # the policy's own reasons, which say why a session left its replica better than the fleet can
 POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix"})
-# `ttft`'s reasons for placing a request by its prompt where no session says where it lives
-PLACED = frozenset({"cost", "prefix", "ring"})
 
 
 @dataclass(slots=True)
@@ -87,9 +84,7 @@ class Routing:
         self.max_attempts = max_attempts
         self.observer = observer
         self.clock = clock  # monotonic seconds: request starts, latency samples
-        self.placement = policy.placement
-        if self.placement is not None:
-            self.placement.clock = clock  # its prefill queues run on the same clock
+        policy.use_clock(clock)  # what it learns from answers runs on the same clock
         self.wall = wall  # unix seconds: session entries
         self.move_slack_ms = move_slack_ms
 
@@ -105,12 +100,18 @@ class Routing:
         last = self.directory.table.get(key.key) if key.kind != "none" else None
         return Route(self, key, last, last is not None, t0, deadline)
 
-    def jump_reason(self, last: str, decision: Decision, key: RoutingKey | None = None) -> str:
+    async def explain(self, key: RoutingKey) -> tuple[Explained, str | None]:
+        """Where a first attempt for `key` would go, as `route(key).next()` decides it (a stored
+        response's replica included), and where its session was served last; nothing is counted,
+        sent or remembered."""
+        last, _ = await self.directory.last_served(key.key, remember=False) if key.kind != "none" else (None, False)
+        holder = Route(self, key, last, False, self.clock(), float("inf"), hearing=False).holder()
+        return (Explained(holder) if holder is not None else self.policy.explain(key, last)), last
+
+    def jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last` for `decision`: a label of router_session_jumps."""
-        if key is not None and key.kind == "prefix" and self.placement is not None and decision.reason in PLACED:
-            # a fingerprint is no session id: `ttft` placed the request by its prompt alone, and the
-            # replica the key went to last may have served another conversation that opens alike
-            return "prefix"
+        if decision.jump is not None:
+            return decision.jump  # the policy knows better than the replica's state
         if decision.reason in POLICY_REASONS:
             return decision.reason
         previous = self.fleet.find(last)
@@ -120,9 +121,9 @@ class Routing:
             return "drain"
         if not previous.health.routable:
             return "health"
-        if self.policy.name == "affinity":
-            return "spill"  # routable and not tried, yet passed over: it was at its load cap
-        return "ring"  # the key's ring owner changed (membership, weights or an override)
+        # routable and not tried, yet passed over: `ring` where the key's ring owner changed
+        # (membership, weights or an override), `spill` where the policy passes over only a full one
+        return decision.passed_over
 
 
 class Route:
@@ -131,10 +132,10 @@ class Route:
         "deadline",
         "decision",
         "first",
+        "hearing",
         "key",
         "last",
         "local",
-        "placed",
         "routing",
         "t0",
         "timed_out",
@@ -142,7 +143,14 @@ class Route:
     )
 
     def __init__(
-        self, routing: Routing, key: RoutingKey, last: str | None, local: bool, t0: float, deadline: float
+        self,
+        routing: Routing,
+        key: RoutingKey,
+        last: str | None,
+        local: bool,
+        t0: float,
+        deadline: float,
+        hearing: bool = True,
     ) -> None:
         self.routing = routing
         self.key = key
@@ -154,7 +162,8 @@ class Route:
         self.first: ReplicaState | None = None
         self.decision: Decision | None = None  # the latest pick for the request itself
         self.alone = False  # the latest pick had nothing else in flight when acquired
-        self.placed: tuple[ReplicaState, Placed] | None = None  # ttft: what the latest pick expected there
+        # what the policy learns from this route's attempts (ttft: its prefix index and prefill queues)
+        self.hearing: Hearing | None = routing.policy.hear(key) if hearing else None
         self.timed_out = False  # `next` refused for the deadline
 
     @property
@@ -171,14 +180,9 @@ class Route:
         if now >= self.deadline:
             self.timed_out = True  # no replica is charged for an attempt that was never made
             return None
-        if self.key.kind == "response" and self.last is not None and not resuming:
-            # a stored response (or conversation) lives on the replica that produced it: only that
-            # one can continue it, whatever its load, and no other is worth a retry
-            if self.tried:
-                return None
-            decision = self._holder(self.last)
-        else:
-            decision = None
+        if self.key.kind == "response" and self.last is not None and not resuming and self.tried:
+            return None  # only the replica holding a stored response can continue it: no retry elsewhere
+        decision = None if resuming else self.holder()
         if decision is None:
             decision = routing.policy.pick(
                 self.key, None if resuming else self.last, {r.index for r in self.tried if r.index is not None}
@@ -198,15 +202,18 @@ class Route:
             fleet.sent_adapter(replica, model)  # its engine loads it: the next request for it knows
         # nothing else in flight there: its time to first token measures the replica, not a queue
         self.alone = replica.index is not None and fleet.loads[replica.index] <= 1
-        placement, prompt = routing.placement, self.key.prompt
-        if placement is not None and prompt is not None and decision.cost is not None:
-            self.placed = (replica, placement.sent(replica, prompt, decision.cost, now))
+        if self.hearing is not None:
+            self.hearing.sent(replica, decision, now)
         return replica
 
-    def _holder(self, last: str) -> Decision | None:
-        """The replica a `response` key was served on, while it is in the fleet, serves the model
-        and takes requests (routable, or draining: it finishes what it holds); else None (then the
-        policy places it, and the replica there says what it knows)."""
+    def holder(self) -> Decision | None:
+        """For a `response` key: a stored response (or conversation) lives on the replica that
+        produced it, and only that one can continue it, whatever its load: that replica while it is
+        in the fleet, serves the model and takes requests (routable, or draining: it finishes what
+        it holds); else None (then the policy places it, and the replica there says what it knows)."""
+        last = self.last
+        if self.key.kind != "response" or last is None:
+            return None
         fleet = self.routing.fleet
         holder = fleet.find(last)
         if holder is None or holder.index is None or holder.index in fleet.not_serving(self.key.model):
@@ -223,19 +230,16 @@ class Route:
     def release(self, replica: ReplicaState) -> None:
         routing = self.routing
         routing.fleet.release(replica)
-        if routing.placement is not None:
-            placed = self.placed[1] if self.placed is not None and self.placed[0] is replica else None
-            routing.placement.released(replica, routing.clock(), placed)
+        if self.hearing is not None:
+            self.hearing.released(replica, routing.clock())
 
     def failed(self, replica: ReplicaState, cause: str) -> None:
         """The attempt on `replica` failed before its first byte (`cause`: connect, timeout, http_5xx, reset)."""
         replica.errors += 1
         m = self.routing.metrics
         m.child(m.retries, cause).inc()
-        placement, prompt = self.routing.placement, self.key.prompt
-        if placement is not None and prompt is not None and self.placed is not None and self.placed[0] is replica:
-            placement.failed(replica, prompt, self.placed[1])
-            self.placed = None
+        if self.hearing is not None:
+            self.hearing.failed(replica)
 
     def served(self, replica: ReplicaState, facts: Served, path: str = "", body: bytes = b"") -> Verdict:
         """`replica` answered (`facts`): feed its samples and counts; a keyed success remembers the
@@ -263,8 +267,8 @@ class Route:
         if replica is not self.first:
             m.failovers.inc()
         key = self.key
-        if routing.placement is not None and key.prompt is not None and facts.status < 400:
-            self._placed(replica, facts)
+        if self.hearing is not None and facts.status < 400:
+            self._heard(self.hearing, replica, facts)
         if key.kind == "none" or facts.status >= 400:
             return Verdict()
         verdict = Verdict()
@@ -276,7 +280,7 @@ class Route:
             if moved is not None and last == replica.id == table.get(key.key):
                 verdict = Verdict(True, moved, moved=True)  # the router moved it here (its cache was warmed first)
             elif last != replica.id and self.decision is not None:
-                verdict = Verdict(True, routing.jump_reason(last, self.decision, key))
+                verdict = Verdict(True, routing.jump_reason(last, self.decision))
             else:
                 verdict = Verdict(True)
             if verdict.jump is not None:
@@ -286,12 +290,9 @@ class Route:
             routing.observer.served(key.key, path, body)
         return verdict
 
-    def _placed(self, replica: ReplicaState, facts: Served) -> None:
-        """Tell the prefix index and the prefill model what the answer showed."""
+    def _heard(self, hearing: Hearing, replica: ReplicaState, facts: Served) -> None:
+        """Tell the policy what the answer showed (ttft: its prefix index and prefill model)."""
         routing = self.routing
-        placement, prompt = routing.placement, self.key.prompt
-        assert placement is not None and prompt is not None
-        placed = self.placed[1] if self.placed is not None and self.placed[0] is replica else None
         # a prefill speed is learnt only from a request that had the replica to itself: with others
         # there, its first token also waited for their decode steps and for room in a full KV cache,
         # which the model does not see, and busy replicas would look slow and idle ones fast (every
@@ -302,10 +303,8 @@ class Route:
         if facts.streamed and not facts.cut and facts.ttft_s is not None and facts.completion_tokens >= 2:
             reply_s = routing.clock() - self.t0 - facts.ttft_s
         first = self.t0 + facts.token_s if facts.streamed and not facts.cut and facts.token_s is not None else None
-        predicted = placement.answered(
+        predicted = hearing.answered(
             replica,
-            prompt,
-            placed,
             facts.prompt_tokens,
             facts.cached_tokens,
             ttft,
@@ -321,7 +320,7 @@ class Route:
             m.child(m.prefix_reported_tokens, rid).inc(facts.cached_tokens)
             m.child(m.prefix_error_tokens, rid).inc(abs(predicted.tokens - facts.cached_tokens))
             m.child(m.prefix_prediction_error, predicted.source).observe(predicted.tokens - facts.cached_tokens)
-        m.child(m.prefix_index_blocks, rid).set(placement.blocks_held(rid))
+        m.child(m.prefix_index_blocks, rid).set(hearing.blocks_held(replica))
 
     def resumed(self, replica: ReplicaState, whole: bool) -> None:
         """A broken stream was continued on `replica`; `whole`: the continuation ended well (else it broke too)."""
