@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import importlib.metadata
 import logging
 import socket
 import sys
@@ -28,6 +29,7 @@ from router.proxy.workers import (
     serve_workers,
     stop_serving,
 )
+from router.ring import IMPLEMENTATION as RING_IMPLEMENTATION
 from router.shm.table import SlotTable
 from router.state import StateError, state_file
 
@@ -266,6 +268,13 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kv-affinity-router")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="router-serve",
@@ -278,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Guide and reference: docs/router.md. The settings' names in TOML are the flags' with underscores.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     first = p.add_argument_group("start here", "where to listen, what to route to, and how")
     first.add_argument("--demo", metavar="N", help=HELP["demo"])
     first.add_argument(
@@ -313,13 +323,14 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary(config: RouterConfig) -> str:
     """One line of what a configuration amounts to (for --check-config)."""
-    replicas = [f"{len(config.replicas)} replicas"]
+    replicas = [f"{len(config.replicas)} replica{'' if len(config.replicas) == 1 else 's'}"]
     if config.discovery:
         replicas.append(f"discovered through {config.discovery}")
     if config.demo:
         replicas.append(f"{config.demo} emulated")
     parts = [
         f"listens on {config.host}:{config.port}",
+        "compiled core" if RING_IMPLEMENTATION == "compiled" else "pure-Python core (ROUTER_NO_EXTENSIONS=1)",
         f"policy {config.policy}",
         " + ".join(replicas),
         f"{config.workers} worker process{'es' if config.workers > 1 else ''}",
