@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from waiting import until
 
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Replica
@@ -71,7 +72,11 @@ async def test_requests_waiting_for_a_lora_slot_are_deferred_as_vllm_counts_them
                     return r.status
 
             sent = [asyncio.create_task(ask(m)) for m in ("a", "b", "b")]
-            await asyncio.sleep(0.1)
+            engine = replica.engine
+            await until(
+                lambda: len(engine.running) == 1 and len(engine.running) + len(engine.waiting) == 3,
+                "the three requests in the engine, one of them running",
+            )
             async with http.get(replica.url + "/metrics") as r:
                 text = await r.text()
             assert await asyncio.gather(*sent) == [200, 200, 200]
@@ -207,7 +212,13 @@ async def test_queue_and_kv_gauges_under_load(make_replica) -> None:  # type: ig
                 )
                 for i in range(6)
             ]
-            await asyncio.sleep(0.25)  # all six have arrived; the first two are still running
+            await until(  # all six have arrived; the first two are still running, decoding
+                lambda: (
+                    (len(r.engine.running), len(r.engine.waiting)) == (2, 4)
+                    and all(seq.output_tokens for seq in r.engine.running)
+                ),
+                "two requests running and decoding, four waiting",
+            )
             async with s.get(r.url + "/metrics") as resp:
                 text = await resp.text()
             for job in jobs:
