@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from waiting import until
 
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
@@ -152,9 +153,14 @@ async def test_every_worker_routes_from_the_events(
         for turn in range(1, 4):
             for n in range(8):
                 await chat(http, served.url, conversation(n, turn), f"w-{n}")
-        await asyncio.sleep(0.3)
-        async with http.get(served.url + "/metrics") as r:
-            text = await r.text()
+
+        async def priced() -> str | None:  # a worker books a request just after its client read the end
+            async with http.get(served.url + "/metrics") as r:
+                text = await r.text()
+            count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
+            return text if count and float(count[1]) >= 24 else None
+
+        text = await until(priced, "the 24 requests priced by the events in the workers' merged metrics", 10, 0.1)
     count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
     exact = re.search(r'router_prefix_prediction_error_tokens_bucket\{le="0\.5",source="events"\} (\S+)', text)
     below = re.search(r'router_prefix_prediction_error_tokens_bucket\{le="-0\.5",source="events"\} (\S+)', text)
