@@ -5,8 +5,8 @@ it, through two routers on one Redis, and across a router restart, every follow-
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,12 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from waiting import until
 
 from router.bench.faults import RedisServer
 from router.config import load
 from router.emulator.server import Faults, Fleet
+from router.keys import stored_key
 from router.node import Node
 from router.proxy.app import build_app
 from router.proxy.front import FrontRunner
@@ -133,6 +135,13 @@ async def test_a_follow_up_stays_on_a_busy_replica_and_is_not_retried_elsewhere(
     assert status in (502, 503) and again is None, error  # its holder is gone: no other replica has it
 
 
+async def in_redis(router: Node, key: bytes, replica: str | None) -> bool:
+    """The session records in Redis say `replica` served `key` last (`router` has no write of its own for it)."""
+    assert router.redis is not None
+    found = await router.redis.sessions.lookup(key)
+    return found is not None and found[0] == replica
+
+
 async def test_a_chain_through_two_routers_on_redis(
     start_fleet: Callable[..., Any], start_router: Callable[..., Any], redis_server: RedisServer
 ) -> None:
@@ -141,15 +150,14 @@ async def test_a_chain_through_two_routers_on_redis(
     settings = {"state": redis_server.url, "health_checks": False, "rebalance": False}
     a, url_a = await start_router(named, **settings)
     b, url_b = await start_router(named, **settings)
-    for _ in range(100):
-        if a.redis.online and b.redis.online:  # type: ignore[union-attr]
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: a.redis.online and b.redis.online, "both routers on Redis")  # type: ignore[union-attr]
     previous = None
+    replica = None
     where = set()
     for i in range(5):
-        if i:
-            await asyncio.sleep(0.3)  # session writes reach Redis every 100 ms
+        if i:  # session writes reach Redis every 100 ms: until this turn's router finds the last answer there
+            key = stored_key(previous, a.config.max_key_bytes)  # type: ignore[arg-type]
+            await until(partial(in_redis, (a, b)[i % 2], key, replica), f"the answer to turn {i - 1} in Redis")
         status, replica, response = await ask((url_a, url_b)[i % 2], f"turn {i}", previous, stream=i == 3)
         assert status == 200, (i, response)
         previous = response["id"]
