@@ -11,6 +11,7 @@ import dns.message
 import dns.rcode
 import dns.rrset
 import pytest
+from waiting import until
 
 from router.config import ConfigError, ReplicaSpec, load
 from router.discovery import Discovery, resolve_dns, resolve_srv
@@ -41,8 +42,11 @@ async def test_a_watched_file_adds_and_removes_replicas(start_fleet, start_route
     errors = router.metrics.discovery_errors._value.get()
     await wait_for(lambda: router.metrics.discovery_errors._value.get() > errors)
     assert ids() == ["emu-1", "emu-2"]  # a bad file changes nothing
+    discovery = router.discovery
+    assert discovery is not None
+    rounds = discovery.rounds  # a read that finds the file (the bad one raised before counting)
     listing.write_text("")
-    await asyncio.sleep(0.3)
+    await until(lambda: discovery.rounds > rounds, "a discovery round that read the empty file")
     assert ids() == ["emu-1", "emu-2"]  # nor does an empty one
 
 
