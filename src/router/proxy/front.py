@@ -5,7 +5,7 @@ lifecycle of everything); its server machinery (a request object, a router looku
 object and its writer per request) is most of what a small proxied request costs. The front is an
 `asyncio.Protocol` on each client connection that parses requests with httptools (llhttp) and
 answers `POST` to the proxied endpoints itself, through the same request journey aiohttp's
-handler takes (`Proxy.serve`, with a `FrontExchange`): same intake, routing, attempts,
+handler takes (`Journey.serve`, router.proxy.journey, with a `FrontExchange`): same intake, routing, attempts,
 resuming, metrics and access log.
 
 Any other request is aiohttp's. When the first request on a connection is not a proxied one, the
@@ -66,14 +66,14 @@ REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
 class Serving(Protocol):
-    """What the front hands a proxied request to (router.proxy.app.Proxy)."""
+    """What the front hands a proxied request to (router.proxy.journey.Journey)."""
 
     prompts: bool  # the policy reads prompts: intake cuts them into blocks
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None: ...
 
 
-# the application's proxy, set by router.proxy.app.build_app: a runner with one serves its endpoints on the front
+# the application's journey, set by router.proxy.app.build_app: a runner with one serves its endpoints on the front
 PROXY: web.AppKey[Serving] = web.AppKey("proxy", Serving)
 
 

@@ -1,0 +1,373 @@
+"""One proxied request's journey, below the two HTTP servers that parse it (router.proxy.exchange).
+
+A request taken in (router.proxy.intake) that names a model some replica serves is keyed in the
+engines' tokens where replicas publish KV events, given a `Route` (router.routing), held by the
+overload queue while every replica for its model is full (router.admission: or shed with a 429),
+then sent to each replica its route offers until one answers: a failure before the first byte goes
+to the next (never one already tried, within `max_attempts` and the deadline), and a stream broken
+mid-way is continued on another replica by the same route (router.proxy.resume). Each attempt's
+in-flight count goes up when the route offers the replica and down exactly once, in a `finally`,
+however the attempt ends. The journey ends in the ledger: the request's metrics and access-log line.
+
+It is built from narrow collaborators, never the node: the routing core, the overload queue, the
+attempts (`Attempts`: HTTP to replicas in the proxy, `HttpAttempts`; fakes in its unit tests), the
+ledger, and the engines' tokens where they are read (`tokenize`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from router.admission import Admission, Shed, client_of
+from router.apis import CHAT, RESPONSES, Api
+from router.errors import error_body_for, in_shape, wrapped
+from router.fleet import ReplicaState
+from router.keys import NO_KEY, RoutingKey
+from router.metrics import RouterMetrics
+from router.policy import Decision
+from router.proxy.exchange import JSON, Exchange
+from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
+from router.proxy.intake import Intake, Refused, no_such_model
+from router.proxy.resume import Splicer, continuation, read_so_far
+from router.proxy.sse import StreamFramer
+from router.routing import Route, Routing, Served
+from router.upstream import Upstream
+
+access_log = logging.getLogger("router.access")
+
+SHED_CODES = {"queue_full": "queue_full", "timeout": "queue_timeout"}  # a 429's `code`, by why it was shed
+WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
+
+
+@dataclass(frozen=True, slots=True)
+class Trip:
+    """A request on its way to replicas: the client's side, what was taken in, the headers it is
+    forwarded with, and when it arrived (monotonic)."""
+
+    exchange: Exchange
+    intake: Intake
+    headers: dict[str, str]
+    t0: float
+
+
+class Attempts(Protocol):
+    """How a request reaches a replica: `send` it (a `Retry` when it failed before its first
+    byte), or `resume` a broken stream's `outcome` there with the continuation `body`, its new
+    bytes spliced by `splicer` (a `Retry` when the continuation failed before its first byte)."""
+
+    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome: ...
+
+    async def resume(
+        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
+    ) -> Retry | None: ...
+
+
+class HttpAttempts:
+    """Attempts over HTTP, on the process's keep-alive pools (router.upstream); every answer names
+    the replica (`replica_header`) and, in a worker process, the worker."""
+
+    def __init__(
+        self, client: Callable[[], Upstream], timeouts: Timeouts, replica_header: str, worker: int | None
+    ) -> None:
+        self.client = client  # the pools exist once the app runs
+        self.timeouts = timeouts
+        self.replica_header = replica_header
+        self.worker = worker
+
+    def named(self, replica: ReplicaState) -> dict[str, str]:
+        name = self.replica_header
+        if not name:
+            return {}
+        if self.worker is not None:
+            return {name: replica.id, WORKER_HEADER: str(self.worker)}
+        return {name: replica.id}
+
+    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        intake = trip.intake
+        return await attempt(
+            self.client(),
+            trip.exchange,
+            replica.url + trip.exchange.path,
+            intake.raw,
+            trip.headers,
+            self.named(replica),
+            self.timeouts,
+            deadline,
+            intake.strip_usage,
+            trip.t0,
+            intake.keep,
+            intake.api.events,
+        )
+
+    async def resume(
+        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
+    ) -> Retry | None:
+        url = replica.url + trip.exchange.path
+        return await resume(self.client(), url, body, trip.headers, self.timeouts, deadline, outcome, splicer, trip.t0)
+
+
+def served(result: Outcome) -> Served:
+    return Served(
+        result.status,
+        result.ttft_s,
+        result.prompt_tokens,
+        result.cached_tokens,
+        result.completion_tokens,
+        result.streamed,
+        bool(result.stream_error),
+        result.client_gone,
+        result.token_s,
+    )
+
+
+class Ledger:
+    """Where a request's journey ends: its count by replica, policy, key kind, status and model,
+    its latencies, and (`log_requests`) its access-log line."""
+
+    def __init__(
+        self, metrics: RouterMetrics, policy: str, model_label: Callable[[str | None], str], log_requests: bool
+    ) -> None:
+        self.metrics = metrics
+        self.policy = policy
+        self.model_label = model_label
+        self.log_requests = log_requests
+
+    def finish(
+        self,
+        exchange: Exchange,
+        status: int,
+        replica: ReplicaState | None,
+        key: RoutingKey,
+        decision: Decision | None,
+        t0: float,
+        result: Outcome | None = None,
+        attempts: int = 0,
+    ) -> None:
+        elapsed = time.monotonic() - t0
+        name = replica.id if replica is not None else "none"
+        m = self.metrics
+        m.child(m.requests, name, self.policy, key.kind, str(status), self.model_label(key.model)).inc()
+        if replica is not None:
+            m.child(m.e2e, name).observe(elapsed)
+            if result is not None and result.ttft_s is not None:
+                m.child(m.ttft, name).observe(result.ttft_s)
+        if self.log_requests:
+            access_log.info(
+                json.dumps(
+                    {
+                        "ts": round(time.time(), 3),
+                        "method": exchange.method,
+                        "path": exchange.path,
+                        "status": status,
+                        "replica": replica.id if replica else None,
+                        "policy": self.policy,
+                        "key_kind": key.kind,
+                        "key_source": key.source,
+                        "reason": decision.reason if decision else None,
+                        "attempts": attempts,
+                        "ttft_ms": round(result.ttft_s * 1000, 2) if result and result.ttft_s is not None else None,
+                        "e2e_ms": round(elapsed * 1000, 2),
+                        "prompt_tokens": result.prompt_tokens if result else None,
+                        "cached_tokens": result.cached_tokens if result else None,
+                        "stream_error": result.stream_error if result else None,
+                        "broke_on": result.extra.get("broke_on") if result else None,
+                        "resumed_on": result.extra.get("resumed_on") if result else None,
+                    }
+                )
+            )
+
+
+Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], Awaitable[RoutingKey]]
+
+
+class Journey:
+    """Serves proxied requests (router.proxy.front.Serving): one `serve` per request."""
+
+    def __init__(
+        self,
+        routing: Routing,
+        admission: Admission,
+        attempts: Attempts,
+        ledger: Ledger,
+        metrics: RouterMetrics,
+        total_timeout_s: float,
+        max_key_bytes: int,
+        tokenize: Tokenize | None = None,
+    ) -> None:
+        self.routing = routing
+        self.fleet = routing.fleet
+        self.admission = admission
+        self.attempts = attempts
+        self.ledger = ledger
+        self.metrics = metrics
+        self.total_timeout_s = total_timeout_s
+        self.max_key_bytes = max_key_bytes
+        self.tokenize = tokenize
+        self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
+
+    async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
+        """Answer one proxied request, taken in or refused, through `exchange`."""
+        finish = self.ledger.finish
+        if not isinstance(intake, Intake):
+            intake.answer(exchange)
+            finish(exchange, exchange.status, None, NO_KEY, None, t0)
+            return
+        key = intake.key
+        if key.model is not None and self.fleet.unserved(key.model):
+            no_such_model(key.model).answer(exchange)  # nothing is forwarded
+            finish(exchange, exchange.status, None, key, None, t0)
+            return
+        if self.tokenize is not None and key.prompt is not None:
+            key = await self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
+        loop = asyncio.get_running_loop()
+        route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.total_timeout_s)
+        admission = self.admission
+        if admission.on and intake.api.queued:
+            try:
+                waited = await admission.enter(
+                    key.model,
+                    client_of(exchange.headers, intake.body, exchange.remote),
+                    route.last is not None,
+                    t0 + self.total_timeout_s,
+                )
+            except Shed as shed:
+                self._shed(exchange, shed, key.model)
+                finish(exchange, exchange.status, None, key, None, t0)
+                return
+            if waited:
+                self.metrics.queue_wait.observe(waited)
+        trip = Trip(exchange, intake, forward_headers(exchange.headers, exchange.remote), t0)
+        failure: Retry | None = None
+        while (replica := route.next(loop.time())) is not None:
+            try:
+                result = await self.attempts.send(replica, trip, route.deadline)
+            except asyncio.CancelledError:  # the client went away; the upstream request is closed
+                finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
+                raise
+            finally:
+                route.release(replica)
+                if intake.api.queued:
+                    admission.released()
+            if isinstance(result, Retry):
+                route.failed(replica, result.cause)
+                failure = result
+                continue
+            route.served(replica, served(result), exchange.path, intake.raw)
+            if (
+                intake.api is RESPONSES
+                and result.response_id is not None
+                and result.status == 200
+                and intake.body.get("store") is not False
+            ):
+                route.produced(result.response_id, replica, self.max_key_bytes)
+            if intake.keep and result.streamed:
+                try:
+                    replica = await self._resume(trip, route, result, replica)
+                except asyncio.CancelledError:  # the client went away during the continuation
+                    finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
+                    raise
+            finish(exchange, result.status, replica, key, route.decision, t0, result, route.attempts)
+            return
+        if route.timed_out:
+            failure = failure or Retry("timeout", 504)
+        self._no_replica(exchange, failure, bool(route.tried))
+        finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
+
+    def _shed(self, exchange: Exchange, shed: Shed, model: str | None) -> None:
+        """The 429 of a request every replica for its model was too full for."""
+        m = self.metrics
+        m.child(m.shed, shed.reason, self.fleet.model_label(model)).inc()
+        headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
+        exchange.answer(
+            shed.status, error_body_for(exchange.path, shed.message, shed.status, SHED_CODES[shed.reason]), headers
+        )
+
+    async def _resume(self, trip: Trip, route: Route, result: Outcome, broke: ReplicaState) -> ReplicaState:
+        """Continue `result`'s broken stream on another replica the route offers and return the
+        replica that ended the stream. A stream is resumed once: if its continuation breaks too,
+        the request itself may be what breaks replicas, so it ends there with an SSE error event,
+        as when it cannot be continued or no replica takes it."""
+        m = self.metrics
+        if not result.broken:
+            if result.stream_error and not result.client_gone:
+                m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
+            return broke
+        result.extra["broke_on"] = broke.id
+        chat = trip.intake.api is CHAT
+        assert result.record is not None
+        so_far = read_so_far(result.record)
+        if so_far is not None and so_far.finished:
+            # the answer was whole; only its end was missing: close it as a finished stream
+            m.child(m.stream_resumes, "finished").inc()
+            result.stream_error = None
+            result.broken = False
+            with contextlib.suppress(ConnectionResetError):
+                await result.response.write(b"data: [DONE]\n\n")
+                await result.response.write_eof()
+            return broke
+        follow = continuation(trip.intake.body, chat, so_far) if so_far is not None else None
+        if follow is None or so_far is None:
+            m.child(m.stream_resumes, "impossible").inc()
+            await end_stream(result)
+            return broke
+        raw = orjson.dumps(follow)
+        strip = result.framer is not None and result.framer.strip_usage
+        loop = asyncio.get_running_loop()
+        while (replica := route.next(loop.time(), resuming=True)) is not None:
+            try:
+                failed = await self.attempts.resume(
+                    replica, trip, raw, route.deadline, result, Splicer(so_far, chat, strip)
+                )
+            finally:
+                route.release(replica)
+            if failed is not None and failed.cause == "refused":
+                m.child(m.stream_resumes, "refused").inc()  # the continuation itself was refused (4xx)
+                await end_stream(result)
+                return broke
+            if failed is not None:
+                route.failed(replica, failed.cause)
+                continue
+            result.extra["resumed_on"] = replica.id
+            if result.client_gone:
+                return replica
+            route.resumed(replica, whole=not result.stream_error)
+            if result.stream_error:
+                m.child(m.stream_resumes, "failed").inc()
+                if result.broken:
+                    await end_stream(result)  # broken twice: not resumed again
+            else:
+                m.child(m.stream_resumes, "resumed").inc()
+            return replica
+        m.child(m.stream_resumes, "failed").inc()
+        await end_stream(result)
+        return broke
+
+    @staticmethod
+    def _no_replica(exchange: Exchange, failure: Retry | None, tried: bool) -> None:
+        if failure is not None and failure.cause == "http_5xx" and failure.body:
+            if in_shape(exchange.path, failure.body):
+                exchange.answer(failure.status, failure.body, {"Content-Type": failure.content_type})
+            else:
+                exchange.answer(failure.status, wrapped(exchange.path, failure.status, failure.body), JSON)
+            return
+        if failure is not None:
+            what = {"timeout": "timed out", "connect": "could not be reached", "reset": "closed the connection"}
+            refusal = Refused(
+                failure.status,
+                f"no replica could serve the request: the last one tried {what.get(failure.cause, 'failed')}",
+                "upstream_error",
+            )
+        elif not tried:
+            refusal = Refused(503, "no replica is available to serve the request", "no_replica_available")
+        else:
+            refusal = Refused(502, "no replica could serve the request", "upstream_error")
+        refusal.answer(exchange)

@@ -1,0 +1,235 @@
+"""A proxied request's journey without sockets (router.proxy.journey): failover, resuming a broken
+stream, shedding, and the ledger's finish, with a scripted `Attempts` and an in-memory exchange."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.admission import Admission
+from router.config import load
+from router.fleet import Fleet, ReplicaState
+from router.metrics import RouterMetrics
+from router.policy import make_policy
+from router.proxy.exchange import JSON
+from router.proxy.forward import Outcome, Retry
+from router.proxy.framer import SseFramer
+from router.proxy.intake import Intake, take_in_body
+from router.proxy.journey import Journey, Ledger, Trip
+from router.proxy.resume import StreamRecord
+from router.proxy.sse import StreamFramer
+from router.routing import Routing, SessionDirectory
+from router.sessions import SessionTable
+
+
+class Exchange:
+    """The client's side, in memory."""
+
+    def __init__(self, path: str = "/v1/chat/completions", headers: Mapping[str, str] | None = None) -> None:
+        self.method = "POST"
+        self.path = path
+        self.headers = CIMultiDictProxy(CIMultiDict(headers or {}))
+        self.remote: str | None = "10.0.0.9"
+        self.transport: asyncio.Transport | None = None
+        self.status = 0
+        self.prepared = False
+        self.body = b""
+        self.sent_headers: dict[str, str] = {}
+        self.ended = False
+
+    def answer(self, status: int, body: bytes, headers: Mapping[str, str], close: bool = False) -> None:
+        self.status, self.body, self.sent_headers = status, body, dict(headers)
+
+    async def prepare(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status, self.prepared, self.sent_headers = status, True, dict(headers)
+
+    async def write(self, data: bytes) -> None:
+        self.body += data
+
+    async def write_eof(self) -> None:
+        self.ended = True
+
+
+Step = Callable[[ReplicaState, Trip], "Retry | Outcome"]
+
+
+class Script:
+    """Attempts that do what the test says, replica by replica, and remember where they went."""
+
+    def __init__(self, *steps: Step, resumes: tuple[Callable[[Outcome], Retry | None], ...] = ()) -> None:
+        self.steps = list(steps)
+        self.resumes = list(resumes)
+        self.sent: list[str] = []
+        self.resumed: list[tuple[str, dict[str, Any]]] = []
+
+    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        self.sent.append(replica.id)
+        return self.steps.pop(0)(replica, trip)
+
+    async def resume(
+        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
+    ) -> Retry | None:
+        self.resumed.append((replica.id, orjson.loads(body)))
+        return self.resumes.pop(0)(outcome)
+
+
+def answered(replica: ReplicaState, trip: Trip) -> Outcome:
+    """A whole JSON answer, with usage."""
+    trip.exchange.answer(200, b'{"choices": []}', JSON)
+    return Outcome(trip.exchange, 200, ttft_s=0.01, prompt_tokens=40, cached_tokens=30, completion_tokens=5)
+
+
+def chunk(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def broken(replica: ReplicaState, trip: Trip) -> Outcome:
+    """A chat stream cut after two tokens, left open for the journey to resume."""
+    opening = {"id": "c-1", "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    tokens = [{"id": "c-1", "created": 1, "choices": [{"index": 0, "delta": {"content": t}}]} for t in ("Hel", "lo")]
+    record = StreamRecord(trip.intake.keep)
+    for event in (opening, *tokens):
+        record.add(chunk(event))
+    exchange = trip.exchange
+    exchange.status, exchange.prepared, exchange.body = 200, True, bytes(record.buf)
+    outcome = Outcome(exchange, 200, ttft_s=0.01, streamed=True, record=record, framer=SseFramer(False))
+    outcome.stream_error, outcome.broken = "upstream connection lost mid-stream", True
+    return outcome
+
+
+def build(
+    replicas: int = 3, policy: str = "affinity", **settings: Any
+) -> tuple[Routing, Admission, RouterMetrics, Any, Fleet]:
+    urls = [f"r{i}=http://127.0.0.1:{9000 + i}" for i in range(replicas)]
+    config = load(None, {}, {"replicas": urls, "policy": policy, "state": "none", **settings})
+    fleet = Fleet(config.replicas, config.vnodes, config.hash_seed)
+    metrics = RouterMetrics()
+    sessions = SessionTable(1000, config.sticky_ttl_s)
+    routing = Routing(
+        fleet, make_policy(policy, fleet, config), SessionDirectory(sessions, config.sticky_ttl_s), metrics, 3
+    )
+    admission = Admission(fleet, config.max_queued, config.queue_timeout_s, config.full_waiting, config.full_kv_usage)
+    return routing, admission, metrics, config, fleet
+
+
+def journey_of(routing: Routing, admission: Admission, metrics: RouterMetrics, script: Script) -> Journey:
+    ledger = Ledger(metrics, routing.policy.name, routing.fleet.model_label, log_requests=False)
+    return Journey(routing, admission, script, ledger, metrics, total_timeout_s=30.0, max_key_bytes=256)
+
+
+def request(config: Any, body: dict[str, Any], session: str = "s-1", path: str = "/v1/chat/completions") -> Intake:
+    headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": session}))
+    intake = take_in_body(path, headers, orjson.dumps(body), config)
+    assert isinstance(intake, Intake)
+    return intake
+
+
+def count(metric: Any, **labels: str) -> float:
+    return sum(
+        s.value
+        for family in metric.collect()
+        for s in family.samples
+        if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+async def test_a_failure_before_the_first_byte_goes_to_the_next_replica_and_ends_in_the_ledger() -> None:
+    routing, admission, metrics, config, fleet = build()
+    script = Script(lambda r, t: Retry("connect", 502), answered)
+    journey = journey_of(routing, admission, metrics, script)
+    exchange = Exchange()
+    await journey.serve(exchange, request(config, CHAT), time.monotonic())
+    assert exchange.status == 200 and len(script.sent) == 2 and script.sent[0] != script.sent[1]
+    assert all(r.inflight == 0 for r in fleet.replicas)  # each attempt released, the failed one too
+    assert count(metrics.retries, cause="connect") == 1 and metrics.failovers._value.get() == 1
+    assert count(metrics.requests, replica=script.sent[1], status="200", key_kind="header") == 1
+    first = fleet.find(script.sent[0])
+    assert first is not None and first.errors == 1
+    # the session lives where it was served: its next turn goes there first
+    script.steps.append(answered)
+    await journey.serve(Exchange(), request(config, CHAT), time.monotonic())
+    assert script.sent[2] == script.sent[1]
+
+
+async def test_no_replica_left_is_an_openai_shaped_answer_and_a_finish() -> None:
+    routing, admission, metrics, config, fleet = build(replicas=2)
+    script = Script(lambda r, t: Retry("timeout", 504), lambda r, t: Retry("timeout", 504))
+    exchange = Exchange()
+    await journey_of(routing, admission, metrics, script).serve(exchange, request(config, CHAT), time.monotonic())
+    error = orjson.loads(exchange.body)["error"]
+    assert exchange.status == 504 and error["code"] == "upstream_error" and "timed out" in error["message"]
+    assert count(metrics.requests, replica="none", status="504") == 1
+    # a model no replica serves is answered at once, never sent
+    fleet.replicas[0].models = fleet.replicas[1].models = frozenset({"m"})
+    missing = Exchange()
+    await journey_of(routing, admission, metrics, Script()).serve(
+        missing, request(config, CHAT | {"model": "x"}), time.monotonic()
+    )
+    assert missing.status == 404 and orjson.loads(missing.body)["error"]["code"] == "model_not_found"
+
+
+async def test_a_stream_broken_mid_way_is_resumed_on_another_replica_from_what_the_client_has() -> None:
+    routing, admission, metrics, config, fleet = build()
+
+    def continued(outcome: Outcome) -> None:
+        outcome.stream_error, outcome.broken = None, False  # the continuation ran to its end
+        return None
+
+    script = Script(broken, resumes=(continued,))
+    exchange = Exchange()
+    intake = request(config, CHAT | {"stream": True})
+    assert intake.keep > 0  # resumable
+    await journey_of(routing, admission, metrics, script).serve(exchange, intake, time.monotonic())
+    (broke_on,) = script.sent
+    resumed_on, follow = script.resumed[0]
+    assert resumed_on != broke_on  # by the route: never back to the replica it broke on
+    assert follow["messages"][-1] == {"role": "assistant", "content": "Hello"}  # the reply so far, to go on from
+    assert count(metrics.stream_resumes, outcome="resumed") == 1
+    # the journey ends where the stream ended, and the session lives there now
+    assert count(metrics.requests, replica=resumed_on, status="200") == 1
+    assert all(r.inflight == 0 for r in fleet.replicas)
+    script.steps.append(answered)
+    await journey_of(routing, admission, metrics, script).serve(Exchange(), request(config, CHAT), time.monotonic())
+    assert script.sent[-1] == resumed_on
+
+
+async def test_a_stream_no_replica_can_continue_ends_with_an_error_event() -> None:
+    routing, admission, metrics, config, _ = build(replicas=2)
+    script = Script(broken, resumes=(lambda outcome: Retry("connect", 502),))
+    exchange = Exchange()
+    await journey_of(routing, admission, metrics, script).serve(
+        exchange, request(config, CHAT | {"stream": True}), time.monotonic()
+    )
+    assert (
+        exchange.ended and b'"code":"upstream_error"' in exchange.body and exchange.body.endswith(b"data: [DONE]\n\n")
+    )
+    assert count(metrics.stream_resumes, outcome="failed") == 1
+
+
+async def test_every_replica_full_sheds_with_a_429_in_the_apis_shape() -> None:
+    routing, admission, metrics, config, fleet = build(replicas=1, max_queued=1, queue_timeout_s=0.05, full_waiting=1)
+    replica = fleet.replicas[0]  # its engine's queue past full_waiting: no room until it drains
+    replica.engine = dataclasses.replace(replica.engine, waiting=5)
+    script = Script()
+    exchange = Exchange()
+    await journey_of(routing, admission, metrics, script).serve(exchange, request(config, CHAT), time.monotonic())
+    error = orjson.loads(exchange.body)["error"]
+    assert exchange.status == 429 and exchange.sent_headers["Retry-After"] and script.sent == []
+    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_timeout")  # held, then shed
+    assert count(metrics.shed, reason="timeout") == 1 and count(metrics.requests, status="429") == 1
+    assert admission.queued == 0
+    messages = Exchange("/v1/messages")  # Anthropic's clients get Anthropic's shape
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    await journey_of(routing, admission, metrics, script).serve(
+        messages, request(config, body, path="/v1/messages"), 0.0
+    )
+    assert orjson.loads(messages.body)["error"]["type"] == "rate_limit_error" and messages.status == 429
