@@ -4,7 +4,6 @@ Messages API (router.apis)."""
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
 
 from router.apis import anthropic
 
@@ -51,23 +50,6 @@ def error_body_for(path: str, message: str, status: int, code: str | None = None
     if anthropic(path):
         return anthropic_error_body(message, status)
     return error_body(message, status, code, param)
-
-
-def error_response(
-    message: str,
-    status: int = 400,
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-    path: str = "",
-) -> web.Response:
-    """An error answer, in the shape of the API at `path` (OpenAI's unless it is Anthropic's)."""
-    return web.Response(
-        status=status,
-        body=error_body_for(path, message, status, code, param),
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 def in_shape(path: str, body: bytes) -> bool:

@@ -18,11 +18,11 @@ from aiohttp import web
 
 from router.apis import CHAT, COMPLETION, MESSAGES, RESPONSES
 from router.config import parse_replica
-from router.errors import error_response
 from router.fleet import ReplicaState
 from router.keys import RoutingKey, bounded_key
 from router.membership import Clash, NoRoom
 from router.node import Node
+from router.proxy.exchange import error_response
 from router.routing.request import request_key
 
 

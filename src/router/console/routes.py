@@ -29,8 +29,8 @@ from aiohttp import web
 
 from router.admin.api import AdminApi, token_ok
 from router.console.history import History
-from router.errors import error_response
 from router.node import Node
+from router.proxy.exchange import error_response
 
 log = logging.getLogger("router.console")
 ASSETS = {

@@ -16,10 +16,9 @@ from prometheus_client import generate_latest
 from router.admin.api import add_admin_routes
 from router.apis import PROXIED, RESPONSES
 from router.console.routes import add_console_routes
-from router.errors import error_response
 from router.keys import stored_key
 from router.node import Node
-from router.proxy.exchange import AioExchange
+from router.proxy.exchange import AioExchange, error_response
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
 from router.proxy.intake import take_in
