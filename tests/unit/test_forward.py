@@ -13,6 +13,7 @@ from router.proxy.forward import Outcome, _pump
 from router.proxy.framer import SseFramer
 from router.proxy.resume import SoFar, Splicer
 from router.proxy.sse import StreamFramer
+from router.routing import Served
 
 
 class Upstream:
@@ -44,10 +45,11 @@ async def test_a_client_that_leaves_mid_stream_is_not_an_upstream_error() -> Non
     events = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
     upstream = Upstream(events[1:])
     client = GoneClient(after=2)
-    outcome = Outcome(response=None, status=200, streamed=True)  # type: ignore[arg-type]
+    outcome = Outcome(client, Served(200, streamed=True))  # type: ignore[arg-type]
+    outcome.framer = SseFramer(False)
     loop: Any = asyncio.get_running_loop()
-    await _pump(upstream, client, events[0], SseFramer(False), outcome, 5.0, loop.time() + 5, None, 0.0)  # type: ignore[arg-type]
-    assert outcome.client_gone and outcome.stream_error is None
+    await _pump(upstream, outcome, events[0], 5.0, loop.time() + 5, 0.0)  # type: ignore[arg-type]
+    assert outcome.facts.client_gone and outcome.stream_error is None and not outcome.facts.cut
     assert len(client.written) == 2 and upstream.reads == 2  # stopped reading the replica at once
 
 

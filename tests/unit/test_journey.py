@@ -24,7 +24,7 @@ from router.proxy.intake import Intake, take_in_body
 from router.proxy.journey import Journey, Ledger, Trip
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
-from router.routing import Routing, SessionDirectory
+from router.routing import Routing, Served, SessionDirectory
 from router.sessions import SessionTable
 
 
@@ -82,7 +82,7 @@ class Script:
 def answered(replica: ReplicaState, trip: Trip) -> Outcome:
     """A whole JSON answer, with usage."""
     trip.exchange.answer(200, b'{"choices": []}', JSON)
-    return Outcome(trip.exchange, 200, ttft_s=0.01, prompt_tokens=40, cached_tokens=30, completion_tokens=5)
+    return Outcome(trip.exchange, Served(200, ttft_s=0.01, prompt_tokens=40, cached_tokens=30, completion_tokens=5))
 
 
 def chunk(data: dict[str, Any]) -> bytes:
@@ -98,7 +98,8 @@ def broken(replica: ReplicaState, trip: Trip) -> Outcome:
         record.add(chunk(event))
     exchange = trip.exchange
     exchange.status, exchange.prepared, exchange.body = 200, True, bytes(record.buf)
-    outcome = Outcome(exchange, 200, ttft_s=0.01, streamed=True, record=record, framer=SseFramer(False))
+    outcome = Outcome(exchange, Served(200, ttft_s=0.01, streamed=True))
+    outcome.record, outcome.framer = record, SseFramer(False)
     outcome.stream_error, outcome.broken = "upstream connection lost mid-stream", True
     return outcome
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -32,6 +32,7 @@ from router.proxy.exchange import JSON, Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
+from router.routing import Served
 from router.upstream import ConnectError, Response, Upstream
 
 HOP_BY_HOP = frozenset(
@@ -65,27 +66,34 @@ class Retry:
     content_type: str = "application/json"
 
 
-@dataclass
 class Outcome:
-    """What one attempt did: the response given to the client and what was learned from it."""
+    """What one attempt did, in one record: its facts for the routing core (`facts`: status, time
+    to first token, tokens, whether it streamed, broke, or lost its client), and the HTTP side a
+    stream is relayed, resumed or ended through (the client's exchange, the framer, the transport,
+    what was forwarded so far, whether it broke with the response left open)."""
 
-    response: Exchange  # the client's side: the answer is given through it
-    status: int
-    ttft_s: float | None = None  # the first body bytes sent to the client
-    token_s: float | None = None  # the first event past a bare opener (a chat stream's role chunk)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    streamed: bool = False
-    stream_error: str | None = None
-    client_gone: bool = False  # the client closed the connection mid-stream (not the replica's fault)
-    extra: dict[str, Any] = field(default_factory=dict)
-    # resuming: what was forwarded so far, and whether the stream broke with the response left open
-    record: StreamRecord | None = None
-    broken: bool = False
-    framer: StreamFramer | None = None  # a stream's framer, or its splicer once resumed
-    transport: asyncio.Transport | None = None
-    response_id: str | None = None  # a Responses API answer's id: where it is stored, for a follow-up
+    __slots__ = ("_error", "broken", "extra", "facts", "framer", "record", "response", "transport")
+
+    def __init__(self, response: Exchange, facts: Served) -> None:
+        self.response = response  # the client's side: the answer is given through it
+        self.facts = facts
+        self._error: str | None = None
+        self.extra: dict[str, Any] = {}  # for the access log: where it broke, where it was resumed
+        # resuming: what was forwarded so far, and whether the stream broke with the response left open
+        self.record: StreamRecord | None = None
+        self.broken = False
+        self.framer: StreamFramer | None = None  # a stream's framer, or its splicer once resumed
+        self.transport: asyncio.Transport | None = None
+
+    @property
+    def stream_error(self) -> str | None:
+        """Why the stream broke (None: it did not); the facts say whether it did."""
+        return self._error
+
+    @stream_error.setter
+    def stream_error(self, error: str | None) -> None:
+        self._error = error
+        self.facts.cut = error is not None
 
 
 @dataclass(frozen=True)
@@ -226,8 +234,8 @@ async def _relay(
             data = wrapped(exchange.path, upstream.status, data)
             headers = {k: v for k, v in headers.items() if k.lower() != "content-type"} | JSON
         exchange.answer(upstream.status, data, headers)
-        outcome = Outcome(exchange, upstream.status)
-        outcome.ttft_s = time.monotonic() - t0
+        outcome = Outcome(exchange, Served(upstream.status))
+        outcome.facts.ttft_s = time.monotonic() - t0
         if upstream.status == 200 and content_type.startswith("application/json"):
             try:
                 answer = orjson.loads(data)
@@ -235,12 +243,12 @@ async def _relay(
                 answer = None
             usage = usage_of(answer)
             if events == "responses" and isinstance(answer, dict) and isinstance(answer.get("id"), str):
-                outcome.response_id = answer["id"]
+                outcome.facts.response_id = answer["id"]
             if usage:
-                outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = usage
+                outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = usage
         return outcome
-    outcome = Outcome(exchange, upstream.status, streamed=True)
-    framer = outcome.framer = _framer(events, strip_usage)
+    outcome = Outcome(exchange, Served(upstream.status, streamed=True))
+    outcome.framer = _framer(events, strip_usage)
     outcome.transport = exchange.transport
     if keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(keep)
@@ -248,34 +256,28 @@ async def _relay(
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
             await exchange.prepare(upstream.status, headers)
     except ConnectionResetError:
-        outcome.client_gone = True
+        outcome.facts.client_gone = True
         return outcome
     except TimeoutError:
         outcome.stream_error = "the request's total time-out expired"
         if outcome.transport is not None:
             outcome.transport.abort()
         return outcome
-    await _stream(upstream, outcome, framer, first, idle, deadline, t0)
+    await _stream(upstream, outcome, first, idle, deadline, t0)
     return outcome
 
 
-async def _stream(
-    upstream: Response,
-    outcome: Outcome,
-    framer: StreamFramer,
-    first: bytes,
-    idle: float,
-    deadline: float,
-    t0: float,
-) -> None:
-    """Pump `upstream` through `framer` (the outcome's) into the outcome's prepared response. A break
-    is left open (`broken`) for the caller when the outcome keeps a record (resuming is on); otherwise
-    the stream is ended here."""
+async def _stream(upstream: Response, outcome: Outcome, first: bytes, idle: float, deadline: float, t0: float) -> None:
+    """Pump `upstream` through the outcome's framer into its prepared response. A break is left
+    open (`broken`) for the caller when the outcome keeps a record (resuming is on); otherwise the
+    stream is ended here."""
+    framer = outcome.framer
+    assert framer is not None
     try:
         # the whole request, client writes included; the grace lets an expired stream still send its error event
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
-            await _pump(upstream, outcome.response, first, framer, outcome, idle, deadline, outcome.transport, t0)
-            if not outcome.client_gone:
+            await _pump(upstream, outcome, first, idle, deadline, t0)
+            if not outcome.facts.client_gone:
                 held = framer.release()  # a finish event waiting for a usage event that never came
                 if held:
                     await outcome.response.write(held)
@@ -294,18 +296,18 @@ async def _stream(
                 else:
                     await end_stream(outcome)
     except ConnectionResetError:  # the client left while we wrote to it: nobody to tell
-        outcome.client_gone = True
+        outcome.facts.client_gone = True
     except TimeoutError:
         outcome.stream_error = outcome.stream_error or "the request's total time-out expired"
         outcome.broken = False
         if outcome.transport is not None:
             outcome.transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
-    if outcome.client_gone:
+    if outcome.facts.client_gone:
         outcome.broken = False  # nobody to resume it for
     if framer.usage:
-        outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens = framer.usage
+        outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = framer.usage
     if isinstance(framer, ResponsesFramer):
-        outcome.response_id = framer.response_id
+        outcome.facts.response_id = framer.response_id
 
 
 async def end_stream(outcome: Outcome) -> None:
@@ -326,7 +328,7 @@ async def end_stream(outcome: Outcome) -> None:
             await outcome.response.write(event)
         await outcome.response.write_eof()
     except ConnectionResetError:
-        outcome.client_gone = True
+        outcome.facts.client_gone = True
 
 
 async def resume(
@@ -363,7 +365,7 @@ async def resume(
         outcome.stream_error = None
         outcome.broken = False
         outcome.framer = splicer
-        await _stream(upstream, outcome, splicer, first, timeouts.idle_s, deadline, t0)
+        await _stream(upstream, outcome, first, timeouts.idle_s, deadline, t0)
         return None
     finally:
         if upstream is not None:
@@ -387,21 +389,14 @@ def _opener(out: bytes) -> bool:
     return b'"role"' in out and (b'"content":""' in out or b'"content": ""' in out)
 
 
-async def _pump(
-    upstream: Response,
-    resp: Exchange,
-    chunk: bytes,
-    framer: StreamFramer,
-    outcome: Outcome,
-    idle: float,
-    deadline: float,
-    transport: asyncio.Transport | None,
-    t0: float,
-) -> None:
-    """Upstream to client until `[DONE]` or the end. The idle timer covers upstream reads only: it is
-    moved only when a quarter of the idle time has passed since it was last set, to 1.25 x idle (a
-    quiet upstream is cut between idle and 1.25 x idle after its last chunk, and a busy stream costs
-    a clock read per chunk instead of a timer), and paused while a slow client drains a write."""
+async def _pump(upstream: Response, outcome: Outcome, chunk: bytes, idle: float, deadline: float, t0: float) -> None:
+    """Upstream to client (the outcome's response, through its framer) until `[DONE]` or the end. The
+    idle timer covers upstream reads only: it is moved only when a quarter of the idle time has passed
+    since it was last set, to 1.25 x idle (a quiet upstream is cut between idle and 1.25 x idle after
+    its last chunk, and a busy stream costs a clock read per chunk instead of a timer), and paused
+    while a slow client drains a write."""
+    resp, framer, transport, facts = outcome.response, outcome.framer, outcome.transport, outcome.facts
+    assert framer is not None
     loop = asyncio.get_running_loop()
     slack = idle / 4
     try:
@@ -418,14 +413,14 @@ async def _pump(
                     try:
                         await resp.write(out)
                     except ConnectionResetError:  # the client left: stop reading the replica's stream
-                        outcome.client_gone = True
+                        facts.client_gone = True
                         return
-                    if outcome.token_s is None:
+                    if facts.token_s is None:
                         since = time.monotonic() - t0
-                        if outcome.ttft_s is None:
-                            outcome.ttft_s = since
+                        if facts.ttft_s is None:
+                            facts.ttft_s = since
                         if not _opener(out):
-                            outcome.token_s = since
+                            facts.token_s = since
                 if framer.done:
                     break
                 now = loop.time()

@@ -39,7 +39,7 @@ from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, 
 from router.proxy.intake import Intake, Refused, no_such_model
 from router.proxy.resume import Splicer, continuation, read_so_far
 from router.proxy.sse import StreamFramer
-from router.routing import Route, Routing, Served
+from router.routing import Route, Routing
 from router.upstream import Upstream
 
 access_log = logging.getLogger("router.access")
@@ -115,20 +115,6 @@ class HttpAttempts:
         return await resume(self.client(), url, body, trip.headers, self.timeouts, deadline, outcome, splicer, trip.t0)
 
 
-def served(result: Outcome) -> Served:
-    return Served(
-        result.status,
-        result.ttft_s,
-        result.prompt_tokens,
-        result.cached_tokens,
-        result.completion_tokens,
-        result.streamed,
-        bool(result.stream_error),
-        result.client_gone,
-        result.token_s,
-    )
-
-
 class Ledger:
     """Where a request's journey ends: its count by replica, policy, key kind, status and model,
     its latencies, and (`log_requests`) its access-log line."""
@@ -158,9 +144,10 @@ class Ledger:
         m.child(m.requests, name, self.policy, key.kind, str(status), self.model_label(key.model)).inc()
         if replica is not None:
             m.child(m.e2e, name).observe(elapsed)
-            if result is not None and result.ttft_s is not None:
-                m.child(m.ttft, name).observe(result.ttft_s)
+            if result is not None and result.facts.ttft_s is not None:
+                m.child(m.ttft, name).observe(result.facts.ttft_s)
         if self.log_requests:
+            facts = result.facts if result is not None else None
             access_log.info(
                 json.dumps(
                     {
@@ -174,10 +161,10 @@ class Ledger:
                         "key_source": key.source,
                         "reason": decision.reason if decision else None,
                         "attempts": attempts,
-                        "ttft_ms": round(result.ttft_s * 1000, 2) if result and result.ttft_s is not None else None,
+                        "ttft_ms": round(facts.ttft_s * 1000, 2) if facts and facts.ttft_s is not None else None,
                         "e2e_ms": round(elapsed * 1000, 2),
-                        "prompt_tokens": result.prompt_tokens if result else None,
-                        "cached_tokens": result.cached_tokens if result else None,
+                        "prompt_tokens": facts.prompt_tokens if facts else None,
+                        "cached_tokens": facts.cached_tokens if facts else None,
                         "stream_error": result.stream_error if result else None,
                         "broke_on": result.extra.get("broke_on") if result else None,
                         "resumed_on": result.extra.get("resumed_on") if result else None,
@@ -261,21 +248,21 @@ class Journey:
                 route.failed(replica, result.cause)
                 failure = result
                 continue
-            route.served(replica, served(result), exchange.path, intake.raw)
+            route.served(replica, result.facts, exchange.path, intake.raw)
             if (
                 intake.api is RESPONSES
-                and result.response_id is not None
-                and result.status == 200
+                and result.facts.response_id is not None
+                and result.facts.status == 200
                 and intake.body.get("store") is not False
             ):
-                route.produced(result.response_id, replica, self.max_key_bytes)
-            if intake.keep and result.streamed:
+                route.produced(result.facts.response_id, replica, self.max_key_bytes)
+            if intake.keep and result.facts.streamed:
                 try:
                     replica = await self._resume(trip, route, result, replica)
                 except asyncio.CancelledError:  # the client went away during the continuation
                     finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                     raise
-            finish(exchange, result.status, replica, key, route.decision, t0, result, route.attempts)
+            finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts)
             return
         if route.timed_out:
             failure = failure or Retry("timeout", 504)
@@ -298,7 +285,7 @@ class Journey:
         as when it cannot be continued or no replica takes it."""
         m = self.metrics
         if not result.broken:
-            if result.stream_error and not result.client_gone:
+            if result.stream_error and not result.facts.client_gone:
                 m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
             return broke
         result.extra["broke_on"] = broke.id
@@ -337,7 +324,7 @@ class Journey:
                 route.failed(replica, failed.cause)
                 continue
             result.extra["resumed_on"] = replica.id
-            if result.client_gone:
+            if result.facts.client_gone:
                 return replica
             route.resumed(replica, whole=not result.stream_error)
             if result.stream_error:

@@ -47,6 +47,7 @@ class Served:
     cut: bool = False  # the stream broke (an error event, or cut off)
     client_gone: bool = False  # the client left mid-stream: not the replica's fault
     token_s: float | None = None  # time to the first generated token (past a bare opening event)
+    response_id: str | None = None  # a Responses API answer's id: where it is stored, for a follow-up
 
 
 @dataclass(frozen=True, slots=True)
