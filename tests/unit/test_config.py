@@ -22,9 +22,10 @@ from router.config import (
     replica_capacities,
     score_weights,
 )
+from router.config.meanings import GROUPS, HELP
 from router.health.score import ScoreWeights
 from router.node import Node
-from router.proxy.cli import GROUPS, build_parser, cli_values
+from router.proxy.cli import build_parser, cli_values
 
 
 def test_defaults_file_env_cli_in_that_order(tmp_path: Path) -> None:
@@ -271,8 +272,6 @@ def test_each_settings_default_is_written_alike_in_the_dataclass_the_help_and_th
             names = re.findall(r"`([a-z_0-9]+)`", row[1])
             defaults = [d.strip() for d in row[2].split(",")] if len(names) > 1 else [row[2].strip()]
             table.update(zip(names, defaults, strict=len(defaults) == len(names)))
-    from router.proxy.cli import HELP  # noqa: PLC0415 -- beside GROUPS, for this test only
-
     for name, field in FIELDS.items():
         default = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
         words = _default_words(default)
