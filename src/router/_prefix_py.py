@@ -6,6 +6,8 @@ compiled core's exact order (galloping over 1, 2, 4, ... blocks, then bisection)
 agree even where a chain has a gap. `chain_of_parts` joins the pieces and keys the join; `price`
 does the compiled loop's float operations in its order, so the costs are equal, not only close.
 See src/_prefix.pyx for the algorithm and its invariants.
+It is one file, as long as it is, because it mirrors the compiled module name for name and step
+for step: a reader checks the two side by side.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ collaborators it uses; none reaches back into the node. The roles:
   control process runs the loops.
 
 `contexts()` are the node's background work, for an aiohttp application's `cleanup_ctx`.
+It is past 450 lines as the composition root: it builds every part a process has, for each of the
+three kinds, in one order, and hands each part only the collaborators it uses; split, the order
+that wiring needs would be spread over files.
 """
 
 from __future__ import annotations

@@ -68,6 +68,11 @@ both at 20,000 tokens/s, nothing in flight, a 10,400-token question on that docu
 2 + 400 / 20,000 = 2.02 s, B 10,400 / 20,000 = 0.52 s, under half of A's (the stay margin): B
 wins, and now holds the document too (a hot prefix gained a second holder because its first was
 the bottleneck). With 0.2 s queued on A instead, A costs 0.22 s and keeps it.
+
+It is past 450 lines as one room for now: the prices and what is learnt from answers (prefill
+speeds, the index's corrections, the KV tiers) read and write the same per-replica records
+(`Held`) inside one pricing frame. Splitting the learning from the pricing is the next step once
+the records have a module of their own.
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ Pipelined requests are answered in order, one at a time; reading stops while `PI
 wait. A client that goes away cancels its request, as aiohttp's `handler_cancellation` does (the
 access log records 499). Streams are sent chunked (HTTP/1.1) or until the connection closes
 (HTTP/1.0); a slow reader pauses the stream at the socket's write-buffer limit.
+
+It is past 450 lines as one room: the protocol, its per-request message and its server share the
+connection's state (the parser's callbacks, the pipeline, the write buffer, the time-outs swept by
+the server), and the hand-over to aiohttp needs all of it at once.
 """
 
 from __future__ import annotations
