@@ -1,4 +1,5 @@
-"""Router configuration: the settings (settings.py), read and validated at load (loading.py)."""
+"""Router configuration: the settings (settings.py), what each means (meanings.py), read and validated
+at load (loading.py)."""
 
 from router.config.loading import ENV_NAMES, NOT_SETTINGS, ConfigError, from_environment, load
 from router.config.settings import (
