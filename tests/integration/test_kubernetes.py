@@ -246,7 +246,7 @@ def test_router_serve_accepts_the_config_the_cluster_gets(tmp_path: Path) -> Non
         assert "configuration is valid" in out.stdout and "2 worker processes" in out.stdout
         assert "discovered through dns:inference-replicas.kv-affinity-router.svc.cluster.local:8000" in out.stdout
         if path.endswith("production"):
-            assert "state redis://" in out.stdout
+            assert "routing state shared through redis://" in out.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text('admin_port = 8080\nport = 8080\ndiscovery = "dns:x:1"\n')
     out = subprocess.run(
