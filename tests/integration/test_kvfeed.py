@@ -49,7 +49,7 @@ async def chat(
 
 
 async def believed(router: Node, n: int, timeout: float = 15.0) -> None:
-    truth = router.policy.placement.truth  # type: ignore[union-attr]
+    truth = router.placement.truth  # type: ignore[union-attr]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if len(truth.replicas) == n and all(truth.sure(rid) for rid in truth.replicas):
@@ -60,7 +60,7 @@ async def believed(router: Node, n: int, timeout: float = 15.0) -> None:
 
 async def quiet(router: Node, seconds: float = 0.3) -> None:
     """Until no event message came for `seconds`."""
-    truth = router.policy.placement.truth  # type: ignore[union-attr]
+    truth = router.placement.truth  # type: ignore[union-attr]
     last: object = None
     while True:
         now = [h.seq for rid in sorted(truth.replicas) for h in truth.of(rid)]
@@ -71,7 +71,7 @@ async def quiet(router: Node, seconds: float = 0.3) -> None:
 
 
 def exact_share(router: Node) -> tuple[float | None, int]:
-    events = router.policy.placement.figures()["by_source"]["events"]  # type: ignore[union-attr, index]
+    events = router.placement.figures()["by_source"]["events"]  # type: ignore[union-attr, index]
     return events["exact_share"], events["answers"]
 
 
@@ -98,8 +98,8 @@ async def test_sessions_are_priced_by_the_events_and_predicted_exactly(
     assert answers == 24 and share is not None and share >= 0.9, (share, answers)
     removed = sum(
         h.figures.removed
-        for rid in router.policy.placement.truth.replicas  # type: ignore[union-attr]
-        for h in router.policy.placement.truth.of(rid)
+        for rid in router.placement.truth.replicas  # type: ignore[union-attr]
+        for h in router.placement.truth.of(rid)
     )  # type: ignore[union-attr]
     assert removed > 0  # the engines evicted, and the index followed
 
@@ -111,7 +111,7 @@ async def test_a_lost_message_is_replayed_and_a_restart_empties(
     replica = fleet.replicas[0]
     router, url = await start_router([replica.url], probe_interval_s=0.2)
     await believed(router, 1)
-    holdings = router.policy.placement.truth.of(router.fleet.replicas[0].id)[0]  # type: ignore[union-attr]
+    holdings = router.placement.truth.of(router.fleet.replicas[0].id)[0]  # type: ignore[union-attr]
     async with aiohttp.ClientSession() as http:
         async with http.post(replica.url + "/emulator/faults", data=orjson.dumps({"kv_events_drop_next": 1})) as r:
             assert r.status == 200, await r.text()
@@ -121,7 +121,7 @@ async def test_a_lost_message_is_replayed_and_a_restart_empties(
         await chat(http, url, conversation(2, 1), "lake")
         await quiet(router)
         assert holdings.figures.gaps >= 1 and holdings.figures.replayed >= 1 and holdings.sure
-        accuracy = router.policy.placement.events_accuracy  # type: ignore[union-attr]
+        accuracy = router.placement.events_accuracy  # type: ignore[union-attr]
         exact = accuracy.exact
         await chat(http, url, conversation(1, 2), "sea")  # the lost blocks are known again
         assert accuracy.exact == exact + 1

@@ -67,7 +67,7 @@ async def test_keyless_conversations_reach_their_cache(start_fleet, start_router
         assert sorted(first_hits)[len(first_hits) // 2] > 0.8, first_hits
         assert len(set().union(*homes.values())) >= 2  # documents spread over the fleet
         # the index learnt the engines' KV size from vllm:cache_config_info
-        placement = router.policy.placement
+        placement = router.placement
         for _ in range(50):
             if all(r.engine.kv_tokens for r in router.fleet.replicas):
                 break
@@ -103,7 +103,7 @@ async def test_streamed_answers_teach_each_replica_its_prefill_speed(start_fleet
         for i in range(8):
             messages = [SYSTEM, {"role": "user", "content": document(100 + i, 800)}]
             await ask(http, url, messages, stream=True)
-    placement = router.policy.placement
+    placement = router.placement
     learnt = [1 / placement.of(r).seconds_per_token for r in router.fleet.replicas if r.requests]
     # 2,000 engine tokens/s at 20 engine seconds per wall second: about 40,000 tokens per wall second
     assert learnt and all(10_000 < speed < 200_000 for speed in learnt), learnt

@@ -111,7 +111,7 @@ async def probe(http: aiohttp.ClientSession, server: VllmServer, messages: list[
 
 async def settled(router: Node, timeout: float = 10.0) -> None:
     """Until every replica's events are believed and no new message came for a while."""
-    truth = router.policy.placement.truth  # type: ignore[union-attr]
+    truth = router.placement.truth  # type: ignore[union-attr]
     deadline = time.monotonic() + timeout
     last: object = None
     quiet = 0
@@ -136,7 +136,7 @@ async def predicted(
     assert isinstance(admitted, Intake) and router.feed is not None
     key = await router.feed.tokenized(admitted.key, admitted.api, admitted.body)
     assert key.prompt is not None and key.prompt.tokens is not None and key.prompt.tokens.source == source
-    truth = router.policy.placement.truth  # type: ignore[union-attr]
+    truth = router.placement.truth  # type: ignore[union-attr]
     out: dict[str, int | None] = {}
     for replica in router.fleet.replicas:
         found = truth.held(replica.id, key.prompt.tokens, {})
@@ -174,8 +174,8 @@ async def test_the_index_equals_what_each_engine_holds(
         await settled(router)
         evicted = sum(
             h.figures.removed
-            for rid in router.policy.placement.truth.replicas  # type: ignore[union-attr]
-            for h in router.policy.placement.truth.of(rid)
+            for rid in router.placement.truth.replicas  # type: ignore[union-attr]
+            for h in router.placement.truth.of(rid)
         )  # type: ignore[union-attr]
         assert evicted > 0  # the caches were too small for all of them: the engines evicted
         # every conversation's next turn, on every replica: the prediction is what the engine then finds
@@ -200,7 +200,7 @@ async def test_the_index_equals_what_each_engine_holds(
         assert {c["cached_from"] for c in explained["candidates"]} == {"events"}
         assert explained["replica"] in (s.name for s in pair)
         # the routed requests themselves: each answer's cached tokens were predicted from the events
-        figures = router.policy.placement.figures()  # type: ignore[union-attr]
+        figures = router.placement.figures()  # type: ignore[union-attr]
         events = figures["by_source"]["events"]  # type: ignore[index]
         assert events["answers"] >= 12 and events["exact_share"] >= 0.9, events
 
@@ -230,7 +230,7 @@ async def test_a_lost_message_is_replayed(pair: list[VllmServer], start_router: 
         router, _url = await start(start_router, pair)
         assert router.feed is not None
         server = pair[1]
-        holdings = router.policy.placement.truth.of(server.name)[0]  # type: ignore[union-attr]
+        holdings = router.placement.truth.of(server.name)[0]  # type: ignore[union-attr]
         gaps, replayed = holdings.figures.gaps, holdings.figures.replayed
         router.feed.lose[server.name] = 1  # the next message never arrives
         first = conversation(30, 1)
@@ -309,7 +309,7 @@ async def test_a_restarted_engine_is_seen_as_empty(
         await post(http, url, messages)
         await settled(router)
         assert ((await predicted(router, messages))["own"] or 0) >= 10 * 32
-        holdings = router.policy.placement.truth.of("own")[0]  # type: ignore[union-attr]
+        holdings = router.placement.truth.of("own")[0]  # type: ignore[union-attr]
         server.kill()  # the whole group: API server, engine core, worker
         await server.start()  # same ports, a new engine: its cache is empty, its messages start at 0
         await post(http, server.url, [{"role": "user", "content": "hello after the restart " * 3}])
