@@ -125,3 +125,36 @@ def test_a_signal_prints_the_partial_results(sig: int, tmp_path: Any) -> None:
     finally:
         emulator.terminate()
         emulator.wait(timeout=10)
+
+
+def test_a_target_that_cannot_be_reached_is_named_at_once_not_after_the_run() -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.bench.cli",
+            "replay",
+            "--target",
+            f"http://127.0.0.1:{port}",
+            "--duration",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and out.stdout == "" and time.monotonic() - started < 20
+    assert (
+        out.stderr
+        == f"router-bench replay: cannot reach http://127.0.0.1:{port} (Connection refused): is it running?\n"
+    )
+
+
+async def test_a_run_with_no_answers_reports_no_hit_rate() -> None:
+    opts = ReplayOptions(
+        targets=("http://127.0.0.1:9",), workload="sessions", time_scale=20.0, duration_s=1, requests=2
+    )
+    text = render(await Replayer(opts).run())
+    assert "KV hit rate        n/a (no answers)" in text and "load CV            n/a (no answers)" in text

@@ -30,12 +30,14 @@ import asyncio
 import itertools
 import json
 import resource
+import socket
 import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -622,6 +624,10 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"router-bench replay: {exc}", file=sys.stderr)
         return 2
+    unreachable = [f"{t} ({why})" for t in opts.targets if (why := _unreachable(t)) is not None]
+    if unreachable:  # said at once, not after a whole run of connection errors
+        print(f"router-bench replay: cannot reach {', '.join(unreachable)}: is it running?", file=sys.stderr)
+        return 2
     progress = Progress()
     replayer = Replayer(opts, progress.show if progress.enabled else None)
 
@@ -649,6 +655,17 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _unreachable(target: str, timeout_s: float = 3.0) -> str | None:
+    """Why a TCP connection to `target`'s host and port cannot be made, or None when it can."""
+    url = urlsplit(target)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "localhost", port), timeout=timeout_s).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
 def render(r: dict[str, Any]) -> str:
     def lat(d: dict[str, float]) -> str:
         if not d.get("n"):
@@ -662,11 +679,20 @@ def render(r: dict[str, Any]) -> str:
         f"requests {r['requests']}  ok {r['ok']}  errors {errors}  cut off at the end {r['cut_off']}  "
         f"sessions {r['sessions']}  later turns {r['later_turns']}"
         + (f"  sessions cut short {r['sessions_cut']}" if r["sessions_cut"] else ""),
-        f"KV hit rate        {r['kv_hit_rate']:.1%}  (later turns {r['kv_hit_rate_later_turns']:.1%})",
+        (
+            f"KV hit rate        {r['kv_hit_rate']:.1%}  (later turns {r['kv_hit_rate_later_turns']:.1%})"
+            if r["ok"]
+            else "KV hit rate        n/a (no answers)"
+        ),
         f"e2e s, later turns {lat(r['e2e_later_turns_s'])}",
         f"TTFT s, later      {lat(r['ttft_later_turns_s'])}",
         f"e2e s, all         {lat(r['e2e_s'])}",
-        f"load CV            {r['load_cv']:.3f} over {len(r['per_replica'])} replicas   jump rate {r['jump_rate']:.1%}",
+        (
+            f"load CV            {r['load_cv']:.3f} over {len(r['per_replica'])} replicas   "
+            f"jump rate {r['jump_rate']:.1%}"
+            if r["ok"]
+            else "load CV            n/a (no answers)"
+        ),
         f"client             {r['wall_s']:.1f} s wall, {r['client_cpu_share']:.0%} of one CPU",
     ]
     if r["cut_off"]:
