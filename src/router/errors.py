@@ -69,17 +69,18 @@ def wrapped(path: str, status: int, body: bytes) -> bytes:
     """A replica's error `body` that the API's clients cannot read (plain text, an HTML page, another
     API's JSON), in the API's own shape: the status kept, the replica's words as the message."""
     message = ""
+    head = body[: 4 * LONGEST_WRAPPED]  # a huge page is cut before it is read, not after
     try:
-        data = orjson.loads(body)
+        data = orjson.loads(body) if len(body) <= 1 << 16 else None
     except orjson.JSONDecodeError:
         data = None
     if isinstance(data, dict):  # another API's shape: its message, where it has one
         error = data.get("error")
         found = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
         found = found if isinstance(found, str) else data.get("message", data.get("detail"))
-        message = found if isinstance(found, str) else body.decode("utf-8", "replace")
+        message = found[: 4 * LONGEST_WRAPPED] if isinstance(found, str) else head.decode("utf-8", "replace")
     else:
-        message = body.decode("utf-8", "replace")
+        message = head.decode("utf-8", "replace")
     message = " ".join(message.split())[:LONGEST_WRAPPED]  # one line, bounded
     message = f"the replica answered {status}" + (f": {message}" if message else " with no message")
     return error_body_for(path, message, status, "upstream_error")

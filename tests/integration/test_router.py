@@ -452,7 +452,7 @@ def test_demo_mode_starts_a_fleet_clean_and_says_how_to_use_it() -> None:
 
 @pytest.mark.parametrize(
     ("drain_s", "ends"),
-    [(30, "every request in flight finished"), (1, "the drain limit was reached: 1 request in flight cut off")],
+    [(30, "every request in flight finished"), (1, "the drain limit was reached: 1 request still in flight, cut off")],
 )
 def test_sigterm_says_that_draining_began_what_is_in_flight_and_how_it_ended(drain_s: int, ends: str) -> None:
     proc, port, lines = demo_process("--demo", "1", "--drain-timeout-s", str(drain_s))

@@ -142,6 +142,10 @@ def test_unknown_names_are_named_once_each_with_the_closest_settings(tmp_path: P
         "ROUTER_NO_EXTENSIONS": "1",  # not a setting, but the pure-Python opt-out
         "ROUTER_SERVICE_HOST": "10.0.0.1",  # Kubernetes' service links for a Service named "router"
         "ROUTER_PORT_8080_TCP_ADDR": "10.0.0.1",
+        "ROUTER_REDIS_SERVICE_HOST": "10.0.0.2",  # ... and for one named "router-redis"
+        "ROUTER_REDIS_SERVICE_PORT_REDIS": "6379",
+        "ROUTER_REDIS_PORT": "tcp://10.0.0.2:6379",
+        "ROUTER_REDIS_PORT_6379_TCP_PROTO": "tcp",
         "OTHER_STICKY_TLL_S": "5",  # not ours
     }
     with pytest.raises(ConfigError) as info:
@@ -155,6 +159,8 @@ def test_unknown_names_are_named_once_each_with_the_closest_settings(tmp_path: P
     ]
     with pytest.raises(ConfigError, match=r"Kubernetes' service link .* enableServiceLinks: false"):
         load(None, {"ROUTER_PORT": "tcp://10.0.0.1:8080"}, {"replicas": ["http://a:1"]})
+    with pytest.raises(ConfigError, match=r"service link for a Service named 'router-admin'.* --admin-port"):
+        load(None, {"ROUTER_ADMIN_PORT": "tcp://10.0.0.3:80"}, {"replicas": ["http://a:1"]})
 
 
 def test_every_router_variable_the_code_reads_is_a_setting_or_known_not_to_be() -> None:

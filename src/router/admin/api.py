@@ -309,18 +309,21 @@ class AdminApi:
             api = RESPONSES
         key = request_key(api, request.headers, body, cfg, node.policy.reads_prompts)
         fleet = node.fleet
-        if node.feed is not None and key.prompt is not None:  # in the engine's tokens, where replicas publish KV events
-            key = await node.feed.tokenized(key, api, body)
-        explained, last = await node.routing.explain(key)
         answer: dict[str, Any] = {
             "policy": node.policy.name,
             "key_kind": key.kind,
             "key_source": key.source,
-            "sticky": last,
             "model": key.model,
         }
         if fleet.unserved(key.model):
-            return _json(answer | {"replica": None, "reason": f"no replica serves the model {key.model!r}"})
+            last, _ = await node.directory.last_served(key.key, remember=False) if key.kind != "none" else (None, False)
+            return _json(
+                answer | {"sticky": last, "replica": None, "reason": f"no replica serves the model {key.model!r}"}
+            )
+        if node.feed is not None and key.prompt is not None:  # in the engine's tokens, where replicas publish KV events
+            key = await node.feed.tokenized(key, api, body)
+        explained, last = await node.routing.explain(key)
+        answer["sticky"] = last
         decision = explained.decision
         answer |= explained.details
         answer["replica"] = fleet.replicas[decision.index].id if decision else None

@@ -55,8 +55,12 @@ HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 # ROUTER_* variables that are not settings: the pure-Python opt-out (read where modules load) and
 # router-bench's progress lines (a benchmark's router-serve children inherit its environment)
 NOT_SETTINGS = frozenset({"ROUTER_NO_EXTENSIONS", "ROUTER_BENCH_PROGRESS"})
-# what Kubernetes sets in every pod for a Service named "router" (service links): not settings
-SERVICE_LINK = re.compile(r"ROUTER_(SERVICE_[A-Z0-9_]+|PORT_\d+_[A-Z]+(_[A-Z]+)?)")
+# what Kubernetes sets in every pod for each Service of its namespace (service links), here for a
+# Service named "router" or "router-<something>": not settings. Its <NAME>_PORT holds a URL.
+SERVICE_LINK = re.compile(
+    r"ROUTER_(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?|PORT_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)"
+)
+LINK_URL = re.compile(r"(?:tcp|udp|sctp)://")
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -293,7 +297,7 @@ def load(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config", file, f"not valid TOML: {exc}") from None
     unknown = [_unknown(name, file or "") for name in data if name not in FIELDS]
-    unknown += [_unknown(key, "the environment") for key in sorted(env or ()) if _unknown_variable(key)]
+    unknown += [_unknown(key, "the environment") for key in sorted(env or ()) if _unknown_variable(key, env or {})]
     if unknown:
         raise UnknownSettings(unknown)
     for name, value in data.items():
@@ -302,12 +306,13 @@ def load(
     for name in FIELDS:
         key = "ROUTER_" + name.upper()
         if env is not None and key in env:
-            if key == "ROUTER_PORT" and env[key].startswith("tcp://"):
+            if name.endswith("port") and LINK_URL.match(env[key]):
+                service = key.removesuffix("_PORT").lower().replace("_", "-")
                 raise ConfigError(
                     name,
                     key,
-                    f"{env[key]!r} is Kubernetes' service link for a Service named "
-                    "'router', not a port: set enableServiceLinks: false in the pod, or pass --port",
+                    f"{env[key]!r} is Kubernetes' service link for a Service named {service!r}, not a "
+                    f"port: set enableServiceLinks: false in the pod, or pass --{name.replace('_', '-')}",
                 )
             values[name] = _coerce(name, env[key], key)
             sources[name] = key
@@ -321,12 +326,13 @@ def load(
     return validate(RouterConfig(**values), sources)
 
 
-def _unknown_variable(key: str) -> bool:
+def _unknown_variable(key: str, env: Mapping[str, str]) -> bool:
     return (
         key.startswith("ROUTER_")
         and key not in ENV_NAMES
         and key not in NOT_SETTINGS
         and not SERVICE_LINK.fullmatch(key)
+        and not (key.endswith("_PORT") and LINK_URL.match(env[key]))  # a Service's own URL
     )
 
 

@@ -74,7 +74,7 @@ def add_console_routes(app: web.Application, node: Node) -> None:
             return error_response(
                 "the console's data needs the admin token",
                 401,
-                "authentication_error",
+                "invalid_admin_token",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return None

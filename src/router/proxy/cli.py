@@ -206,9 +206,12 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
                 if admin is not None:
                     await admin.cleanup()
             finally:
-                drain = await stop_serving(runner, min(HANDOVER_S, config.drain_timeout_s))
-                if shutdown is not None:
-                    await shutdown.ended(drain)
+                drain = None
+                try:
+                    drain = await stop_serving(runner, min(HANDOVER_S, config.drain_timeout_s))
+                finally:
+                    if shutdown is not None:
+                        await shutdown.ended(drain)
     finally:
         if table is not None:
             table.close()

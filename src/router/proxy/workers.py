@@ -124,45 +124,47 @@ async def stop_serving(runner: web.AppRunner, handover_s: float = HANDOVER_S) ->
 
 class Shutdown:
     """What a stopping router says on stdout: the signal and that draining began, with what was in
-    flight; then, once it ended, how long it took and whether the drain limit cut requests off."""
+    flight (and held by the overload queue); then, once it ended, how long it took and whether the
+    drain limit cut requests off."""
 
     def __init__(self, signal: str, node: Node, workers: int = 0) -> None:
         self.node = node
         self.limit_s = node.config.drain_timeout_s
         self.began = time.monotonic()
-        self.seen = [(self.began, self.in_flight())]  # (when, in flight), while it drains
+        inflight, held = self.in_flight()
+        self.seen = [(self.began, inflight + held)]  # (when, requests not done), while it drains
         where = f"{workers} worker processes" if workers else "the router"
-        held = node.admission.queued
         print(
             f"router-serve: {signal or 'stop'} received: draining {where}: no new connections; "
-            f"{_count(self.seen[0][1], 'request')} in flight to replicas"
-            + (f", {held} held waiting for room" if held else "")
+            f"{_count(inflight, 'request')} in flight to replicas"
+            + (f", {held} held waiting for room" if held else "")  # (a worker's queue is its own)
             + f"; they have up to {self.limit_s:g} s (drain_timeout_s)",
             flush=True,
         )
         self._watch = asyncio.create_task(self._follow(), name="drain watch")
 
-    def in_flight(self) -> int:
+    def in_flight(self) -> tuple[int, int]:
+        """(requests in flight to replicas, requests held by this process's overload queue)."""
         node = self.node
         node.gather()  # a control process: the workers' counts, as they last wrote them
-        return sum(r.inflight for r in node.fleet.replicas) + node.admission.queued
+        return sum(r.inflight for r in node.fleet.replicas), node.admission.queued
 
     async def _follow(self) -> None:
-        while True:  # what is still in flight, for the count cut off at the limit
+        while True:  # what is still not done, for the count cut off at the limit
             await asyncio.sleep(0.05)
-            self.seen.append((time.monotonic(), self.in_flight()))
+            self.seen.append((time.monotonic(), sum(self.in_flight())))
 
     async def ended(self, drain_began: float | None = None) -> None:
-        """`drain_began`: when the limit's clock started (stop_serving's answer); else the signal."""
+        """`drain_began`: when the limit's clock started (after the hand-over); else the signal."""
         self._watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # the line below is said whatever
             await self._watch
         now = time.monotonic()
         limit_at = (drain_began or self.began) + self.limit_s
-        # what was still in flight just before the limit closed it (cancelled, it counts as gone)
+        # what was still not done just before the limit closed it (cancelled, it counts as gone)
         left = next((n for t, n in reversed(self.seen) if t < limit_at - 0.06), 0) if now >= limit_at else 0
         if left:
-            outcome = f"the drain limit was reached: {_count(left, 'request')} in flight cut off"
+            outcome = f"the drain limit was reached: {_count(left, 'request')} still in flight, cut off"
         else:
             outcome = "every request in flight finished"
         took = now - self.began
@@ -420,9 +422,12 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                 with contextlib.suppress(OSError):  # the workers' sessions, while they can still tell
                     await node.save_state(force=True)
                 node.view.ready.clear()  # from here on, saves keep the sessions saved above
-                await pool.stop()
-                if shutdown is not None:
-                    await shutdown.ended()
+                stopping = time.monotonic()  # the workers get their SIGTERM now; their drains follow the hand-over
+                try:
+                    await pool.stop()
+                finally:
+                    if shutdown is not None:
+                        await shutdown.ended(stopping + min(HANDOVER_S, config.drain_timeout_s))
                 for task in (watcher, sharing):
                     if task is not None:
                         task.cancel()

@@ -268,7 +268,7 @@ class Route:
         if replica is not self.first:
             m.failovers.inc()
         key = self.key
-        if self.hearing is not None and facts.status < 400:
+        if self.hearing is not None and key.prompt is not None and facts.status < 400:
             self._heard(self.hearing, replica, facts)
         if key.kind == "none" or facts.status >= 400:
             return Verdict()
