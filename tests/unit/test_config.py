@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import router
 from router.config import (
     ENV_NAMES,
     FIELDS,
@@ -165,7 +164,7 @@ def test_unknown_names_are_named_once_each_with_the_closest_settings(tmp_path: P
 
 def test_every_router_variable_the_code_reads_is_a_setting_or_known_not_to_be() -> None:
     # a new ROUTER_* variable that is not a setting must join NOT_SETTINGS, or router-serve refuses it
-    source = Path(router.__file__).parent
+    source = Path(__file__).parents[2] / "src" / "router"  # the repository's, installed or not
     read = {m for f in source.rglob("*.py") for m in re.findall(r"[\"'](ROUTER_[A-Z0-9_]+)[\"']", f.read_text())}
     assert read and all(name in ENV_NAMES or name in NOT_SETTINGS for name in read), read - set(ENV_NAMES)
     load(None, dict.fromkeys(NOT_SETTINGS, "1"), {"replicas": ["http://a:1"]})
@@ -270,7 +269,7 @@ def _default_words(value: object) -> set[str]:
 
 def test_each_settings_default_is_written_alike_in_the_dataclass_the_help_and_the_docs() -> None:
     # three places state a default: a drift between them is a lie in one
-    docs = (Path(router.__file__).parents[2] / "docs" / "router.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "router.md").read_text()
     table: dict[str, str] = {}
     for line in docs.splitlines():
         row = re.match(r"\| (`[a-z_0-9]+`(?:, `[a-z_0-9]+`)*) \| ([^|]*) \|", line)
