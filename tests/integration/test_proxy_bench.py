@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -104,3 +105,35 @@ def test_smg_runs_from_its_own_module_not_the_script_sglang_router_shares() -> N
     assert cmd[-2:] == ["--policy", "cache_aware"] and "http://127.0.0.1:9001" in cmd
     vllm, env = peer_command("vllm", 1234, ["http://127.0.0.1:9001"], ["--policy", "consistent_hash"])
     assert vllm[0].endswith("vllm-router") and env is None
+
+
+def test_a_signal_ends_the_proxy_benchmark_with_the_rounds_it_finished() -> None:
+    args = ["proxy", "--json", "--no-peers", "--requests", "40", "--streams", "4", "--tokens", "5"]
+    args += ["--ttft-samples", "5", "--rounds", "50", "--concurrency", "1", "--saturate-s", "0.5"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.bench.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"ROUTER_BENCH_PROGRESS": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # a plain line per step: once round 2 begins, round 1 is whole
+            if "(round 2)" in line:
+                break
+        proc.send_signal(signal.SIGINT)  # our own child, by its PID
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130
+    result = json.loads(stdout)
+    assert result["partial"]["stopped_by"] == "SIGINT" and result["saturate_s"] == 0  # no saturation after a stop
+    names = [r["contender"] for r in result["results"]]
+    assert names[0] == "direct" and "router-serve" in names  # round 1 of every contender is kept
+    # measured, not made up: a figure for each (a few requests may take less than one 10 ms CPU tick: 0)
+    assert all(
+        isinstance(r["cpu_us_per_request"], float | int) for r in result["results"] if r["contender"] != "direct"
+    )

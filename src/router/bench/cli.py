@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The long benchmarks print what they measured when a signal stops them (router.bench.live); the
-    quick in-process ones (ring, prefix, simulate, proxy's rounds, tokens) end here, with a line."""
+    quick in-process ones (ring, prefix, simulate, tokens) end here, with a line."""
     parser = build_parser()
     args = parser.parse_args(argv)
 

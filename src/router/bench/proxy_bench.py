@@ -59,6 +59,7 @@ from aiohttp import web
 
 from router.bench import lean
 from router.bench.common import free_port
+from router.bench.live import PROGRESS_ENV, Stop, Stopped, partial_headline, run_until
 from router.measures import percentile
 
 SMALL = {"model": "emulated-llm", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
@@ -436,7 +437,13 @@ async def saturation(args: argparse.Namespace, progress: Callable[[str], None]) 
     return out
 
 
-async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
+async def run(
+    args: argparse.Namespace, progress: Callable[[str], None], stopping: asyncio.Event | None = None
+) -> dict[str, Any]:
+    """Every contender, round after round, then saturation. `stopping` set (a signal): the rounds
+    under way end there, and what the finished ones measured is reported (each contender's median
+    of the rounds it finished; no saturation)."""
+    stopping = stopping or asyncio.Event()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         backend_port = free_port()
@@ -466,16 +473,25 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in running}
         for k in range(args.rounds):
             for name, url, pid in running:
-                rounds[name].append(await measure(f"{name} (round {k + 1})", url, pid, args, progress))
-        results = [_median_of(name, rows) for name, rows in rounds.items()]
+                label = f"{name} (round {k + 1})"
+                if not await run_until(_measured(rounds[name], label, url, pid, args, progress), stopping):
+                    break  # a signal: this round is left out, its time window unlike the others'
+            if stopping.is_set():
+                break
+        results = [_median_of(name, rows) for name, rows in rounds.items() if rows]
     finally:
         for proc in procs:
             stop(proc)
-    direct = results[0]["ttft_ms_median"]
+    direct = results[0]["ttft_ms_median"] if results and results[0]["contender"] == "direct" else None
     for r in results:
         r["ttft_ms_added"] = (r["ttft_ms_median"] - direct) if r["ttft_ms_median"] is not None and direct else None
     saturated: dict[str, dict[str, Any]] = {}
-    if args.saturate_s > 0 and len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0):
+    if (
+        not stopping.is_set()
+        and args.saturate_s > 0
+        and len(os.sched_getaffinity(0)) >= 2
+        and {0, 1} <= os.sched_getaffinity(0)
+    ):
         saturated = await saturation(args, progress)
     for r in results:
         r["saturation"] = saturated.get(r["contender"])
@@ -491,6 +507,17 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
         "machine": f"{os.cpu_count()} CPUs",
         "results": results,
     }
+
+
+async def _measured(
+    into: list[dict[str, Any]],
+    label: str,
+    url: str,
+    pid: int | None,
+    args: argparse.Namespace,
+    progress: Callable[[str], None],
+) -> None:
+    into.append(await measure(label, url, pid, args, progress))  # only once the round is whole
 
 
 def _median_of(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -510,8 +537,10 @@ def render(result: dict[str, Any]) -> str:
         return "—" if x is None else f"{x:,.{digits}f}"
 
     levels = result["concurrency"]
-    lines = [
-        f"proxy cost, median of {result['rounds']} rounds: {result['requests']} small requests at "
+    lines = [partial_headline(result)] if "partial" in result else []
+    finished = " (or of those each contender finished)" if "partial" in result else ""
+    lines += [
+        f"proxy cost, median of {result['rounds']} rounds{finished}: {result['requests']} small requests at "
         f"{', '.join(map(str, levels))} clients, {result['streams']} streams of {result['tokens']} tokens "
         f"({STREAM_CLIENTS} clients); TTFT: sequential, one keep-alive connection",
         "",
@@ -584,17 +613,30 @@ def run_cli(args: argparse.Namespace) -> int:
     if not os.path.exists("/proc/self/stat"):
         print("router-bench proxy: needs Linux /proc to read process CPU time", file=sys.stderr)
         return 2
-    live = not args.json and sys.stderr.isatty()
+    asked = os.environ.get(PROGRESS_ENV, "").strip()
+    live = not args.json and sys.stderr.isatty() and asked != "0"
+    plain = not live and asked not in ("", "0")  # ROUTER_BENCH_PROGRESS: a plain line per step
 
     def progress(msg: str) -> None:
         if live:
             print(f"\r\x1b[K  {msg} ...", end="", file=sys.stderr, flush=True)
+        elif plain:
+            print(f"  {msg}", file=sys.stderr, flush=True)
 
-    result = uvloop.run(run(args, progress))
+    async def main() -> tuple[dict[str, Any], Stopped | None]:
+        stop = Stop().install()
+        try:
+            return await run(args, progress, stop.event), stop.stopped
+        finally:
+            stop.uninstall()
+
+    result, stopped = uvloop.run(main())
     if live:
         print("\r\x1b[K", end="", file=sys.stderr)
+    if stopped is not None:
+        stopped.mark(result)
     print(json.dumps(result, indent=1) if args.json else render(result))
-    return 0
+    return stopped.exit_status if stopped is not None else 0
 
 
 if __name__ == "__main__":
