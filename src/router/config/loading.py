@@ -211,26 +211,18 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("flap_backoff", "must be in 1..1024 (1 turns the back-off off)")
     if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
         raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
-    try:
-        score_weights(cfg)
-    except ValueError as exc:
-        raise bad("score_weights", str(exc)) from None
-    try:
-        replica_capacities(cfg)
-    except ValueError as exc:
-        raise bad("replica_capacity", str(exc)) from None
-    try:
-        kv_capacities(cfg)
-    except ValueError as exc:
-        raise bad("kv_capacity_tokens", str(exc)) from None
-    try:
-        event_endpoints(cfg)
-    except ValueError as exc:
-        raise bad("kv_event_endpoints", str(exc)) from None
-    try:
-        tokenizer_dirs(cfg)
-    except ValueError as exc:
-        raise bad("tokenizer_dirs", str(exc)) from None
+    # the settings whose text is read into entries: each reader says what is wrong with an entry
+    for name, reader in (
+        ("score_weights", score_weights),
+        ("replica_capacity", replica_capacities),
+        ("kv_capacity_tokens", kv_capacities),
+        ("kv_event_endpoints", event_endpoints),
+        ("tokenizer_dirs", tokenizer_dirs),
+    ):
+        try:
+            reader(cfg)
+        except ValueError as exc:
+            raise bad(name, str(exc)) from None
     if not (math.isfinite(cfg.token_check_share) and 0 <= cfg.token_check_share <= 1):
         raise bad("token_check_share", "must be a share in 0..1")
     if not (math.isfinite(cfg.kv_tier_tokens_per_s) and cfg.kv_tier_tokens_per_s > 0):
