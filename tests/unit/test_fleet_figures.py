@@ -283,6 +283,11 @@ def test_medians_tables_and_ratios() -> None:
     assert "| vllm-router | did not run: exited |" in md
     result["replicas_needed"]["contenders"]["full"]["needed"] = 10  # the search's floor: "at most"
     assert next(ln for ln in render_markdown(result).splitlines() if ln.startswith("| router-serve")).endswith("≤ 10 |")
+    assert "Sessions cut" not in md
+    full["sessions_cut"] = 2  # a slow run reached the drain cap: its row is short of turns, and says so
+    assert "Sessions cut at the drain cap (3 × `--duration`), their later turns never sent: router-serve full policy 2." in (
+        render_markdown(result)
+    )
 
 
 async def test_a_fleet_that_fails_requests_does_not_meet_the_target(monkeypatch: pytest.MonkeyPatch) -> None:

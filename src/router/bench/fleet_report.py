@@ -172,6 +172,14 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append("")
         if not ran:
             continue
+        cut = [f"{labels[n]} {f['sessions_cut']:,.0f}" for n, f in ran.items() if f.get("sessions_cut")]
+        if cut:
+            lines += [
+                "Sessions cut at the drain cap (3 × `--duration`), their later turns never sent: "
+                + ", ".join(cut)
+                + ". Those rows count fewer requests than the others, and miss their slowest turns.",
+                "",
+            ]
         cpu = [
             f"{labels[n]} {f['router_cpu_share']:.0%}" for n, f in ran.items() if not math.isnan(f["router_cpu_share"])
         ]
