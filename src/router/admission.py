@@ -38,11 +38,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.errors import RouterError
 from router.fleet import NONE, Fleet, ReplicaState
 from router.ring import xxh3_64
 
 
-class Shed(Exception):
+class Shed(RouterError):
     """The request is not forwarded: every replica for its model is full and it waited its fill."""
 
     def __init__(self, status: int, message: str, reason: str, retry_after_s: int) -> None:

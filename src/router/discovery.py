@@ -26,13 +26,14 @@ import dns.exception
 import dns.resolver
 
 from router.config import ReplicaSpec, parse_replica, parse_source
+from router.errors import RouterError
 from router.membership import Clash, Membership, NoRoom
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("router.discovery")
 
 
-class DiscoveryError(RuntimeError):
+class DiscoveryError(RouterError, RuntimeError):
     """This round's lookup failed; nothing changes."""
 
 

@@ -1,11 +1,48 @@
-"""The errors the router answers itself, in the client's own API shape: OpenAI's, or Anthropic's on the
-Messages API (router.apis)."""
+"""The router's errors: the exceptions it raises, all under RouterError, and the errors it answers
+itself, in the client's own API shape: OpenAI's, or Anthropic's on the Messages API (router.apis).
+
+Every exception the router defines derives from RouterError and keeps its builtin base, so an
+`except ValueError` (or OSError, RuntimeError) still catches it. By what went wrong, where raised:
+
+What the router was given cannot be used
+  ConfigError (ValueError)          config/loading.py: a bad setting, named with where it came from;
+    UnknownSettings                   names that are no setting. router-serve prints each line, exits 2
+  StateError (ValueError)           state.py: the saved routing state cannot be read; router-serve exits 2
+  DiscoveryError (RuntimeError)     discovery.py: a replica file or DNS lookup failed; nothing changes
+  TokenizerError (ValueError)       kvevents/tokens.py: a model folder's tokenizer or chat template;
+                                      kvfeed asks the engine's render endpoint instead
+  CannotListen (OSError)            proxy/workers.py: an address to listen on is taken; router-serve exits 1
+A peer (replica, engine, worker process) failed, or sent what cannot be read
+  UpstreamError (ConnectionError)   upstream.py: a replica's connection broke or ended before its answer;
+    ConnectError                      none could be made; the request fails over (502 if none is left)
+    StaleConnection                   a pooled one the replica had closed: the request is resent once
+  WireError (ValueError)            kvevents/wire.py: a KV-event message that is no batch; kvfeed skips it
+  WorkerFailed (RuntimeError)       proxy/workers.py: a worker process did not start; router-serve exits 1
+  LinkDown (RuntimeError)           sessions.py (balance/link.py raises it): the workers did not answer
+  TornRead (RuntimeError)           shm/table.py: a shared-memory slot kept changing under its reader (a
+                                      writer died mid-write?); the reading is skipped
+The router refuses
+  Shed                              admission.py: a request is not forwarded, every replica being full; a 429
+  NoRoom (RuntimeError)             membership.py: the shared replica table is full; the admin API's 507
+  Clash (ValueError)                membership.py: a new replica's id or URL is another's; a 409 or 400
+
+The groups are prose, not classes: every caller names the exception it handles. A new exception
+derives from RouterError as well (tests/unit/test_errors.py fails otherwise); a private one that
+never leaves its module, such as proxy/front.py's `_TooBig` (raised in an httptools callback, read
+back from the parser's error), need not.
+"""
 
 from __future__ import annotations
 
 import orjson
 
 from router.apis import anthropic
+
+
+class RouterError(Exception):
+    """The root of every exception the router raises; each also keeps its builtin base (ValueError,
+    RuntimeError, OSError) for the callers that catch that."""
+
 
 # OpenAI's error types by status: its API answers other 4xx as invalid requests (an unknown model
 # or path included, told apart by `code`), other 5xx as its own failures

@@ -26,17 +26,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.config import ReplicaSpec
+from router.errors import RouterError
 from router.fleet import Fleet, ReplicaState
 from router.ring import MovedRange
 
 log = logging.getLogger("router.membership")
 
 
-class NoRoom(RuntimeError):
+class NoRoom(RouterError, RuntimeError):
     """The shared replica table has no free slot for another replica."""
 
 
-class Clash(ValueError):
+class Clash(RouterError, ValueError):
     """A new replica's id or URL is another replica's; str() says which."""
 
 

@@ -18,6 +18,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from router.errors import RouterError
+
 # (key, replica, seconds left, written unix ms)
 SessionEntry = tuple[bytes, str, float, int]
 
@@ -127,7 +129,7 @@ class SessionTable:
                 self._entries.popitem(last=False)
 
 
-class LinkDown(RuntimeError):
+class LinkDown(RouterError, RuntimeError):
     """No worker answered: what they know cannot be had now (they are stopping, or starting)."""
 
 

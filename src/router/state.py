@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from router.config import ReplicaSpec, RouterConfig, shared_through_redis
+from router.errors import RouterError
 from router.membership import Facts, Membership, Settle
 from router.sessions import LinkDown, SessionEntry, SessionTable, SessionView
 
@@ -48,7 +49,7 @@ SESSIONS_SAVE_S = 30.0  # with worker processes: how often their sessions are as
 log = logging.getLogger("router.state")
 
 
-class StateError(ValueError):
+class StateError(RouterError, ValueError):
     """A state file that cannot be used; str() is one line."""
 
 

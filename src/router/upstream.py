@@ -41,12 +41,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.errors import RouterError
+
 HIGH_WATER = 1 << 18  # body bytes buffered per response before the socket stops being read
 LOW_WATER = 1 << 16
 IDLE_S = 4.0  # a pooled connection unused this long is closed, not reused (below uvicorn's 5 s)
 
 
-class UpstreamError(ConnectionError):
+class UpstreamError(RouterError, ConnectionError):
     """A replica's connection failed: it could not be made, or it ended or broke mid-answer."""
 
 

@@ -31,9 +31,10 @@ from router.config.settings import (
     score_weights,
     tokenizer_dirs,
 )
+from router.errors import RouterError
 
 
-class ConfigError(ValueError):
+class ConfigError(RouterError, ValueError):
     """A setting that cannot be used; str() is one line for the operator."""
 
     def __init__(self, setting: str, source: str, problem: str) -> None:

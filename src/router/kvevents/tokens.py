@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from router.errors import RouterError
 from router.prefix import block_chain
 from router.ring import xxh3_64
 
@@ -85,7 +86,7 @@ class EngineTokens:
         return request_chain(self.ids, block_size, root_of(self.lora_name, self.salt))
 
 
-class TokenizerError(ValueError):
+class TokenizerError(RouterError, ValueError):
     """A model folder whose tokenizer or chat template cannot be read; the message names the file."""
 
 

@@ -30,11 +30,13 @@ from typing import Any
 
 import msgpack
 
+from router.errors import RouterError
+
 MEDIUM_GPU = "GPU"
 END_SEQ = -1  # the replay socket's last answer
 
 
-class WireError(ValueError):
+class WireError(RouterError, ValueError):
     """A message that is not a KV-event batch."""
 
 

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         run(serve(config))
-    except WorkerFailed as exc:
+    except (WorkerFailed, CannotListen) as exc:  # each says what failed, and where
         print(f"router-serve: {exc}", file=sys.stderr)
         return 1
     except StateError as exc:
@@ -242,9 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except FileExistsError:
         print(f"router-serve: shared memory {config.shm_name!r} already exists (another router?)", file=sys.stderr)
-        return 1
-    except CannotListen as exc:
-        print(f"router-serve: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"router-serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)

@@ -31,6 +31,7 @@ from prometheus_client import multiprocess, values
 from router._runtime import run, settle, stop_event, until_stopped
 from router.balance.link import WorkerLink, worker_socket
 from router.config import RouterConfig
+from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
@@ -44,7 +45,7 @@ RESTART_BACKOFF_S = 1.0
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class CannotListen(OSError):
+class CannotListen(RouterError, OSError):
     """An address the router was told to listen on is taken or not ours; says which."""
 
     def __init__(self, host: str, port: int, exc: OSError) -> None:
@@ -234,8 +235,8 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
 # -- the control process ---------------------------------------------------------------------------
 
 
-class WorkerFailed(RuntimeError):
-    pass
+class WorkerFailed(RouterError, RuntimeError):
+    """A worker process did not start: it exited, was not ready in time, or said why; str() names the worker."""
 
 
 class WorkerPool:

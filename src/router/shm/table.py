@@ -16,6 +16,7 @@ import struct
 import time
 from multiprocessing import resource_tracker, shared_memory
 
+from router.errors import RouterError
 from router.ring import xxh3_64
 from router.shm.layout import (
     COUNTER_CELL,
@@ -56,7 +57,7 @@ def segment_size(slots: int, workers: int, sticky_entries: int = 0) -> int:
     return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * per_worker + SEQ.size + OVERRIDES_SIZE
 
 
-class TornRead(RuntimeError):
+class TornRead(RouterError, RuntimeError):
     """A slot kept changing under the reader for READ_RETRIES tries (a writer died mid-write?)."""
 
 
