@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 
-from router.proxy.resume import SoFar, Splicer, StreamRecord, continuation, read_so_far
+from router.apis import CHAT, COMPLETION, EMBEDDING, MESSAGES, RESPONSES
+from router.config import RouterConfig
+from router.proxy.intake import Intake, take_in_body
+from router.proxy.resume import SoFar, Splicer, StreamRecord, continuation, read_so_far, why_not_continued
 
 
 def sse(*events: Any) -> bytes:
@@ -74,26 +78,99 @@ def test_continuations() -> None:
     assert continuation({"prompt": "x", "response_format": {"type": "text"}}, False, so_far) is not None
     assert continuation({"messages": [{"role": "user", "content": "q"}], "tool_choice": "auto"}, True, so_far)
     assert continuation({"prompt": "x"}, False, SoFar(text="t", chunks=1, other=True)) is None  # tool calls seen
-    for impossible, is_chat in (
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, False),
-        ({"prompt": "x", "guided_json": {"type": "object"}}, False),
-        ({"messages": [{"role": "user", "content": "q"}], "tool_choice": "required"}, True),
+    # bodies it cannot continue: test_the_body_alone_says_why_it_cannot_be_continued
+
+
+ASK = [{"role": "user", "content": "q"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "reason"),
+    [
+        ({"prompt": "x", "n": 2}, False, "n"),
+        ({"messages": ASK, "n": 3}, True, "n"),
+        ({"prompt": "x", "best_of": 3}, False, "best_of"),
+        ({"prompt": "x", "echo": True}, False, "echo"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, False, "structured_outputs"),
+        ({"messages": ASK, "guided_choice": ["a", "b"]}, True, "structured_outputs"),
+        ({"messages": ASK, "structured_outputs": {"regex": "a+"}}, True, "structured_outputs"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, False, "response_format"),
+        ({"messages": ASK, "response_format": "text"}, True, "response_format"),  # not even an object
+        ({"messages": ASK, "tool_choice": "required"}, True, "tool_choice"),
+        ({"messages": ASK, "tool_choice": {"type": "function", "function": {"name": "f"}}}, True, "tool_choice"),
+        ({"messages": []}, True, "messages"),
+        ({"messages": "hi"}, True, "messages"),
+        ({}, True, "messages"),
         (
             {
                 "messages": [{"role": "assistant", "content": [{"type": "text", "text": "A"}]}],
                 "continue_final_message": True,
             },
             True,
+            "messages",
         ),
-        ({"prompt": "x", "n": 2}, False),
-        ({"prompt": "x", "best_of": 3}, False),
-        ({"prompt": "x", "echo": True}, False),
-        ({"prompt": [1, 2, 3]}, False),
-        ({"prompt": ["a", "b"]}, False),
-        ({"messages": []}, True),
-        ({"messages": "hi"}, True),
+        ({"messages": ASK, "continue_final_message": True}, True, "messages"),  # the last is not the assistant's
+        ({"prompt": [1, 2, 3]}, False, "prompt"),
+        ({"prompt": ["a", "b"]}, False, "prompt"),
+        ({"prompt": None}, False, "prompt"),
+        ({"messages": ASK}, False, "prompt"),  # a chat body on the completions API
+    ],
+)
+def test_the_body_alone_says_why_it_cannot_be_continued(body: dict[str, Any], chat: bool, reason: str) -> None:
+    assert why_not_continued(body, chat) == reason
+    assert continuation(body, chat, SoFar(text="t", chunks=1)) is None  # journey.py's call agrees
+
+
+def test_a_body_that_can_be_continued_passes_the_checks() -> None:
+    for body, chat in (
+        ({"messages": ASK, "n": 1, "best_of": None, "echo": False, "tool_choice": "none"}, True),
+        ({"messages": ASK, "response_format": {"type": "text"}, "tool_choice": "auto", "guided_json": None}, True),
+        ({"messages": [*ASK, {"role": "assistant", "content": "A"}], "continue_final_message": True}, True),
+        ({"prompt": "x"}, False),
+        ({"prompt": ["x"]}, False),
     ):
-        assert continuation(impossible, is_chat, so_far) is None, impossible
+        assert why_not_continued(body, chat) is None, body
+        assert continuation(body, chat, SoFar(text="t", chunks=1)) is not None, body
+
+
+def taken_in(path: str, body: dict[str, Any], cfg: RouterConfig | None = None) -> Intake:
+    intake = take_in_body(path, {}, orjson.dumps(body), cfg or RouterConfig())
+    assert isinstance(intake, Intake)
+    return intake
+
+
+def test_the_intake_decides_once_whether_a_request_streams_and_can_be_resumed() -> None:
+    keep = RouterConfig().resume_buffer_bytes
+    chat = taken_in(CHAT.path, {"model": "m", "messages": ASK, "stream": True})
+    assert (chat.api, chat.streams, chat.resumable, chat.keep) == (CHAT, True, True, keep)
+    completion = taken_in(COMPLETION.path, {"model": "m", "prompt": "x", "stream": True})
+    assert (completion.api, completion.streams, completion.resumable, completion.keep) == (COMPLETION, True, True, keep)
+    # the body is checked as it goes upstream: usage asked for on the client's behalf does not stop a resume
+    assert completion.strip_usage and completion.body["stream_options"] == {"include_usage": True}
+    # streams the router cannot continue: their kind has no continuation, or their body rules it out
+    for path, body in (
+        (RESPONSES.path, {"model": "m", "input": "hi", "stream": True}),
+        (MESSAGES.path, {"model": "m", "messages": ASK, "max_tokens": 8, "stream": True}),
+        (CHAT.path, {"model": "m", "messages": ASK, "stream": True, "n": 2}),
+        (COMPLETION.path, {"model": "m", "prompt": [1, 2], "stream": True}),
+    ):
+        intake = taken_in(path, body)
+        assert intake.streams and not intake.resumable and intake.keep == 0, (path, body)
+    # not streamed: nothing to resume, whatever the kind
+    for path, whole in (
+        (CHAT.path, {"model": "m", "messages": ASK}),
+        (CHAT.path, {"model": "m", "messages": ASK, "stream": "true"}),  # only JSON's true streams
+        (COMPLETION.path, {"model": "m", "prompt": "x", "stream": False}),
+        (EMBEDDING.path, {"model": "m", "input": "x"}),
+        (RESPONSES.path, {"model": "m", "input": "hi"}),
+        (MESSAGES.path, {"model": "m", "messages": ASK, "max_tokens": 8}),
+    ):
+        intake = taken_in(path, whole)
+        assert not intake.streams and not intake.resumable and intake.keep == 0, (path, whole)
+        assert intake.api.path == path
+    # resuming turned off: a stream is still a stream
+    off = taken_in(CHAT.path, {"model": "m", "messages": ASK, "stream": True}, RouterConfig(resume_streams=False))
+    assert off.streams and not off.resumable and off.keep == 0
 
 
 def test_the_splicer_rewrites_a_continuation_into_the_original_stream() -> None:

@@ -4,7 +4,9 @@
 A request that fails gets the answer it deserves (431, 408, 413 or 400), in its API's shape
 (OpenAI's, or Anthropic's on the Messages API), and never reaches a replica. One that passes may
 be changed on the way: a stream that did not ask for usage is asked for it (`inject_usage`), so
-the router learns its token counts, and the client is not shown it.
+the router learns its token counts, and the client is not shown it. What the rest of the router
+asks of the request is decided here, once: its kind (router.apis), whether it streams, and whether a
+stream broken mid-way can be resumed on another replica (router.proxy.resume).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
 from router.proxy.exchange import JSON, Exchange
-from router.proxy.resume import SoFar, continuation
+from router.proxy.resume import why_not_continued
 from router.routing.request import request_key
 
 
@@ -47,7 +49,8 @@ async def read_body(request: web.Request, limit: int, pause_s: float, total_s: f
 
 @dataclass(slots=True)
 class Intake:
-    """A request taken in: its body parsed, its key found, usage asked for if hidden."""
+    """A request taken in: its kind, its body parsed, its key found, usage asked for if hidden,
+    whether it streams and whether it can be resumed."""
 
     body: dict[str, Any]
     raw: bytes
@@ -55,6 +58,12 @@ class Intake:
     strip_usage: bool  # the router asked for usage: the client is not shown it
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
     api: Api
+    streams: bool  # the client asked for a stream (`"stream": true`)
+
+    @property
+    def resumable(self) -> bool:
+        """A stream broken mid-way is continued on another replica (router.proxy.resume)."""
+        return self.keep > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +139,14 @@ def take_in_body(
     if not isinstance(body, dict):
         return Refused(400, "the request body must be a JSON object")
     key = request_key(api, headers, body, cfg, prompts)
-    streamed = body.get("stream") is True
+    streams = body.get("stream") is True
     strip_usage = False
-    if streamed and api.usage_option and cfg.inject_usage:
+    if streams and api.usage_option and cfg.inject_usage:
         options = body.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage")):
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             raw = orjson.dumps(body)
             strip_usage = True
-    # a stream broken mid-way is resumed on another replica when it can be (see resume.py)
-    resumable = (
-        cfg.resume_streams and streamed and api.resumable and continuation(body, api is CHAT, SoFar()) is not None
-    )
-    return Intake(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api)
+    # a stream broken mid-way is resumed on another replica when its body allows it (see resume.py)
+    resumable = cfg.resume_streams and streams and api.resumable and why_not_continued(body, api is CHAT) is None
+    return Intake(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api, streams)

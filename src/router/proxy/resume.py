@@ -19,6 +19,11 @@ the original request's terms) and spliced into the client's stream, which sees o
 request that cannot be continued ends with an SSE error event, as does one whose replicas all
 fail: several choices, `echo`, a prompt that is not a string, structured output (a grammar would
 restart after the prefix), tool calls or reasoning already streamed, a stream past the buffer.
+
+What the body alone rules out (`why_not_continued`) is decided where the request is taken in
+(router.proxy.intake): such a stream is not even recorded. What the stream rules out is known only
+once it broke (`read_so_far`); `continued` then builds the continuation, and `continuation` does
+both for a caller that holds only the body.
 """
 
 from __future__ import annotations
@@ -163,18 +168,43 @@ def read_so_far(record: StreamRecord) -> SoFar | None:
 STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-def continuation(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, Any] | None:
-    """The request that continues `body` after `so_far`; None when it cannot be continued."""
-    if body.get("n", 1) not in (1, None) or body.get("best_of", 1) not in (1, None) or body.get("echo"):
-        return None
-    if so_far.other or any(body.get(name) for name in STRUCTURED):
-        return None
+def why_not_continued(body: dict[str, Any], chat: bool) -> str | None:
+    """Why `body` cannot be continued after a break, whatever the stream held, in a word (None: it
+    can): `n`, `best_of`, `echo`, `structured_outputs`, `response_format`, `tool_choice`,
+    `messages` (chat: none, or a final message to continue that is not an assistant's text) or
+    `prompt` (completions: not a single string)."""
+    if body.get("n", 1) not in (1, None):
+        return "n"
+    if body.get("best_of", 1) not in (1, None):
+        return "best_of"
+    if body.get("echo"):
+        return "echo"
+    if any(body.get(name) for name in STRUCTURED):
+        return "structured_outputs"
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return None
+        return "response_format"
     tool_choice = body.get("tool_choice")
     if tool_choice is not None and tool_choice not in ("auto", "none"):
-        return None  # a forced tool call is a grammar too
+        return "tool_choice"  # a forced tool call is a grammar too
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "messages"
+        last = messages[-1]
+        if body.get("continue_final_message") and not (
+            isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)
+        ):
+            return "messages"
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)):
+        return None
+    return "prompt"
+
+
+def continued(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, Any]:
+    """The request that continues `body`, which `why_not_continued` passed, after `so_far`."""
     new = dict(body)
     for name in ("max_tokens", "max_completion_tokens"):
         limit = body.get(name)
@@ -187,29 +217,26 @@ def continuation(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, A
             if isinstance(new.get(name), int):
                 new["min_tokens"] = min(new["min_tokens"], new[name])
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        last = messages[-1]
+        messages = body["messages"]
         if body.get("continue_final_message"):
-            if not (
-                isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)
-            ):
-                return None
+            last = messages[-1]
             new["messages"] = [*messages[:-1], {**last, "content": last["content"] + so_far.text}]
         else:
             new["messages"] = [*messages, {"role": "assistant", "content": so_far.text}]
         new["continue_final_message"] = True
         new["add_generation_prompt"] = False
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            new["prompt"] = [prompt[0] + so_far.text]
-        elif isinstance(prompt, str):
-            new["prompt"] = prompt + so_far.text
-        else:
-            return None
+        prompt = body["prompt"]
+        new["prompt"] = prompt + so_far.text if isinstance(prompt, str) else [prompt[0] + so_far.text]
     return new
+
+
+def continuation(body: dict[str, Any], chat: bool, so_far: SoFar) -> dict[str, Any] | None:
+    """The request that continues `body` after `so_far`; None when it cannot be continued (the
+    body fails `why_not_continued`, or tool calls or reasoning were streamed)."""
+    if so_far.other or why_not_continued(body, chat) is not None:
+        return None
+    return continued(body, chat, so_far)
 
 
 class Splicer:
