@@ -234,3 +234,19 @@ async def test_every_replica_full_sheds_with_a_429_in_the_apis_shape() -> None:
         messages, request(config, body, path="/v1/messages"), 0.0
     )
     assert orjson.loads(messages.body)["error"]["type"] == "rate_limit_error" and messages.status == 429
+
+
+async def test_the_access_log_names_a_sessions_jump_as_the_jumps_metric_counts_it(caplog: Any) -> None:
+    routing, admission, metrics, config, _ = build()
+    script = Script(answered)
+    ledger = Ledger(metrics, routing.policy.name, routing.fleet.model_label, log_requests=True)
+    journey = Journey(routing, admission, script, ledger, metrics, total_timeout_s=30.0, max_key_bytes=256)
+    caplog.set_level("INFO", logger="router.access")
+    await journey.serve(Exchange(), request(config, CHAT), time.monotonic())
+    # the next turn's replica refuses it: served elsewhere, the session has jumped
+    script.steps += [lambda r, t: Retry("connect", 502), answered]
+    await journey.serve(Exchange(), request(config, CHAT), time.monotonic())
+    first, second = (orjson.loads(r.getMessage()) for r in caplog.records if r.name == "router.access")
+    assert first["jump"] is None and first["replica"] == script.sent[0] == script.sent[1]
+    assert second["replica"] == script.sent[2] != script.sent[1] and second["attempts"] == 2
+    assert second["jump"] == "failover" and count(metrics.jumps, reason="failover") == 1

@@ -10,8 +10,9 @@ in-flight count goes up when the route offers the replica and down exactly once,
 however the attempt ends. The journey ends in the ledger: the request's metrics and access-log line.
 
 It is built from narrow collaborators, never the node: the routing core, the overload queue, the
-attempts (`Attempts`: HTTP to replicas in the proxy, `HttpAttempts`; fakes in its unit tests), the
-ledger, and the engines' tokens where they are read (`tokenize`).
+attempts (`Attempts`: HTTP to replicas in the proxy, `HttpAttempts`; the modelled replicas of
+router-bench simulate, which drives this same loop on a virtual clock; fakes in its unit tests),
+where it ends (`Accounting`: the `Ledger`), and the engines' tokens where they are read (`tokenize`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from router.policy import Decision
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
 from router.proxy.intake import Intake, Refused, no_such_model
-from router.proxy.resume import Splicer, continuation, read_so_far
+from router.proxy.resume import Splicer, continued, read_so_far
 from router.proxy.sse import StreamFramer
-from router.routing import Route, Routing
+from router.routing import Route, Routing, Verdict
 from router.upstream import Upstream
 
 access_log = logging.getLogger("router.access")
@@ -115,6 +116,24 @@ class HttpAttempts:
         return await resume(self.client(), url, body, trip.headers, self.timeouts, deadline, outcome, splicer, trip.t0)
 
 
+class Accounting(Protocol):
+    """Where a request's journey ends (`finish`): the proxy's `Ledger`; router-bench simulate's
+    tally of its figures."""
+
+    def finish(
+        self,
+        exchange: Exchange,
+        status: int,
+        replica: ReplicaState | None,
+        key: RoutingKey,
+        decision: Decision | None,
+        t0: float,
+        result: Outcome | None = None,
+        attempts: int = 0,
+        verdict: Verdict | None = None,
+    ) -> None: ...
+
+
 class Ledger:
     """Where a request's journey ends: its count by replica, policy, key kind, status and model,
     its latencies, and (`log_requests`) its access-log line."""
@@ -137,7 +156,10 @@ class Ledger:
         t0: float,
         result: Outcome | None = None,
         attempts: int = 0,
+        verdict: Verdict | None = None,
     ) -> None:
+        """Count and log the journey of a request that ended with `status` (`replica`: None when
+        none answered; `verdict`: how the routing core counted a served keyed request)."""
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
         m = self.metrics
@@ -160,6 +182,7 @@ class Ledger:
                         "key_kind": key.kind,
                         "key_source": key.source,
                         "reason": decision.reason if decision else None,
+                        "jump": verdict.jump if verdict else None,
                         "attempts": attempts,
                         "ttft_ms": round(facts.ttft_s * 1000, 2) if facts and facts.ttft_s is not None else None,
                         "e2e_ms": round(elapsed * 1000, 2),
@@ -184,11 +207,12 @@ class Journey:
         routing: Routing,
         admission: Admission,
         attempts: Attempts,
-        ledger: Ledger,
+        ledger: Accounting,
         metrics: RouterMetrics,
         total_timeout_s: float,
         max_key_bytes: int,
         tokenize: Tokenize | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.routing = routing
         self.fleet = routing.fleet
@@ -199,6 +223,7 @@ class Journey:
         self.total_timeout_s = total_timeout_s
         self.max_key_bytes = max_key_bytes
         self.tokenize = tokenize
+        self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
         self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
@@ -216,7 +241,7 @@ class Journey:
         if self.tokenize is not None and key.prompt is not None:
             key = await self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
-        route = await self.routing.route(key, t0, loop.time() - (time.monotonic() - t0) + self.total_timeout_s)
+        route = await self.routing.route(key, t0, loop.time() - (self.clock() - t0) + self.total_timeout_s)
         admission = self.admission
         if admission.on and intake.api.queued:
             try:
@@ -248,7 +273,7 @@ class Journey:
                 route.failed(replica, result.cause)
                 failure = result
                 continue
-            route.served(replica, result.facts, exchange.path, intake.raw)
+            verdict = route.served(replica, result.facts, exchange.path, intake.raw)
             if (
                 intake.api is RESPONSES
                 and result.facts.response_id is not None
@@ -256,13 +281,13 @@ class Journey:
                 and intake.body.get("store") is not False
             ):
                 route.produced(result.facts.response_id, replica, self.max_key_bytes)
-            if intake.keep and result.facts.streamed:
+            if intake.resumable and result.facts.streamed:
                 try:
                     replica = await self._resume(trip, route, result, replica)
                 except asyncio.CancelledError:  # the client went away during the continuation
                     finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                     raise
-            finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts)
+            finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts, verdict)
             return
         if route.timed_out:
             failure = failure or Retry("timeout", 504)
@@ -301,12 +326,11 @@ class Journey:
                 await result.response.write(b"data: [DONE]\n\n")
                 await result.response.write_eof()
             return broke
-        follow = continuation(trip.intake.body, chat, so_far) if so_far is not None else None
-        if follow is None or so_far is None:
-            m.child(m.stream_resumes, "impossible").inc()
+        if so_far is None or so_far.other:  # (the body itself passed at intake: it is resumable)
+            m.child(m.stream_resumes, "impossible").inc()  # nothing readable, or tool calls or reasoning
             await end_stream(result)
             return broke
-        raw = orjson.dumps(follow)
+        raw = orjson.dumps(continued(trip.intake.body, chat, so_far))
         strip = result.framer is not None and result.framer.strip_usage
         loop = asyncio.get_running_loop()
         while (replica := route.next(loop.time(), resuming=True)) is not None:
