@@ -285,8 +285,9 @@ def test_medians_tables_and_ratios() -> None:
     assert next(ln for ln in render_markdown(result).splitlines() if ln.startswith("| router-serve")).endswith("≤ 10 |")
     assert "Sessions cut" not in md
     full["sessions_cut"] = 2  # a slow run reached the drain cap: its row is short of turns, and says so
-    assert "Sessions cut at the drain cap (3 × `--duration`), their later turns never sent: router-serve full policy 2." in (
-        render_markdown(result)
+    assert (
+        "Sessions cut at the drain cap (3 × `--duration`), their later turns never sent: router-serve full policy 2."
+        in render_markdown(result)
     )
 
 

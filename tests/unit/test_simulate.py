@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -108,19 +109,43 @@ def test_a_turn_running_while_its_session_moves_does_not_undo_the_move() -> None
     sim._placed(0, source.id)
     sim.now = 5.0
     turn = Turn(0, 1, 2, 500, 10, 10, started=5.0)
-    turn.route = sim.routing.local_route(sim.keys[0], 5.0, 605.0)
-    turn.replica = turn.route.next(5.0)  # the router's pick: back where its cache is
-    assert turn.replica is source
-    sim.models[source.id].running = 1
+    served = sim.loop.create_task(sim.serve(turn))  # through the proxy's journey
+    sim.loop.run_until_complete(asyncio.sleep(0.05))  # virtual: it starts, and runs 0.2 s in all
+    assert turn.replica is source and turn in sim.models[source.id].active  # back where its cache is
     # while it runs, a migration moves the session to `target`, as the router's view does
-    sim.now = 6.0
     assert sim.sessions.move(key, target.id, "migration")
     sim._placed(0, target.id)
-    sim.now = 7.0
-    sim._done(turn)
+    assert sim.loop.run_until_complete(served) is True
+    assert sim.now == pytest.approx(5.0 + turn.busy_s)
     assert sim.sessions.get(key) == target.id  # the move stands
     assert sim.stats.followups == 1 and sim.stats.jumps == 0  # a follow-up served where it was; no jump
     assert sim.models[source.id].cached(0) == 520  # the replica that served it did cache its context
+    assert sim.fleet.replicas[0].inflight == 0  # the journey released its attempt
+    sim.loop.close()
+
+
+def test_a_replica_that_dies_cuts_its_turns_and_the_journey_fails_them_over() -> None:
+    args = build_parser().parse_args(["simulate", "--replicas", "3", "--sessions", "10", "--slots", "1"])
+    sim = Simulation(args)
+    victim = sim.fleet.replicas[len(sim.fleet.replicas) // 2]
+    turns = []
+    for session in range(40):  # until two turns are on the victim: one running, one queued
+        sim.keys[session] = RoutingKey(f"session-{session}".encode(), "header", "sim")
+        sim.system[session] = 0
+        sim.live.add(session)
+        turn = Turn(session, 0, 1, 400, 100, 100, started=0.0)
+        turns.append((turn, sim.loop.create_task(sim.serve(turn))))
+        sim.loop.run_until_complete(asyncio.sleep(0))
+        if sum(t.replica is victim for t, _ in turns) == 2:
+            break
+    on_victim = [t for t, _ in turns if t.replica is victim]
+    assert len(on_victim) == 2 and len(sim.models[victim.id].queue) == 1
+    sim._fail(None)  # the victim dies: both attempts are cut ("reset") and go to the next replica
+    served = sim.loop.run_until_complete(asyncio.gather(*(task for _, task in turns)))
+    assert all(served) and sim.stats.failed_attempts == 2 and sim.stats.failed_requests == 0
+    assert all(t.replica is not victim for t in on_victim) and sim.stats.requests == len(turns)
+    assert all(r.inflight == 0 for r in sim.fleet.replicas)
+    sim.loop.close()
 
 
 def test_the_cache_model_evicts_least_recently_used_sessions() -> None:

@@ -1,14 +1,16 @@
 """`router-bench simulate` routes with the router's own decision code: the same events, the same picks.
 
 A fixed sequence of turns — sessions that start together (so loads build and bounded load spills),
-follow-ups, a replica that refuses connections — is fed once to the simulator's event handlers on
-its virtual clock, and once to the routing core of a router node built from the same settings, driven
-the way the HTTP handler drives it. Every pick, every jump cause and the session table must agree.
+follow-ups, a replica that refuses connections — is fed once to the simulator (each turn through the
+proxy's journey, on its virtual clock), and once to the routing core of a router node built from the
+same settings, driven the way the journey drives it. Every pick, every jump cause and the session
+table must agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from router.bench.simulate import Simulation, Turn, add_parser
 from router.config import load
@@ -23,7 +25,19 @@ DEAD = "r1"  # refuses connections from the second round on
 def sim_args(policy: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    return parser.parse_args(["simulate", "--replicas", str(REPLICAS), "--sessions", "100", "--policy", policy])
+    # turns that would take 50,000 s: none ends by itself, the script ends each
+    flags = ["--replicas", str(REPLICAS), "--sessions", "100", "--policy", policy, "--tpot-s", "1000"]
+    return parser.parse_args(["simulate", *flags])
+
+
+def settle(loop: asyncio.AbstractEventLoop) -> None:
+    """Run what is ready on the simulator's loop without moving its clock."""
+
+    async def yields() -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    loop.run_until_complete(yields())
 
 
 def script() -> list[tuple[str, int]]:
@@ -47,6 +61,7 @@ def run_simulator(policy: str) -> tuple[list[str], dict[str, str | None]]:
     picks: list[str] = []
     running: dict[int, Turn] = {}
     rounds: dict[int, int] = {}
+    served: list[asyncio.Task[bool]] = []
     for step, (op, session) in enumerate(script()):
         sim.now = float(step)
         if op == "start":
@@ -57,8 +72,9 @@ def run_simulator(policy: str) -> tuple[list[str], dict[str, str | None]]:
             sim.keys[session] = key(session)
             sim.shape[session] = [(100, 50, 1.0)] * 3
             sim.system[session] = 0
-            turn = Turn(session, number, 3, 400 + number * 150, 100, 50)
-            sim._turn(turn)
+            turn = Turn(session, number, 3, 400 + number * 150, 100, 50, started=sim.now)
+            served.append(sim.loop.create_task(sim.serve(turn)))  # the proxy's journey, to its attempt
+            settle(sim.loop)
             assert turn.replica is not None
             picks.append(turn.replica.id)
             running[session] = turn
@@ -69,6 +85,9 @@ def run_simulator(policy: str) -> tuple[list[str], dict[str, str | None]]:
                 model.queue.remove(turn)
                 sim._start(turn, model)
             sim._done(turn)
+            settle(sim.loop)  # the journey ends the turn
+    assert all(task.done() and task.result() for task in served)
+    sim.loop.close()
     return picks, {f"session-{s}": sim.sessions.get(key(s).key) for s in range(24)}
 
 
@@ -100,10 +119,10 @@ async def run_router(policy: str) -> tuple[list[str], dict[str, str | None]]:
     return picks, {f"session-{s}": node.sessions.get(key(s).key) for s in range(24)}
 
 
-async def test_the_simulator_and_the_router_make_the_same_decisions() -> None:
+def test_the_simulator_and_the_router_make_the_same_decisions() -> None:
     for policy in ("affinity", "consistent_hash", "least_load"):
-        sim_picks, sim_sessions = run_simulator(policy)
-        router_picks, router_sessions = await run_router(policy)
+        sim_picks, sim_sessions = run_simulator(policy)  # on its own loop, with its virtual clock
+        router_picks, router_sessions = asyncio.run(run_router(policy))
         assert sim_picks == router_picks, policy
         assert sim_sessions == router_sessions, policy
         assert DEAD not in sim_picks[48:] and len(set(sim_picks)) > 1  # the failover and the spread happened

@@ -2,12 +2,15 @@
 
 No sockets and no processes: one loop of timed events, so a fleet of 1000 replicas and a million
 sessions runs in minutes on a laptop-class CPU. What routes is the router's own code: each turn
-is one `Route` of the router's routing core (`router.routing`: picks within `max_attempts` and the
-deadline, failover, jump causes, session entries and their moves), over the ring (`_ring`, or its
-pure-Python twin), the policy objects (`router.policy`), the session table (`router.sessions`),
-the fleet's in-flight loads and ring weights (`router.fleet`), and the health state machine with
-its slow start (`router.health.states`), fed one score per probe interval. The clock the route
-reads is the virtual one. What serves is a model of a replica, coarser than the emulator's:
+is one journey of the proxy (`router.proxy.journey.Journey.serve`, the same loop every HTTP request
+takes: the route, attempts until one answers, failover, the finish), whose attempts are the
+modelled replicas below instead of HTTP; beneath it the routing core (`router.routing`: picks
+within `max_attempts` and the deadline, jump causes, session entries and their moves), the ring
+(`_ring`, or its pure-Python twin), the policy objects (`router.policy`), the session table
+(`router.sessions`), the fleet's in-flight loads and ring weights (`router.fleet`), and the health
+state machine with its slow start (`router.health.states`), fed one score per probe interval. It
+all runs on an asyncio loop whose clock is virtual (router.bench.virtual_time): time jumps to the
+next timer instead of passing. What serves is a model of a replica, coarser than the emulator's:
 
 - KV cache: a replica holds up to `--kv-tokens` tokens of conversation context. A session's
   context stays there after each turn and is evicted least recently used first. A turn that
@@ -48,25 +51,35 @@ event moved, and the run's wall time and peak memory.
 from __future__ import annotations
 
 import argparse
-import heapq
+import asyncio
 import json
 import random
 import resource
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.admission import Admission
+from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
+from router.bench.virtual_time import VirtualLoop
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
 from router.keys import RoutingKey
 from router.measures import coefficient_of_variation, kv_hit_rate, percentile
 from router.metrics import RouterMetrics
-from router.policy import make_policy
-from router.routing import Route, Routing, Served, SessionDirectory
+from router.policy import Decision, make_policy
+from router.proxy.exchange import Exchange
+from router.proxy.forward import Outcome, Retry
+from router.proxy.intake import Intake
+from router.proxy.journey import Journey, Trip
+from router.proxy.sse import StreamFramer
+from router.routing import Routing, Served, SessionDirectory, Verdict
 from router.sessions import SessionTable
 
 SYSTEM_TOKENS = 400
@@ -125,6 +138,7 @@ class Model:
     cached_tokens: int = 0
     running: int = 0
     queue: deque[Any] = field(default_factory=deque)
+    active: set[Any] = field(default_factory=set)  # the turns running
     dead: bool = False
     systems: set[int] = field(default_factory=set)  # shared system prompts it has cached (never evicted)
     born: float = 0.0  # virtual second it joined
@@ -154,7 +168,7 @@ class Model:
             self.cached_tokens -= dropped
 
 
-@dataclass
+@dataclass(eq=False)
 class Turn:
     session: int
     number: int
@@ -163,12 +177,109 @@ class Turn:
     message: int
     output: int
     started: float = 0.0
-    route: Route | None = None  # the router's routing of this turn, from its first attempt on
     cached: int = 0
-    replica: ReplicaState | None = None
-    lost: bool = False  # its replica died while it ran: a copy was retried elsewhere
+    replica: ReplicaState | None = None  # where its attempt is (or was last)
     ttft: float = 0.0
     busy_s: float = 0.0  # the slot time it took
+    answer: asyncio.Future[Retry | Outcome] | None = None  # what its attempt there ends in
+    timer: asyncio.TimerHandle | None = None  # ... when it runs: its end
+    exchange: SimExchange | None = None
+
+
+NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+
+
+class SimExchange:
+    """A turn's client side (router.proxy.exchange.Exchange): the answer's status, nothing sent."""
+
+    method = "POST"
+    path = "/v1/chat/completions"
+    headers = NO_HEADERS
+    remote: str | None = None
+    transport: asyncio.Transport | None = None
+    prepared = False
+
+    def __init__(self, turn: Turn) -> None:
+        self.turn = turn
+        self.status = 0
+
+    def answer(self, status: int, body: bytes, headers: Mapping[str, str], close: bool = False) -> None:
+        self.status = status
+
+    async def prepare(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status = status
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+    async def write_eof(self) -> None:
+        pass
+
+
+class ModelledReplicas:
+    """The journey's attempts (router.proxy.journey.Attempts) on the modelled replicas: a turn joins
+    the replica's slots or its queue and ends when the model says; a dead replica refuses it at
+    once (`connect`), and one that dies while the turn waits or runs there cuts it (`reset`), both
+    failed over by the journey as the proxy fails over HTTP attempts."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        sim = self.sim
+        exchange = trip.exchange
+        assert isinstance(exchange, SimExchange)
+        turn = exchange.turn
+        model = sim.models[replica.id]
+        if model.dead:
+            sim.stats.failed_attempts += 1
+            return Retry("connect")
+        turn.replica = replica
+        turn.answer = sim.loop.create_future()
+        if model.running < model.slots:
+            sim._start(turn, model)
+        else:
+            model.queue.append(turn)
+        return await turn.answer
+
+    async def resume(
+        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
+    ) -> Retry | None:
+        raise RuntimeError("a modelled turn is never resumable (its intake keeps no stream)")
+
+
+class Tally:
+    """The journey's ledger in the simulation: each turn's end counted into the run's figures."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def finish(
+        self,
+        exchange: Exchange,
+        status: int,
+        replica: ReplicaState | None,
+        key: RoutingKey,
+        decision: Decision | None,
+        t0: float,
+        result: Outcome | None = None,
+        attempts: int = 0,
+        verdict: Verdict | None = None,
+    ) -> None:
+        assert isinstance(exchange, SimExchange)
+        sim, turn = self.sim, exchange.turn
+        s = sim.stats
+        if replica is None:  # no replica left to try: the turn fails, and its session ends
+            s.failed_requests += 1
+            return
+        if verdict is not None and verdict.followup:
+            s.followups += 1
+            s.jumps += verdict.jump is not None and not verdict.moved  # a move is counted as migrated
+        current = sim.sessions.get(key.key)
+        if current is not None:
+            sim._placed(turn.session, current)
+        sim._sample("latency", s.latencies, sim.now - turn.started)
+        sim._sample("ttft", s.ttfts, turn.ttft)
 
 
 @dataclass
@@ -217,28 +328,52 @@ class Simulation:
         self.arrivals = random.Random(args.seed)
         self.shapes = random.Random(args.seed + 1)
         self.rng = random.Random(args.seed + 2)
+        self.loop = VirtualLoop()  # `now` is its clock
         specs = [ReplicaSpec(f"r{i}", f"http://sim/{i}") for i in range(args.replicas)]
         self.config = load(None, {}, {"replicas": [f"{s.id}={s.url}" for s in specs], "policy": args.policy})
         self.rules = Hysteresis(remove_after=args.remove_after, ramp_s=args.ramp_s)
         self.fleet = Fleet(specs, self.config.vnodes, self.config.hash_seed, self.rules)
         self.policy = make_policy(args.policy, self.fleet, self.config)
-        self.sessions = SessionTable(args.sessions + 1, 3600.0, clock=lambda: self.now, wall=self._wall_ms)
+        clock = self.loop.time
+        self.sessions = SessionTable(args.sessions + 1, 3600.0, clock=clock, wall=self._wall_ms)
         # the router's routing core on the virtual clock; a move reaches no worker process, so no slack
+        metrics = RouterMetrics()
         self.routing = Routing(
             self.fleet,
             self.policy,
             SessionDirectory(self.sessions, 3600.0, wall=self._wall_ms),
-            RouterMetrics(),
+            metrics,
             self.config.max_attempts,
             observer=self,
-            clock=lambda: self.now,
-            wall=lambda: self.now,
+            clock=clock,
+            wall=clock,
             move_slack_ms=0,
         )
+        # the proxy's journey, its attempts on the modelled replicas; no overload queue (max_queued
+        # 0): a modelled replica queues what it has no slot for
+        c = self.config
+        self.journey = Journey(
+            self.routing,
+            Admission(self.fleet, 0, c.queue_timeout_s, c.full_waiting, c.full_kv_usage),
+            ModelledReplicas(self),
+            Tally(self),
+            metrics,
+            c.total_timeout_s,
+            c.max_key_bytes,
+            clock=clock,
+        )
         self.models = {r.id: Model(args.kv_tokens, args.slots) for r in self.fleet.replicas}
-        self.now = 0.0
-        self.events: list[tuple[float, int, str, Any]] = []
-        self.seq = 0
+        self.handlers: dict[str, Callable[[Any], None]] = {
+            "arrive": self._arrive,
+            "scale_out": self._scale_out,
+            "scale_in": self._scale_in,
+            "fail": self._fail,
+            "probe": self._probe,
+            "tick": self._tick,
+        }
+        self.finished = asyncio.Event()  # every session has arrived and ended
+        self.sessions_running: set[asyncio.Task[None]] = set()
+        self.crashed: BaseException | None = None
         self.stats = Stats()
         self.live: set[int] = set()
         self.started = 0
@@ -265,9 +400,18 @@ class Simulation:
 
     # -- the event loop ----------------------------------------------------------------------
 
+    @property
+    def now(self) -> float:
+        """Virtual seconds since the run began."""
+        return self.loop.time()
+
+    @now.setter
+    def now(self, t: float) -> None:
+        """Move the clock on to `t` (tests that drive the handlers themselves)."""
+        self.loop.advance(t - self.loop.time())
+
     def at(self, t: float, kind: str, payload: Any = None) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, payload))
+        self.loop.call_at(t, self.handlers[kind], payload)
 
     def run(self) -> dict[str, Any]:
         a = self.args
@@ -277,19 +421,12 @@ class Simulation:
         for when, kind in ((a.scale_out_at, "scale_out"), (a.scale_in_at, "scale_in"), (a.fail_at, "fail")):
             if when is not None:
                 self.at(when, kind)
-        handlers: dict[str, Callable[[Any], None]] = {
-            "arrive": self._arrive,
-            "turn": self._turn,
-            "done": self._done,
-            "scale_out": self._scale_out,
-            "scale_in": self._scale_in,
-            "fail": self._fail,
-            "probe": self._probe,
-            "tick": self._tick,
-        }
-        while self.events:
-            self.now, _, kind, payload = heapq.heappop(self.events)
-            handlers[kind](payload)
+        try:
+            self.loop.run_until_complete(self.finished.wait())
+        finally:
+            self.loop.close()
+        if self.crashed is not None:
+            raise self.crashed
         return self._report(time.perf_counter() - wall0)
 
     # -- sessions ------------------------------------------------------------------------------
@@ -308,11 +445,35 @@ class Simulation:
         ]
         self.system[session] = shapes.randrange(self.args.system_prompts)
         self.live.add(session)
-        self._turn(self._new_turn(session, 0, turns, SYSTEM_TOKENS))
+        task = self.loop.create_task(self._session(session))
+        self.sessions_running.add(task)
+        task.add_done_callback(self.sessions_running.discard)
 
-    def _new_turn(self, session: int, number: int, turns: int, context: int) -> Turn:
-        message, output, _ = self.shape[session][number]
-        return Turn(session, number, turns, context, message, output)
+    async def _session(self, session: int) -> None:
+        """A conversation: its turns one after another, each after the think time that follows the
+        last; a failed turn ends it."""
+        try:
+            shape = self.shape[session]
+            context = SYSTEM_TOKENS
+            for number, (message, output, think) in enumerate(shape):
+                if not await self.serve(Turn(session, number, len(shape), context, message, output, self.now)):
+                    break
+                context += message + output
+                if number + 1 < len(shape):
+                    await asyncio.sleep(think)
+            self._ended(session)
+        except Exception as exc:  # a bug: the run stops and says so, rather than hang or go quiet
+            self.crashed = exc
+            self.finished.set()
+            raise
+
+    async def serve(self, turn: Turn) -> bool:
+        """One turn through the proxy's journey; whether it was served."""
+        turn.exchange = exchange = SimExchange(turn)
+        key = self.keys[turn.session]
+        intake = Intake(body={}, raw=b"", key=key, strip_usage=False, keep=0, api=CHAT, streams=True)
+        await self.journey.serve(exchange, intake, self.now)
+        return exchange.status == 200
 
     def _wall_ms(self) -> int:
         return int(self.now * 1000)
@@ -324,32 +485,9 @@ class Simulation:
             if located is not None:
                 self.traffic.record(self.fleet.ring.replica_ids[located[1]], located[2])
 
-    def _turn(self, turn: Turn) -> None:
-        if turn.route is None:
-            turn.started = self.now
-            key = self.keys[turn.session]
-            turn.route = self.routing.local_route(key, self.now, self.now + self.config.total_timeout_s)
-        route = turn.route
-        replica = route.next(self.now)
-        if replica is None:  # no replica left to try: the turn fails, and its session ends
-            self.stats.failed_requests += 1
-            self._finish(turn, failed=True)
-            return
-        model = self.models[replica.id]
-        if model.dead:  # a connect error: the router fails over at once
-            route.release(replica)
-            route.failed(replica, "connect")
-            self.stats.failed_attempts += 1
-            self._turn(turn)
-            return
-        turn.replica = replica
-        if model.running < model.slots:
-            self._start(turn, model)
-        else:
-            model.queue.append(turn)
-
     def _start(self, turn: Turn, model: Model) -> None:
         model.running += 1
+        model.active.add(turn)
         a = self.args
         prompt = turn.context + turn.message
         shared = SYSTEM_TOKENS if self.system[turn.session] in model.systems else 0
@@ -358,18 +496,18 @@ class Simulation:
         turn.ttft = self.now - turn.started + prefill  # sampled when it completes (a cut one is not)
         tpot = a.tpot_s * (1 + a.batch_slowdown * (model.running - 1) / max(model.slots - 1, 1))
         turn.busy_s = prefill + turn.output * tpot
-        self.at(self.now + turn.busy_s, "done", turn)
+        turn.timer = self.loop.call_at(self.now + turn.busy_s, self._done, turn)
 
     def _done(self, turn: Turn) -> None:
-        replica = turn.replica
-        assert replica is not None
+        """The model finished `turn`: its slot frees for the next queued one, its replica keeps its
+        context, and its attempt answers (the journey then ends the turn)."""
+        replica, answer, exchange = turn.replica, turn.answer, turn.exchange
+        assert replica is not None and answer is not None and exchange is not None
+        if turn.timer is not None:
+            turn.timer.cancel()  # (a test may end a turn itself)
         model = self.models[replica.id]
-        if turn.lost:
-            return  # its replica died while it ran: already retried elsewhere
         model.running -= 1
-        route = turn.route
-        assert route is not None
-        route.release(replica)
+        model.active.discard(turn)
         while model.queue and model.running < model.slots:
             self._start(model.queue.popleft(), model)
         prompt = turn.context + turn.message
@@ -378,34 +516,23 @@ class Simulation:
         s.prompt_tokens += prompt
         s.cached_tokens += turn.cached
         s.per_replica[replica.id] = s.per_replica.get(replica.id, 0) + 1
+        s.slot_seconds += turn.busy_s
         model.keep(turn.session, prompt + turn.output)
         model.keep_system(self.system[turn.session])
-        facts = Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)
-        verdict = route.served(replica, facts, "/v1/chat/completions")
-        if verdict.followup:
-            s.followups += 1
-            s.jumps += verdict.jump is not None and not verdict.moved  # a move is counted as migrated
-        current = self.sessions.get(self.keys[turn.session].key)
-        if current is not None:
-            self._placed(turn.session, current)
-        s.slot_seconds += turn.busy_s
-        self._sample("latency", s.latencies, self.now - turn.started)
-        self._sample("ttft", s.ttfts, turn.ttft)
-        self._finish(turn, failed=False)
+        exchange.status = 200
+        answer.set_result(Outcome(exchange, Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)))
 
-    def _finish(self, turn: Turn, failed: bool) -> None:
-        if turn.number + 1 < turn.turns and not failed:
-            nxt = self._new_turn(turn.session, turn.number + 1, turn.turns, turn.context + turn.message + turn.output)
-            self.at(self.now + self.shape[turn.session][turn.number][2], "turn", nxt)
-        else:
-            self.live.discard(turn.session)
-            self.keys.pop(turn.session, None)
-            last = self.home.pop(turn.session, None)
-            recent = self.served_by.get(last) if last is not None else None
-            if recent is not None:
-                recent.pop(turn.session, None)
-            self.shape.pop(turn.session, None)
-            self.system.pop(turn.session, None)
+    def _ended(self, session: int) -> None:
+        self.live.discard(session)
+        self.keys.pop(session, None)
+        last = self.home.pop(session, None)
+        recent = self.served_by.get(last) if last is not None else None
+        if recent is not None:
+            recent.pop(session, None)
+        self.shape.pop(session, None)
+        self.system.pop(session, None)
+        if not self.live and self.started >= self.args.sessions:
+            self.finished.set()
 
     def _placed(self, session: int, now: str) -> None:
         """The session's entry points at `now` (served there, or moved there)."""
@@ -433,7 +560,7 @@ class Simulation:
 
     def _tick(self, _: Any) -> None:
         """The balance loop's turn: loads into the rebalancer; with affinity, its moves made."""
-        if self.events:  # the run goes on while anything else is pending
+        if not self.finished.is_set():  # the run goes on while sessions do
             self.at(self.now + TICK_S, "tick")
         if not self.rebalancing:
             return
@@ -529,10 +656,16 @@ class Simulation:
         model.gone = self.now
         model.cache.clear()
         model.cached_tokens = 0
-        lost = list(model.queue)
+        # what waits or runs there is cut: each attempt fails, and its journey fails over
+        for turn in [*model.queue, *model.active]:
+            if turn.timer is not None:
+                turn.timer.cancel()
+            assert turn.answer is not None
+            turn.answer.set_result(Retry("reset"))
+            self.stats.failed_attempts += 1
         model.queue.clear()
-        for turn in lost:  # queued there: retried elsewhere at once
-            self._retry(turn, victim, "reset")
+        model.active.clear()
+        model.running = 0
         self.at(self.now + self.args.probe_s, "probe", (victim.id, 0.0))
         # ring owners now, to compare with once health has taken it out (its weight drops at the
         # first bad score already, then it leaves: the share counts both steps)
@@ -541,22 +674,6 @@ class Simulation:
         owners = ring.lookup_many([self.keys[s].key for s in live])
         self._owners_at_fail = {s: ring.replica_ids[i] for s, i in zip(live, owners, strict=True) if i >= 0}
         self.stats.live_at["failure"] = len(live)
-        # the requests running there are cut: their "done" events are marked lost, copies retried
-        running = [p for _, _, kind, p in self.events if kind == "done" and p.replica is victim and not p.lost]
-        for turn in running:
-            turn.lost = True
-            again = Turn(turn.session, turn.number, turn.turns, turn.context, turn.message, turn.output, turn.started)
-            again.route = turn.route
-            self._retry(again, victim, "reset")
-        model.running = 0
-
-    def _retry(self, turn: Turn, dead: ReplicaState, cause: str) -> None:
-        """The attempt on `dead` failed: the same route offers the next replica (never `dead` again)."""
-        assert turn.route is not None
-        turn.route.release(dead)
-        turn.route.failed(dead, cause)
-        self.stats.failed_attempts += 1
-        self._turn(turn)
 
     def _probe(self, payload: tuple[str, float]) -> None:
         rid, score = payload
