@@ -18,10 +18,10 @@ from router.fleet import Fleet, ReplicaState
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.proxy.exchange import JSON
-from router.proxy.forward import Outcome, Retry
+from router.proxy.forward import Outcome, Retry, Trip
 from router.proxy.framer import SseFramer
 from router.proxy.intake import Intake, take_in_body
-from router.proxy.journey import Journey, Ledger, Trip
+from router.proxy.journey import Journey, Ledger
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory

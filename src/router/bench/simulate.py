@@ -75,9 +75,9 @@ from router.measures import coefficient_of_variation, kv_hit_rate, percentile
 from router.metrics import RouterMetrics
 from router.policy import Decision, make_policy
 from router.proxy.exchange import Exchange
-from router.proxy.forward import Outcome, Retry
+from router.proxy.forward import Outcome, Retry, Trip
 from router.proxy.intake import Intake
-from router.proxy.journey import Journey, Trip
+from router.proxy.journey import Journey
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory, Verdict
 from router.sessions import SessionTable

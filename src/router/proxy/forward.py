@@ -30,6 +30,7 @@ from multidict import CIMultiDictProxy
 from router.errors import in_shape, messages_error_event, responses_error_event, sse_error_event, wrapped
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
+from router.proxy.intake import Intake
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer, usage_of
 from router.routing import Served
@@ -96,6 +97,17 @@ class Outcome:
         self.facts.cut = error is not None
 
 
+@dataclass(frozen=True, slots=True)
+class Trip:
+    """A request on its way to replicas: the client's side, what was taken in (its body, its kind,
+    whether it is resumable), the headers it is forwarded with, and when it arrived (monotonic)."""
+
+    exchange: Exchange
+    intake: Intake
+    headers: dict[str, str]
+    t0: float
+
+
 @dataclass(frozen=True)
 class Timeouts:
     connect_s: float  # making a connection (the upstream client's own timer; the rest is timed here)
@@ -129,23 +141,14 @@ def forward_headers(headers: CIMultiDictProxy[str], remote: str | None) -> dict[
 
 
 async def attempt(
-    client: Upstream,
-    exchange: Exchange,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    extra_headers: dict[str, str],
-    timeouts: Timeouts,
-    deadline: float,
-    strip_usage: bool,
-    t0: float,
-    keep: int = 0,
-    events: str = "sse",
+    client: Upstream, trip: Trip, url: str, named: dict[str, str], timeouts: Timeouts, deadline: float
 ) -> Retry | Outcome:
-    """With `keep` > 0, a stream's forwarded bytes are recorded (up to `keep`) and a stream the
-    replica breaks is left open (`broken`) for the caller to resume or end with `end_stream`.
-    `events`: how its stream is framed (router.apis: `sse`; `responses`, whose events are
-    `response.*` and whose answer has an id; `messages`, Anthropic's)."""
+    """Send `trip` to `url` and relay the answer to its client, with the headers `named` added
+    (which replica, which worker). A resumable request's stream has its forwarded bytes recorded
+    (up to `intake.keep`), and a stream the replica breaks is left open (`broken`) for the caller
+    to resume or end with `end_stream`. How a stream is framed follows the request's kind
+    (router.apis `events`: `sse`; `responses`, whose events are `response.*` and whose answer has
+    an id; `messages`, Anthropic's)."""
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
@@ -153,7 +156,7 @@ async def attempt(
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)) as timer:
-                upstream = await client.post(url, body, headers, timeouts.connect_s)
+                upstream = await client.post(url, trip.intake.raw, trip.headers, timeouts.connect_s)
                 if upstream.status >= 500:
                     timer.reschedule(min(loop.time() + timeouts.idle_s, deadline))
                     try:
@@ -167,7 +170,7 @@ async def attempt(
                 first = await upstream.readany()
         except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
-        return await _relay(exchange, upstream, first, extra_headers, timeouts, deadline, strip_usage, t0, keep, events)
+        return await _relay(trip, upstream, first, named, timeouts, deadline)
     finally:
         if upstream is not None:
             _let_go(upstream)
@@ -198,21 +201,14 @@ def _let_go(upstream: Response) -> None:
 
 
 async def _relay(
-    exchange: Exchange,
-    upstream: Response,
-    first: bytes,
-    extra_headers: dict[str, str],
-    timeouts: Timeouts,
-    deadline: float,
-    strip_usage: bool,
-    t0: float,
-    keep: int = 0,
-    events: str = "sse",
+    trip: Trip, upstream: Response, first: bytes, named: dict[str, str], timeouts: Timeouts, deadline: float
 ) -> Retry | Outcome:
     loop = asyncio.get_running_loop()
+    exchange, intake, t0 = trip.exchange, trip.intake, trip.t0
+    events = intake.api.events
     content_type = upstream.headers.get("Content-Type", "")
     headers = end_to_end(upstream.headers, RESPONSE_DROP)
-    headers.update(extra_headers)
+    headers.update(named)
     idle = timeouts.idle_s
     streaming = content_type.startswith("text/event-stream")
     if not first and streaming:
@@ -248,10 +244,10 @@ async def _relay(
                 outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = usage
         return outcome
     outcome = Outcome(exchange, Served(upstream.status, streamed=True))
-    outcome.framer = _framer(events, strip_usage)
+    outcome.framer = _framer(events, intake.strip_usage)
     outcome.transport = exchange.transport
-    if keep > 0 and upstream.status == 200:
-        outcome.record = StreamRecord(keep)
+    if intake.keep > 0 and upstream.status == 200:
+        outcome.record = StreamRecord(intake.keep)
     try:
         async with asyncio.timeout_at(deadline + FINAL_WRITE_GRACE_S):
             await exchange.prepare(upstream.status, headers)
@@ -333,14 +329,13 @@ async def end_stream(outcome: Outcome) -> None:
 
 async def resume(
     client: Upstream,
+    trip: Trip,
     url: str,
     body: bytes,
-    headers: dict[str, str],
     timeouts: Timeouts,
     deadline: float,
     outcome: Outcome,
     splicer: StreamFramer,
-    t0: float,
 ) -> Retry | None:
     """Continue a broken stream from another replica into the same client response. A failure
     before the continuation's first byte is a `Retry` (the client has seen nothing new); after it,
@@ -350,7 +345,7 @@ async def resume(
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)):
-                upstream = await client.post(url, body, headers, timeouts.connect_s)
+                upstream = await client.post(url, body, trip.headers, timeouts.connect_s)
                 if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
                     "text/event-stream"
                 ):
@@ -365,7 +360,7 @@ async def resume(
         outcome.stream_error = None
         outcome.broken = False
         outcome.framer = splicer
-        await _stream(upstream, outcome, first, timeouts.idle_s, deadline, t0)
+        await _stream(upstream, outcome, first, timeouts.idle_s, deadline, trip.t0)
         return None
     finally:
         if upstream is not None:

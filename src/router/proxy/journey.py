@@ -23,7 +23,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -36,7 +35,7 @@ from router.keys import NO_KEY, RoutingKey
 from router.metrics import RouterMetrics
 from router.policy import Decision
 from router.proxy.exchange import JSON, Exchange
-from router.proxy.forward import Outcome, Retry, Timeouts, attempt, end_stream, forward_headers, resume
+from router.proxy.forward import Outcome, Retry, Timeouts, Trip, attempt, end_stream, forward_headers, resume
 from router.proxy.intake import Intake, Refused, no_such_model
 from router.proxy.resume import Splicer, continued, read_so_far
 from router.proxy.sse import StreamFramer
@@ -47,17 +46,6 @@ access_log = logging.getLogger("router.access")
 
 SHED_CODES = {"queue_full": "queue_full", "timeout": "queue_timeout"}  # a 429's `code`, by why it was shed
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
-
-
-@dataclass(frozen=True, slots=True)
-class Trip:
-    """A request on its way to replicas: the client's side, what was taken in, the headers it is
-    forwarded with, and when it arrived (monotonic)."""
-
-    exchange: Exchange
-    intake: Intake
-    headers: dict[str, str]
-    t0: float
 
 
 class Attempts(Protocol):
@@ -93,27 +81,15 @@ class HttpAttempts:
         return {name: replica.id}
 
     async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
-        intake = trip.intake
         return await attempt(
-            self.client(),
-            trip.exchange,
-            replica.url + trip.exchange.path,
-            intake.raw,
-            trip.headers,
-            self.named(replica),
-            self.timeouts,
-            deadline,
-            intake.strip_usage,
-            trip.t0,
-            intake.keep,
-            intake.api.events,
+            self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline
         )
 
     async def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
     ) -> Retry | None:
         url = replica.url + trip.exchange.path
-        return await resume(self.client(), url, body, trip.headers, self.timeouts, deadline, outcome, splicer, trip.t0)
+        return await resume(self.client(), trip, url, body, self.timeouts, deadline, outcome, splicer)
 
 
 class Accounting(Protocol):
