@@ -1,6 +1,8 @@
 """Routing keys: which conversation a request belongs to, as bytes, and where that came from.
 
-First match wins: a configured header (`X-Session-ID`, ...), then configured body fields
+First match wins: a coding agent's own session headers (`AGENTS`: Claude Code, Codex, OpenCode and
+the `X-Dynamo-Session-ID` convention; a sub-agent is a session of its own that names its parent's),
+then a configured header (`X-Session-ID`, ...), then configured body fields
 (`session_id`, `metadata.session_id`, `metadata.user_id` (Anthropic's), `user`), then a prefix
 fingerprint: the model plus the first non-system message of a chat (or the start of a completion
 prompt / embedding input; an Anthropic request's system prompt is a field of its own),
@@ -33,6 +35,68 @@ class RoutingKey:
     source: str  # the header or field it came from, for /admin/route and logs
     prompt: Prompt | None = field(default=None, compare=False)  # its blocks, for policies that read them
     model: str | None = field(default=None, compare=False)  # the model it names: only replicas serving it take it
+    # a sub-agent's session: the key of the session that started it (it begins on that one's replica)
+    parent: bytes | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHeaders:
+    """The session headers one coding agent (or convention) sends on every request of a session."""
+
+    sender: str
+    session: str  # the session's id
+    agent: str | None = None  # a sub-agent's own id, sent beside its root session's (the sub-agent's key)
+    parent: str | None = None  # a sub-agent's parent: a session id, or (nested) its parent agent's id
+
+
+# Looked up in order; the first whose session header a request carries keys it. Values are the
+# agents' own: Claude Code sends its session id on every request and, from a sub-agent, that
+# agent's id and its parent agent's (the root session's id stands for a top-level sub-agent's
+# parent); OpenCode its session and parent session; Codex CLI one session id per thread.
+AGENTS: tuple[AgentHeaders, ...] = (
+    AgentHeaders("X-Dynamo-Session-ID convention", "x-dynamo-session-id", parent="x-dynamo-parent-session-id"),
+    AgentHeaders(
+        "Claude Code",
+        "x-claude-code-session-id",
+        agent="x-claude-code-agent-id",
+        parent="x-claude-code-parent-agent-id",
+    ),
+    AgentHeaders("OpenCode", "x-session-id", parent="x-parent-session-id"),
+    AgentHeaders("Codex CLI", "session-id"),
+)
+
+
+def agent_key(headers: Mapping[str, str], max_key_bytes: int, model: str | None) -> RoutingKey | None:
+    """The key of a request that carries a coding agent's session headers (`AGENTS`), with its
+    parent's key for a sub-agent; None when it carries none."""
+    for agent in AGENTS:
+        session = _header(headers, agent.session)
+        if not session:
+            continue
+        own = _header(headers, agent.agent) if agent.agent else b""
+        if own and own != session:  # a sub-agent: its own session, under its parent's
+            parent = (_header(headers, agent.parent) if agent.parent else b"") or session
+            return RoutingKey(
+                bounded_key(own, max_key_bytes),
+                "header",
+                agent.agent or "",
+                model=model,
+                parent=bounded_key(parent, max_key_bytes),
+            )
+        parent = _header(headers, agent.parent) if agent.parent else b""
+        return RoutingKey(
+            bounded_key(session, max_key_bytes),
+            "header",
+            agent.session,
+            model=model,
+            parent=bounded_key(parent, max_key_bytes) if parent and parent != session else None,
+        )
+    return None
+
+
+def _header(headers: Mapping[str, str], name: str) -> bytes:
+    value = headers.get(name)
+    return _encode(value.strip()) if value else b""
 
 
 NO_KEY = RoutingKey(b"", "none", "")
@@ -139,9 +203,16 @@ def routing_key(
     body_fields: tuple[str, ...],
     prefix_chars: int,
     max_key_bytes: int,
+    agents: bool = True,
 ) -> RoutingKey:
+    """A request's key from the first source that gives one (see the module's doc); `agents`:
+    coding agents' session headers first (`AGENTS`)."""
     named = body.get("model") if isinstance(body, Mapping) else None
     model = named if isinstance(named, str) and named else None
+    if agents:
+        found = agent_key(headers, max_key_bytes, model)
+        if found is not None:
+            return found
     for name in header_names:
         value = headers.get(name)
         if value:

@@ -142,3 +142,44 @@ def test_a_growing_conversation_keeps_its_prefix_key(turns: list[str], model: st
         history = [*history, {"role": "user" if i % 2 == 0 else "assistant", "content": text}]
         keys.add(key({}, {"model": model, "messages": history}))
     assert len(keys) == 1 and next(iter(keys)).kind == "prefix"
+
+
+def test_coding_agents_session_headers_key_first_and_a_sub_agent_names_its_parent() -> None:
+    configured = {"conversation-id": "c-1"}  # a configured header: an agent's own goes first
+    # Claude Code: its session header on every request; a top-level sub-agent adds its own id
+    root = key(configured | {"x-claude-code-session-id": "cc-1"}, CHAT)
+    assert root == RoutingKey(b"cc-1", "header", "x-claude-code-session-id") and root.parent is None
+    sub = key({"x-claude-code-session-id": "cc-1", "x-claude-code-agent-id": "agent-7"}, CHAT)
+    assert sub == RoutingKey(b"agent-7", "header", "x-claude-code-agent-id") and sub.parent == b"cc-1"
+    nested = key(
+        {
+            "x-claude-code-session-id": "cc-1",
+            "x-claude-code-agent-id": "a-9",
+            "x-claude-code-parent-agent-id": "agent-7",
+        }
+    )
+    assert nested.key == b"a-9" and nested.parent == b"agent-7"  # under its parent agent, not the root
+    same = key({"x-claude-code-session-id": "cc-1", "x-claude-code-agent-id": "cc-1"})
+    assert same.key == b"cc-1" and same.parent is None  # an agent id equal to the session's is the root
+    # OpenCode, the X-Dynamo-Session-ID convention, Codex CLI
+    assert key({"x-session-id": "oc-2", "x-parent-session-id": "oc-1"}).parent == b"oc-1"
+    dyn = key({"x-dynamo-session-id": "run:researcher", "x-dynamo-parent-session-id": "run"})
+    assert dyn.key == b"run:researcher" and dyn.source == "x-dynamo-session-id" and dyn.parent == b"run"
+    assert key({"session-id": "cx-1"}) == RoutingKey(b"cx-1", "header", "session-id")
+    # a parent that is the session itself, or empty, names none; long ids are hashed alike on both sides
+    assert key({"x-session-id": "oc-1", "x-parent-session-id": "oc-1"}).parent is None
+    assert key({"x-session-id": "oc-1", "x-parent-session-id": "  "}).parent is None
+    long = "p" * 100
+    child = key({"x-session-id": "c", "x-parent-session-id": long}, limit=64)
+    assert child.parent == key({"x-session-id": long}, limit=64).key and len(child.parent) < 64
+    # turned off, the configured headers alone
+    off = routing_key(
+        configured | {"x-claude-code-session-id": "cc-1"},
+        CHAT,
+        header_names=HEADERS,
+        body_fields=FIELDS,
+        prefix_chars=32,
+        max_key_bytes=64,
+        agents=False,
+    )
+    assert off == RoutingKey(b"c-1", "header", "conversation-id")

@@ -416,3 +416,41 @@ async def test_ttft_a_session_moved_by_cost_stays_on_its_new_replica_for_the_coo
     route, again = await serve(routing, clock, k)
     assert again is moved and route.decision is not None and route.decision.reason == "sticky"
     assert fleet.find(home.id) is home and jumps(routing) == {"cost": 1.0}
+
+
+async def test_a_sub_agent_starts_on_its_parents_replica_while_it_has_room_then_keeps_its_own() -> None:
+    routing, clock, _ = core(bounded_load_floor="1", bounded_load_c="1.0")
+    parent = next(k for k in (key(f"root-{n}") for n in range(50)) if routing.fleet.ring.lookup(k.key) == 0)
+    _, home = await serve(routing, clock, parent)
+    # a sub-agent whose own key the ring places elsewhere
+    sub = next(
+        RoutingKey(f"agent-{n}".encode(), "header", "x-claude-code-agent-id", parent=parent.key)
+        for n in range(200)
+        if routing.fleet.ring.lookup(f"agent-{n}".encode()) != 0
+    )
+    explained, last = await routing.explain(sub)  # /admin/route says what its route will do
+    assert last is None and explained.decision is not None and explained.decision.reason == "parent"
+    route, replica = await serve(routing, clock, sub)
+    assert replica is home and route.decision is not None and route.decision.reason == "parent"
+    assert routing.metrics.followups._value.get() == 0 and jumps(routing) == {}  # a first turn: no jump
+    explained, last = await routing.explain(sub)
+    assert last == home.id and explained.decision is not None and explained.decision.reason == "sticky"
+    # from then on it is a session of its own: its next turn is a follow-up where it was served
+    clock.now += 1
+    route, again = await serve(routing, clock, sub)
+    assert again is home and route.decision is not None and route.decision.reason == "sticky"
+    # another sub-agent, while the parent's replica is at its load cap: placed by its own key
+    for _ in range(3):
+        routing.fleet.acquire(home)
+    other = next(
+        RoutingKey(f"agent-{n}".encode(), "header", "x-claude-code-agent-id", parent=parent.key)
+        for n in range(200, 400)
+        if routing.fleet.ring.lookup(f"agent-{n}".encode()) != 0
+    )
+    explained, _ = await routing.explain(other)
+    assert explained.decision is not None and explained.decision.index != home.index
+    route = await routing.route(other, clock.now, clock.now + 60)
+    replica = route.next(clock.now)
+    assert replica is not None and replica is not home and route.decision is not None
+    assert route.decision.reason != "parent"
+    route.release(replica)

@@ -74,6 +74,8 @@ HELP = {
     "the predicted drain of its replica's queue by this share of the lag (default 0.5; 0 turns it off)",
     "sticky_ttl_s": "seconds a session sticks to the replica that served it (default 600)",
     "sticky_max_sessions": "sessions remembered at most (default 200000)",
+    "agent_session_headers": "coding agents' session headers (Claude Code, Codex, OpenCode, X-Dynamo-Session-ID) key "
+    "requests before key_headers; a sub-agent starts on its parent session's replica when it has room",
     "key_headers": "comma-separated headers carrying a session key, tried in order",
     "key_body_fields": "comma-separated body fields (dotted paths) carrying a session key",
     "prefix_chars": "characters of the first message in the prefix fingerprint (default 256)",
@@ -166,7 +168,10 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "sessions and routing keys",
         "what keeps a conversation on the replica holding its context",
-        ("key_headers", "key_body_fields", "sticky_ttl_s", "sticky_max_sessions", "prefix_chars", "max_key_bytes"),
+        (
+            "agent_session_headers", "key_headers", "key_body_fields", "sticky_ttl_s", "sticky_max_sessions",
+            "prefix_chars", "max_key_bytes",
+        ),
     ),
     (
         "placement (ttft)",

@@ -80,6 +80,7 @@ class RouterConfig:
     sticky_ttl_s: float = 600.0
     sticky_max_sessions: int = 200_000
     # routing keys
+    agent_session_headers: bool = True  # coding agents' session headers key requests first (router.keys.AGENTS)
     key_headers: tuple[str, ...] = ("x-session-id", "session-id", "session_id", "conversation-id", "x-conversation-id")
     key_body_fields: tuple[str, ...] = ("session_id", "metadata.session_id", "metadata.user_id", "user")
     prefix_chars: int = 256

@@ -2,10 +2,11 @@
 
 A proxied request's key comes from its headers and body by the configured sources (router.keys):
 a Responses API request continuing a stored response (`previous_response_id`) is keyed by that
-response, which lives on the replica that produced it; any other by its session header or body
-field, else a fingerprint of its first message. A policy that reads prompts (`ttft`) gets the
-prompt's blocks on the key too (router.prompt). The proxy's intake and /admin/route's
-explanation both key requests here, so an explanation keys a request as its route would.
+response, which lives on the replica that produced it; any other by a coding agent's session
+headers, its session header or body field, else a fingerprint of its first message. A policy
+that reads prompts (`ttft`) gets the prompt's blocks on the key too (router.prompt). The proxy's
+intake and /admin/route's explanation both key requests here, so an explanation keys a request
+as its route would.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def session_key(headers: Mapping[str, str], body: dict[str, Any], cfg: RouterCon
         body_fields=cfg.key_body_fields,
         prefix_chars=cfg.prefix_chars,
         max_key_bytes=cfg.max_key_bytes,
+        agents=cfg.agent_session_headers,
     )
 
 

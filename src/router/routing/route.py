@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
@@ -93,21 +93,32 @@ class Routing:
         """A route for a request that arrived at `t0` (clock) and must end by `deadline` (the
         clock its caller passes to `next`)."""
         last, local = await self.directory.last_served(key.key) if key.kind != "none" else (None, False)
-        return Route(self, key, last, local, t0, deadline)
+        parent = None
+        if last is None and key.parent is not None:  # a sub-agent's first turn: where its parent is
+            parent, _ = await self.directory.last_served(key.parent, remember=False)
+        return Route(self, key, last, local, t0, deadline, parent=parent)
 
     def local_route(self, key: RoutingKey, t0: float, deadline: float) -> Route:
         """A route by this process's own session table alone: what `route` opens when no other
         store is configured (the simulator has none), without waiting on one."""
-        last = self.directory.table.get(key.key) if key.kind != "none" else None
-        return Route(self, key, last, last is not None, t0, deadline)
+        table = self.directory.table
+        last = table.get(key.key) if key.kind != "none" else None
+        parent = table.get(key.parent) if last is None and key.parent is not None else None
+        return Route(self, key, last, last is not None, t0, deadline, parent=parent)
 
     async def explain(self, key: RoutingKey) -> tuple[Explained, str | None]:
         """Where a first attempt for `key` would go, as `route(key).next()` decides it (a stored
         response's replica included), and where its session was served last; nothing is counted,
         sent or remembered."""
         last, _ = await self.directory.last_served(key.key, remember=False) if key.kind != "none" else (None, False)
-        holder = Route(self, key, last, False, self.clock(), float("inf"), hearing=False).holder()
-        return (Explained(holder) if holder is not None else self.policy.explain(key, last)), last
+        route = Route(self, key, last, False, self.clock(), float("inf"), hearing=False)
+        holder = route.holder()
+        if holder is not None:
+            return Explained(holder), last
+        if last is None and key.parent is not None:
+            route.parent, _ = await self.directory.last_served(key.parent, remember=False)
+        explained = self.policy.explain(key, route.start)
+        return replace(explained, decision=route.from_parent(explained.decision)), last
 
     def jump_reason(self, last: str, decision: Decision) -> str:
         """Why a session left `last` for `decision`: a label of router_session_jumps."""
@@ -137,6 +148,7 @@ class Route:
         "key",
         "last",
         "local",
+        "parent",
         "routing",
         "t0",
         "timed_out",
@@ -152,10 +164,12 @@ class Route:
         t0: float,
         deadline: float,
         hearing: bool = True,
+        parent: str | None = None,
     ) -> None:
         self.routing = routing
         self.key = key
         self.last = last  # where the session was served last (None: new, or keyless)
+        self.parent = parent  # a new sub-agent session: where its parent session was served last
         self.local = local  # ... as this process's own entry says (else newer news from elsewhere)
         self.t0 = t0
         self.deadline = deadline
@@ -170,6 +184,19 @@ class Route:
     @property
     def attempts(self) -> int:
         return len(self.tried)
+
+    @property
+    def start(self) -> str | None:
+        """The replica the policy is asked to keep the request on when it has room: the session's
+        last, or for a sub-agent's first turn its parent's (whose context, system prompt and tools
+        it mostly shares)."""
+        return self.last if self.last is not None else self.parent
+
+    def from_parent(self, decision: Decision | None) -> Decision | None:
+        """`decision`, its reason `parent` where it keeps a new sub-agent on its parent's replica."""
+        if decision is not None and self.last is None and self.parent is not None and decision.reason == "sticky":
+            return replace(decision, reason="parent")
+        return decision
 
     def next(self, now: float, resuming: bool = False) -> ReplicaState | None:
         """The next replica to try, counted in flight there (`release` it); None when the attempts
@@ -186,8 +213,10 @@ class Route:
         decision = None if resuming else self.holder()
         if decision is None:
             decision = routing.policy.pick(
-                self.key, None if resuming else self.last, {r.index for r in self.tried if r.index is not None}
+                self.key, None if resuming else self.start, {r.index for r in self.tried if r.index is not None}
             )
+            if self.parent is not None:
+                decision = self.from_parent(decision)
         if decision is None:
             return None
         fleet = routing.fleet
