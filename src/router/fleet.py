@@ -75,6 +75,8 @@ class ReplicaState:
     # (max_lora); None: it does not say
     adapters: frozenset[str] | None = None
     max_lora: int | None = None
+    # what its engine's key (replica_api_keys) asks of every request the router sends it: {} without one
+    auth: dict[str, str] = field(default_factory=dict)
     # `adapters`, least recently used first, as far as the router knows (its own sends since the probe last)
     adapter_order: list[str] = field(default_factory=list)
     slot: int | None = None
@@ -127,8 +129,10 @@ class Fleet:
         capacities: dict[str, int] | None = None,
         capacity_caps: bool = True,
         models: dict[str, frozenset[str]] | None = None,
+        keys: dict[str, str] | None = None,
     ) -> None:
         self.rules = rules or Hysteresis()
+        self.keys = dict(keys or {})  # engines' API keys by replica id ("*": every replica not named)
         # pinned models by replica id ("*": every replica not named), for engines that list none
         self.pinned_models = dict(models or {})
         self.capacity_caps = capacity_caps  # off: capacities are shown, never routed by
@@ -142,6 +146,7 @@ class Fleet:
                 health=ReplicaHealth(self.rules),
                 capacity=self._configured(s.id),
                 models=self._pinned(s.id),
+                auth=self._auth(s.id),
             )
             for i, s in enumerate(specs)
         ]
@@ -390,6 +395,10 @@ class Fleet:
 
     # -- membership ---------------------------------------------------------------------------
 
+    def _auth(self, rid: str) -> dict[str, str]:
+        key = self.keys.get(rid) or self.keys.get("*")
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def add(self, spec: ReplicaSpec) -> list[MovedRange]:
         if self.find(spec.id) is not None:
             raise ValueError(f"replica {spec.id!r} is already in the fleet")
@@ -403,6 +412,7 @@ class Fleet:
             health=ReplicaHealth(self.rules),
             capacity=self._configured(spec.id),
             models=self._pinned(spec.id),
+            auth=self._auth(spec.id),
         )
         self.replicas.append(replica)
         self._by_id[replica.id] = replica

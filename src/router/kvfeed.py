@@ -338,7 +338,7 @@ class Feed:
             async with self.http().post(
                 replica.url + path,
                 data=orjson.dumps(body),
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **replica.auth},
                 timeout=aiohttp.ClientTimeout(total=RENDER_TIMEOUT_S),
             ) as r:
                 if r.status != 200:

@@ -48,6 +48,17 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "some replica serves; other: any other name; none: the request named no model).",
         ("replica", "policy", "key_kind", "status", "model"),
     ),
+    "router_tenant_requests": (
+        "counter",
+        "Requests answered with client keys on (client_keys_file), by tenant and key id (none: no valid key) "
+        "and status.",
+        ("tenant", "key_id", "status"),
+    ),
+    "router_tenant_tokens": (
+        "counter",
+        "Tokens of the answers served to each tenant (client_keys_file), by kind: prompt or completion.",
+        ("tenant", "kind"),
+    ),
     "router_inflight": ("gauge", "Requests in flight to each replica.", ("replica",)),
     "router_ttft_seconds": (
         "histogram",
@@ -292,6 +303,8 @@ class RouterMetrics:
 
     def _init(self, made: dict[str, Any]) -> None:
         self.requests = made["router_requests"]
+        self.tenant_requests = made["router_tenant_requests"]
+        self.tenant_tokens = made["router_tenant_tokens"]
         self.inflight = made["router_inflight"]
         self.ttft = made["router_ttft_seconds"]
         self.e2e = made["router_e2e_seconds"]

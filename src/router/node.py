@@ -35,7 +35,15 @@ from router.admission import Admission
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
 from router.balance.view import LocalSessions
-from router.config import RouterConfig, pinned_models, replica_capacities, score_weights, shared_through_redis
+from router.clients import ClientKeys
+from router.config import (
+    RouterConfig,
+    pinned_models,
+    replica_api_keys,
+    replica_capacities,
+    score_weights,
+    shared_through_redis,
+)
 from router.discovery import Discovery
 from router.fleet import Fleet
 from router.health.monitor import HealthMonitor, latency_window_s
@@ -74,6 +82,8 @@ class Node:
         self.config = config
         self.worker = worker
         self.control_socket = control_socket
+        # who may use the API (router.clients); None: anyone
+        self.clients = ClientKeys(config.client_keys_file) if config.client_keys_file else None
         self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
         self.client: aiohttp.ClientSession | None = None
         self.upstream: Upstream | None = None  # the proxied requests' keep-alive pools
@@ -92,6 +102,7 @@ class Node:
             replica_capacities(config) if config.capacity_caps else {},
             capacity_caps=config.capacity_caps,
             models=pinned_models(config),
+            keys=replica_api_keys(config),
         )
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up

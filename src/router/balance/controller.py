@@ -195,6 +195,7 @@ class Balancer:
                 [prompt for _, prompt in chosen],
                 cfg.warmup_concurrency,
                 cfg.warmup_timeout_s,
+                target.auth,
             )
             for outcome, count in (("ok", result.ok), ("failed", result.failed), ("skipped", result.skipped)):
                 if count:

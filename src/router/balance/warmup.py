@@ -118,12 +118,14 @@ async def warm(
     requests: list[tuple[str, bytes]],
     concurrency: int,
     timeout_s: float,
+    auth: dict[str, str] | None = None,
 ) -> WarmupResult:
-    """Replay `requests` (path, stored body) on one replica as prefill-only requests."""
+    """Replay `requests` (path, stored body) on one replica as prefill-only requests (`auth`: its
+    engine's key, router.fleet.ReplicaState.auth)."""
     result = WarmupResult(succeeded=[False] * len(requests))
     queue = list(enumerate(requests))
     deadline = time.monotonic() + timeout_s
-    headers = {"Content-Type": "application/json", WARMUP_HEADER: "1"}
+    headers = {"Content-Type": "application/json", WARMUP_HEADER: "1", **(auth or {})}
 
     async def one(i: int, path: str, body: bytes) -> None:
         payload = prefill_only(body, path)

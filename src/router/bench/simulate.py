@@ -67,6 +67,7 @@ from router.admission import Admission
 from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.bench.virtual_time import VirtualLoop
+from router.clients import Client
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
@@ -265,6 +266,7 @@ class Tally:
         result: Outcome | None = None,
         attempts: int = 0,
         verdict: Verdict | None = None,
+        client: Client | None = None,
     ) -> None:
         assert isinstance(exchange, SimExchange)
         sim, turn = self.sim, exchange.turn

@@ -27,6 +27,7 @@ from router.config.settings import (
     parse_replica,
     parse_source,
     pinned_models,
+    replica_api_keys,
     replica_capacities,
     score_weights,
     tokenizer_dirs,
@@ -99,8 +100,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError(f"expected a number, got {value!r}") from None
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
-        if name == "admin_token":
-            return value.strip()  # a token read from a file or a Secret often ends in a newline
+        if name in ("admin_token", "client_keys_file"):
+            return value.strip()  # a token or path read from a file or a Secret often ends in a newline
         return value
     except (TypeError, ValueError) as exc:
         raise ConfigError(name, source, str(exc)) from None
@@ -119,6 +120,12 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("admin_port", f"{cfg.admin_port} is the proxy's own port; give the admin API a port of its own, or 0")
     if cfg.admin_port and not cfg.admin_host.strip():
         raise bad("admin_host", "must be an address (an empty one would listen on every interface)")
+    if cfg.client_keys_file and not cfg.admin_port and not cfg.admin_token:
+        raise bad(
+            "client_keys_file",
+            "with client keys, nothing on the API's address answers a client but the API: set admin_token (the"
+            " console and /metrics then ask for it) or admin_port (they get an address of their own)",
+        )
     if cfg.policy not in POLICIES:
         raise bad("policy", f"unknown policy {cfg.policy!r}; choose one of {', '.join(POLICIES)}")
     if not 1 <= cfg.vnodes <= 65536:
@@ -219,6 +226,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         ("kv_capacity_tokens", kv_capacities),
         ("kv_event_endpoints", event_endpoints),
         ("tokenizer_dirs", tokenizer_dirs),
+        ("replica_api_keys", replica_api_keys),
     ):
         try:
             reader(cfg)

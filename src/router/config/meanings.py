@@ -142,6 +142,11 @@ HELP = {
     "console": "serve the operator console at /console (default on; its data needs the admin token when one is set)",
     "console_interval_s": "seconds between the console's samples of the metrics (default 2)",
     "console_history_s": "seconds of history the console keeps and shows (default 900)",
+    "client_keys_file": "a file of clients' keys, as SHA-256 hashes, each naming a tenant (TOML [[keys]] entries: id, "
+    "tenant, sha256), read again when it changes; every API request must bring one (Authorization: Bearer or "
+    "x-api-key). Empty: no keys asked",
+    "replica_api_keys": "comma-separated REPLICA_ID=KEY (or *=KEY): the key a replica's engine was started with "
+    "(--api-key), sent to it as Authorization: Bearer; a client's own key is never forwarded where one is set",
     "admin_token": "bearer token of the /admin API and the console's data (default: API off, console open)",
     "admin_host": "address the admin API, console and /metrics bind when admin_port is set (default 127.0.0.1)",
     "admin_port": "serve the admin API, console and /metrics on this port instead of the proxy's "
@@ -188,6 +193,11 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "the ring and load",
         "affinity and consistent_hash, and the load caps every policy keeps",
         ("vnodes", "hash_seed", "bounded_load_c", "bounded_load_floor", "capacity_caps", "load_queue_weight"),
+    ),
+    (
+        "a shared fleet",
+        "who may use it, and the replicas' own keys",
+        ("client_keys_file", "replica_api_keys"),
     ),
     (
         "admission",

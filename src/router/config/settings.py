@@ -39,6 +39,9 @@ class RouterConfig:
     capacity_caps: bool = True  # bounded-load caps respect capacities; off: capacity-blind, as before
     # REPLICA_ID=MODEL (or *=MODEL), one per entry: the models a replica serves, pinned (beats its /v1/models)
     replica_models: tuple[str, ...] = ()
+    # REPLICA_ID=KEY (or *=KEY): the key a replica's engine was started with (vLLM's, llama-server's
+    # --api-key), sent as `Authorization: Bearer KEY` on whatever the router asks of it
+    replica_api_keys: tuple[str, ...] = ()
     # ttft: placement by predicted time to first token (router.placement, router.policy.ttft)
     prefix_block_bytes: int = 64  # the prefix index's block: 64 bytes of prompt, about 16 tokens
     # REPLICA_ID=TOKENS (or *=TOKENS): KV-cache size where the engine does not say (vLLM and SGLang do)
@@ -149,6 +152,7 @@ class RouterConfig:
     console_history_s: float = 900.0  # how far back the heatmap and curves go
     # operating
     admin_token: str = ""
+    client_keys_file: str = ""  # clients' keys, hashed, by tenant (router.clients); empty: no keys asked
     # the admin API, console and /metrics on an address of their own; port 0: on the proxy's address
     admin_host: str = "127.0.0.1"
     admin_port: int = 0
@@ -245,6 +249,20 @@ def tokenizer_dirs(cfg: RouterConfig) -> dict[str, str]:
         if model in out:
             raise ValueError(f"{entry!r}: model {model!r} is named twice")
         out[model] = folder
+    return out
+
+
+def replica_api_keys(cfg: RouterConfig) -> dict[str, str]:
+    """`replica_api_keys` as {replica id or "*": its engine's key}."""
+    out: dict[str, str] = {}
+    for entry in cfg.replica_api_keys:
+        rid, sep, key = entry.partition("=")
+        rid, key = rid.strip(), key.strip()
+        if not sep or not rid or not key:
+            raise ValueError("an entry is not REPLICA_ID=KEY (or *=KEY)")  # (never the entry: it holds a key)
+        if rid in out:
+            raise ValueError(f"replica {rid!r} is given a key twice")
+        out[rid] = key
     return out
 
 

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--base-port", type=int, default=9001, help="first port of the fleet (default 9001)")
     g.add_argument("--replica-id", default=None, help="X-Replica-Id of a single replica (default emu-PORT)")
     g.add_argument("--control-port", type=int, default=None, help="fleet control API port (crash/restart/faults)")
+    g.add_argument(
+        "--api-key",
+        default="",
+        metavar="KEY",
+        help="as vLLM's --api-key: its /v1 paths ask for Authorization: Bearer KEY (default: none asked)",
+    )
     g = p.add_argument_group("model")
     d = EngineConfig()
     g.add_argument(
@@ -270,6 +276,7 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
             default_max_tokens=args.default_max_tokens,
             seed=args.seed + i,
             kv_events=kv_events[i] if kv_events else None,
+            api_key=args.api_key,
         )
         replicas.append(Replica(options, config, faults[i]))
     return Fleet(replicas, args.host, args.control_port), crash_after

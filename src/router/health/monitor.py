@@ -201,7 +201,7 @@ class HealthMonitor:
         flight there when its figures arrived: None where none came)."""
         client = self._client()
         try:
-            async with client.get(replica.url + "/health", timeout=self.timeout) as resp:
+            async with client.get(replica.url + "/health", timeout=self.timeout, headers=replica.auth) as resp:
                 await resp.read()
                 ok = resp.status < 500
                 server = resp.headers.get("Server", "")
@@ -211,7 +211,7 @@ class HealthMonitor:
         sent: int | None = None
         lora: tuple[frozenset[str] | None, int | None] = (None, None)
         with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
-            async with client.get(replica.url + "/metrics", timeout=self.timeout) as resp:
+            async with client.get(replica.url + "/metrics", timeout=self.timeout, headers=replica.auth) as resp:
                 if resp.status == 200:
                     text = await resp.text()
                     sent = self.inflight(replica)  # the queue it reports holds what was sent until now
@@ -226,7 +226,7 @@ class HealthMonitor:
             # what only they give (running, without --metrics)
             if last is None or stats.running is None or self.rounds % SLOTS_EVERY == 0:
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                    async with client.get(replica.url + "/slots", timeout=self.timeout) as resp:
+                    async with client.get(replica.url + "/slots", timeout=self.timeout, headers=replica.auth) as resp:
                         if resp.status == 200:
                             stats = with_slots(stats, read_slots(await resp.json(content_type=None)), engine)
             if stats.capacity is None and last is not None:
@@ -235,7 +235,7 @@ class HealthMonitor:
         if engine is not None and engine.checks_model:
             read = False
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                async with client.get(replica.url + "/v1/models", timeout=self.timeout) as resp:
+                async with client.get(replica.url + "/v1/models", timeout=self.timeout, headers=replica.auth) as resp:
                     if resp.status == 200:
                         data = await resp.json(content_type=None)
                         read, listed = True, listed_models(data)

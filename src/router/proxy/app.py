@@ -13,15 +13,16 @@ import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from router.admin.api import add_admin_routes
+from router.admin.api import add_admin_routes, token_ok
 from router.apis import PROXIED, RESPONSES
 from router.console.routes import add_console_routes
+from router.fleet import ReplicaState
 from router.keys import stored_key
 from router.node import Node
 from router.proxy.exchange import AioExchange, error_response
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
-from router.proxy.intake import take_in
+from router.proxy.intake import take_in, unauthorized
 from router.proxy.journey import HttpAttempts, Journey, Ledger
 
 
@@ -49,7 +50,7 @@ def build_app(node: Node, control_only: bool = False) -> web.Application:
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/health/live", live)
     if not node.config.admin_port:
-        _add_admin(app, node, proxy)
+        _add_admin(app, node, proxy, beside_api=True)
     # last: any other method or path gets an OpenAI-shaped 404 or 405, not aiohttp's plain text
     app.router.add_route("*", "/{tail:.*}", no_route)
     app.cleanup_ctx.extend(node.contexts())  # after the console's sampler, as it always was
@@ -76,15 +77,26 @@ def journey_of(node: Node) -> Journey:
         cfg.replica_header,
         node.worker,
     )
-    ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests)
+    ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests, node.clients is not None)
     tokenize = node.feed.tokenized if node.feed is not None else None
     return Journey(
-        node.routing, node.admission, attempts, ledger, node.metrics, cfg.total_timeout_s, cfg.max_key_bytes, tokenize
+        node.routing,
+        node.admission,
+        attempts,
+        ledger,
+        node.metrics,
+        cfg.total_timeout_s,
+        cfg.max_key_bytes,
+        tokenize,
+        clients=node.clients,
     )
 
 
-def _add_admin(app: web.Application, node: Node, proxy: Proxy) -> None:
-    app.router.add_get("/metrics", proxy.metrics_page)
+def _add_admin(app: web.Application, node: Node, proxy: Proxy, beside_api: bool = False) -> None:
+    """The admin API, console and /metrics; `beside_api`: on the API's own address, where with client
+    keys on /metrics too asks for the admin token (the console's data and the admin API always do)."""
+    guarded = beside_api and node.clients is not None
+    app.router.add_get("/metrics", proxy.guarded_metrics_page if guarded else proxy.metrics_page)
     add_admin_routes(app, node)
     if node.config.console:
         add_console_routes(app, node)
@@ -145,15 +157,27 @@ class Proxy:
 
     # -- other routes ------------------------------------------------------------------------
 
+    def unauthorized(self, request: web.Request) -> web.Response | None:
+        """With client keys on (router.clients), the 401 of a request without a valid key."""
+        clients = self.node.clients
+        if clients is None or clients.client(request.headers) is not None:
+            return None
+        refusal = unauthorized()
+        return error_response(refusal.message, refusal.status, refusal.code, path=request.path)
+
     async def models(self, request: web.Request) -> web.Response:
         """The union of every routable replica's models (first listing of an id wins)."""
+        refused = self.unauthorized(request)
+        if refused is not None:
+            return refused
         http = self.node.http
-        urls = [r.url for i, r in enumerate(self.node.fleet.replicas) if self.node.fleet.routable(i)]
+        replicas = [r for i, r in enumerate(self.node.fleet.replicas) if self.node.fleet.routable(i)]
 
-        async def fetch(url: str) -> list[dict[str, Any]]:
+        async def fetch(replica: ReplicaState) -> list[dict[str, Any]]:
             try:
                 async with http.get(
-                    url + "/v1/models",
+                    replica.url + "/v1/models",
+                    headers=replica.auth,
                     timeout=aiohttp.ClientTimeout(
                         total=self.config.first_byte_timeout_s, sock_connect=self.config.connect_timeout_s
                     ),
@@ -166,7 +190,7 @@ class Proxy:
                 return []
 
         merged: dict[str, dict[str, Any]] = {}
-        for models in await asyncio.gather(*(fetch(u) for u in urls)):
+        for models in await asyncio.gather(*(fetch(r) for r in replicas)):
             for model in models:
                 merged.setdefault(str(model["id"]), model)
         return web.Response(
@@ -176,6 +200,9 @@ class Proxy:
     async def stored(self, request: web.Request) -> web.Response:
         """Retrieve, delete or cancel a stored response, or list its input items: on the replica that
         produced it, as the router remembers (a 404 of its own for an id it does not know)."""
+        refused = self.unauthorized(request)
+        if refused is not None:
+            return refused
         response_id = request.match_info["id"]
         last, _ = await self.routing.directory.last_served(stored_key(response_id, self.config.max_key_bytes))
         replica = self.node.fleet.find(last) if last is not None else None
@@ -190,7 +217,11 @@ class Proxy:
         )
         try:
             async with self.node.http.request(
-                request.method, replica.url + request.path_qs, data=await request.read() or None, timeout=timeout
+                request.method,
+                replica.url + request.path_qs,
+                data=await request.read() or None,
+                timeout=timeout,
+                headers=replica.auth,
             ) as resp:
                 body = await resp.read()
                 headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
@@ -214,3 +245,14 @@ class Proxy:
     async def metrics_page(self, request: web.Request) -> web.Response:
         body = generate_latest(self.node.metrics_registry())
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def guarded_metrics_page(self, request: web.Request) -> web.Response:
+        """/metrics on the API's address with client keys on: for the admin token alone."""
+        if not token_ok(request, self.config.admin_token):
+            return error_response(
+                "/metrics on the API's address needs the admin token while client keys are on",
+                401,
+                "invalid_admin_token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await self.metrics_page(request)

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from aiohttp import web
 
 from router._runtime import run, settle, until_stopped
+from router.clients import ClientKeys, ClientKeysError
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.config.meanings import GROUPS, HELP
 from router.emulator.server import Fleet as EmulatorFleet
@@ -225,6 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(exc).splitlines():  # each mistake on a line of its own
             print(f"router-serve: {line}", file=sys.stderr)
         return 2
+    if config.client_keys_file:
+        try:
+            keys = ClientKeys(config.client_keys_file)  # read at once: a router with keys on needs them
+        except ClientKeysError as exc:
+            print(f"router-serve: {exc}", file=sys.stderr)
+            return 2
+        if args.check_config:
+            n, tenants = len(keys.clients), len({c.tenant for c in keys.clients.values()})
+            print(
+                f"router-serve: client keys: {n} key{'' if n == 1 else 's'} of {tenants} "
+                f"tenant{'' if tenants == 1 else 's'} in {config.client_keys_file}"
+            )
     if args.check_config:
         print(f"router-serve: the configuration is valid: {summary(config)}")
         return 0

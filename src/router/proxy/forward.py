@@ -127,8 +127,13 @@ def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
 REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect", "content-type"}
 
 
-def forward_headers(headers: CIMultiDictProxy[str], remote: str | None) -> dict[str, str]:
-    out = end_to_end(headers, REQUEST_DROP)
+CLIENT_KEYS = frozenset({"authorization", "x-api-key"})  # a client's key to the API (router.clients)
+REQUEST_DROP_KEYS = REQUEST_DROP | CLIENT_KEYS
+
+
+def forward_headers(headers: CIMultiDictProxy[str], remote: str | None, client_key: bool = True) -> dict[str, str]:
+    """The headers a request is forwarded with; without `client_key`, the client's own key is not among them."""
+    out = end_to_end(headers, REQUEST_DROP if client_key else REQUEST_DROP_KEYS)
     peer = remote or ""
     prior = next((v for k, v in out.items() if k.lower() == "x-forwarded-for"), None)  # unless hop-by-hop
     out = {k: v for k, v in out.items() if k.lower() != "x-forwarded-for"}

@@ -81,6 +81,15 @@ class Refused:
         exchange.answer(self.status, body, JSON, self.close)
 
 
+def unauthorized() -> Refused:
+    """A request without a valid client key (router.clients), in its API's shape."""
+    return Refused(
+        401,
+        "a valid API key is needed: send it as `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)",
+        "invalid_api_key",
+    )
+
+
 def no_such_model(model: str) -> Refused:
     """No replica in the fleet serves `model` (as each one's /v1/models or the pinned models say)."""
     return Refused(

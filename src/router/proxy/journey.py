@@ -19,24 +19,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
+from router.clients import Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
 from router.metrics import RouterMetrics
 from router.policy import Decision
 from router.proxy.exchange import JSON, Exchange
-from router.proxy.forward import Outcome, Retry, Timeouts, Trip, attempt, end_stream, forward_headers, resume
-from router.proxy.intake import Intake, Refused, no_such_model
+from router.proxy.forward import (
+    CLIENT_KEYS,
+    Outcome,
+    Retry,
+    Timeouts,
+    Trip,
+    attempt,
+    end_stream,
+    forward_headers,
+    resume,
+)
+from router.proxy.intake import Intake, Refused, no_such_model, unauthorized
 from router.proxy.resume import Splicer, continued, read_so_far
 from router.proxy.sse import StreamFramer
 from router.routing import Route, Routing, Verdict
@@ -65,12 +78,26 @@ class HttpAttempts:
     the replica (`replica_header`) and, in a worker process, the worker."""
 
     def __init__(
-        self, client: Callable[[], Upstream], timeouts: Timeouts, replica_header: str, worker: int | None
+        self,
+        client: Callable[[], Upstream],
+        timeouts: Timeouts,
+        replica_header: str,
+        worker: int | None,
     ) -> None:
         self.client = client  # the pools exist once the app runs
         self.timeouts = timeouts
         self.replica_header = replica_header
         self.worker = worker
+
+    @staticmethod
+    def keyed(replica: ReplicaState, trip: Trip) -> Trip:
+        """`trip` as sent to `replica`: with its engine's key (replica_api_keys) in place of the
+        client's, where it has one."""
+        auth = replica.auth
+        if not auth:
+            return trip
+        headers = {k: v for k, v in trip.headers.items() if k.lower() not in CLIENT_KEYS}
+        return replace(trip, headers=headers | auth)
 
     def named(self, replica: ReplicaState) -> dict[str, str]:
         name = self.replica_header
@@ -81,6 +108,7 @@ class HttpAttempts:
         return {name: replica.id}
 
     async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        trip = self.keyed(replica, trip)
         return await attempt(
             self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline
         )
@@ -88,8 +116,8 @@ class HttpAttempts:
     async def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
     ) -> Retry | None:
-        url = replica.url + trip.exchange.path
-        return await resume(self.client(), trip, url, body, self.timeouts, deadline, outcome, splicer)
+        url, keyed = replica.url + trip.exchange.path, self.keyed(replica, trip)
+        return await resume(self.client(), keyed, url, body, self.timeouts, deadline, outcome, splicer)
 
 
 class Accounting(Protocol):
@@ -107,6 +135,7 @@ class Accounting(Protocol):
         result: Outcome | None = None,
         attempts: int = 0,
         verdict: Verdict | None = None,
+        client: Client | None = None,
     ) -> None: ...
 
 
@@ -115,12 +144,18 @@ class Ledger:
     its latencies, and (`log_requests`) its access-log line."""
 
     def __init__(
-        self, metrics: RouterMetrics, policy: str, model_label: Callable[[str | None], str], log_requests: bool
+        self,
+        metrics: RouterMetrics,
+        policy: str,
+        model_label: Callable[[str | None], str],
+        log_requests: bool,
+        tenants: bool = False,
     ) -> None:
         self.metrics = metrics
         self.policy = policy
         self.model_label = model_label
         self.log_requests = log_requests
+        self.tenants = tenants  # client keys are on: requests and tokens counted by tenant
 
     def finish(
         self,
@@ -133,19 +168,24 @@ class Ledger:
         result: Outcome | None = None,
         attempts: int = 0,
         verdict: Verdict | None = None,
+        client: Client | None = None,
     ) -> None:
         """Count and log the journey of a request that ended with `status` (`replica`: None when
-        none answered; `verdict`: how the routing core counted a served keyed request)."""
+        none answered; `verdict`: how the routing core counted a served keyed request; `client`:
+        whose key it brought, with client keys on)."""
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
         m = self.metrics
         m.child(m.requests, name, self.policy, key.kind, str(status), self.model_label(key.model)).inc()
+        if self.tenants:
+            self._tenant(client, status, result)
         if replica is not None:
             m.child(m.e2e, name).observe(elapsed)
             if result is not None and result.facts.ttft_s is not None:
                 m.child(m.ttft, name).observe(result.facts.ttft_s)
         if self.log_requests:
             facts = result.facts if result is not None else None
+            tenant = {"tenant": client.tenant, "key_id": client.key_id} if client is not None else {}
             access_log.info(
                 json.dumps(
                     {
@@ -168,8 +208,20 @@ class Ledger:
                         "broke_on": result.extra.get("broke_on") if result else None,
                         "resumed_on": result.extra.get("resumed_on") if result else None,
                     }
+                    | tenant
                 )
             )
+
+    def _tenant(self, client: Client | None, status: int, result: Outcome | None) -> None:
+        m = self.metrics
+        tenant, key_id = (client.tenant, client.key_id) if client is not None else ("none", "none")
+        m.child(m.tenant_requests, tenant, key_id, str(status)).inc()
+        if client is not None and result is not None:
+            facts = result.facts
+            if facts.prompt_tokens:
+                m.child(m.tenant_tokens, tenant, "prompt").inc(facts.prompt_tokens)
+            if facts.completion_tokens:
+                m.child(m.tenant_tokens, tenant, "completion").inc(facts.completion_tokens)
 
 
 Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], Awaitable[RoutingKey]]
@@ -189,6 +241,7 @@ class Journey:
         max_key_bytes: int,
         tokenize: Tokenize | None = None,
         clock: Callable[[], float] = time.monotonic,
+        clients: ClientKeys | None = None,
     ) -> None:
         self.routing = routing
         self.fleet = routing.fleet
@@ -200,11 +253,20 @@ class Journey:
         self.max_key_bytes = max_key_bytes
         self.tokenize = tokenize
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
+        self.clients = clients  # who may use the API (router.clients); None: anyone
         self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
         """Answer one proxied request, taken in or refused, through `exchange`."""
         finish = self.ledger.finish
+        client = None
+        if self.clients is not None:
+            client = self.clients.client(exchange.headers)
+            if client is None:  # before anything else: a request without a key learns nothing more
+                unauthorized().answer(exchange)
+                finish(exchange, exchange.status, None, NO_KEY, None, t0)
+                return
+            finish = functools.partial(finish, client=client)
         if not isinstance(intake, Intake):
             intake.answer(exchange)
             finish(exchange, exchange.status, None, NO_KEY, None, t0)
@@ -233,7 +295,7 @@ class Journey:
                 return
             if waited:
                 self.metrics.queue_wait.observe(waited)
-        trip = Trip(exchange, intake, forward_headers(exchange.headers, exchange.remote), t0)
+        trip = Trip(exchange, intake, forward_headers(exchange.headers, exchange.remote, client is None), t0)
         failure: Retry | None = None
         while (replica := route.next(loop.time())) is not None:
             try:

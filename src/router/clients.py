@@ -1,0 +1,163 @@
+"""Client keys: who may use the router's API, and which tenant each request counts against.
+
+Off unless `client_keys_file` names a file. The file holds a hash of each key, never the key:
+
+    [[keys]]
+    id = "ci-runner"          # the key's name: logs and metrics say this, never the key
+    tenant = "team-a"         # whose use it is
+    sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+(`printf %s "$KEY" | sha256sum` gives the hash.) A client sends its key as OpenAI's SDKs do
+(`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`). The file is read again
+when it changes, at most a second after (a Kubernetes Secret mounted as a volume is swapped by its
+kubelet; an edited file is rewritten): new keys work and removed ones stop, without a restart. A
+change that does not parse keeps the keys in force and says why, once, on the log; at startup it
+stops the router instead (`ClientKeysError`, one line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from router.errors import RouterError
+
+log = logging.getLogger("router.clients")
+
+CHECK_EVERY_S = 1.0  # how often a request may look at the file's modification time
+HEX = frozenset("0123456789abcdef")
+MISSING = (-1, -1, -1)  # the stamp of a file that is not there
+
+
+class ClientKeysError(RouterError, ValueError):
+    """The client keys file is missing, unreadable or malformed (the message says where)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Client:
+    """Whom a valid key belongs to."""
+
+    tenant: str
+    key_id: str
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request presents: `Authorization: Bearer KEY`, else `x-api-key: KEY`."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None
+
+
+def parse(text: str, where: str) -> dict[str, Client]:
+    """The clients of a keys file's text, by the hex SHA-256 of their keys."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ClientKeysError(f"{where}: not TOML: {exc}") from None
+    entries = data.get("keys", [])
+    unknown = sorted(set(data) - {"keys"})
+    if unknown:
+        raise ClientKeysError(f"{where}: unknown table or key {unknown[0]!r} (the file holds [[keys]] entries)")
+    if not isinstance(entries, list):
+        raise ClientKeysError(f"{where}: `keys` must be [[keys]] entries")
+    clients: dict[str, Client] = {}
+    ids: set[str] = set()
+    for n, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise ClientKeysError(f"{where}: entry {n} is not a table")
+        extra = sorted(set(entry) - {"id", "tenant", "sha256"})
+        if extra:
+            raise ClientKeysError(f"{where}: entry {n}: unknown field {extra[0]!r} (id, tenant, sha256)")
+        key_id, tenant, digest = entry.get("id"), entry.get("tenant"), entry.get("sha256")
+        for name, value in (("id", key_id), ("tenant", tenant), ("sha256", digest)):
+            if not isinstance(value, str) or not value.strip():
+                raise ClientKeysError(f"{where}: entry {n}: `{name}` must be a non-empty string")
+        assert isinstance(key_id, str) and isinstance(tenant, str) and isinstance(digest, str)
+        digest = digest.strip().lower()
+        if len(digest) != 64 or not set(digest) <= HEX:
+            raise ClientKeysError(
+                f"{where}: entry {n} ({key_id}): `sha256` must be 64 hex digits, the hash of the key, never the key"
+            )
+        if key_id in ids:
+            raise ClientKeysError(f"{where}: entry {n}: the id {key_id!r} is used twice")
+        if digest in clients:
+            raise ClientKeysError(f"{where}: entry {n} ({key_id}): the same key as {clients[digest].key_id!r}")
+        ids.add(key_id)
+        clients[digest] = Client(tenant.strip(), key_id.strip())
+    return clients
+
+
+class ClientKeys:
+    """The keys in force, read from `path` (and again whenever it changes)."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.clock = clock
+        self._stamp = self._stat()  # raises ClientKeysError: a router with keys on needs them at once
+        self.clients = self._read()
+        self._checked = clock()
+        self._refused: tuple[int, int, int] | None = None  # a version of the file refused (said once)
+        self.reloads = 0  # times a change was taken in
+        self.rejected = 0  # times a change was refused (the keys before it stay in force)
+
+    def _stat(self) -> tuple[int, int, int]:
+        try:
+            st = os.stat(self.path)  # follows links: a Secret volume swaps its ..data link
+        except OSError as exc:
+            raise ClientKeysError(f"client_keys_file {self.path}: {exc.strerror or exc}") from None
+        return (st.st_mtime_ns, st.st_ino, st.st_size)
+
+    def _read(self) -> dict[str, Client]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ClientKeysError(f"client_keys_file {self.path}: {exc}") from None
+        return parse(text, f"client_keys_file {self.path}")
+
+    def refresh(self) -> None:
+        """Take in a changed file (checked at most every CHECK_EVERY_S); a change that cannot be
+        used is said once and leaves the keys in force."""
+        now = self.clock()
+        if now - self._checked < CHECK_EVERY_S:
+            return
+        self._checked = now
+        try:
+            stamp = self._stat()
+        except ClientKeysError as exc:
+            self._refuse(MISSING, exc)
+            return
+        if stamp == self._stamp or stamp == self._refused:
+            return
+        try:
+            clients = self._read()
+        except ClientKeysError as exc:
+            self._refuse(stamp, exc)
+            return
+        self._stamp, self._refused = stamp, None
+        self.clients = clients
+        self.reloads += 1
+        log.warning("router: client keys read again from %s: %d keys", self.path, len(clients))
+
+    def _refuse(self, stamp: tuple[int, int, int], exc: ClientKeysError) -> None:
+        if stamp != self._refused:
+            self._refused = stamp
+            self.rejected += 1
+            log.error("router: %s; the keys read before stay in force", exc)
+
+    def client(self, headers: Mapping[str, str]) -> Client | None:
+        """Whom the request's key belongs to; None without a valid key."""
+        self.refresh()
+        key = presented_key(headers)
+        if key is None:
+            return None
+        return self.clients.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest())

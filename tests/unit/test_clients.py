@@ -1,0 +1,110 @@
+"""Client keys (router.clients): the file's entries and its mistakes, the key a request presents,
+and a file read again when it changes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from multidict import CIMultiDict
+
+from router.clients import CHECK_EVERY_S, Client, ClientKeys, ClientKeysError, parse, presented_key
+from router.proxy.cli import main
+
+
+def entry(key: str, key_id: str, tenant: str) -> str:
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return f'[[keys]]\nid = "{key_id}"\ntenant = "{tenant}"\nsha256 = "{digest}"\n'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_key_comes_from_a_bearer_token_or_anthropics_header() -> None:
+    assert presented_key({"authorization": "Bearer k-1"}) == "k-1"
+    assert presented_key({"authorization": "bearer  k-1 "}) == "k-1"
+    assert presented_key({"x-api-key": "k-2"}) == "k-2"
+    assert presented_key({"authorization": "Basic abc", "x-api-key": "k-3"}) == "k-3"
+    assert presented_key({"authorization": "Bearer "}) is None and presented_key({}) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[[keys]\n", "not TOML"),
+        ("[other]\nx = 1\n", "unknown table or key 'other'"),
+        ('keys = "a"\n', "[[keys]] entries"),
+        ('[[keys]]\nid = "a"\ntenant = "t"\n', "`sha256` must be a non-empty string"),
+        ('[[keys]]\nid = "a"\ntenant = "t"\nsha256 = "sk-plain-key"\n', "64 hex digits, the hash of the key"),
+        ('[[keys]]\nid = "a"\ntenant = "t"\nsha256 = "' + "0" * 64 + '"\nkey = "x"\n', "unknown field 'key'"),
+        (entry("a", "same", "t") + entry("b", "same", "t"), "the id 'same' is used twice"),
+        (entry("a", "one", "t") + entry("a", "two", "t"), "the same key as 'one'"),
+    ],
+)
+def test_a_bad_file_is_one_line_that_says_where(text: str, says: str) -> None:
+    with pytest.raises(ClientKeysError, match=r"keys\.toml") as caught:
+        parse(text, "keys.toml")
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_keys_are_looked_up_by_hash_and_name_their_tenant(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(entry("sk-alpha", "ci", "team-a") + entry("sk-beta", "notebook", "team-b"))
+    keys = ClientKeys(str(path))
+    assert keys.client(CIMultiDict({"Authorization": "Bearer sk-alpha"})) == Client("team-a", "ci")
+    assert keys.client({"x-api-key": "sk-beta"}) == Client("team-b", "notebook")
+    assert keys.client(CIMultiDict({"AUTHORIZATION": "Bearer sk-gamma"})) is None and keys.client({}) is None
+    assert "sk-alpha" not in path.read_text()  # the file holds hashes alone
+
+
+def test_a_changed_file_is_read_again_and_a_broken_change_keeps_the_keys_in_force(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(entry("sk-old", "old", "t"))
+    clock = Clock()
+    keys = ClientKeys(str(path), clock)
+    path.write_text(entry("sk-new", "new", "t"))
+    os.utime(path, ns=(1, 2_000_000_000_000_000_000))  # a new modification time, whatever the file system's grain
+    assert keys.client({"x-api-key": "sk-old"}) is not None  # not looked at again within the second
+    clock.now += CHECK_EVERY_S
+    assert keys.client({"x-api-key": "sk-old"}) is None and keys.client({"x-api-key": "sk-new"}) is not None
+    assert keys.reloads == 1
+    path.write_text("[[keys]\n")  # a half-written edit
+    os.utime(path, ns=(1, 3_000_000_000_000_000_000))
+    clock.now += CHECK_EVERY_S
+    assert keys.client({"x-api-key": "sk-new"}) is not None and keys.rejected == 1
+    clock.now += CHECK_EVERY_S
+    keys.refresh()
+    assert keys.rejected == 1  # said once, not every second
+    path.unlink()
+    clock.now += CHECK_EVERY_S
+    assert keys.client({"x-api-key": "sk-new"}) is not None and keys.rejected == 2  # gone: still the last keys
+    path.write_text(entry("sk-back", "back", "t"))
+    clock.now += CHECK_EVERY_S
+    assert keys.client({"x-api-key": "sk-back"}) == Client("t", "back")
+
+
+def test_a_missing_or_broken_file_stops_the_router_at_startup(tmp_path: Path) -> None:
+    with pytest.raises(ClientKeysError, match="No such file"):
+        ClientKeys(str(tmp_path / "absent.toml"))
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[[keys]]\nid = "a"\n')
+    with pytest.raises(ClientKeysError, match="`tenant` must be a non-empty string"):
+        ClientKeys(str(broken))
+
+
+def test_router_serve_reads_the_keys_file_before_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(entry("sk-1", "ci", "team-a") + entry("sk-2", "nb", "team-a"))
+    base = ["--replica", "r0=http://127.0.0.1:9", "--admin-token", "t", "--state", "none", "--check-config"]
+    assert main([*base, "--client-keys-file", str(path)]) == 0
+    assert f"client keys: 2 keys of 1 tenant in {path}" in capsys.readouterr().out
+    assert main([*base, "--client-keys-file", str(tmp_path / "absent.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("router-serve: client_keys_file") and err.count("\n") == 1
