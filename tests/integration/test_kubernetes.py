@@ -4,6 +4,7 @@ config they carry is accepted by router-serve, and the container recipe is the o
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import kubernetes.client
 import pytest
 import yaml
 
+from router.clients import Client, ClientKeys
 from router.config import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,6 +226,62 @@ def test_the_overlay_shares_state_through_redis_and_is_scraped() -> None:
     value = base64.b64decode(secret["data"][token["key"]]).decode()
     config = load(None, {"ROUTER_ADMIN_TOKEN": value}, {"replicas": ["http://h:1"]})
     assert config.admin_token == "0123456789abcdef"  # the file's newline is not part of the token
+
+
+@needs_kubectl
+def test_the_client_keys_component_mounts_its_secret_as_a_directory_the_router_reads(tmp_path: Path) -> None:
+    """The client-keys component on the production overlay, as its comment tells an operator to add it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "kubernetes"
+        shutil.copytree(DEPLOY / "kubernetes", tree)
+        overlay = tree / "overlays" / "production"
+        (overlay / "admin-token").write_text("0123456789abcdef\n")
+        digest = hashlib.sha256(b"sk-team-a").hexdigest()
+        (overlay / "client-keys.toml").write_text(f'[[keys]]\nid = "ci"\ntenant = "team-a"\nsha256 = "{digest}"\n')
+        (overlay / "replica-api-keys").write_text("*=vllm-key")
+        kustomization = overlay / "kustomization.yaml"
+        kustomization.write_text(
+            kustomization.read_text()
+            .replace("components:\n", "components:\n  - ../../components/client-keys\n")
+            .replace(
+                "secretGenerator:\n",
+                "secretGenerator:\n"
+                "  - name: kv-affinity-router-client-keys\n    files:\n      - keys.toml=client-keys.toml\n"
+                "  - name: kv-affinity-router-replica-keys\n    files:\n      - keys=replica-api-keys\n",
+            )
+        )
+        assert KUBECTL is not None
+        out = subprocess.run([KUBECTL, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    objs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    for obj in objs:
+        if obj["kind"] != "ServiceMonitor":
+            validate(obj)
+    deployment = one(objs, "Deployment", "kv-affinity-router")
+    spec = deployment["spec"]["template"]["spec"]
+    (router,) = spec["containers"]
+    env = {e["name"]: e for e in router["env"]}
+    mount = next(m for m in router["volumeMounts"] if m["name"] == "client-keys")
+    assert "subPath" not in mount  # a subPath mount never sees the kubelet's updates
+    assert env["ROUTER_CLIENT_KEYS_FILE"]["value"] == mount["mountPath"] + "/keys.toml"
+    volume = next(v for v in spec["volumes"] if v["name"] == "client-keys")
+    keys = one(objs, "Secret", "kv-affinity-router-client-keys")
+    assert volume["secret"]["secretName"] == keys["metadata"]["name"] and "keys.toml" in keys["data"]
+    replica = env["ROUTER_REPLICA_API_KEYS"]["valueFrom"]["secretKeyRef"]
+    assert replica["name"] == one(objs, "Secret", "kv-affinity-router-replica-keys")["metadata"]["name"]
+    # router-serve takes what the pod gets: the keys file as mounted, the admin token, the replica key
+    (tmp_path / "keys.toml").write_bytes(base64.b64decode(keys["data"]["keys.toml"]))
+    admin = base64.b64decode(one(objs, "Secret", "kv-affinity-router-admin")["data"]["token"]).decode()
+    config = load(
+        None,
+        {
+            "ROUTER_CLIENT_KEYS_FILE": str(tmp_path / "keys.toml"),
+            "ROUTER_ADMIN_TOKEN": admin,
+            "ROUTER_REPLICA_API_KEYS": "*=vllm-key",
+        },
+        {"replicas": ["http://h:1"]},
+    )
+    assert ClientKeys(config.client_keys_file).client({"x-api-key": "sk-team-a"}) == Client("team-a", "ci")
 
 
 @needs_kubectl
