@@ -16,6 +16,7 @@ fall through to the next source. Nothing here raises on client input.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,12 +66,18 @@ AGENTS: tuple[AgentHeaders, ...] = (
     AgentHeaders("Codex CLI", "session-id"),
 )
 
+AGENT_SESSIONS = frozenset(agent.session for agent in AGENTS)
+
 
 def agent_key(headers: Mapping[str, str], max_key_bytes: int, model: str | None) -> RoutingKey | None:
     """The key of a request that carries a coding agent's session headers (`AGENTS`), with its
     parent's key for a sub-agent; None when it carries none."""
-    for agent in AGENTS:
-        session = _header(headers, agent.session)
+    get = headers.get
+    for agent in AGENTS:  # (most requests carry none: one lookup each, nothing else)
+        value = get(agent.session)
+        if not value:
+            continue
+        session = _encode(value.strip())
         if not session:
             continue
         own = _header(headers, agent.agent) if agent.agent else b""
@@ -92,6 +99,12 @@ def agent_key(headers: Mapping[str, str], max_key_bytes: int, model: str | None)
             parent=bounded_key(parent, max_key_bytes) if parent and parent != session else None,
         )
     return None
+
+
+@functools.cache
+def _after_agents(header_names: tuple[str, ...]) -> tuple[str, ...]:
+    """`header_names` without the agents' session headers, which `agent_key` looked up already."""
+    return tuple(n for n in header_names if n.lower() not in AGENT_SESSIONS)
 
 
 def _header(headers: Mapping[str, str], name: str) -> bytes:
@@ -213,6 +226,7 @@ def routing_key(
         found = agent_key(headers, max_key_bytes, model)
         if found is not None:
             return found
+        header_names = _after_agents(header_names)
     for name in header_names:
         value = headers.get(name)
         if value:

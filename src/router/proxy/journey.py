@@ -66,11 +66,11 @@ class Attempts(Protocol):
     byte), or `resume` a broken stream's `outcome` there with the continuation `body`, its new
     bytes spliced by `splicer` (a `Retry` when the continuation failed before its first byte)."""
 
-    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome: ...
+    def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]: ...
 
-    async def resume(
+    def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
-    ) -> Retry | None: ...
+    ) -> Awaitable[Retry | None]: ...
 
 
 class HttpAttempts:
@@ -107,17 +107,19 @@ class HttpAttempts:
             return {name: replica.id, WORKER_HEADER: str(self.worker)}
         return {name: replica.id}
 
-    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
-        trip = self.keyed(replica, trip)
-        return await attempt(
+    def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]:
+        # the attempt's own coroutine, not one around it: one frame less per request
+        if replica.auth:
+            trip = self.keyed(replica, trip)
+        return attempt(
             self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline
         )
 
-    async def resume(
+    def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
-    ) -> Retry | None:
+    ) -> Awaitable[Retry | None]:
         url, keyed = replica.url + trip.exchange.path, self.keyed(replica, trip)
-        return await resume(self.client(), keyed, url, body, self.timeouts, deadline, outcome, splicer)
+        return resume(self.client(), keyed, url, body, self.timeouts, deadline, outcome, splicer)
 
 
 class Accounting(Protocol):
@@ -279,7 +281,12 @@ class Journey:
         if self.tokenize is not None and key.prompt is not None:
             key = await self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
-        route = await self.routing.route(key, t0, loop.time() - (self.clock() - t0) + self.total_timeout_s)
+        routing = self.routing
+        deadline = loop.time() - (self.clock() - t0) + self.total_timeout_s
+        if routing.directory.local_only:  # the same route, without a coroutine around a dict lookup
+            route = routing.local_route(key, t0, deadline)
+        else:
+            route = await routing.route(key, t0, deadline)
         admission = self.admission
         if admission.on and intake.api.queued:
             try:

@@ -47,6 +47,12 @@ class SessionDirectory:
         self.peers = peers
         self._wall = wall
 
+    @property
+    def local_only(self) -> bool:
+        """Whether this process's own table is all there is (no worker siblings, no peers): then
+        `Routing.local_route` opens the same route as `Routing.route`, without awaiting."""
+        return self.siblings is None and self.peers is None
+
     async def last_served(self, key: bytes, remember: bool = True) -> tuple[str | None, bool]:
         """Where the session was served last, and whether this process's own entry says so (else
         another worker's or router's newer news does). A session found only among the peers is
