@@ -97,7 +97,7 @@ class Outcome:
         self.facts.cut = error is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass's __init__ costs three times as much, per request)
 class Trip:
     """A request on its way to replicas: the client's side, what was taken in (its body, its kind,
     whether it is resumable), the headers it is forwarded with, and when it arrived (monotonic)."""

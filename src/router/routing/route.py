@@ -59,6 +59,9 @@ class Verdict:
     moved: bool = False  # the jump was the router's own move (warmed first)
 
 
+NO_VERDICT = Verdict()  # (frozen: shared by every request that counted as nothing)
+
+
 class Observer(Protocol):
     """Who else learns of a served keyed request (the balance loop: vnode traffic, prompts for warm-up)."""
 
@@ -300,8 +303,8 @@ class Route:
         if self.hearing is not None and key.prompt is not None and facts.status < 400:
             self._heard(self.hearing, replica, facts)
         if key.kind == "none" or facts.status >= 400:
-            return Verdict()
-        verdict = Verdict()
+            return NO_VERDICT
+        verdict = NO_VERDICT
         last = self.last
         if last is not None:
             m.followups.inc()
