@@ -4,13 +4,15 @@ model; CI builds them; elsewhere these tests are skipped with that message, and 
 
 Two replicas start once for the module (about 45 s on two cores) and serve every test that leaves
 them as it found them: `v-0` serves `tiny` and `tiny-a` and the adapter `lora-0`; `v-1` serves
-`tiny` and `tiny-b` and `lora-1`; four requests each at once. A test that kills a replica starts its
-own. Each test starts its own router; everything is stopped by PID (a replica's process group).
+`tiny` and `tiny-b` and `lora-1`; four requests each at once. A test that kills a replica, or needs
+one started otherwise (with `--api-key`), starts its own. Each test starts its own router;
+everything is stopped by PID (a replica's process group).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -530,3 +532,63 @@ async def test_anthropic_sessions_stick_and_their_cache_reads_are_counted(
     assert metric(text, "router_prompt_tokens_total") > reads + computed
     assert metric(text, "router_cached_tokens_total") > reads
     assert metric(text, "router_requests_total", key_kind="body") == 12
+
+
+async def test_a_shared_fleet_asks_clients_for_keys_and_sends_vllm_its_own(
+    tmp_path: Path, start_router: Callable[..., Any]
+) -> None:
+    """vLLM started with --api-key behind router-serve with client keys: clients bring their keys,
+    vLLM gets its own in their place, and the router still reads everything it reads of vLLM."""
+    engine_key, client_key = "vllm-engine-key", "sk-team-a"
+    server = replica("v-key", tmp_path, extra=("--api-key", engine_key))
+    await start_all([server])
+    try:
+        digest = hashlib.sha256(client_key.encode()).hexdigest()
+        keys = tmp_path / "keys.toml"
+        keys.write_text(f'[[keys]]\nid = "ci"\ntenant = "team-a"\nsha256 = "{digest}"\n')
+        _router, url = await start_router(
+            specs([server]), client_keys_file=str(keys), replica_api_keys=f"*={engine_key}", admin_token=TOKEN
+        )
+        # vLLM itself refuses the client's key: only the router's replacing it lets requests through
+        direct = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=client_key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await direct.models.list()
+        await direct.close()
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=client_key, max_retries=0)
+        try:
+            assert {m.id for m in (await client.models.list()).data} == {MODEL_NAME}
+            done = await client.chat.completions.create(
+                model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert done.usage is not None and done.usage.completion_tokens == 4
+            stream = await client.chat.completions.create(
+                model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4, stream=True
+            )
+            assert [c async for c in stream]
+        finally:
+            await client.close()
+        claude = anthropic.AsyncAnthropic(base_url=url, api_key=client_key, max_retries=0)  # sends x-api-key
+        try:
+            message = await claude.messages.create(
+                model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
+            assert message.usage.output_tokens == 4
+        finally:
+            await claude.close()
+        wrong = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-nobody", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await wrong.models.list()
+        await wrong.close()
+        assert refused.value.code == "invalid_api_key"  # the router's own answer, in OpenAI's shape
+        # the router's probes reached the guarded engine too: its models were listed with the key
+        async with aiohttp.ClientSession() as http:
+            replicas = await until(lambda: admin_models(http, url))
+        assert replicas == [[MODEL_NAME]]
+    finally:
+        server.stop()
+
+
+async def admin_models(http: aiohttp.ClientSession, url: str) -> list[list[str]] | None:
+    """Each replica's models as the router's probes read them (None until every one is read)."""
+    models = [r.get("models") for r in await admin(http, url, "/admin/replicas")]
+    return [sorted(m) for m in models] if all(models) else None
