@@ -52,8 +52,9 @@ class AgentHeaders:
 
 # Looked up in order; the first whose session header a request carries keys it. Values are the
 # agents' own: Claude Code sends its session id on every request and, from a sub-agent, that
-# agent's id and its parent agent's (the root session's id stands for a top-level sub-agent's
-# parent); OpenCode its session and parent session; Codex CLI one session id per thread.
+# agent's id and its parent agent's (keyed as SESSION/AGENT; the root session stands for a
+# top-level sub-agent's parent); OpenCode its session and parent session; Codex CLI one session
+# id per thread.
 AGENTS: tuple[AgentHeaders, ...] = (
     AgentHeaders("X-Dynamo-Session-ID convention", "x-dynamo-session-id", parent="x-dynamo-parent-session-id"),
     AgentHeaders(
@@ -81,10 +82,13 @@ def agent_key(headers: Mapping[str, str], max_key_bytes: int, model: str | None)
         if not session:
             continue
         own = _header(headers, agent.agent) if agent.agent else b""
-        if own and own != session:  # a sub-agent: its own session, under its parent's
-            parent = (_header(headers, agent.parent) if agent.parent else b"") or session
+        if own and own != session:
+            # a sub-agent: a session of its own within its root session (its id may be unique only
+            # there), under its parent agent's, else under the root's
+            up = _header(headers, agent.parent) if agent.parent else b""
+            parent = session + b"/" + up if up and up != session else session
             return RoutingKey(
-                bounded_key(own, max_key_bytes),
+                bounded_key(session + b"/" + own, max_key_bytes),
                 "header",
                 agent.agent or "",
                 model=model,

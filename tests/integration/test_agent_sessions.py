@@ -52,7 +52,9 @@ async def test_a_sub_agent_starts_on_its_parents_replica(start_fleet, start_rout
     root = {"x-claude-code-session-id": "cc-root"}
     parent = await message(url, ["plan the refactor"], root)
     # sub-agents whose own ids the ring would place on other replicas
-    agents = [a for a in (f"agent-{n}" for n in range(100)) if replicas[ring.lookup(a.encode())].id != parent][:3]
+    agents = [
+        a for a in (f"agent-{n}" for n in range(100)) if replicas[ring.lookup(f"cc-root/{a}".encode())].id != parent
+    ][:3]
     for agent in agents:
         headers = root | {"x-claude-code-agent-id": agent}
         assert await message(url, [f"{agent}: search the code"], headers) == parent  # starts beside its parent

@@ -150,7 +150,7 @@ def test_coding_agents_session_headers_key_first_and_a_sub_agent_names_its_paren
     root = key(configured | {"x-claude-code-session-id": "cc-1"}, CHAT)
     assert root == RoutingKey(b"cc-1", "header", "x-claude-code-session-id") and root.parent is None
     sub = key({"x-claude-code-session-id": "cc-1", "x-claude-code-agent-id": "agent-7"}, CHAT)
-    assert sub == RoutingKey(b"agent-7", "header", "x-claude-code-agent-id") and sub.parent == b"cc-1"
+    assert sub == RoutingKey(b"cc-1/agent-7", "header", "x-claude-code-agent-id") and sub.parent == b"cc-1"
     nested = key(
         {
             "x-claude-code-session-id": "cc-1",
@@ -158,7 +158,9 @@ def test_coding_agents_session_headers_key_first_and_a_sub_agent_names_its_paren
             "x-claude-code-parent-agent-id": "agent-7",
         }
     )
-    assert nested.key == b"a-9" and nested.parent == b"agent-7"  # under its parent agent, not the root
+    assert nested.key == b"cc-1/a-9" and nested.parent == b"cc-1/agent-7"  # under its parent agent, not the root
+    other = key({"x-claude-code-session-id": "cc-2", "x-claude-code-agent-id": "agent-7"})
+    assert other.key == b"cc-2/agent-7" != sub.key  # an agent id is only unique within its session
     same = key({"x-claude-code-session-id": "cc-1", "x-claude-code-agent-id": "cc-1"})
     assert same.key == b"cc-1" and same.parent is None  # an agent id equal to the session's is the root
     # OpenCode, the X-Dynamo-Session-ID convention, Codex CLI

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -454,3 +455,17 @@ async def test_a_sub_agent_starts_on_its_parents_replica_while_it_has_room_then_
     assert replica is not None and replica is not home and route.decision is not None
     assert route.decision.reason != "parent"
     route.release(replica)
+
+
+async def test_ttft_a_sub_agent_leaving_its_parents_busy_replica_is_no_session_moved() -> None:
+    routing, clock, _ = core("ttft", replicas=2, prefill_tokens_per_s="10000", bounded_load_floor="100")
+    policy, placement = routing.policy, routing.policy.placement  # type: ignore[attr-defined]
+    text = "a long shared system prompt and tools " * 100
+    root = prompt_key(text + "the root's task", session="root")
+    _, home = await serve(routing, clock, root)
+    placement.set_busy(placement.of(home), clock.now + 5.0)  # five seconds queued where its parent is
+    sub = replace(prompt_key(text + "a sub-agent's task", session="root/agent-1"), parent=b"root")
+    route, placed = await serve(routing, clock, sub)
+    assert placed is not home and route.decision is not None and route.decision.reason == "cost"
+    assert jumps(routing) == {} and routing.metrics.followups._value.get() == 0  # its first turn
+    assert sub.key not in policy.moves  # no move to keep it from: it may come back beside its parent

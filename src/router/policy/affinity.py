@@ -43,7 +43,9 @@ class Affinity(Policy):
     # cap: its jump counts as a spill (where `ttft` falls back on this policy, by its state)
     passes_over = "spill"
 
-    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+    def pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+    ) -> Decision | None:
         if key.kind == "none":
             return self.least_loaded(self.avoiding(key, exclude))
         skip = self.skipping(key)

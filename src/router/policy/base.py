@@ -80,7 +80,12 @@ class Policy:
         self.clock: Callable[[], float] = time.monotonic
         self._rotation = itertools.count()
 
-    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+    def pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+    ) -> Decision | None:
+        """Where a request for `key` goes, never to a replica in `exclude`; `last`: where its session
+        was served last, or with `parent`, where the session that started it (a sub-agent's) was,
+        which it shares a context with but is not its own: nothing is remembered of leaving it."""
         raise NotImplementedError
 
     def explain(self, key: RoutingKey, last: str | None) -> Explained:

@@ -15,7 +15,9 @@ class ConsistentHash(Policy):
     name = "consistent_hash"
     keyed = True
 
-    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+    def pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+    ) -> Decision | None:
         avoid = self.avoiding(key, exclude)
         if key.kind == "none":
             return self.least_loaded(avoid)

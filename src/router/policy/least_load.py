@@ -11,5 +11,7 @@ from router.policy.base import Decision, Policy
 class LeastLoad(Policy):
     name = "least_load"
 
-    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+    def pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+    ) -> Decision | None:
         return self.least_loaded(self.avoiding(key, exclude))

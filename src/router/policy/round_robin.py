@@ -11,7 +11,9 @@ from router.policy.base import Decision, Policy
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+    def pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+    ) -> Decision | None:
         n = len(self.fleet)
         exclude = self.avoiding(key, exclude)
         for _ in range(n):

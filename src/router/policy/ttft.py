@@ -167,13 +167,21 @@ class Ttft(Policy):
     def hear(self, key: RoutingKey) -> PlacementHearing:
         return PlacementHearing(self.placement, key.prompt)
 
-    def pick(self, key: RoutingKey, last: str | None, exclude: Collection[int]) -> Decision | None:
+    def pick(
+        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+    ) -> Decision | None:
         prompt = key.prompt
         if prompt is None:
             decision = self.fallback.pick(key, last, exclude)
         else:
             decision = self.decide(key, prompt, last, exclude)[0]
-            if decision is not None and decision.reason == "cost" and last is not None and self.evidence(key, last):
+            if (
+                decision is not None
+                and decision.reason == "cost"
+                and last is not None
+                and not parent  # a sub-agent's first turn leaving its parent's replica: no session moved
+                and self.evidence(key, last)
+            ):
                 # a keyed session leaves a replica that could have kept it (only `pick` remembers:
                 # /admin/route's explanations send nothing)
                 self._moved(key.key, Move(self.placement.clock(), last, self.fleet.replicas[decision.index].id))

@@ -216,7 +216,10 @@ class Route:
         decision = None if resuming else self.holder()
         if decision is None:
             decision = routing.policy.pick(
-                self.key, None if resuming else self.start, {r.index for r in self.tried if r.index is not None}
+                self.key,
+                None if resuming else self.start,
+                {r.index for r in self.tried if r.index is not None},
+                parent=self.last is None and self.parent is not None,
             )
             if self.parent is not None:
                 decision = self.from_parent(decision)
