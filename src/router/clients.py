@@ -11,8 +11,9 @@ Off unless `client_keys_file` names a file. The file holds a hash of each key, n
 (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`). The file is read again
 when it changes, at most a second after (a Kubernetes Secret mounted as a volume is swapped by its
 kubelet; an edited file is rewritten): new keys work and removed ones stop, without a restart. A
-change that does not parse keeps the keys in force and says why, once, on the log; at startup it
-stops the router instead (`ClientKeysError`, one line).
+change that does not parse, or leaves no keys (a write under way), keeps the keys in force and
+says why, once, on the log; at startup it stops the router instead (`ClientKeysError`, one line).
+A file still being written while it is read is read again at the next check.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ log = logging.getLogger("router.clients")
 CHECK_EVERY_S = 1.0  # how often a request may look at the file's modification time
 HEX = frozenset("0123456789abcdef")
 MISSING = (-1, -1, -1)  # the stamp of a file that is not there
+KEY_HEADERS = frozenset({"authorization", "x-api-key"})  # where a client's key comes (never forwarded with keys on)
 
 
 class ClientKeysError(RouterError, ValueError):
@@ -87,6 +89,8 @@ def parse(text: str, where: str) -> dict[str, Client]:
             raise ClientKeysError(
                 f"{where}: entry {n} ({key_id}): `sha256` must be 64 hex digits, the hash of the key, never the key"
             )
+        if "none" in (key_id.strip(), tenant.strip()):
+            raise ClientKeysError(f"{where}: entry {n}: `none` is taken (it stands for no key in metrics)")
         if key_id in ids:
             raise ClientKeysError(f"{where}: entry {n}: the id {key_id!r} is used twice")
         if digest in clients:
@@ -140,6 +144,12 @@ class ClientKeys:
             return
         try:
             clients = self._read()
+            if self._stat() != stamp:
+                return  # written to while it was read: read again at the next check, once it is still
+            if not clients:
+                # an empty file is far likelier a write under way (truncated first) than an intent
+                # to lock every client out: the keys stay; to stop serving clients, stop the router
+                raise ClientKeysError(f"client_keys_file {self.path}: no keys in it")
         except ClientKeysError as exc:
             self._refuse(stamp, exc)
             return

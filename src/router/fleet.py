@@ -76,7 +76,7 @@ class ReplicaState:
     adapters: frozenset[str] | None = None
     max_lora: int | None = None
     # what its engine's key (replica_api_keys) asks of every request the router sends it: {} without one
-    auth: dict[str, str] = field(default_factory=dict)
+    auth: dict[str, str] = field(default_factory=dict, repr=False)
     # `adapters`, least recently used first, as far as the router knows (its own sends since the probe last)
     adapter_order: list[str] = field(default_factory=list)
     slot: int | None = None

@@ -181,7 +181,9 @@ class Feed:
             return {0: configured}
         try:
             async with self.http().get(
-                replica.url + "/kv_event_sources", timeout=aiohttp.ClientTimeout(total=SOURCES_TIMEOUT_S)
+                replica.url + "/kv_event_sources",
+                timeout=aiohttp.ClientTimeout(total=SOURCES_TIMEOUT_S),
+                headers=replica.auth,
             ) as r:
                 if r.status != 200:
                     return {}

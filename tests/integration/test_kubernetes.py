@@ -247,6 +247,7 @@ def test_the_client_keys_component_mounts_its_secret_as_a_directory_the_router_r
                 "secretGenerator:\n",
                 "secretGenerator:\n"
                 "  - name: kv-affinity-router-client-keys\n    files:\n      - keys.toml=client-keys.toml\n"
+                "    options:\n      disableNameSuffixHash: true\n"
                 "  - name: kv-affinity-router-replica-keys\n    files:\n      - keys=replica-api-keys\n",
             )
         )
@@ -267,6 +268,8 @@ def test_the_client_keys_component_mounts_its_secret_as_a_directory_the_router_r
     volume = next(v for v in spec["volumes"] if v["name"] == "client-keys")
     keys = one(objs, "Secret", "kv-affinity-router-client-keys")
     assert volume["secret"]["secretName"] == keys["metadata"]["name"] and "keys.toml" in keys["data"]
+    # its name stays as it is: a change of keys changes the Secret, not the pod template (no rollout)
+    assert keys["metadata"]["name"] == "kv-affinity-router-client-keys"
     replica = env["ROUTER_REPLICA_API_KEYS"]["valueFrom"]["secretKeyRef"]
     assert replica["name"] == one(objs, "Secret", "kv-affinity-router-replica-keys")["metadata"]["name"]
     # router-serve takes what the pod gets: the keys file as mounted, the admin token, the replica key

@@ -147,3 +147,24 @@ def test_client_keys_need_the_console_and_metrics_kept_from_clients(tmp_path: Pa
     with pytest.raises(ConfigError, match="REPLICA_ID=KEY") as caught:
         load(None, {}, {"replicas": ["r0=http://127.0.0.1:9"], "replica_api_keys": "sk-oops"})
     assert "sk-oops" not in str(caught.value)  # an entry that may be a key is never echoed
+
+
+@pytest.mark.parametrize("front", ["true", "false"])
+async def test_a_request_without_a_key_is_refused_before_its_body_is_parsed(  # type: ignore[no-untyped-def]
+    fleet, start_router, tmp_path: Path, caplog, front: str
+) -> None:
+    path = keys_file(tmp_path / "keys.toml", ("sk-team-a", "ci", "team-a"))
+    router, url = await start_router(
+        named(fleet), client_keys_file=path, replica_api_keys=f"*={REPLICA_KEY}", admin_token=ADMIN, front=front
+    )
+    with caplog.at_level(logging.WARNING):
+        async with aiohttp.ClientSession() as s:  # one keep-alive connection: a refusal must leave it usable
+            for headers, status in (({}, 401), ({"Authorization": "Bearer sk-team-a"}, 200), ({}, 401)):
+                async with s.post(url + "/v1/chat/completions", data=orjson.dumps(CHAT), headers=headers) as r:
+                    assert r.status == status
+                    await r.read()
+            big = b'{"model": "emulated-llm", "messages": [' + b" " * 500_000 + b"]}"
+            async with s.post(url + "/v1/chat/completions", data=big, headers={"Expect": "100-continue"}) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert router.metrics.tenant_requests.labels("none", "none", "401")._value.get() == 3

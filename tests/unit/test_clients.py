@@ -46,6 +46,7 @@ def test_the_key_comes_from_a_bearer_token_or_anthropics_header() -> None:
         ('[[keys]]\nid = "a"\ntenant = "t"\nsha256 = "' + "0" * 64 + '"\nkey = "x"\n', "unknown field 'key'"),
         (entry("a", "same", "t") + entry("b", "same", "t"), "the id 'same' is used twice"),
         (entry("a", "one", "t") + entry("a", "two", "t"), "the same key as 'one'"),
+        (entry("a", "none", "t"), "`none` is taken"),
     ],
 )
 def test_a_bad_file_is_one_line_that_says_where(text: str, says: str) -> None:
@@ -88,6 +89,10 @@ def test_a_changed_file_is_read_again_and_a_broken_change_keeps_the_keys_in_forc
     path.write_text(entry("sk-back", "back", "t"))
     clock.now += CHECK_EVERY_S
     assert keys.client({"x-api-key": "sk-back"}) == Client("t", "back")
+    path.write_text("")  # an editor's write under way: truncated first
+    os.utime(path, ns=(1, 4_000_000_000_000_000_000))
+    clock.now += CHECK_EVERY_S
+    assert keys.client({"x-api-key": "sk-back"}) is not None and keys.rejected == 3  # not every key dropped
 
 
 def test_a_missing_or_broken_file_stops_the_router_at_startup(tmp_path: Path) -> None:
@@ -108,3 +113,27 @@ def test_router_serve_reads_the_keys_file_before_it_starts(tmp_path: Path, capsy
     assert main([*base, "--client-keys-file", str(tmp_path / "absent.toml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("router-serve: client_keys_file") and err.count("\n") == 1
+
+
+def test_a_file_written_while_it_is_read_is_read_again_once_it_is_still(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(entry("sk-1", "one", "t"))
+    clock = Clock()
+    keys = ClientKeys(str(path), clock)
+    read = keys._read
+
+    def read_while_written() -> dict[str, Client]:
+        found = read()  # half of a two-step write, say
+        path.write_text(entry("sk-1", "one", "t") + entry("sk-2", "two", "t"))
+        os.utime(path, ns=(1, 5_000_000_000_000_000_000))
+        return found
+
+    path.write_text(entry("sk-1", "one", "t") + entry("sk-2x", "two", "t"))
+    os.utime(path, ns=(1, 4_000_000_000_000_000_000))
+    keys._read = read_while_written  # type: ignore[method-assign]
+    clock.now += CHECK_EVERY_S
+    keys.refresh()
+    assert keys.reloads == 0 and keys.client({"x-api-key": "sk-2x"}) is None  # not taken: it changed meanwhile
+    keys._read = read  # type: ignore[method-assign]
+    clock.now += CHECK_EVERY_S
+    assert keys.client({"x-api-key": "sk-2"}) == Client("t", "two") and keys.reloads == 1

@@ -12,6 +12,7 @@ import pytest
 
 import router
 from router.admission import Shed
+from router.clients import ClientKeysError
 from router.config.loading import ConfigError, UnknownSettings
 from router.discovery import DiscoveryError
 from router.errors import RouterError
@@ -61,6 +62,7 @@ def test_every_exception_the_router_defines_is_a_router_error() -> None:
     ("exception", "builtin"),
     [
         (ConfigError, ValueError),
+        (ClientKeysError, ValueError),
         (UnknownSettings, ConfigError),
         (StateError, ValueError),
         (DiscoveryError, RuntimeError),

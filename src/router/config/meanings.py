@@ -147,7 +147,8 @@ HELP = {
     "x-api-key). Empty: no keys asked",
     "replica_api_keys": "comma-separated REPLICA_ID=KEY (or *=KEY): the key a replica's engine was started with "
     "(--api-key), sent to it as Authorization: Bearer; a client's own key is never forwarded where one is set",
-    "admin_token": "bearer token of the /admin API and the console's data (default: API off, console open)",
+    "admin_token": "bearer token of the /admin API and the console's data, and with client keys on of /metrics "
+    "on the API's port (default: API off, console open)",
     "admin_host": "address the admin API, console and /metrics bind when admin_port is set (default 127.0.0.1)",
     "admin_port": "serve the admin API, console and /metrics on this port instead of the proxy's "
     "(default 0: on the proxy's port)",

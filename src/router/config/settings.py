@@ -41,7 +41,7 @@ class RouterConfig:
     replica_models: tuple[str, ...] = ()
     # REPLICA_ID=KEY (or *=KEY): the key a replica's engine was started with (vLLM's, llama-server's
     # --api-key), sent as `Authorization: Bearer KEY` on whatever the router asks of it
-    replica_api_keys: tuple[str, ...] = ()
+    replica_api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # (keys: never shown)
     # ttft: placement by predicted time to first token (router.placement, router.policy.ttft)
     prefix_block_bytes: int = 64  # the prefix index's block: 64 bytes of prompt, about 16 tokens
     # REPLICA_ID=TOKENS (or *=TOKENS): KV-cache size where the engine does not say (vLLM and SGLang do)
@@ -151,7 +151,7 @@ class RouterConfig:
     console_interval_s: float = 2.0  # how often the history samples the metrics
     console_history_s: float = 900.0  # how far back the heatmap and curves go
     # operating
-    admin_token: str = ""
+    admin_token: str = dataclasses.field(default="", repr=False)
     client_keys_file: str = ""  # clients' keys, hashed, by tenant (router.clients); empty: no keys asked
     # the admin API, console and /metrics on an address of their own; port 0: on the proxy's address
     admin_host: str = "127.0.0.1"

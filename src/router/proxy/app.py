@@ -151,13 +151,14 @@ class Proxy:
         """A proxied endpoint, served by aiohttp (a connection the front handed over)."""
         t0 = time.monotonic()
         exchange = AioExchange(request)
-        await self.journey.serve(exchange, await take_in(request, self.config, self.journey.prompts), t0)
+        intake = await take_in(request, self.config, self.journey.prompts, self.node.clients)
+        await self.journey.serve(exchange, intake, t0)
         assert exchange.response is not None
         return exchange.response
 
     # -- other routes ------------------------------------------------------------------------
 
-    def unauthorized(self, request: web.Request) -> web.Response | None:
+    def refused_without_key(self, request: web.Request) -> web.Response | None:
         """With client keys on (router.clients), the 401 of a request without a valid key."""
         clients = self.node.clients
         if clients is None or clients.client(request.headers) is not None:
@@ -167,7 +168,7 @@ class Proxy:
 
     async def models(self, request: web.Request) -> web.Response:
         """The union of every routable replica's models (first listing of an id wins)."""
-        refused = self.unauthorized(request)
+        refused = self.refused_without_key(request)
         if refused is not None:
             return refused
         http = self.node.http
@@ -200,7 +201,7 @@ class Proxy:
     async def stored(self, request: web.Request) -> web.Response:
         """Retrieve, delete or cancel a stored response, or list its input items: on the replica that
         produced it, as the router remembers (a 404 of its own for an id it does not know)."""
-        refused = self.unauthorized(request)
+        refused = self.refused_without_key(request)
         if refused is not None:
             return refused
         response_id = request.match_info["id"]

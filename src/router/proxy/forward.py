@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from multidict import CIMultiDictProxy
 
+from router.clients import KEY_HEADERS
 from router.errors import in_shape, messages_error_event, responses_error_event, sse_error_event, wrapped
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
@@ -127,8 +128,7 @@ def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
 REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect", "content-type"}
 
 
-CLIENT_KEYS = frozenset({"authorization", "x-api-key"})  # a client's key to the API (router.clients)
-REQUEST_DROP_KEYS = REQUEST_DROP | CLIENT_KEYS
+REQUEST_DROP_KEYS = REQUEST_DROP | KEY_HEADERS  # ... and a client's key to the API (router.clients)
 
 
 def forward_headers(headers: CIMultiDictProxy[str], remote: str | None, client_key: bool = True) -> dict[str, str]:

@@ -53,10 +53,19 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis import PROXIED
+from router.clients import KEY_HEADERS, Client, ClientKeys
 from router.config import RouterConfig
 from router.errors import error_body, error_body_for
 from router.proxy.exchange import JSON, Exchange
-from router.proxy.intake import Intake, Refused, take_in_body, too_large, too_many_header_bytes, too_slow
+from router.proxy.intake import (
+    Intake,
+    Refused,
+    take_in_body,
+    too_large,
+    too_many_header_bytes,
+    too_slow,
+    unauthorized,
+)
 
 log = logging.getLogger("router.front")
 
@@ -73,6 +82,7 @@ class Serving(Protocol):
     """What the front hands a proxied request to (router.proxy.journey.Journey)."""
 
     prompts: bool  # the policy reads prompts: intake cuts them into blocks
+    clients: ClientKeys | None  # who may use the API (router.clients): intake checks keys first
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None: ...
 
@@ -111,6 +121,7 @@ class _Message:
         "body",
         "body_deadline",
         "body_size",
+        "client",
         "complete",
         "header_size",
         "headers",
@@ -139,6 +150,7 @@ class _Message:
         self.body: list[bytes] = []
         self.body_size = 0
         self.refused: Refused | None = None
+        self.client: Client | None = None  # whose key it brought (client keys on)
         self.complete = False
         self.t0 = 0.0
         self.last_body = 0.0
@@ -387,6 +399,11 @@ class Front(asyncio.Protocol):
             msg.refused = too_many_header_bytes(msg.header_size, self.cfg)
         elif self.parser.should_upgrade():  # llhttp reads no body for it: the rest would be read as a request
             msg.refused = Refused(400, f"{msg.path.decode()} is not upgraded to another protocol", close=True)
+        elif (clients := self.server.proxy.clients) is not None:
+            # the key before the body: a request without one has its body read and dropped, unparsed
+            msg.client = clients.client({k.lower(): v for k, v in msg.headers if k.lower() in KEY_HEADERS})
+            if msg.client is None:
+                msg.refused = unauthorized()
         if not self.queue and self.task is None:
             expect = next((v for k, v in msg.headers if k.lower() == "expect"), "")
             if expect.lower() == "100-continue" and self.transport is not None:
@@ -460,7 +477,8 @@ class Front(asyncio.Protocol):
                     intake = msg.refused
                 else:
                     raw = msg.body[0] if len(msg.body) == 1 else b"".join(msg.body)
-                    intake = take_in_body(exchange.path, exchange.headers, raw, self.cfg, self.server.proxy.prompts)
+                    proxy = self.server.proxy
+                    intake = take_in_body(exchange.path, exchange.headers, raw, self.cfg, proxy.prompts, msg.client)
                 await self.server.proxy.serve(exchange, intake, msg.t0)
         except asyncio.CancelledError:
             return

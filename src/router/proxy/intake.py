@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from router.apis import CHAT, Api, api_of
+from router.clients import Client, ClientKeys
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
@@ -59,6 +60,7 @@ class Intake:
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
     api: Api
     streams: bool  # the client asked for a stream (`"stream": true`)
+    client: Client | None = None  # whose key it brought, with client keys on (router.clients)
 
     @property
     def resumable(self) -> bool:
@@ -81,12 +83,14 @@ class Refused:
         exchange.answer(self.status, body, JSON, self.close)
 
 
-def unauthorized() -> Refused:
-    """A request without a valid client key (router.clients), in its API's shape."""
+def unauthorized(close: bool = False) -> Refused:
+    """A request without a valid client key (router.clients), in its API's shape; `close`: its
+    body was not read, so the connection closes after the answer."""
     return Refused(
         401,
         "a valid API key is needed: send it as `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)",
         "invalid_api_key",
+        close,
     )
 
 
@@ -118,26 +122,40 @@ def too_large(cfg: RouterConfig) -> Refused:
     return Refused(413, f"request body is larger than the limit of {cfg.max_body_bytes} bytes", "request_too_large")
 
 
-async def take_in(request: web.Request, cfg: RouterConfig, prompts: bool = False) -> Intake | Refused:
-    """An aiohttp request's body and key, or the answer it gets instead (431, 408, 413, 400)."""
+async def take_in(
+    request: web.Request, cfg: RouterConfig, prompts: bool = False, clients: ClientKeys | None = None
+) -> Intake | Refused:
+    """An aiohttp request's body and key, or the answer it gets instead (431, 401, 408, 413, 400);
+    with client keys on, its key is checked before its body is read."""
     # checked here rather than in a middleware: a middleware wraps every request's handler
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > cfg.max_header_bytes:
         return too_many_header_bytes(size, cfg)
+    client = None
+    if clients is not None:
+        client = clients.client(request.headers)
+        if client is None:
+            return unauthorized(close=True)  # its body is not read: the connection must not read it as a request
     try:
         raw = await read_body(request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s)
     except TimeoutError:
         return too_slow(cfg)
     except web.HTTPRequestEntityTooLarge:
         return too_large(cfg)
-    return take_in_body(request.path, request.headers, raw, cfg, prompts)
+    return take_in_body(request.path, request.headers, raw, cfg, prompts, client)
 
 
 def take_in_body(
-    path: str, headers: Mapping[str, str], raw: bytes, cfg: RouterConfig, prompts: bool = False
+    path: str,
+    headers: Mapping[str, str],
+    raw: bytes,
+    cfg: RouterConfig,
+    prompts: bool = False,
+    client: Client | None = None,
 ) -> Intake | Refused:
     """The request's parsed body and key, or the 400 it gets. `prompts`: the key carries the
-    prompt's blocks too (for a policy that reads them, router.prompt)."""
+    prompt's blocks too (for a policy that reads them, router.prompt); `client`: whose key it
+    brought (checked before: `take_in`, and the front as the head arrives)."""
     api = api_of(path)
     if api is None:
         return Refused(404, f"no route POST {path}", "not_found")
@@ -158,4 +176,4 @@ def take_in_body(
             strip_usage = True
     # a stream broken mid-way is resumed on another replica when its body allows it (see resume.py)
     resumable = cfg.resume_streams and streams and api.resumable and why_not_continued(body, api is CHAT) is None
-    return Intake(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api, streams)
+    return Intake(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api, streams, client)

@@ -31,7 +31,7 @@ import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.clients import Client, ClientKeys
+from router.clients import KEY_HEADERS, Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
@@ -39,7 +39,6 @@ from router.metrics import RouterMetrics
 from router.policy import Decision
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.forward import (
-    CLIENT_KEYS,
     Outcome,
     Retry,
     Timeouts,
@@ -49,7 +48,7 @@ from router.proxy.forward import (
     forward_headers,
     resume,
 )
-from router.proxy.intake import Intake, Refused, no_such_model, unauthorized
+from router.proxy.intake import Intake, Refused, no_such_model
 from router.proxy.resume import Splicer, continued, read_so_far
 from router.proxy.sse import StreamFramer
 from router.routing import Route, Routing, Verdict
@@ -96,7 +95,7 @@ class HttpAttempts:
         auth = replica.auth
         if not auth:
             return trip
-        headers = {k: v for k, v in trip.headers.items() if k.lower() not in CLIENT_KEYS}
+        headers = {k: v for k, v in trip.headers.items() if k.lower() not in KEY_HEADERS}
         return replace(trip, headers=headers | auth)
 
     def named(self, replica: ReplicaState) -> dict[str, str]:
@@ -261,18 +260,13 @@ class Journey:
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
         """Answer one proxied request, taken in or refused, through `exchange`."""
         finish = self.ledger.finish
-        client = None
-        if self.clients is not None:
-            client = self.clients.client(exchange.headers)
-            if client is None:  # before anything else: a request without a key learns nothing more
-                unauthorized().answer(exchange)
-                finish(exchange, exchange.status, None, NO_KEY, None, t0)
-                return
-            finish = functools.partial(finish, client=client)
-        if not isinstance(intake, Intake):
+        if not isinstance(intake, Intake):  # (with client keys on, a request without one is refused at intake)
             intake.answer(exchange)
             finish(exchange, exchange.status, None, NO_KEY, None, t0)
             return
+        client = intake.client
+        if client is not None:
+            finish = functools.partial(finish, client=client)
         key = intake.key
         if key.model is not None and self.fleet.unserved(key.model):
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
@@ -289,10 +283,12 @@ class Journey:
             route = await routing.route(key, t0, deadline)
         admission = self.admission
         if admission.on and intake.api.queued:
+            # fair between tenants where client keys say who they are, else between clients as requests name them
+            who = f"tenant:{client.tenant}" if client is not None else None
             try:
                 waited = await admission.enter(
                     key.model,
-                    client_of(exchange.headers, intake.body, exchange.remote),
+                    who or client_of(exchange.headers, intake.body, exchange.remote),
                     route.last is not None,
                     t0 + self.total_timeout_s,
                 )
@@ -302,7 +298,8 @@ class Journey:
                 return
             if waited:
                 self.metrics.queue_wait.observe(waited)
-        trip = Trip(exchange, intake, forward_headers(exchange.headers, exchange.remote, client is None), t0)
+        # with client keys on, a client's key is the router's business alone: never forwarded
+        trip = Trip(exchange, intake, forward_headers(exchange.headers, exchange.remote, self.clients is None), t0)
         failure: Retry | None = None
         while (replica := route.next(loop.time())) is not None:
             try:
