@@ -173,3 +173,15 @@ def test_bad_arguments_are_one_line() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             Simulation(build_parser().parse_args(["simulate", *flags]))
+
+
+def test_an_event_handler_that_raises_stops_the_run_instead_of_ticking_on() -> None:
+    args = build_parser().parse_args(["simulate", "--replicas", "4", "--sessions", "50", "--scale-in-at", "1"])
+    sim = Simulation(args)
+
+    def broken(_: Any) -> None:
+        raise ZeroDivisionError("a bug in a handler")
+
+    sim.handlers["scale_in"] = broken
+    with pytest.raises(ZeroDivisionError, match="a bug in a handler"):
+        sim.run()

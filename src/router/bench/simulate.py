@@ -412,6 +412,13 @@ class Simulation:
         """Move the clock on to `t` (tests that drive the handlers themselves)."""
         self.loop.advance(t - self.loop.time())
 
+    def _crash(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """An event handler raised (a bug): the run stops and says so, rather than run on with a
+        turn that never ends (its clock would tick on forever)."""
+        if self.crashed is None:
+            self.crashed = context.get("exception") or RuntimeError(context.get("message", "the event loop failed"))
+        self.finished.set()
+
     def at(self, t: float, kind: str, payload: Any = None) -> None:
         self.loop.call_at(t, self.handlers[kind], payload)
 
@@ -423,6 +430,7 @@ class Simulation:
         for when, kind in ((a.scale_out_at, "scale_out"), (a.scale_in_at, "scale_in"), (a.fail_at, "fail")):
             if when is not None:
                 self.at(when, kind)
+        self.loop.set_exception_handler(self._crash)
         try:
             self.loop.run_until_complete(self.finished.wait())
         finally:
