@@ -1,0 +1,228 @@
+"""Per-tenant token budgets: each tenant may use so many tokens a minute (prompt and completion).
+
+A token bucket per tenant. Its capacity is the tenant's `tokens_per_minute` and it refills
+continuously at a sixtieth of that per second, never above capacity. At admission a request
+reserves what it is estimated to use (`estimate`): if the bucket holds that many they are taken,
+else nothing is taken and the caller is told how many seconds until enough has refilled (its
+Retry-After, at least 1). So that a request larger than the whole budget is not refused forever, a
+full bucket lets any size through and its level goes negative. When the request ends it settles
+with what it really used: the difference is given back, or taken, so a request that used more than
+reserved delays the tenant's next ones. Unknown usage keeps the reservation as charged.
+
+Example: 6000 tokens a minute refill 100 a second. From a full bucket a request reserves 2500
+(3500 left); another that needs 4000 is told to wait ceil(500 / 100) = 5 s. If the first ends
+having used 1500, 1000 come back: 4500 are there and the 4000 fit.
+
+A tenant with no budget costs one dict lookup. Two stores keep the buckets:
+
+- LocalStore (the default): in this process. Each router process, and each worker process of one
+  router, keeps its own buckets: dividing a tenant's limit by the number of processes is the
+  caller's job.
+- RedisStore: in Redis, shared by every router pod on it. A Lua script reserves (refill, check,
+  take) and another settles (refill, adjust), each atomic, on Redis' clock (`TIME`), so concurrent
+  pods lose no update and their own clocks do not matter. A tenant's bucket is the hash
+  `{prefix}budget:{tenant}` with fields `level` and `at` (unix seconds), expiring two minutes after
+  it would be full again: an idle tenant costs nothing, and a missing key is a full bucket.
+  When Redis fails (unreachable, timed out, refusing writes) a request is let through uncharged, counted in
+  `errors` and logged at most once a minute: the fleet staying available matters more than a
+  budget staying exact for the seconds Redis is away. The caller gives the client a short socket
+  timeout, so that a request waits on a dead Redis that long at most, and a blocking connection
+  pool: a plain one refuses a burst beyond its size, and those requests would pass uncharged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("router.budgets")
+WARN_EVERY_S = 60.0
+IDLE_TTL_S = 120  # a bucket's key outlives the moment it is full again by this much
+
+
+@dataclass(slots=True, frozen=True)
+class Reservation:
+    """Tokens taken from a tenant's bucket at admission, settled when the request ends.
+
+    `charged` is False where nothing was taken (no budget, or Redis was away): settling it does nothing.
+    """
+
+    tenant: str
+    tokens: int
+    charged: bool = True
+
+
+class Store(Protocol):
+    """Where the buckets live. `capacity` and `per_s` come with every call, so a changed limit
+    applies at once."""
+
+    async def take(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
+        """The tokens taken, or the whole seconds (at least 1) until they could be."""
+        ...
+
+    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        """Add `tokens` to the bucket (negative: take them), at most up to capacity."""
+        ...
+
+
+def _wait_s(tokens: int, level: float, capacity: int, per_s: float) -> int:
+    # a full bucket lets any size through, so no more than `capacity` need refill
+    return max(1, math.ceil((min(tokens, capacity) - level) / per_s))
+
+
+class LocalStore:
+    """The buckets of this process: tenant -> (level, clock time of that level)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.buckets: dict[str, tuple[float, float]] = {}
+
+    def _refill(self, tenant: str, capacity: int, per_s: float) -> tuple[float, float]:
+        now = self.clock()
+        level, at = self.buckets.get(tenant, (capacity, now))
+        return min(capacity, level + (now - at) * per_s), now
+
+    async def take(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
+        level, now = self._refill(tenant, capacity, per_s)
+        if level >= tokens or level >= capacity:
+            self.buckets[tenant] = (level - tokens, now)
+            return Reservation(tenant, tokens)
+        self.buckets[tenant] = (level, now)
+        return _wait_s(tokens, level, capacity, per_s)
+
+    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        level, now = self._refill(tenant, capacity, per_s)
+        self.buckets[tenant] = (min(capacity, level + tokens), now)
+
+
+# Both scripts: KEYS[1] the bucket; ARGV tokens, capacity, per second. Numbers are written with
+# string.format: Redis would turn a bare Lua number into a string of 14 digits, too few for `at`.
+_REFILL = """
+local tokens, capacity, per_s = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local level = capacity
+local held = redis.call('HMGET', KEYS[1], 'level', 'at')
+if held[1] then
+  level = math.min(capacity, tonumber(held[1]) + math.max(0, now - tonumber(held[2])) * per_s)
+end
+"""
+_KEEP = """
+redis.call('HSET', KEYS[1], 'level', string.format('%.6f', level), 'at', string.format('%.6f', now))
+redis.call('EXPIRE', KEYS[1], string.format('%d', math.ceil((capacity - level) / per_s) + tonumber(ARGV[4])))
+"""
+# 0 when taken, else the whole seconds until they could be (a Lua number returns as an integer)
+RESERVE_LUA = (
+    _REFILL
+    + """
+local wait = 0
+if level >= tokens or level >= capacity then
+  level = level - tokens
+else
+  wait = math.max(1, math.ceil((math.min(tokens, capacity) - level) / per_s))
+end
+"""
+    + _KEEP
+    + "return wait\n"
+)
+SETTLE_LUA = _REFILL + "level = math.min(capacity, level + tokens)\n" + _KEEP + "return 0\n"
+
+
+class RedisStore:
+    """Buckets in Redis, shared by every router pod on it; fails open when Redis does."""
+
+    def __init__(self, redis: aioredis.Redis, prefix: str = "") -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.errors = 0  # reservations let through, and settlements dropped, while Redis failed
+        self._reserve = redis.register_script(RESERVE_LUA)
+        self._settle = redis.register_script(SETTLE_LUA)
+        self._warned_at = -math.inf
+
+    def key(self, tenant: str) -> str:
+        return f"{self.prefix}budget:{tenant}"
+
+    async def take(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
+        try:
+            wait = await self._reserve(keys=[self.key(tenant)], args=[tokens, capacity, per_s, IDLE_TTL_S])
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+            return Reservation(tenant, tokens, charged=False)
+        return Reservation(tenant, tokens) if wait == 0 else int(wait)
+
+    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        try:
+            await self._settle(keys=[self.key(tenant)], args=[tokens, capacity, per_s, IDLE_TTL_S])
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("token budgets: Redis failed (%s); requests pass uncharged (%d so far)", exc, self.errors)
+
+
+class Budgets:
+    """Tenants' token budgets, in tokens a minute, kept in `store` (this process's, by default)."""
+
+    def __init__(self, limits: Mapping[str, int], store: Store | None = None) -> None:
+        self.store: Store = store if store is not None else LocalStore()
+        self.limits: dict[str, int] = {}
+        self.update(limits)
+
+    def update(self, limits: Mapping[str, int]) -> None:
+        """Take new limits (the keys file changed); the buckets of tenants that remain keep their level."""
+        for tenant, per_minute in limits.items():
+            if type(per_minute) is not int or per_minute <= 0:
+                raise ValueError(f"tenant {tenant!r}: tokens a minute must be a positive integer, not {per_minute!r}")
+        self.limits = dict(limits)
+
+    def limited(self, tenant: str) -> bool:
+        return tenant in self.limits
+
+    async def reserve(self, tenant: str, tokens: int) -> Reservation | int:
+        """A reservation of `tokens`, or the whole seconds (at least 1) to wait before asking again."""
+        per_minute = self.limits.get(tenant)
+        if per_minute is None:
+            return Reservation(tenant, tokens, charged=False)
+        return await self.store.take(tenant, tokens, per_minute, per_minute / 60)
+
+    async def settle(self, reservation: Reservation, used: int | None) -> None:
+        """Correct a reservation by what the request used (None: unknown, it stays as charged)."""
+        per_minute = self.limits.get(reservation.tenant)
+        if not reservation.charged or used is None or per_minute is None or used == reservation.tokens:
+            return
+        await self.store.give(reservation.tenant, reservation.tokens - used, per_minute, per_minute / 60)
+
+
+COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
+def estimate(body: Mapping[str, Any], raw_size: int, default_completion: int) -> int:
+    """The tokens a request is reserved at admission: its prompt and its completion cap.
+
+    Chat and legacy completions, Responses and Anthropic Messages name the cap differently; the
+    first that holds a positive integer counts, else `default_completion`. `n` choices each
+    complete, but the prompt is read once.
+    """
+    # ~4 bytes of JSON per token of English text; settling with the real usage corrects it
+    prompt = -(-raw_size // 4)
+    completion = default_completion
+    for name in COMPLETION_CAPS:
+        cap = body.get(name)
+        if type(cap) is int and cap > 0:
+            completion = cap
+            break
+    n = body.get("n")
+    if type(n) is int and n > 1:
+        completion *= n
+    return prompt + completion
