@@ -23,9 +23,9 @@ A tenant with no budget costs one dict lookup. Two stores keep the buckets:
   pods lose no update and their own clocks do not matter. A tenant's bucket is the hash
   `{prefix}budget:{tenant}` with fields `level` and `at` (unix seconds), expiring two minutes after
   it would be full again: an idle tenant costs nothing, and a missing key is a full bucket.
-  When Redis fails (unreachable, timed out, refusing writes) a request is let through uncharged, counted in
-  `errors` and logged at most once a minute: the fleet staying available matters more than a
-  budget staying exact for the seconds Redis is away. The caller gives the client a short socket
+  When Redis fails (unreachable, timed out, refusing writes) a request is let through uncharged,
+  counted in `errors` and logged at most once a minute: the fleet staying available matters more
+  than a budget staying exact for the seconds Redis is away. The caller gives the client a short socket
   timeout, so that a request waits on a dead Redis that long at most, and a blocking connection
   pool: a plain one refuses a burst beyond its size, and those requests would pass uncharged.
 """
