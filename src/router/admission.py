@@ -15,17 +15,23 @@ requests in all (the next gets a 429 at once) and up to `queue_timeout_s` each (
 with `Retry-After`. Whenever a request ends, or a probe round finds room, the next waiter is let
 through by this order:
 
-1. turns of sessions already running (the router has served the session: its cache is warm, its
-   user mid-conversation) before new sessions and keyless requests;
-2. within each, the clients in turn (round robin by API key, else the body's `user`, else the
+1. the higher priority class first (router.clients.PRIORITIES: by the tenant's table, or the
+   request's X-Priority header within it); a `sheddable` request never waits: where it would,
+   it gets its 429 at once;
+2. within a class, turns of sessions already running (the router has served the session: its
+   cache is warm, its user mid-conversation) before new sessions and keyless requests;
+3. within each, the clients in turn (round robin by API key, else the body's `user`, else the
    client's address), so one client's burst does not hold the others back; and when the queue is
-   full, a request from a client with fewer waiting takes the place of the newest request of the
-   client with the most (which gets the 429), as does a running session's turn over new work;
-3. each client's own requests in the order they came.
+   full, a request of a higher class takes the place of the newest request of the lowest class
+   waiting, and within a class a request from a client with fewer waiting takes the place of the
+   newest request of the client with the most (which gets the 429), as does a running session's
+   turn over new work;
+4. each client's own requests in the order they came.
 
 A waiter is let through only for a model some replica has room for, so one full model never holds
 another's requests back. Nothing here is unbounded: the queue's size is capped and every waiter's
-wait is timed; with it off (`max_queued = 0`, the default) every request is forwarded as before.
+wait is timed. It is on by default (`max_queued = auto`: `bound` follows the engines' capacity);
+with it off (`max_queued = 0`) every request is forwarded at once, whatever the engines' queues.
 """
 
 from __future__ import annotations
@@ -38,9 +44,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.clients import DEFAULT_RANK, SHEDDABLE
+from router.config import AUTO_QUEUED
 from router.errors import RouterError
 from router.fleet import NONE, Fleet, ReplicaState
 from router.ring import xxh3_64
+
+AUTO_SLOTS = 16  # max_queued = auto: what an engine whose capacity nothing says counts for
 
 
 class Shed(RouterError):
@@ -50,7 +60,7 @@ class Shed(RouterError):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.reason = reason  # queue_full | timeout: a metric label
+        self.reason = reason  # queue_full | timeout | sheddable | target: a metric label
         self.retry_after_s = retry_after_s
 
 
@@ -61,6 +71,12 @@ class _Waiter:
     future: asyncio.Future[None]
     since: float
     running: bool  # a turn of a session already running
+    rank: int = DEFAULT_RANK  # its priority class
+
+    @property
+    def line(self) -> int:
+        """Its line among the queue's classes: by priority, a running session's turn first."""
+        return self.rank * 2 + (0 if self.running else 1)
 
 
 @dataclass
@@ -124,6 +140,7 @@ class Admission:
         free_share: float = 1.0,
     ) -> None:
         self.fleet = fleet
+        self.auto = max_queued == AUTO_QUEUED  # the bound follows the engines' capacity (`bound`)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.full_waiting = full_waiting
@@ -134,7 +151,8 @@ class Admission:
         # process, every worker's (router.shared.Follower.fleet_inflight)
         self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
         self.free_share = free_share  # of an engine's free slots, the part this process may fill
-        self.classes = (_Class(), _Class())  # running sessions' turns first, then the rest
+        # by priority class, and within each running sessions' turns first, then the rest (_Waiter.line)
+        self.classes = tuple(_Class() for _ in range(2 * SHEDDABLE))
         self.queued = 0
         self.waiting_models: collections.Counter[str | None] = collections.Counter()
         self.shed = collections.Counter[str]()  # by reason, since start
@@ -143,6 +161,19 @@ class Admission:
         self._at_probe: dict[str, int] = {}
         # what each replica's engine ran the last time it queued: its limit, where it reports none
         self._limit: dict[str, float] = {}
+        if self.auto:
+            self.max_queued = self.bound()
+
+    def bound(self) -> int:
+        """`max_queued = auto`: as many requests as the fleet's engines run at once (each one's
+        capacity, reported or configured, else what it ran when it last queued, else AUTO_SLOTS),
+        this process's share of it: the router holds one more round of the fleet's work at most,
+        which the engines take in about one request's time, and turns away the rest at once."""
+        total = 0.0
+        for r in self.fleet.replicas:
+            limit = r.capacity if r.capacity is not None else self._limit.get(r.id)
+            total += limit if limit is not None else AUTO_SLOTS
+        return max(math.ceil(total * self.free_share), AUTO_SLOTS)
 
     @property
     def on(self) -> bool:
@@ -165,6 +196,8 @@ class Admission:
             engine = r.engine
             if engine.waiting is not None and engine.waiting > 0 and engine.running is not None:
                 self._limit[r.id] = engine.running  # it queues: this is what it runs at most, for now
+        if self.auto:
+            self.max_queued = self.bound()
         self.wake(len(self.fleet.replicas))
 
     def queue_of(self, replica: ReplicaState) -> float | None:
@@ -224,20 +257,25 @@ class Admission:
 
     # -- the queue ---------------------------------------------------------------------------
 
-    async def enter(self, model: str | None, client: str, running: bool, deadline: float) -> float:
+    async def enter(
+        self, model: str | None, client: str, running: bool, deadline: float, rank: int = DEFAULT_RANK
+    ) -> float:
         """Return once the request may go on (the seconds it waited), or raise Shed. `deadline`:
-        the request's own end (monotonic): it never waits past it."""
+        the request's own end (monotonic): it never waits past it; `rank`: its priority class."""
         if not self.on or (not self.waiting_models[model] and self.room(model)):
             return 0.0
         if not self._servable(model):
             return 0.0  # nothing routable at all: the router's 503 says so, not a queue
-        if self.queued >= self.max_queued and not self._push_out(client, running):
+        if rank >= SHEDDABLE:
+            self.shed["sheddable"] += 1
+            raise Shed(429, "every replica is full and this request is sheddable: it does not wait", "sheddable", 1)
+        if self.queued >= self.max_queued and not self._push_out(client, running, rank):
             self.shed["queue_full"] += 1
             message = f"every replica is full and {self.queued} requests wait already"
             raise Shed(429, message, "queue_full", self._retry())
         now = self.clock()
-        waiter = _Waiter(model, client, asyncio.get_running_loop().create_future(), now, running)
-        self.classes[0 if running else 1].add(waiter)
+        waiter = _Waiter(model, client, asyncio.get_running_loop().create_future(), now, running, rank)
+        self.classes[waiter.line].add(waiter)
         self.queued += 1
         self.waiting_models[model] += 1
         if self.on_change is not None:
@@ -264,17 +302,29 @@ class Admission:
         self.waits.append(waited)
         return waited
 
-    def _push_out(self, client: str, running: bool) -> bool:
-        """Make room in a full queue for a request from `client`: the newest new-work request of the
-        client with the most waiting gets its 429 instead, if that client has more waiting than
-        `client` would (a running session's turn always goes before new work). False: no room."""
-        line_of = self.classes[1].clients
+    def _push_out(self, client: str, running: bool, rank: int) -> bool:
+        """Make room in a full queue for a request of class `rank` from `client`: the newest request
+        of the lowest class below it gets its 429 instead (of its client with the most waiting, new
+        work before running sessions' turns); within its own class, the newest new-work request of
+        the client with the most waiting, if that client has more waiting than `client` would (a
+        running session's turn always goes before new work). False: no room."""
+        classes = self.classes
+        lower = next((n for n in range(len(classes) - 1, rank * 2 + 1, -1) if classes[n].clients), None)
+        if lower is not None:
+            return self._push(classes[lower].clients)
+        line_of = classes[rank * 2 + 1].clients
         if not line_of:
             return False
+        if not running:
+            most = max(len(line) for line in line_of.values())
+            if most <= len(line_of.get(client, ())) + 1:
+                return False  # it has no more than this client would: fair as it is
+        return self._push(line_of)
+
+    def _push(self, line_of: collections.OrderedDict[str, collections.deque[_Waiter]]) -> bool:
+        """The newest waiter of the client with the most waiting in a class gets its 429."""
         victim_client = max(line_of, key=lambda c: len(line_of[c]))
         line = line_of[victim_client]
-        if not running and len(line) <= len(line_of.get(client, ())) + 1:
-            return False  # it has no more than this client would: fair as it is
         victim = line[-1]
         if victim.future.done():
             return False  # its wait is ending anyway
@@ -290,7 +340,7 @@ class Admission:
     def _drop(self, waiter: _Waiter) -> None:
         """A waiter that was not let through leaves (it may have been taken off its line already)."""
         waiter.future.cancel()
-        self.classes[0 if waiter.running else 1].remove(waiter)
+        self.classes[waiter.line].remove(waiter)
         self._left(waiter)
 
     def _left(self, waiter: _Waiter) -> None:
@@ -310,7 +360,10 @@ class Admission:
         """Let through up to `at_most` waiters whose models have room, in order."""
         woken = 0
         while woken < at_most:
-            waiter = self.classes[0].next_for(self.room) or self.classes[1].next_for(self.room)
+            waiter = None
+            for line in self.classes:
+                if line.clients and (waiter := line.next_for(self.room)) is not None:
+                    break
             if waiter is None:
                 return
             if waiter.future.done():

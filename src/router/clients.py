@@ -7,7 +7,14 @@ Off unless `client_keys_file` names a file. The file holds a hash of each key, n
     tenant = "team-a"         # whose use it is
     sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
-(`printf %s "$KEY" | sha256sum` gives the hash.) A client sends its key as OpenAI's SDKs do
+(`printf %s "$KEY" | sha256sum` gives the hash.) A tenant may have a table of its own:
+
+    [[tenants]]
+    name = "team-a"
+    priority = "interactive"      # its requests' class, and the highest an X-Priority header may ask
+    tokens_per_minute = 200000    # prompt and completion tokens (router.budgets); absent: no budget
+
+A tenant without one is of the `default` class with no budget. A client sends its key as OpenAI's SDKs do
 (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`). The file is read again
 when it changes, at most a second after (a Kubernetes Secret mounted as a volume is swapped by its
 kubelet; an edited file is rewritten): new keys work and removed ones stop, without a restart. A
@@ -34,6 +41,14 @@ CHECK_EVERY_S = 1.0  # how often a request may look at the file's modification t
 HEX = frozenset("0123456789abcdef")
 MISSING = (-1, -1, -1)  # the stamp of a file that is not there
 KEY_HEADERS = frozenset({"authorization", "x-api-key"})  # where a client's key comes (never forwarded with keys on)
+# The priority classes, highest first (smg's names, and `sheddable`). A request asks for one with
+# the X-Priority header (or smg's x-smg-priority); its tenant's class caps what it may ask and is
+# what it gets without asking. The overload queue lets the higher through first and makes room by
+# turning away the lower; a `sheddable` request never waits: where it would, it is turned away.
+PRIORITIES = ("system", "interactive", "default", "bulk", "sheddable")
+RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
+DEFAULT_RANK = RANK["default"]
+SHEDDABLE = RANK["sheddable"]
 
 
 class ClientKeysError(RouterError, ValueError):
@@ -46,6 +61,16 @@ class Client:
 
     tenant: str
     key_id: str
+    rank: int = DEFAULT_RANK  # its tenant's priority class (an index into PRIORITIES)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A tenant's own table: its priority class and its token budget."""
+
+    name: str
+    rank: int = DEFAULT_RANK
+    tokens_per_minute: int | None = None  # None: no budget
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -59,18 +84,47 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return key.strip() if key and key.strip() else None
 
 
-def parse(text: str, where: str) -> dict[str, Client]:
-    """The clients of a keys file's text, by the hex SHA-256 of their keys."""
+def _tenants(entries: object, where: str) -> dict[str, Tenant]:
+    if not isinstance(entries, list):
+        raise ClientKeysError(f"{where}: `tenants` must be [[tenants]] entries")
+    tenants: dict[str, Tenant] = {}
+    for n, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise ClientKeysError(f"{where}: tenant entry {n} is not a table")
+        extra = sorted(set(entry) - {"name", "priority", "tokens_per_minute"})
+        if extra:
+            raise ClientKeysError(
+                f"{where}: tenant entry {n}: unknown field {extra[0]!r} (name, priority, tokens_per_minute)"
+            )
+        name, priority, budget = entry.get("name"), entry.get("priority", "default"), entry.get("tokens_per_minute")
+        if not isinstance(name, str) or not name.strip() or name.strip() == "none":
+            raise ClientKeysError(f"{where}: tenant entry {n}: `name` must be a non-empty string (not `none`)")
+        name = name.strip()
+        if name in tenants:
+            raise ClientKeysError(f"{where}: tenant entry {n}: the tenant {name!r} has two tables")
+        if priority not in RANK:
+            raise ClientKeysError(f"{where}: tenant {name}: `priority` must be one of {', '.join(PRIORITIES)}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise ClientKeysError(f"{where}: tenant {name}: `tokens_per_minute` must be a positive integer")
+        tenants[name] = Tenant(name, RANK[priority], budget)
+    return tenants
+
+
+def parse(text: str, where: str) -> tuple[dict[str, Client], dict[str, Tenant]]:
+    """The clients of a keys file's text, by the hex SHA-256 of their keys, and its tenants' tables."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ClientKeysError(f"{where}: not TOML: {exc}") from None
     entries = data.get("keys", [])
-    unknown = sorted(set(data) - {"keys"})
+    unknown = sorted(set(data) - {"keys", "tenants"})
     if unknown:
-        raise ClientKeysError(f"{where}: unknown table or key {unknown[0]!r} (the file holds [[keys]] entries)")
+        raise ClientKeysError(
+            f"{where}: unknown table or key {unknown[0]!r} (the file holds [[keys]] and [[tenants]] entries)"
+        )
     if not isinstance(entries, list):
         raise ClientKeysError(f"{where}: `keys` must be [[keys]] entries")
+    tenants = _tenants(data.get("tenants", []), where)
     clients: dict[str, Client] = {}
     ids: set[str] = set()
     for n, entry in enumerate(entries, 1):
@@ -96,8 +150,9 @@ def parse(text: str, where: str) -> dict[str, Client]:
         if digest in clients:
             raise ClientKeysError(f"{where}: entry {n} ({key_id}): the same key as {clients[digest].key_id!r}")
         ids.add(key_id)
-        clients[digest] = Client(tenant.strip(), key_id.strip())
-    return clients
+        table = tenants.get(tenant.strip())
+        clients[digest] = Client(tenant.strip(), key_id.strip(), table.rank if table else DEFAULT_RANK)
+    return clients, tenants
 
 
 class ClientKeys:
@@ -107,11 +162,12 @@ class ClientKeys:
         self.path = path
         self.clock = clock
         self._stamp = self._stat()  # raises ClientKeysError: a router with keys on needs them at once
-        self.clients = self._read()
+        self.clients, self.tenants = self._read()
         self._checked = clock()
         self._refused: tuple[int, int, int] | None = None  # a version of the file refused (said once)
         self.reloads = 0  # times a change was taken in
         self.rejected = 0  # times a change was refused (the keys before it stay in force)
+        self.changed: list[Callable[[], None]] = []  # told after a change is taken in (budgets follow it)
 
     def _stat(self) -> tuple[int, int, int]:
         try:
@@ -120,7 +176,7 @@ class ClientKeys:
             raise ClientKeysError(f"client_keys_file {self.path}: {exc.strerror or exc}") from None
         return (st.st_mtime_ns, st.st_ino, st.st_size)
 
-    def _read(self) -> dict[str, Client]:
+    def _read(self) -> tuple[dict[str, Client], dict[str, Tenant]]:
         try:
             with open(self.path, encoding="utf-8") as f:
                 text = f.read()
@@ -143,7 +199,7 @@ class ClientKeys:
         if stamp == self._stamp or stamp == self._refused:
             return
         try:
-            clients = self._read()
+            clients, tenants = self._read()
             if self._stat() != stamp:
                 return  # written to while it was read: read again at the next check, once it is still
             if not clients:
@@ -154,8 +210,10 @@ class ClientKeys:
             self._refuse(stamp, exc)
             return
         self._stamp, self._refused = stamp, None
-        self.clients = clients
+        self.clients, self.tenants = clients, tenants
         self.reloads += 1
+        for hook in self.changed:
+            hook()
         log.warning("router: client keys read again from %s: %d keys", self.path, len(clients))
 
     def _refuse(self, stamp: tuple[int, int, int], exc: ClientKeysError) -> None:
@@ -171,3 +229,7 @@ class ClientKeys:
         if key is None:
             return None
         return self.clients.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest())
+
+    def budgets(self) -> dict[str, int]:
+        """Each tenant's tokens a minute, for those with a budget (router.budgets)."""
+        return {t.name: t.tokens_per_minute for t in self.tenants.values() if t.tokens_per_minute is not None}

@@ -141,7 +141,8 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "consistent_hash), round_robin, least_load, cost (ttft: moving saved more time than it cost the fleet: "
         "its recompute, the requests that waited for it, the context it evicted), prefix (ttft: a request "
         "without a session id, keyed by its opening message, placed by its prompt away from where that "
-        "opening went last: another conversation may open alike, so not necessarily a session moving).",
+        "opening went last: another conversation may open alike, so not necessarily a session moving), target "
+        "(ttft: the request's x-slo-ttft-ms target was predicted met only on another replica).",
         ("reason",),
     ),
     "router_retries": (
@@ -166,8 +167,11 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_shed": (
         "counter",
         "Requests answered 429 because every replica for their model was full: queue_full (max_queued "
-        "were waiting already) or timeout (they waited queue_timeout_s); model as for router_requests.",
-        ("reason", "model"),
+        "were waiting already, or a request of a higher class took the place), timeout (they waited "
+        "queue_timeout_s), sheddable (a sheddable request does not wait) or target (a sheddable request "
+        "no replica was predicted to serve within its x-slo-ttft-ms); model as for router_requests; "
+        "priority: the request's class.",
+        ("reason", "model", "priority"),
     ),
     "router_queue_wait_seconds": (
         "histogram",

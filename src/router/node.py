@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -35,6 +36,7 @@ from router.admission import Admission
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
 from router.balance.view import LocalSessions
+from router.budgets import Budgets, LocalStore, RedisStore, Store
 from router.clients import ClientKeys
 from router.config import (
     RouterConfig,
@@ -84,6 +86,9 @@ class Node:
         self.control_socket = control_socket
         # who may use the API (router.clients); None: anyone
         self.clients = ClientKeys(config.client_keys_file) if config.client_keys_file else None
+        self.budgets: Budgets | None = None  # the tenants' tokens a minute (router.budgets), with keys on
+        if self.clients is not None:
+            self.budgets = self._budgets(self.clients)
         self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
         self.client: aiohttp.ClientSession | None = None
         self.upstream: Upstream | None = None  # the proxied requests' keep-alive pools
@@ -217,6 +222,28 @@ class Node:
         self.feed: Feed | None = None
         if placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
             self.feed = Feed(fleet, placement, config, lambda: self.http, self.metrics)
+
+    def _budgets(self, clients: ClientKeys) -> Budgets:
+        """The tenants' budgets: in Redis where the routing state is (every router and worker on it
+        shares one), else this process's share of each (a worker's, of its router's)."""
+        config = self.config
+        store: Store
+        if shared_through_redis(config):
+            client = aioredis.Redis(
+                connection_pool=aioredis.BlockingConnectionPool.from_url(
+                    config.state, max_connections=32, timeout=0.5, socket_timeout=0.5, socket_connect_timeout=0.5
+                )
+            )
+            store, share = RedisStore(client, f"kvar:{config.state_namespace}:"), 1.0
+        else:
+            store, share = LocalStore(), 1 / max(config.workers, 1)
+
+        def limits() -> dict[str, int]:
+            return {tenant: max(1, int(n * share)) for tenant, n in clients.budgets().items()}
+
+        budgets = Budgets(limits(), store)
+        clients.changed.append(lambda: budgets.update(limits()))
+        return budgets
 
     def state_line(self) -> str:
         """Where the routing state lives, for the start-up banner."""

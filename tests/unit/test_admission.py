@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from router.admission import Admission, Shed, client_of
+from router.clients import RANK
 from router.config import ReplicaSpec, RouterConfig
 from router.fleet import Fleet
 from router.health.signals import EngineStats
@@ -108,16 +109,18 @@ async def test_a_client_that_leaves_while_it_waits_leaves_the_queue() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert a.queued == 0 and not a.classes[1].clients
+    assert a.queued == 0 and not any(line.clients for line in a.classes)
 
 
-async def let_through(a: Admission, fleet: Fleet, entries: list[tuple[str, bool]]) -> list[int]:
-    """Queue `entries` (client, running session) on a full fleet, then free one slot at a time:
-    the order they go on in, as indices of `entries`."""
+async def let_through(
+    a: Admission, fleet: Fleet, entries: list[tuple[str, bool]], ranks: list[int] | None = None
+) -> list[int]:
+    """Queue `entries` (client, running session; of priority classes `ranks`) on a full fleet,
+    then free one slot at a time: the order they go on in, as indices of `entries`."""
     order: list[int] = []
 
     async def one(i: int, client: str, running: bool) -> None:
-        await a.enter(None, client, running, 1e9)
+        await a.enter(None, client, running, 1e9, ranks[i] if ranks else RANK["default"])
         order.append(i)
 
     tasks = [asyncio.create_task(one(i, c, r)) for i, (c, r) in enumerate(entries)]
@@ -141,6 +144,45 @@ async def test_running_sessions_go_first_then_clients_take_turns() -> None:
     assert order[0] == 5  # the running session's turn, though it came last
     assert order.index(4) == 2  # "modest" waits behind one of greedy's requests, not four
     assert sorted(order) == list(range(6))
+
+
+async def test_a_higher_class_goes_first_and_takes_the_place_of_a_lower_one() -> None:
+    fleet = fleet_of(1)
+    fill(fleet)
+    a = admission(fleet)
+    entries = [("batch", False)] * 3 + [("batch", True), ("chat", False), ("ops", False)]
+    ranks = [RANK["bulk"]] * 4 + [RANK["interactive"], RANK["system"]]
+    order = await let_through(a, fleet, entries, ranks)
+    assert order[:2] == [5, 4] and order[2] == 3  # system, interactive, then bulk's running turn first
+    # a full queue: an interactive request takes the place of bulk's newest, even from a client with none waiting
+    fill(fleet)
+    a = admission(fleet, max_queued=3)
+    bulk = [asyncio.create_task(a.enter(None, "batch", False, 1e9, RANK["bulk"])) for _ in range(3)]
+    await asyncio.sleep(0)
+    chat = asyncio.create_task(a.enter(None, "chat", False, 1e9, RANK["interactive"]))
+    await asyncio.sleep(0)
+    assert a.queued == 3 and not chat.done()
+    with pytest.raises(Shed):
+        await bulk[-1]
+    # but another bulk request of the same client finds no room among its betters: its own 429
+    with pytest.raises(Shed) as shed:
+        await a.enter(None, "batch", False, 1e9, RANK["bulk"])
+    assert shed.value.reason == "queue_full"
+    chat.cancel()
+    for task in bulk[:2]:
+        task.cancel()
+    await asyncio.gather(chat, *bulk[:2], return_exceptions=True)
+    assert a.queued == 0
+
+
+async def test_a_sheddable_request_never_waits() -> None:
+    fleet = fleet_of(1)
+    a = admission(fleet)
+    assert await a.enter(None, "c", False, 1e9, RANK["sheddable"]) == 0.0  # room: it goes on
+    fill(fleet)
+    with pytest.raises(Shed) as shed:
+        await a.enter(None, "c", False, 1e9, RANK["sheddable"])
+    assert shed.value.reason == "sheddable" and shed.value.retry_after_s >= 1 and a.queued == 0
 
 
 async def test_one_full_model_does_not_hold_another_back() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from multidict import CIMultiDict
 
-from router.clients import CHECK_EVERY_S, Client, ClientKeys, ClientKeysError, parse, presented_key
+from router.clients import CHECK_EVERY_S, RANK, Client, ClientKeys, ClientKeysError, parse, presented_key
 from router.proxy.cli import main
 
 
@@ -47,6 +47,10 @@ def test_the_key_comes_from_a_bearer_token_or_anthropics_header() -> None:
         (entry("a", "same", "t") + entry("b", "same", "t"), "the id 'same' is used twice"),
         (entry("a", "one", "t") + entry("a", "two", "t"), "the same key as 'one'"),
         (entry("a", "none", "t"), "`none` is taken"),
+        ('[[tenants]]\nname = "t"\npriority = "urgent"\n', "`priority` must be one of system, interactive"),
+        ('[[tenants]]\nname = "t"\ntokens_per_minute = 0\n', "`tokens_per_minute` must be a positive integer"),
+        ('[[tenants]]\nname = "t"\n[[tenants]]\nname = "t"\n', "the tenant 't' has two tables"),
+        ('[[tenants]]\nname = "t"\nweight = 2\n', "unknown field 'weight'"),
     ],
 )
 def test_a_bad_file_is_one_line_that_says_where(text: str, says: str) -> None:
@@ -63,6 +67,16 @@ def test_keys_are_looked_up_by_hash_and_name_their_tenant(tmp_path: Path) -> Non
     assert keys.client({"x-api-key": "sk-beta"}) == Client("team-b", "notebook")
     assert keys.client(CIMultiDict({"AUTHORIZATION": "Bearer sk-gamma"})) is None and keys.client({}) is None
     assert "sk-alpha" not in path.read_text()  # the file holds hashes alone
+
+
+def test_a_tenants_table_gives_its_keys_a_class_and_a_budget(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    tables = '[[tenants]]\nname = "batch"\npriority = "bulk"\ntokens_per_minute = 6000\n'
+    path.write_text(entry("sk-a", "a", "batch") + entry("sk-b", "b", "team-b") + tables)
+    keys = ClientKeys(str(path))
+    assert keys.client({"x-api-key": "sk-a"}) == Client("batch", "a", RANK["bulk"])
+    assert keys.client({"x-api-key": "sk-b"}) == Client("team-b", "b", RANK["default"])  # no table: default
+    assert keys.budgets() == {"batch": 6000}
 
 
 def test_a_changed_file_is_read_again_and_a_broken_change_keeps_the_keys_in_force(tmp_path: Path) -> None:

@@ -64,8 +64,8 @@ def test_events_say_what_changed_between_samples() -> None:
     m.jumps.labels("spill").inc(3)
     m.sessions_moved.labels("scale_out").inc(4)
     m.warmups.labels("ok").inc(4)
-    m.shed.labels("timeout", "model-a").inc(3)
-    m.shed.labels("timeout", "other").inc(2)  # summed over models
+    m.shed.labels("timeout", "model-a", "default").inc(3)
+    m.shed.labels("timeout", "other", "bulk").inc(2)  # summed over models
     m.queued.set(7)
     m.show_health("c", "warming", None)
     clock.now += 1

@@ -3,6 +3,7 @@ at load (loading.py)."""
 
 from router.config.loading import ENV_NAMES, NOT_SETTINGS, ConfigError, from_environment, load
 from router.config.settings import (
+    AUTO_QUEUED,
     FIELDS,
     POLICIES,
     ReplicaSpec,
@@ -20,6 +21,7 @@ from router.config.settings import (
 )
 
 __all__ = [
+    "AUTO_QUEUED",
     "ENV_NAMES",
     "FIELDS",
     "NOT_SETTINGS",

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.config.settings import (
+    AUTO_QUEUED,
     FIELDS,
     POLICIES,
     REDIS_SCHEMES,
@@ -84,6 +85,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if text in ("0", "false", "no", "off", ""):
                 return False
             raise ValueError(f"expected true or false, got {value!r}")
+        if name == "max_queued" and isinstance(value, str) and value.strip().lower() == "auto":
+            return AUTO_QUEUED
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(f"expected an integer, got {value!r}")
@@ -155,10 +158,12 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value >= 0):
             raise bad(name, "must be a number >= 0")
+    if not 1 <= cfg.budget_reserve_tokens <= 10_000_000:
+        raise bad("budget_reserve_tokens", "must be in 1..10000000 tokens")
     if not 0 <= cfg.ttft_tie_share < 1:
         raise bad("ttft_tie_share", "must be a share in [0, 1)")
-    if not 0 <= cfg.max_queued <= 1_000_000:
-        raise bad("max_queued", "must be in 0..1000000 requests (0 turns the queue off)")
+    if not (0 <= cfg.max_queued <= 1_000_000 or cfg.max_queued == AUTO_QUEUED):
+        raise bad("max_queued", "must be auto or 0..1000000 requests (0 turns the queue off)")
     if not (math.isfinite(cfg.full_kv_usage) and 0 < cfg.full_kv_usage <= 1):
         raise bad("full_kv_usage", "must be a share in (0, 1]")
     for name in (

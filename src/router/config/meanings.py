@@ -21,7 +21,8 @@ HELP = {
     "where its engine does not report it; load caps and the floor scale with it (default: as reported, else unknown)",
     "max_queued": "requests held at most while every replica for their model is full (its engine's queue at "
     "full_waiting, or its KV cache at full_kv_usage); past it, or past queue_timeout_s, a 429 with Retry-After "
-    "(default 0: off, everything is forwarded)",
+    "(default auto: as many as the fleet's engines run at once, by their reported or configured capacity, else "
+    "what each ran when it last queued, else 16 each; 0: off, everything is forwarded at once)",
     "queue_timeout_s": "the longest a held request waits for room before its 429 (default 10)",
     "full_waiting": "a replica is full once its engine's queue (probed, plus what was sent since) reaches this "
     "(default 8)",
@@ -143,8 +144,10 @@ HELP = {
     "console_interval_s": "seconds between the console's samples of the metrics (default 2)",
     "console_history_s": "seconds of history the console keeps and shows (default 900)",
     "client_keys_file": "a file of clients' keys, as SHA-256 hashes, each naming a tenant (TOML [[keys]] entries: id, "
-    "tenant, sha256), read again when it changes; every API request must bring one (Authorization: Bearer or "
-    "x-api-key). Empty: no keys asked",
+    "tenant, sha256; [[tenants]] entries: name, priority, tokens_per_minute), read again when it changes; every "
+    "API request must bring one (Authorization: Bearer or x-api-key). Empty: no keys asked",
+    "budget_reserve_tokens": "what a request that names no max_tokens reserves of its tenant's tokens_per_minute for "
+    "its answer, at admission; settled on its usage when it ends (default 1024)",
     "replica_api_keys": "comma-separated REPLICA_ID=KEY (or *=KEY): the key a replica's engine was started with "
     "(--api-key), sent to it as Authorization: Bearer; a client's own key is never forwarded where one is set",
     "admin_token": "bearer token of the /admin API and the console's data, and with client keys on of /metrics "
@@ -197,8 +200,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     (
         "a shared fleet",
-        "who may use it, and the replicas' own keys",
-        ("client_keys_file", "replica_api_keys"),
+        "who may use it, its tenants' budgets, and the replicas' own keys",
+        ("client_keys_file", "budget_reserve_tokens", "replica_api_keys"),
     ),
     (
         "admission",

@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 from router.health.score import ScoreWeights
 
+AUTO_QUEUED = -1  # max_queued = "auto"
+
 
 @dataclass(frozen=True)
 class ReplicaSpec:
@@ -105,7 +107,9 @@ class RouterConfig:
     resume_buffer_bytes: int = 1024 * 1024  # per stream: what was sent, to continue from (past it: no resume)
     front: bool = True  # the proxied endpoints on the router's own HTTP/1.1 server (httptools), not aiohttp's
     # overload held at the edge (router.admission): requests wait here while every replica for their model is full
-    max_queued: int = 0  # requests waiting at most (0: off, every request forwarded as before)
+    # requests waiting at most: AUTO_QUEUED ("auto" in a file or flag) follows the engines' capacity
+    # (router.admission); 0: off, every request forwarded at once
+    max_queued: int = -1
     queue_timeout_s: float = 10.0  # the longest a request waits for room before its 429
     full_waiting: int = 8  # a replica is full once its engine's queue reaches this many requests,
     full_kv_usage: float = 0.95  # or its KV cache usage this share
@@ -153,6 +157,7 @@ class RouterConfig:
     # operating
     admin_token: str = dataclasses.field(default="", repr=False)
     client_keys_file: str = ""  # clients' keys, hashed, by tenant (router.clients); empty: no keys asked
+    budget_reserve_tokens: int = 1024  # a request naming no max_tokens reserves this for its answer (router.budgets)
     # the admin API, console and /metrics on an address of their own; port 0: on the proxy's address
     admin_host: str = "127.0.0.1"
     admin_port: int = 0

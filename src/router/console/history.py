@@ -58,6 +58,7 @@ JUMP_GROUPS = {
 }
 JUMP_REASONS: dict[str, tuple[str, str]] = {  # reason -> (group, why)
     "cost": ("router", "to a faster replica (ttft: the move saved more time than it cost)"),
+    "target": ("router", "to a replica predicted to meet the request's time-to-first-token target"),
     "spill": ("router", "past a replica at its load cap"),
     "migration": ("router", "rebalancing: off a replica that ran hot"),
     "scale_out": ("router", "onto a replica added to the fleet"),

@@ -44,7 +44,13 @@ class Affinity(Policy):
     passes_over = "spill"
 
     def pick(
-        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+        self,
+        key: RoutingKey,
+        last: str | None,
+        exclude: Collection[int],
+        *,
+        parent: bool = False,
+        target_s: float | None = None,
     ) -> Decision | None:
         if key.kind == "none":
             return self.least_loaded(self.avoiding(key, exclude))

@@ -26,13 +26,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Decision:
     index: int
-    reason: str  # sticky | ring | spill | failover | round_robin | least_load | prefix | cost | adapter
+    reason: (
+        str  # sticky | ring | spill | failover | round_robin | least_load | prefix | cost | target | adapter | parent
+    )
     cost: Candidate | None = field(default=None, compare=False)  # ttft: the chosen replica's row
     # how a session's jump to this replica counts (router_session_jumps' reason): `jump` whatever
     # became of the replica it left; else, where that replica is still there, routable and not
     # tried, `passed_over` (`affinity` passes it over only at its load cap: `spill`)
     jump: str | None = field(default=None, compare=False)
     passed_over: str = field(default="ring", compare=False)
+    late: bool = field(default=False, compare=False)  # ttft: no replica is predicted to meet the request's target
 
 
 class Hearing(Protocol):
@@ -81,11 +84,19 @@ class Policy:
         self._rotation = itertools.count()
 
     def pick(
-        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+        self,
+        key: RoutingKey,
+        last: str | None,
+        exclude: Collection[int],
+        *,
+        parent: bool = False,
+        target_s: float | None = None,
     ) -> Decision | None:
         """Where a request for `key` goes, never to a replica in `exclude`; `last`: where its session
         was served last, or with `parent`, where the session that started it (a sub-agent's) was,
-        which it shares a context with but is not its own: nothing is remembered of leaving it."""
+        which it shares a context with but is not its own: nothing is remembered of leaving it;
+        `target_s`: the time to first token the request asks for, from now (a policy that predicts
+        it, `ttft`, places the request where it is met and says when none meets it: `late`)."""
         raise NotImplementedError
 
     def explain(self, key: RoutingKey, last: str | None) -> Explained:

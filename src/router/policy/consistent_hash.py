@@ -16,7 +16,13 @@ class ConsistentHash(Policy):
     keyed = True
 
     def pick(
-        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+        self,
+        key: RoutingKey,
+        last: str | None,
+        exclude: Collection[int],
+        *,
+        parent: bool = False,
+        target_s: float | None = None,
     ) -> Decision | None:
         avoid = self.avoiding(key, exclude)
         if key.kind == "none":

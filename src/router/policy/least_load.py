@@ -12,6 +12,12 @@ class LeastLoad(Policy):
     name = "least_load"
 
     def pick(
-        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+        self,
+        key: RoutingKey,
+        last: str | None,
+        exclude: Collection[int],
+        *,
+        parent: bool = False,
+        target_s: float | None = None,
     ) -> Decision | None:
         return self.least_loaded(self.avoiding(key, exclude))

@@ -12,7 +12,13 @@ class RoundRobin(Policy):
     name = "round_robin"
 
     def pick(
-        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+        self,
+        key: RoutingKey,
+        last: str | None,
+        exclude: Collection[int],
+        *,
+        parent: bool = False,
+        target_s: float | None = None,
     ) -> Decision | None:
         n = len(self.fleet)
         exclude = self.avoiding(key, exclude)

@@ -46,12 +46,18 @@ evicts: 0.5 - 0.2 = 0.3 s saved is less than 1 x 0.2 + 1 x 0.4, so the session s
 before, 0.5 s being more than twice 0.2 s). With 5 s queued it moves (4.8 s saved). With the other
 replica's cache half empty and three requests queued there instead, the price is 0.2 x 4 = 0.8 s.
 
+A request that asks for its first token within a target (x-slo-ttft-ms) is placed as above
+where that replica's predicted time meets it, else on the fastest replica that meets it (reason
+`target`: a session moves for it, with no cool-down), else as above, marked late (the journey
+turns a `sheddable` one away with a 429 instead; router.proxy.journey).
+
 A session jumps only when moving pays as above (reason `cost`), when its replica is past the gate
-(`spill`), or on a retry (`failover`). One whose replica cannot take it goes where a new
-conversation would, with reason `ring` (router.routing counts its jump by that replica's state:
-gone, draining, out of routing), or `spill` where that replica is routable yet no candidate
-(full, or not serving the model). Requests whose prompt the index cannot use (no whole block: an embedding
-of a word, an empty prompt) are placed as by `affinity`.
+(`spill`), when it asks for a target only another meets (`target`), or on a retry (`failover`).
+One whose replica cannot take it goes where a new conversation would, with reason `ring`
+(router.routing counts its jump by that replica's state: gone, draining, out of routing), or
+`spill` where that replica is routable yet no candidate (full, or not serving the model).
+Requests whose prompt the index cannot use (no whole block: an embedding of a word, an empty
+prompt) are placed as by `affinity`.
 """
 
 from __future__ import annotations
@@ -168,13 +174,21 @@ class Ttft(Policy):
         return PlacementHearing(self.placement, key.prompt)
 
     def pick(
-        self, key: RoutingKey, last: str | None, exclude: Collection[int], *, parent: bool = False
+        self,
+        key: RoutingKey,
+        last: str | None,
+        exclude: Collection[int],
+        *,
+        parent: bool = False,
+        target_s: float | None = None,
     ) -> Decision | None:
         prompt = key.prompt
         if prompt is None:
             decision = self.fallback.pick(key, last, exclude)
         else:
             decision = self.decide(key, prompt, last, exclude)[0]
+            if target_s is not None and decision is not None:
+                decision = self.within(decision, target_s)
             if (
                 decision is not None
                 and decision.reason == "cost"
@@ -186,6 +200,20 @@ class Ttft(Policy):
                 # /admin/route's explanations send nothing)
                 self._moved(key.key, Move(self.placement.clock(), last, self.fleet.replicas[decision.index].id))
         return self._counted(key, decision)
+
+    def within(self, decision: Decision, target_s: float) -> Decision:
+        """After `decide`: a request that asks for its first token within `target_s` goes where the
+        prediction meets it: the replica decided on if it does, else the fastest that does (reason
+        `target`, not past the gate where one is not); where none does, the decision stands,
+        marked `late` (the journey turns a sheddable request away rather than serve it late)."""
+        chosen = decision.cost
+        if chosen is None or chosen.cost_s - chosen.spread_s <= target_s:
+            return decision
+        rows = self.placement.rows()
+        fastest = min(rows, key=lambda c: (c.gated, c.cost_s - c.spread_s))
+        if fastest.cost_s - fastest.spread_s <= target_s:
+            return Decision(fastest.index, "target", fastest)
+        return replace(decision, late=True)
 
     @staticmethod
     def _counted(key: RoutingKey, decision: Decision | None) -> Decision | None:

@@ -89,6 +89,8 @@ def journey_of(node: Node) -> Journey:
         cfg.max_key_bytes,
         tokenize,
         clients=node.clients,
+        budgets=node.budgets,
+        reserve_tokens=cfg.budget_reserve_tokens,
     )
 
 

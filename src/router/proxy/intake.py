@@ -6,7 +6,9 @@ A request that fails gets the answer it deserves (431, 408, 413 or 400), in its 
 be changed on the way: a stream that did not ask for usage is asked for it (`inject_usage`), so
 the router learns its token counts, and the client is not shown it. What the rest of the router
 asks of the request is decided here, once: its kind (router.apis), whether it streams, and whether a
-stream broken mid-way can be resumed on another replica (router.proxy.resume).
+stream broken mid-way can be resumed on another replica (router.proxy.resume), its priority
+class (X-Priority, capped by its tenant's: router.clients) and its time-to-first-token target
+(x-slo-ttft-ms, which `ttft` placement checks its prediction against).
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import orjson
 from aiohttp import web
 
 from router.apis import CHAT, Api, api_of
-from router.clients import Client, ClientKeys
+from router.clients import DEFAULT_RANK, PRIORITIES, RANK, Client, ClientKeys
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.resume import why_not_continued
 from router.routing.request import request_key
+
+PRIORITY_HEADERS = ("x-priority", "x-smg-priority")  # ours, and smg's (the same class names)
+TARGET_HEADER = "x-slo-ttft-ms"  # as llm-d's predicted-latency scheduling reads it
+MAX_TARGET_MS = 3_600_000.0
 
 
 async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float) -> bytes:
@@ -61,6 +67,8 @@ class Intake:
     api: Api
     streams: bool  # the client asked for a stream (`"stream": true`)
     client: Client | None = None  # whose key it brought, with client keys on (router.clients)
+    rank: int = DEFAULT_RANK  # its priority class (router.clients.PRIORITIES)
+    target_s: float | None = None  # the time to first token it asks for (x-slo-ttft-ms), in seconds
 
     @property
     def resumable(self) -> bool:
@@ -145,6 +153,31 @@ async def take_in(
     return take_in_body(request.path, request.headers, raw, cfg, prompts, client)
 
 
+def wishes(headers: Mapping[str, str], client: Client | None) -> tuple[int, float | None] | Refused:
+    """The priority class and time-to-first-token target a request asks for, or the 400 it gets
+    for a value that is neither. Its tenant's class caps the ask (a header never raises a request
+    above it) and is the class of a request that asks none; without client keys, as asked."""
+    rank = client.rank if client is not None else DEFAULT_RANK
+    for name in PRIORITY_HEADERS:
+        asked = headers.get(name)
+        if asked is not None:
+            wanted = RANK.get(asked.strip().lower())
+            if wanted is None:
+                return Refused(400, f"{name} must be one of {', '.join(PRIORITIES)}", "invalid_priority")
+            rank = max(wanted, client.rank) if client is not None else wanted
+            break
+    target = headers.get(TARGET_HEADER)
+    if target is None:
+        return rank, None
+    try:
+        ms = float(target)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms <= MAX_TARGET_MS:  # (nan fails too)
+        return Refused(400, f"{TARGET_HEADER} must be milliseconds in (0, {MAX_TARGET_MS:.0f}]", "invalid_ttft_target")
+    return rank, ms / 1000
+
+
 def take_in_body(
     path: str,
     headers: Mapping[str, str],
@@ -165,6 +198,12 @@ def take_in_body(
         return Refused(400, f"the request body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return Refused(400, "the request body must be a JSON object")
+    rank, target_s = DEFAULT_RANK, None
+    if client is not None or "x-priority" in headers or "x-smg-priority" in headers or TARGET_HEADER in headers:
+        wished = wishes(headers, client)
+        if isinstance(wished, Refused):
+            return wished
+        rank, target_s = wished
     key = request_key(api, headers, body, cfg, prompts)
     streams = body.get("stream") is True
     strip_usage = False
@@ -176,4 +215,5 @@ def take_in_body(
             strip_usage = True
     # a stream broken mid-way is resumed on another replica when its body allows it (see resume.py)
     resumable = cfg.resume_streams and streams and api.resumable and why_not_continued(body, api is CHAT) is None
-    return Intake(body, raw, key, strip_usage, cfg.resume_buffer_bytes if resumable else 0, api, streams, client)
+    keep = cfg.resume_buffer_bytes if resumable else 0
+    return Intake(body, raw, key, strip_usage, keep, api, streams, client, rank, target_s)

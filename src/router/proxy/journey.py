@@ -31,7 +31,8 @@ import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.clients import KEY_HEADERS, Client, ClientKeys
+from router.budgets import Budgets, Reservation, estimate
+from router.clients import KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
@@ -56,7 +57,14 @@ from router.upstream import Upstream
 
 access_log = logging.getLogger("router.access")
 
-SHED_CODES = {"queue_full": "queue_full", "timeout": "queue_timeout"}  # a 429's `code`, by why it was shed
+# a 429's `code`, by why it was shed
+SHED_CODES = {
+    "queue_full": "queue_full",
+    "timeout": "queue_timeout",
+    "sheddable": "sheddable_shed",
+    "target": "ttft_target_unmet",
+    "budget": "tokens_per_minute_exceeded",
+}
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
 
 
@@ -243,6 +251,8 @@ class Journey:
         tokenize: Tokenize | None = None,
         clock: Callable[[], float] = time.monotonic,
         clients: ClientKeys | None = None,
+        budgets: Budgets | None = None,
+        reserve_tokens: int = 1024,
     ) -> None:
         self.routing = routing
         self.fleet = routing.fleet
@@ -255,6 +265,9 @@ class Journey:
         self.tokenize = tokenize
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
         self.clients = clients  # who may use the API (router.clients); None: anyone
+        self.budgets = budgets  # tenants' tokens a minute (router.budgets); None: no budgets
+        self.reserve_tokens = reserve_tokens  # what a request naming no max_tokens reserves for its answer
+        self._settling: set[asyncio.Future[None]] = set()  # budgets settling (kept from the collector)
         self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
@@ -272,15 +285,28 @@ class Journey:
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
             finish(exchange, exchange.status, None, key, None, t0)
             return
+        budgets = self.budgets
+        if budgets is not None and client is not None and budgets.limited(client.tenant):
+            reserved = await budgets.reserve(client.tenant, estimate(intake.body, len(intake.raw), self.reserve_tokens))
+            if isinstance(reserved, int):
+                limit = budgets.limits[client.tenant]
+                message = f"tenant {client.tenant} has used its {limit} tokens a minute: retry in {reserved} s"
+                self._shed(exchange, Shed(429, message, "budget", reserved), key.model, intake.rank)
+                finish(exchange, exchange.status, None, key, None, t0)
+                return
+            finish = functools.partial(self._settled, finish, reserved)  # settled where the journey ends
         if self.tokenize is not None and key.prompt is not None:
             key = await self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
         routing = self.routing
         deadline = loop.time() - (self.clock() - t0) + self.total_timeout_s
+        target_at = None if intake.target_s is None else deadline - self.total_timeout_s + intake.target_s
         if routing.directory.local_only:  # the same route, without a coroutine around a dict lookup
-            route = routing.local_route(key, t0, deadline)
+            route = routing.local_route(key, t0, deadline, target_at)
         else:
-            route = await routing.route(key, t0, deadline)
+            route = await routing.route(key, t0, deadline, target_at)
+        if target_at is not None and intake.rank >= SHEDDABLE:
+            route.refuse_late = True  # better refused at once than served late
         admission = self.admission
         if admission.on and intake.api.queued:
             # fair between tenants where client keys say who they are, else between clients as requests name them
@@ -291,9 +317,10 @@ class Journey:
                     who or client_of(exchange.headers, intake.body, exchange.remote),
                     route.last is not None,
                     t0 + self.total_timeout_s,
+                    intake.rank,
                 )
             except Shed as shed:
-                self._shed(exchange, shed, key.model)
+                self._shed(exchange, shed, key.model, intake.rank)
                 finish(exchange, exchange.status, None, key, None, t0)
                 return
             if waited:
@@ -331,15 +358,51 @@ class Journey:
                     raise
             finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts, verdict)
             return
+        if route.late:
+            late = Shed(429, "no replica is predicted to send the first token within x-slo-ttft-ms", "target", 1)
+            self._shed(exchange, late, key.model, intake.rank)
+            finish(exchange, exchange.status, None, key, None, t0)
+            return
         if route.timed_out:
             failure = failure or Retry("timeout", 504)
         self._no_replica(exchange, failure, bool(route.tried))
         finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
 
-    def _shed(self, exchange: Exchange, shed: Shed, model: str | None) -> None:
+    def _settled(
+        self,
+        finish: Callable[..., None],
+        reserved: Reservation,
+        exchange: Exchange,
+        status: int,
+        replica: ReplicaState | None,
+        key: RoutingKey,
+        decision: Decision | None,
+        t0: float,
+        result: Outcome | None = None,
+        attempts: int = 0,
+        verdict: Verdict | None = None,
+    ) -> None:
+        """`finish`, then settle the tenant's reservation on what the request used: its usage; none
+        where no replica answered or one refused it; as reserved where that is not known (a stream
+        cut before its usage, a client gone)."""
+        finish(exchange, status, replica, key, decision, t0, result, attempts, verdict)
+        facts = result.facts if result is not None else None
+        spent: int | None
+        if status == 499:
+            spent = None
+        elif facts is None or facts.prompt_tokens or facts.completion_tokens or facts.status >= 400:
+            spent = facts.prompt_tokens + facts.completion_tokens if facts is not None else 0
+        else:
+            spent = None
+        assert self.budgets is not None
+        task = asyncio.ensure_future(self.budgets.settle(reserved, spent))  # (Redis: not on the answer's time)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    def _shed(self, exchange: Exchange, shed: Shed, model: str | None, rank: int) -> None:
         """The 429 of a request every replica for its model was too full for."""
         m = self.metrics
-        m.child(m.shed, shed.reason, self.fleet.model_label(model)).inc()
+        m.child(m.shed, shed.reason, self.fleet.model_label(model), PRIORITIES[rank]).inc()
         headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
         exchange.answer(
             shed.status, error_body_for(exchange.path, shed.message, shed.status, SHED_CODES[shed.reason]), headers

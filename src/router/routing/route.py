@@ -31,7 +31,7 @@ from router.routing.directory import SessionDirectory
 # request starts counts as made while it ran (the line to the workers answers within this)
 MOVE_SLACK_MS = 2000
 # the policy's own reasons, which say why a session left its replica better than the fleet can
-POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix"})
+POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix", "target"})
 
 
 @dataclass(slots=True)
@@ -92,22 +92,23 @@ class Routing:
         self.wall = wall  # unix seconds: session entries
         self.move_slack_ms = move_slack_ms
 
-    async def route(self, key: RoutingKey, t0: float, deadline: float) -> Route:
+    async def route(self, key: RoutingKey, t0: float, deadline: float, target_at: float | None = None) -> Route:
         """A route for a request that arrived at `t0` (clock) and must end by `deadline` (the
-        clock its caller passes to `next`)."""
+        clock its caller passes to `next`); `target_at`: when it asks for its first token by (on
+        that clock too: x-slo-ttft-ms)."""
         last, local = await self.directory.last_served(key.key) if key.kind != "none" else (None, False)
         parent = None
         if last is None and key.parent is not None:  # a sub-agent's first turn: where its parent is
             parent, _ = await self.directory.last_served(key.parent, remember=False)
-        return Route(self, key, last, local, t0, deadline, parent=parent)
+        return Route(self, key, last, local, t0, deadline, parent=parent, target_at=target_at)
 
-    def local_route(self, key: RoutingKey, t0: float, deadline: float) -> Route:
+    def local_route(self, key: RoutingKey, t0: float, deadline: float, target_at: float | None = None) -> Route:
         """A route by this process's own session table alone: what `route` opens when no other
         store is configured (the simulator has none), without waiting on one."""
         table = self.directory.table
         last = table.get(key.key) if key.kind != "none" else None
         parent = table.get(key.parent) if last is None and key.parent is not None else None
-        return Route(self, key, last, last is not None, t0, deadline, parent=parent)
+        return Route(self, key, last, last is not None, t0, deadline, parent=parent, target_at=target_at)
 
     async def explain(self, key: RoutingKey) -> tuple[Explained, str | None]:
         """Where a first attempt for `key` would go, as `route(key).next()` decides it (a stored
@@ -150,10 +151,13 @@ class Route:
         "hearing",
         "key",
         "last",
+        "late",
         "local",
         "parent",
+        "refuse_late",
         "routing",
         "t0",
+        "target_at",
         "timed_out",
         "tried",
     )
@@ -168,6 +172,7 @@ class Route:
         deadline: float,
         hearing: bool = True,
         parent: str | None = None,
+        target_at: float | None = None,
     ) -> None:
         self.routing = routing
         self.key = key
@@ -176,6 +181,7 @@ class Route:
         self.local = local  # ... as this process's own entry says (else newer news from elsewhere)
         self.t0 = t0
         self.deadline = deadline
+        self.target_at = target_at  # when its first token is asked for (the clock of `next`): x-slo-ttft-ms
         self.tried: list[ReplicaState] = []  # by replica, not index: an admin removal shifts indices
         self.first: ReplicaState | None = None
         self.decision: Decision | None = None  # the latest pick for the request itself
@@ -183,6 +189,10 @@ class Route:
         # what the policy learns from this route's attempts (ttft: its prefix index and prefill queues)
         self.hearing: Hearing | None = routing.policy.hear(key) if hearing else None
         self.timed_out = False  # `next` refused for the deadline
+        # a first pick that no replica is predicted to serve by `target_at` is not sent (a sheddable
+        # request's, which is better refused at once than served late): `next` says None, and `late`
+        self.refuse_late = False
+        self.late = False
 
     @property
     def attempts(self) -> int:
@@ -220,10 +230,14 @@ class Route:
                 None if resuming else self.start,
                 {r.index for r in self.tried if r.index is not None},
                 parent=self.last is None and self.parent is not None,
+                target_s=None if self.target_at is None or resuming else self.target_at - now,
             )
             if self.parent is not None:
                 decision = self.from_parent(decision)
         if decision is None:
+            return None
+        if decision.late and self.refuse_late and not self.tried:
+            self.late = True
             return None
         fleet = routing.fleet
         replica = fleet.replicas[decision.index]
