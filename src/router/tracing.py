@@ -195,9 +195,13 @@ class Tracing:
 
 class RequestTrace:
     """One request's trace: its server span, the steps of its journey as children, and what
-    `finish` names it by. Times are monotonic seconds (`time.monotonic()`, a request's t0)."""
+    `finish` names it by. Times are monotonic seconds (`time.monotonic()`, a request's t0).
 
-    __slots__ = ("_attributes", "_context", "_offset_ns", "_operation", "_tracer", "span")
+    A request the sampler leaves out (OTEL_TRACES_SAMPLER, or its client's unsampled traceparent)
+    has no spans but its own non-recording one: its steps cost a check each, and its attempts'
+    `headers` pass the unsampled context on, so the engine leaves it out too."""
+
+    __slots__ = ("_attributes", "_context", "_offset_ns", "_operation", "_tracer", "sampled", "span")
 
     def __init__(self, tracer: Tracer, method: str, path: str, parent: Context, t0: float) -> None:
         self._tracer = tracer
@@ -215,6 +219,7 @@ class RequestTrace:
             attributes=attributes,
             start_time=self._ns(t0),
         )
+        self.sampled = self.span.is_recording()
         self._context = set_span_in_context(self.span)  # the children's parent
         self._attributes: dict[str, Any] = {}  # the routing decision's, set on the span at its end
 
@@ -230,6 +235,8 @@ class RequestTrace:
         return format(self.span.get_span_context().trace_id, "032x")
 
     def _interval(self, name: str, start: float, end: float, attributes: dict[str, Any] | None = None) -> None:
+        if not self.sampled:
+            return
         span = self._tracer.start_span(
             name, context=self._context, kind=_INTERNAL, attributes=attributes, start_time=self._ns(start)
         )
@@ -258,6 +265,8 @@ class RequestTrace:
         offered) for `reason`, its key of `key_kind`, with the policy's predicted time to first
         token and the tokens it expects the replica to hold cached, where it has them. The same
         attributes go on the request's span."""
+        if not self.sampled:
+            return
         attributes: dict[str, Any] = {ROUTER_POLICY: policy}
         if replica is not None:
             attributes[ROUTER_REPLICA] = replica
@@ -275,16 +284,25 @@ class RequestTrace:
     def attempt(self, replica_id: str, url: str, n: int, resend: bool = False) -> AttemptTrace:
         """An attempt begins now: the request's `n`th (from 1), to `replica_id` at `url` (the full
         URL sent to); `resend`: it resends what a stale pooled connection lost."""
+        if not self.sampled:
+            return AttemptTrace(self, None)
         attributes: dict[str, Any] = {ROUTER_REPLICA: replica_id, URL_FULL: url, ROUTER_ATTEMPT: n}
         if resend:
             attributes[ROUTER_RESEND] = True
-        return AttemptTrace(self, "attempt", attributes)
+        return AttemptTrace(self, self._client_span("attempt", attributes))
 
     def resume(self, replica_id: str, url: str, n: int, broke_on: str) -> AttemptTrace:
         """A try at continuing, on `replica_id` at `url`, the stream that broke on `broke_on`
         begins now: the request's `n`th attempt."""
+        if not self.sampled:
+            return AttemptTrace(self, None)
         attributes = {ROUTER_REPLICA: replica_id, URL_FULL: url, ROUTER_ATTEMPT: n, ROUTER_BROKE_ON: broke_on}
-        return AttemptTrace(self, "resume", attributes)
+        return AttemptTrace(self, self._client_span("resume", attributes))
+
+    def _client_span(self, name: str, attributes: dict[str, Any]) -> Span:
+        return self._tracer.start_span(
+            name, context=self._context, kind=_CLIENT, attributes=attributes, start_time=self._now_ns()
+        )
 
     def finish(
         self,
@@ -304,6 +322,8 @@ class RequestTrace:
         known, the client's `tenant` and `key_id` with client keys on. `error`: what went wrong (an
         `error.type`: `stream_broken`, `queue_full`...). The span is an error on a 5xx, and on an
         `error` under a 400 (a broken stream's 200); a 4xx is the client's, not the server's."""
+        if not self.sampled:
+            return
         attributes = self._attributes
         attributes[HTTP_RESPONSE_STATUS_CODE] = status
         if model is not None:
@@ -334,31 +354,33 @@ class RequestTrace:
 
 class AttemptTrace:
     """One attempt's client span (or one resume's), begun when it was made: `headers` carry it to
-    the replica, `end` records how it went."""
+    the replica, `end` records how it went. `span` None: its request is not sampled."""
 
     __slots__ = ("_request", "span")
 
-    def __init__(self, request: RequestTrace, name: str, attributes: dict[str, Any]) -> None:
+    def __init__(self, request: RequestTrace, span: Span | None) -> None:
         self._request = request
-        self.span: Span = request._tracer.start_span(
-            name, context=request._context, kind=_CLIENT, attributes=attributes, start_time=request._now_ns()
-        )
+        self.span = span
 
     def headers(self) -> dict[str, str]:
         """The W3C trace context to send the replica (`traceparent`, and `tracestate` where the
-        trace has one), naming this attempt's span as the parent of the engine's."""
+        trace has one), naming this attempt's span as the parent of the engine's (an unsampled
+        request's own span, flagged unsampled)."""
         carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, set_span_in_context(self.span))
+        span = self.span if self.span is not None else self._request.span
+        _PROPAGATOR.inject(carrier, set_span_in_context(span))
         return carrier
 
     def end(self, outcome: str, status: int | None = None) -> None:
         """The attempt ended, now, with `outcome` (`ok`, or why it failed: connect, timeout, reset,
         http_5xx, refused...) and the replica's HTTP `status` if it answered. Anything but `ok` is
         an error of the span's."""
+        span = self.span
+        if span is None:
+            return
         attributes: dict[str, Any] = {ROUTER_OUTCOME: outcome}
         if status is not None:
             attributes[HTTP_RESPONSE_STATUS_CODE] = status
-        span = self.span
         if outcome != "ok":
             attributes[ERROR_TYPE] = outcome
             span.set_status(Status(StatusCode.ERROR, outcome))

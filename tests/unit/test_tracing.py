@@ -165,6 +165,7 @@ def journey(traced: Tracing, headers: dict[str, str] | None = None) -> tuple[Req
 
 def test_a_request_trace_reaches_the_receiver(traced: Tracing, receiver: OtlpReceiver) -> None:
     trace, sent = journey(traced)
+    assert trace.sampled
     spans = export(traced, receiver, 7)
     assert sorted(span.name for span in spans) == sorted(
         ["chat llama-3", "intake", "route", "queue", "attempt", "attempt", "resume"]
@@ -253,10 +254,25 @@ def test_a_client_traceparent_parents_the_request(traced: Tracing, receiver: Otl
 def test_an_unsampled_client_trace_is_not_exported_but_travels_on(traced: Tracing, receiver: OtlpReceiver) -> None:
     client = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"}  # the client's sampler said no
     trace, sent = journey(traced, client)
-    assert trace.trace_id == CLIENT_TRACE
-    assert [headers["traceparent"][-2:] for headers in sent] == ["00", "00", "00"]
+    assert trace.trace_id == CLIENT_TRACE and not trace.sampled
+    (traceparent,) = {headers["traceparent"] for headers in sent}  # no attempt span: the request's own
+    assert traceparent.startswith(f"00-{CLIENT_TRACE}-") and traceparent.endswith("-00")
     assert traced.flush()
     assert receiver.spans == []
+
+
+def test_the_sampler_is_the_environment_s(monkeypatch: pytest.MonkeyPatch, receiver: OtlpReceiver) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    traced = setup()
+    assert traced is not None
+    try:
+        trace, sent = journey(traced)
+        assert not trace.sampled and len(trace.trace_id) == 32
+        assert int(sent[0]["traceparent"][-2:], 16) & 1 == 0  # not sampled (02: the trace id is random)
+        assert traced.flush()
+        assert receiver.spans == []
+    finally:
+        traced.shutdown()
 
 
 def test_a_5xx_is_an_error(traced: Tracing, receiver: OtlpReceiver) -> None:
