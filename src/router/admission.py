@@ -29,9 +29,13 @@ through by this order:
 4. each client's own requests in the order they came.
 
 A waiter is let through only for a model some replica has room for, so one full model never holds
-another's requests back. Nothing here is unbounded: the queue's size is capped and every waiter's
-wait is timed. It is on by default (`max_queued = auto`: `bound` follows the engines' capacity);
-with it off (`max_queued = 0`) every request is forwarded at once, whatever the engines' queues.
+another's requests back. Where no replica of a request's model is ready at all (a fleet scaled to
+zero: its autoscaler, following the scale signal that a waiting request raises, starts one), it
+waits so for up to `cold_s` (scale_from_zero_s; off by default), then gets a 503 with Retry-After.
+
+Nothing here is unbounded: the queue's size is capped and every waiter's wait is timed. It is on by
+default (`max_queued = auto`: `bound` follows the engines' capacity); with it off (`max_queued =
+0`) every request is forwarded at once, whatever the engines' queues.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from router.fleet import NONE, Fleet, ReplicaState
 from router.ring import xxh3_64
 
 AUTO_SLOTS = 16  # max_queued = auto: what an engine whose capacity nothing says counts for
+COLD_RETRY_S = 10  # the Retry-After of a request that waited scale_from_zero_s for a first replica in vain
 
 
 class Shed(RouterError):
@@ -60,7 +65,7 @@ class Shed(RouterError):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.reason = reason  # queue_full | timeout | sheddable | target: a metric label
+        self.reason = reason  # queue_full | timeout | sheddable | target | budget | cold: a metric label
         self.retry_after_s = retry_after_s
 
 
@@ -138,6 +143,7 @@ class Admission:
         on_change: Callable[[int], None] | None = None,
         inflight: Callable[[ReplicaState], int] | None = None,
         free_share: float = 1.0,
+        cold_s: float = 0.0,
     ) -> None:
         self.fleet = fleet
         self.auto = max_queued == AUTO_QUEUED  # the bound follows the engines' capacity (`bound`)
@@ -151,6 +157,7 @@ class Admission:
         # process, every worker's (router.shared.Follower.fleet_inflight)
         self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
         self.free_share = free_share  # of an engine's free slots, the part this process may fill
+        self.cold_s = cold_s  # scale_from_zero_s: how long a request waits for a first ready replica
         # by priority class, and within each running sessions' turns first, then the rest (_Waiter.line)
         self.classes = tuple(_Class() for _ in range(2 * SHEDDABLE))
         self.queued = 0
@@ -264,7 +271,8 @@ class Admission:
         the request's own end (monotonic): it never waits past it; `rank`: its priority class."""
         if not self.on or (not self.waiting_models[model] and self.room(model)):
             return 0.0
-        if not self._servable(model):
+        cold = not self._servable(model)
+        if cold and not self.cold_s:
             return 0.0  # nothing routable at all: the router's 503 says so, not a queue
         if rank >= SHEDDABLE:
             self.shed["sheddable"] += 1
@@ -282,13 +290,18 @@ class Admission:
             self.on_change(self.queued)
         if self.room(model):
             self.wake(1)  # it queued behind others while there is room: the first in order goes now
-        limit = max(min(self.queue_timeout_s, deadline - now), 0.0)
+        # a request with no replica to go to waits for one to start (scale_from_zero_s), else for room
+        limit = max(min(self.cold_s if cold else self.queue_timeout_s, deadline - now), 0.0)
         try:
             async with asyncio.timeout(limit):
                 await waiter.future
         except TimeoutError:
             if not _let_through(waiter):
                 self._drop(waiter)
+                if cold and not self._servable(model):
+                    self.shed["cold"] += 1
+                    message = f"no replica is ready to serve the request: waited {limit:.0f} s for one to start"
+                    raise Shed(503, message, "cold", COLD_RETRY_S) from None
                 self.shed["timeout"] += 1
                 raise Shed(
                     429, f"every replica is full: waited {limit:.1f} s for room", "timeout", self._retry()

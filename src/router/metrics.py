@@ -169,8 +169,9 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Requests answered 429 because every replica for their model was full: queue_full (max_queued "
         "were waiting already, or a request of a higher class took the place), timeout (they waited "
         "queue_timeout_s), sheddable (a sheddable request does not wait) or target (a sheddable request "
-        "no replica was predicted to serve within its x-slo-ttft-ms); model as for router_requests; "
-        "priority: the request's class.",
+        "no replica was predicted to serve within its x-slo-ttft-ms), budget (its tenant's tokens_per_minute "
+        "were spent) or cold (a 503: no replica of its model became ready within scale_from_zero_s); model as "
+        "for router_requests; priority: the request's class.",
         ("reason", "model", "priority"),
     ),
     "router_queue_wait_seconds": (

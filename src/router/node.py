@@ -190,6 +190,7 @@ class Node:
             # a worker sees the others' sends only as they publish them: of the slots an engine
             # had free, it fills its share before it counts its sends as queued
             free_share=1 / table.workers if self.follower is not None and table is not None else 1.0,
+            cold_s=config.scale_from_zero_s,
         )
         self.balancer.held = lambda: self.admission.queued
         if self.admission.on:

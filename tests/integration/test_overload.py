@@ -77,7 +77,7 @@ async def test_a_saturated_fleet_holds_requests_fairly_and_sheds_with_retry_afte
 ) -> None:
     fleet = await small_fleet(make_replica)
     try:
-        _, plain = await start_router([r.url for r in fleet.replicas], probe_interval_s=0.1)
+        _, plain = await start_router([r.url for r in fleet.replicas], probe_interval_s=0.1, max_queued=0)
         statuses, forwarded_peak, _ = await burst(plain, fleet, {"a": 30})
         assert set(statuses["a"]) == {200}  # without admission everything is forwarded ...
         node, url = await start_router([r.url for r in fleet.replicas], **HOLD)

@@ -38,6 +38,7 @@ def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool
     app.router.add_post("/admin/replicas/{id}/drain", api.guard(replicas or api.drain_replica))
     app.router.add_post("/admin/overrides", api.guard(replicas or api.set_override))
     app.router.add_delete("/admin/overrides/{origin}/{vnode}", api.guard(replicas or api.clear_override))
+    app.router.add_get("/admin/scale", api.guard(replicas or api.scale))
     if not replica_routes_only:
         app.router.add_get("/admin/route", api.guard(api.explain_route))
         app.router.add_post("/admin/route", api.guard(api.explain_request))
@@ -140,6 +141,14 @@ class AdminApi:
             return error_response("the router's control process is not answering", 503, "control_process_unavailable")
         self.node.follow()  # this worker sees its own change before it answers
         return web.Response(status=status, body=body, content_type=content_type)
+
+    async def scale(self, request: web.Request) -> web.Response:
+        """The scale signal, for an autoscaler that reads JSON (KEDA's metrics-api scaler): the
+        replicas the load needs (router_scale_recommended_replicas), the requests held now, and
+        whether the fleet has been idle for a window."""
+        balancer = self.node.balancer
+        held = balancer.held()
+        return _json({"recommended_replicas": balancer.recommended, "held": held, "idle": balancer.idle})
 
     async def list_replicas(self, request: web.Request) -> web.Response:
         self.node.gather()

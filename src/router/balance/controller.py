@@ -96,6 +96,9 @@ class Balancer:
         self._migrating: set[tuple[str, int]] = set()
         self._migrating_replicas: set[str] = set()
         self._idle_since: float | None = None
+        # the latest scale signal (router_scale_recommended_replicas, /admin/scale) and whether idle
+        self.recommended = 1
+        self.idle = False
 
     # -- from the proxy ----------------------------------------------------------------------------
 
@@ -163,15 +166,21 @@ class Balancer:
         """Signals for an autoscaler: sustained overheat, sustained idleness, replicas needed."""
         m = self.metrics
         target = self.config.scale_target_load
-        total = self.rebalancer.total() + self.held()  # held requests want a replica as much as queued ones
+        held = self.held()
+        total = self.rebalancer.total() + held  # held requests want a replica as much as queued ones
         m.overheated.set(len(self.rebalancer.overheated(now)))
-        m.scale_recommended.set(max(1, math.ceil(total / target - 1e-9)))
         routable = max(len(self.rebalancer.loads()), 1)
         if total / routable < target / 4:
             self._idle_since = self._idle_since if self._idle_since is not None else now
         else:
             self._idle_since = None
         idle = self._idle_since is not None and now - self._idle_since >= self.rebalancer.settings.window_s
+        # at least one replica, unless the fleet may scale to zero (scale_from_zero_s: a request
+        # then waits for one) and has been idle with nothing held: any request held asks for one
+        floor = 0 if self.config.scale_from_zero_s and idle and not held else 1
+        self.recommended = max(floor, math.ceil(total / target - 1e-9))
+        self.idle = idle
+        m.scale_recommended.set(self.recommended)
         m.scale_idle.set(1 if idle else 0)
 
     # -- moving sessions ----------------------------------------------------------------------------

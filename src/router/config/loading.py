@@ -154,6 +154,7 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         "ttft_move_cooldown_s",
         "ttft_queue_gain",
         "adapter_load_s",
+        "scale_from_zero_s",
     ):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value >= 0):

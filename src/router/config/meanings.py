@@ -120,6 +120,10 @@ HELP = {
     "rebalance_window_s": "seconds a replica stays hot before its vnodes move (default 30)",
     "rebalance_cooldown_s": "seconds both sides of a move rest before the next (default 60)",
     "rebalance_max_vnodes": "vnodes moved per rebalancing cycle at most (default 4)",
+    "scale_from_zero_s": "seconds a request waits for a ready replica of its model where none is (a fleet scaled to "
+    "zero while its autoscaler starts one), held in the overload queue, before its 503 with Retry-After; with it "
+    "on, the recommended replica count falls to 0 once the fleet has been idle for rebalance_window_s and rises "
+    "as a request waits (default 0: off, a 503 at once)",
     "scale_target_load": "requests in flight plus waiting per replica that the recommended replica count "
     "aims for (default 16)",
     "warmup": "replay sessions' latest prompts (prefill only) on a replica before moving them there (default on)",
@@ -221,8 +225,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "moving load off hot replicas without a session storm",
         (
             "rebalance", "rebalance_threshold", "rebalance_window_s", "rebalance_cooldown_s",
-            "rebalance_max_vnodes", "scale_target_load", "warmup", "warmup_sessions", "warmup_concurrency",
-            "warmup_timeout_s", "prompt_store_bytes", "drain_timeout_s",
+            "rebalance_max_vnodes", "scale_target_load", "scale_from_zero_s", "warmup", "warmup_sessions",
+            "warmup_concurrency", "warmup_timeout_s", "prompt_store_bytes", "drain_timeout_s",
         ),
     ),
     (

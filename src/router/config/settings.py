@@ -133,6 +133,9 @@ class RouterConfig:
     rebalance_cooldown_s: float = 60.0  # C: both sides rest this long after a move
     rebalance_max_vnodes: int = 4  # vnodes moved per cycle at most
     scale_target_load: float = 16.0  # autoscaler signal: in-flight + waiting requests per replica to aim for
+    # a request for a model no ready replica serves waits this long for one (the fleet scaled to
+    # zero, its autoscaler starting one), then gets a 503; the scale signal may then fall to 0
+    scale_from_zero_s: float = 0.0
     warmup: bool = True
     warmup_sessions: int = 32  # sessions warmed per move at most (the most recent first)
     warmup_concurrency: int = 4  # prefill-only requests in flight to one replica at once

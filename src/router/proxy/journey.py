@@ -64,6 +64,7 @@ SHED_CODES = {
     "sheddable": "sheddable_shed",
     "target": "ttft_target_unmet",
     "budget": "tokens_per_minute_exceeded",
+    "cold": "no_replica_ready",
 }
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
 
@@ -400,7 +401,9 @@ class Journey:
         task.add_done_callback(self._settling.discard)
 
     def _shed(self, exchange: Exchange, shed: Shed, model: str | None, rank: int) -> None:
-        """The 429 of a request every replica for its model was too full for."""
+        """The answer of a request turned away before any replica: its 429 (every replica for its
+        model too full, its class shed, its target unmet, its tenant's budget spent), or its 503
+        (no replica started while it waited: scale_from_zero_s), with Retry-After."""
         m = self.metrics
         m.child(m.shed, shed.reason, self.fleet.model_label(model), PRIORITIES[rank]).inc()
         headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
