@@ -2,7 +2,8 @@
 
 Off unless the standard OTEL_* environment configures an exporter, and then at no cost to the
 requests it does not see: `setup()` returns None and every call site is an `if tracing is not None:`
-guard (a None check costs a third of an empty method call, see below). On when:
+guard (eight of them cost a request about 40 ns where eight calls of empty methods on a stand-in
+would cost 600). On when:
 
     OTEL_SDK_DISABLED=true                        off, whatever else is set
     OTEL_TRACES_EXPORTER=none                     off
@@ -17,7 +18,7 @@ Unset, the spec's default exporter is otlp to localhost: a router nobody asked t
 spans to a collector that is not there, so an endpoint is what turns it on. Any other exporter, or
 an OTLP protocol other than http/protobuf, is a TracingConfigError. The SDK reads the rest itself:
 the exporter OTEL_EXPORTER_OTLP_* (endpoint, headers, timeout, compression), the batch processor
-OTEL_BSP_* (its schedule delay, queue and batch sizes), the sampler OTEL_TRACES_SAMPLER(_ARG), the
+OTEL_BSP_* (its schedule delay, 5 s unless set, queue and batch sizes), the sampler OTEL_TRACES_SAMPLER(_ARG), the
 resource OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES (service.name defaults to `router-serve`).
 Spans are exported in batches by the processor's own thread, never on the event loop.
 
@@ -41,7 +42,7 @@ clock by one offset read when its request began, so its spans nest even if the c
 The provider is this module's own, not the process-wide one (`trace.set_tracer_provider`).
 
 Attribute names follow OpenTelemetry's semantic conventions (GenAI: gen_ai.*; HTTP: http.*, url.*,
-server.*, error.type), the router's own under `router.`; they are listed once, below. A client's
+error.type), the router's own under `router.`; they are listed once, below. A client's
 key never appears: only its key id.
 """
 
@@ -101,7 +102,6 @@ OPERATIONS = {
 }
 
 DEFAULT_SERVICE_NAME = "router-serve"
-SCHEDULE_DELAY_MS = 1000  # the batch processor's, where OTEL_BSP_SCHEDULE_DELAY is unset (the SDK's is 5 s)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _SERVER, _CLIENT, _INTERNAL = SpanKind.SERVER, SpanKind.CLIENT, SpanKind.INTERNAL
@@ -154,18 +154,17 @@ def setup(service_name: str = DEFAULT_SERVICE_NAME) -> Tracing | None:
     exporters: list[SpanExporter] = []
     for name in names:
         if name == "otlp":
-            # an exporter-only import: its `requests` session costs nothing to a router that does not trace
+            # imported only when on: with `requests` and the OTLP encoders, it adds 35 ms to a process's start
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
 
             exporters.append(OTLPSpanExporter())  # reads OTEL_EXPORTER_OTLP_* itself
         else:
-            exporters.append(ConsoleSpanExporter(service_name=service_name))
+            exporters.append(ConsoleSpanExporter())
     # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES rule over the default name
     resource = Resource.create({"service.name": service_name}).merge(OTELResourceDetector().detect())
-    provider = TracerProvider(resource=resource)
-    delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else SCHEDULE_DELAY_MS
+    provider = TracerProvider(resource=resource)  # its sampler: OTEL_TRACES_SAMPLER's
     for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay))
+        provider.add_span_processor(BatchSpanProcessor(exporter))  # reads OTEL_BSP_*
     return Tracing(provider)
 
 

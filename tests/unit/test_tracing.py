@@ -4,6 +4,8 @@ OTLP/HTTP receiver with their parents, kinds, attributes and statuses."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -116,6 +118,20 @@ def test_an_exporter_the_router_lacks_is_refused(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv(name, value)
     with pytest.raises(TracingConfigError, match="OTEL_"):
         setup()
+
+
+def test_the_console_exporter_prints_spans() -> None:
+    """In a process of its own: the exporter holds the stdout of when the SDK was imported."""
+    script = (
+        "import time; from router.tracing import setup; traced = setup(); "
+        "traced.request('POST', '/v1/chat/completions', {}, time.monotonic()).finish(200, model='m')"
+    )
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+    environment["OTEL_TRACES_EXPORTER"] = "console"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert '"name": "chat m"' in done.stdout  # printed at exit, by the provider's own shutdown
 
 
 def test_the_gen_ai_names_are_the_conventions() -> None:
