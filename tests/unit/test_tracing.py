@@ -53,7 +53,8 @@ def one(spans: list[ReceivedSpan], name: str) -> ReceivedSpan:
 
 def export(traced: Tracing, receiver: OtlpReceiver, count: int) -> list[ReceivedSpan]:
     assert traced.flush()
-    return receiver.wait_for_blocking(lambda spans: spans if len(spans) >= count else None)
+    spans: list[ReceivedSpan] = receiver.wait_for_blocking(lambda spans: spans if len(spans) >= count else None)
+    return spans
 
 
 def test_off_without_configuration() -> None:
