@@ -27,14 +27,26 @@ def test_overload_benchmark_smoke() -> None:
     result = small_run("--duration-s", "4")
     assert result["capacity_rps"] > 0
     runs = {r["contender"]: r for r in result["runs"]}
-    assert set(runs) == {"admission", "shipped", "round-robin"}
+    assert set(runs) == {"admission", "shipped", "off", "round-robin"}
     for r in runs.values():
         assert r["sent"] > 0 and abs(r["good"] + r["late"] + r["shed"] + r["failed"] - 1) < 0.01
         # the steady window (the middle half of a 4 s run) counts a part of the good answers, at most all
         assert 0 <= r["steady_goodput_rps"] * 2 <= r["good"] * r["sent"]
-    # at three times its capacity, the router with admission refuses part cleanly; the others never do
-    assert runs["admission"]["shed"] > 0 and runs["shipped"]["shed"] == runs["round-robin"]["shed"] == 0
-    assert runs["admission"]["failed"] == 0
+    # at three times its capacity, the router with admission (tuned, or as shipped) refuses part
+    # cleanly; with it off, or without a router, nothing is
+    assert runs["admission"]["shed"] > 0 and runs["shipped"]["shed"] > 0
+    assert runs["off"]["shed"] == runs["round-robin"]["shed"] == 0
+    assert runs["admission"]["failed"] == runs["shipped"]["failed"] == 0
+
+
+def test_priority_classes_are_counted_and_the_higher_fares_better_with_admission() -> None:
+    result = small_run("--priorities", "--duration-s", "4")
+    for run in result["runs"]:
+        c = run["classes"]
+        assert c["interactive"]["sent"] + c["bulk"]["sent"] == run["sent"]
+        assert c["bulk"]["sent"] > c["interactive"]["sent"] > 0  # three to one
+    admission = next(r for r in result["runs"] if r["contender"] == "admission")["classes"]
+    assert admission["interactive"]["good"] > admission["bulk"]["good"], admission
 
 
 def test_the_mixed_traffic_is_counted_per_client_and_kind() -> None:
@@ -56,3 +68,10 @@ def test_bad_arguments_are_one_line() -> None:
         timeout=60,
     )
     assert out.returncode == 2 and out.stderr.strip() == "router-bench overload: --loads 'x' is not a list of numbers"
+    out = subprocess.run(
+        [sys.executable, "-m", "router.bench.cli", "overload", "--mix", "--priorities"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "choose one" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -8,7 +8,8 @@ counted once, by the client:
 
 - good: answered whole, its first token within `--ttft-target-s`;
 - late: answered whole, its first token later than that;
-- shed: refused before any byte with a clean 429 or 503 (a client can retry elsewhere or later);
+- shed: refused before any byte with a clean 429 or 503 (a client can retry elsewhere or later), or
+  smg's 408 for a queue time-out;
 - failed: anything else (an error status, a cut stream, the client's own time-out).
 
 Goodput is good requests a second, to the last answer; steady goodput counts only the requests
@@ -30,6 +31,12 @@ three requests for every one of a light client ("light"), and each request is, w
 client and per kind (turn, new): with admission, the light client's share of the goodput should
 stay near half (fair queueing, not first come first served) and turns should fare better than
 new conversations (their cache is warm and their users are mid-conversation).
+
+`--priorities` makes the traffic two priority classes: a quarter of the requests `interactive`,
+the rest `bulk` (each request names its class in X-Priority, router-serve's header, and in
+x-smg-priority, smg's); figures are kept per class, and smg runs a second time with its priority
+scheduler (`--priority-scheduler-enabled`, every class allowed). With priorities honoured, the
+interactive class keeps its goodput at 3x while bulk gives way.
 
 How long it takes is printed up front: the capacity measurement, then each run's `--duration-s`
 of arrivals and its drain (the requests still queued finish, each within CLIENT_TIMEOUT_S), then
@@ -67,6 +74,7 @@ IDLE_TIMEOUT_S = 60.0  # the longest wait, between runs, for every replica to be
 STEADY_EDGE_S = 5.0  # the steady goodput leaves out requests sent this close to either end of a run
 CLIENTS = (("heavy", 0.75), ("light", 0.25))  # --mix: who sends, and their shares of the arrivals
 CLASSES = ("heavy", "light", "turn", "new")
+PRIORITY_CLIENTS = (("interactive", 0.25), ("bulk", 0.75))  # --priorities: each class's share of the arrivals
 
 
 @dataclass
@@ -101,10 +109,11 @@ async def one(
     tally: Tally,
     session: str | None = None,
     also: tuple[Tally, ...] = (),
+    headers: dict[str, str] | None = None,
 ) -> bool:
     """Send one streamed chat turn and count it in `tally` (and in each of `also`); True when it
     was answered whole."""
-    return await _one(http, url, body, target_s, _Counted((tally, *also)), session or uuid.uuid4().hex)
+    return await _one(http, url, body, target_s, _Counted((tally, *also)), session or uuid.uuid4().hex, headers)
 
 
 class _Counted:
@@ -123,7 +132,13 @@ class _Counted:
 
 
 async def _one(
-    http: aiohttp.ClientSession, url: str, body: bytes, target_s: float, tally: _Counted, session: str
+    http: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    target_s: float,
+    tally: _Counted,
+    session: str,
+    headers: dict[str, str] | None = None,
 ) -> bool:
     t0 = time.monotonic()
     first: float | None = None
@@ -131,10 +146,10 @@ async def _one(
         async with http.post(
             url + "/v1/chat/completions",
             data=body,
-            headers={"X-Session-ID": session, "Content-Type": "application/json"},
+            headers={"X-Session-ID": session, "Content-Type": "application/json", **(headers or {})},
             timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),
         ) as r:
-            if r.status in (429, 503):
+            if r.status in (408, 429, 503):
                 data = await r.read()
                 clean = data.startswith(b"{") and b'"error"' in data
                 tally.add("shed" if clean else "failed")
@@ -195,6 +210,8 @@ async def offer(
     rng = random.Random(seed)
     tally = tally if tally is not None else Tally()
     classes = {name: Tally() for name in CLASSES} if args.mix else {}
+    if args.priorities:
+        classes = {name: Tally() for name, _ in PRIORITY_CLIENTS}
     idle_talks: dict[str, list[Conversation]] = {name: [] for name, _ in CLIENTS}
     tasks: list[asyncio.Task[bool | None]] = []
 
@@ -217,6 +234,13 @@ async def offer(
                 await asyncio.sleep(delay)
             url = targets[i % len(targets)]
             i += 1
+            if args.priorities:
+                rank = PRIORITY_CLIENTS[0][0] if rng.random() < PRIORITY_CLIENTS[0][1] else PRIORITY_CLIENTS[1][0]
+                body = chat_body(rng, args.max_tokens, args.prompt_chars)
+                asks = {"X-Priority": rank, "x-smg-priority": rank}
+                job = one(http, url, body, args.ttft_target_s, tally, None, (classes[rank],), asks)
+                tasks.append(asyncio.create_task(job))
+                continue
             if not args.mix:
                 body = chat_body(rng, args.max_tokens, args.prompt_chars)
                 tasks.append(asyncio.create_task(one(http, url, body, args.ttft_target_s, tally)))
@@ -292,7 +316,8 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
     )
     out = [
         Contender("admission", "router-serve, admission", "router", held),
-        Contender("shipped", "router-serve as shipped (no admission)", "router"),
+        Contender("shipped", "router-serve as shipped (admission: max_queued auto)", "router"),
+        Contender("off", "router-serve, admission off (max_queued 0)", "router", ("--max-queued", "0")),
         Contender("round-robin", "round-robin (client, no router)", "direct"),
     ]
     if not args.no_peers and peer_installed("smg"):
@@ -317,6 +342,10 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
                 ),
             )
         )
+        if args.priorities:
+            smg = out[-1]
+            flags = (*smg.args, "--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "system")
+            out.append(Contender("smg-priority", "smg cache_aware, priority scheduler", "smg", flags))
     return out
 
 
@@ -437,6 +466,8 @@ def _class(tally: Tally, elapsed_s: float, start: float, duration_s: float) -> d
         "good": round(tally.good / sent, 4),
         "shed": round(tally.shed / sent, 4),
         "late": round(tally.late / sent, 4),
+        "ttft_p50_s": round(percentile(tally.ttfts, 50), 3) if tally.ttfts else None,
+        "ttft_p99_s": round(percentile(tally.ttfts, 99), 3) if tally.ttfts else None,
     }
 
 
@@ -458,7 +489,25 @@ def render(result: dict[str, Any]) -> str:
             f"{r['shed']:.1%} | {r['failed']:.1%} | {r['ttft_p50_s']} | {r['ttft_p99_s']} "
             f"| {r['router_cpu_s'] if r['router_cpu_s'] is not None else '—'} | {r['fleet_cpu_s']} |"
         )
-    mixed = [r for r in result["runs"] if "classes" in r]
+    ranked = [r for r in result["runs"] if "interactive" in r.get("classes", {})]
+    if ranked:
+        lines += [
+            "",
+            "Per priority class (--priorities): goodput / s (the share of the class's requests answered within the "
+            "target), and its TTFT P50 / P99",
+            "",
+            "| offered | contender | interactive | bulk | interactive TTFT P50 / P99 | bulk TTFT P50 / P99 |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in ranked:
+            c = r["classes"]
+            i, b = c["interactive"], c["bulk"]
+            lines.append(
+                f"| {r['load']:g}x | {r['label']} | {i['goodput_rps']} ({i['good']:.0%}) "
+                f"| {b['goodput_rps']} ({b['good']:.0%}) | {i['ttft_p50_s']} / {i['ttft_p99_s']} "
+                f"| {b['ttft_p50_s']} / {b['ttft_p99_s']} |"
+            )
+    mixed = [r for r in result["runs"] if "heavy" in r.get("classes", {})]
     if mixed:
         lines += [
             "",
@@ -524,6 +573,12 @@ def add_parser(sub: Any) -> None:
         default=0.5,
         help="--mix: the chance that a request continues one of its client's conversations (default 0.5)",
     )
+    p.add_argument(
+        "--priorities",
+        action="store_true",
+        help="two priority classes (interactive 1 : bulk 3, named in X-Priority and x-smg-priority): figures per "
+        "class, and smg with its priority scheduler too",
+    )
     p.add_argument("--no-peers", action="store_true", help="leave smg out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
@@ -539,6 +594,9 @@ def run_cli(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"router-bench overload: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if args.mix and args.priorities:
+        print("router-bench overload: --mix and --priorities are two different workloads: choose one", file=sys.stderr)
+        return 2
     if not 0 <= args.turn_share <= 1:
         print("router-bench overload: --turn-share must be in [0, 1]", file=sys.stderr)
         return 2
