@@ -15,6 +15,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes.client
 import pytest
@@ -26,6 +27,7 @@ from router.config import load
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUSTOMIZATIONS = ("kubernetes/base", "kubernetes/overlays/production")
+SCALE_FROM_ZERO = "../../components/scale-from-zero"
 MODELS = {  # (apiVersion, kind) -> the kubernetes package's model
     ("v1", "Namespace"): "V1Namespace",
     ("v1", "Secret"): "V1Secret",
@@ -109,6 +111,78 @@ def validate_service_monitor(obj: dict[str, Any]) -> None:
         assert re.fullmatch(r"\d+(ms|s|m)", endpoint["interval"])
 
 
+def validate_scaled_object(obj: dict[str, Any]) -> None:
+    """KEDA's ScaledObject (a CRD): the fields used here, and a metrics-api trigger's metadata,
+    which KEDA reads as strings (an unquoted `true` or `1` would not pass its CRD's schema)."""
+    assert obj["apiVersion"] == "keda.sh/v1alpha1" and obj["kind"] == "ScaledObject"
+    strict(obj["metadata"], "V1ObjectMeta", "ScaledObject.metadata")
+    spec = obj["spec"]
+    assert set(spec) <= {
+        "scaleTargetRef",
+        "minReplicaCount",
+        "maxReplicaCount",
+        "pollingInterval",
+        "cooldownPeriod",
+        "triggers",
+    }, set(spec)
+    assert set(spec["scaleTargetRef"]) <= {"apiVersion", "kind", "name"} and "name" in spec["scaleTargetRef"]
+    for field in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod"):
+        strict(spec.get(field, 0), "int", f"ScaledObject.spec.{field}")
+    assert spec["triggers"], "ScaledObject.spec.triggers: empty"
+    for trigger in spec["triggers"]:
+        assert set(trigger) <= {"type", "metricType", "metadata", "authenticationRef"}, set(trigger)
+        assert trigger.get("metricType", "AverageValue") in ("AverageValue", "Value")
+        assert set(trigger.get("authenticationRef", {"name": ""})) == {"name"}
+        strict(trigger["metadata"], "dict(str, str)", "ScaledObject.spec.triggers.metadata")
+        assert trigger["type"] == "metrics-api", trigger["type"]
+        metadata = trigger["metadata"]
+        assert (
+            {"url", "valueLocation", "targetValue"}
+            <= set(metadata)
+            <= {
+                "url",
+                "format",
+                "valueLocation",
+                "targetValue",
+                "activationTargetValue",
+                "aggregateFromKubeServiceEndpoints",
+                "aggregationType",
+                "authMode",
+            }
+        ), set(metadata)
+        for number in ("targetValue", "activationTargetValue"):  # KEDA parses them as floats
+            float(metadata.get(number, "0"))
+        assert metadata.get("format", "json") in ("json", "xml", "yaml", "prometheus")
+        assert metadata.get("aggregateFromKubeServiceEndpoints", "false") in ("true", "false")
+        assert metadata.get("aggregationType", "average") in ("average", "sum", "max", "min")
+        assert metadata.get("authMode", "bearer") in ("apiKey", "basic", "tls", "bearer")
+
+
+def validate_trigger_authentication(obj: dict[str, Any]) -> None:
+    """KEDA's TriggerAuthentication (a CRD): parameters from Secrets' keys, the one source used here."""
+    assert obj["apiVersion"] == "keda.sh/v1alpha1" and obj["kind"] == "TriggerAuthentication"
+    strict(obj["metadata"], "V1ObjectMeta", "TriggerAuthentication.metadata")
+    assert set(obj["spec"]) == {"secretTargetRef"}, set(obj["spec"])
+    for ref in obj["spec"]["secretTargetRef"]:
+        assert set(ref) == {"parameter", "name", "key"}, set(ref)
+        strict(ref, "dict(str, str)", "TriggerAuthentication.spec.secretTargetRef")
+
+
+CRDS = {
+    "ServiceMonitor": validate_service_monitor,
+    "ScaledObject": validate_scaled_object,
+    "TriggerAuthentication": validate_trigger_authentication,
+}
+
+
+def validate_any(obj: dict[str, Any]) -> None:
+    """A Kubernetes object by its model, or one of the CRDs by its hand-written validator."""
+    if obj["kind"] in CRDS:
+        CRDS[obj["kind"]](obj)
+    else:
+        validate(obj)
+
+
 @pytest.fixture(scope="module", params=KUSTOMIZATIONS)
 def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     if KUBECTL is None:
@@ -140,10 +214,7 @@ def test_every_object_validates(rendered: list[dict[str, Any]]) -> None:
     kinds = set()
     for obj in rendered:
         kinds.add(obj["kind"])
-        if obj["kind"] == "ServiceMonitor":
-            validate_service_monitor(obj)
-        else:
-            validate(obj)
+        validate_any(obj)
         if obj["kind"] != "Namespace":
             assert obj["metadata"].get("namespace") == "kv-affinity-router", obj["metadata"]["name"]
     assert {"Namespace", "Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
@@ -287,10 +358,112 @@ def test_the_client_keys_component_mounts_its_secret_as_a_directory_the_router_r
     assert ClientKeys(config.client_keys_file).client({"x-api-key": "sk-team-a"}) == Client("team-a", "ci")
 
 
+def render_scale_from_zero(over: str) -> list[dict[str, Any]]:
+    """`over` (base or production) with the scale-from-zero component, as its README tells an
+    operator to add it: an overlay of its own beside production's, the token file written without
+    a newline (KEDA sends the Secret's bytes as they are)."""
+    assert KUBECTL is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "kubernetes"
+        shutil.copytree(DEPLOY / "kubernetes", tree)
+        overlay = tree / "overlays" / "scale-from-zero"
+        overlay.mkdir()
+        if over == "production":
+            kustomization = (tree / "overlays" / "production" / "kustomization.yaml").read_text()
+            (overlay / "admin-token").write_text("0123456789abcdef")
+        else:
+            kustomization = "resources:\n  - ../../base\ncomponents:\n"
+        kustomization = kustomization.replace("components:\n", f"components:\n  - {SCALE_FROM_ZERO}\n")
+        (overlay / "kustomization.yaml").write_text(kustomization)
+        out = subprocess.run([KUBECTL, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("over", ["base", "production"])
+def test_the_scale_from_zero_component_scales_inference_on_the_routers_signal(over: str) -> None:
+    objs = render_scale_from_zero(over)
+    for obj in objs:
+        validate_any(obj)
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "kv-affinity-router", obj["metadata"]["name"]
+    scaled = one(objs, "ScaledObject", "inference")["spec"]
+    assert scaled["minReplicaCount"] == 0 < scaled["maxReplicaCount"]
+    assert scaled["scaleTargetRef"] == {"kind": "Deployment", "name": "inference"}
+    assert scaled["pollingInterval"] <= 30 and scaled["cooldownPeriod"] >= 300  # a cold start costs minutes
+    (trigger,) = scaled["triggers"]
+    metadata = trigger["metadata"]
+    # desired replicas = ceil(value / 1): the number the router recommends
+    assert trigger["metricType"] == "AverageValue" and float(metadata["targetValue"]) == 1
+    assert metadata["valueLocation"] == "recommended_replicas" and metadata.get("format", "json") == "json"
+    assert float(metadata["activationTargetValue"]) == 0  # any recommendation above 0 wakes the fleet
+    # the router Service's admin port, which serves /admin/scale; KEDA asks each ready pod behind the
+    # Service on the URL's port (an EndpointSlice lists the pods' ports), so it is the container's too
+    deployment = one(objs, "Deployment", "kv-affinity-router")
+    (router,) = deployment["spec"]["template"]["spec"]["containers"]
+    config = tomllib.loads(one(objs, "ConfigMap", "kv-affinity-router-config")["data"]["router.toml"])
+    service = one(objs, "Service", "kv-affinity-router")
+    admin = next(p for p in service["spec"]["ports"] if p["name"] == "admin")
+    container = {p["name"]: p["containerPort"] for p in router["ports"]}[admin["targetPort"]]
+    url = urlsplit(metadata["url"])
+    assert url.scheme == "http" and url.path == "/admin/scale"
+    assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    assert url.port == admin["port"] == container == config["admin_port"]
+    # every router answers for itself: the largest answer, so that one router holding a request wakes the fleet
+    assert metadata["aggregateFromKubeServiceEndpoints"] == "true" and metadata["aggregationType"] == "max"
+    # the bearer token: the TriggerAuthentication in the render, from the Secret the router reads its token from
+    assert metadata["authMode"] == "bearer"
+    auth = one(objs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    assert auth["metadata"]["name"] == trigger["authenticationRef"]["name"]
+    (ref,) = auth["spec"]["secretTargetRef"]
+    env = {e["name"]: e for e in router["env"]}
+    token = env["ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"parameter": "token", "name": token["name"], "key": token["key"]}
+    if over == "production":  # generated, with a hash in its name that kustomize carries into the reference
+        secret = one(objs, "Secret", "kv-affinity-router-admin")
+        assert ref["name"] == secret["metadata"]["name"] != "kv-affinity-router-admin" and ref["key"] in secret["data"]
+    # the router holds a request while no replica is ready, and stays in its Service while none is
+    wait = env["ROUTER_SCALE_FROM_ZERO_S"]["value"]
+    settings = load(None, {"ROUTER_SCALE_FROM_ZERO_S": wait}, {"replicas": ["http://h:1"]})
+    assert settings.scale_from_zero_s == float(wait) > 0
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+
+
+def test_the_keda_validators_catch_a_misspelt_field_and_an_unquoted_value() -> None:
+    scaled: dict[str, Any] = {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": "x"},
+        "spec": {
+            "scaleTargetRef": {"name": "inference"},
+            "minReplicas": 0,
+            "triggers": [{"type": "metrics-api", "metadata": {"url": "http://r:1/", "valueLocation": "v"}}],
+        },
+    }
+    with pytest.raises(AssertionError, match="minReplicas"):
+        validate_scaled_object(scaled)
+    scaled["spec"]["minReplicaCount"] = scaled["spec"].pop("minReplicas")
+    scaled["spec"]["triggers"][0]["metadata"]["targetValue"] = 1
+    with pytest.raises(AssertionError, match="expected str"):
+        validate_scaled_object(scaled)
+    scaled["spec"]["triggers"][0]["metadata"]["targetValue"] = "1"
+    validate_scaled_object(scaled)
+    auth = {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "TriggerAuthentication",
+        "metadata": {"name": "x"},
+        "spec": {"secretTargetRef": [{"parameter": "token", "name": "s", "secretKey": "token"}]},
+    }
+    with pytest.raises(AssertionError, match="secretKey"):
+        validate_trigger_authentication(auth)
+
+
 @needs_kubectl
 def test_router_serve_accepts_the_config_the_cluster_gets(tmp_path: Path) -> None:
-    for path in KUSTOMIZATIONS:
-        objs = render(path)
+    renders = [(path, render(path)) for path in KUSTOMIZATIONS]
+    renders.append(("production with scale-from-zero", render_scale_from_zero("production")))
+    for path, objs in renders:
         toml = tmp_path / "router.toml"
         toml.write_text(one(objs, "ConfigMap", "kv-affinity-router-config")["data"]["router.toml"])
         deployment = one(objs, "Deployment", "kv-affinity-router")
@@ -306,7 +479,7 @@ def test_router_serve_accepts_the_config_the_cluster_gets(tmp_path: Path) -> Non
         assert out.returncode == 0, out.stderr
         assert "configuration is valid" in out.stdout and "2 worker processes" in out.stdout
         assert "discovered through dns:inference-replicas.kv-affinity-router.svc.cluster.local:8000" in out.stdout
-        if path.endswith("production"):
+        if "production" in path:
             assert "routing state shared through redis://" in out.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text('admin_port = 8080\nport = 8080\ndiscovery = "dns:x:1"\n')
