@@ -14,6 +14,8 @@ What the router was given cannot be used
   CannotListen (OSError)            proxy/workers.py: an address to listen on is taken; router-serve exits 1
   ClientKeysError (ValueError)      clients.py: the client keys file is missing or malformed; at start
                                       router-serve exits 2, later the keys read before stay in force
+  TracingConfigError (ValueError)   tracing.py: OTEL_* asks for an exporter or protocol the router
+                                      has not; router-serve exits 2
 A peer (replica, engine, worker process) failed, or sent what cannot be read
   UpstreamError (ConnectionError)   upstream.py: a replica's connection broke or ended before its answer;
     ConnectError                      none could be made; the request fails over (502 if none is left)

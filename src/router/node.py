@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from router import tracing
 from router.admission import Admission
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
@@ -64,6 +65,7 @@ from router.shared import Follower, Publisher
 from router.shared_sessions import SharedSessions
 from router.shm.table import SlotTable
 from router.state import Persistence, state_file
+from router.tracing import Tracing
 from router.upstream import Upstream
 
 log = logging.getLogger("router.node")
@@ -86,6 +88,8 @@ class Node:
         self.control_socket = control_socket
         # who may use the API (router.clients); None: anyone
         self.clients = ClientKeys(config.client_keys_file) if config.client_keys_file else None
+        # OpenTelemetry traces of the requests this process serves (router.tracing): OTEL_* turns them on
+        self.tracing: Tracing | None = tracing.setup() if worker is not None or config.workers <= 1 else None
         self.budgets: Budgets | None = None  # the tenants' tokens a minute (router.budgets), with keys on
         if self.clients is not None:
             self.budgets = self._budgets(self.clients)
@@ -366,6 +370,8 @@ class Node:
         yield
         self.upstream.close()
         await self.client.close()
+        if self.tracing is not None:  # the spans still batched are sent (blocking: off the loop)
+            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
 
     def _reconnected(self, url: str) -> None:
         """A request went out again on a new connection: its pooled one was closed by the replica."""

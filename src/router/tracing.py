@@ -104,6 +104,7 @@ OPERATIONS = {
 DEFAULT_SERVICE_NAME = "router-serve"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})  # W3C trace context: the router's own replaces a client's
 _SERVER, _CLIENT, _INTERNAL = SpanKind.SERVER, SpanKind.CLIENT, SpanKind.INTERNAL
 
 
@@ -370,14 +371,17 @@ class AttemptTrace:
         _PROPAGATOR.inject(carrier, set_span_in_context(span))
         return carrier
 
-    def end(self, outcome: str, status: int | None = None) -> None:
+    def end(self, outcome: str, status: int | None = None, resent: bool = False) -> None:
         """The attempt ended, now, with `outcome` (`ok`, or why it failed: connect, timeout, reset,
-        http_5xx, refused...) and the replica's HTTP `status` if it answered. Anything but `ok` is
-        an error of the span's."""
+        http_5xx, refused...) and the replica's HTTP `status` if it answered; `resent`: it was sent
+        again on a new connection, the pooled one having been stale. Anything but `ok` is an error
+        of the span's."""
         span = self.span
         if span is None:
             return
         attributes: dict[str, Any] = {ROUTER_OUTCOME: outcome}
+        if resent:
+            attributes[ROUTER_RESEND] = True
         if status is not None:
             attributes[HTTP_RESPONSE_STATUS_CODE] = status
         if outcome != "ok":

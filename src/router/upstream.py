@@ -114,7 +114,7 @@ def _target(url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
 class Response:
     """One answer from a replica: its status and headers at once, the body as it arrives."""
 
-    __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_eof", "_exc", "_waiter", "headers", "status")
+    __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_eof", "_exc", "_waiter", "headers", "resent", "status")
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -126,6 +126,7 @@ class Response:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._done = False  # released or closed
+        self.resent = False  # sent again on a new connection: the pooled one it went out on was stale
 
     @property
     def content(self) -> Response:
@@ -468,6 +469,7 @@ class Upstream:
             pass
         conn = await pool.connect(connect_s)  # a new one: never stale, and not one of the idle ones
         response = await _exchange(conn, head, body, data)
+        response.resent = True
         self.reconnects += 1
         self.on_reconnect(url)  # counted once the new connection answered: else it is the replica's failure
         return response

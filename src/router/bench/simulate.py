@@ -267,6 +267,7 @@ class Tally:
         attempts: int = 0,
         verdict: Verdict | None = None,
         client: Client | None = None,
+        trace_id: str | None = None,
     ) -> None:
         assert isinstance(exchange, SimExchange)
         sim, turn = self.sim, exchange.turn

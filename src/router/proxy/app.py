@@ -91,6 +91,7 @@ def journey_of(node: Node) -> Journey:
         clients=node.clients,
         budgets=node.budgets,
         reserve_tokens=cfg.budget_reserve_tokens,
+        tracing=node.tracing,
     )
 
 

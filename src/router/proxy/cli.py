@@ -34,6 +34,7 @@ from router.proxy.workers import (
 from router.ring import IMPLEMENTATION as RING_IMPLEMENTATION
 from router.shm.table import SlotTable
 from router.state import StateError, state_file
+from router.tracing import TracingConfigError, exporters_from_environment
 
 
 class Parser(argparse.ArgumentParser):
@@ -238,7 +239,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"router-serve: client keys: {n} key{'' if n == 1 else 's'} of {tenants} "
                 f"tenant{'' if tenants == 1 else 's'} in {config.client_keys_file}"
             )
+    try:
+        exporters = exporters_from_environment()  # OTEL_*: traces (router.tracing), checked before anything starts
+    except TracingConfigError as exc:
+        print(f"router-serve: {exc}", file=sys.stderr)
+        return 2
     if args.check_config:
+        if exporters:
+            print(f"router-serve: traces: sent by {', '.join(exporters)} (OTEL_* environment)")
         print(f"router-serve: the configuration is valid: {summary(config)}")
         return 0
     if config.log_requests:

@@ -175,7 +175,10 @@ async def attempt(
                 first = await upstream.readany()
         except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
-        return await _relay(trip, upstream, first, named, timeouts, deadline)
+        outcome = await _relay(trip, upstream, first, named, timeouts, deadline)
+        if upstream.resent and isinstance(outcome, Outcome):
+            outcome.extra["resent"] = True  # (for the attempt's trace)
+        return outcome
     finally:
         if upstream is not None:
             _let_go(upstream)

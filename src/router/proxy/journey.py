@@ -31,7 +31,7 @@ import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.budgets import Budgets, Reservation, estimate
+from router.budgets import COMPLETION_CAPS, Budgets, Reservation, estimate
 from router.clients import KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
@@ -53,6 +53,7 @@ from router.proxy.intake import Intake, Refused, no_such_model
 from router.proxy.resume import Splicer, continued, read_so_far
 from router.proxy.sse import StreamFramer
 from router.routing import Route, Routing, Verdict
+from router.tracing import TRACE_HEADERS, AttemptTrace, RequestTrace, Tracing
 from router.upstream import Upstream
 
 access_log = logging.getLogger("router.access")
@@ -146,6 +147,7 @@ class Accounting(Protocol):
         attempts: int = 0,
         verdict: Verdict | None = None,
         client: Client | None = None,
+        trace_id: str | None = None,
     ) -> None: ...
 
 
@@ -179,10 +181,11 @@ class Ledger:
         attempts: int = 0,
         verdict: Verdict | None = None,
         client: Client | None = None,
+        trace_id: str | None = None,
     ) -> None:
         """Count and log the journey of a request that ended with `status` (`replica`: None when
         none answered; `verdict`: how the routing core counted a served keyed request; `client`:
-        whose key it brought, with client keys on)."""
+        whose key it brought, with client keys on; `trace_id`: its trace's, where it is traced)."""
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
         m = self.metrics
@@ -196,6 +199,8 @@ class Ledger:
         if self.log_requests:
             facts = result.facts if result is not None else None
             tenant = {"tenant": client.tenant, "key_id": client.key_id} if client is not None else {}
+            if trace_id is not None:
+                tenant["trace_id"] = trace_id
             access_log.info(
                 json.dumps(
                     {
@@ -237,6 +242,11 @@ class Ledger:
 Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], Awaitable[RoutingKey]]
 
 
+def traced_headers(headers: dict[str, str], span: AttemptTrace) -> dict[str, str]:
+    """`headers` with the attempt's trace context in place of any other (a client's, an earlier attempt's)."""
+    return {k: v for k, v in headers.items() if k.lower() not in TRACE_HEADERS} | span.headers()
+
+
 class Journey:
     """Serves proxied requests (router.proxy.front.Serving): one `serve` per request."""
 
@@ -254,6 +264,7 @@ class Journey:
         clients: ClientKeys | None = None,
         budgets: Budgets | None = None,
         reserve_tokens: int = 1024,
+        tracing: Tracing | None = None,
     ) -> None:
         self.routing = routing
         self.fleet = routing.fleet
@@ -269,11 +280,17 @@ class Journey:
         self.budgets = budgets  # tenants' tokens a minute (router.budgets); None: no budgets
         self.reserve_tokens = reserve_tokens  # what a request naming no max_tokens reserves for its answer
         self._settling: set[asyncio.Future[None]] = set()  # budgets settling (kept from the collector)
+        self.tracing = tracing  # OpenTelemetry (router.tracing); None: off, and no cost
         self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
         """Answer one proxied request, taken in or refused, through `exchange`."""
         finish = self.ledger.finish
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.request(exchange.method, exchange.path, exchange.headers, t0)
+            trace.intake(t0, self.clock(), len(intake.raw) if isinstance(intake, Intake) else None)
+            finish = functools.partial(self._traced, functools.partial(finish, trace_id=trace.trace_id), trace, intake)
         if not isinstance(intake, Intake):  # (with client keys on, a request without one is refused at intake)
             intake.answer(exchange)
             finish(exchange, exchange.status, None, NO_KEY, None, t0)
@@ -326,19 +343,34 @@ class Journey:
                 return
             if waited:
                 self.metrics.queue_wait.observe(waited)
+                if trace is not None:
+                    now = self.clock()
+                    trace.queued(now - waited, now)
         # with client keys on, a client's key is the router's business alone: never forwarded
         trip = Trip(exchange, intake, forward_headers(exchange.headers, exchange.remote, self.clients is None), t0)
         failure: Retry | None = None
+        routing_since = self.clock() if trace is not None else 0.0
+        span = None
         while (replica := route.next(loop.time())) is not None:
+            if trace is not None:
+                span = self._attempt_span(trace, route, replica, trip, routing_since)
             try:
                 result = await self.attempts.send(replica, trip, route.deadline)
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
+                if span is not None:
+                    span.end("client_gone")
                 finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                 raise
             finally:
                 route.release(replica)
                 if intake.api.queued:
                     admission.released()
+            if span is not None:
+                if isinstance(result, Retry):
+                    span.end(result.cause, result.status or None)
+                else:
+                    outcome = "ok" if result.stream_error is None else "stream_error"
+                    span.end(outcome, result.facts.status, bool(result.extra.get("resent")))
             if isinstance(result, Retry):
                 route.failed(replica, result.cause)
                 failure = result
@@ -353,7 +385,7 @@ class Journey:
                 route.produced(result.facts.response_id, replica, self.max_key_bytes)
             if intake.resumable and result.facts.streamed:
                 try:
-                    replica = await self._resume(trip, route, result, replica)
+                    replica = await self._resume(trip, route, result, replica, trace)
                 except asyncio.CancelledError:  # the client went away during the continuation
                     finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
                     raise
@@ -368,6 +400,62 @@ class Journey:
             failure = failure or Retry("timeout", 504)
         self._no_replica(exchange, failure, bool(route.tried))
         finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
+
+    def _attempt_span(
+        self, trace: RequestTrace, route: Route, replica: ReplicaState, trip: Trip, since: float
+    ) -> AttemptTrace:
+        """An attempt's span (the first one's routing decision's too), its trace context on the
+        headers sent (vLLM's own spans join the trace under it)."""
+        if route.attempts == 1:
+            decision = route.decision
+            cost = decision.cost if decision is not None else None
+            trace.routed(
+                since,
+                self.clock(),
+                self.routing.policy.name,
+                replica.id,
+                decision.reason if decision is not None else None,
+                route.key.kind,
+                round((cost.cost_s - cost.spread_s) * 1000, 3) if cost is not None else None,
+                round(cost.cached_tokens) if cost is not None else None,
+            )
+        span = trace.attempt(replica.id, replica.url + trip.exchange.path, route.attempts)
+        trip.headers = traced_headers(trip.headers, span)
+        return span
+
+    @staticmethod
+    def _traced(
+        finish: Callable[..., None],
+        trace: RequestTrace,
+        intake: Intake | Refused,
+        exchange: Exchange,
+        status: int,
+        replica: ReplicaState | None,
+        key: RoutingKey,
+        decision: Decision | None,
+        t0: float,
+        result: Outcome | None = None,
+        attempts: int = 0,
+        verdict: Verdict | None = None,
+        client: Client | None = None,
+    ) -> None:
+        """`finish`, then the request's span (its tokens, tenant and outcome)."""
+        finish(exchange, status, replica, key, decision, t0, result, attempts, verdict, client=client)
+        facts = result.facts if result is not None else None
+        cap = None
+        if isinstance(intake, Intake):
+            cap = next((v for n in COMPLETION_CAPS if type(v := intake.body.get(n)) is int), None)
+        trace.finish(
+            status,
+            key.model,
+            facts.prompt_tokens if facts is not None else None,
+            facts.completion_tokens if facts is not None else None,
+            cap,
+            client.tenant if client is not None else None,
+            client.key_id if client is not None else None,
+            replica.id if replica is not None else None,
+            result.stream_error if result is not None else None,
+        )
 
     def _settled(
         self,
@@ -411,7 +499,9 @@ class Journey:
             shed.status, error_body_for(exchange.path, shed.message, shed.status, SHED_CODES[shed.reason]), headers
         )
 
-    async def _resume(self, trip: Trip, route: Route, result: Outcome, broke: ReplicaState) -> ReplicaState:
+    async def _resume(
+        self, trip: Trip, route: Route, result: Outcome, broke: ReplicaState, trace: RequestTrace | None = None
+    ) -> ReplicaState:
         """Continue `result`'s broken stream on another replica the route offers and return the
         replica that ended the stream. A stream is resumed once: if its continuation breaks too,
         the request itself may be what breaks replicas, so it ends there with an SSE error event,
@@ -442,12 +532,18 @@ class Journey:
         strip = result.framer is not None and result.framer.strip_usage
         loop = asyncio.get_running_loop()
         while (replica := route.next(loop.time(), resuming=True)) is not None:
+            span = None
+            if trace is not None:
+                span = trace.resume(replica.id, replica.url + trip.exchange.path, route.attempts, broke.id)
+                trip.headers = traced_headers(trip.headers, span)
             try:
                 failed = await self.attempts.resume(
                     replica, trip, raw, route.deadline, result, Splicer(so_far, chat, strip)
                 )
             finally:
                 route.release(replica)
+            if span is not None:
+                span.end(failed.cause if failed is not None else "ok" if not result.stream_error else "stream_error")
             if failed is not None and failed.cause == "refused":
                 m.child(m.stream_resumes, "refused").inc()  # the continuation itself was refused (4xx)
                 await end_stream(result)
