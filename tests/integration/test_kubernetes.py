@@ -427,7 +427,7 @@ def test_the_scale_from_zero_component_scales_inference_on_the_routers_signal(ov
     wait = env["ROUTER_SCALE_FROM_ZERO_S"]["value"]
     settings = load(None, {"ROUTER_SCALE_FROM_ZERO_S": wait}, {"replicas": ["http://h:1"]})
     assert settings.scale_from_zero_s == float(wait) > 0
-    assert router["readinessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}  # ready at zero (app.py)
 
 
 def test_the_keda_validators_catch_a_misspelt_field_and_an_unquoted_value() -> None:

@@ -217,6 +217,8 @@ async def test_a_request_is_held_through_a_scale_up_from_zero(
                 assert r.status == 200
                 return await r.json()  # type: ignore[no-any-return]
 
+        async with http.get(url + "/health") as r:  # ready to hold requests, though no replica is
+            assert r.status == 200 and (await r.json())["status"] == "scaled_to_zero"
         deadline = time.monotonic() + 10
         while (signal := await scale())["recommended_replicas"] != 0:  # idle for a window: it may go to zero
             assert time.monotonic() < deadline, signal

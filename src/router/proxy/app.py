@@ -236,15 +236,20 @@ class Proxy:
             return error_response(f"the replica holding response '{response_id}' did not answer", 502, "upstream_error")
 
     async def health(self, request: web.Request) -> web.Response:
+        """Ready while some replica is routable; with scale_from_zero_s, also while none is (the
+        router holds requests until the autoscaler starts one, and must stay in its Service for
+        the first request, and the autoscaler's poll, to reach it)."""
         fleet = self.node.fleet
         routable = sum(1 for i in range(len(fleet)) if fleet.routable(i))
+        waits = not routable and self.config.scale_from_zero_s > 0
         body = {
-            "status": "ok" if routable else "unavailable",
+            "status": "ok" if routable else "scaled_to_zero" if waits else "unavailable",
             "replicas": len(fleet),
             "routable": routable,
             "worker": self.node.worker,
         }
-        return web.Response(status=200 if routable else 503, body=orjson.dumps(body), content_type="application/json")
+        ready = routable or waits
+        return web.Response(status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         body = generate_latest(self.node.metrics_registry())
