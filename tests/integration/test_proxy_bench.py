@@ -76,6 +76,37 @@ def test_proxy_benchmark_smoke() -> None:
     assert bad.returncode == 2 and "--concurrency '8,x' is not a list of numbers" in bad.stderr
 
 
+def test_the_shared_fleet_contenders_are_served_with_keys_budgets_and_traces() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.bench.cli",
+            "proxy",
+            "--json",
+            "--shared-fleet",
+            *("--requests", "40", "--streams", "8", "--tokens", "5", "--ttft-samples", "10", "--rounds", "1"),
+            *("--concurrency", "1,4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert [r["contender"] for r in result["results"]] == [
+        "direct",
+        "router-serve",
+        "router-serve, client keys",
+        "router-serve, keys + budgets",
+        "router-serve, keys + budgets + traces (all)",
+        "router-serve, keys + budgets + traces (1 %)",
+    ]
+    for r in result["results"]:  # every request was let through: the key was good, the budget never reached
+        assert r["small_ok"] == 40 and r["events"] >= 8 * 5 and r["ttft_ms_median"] > 0
+    assert result["saturate_s"] == 0
+
+
 def test_the_peer_routers_side_by_side() -> None:
     assert all(peer_installed(kind) for kind in PEERS)  # the test extra installs every peer
     out = subprocess.run(

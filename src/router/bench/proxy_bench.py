@@ -22,6 +22,12 @@ replica (router.bench.lean) that this process and the replica share the other CP
 `--saturate-connections` keep-alive clients send small requests back to back on raw connections;
 requests per second and the P50/P99 latency the clients saw.
 
+`--shared-fleet` measures instead what a fleet shared by many clients costs: `router-serve`
+plain, then with client keys (every request brings one), with a token budget for its tenant
+(reserved and settled per request, never reached), and with traces too (every request traced,
+then 1 in 100, exported over OTLP/HTTP to a sink in a process of its own), side by side in the
+same rounds; every contender gets the same requests, key included.
+
 The peers are launched here the same way for every benchmark (`PEERS`, `peer_command`; `router-bench
 fleet` and `faults` use them too): on loopback (they bind 0.0.0.0 for their API and metrics
 unless told otherwise), `HF_ENDPOINT` pointed at a closed loopback port (sglang-router tries to
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -46,6 +53,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,6 +108,11 @@ def add_parser(sub: Any) -> None:
         help="also router-serve as another installation runs it (e.g. an older checkout's venv: "
         "base=/tmp/old/.venv/bin/python), side by side in the same run; repeatable",
     )
+    p.add_argument(
+        "--shared-fleet",
+        action="store_true",
+        help="router-serve with client keys, token budgets and traces on against off, instead of the peers",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
 
@@ -131,6 +144,61 @@ def bare_proxy_main(port: int, upstream: str) -> None:
     app.cleanup_ctx.append(client_ctx)
     uvloop.install()
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def otlp_sink_main(port: int) -> None:
+    """Where the traced contenders export: takes every OTLP/HTTP export and keeps nothing (an
+    empty body is an empty ExportTraceServiceResponse)."""
+
+    async def traces(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")  # (wait_ready)
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/health", health)
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# -- a shared fleet: keys, budgets, traces -----------------------------------------------------------
+
+BENCH_KEY = "sk-bench"
+
+
+def shared_fleet_files(folder: Path) -> Path:
+    """A keys file with the benchmark's key, and a budget for its tenant that it never reaches."""
+    digest = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
+    keys = folder / "keys.toml"
+    keys.write_text(f'[[keys]]\nid = "bench"\ntenant = "bench"\nsha256 = "{digest}"\n')
+    budget = folder / "keys-budget.toml"
+    budget.write_text(keys.read_text() + '[[tenants]]\nname = "bench"\ntokens_per_minute = 1000000000\n')
+    return folder
+
+
+def shared_fleet_contenders(
+    backend: str, folder: Path, sink: str
+) -> list[tuple[str, list[str], dict[str, str] | None, str]]:
+    """router-serve plain, with keys, with keys and a budget, and with traces too (all, then 1 %)."""
+    keyed = ["--client-keys-file", str(folder / "keys.toml"), "--admin-token", "bench"]
+    budget = ["--client-keys-file", str(folder / "keys-budget.toml"), "--admin-token", "bench"]
+    traced = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink}
+    sampled = traced | {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}
+    out = []
+    for name, extra, env in (
+        ("router-serve", [], None),
+        ("router-serve, client keys", keyed, None),
+        ("router-serve, keys + budgets", budget, None),
+        ("router-serve, keys + budgets + traces (all)", budget, traced),
+        ("router-serve, keys + budgets + traces (1 %)", budget, sampled),
+    ):
+        port = free_port()
+        serve = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend, "--state", "none"]
+        out.append((name, [*serve, *extra], {**os.environ, **env} if env else None, f"http://127.0.0.1:{port}"))
+    return out
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -237,7 +305,7 @@ def peer_command(
     return [exe, *common, *args], None
 
 
-async def first_answer(url: str, timeout: float = 60.0) -> None:
+async def first_answer(url: str, timeout: float = 60.0, headers: dict[str, str] | None = None) -> None:
     """Until a just-started router answers one completion (a peer may answer /health before its
     workers are registered)."""
     body = orjson.dumps(SMALL)
@@ -248,7 +316,7 @@ async def first_answer(url: str, timeout: float = 60.0) -> None:
                 async with s.post(
                     url + "/v1/chat/completions",
                     data=body,
-                    headers={"Content-Type": "application/json"},
+                    headers={"Content-Type": "application/json", **(headers or {})},
                     timeout=aiohttp.ClientTimeout(total=5),
                 ) as r:
                     await r.read()
@@ -261,7 +329,7 @@ async def first_answer(url: str, timeout: float = 60.0) -> None:
 # -- load --------------------------------------------------------------------------------------------
 
 
-async def small_requests(url: str, n: int, concurrency: int) -> int:
+async def small_requests(url: str, n: int, concurrency: int, headers: dict[str, str] | None = None) -> int:
     ok = 0
     body = orjson.dumps(SMALL)
     async with aiohttp.ClientSession() as s:
@@ -272,7 +340,7 @@ async def small_requests(url: str, n: int, concurrency: int) -> int:
                 async with s.post(
                     url + "/v1/chat/completions",
                     data=body,
-                    headers={"Content-Type": "application/json", "X-Session-ID": f"w{i % 50}"},
+                    headers={"Content-Type": "application/json", "X-Session-ID": f"w{i % 50}", **(headers or {})},
                 ) as r:
                     await r.read()
                     ok += r.status == 200
@@ -281,7 +349,7 @@ async def small_requests(url: str, n: int, concurrency: int) -> int:
     return ok
 
 
-async def streams(url: str, n: int, tokens: int, concurrency: int) -> int:
+async def streams(url: str, n: int, tokens: int, concurrency: int, headers: dict[str, str] | None = None) -> int:
     events = 0
     body = orjson.dumps(SMALL | {"max_tokens": tokens, "stream": True})
     async with aiohttp.ClientSession() as s:
@@ -292,7 +360,7 @@ async def streams(url: str, n: int, tokens: int, concurrency: int) -> int:
                 async with s.post(
                     url + "/v1/chat/completions",
                     data=body,
-                    headers={"Content-Type": "application/json", "X-Session-ID": f"s{i}"},
+                    headers={"Content-Type": "application/json", "X-Session-ID": f"s{i}", **(headers or {})},
                 ) as r:
                     async for line in r.content:
                         events += line.startswith(b"data:")
@@ -301,7 +369,7 @@ async def streams(url: str, n: int, tokens: int, concurrency: int) -> int:
     return events
 
 
-async def ttft_probe(url: str, samples: int) -> list[float]:
+async def ttft_probe(url: str, samples: int, headers: dict[str, str] | None = None) -> list[float]:
     body = orjson.dumps(SMALL | {"max_tokens": 2, "stream": True})
     out = []
     connector = aiohttp.TCPConnector(limit=1)  # one keep-alive connection, reused
@@ -311,7 +379,7 @@ async def ttft_probe(url: str, samples: int) -> list[float]:
             async with s.post(
                 url + "/v1/chat/completions",
                 data=body,
-                headers={"Content-Type": "application/json", "X-Session-ID": "ttft"},
+                headers={"Content-Type": "application/json", "X-Session-ID": "ttft", **(headers or {})},
             ) as r:
                 first = None
                 async for line in r.content:
@@ -333,7 +401,7 @@ async def measure(
     for level in args.levels:
         progress(f"{name}: small requests, {level} clients")
         c0 = cpu_seconds(pid) if pid else 0.0
-        ok = await small_requests(url, args.requests, level)
+        ok = await small_requests(url, args.requests, level, args.headers)
         c1 = cpu_seconds(pid) if pid else 0.0
         oks.append(ok)
         at[str(level)] = (c1 - c0) / max(ok, 1) * 1e6 if pid else None
@@ -342,10 +410,10 @@ async def measure(
     near = min(args.levels, key=lambda level: abs(level - STREAM_CLIENTS))
     progress(f"{name}: streams")
     c1 = cpu_seconds(pid) if pid else 0.0
-    events = await streams(url, args.streams, args.tokens, STREAM_CLIENTS)
+    events = await streams(url, args.streams, args.tokens, STREAM_CLIENTS, args.headers)
     c2 = cpu_seconds(pid) if pid else 0.0
     progress(f"{name}: TTFT")
-    ttfts = await ttft_probe(url, args.ttft_samples)
+    ttfts = await ttft_probe(url, args.ttft_samples, args.headers)
     n_streams = max(1, args.streams // STREAM_CLIENTS) * STREAM_CLIENTS
     at_streams = at[str(near)] or 0.0
     return {
@@ -394,14 +462,18 @@ def contenders_for(backend: str, args: argparse.Namespace) -> list[tuple[str, li
 
 
 async def start(
-    cmd: list[str], env: dict[str, str] | None, url: str, cpus: set[int] | None = None
+    cmd: list[str],
+    env: dict[str, str] | None,
+    url: str,
+    cpus: set[int] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """A contender, up and answering completions (pinned to `cpus`, all its threads, if given)."""
     proc = spawn(cmd, env, cpus)
     try:
         await wait_ready(url, "/health")
-        await first_answer(url)  # its worker registered
-        await small_requests(url, 200, 4)  # warm-up
+        await first_answer(url, headers=headers)  # its worker registered
+        await small_requests(url, 200, 4, headers)  # warm-up
     except BaseException:
         stop(proc)
         raise
@@ -465,8 +537,17 @@ async def run(
         backend = f"http://127.0.0.1:{backend_port}"
         await wait_ready(backend)
         running: list[tuple[str, str, int | None]] = [("direct", backend, None)]
-        for name, cmd, env, url in contenders_for(backend, args):
-            proc = await start(cmd, env, url)
+        if args.shared_fleet:
+            sink_port = free_port()
+            procs.append(spawn([sys.executable, "-m", "router.bench.proxy_bench", "--otlp-sink", str(sink_port)]))
+            sink = f"http://127.0.0.1:{sink_port}"
+            await wait_ready(sink)
+            folder = shared_fleet_files(Path(tempfile.mkdtemp(prefix="router-bench-")))
+            contenders = shared_fleet_contenders(backend, folder, sink)
+        else:
+            contenders = contenders_for(backend, args)
+        for name, cmd, env, url in contenders:
+            proc = await start(cmd, env, url, headers=args.headers)
             procs.append(proc)
             running.append((name, url, proc.pid))
         # contenders take turns, round after round, so machine noise falls on all of them alike
@@ -488,6 +569,7 @@ async def run(
     saturated: dict[str, dict[str, Any]] = {}
     if (
         not stopping.is_set()
+        and not args.shared_fleet  # (its requests would need the key: the figures above are its point)
         and args.saturate_s > 0
         and len(os.sched_getaffinity(0)) >= 2
         and {0, 1} <= os.sched_getaffinity(0)
@@ -603,6 +685,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if not args.saturate_s >= 0:
         print("router-bench proxy: --saturate-s must be a number of seconds >= 0", file=sys.stderr)
         return 2
+    args.headers = {"Authorization": f"Bearer {BENCH_KEY}"} if args.shared_fleet else None
     args.against_pythons = []
     for entry in args.against:
         name, sep, python = entry.partition("=")
@@ -642,6 +725,11 @@ def run_cli(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--bare-proxy":
         bare_proxy_main(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--otlp-sink":
+        otlp_sink_main(int(sys.argv[2]))
     else:
-        print("usage: python -m router.bench.proxy_bench --bare-proxy PORT UPSTREAM_URL", file=sys.stderr)
+        print(
+            "usage: python -m router.bench.proxy_bench --bare-proxy PORT UPSTREAM_URL | --otlp-sink PORT",
+            file=sys.stderr,
+        )
         sys.exit(2)
