@@ -12,6 +12,7 @@ from multidict import CIMultiDict
 
 from router.clients import CHECK_EVERY_S, RANK, Client, ClientKeys, ClientKeysError, parse, presented_key
 from router.proxy.cli import main
+from router.proxy.intake import Refused, wishes
 
 
 def entry(key: str, key_id: str, tenant: str) -> str:
@@ -151,3 +152,33 @@ def test_a_file_written_while_it_is_read_is_read_again_once_it_is_still(tmp_path
     keys._read = read  # type: ignore[method-assign]
     clock.now += CHECK_EVERY_S
     assert keys.client({"x-api-key": "sk-2"}) == Client("t", "two") and keys.reloads == 1
+
+
+@pytest.mark.parametrize(
+    ("tenant", "asked", "got"),
+    [
+        ("interactive", None, "interactive"),  # its tenant's class, without asking
+        ("interactive", "system", "interactive"),  # a header never lifts it above its tenant's
+        ("interactive", " BULK ", "bulk"),  # but may lower it (case and spaces aside)
+        ("bulk", "interactive", "bulk"),
+        (None, "system", "system"),  # without client keys, as asked
+        (None, None, "default"),
+    ],
+)
+def test_a_requests_class_is_what_it_asks_capped_by_its_tenants(
+    tenant: str | None, asked: str | None, got: str
+) -> None:
+    client = Client("t", "k", RANK[tenant]) if tenant else None
+    headers = {"x-priority": asked} if asked is not None else {}
+    assert wishes(headers, client) == (RANK[got], None)
+    if asked is not None:  # smg's header, the same names
+        assert wishes({"x-smg-priority": asked}, client) == (RANK[got], None)
+
+
+def test_a_class_or_target_that_is_no_value_is_a_400_that_says_what_is() -> None:
+    refused = wishes({"x-priority": "urgent"}, None)
+    assert isinstance(refused, Refused) and refused.status == 400 and "system, interactive" in refused.message
+    assert wishes({"x-slo-ttft-ms": "250"}, None) == (RANK["default"], 0.25)
+    for bad in ("soon", "0", "-5", "nan", "1e12"):
+        refused = wishes({"x-slo-ttft-ms": bad}, None)
+        assert isinstance(refused, Refused) and refused.code == "invalid_ttft_target", bad

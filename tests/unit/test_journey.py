@@ -13,6 +13,8 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.admission import Admission
+from router.budgets import Budgets, LocalStore
+from router.clients import RANK, Client
 from router.config import load
 from router.fleet import Fleet, ReplicaState
 from router.metrics import RouterMetrics
@@ -250,3 +252,70 @@ async def test_the_access_log_names_a_sessions_jump_as_the_jumps_metric_counts_i
     assert first["jump"] is None and first["replica"] == script.sent[0] == script.sent[1]
     assert second["replica"] == script.sent[2] != script.sent[1] and second["attempts"] == 2
     assert second["jump"] == "failover" and count(metrics.jumps, reason="failover") == 1
+
+
+def budgeted(limit: int, clock: list[float]) -> Budgets:
+    return Budgets({"team": limit}, LocalStore(clock=lambda: clock[0]))
+
+
+def level(budgets: Budgets) -> float:
+    store = budgets.store
+    assert isinstance(store, LocalStore)
+    return store.buckets["team"][0]  # (the clock stands still: nothing refills)
+
+
+async def settled(journey: Journey) -> None:
+    while journey._settling:  # the settle runs as a task of its own (Redis: off the answer's time)
+        await asyncio.sleep(0)
+
+
+async def test_a_tenants_budget_is_reserved_then_settled_on_what_the_request_used() -> None:
+    routing, admission, metrics, config, fleet = build()
+    clock = [0.0]
+    budgets = budgeted(6000, clock)
+    ledger = Ledger(metrics, routing.policy.name, fleet.model_label, log_requests=False, tenants=True)
+
+    def journey(script: Script) -> Journey:
+        return Journey(routing, admission, script, ledger, metrics, 30.0, 256, clients=None, budgets=budgets)
+
+    def keyed(body: dict[str, Any]) -> Intake:
+        return dataclasses.replace(request(config, body), client=Client("team", "k"))
+
+    body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+    served = journey(Script(answered))
+    await served.serve(Exchange(), keyed(body), time.monotonic())
+    await settled(served)
+    assert level(budgets) == 6000 - 45  # its usage: 40 prompt and 5 completion tokens
+    # a request no replica answered gives all it reserved back
+    failing = journey(Script(*(lambda r, t: Retry("connect", 502) for _ in range(3))))
+    await failing.serve(Exchange(), keyed(body), time.monotonic())
+    await settled(failing)
+    assert level(budgets) == 6000 - 45
+    # one that asks more than is left gets a 429 with the wait for it, and reaches no replica
+    greedy = journey(script := Script())
+    exchange = Exchange()
+    await greedy.serve(exchange, keyed(body | {"max_tokens": 5990}), time.monotonic())
+    error = orjson.loads(exchange.body)["error"]
+    assert exchange.status == 429 and error["code"] == "tokens_per_minute_exceeded" and script.sent == []
+    assert int(exchange.sent_headers["Retry-After"]) >= 1 and "team" in error["message"]
+    assert count(metrics.shed, reason="budget", priority="default") == 1
+
+
+async def test_a_sheddable_request_no_replica_can_serve_in_time_is_refused_before_any_attempt() -> None:
+    routing, admission, metrics, config, fleet = build(policy="ttft", prefill_tokens_per_s=1000)
+    headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s", "X-Priority": "sheddable", "x-slo-ttft-ms": "50"}))
+    body = {"model": "m", "messages": [{"role": "user", "content": "lorem ipsum " * 400}], "max_tokens": 4}
+    intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config, prompts=True)
+    assert isinstance(intake, Intake) and intake.target_s == 0.05 and intake.rank == RANK["sheddable"]
+    script = Script()
+    exchange = Exchange()
+    await journey_of(routing, admission, metrics, script).serve(exchange, intake, time.monotonic())
+    assert exchange.status == 429 and orjson.loads(exchange.body)["error"]["code"] == "ttft_target_unmet"
+    assert script.sent == [] and all(r.inflight == 0 for r in fleet.replicas)
+    # the same request of the default class is served, late
+    headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s", "x-slo-ttft-ms": "50"}))
+    intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config, prompts=True)
+    assert isinstance(intake, Intake)
+    script = Script(answered)
+    await journey_of(routing, admission, metrics, script).serve(Exchange(), intake, time.monotonic())
+    assert len(script.sent) == 1

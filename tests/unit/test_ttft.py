@@ -670,3 +670,24 @@ def test_a_replica_fed_by_events_is_priced_by_what_its_engine_holds() -> None:
     placement.truth.suspect(fleet.replicas[2].id)
     d = policy.pick(eventful, None, ())
     assert d is not None and placement.source(2) == "model"
+
+
+def test_a_target_places_a_request_where_it_is_predicted_met_and_marks_it_late_where_none_is() -> None:
+    """The session of the test above stays home with 0.5 s queued there (the move does not pay for
+    the fleet); asked for its first token within 0.4 s, it goes where that is predicted (about
+    0.21 s), reason `target`; asked for 0.1 s, no replica meets it: it stays, marked late."""
+    fleet, policy, clock = setup(2, prefill_tokens_per_s=10_000, bounded_load_floor=100)
+    placement = policy.placement
+    key = keyed("s1", chat(doc(1, 2000), "a?", "b?"))
+    home, other = fleet.replicas[1], fleet.replicas[0]
+    placement.set_busy(placement.of(home), clock.now + 0.5)
+    fill(policy, other, 2, 3)
+    stay = policy.pick(key, home.id, ())
+    assert stay is not None and stay.index == 1 and not stay.late
+    met = policy.pick(key, home.id, (), target_s=0.4)
+    assert met is not None and (met.index, met.reason, met.late) == (0, "target", False)
+    assert met.cost is not None and met.cost.cost_s - met.cost.spread_s <= 0.4
+    late = policy.pick(key, home.id, (), target_s=0.1)
+    assert late is not None and (late.index, late.reason, late.late) == (1, "sticky", True)
+    roomy = policy.pick(key, home.id, (), target_s=5.0)  # a target its own choice meets changes nothing
+    assert roomy is not None and (roomy.index, roomy.reason, roomy.late) == (1, "sticky", False)
