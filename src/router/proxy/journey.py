@@ -1,13 +1,16 @@
 """One proxied request's journey, below the two HTTP servers that parse it (router.proxy.exchange).
 
-A request taken in (router.proxy.intake) that names a model some replica serves is keyed in the
-engines' tokens where replicas publish KV events, given a `Route` (router.routing), held by the
+A request taken in (router.proxy.intake) that names a model some replica serves reserves its
+tenant's tokens (router.budgets: or gets a 429; settled on its usage where it ends), is keyed in
+the engines' tokens where replicas publish KV events, given a `Route` (router.routing), held by the
 overload queue while every replica for its model is full (router.admission: or shed with a 429),
 then sent to each replica its route offers until one answers: a failure before the first byte goes
 to the next (never one already tried, within `max_attempts` and the deadline), and a stream broken
 mid-way is continued on another replica by the same route (router.proxy.resume). Each attempt's
 in-flight count goes up when the route offers the replica and down exactly once, in a `finally`,
 however the attempt ends. The journey ends in the ledger: the request's metrics and access-log line.
+With traces on (router.tracing), each of those steps is a span of the request's trace, and each
+attempt hands its replica its own trace context.
 
 It is built from narrow collaborators, never the node: the routing core, the overload queue, the
 attempts (`Attempts`: HTTP to replicas in the proxy, `HttpAttempts`; the modelled replicas of
