@@ -80,6 +80,7 @@ class Job:
 class Api(abc.ABC):
     """One request to a generating endpoint, in its API's wire format."""
 
+    id: str  # its response's id, set by each API (a traced request's gen_ai.request.id)
     prompt_field = "messages"  # what an empty or too long prompt is blamed on
     max_tokens_field = "max_tokens"  # and a reply that does not fit
 

@@ -101,6 +101,7 @@ class Sequence:
     created_cache_tokens: int = 0  # prompt tokens it computes into full KV blocks (vLLM's name)
     computed: int = 0  # prompt tokens in KV (cached + prefilled)
     output_tokens: int = 0
+    scheduled_at: float | None = None  # when a step first admitted it (its wait in the queue ends)
     first_token_at: float | None = None
     finished_at: float | None = None
     aborted: bool = False
@@ -270,6 +271,7 @@ class Engine:
             if seq.adapter is not None:
                 loads += self._use_adapter(seq.adapter)
             seq.alloc = alloc
+            seq.scheduled_at = now
             seq.cached_tokens = alloc.hit_blocks * cfg.block_size
             seq.created_cache_tokens = seq.prompt_tokens // cfg.block_size * cfg.block_size - seq.cached_tokens
             seq.computed = seq.cached_tokens
