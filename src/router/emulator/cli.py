@@ -6,12 +6,15 @@ import argparse
 import contextlib
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router._runtime import run, until_stopped
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import ENCODINGS, KvEventsOptions
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
+
+if TYPE_CHECKING:
+    from router.emulator.tracing import RequestTracer
 
 FAULT_NAMES = {
     "hang": ("hang", bool),
@@ -179,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"messages kept for replay (default {k.buffer_steps:,})",
     )
+    g = p.add_argument_group("traces, as vLLM's (off by default)")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export an `llm_request` span per finished request, as vLLM does, over OTLP/HTTP to URL, used as "
+        "it is (e.g. http://127.0.0.1:4318/v1/traces); OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be unset or "
+        "http/protobuf; service name OTEL_SERVICE_NAME, else router-emulator; one provider for the whole fleet, "
+        "each span naming its replica",
+    )
     return p
 
 
@@ -217,7 +230,19 @@ def parse_fault(spec: str, n: int) -> tuple[list[int], str, Any]:
     return targets, field, parsed
 
 
-def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
+def build_tracer(args: argparse.Namespace) -> RequestTracer | None:
+    """The process's request tracer, where --otlp-traces-endpoint asks for one."""
+    if args.otlp_traces_endpoint is None:
+        return None
+    from router.emulator.tracing import RequestTracer, TracingConfigError  # noqa: PLC0415 -- OpenTelemetry: only when on
+
+    try:
+        return RequestTracer(args.otlp_traces_endpoint)
+    except TracingConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -> tuple[Fleet, dict[int, float]]:
     if args.port is not None and args.replicas is not None:
         raise UsageError("give either --port (one replica) or --replicas N with --base-port, not both")
     n = args.replicas if args.replicas is not None else 1
@@ -278,7 +303,7 @@ def build_fleet(args: argparse.Namespace) -> tuple[Fleet, dict[int, float]]:
             kv_events=kv_events[i] if kv_events else None,
             api_key=args.api_key,
         )
-        replicas.append(Replica(options, config, faults[i]))
+        replicas.append(Replica(options, config, faults[i], tracer))
     return Fleet(replicas, args.host, args.control_port), crash_after
 
 
@@ -338,18 +363,22 @@ async def serve(fleet: Fleet, crash_after: dict[int, float]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tracer = None
     try:
-        fleet, crash_after = build_fleet(args)
+        tracer = build_tracer(args)
+        fleet, crash_after = build_fleet(args, tracer)
+        run(serve(fleet, crash_after))
     except UsageError as exc:
         print(f"router-emulator: {exc}", file=sys.stderr)
         return 2
-    try:
-        run(serve(fleet, crash_after))
     except OSError as exc:
         print(f"router-emulator: cannot listen: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass
+    finally:
+        if tracer is not None:
+            tracer.shutdown()  # the spans still in the batch go out before the process ends
     return 0
 
 

@@ -5,7 +5,8 @@ process. Every response carries `X-Replica-Id`. Faults (hang, slow, error rate, 
 mid-stream, crash, KV-event messages dropped, an engine restart) are set at start-up or at run
 time through `/emulator/*` on the replica's own port, or through the fleet's control port (which
 also restarts crashed replicas). With KV events on, each engine step's cache events go out on
-ZMQ as vLLM publishes them (router.emulator.kvevents).
+ZMQ as vLLM publishes them (router.emulator.kvevents). With a tracer, each finished request's
+`llm_request` span goes out over OTLP as vLLM's does (router.emulator.tracing).
 
 Every generating endpoint (chat and text completions, Responses, Messages) takes one request
 path, `Replica._serve`, faults included; the APIs differ only in their wire format
@@ -23,7 +24,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -37,6 +38,11 @@ from router.emulator.messages import Messages
 from router.emulator.metrics import ReplicaMetrics
 from router.emulator.responses import Responses, ResponseStore
 from router.emulator.tokenizer import generated_text, token_ids
+
+if TYPE_CHECKING:  # the tracer's module imports OpenTelemetry: only a replica that traces loads it
+    from opentelemetry.context import Context
+
+    from router.emulator.tracing import RequestTracer
 
 REPLICA_HEADER = "X-Replica-Id"
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -121,9 +127,16 @@ class _Dropped(Exception):
 
 class Replica:
     def __init__(
-        self, options: ReplicaOptions, config: EngineConfig | None = None, faults: Faults | None = None
+        self,
+        options: ReplicaOptions,
+        config: EngineConfig | None = None,
+        faults: Faults | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
+        """`tracer`: export each finished request's span, as vLLM's --otlp-traces-endpoint (a
+        fleet's replicas share one)."""
         self.options = options
+        self.tracer = tracer
         self.served = Served(options.model, options.aliases, options.adapters, options.default_max_tokens)
         self.engine = Engine(config, kv_events=options.kv_events is not None)
         self.metrics = ReplicaMetrics(options.model)
@@ -386,6 +399,7 @@ class Replica:
         injected = self._injected_error()
         if injected is not None:
             return self._error(wire, injected)
+        parent = self.tracer.parent(request.headers) if self.tracer is not None else None
         seq.owner = asyncio.Event()
         self.engine.add(seq)
         self._wake.set()
@@ -400,6 +414,17 @@ class Replica:
             return web.Response(status=499)
         finally:
             self.engine.abort(seq)  # no-op once finished; frees the blocks of an abandoned request
+            if parent is not None and seq.finished_at is not None:
+                self._trace(seq, parent, wire.id)
+
+    def _trace(self, seq: Sequence, parent: Context, request_id: str) -> None:
+        """Export a finished request's span, from its arrival to its end on the wall clock."""
+        assert self.tracer is not None and seq.finished_at is not None
+        scale = self.options.time_scale
+        wall_t0_ns = time.time_ns() - time.monotonic_ns() + int(self._t0 * 1e9)  # engine time 0, on the wall
+        start_ns = wall_t0_ns + int(seq.arrival / scale * 1e9)
+        end_ns = wall_t0_ns + int(seq.finished_at / scale * 1e9)
+        self.tracer.record(seq, parent, request_id, self.options.replica_id, start_ns, end_ns)
 
     def _error(self, wire: Api, exc: ApiError) -> web.Response:
         return web.Response(status=exc.status, body=wire.error(exc), content_type="application/json")
