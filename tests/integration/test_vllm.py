@@ -5,7 +5,7 @@ model; CI builds them; elsewhere these tests are skipped with that message, and 
 Two replicas start once for the module (about 45 s on two cores) and serve every test that leaves
 them as it found them: `v-0` serves `tiny` and `tiny-a` and the adapter `lora-0`; `v-1` serves
 `tiny` and `tiny-b` and `lora-1`; four requests each at once. A test that kills a replica, or needs
-one started otherwise (with `--api-key`), starts its own. Each test starts its own router;
+one started otherwise (with `--api-key` and `--otlp-traces-endpoint`), starts its own. Each test starts its own router;
 everything is stopped by PID (a replica's process group).
 """
 
@@ -34,6 +34,7 @@ from engine_streams import (
     text_of,
     vllm_or_why,
 )
+from otlp_receiver import OtlpReceiver, ReceivedSpan
 
 from router.bench.common import free_port
 from router.bench.vllm import MODEL_NAME, VllmServer, start_all
@@ -534,58 +535,85 @@ async def test_anthropic_sessions_stick_and_their_cache_reads_are_counted(
     assert metric(text, "router_requests_total", key_kind="body") == 12
 
 
-async def test_a_shared_fleet_asks_clients_for_keys_and_sends_vllm_its_own(
-    tmp_path: Path, start_router: Callable[..., Any]
+async def test_a_shared_fleet_asks_clients_for_keys_and_sends_vllm_its_own_and_its_trace(
+    tmp_path: Path, start_router: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """vLLM started with --api-key behind router-serve with client keys: clients bring their keys,
-    vLLM gets its own in their place, and the router still reads everything it reads of vLLM."""
+    """vLLM started with --api-key and --otlp-traces-endpoint behind router-serve with client keys
+    and traces on: clients bring their keys, vLLM gets its own in their place, the router still
+    reads everything it reads of vLLM, and vLLM's span of a request joins the router's trace under
+    the attempt that reached it."""
     engine_key, client_key = "vllm-engine-key", "sk-team-a"
-    server = replica("v-key", tmp_path, extra=("--api-key", engine_key))
-    await start_all([server])
+    async with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)  # the router's
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        tracing = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}  # (gRPC else)
+        extra = ("--api-key", engine_key, "--otlp-traces-endpoint", receiver.traces_url)
+        server = replica("v-key", tmp_path, extra=extra, env=tracing)
+        await start_all([server])
+        try:
+            await shared_fleet_with_keys(tmp_path, start_router, server, engine_key, client_key)
+
+            # the streamed chat turn: the router's attempt, and vLLM's span under it in the same trace
+            def joined(spans: list[ReceivedSpan]) -> tuple[ReceivedSpan, ReceivedSpan] | None:
+                attempts = {s.span_id: s for s in spans if s.name == "attempt" and s.service == "router-serve"}
+                for span in spans:
+                    if span.service == "vllm" and span.kind == "SERVER" and span.parent_span_id in attempts:
+                        return attempts[span.parent_span_id], span
+                return None
+
+            attempt, engine = await receiver.wait_for(joined, timeout=30)
+            assert attempt.trace_id == engine.trace_id and attempt.attributes["router.outcome"] == "ok"
+            requests = [s for s in receiver.spans if s.span_id == attempt.parent_span_id]
+            assert requests and requests[0].attributes["router.tenant"] == "team-a"
+            assert "router.key_id" in requests[0].attributes and client_key not in str(requests[0].attributes)
+        finally:
+            server.stop()
+
+
+async def shared_fleet_with_keys(
+    tmp_path: Path, start_router: Callable[..., Any], server: VllmServer, engine_key: str, client_key: str
+) -> None:
+    digest = hashlib.sha256(client_key.encode()).hexdigest()
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[[keys]]\nid = "ci"\ntenant = "team-a"\nsha256 = "{digest}"\n')
+    _router, url = await start_router(
+        specs([server]), client_keys_file=str(keys), replica_api_keys=f"*={engine_key}", admin_token=TOKEN
+    )
+    # vLLM itself refuses the client's key: only the router's replacing it lets requests through
+    direct = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=client_key, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await direct.models.list()
+    await direct.close()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=client_key, max_retries=0)
     try:
-        digest = hashlib.sha256(client_key.encode()).hexdigest()
-        keys = tmp_path / "keys.toml"
-        keys.write_text(f'[[keys]]\nid = "ci"\ntenant = "team-a"\nsha256 = "{digest}"\n')
-        _router, url = await start_router(
-            specs([server]), client_keys_file=str(keys), replica_api_keys=f"*={engine_key}", admin_token=TOKEN
+        assert {m.id for m in (await client.models.list()).data} == {MODEL_NAME}
+        done = await client.chat.completions.create(
+            model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4
         )
-        # vLLM itself refuses the client's key: only the router's replacing it lets requests through
-        direct = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=client_key, max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            await direct.models.list()
-        await direct.close()
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=client_key, max_retries=0)
-        try:
-            assert {m.id for m in (await client.models.list()).data} == {MODEL_NAME}
-            done = await client.chat.completions.create(
-                model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4
-            )
-            assert done.usage is not None and done.usage.completion_tokens == 4
-            stream = await client.chat.completions.create(
-                model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4, stream=True
-            )
-            assert [c async for c in stream]
-        finally:
-            await client.close()
-        claude = anthropic.AsyncAnthropic(base_url=url, api_key=client_key, max_retries=0)  # sends x-api-key
-        try:
-            message = await claude.messages.create(
-                model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
-            )
-            assert message.usage.output_tokens == 4
-        finally:
-            await claude.close()
-        wrong = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-nobody", max_retries=0)
-        with pytest.raises(openai.AuthenticationError) as refused:
-            await wrong.models.list()
-        await wrong.close()
-        assert refused.value.code == "invalid_api_key"  # the router's own answer, in OpenAI's shape
-        # the router's probes reached the guarded engine too: its models were listed with the key
-        async with aiohttp.ClientSession() as http:
-            replicas = await until(lambda: admin_models(http, url))
-        assert replicas == [[MODEL_NAME]]
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        assert [c async for c in stream]
     finally:
-        server.stop()
+        await client.close()
+    claude = anthropic.AsyncAnthropic(base_url=url, api_key=client_key, max_retries=0)  # sends x-api-key
+    try:
+        message = await claude.messages.create(
+            model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert message.usage.output_tokens == 4
+    finally:
+        await claude.close()
+    wrong = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-nobody", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        await wrong.models.list()
+    await wrong.close()
+    assert refused.value.code == "invalid_api_key"  # the router's own answer, in OpenAI's shape
+    # the router's probes reached the guarded engine too: its models were listed with the key
+    async with aiohttp.ClientSession() as http:
+        replicas = await until(lambda: admin_models(http, url))
+    assert replicas == [[MODEL_NAME]]
 
 
 async def admin_models(http: aiohttp.ClientSession, url: str) -> list[list[str]] | None:
