@@ -89,7 +89,8 @@ class LocalStore:
         level, at = self.buckets.get(tenant, (capacity, now))
         return min(capacity, level + (now - at) * per_s), now
 
-    async def take(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
+    def take_now(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
+        """`take`, without awaiting anything (this process's buckets need no I/O)."""
         level, now = self._refill(tenant, capacity, per_s)
         if level >= tokens or level >= capacity:
             self.buckets[tenant] = (level - tokens, now)
@@ -97,9 +98,16 @@ class LocalStore:
         self.buckets[tenant] = (level, now)
         return _wait_s(tokens, level, capacity, per_s)
 
-    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+    def give_now(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        """`give`, without awaiting anything."""
         level, now = self._refill(tenant, capacity, per_s)
         self.buckets[tenant] = (min(capacity, level + tokens), now)
+
+    async def take(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
+        return self.take_now(tenant, tokens, capacity, per_s)
+
+    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        self.give_now(tenant, tokens, capacity, per_s)
 
 
 # Both scripts: KEYS[1] the bucket; ARGV tokens, capacity, per second. Numbers are written with
@@ -188,6 +196,31 @@ class Budgets:
 
     def limited(self, tenant: str) -> bool:
         return tenant in self.limits
+
+    @property
+    def local(self) -> LocalStore | None:
+        """This process's store, which the caller may use without awaiting (`reserve_now`,
+        `settle_now`: no coroutine or task per request); None where the buckets are in Redis."""
+        store = self.store
+        return store if isinstance(store, LocalStore) else None
+
+    def reserve_now(self, tenant: str, tokens: int) -> Reservation | int:
+        """`reserve` from this process's own buckets (`local`), without awaiting."""
+        local = self.local
+        assert local is not None
+        per_minute = self.limits.get(tenant)
+        if per_minute is None:
+            return Reservation(tenant, tokens, charged=False)
+        return local.take_now(tenant, tokens, per_minute, per_minute / 60)
+
+    def settle_now(self, reservation: Reservation, used: int | None) -> None:
+        """`settle` into this process's own buckets (`local`), without awaiting."""
+        local = self.local
+        assert local is not None
+        per_minute = self.limits.get(reservation.tenant)
+        if not reservation.charged or used is None or per_minute is None or used == reservation.tokens:
+            return
+        local.give_now(reservation.tenant, reservation.tokens - used, per_minute, per_minute / 60)
 
     async def reserve(self, tenant: str, tokens: int) -> Reservation | int:
         """A reservation of `tokens`, or the whole seconds (at least 1) to wait before asking again."""

@@ -104,6 +104,7 @@ OPERATIONS = {
 DEFAULT_SERVICE_NAME = "router-serve"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+_NO_PARENT = Context()  # a request without a traceparent: its trace begins here
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})  # W3C trace context: the router's own replaces a client's
 _SERVER, _CLIENT, _INTERNAL = SpanKind.SERVER, SpanKind.CLIENT, SpanKind.INTERNAL
 
@@ -180,7 +181,8 @@ class Tracing:
         """Begin the trace of a request that arrived at `t0` (monotonic seconds) for `method` `path`:
         its server span, child of the client's traceparent where `headers` (a case-insensitive
         mapping, such as aiohttp's, or one with lower-case names) carry one."""
-        return RequestTrace(self.tracer, method, path, _PROPAGATOR.extract(headers), t0)
+        parent = _PROPAGATOR.extract(headers) if "traceparent" in headers else _NO_PARENT
+        return RequestTrace(self.tracer, method, path, parent, t0)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Export every span ended so far; blocks (not on the event loop) up to `timeout_s`.
@@ -366,9 +368,15 @@ class AttemptTrace:
         """The W3C trace context to send the replica (`traceparent`, and `tracestate` where the
         trace has one), naming this attempt's span as the parent of the engine's (an unsampled
         request's own span, flagged unsampled)."""
-        carrier: dict[str, str] = {}
         span = self.span if self.span is not None else self._request.span
-        _PROPAGATOR.inject(carrier, set_span_in_context(span))
+        # written here rather than by the propagator (its context round trip is most of an
+        # unsampled request's cost): W3C trace context, version 00
+        context = span.get_span_context()
+        if not context.is_valid:
+            return {}
+        carrier = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"}
+        if context.trace_state:
+            carrier["tracestate"] = context.trace_state.to_header()
         return carrier
 
     def end(self, outcome: str, status: int | None = None, resent: bool = False) -> None:

@@ -308,7 +308,11 @@ class Journey:
             return
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
-            reserved = await budgets.reserve(client.tenant, estimate(intake.body, len(intake.raw), self.reserve_tokens))
+            tokens = estimate(intake.body, len(intake.raw), self.reserve_tokens)
+            if budgets.local is not None:  # this process's buckets: no coroutine to await
+                reserved = budgets.reserve_now(client.tenant, tokens)
+            else:
+                reserved = await budgets.reserve(client.tenant, tokens)
             if isinstance(reserved, int):
                 limit = budgets.limits[client.tenant]
                 message = f"tenant {client.tenant} has used its {limit} tokens a minute: retry in {reserved} s"
@@ -486,8 +490,12 @@ class Journey:
             spent = facts.prompt_tokens + facts.completion_tokens if facts is not None else 0
         else:
             spent = None
-        assert self.budgets is not None
-        task = asyncio.ensure_future(self.budgets.settle(reserved, spent))  # (Redis: not on the answer's time)
+        budgets = self.budgets
+        assert budgets is not None
+        if budgets.local is not None:
+            budgets.settle_now(reserved, spent)
+            return
+        task = asyncio.ensure_future(budgets.settle(reserved, spent))  # (Redis: not on the answer's time)
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
