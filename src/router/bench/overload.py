@@ -53,10 +53,12 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -75,6 +77,8 @@ STEADY_EDGE_S = 5.0  # the steady goodput leaves out requests sent this close to
 CLIENTS = (("heavy", 0.75), ("light", 0.25))  # --mix: who sends, and their shares of the arrivals
 CLASSES = ("heavy", "light", "turn", "new")
 PRIORITY_CLIENTS = (("interactive", 0.25), ("bulk", 0.75))  # --priorities: each class's share of the arrivals
+# smg's priority classes: (name, its built-in starvation threshold in seconds, whether it may preempt)
+SMG_CLASSES = (("system", 5, "true"), ("interactive", 5, "true"), ("default", 30, "false"), ("bulk", 120, "false"))
 
 
 @dataclass
@@ -343,8 +347,27 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
             )
         )
         if args.priorities:
-            smg = out[-1]
-            flags = (*smg.args, "--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "system")
+            # its built-in classes reserve 160 slots, more than this fleet has: it would fall back to
+            # its legacy admission (and say so only on its log). Each class as the other queues are
+            # (the same depth and wait), nothing reserved, its own starvation thresholds and
+            # preemption (smg 1.13's fields: each must be given)
+            timeout_s = max(1, math.ceil(wait_s))
+            classes = "".join(
+                f"  {name}:\n    reserved_floor: 0\n    reserved_per_slot: 0\n    queue_size: {queue}\n"
+                f"    queue_timeout_secs: {timeout_s}\n    starvation_threshold_secs: {starve}\n"
+                f"    can_preempt: {preempt}\n"
+                for name, starve, preempt in SMG_CLASSES
+            )
+            config = Path(tempfile.mkdtemp(prefix="router-bench-")) / "smg-priority.yaml"
+            config.write_text("classes:\n" + classes)
+            flags = (
+                *out[-1].args,
+                "--priority-scheduler-enabled",
+                "--priority-scheduler-default-max-class",
+                "system",
+                "--priority-scheduler-config",
+                str(config),
+            )
             out.append(Contender("smg-priority", "smg cache_aware, priority scheduler", "smg", flags))
     return out
 
