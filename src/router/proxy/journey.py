@@ -333,7 +333,8 @@ class Journey:
         if target_at is not None and intake.rank >= SHEDDABLE:
             route.refuse_late = True  # better refused at once than served late
         admission = self.admission
-        if admission.on and intake.api.queued:
+        # (nobody waiting and room for its model: on at once, without a coroutine or the client's name)
+        if admission.on and intake.api.queued and (admission.queued or not admission.room(key.model)):
             # fair between tenants where client keys say who they are, else between clients as requests name them
             who = f"tenant:{client.tenant}" if client is not None else None
             try:
