@@ -173,3 +173,16 @@ def test_flap_backoff_one_turns_the_back_off_off() -> None:
         h.observe(0.0, 2 * i)
         h.observe(1.0, 2 * i + 1)
         assert h.state == "recovering" and h.return_needed == 1
+
+
+def test_a_queue_that_shrinks_is_not_a_sick_replica() -> None:
+    # the tail of a surge: its peers idle, its queue still deep but shorter than a probe ago
+    assert health_score(HealthInputs(waiting=63, peer_waiting=0, waiting_before=70)) == 1.0
+    assert health_score(HealthInputs(waiting=63, peer_waiting=0, waiting_before=70, kv_usage=0.99)) == 1.0
+    # a stuck engine: the same queue, held or growing, scores as before
+    stuck = health_score(HealthInputs(waiting=63, peer_waiting=0))
+    assert stuck < 0.05
+    assert health_score(HealthInputs(waiting=63, peer_waiting=0, waiting_before=63)) == stuck
+    assert health_score(HealthInputs(waiting=63, peer_waiting=0, waiting_before=20)) == stuck
+    # draining spares the queue only: a failed probe still scores 0
+    assert health_score(HealthInputs(probe_ok=False, waiting=5, waiting_before=70)) == 0.0

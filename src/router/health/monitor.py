@@ -176,6 +176,7 @@ class HealthMonitor:
                 probe_ok=ok,
                 waiting=stats.waiting,
                 peer_waiting=peer_median(queues, stats.waiting if ok else None),
+                waiting_before=None if replica.inputs is None else replica.inputs.waiting,
                 kv_usage=stats.kv_usage,
                 fragmentation=stats.fragmentation,
                 error_rate=self._error_rate(replica),

@@ -7,7 +7,7 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 
 | signal | penalty 0 at | penalty 1 at | why |
 |---|---|---|---|
-| queue: requests waiting, beyond its peers' median | 8 | 64 | a queue means the engine cannot admit work |
+| queue: requests waiting, beyond its peers' median, while it does not shrink | 8 | 64 | a queue means the engine cannot admit work |
 | memory: KV usage while more wait than at its peers | 0.90 | 1.00 | full KV with a queue is pressure; else busy |
 | fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
 | error rate (router-observed) | 0.05 | 0.50 | failing requests |
@@ -21,7 +21,10 @@ Queue and memory are counted against the replica's peers (`peer_waiting`: the me
 others' waiting, this round): when the whole fleet is overloaded every engine has a queue and a
 full KV cache, and removing the ones that happen to have a little more would only hand their
 traffic to the rest (the cascade that takes a fleet down under a surge). A replica with no peers
-probed is counted as it is.
+probed is counted as it is. A queue shorter than at the last probe (`waiting_before`) is work
+being done and carries no penalty: at the end of a surge the replica given the most drains last,
+its peers idle beside it, and is no more sick than they are; a stuck engine's queue does not
+shrink.
 
 Worked example: waiting = 36, its peers' median 0 (queue penalty 0.5), everything else normal, default weights:
 score = 1 - 0.5 = 0.5; the same replica with a GPU held down by heat (slowdown weight 0.5):
@@ -38,6 +41,7 @@ class HealthInputs:
     probe_ok: bool = True
     waiting: float | None = None
     peer_waiting: float | None = None  # the median of the other replicas' waiting, this round (None: no peer)
+    waiting_before: float | None = None  # its waiting at the last probe (None: not known)
     kv_usage: float | None = None
     fragmentation: float | None = None
     error_rate: float | None = None
@@ -108,6 +112,8 @@ def health_score(inputs: HealthInputs, weights: ScoreWeights | None = None) -> f
     w = weights or ScoreWeights()
     # a queue like its peers' is the fleet's load, not this replica's trouble
     excess = None if inputs.waiting is None else inputs.waiting - (inputs.peer_waiting or 0.0)
+    if excess is not None and inputs.waiting_before is not None and inputs.waiting < inputs.waiting_before:
+        excess = 0.0  # draining: the engine is getting through its queue
     penalties = (
         (w.queue, ramp(excess, w.queue_from, w.queue_to)),
         (w.memory, ramp(inputs.kv_usage, w.memory_from, w.memory_to) if (excess or 0.0) > 0 else 0.0),
