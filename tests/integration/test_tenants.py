@@ -74,16 +74,19 @@ async def test_a_higher_class_is_served_ahead_of_a_batch_flood_at_three_times_ca
                 for i in range(36)
             ]
             await asyncio.sleep(0.3)
-            # then the chat tenant, once the flood waits in the router; one asks below its class (bulk)
+            # then the chat tenant, once the flood waits in the router; four more ask below its class
             wanted = {"Authorization": "Bearer sk-chat"}
             asked = [asyncio.create_task(post(http, url, chat(f"chat {i}"), wanted)) for i in range(4)]
-            lower = asyncio.create_task(post(http, url, chat("chat low"), wanted | {"X-Priority": "bulk"}))
+            lower = [
+                asyncio.create_task(post(http, url, chat(f"chat low {i}"), wanted | {"X-Priority": "bulk"}))
+                for i in range(4)
+            ]
             # and a header never lifts a request above its tenant's class
             lifted = asyncio.create_task(
                 post(http, url, chat("batch lifted"), {"Authorization": "Bearer sk-batch", "X-Priority": "system"})
             )
             chats = await asyncio.wait_for(asyncio.gather(*asked), 30)
-            floods = await asyncio.wait_for(asyncio.gather(*flood, lower, lifted), 60)
+            floods = await asyncio.wait_for(asyncio.gather(*flood, *lower, lifted), 60)
     finally:
         await fleet.stop()
     assert all(status == 200 for status, *_ in chats), [c[:1] for c in chats]
@@ -92,8 +95,12 @@ async def test_a_higher_class_is_served_ahead_of_a_batch_flood_at_three_times_ca
     # the chat tenant's requests went ahead of the whole waiting flood: each within a few rounds of
     # the fleet's work, where the flood's median request waited many
     assert chat_times[-1] < sorted(flood_times)[len(flood_times) // 2], (chat_times, flood_times)
-    assert floods[36][0] == 200 and floods[36][3] > chat_times[-1]  # asked bulk: went with the flood
-    assert floods[37][0] in (200, 429)
+    # asked bulk: went with the flood, behind the whole chat class; the bulk class shares its turns
+    # between tenants, so they alternate with the batch tenant's (the last of them comes seven
+    # releases after the last chat request, more than the fleet runs and queues at once)
+    lows = floods[36:40]
+    assert all(status == 200 for status, *_ in lows) and max(t for *_, t in lows) > chat_times[-1]
+    assert floods[40][0] in (200, 429)
 
 
 async def test_a_sheddable_request_is_refused_for_a_target_no_replica_can_meet(
