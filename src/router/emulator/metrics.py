@@ -111,6 +111,20 @@ class ReplicaMetrics:
             "emulator:max_num_seqs", "Requests the engine runs at once at most (its batch).", label, registry=r
         )
         self.busy_seconds = Counter("emulator:busy_seconds", "Engine seconds spent running steps.", label, registry=r)
+        # vLLM's NixlConnector's, on a decode replica that read a remote prefill's KV
+        self.transfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            label,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0),
+            registry=r,
+        )
+        self.failed_transfers = Counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers, including handshake and notification failures.",
+            label,
+            registry=r,
+        )
         # vLLM's own: its KV-cache shape as labels of a gauge at 1 (routers size their prefix index by it)
         self.cache_config = Gauge(
             "vllm:cache_config_info",

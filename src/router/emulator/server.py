@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
@@ -162,6 +163,12 @@ class Replica:
         self.started = False
         self._epoch = 0  # bumped by a crash
         self.stored = ResponseStore()  # the Responses API's stored conversations, in this replica alone
+        # prefills done for a remote decode (vLLM's kv_transfer_params): request id -> (until when
+        # the lease holds, on the monotonic clock; prompt tokens), read once by a decode replica
+        self.engine_id = uuid.uuid4().hex  # a new one with every engine (restart, crash)
+        self.leases: dict[str, tuple[float, int]] = {}
+        self.lease_s = 30.0  # vLLM's kv_lease_duration
+        self._pulls: Any = None  # the decode side's HTTP client, made at the first transfer
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -212,6 +219,7 @@ class Replica:
         app.router.add_get("/emulator/state", self._state)
         app.router.add_get("/emulator/faults", self._get_faults)
         app.router.add_post("/emulator/faults", self._set_faults)
+        app.router.add_post("/emulator/kv/pull", self._give_kv)
         app.router.add_delete("/emulator/faults", self._clear_faults)
         app.router.add_post("/emulator/crash", self._crash_endpoint)
         app.router.add_post("/emulator/restart-engine", self._restart_engine_endpoint)
@@ -236,6 +244,9 @@ class Replica:
         self.crashed = False
 
     async def stop(self) -> None:
+        if self._pulls is not None:
+            await self._pulls.close()
+            self._pulls = None
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -289,6 +300,8 @@ class Replica:
     def _lose_engine(self) -> None:
         """Every request and every cached block is gone; a step under way yields nothing."""
         self._epoch += 1
+        self.engine_id = uuid.uuid4().hex  # the KV its prefills kept is gone
+        self.leases.clear()
         waiting_handlers = [seq.owner for seq in (*self.engine.running, *self.engine.waiting)]
         self.engine.reset()
         for owner in waiting_handlers:
@@ -390,12 +403,22 @@ class Replica:
         await self._maybe_hang()
         wire = api()
         try:
-            job = wire.parse(await self._json_body(request))
+            body = await self._json_body(request)
+            job = wire.parse(body)
             seq = self.engine.new_sequence(job.prompt, job.max_tokens, self.now(), job.adapter, job.cache_salt)
         except ApiError as exc:
             return self._error(wire, exc)
         except RequestTooLarge as exc:
             return self._error(wire, self._too_large(wire, exc))
+        transfer = body.get("kv_transfer_params")
+        lease = isinstance(transfer, dict) and transfer.get("do_remote_decode") is True and not job.stream
+        if isinstance(transfer, dict) and transfer.get("do_remote_prefill") is True:
+            # a decode for a remote prefill: read its KV first, as vLLM's connector does before
+            # it schedules the request (kv_load_failure_policy "fail": the request fails)
+            pulled = await self._pull_kv(transfer, seq.prompt_tokens)
+            if pulled is None:
+                return self._error(wire, ApiError("the KV transfer from the prefill replica failed", None, 500))
+            seq.external_tokens = pulled
         injected = self._injected_error()
         if injected is not None:
             return self._error(wire, injected)
@@ -406,7 +429,7 @@ class Replica:
         try:
             if job.stream:
                 return await self._stream(request, seq, wire)
-            return await self._answer(request, seq, wire)
+            return await self._answer(request, seq, wire, lease)
         except _Dropped:
             return web.Response(status=499)  # never sent: the connection is already closed
         except ClientConnectionResetError:
@@ -445,7 +468,7 @@ class Replica:
         await seq.owner.wait()
         seq.owner.clear()
 
-    async def _answer(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, seq: Sequence, wire: Api, lease: bool = False) -> web.StreamResponse:
         while not seq.done:
             await self._wait_tokens(seq)
         if seq.aborted:
@@ -456,7 +479,68 @@ class Replica:
             await asyncio.Event().wait()  # never answers; the client times out
         if self.faults.drop_after is not None:
             self._cut(request)
-        return _json(wire.reply(seq, generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens)))
+        reply = wire.reply(seq, generated_text(self.engine.reply_seed(seq), 0, seq.output_tokens))
+        if lease:
+            reply["kv_transfer_params"] = self._lease(seq)
+        return _json(reply)
+
+    # -- prefill/decode disaggregation: vLLM's kv_transfer_params, with an HTTP pull for NIXL -----
+
+    def _lease(self, seq: Sequence) -> dict[str, Any]:
+        """A finished prefill's KV, kept for a decode replica to read: the params vLLM 0.32's
+        NixlConnector answers with (tests/data/engines/vllm-0.32-nixl-prefill-answer.json). The
+        emulator's side channel is its own HTTP port."""
+        now = time.monotonic()
+        for rid in [rid for rid, (until, _) in self.leases.items() if until < now]:
+            del self.leases[rid]  # expired unread (vLLM's nixl_num_kv_expired_reqs)
+        request_id = f"emu-{seq.id}-{uuid.uuid4().hex[:8]}"
+        self.leases[request_id] = (now + self.lease_s, seq.prompt_tokens)
+        blocks = -(-seq.prompt_tokens // self.engine.config.block_size)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(range(1, blocks + 1))],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.options.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "remote_num_tokens": seq.prompt_tokens,
+            "transfer_mode": "pull",
+        }
+
+    async def _give_kv(self, request: web.Request) -> web.Response:
+        """POST /emulator/kv/pull {remote_engine_id, remote_request_id}: a decode replica reads
+        a lease's KV (once); 404 where the engine restarted since or the lease ran out."""
+        await self._maybe_hang()
+        body = await self._json_body(request)
+        held = self.leases.pop(str(body.get("remote_request_id")), None)
+        if body.get("remote_engine_id") != self.engine_id or held is None or held[0] < time.monotonic():
+            return _error("no KV held for that request", 404)
+        return _json({"tokens": held[1]})
+
+    async def _pull_kv(self, params: dict[str, Any], prompt_tokens: int) -> int | None:
+        """Read a remote prefill's KV: its tokens (at most the prompt's), after the transfer's
+        time; None when the transfer failed (counted as vLLM counts it)."""
+        if self._pulls is None:
+            self._pulls = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/emulator/kv/pull"
+        ask = {"remote_engine_id": params.get("remote_engine_id"), "remote_request_id": params.get("remote_request_id")}
+        started = time.monotonic()
+        try:
+            async with self._pulls.post(url, data=orjson.dumps(ask)) as r:
+                answer = await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            answer = None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, int):
+            self.metrics.failed_transfers.labels(self.options.model).inc()
+            return None
+        tokens = min(tokens, prompt_tokens)
+        cfg = self.engine.config
+        await asyncio.sleep((cfg.kv_transfer_base_s + tokens / cfg.kv_transfer_tokens_per_s) / self.options.time_scale)
+        self.metrics.transfer_time.labels(self.options.model).observe(time.monotonic() - started)
+        return tokens
 
     async def _stream(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
