@@ -7,7 +7,7 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 
 | signal | penalty 0 at | penalty 1 at | why |
 |---|---|---|---|
-| queue: requests waiting, beyond its peers' median, while it does not shrink | 8 | 64 | a queue means the engine cannot admit work |
+| queue: waiting beyond its peers' median, unless shrinking | 8 | 64 | a queue means the engine cannot admit work |
 | memory: KV usage while more wait than at its peers | 0.90 | 1.00 | full KV with a queue is pressure; else busy |
 | fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
 | error rate (router-observed) | 0.05 | 0.50 | failing requests |
@@ -111,8 +111,9 @@ def health_score(inputs: HealthInputs, weights: ScoreWeights | None = None) -> f
         return 0.0
     w = weights or ScoreWeights()
     # a queue like its peers' is the fleet's load, not this replica's trouble
-    excess = None if inputs.waiting is None else inputs.waiting - (inputs.peer_waiting or 0.0)
-    if excess is not None and inputs.waiting_before is not None and inputs.waiting < inputs.waiting_before:
+    waiting, before = inputs.waiting, inputs.waiting_before
+    excess = None if waiting is None else waiting - (inputs.peer_waiting or 0.0)
+    if waiting is not None and before is not None and waiting < before:
         excess = 0.0  # draining: the engine is getting through its queue
     penalties = (
         (w.queue, ramp(excess, w.queue_from, w.queue_to)),
