@@ -84,6 +84,7 @@ class ReplicaState:
     owner_tag: int = 0
     pooled_tpot: tuple[float, int] | None = None
     pooled_ttft: tuple[float, int] | None = None
+    role: str = "both"  # both (aggregated), decode, or prefill (in the prefill replicas' own fleet)
 
     @property
     def state(self) -> str:
@@ -147,6 +148,7 @@ class Fleet:
                 capacity=self._configured(s.id),
                 models=self._pinned(s.id),
                 auth=self._auth(s.id),
+                role=s.role,
             )
             for i, s in enumerate(specs)
         ]
@@ -413,6 +415,7 @@ class Fleet:
             capacity=self._configured(spec.id),
             models=self._pinned(spec.id),
             auth=self._auth(spec.id),
+            role=spec.role,
         )
         self.replicas.append(replica)
         self._by_id[replica.id] = replica

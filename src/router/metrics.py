@@ -179,6 +179,19 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "How long requests held in the router waited before going on to a replica.",
         (),
     ),
+    "router_disagg_requests": (
+        "counter",
+        "Requests of a fleet with prefill replicas, by how they were served: split (prefilled on a "
+        "prefill replica, decoded on another), alone (not worth splitting: served by the decode replica), "
+        "fallback (no prefill replica answered: the decode replica recomputed the prompt) or recomputed "
+        "(the decode replica failed the transfer and served it alone).",
+        ("mode",),
+    ),
+    "router_disagg_prefill_seconds": (
+        "histogram",
+        "The prefill leg of split requests: from the request to the prefill replica to its params.",
+        (),
+    ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
     "router_replica_score": ("gauge", "Each replica's latest health score (0..1).", ("replica",)),
     "router_replica_routable": (
@@ -329,6 +342,8 @@ class RouterMetrics:
         self.jumps = made["router_session_jumps"]
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
+        self.disagg = made["router_disagg_requests"]
+        self.prefill_seconds = made["router_disagg_prefill_seconds"]
         self.queued = made["router_queued"]
         self.shed = made["router_shed"]
         self.queue_wait = made["router_queue_wait_seconds"]

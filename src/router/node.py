@@ -113,6 +113,18 @@ class Node:
             models=pinned_models(config),
             keys=replica_api_keys(config),
         )
+        # the prefill replicas of a disaggregated fleet (router.proxy.disagg): a fleet of their own,
+        # out of the route's reach, probed by every process that serves requests
+        self.prefill_fleet = Fleet(
+            config.prefill,
+            config.vnodes,
+            config.hash_seed,
+            fleet.rules,
+            replica_capacities(config) if config.capacity_caps else {},
+            capacity_caps=config.capacity_caps,
+            models=pinned_models(config),
+            keys=replica_api_keys(config),
+        )
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
         # and the admin API read and feed (the root knows the concrete policy; nothing else asks)
@@ -211,6 +223,13 @@ class Node:
             before_round=self.gather,
             after_round=self._probed,
             inflight=self.admission.inflight,
+        )
+        self.prefill_monitor = HealthMonitor(
+            self.prefill_fleet,
+            lambda: self.http,
+            config.probe_interval_s,
+            config.probe_timeout_s,
+            weights=score_weights(config),
         )
         self.discovery = (
             Discovery(self.membership, self.metrics, config.discovery, config.discovery_interval_s, config.replicas)
@@ -335,6 +354,8 @@ class Node:
         routes' own contexts may need): a worker's line to the control process, or the control
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
         contexts: list[Context] = []
+        if self.prefill_fleet.replicas and self.config.health_checks and not control_only:
+            contexts.append(self._prefill_monitor_ctx)
         if self.follower is not None and not control_only:
             contexts.append(self._follower_ctx)
             if self.placements is not None:
@@ -383,6 +404,11 @@ class Node:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+    async def _prefill_monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.prefill_monitor.run(), name="prefill health monitor")
+        yield
+        await self._run(task)
 
     async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.monitor.run(), name="health monitor")

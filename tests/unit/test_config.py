@@ -290,3 +290,31 @@ def test_each_settings_default_is_written_alike_in_the_dataclass_the_help_and_th
         value = said[1].strip() if said else ""
         if value and len(value.split()) <= 2 and value.split()[0] not in ("as", "API"):  # a value, not words
             assert value in words, (name, default, value)
+
+
+def test_prefill_and_decode_replicas_take_their_roles_and_decode_ones_are_routed_to() -> None:
+    args = build_parser().parse_args(
+        [
+            "--prefill",
+            "p0=http://a:1",
+            "--prefill",
+            "http://a:2",
+            "--decode",
+            "d0=http://b:1",
+            "--replica",
+            "http://c:1",
+        ]
+    )
+    cfg = load(None, {"ROUTER_STATE": "none"}, cli_values(args))
+    assert [(r.id, r.role) for r in cfg.replicas] == [("c:1", "both"), ("d0", "decode")]
+    assert [(r.id, r.role) for r in cfg.prefill] == [("p0", "prefill"), ("a:2", "prefill")]
+    node = Node(cfg)
+    assert [r.role for r in node.fleet.replicas] == ["both", "decode"] and len(node.prefill_fleet.replicas) == 2
+    with pytest.raises(ConfigError, match="need replicas to decode"):
+        load(None, {}, {"prefill": ["http://a:1"], "state": "none"})
+    with pytest.raises(ConfigError, match="appears twice"):
+        load(None, {}, {"prefill": ["x=http://a:1"], "decode": ["x=http://b:1"], "state": "none"})
+    with pytest.raises(ConfigError, match="listed twice"):
+        load(None, {}, {"prefill": ["http://a:1"], "decode": ["d=http://a:1"], "state": "none"})
+    filed = load(None, {"ROUTER_DECODE": "http://b:1,http://b:2", "ROUTER_PREFILL": "http://a:1"}, {"state": "none"})
+    assert [r.role for r in filed.replicas] == ["decode", "decode"] and filed.prefill[0].url == "http://a:1"

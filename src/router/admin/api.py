@@ -77,11 +77,12 @@ class AdminApi:
         return guarded
 
     def _replica_json(self, r: ReplicaState) -> dict[str, Any]:
-        fleet = self.node.fleet
+        fleet = self.node.prefill_fleet if r.role == "prefill" else self.node.fleet
         index = r.index
         return {
             "id": r.id,
             "url": r.url,
+            "role": r.role,
             "state": r.state,
             "weight": fleet.ring.weights[index] if index is not None else 0.0,
             "inflight": r.inflight,
@@ -152,7 +153,8 @@ class AdminApi:
 
     async def list_replicas(self, request: web.Request) -> web.Response:
         self.node.gather()
-        return _json([self._replica_json(r) for r in self.node.fleet.replicas])
+        every = (*self.node.fleet.replicas, *self.node.prefill_fleet.replicas)  # prefill replicas last
+        return _json([self._replica_json(r) for r in every])
 
     async def add_replica(self, request: web.Request) -> web.Response:
         try:

@@ -14,6 +14,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -70,9 +71,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     f = FIELDS[name]
     kind = f.type
     try:
-        if name == "replicas":
+        if name in ("replicas", "prefill", "decode"):
             items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(parse_replica(str(v)) for v in items if str(v).strip())
+            specs = tuple(parse_replica(str(v)) for v in items if str(v).strip())
+            return specs if name == "replicas" else tuple(replace(spec, role=name) for spec in specs)
         if kind == "tuple[str, ...]":
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(v).strip() for v in items if str(v).strip())
@@ -274,14 +276,19 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
     if not cfg.replicas and not cfg.demo and not cfg.discovery:
+        if cfg.prefill:
+            raise bad("decode", "prefill replicas need replicas to decode: give --decode URL (repeatable)")
         raise bad("replicas", "no replicas: give --replica URL (repeatable), ROUTER_REPLICAS, --discovery, or --demo N")
-    ids = [r.id for r in cfg.replicas]
+    if cfg.disagg_min_prompt_tokens < 0:
+        raise bad("disagg_min_prompt_tokens", "must be 0 or more tokens")
+    every = (*cfg.replicas, *cfg.prefill)
+    ids = [r.id for r in every]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:
         raise bad("replicas", f"replica id {dup!r} appears twice (name them: NAME=URL)")
     if cfg.replica_header and not HEADER_TOKEN.fullmatch(cfg.replica_header):
         raise bad("replica_header", "must be an HTTP header name (letters, digits, -), or empty to turn it off")
-    urls = [r.url for r in cfg.replicas]
+    urls = [r.url for r in every]
     dup_url = next((u for u in urls if urls.count(u) > 1), None)
     if dup_url is not None:
         raise bad("replicas", f"{dup_url} is listed twice (a retry could go back to the same replica)")
@@ -325,11 +332,13 @@ def load(
             sources[name] = key
     for name, value in (cli or {}).items():
         if value is not None:
-            flag = "--replica" if name == "replicas" else "--" + name.replace("_", "-")
+            flag = "--replica" if name == "replicas" else "--" + name.replace("_", "-")  # --prefill, --decode
             values[name] = _coerce(name, value, flag)
             sources[name] = flag
     if values.get("demo") and "state" not in sources:
         values["state"] = "none"  # a demo starts clean (its replicas are new each time) unless asked
+    if values.get("decode"):  # decode replicas are replicas: they serve alone what is not split
+        values["replicas"] = (*values.get("replicas", ()), *values["decode"])
     return validate(RouterConfig(**values), sources)
 
 

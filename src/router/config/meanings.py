@@ -160,6 +160,12 @@ HELP = {
     "admin_port": "serve the admin API, console and /metrics on this port instead of the proxy's "
     "(default 0: on the proxy's port)",
     "log_requests": "one JSON log line per request (default off)",
+    "prefill": "a replica that prefills for the decode replicas (vLLM with a KV connector: NixlConnector), "
+    "[NAME=]URL; repeatable (default none: nothing is split)",
+    "decode": "a replica that decodes what a prefill replica computed, and serves alone what is not worth "
+    "splitting, [NAME=]URL; repeatable",
+    "disagg_min_prompt_tokens": "with prefill replicas: a prompt shorter than this many tokens (as estimated) "
+    "is served by its decode replica alone (default 512)",
     "demo": "start N emulated replicas in-process and route to them too; a demo saves no routing state unless "
     "--state is given",
 }
@@ -177,6 +183,11 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "replicas",
         "how they are found and what each serves",
         ("discovery", "discovery_interval_s", "replica_models", "replica_capacity", "agents", "replica_header"),
+    ),
+    (
+        "prefill/decode disaggregation",
+        "replicas that prefill, replicas that decode, and what is split",
+        ("prefill", "decode", "disagg_min_prompt_tokens"),
     ),
     (
         "sessions and routing keys",

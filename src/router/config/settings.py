@@ -22,6 +22,7 @@ AUTO_QUEUED = -1  # max_queued = "auto"
 class ReplicaSpec:
     id: str
     url: str
+    role: str = "both"  # prefill and decode (aggregated), "decode" (--decode) or "prefill" (--prefill)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class RouterConfig:
     port: int = 8080
     replicas: tuple[ReplicaSpec, ...] = ()
     policy: str = "ttft"
+    # prefill/decode disaggregation (router.proxy.disagg): replicas that only prefill, for the
+    # decode replicas (and aggregated ones) to read the KV of; decode replicas join `replicas`
+    prefill: tuple[ReplicaSpec, ...] = ()
+    decode: tuple[ReplicaSpec, ...] = ()
+    disagg_min_prompt_tokens: int = 512  # a shorter prompt is served by its decode replica alone
     # ring
     vnodes: int = 128
     hash_seed: int = 0

@@ -17,13 +17,15 @@ from router.admin.api import add_admin_routes, token_ok
 from router.apis import PROXIED, RESPONSES
 from router.console.routes import add_console_routes
 from router.fleet import ReplicaState
+from router.handoff import VLLM
 from router.keys import stored_key
 from router.node import Node
+from router.proxy.disagg import DisaggAttempts, PrefillPool
 from router.proxy.exchange import AioExchange, error_response
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
 from router.proxy.intake import take_in, unauthorized
-from router.proxy.journey import HttpAttempts, Journey, Ledger
+from router.proxy.journey import Attempts, HttpAttempts, Journey, Ledger
 
 
 def build_app(node: Node, control_only: bool = False) -> web.Application:
@@ -71,12 +73,29 @@ def admin_app(node: Node) -> web.Application:
 def journey_of(node: Node) -> Journey:
     """The journey of this process's proxied requests, from the node's parts."""
     cfg = node.config
-    attempts = HttpAttempts(
+    http = HttpAttempts(
         node.upstream_client,
         Timeouts(cfg.connect_timeout_s, cfg.first_byte_timeout_s, cfg.idle_timeout_s),
         cfg.replica_header,
         node.worker,
     )
+    attempts: Attempts = http
+    if node.prefill_fleet.replicas:  # a disaggregated fleet: prefill there, decode where routed
+        metrics = node.metrics
+
+        def observe(mode: str, seconds: float | None) -> None:
+            metrics.disagg.labels(mode).inc()
+            if seconds is not None and mode == "split":
+                metrics.prefill_seconds.observe(seconds)
+
+        attempts = DisaggAttempts(
+            http,
+            PrefillPool(node.prefill_fleet, cfg.bounded_load_c),
+            VLLM,
+            cfg.disagg_min_prompt_tokens,
+            http.timeouts,
+            observe,
+        )
     ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests, node.clients is not None)
     tokenize = node.feed.tokenized if node.feed is not None else None
     return Journey(

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(
                     flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=HELP[name]
                 )
+            elif name in ("prefill", "decode"):  # repeatable, as --replica
+                group.add_argument(flag, dest=name, action="append", metavar="[NAME=]URL", help=HELP[name])
             else:  # a string: the config loader converts and validates it, naming the setting on error
                 group.add_argument(flag, dest=name, metavar=name.upper(), help=HELP[name])
     return p
@@ -110,6 +112,8 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
 def summary(config: RouterConfig) -> str:
     """One line of what a configuration amounts to (for --check-config)."""
     replicas = [f"{len(config.replicas)} replica{'' if len(config.replicas) == 1 else 's'}"]
+    if config.prefill:
+        replicas.append(f"{len(config.prefill)} prefill replica{'' if len(config.prefill) == 1 else 's'}")
     if config.discovery:
         replicas.append(f"discovered through {config.discovery}")
     if config.demo:

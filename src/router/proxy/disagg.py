@@ -1,0 +1,189 @@
+"""Prefill/decode disaggregation: an attempt that prefills on a prefill replica and decodes on the
+replica the route chose.
+
+The route (router.routing) chooses among the decode replicas (and aggregated ones), as for any
+request: a conversation's turns stay on one decode replica, whose cache holds its blocks too. Then
+`DisaggAttempts.send`, in place of a plain attempt:
+
+- serves the request there alone when it is not worth splitting: an API the engines' connectors do
+  not see (router.handoff.SPLITTABLE), or a prompt shorter than `min_tokens` (estimated from the
+  prompt the router keyed; its prefill costs less than a transfer's round trip);
+- else asks a prefill replica (`PrefillPool`: the prompt's leading blocks choose it, so a document
+  is prefilled where it was before, among those not loaded past their share) for the prompt's KV
+  with the protocol's prefill body (router.handoff), a failed one on the next, and sends the decode
+  replica the client's body with the params that came back; its answer is relayed as any other;
+- falls back to decoding alone (the decode replica recomputes the prompt) when no prefill replica
+  answers with params, and when the decode replica fails the transfer (a 5xx before any byte: the
+  lease ran out, or the prefill replica went away): a failed transfer is never the client's error
+  while a replica can still answer;
+- keeps the params of a decode that failed before its first byte otherwise (unreachable, reset,
+  timed out): the journey's next decode replica reads the same lease, and no prefill is redone.
+
+A broken decode stream is resumed as any other (router.proxy.resume), aggregated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from router.fleet import Fleet, ReplicaState
+from router.handoff import SPLITTABLE, Handoff
+from router.keys import RoutingKey
+from router.proxy.forward import Outcome, Retry, Timeouts, Trip
+from router.proxy.journey import HttpAttempts
+from router.proxy.sse import StreamFramer
+from router.ring import xxh3_64
+from router.upstream import Upstream, UpstreamError
+
+LEASE_S = 30.0  # vLLM's kv_lease_duration: how long a prefill's params stay worth retrying with
+AFFINITY_BLOCKS = 4  # the prompt's first blocks choose its prefill replica
+BYTES_PER_TOKEN = 4  # the prompt's size, estimated from the bytes the router keyed
+
+
+class PrefillPool:
+    """The prefill replicas, in a fleet of their own (probed and scored as any other), ordered per
+    request: by the prompt's leading blocks (highest random weight, so the same document goes to
+    the same replica and a replica leaving moves only its own), those loaded past their share last."""
+
+    def __init__(self, fleet: Fleet, slack: float = 1.25) -> None:
+        self.fleet = fleet
+        self.slack = slack
+
+    def order(self, key: RoutingKey) -> list[ReplicaState]:
+        fleet = self.fleet
+        skip = fleet.not_serving(key.model)
+        ready = [r for r in fleet.replicas if r.health.routable and r.index not in skip]
+        if not ready:
+            return []
+        prompt = key.prompt
+        if prompt is not None and len(prompt.chain):
+            anchor = int(prompt.chain[min(len(prompt.chain), AFFINITY_BLOCKS) - 1]).to_bytes(8, "little")
+        else:
+            anchor = key.key
+        ranked = sorted(ready, key=lambda r: xxh3_64(anchor + r.id.encode()), reverse=True)
+        share = math.ceil(self.slack * (sum(r.inflight for r in ready) + 1) / len(ready))
+        return [r for r in ranked if r.inflight < share] + [r for r in ranked if r.inflight >= share]
+
+
+class DisaggAttempts:
+    """Attempts that split a request between a prefill replica and the route's decode replica
+    (this module's docstring); `observe(mode, seconds)` hears how each request was served (split,
+    alone, fallback, recomputed) and, where a prefill was asked for, how long it took."""
+
+    def __init__(
+        self,
+        inner: HttpAttempts,
+        pool: PrefillPool,
+        protocol: Handoff,
+        min_tokens: int,
+        timeouts: Timeouts,
+        observe: Callable[[str, float | None], None] | None = None,
+        max_prefills: int = 2,
+    ) -> None:
+        self.inner = inner
+        self.pool = pool
+        self.protocol = protocol
+        self.min_tokens = min_tokens
+        self.timeouts = timeouts
+        self.observe = observe or (lambda mode, seconds: None)
+        self.max_prefills = max_prefills
+        # a decode that failed before its first byte: its params, for the journey's next decode
+        # replica, by request (its exchange's identity and arrival), until the lease runs out
+        self._kept: dict[tuple[int, float], tuple[float, dict[str, Any]]] = {}
+
+    def split(self, trip: Trip) -> bool:
+        """Whether the request is worth splitting."""
+        intake = trip.intake
+        if intake.api.name not in SPLITTABLE or not self.pool.fleet.replicas:
+            return False
+        prompt = intake.key.prompt
+        tokens = (prompt.nbytes if prompt is not None else len(intake.raw)) // BYTES_PER_TOKEN
+        return tokens >= self.min_tokens
+
+    def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]:
+        if not self.split(trip):
+            self.observe("alone", None)
+            return self.inner.send(replica, trip, deadline)
+        return self._split(replica, trip, deadline)
+
+    def resume(
+        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
+    ) -> Awaitable[Retry | None]:
+        return self.inner.resume(replica, trip, body, deadline, outcome, splicer)
+
+    async def _split(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        body = orjson.loads(trip.intake.raw)  # as forwarded (usage asked for where the router strips it)
+        request = (id(trip.exchange), trip.t0)
+        kept = self._kept.pop(request, None)
+        params = kept[1] if kept is not None and kept[0] > time.monotonic() else None
+        if params is None:
+            started = time.monotonic()
+            params = await self._prefill(trip, body, deadline)
+            self.observe("split" if params is not None else "fallback", time.monotonic() - started)
+        if params is None:
+            return await self.inner.send(replica, trip, deadline)  # decoded alone: it recomputes the prompt
+        raw = orjson.dumps(self.protocol.decode_body(body, params))
+        decoding = replace(trip, intake=replace(trip.intake, raw=raw))
+        result = await self.inner.send(replica, decoding, deadline)
+        if isinstance(result, Retry):
+            if result.cause == "http_5xx":  # the transfer failed there: it recomputes instead
+                self.observe("recomputed", None)
+                return await self.inner.send(replica, trip, deadline)
+            now = time.monotonic()
+            for gone in [k for k, (until, _) in self._kept.items() if until < now]:
+                del self._kept[gone]  # requests whose journey ended without another decode
+            self._kept[request] = (now + LEASE_S, params)  # the next decode replica reads it
+        return result
+
+    async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+        """The params of a prefill done on the first prefill replica that answers with them."""
+        raw = orjson.dumps(self.protocol.prefill_body(trip.intake.api, body))
+        loop = asyncio.get_running_loop()
+        for replica in self.pool.order(trip.intake.key)[: self.max_prefills]:
+            keyed = self.inner.keyed(replica, trip)
+            self.pool.fleet.acquire(replica)
+            try:
+                async with asyncio.timeout_at(min(loop.time() + self.timeouts.first_byte_s, deadline)):
+                    url = replica.url + trip.exchange.path
+                    answer = await _post(self.inner.client(), url, raw, keyed.headers, self.timeouts)
+            except (TimeoutError, OSError, UpstreamError, ValueError):
+                answer = None
+            finally:
+                self.pool.fleet.release(replica)
+            params = self.protocol.params(answer)
+            if params is not None:
+                _count(replica, answer)
+                return params
+            replica.errors += 1
+        return None
+
+
+async def _post(client: Upstream, url: str, raw: bytes, headers: dict[str, str], timeouts: Timeouts) -> Any:
+    """A prefill's JSON answer; None for an answer other than a 200."""
+    response = await client.post(url, raw, headers, timeouts.connect_s)
+    try:
+        data = await response.read()
+    finally:
+        response.release() if response.at_eof() else response.close()
+    return orjson.loads(data) if response.status == 200 else None
+
+
+def _count(replica: ReplicaState, answer: Any) -> None:
+    """The prompt tokens the prefill replica computed and found cached, counted on its side."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return
+    prompt = usage.get("prompt_tokens") or usage.get("input_tokens")
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(prompt, int):
+        replica.prompt_tokens += prompt
+    if isinstance(cached, int):
+        replica.cached_tokens += cached

@@ -1,0 +1,119 @@
+"""Prefill/decode disaggregation through the router, on emulated replicas that speak vLLM's
+hand-off: a long prompt is prefilled on a prefill replica and decoded on the route's decode
+replica (the decode side's transfer count grows), a short one is served there alone, and failures
+of either side lose no request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.emulator.server import Fleet
+
+LONG = "the quick brown fox jumps over the lazy dog " * 80  # about 900 tokens
+SHORT = "hello there"
+
+
+def named(fleet: Fleet, prefix: str) -> list[str]:
+    return [f"{prefix}{i}={r.url}" for i, r in enumerate(fleet.replicas)]
+
+
+async def chat(url: str, content: str, session: str, stream: bool = False, max_tokens: int = 6) -> tuple[int, Any, str]:
+    body = {"model": "emulated-llm", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    body["stream"] = stream
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session}) as r,
+    ):
+        data = await r.read()
+        return r.status, data if stream else orjson.loads(data), r.headers.get("X-Router-Replica", "")
+
+
+async def transfers(replica: Any) -> tuple[float, float]:
+    async with aiohttp.ClientSession() as http, http.get(replica.url + "/metrics") as r:
+        text = await r.text()
+    done = failed = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:nixl_xfer_time_seconds_count"):
+            done = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:nixl_num_failed_transfers_total"):
+            failed = float(line.rsplit(" ", 1)[1])
+    return done, failed
+
+
+async def transferred(fleet: Fleet) -> float:
+    """KV transfers done by a fleet's decode replicas."""
+    return sum([(await transfers(d))[0] for d in fleet.replicas])
+
+
+async def disagg(start_fleet, start_router, **settings: Any):  # type: ignore[no-untyped-def]
+    prefill = await start_fleet(2)
+    decode = await start_fleet(2)
+    node, url = await start_router([], prefill=named(prefill, "p"), decode=named(decode, "d"), **settings)
+    return prefill, decode, node, url
+
+
+async def test_a_long_prompt_is_prefilled_apart_and_decoded_on_its_route(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    _, decode, node, url = await disagg(start_fleet, start_router, admin_token="t")
+    admin = {"Authorization": "Bearer t"}
+    async with aiohttp.ClientSession() as http, http.get(url + "/admin/replicas", headers=admin) as r:
+        listed = await r.json()
+    assert [(r["id"], r["role"]) for r in listed] == [
+        ("d0", "decode"),
+        ("d1", "decode"),
+        ("p0", "prefill"),
+        ("p1", "prefill"),
+    ]
+    assert [r.role for r in node.fleet.replicas] == ["decode", "decode"]
+    assert [r.role for r in node.prefill_fleet.replicas] == ["prefill", "prefill"]
+    status, answer, replica = await chat(url, LONG, "s1")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 6 and replica in ("d0", "d1")
+    d = decode.replicas[int(replica[1])]
+    assert await transfers(d) == (1.0, 0.0)  # its prompt's KV came from a prefill replica
+    assert sum(r.requests for r in node.prefill_fleet.replicas) == 1
+    assert sum(r.prompt_tokens for r in node.prefill_fleet.replicas) == answer["usage"]["prompt_tokens"]
+    # streamed too, on the same decode replica (the session's): the answer is relayed as any other
+    status, streamed, again = await chat(url, LONG + " and more", "s1", stream=True)
+    assert status == 200 and again == replica and streamed.rstrip().endswith(b"data: [DONE]")
+    assert (await transfers(d))[0] == 2.0
+    # a short prompt is not worth a transfer: its decode replica serves it alone
+    status, _, _ = await chat(url, SHORT, "s2")
+    assert status == 200 and sum(r.requests for r in node.prefill_fleet.replicas) == 2
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="split"} 2.0' in text
+    assert 'router_disagg_requests_total{mode="alone"} 1.0' in text
+
+
+async def test_a_prefill_replica_down_is_skipped_and_with_none_decode_recomputes(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, _, url = await disagg(start_fleet, start_router, health_checks=False)
+    await prefill.replicas[0].crash()
+    for i in range(4):  # whichever prefill replica a prompt's blocks choose, the live one prefills it
+        status, _, _ = await chat(url, f"{i} {LONG}", f"a{i}")
+        assert status == 200
+    assert await transferred(decode) == 4
+    await prefill.replicas[1].crash()
+    status, answer, _ = await chat(url, "x " + LONG, "b")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 6  # decoded alone, the prompt recomputed
+    assert await transferred(decode) == 4
+
+
+async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, node, url = await disagg(start_fleet, start_router, health_checks=False)
+    # the prefill replicas lose their KV between prefill and decode: the transfer fails, the decode recomputes
+    for p in prefill.replicas:
+        p.lease_s = -1.0
+    status, answer, replica = await chat(url, LONG, "c")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 6
+    assert (await transfers(decode.replicas[int(replica[1])]))[1] == 1.0
+    for p in prefill.replicas:
+        p.lease_s = 30.0
+    # a decode replica that is gone before its first byte: the next one decodes with the same lease
+    owner = next(f"k{i}" for i in range(100) if node.fleet.ring.lookup(f"k{i}".encode()) == 0)
+    await decode.replicas[0].crash()
+    status, answer, replica = await chat(url, LONG, owner)
+    assert status == 200 and replica == "d1"
+    assert await transfers(decode.replicas[1]) == (1.0, 0.0)
+    assert sum(r.requests for r in node.prefill_fleet.replicas) == 2  # no second prefill for it
