@@ -20,8 +20,12 @@ def named(fleet: Fleet, prefix: str) -> list[str]:
     return [f"{prefix}{i}={r.url}" for i, r in enumerate(fleet.replicas)]
 
 
-async def chat(url: str, content: str, session: str, stream: bool = False, max_tokens: int = 6) -> tuple[int, Any, str]:
-    body = {"model": "emulated-llm", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+async def chat(
+    url: str, content: str | list[str], session: str, stream: bool = False, max_tokens: int = 6
+) -> tuple[int, Any, str]:
+    turns = [content] if isinstance(content, str) else content  # user, assistant, user, ...
+    messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(turns)]
+    body = {"model": "emulated-llm", "messages": messages, "max_tokens": max_tokens}
     body["stream"] = stream
     async with (
         aiohttp.ClientSession() as http,
@@ -74,17 +78,21 @@ async def test_a_long_prompt_is_prefilled_apart_and_decoded_on_its_route(start_f
     assert await transfers(d) == (1.0, 0.0)  # its prompt's KV came from a prefill replica
     assert sum(r.requests for r in node.prefill_fleet.replicas) == 1
     assert sum(r.prompt_tokens for r in node.prefill_fleet.replicas) == answer["usage"]["prompt_tokens"]
-    # streamed too, on the same decode replica (the session's): the answer is relayed as any other
-    status, streamed, again = await chat(url, LONG + " and more", "s1", stream=True)
-    assert status == 200 and again == replica and streamed.rstrip().endswith(b"data: [DONE]")
-    assert (await transfers(d))[0] == 2.0
+    # the conversation's next turn: its decode replica holds its history, what is left is short,
+    # so it is served there alone (the prefix index's prediction)
+    status, _, again = await chat(url, [LONG, answer["choices"][0]["message"]["content"], "and then?"], "s1")
+    assert status == 200 and again == replica and await transfers(d) == (1.0, 0.0)
+    # streamed: the answer is relayed as any other
+    status, streamed, other = await chat(url, "another document: " + LONG, "s2", stream=True)
+    assert status == 200 and streamed.rstrip().endswith(b"data: [DONE]")
+    assert (await transfers(decode.replicas[int(other[1])]))[0] == 1.0 + (other == replica)
     # a short prompt is not worth a transfer: its decode replica serves it alone
-    status, _, _ = await chat(url, SHORT, "s2")
+    status, _, _ = await chat(url, SHORT, "s3")
     assert status == 200 and sum(r.requests for r in node.prefill_fleet.replicas) == 2
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     assert 'router_disagg_requests_total{mode="split"} 2.0' in text
-    assert 'router_disagg_requests_total{mode="alone"} 1.0' in text
+    assert 'router_disagg_requests_total{mode="alone"} 2.0' in text
 
 
 async def test_a_prefill_replica_down_is_skipped_and_with_none_decode_recomputes(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]

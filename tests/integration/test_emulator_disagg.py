@@ -56,6 +56,9 @@ async def test_a_decode_reads_the_prefills_kv_and_computes_one_token(start_fleet
     status, failed = await post(decode + CHAT.path, VLLM.decode_body(body, params))
     assert status == 500 and "KV transfer" in failed["error"]["message"]
     assert await metrics(decode) == (1.0, 1.0)
+    # a pull that is not JSON gets a 400, not a crash
+    async with aiohttp.ClientSession() as http, http.post(prefill + "/emulator/kv/pull", data=b"{") as r:
+        assert r.status == 400
     # the transferred blocks are the decode replica's own cache now: the next turn hits them there
     status, again = await post(decode + CHAT.path, body)
     assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

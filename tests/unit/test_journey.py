@@ -70,7 +70,7 @@ class Script:
         self.sent: list[str] = []
         self.resumed: list[tuple[str, dict[str, Any]]] = []
 
-    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+    async def send(self, replica: ReplicaState, trip: Trip, deadline: float, decision: Any = None) -> Retry | Outcome:
         self.sent.append(replica.id)
         return self.steps.pop(0)(replica, trip)
 

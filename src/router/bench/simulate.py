@@ -226,7 +226,9 @@ class ModelledReplicas:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
 
-    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+    async def send(
+        self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
+    ) -> Retry | Outcome:
         sim = self.sim
         exchange = trip.exchange
         assert isinstance(exchange, SimExchange)

@@ -164,8 +164,8 @@ HELP = {
     "[NAME=]URL; repeatable (default none: nothing is split)",
     "decode": "a replica that decodes what a prefill replica computed, and serves alone what is not worth "
     "splitting, [NAME=]URL; repeatable",
-    "disagg_min_prompt_tokens": "with prefill replicas: a prompt shorter than this many tokens (as estimated) "
-    "is served by its decode replica alone (default 512)",
+    "disagg_min_prompt_tokens": "with prefill replicas: a request leaving fewer tokens than this to prefill on "
+    "its decode replica (its prompt less what the prefix index predicts there) is served there alone (default 512)",
     "demo": "start N emulated replicas in-process and route to them too; a demo saves no routing state unless "
     "--state is given",
 }

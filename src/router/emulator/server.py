@@ -513,7 +513,10 @@ class Replica:
         """POST /emulator/kv/pull {remote_engine_id, remote_request_id}: a decode replica reads
         a lease's KV (once); 404 where the engine restarted since or the lease ran out."""
         await self._maybe_hang()
-        body = await self._json_body(request)
+        try:
+            body = await self._json_body(request)
+        except ApiError as exc:
+            return _error(str(exc), 400)
         held = self.leases.pop(str(body.get("remote_request_id")), None)
         if body.get("remote_engine_id") != self.engine_id or held is None or held[0] < time.monotonic():
             return _error("no KV held for that request", 404)

@@ -6,8 +6,10 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
 `DisaggAttempts.send`, in place of a plain attempt:
 
 - serves the request there alone when it is not worth splitting: an API the engines' connectors do
-  not see (router.handoff.SPLITTABLE), or a prompt shorter than `min_tokens` (estimated from the
-  prompt the router keyed; its prefill costs less than a transfer's round trip);
+  not see (router.handoff.SPLITTABLE), or fewer than `min_tokens` left to prefill there: the prompt
+  less what the prefix index predicted the decode replica holds when ttft chose it, so a short
+  prompt and a conversation's next turn on the replica that holds its history stay whole (a prefill
+  that small costs less than a transfer's round trip);
 - else asks a prefill replica (`PrefillPool`: the prompt's leading blocks choose it, so a document
   is prefilled where it was before, among those not loaded past their share) for the prompt's KV
   with the protocol's prefill body (router.handoff), a failed one on the next, and sends the decode
@@ -36,6 +38,7 @@ import orjson
 from router.fleet import Fleet, ReplicaState
 from router.handoff import SPLITTABLE, Handoff
 from router.keys import RoutingKey
+from router.policy import Decision
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
 from router.proxy.journey import HttpAttempts
 from router.proxy.sse import StreamFramer
@@ -98,17 +101,23 @@ class DisaggAttempts:
         # replica, by request (its exchange's identity and arrival), until the lease runs out
         self._kept: dict[tuple[int, float], tuple[float, dict[str, Any]]] = {}
 
-    def split(self, trip: Trip) -> bool:
-        """Whether the request is worth splitting."""
+    def split(self, replica: ReplicaState, trip: Trip, decision: Decision | None) -> bool:
+        """Whether the request is worth splitting: what `replica` would prefill alone (what the
+        decision that chose it predicted: its prompt less what the prefix index says it holds;
+        else the whole prompt, estimated) is at least `min_tokens`."""
         intake = trip.intake
         if intake.api.name not in SPLITTABLE or not self.pool.fleet.replicas:
             return False
+        if decision is not None and decision.cost is not None and decision.index == replica.index:
+            return decision.cost.uncached_tokens >= self.min_tokens
         prompt = intake.key.prompt
         tokens = (prompt.nbytes if prompt is not None else len(intake.raw)) // BYTES_PER_TOKEN
         return tokens >= self.min_tokens
 
-    def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]:
-        if not self.split(trip):
+    def send(
+        self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
+    ) -> Awaitable[Retry | Outcome]:
+        if not self.split(replica, trip, decision):
             self.observe("alone", None)
             return self.inner.send(replica, trip, deadline)
         return self._split(replica, trip, deadline)

@@ -75,10 +75,14 @@ WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the 
 
 class Attempts(Protocol):
     """How a request reaches a replica: `send` it (a `Retry` when it failed before its first
-    byte), or `resume` a broken stream's `outcome` there with the continuation `body`, its new
-    bytes spliced by `splicer` (a `Retry` when the continuation failed before its first byte)."""
+    byte; `decision`: the pick that chose the replica, with its predicted cost where the policy
+    prices, for attempts that weigh it), or `resume` a broken stream's `outcome` there with the
+    continuation `body`, its new bytes spliced by `splicer` (a `Retry` when the continuation failed
+    before its first byte)."""
 
-    def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]: ...
+    def send(
+        self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
+    ) -> Awaitable[Retry | Outcome]: ...
 
     def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
@@ -119,7 +123,9 @@ class HttpAttempts:
             return {name: replica.id, WORKER_HEADER: str(self.worker)}
         return {name: replica.id}
 
-    def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]:
+    def send(
+        self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
+    ) -> Awaitable[Retry | Outcome]:
         # the attempt's own coroutine, not one around it: one frame less per request
         if replica.auth:
             trip = self.keyed(replica, trip)
@@ -363,7 +369,7 @@ class Journey:
             if trace is not None:
                 span = self._attempt_span(trace, route, replica, trip, routing_since)
             try:
-                result = await self.attempts.send(replica, trip, route.deadline)
+                result = await self.attempts.send(replica, trip, route.deadline, route.decision)
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 if span is not None:
                     span.end("client_gone")
