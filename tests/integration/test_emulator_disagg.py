@@ -4,6 +4,7 @@ the transfer, and computes only the last prompt token."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import aiohttp
@@ -85,3 +86,36 @@ async def test_a_lease_dies_with_the_prefills_engine_and_a_completion_splits_ali
         streamed = await r.read()
     assert r.status == 200 and streamed.rstrip().endswith(b"data: [DONE]")
     assert await metrics(decode.url) == (1.0, 1.0)
+
+
+async def test_a_failed_transfer_in_a_stream_and_under_the_recompute_policy(start_fleet) -> None:  # type: ignore[no-untyped-def]
+    fleet = await start_fleet(2)
+    prefill, decode = fleet.replicas
+    body = {"model": "emulated-llm", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    gone = VLLM.params(
+        {
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "remote_block_ids": [[1]],
+                "remote_engine_id": "x",
+                "remote_request_id": "y",
+                "remote_host": "127.0.0.1",
+                "remote_port": prefill.port,
+            }
+        }
+    )
+    assert gone is not None
+    # streamed under "fail": a 200, the opening event, an error event, the end (as vLLM 0.32 does)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(decode.url + CHAT.path, data=orjson.dumps(VLLM.decode_body(body | {"stream": True}, gone))) as r,
+    ):
+        streamed = await r.read()
+    events = [e for e in streamed.split(b"\n\n") if e]
+    assert r.status == 200 and b'"role":"assistant"' in events[0]
+    assert orjson.loads(events[1][len(b"data: ") :])["error"]["code"] == 500 and events[2] == b"data: [DONE]"
+    # under "recompute" the prompt is computed there instead, and the failure still counted
+    decode.options = dataclasses.replace(decode.options, kv_load_failure_policy="recompute")
+    status, answer = await post(decode.url + CHAT.path, VLLM.decode_body(body, gone))
+    assert status == 200 and answer["usage"]["prompt_tokens_details"]["created_cache_tokens"] > 0
+    assert await metrics(decode.url) == (0.0, 2.0)

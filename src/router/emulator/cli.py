@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="as vLLM's --api-key: its /v1 paths ask for Authorization: Bearer KEY (default: none asked)",
     )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=("fail", "recompute"),
+        default="fail",
+        help="a decode that cannot read a remote prefill's KV fails (vLLM's default: a 500, or an error "
+        "event in a stream) or recomputes the prompt, as vLLM's kv_load_failure_policy",
+    )
     g = p.add_argument_group("model")
     d = EngineConfig()
     g.add_argument(
@@ -302,6 +309,7 @@ def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -
             seed=args.seed + i,
             kv_events=kv_events[i] if kv_events else None,
             api_key=args.api_key,
+            kv_load_failure_policy=args.kv_load_failure_policy,
         )
         replicas.append(Replica(options, config, faults[i], tracer))
     return Fleet(replicas, args.host, args.control_port), crash_after

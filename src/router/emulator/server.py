@@ -120,6 +120,10 @@ class ReplicaOptions:
     seed: int = 0
     kv_events: KvEventsOptions | None = None  # publish KV-cache events (vLLM's --kv-events-config)
     api_key: str = ""  # vLLM's --api-key: its /v1 paths ask for `Authorization: Bearer KEY`
+    # what a decode does when it cannot read a remote prefill's KV (vLLM's kv_load_failure_policy):
+    # "fail" (vLLM's default: a 500, or in a stream an error event after the opening one) or
+    # "recompute" (the prompt is computed here instead)
+    kv_load_failure_policy: str = "fail"
 
 
 class _Dropped(Exception):
@@ -416,9 +420,11 @@ class Replica:
             # a decode for a remote prefill: read its KV first, as vLLM's connector does before
             # it schedules the request (kv_load_failure_policy "fail": the request fails)
             pulled = await self._pull_kv(transfer, seq.prompt_tokens)
-            if pulled is None:
+            if pulled is None and self.options.kv_load_failure_policy != "recompute":
+                if job.stream and isinstance(wire, Completions):
+                    return await self._failed_stream(request, seq, wire)
                 return self._error(wire, ApiError("the KV transfer from the prefill replica failed", None, 500))
-            seq.external_tokens = pulled
+            seq.external_tokens = pulled or 0
         injected = self._injected_error()
         if injected is not None:
             return self._error(wire, injected)
@@ -485,6 +491,20 @@ class Replica:
         return _json(reply)
 
     # -- prefill/decode disaggregation: vLLM's kv_transfer_params, with an HTTP pull for NIXL -----
+
+    async def _failed_stream(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
+        """A streamed decode whose KV could not be read, as vLLM 0.32 answers it under the "fail"
+        policy (verified with NixlConnector here): a 200 whose opening event is followed by an
+        error event and the end."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for data in wire.opening(seq):
+            await resp.write(data)
+        error = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+        await resp.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
+        await resp.write(wire.end())
+        await resp.write_eof()
+        return resp
 
     def _lease(self, seq: Sequence) -> dict[str, Any]:
         """A finished prefill's KV, kept for a decode replica to read: the params vLLM 0.32's
