@@ -116,12 +116,19 @@ async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(
     status, answer, replica = await chat(url, LONG, "c")
     assert status == 200 and answer["usage"]["completion_tokens"] == 6
     assert (await transfers(decode.replicas[int(replica[1])]))[1] == 1.0
+    # streamed, the decode replica answers 200, its opening event, then an error event (as vLLM
+    # does under its "fail" policy): the router holds the opening, sees the error, recomputes
+    status, streamed, replica = await chat(url, "streamed: " + LONG, "c2", stream=True)
+    assert status == 200 and b'"error"' not in streamed and streamed.rstrip().endswith(b"data: [DONE]")
+    assert streamed.count(b'"role":"assistant"') == 1 and streamed.count(b'"finish_reason":"length"') == 1
+    assert sum([(await transfers(d))[1] for d in decode.replicas]) == 2.0
     for p in prefill.replicas:
         p.lease_s = 30.0
     # a decode replica that is gone before its first byte: the next one decodes with the same lease
     owner = next(f"k{i}" for i in range(100) if node.fleet.ring.lookup(f"k{i}".encode()) == 0)
+    before = await transfers(decode.replicas[1])
     await decode.replicas[0].crash()
     status, answer, replica = await chat(url, LONG, owner)
     assert status == 200 and replica == "d1"
-    assert await transfers(decode.replicas[1]) == (1.0, 0.0)
-    assert sum(r.requests for r in node.prefill_fleet.replicas) == 2  # no second prefill for it
+    assert await transfers(decode.replicas[1]) == (before[0] + 1, before[1])
+    assert sum(r.requests for r in node.prefill_fleet.replicas) == 3  # no second prefill for it

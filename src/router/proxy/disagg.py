@@ -15,9 +15,10 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   with the protocol's prefill body (router.handoff), a failed one on the next, and sends the decode
   replica the client's body with the params that came back; its answer is relayed as any other;
 - falls back to decoding alone (the decode replica recomputes the prompt) when no prefill replica
-  answers with params, and when the decode replica fails the transfer (a 5xx before any byte: the
-  lease ran out, or the prefill replica went away): a failed transfer is never the client's error
-  while a replica can still answer;
+  answers with params, and when the decode replica fails the transfer (the lease ran out, or the
+  prefill replica went away: vLLM answers a 5xx, or in a stream its opening event then an error
+  event, so a split stream is held until its second event): a failed transfer is never the
+  client's error while a replica can still answer;
 - keeps the params of a decode that failed before its first byte otherwise (unreachable, reset,
   timed out): the journey's next decode replica reads the same lease, and no prefill is redone.
 
@@ -140,7 +141,9 @@ class DisaggAttempts:
             return await self.inner.send(replica, trip, deadline)  # decoded alone: it recomputes the prompt
         raw = orjson.dumps(self.protocol.decode_body(body, params))
         decoding = replace(trip, intake=replace(trip.intake, raw=raw))
-        result = await self.inner.send(replica, decoding, deadline)
+        # a stream is held until its second event: under vLLM's "fail" policy a failed transfer
+        # answers 200, its opening event, then an error event, which the client must not see
+        result = await self.inner.send_settled(replica, decoding, deadline)
         if isinstance(result, Retry):
             if result.cause == "http_5xx":  # the transfer failed there: it recomputes instead
                 self.observe("recomputed", None)

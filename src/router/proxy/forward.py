@@ -146,14 +146,22 @@ def forward_headers(headers: CIMultiDictProxy[str], remote: str | None, client_k
 
 
 async def attempt(
-    client: Upstream, trip: Trip, url: str, named: dict[str, str], timeouts: Timeouts, deadline: float
+    client: Upstream,
+    trip: Trip,
+    url: str,
+    named: dict[str, str],
+    timeouts: Timeouts,
+    deadline: float,
+    settle: bool = False,
 ) -> Retry | Outcome:
     """Send `trip` to `url` and relay the answer to its client, with the headers `named` added
     (which replica, which worker). A resumable request's stream has its forwarded bytes recorded
     (up to `intake.keep`), and a stream the replica breaks is left open (`broken`) for the caller
     to resume or end with `end_stream`. How a stream is framed follows the request's kind
     (router.apis `events`: `sse`; `responses`, whose events are `response.*` and whose answer has
-    an id; `messages`, Anthropic's)."""
+    an id; `messages`, Anthropic's). `settle`: a stream is held until its second event, and one
+    whose second event is an error (vLLM's answer to a decode whose KV transfer failed, after its
+    opening event) is a `Retry` the client never sees."""
     # One timer per attempt, moved forward as the attempt progresses (asyncio.wait_for would
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
@@ -173,6 +181,11 @@ async def attempt(
                     )
                 # until the first body bytes arrive, failing over is invisible to the client
                 first = await upstream.readany()
+                if settle and first and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    while first.count(b"\n\n") < 2 and (more := await upstream.readany()):
+                        first += more
+                    if _errs_first(first):
+                        return Retry("http_5xx", 500, first, "text/event-stream")
         except (TimeoutError, OSError) as exc:
             return _retry_for(exc)
         outcome = await _relay(trip, upstream, first, named, timeouts, deadline)
@@ -182,6 +195,12 @@ async def attempt(
     finally:
         if upstream is not None:
             _let_go(upstream)
+
+
+def _errs_first(head: bytes) -> bool:
+    """Whether a stream's second event (after its opening one) is an in-band error."""
+    events = head.split(b"\n\n", 2)
+    return len(events) > 1 and events[1].lstrip().startswith((b'data: {"error"', b"event: error"))
 
 
 def _framer(events: str, strip_usage: bool) -> StreamFramer:

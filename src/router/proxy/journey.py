@@ -133,6 +133,15 @@ class HttpAttempts:
             self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline
         )
 
+    def send_settled(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]:
+        """`send`, a stream held until its second event: one that errs there is a `Retry`
+        (router.proxy.forward.attempt's `settle`)."""
+        if replica.auth:
+            trip = self.keyed(replica, trip)
+        return attempt(
+            self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline, True
+        )
+
     def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
     ) -> Awaitable[Retry | None]:
