@@ -125,6 +125,8 @@ class Node:
             models=pinned_models(config),
             keys=replica_api_keys(config),
         )
+        # ... and their prefix index and prefill queues, by which a prompt's prefill replica is chosen
+        self.prefill_placement = Placement(self.prefill_fleet, config) if config.prefill else None
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
         # and the admin API read and feed (the root knows the concrete policy; nothing else asks)
@@ -246,6 +248,11 @@ class Node:
         self.feed: Feed | None = None
         if placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
             self.feed = Feed(fleet, placement, config, lambda: self.http, self.metrics)
+        self.prefill_feed: Feed | None = None  # the prefill replicas' events, where they publish
+        if self.prefill_placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
+            self.prefill_feed = Feed(
+                self.prefill_fleet, self.prefill_placement, config, lambda: self.http, self.metrics
+            )
 
     def _budgets(self, clients: ClientKeys) -> Budgets:
         """The tenants' budgets: in Redis where the routing state is (every router and worker on it
@@ -356,6 +363,8 @@ class Node:
         contexts: list[Context] = []
         if self.prefill_fleet.replicas and self.config.health_checks and not control_only:
             contexts.append(self._prefill_monitor_ctx)
+        if self.prefill_feed is not None and not control_only:
+            contexts.append(self._prefill_feed_ctx)
         if self.follower is not None and not control_only:
             contexts.append(self._follower_ctx)
             if self.placements is not None:
@@ -460,6 +469,13 @@ class Node:
         yield
         await self._run(task)
         await self.placements.close()
+
+    async def _prefill_feed_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.prefill_feed is not None
+        task = asyncio.create_task(self.prefill_feed.run(), name="prefill kv events")
+        yield
+        await self._run(task)
+        await self.prefill_feed.close()
 
     async def _feed_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.feed is not None

@@ -5,11 +5,13 @@ of either side lose no request."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
 import orjson
 
+from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet
 
 LONG = "the quick brown fox jumps over the lazy dog " * 80  # about 900 tokens
@@ -52,8 +54,8 @@ async def transferred(fleet: Fleet) -> float:
     return sum([(await transfers(d))[0] for d in fleet.replicas])
 
 
-async def disagg(start_fleet, start_router, **settings: Any):  # type: ignore[no-untyped-def]
-    prefill = await start_fleet(2)
+async def disagg(start_fleet, start_router, config: EngineConfig | None = None, **settings: Any):  # type: ignore[no-untyped-def]
+    prefill = await start_fleet(2, config)
     decode = await start_fleet(2)
     node, url = await start_router([], prefill=named(prefill, "p"), decode=named(decode, "d"), **settings)
     return prefill, decode, node, url
@@ -132,3 +134,26 @@ async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(
     assert status == 200 and replica == "d1"
     assert await transfers(decode.replicas[1]) == (before[0] + 1, before[1])
     assert sum(r.requests for r in node.prefill_fleet.replicas) == 3  # no second prefill for it
+
+
+async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # prefill replicas at 2,000 tokens a second: the huge prompt keeps one busy for about 4 s
+    _, _, node, url = await disagg(start_fleet, start_router, EngineConfig(num_blocks=4000, prefill_tokens_per_s=2000))
+    huge = asyncio.create_task(chat(url, "a huge document: " + LONG * 9, "huge"))
+    for _ in range(200):
+        busy = [r for r in node.prefill_fleet.replicas if r.inflight]
+        if busy:
+            break
+        await asyncio.sleep(0.01)
+    assert len(busy) == 1
+    idle = next(r for r in node.prefill_fleet.replicas if r is not busy[0])
+    # whichever replica their leading blocks would choose, the prefill queue there sends them to the idle one
+    for i in range(4):
+        status, _, _ = await chat(url, f"document {i}: " + LONG, f"q{i}")
+        assert status == 200
+    assert (busy[0].requests, idle.requests) == (1, 4)
+    status, _, _ = await huge
+    assert status == 200
+    # a question on the huge document goes to the decode replica that holds it, which serves it alone
+    status, _, _ = await chat(url, "a huge document: " + LONG * 9 + " and a question", "huge-2")
+    assert status == 200 and (busy[0].requests, idle.requests) == (1, 4)
