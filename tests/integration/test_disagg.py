@@ -55,7 +55,8 @@ async def transferred(fleet: Fleet) -> float:
 
 
 async def disagg(start_fleet, start_router, config: EngineConfig | None = None, **settings: Any):  # type: ignore[no-untyped-def]
-    prefill = await start_fleet(2, config)
+    # prefill replicas of a given engine run in real time (the router's model of their queue is in seconds)
+    prefill = await start_fleet(2, config, time_scale=1.0) if config is not None else await start_fleet(2)
     decode = await start_fleet(2)
     node, url = await start_router([], prefill=named(prefill, "p"), decode=named(decode, "d"), **settings)
     return prefill, decode, node, url
@@ -137,9 +138,11 @@ async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(
 
 
 async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
-    # prefill replicas at 2,000 tokens a second: the huge prompt keeps one busy for about 4 s
-    _, _, node, url = await disagg(start_fleet, start_router, EngineConfig(num_blocks=4000, prefill_tokens_per_s=2000))
-    huge = asyncio.create_task(chat(url, "a huge document: " + LONG * 9, "huge"))
+    # prefill replicas at 4,000 tokens a second, in real time, as the router expects them: the huge
+    # prompt (~16,000 tokens) keeps one busy for about 4 s, a document (~900) another for 0.2 s
+    config = EngineConfig(num_blocks=4000, prefill_tokens_per_s=4000)
+    _, _, node, url = await disagg(start_fleet, start_router, config, prefill_tokens_per_s=4000)
+    huge = asyncio.create_task(chat(url, "a huge document: " + LONG * 18, "huge"))
     for _ in range(200):
         busy = [r for r in node.prefill_fleet.replicas if r.inflight]
         if busy:
@@ -155,5 +158,5 @@ async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fl
     status, _, _ = await huge
     assert status == 200
     # a question on the huge document goes to the decode replica that holds it, which serves it alone
-    status, _, _ = await chat(url, "a huge document: " + LONG * 9 + " and a question", "huge-2")
+    status, _, _ = await chat(url, "a huge document: " + LONG * 18 + " and a question", "huge-2")
     assert status == 200 and (busy[0].requests, idle.requests) == (1, 4)
