@@ -125,8 +125,8 @@ class Node:
             models=pinned_models(config),
             keys=replica_api_keys(config),
         )
-        # ... and their prefix index and prefill queues, by which a prompt's prefill replica is chosen
-        self.prefill_placement = Placement(self.prefill_fleet, config) if config.prefill else None
+        # ... and `ttft` over them (their prefix index and prefill queues): a prompt's prefill replica
+        self.prefill_policy = Ttft(self.prefill_fleet, config) if config.prefill else None
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
         # and the admin API read and feed (the root knows the concrete policy; nothing else asks)
@@ -249,9 +249,9 @@ class Node:
         if placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
             self.feed = Feed(fleet, placement, config, lambda: self.http, self.metrics)
         self.prefill_feed: Feed | None = None  # the prefill replicas' events, where they publish
-        if self.prefill_placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
+        if self.prefill_policy is not None and config.kv_events and (worker is not None or config.workers <= 1):
             self.prefill_feed = Feed(
-                self.prefill_fleet, self.prefill_placement, config, lambda: self.http, self.metrics
+                self.prefill_fleet, self.prefill_policy.placement, config, lambda: self.http, self.metrics
             )
 
     def _budgets(self, clients: ClientKeys) -> Budgets:

@@ -90,7 +90,7 @@ def journey_of(node: Node) -> Journey:
 
         attempts = DisaggAttempts(
             http,
-            PrefillPool(node.prefill_fleet, node.prefill_placement, cfg.bounded_load_c),
+            PrefillPool(node.prefill_fleet, node.prefill_policy, cfg.bounded_load_c),
             VLLM,
             cfg.disagg_min_prompt_tokens,
             http.timeouts,

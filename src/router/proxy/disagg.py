@@ -10,9 +10,9 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   less what the prefix index predicted the decode replica holds when ttft chose it, so a short
   prompt and a conversation's next turn on the replica that holds its history stay whole (a prefill
   that small costs less than a transfer's round trip);
-- else asks a prefill replica (`PrefillPool`: the one whose first token would come soonest, from the
-  prefix index of what each prefill replica holds and their prefill queues, the prompt's leading
-  blocks choosing between equals, so a document is prefilled where it was before) for the prompt's KV
+- else asks a prefill replica (`PrefillPool`: `ttft`'s pick over the prefill fleet, the one whose
+  first token would come soonest from the prefix index of what each holds and their prefill
+  queues, so a document is prefilled where it was before) for the prompt's KV
   with the protocol's prefill body (router.handoff), a failed one on the next, and sends the decode
   replica the client's body with the params that came back; its answer is relayed as any other;
 - falls back to decoding alone (the decode replica recomputes the prompt) when no prefill replica
@@ -40,8 +40,7 @@ import orjson
 from router.fleet import Fleet, ReplicaState
 from router.handoff import SPLITTABLE, Handoff
 from router.keys import RoutingKey
-from router.placement import Candidate, Placement
-from router.policy import Decision
+from router.policy import Decision, Policy
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
 from router.proxy.journey import HttpAttempts
 from router.proxy.sse import StreamFramer
@@ -55,47 +54,43 @@ BYTES_PER_TOKEN = 4  # the prompt's size, estimated from the bytes the router ke
 
 class PrefillPool:
     """The prefill replicas, in a fleet of their own (probed and scored as any other), ordered per
-    request. With a `placement` (router.placement over the prefill fleet: its prefix index of what
-    each holds, fed by their KV-cache events where they publish them, and its prefill queues): by
-    predicted time to first token, those past its gate last; costs within the tie margin of the
-    cheapest count as equal. Between equals, and without a placement, by the prompt's leading
-    blocks (highest random weight, so the same document goes to the same replica and a replica
-    leaving moves only its own), those loaded past their share last."""
+    request. With a `policy` over that fleet (`ttft`: a prefix index of what each prefill replica
+    holds, fed by their KV-cache events where they publish them, and their prefill queues): its
+    picks, the one whose first token would come soonest first. Without one, or for a request
+    without a prompt's blocks: by the prompt's leading blocks (highest random weight, so the same
+    document goes to the same replica and a replica leaving moves only its own), those loaded past
+    their share last."""
 
-    def __init__(self, fleet: Fleet, placement: Placement | None = None, slack: float = 1.25) -> None:
+    def __init__(self, fleet: Fleet, policy: Policy | None = None, slack: float = 1.25) -> None:
         self.fleet = fleet
-        self.placement = placement
+        self.policy = policy
         self.slack = slack
 
-    def order(self, key: RoutingKey) -> list[tuple[ReplicaState, Candidate | None]]:
+    def order(self, key: RoutingKey, limit: int) -> list[tuple[ReplicaState, Decision | None]]:
         fleet = self.fleet
+        prompt = key.prompt
+        if self.policy is not None and prompt is not None and len(prompt.chain):
+            picked: list[tuple[ReplicaState, Decision | None]] = []
+            tried: set[int] = set()
+            while len(picked) < limit:
+                decision = self.policy.pick(key, None, tried)
+                if decision is None:
+                    break
+                picked.append((fleet.replicas[decision.index], decision))
+                tried.add(decision.index)
+            return picked
         skip = fleet.not_serving(key.model)
         ready = [r for r in fleet.replicas if r.health.routable and r.index not in skip]
         if not ready:
             return []
-        prompt = key.prompt
         if prompt is not None and len(prompt.chain):
             anchor = int(prompt.chain[min(len(prompt.chain), AFFINITY_BLOCKS) - 1]).to_bytes(8, "little")
         else:
             anchor = key.key
         ranked = sorted(ready, key=lambda r: xxh3_64(anchor + r.id.encode()), reverse=True)
-        placement = self.placement
-        if placement is None or prompt is None or not len(prompt.chain):
-            share = math.ceil(self.slack * (sum(r.inflight for r in ready) + 1) / len(ready))
-            order = [r for r in ranked if r.inflight < share] + [r for r in ranked if r.inflight >= share]
-            return [(r, None) for r in order]
-        rank = {r.index: i for i, r in enumerate(ranked)}
-        by_index = {r.index: r for r in ready}
-        positions = [i for i in by_index if i is not None]
-        rows = sorted(placement.candidates(prompt, positions, None, time.monotonic()), key=lambda c: rank[c.index])
-        if not rows:
-            return [(r, None) for r in ranked]
-        open_ = [c for c in rows if not c.gated] or rows
-        cheapest = min(c.cost_s for c in open_)
-        margin = max(placement.tie_s, placement.tie_share * cheapest)
-        near = [c for c in open_ if c.cost_s <= cheapest + margin]  # in their rendezvous order
-        rest = sorted((c for c in rows if c not in near), key=lambda c: (c.gated, c.cost_s))
-        return [(by_index[c.index], c) for c in near + rest]
+        share = math.ceil(self.slack * (sum(r.inflight for r in ready) + 1) / len(ready))
+        order = [r for r in ranked if r.inflight < share] + [r for r in ranked if r.inflight >= share]
+        return [(r, None) for r in order[:limit]]
 
 
 class DisaggAttempts:
@@ -178,26 +173,27 @@ class DisaggAttempts:
 
     async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> dict[str, Any] | None:
         """The params of a prefill done on the first prefill replica that answers with them; the
-        pool's placement hears each (sent, failed or answered with its usage, released)."""
+        pool's policy hears each (sent, failed or answered with its usage, released)."""
         raw = orjson.dumps(self.protocol.prefill_body(trip.intake.api, body))
-        for replica, candidate in self.pool.order(trip.intake.key)[: self.max_prefills]:
-            params = await self._prefill_on(replica, candidate, trip, raw, deadline)
+        for replica, decision in self.pool.order(trip.intake.key, self.max_prefills):
+            params = await self._prefill_on(replica, decision, trip, raw, deadline)
             if params is not None:
                 return params
             replica.errors += 1
         return None
 
     async def _prefill_on(
-        self, replica: ReplicaState, candidate: Candidate | None, trip: Trip, raw: bytes, deadline: float
+        self, replica: ReplicaState, decision: Decision | None, trip: Trip, raw: bytes, deadline: float
     ) -> dict[str, Any] | None:
-        placement, prompt = self.pool.placement, trip.intake.key.prompt
-        if placement is None or prompt is None:
-            placement = prompt = None
+        """One prefill: its params, or None where it failed or kept nothing."""
+        policy = self.pool.policy
+        hearing = policy.hear(trip.intake.key) if policy is not None and decision is not None else None
         keyed = self.inner.keyed(replica, trip)
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         self.pool.fleet.acquire(replica)
-        placed = placement.sent(replica, prompt, candidate, started) if placement and prompt and candidate else None
+        if hearing is not None and decision is not None:
+            hearing.sent(replica, decision, started)
         params = None
         try:
             async with asyncio.timeout_at(min(loop.time() + self.timeouts.first_byte_s, deadline)):
@@ -207,19 +203,19 @@ class DisaggAttempts:
         except (TimeoutError, OSError, UpstreamError, ValueError):
             pass
         finally:
-            if params is None and placement is not None and prompt is not None and placed is not None:
-                placement.failed(replica, prompt, placed)  # it holds none of it
+            if params is None and hearing is not None:
+                hearing.failed(replica)  # it holds none of it
             self.pool.fleet.release(replica)
-            if placement is not None:
-                placement.released(replica, time.monotonic(), placed)
+            if hearing is not None:
+                hearing.released(replica, time.monotonic())
         if params is None:
             return None
         prompt_tokens, cached_tokens = _usage(answer)
         replica.prompt_tokens += prompt_tokens
         replica.cached_tokens += cached_tokens
-        if placement is not None and prompt is not None:
+        if hearing is not None:
             now = time.monotonic()  # its one token is its first: the answer's time is its TTFT
-            placement.answered(replica, prompt, placed, prompt_tokens, cached_tokens, now - started, 1, None, now)
+            hearing.answered(replica, prompt_tokens, cached_tokens, now - started, 1, None, now)
         return params
 
 
