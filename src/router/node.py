@@ -364,18 +364,18 @@ class Node:
         if self.prefill_fleet.replicas and self.config.health_checks and not control_only:
             contexts.append(self._prefill_monitor_ctx)
         if self.prefill_feed is not None and not control_only:
-            contexts.append(self._prefill_feed_ctx)
+            contexts.append(self._feed_context(self.prefill_feed, "prefill kv events"))
         if self.follower is not None and not control_only:
             contexts.append(self._follower_ctx)
             if self.placements is not None:
                 contexts.append(self._placements_ctx)
             if self.feed is not None:
-                contexts.append(self._feed_ctx)
+                contexts.append(self._feed_context(self.feed, "kv events"))
             return contexts
         if self.placements is not None and not control_only:
             contexts.append(self._placements_ctx)
         if self.feed is not None and not control_only:
-            contexts.append(self._feed_ctx)
+            contexts.append(self._feed_context(self.feed, "kv events"))
         if self.config.health_checks:
             contexts.append(self._monitor_ctx)
         contexts.append(self._balance_ctx)
@@ -470,19 +470,16 @@ class Node:
         await self._run(task)
         await self.placements.close()
 
-    async def _prefill_feed_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        assert self.prefill_feed is not None
-        task = asyncio.create_task(self.prefill_feed.run(), name="prefill kv events")
-        yield
-        await self._run(task)
-        await self.prefill_feed.close()
+    def _feed_context(self, feed: Feed, name: str) -> Context:
+        """A KV-event feed's reader, run while the app runs (the fleet's, or the prefill replicas')."""
 
-    async def _feed_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        assert self.feed is not None
-        task = asyncio.create_task(self.feed.run(), name="kv events")
-        yield
-        await self._run(task)
-        await self.feed.close()
+        async def context(app: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(feed.run(), name=name)
+            yield
+            await self._run(task)
+            await feed.close()
+
+        return context
 
     async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.discovery is not None
