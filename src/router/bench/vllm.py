@@ -37,8 +37,10 @@ from pathlib import Path
 
 import aiohttp
 
+from router.apis import CHAT
 from router.bench.common import free_port
 from router.bench.llama_server import cache_root
+from router.handoff import VLLM
 from router.health.signals import samples
 
 MODEL_NAME = "tiny"  # the name it serves by default (`--served-model-name`)
@@ -87,6 +89,11 @@ class VllmServer:
     scale_out: bool = False  # the /render endpoints (vllm-router's cache_aware posts to them)
     events_port: int | None = None  # publish KV-cache events on tcp://*:PORT (ZMQ PUB; topic kv-events)
     replay_port: int | None = None  # ... and answer replay requests on tcp://*:PORT (ZMQ ROUTER)
+    dtype: str | None = None  # --dtype; float32 for NIXL on an AMX CPU (bf16 dies after a transfer)
+    # prefill/decode disaggregation: --kv-transfer-config (nixl_transfer() makes NixlConnector's),
+    # and the port NIXL's side channel answers its handshake on (VLLM_NIXL_SIDE_CHANNEL_PORT)
+    kv_transfer: dict[str, object] | None = None
+    nixl_port: int | None = None
     extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     name: str = ""
@@ -143,6 +150,10 @@ class VllmServer:
             if self.replay_port is not None:
                 events["replay_endpoint"] = f"tcp://*:{self.replay_port}"
             cmd += ["--kv-events-config", json.dumps(events)]
+        if self.dtype is not None:
+            cmd += ["--dtype", self.dtype]
+        if self.kv_transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         return cmd + list(self.extra)
 
     def environment(self) -> dict[str, str]:
@@ -155,6 +166,15 @@ class VllmServer:
             HF_HUB_OFFLINE="1",  # the model is a local folder: never ask a hub
             TOKENIZERS_PARALLELISM="false",
         )
+        if self.nixl_port is not None:
+            env.update(
+                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.nixl_port),
+                UCX_TLS="tcp,self",  # UCX over TCP: no GPU, no shared-memory transports
+                # ... on loopback only: UCX also tries the machine's other interfaces, and there a
+                # decode's first read of a prefill's blocks waited for minutes (seen here)
+                UCX_NET_DEVICES="lo",
+            )
         env.update(self.env)
         return env
 
@@ -228,6 +248,52 @@ class VllmServer:
             self.proc.wait(10)
 
 
+def nixl_transfer(failure_policy: str = "fail", lease_s: int = 30) -> dict[str, object]:
+    """vLLM's --kv-transfer-config for NixlConnector on a CPU: KV in host memory, the replica both
+    prefilling for others and decoding what others prefilled (kv_both), what a decode whose
+    transfer fails does ("fail": an error answer; "recompute": it computes the prompt itself), and
+    how long a prefill's blocks wait for their decode (kv_lease_duration)."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": {"kv_lease_duration": lease_s},
+    }
+
+
+async def nixl_handshakes(
+    prefill: list[VllmServer], decode: list[VllmServer], tries: int = 6, timeout: float = 120.0
+) -> dict[tuple[str, str], int]:
+    """Pair every decode replica with every prefill replica, one pair at a time, a prefill there
+    and its blocks read here, until a read succeeds (`tries` at most; the replicas run under
+    `nixl_transfer`'s "fail" policy, so a failed read is a 5xx): the tries each pair took.
+
+    The first read between two replicas begins with NIXL's handshake, which the decode side gives
+    up after 5 s; vLLM 0.32's CPU build (on this machine's two cores) often answers it only once
+    the prefill's lease has run out (its engine is busy while it holds blocks for a decode), so the
+    first read fails or waits for the lease. Paid here, the reads that follow take milliseconds."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a handshake " * 40}], "max_tokens": 1}
+    took: dict[tuple[str, str], int] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        for p in prefill:
+            for d in decode:
+                pair = (p.name or p.url, d.name or d.url)
+                for attempt in range(1, tries + 1):
+                    async with http.post(p.url + "/v1/chat/completions", json=VLLM.prefill_body(CHAT, body)) as r:
+                        params = VLLM.params(await r.json()) if r.status == 200 else None
+                    if params is None:
+                        raise RuntimeError(f"{pair[0]} answered a prefill without kv_transfer_params")
+                    async with http.post(d.url + "/v1/chat/completions", json=VLLM.decode_body(body, params)) as r:
+                        await r.read()
+                        if r.status == 200:
+                            took[pair] = attempt
+                            break
+                else:
+                    raise RuntimeError(f"{pair[1]} could not read {pair[0]}'s KV in {tries} tries")
+    return took
+
+
 async def start_all(servers: list[VllmServer], timeout: float = START_S) -> list[VllmServer]:
     """Start servers together; if one fails, every one is stopped and the failure raised."""
     try:
@@ -282,6 +348,9 @@ class VllmReplicas:
     max_num_seqs: int
     max_model_len: int
     extra: tuple[str, ...] = ()
+    # prefill/decode contenders among the runs: every replica with NixlConnector (float32, its own
+    # side channel), the first half's KV read once by each of the others before the first run
+    nixl: bool = False
     servers: list[VllmServer] = field(default_factory=list)
     logs: Path | None = None
 
@@ -343,6 +412,9 @@ class VllmReplicas:
                 env=self.environment(),
                 name=f"vllm-{i}",
                 log=self.logs / f"vllm-{i}.log",
+                dtype="float32" if self.nixl else None,
+                kv_transfer=nixl_transfer() if self.nixl else None,
+                nixl_port=free_port() if self.nixl else None,
             )
             for i in range(replicas)
         ]
@@ -360,6 +432,13 @@ class VllmReplicas:
             self.stop()
             raise
         self.servers = servers
+        if self.nixl:  # the first read between two replicas waits for NIXL's handshake: none in a run
+            half = max(1, replicas // 2)
+            try:
+                await nixl_handshakes(servers[:half], servers[half:])
+            except (RuntimeError, TimeoutError, aiohttp.ClientError) as exc:
+                self.stop()
+                raise RuntimeError(f"the vLLM fleet's NIXL hand-offs failed: {exc}") from None
         # the first requests of a fresh engine are slower than the rest: none of them in a run
         async with aiohttp.ClientSession() as http:
             for server in servers:

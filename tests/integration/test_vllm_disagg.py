@@ -1,0 +1,256 @@
+"""Prefill/decode disaggregation through the router on real vLLM: vLLM 0.32's CPU build moves the
+prefilled KV blocks from a prefill replica to a decode replica with its NixlConnector (NIXL over
+UCX on loopback TCP; scripts/build-vllm.sh installs NIXL beside vLLM).
+
+Four replicas start once for the module (two to prefill, two to decode; float32, as bf16 dies in
+this CPU's AMX attention after a transfer), each with its own NIXL side channel, under vLLM's
+default `kv_load_failure_policy` "fail": a decode whose transfer fails answers an error, which the
+router must keep from the client. That a transfer happened is read from the decode side itself
+(`vllm:nixl_xfer_time_seconds_count` grows); that none failed, from
+`vllm:nixl_num_failed_transfers_total`. The tests kill replicas in the order the module needs
+them: a decode replica (mid-stream, then before a request's first byte), then both prefill
+replicas, each between its prefill and the decode that reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from engine_streams import events_of, metric, metrics_of, text_of, vllm_or_why
+
+from router.bench.common import free_port
+from router.bench.vllm import MODEL_NAME, VllmServer, nixl_handshakes, nixl_transfer, start_all
+
+TOKEN = "vllm-disagg-token"
+LONG = "The quick brown fox jumps over the lazy dog while the weather turns. " * 60  # ~900 tokens
+
+ROOT, WHY = vllm_or_why()
+pytestmark = [pytest.mark.real_engine, pytest.mark.skipif(ROOT is None, reason=WHY)]
+
+
+def replica(name: str, log_dir: Path) -> VllmServer:
+    assert ROOT is not None
+    return VllmServer(
+        ROOT,
+        free_port(),
+        name=name,
+        log=log_dir / f"{name}.log",
+        max_num_seqs=4,
+        dtype="float32",
+        kv_transfer=nixl_transfer(lease_s=15),  # a first handshake waits for one (nixl_handshakes)
+        nixl_port=free_port(),
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+    logs = tmp_path_factory.mktemp("vllm-disagg")
+    servers = [replica(name, logs) for name in ("p-0", "p-1", "d-0", "d-1")]
+    try:
+        asyncio.run(start_all(servers))
+        print("handshakes took", asyncio.run(nixl_handshakes(servers[:2], servers[2:])))
+        yield {s.name: s for s in servers}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def specs(*servers: VllmServer) -> list[str]:
+    return [f"{s.name}={s.url}" for s in servers]
+
+
+async def transfers(http: aiohttp.ClientSession, server: VllmServer) -> tuple[float, float]:
+    """The transfers a decode replica has read, and those that failed."""
+    async with http.get(server.url + "/metrics") as r:
+        text = await r.text()
+    return metric(text, "vllm:nixl_xfer_time_seconds_count"), metric(text, "vllm:nixl_num_failed_transfers_total")
+
+
+async def settled(
+    http: aiohttp.ClientSession, servers: list[VllmServer], at_least: float = 0.0
+) -> dict[str, tuple[float, float]]:
+    """The decode replicas' transfers once their sum is at least `at_least` and the same on two
+    reads a second apart (vLLM updates these counters after the request, not with its answer)."""
+    last: dict[str, tuple[float, float]] | None = None
+    for _ in range(20):
+        now = {s.name: await transfers(http, s) for s in servers}
+        if now == last and sum(done for done, _ in now.values()) >= at_least:
+            return now
+        last = now
+        await asyncio.sleep(1.0)
+    raise AssertionError(f"the decode replicas' transfer counts did not settle: {last}")
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], session: str
+) -> tuple[int, bytes, str]:
+    headers = {"Content-Type": "application/json", "X-Session-ID": session}
+    async with http.post(url + path, data=orjson.dumps({"model": MODEL_NAME, **body}), headers=headers) as r:
+        return r.status, await r.read(), r.headers.get("X-Router-Replica", "")
+
+
+def chat(text: str, stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream}
+
+
+async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and_not(
+    fleet: dict[str, VllmServer], start_router: Callable[..., Any]
+) -> None:
+    p, d = [fleet["p-0"], fleet["p-1"]], [fleet["d-0"], fleet["d-1"]]
+    node, url = await start_router([], prefill=specs(*p), decode=specs(*d), admin_token=TOKEN, health_checks=False)
+    asks = [
+        ("/v1/chat/completions", chat("1 " + LONG)),
+        ("/v1/chat/completions", chat("2 " + LONG, stream=True)),
+        ("/v1/completions", {"prompt": "3 " + LONG, "max_tokens": 8}),
+        ("/v1/completions", {"prompt": "4 " + LONG, "max_tokens": 8, "stream": True}),
+        ("/v1/responses", {"input": "5 " + LONG, "max_output_tokens": 8}),
+        ("/v1/responses", {"input": "6 " + LONG, "max_output_tokens": 8, "stream": True}),
+    ]
+    async with aiohttp.ClientSession() as http:
+        before = await settled(http, d)  # the handshakes' transfers counted
+        for i, (path, body) in enumerate(asks):
+            status, raw, chosen = await post(http, url, path, body, f"s{i}")
+            assert status == 200, raw[:300]
+            if body.get("stream"):
+                assert b'"error"' not in raw and (path == "/v1/responses" or raw.rstrip().endswith(b"data: [DONE]"))
+            else:
+                answer = orjson.loads(raw)
+                assert answer.get("choices") or answer.get("output"), answer
+            # its decode replica read the prompt's KV from a prefill replica, once, without failure
+            after = await settled(http, d, sum(done for done, _ in before.values()) + 1)
+            assert after[chosen] == (before[chosen][0] + 1, before[chosen][1]), (path, before, after)
+            assert all(after[n] == before[n] for n in after if n != chosen)
+            before = after
+        # a short prompt is served by its decode replica alone: no transfer
+        status, raw, _ = await post(http, url, "/v1/chat/completions", chat("hello there"), "short")
+        assert status == 200 and await settled(http, d) == before
+        text = await metrics_of(http, url, TOKEN)
+    assert metric(text, "router_disagg_requests_total", mode="split") == len(asks)
+    assert metric(text, "router_disagg_requests_total", mode="alone") == 1
+    # the prompts were computed on the prefill side and counted there
+    assert sum(r.requests for r in node.prefill_fleet.replicas) == len(asks)
+    assert sum(r.prompt_tokens for r in node.prefill_fleet.replicas) > len(asks) * 600
+
+
+async def test_a_decode_replica_killed_mid_stream_or_before_its_first_byte_loses_no_request(
+    fleet: dict[str, VllmServer], start_router: Callable[..., Any]
+) -> None:
+    p, d = [fleet["p-0"], fleet["p-1"]], [fleet["d-0"], fleet["d-1"]]
+    node, url = await start_router(
+        [], prefill=specs(*p), decode=specs(*d), admin_token=TOKEN, health_checks=False, policy="affinity"
+    )
+    owner = next(f"k{i}" for i in range(200) if node.fleet.ring.lookup(f"k{i}".encode()) == 0)  # on d-0
+    async with aiohttp.ClientSession() as http:
+        # killed mid-stream, a few events in: the stream is resumed on d-1, the client sees one whole stream
+        body = {**chat("tell a long story. " + LONG, stream=True, max_tokens=600), "ignore_eos": True, "temperature": 0}
+        raw = bytearray()
+        headers = {"Content-Type": "application/json", "X-Session-ID": owner}
+        async with http.post(
+            url + "/v1/chat/completions", data=orjson.dumps({"model": MODEL_NAME, **body}), headers=headers
+        ) as r:
+            assert r.status == 200 and r.headers["X-Router-Replica"] == "d-0"
+            async for chunk in r.content.iter_any():
+                raw += chunk
+                if raw.count(b"\n\n") >= 6 and d[0].proc is not None and d[0].proc.poll() is None:
+                    d[0].kill()  # the server, its engine and worker
+        events = events_of(bytes(raw))
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+        choices = [c for e in events if isinstance(e, dict) for c in e["choices"]]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+        assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
+        assert len(text_of(events)) > 0
+        # d-0 is gone before a request's first byte (the router has not noticed: no health checks):
+        # d-1 decodes it with the params of the same prefill, none redone
+        prefills = sum(r.requests for r in node.prefill_fleet.replicas)
+        before = (await settled(http, d[1:]))["d-1"]
+        status, raw2, chosen = await post(http, url, "/v1/chat/completions", chat("again: " + LONG), owner)
+        assert status == 200 and chosen == "d-1", raw2[:300]
+        assert (await settled(http, d[1:], before[0] + 1))["d-1"] == (before[0] + 1, before[1])
+        assert sum(r.requests for r in node.prefill_fleet.replicas) == prefills + 1
+        text = await metrics_of(http, url, TOKEN)
+    assert metric(text, "router_stream_resumes_total", outcome="resumed") == 1
+
+
+class KilledAfterPrefill:
+    """A prefill replica that dies between the two legs: in front of a vLLM replica, it relays what
+    is sent there and, once a prefill has been answered, kills the replica before relaying that
+    answer (with its params, which now name blocks nobody holds)."""
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+        self.url = ""
+        self.runner: web.AppRunner | None = None
+
+    async def relay(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization")}
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.request(request.method, self.server.url + request.path_qs, data=body, headers=headers) as r,
+            ):
+                status, data, kind = r.status, await r.read(), r.content_type
+        except aiohttp.ClientError:
+            return web.Response(status=502, text="the replica is gone")
+        if b"do_remote_decode" in body and status == 200:
+            await asyncio.to_thread(self.server.kill)
+        return web.Response(status=status, body=data, content_type=kind)
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.relay)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+
+async def test_prefill_replicas_killed_between_the_legs_lose_no_request(
+    fleet: dict[str, VllmServer], start_router: Callable[..., Any]
+) -> None:
+    # after the test above only d-1 decodes; each prefill replica dies right after its first prefill
+    relays = [KilledAfterPrefill(fleet["p-0"]), KilledAfterPrefill(fleet["p-1"])]
+    prefill = [f"p-{i}={await relay.start()}" for i, relay in enumerate(relays)]
+    d = fleet["d-1"]
+    _, url = await start_router(
+        [], prefill=prefill, decode=specs(d), admin_token=TOKEN, health_checks=False, policy="affinity"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            before = (await settled(http, [d]))["d-1"]
+            # the prefill's replica is dead when the decode reads its blocks: vLLM answers 500 and
+            # the router sends the request again without params (it recomputes)
+            status, raw, _ = await post(http, url, "/v1/chat/completions", chat("a " + LONG), "x1")
+            assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"] is not None
+            # streamed: vLLM answers 200, its opening event, then an error event; the client sees
+            # none of it. (The dead one is asked first or second; the live one prefills, then dies.)
+            status, raw, _ = await post(http, url, "/v1/chat/completions", chat("b " + LONG, stream=True), "x2")
+            events = events_of(raw)
+            assert status == 200 and events[-1] == "[DONE]", raw[:400]
+            assert not any(isinstance(e, dict) and "error" in e for e in events)
+            assert sum(1 for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("role")) == 1
+            # no prefill replica left: the decode replica serves it alone
+            status, raw, _ = await post(http, url, "/v1/chat/completions", chat("c " + LONG), "x3")
+            assert status == 200, raw[:300]
+            await asyncio.sleep(2.0)  # vLLM counts a failed transfer after its answer
+            after = (await settled(http, [d]))["d-1"]
+            text = await metrics_of(http, url, TOKEN)
+        # both decodes failed their transfers and were sent again to recompute, and no client saw
+        # it (vLLM counts a read that failed to start twice: transfer_setup_failed, then
+        # notification_failed, as it could not tell the prefill side either)
+        assert metric(text, "router_disagg_requests_total", mode="recomputed") == 2
+        assert metric(text, "router_disagg_requests_total", mode="fallback") == 1
+        assert after[1] >= before[1] + 2, (before, after)
+    finally:
+        for relay in relays:
+            if relay.runner is not None:
+                await relay.runner.cleanup()
