@@ -187,10 +187,12 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "(the decode replica failed the transfer and served it alone).",
         ("mode",),
     ),
-    "router_disagg_prefill_seconds": (
+    "router_disagg_leg_seconds": (
         "histogram",
-        "The prefill leg of split requests: from the request to the prefill replica to its params.",
-        (),
+        "The legs of split requests: prefill (from the request to the prefill replica to its answer, the "
+        "KV's params), transfer (from the request to the decode replica to its first byte: it reads the "
+        "prefilled KV, then computes the first token) and decode (from that first byte to the last).",
+        ("leg",),
     ),
     "router_failovers": ("counter", "Requests that succeeded on a replica other than their first choice.", ()),
     "router_replica_score": ("gauge", "Each replica's latest health score (0..1).", ("replica",)),
@@ -343,7 +345,7 @@ class RouterMetrics:
         self.retries = made["router_retries"]
         self.failovers = made["router_failovers"]
         self.disagg = made["router_disagg_requests"]
-        self.prefill_seconds = made["router_disagg_prefill_seconds"]
+        self.legs = made["router_disagg_leg_seconds"]
         self.queued = made["router_queued"]
         self.shed = made["router_shed"]
         self.queue_wait = made["router_queue_wait_seconds"]

@@ -315,6 +315,10 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
         )
         assert answer.startswith("→ emu-") and "last served by" in answer and victim not in answer.split("(")[0]
 
+        # an aggregated fleet has no roles: their columns and the split requests' line stay hidden
+        assert not driver.find_element(By.CSS_SELECTOR, '#replicas th[data-key="role"]').is_displayed()
+        assert not driver.find_element(By.ID, "legs").is_displayed()
+
         # sorting by a column, and the heatmap's other colouring, keep working
         driver.find_element(By.CSS_SELECTOR, '#replicas th[data-key="qps"]').click()
         driver.find_element(By.CSS_SELECTOR, 'input[name="metric"][value="qps"]').click()
@@ -325,6 +329,49 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
     finally:
         stop.set()
         await traffic
+        await asyncio.to_thread(driver.quit)
+
+
+async def test_the_console_shows_roles_and_the_legs_of_split_requests(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By  # noqa: PLC0415 -- optional, as above
+
+    prefill, decode = await start_fleet(1), await start_fleet(2)
+    _, url = await start_router(
+        [],
+        prefill=[f"p0={prefill.replicas[0].url}"],
+        decode=[f"d{i}={r.url}" for i, r in enumerate(decode.replicas)],
+        admin_token=TOKEN,
+        console_interval_s="0.2",
+        probe_interval_s="0.2",
+    )
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):  # long prompts: each is split between p0 and a decode replica
+            body = {"messages": [{"role": "user", "content": f"{i} " + "a long document " * 300}], "max_tokens": 8}
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": f"s{i}"}) as r:
+                assert r.status == 200
+    driver = await asyncio.to_thread(_browser)
+    try:
+        await asyncio.to_thread(driver.get, url + "/console")
+        driver.find_element(By.ID, "token").send_keys(TOKEN)
+        driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+
+        def rows() -> dict[str, str] | None:
+            found = driver.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")
+            shown = {row.get_attribute("data-replica") or "": row.text for row in found}
+            return shown if len(shown) == 3 else None
+
+        table = await _until(rows, 10, "the three replicas")
+        assert driver.find_element(By.CSS_SELECTOR, '#replicas th[data-key="role"]').is_displayed()
+        assert " prefill " in f" {table['p0']} " and all(" decode " in f" {table[d]} " for d in ("d0", "d1"))
+        legs = await _until(
+            lambda: (t := driver.find_element(By.ID, "legs").text).startswith("split requests: prefill") and t,
+            10,
+            "the split requests' legs",
+        )
+        assert "transfer" in legs and "decode" in legs and "100.0% of requests split" in legs, legs
+        errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+        assert errors == []
+    finally:
         await asyncio.to_thread(driver.quit)
 
 

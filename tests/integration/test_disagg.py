@@ -6,6 +6,8 @@ of either side lose no request."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -160,3 +162,52 @@ async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fl
     # a question on the huge document goes to the decode replica that holds it, which serves it alone
     status, _, _ = await chat(url, "a huge document: " + LONG * 18 + " and a question", "huge-2")
     assert status == 200 and (busy[0].requests, idle.requests) == (1, 4)
+
+
+async def test_a_split_request_s_legs_are_measured_logged_and_on_the_console(  # type: ignore[no-untyped-def]
+    start_fleet, start_router, caplog
+) -> None:
+    _, decode, _, url = await disagg(
+        start_fleet, start_router, admin_token="t", log_requests=True, console_interval_s=0.1, probe_interval_s=0.2
+    )
+    admin = {"Authorization": "Bearer t"}
+    with caplog.at_level(logging.INFO, logger="router.access"):
+        for i, stream in enumerate((False, True)):
+            status, _, _ = await chat(url, f"{i} {LONG}", f"l{i}", stream=stream, max_tokens=20)
+            assert status == 200
+        status, _, _ = await chat(url, SHORT, "l2")
+        assert status == 200
+    lines = [orjson.loads(record.getMessage()) for record in caplog.records if record.name == "router.access"]
+    split, whole = lines[:2], lines[2]
+    for line in split:  # each leg of a split request, in its access-log line
+        assert line["prefill_replica"] in ("p0", "p1") and line["replica"] in ("d0", "d1")
+        assert line["prefill_ms"] > 0 and line["transfer_ms"] > 0 and line["decode_ms"] > 0
+        # the legs are the request: its first byte came after the prefill and the transfer
+        assert line["ttft_ms"] >= line["prefill_ms"] + line["transfer_ms"] - 1
+        assert abs(line["ttft_ms"] + line["decode_ms"] - line["e2e_ms"]) < 5
+    assert "prefill_ms" not in whole and "transfer_ms" not in whole  # served whole
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        for leg in ("prefill", "transfer", "decode"):
+            assert f'router_disagg_leg_seconds_count{{leg="{leg}"}} 2.0' in text
+        # the console: every replica with its role, a decode replica's transfers as its engine
+        # counts them, and the legs' means over the last window
+        deadline = time.monotonic() + 10
+        while True:
+            async with http.get(url + "/console/api/state", headers=admin) as r:
+                state = await r.json()
+            rows = {row["id"]: row for row in state["replicas"]}
+            legs = state["points"][-1]["legs"] if state["points"] else {}
+            if any("transfer_ms" in row for row in rows.values()) and legs.get("decode"):
+                break
+            assert time.monotonic() < deadline, (rows, state["points"][-1:])
+            await asyncio.sleep(0.1)
+    roles = {i: row["role"] for i, row in rows.items()}
+    assert roles == {"d0": "decode", "d1": "decode", "p0": "prefill", "p1": "prefill"}
+    for i, d in enumerate(decode.replicas):
+        done, failed = await transfers(d)
+        if done:
+            assert rows[f"d{i}"]["transfer_ms"] > 0 and rows[f"d{i}"]["failed_transfers"] == failed
+    assert all(legs[leg] > 0 for leg in ("prefill", "transfer", "decode"))
+    assert state["points"][-1]["split"] == round(2 / 3, 4)

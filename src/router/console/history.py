@@ -19,7 +19,11 @@ figure `/metrics` does not. From two samples it derives, per replica and for the
   reason of router_session_jumps_total (JUMP_REASONS says each in words);
 - `ttft_p99`: the 99th percentile of time to first byte over the last `window_s`, read off the
   `router_ttft_seconds` histogram's buckets (so it is a bucket's upper bound);
-- `state`: the replica's health state, or `left` once it is no longer in the fleet.
+- `state`: the replica's health state, or `left` once it is no longer in the fleet;
+- `legs`: for the fleet, with prefill replicas, each leg of the requests split between a prefill
+  and a decode replica (`prefill`, `transfer`, `decode`: router_disagg_leg_seconds) as its mean
+  over the last `window_s`, and `split` the share of the requests those replicas served that were
+  split (router_disagg_requests_total; the others were served whole by their decode replica).
 
 Every ratio is None ("no data", a gap in the console's curves) over a window with nothing to divide
 by: an idle window has no hit rate, not 0 %.
@@ -98,6 +102,9 @@ class Totals:
     queued: float = 0.0  # requests held in the router (every replica for their model full)
     shed: dict[str, float] = field(default_factory=dict)  # 429s for overload, by reason
     ttft: dict[str, dict[float, float]] = field(default_factory=dict)  # replica -> bucket bound -> count
+    leg_s: dict[str, float] = field(default_factory=dict)  # split requests' legs: seconds in all, by leg
+    legs: dict[str, float] = field(default_factory=dict)  # ... and how many, by leg
+    disagg: dict[str, float] = field(default_factory=dict)  # requests of a disaggregated fleet, by mode
     predictions: dict[str, float] = field(default_factory=dict)  # answers checked, by prediction source
     exact: dict[str, float] = field(default_factory=dict)  # ... of them predicted to the token
 
@@ -114,6 +121,9 @@ BY_LABEL = {
     "router_sessions_moved_total": ("moved", "reason"),
     "router_warmup_requests_total": ("warmups", "result"),
     "router_shed_total": ("shed", "reason"),
+    "router_disagg_leg_seconds_sum": ("leg_s", "leg"),
+    "router_disagg_leg_seconds_count": ("legs", "leg"),
+    "router_disagg_requests_total": ("disagg", "mode"),
 }
 
 
@@ -256,6 +266,11 @@ class History:
                 "jump_reasons": {reason: _ratio(count, followups) for reason, count in jumped.items() if count},
                 "queued": new.queued,
                 "shed": round(fleet_delta("shed") / dt, 3),  # 429s a second, for overload
+                "legs": {
+                    leg: _ratio(_delta(new.leg_s, oldest.leg_s, leg), _delta(new.legs, oldest.legs, leg))
+                    for leg in new.legs
+                },
+                "split": _ratio(_delta(new.disagg, oldest.disagg, "split"), fleet_delta("disagg")),
                 "replicas": replicas,
             }
         )

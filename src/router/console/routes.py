@@ -29,6 +29,7 @@ from aiohttp import web
 
 from router.admin.api import AdminApi, token_ok
 from router.console.history import History
+from router.fleet import ReplicaState
 from router.node import Node
 from router.proxy.exchange import error_response
 
@@ -134,7 +135,9 @@ def add_console_routes(app: web.Application, node: Node) -> None:
 
 def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
     """Each replica now: the admin API's figures, with QPS and hit rate from the latest point;
-    replicas that left the fleet stay listed, as `left`, while the history still shows them."""
+    replicas that left the fleet stay listed, as `left`, while the history still shows them. With
+    prefill replicas, each row has its role, the prefill replicas last, and a decode replica the
+    KV transfers its engine reports (their mean time and those that failed)."""
     fleet = node.fleet
     node.metrics_registry()  # the same refresh as a scrape: every worker's in-flight counts, health
     shares = fleet.ring.shares()
@@ -157,12 +160,36 @@ def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
                 "ttft_p99": seen.get("ttft_p99"),
                 "state_changes": r.health.transitions,
                 "inputs": _inputs(r.inputs),
+                "role": r.role,
+                **_transfers(r),
             }
         )
-    present = {r.id for r in fleet.replicas}
+    for r in node.prefill_fleet.replicas:  # not on the ring, not in the request metrics: their own figures
+        rows.append(
+            {
+                "id": r.id,
+                "state": r.state,
+                "models": None if r.models is None else sorted(r.models),
+                "score": round(r.health.score, 4),
+                "inflight": r.inflight,
+                "inputs": _inputs(r.inputs),
+                "role": r.role,
+            }
+        )
+    present = {r.id for r in (*fleet.replicas, *node.prefill_fleet.replicas)}
     for rid in sorted(set(latest) - present):
         rows.append({"id": rid, "state": "left", "score": None, "weight": 0.0, "ring_share": 0.0, "inflight": 0})
     return rows
+
+
+def _transfers(r: ReplicaState) -> dict[str, Any]:
+    """A decode replica's KV transfers as its engine counts them since it started: their mean time
+    (ms) and those that failed; nothing for a replica whose engine reports none."""
+    e = r.engine
+    if not e.transfers:
+        return {}
+    mean_ms = round(1000 * (e.transfer_s or 0.0) / e.transfers, 2)
+    return {"transfer_ms": mean_ms, "failed_transfers": e.failed_transfers or 0.0}
 
 
 def _inputs(inputs: Any) -> dict[str, Any] | None:

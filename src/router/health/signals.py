@@ -95,6 +95,11 @@ _VLLM: dict[str, tuple[Source, ...]] = {
     "prefix_hits": (_m("vllm:prefix_cache_hits_total"),),
     "kv_tokens": (LabelProduct("vllm:cache_config_info", ("block_size", "num_gpu_blocks")),),
     "block_size": (LabelProduct("vllm:cache_config_info", ("block_size",)),),
+    # a decode replica's reads of KV blocks prefilled elsewhere (NixlConnector): how many, their
+    # time in all, and those that failed (the replica then answers an error, or recomputes)
+    "transfers": (_m("vllm:nixl_xfer_time_seconds_count"),),
+    "transfer_s": (_m("vllm:nixl_xfer_time_seconds_sum"),),
+    "failed_transfers": (_m("vllm:nixl_num_failed_transfers_total"),),
     # vLLM exports no concurrency limit (max_num_seqs): the `replica_capacity` setting gives it
 }
 
@@ -152,6 +157,9 @@ class EngineStats:
     capacity: float | None = None  # requests the engine runs at once (slots, max_num_seqs)
     kv_tokens: float | None = None  # tokens its KV cache holds (vLLM: blocks x block size)
     block_size: float | None = None  # tokens per KV block (what its prefix cache hits come in)
+    transfers: float | None = None  # KV transfers read from prefill replicas, since the engine started
+    transfer_s: float | None = None  # ... their time in all
+    failed_transfers: float | None = None
     kind: str | None = None  # which engine it is (ENGINES), None when not recognised
 
 

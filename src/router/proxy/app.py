@@ -83,10 +83,8 @@ def journey_of(node: Node) -> Journey:
     if node.prefill_fleet.replicas:  # a disaggregated fleet: prefill there, decode where routed
         metrics = node.metrics
 
-        def observe(mode: str, seconds: float | None) -> None:
+        def observe(mode: str) -> None:
             metrics.disagg.labels(mode).inc()
-            if seconds is not None and mode == "split":
-                metrics.prefill_seconds.observe(seconds)
 
         attempts = DisaggAttempts(
             http,

@@ -24,6 +24,11 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   timed out): the journey's next decode replica reads the same lease, and no prefill is redone.
 
 A broken decode stream is resumed as any other (router.proxy.resume), aggregated.
+
+A split request's outcome carries its legs for the ledger (router.proxy.journey.Ledger): which
+replica prefilled it (`prefill_replica`), how long that took (`prefill_s`), and when, after its
+arrival, the decode was sent (`decode_sent_s`): its transfer leg is from there to the decode's
+first byte, its decode leg from there to the last.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -50,6 +55,15 @@ from router.upstream import Upstream, UpstreamError
 LEASE_S = 30.0  # vLLM's kv_lease_duration: how long a prefill's params stay worth retrying with
 AFFINITY_BLOCKS = 4  # the prompt's first blocks choose its prefill replica
 BYTES_PER_TOKEN = 4  # the prompt's size, estimated from the bytes the router keyed
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A prompt's prefill: the params its decode reads the KV with, where it was done, and how long it took."""
+
+    params: dict[str, Any]
+    replica: str
+    seconds: float
 
 
 class PrefillPool:
@@ -95,8 +109,8 @@ class PrefillPool:
 
 class DisaggAttempts:
     """Attempts that split a request between a prefill replica and the route's decode replica
-    (this module's docstring); `observe(mode, seconds)` hears how each request was served (split,
-    alone, fallback, recomputed) and, where a prefill was asked for, how long it took."""
+    (this module's docstring); `observe(mode)` hears how each request was served (split, alone,
+    fallback, recomputed)."""
 
     def __init__(
         self,
@@ -105,7 +119,7 @@ class DisaggAttempts:
         protocol: Handoff,
         min_tokens: int,
         timeouts: Timeouts,
-        observe: Callable[[str, float | None], None] | None = None,
+        observe: Callable[[str], None] | None = None,
         max_prefills: int = 2,
     ) -> None:
         self.inner = inner
@@ -113,11 +127,11 @@ class DisaggAttempts:
         self.protocol = protocol
         self.min_tokens = min_tokens
         self.timeouts = timeouts
-        self.observe = observe or (lambda mode, seconds: None)
+        self.observe = observe or (lambda mode: None)
         self.max_prefills = max_prefills
         # a decode that failed before its first byte: its params, for the journey's next decode
         # replica, by request (its exchange's identity and arrival), until the lease runs out
-        self._kept: dict[tuple[int, float], tuple[float, dict[str, Any]]] = {}
+        self._kept: dict[tuple[int, float], tuple[float, Prefilled]] = {}
 
     def split(self, replica: ReplicaState, trip: Trip, decision: Decision | None) -> bool:
         """Whether the request is worth splitting: what `replica` would prefill alone (what the
@@ -136,7 +150,7 @@ class DisaggAttempts:
         self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
     ) -> Awaitable[Retry | Outcome]:
         if not self.split(replica, trip, decision):
-            self.observe("alone", None)
+            self.observe("alone")
             return self.inner.send(replica, trip, deadline)
         return self._split(replica, trip, deadline)
 
@@ -149,36 +163,39 @@ class DisaggAttempts:
         body = orjson.loads(trip.intake.raw)  # as forwarded (usage asked for where the router strips it)
         request = (id(trip.exchange), trip.t0)
         kept = self._kept.pop(request, None)
-        params = kept[1] if kept is not None and kept[0] > time.monotonic() else None
-        if params is None:
-            started = time.monotonic()
-            params = await self._prefill(trip, body, deadline)
-            self.observe("split" if params is not None else "fallback", time.monotonic() - started)
-        if params is None:
+        prefilled = kept[1] if kept is not None and kept[0] > time.monotonic() else None
+        if prefilled is None:
+            prefilled = await self._prefill(trip, body, deadline)
+            self.observe("split" if prefilled is not None else "fallback")
+        if prefilled is None:
             return await self.inner.send(replica, trip, deadline)  # decoded alone: it recomputes the prompt
-        raw = orjson.dumps(self.protocol.decode_body(body, params))
+        raw = orjson.dumps(self.protocol.decode_body(body, prefilled.params))
         decoding = replace(trip, intake=replace(trip.intake, raw=raw))
+        sent = time.monotonic() - trip.t0
         # a stream is held until its second event: under vLLM's "fail" policy a failed transfer
         # answers 200, its opening event, then an error event, which the client must not see
         result = await self.inner.send_settled(replica, decoding, deadline)
         if isinstance(result, Retry):
             if result.cause == "http_5xx":  # the transfer failed there: it recomputes instead
-                self.observe("recomputed", None)
+                self.observe("recomputed")
                 return await self.inner.send(replica, trip, deadline)
             now = time.monotonic()
             for gone in [k for k, (until, _) in self._kept.items() if until < now]:
                 del self._kept[gone]  # requests whose journey ended without another decode
-            self._kept[request] = (now + LEASE_S, params)  # the next decode replica reads it
+            self._kept[request] = (now + LEASE_S, prefilled)  # the next decode replica reads it
+            return result
+        result.extra.update(prefill_replica=prefilled.replica, prefill_s=prefilled.seconds, decode_sent_s=sent)
         return result
 
-    async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> dict[str, Any] | None:
-        """The params of a prefill done on the first prefill replica that answers with them; the
-        pool's policy hears each (sent, failed or answered with its usage, released)."""
+    async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> Prefilled | None:
+        """A prefill done on the first prefill replica that answers with params; the pool's policy
+        hears each (sent, failed or answered with its usage, released)."""
         raw = orjson.dumps(self.protocol.prefill_body(trip.intake.api, body))
         for replica, decision in self.pool.order(trip.intake.key, self.max_prefills):
+            started = time.monotonic()
             params = await self._prefill_on(replica, decision, trip, raw, deadline)
             if params is not None:
-                return params
+                return Prefilled(params, replica.id, time.monotonic() - started)
             replica.errors += 1
         return None
 

@@ -210,10 +210,15 @@ class Ledger:
         m.child(m.requests, name, self.policy, key.kind, str(status), self.model_label(key.model)).inc()
         if self.tenants:
             self._tenant(client, status, result)
+        legs = None
         if replica is not None:
             m.child(m.e2e, name).observe(elapsed)
             if result is not None and result.facts.ttft_s is not None:
                 m.child(m.ttft, name).observe(result.facts.ttft_s)
+                if "prefill_s" in result.extra:  # split: prefilled elsewhere (router.proxy.disagg)
+                    legs = _legs(result.extra, result.facts.ttft_s, elapsed)
+                    for leg, seconds in legs.items():
+                        m.child(m.legs, leg).observe(seconds)
         if self.log_requests:
             facts = result.facts if result is not None else None
             tenant = {"tenant": client.tenant, "key_id": client.key_id} if client is not None else {}
@@ -242,6 +247,7 @@ class Ledger:
                         "resumed_on": result.extra.get("resumed_on") if result else None,
                     }
                     | tenant
+                    | _logged_legs(result, legs)
                 )
             )
 
@@ -255,6 +261,25 @@ class Ledger:
                 m.child(m.tenant_tokens, tenant, "prompt").inc(facts.prompt_tokens)
             if facts.completion_tokens:
                 m.child(m.tenant_tokens, tenant, "completion").inc(facts.completion_tokens)
+
+
+def _legs(extra: dict[str, Any], ttft_s: float, elapsed: float) -> dict[str, float]:
+    """A split request's legs (router.proxy.disagg): its prefill, its transfer (the decode sent to
+    its first byte) and its decode (that first byte to the end)."""
+    return {
+        "prefill": extra["prefill_s"],
+        "transfer": max(0.0, ttft_s - extra["decode_sent_s"]),
+        "decode": max(0.0, elapsed - ttft_s),
+    }
+
+
+def _logged_legs(result: Outcome | None, legs: dict[str, float] | None) -> dict[str, Any]:
+    """A split request's legs for its access-log line (none for a request served whole)."""
+    if result is None or legs is None:
+        return {}
+    return {"prefill_replica": result.extra["prefill_replica"]} | {
+        f"{leg}_ms": round(seconds * 1000, 2) for leg, seconds in legs.items()
+    }
 
 
 Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], Awaitable[RoutingKey]]

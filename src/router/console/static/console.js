@@ -10,6 +10,8 @@ const RAMP = [[0x16, 0x26, 0x3a], [0x1f, 0x6f, 0x8b], [0x6c, 0xc0, 0x70], [0xf2,
 const COLUMNS = [
   ["id", (r) => r.id],
   ["state", (r) => r.state],
+  // with prefill replicas (shown only then): prefill, decode or both
+  ["role", (r) => r.role],
   // what it serves (from its /v1/models or the pins; "any": it does not say), and the adapters it has loaded
   ["models", (r) => (r.models ? r.models.join(", ") + (r.adapters && r.adapters.length ? " · loaded: " + r.adapters.join(", ") : "") : r.state === "left" ? null : "any")],
   ["score", (r) => r.score],
@@ -24,7 +26,11 @@ const COLUMNS = [
   ["fragmentation", (r) => r.inputs && r.inputs.fragmentation],
   ["latency_ratio", (r) => r.inputs && r.inputs.latency_ratio],
   ["error_rate", (r) => r.inputs && r.inputs.error_rate],
+  // a decode replica's KV transfers from prefill replicas, as its engine reports them: mean time, failed
+  ["transfer_ms", (r) => r.transfer_ms],
+  ["failed_transfers", (r) => r.failed_transfers],
 ];
+const ROLE_COLUMNS = ["role", "transfer_ms", "failed_transfers"];  // shown with prefill replicas only
 
 const view = {
   points: [], events: [], replicas: [], since: 0, interval: 2, historyS: 900,
@@ -143,7 +149,22 @@ function render() {
   drawCurve();
   drawJumps();
   drawTable();
+  drawLegs(last);
   drawEvents();
+}
+
+// with prefill replicas: the split requests' legs (means over the last window) and the share split
+function drawLegs(last) {
+  const line = $("#legs");
+  const legs = last && last.legs ? Object.entries(last.legs).filter(([, v]) => v !== null && v !== undefined) : [];
+  const split = last ? last.split : null;
+  line.hidden = !legs.length && (split === null || split === undefined);
+  const ms = (v) => (v < 1 ? `${(v * 1000).toFixed(v < 0.01 ? 1 : 0)} ms` : `${v.toFixed(2)} s`);
+  const order = ["prefill", "transfer", "decode"];
+  legs.sort(([a], [b]) => order.indexOf(a) - order.indexOf(b));
+  line.textContent =
+    "split requests: " + (legs.length ? legs.map(([leg, v]) => `${leg} ${ms(v)}`).join(" · ") : "none lately") +
+    (split !== null && split !== undefined ? ` · ${percent(split)} of requests split` : "");
 }
 
 function rampColour(x) {
@@ -400,6 +421,8 @@ function drawTable() {
     if (y === null || y === undefined) return -1;
     return (x < y ? -1 : 1) * dir;
   });
+  const roles = view.replicas.some((r) => r.role && r.role !== "both");
+  $("#replicas").classList.toggle("roles", roles);
   const body = $("#replicas tbody");
   body.replaceChildren(...rows.map((r) => {
     const tr = document.createElement("tr");
@@ -416,8 +439,9 @@ function drawTable() {
         td.append(badge);
       } else {
         td.textContent = format(name, value);
-        if (name !== "id" && name !== "models") td.className = "num";
+        if (!["id", "models", "role"].includes(name)) td.className = "num";
       }
+      if (ROLE_COLUMNS.includes(name)) td.classList.add("by-role");
       tr.append(td);
     }
     return tr;
@@ -433,7 +457,7 @@ function format(name, value) {
   if (typeof value === "string") return value;
   if (["hit", "ring_share", "kv_usage", "fragmentation", "error_rate"].includes(name)) return percent(value);
   if (name === "ttft_p99") return value < 1 ? `${Math.round(value * 1000)} ms` : `${value} s`;
-  if (name === "qps" || name === "latency_ratio") return value.toFixed(1);
+  if (name === "qps" || name === "latency_ratio" || name === "transfer_ms") return value.toFixed(1);
   if (name === "score" || name === "weight") return value.toFixed(2);
   return String(value);
 }
@@ -484,7 +508,7 @@ for (const input of document.querySelectorAll("input[name=metric]")) {
 for (const th of document.querySelectorAll("#replicas th")) {
   th.addEventListener("click", () => {
     const key = th.dataset.key;
-    view.sort = { key, dir: view.sort.key === key ? -view.sort.dir : ["id", "state", "models"].includes(key) ? 1 : -1 };
+    view.sort = { key, dir: view.sort.key === key ? -view.sort.dir : ["id", "state", "role", "models"].includes(key) ? 1 : -1 };
     drawTable();
   });
 }
