@@ -203,6 +203,35 @@ def test_long_documents_and_keyless_sessions_on_a_small_fleet(tmp_path: Path, mo
     assert result["peer_versions"]["smg"].startswith("1.")
 
 
+def test_prefill_decode_contenders_on_a_small_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    contenders = ["full", "disagg", "disagg-always", "vllm-pd"]
+    args = build_parser().parse_args(
+        [
+            *("fleet", "--replicas", "4", "--workloads", "longdoc", "--duration", "10", "--think", "0.5"),
+            *("--docs", "3", "--doc-tokens", "1000-2000", "--doc-rate", "1", "--doc-turns", "2-3"),
+            *("--time-scale", "10", "--sample-s", "0.2", "--size-search", ""),
+            *("--contenders", ",".join(contenders), "--out", str(out)),
+        ]
+    )
+    assert args.run(args) == 0  # 0: no request failed anywhere
+    result = json.loads((out / "fleet.json").read_text())
+    table = result["tables"]["longdoc"]
+    assert list(table) == contenders and result["disagg"] is True
+    assert len({f["requests"] for f in table.values()}) == 1  # every contender served the same turns
+    for name, f in table.items():
+        assert f["failed"] == 0 and f["ttft_p50_s"] > 0 and f["tpot_p99_s"] > 0 and f["goodput_rps"] > 0, name
+    runs = {name: result["runs"]["longdoc"][name][0] for name in contenders}
+    # every request split; as shipped, a question on a document its decode replica holds is not
+    always, conditional = runs["disagg-always"]["disagg_modes"], runs["disagg"]["disagg_modes"]
+    assert always.get("split") == runs["disagg-always"]["requests"] and not always.get("alone")
+    assert 0 < conditional.get("split", 0) < runs["disagg"]["requests"] and conditional.get("alone", 0) > 0
+    assert "disagg_modes" not in runs["full"] and table["full"]["split_share"] is None  # NaN: not split at all
+    md = (out / "fleet.md").read_text()
+    assert "| TPOT P50 (ms) | TPOT P99 (ms) | goodput (/s) | within target | split |" in md
+    assert "vllm-router PD (--vllm-pd-disaggregation)" in md
+
+
 def fleet_args(*flags: str) -> Any:
     args = build_parser().parse_args(["fleet", *flags])
     fleet.check_args(args)

@@ -14,6 +14,8 @@ from router.bench.cli import build_parser
 from router.bench.fleet_counters import fleet_figures
 from router.bench.fleet_report import render_markdown, summarize_runs
 from router.bench.fleet_runs import bisect_size
+from router.bench.proxy_bench import peer_command
+from router.bench.replay import Record, meets, tpot
 from router.bench.replicas import Sample
 from router.metrics import RouterMetrics
 
@@ -177,6 +179,62 @@ def test_contenders_of_the_router_and_the_peers() -> None:
     assert args["full-model"] == ("--rebalance", "--warmup", "--no-kv-events")  # today's model, events off
     assert args["full-tokenizer"] == args["full"] and contenders.CONTENDERS["full-tokenizer"].tokenizer
     assert contenders.CONTENDERS["full-tokenizer"].engines == ("vllm",)  # the model's files are vLLM's tiny model's
+
+
+def test_prefill_decode_contenders_split_the_fleet_and_run_only_when_named() -> None:
+    c = contenders.CONTENDERS
+    assert [n for n, x in c.items() if x.roles] == ["disagg", "disagg-always", "vllm-pd"]
+    assert c["disagg"].args == c["full"].args and c["disagg-always"].args[-2:] == ("--disagg-min-prompt-tokens", "0")
+    assert all(c[n].engines == ("emulator", "vllm") for n in ("disagg", "disagg-always", "vllm-pd"))
+    urls = [f"http://127.0.0.1:{9001 + i}" for i in range(5)]
+    assert contenders.split_roles(urls) == (urls[:2], urls[2:])
+    assert contenders.split_roles(urls[:2]) == ([urls[0]], [urls[1]])
+    cmd = contenders.router_command(c["disagg-always"], 8000, urls)
+    assert "--replica" not in cmd and cmd[-10:] == [
+        *("--prefill", urls[0], "--prefill", urls[1]),
+        *("--decode", urls[2], "--decode", urls[3], "--decode", urls[4]),
+    ]
+    assert contenders.router_command(c["full"], 8000, urls[:1])[-2:] == ["--replica", urls[0]]
+    peer, _ = peer_command("vllm", 8000, urls, c["vllm-pd"].args, contenders.split_roles(urls))
+    assert "--worker-urls" not in peer and "--vllm-pd-disaggregation" in peer
+    assert peer[peer.index("--prefill") : peer.index("--prefill") + 4] == ["--prefill", urls[0], "--prefill", urls[1]]
+    # the default contenders leave them out: they run when named
+    assert not {"disagg", "disagg-always", "vllm-pd"} & set(args_of().contenders)
+    assert args_of("--contenders", "full,disagg").contenders == ["full", "disagg"]
+    with pytest.raises(ValueError, match="runs with --engine emulator or vllm only"):
+        args_of("--engine", "llama-server", "--contenders", "disagg")
+
+
+def test_time_per_output_token_and_goodput() -> None:
+    def record(ttft: float, e2e: float, tokens: int) -> Record:
+        return Record("s", 1, "t", ok=True, ttft_s=ttft, e2e_s=e2e, completion_tokens=tokens)
+
+    assert tpot(record(1.0, 2.0, 11)) == pytest.approx(0.1)
+    assert tpot(record(1.0, 1.0, 1)) is None and tpot(Record("s", 1, "t")) is None
+    slo = (2.0, 0.05)
+    assert meets(record(1.0, 1.4, 11), slo) and meets(record(1.9, 1.9, 1), slo)  # one token: TTFT only
+    assert not meets(record(2.5, 2.6, 11), slo) and not meets(record(1.0, 2.0, 11), slo)
+    runs = [
+        run_result(0.3, 2.0, 4.0, 0.01)
+        | {"slo_met": 50, "wall_s": 50.0, "time_scale": 2.0, "tpot_s": {"p50": 0.02, "p99": 0.2}, "split_share": 0.5}
+    ]
+    f = summarize_runs(runs)
+    assert f["goodput_rps"] == 0.5 and f["slo_share"] == 50 / runs[0]["ok"] and f["tpot_p99_s"] == 0.2
+    result = {
+        "replicas": 4,
+        "time_scale": 2.0,
+        "rounds": 1,
+        "disagg": True,
+        "slo": {"ttft_s": 5.0, "tpot_s": 0.1},
+        "contenders": {"disagg": "router-serve prefill/decode"},
+        "tables": {"longdoc": {"disagg": f}},
+        "replicas_needed": {},
+    }
+    md = render_markdown(result)
+    assert "| TPOT P50 (ms) | TPOT P99 (ms) | goodput (/s) | within target | split |" in md
+    assert "TTFT ≤ 5 s and TPOT ≤ 100 ms" in md
+    row = next(line for line in md.splitlines() if line.startswith("| router-serve prefill/decode"))
+    assert "| 20.0 | 200.0 | 0.50 |" in row and "| 50.0% |" in row
 
 
 def test_the_routers_predictions_are_read_from_its_metrics() -> None:

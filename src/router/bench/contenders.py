@@ -16,6 +16,7 @@ from router.bench.vllm import NotBuilt as VllmNotBuilt
 from router.bench.vllm import find_vllm
 
 ENGINES = ("emulator", "llama-server", "vllm")
+PD_ENGINES = ("emulator", "vllm")  # those that speak vLLM's kv_transfer_params hand-off (llama-server does not)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,16 @@ class Contender:
     key_headers: tuple[str, ...] = ("X-Session-ID",)
     engines: tuple[str, ...] = ENGINES  # the --engine values it runs in front of
     tokenizer: bool = False  # router-serve tokenizes requests itself, with the vLLM model's files (tokenizer_dirs)
+    # prefill/decode: the first half of the replicas prefill, the others decode (router-serve's
+    # --prefill/--decode, a peer's PD mode); the replicas then speak vLLM's kv_transfer_params
+    roles: bool = False
+
+
+def split_roles(urls: list[str]) -> tuple[list[str], list[str]]:
+    """A fleet's replicas as a disaggregated contender runs them: (prefill, decode), the first half
+    prefilling (at least one each)."""
+    half = max(1, len(urls) // 2)
+    return urls[:half], urls[half:]
 
 
 PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
@@ -78,6 +89,28 @@ CONTENDERS = {
             "vllm-cache-aware", "vllm-router cache_aware", "vllm", ("--policy", "cache_aware"), engines=("vllm",)
         ),
         Contender("oracle", "sticky oracle (client pins sessions)", "direct", spread="session"),
+        # prefill/decode disaggregation (half the replicas prefill, half decode): router-serve as
+        # shipped, which splits a request only when what its decode replica would prefill is long
+        # (disagg_min_prompt_tokens), every request split, and vllm-router's PD mode
+        Contender(
+            "disagg", "router-serve prefill/decode (conditional)", "router", SHIPPED, engines=PD_ENGINES, roles=True
+        ),
+        Contender(
+            "disagg-always",
+            "router-serve prefill/decode (every request split)",
+            "router",
+            (*SHIPPED, "--disagg-min-prompt-tokens", "0"),
+            engines=PD_ENGINES,
+            roles=True,
+        ),
+        Contender(
+            "vllm-pd",
+            "vllm-router PD (--vllm-pd-disaggregation)",
+            "vllm",
+            ("--vllm-pd-disaggregation", "--policy", "consistent_hash"),
+            engines=PD_ENGINES,
+            roles=True,
+        ),
     )
 }
 
@@ -97,6 +130,15 @@ def peer_versions(names: list[str]) -> dict[str, str]:
     return out
 
 
+def router_command(c: Contender, port: int, urls: list[str]) -> list[str]:
+    """router-serve's command line as contender `c`, on `port`, in front of `urls`."""
+    cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
+    if not c.roles:
+        return cmd + [a for url in urls for a in ("--replica", url)]
+    prefill, decode = split_roles(urls)
+    return cmd + [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
+
+
 async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
     """The contender's process (None for the client-side ones) and the targets to send to."""
     if c.kind == "direct":
@@ -104,9 +146,7 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
     port = free_port()
     env: dict[str, str] | None = None
     if c.kind == "router":
-        cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
-        for url in urls:
-            cmd += ["--replica", url]
+        cmd = router_command(c, port, urls)
         if c.tokenizer:  # the model's own tokenizer and chat template, not the replicas' render endpoints
             try:
                 cmd += ["--tokenizer-dirs", f"*={find_vllm() / 'model'}"]
@@ -114,7 +154,7 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
                 raise RuntimeError(str(exc)) from None
         env = {"ROUTER_" + k.upper(): v for k, v in settings.items()}
     else:
-        cmd, env = peer_command(c.kind, port, urls, c.args)
+        cmd, env = peer_command(c.kind, port, urls, c.args, split_roles(urls) if c.roles else None)
     child = Child.spawn(cmd, c.label, env)
     url = f"http://127.0.0.1:{port}"
     try:

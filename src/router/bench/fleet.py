@@ -32,7 +32,16 @@ this process sending the workload. Contenders:
   `--engine vllm` only: it posts every request to `/v1/chat/completions/render` on every replica
   (vLLM's `--enable-scale-out`) to place it by the tokens it shares with what each replica saw;
 - `oracle`: the client pins each session to one replica by hash, with no router: the hit rate a
-  sticky router could reach, with no regard for load.
+  sticky router could reach, with no regard for load;
+- prefill/decode disaggregation, run only when named: the first half of the replicas prefill, the
+  others decode, through vLLM's `kv_transfer_params` hand-off (the emulator speaks it; real vLLM
+  needs NIXL, router.bench.vllm). `disagg`: router-serve as shipped with `--prefill`/`--decode`,
+  splitting a request only when its decode replica would prefill at least
+  `disagg_min_prompt_tokens` (conditional); `disagg-always`: every request split; `vllm-pd`:
+  `vllm-router --vllm-pd-disaggregation --policy consistent_hash` (session id in
+  `x-session-id`). With any of them, each table also shows TTFT P50, time per output token (after
+  the first) P50 and P99, and goodput: answers within `--slo-ttft` and `--slo-tpot` a second
+  (engine seconds of the run), and their share.
 
 Workloads (`--workloads`; by default `sessions`, and the traces with `--trace-dir`):
 - `sessions@R`: synthetic multi-turn chats, R new sessions per engine second for `--duration`;
@@ -207,7 +216,8 @@ def add_parser(sub: Any) -> None:
         "--contenders",
         default=None,
         metavar="A,B,...",
-        help=f"which to run, in order (default: those installed that run with --engine, of {', '.join(CONTENDERS)})",
+        help="which to run, in order (default: those installed that run with --engine, but the "
+        f"prefill/decode ones, which run when named; of {', '.join(CONTENDERS)})",
     )
     p.add_argument(
         "--workloads",
@@ -270,6 +280,21 @@ def add_parser(sub: Any) -> None:
         help="contenders whose fleet size for the P99 target is searched ('' for none; default round-robin,full)",
     )
     p.add_argument("--p99-target", type=float, default=None, metavar="S", help="multi-turn P99 target, engine seconds")
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="goodput's target for time to first token, engine seconds (default 5); tables with "
+        "prefill/decode contenders show goodput: answers within both targets a second",
+    )
+    p.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="goodput's target for time per output token after the first, engine seconds (default 0.1)",
+    )
     p.add_argument("--sample-s", type=float, default=1.0, help="wall seconds between fleet samples (default 1)")
     p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     p.add_argument("--out", default="fleet-results", metavar="DIR", help="where results go (default fleet-results)")
@@ -342,7 +367,8 @@ def check_args(args: argparse.Namespace) -> None:
         args.prompt_scale = VLLM_PROMPT_SCALE if args.engine == "vllm" else 1.0
     if not (math.isfinite(args.prompt_scale) and 0 < args.prompt_scale <= 10):
         raise ValueError("--prompt-scale must be a number above 0, at most 10")
-    for name in ("think", "duration", "doc_rate", "trace_window", "trace_speedup", "time_scale", "sample_s"):
+    positive = ("duration", "doc_rate", "trace_window", "trace_speedup", "time_scale", "sample_s", "slo_ttft")
+    for name in ("think", *positive, "slo_tpot"):
         value = getattr(args, name)
         if not (math.isfinite(value) and (value >= 0 if name == "think" else value > 0)):
             raise ValueError(f"--{name.replace('_', '-')} must be a {'' if name == 'think' else 'positive '}number")
@@ -358,7 +384,7 @@ def check_args(args: argparse.Namespace) -> None:
     names = (
         _names(args.contenders, "--contenders")
         if args.contenders
-        else [n for n, c in CONTENDERS.items() if available(n) and args.engine in c.engines]
+        else [n for n, c in CONTENDERS.items() if available(n) and args.engine in c.engines and not c.roles]
     )
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
@@ -371,6 +397,8 @@ def check_args(args: argparse.Namespace) -> None:
     if missing:
         raise ValueError(f"contender {missing[0]!r} is not installed (pip install '.[bench]')")
     args.contenders = names
+    if args.vllm_replicas is not None:  # prefill/decode contenders: NIXL in every replica
+        args.vllm_replicas.nixl = any(CONTENDERS[n].roles for n in names)
     try:
         args.rate = [float(r) for r in _names(str(args.rate), "--rate")]
     except ValueError as exc:

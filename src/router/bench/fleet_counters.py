@@ -34,6 +34,7 @@ class RouterCounts:
     believed: dict[str, float]  # replica -> router_kv_events_believed
     tokenized: dict[str, tuple[float, float]]  # source -> (count, seconds)
     checks: dict[str, float]  # router_token_checks by result: match, mismatch, error
+    disagg: dict[str, float] = field(default_factory=dict)  # router_disagg_requests by mode (split, alone, ...)
 
     @classmethod
     def parse(cls, text: str) -> RouterCounts:
@@ -41,6 +42,7 @@ class RouterCounts:
         believed: dict[str, float] = {}
         tokenized: dict[str, list[float]] = {}
         checks: dict[str, float] = {}
+        disagg: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = sample.labels
@@ -54,7 +56,9 @@ class RouterCounts:
                 elif sample.name == "router_token_checks_total":
                     result = labels.get("result", "")
                     checks[result] = checks.get(result, 0.0) + sample.value
-        return cls(errors, believed, {k: (v[0], v[1]) for k, v in tokenized.items()}, checks)
+                elif sample.name == "router_disagg_requests_total":
+                    disagg[labels.get("mode", "")] = sample.value
+        return cls(errors, believed, {k: (v[0], v[1]) for k, v in tokenized.items()}, checks, disagg)
 
     def all_believed(self, replicas: int) -> bool:
         return len(self.believed) >= replicas and all(v == 1 for v in self.believed.values())
@@ -89,6 +93,10 @@ def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, A
         for source, (count, seconds) in after.tokenized.items()
     }
     out["token_checks"] = {k: n - before.checks.get(k, 0.0) for k, n in after.checks.items()}
+    if after.disagg:  # with prefill replicas: how its requests were served, split or whole
+        modes = {k: n - before.disagg.get(k, 0.0) for k, n in after.disagg.items()}
+        out["disagg_modes"] = modes
+        out["split_share"] = modes.get("split", 0.0) / sum(modes.values()) if sum(modes.values()) else math.nan
     return out
 
 

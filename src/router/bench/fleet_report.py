@@ -12,6 +12,14 @@ from typing import Any
 from router.bench.fleet_counters import PREDICTION_SOURCES
 from router.bench.fleet_workloads import size_workload
 
+
+def _goodput(r: dict[str, Any]) -> float:
+    """Answers within the latency target a second, over the run's engine seconds."""
+    if r.get("slo_met") is None or not r.get("wall_s"):
+        return math.nan
+    return float(r["slo_met"] / (r["wall_s"] * r["time_scale"]))
+
+
 FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figure, how to get it from a run)
     ("kv_hit_rate", lambda r: r["kv_hit_rate"]),
     ("multi_turn_mean_s", lambda r: r["e2e_later_turns_s"].get("mean", math.nan)),
@@ -19,6 +27,12 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("ttft_p99_s", lambda r: r["ttft_s"].get("p99", math.nan)),
     ("ttft_later_p99_s", lambda r: r.get("ttft_later_turns_s", {}).get("p99", math.nan)),
     ("ttft_later_p50_s", lambda r: r.get("ttft_later_turns_s", {}).get("p50", math.nan)),
+    ("ttft_p50_s", lambda r: r["ttft_s"].get("p50", math.nan)),
+    ("tpot_p50_s", lambda r: r.get("tpot_s", {}).get("p50", math.nan)),
+    ("tpot_p99_s", lambda r: r.get("tpot_s", {}).get("p99", math.nan)),
+    ("goodput_rps", _goodput),
+    ("split_share", lambda r: r.get("split_share", math.nan)),  # router-serve with prefill replicas
+    ("slo_share", lambda r: r["slo_met"] / r["ok"] if r.get("slo_met") is not None and r["ok"] else math.nan),
     ("engine_kv_hit_rate", lambda r: r.get("engine_kv_hit_rate", math.nan)),  # vLLM's own counters
     ("preemptions", lambda r: r.get("preemptions", math.nan)),
     ("load_cv", lambda r: r["load_cv"]),
@@ -96,6 +110,22 @@ COLUMNS: tuple[Column, ...] = (
     ("GPU busy", lambda f: _pct(f["gpu_busy"])),
     ("exact predicted (events / model)", exact_cell),
 )
+# with prefill/decode contenders: the figures disaggregation is about (the decode side's TPOT,
+# free of prefills, against TTFT, which pays a transfer) and goodput within both targets
+DISAGG_COLUMNS: tuple[Column, ...] = (
+    ("requests", lambda f: f"{f['requests']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
+    ("TTFT P50 (s)", lambda f: _num(f.get("ttft_p50_s", math.nan))),
+    ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
+    ("TPOT P50 (ms)", lambda f: _num(1000 * f.get("tpot_p50_s", math.nan), 1)),
+    ("TPOT P99 (ms)", lambda f: _num(1000 * f.get("tpot_p99_s", math.nan), 1)),
+    ("goodput (/s)", lambda f: _num(f.get("goodput_rps", math.nan), 2)),
+    ("within target", lambda f: _pct(f.get("slo_share", math.nan))),
+    ("split", lambda f: _pct(f.get("split_share", math.nan))),
+    ("multi-turn P99 (s)", lambda f: _num(f["multi_turn_p99_s"])),
+    ("GPU busy", lambda f: _pct(f["gpu_busy"])),
+)
 VLLM_COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
     ("failed", lambda f: f"{f['failed']:,.0f}"),
@@ -147,7 +177,16 @@ def render_markdown(result: dict[str, Any]) -> str:
         + ("" if result.get("complete", True) else " **Interrupted: only the runs that finished.**"),
         "",
     ]
-    columns = VLLM_COLUMNS if engine == "vllm" else COLUMNS
+    columns = DISAGG_COLUMNS if result.get("disagg") else VLLM_COLUMNS if engine == "vllm" else COLUMNS
+    if result.get("disagg"):
+        slo = result["slo"]
+        lines[0] += (
+            f" Prefill/decode contenders: half the replicas prefill, half decode. TPOT: time per output"
+            f" token after the first; goodput: answers with TTFT ≤ {slo['ttft_s']:g} s and TPOT ≤"
+            f" {1000 * slo['tpot_s']:g} ms a second of the run, and their share of the answers; split:"
+            " router-serve's requests prefilled on a prefill replica (the rest served whole by a decode"
+            " replica, `router_disagg_requests_total`)."
+        )
     for workload, table in result["tables"].items():
         lines += [f"**{workload}**", ""]
         shape = result.get("engine_shapes", {}).get(workload)

@@ -127,6 +127,7 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
         "session_keys": w.keyed,
         # a random model stops at its end-of-text token at random: every reply max_tokens long instead
         "body_fields": (("ignore_eos", True),) if args.engine == "vllm" else (),
+        "slo": (args.slo_ttft, args.slo_tpot),
     }
     if w.kind == "sessions":
         return ReplayOptions(workload="sessions", duration_s=args.duration, spec=sessions_spec(w, args), **common)

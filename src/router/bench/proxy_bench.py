@@ -287,14 +287,23 @@ def peer_installed(kind: str) -> bool:
 
 
 def peer_command(
-    kind: str, port: int, worker_urls: Sequence[str], args: Sequence[str]
+    kind: str,
+    port: int,
+    worker_urls: Sequence[str],
+    args: Sequence[str],
+    roles: tuple[Sequence[str], Sequence[str]] | None = None,
 ) -> tuple[list[str], dict[str, str] | None]:
     """The command line and extra environment of peer `kind` on loopback port `port` (its metrics on
-    another free one), in front of `worker_urls`, with its policy `args`."""
+    another free one), in front of `worker_urls`, with its policy `args`; `roles`: (prefill, decode)
+    replicas instead, for its PD mode (its `--prefill`/`--decode` flags)."""
     peer = PEERS[kind]
     common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
     common += ["--prometheus-port", str(free_port()), "--log-level", "error", *peer.launch_args]
-    common += ["--worker-urls", *worker_urls]
+    if roles is None:
+        common += ["--worker-urls", *worker_urls]
+    else:
+        common += [a for url in roles[0] for a in ("--prefill", url)]
+        common += [a for url in roles[1] for a in ("--decode", url)]
     if peer.module is not None:
         # a tokenizer download at worker registration stays on loopback and fails (it only warns)
         return [sys.executable, "-m", peer.module, *common, *args], {"HF_ENDPOINT": "http://127.0.0.1:9"}

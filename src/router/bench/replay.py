@@ -105,6 +105,9 @@ class ReplayOptions:
     # fields every request body gets besides the workload's (`router-bench fleet --engine vllm`:
     # ignore_eos, so that a random model's replies are max_tokens long for every target)
     body_fields: tuple[tuple[str, Any], ...] = ()
+    # a latency target, engine seconds: (time to first token, time per output token after it); the
+    # requests answered within both are counted (`slo_met`), for goodput
+    slo: tuple[float, float] | None = None
 
 
 class Replayer:
@@ -430,6 +433,20 @@ def _latency(values: list[float]) -> dict[str, float]:
     }
 
 
+def tpot(r: Record) -> float | None:
+    """Time per output token after the first (engine seconds); None for an answer of one token or
+    without its times."""
+    if r.ttft_s is None or r.e2e_s is None or r.completion_tokens < 2:
+        return None
+    return (r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
+
+
+def meets(r: Record, slo: tuple[float, float]) -> bool:
+    """Whether an answer met a (TTFT, TPOT) target."""
+    per_token = tpot(r)
+    return r.ttft_s is not None and r.ttft_s <= slo[0] and (per_token is None or per_token <= slo[1])
+
+
 def summarize(
     records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: float, cut_sessions: int = 0
 ) -> dict[str, Any]:
@@ -478,6 +495,9 @@ def summarize(
         "e2e_later_turns_s": _latency([r.e2e_s for r in later if r.e2e_s is not None]),
         "ttft_s": _latency([r.ttft_s for r in ok if r.ttft_s is not None]),
         "ttft_later_turns_s": _latency([r.ttft_s for r in later if r.ttft_s is not None]),
+        "tpot_s": _latency([t for r in ok if (t := tpot(r)) is not None]),
+        "slo": list(opts.slo) if opts.slo is not None else None,
+        "slo_met": sum(meets(r, opts.slo) for r in ok) if opts.slo is not None else None,
         "per_replica": dict(sorted(per_replica.items())),
         "load_cv": coefficient_of_variation(per_replica.values()),
         "jump_rate": jump_rate(paths),
