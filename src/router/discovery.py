@@ -12,6 +12,12 @@ Re-resolved every `discovery_interval_s`. Replicas found are added like `POST /a
 `POST /admin/replicas/{id}/drain?remove=true`. Replicas from `--replica` are never touched. A
 lookup that fails, or finds nothing at all, changes nothing (a DNS hiccup must not empty the
 fleet); the failure is counted and logged.
+
+With prefill/decode disaggregation, `discovery` finds the decode replicas (role `decode`) and
+`prefill_discovery` the prefill replicas, with the same kinds of source: those join and leave the
+prefill replicas' own fleet (`PrefillReplicas`; every process that serves requests keeps one and
+runs their discovery), with no slow start or warm-up (nothing is routed to them by session), their
+requests in flight finishing on their own.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
 
 import dns.asyncresolver
 import dns.exception
@@ -27,7 +35,8 @@ import dns.resolver
 
 from router.config import ReplicaSpec, parse_replica, parse_source
 from router.errors import RouterError
-from router.membership import Clash, Membership, NoRoom
+from router.fleet import Fleet
+from router.membership import Clash, NoRoom
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("router.discovery")
@@ -94,17 +103,55 @@ def _resolver(nameserver: tuple[str, int] | None) -> dns.asyncresolver.Resolver:
     return resolver
 
 
+class Members(Protocol):
+    """Where discovered replicas join and leave: the fleet's membership (router.membership), or the
+    prefill replicas (`PrefillReplicas`)."""
+
+    fleet: Fleet
+    discovery: bool
+    discovered: set[str]
+
+    async def add(self, spec: ReplicaSpec, discovered: bool = False) -> Any: ...
+
+    async def drain(self, replica_id: str, remove: bool) -> Any: ...
+
+
+class PrefillReplicas:
+    """The prefill replicas' fleet as discovery changes it: a replica found joins it, one gone
+    leaves it at once (its prefills in flight finish: their releases are harmless)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.discovery = True
+        self.discovered: set[str] = set()
+
+    async def add(self, spec: ReplicaSpec, discovered: bool = False) -> None:
+        try:
+            self.fleet.add(spec)
+        except ValueError as exc:  # its id or URL is another replica's
+            raise Clash(str(exc)) from None
+        if discovered:
+            self.discovered.add(spec.id)
+
+    async def drain(self, replica_id: str, remove: bool) -> None:
+        self.discovered.discard(replica_id)
+        if self.fleet.find(replica_id) is not None:
+            self.fleet.remove(replica_id)
+
+
 class Discovery:
     def __init__(
         self,
-        membership: Membership,
+        membership: Members,
         metrics: RouterMetrics,
         source: str,
         interval_s: float,
         static: Sequence[ReplicaSpec] = (),
         lookup: Callable[[], Awaitable[list[ReplicaSpec]]] | None = None,
+        role: str | None = None,
     ) -> None:
-        """`static`: the replicas from `--replica`, which discovery never touches."""
+        """`static`: the replicas from `--replica`, which discovery never touches; `role`: the
+        role of the replicas it finds (`decode`, `prefill`; None: as found, `both`)."""
         self.membership = membership
         membership.discovery = True  # which replicas it added is kept and shared from now on
         self.metrics = metrics
@@ -112,6 +159,7 @@ class Discovery:
         self.kind, self.name, self.port = parse_source(source)
         self.interval_s = interval_s
         self._lookup = lookup or self._default_lookup
+        self.role = role
         self._file_mark: tuple[float, int] | None = None
         self.rounds = 0
 
@@ -163,7 +211,8 @@ class Discovery:
     async def apply(self, found: list[ReplicaSpec]) -> None:
         membership, m = self.membership, self.metrics
         fleet = membership.fleet
-        wanted = {s.id: s for s in found if s.id not in self.static}
+        role = self.role
+        wanted = {s.id: replace(s, role=role) if role else s for s in found if s.id not in self.static}
         for rid in sorted(self.managed - wanted.keys()):
             replica = fleet.find(rid)
             self.managed.discard(rid)

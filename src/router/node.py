@@ -47,7 +47,7 @@ from router.config import (
     score_weights,
     shared_through_redis,
 )
-from router.discovery import Discovery
+from router.discovery import Discovery, PrefillReplicas
 from router.fleet import Fleet
 from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
@@ -126,7 +126,8 @@ class Node:
             keys=replica_api_keys(config),
         )
         # ... and `ttft` over them (their prefix index and prefill queues): a prompt's prefill replica
-        self.prefill_policy = Ttft(self.prefill_fleet, config) if config.prefill else None
+        disaggregated = bool(config.prefill or config.prefill_discovery)
+        self.prefill_policy = Ttft(self.prefill_fleet, config) if disaggregated else None
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
         # and the admin API read and feed (the root knows the concrete policy; nothing else asks)
@@ -234,8 +235,28 @@ class Node:
             weights=score_weights(config),
         )
         self.discovery = (
-            Discovery(self.membership, self.metrics, config.discovery, config.discovery_interval_s, config.replicas)
+            Discovery(
+                self.membership,
+                self.metrics,
+                config.discovery,
+                config.discovery_interval_s,
+                config.replicas,
+                role="decode" if disaggregated else None,
+            )
             if config.discovery and worker is None
+            else None
+        )
+        # the prefill replicas' discovery, in every process that serves requests (each has their fleet)
+        self.prefill_discovery = (
+            Discovery(
+                PrefillReplicas(self.prefill_fleet),
+                self.metrics,
+                config.prefill_discovery,
+                config.discovery_interval_s,
+                config.prefill,
+                role="prefill",
+            )
+            if config.prefill_discovery
             else None
         )
         self.persistence: Persistence | None = None
@@ -361,8 +382,10 @@ class Node:
         routes' own contexts may need): a worker's line to the control process, or the control
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
         contexts: list[Context] = []
-        if self.prefill_fleet.replicas and self.config.health_checks and not control_only:
+        if self.prefill_policy is not None and self.config.health_checks and not control_only:
             contexts.append(self._prefill_monitor_ctx)
+        if self.prefill_discovery is not None and not control_only:
+            contexts.append(self._discovery_context(self.prefill_discovery, "prefill discovery"))
         if self.prefill_feed is not None and not control_only:
             contexts.append(self._feed_context(self.prefill_feed, "prefill kv events"))
         if self.follower is not None and not control_only:
@@ -384,7 +407,7 @@ class Node:
         if self.redis is not None:
             contexts.append(self._redis_ctx)
         if self.discovery is not None:
-            contexts.append(self._discovery_ctx)
+            contexts.append(self._discovery_context(self.discovery, "discovery"))
         return contexts
 
     async def client_context(self, app: web.Application) -> AsyncIterator[None]:
@@ -481,11 +504,15 @@ class Node:
 
         return context
 
-    async def _discovery_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        assert self.discovery is not None
-        task = asyncio.create_task(self.discovery.run(), name="discovery")
-        yield
-        await self._run(task)
+    def _discovery_context(self, discovery: Discovery, name: str) -> Context:
+        """A discovery's lookups, run while the app runs (the fleet's, or the prefill replicas')."""
+
+        async def context(app: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(discovery.run(), name=name)
+            yield
+            await self._run(task)
+
+        return context
 
     async def _follower_ctx(self, app: web.Application) -> AsyncIterator[None]:
         follower = self.follower

@@ -211,3 +211,42 @@ async def test_a_split_request_s_legs_are_measured_logged_and_on_the_console(  #
             assert rows[f"d{i}"]["transfer_ms"] > 0 and rows[f"d{i}"]["failed_transfers"] == failed
     assert all(legs[leg] > 0 for leg in ("prefill", "transfer", "decode"))
     assert state["points"][-1]["split"] == round(2 / 3, 4)
+
+
+async def test_prefill_replicas_found_by_discovery_join_and_leave(start_fleet, start_router, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode = await start_fleet(2), await start_fleet(2)
+    source, decoders = tmp_path / "prefill.txt", tmp_path / "decode.txt"
+    source.write_text(f"p0={prefill.replicas[0].url}\n")
+    decoders.write_text("\n".join(named(decode, "d")) + "\n")
+    node, url = await start_router(
+        [],
+        discovery=f"file:{decoders}",
+        prefill_discovery=f"file:{source}",
+        discovery_interval_s=0.1,
+        health_checks=False,
+    )
+    deadline = time.monotonic() + 5
+    while len(node.fleet.replicas) < 2:  # the replicas `discovery` finds decode: they have prefill replicas
+        assert time.monotonic() < deadline, "no decode replicas found"
+        await asyncio.sleep(0.05)
+    assert [r.role for r in node.fleet.replicas] == ["decode", "decode"]
+
+    async def listed() -> list[str]:
+        deadline = time.monotonic() + 5
+        while not node.prefill_fleet.replicas:
+            assert time.monotonic() < deadline, "no prefill replica found"
+            await asyncio.sleep(0.05)
+        return [r.id for r in node.prefill_fleet.replicas]
+
+    assert await listed() == ["p0"] and node.prefill_fleet.replicas[0].role == "prefill"
+    status, _, _ = await chat(url, "1 " + LONG, "s1")
+    assert status == 200 and node.prefill_fleet.find("p0").requests == 1  # split, prefilled on p0
+    # p0 is gone from the source and p1 is there: the next long prompt is prefilled on p1
+    source.write_text(f"# the prefill replicas' service\np1={prefill.replicas[1].url}\n")
+    deadline = time.monotonic() + 5
+    while [r.id for r in node.prefill_fleet.replicas] != ["p1"]:
+        assert time.monotonic() < deadline, [r.id for r in node.prefill_fleet.replicas]
+        await asyncio.sleep(0.05)
+    status, _, _ = await chat(url, "2 " + LONG, "s2")
+    assert status == 200 and node.prefill_fleet.find("p1").requests == 1
+    assert await transferred(decode) == 2

@@ -318,3 +318,10 @@ def test_prefill_and_decode_replicas_take_their_roles_and_decode_ones_are_routed
         load(None, {}, {"prefill": ["http://a:1"], "decode": ["d=http://a:1"], "state": "none"})
     filed = load(None, {"ROUTER_DECODE": "http://b:1,http://b:2", "ROUTER_PREFILL": "http://a:1"}, {"state": "none"})
     assert [r.role for r in filed.replicas] == ["decode", "decode"] and filed.prefill[0].url == "http://a:1"
+    # prefill replicas found by discovery: a source of the same kinds, checked as discovery's
+    found = load(None, {"ROUTER_PREFILL_DISCOVERY": "srv:_http._tcp.prefill"}, {"decode": ["http://b:1"]})
+    assert found.prefill_discovery == "srv:_http._tcp.prefill" and Node(found).prefill_policy is not None
+    with pytest.raises(ConfigError, match=r"prefill_discovery.*unknown discovery kind"):
+        load(None, {}, {"prefill_discovery": "consul:x", "decode": ["http://b:1"], "state": "none"})
+    with pytest.raises(ConfigError, match="need replicas to decode"):
+        load(None, {}, {"prefill_discovery": "file:/x", "state": "none"})

@@ -268,15 +268,16 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("shm_name", "must be 1..200 letters, digits, '.', '_' or '-'")
     if len(cfg.replicas) + cfg.demo > cfg.shm_slots:
         raise bad("shm_slots", f"must hold the {len(cfg.replicas) + cfg.demo} configured replicas")
-    if cfg.discovery:
-        try:
-            parse_source(cfg.discovery)
-        except ValueError as exc:
-            raise bad("discovery", str(exc)) from None
+    for name in ("discovery", "prefill_discovery"):
+        if getattr(cfg, name):
+            try:
+                parse_source(getattr(cfg, name))
+            except ValueError as exc:
+                raise bad(name, str(exc)) from None
     if not 0 <= cfg.demo <= 64:
         raise bad("demo", "must be in 0..64 replicas")
     if not cfg.replicas and not cfg.demo and not cfg.discovery:
-        if cfg.prefill:
+        if cfg.prefill or cfg.prefill_discovery:
             raise bad("decode", "prefill replicas need replicas to decode: give --decode URL (repeatable)")
         raise bad("replicas", "no replicas: give --replica URL (repeatable), ROUTER_REPLICAS, --discovery, or --demo N")
     if cfg.disagg_min_prompt_tokens < 0:

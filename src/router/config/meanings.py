@@ -164,6 +164,9 @@ HELP = {
     "[NAME=]URL; repeatable (default none: nothing is split)",
     "decode": "a replica that decodes what a prefill replica computed, and serves alone what is not worth "
     "splitting, [NAME=]URL; repeatable",
+    "prefill_discovery": "find prefill replicas as --discovery finds the others (file:PATH, dns:NAME:PORT or "
+    "srv:NAME: e.g. the SRV name of the prefill replicas' headless service), every discovery_interval_s; "
+    "replicas found and gone join and leave the prefill replicas",
     "disagg_min_prompt_tokens": "with prefill replicas: a request leaving fewer tokens than this to prefill on "
     "its decode replica (its prompt less what the prefix index predicts there) is served there alone (default 512)",
     "demo": "start N emulated replicas in-process and route to them too; a demo saves no routing state unless "
@@ -187,7 +190,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "prefill/decode disaggregation",
         "replicas that prefill, replicas that decode, and what is split",
-        ("prefill", "decode", "disagg_min_prompt_tokens"),
+        ("prefill", "decode", "prefill_discovery", "disagg_min_prompt_tokens"),
     ),
     (
         "sessions and routing keys",

@@ -151,6 +151,7 @@ class RouterConfig:
     # discovery: "" (off), file:PATH, dns:NAME:PORT or srv:NAME (router.discovery)
     discovery: str = ""
     discovery_interval_s: float = 5.0
+    prefill_discovery: str = ""  # the prefill replicas' source, as `discovery` (router.discovery)
     # routing state: "file" (default: a file under $XDG_STATE_HOME/kv-affinity-router),
     # "file:DIRECTORY", "redis://HOST:PORT/DB" (shared by several routers), or "none"
     state: str = "file"

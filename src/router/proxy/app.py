@@ -80,7 +80,7 @@ def journey_of(node: Node) -> Journey:
         node.worker,
     )
     attempts: Attempts = http
-    if node.prefill_fleet.replicas:  # a disaggregated fleet: prefill there, decode where routed
+    if node.prefill_policy is not None:  # a disaggregated fleet: prefill there, decode where routed
         metrics = node.metrics
 
         def observe(mode: str) -> None:
