@@ -15,7 +15,7 @@ fleet); the failure is counted and logged.
 
 With prefill/decode disaggregation, `discovery` finds the decode replicas (role `decode`) and
 `prefill_discovery` the prefill replicas, with the same kinds of source: those join and leave the
-prefill replicas' own fleet (`PrefillReplicas`; every process that serves requests keeps one and
+prefill replicas' own fleet (`PrefillReplicas`; every process keeps one and
 runs their discovery), with no slow start or warm-up (nothing is routed to them by session), their
 requests in flight finishing on their own.
 """

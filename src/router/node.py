@@ -114,7 +114,8 @@ class Node:
             keys=replica_api_keys(config),
         )
         # the prefill replicas of a disaggregated fleet (router.proxy.disagg): a fleet of their own,
-        # out of the route's reach, probed by every process that serves requests
+        # out of the route's reach, probed by every process (the control process too: its admin API
+        # shows them)
         self.prefill_fleet = Fleet(
             config.prefill,
             config.vnodes,
@@ -246,7 +247,7 @@ class Node:
             if config.discovery and worker is None
             else None
         )
-        # the prefill replicas' discovery, in every process that serves requests (each has their fleet)
+        # the prefill replicas' discovery, in every process (each has their fleet)
         self.prefill_discovery = (
             Discovery(
                 PrefillReplicas(self.prefill_fleet),
@@ -382,9 +383,11 @@ class Node:
         routes' own contexts may need): a worker's line to the control process, or the control
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
         contexts: list[Context] = []
-        if self.prefill_policy is not None and self.config.health_checks and not control_only:
+        # the prefill replicas: probed and found by every process, the control process too (its
+        # admin API and console show them)
+        if self.prefill_policy is not None and self.config.health_checks:
             contexts.append(self._prefill_monitor_ctx)
-        if self.prefill_discovery is not None and not control_only:
+        if self.prefill_discovery is not None:
             contexts.append(self._discovery_context(self.prefill_discovery, "prefill discovery"))
         if self.prefill_feed is not None and not control_only:
             contexts.append(self._feed_context(self.prefill_feed, "prefill kv events"))

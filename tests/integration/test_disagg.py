@@ -250,3 +250,30 @@ async def test_prefill_replicas_found_by_discovery_join_and_leave(start_fleet, s
     status, _, _ = await chat(url, "2 " + LONG, "s2")
     assert status == 200 and node.prefill_fleet.find("p1").requests == 1
     assert await transferred(decode) == 2
+
+
+async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_probed(  # type: ignore[no-untyped-def]
+    start_fleet, serve_workers
+) -> None:
+    prefill, decode = await start_fleet(1), await start_fleet(2)
+    flags = [a for spec in named(prefill, "p") for a in ("--prefill", spec)]
+    flags += [a for spec in named(decode, "d") for a in ("--decode", spec)]
+    served = await serve_workers([], *flags, "--probe-interval-s", "0.2")
+    for i in range(2):
+        status, answer, _ = await chat(served.url, f"{i} {LONG}", f"w{i}")
+        assert status == 200 and answer["usage"]["completion_tokens"] == 6
+    assert await transferred(decode) == 2  # split in whichever worker took it
+    auth = {"Authorization": "Bearer workers-test-token"}
+    deadline = time.monotonic() + 5
+    async with aiohttp.ClientSession() as http:
+        while True:  # the admin API's process probes the prefill replicas too
+            async with http.get(served.url + "/admin/replicas", headers=auth) as r:
+                rows = {row["id"]: row for row in await r.json()}
+            if rows["p0"]["engine"]["kind"] == "emulator":
+                break
+            assert time.monotonic() < deadline, rows["p0"]
+            await asyncio.sleep(0.1)
+        async with http.get(served.url + "/metrics") as r:
+            text = await r.text()
+    assert rows["p0"]["role"] == "prefill" and rows["p0"]["inputs"]["probe_ok"] is True
+    assert 'router_disagg_requests_total{mode="split"} 2.0' in text  # the workers' counts merged
