@@ -328,8 +328,9 @@ class World:
         self.closers: list[Callable[[], Awaitable[None]]] = []
 
     async def start_fleet(self) -> EmulatorFleet:
+        # port 0: the kernel picks a free port as each binds (one picked ahead may be taken meanwhile)
         replicas = [
-            Replica(ReplicaOptions(replica_id=f"emu-{i}", port=free_port()), EngineConfig(num_blocks=4000))
+            Replica(ReplicaOptions(replica_id=f"emu-{i}", port=0), EngineConfig(num_blocks=4000))
             for i in range(self.opts.replicas)
         ]
         self.fleet = EmulatorFleet(replicas)
