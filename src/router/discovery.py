@@ -15,9 +15,9 @@ fleet); the failure is counted and logged.
 
 With prefill/decode disaggregation, `discovery` finds the decode replicas (role `decode`) and
 `prefill_discovery` the prefill replicas, with the same kinds of source: those join and leave the
-prefill replicas' own fleet (`PrefillReplicas`; every process keeps one and
-runs their discovery), with no slow start or warm-up (nothing is routed to them by session), their
-requests in flight finishing on their own.
+prefill replicas' own fleet (`PrefillReplicas`; every process keeps one and runs their
+discovery), with no slow start or warm-up (nothing is routed to them by session), their requests
+in flight finishing on their own.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ class PrefillReplicas:
     """The prefill replicas' fleet as discovery changes it: a replica found joins it, one gone
     leaves it at once (its prefills in flight finish: their releases are harmless)."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, removed: Callable[[str], None] = lambda replica_id: None) -> None:
         self.fleet = fleet
+        self.removed = removed  # a replica left: its gauges go
         self.discovery = True
         self.discovered: set[str] = set()
 
@@ -137,6 +138,7 @@ class PrefillReplicas:
         self.discovered.discard(replica_id)
         if self.fleet.find(replica_id) is not None:
             self.fleet.remove(replica_id)
+            self.removed(replica_id)
 
 
 class Discovery:

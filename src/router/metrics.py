@@ -207,6 +207,12 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "0 for the others.",
         ("replica", "state"),
     ),
+    "router_replica_role": (
+        "gauge",
+        "1 for each replica's role: both (aggregated), decode, or prefill (prefill/decode disaggregation; "
+        "prefill replicas are in the other per-replica gauges too).",
+        ("replica", "role"),
+    ),
     "router_replica_health_input": (
         "gauge",
         "The inputs of each replica's latest health score: waiting, kv_usage, fragmentation, error_rate, "
@@ -356,6 +362,7 @@ class RouterMetrics:
         self.routable = made["router_replica_routable"]
         self.state_changes = made["router_replica_state_changes"]
         self.state = made["router_replica_state"]
+        self.role = made["router_replica_role"]
         self.warmups = made["router_warmup_requests"]
         self.sessions_moved = made["router_sessions_moved"]
         self.migrations = made["router_vnode_migrations"]
@@ -382,7 +389,7 @@ class RouterMetrics:
             self.prefix_index_blocks,
             self.kv_events_believed,
         )
-        gauges_ids = {id(g) for g in (*gauges, self.state, self.health_input, self.kv_event_blocks)}
+        gauges_ids = {id(g) for g in (*gauges, self.state, self.role, self.health_input, self.kv_event_blocks)}
         media = [k[2] for k in self._children if k[0] == id(self.kv_event_blocks) and k[1] == replica]
         for key in [k for k in self._children if k[0] in gauges_ids and len(k) > 1 and k[1] == replica]:
             del self._children[key]  # a replica re-added under this id gets live children again
@@ -394,6 +401,9 @@ class RouterMetrics:
         for state in STATES:
             with contextlib.suppress(KeyError):
                 self.state.remove(replica, state)
+        for role in ROLES:
+            with contextlib.suppress(KeyError):
+                self.role.remove(replica, role)
         for name in INPUTS:
             with contextlib.suppress(KeyError):
                 self.health_input.remove(replica, name)
@@ -432,19 +442,23 @@ PER_REPLICA_GAUGES = (
     "router_replica_routable",
     "router_replica_state_changes",
     "router_replica_state",
+    "router_replica_role",
     "router_replica_health_input",
 )
+ROLES = ("both", "decode", "prefill")
+Row = tuple[str, int, float, bool, int, str, HealthInputs | None, str]
 
 
-def replica_gauge_families(rows: list[tuple[str, int, float, bool, int, str, HealthInputs | None]]) -> list[Any]:
+def replica_gauge_families(rows: list[Row]) -> list[Any]:
     """The per-replica gauges, built from (id, in flight, score, routable, state changes, state,
-    inputs) rows at scrape time: a worker process's view of the shared table, so a replica that
+    inputs, role) rows at scrape time: a worker process's view of the shared table, so a replica that
     left is simply absent (multiprocess gauge files would keep it)."""
     families = {
         name: GaugeMetricFamily(name, TABLE[name][1], labels=list(TABLE[name][2])) for name in PER_REPLICA_GAUGES
     }
-    for rid, inflight, score, routable, changes, state, inputs in rows:
+    for rid, inflight, score, routable, changes, state, inputs, role in rows:
         families["router_inflight"].add_metric([rid], inflight)
+        families["router_replica_role"].add_metric([rid, role], 1.0)
         families["router_replica_score"].add_metric([rid], score)
         families["router_replica_routable"].add_metric([rid], 1.0 if routable else 0.0)
         families["router_replica_state_changes"].add_metric([rid], changes)
@@ -457,7 +471,7 @@ def replica_gauge_families(rows: list[tuple[str, int, float, bool, int, str, Hea
     return list(families.values())
 
 
-def _replica_rows(fleet: Fleet) -> list[tuple[str, int, float, bool, int, str, HealthInputs | None]]:
+def _replica_rows(*fleets: Fleet) -> list[Row]:
     return [
         (
             r.id,
@@ -467,15 +481,19 @@ def _replica_rows(fleet: Fleet) -> list[tuple[str, int, float, bool, int, str, H
             r.health.transitions,
             r.state,
             r.inputs,
+            r.role,
         )
+        for fleet in fleets
         for r in fleet.replicas
         if r.index is not None
     ]
 
 
-def show_replica_gauges(metrics: RouterMetrics, fleet: Fleet) -> None:
-    """Bring the per-replica gauges of a process's own registry up to date with its fleet."""
-    for rid, inflight, score, routable, transitions, state, inputs in _replica_rows(fleet):
+def show_replica_gauges(metrics: RouterMetrics, *fleets: Fleet) -> None:
+    """Bring the per-replica gauges of a process's own registry up to date with its fleets (the
+    routed one, and the prefill replicas')."""
+    for rid, inflight, score, routable, transitions, state, inputs, role in _replica_rows(*fleets):
+        metrics.child(metrics.role, rid, role).set(1)
         metrics.inflight.labels(rid).set(inflight)
         metrics.score.labels(rid).set(score)
         metrics.routable.labels(rid).set(1 if routable else 0)
@@ -483,7 +501,7 @@ def show_replica_gauges(metrics: RouterMetrics, fleet: Fleet) -> None:
         metrics.show_health(rid, state, inputs)
 
 
-def multiprocess_registry(fleet: Fleet) -> CollectorRegistry | None:
+def multiprocess_registry(*fleets: Fleet) -> CollectorRegistry | None:
     """A worker's /metrics: every worker's counters and histograms (prometheus_client's
     multiprocess files), and per-replica gauges from this worker's copy of the table. None
     outside multiprocess mode (no PROMETHEUS_MULTIPROC_DIR)."""
@@ -498,7 +516,7 @@ def multiprocess_registry(fleet: Fleet) -> CollectorRegistry | None:
         per-replica gauges come from the table instead, and only for replicas still there."""
 
         def collect(self) -> list[Any]:
-            present = {r.id for r in fleet.replicas if r.index is not None}
+            present = {r.id for fleet in fleets for r in fleet.replicas if r.index is not None}
             families = []
             for family in files.collect():  # type: ignore[no-untyped-call]
                 if family.name in PER_REPLICA_GAUGES:
@@ -510,7 +528,7 @@ def multiprocess_registry(fleet: Fleet) -> CollectorRegistry | None:
 
     class ReplicaGauges:
         def collect(self) -> list[Any]:
-            return replica_gauge_families(_replica_rows(fleet))
+            return replica_gauge_families(_replica_rows(*fleets))
 
     registry.register(FromFiles())
     registry.register(ReplicaGauges())

@@ -250,7 +250,7 @@ class Node:
         # the prefill replicas' discovery, in every process (each has their fleet)
         self.prefill_discovery = (
             Discovery(
-                PrefillReplicas(self.prefill_fleet),
+                PrefillReplicas(self.prefill_fleet, self.metrics.forget_replica),
                 self.metrics,
                 config.prefill_discovery,
                 config.discovery_interval_s,
@@ -265,7 +265,7 @@ class Node:
         if file is not None:
             self.persistence = Persistence(file, self.membership, config.replicas, self.view)
             self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
-        self.multiprocess_metrics = multiprocess_registry(fleet) if worker is not None else None
+        self.multiprocess_metrics = multiprocess_registry(fleet, self.prefill_fleet) if worker is not None else None
         # ttft: the engines' KV-cache events, read by every process that routes (each subscribes)
         self.feed: Feed | None = None
         if placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
@@ -363,7 +363,7 @@ class Node:
             self.follower.pull_loads()
         if self.multiprocess_metrics is not None:
             return self.multiprocess_metrics
-        show_replica_gauges(self.metrics, self.fleet)
+        show_replica_gauges(self.metrics, self.fleet, self.prefill_fleet)
         return self.metrics.registry
 
     @property

@@ -98,6 +98,10 @@ async def test_a_long_prompt_is_prefilled_apart_and_decoded_on_its_route(start_f
         text = await r.text()
     assert 'router_disagg_requests_total{mode="split"} 2.0' in text
     assert 'router_disagg_requests_total{mode="alone"} 2.0' in text
+    # each replica's role, and the prefill replicas in the per-replica gauges too
+    for rid, role in (("d0", "decode"), ("d1", "decode"), ("p0", "prefill"), ("p1", "prefill")):
+        assert f'router_replica_role{{replica="{rid}",role="{role}"}} 1.0' in text
+        assert f'router_replica_score{{replica="{rid}"}}' in text
 
 
 async def test_a_prefill_replica_down_is_skipped_and_with_none_decode_recomputes(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
@@ -250,6 +254,10 @@ async def test_prefill_replicas_found_by_discovery_join_and_leave(start_fleet, s
     status, _, _ = await chat(url, "2 " + LONG, "s2")
     assert status == 200 and node.prefill_fleet.find("p1").requests == 1
     assert await transferred(decode) == 2
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_replica_role{replica="p1",role="prefill"} 1.0' in text
+    assert 'replica="p0"' not in text.replace('router_requests_total{replica="p0"', "")  # p0's gauges went
 
 
 async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_probed(  # type: ignore[no-untyped-def]
@@ -264,7 +272,7 @@ async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_p
         assert status == 200 and answer["usage"]["completion_tokens"] == 6
     assert await transferred(decode) == 2  # split in whichever worker took it
     auth = {"Authorization": "Bearer workers-test-token"}
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     async with aiohttp.ClientSession() as http:
         while True:  # the admin API's process probes the prefill replicas too
             async with http.get(served.url + "/admin/replicas", headers=auth) as r:
@@ -277,3 +285,4 @@ async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_p
             text = await r.text()
     assert rows["p0"]["role"] == "prefill" and rows["p0"]["inputs"]["probe_ok"] is True
     assert 'router_disagg_requests_total{mode="split"} 2.0' in text  # the workers' counts merged
+    assert 'router_replica_role{replica="p0",role="prefill"} 1.0' in text
