@@ -361,3 +361,32 @@ def test_real_vllm_side_by_side(tmp_path: Path) -> None:
     # later turns find their conversation on a sticky contender's replica, by the engines' count
     assert table["full"]["engine_kv_hit_rate"] > 0.2
     assert table["vllm-cache-aware"]["jump_rate"] is None  # vLLM names no replica: n/a, not 0
+
+
+@pytest.mark.real_engine
+def test_real_vllm_prefill_decode_side_by_side(tmp_path: Path) -> None:
+    try:
+        find_vllm()
+    except VllmNotBuilt as exc:
+        if os.environ.get("KVAR_CI"):
+            raise
+        pytest.skip(str(exc))
+    out = tmp_path / "out"
+    contenders = ["full", "disagg-always"]  # aggregated on both replicas; one prefilling for the other
+    args = build_parser().parse_args(
+        [
+            *("fleet", "--engine", "vllm", "--replicas", "2", "--kv-blocks", "64", "--prompt-scale", "0.1"),
+            *("--rate", "1", "--duration", "6", "--think", "0.5", "--turns", "2-3", "--sample-s", "0.2"),
+            *("--contenders", ",".join(contenders), "--size-search", "", "--out", str(out)),
+        ]
+    )
+    assert args.run(args) == 0  # 0: no request failed anywhere
+    result = json.loads((out / "fleet.json").read_text())
+    assert result["disagg"] is True and list(result["tables"]["sessions@1"]) == contenders
+    split = result["runs"]["sessions@1"]["disagg-always"][0]
+    # every request prefilled on the one replica and decoded on the other, the KV moved by NIXL
+    assert split["disagg_modes"].get("split") == split["requests"] > 0 and not split["disagg_modes"].get("recomputed")
+    for name in contenders:
+        f = result["tables"]["sessions@1"][name]
+        assert f["failed"] == 0 and f["tpot_p50_s"] > 0 and f["goodput_rps"] > 0, name
+    assert "| TPOT P50 (ms) |" in (out / "fleet.md").read_text()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 from router.apis import CHAT
 from router.bench.common import free_port
@@ -263,7 +264,11 @@ def nixl_transfer(failure_policy: str = "fail", lease_s: int = 30) -> dict[str, 
 
 
 async def nixl_handshakes(
-    prefill: list[VllmServer], decode: list[VllmServer], tries: int = 6, timeout: float = 120.0
+    prefill: list[VllmServer],
+    decode: list[VllmServer],
+    tries: int = 6,
+    timeout: float = 120.0,
+    model: str = MODEL_NAME,
 ) -> dict[tuple[str, str], int]:
     """Pair every decode replica with every prefill replica, one pair at a time, a prefill there
     and its blocks read here, until a read succeeds (`tries` at most; the replicas run under
@@ -273,7 +278,7 @@ async def nixl_handshakes(
     up after 5 s; vLLM 0.32's CPU build (on this machine's two cores) often answers it only once
     the prefill's lease has run out (its engine is busy while it holds blocks for a decode), so the
     first read fails or waits for the lease. Paid here, the reads that follow take milliseconds."""
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a handshake " * 40}], "max_tokens": 1}
+    body = {"model": model, "messages": [{"role": "user", "content": "a handshake " * 40}], "max_tokens": 1}
     took: dict[tuple[str, str], int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         for p in prefill:
@@ -281,9 +286,12 @@ async def nixl_handshakes(
                 pair = (p.name or p.url, d.name or d.url)
                 for attempt in range(1, tries + 1):
                     async with http.post(p.url + "/v1/chat/completions", json=VLLM.prefill_body(CHAT, body)) as r:
-                        params = VLLM.params(await r.json()) if r.status == 200 else None
+                        answer = await r.read()
+                        params = VLLM.params(orjson.loads(answer)) if r.status == 200 else None
                     if params is None:
-                        raise RuntimeError(f"{pair[0]} answered a prefill without kv_transfer_params")
+                        raise RuntimeError(
+                            f"{pair[0]} answered a prefill without kv_transfer_params ({r.status}: {answer[:200]!r})"
+                        )
                     async with http.post(d.url + "/v1/chat/completions", json=VLLM.decode_body(body, params)) as r:
                         await r.read()
                         if r.status == 200:
@@ -435,7 +443,7 @@ class VllmReplicas:
         if self.nixl:  # the first read between two replicas waits for NIXL's handshake: none in a run
             half = max(1, replicas // 2)
             try:
-                await nixl_handshakes(servers[:half], servers[half:])
+                await nixl_handshakes(servers[:half], servers[half:], model=VLLM_MODEL)
             except (RuntimeError, TimeoutError, aiohttp.ClientError) as exc:
                 self.stop()
                 raise RuntimeError(f"the vLLM fleet's NIXL hand-offs failed: {exc}") from None
