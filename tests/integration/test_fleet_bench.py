@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,16 @@ def test_prefill_decode_contenders_on_a_small_fleet(tmp_path: Path) -> None:
     assert "vllm-router PD (--vllm-pd-disaggregation)" in md
 
 
+def built(find: Callable[[], object], missing: type[Exception]) -> None:
+    """Skip where a real engine is not built (`find` raises `missing`); under CI (KVAR_CI) fail."""
+    try:
+        find()
+    except missing as exc:
+        if os.environ.get("KVAR_CI"):
+            raise
+        pytest.skip(str(exc))
+
+
 def fleet_args(*flags: str) -> Any:
     args = build_parser().parse_args(["fleet", *flags])
     fleet.check_args(args)
@@ -281,12 +292,7 @@ def test_a_fleet_that_cannot_start_is_one_line_and_the_rest_is_written(tmp_path:
 
 @pytest.mark.real_engine
 def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
-    try:
-        find_binary()
-    except NotBuilt as exc:
-        if os.environ.get("KVAR_CI"):
-            raise
-        pytest.skip(str(exc))
+    built(find_binary, NotBuilt)
     out = tmp_path / "out"
     contenders = ["round-robin", "full", "vllm-consistent-hash"]
     args = build_parser().parse_args(
@@ -315,12 +321,7 @@ def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
 
 @pytest.mark.real_engine
 def test_real_vllm_side_by_side(tmp_path: Path) -> None:
-    try:
-        find_vllm()
-    except VllmNotBuilt as exc:
-        if os.environ.get("KVAR_CI"):
-            raise
-        pytest.skip(str(exc))
+    built(find_vllm, VllmNotBuilt)
     out = tmp_path / "out"
     contenders = ["full", "vllm-cache-aware"]  # the router as shipped, and the peer only vLLM serves
     args = build_parser().parse_args(
@@ -365,12 +366,7 @@ def test_real_vllm_side_by_side(tmp_path: Path) -> None:
 
 @pytest.mark.real_engine
 def test_real_vllm_prefill_decode_side_by_side(tmp_path: Path) -> None:
-    try:
-        find_vllm()
-    except VllmNotBuilt as exc:
-        if os.environ.get("KVAR_CI"):
-            raise
-        pytest.skip(str(exc))
+    built(find_vllm, VllmNotBuilt)
     out = tmp_path / "out"
     contenders = ["full", "disagg-always"]  # aggregated on both replicas; one prefilling for the other
     args = build_parser().parse_args(
