@@ -286,3 +286,30 @@ async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_p
     assert rows["p0"]["role"] == "prefill" and rows["p0"]["inputs"]["probe_ok"] is True
     assert 'router_disagg_requests_total{mode="split"} 2.0' in text  # the workers' counts merged
     assert 'router_replica_role{replica="p0",role="prefill"} 1.0' in text
+
+
+async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # on real vLLM a read from a prefill replica that died between the legs can hang with no error;
+    # the only decode replica here hangs so on its transfer, past the router's first-byte time-out
+    prefill, decode = await start_fleet(1), await start_fleet(1)
+    node, url = await start_router(
+        [], prefill=named(prefill, "p"), decode=named(decode, "d"), health_checks=False, first_byte_timeout_s=1
+    )
+    d = decode.replicas[0]
+
+    async def hung(params: Any, prompt_tokens: int) -> int | None:
+        await asyncio.sleep(30)
+        return None
+
+    d._pull_kv = hung  # type: ignore[method-assign]
+    for stream in (False, True):
+        status, answer, replica = await chat(url, f"{stream} {LONG}", f"h{stream}", stream=stream)
+        assert status == 200 and replica == "d0"
+        if stream:
+            assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
+        else:
+            assert answer["usage"]["completion_tokens"] == 6  # recomputed there, whole
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="recomputed"} 2.0' in text
+    assert sum(r.requests for r in node.prefill_fleet.replicas) == 2  # prefilled once each, not again

@@ -20,8 +20,11 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   prefill replica went away: vLLM answers a 5xx, or in a stream its opening event then an error
   event, so a split stream is held until its second event): a failed transfer is never the
   client's error while a replica can still answer;
-- keeps the params of a decode that failed before its first byte otherwise (unreachable, reset,
-  timed out): the journey's next decode replica reads the same lease, and no prefill is redone.
+- sends a decode that timed out before its first byte to the same replica again without params:
+  a read from a prefill replica that died can hang on real vLLM, with no error, and the lease
+  (30 s) has likely run out by the first-byte time-out;
+- keeps the params of a decode that failed before its first byte otherwise (unreachable, reset):
+  the journey's next decode replica reads the same lease, and no prefill is redone.
 
 A broken decode stream is resumed as any other (router.proxy.resume), aggregated.
 
@@ -176,7 +179,10 @@ class DisaggAttempts:
         # answers 200, its opening event, then an error event, which the client must not see
         result = await self.inner.send_settled(replica, decoding, deadline)
         if isinstance(result, Retry):
-            if result.cause == "http_5xx":  # the transfer failed there: it recomputes instead
+            # the transfer failed there (a 5xx), or hung: vLLM's read from a prefill replica that
+            # died can wait with no error (seen on real vLLM), and the lease has likely run out by
+            # the first-byte time-out anyway. It recomputes instead.
+            if result.cause in ("http_5xx", "timeout"):
                 self.observe("recomputed")
                 return await self.inner.send(replica, trip, deadline)
             now = time.monotonic()
