@@ -2,14 +2,16 @@
 prefilled KV blocks from a prefill replica to a decode replica with its NixlConnector (NIXL over
 UCX on loopback TCP; scripts/build-vllm.sh installs NIXL beside vLLM).
 
-Four replicas start once for the module (two to prefill, two to decode; float32, as bf16 dies in
-this CPU's AMX attention after a transfer), each with its own NIXL side channel, under vLLM's
+Five replicas start once for the module (two to prefill, three to decode; float32, as bf16 dies
+in this CPU's AMX attention after a transfer), each with its own NIXL side channel, under vLLM's
 default `kv_load_failure_policy` "fail": a decode whose transfer fails answers an error, which the
 router must keep from the client. That a transfer happened is read from the decode side itself
 (`vllm:nixl_xfer_time_seconds_count` grows); that none failed, from
 `vllm:nixl_num_failed_transfers_total`. The tests kill replicas in the order the module needs
 them: a decode replica (mid-stream, then before a request's first byte), then both prefill
-replicas, each between its prefill and the decode that reads it.
+replicas, each between its prefill and the decode that reads it (in front of the two decode
+replicas left: a read from a prefill replica that died may hang with no error, and vLLM 0.32's
+decode engine may die when that read is aborted, so the router needs another decode replica).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def replica(name: str, log_dir: Path) -> VllmServer:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
     logs = tmp_path_factory.mktemp("vllm-disagg")
-    servers = [replica(name, logs) for name in ("p-0", "p-1", "d-0", "d-1")]
+    servers = [replica(name, logs) for name in ("p-0", "p-1", "d-0", "d-1", "d-2")]
     try:
         asyncio.run(start_all(servers))
         print("handshakes took", asyncio.run(nixl_handshakes(servers[:2], servers[2:])))
@@ -217,39 +219,43 @@ class KilledAfterPrefill:
 async def test_prefill_replicas_killed_between_the_legs_lose_no_request(
     fleet: dict[str, VllmServer], start_router: Callable[..., Any]
 ) -> None:
-    # after the test above only d-1 decodes; each prefill replica dies right after its first prefill
+    # after the test above d-1 and d-2 decode; each prefill replica dies right after its first prefill
     relays = [KilledAfterPrefill(fleet["p-0"]), KilledAfterPrefill(fleet["p-1"])]
     prefill = [f"p-{i}={await relay.start()}" for i, relay in enumerate(relays)]
-    d = fleet["d-1"]
+    d = [fleet["d-1"], fleet["d-2"]]
     _, url = await start_router(
-        [], prefill=prefill, decode=specs(d), admin_token=TOKEN, health_checks=False, policy="affinity"
+        [], prefill=prefill, decode=specs(*d), admin_token=TOKEN, health_checks=False, policy="affinity"
     )
     try:
         async with aiohttp.ClientSession() as http:
-            before = (await settled(http, [d]))["d-1"]
+            before = await settled(http, d)
             # the prefill's replica is dead when the decode reads its blocks: vLLM answers 500 and
             # the router sends the request again without params (it recomputes)
             status, raw, _ = await post(http, url, "/v1/chat/completions", chat("a " + LONG), "x1")
             assert status == 200 and orjson.loads(raw)["choices"][0]["message"]["content"] is not None
-            # streamed: vLLM answers 200, its opening event, then an error event; the client sees
-            # none of it. (The dead one is asked first or second; the live one prefills, then dies.)
+            # streamed: vLLM answers 200, its opening event, then an error event, or its read hangs;
+            # the client sees none of it. (The dead one is asked first or second; the live one
+            # prefills, then dies.)
             status, raw, _ = await post(http, url, "/v1/chat/completions", chat("b " + LONG, stream=True), "x2")
             events = events_of(raw)
             assert status == 200 and events[-1] == "[DONE]", raw[:400]
             assert not any(isinstance(e, dict) and "error" in e for e in events)
             assert sum(1 for e in events if isinstance(e, dict) and e["choices"][0]["delta"].get("role")) == 1
-            # no prefill replica left: the decode replica serves it alone
+            # no prefill replica left: a decode replica serves it alone
             status, raw, _ = await post(http, url, "/v1/chat/completions", chat("c " + LONG), "x3")
             assert status == 200, raw[:300]
             await asyncio.sleep(2.0)  # vLLM counts a failed transfer after its answer
-            after = (await settled(http, [d]))["d-1"]
+            alive = [s for s in d if s.proc is not None and s.proc.poll() is None]
+            after = await settled(http, alive)
             text = await metrics_of(http, url, TOKEN)
         # both decodes failed their transfers and were sent again to recompute, and no client saw
-        # it (vLLM counts a read that failed to start twice: transfer_setup_failed, then
-        # notification_failed, as it could not tell the prefill side either)
+        # it: one answered an error (counted by vLLM as failed, even twice: transfer_setup_failed,
+        # then notification_failed), or hung with no error until the router's first-byte time-out
+        # (seen in CI), then recomputed there, or, where that abort killed the decode engine, on
+        # the other decode replica (a fallback: no prefill replica left)
         assert metric(text, "router_disagg_requests_total", mode="recomputed") == 2
-        assert metric(text, "router_disagg_requests_total", mode="fallback") == 1
-        assert after[1] >= before[1] + 2, (before, after)
+        assert metric(text, "router_disagg_requests_total", mode="fallback") >= 1
+        assert len(alive) < len(d) or sum(f for _, f in after.values()) > sum(f for _, f in before.values())
     finally:
         for relay in relays:
             if relay.runner is not None:
