@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from router.bench.common import free_port
-from router.bench.proxy_bench import PEERS, first_answer, peer_command, peer_installed
+from router.bench.proxy_bench import PEERS, first_answer, peer_command, peer_installed, role_flags
 from router.bench.replicas import Child
 from router.bench.vllm import NotBuilt as VllmNotBuilt
 from router.bench.vllm import find_vllm
@@ -135,8 +135,7 @@ def router_command(c: Contender, port: int, urls: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
     if not c.roles:
         return cmd + [a for url in urls for a in ("--replica", url)]
-    prefill, decode = split_roles(urls)
-    return cmd + [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
+    return cmd + role_flags(*split_roles(urls))
 
 
 async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:

@@ -286,6 +286,11 @@ def peer_installed(kind: str) -> bool:
     return peer.script is not None and _script(peer.script) is not None
 
 
+def role_flags(prefill: Sequence[str], decode: Sequence[str]) -> list[str]:
+    """`--prefill URL ... --decode URL ...`: how router-serve and the peers' PD modes are given roles."""
+    return [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
+
+
 def peer_command(
     kind: str,
     port: int,
@@ -302,8 +307,7 @@ def peer_command(
     if roles is None:
         common += ["--worker-urls", *worker_urls]
     else:
-        common += [a for url in roles[0] for a in ("--prefill", url)]
-        common += [a for url in roles[1] for a in ("--decode", url)]
+        common += role_flags(*roles)
     if peer.module is not None:
         # a tokenizer download at worker registration stays on loopback and fails (it only warns)
         return [sys.executable, "-m", peer.module, *common, *args], {"HF_ENDPOINT": "http://127.0.0.1:9"}
