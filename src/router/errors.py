@@ -10,7 +10,9 @@ What the router was given cannot be used
   StateError (ValueError)           state.py: the saved routing state cannot be read; router-serve exits 2
   DiscoveryError (RuntimeError)     discovery.py: a replica file or DNS lookup failed; nothing changes
   TokenizerError (ValueError)       kvevents/tokens.py: a model folder's tokenizer or chat template;
-                                      kvfeed asks the engine's render endpoint instead
+                                      engine_tokens learns the conversation's tokens from the engine instead
+  PromptError (ValueError)          kvevents/emulator_tokens.py: a chat the emulator's template refuses
+                                      (the emulator answers a 400; the router's built-in tokenizer skips it)
   CannotListen (OSError)            proxy/workers.py: an address to listen on is taken; router-serve exits 1
   ClientKeysError (ValueError)      clients.py: the client keys file is missing or malformed; at start
                                       router-serve exits 2, later the keys read before stay in force

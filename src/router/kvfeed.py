@@ -17,11 +17,9 @@ rather than from whenever it joined; every message then goes to the replica's `H
 and what replay cannot fill leaves that replica unsure (routed by the model) until rebuilt.
 
 `Feed.tokenized` gives a request the engine's tokens when a replica that serves its model is fed
-by events: from the model's tokenizer and chat template when `tokenizer_dirs` names its folder
-(`token_check_share` of them, and each model's first, checked against the engine's render
-endpoint in the background: `router_token_checks`), else from a replica's `/v1/*/render`
-endpoint (`router_tokenize_seconds` says what that round trip costs). A request that cannot be
-tokenized (no render endpoint, a time-out, a template error) is routed by the model, as before.
+by events, without a round trip (router.engine_tokens: the model's tokenizer, found from what the
+engines serve and checked against them off the path, else a conversation's history as an engine
+tokenized it in the background); what is not known in tokens is priced by the router's model.
 """
 
 from __future__ import annotations
@@ -29,10 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,12 +37,12 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from router.apis import CHAT, COMPLETION, MESSAGES, Api
+from router.apis import Api
 from router.config import RouterConfig, event_endpoints, tokenizer_dirs
+from router.engine_tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.kvevents.holdings import GAP, Holdings
-from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
 from router.placement import Placement
@@ -56,9 +52,7 @@ log = logging.getLogger("router.kvfeed")
 FIND_EVERY_S = 5.0  # replicas are asked where they publish this often (until they say)
 SOURCES_TIMEOUT_S = 2.0
 REPLAY_TIMEOUT_S = 3.0  # the replay socket's whole answer
-RENDER_TIMEOUT_S = 2.0
 DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has
-RENDER_PATHS = {CHAT.path: "/v1/chat/completions/render", MESSAGES.path: "/v1/messages/render"}
 
 
 def reachable(endpoint: str, replica_url: str) -> str | None:
@@ -118,14 +112,12 @@ class Feed:
         self.http = http
         self.metrics = metrics
         self.configured = event_endpoints(config)
-        self.tokenizer_dirs = tokenizer_dirs(config)
-        self.check_share = config.token_check_share
+        self.tokens = EngineTokenizers(
+            fleet, tokenizer_dirs(config), config.token_check_share, http, metrics, lambda: placement.bytes_per_token
+        )
         self.ctx = zmq.asyncio.Context.instance()
         self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.asked: dict[str, float] = {}  # replica id -> when its /kv_event_sources was last asked
-        self.tokenizers: dict[str, Tokenizer | None] = {}
-        self.checked: set[str] = set()  # models whose first tokenization was checked
-        self.checks: set[asyncio.Task[None]] = set()
         self.bad_messages = 0
         # replica id -> messages to lose on arrival, as a network would (how tests reach the replay path)
         self.lose: dict[str, int] = {}
@@ -152,6 +144,12 @@ class Feed:
                     self.asked.pop(rid, None)
         now = time.monotonic()
         m = self.metrics
+        models: dict[str, list[ReplicaState]] = {}
+        for rid, replica in present.items():
+            if replica.models and self.truth.sure(rid):
+                for model in replica.models:
+                    models.setdefault(model, []).append(replica)
+        self.tokens.watch(models)  # their tokenizers are found before their first request
         for rid, replica in present.items():
             ranks = self.truth.of(rid)
             for h in ranks:
@@ -268,7 +266,8 @@ class Feed:
             log.warning("KV events from %s: %s (%d such messages)", where, exc, self.bad_messages)
 
     async def close(self) -> None:
-        tasks = list(self.tasks.values()) + list(self.checks)
+        await self.tokens.close()
+        tasks = list(self.tasks.values())
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -283,99 +282,12 @@ class Feed:
         skip = self.fleet.not_serving(model)
         return [r for r in self.fleet.replicas if r.index not in skip and self.truth.sure(r.id)]
 
-    async def tokenized(self, key: RoutingKey, api: Api, body: Mapping[str, Any]) -> RoutingKey:
-        """`key` with its prompt in the engine's tokens, where a replica serving its model is fed by
-        events and the request can be tokenized; else `key` as it is."""
-        prompt = key.prompt
-        if prompt is None or not self.truth or api.path not in (CHAT.path, COMPLETION.path, MESSAGES.path):
+    def tokenized(self, key: RoutingKey, api: Api, body: Mapping[str, Any]) -> RoutingKey:
+        """`key` with its prompt in the engine's tokens as far as they are known now, where a replica
+        serving its model is fed by events (router.engine_tokens); else `key` as it is. Never waits."""
+        if key.prompt is None or not self.truth:
             return key
-        fed = self.fed(key.model)
-        if not fed:
-            return key
-        t0 = time.perf_counter()
-        model = key.model or ""
-        tokenizer = self._tokenizer(model)
-        ids: tuple[int, ...] | None = None
-        source = "render"
-        if tokenizer is not None:
-            with contextlib.suppress(TokenizerError, ValueError, TypeError):
-                ids = _local(tokenizer, api, body)
-                source = "tokenizer"
-        if ids is None:
-            ids = await self.render(fed, api, body)
-            source = "render"
-        m = self.metrics
-        m.child(m.tokenize_seconds, source).observe(time.perf_counter() - t0)
-        if ids is None:
-            return key
-        if source == "tokenizer" and (model not in self.checked or random.random() < self.check_share):
-            self.checked.add(model)
-            task = asyncio.create_task(self._check(model, fed, api, body, ids), name="token check")
-            self.checks.add(task)
-            task.add_done_callback(self.checks.discard)
-        lora = model if model in self.fleet.adapter_names else None
-        salt = body.get("cache_salt")
-        tokens = EngineTokens(len(ids), ids, lora, salt if isinstance(salt, str) and salt else None, source)
-        return replace(key, prompt=replace(prompt, tokens=tokens))
-
-    def _tokenizer(self, model: str) -> Tokenizer | None:
-        if model in self.tokenizers:
-            return self.tokenizers[model]
-        folder = self.tokenizer_dirs.get(model, self.tokenizer_dirs.get("*"))
-        tokenizer = None
-        if folder is not None:
-            try:
-                tokenizer = Tokenizer(folder)
-            except TokenizerError as exc:
-                log.error("model %s: %s; its requests are tokenized by the engine's render endpoint", model, exc)
-        if len(self.tokenizers) < 256:
-            self.tokenizers[model] = tokenizer
-        return tokenizer
-
-    async def render(self, fed: list[ReplicaState], api: Api, body: Mapping[str, Any]) -> tuple[int, ...] | None:
-        """The engine's token ids for this request, from the render endpoint of one of `fed`."""
-        path = RENDER_PATHS.get(api.path, "/v1/completions/render")
-        replica = random.choice(fed)
-        try:
-            async with self.http().post(
-                replica.url + path,
-                data=orjson.dumps(body),
-                headers={"Content-Type": "application/json", **replica.auth},
-                timeout=aiohttp.ClientTimeout(total=RENDER_TIMEOUT_S),
-            ) as r:
-                if r.status != 200:
-                    return None
-                answer = await r.json(content_type=None, loads=orjson.loads)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError, ValueError):
-            return None
-        if isinstance(answer, list) and answer:  # /v1/completions/render: one per prompt
-            answer = answer[0]
-        ids = answer.get("token_ids") if isinstance(answer, Mapping) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            return None
-        return tuple(ids)
-
-    async def _check(
-        self, model: str, fed: list[ReplicaState], api: Api, body: Mapping[str, Any], ids: tuple[int, ...]
-    ) -> None:
-        engine = await self.render(fed, api, body)
-        m = self.metrics
-        if engine is None:
-            result = "error"
-        elif engine == ids:
-            result = "match"
-        else:
-            result = "mismatch"
-            first = next((i for i, (a, b) in enumerate(zip(engine, ids, strict=False)) if a != b), None)
-            log.warning(
-                "model %s: the router's tokens differ from the engine's (%d against %d tokens, first at %s): "
-                "check tokenizer_dirs",
-                model,
-                len(ids),
-                len(engine),
-                min(len(engine), len(ids)) if first is None else first,
-            )
-        m.child(m.token_checks, model, result).inc()
+        return self.tokens.tokenized(key, api, body, self.fed(key.model))
 
 
 def _capacity_blocks(replica: ReplicaState, holdings: Holdings | None) -> int:
@@ -384,24 +296,6 @@ def _capacity_blocks(replica: ReplicaState, holdings: Holdings | None) -> int:
     if size and tokens:
         return max(1, int(tokens // size))
     return DEFAULT_CAPACITY_BLOCKS
-
-
-def _local(tokenizer: Tokenizer, api: Api, body: Mapping[str, Any]) -> tuple[int, ...] | None:
-    if api is COMPLETION:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt:
-            prompt = prompt[0]
-        return tokenizer.prompt(prompt) if isinstance(prompt, str) else None
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    if api is MESSAGES:
-        system = body.get("system")
-        if isinstance(system, list):
-            system = "".join(p.get("text", "") for p in system if isinstance(p, Mapping))
-        if isinstance(system, str) and system:
-            messages = [{"role": "system", "content": system}, *messages]
-    return tokenizer.chat(messages)
 
 
 __all__ = ["Feed", "reachable", "sources_of"]

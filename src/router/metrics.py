@@ -89,14 +89,24 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_tokenize_seconds": (
         "histogram",
         "Time to cut a request into its engine's tokens for the event-fed index, by source: tokenizer (the "
-        "model's own, in the router) or render (a round trip to the engine's /v1/*/render endpoint).",
+        "model's own, in the router, on the request's path), learnt (its history's tokens found, on the path) "
+        "or engine (a conversation tokenized by an engine in the background, off the path).",
         ("source",),
     ),
     "router_token_checks": (
         "counter",
-        "The router's tokens of a request checked against its engine's render endpoint, by model and result: "
-        "match, mismatch (the tokenizer or template the router was given is not the engine's) or error.",
+        "The router's tokens checked against its engine's (render where served, else /tokenize), off the "
+        "request's path, by model and result: match, mismatch (the tokenizer is not the engine's: not used), "
+        "unchecked (the engine refuses both endpoints) or error (no answer).",
         ("model", "result"),
+    ),
+    "router_tokenizer": (
+        "gauge",
+        "1 (with worker processes: the number of workers) for what each model's requests are tokenized with: "
+        "its tokenizer found from a configured folder "
+        "(configured), the engine's model folder (path), the Hugging Face hub (hub), router-emulator's built-in "
+        "(builtin), or none yet (learnt: histories tokenized by the engines in the background).",
+        ("model", "source"),
     ),
     "router_kv_event_blocks": (
         "gauge",
@@ -317,8 +327,8 @@ class RouterMetrics:
                 made[name] = Counter(name, doc, labels, registry=self.registry)
             elif kind == "gauge":
                 # with worker processes, the worker being scraped sets every gauge from the shared table
-                # ... except the queue, which each worker holds for itself: theirs add up
-                if name == "router_queued":
+                # ... except what each worker holds for itself: its queue, its tokenizers; theirs add up
+                if name in ("router_queued", "router_tokenizer"):
                     made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livesum")
                 else:
                     made[name] = Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livemostrecent")
@@ -342,6 +352,7 @@ class RouterMetrics:
         self.prefix_prediction_error = made["router_prefix_prediction_error_tokens"]
         self.tokenize_seconds = made["router_tokenize_seconds"]
         self.token_checks = made["router_token_checks"]
+        self.tokenizer = made["router_tokenizer"]
         self.kv_event_blocks = made["router_kv_event_blocks"]
         self.kv_events_believed = made["router_kv_events_believed"]
         self.prefix_reported_tokens = made["router_prefix_reported_tokens"]

@@ -149,7 +149,13 @@ async def start(make_replica: Callable[..., Replica]) -> AsyncIterator[Callable[
 
     async def run(config: EngineConfig | None = None, **kv: Any) -> tuple[Replica, Subscriber]:
         options = KvEventsOptions(**({"port": 0, "replay_port": 0} | kv))
-        r = make_replica("ev", config or EngineConfig(num_blocks=4000), adapters=("lora-0",), kv_events=options)
+        r = make_replica(
+            "ev",
+            config or EngineConfig(num_blocks=4000),
+            adapters=("lora-0",),
+            kv_events=options,
+            enable_scale_out=True,
+        )
         await r.start()
         assert r.publisher is not None
         sub = await Subscriber.connect(r.publisher.port)
@@ -369,7 +375,17 @@ async def test_kv_event_sources_as_vllm_answers(start: Callable[..., Any], repli
     }
 
 
-async def test_render_endpoints_answer_the_prompts_token_ids(replica: Replica) -> None:
+@pytest.fixture
+async def scaled_out(make_replica: Callable[..., Replica]) -> AsyncIterator[Replica]:
+    """A replica serving the render endpoints (vLLM's --enable-scale-out)."""
+    r = make_replica("scaled-out", enable_scale_out=True)
+    await r.start()
+    yield r
+    await r.stop()
+
+
+async def test_render_endpoints_answer_the_prompts_token_ids(scaled_out: Replica) -> None:
+    replica = scaled_out
     messages = [{"role": "user", "content": "Hello, world!"}]
     status, one = await post(replica.url + "/v1/chat/completions/render", {"messages": messages})
     assert status == 200 and set(one) >= {"request_id", "token_ids"}
@@ -398,10 +414,34 @@ async def test_render_endpoints_answer_the_prompts_token_ids(replica: Replica) -
     ],
 )
 async def test_render_errors_are_the_generating_endpoints(
-    replica: Replica, path: str, body: dict[str, Any], status: int
+    scaled_out: Replica, path: str, body: dict[str, Any], status: int
 ) -> None:
+    replica = scaled_out
     assert await post(replica.url + path + "/render", body) == await post(replica.url + path, body)
     assert (await post(replica.url + path + "/render", body))[0] == status
+
+
+async def test_without_scale_out_render_is_refused_and_tokenize_answers(replica: Replica, scaled_out: Replica) -> None:
+    """As vLLM 0.32 started as its docs start it: render answers 403 (PermissionDeniedError, the same
+    body), /tokenize answers the ids render would, for a chat with and without the generation
+    prompt and for a completion's prompt."""
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello, world!"}]
+    for path in ("/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render"):
+        status, refused = await post(replica.url + path, {"messages": messages, "prompt": "x", "max_tokens": 1})
+        assert status == 403 and refused["error"]["type"] == "PermissionDeniedError", refused
+        assert "--enable-scale-out" in refused["error"]["message"]
+    _, rendered = await post(scaled_out.url + "/v1/chat/completions/render", {"messages": messages})
+    status, whole = await post(replica.url + "/tokenize", {"model": "emulated-llm", "messages": messages})
+    assert status == 200 and whole["tokens"] == rendered["token_ids"] and whole["count"] == len(whole["tokens"])
+    status, history = await post(replica.url + "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    # less `<|assistant|>`; the history's last token is cut short (4-byte tokens), as a BPE's may be merged
+    n = len(history["tokens"])
+    assert status == 200 and n < len(whole["tokens"]) and whole["tokens"][: n - 1] == history["tokens"][:-1]
+    _, prompt = await post(replica.url + "/tokenize", {"prompt": "abcdefghi"})
+    assert prompt["tokens"] == [0x64636261, 0x68676665, ord("i")]
+    assert (await post(replica.url + "/tokenize", {"model": "nope", "prompt": "x"}))[0] == 404
+    assert (await post(replica.url + "/tokenize", {"model": "emulated-llm"}))[0] == 400
+    assert replica.engine.steps == 0
 
 
 async def test_a_lora_request_with_a_salt_stores_vllms_extra_keys(start: Callable[..., Any]) -> None:

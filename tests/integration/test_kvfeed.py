@@ -1,7 +1,9 @@
 """router-serve fed by emulated replicas' KV-cache events: both encodings, lost messages, restarts, workers.
 
-The emulator publishes vLLM's events on the same wire (router.emulator.kvevents) and serves the
-render endpoints, so nothing is configured in the router but the replicas' URLs, as with vLLM.
+The emulator publishes vLLM's events on the same wire (router.emulator.kvevents) and, as vLLM
+started as its docs start it, answers render with 403 and serves /tokenize; the router finds its
+tokenizer (the emulator's built-in) from /v1/models, so nothing is configured in the router but
+the replicas' URLs, as with vLLM.
 These run on both ring implementations (the real-vLLM module, tests/integration/test_vllm_events.py,
 pins the same behaviour against the real engine).
 """
@@ -49,13 +51,19 @@ async def chat(
 
 
 async def believed(router: Node, n: int, timeout: float = 15.0) -> None:
+    """Until the router believes n replicas' events and has found (and checked) the emulator's
+    tokenizer, which it does on its own before the first request."""
     truth = router.placement.truth  # type: ignore[union-attr]
+    assert router.feed is not None
+    models = router.feed.tokens.models
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if len(truth.replicas) == n and all(truth.sure(rid) for rid in truth.replicas):
+        sure = len(truth.replicas) == n and all(truth.sure(rid) for rid in truth.replicas)
+        if sure and "emulated-llm" in models and models["emulated-llm"].tokenizer is not None:
+            assert models["emulated-llm"].source == "builtin"
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"the events are not believed: {[truth.figures(r) for r in truth.replicas]}")
+    raise AssertionError(f"the events are not believed: {[truth.figures(r) for r in truth.replicas]}, {models}")
 
 
 async def quiet(router: Node, seconds: float = 0.3) -> None:
@@ -147,7 +155,8 @@ async def test_every_worker_routes_from_the_events(
         while time.monotonic() < deadline:  # both workers subscribe and believe both replicas
             async with http.get(served.url + "/metrics") as r:
                 text = await r.text()
-            if len(re.findall(r"router_kv_events_believed\{.*\} 1\.0", text)) >= 2:
+            believing = len(re.findall(r"router_kv_events_believed\{.*\} 1\.0", text)) >= 2
+            if believing and 'router_tokenizer{model="emulated-llm",source="builtin"} 2.0' in text:  # each worker
                 break
             await asyncio.sleep(0.2)
         for turn in range(1, 4):

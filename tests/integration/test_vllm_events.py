@@ -1,10 +1,12 @@
 """The event-fed index against real vLLM: what the router says each engine holds is what the engine holds.
 
 Two vLLM 0.32 replicas (scripts/build-vllm.sh; skipped elsewhere with that message, failing under
-CI) publish their KV-cache events on ZMQ with a replay socket, serve the `/v1/*/render`
-endpoints, and hold 48 blocks of 32 tokens each: a few conversations evict one another. Nothing is
-configured in the router but the replicas' URLs: it finds where they publish through
-`/kv_event_sources` and tokenizes through their render endpoints.
+CI), started as vLLM's docs start them: KV-cache events on ZMQ with a replay socket
+(`--kv-events-config`), no `--enable-scale-out` (their render endpoints answer 403), no dev mode.
+They hold 48 blocks of 32 tokens each: a few conversations evict one another. Nothing is configured
+in the router but the replicas' URLs: it finds where they publish through `/kv_event_sources`, and
+the model's tokenizer from the `root` their `/v1/models` lists, checked against their `/tokenize`.
+A replica started with `--enable-scale-out` is the extra case.
 
 "Holds" is asked of the engine itself: a probe request (`max_tokens: 1`) sent straight to it
 reports in `cached_tokens` how much of its prompt the engine found cached, and the router's
@@ -23,6 +25,7 @@ import aiohttp
 import orjson
 import pytest
 from engine_streams import vllm_or_why
+from prometheus_client import generate_latest
 
 from router.bench.common import free_port
 from router.bench.vllm import MODEL_NAME, VllmServer, start_all
@@ -46,10 +49,8 @@ def publishing(name: str, log_dir: Path, **settings: Any) -> VllmServer:
         max_num_seqs=4,
         kv_blocks=BLOCKS,
         max_model_len=(BLOCKS - 1) * 32,
-        scale_out=True,  # the render endpoints
         events_port=free_port(),
         replay_port=free_port(),
-        env={"VLLM_SERVER_DEV_MODE": "1"},
         **settings,
     )
 
@@ -68,8 +69,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]
 async def own_replica(tmp_path: Path) -> Any:
     started: list[VllmServer] = []
 
-    async def start() -> VllmServer:
-        server = publishing("own", tmp_path)
+    async def start(**settings: Any) -> VllmServer:
+        server = publishing("own", tmp_path, **settings)
         started.append(server)
         await server.start()
         return server
@@ -127,14 +128,14 @@ async def settled(router: Node, timeout: float = 10.0) -> None:
 
 
 async def predicted(
-    router: Node, messages: list[dict[str, Any]], source: str = "render", **extra: Any
+    router: Node, messages: list[dict[str, Any]], source: str = "tokenizer", **extra: Any
 ) -> dict[str, int | None]:
     """The cached tokens the router's event-fed index predicts for this prompt on each replica
     (None where it does not know: events not believed, or the replica does not serve the model)."""
     raw = orjson.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1, **extra})
     admitted = take_in_body("/v1/chat/completions", {}, raw, router.config, True)
     assert isinstance(admitted, Intake) and router.feed is not None
-    key = await router.feed.tokenized(admitted.key, admitted.api, admitted.body)
+    key = router.feed.tokenized(admitted.key, admitted.api, admitted.body)
     assert key.prompt is not None and key.prompt.tokens is not None and key.prompt.tokens.source == source
     truth = router.placement.truth  # type: ignore[union-attr]
     out: dict[str, int | None] = {}
@@ -145,22 +146,24 @@ async def predicted(
 
 
 async def start(start_router: Callable[..., Any], servers: list[VllmServer], **settings: Any) -> tuple[Node, str]:
+    """A router in front of `servers`, once it believes their events and has found their model's tokenizer."""
     router, url = await start_router(specs(servers), probe_interval_s=0.5, replica_capacity=("*=4",), **settings)
     await settled(router, timeout=30.0)
+    assert router.feed is not None
+    models = router.feed.tokens.models
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if MODEL_NAME in models and models[MODEL_NAME].tokenizer is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert models[MODEL_NAME].tokenizer is not None, "the router did not find the model's tokenizer"
     return router, url
-
-
-async def reset(http: aiohttp.ClientSession, servers: list[VllmServer]) -> None:
-    for server in servers:
-        async with http.post(server.url + "/reset_prefix_cache") as r:
-            assert r.status == 200
 
 
 async def test_the_index_equals_what_each_engine_holds(
     pair: list[VllmServer], start_router: Callable[..., Any]
 ) -> None:
     async with aiohttp.ClientSession() as http:
-        await reset(http, pair)
         router, url = await start(start_router, pair, admin_token="events-test")
         # six keyed conversations of three turns through the router: more than both caches hold
         for turn in range(1, 4):
@@ -207,7 +210,6 @@ async def test_the_index_equals_what_each_engine_holds(
 
 async def test_an_eviction_by_another_prompt_is_seen(pair: list[VllmServer], start_router: Callable[..., Any]) -> None:
     async with aiohttp.ClientSession() as http:
-        await reset(http, pair)
         router, _url = await start(start_router, pair)
         server = pair[0]
         mine = conversation(10, 2)
@@ -226,7 +228,6 @@ async def test_an_eviction_by_another_prompt_is_seen(pair: list[VllmServer], sta
 
 async def test_a_lost_message_is_replayed(pair: list[VllmServer], start_router: Callable[..., Any]) -> None:
     async with aiohttp.ClientSession() as http:
-        await reset(http, pair)
         router, _url = await start(start_router, pair)
         assert router.feed is not None
         server = pair[1]
@@ -249,7 +250,6 @@ async def test_adapters_and_salts_are_kept_apart_as_the_engine_keeps_them(
     pair: list[VllmServer], start_router: Callable[..., Any]
 ) -> None:
     async with aiohttp.ClientSession() as http:
-        await reset(http, pair)
         router, _url = await start(start_router, pair)
         assert await until_known(router, "lora-0")  # its /v1/models lists it with a parent
         server = pair[0]
@@ -279,7 +279,6 @@ async def until_known(router: Node, adapter: str, timeout: float = 10.0) -> bool
 
 async def test_two_routers_agree(pair: list[VllmServer], start_router: Callable[..., Any]) -> None:
     async with aiohttp.ClientSession() as http:
-        await reset(http, pair)
         one, url = await start(start_router, pair)
         other, _ = await start(start_router, pair)
         for n in range(4):
@@ -318,13 +317,19 @@ async def test_a_restarted_engine_is_seen_as_empty(
         assert (await predicted(router, messages))["own"] == 0 == await probe(http, server, messages)
 
 
-async def test_the_routers_own_tokenizer_cuts_requests_as_the_engine_does(
+async def test_as_shipped_every_request_is_priced_by_the_events_in_tokens_found_here(
     pair: list[VllmServer], start_router: Callable[..., Any]
 ) -> None:
-    assert ROOT is not None
+    """Nothing configured but the URLs, vLLM without --enable-scale-out: the router finds the model's
+    tokenizer from /v1/models (its `root`, a folder this host reads), checks it against /tokenize
+    (render answered 403 once and is not asked again), and every routed request is then priced by the
+    events, checked against the engine in the background (token_check_share 1 here)."""
     async with aiohttp.ClientSession() as http:
-        await reset(http, pair)
-        router, url = await start(start_router, pair, tokenizer_dirs=(f"*={ROOT / 'model'}",), token_check_share=1.0)
+        router, url = await start(start_router, pair, token_check_share=1.0)
+        assert router.feed is not None
+        tokens = router.feed.tokens
+        assert tokens.models[MODEL_NAME].source == "path"
+        assert {family for (_, family), _until in tokens.refused.items()} == {"render"}
         for turn in range(1, 4):
             for n in range(3):
                 async with http.post(
@@ -334,15 +339,63 @@ async def test_the_routers_own_tokenizer_cuts_requests_as_the_engine_does(
                 ) as r:
                     assert r.status == 200
         await settled(router)
-        assert router.feed is not None
-        while router.feed.checks:  # the checks against the render endpoint, in the background
+        while tokens.tasks:  # the checks against /tokenize, in the background
             await asyncio.sleep(0.05)
         m = router.metrics
-        assert m.child(m.token_checks, MODEL_NAME, "match")._value.get() >= 9
+        assert m.child(m.token_checks, MODEL_NAME, "match")._value.get() >= 10  # the first, then all nine
         assert m.child(m.token_checks, MODEL_NAME, "mismatch")._value.get() == 0
+        text = generate_latest(m.registry).decode()
+        assert 'router_prefix_prediction_error_tokens_count{source="events"} 9.0' in text
+        assert 'router_prefix_prediction_error_tokens_count{source="model"}' not in text
+        assert 'router_tokenize_seconds_count{source="engine"}' not in text  # nothing asked of an engine
         for n in range(3):
             for server in pair:
                 messages = conversation(60 + n, 4)
-                expected = (await predicted(router, messages, "tokenizer"))[server.name]
+                expected = (await predicted(router, messages))[server.name]
                 assert expected == await probe(http, server, messages), (n, server.name)
                 await settled(router)
+
+
+async def test_a_document_an_engine_holds_is_found_by_the_next_keyless_request(
+    pair: list[VllmServer], start_router: Callable[..., Any]
+) -> None:
+    """A document warmed straight on one replica, whoever sent it there: the next request about it,
+    with no session key, goes through the router to that replica, every time."""
+    async with aiohttp.ClientSession() as http:
+        router, url = await start(start_router, pair)
+        found = 0
+        for n in range(10):
+            holder = pair[n % 2]
+            document = f"Document {n}: " + f"the pass at {n} is closed by snow and wind. " * 40
+            await post(http, holder.url, [SYSTEM, {"role": "user", "content": document}])
+            await settled(router)
+            follow_up = [SYSTEM, {"role": "user", "content": document + " Is the pass open?"}]
+            async with http.post(
+                url + "/v1/chat/completions",
+                data=orjson.dumps({"model": MODEL_NAME, "messages": follow_up, "max_tokens": 1}),
+                headers={"Content-Type": "application/json"},
+            ) as r:
+                assert r.status == 200, await r.text()
+                found += r.headers.get("X-Router-Replica") == holder.name
+                cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached >= 10 * 32 or r.headers.get("X-Router-Replica") != holder.name
+        assert found == 10
+
+
+async def test_with_scale_out_the_render_endpoint_checks_the_tokenizer(
+    own_replica: Callable[..., Any], start_router: Callable[..., Any]
+) -> None:
+    """The extra case: a replica started with --enable-scale-out serves render, which the router
+    then checks its tokenizer against (nothing is refused), and prices requests the same way."""
+    server = await own_replica(scale_out=True)
+    async with aiohttp.ClientSession() as http:
+        router, url = await start(start_router, [server])
+        assert router.feed is not None and not router.feed.tokens.refused
+        m = router.metrics
+        assert m.child(m.token_checks, MODEL_NAME, "match")._value.get() == 1
+        messages = conversation(80, 2)
+        await post(http, url, messages)
+        await settled(router)
+        expected = (await predicted(router, messages))["own"]
+        assert expected is not None and expected >= 10 * 32
+        assert expected == await probe(http, server, messages)

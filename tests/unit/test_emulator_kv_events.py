@@ -8,7 +8,7 @@ import pytest
 from router.emulator.engine import Engine, EngineConfig, Sequence
 from router.emulator.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent, PrefixCache
 from router.emulator.kvevents import KvEventsOptions, encode_batch
-from router.emulator.tokenizer import block_hashes, cache_seed, generated_text, token_ids
+from router.kvevents.emulator_tokens import block_hashes, cache_seed, generated_text, token_ids
 
 BS = 4  # tokens per block: 16 bytes
 

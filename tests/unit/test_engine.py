@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.emulator.engine import Engine, EngineConfig, RequestTooLarge, Sequence
-from router.emulator.tokenizer import generated_text
+from router.kvevents.emulator_tokens import generated_text
 
 
 def text(tokens: int, tag: str = "a") -> bytes:

@@ -332,7 +332,7 @@ class AdminApi:
                 answer | {"sticky": last, "replica": None, "reason": f"no replica serves the model {key.model!r}"}
             )
         if node.feed is not None and key.prompt is not None:  # in the engine's tokens, where replicas publish KV events
-            key = await node.feed.tokenized(key, api, body)
+            key = node.feed.tokenized(key, api, body)
         explained, last = await node.routing.explain(key)
         answer["sticky"] = last
         decision = explained.decision

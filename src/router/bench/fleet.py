@@ -14,8 +14,8 @@ this process sending the workload. Contenders:
   `full-no-queue-lag`: `full` with `--ttft-queue-gain 0` (first tokens' lag does not move the queues);
   `full-model`: `full` with `--no-kv-events` (priced by the router's own model of what it sent, even
   where the engines publish what they hold); `full-tokenizer` (`--engine vllm` only): `full` with
-  `--tokenizer-dirs` naming the served model's folder, so that it cuts requests into the engine's
-  tokens itself instead of asking a replica's render endpoint;
+  `--tokenizer-dirs` naming the served model's folder by hand (what `full` finds on its own from the
+  replicas' `/v1/models`);
 - `sglang-cache-aware`, `sglang-header`: `sglang-router` with `--policy cache_aware`, and with
   `--policy manual` and the session id in `X-SMG-Routing-Key` (when sglang-router is installed);
 - `smg-cache-aware`, `smg-header`: `smg` 1.13, the Shepherd Model Gateway (sglang-router's
@@ -30,7 +30,8 @@ this process sending the workload. Contenders:
 - `vllm-consistent-hash`: `vllm-router --policy consistent_hash`, session id in `x-session-id`
   (when vllm-router is installed); `vllm-cache-aware`: `vllm-router --policy cache_aware`, with
   `--engine vllm` only: it posts every request to `/v1/chat/completions/render` on every replica
-  (vLLM's `--enable-scale-out`) to place it by the tokens it shares with what each replica saw;
+  (served with vLLM's `--enable-scale-out`; else it asks `/tokenize`) to place it by the tokens it
+  shares with what each replica saw;
 - `oracle`: the client pins each session to one replica by hash, with no router: the hit rate a
   sticky router could reach, with no regard for load;
 - prefill/decode disaggregation, run only when named: the first half of the replicas prefill, the
@@ -96,30 +97,30 @@ no replica header, so jumps are known only through router-serve (`X-Router-Repli
 client-side contenders (a peer's jump rate is n/a). The longdoc workloads need the emulator (their
 engine shape is an emulator's).
 
-`--engine vllm` runs them in front of real vLLM replicas: vLLM's CPU build serving a tiny
-random-weight Llama (scripts/build-vllm.sh builds both; router.bench.vllm), `--max-num-seqs`
-requests at once and `--kv-blocks` KV blocks of 32 tokens each, `--enforce-eager`, the render
-endpoints on (`--enable-scale-out`: `vllm-cache-aware` posts to them, router-serve tokenizes through
-them), KV-cache events published on ZMQ with a replay socket (router-serve reads them unless
-`--no-kv-events`; a run of a contender that reads them starts once it believes every replica's), in
-real time. A replica takes a minute or two to start on a few shared cores, so the replicas start
-once and are kept for the whole benchmark: before each run they are left to go idle and their prefix
-caches are emptied (`POST /reset_prefix_cache`, served in vLLM's dev mode,
-`VLLM_SERVER_DEV_MODE=1`), so every contender meets cold caches, as on a fresh fleet. Each replica's
-worker runs one OpenMP thread bound to no CPU (`VLLM_CPU_OMP_THREADS_BIND=nobind`, unless the
-environment sets it; vLLM's own default binds every replica to the same CPU). Every request asks for
-`ignore_eos`, so that the random model's replies are max_tokens long for every contender, and the
-sessions' text is cut to `--prompt-scale` of its length (0.25 by default here): the tiny model's
-tokenizer counts about 3.8 tokens in the 4 characters of an emulator token, so a quarter of the text
-holds about as many real tokens as the emulator counts in the whole. Figures from each replica's
-`/metrics`: the KV hit rate from the engines' own prefix-cache counters (hit ÷ queried tokens, their
-changes over the run; the client's `cached_tokens` share beside it), requests running + waiting for
-the spread, requests finished for the load CV, preemptions, and the share of sampled time a replica
-ran a request for "busy". Each table opens with the engine settings, the KV per replica and in the
-fleet, and the tokens the run's conversations hold against them. vLLM sends no replica header either
-(a peer's jump rate is n/a). Sessions workloads only: the Mooncake traces' prompts (a median of
-7,000-12,000 tokens) outgrow the model's 8,192-token context.
-"""
+`--engine vllm` runs them in front of real vLLM replicas: vLLM's CPU build serving a tiny random-
+weight Llama (scripts/build-vllm.sh builds both; router.bench.vllm), `--max-num-seqs` requests at
+once and `--kv-blocks` KV blocks of 32 tokens each, `--enforce-eager`, the render endpoints off as
+vLLM ships (`vllm-cache-aware` then asks `/tokenize`; router-serve finds the model's tokenizer from
+`/v1/models`; `--vllm-arg=--enable-scale-out` turns them on), KV-cache events published on ZMQ with
+a replay socket (router-serve reads them unless `--no-kv-events`; a run of a contender that reads
+them starts once it believes every replica's), in real time. A replica takes a minute or two to
+start on a few shared cores, so the replicas start once and are kept for the whole benchmark: before
+each run they are left to go idle and their prefix caches are emptied (`POST /reset_prefix_cache`,
+served in vLLM's dev mode, `VLLM_SERVER_DEV_MODE=1`), so every contender meets cold caches, as on a
+fresh fleet. Each replica's worker runs one OpenMP thread bound to no CPU
+(`VLLM_CPU_OMP_THREADS_BIND=nobind`, unless the environment sets it; vLLM's own default binds every
+replica to the same CPU). Every request asks for `ignore_eos`, so that the random model's replies
+are max_tokens long for every contender, and the sessions' text is cut to `--prompt-scale` of its
+length (0.25 by default here): the tiny model's tokenizer counts about 3.8 tokens in the 4
+characters of an emulator token, so a quarter of the text holds about as many real tokens as the
+emulator counts in the whole. Figures from each replica's `/metrics`: the KV hit rate from the
+engines' own prefix-cache counters (hit ÷ queried tokens, their changes over the run; the client's
+`cached_tokens` share beside it), requests running + waiting for the spread, requests finished for
+the load CV, preemptions, and the share of sampled time a replica ran a request for "busy". Each
+table opens with the engine settings, the KV per replica and in the fleet, and the tokens the run's
+conversations hold against them. vLLM sends no replica header either (a peer's jump rate is n/a).
+Sessions workloads only: the Mooncake traces' prompts (a median of 7,000-12,000 tokens) outgrow the
+model's 8,192-token context."""
 
 # This module is the command line: its options, their checks, and the command that runs the benchmark
 # and writes what it found (router.bench.fleet_runs drives the runs, router.bench.fleet_report writes

@@ -181,7 +181,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any] | None:
             "max_model_len": kept.max_model_len,
             "vllm_args": args.vllm_arg,
             "cpu_binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind, OMP_NUM_THREADS=1"),
-            "kv_events": "ZMQ, with a replay socket; render endpoints on (--enable-scale-out)",
+            "kv_events": "ZMQ, with a replay socket; render endpoints off unless --vllm-arg adds --enable-scale-out",
             "prompt_scale": args.prompt_scale,
         }
     return None

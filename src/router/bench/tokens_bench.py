@@ -6,11 +6,13 @@ message) and for the next turn of the same conversation (a `REPLY_TOKENS` reply 
 `FOLLOW_UP_TOKENS` question more), side by side:
 
 - **tokenizer**: `Tokenizer.chat` (router.kvevents.tokens) with the model's own tokenizer and chat
-  template, in the router's process (`tokenizer_dirs`). It keeps each conversation's tokens, so the
-  next turn renders the template again but tokenizes only the new messages;
+  template, in the router's process (found from the engines' /v1/models, router.engine_tokens). It
+  keeps each conversation's tokens, so the next turn renders the template again but tokenizes only
+  the new messages;
 - **render**: the round trip to one real vLLM replica's `/v1/chat/completions/render` (what the
-  router does when no tokenizer is configured), on a keep-alive connection, the JSON answer parsed,
-  the replica otherwise idle. Its token ids must equal the tokenizer's, or nothing is reported;
+  router once waited for on every request, and a peer's cache-aware policy does), on a keep-alive
+  connection, the JSON answer parsed, the replica otherwise idle. Its token ids must equal the
+  tokenizer's, or nothing is reported;
 - **decision**: the rest of the routing decision, in process, on fleets of `--replicas`: the
   engine's tokens cut into the engine's blocks (`EngineTokens.chain`, `--block-size`) and
   `Placement.price` reading the event-fed truth (every replica believed, the conversation held

@@ -413,7 +413,7 @@ class VllmReplicas:
                 block_size=VLLM_BLOCK,
                 kv_blocks=self.kv_blocks,
                 max_model_len=self.max_model_len,
-                scale_out=True,  # the render endpoints: vllm-router's cache_aware, router-serve's tokens
+                # no --enable-scale-out: vLLM as its docs start it (render answers 403; --vllm-arg adds it)
                 events_port=free_port(),  # KV-cache events, which router-serve reads (unless --no-kv-events)
                 replay_port=free_port(),
                 extra=self.extra,

@@ -40,10 +40,11 @@ HELP = {
     "kv_event_endpoints": "comma-separated REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT (ZMQ, "
     "tcp://HOST:PORT): where a replica publishes its KV-cache events, where its /kv_event_sources does not say",
     "tokenizer_dirs": "comma-separated MODEL=DIR (or *=DIR): a model's folder with tokenizer.json and its chat "
-    "template, to cut requests into the engine's tokens here (needs the tokenizers package); without it, "
-    "the engine's /v1/*/render endpoint tokenizes them",
-    "token_check_share": "share of the requests tokenized here whose tokens are checked against the engine's "
-    "render endpoint (default 0.01; every model's first request is checked)",
+    "template, named by hand; without it the tokenizer is found from the root each engine's /v1/models lists "
+    "(a folder, or a Hugging Face hub name through huggingface_hub)",
+    "token_check_share": "share of the requests tokenized here whose tokens are checked again, in the background, "
+    "against the engine's (render where served, else /tokenize; default 0.01; a tokenizer is checked once "
+    "before it is used)",
     "kv_tier_tokens_per_s": "tokens a second a second KV tier (vLLM --kv-offloading-size, SGLang HiCache) "
     "loads back: blocks held there are priced as that transfer (default 200000)",
     "prefill_tokens_per_s": "ttft: a replica's prefill speed until its answers show it (default 10000)",

@@ -60,9 +60,10 @@ class RouterConfig:
     # REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT: where a replica publishes, where its
     # /kv_event_sources does not say (SGLang, an engine behind a proxy)
     kv_event_endpoints: tuple[str, ...] = ()
-    # MODEL=DIR (or *=DIR): a model's tokenizer.json and chat template; else the engine's render endpoint
+    # MODEL=DIR (or *=DIR): a model's tokenizer.json and chat template; else found from the engines'
+    # /v1/models (router.engine_tokens)
     tokenizer_dirs: tuple[str, ...] = ()
-    token_check_share: float = 0.01  # share of requests tokenized here whose tokens the engine's render checks
+    token_check_share: float = 0.01  # share of requests tokenized here checked again against the engine
     kv_tier_tokens_per_s: float = 200_000.0  # tokens a second a second KV tier (CPU offloading) loads back
     prefill_tokens_per_s: float = 10_000.0  # a replica's prefill speed until its answers show it
     ttft_decode_s: float = 0.002  # time to first token added by each request in flight there

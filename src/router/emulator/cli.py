@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reply length when a request sets no max_tokens (default 256)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of injected error decisions (default 0)")
+    g.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve the /v1/*/render endpoints, as vLLM does only with this flag (without it they answer 403; "
+        "/tokenize answers either way)",
+    )
     g.add_argument("--fault", action="append", default=[], metavar="[INDEX:]NAME[=VALUE]", help="inject a fault")
     g = p.add_argument_group("KV-cache events, as vLLM's --kv-events-config publishes them (off by default)")
     k = KvEventsOptions()
@@ -310,6 +316,7 @@ def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -
             kv_events=kv_events[i] if kv_events else None,
             api_key=args.api_key,
             kv_load_failure_policy=args.kv_load_failure_policy,
+            enable_scale_out=args.enable_scale_out,
         )
         replicas.append(Replica(options, config, faults[i], tracer))
     return Fleet(replicas, args.host, args.control_port), crash_after

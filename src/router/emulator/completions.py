@@ -1,6 +1,6 @@
 """The emulator's OpenAI chat and text completions (`/v1/chat/completions`, `/v1/completions`).
 
-A chat renders its messages with the emulator's chat template (router.emulator.tokenizer); a
+A chat renders its messages with the emulator's chat template (router.kvevents.emulator_tokens); a
 text completion's prompt is a single string. `cache_salt` (vLLM's extension: a non-empty string)
 keeps the request's KV blocks apart from those of requests without it or with another salt.
 Streams send `data: {chunk}` lines (a chat's first chunk carries the assistant role and no text),
@@ -17,7 +17,7 @@ import orjson
 
 from router.emulator.api import Api, ApiError, Job, Served, finish_reason, openai_error
 from router.emulator.engine import Sequence
-from router.emulator.tokenizer import PromptError, render_chat
+from router.kvevents.emulator_tokens import PromptError, render_chat
 
 
 class Completions(Api):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.emulator.kvcache import Allocation, BlockStored, CacheEvent, PrefixCache
-from router.emulator.tokenizer import (
+from router.kvevents.emulator_tokens import (
     BYTES_PER_TOKEN,
     block_hashes,
     cache_seed,

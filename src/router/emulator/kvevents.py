@@ -21,7 +21,7 @@ prefix cache does, and so does a replica started with `--kv-events-port P --kv-e
   `[b"", topic, seq, payload]`, then the end marker `[b"", b"", seq -1 (8 bytes, signed), b""]`.
 
 Block hashes are the emulator's own chained XXH3 keys (unsigned 64-bit ints), token ids its 4-byte
-tokens (router.emulator.tokenizer.token_ids). `lora_id` is the adapter's place in `--lora`, from 1,
+tokens (router.kvevents.emulator_tokens.token_ids). `lora_id` is the adapter's place in `--lora`, from 1,
 as vLLM numbers the adapters it starts with. A message the drop fault takes is numbered and
 buffered but not sent, so a subscriber sees a gap that a replay repairs.
 """

@@ -7,7 +7,7 @@ no text is dropped, and other blocks (images, tool calls, thinking) do not count
 block (or inline system message) that starts with `x-anthropic-billing-header`, Claude Code's
 line with a per-request hash, is dropped, as vLLM drops it to keep prefixes cacheable (a system
 string loses that line when rendered, as any chat's does). The chat is rendered as the chat path
-renders it (router.emulator.tokenizer.render_chat), so a conversation's turns share their KV
+renders it (router.kvevents.emulator_tokens.render_chat), so a conversation's turns share their KV
 prefixes, and a Messages request and the equivalent chat request share their cache blocks.
 
 Usage: `cache_read_input_tokens` is the prompt's cached tokens, `cache_creation_input_tokens` the
@@ -37,7 +37,7 @@ import orjson
 
 from router.emulator.api import Api, ApiError, Job, SchemaError, Served, finish_reason, openai_error, sse_event
 from router.emulator.engine import Sequence
-from router.emulator.tokenizer import BILLING_HEADER, PromptError, count_tokens, render_chat
+from router.kvevents.emulator_tokens import BILLING_HEADER, PromptError, count_tokens, render_chat
 
 ROLES = ("user", "assistant", "system")
 BLOCKS = (

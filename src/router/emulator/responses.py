@@ -5,7 +5,7 @@ keeps it: the conversation so far, for a later request to continue with `previou
 Only this replica has it. A request naming an id it never stored (or has evicted: the store keeps
 the latest `STORED` responses) gets vLLM's 404, `Response with id '...' not found.`
 
-The conversation is rendered as a chat (router.emulator.tokenizer.render_chat): `instructions` as
+The conversation is rendered as a chat (router.kvevents.emulator_tokens.render_chat): `instructions` as
 the system message (for this request only, as the API says), then the stored history, then the
 new `input` (a string, or a list of messages whose content is a string or parts with `text`). So
 each turn's prompt starts with the previous turn's prompt and reply: its KV cache is reused here.
@@ -24,7 +24,7 @@ from typing import Any
 
 from router.emulator.api import Api, ApiError, Job, Served, openai_error, sse_event
 from router.emulator.engine import Sequence
-from router.emulator.tokenizer import PromptError, render_chat
+from router.kvevents.emulator_tokens import PromptError, render_chat
 
 STORED = 1000  # responses kept, newest first (vLLM's store is unbounded unless told; a test needs a bound)
 

@@ -38,7 +38,7 @@ from router.emulator.kvevents import KvEventsOptions, Publisher
 from router.emulator.messages import Messages
 from router.emulator.metrics import ReplicaMetrics
 from router.emulator.responses import Responses, ResponseStore
-from router.emulator.tokenizer import generated_text, token_ids
+from router.kvevents.emulator_tokens import PromptError, generated_text, render_chat, token_ids
 
 if TYPE_CHECKING:  # the tracer's module imports OpenTelemetry: only a replica that traces loads it
     from opentelemetry.context import Context
@@ -50,6 +50,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 LAG_WALL_S = 0.005
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")  # what vLLM's --api-key guards
 SHUTDOWN_S = 0.5  # a stopping replica waits this long for open requests (a hung one never ends)
+SCALE_OUT_OFF = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 
 
 @dataclass
@@ -124,6 +125,8 @@ class ReplicaOptions:
     # "fail" (vLLM's default: a 500, or in a stream an error event after the opening one) or
     # "recompute" (the prompt is computed here instead)
     kv_load_failure_policy: str = "fail"
+    # vLLM's --enable-scale-out: the /v1/*/render endpoints answer (without it, 403 as vLLM 0.32's do)
+    enable_scale_out: bool = False
 
 
 class _Dropped(Exception):
@@ -213,6 +216,7 @@ class Replica:
         for path, api in generating.items():
             if path != "/v1/responses":  # vLLM renders chat, completions and Messages requests
                 app.router.add_post(path + "/render", functools.partial(self._render, api=api))
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/kv_event_sources", self._kv_event_sources)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.router.add_get("/v1/responses/{id}", self._stored_response)
@@ -625,8 +629,10 @@ class Replica:
         """POST /v1/chat/completions/render, /v1/messages/render (one object) and
         /v1/completions/render (a list: one per prompt): the token ids the request's prompt would
         run with, as vLLM's render endpoints answer, with the errors its generating endpoint
-        answers; the engine never sees it."""
+        answers; the engine never sees it. Only with --enable-scale-out, as vLLM 0.32 serves them."""
         await self._maybe_hang()
+        if not self.options.enable_scale_out:
+            return _error(SCALE_OUT_OFF, 403, "PermissionDeniedError")
         wire = api()
         completions = isinstance(wire, Completions) and not wire.chat
         try:
@@ -659,6 +665,32 @@ class Replica:
         except RequestTooLarge as exc:
             return self._error(wire, self._too_large(wire, exc))
         return _json(rendered if completions else rendered[0])
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize, on by default in vLLM 0.32: a chat's `messages` rendered with the chat
+        template (`add_generation_prompt`, default true) or a `prompt`, as token ids:
+        `{"count", "max_model_len", "tokens", "token_strs"}`. The engine never sees it."""
+        await self._maybe_hang()
+        try:
+            body = await self._json_body(request)
+            model = body.get("model")
+            if not self.served.serves(model):
+                return _error(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+            if "messages" in body:
+                text = render_chat(
+                    body["messages"],
+                    add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                    continue_final_message=bool(body.get("continue_final_message", False)),
+                )
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise SchemaError("a tokenize request has 'messages' or a string 'prompt'")
+        except (SchemaError, PromptError) as exc:
+            return _error(str(exc), 400, "BadRequestError")
+        ids = token_ids(text.encode("utf-8", "surrogatepass"))
+        max_len = self.engine.config.max_model_len
+        return _json({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None})
 
     async def _kv_event_sources(self, request: web.Request) -> web.Response:
         """GET /kv_event_sources: where the KV events are published, per data-parallel rank

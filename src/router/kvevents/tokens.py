@@ -15,14 +15,16 @@ of 32 hit at most 288), so a chain of n tokens has (n - 1) // block_size keys.
 Worked example, block_size 2: token ids [5, 6, 7, 8, 9] -> 2 keys, k0 = xxh3(u64le(5, 6), root),
 k1 = xxh3(u64le(7, 8), k0); token 9 is the one the engine computes anyway.
 
-Where the token ids come from (`Tokens`): the model's own tokenizer and chat template, read from
-its files (`tokenizer.json` with the `tokenizers` package, the template from `chat_template.jinja`
-or `tokenizer_config.json`, rendered with Jinja as the engine renders it), or the engine's
-`*/render` endpoint (router.kvfeed) where no tokenizer is configured. A conversation's earlier
-messages are not tokenized again: the token ids of each rendered history are kept (bounded LRU,
-by the hash of its text), and a new turn tokenizes only what follows its history when the
-template renders the history as a prefix of the whole (it does for every template that wraps each
-message alike); the engine's render endpoint checks a sample of the results (router.kvfeed).
+Where the token ids come from: the model's own tokenizer and chat template, read from its files
+(`Tokenizer`: `tokenizer.json` with the `tokenizers` package, the template from
+`chat_template.jinja` or `tokenizer_config.json`, rendered with Jinja as the engine renders it),
+or, for router-emulator's replicas, the emulator's own (`EmulatorTokenizer`); router.engine_tokens
+finds which from what each engine says it serves. A conversation's earlier messages are not
+tokenized again: the token ids of each rendered history are kept (bounded LRU, by the hash of its
+text), and a new turn tokenizes only what follows its history when the template renders the
+history as a prefix of the whole (it does for every template that wraps each message alike).
+Where no tokenizer can be had, the engine tokenizes a conversation off the request's path and
+its next turn knows the tokens of its history only (`EngineTokens.whole` False).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from router.errors import RouterError
+from router.kvevents.emulator_tokens import render_chat, token_ids
 from router.prefix import block_chain
 from router.ring import xxh3_64
 
@@ -76,11 +79,14 @@ def request_chain(ids: Sequence[int], block_size: int, seed: int) -> array[int]:
 class EngineTokens:
     """A request in the engine's tokens: its prompt's token count and the chain a replica may hold."""
 
-    count: int  # the prompt's tokens
-    ids: tuple[int, ...]  # its token ids
+    count: int  # the prompt's tokens (an estimate where `whole` is False)
+    ids: tuple[int, ...]  # its token ids, or those of its history only where `whole` is False
     lora_name: str | None
     salt: str | None
-    source: str  # "tokenizer" or "render"
+    source: str  # "tokenizer" (the model's own, here) or "learnt" (its history, tokenized by the engine)
+    # `ids` are the whole prompt's; else its history's, whose last token may tokenize otherwise within
+    # the whole (a BPE merges it with what follows), so that neither keys its last token
+    whole: bool = True
 
     def chain(self, block_size: int) -> array[int]:
         return request_chain(self.ids, block_size, root_of(self.lora_name, self.salt))
@@ -88,6 +94,24 @@ class EngineTokens:
 
 class TokenizerError(RouterError, ValueError):
     """A model folder whose tokenizer or chat template cannot be read; the message names the file."""
+
+
+class ChatTokenizer(Protocol):
+    """What the router asks of a model's tokenizer: a chat's prompt and a completion's, in token ids."""
+
+    def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]: ...
+
+    def prompt(self, text: str) -> tuple[int, ...]: ...
+
+
+class EmulatorTokenizer:
+    """router-emulator's tokenizer and chat template (router.kvevents.emulator_tokens): 4-byte tokens."""
+
+    def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]:
+        return tuple(token_ids(render_chat(messages).encode("utf-8", "surrogatepass")))
+
+    def prompt(self, text: str) -> tuple[int, ...]:
+        return tuple(token_ids(text.encode("utf-8", "surrogatepass")))
 
 
 class Tokenizer:
@@ -199,6 +223,8 @@ def _raise(message: str) -> None:
 
 
 __all__ = [
+    "ChatTokenizer",
+    "EmulatorTokenizer",
     "EngineTokens",
     "Tokenizer",
     "TokenizerError",

@@ -282,7 +282,7 @@ def _logged_legs(result: Outcome | None, legs: dict[str, float] | None) -> dict[
     }
 
 
-Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], Awaitable[RoutingKey]]
+Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], RoutingKey]  # never waits (router.engine_tokens)
 
 
 def traced_headers(headers: dict[str, str], span: AttemptTrace) -> dict[str, str]:
@@ -361,7 +361,7 @@ class Journey:
                 return
             finish = functools.partial(self._settled, finish, reserved)  # settled where the journey ends
         if self.tokenize is not None and key.prompt is not None:
-            key = await self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
+            key = self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
         routing = self.routing
         deadline = loop.time() - (self.clock() - t0) + self.total_timeout_s

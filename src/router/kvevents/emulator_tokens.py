@@ -1,5 +1,9 @@
 """The emulator's tokenizer and chat template: deterministic, cheap, and exact about prefixes.
 
+The router knows it as a built-in (router.engine_tokens finds it for an engine whose /v1/models
+says `owned_by: router-emulator`), as it finds a real model's tokenizer from its files: both the
+emulator and the router import it from here.
+
 One token is 4 bytes of UTF-8 text (about one short English word), so a prompt of n bytes is
 ceil(n / 4) tokens, and a KV block of `block_size` tokens is `4 * block_size` bytes. Block
 identities are chained XXH3 hashes of those bytes (`block_chain`, the prefix index's keys): two
@@ -24,6 +28,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from router.errors import RouterError
 from router.prefix import block_chain
 from router.ring import xxh3_64
 
@@ -64,8 +69,9 @@ def generated_text(prompt_seed: int, start: int, count: int) -> str:
     return "".join(_VOCAB[xxh3_64(b"%d" % (start + i), prompt_seed) % len(_VOCAB)] for i in range(count))
 
 
-class PromptError(ValueError):
-    """A request whose prompt cannot be rendered; the message is meant for the API client."""
+class PromptError(RouterError, ValueError):
+    """A request whose prompt cannot be rendered; the message is meant for the API client (the
+    emulator's), or a chat the router's built-in tokenizer cannot tokenize (router.engine_tokens)."""
 
 
 def _content_text(content: Any, where: str, system: bool = False) -> str:

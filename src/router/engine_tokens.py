@@ -1,0 +1,492 @@
+"""The engines' tokens for every request: found with nothing to configure, never waited for.
+
+The event-fed index (router.kvevents) knows what an engine holds by its token ids, so a request is
+cut into the engine's own tokens before it is priced. `EngineTokenizers.tokenized` does that with
+no round trip on the request's path:
+
+- **The model's tokenizer, found from what the engine serves.** For each model that a replica
+  fed by events serves, a background task reads one replica's `GET /v1/models`: the model's
+  `root` (vLLM: what `--model` named; a LoRA adapter's `parent`'s) is a folder holding
+  `tokenizer.json` and the chat template (a model volume the router shares), else a Hugging Face
+  hub name, loaded through `huggingface_hub` from its cache (`HF_HOME`), the hub or a mirror
+  (`HF_ENDPOINT`; `HF_HUB_OFFLINE=1` keeps it to the cache); an engine that says `owned_by:
+  router-emulator` tokenizes as the emulator does, which the router knows built in. A folder
+  named by `tokenizer_dirs` wins over all of them.
+- **Checked against the engine off the path, before it is used.** The tokenizer's ids for a
+  sample chat and a sample prompt must be the engine's: its `/v1/*/render` endpoints where it
+  serves them (vLLM only with `--enable-scale-out`), else vLLM's `/tokenize` (on by default). One
+  the engine contradicts is not used (`router_token_checks{result="mismatch"}`, an error in the
+  log); where neither endpoint answers, it is used unchecked (`result="unchecked"`). Then
+  `token_check_share` of the requests tokenized here are checked again, in the background.
+- **Learnt where no tokenizer can be had.** Until one is found, or where none can be, a request
+  is priced by the router's own model, and its conversation so far (its messages, without the
+  generation prompt; or a completion's prompt) is tokenized by an engine in the background, at
+  most LEARNING at once; the tokens are kept by the hash of those messages. The conversation's
+  next turn finds its history there and is priced by the events for that history
+  (`EngineTokens.whole` False), by the model for what follows.
+- **An endpoint that refuses is not asked again**: render (all its paths together) or tokenize
+  answering 401, 403, 404, 405 or 501 is left alone on that replica for REFUSED_S.
+
+`router_tokenizer{model,source}` is 1 for the tokenizer each model is tokenized with (configured,
+path, hub, builtin) or `learnt`; `router_tokenize_seconds{source}` times what each way costs
+(`engine`: a background round trip).
+
+Worked example: vLLM started as `vllm serve Qwen/Qwen3-8B --kv-events-config ...` lists `root:
+"Qwen/Qwen3-8B"`; the router loads its tokenizer from the hub cache, asks render (403, remembered),
+then `/tokenize`, which agrees; from then on every request of that model is tokenized in the
+router, a conversation's earlier turns found in the tokenizer's history cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.apis import CHAT, COMPLETION, MESSAGES, Api
+from router.fleet import Fleet, ReplicaState
+from router.keys import RoutingKey
+from router.kvevents.tokens import ChatTokenizer, EmulatorTokenizer, EngineTokens, Tokenizer, TokenizerError
+from router.metrics import RouterMetrics
+from router.ring import xxh3_64
+
+log = logging.getLogger("router.engine_tokens")
+
+REFUSED_S = 600.0  # an endpoint that refused is not asked again on that replica for this long
+RETRY_S = 30.0  # a model whose tokenizer could not be found or checked is tried again after this
+MISMATCH_RETRY_S = 600.0  # ... one whose tokenizer the engine contradicted
+ASK_TIMEOUT_S = 5.0  # one request to an engine (its models, render, tokenize)
+LOAD_TIMEOUT_S = 120.0  # loading a tokenizer (a hub download included)
+LEARNING = 4  # background tokenizations in flight at once; a request beyond them is not learnt
+LEARNT = 8192  # conversations whose tokens are kept
+LOOKBACK = 4  # messages back a request looks for its conversation's learnt tokens
+MAX_TOKENIZERS = 64  # models whose tokenizers are kept
+REFUSING = frozenset({401, 403, 404, 405, 501})
+TOKENIZE_PATH = "/tokenize"
+RENDER_PATHS = {
+    CHAT.path: "/v1/chat/completions/render",
+    MESSAGES.path: "/v1/messages/render",
+    COMPLETION.path: "/v1/completions/render",
+}
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
+EMULATOR_OWNER = "router-emulator"
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
+# what a found tokenizer must tokenize as the engine does before it is used
+SAMPLE_CHAT = (
+    {"role": "system", "content": "You are a careful assistant. Answer in one short paragraph."},
+    {"role": "user", "content": "How far is it from the river to the old mill? It's 12.5 km, isn't it?"},
+)
+SAMPLE_PROMPT = 'The quick brown fox jumps over the lazy dog, 1234 times: "why?"'
+
+
+@dataclass
+class ModelTokens:
+    """What a model's requests are tokenized with, and whether it is being found."""
+
+    tokenizer: ChatTokenizer | None = None
+    source: str = "learnt"  # configured, path, hub, builtin; learnt while there is none
+    finding: asyncio.Task[None] | None = None
+    retry_at: float = 0.0  # when to look again for a tokenizer (none, or not the engine's)
+
+
+class EngineTokenizers:
+    def __init__(
+        self,
+        fleet: Fleet,
+        configured: dict[str, str],
+        check_share: float,
+        http: Callable[[], aiohttp.ClientSession],
+        metrics: RouterMetrics,
+        bytes_per_token: Callable[[], float],
+    ) -> None:
+        """`configured`: tokenizer_dirs ({model or "*": folder}); `bytes_per_token`: the model's
+        ratio, which counts a prompt whose history alone is known in tokens."""
+        self.fleet = fleet
+        self.configured = configured
+        self.check_share = check_share
+        self.http = http
+        self.metrics = metrics
+        self.bytes_per_token = bytes_per_token
+        self.models: dict[str, ModelTokens] = {}
+        self.refused: dict[tuple[str, str], float] = {}  # (replica id, _family(path)) -> until when not asked
+        self.learnt: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.learning: set[int] = set()  # conversations being tokenized by an engine now
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    # -- the request's path: nothing here waits ------------------------------------------------------
+
+    def tokenized(self, key: RoutingKey, api: Api, body: Mapping[str, Any], fed: list[ReplicaState]) -> RoutingKey:
+        """`key` with its prompt in the engine's tokens (whole, or its history's), as far as they are
+        known now; `fed`: the replicas serving its model whose events are believed."""
+        prompt = key.prompt
+        if prompt is None or not fed or api.path not in RENDER_PATHS:
+            return key
+        model = key.model or ""
+        t0 = time.perf_counter()
+        known = self.of(model, fed)
+        ids: tuple[int, ...] | None = None
+        if known.tokenizer is not None:
+            with contextlib.suppress(TokenizerError, ValueError, TypeError):
+                ids = local_ids(known.tokenizer, api, body)
+        m = self.metrics
+        lora = model if model in self.fleet.adapter_names else None
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        if ids is not None:
+            m.child(m.tokenize_seconds, "tokenizer").observe(time.perf_counter() - t0)
+            if random.random() < self.check_share:
+                self._spawn(self._check_request(model, fed, api, body, ids), "token check")
+            return replace(key, prompt=replace(prompt, tokens=EngineTokens(len(ids), ids, lora, salt, "tokenizer")))
+        hashes = conversation_hashes(model, api, body)
+        if not hashes:
+            return key
+        head = None
+        for h in hashes[: -LOOKBACK - 1 : -1]:
+            head = self.learnt.get(h)
+            if head is not None:
+                self.learnt.move_to_end(h)
+                break
+        if hashes[-1] not in self.learnt:
+            self._learn(hashes[-1], fed, api, body)
+        if head is None:
+            return key
+        m.child(m.tokenize_seconds, "learnt").observe(time.perf_counter() - t0)
+        whole = api is COMPLETION  # a completion's prompt is learnt whole; a chat's, without its generation prompt
+        count = len(head) if whole else max(len(head) + 1, round(prompt.nbytes / self.bytes_per_token()))
+        tokens = EngineTokens(count, head, lora, salt, "learnt", whole)
+        return replace(key, prompt=replace(prompt, tokens=tokens))
+
+    def of(self, model: str, fed: list[ReplicaState]) -> ModelTokens:
+        """The model's tokens so far, a search for its tokenizer started where none is under way."""
+        known = self.models.get(model)
+        if known is None:
+            if len(self.models) >= MAX_TOKENIZERS:  # clients name any model they like: bounded
+                return ModelTokens()
+            known = self.models[model] = ModelTokens()
+            self.metrics.child(self.metrics.tokenizer, model, "learnt").set(1)
+        if known.tokenizer is None and known.finding is None and time.monotonic() >= known.retry_at:
+            known.finding = self._spawn(self._find(model, known, list(fed)), f"tokenizer of {model}")
+        return known
+
+    def watch(self, fed_models: Mapping[str, list[ReplicaState]]) -> None:
+        """Start finding the tokenizers of the models fed replicas serve, before their first request."""
+        for model, fed in fed_models.items():
+            self.of(model, fed)
+
+    # -- finding a tokenizer ---------------------------------------------------------------------------
+
+    async def _find(self, model: str, known: ModelTokens, fed: list[ReplicaState]) -> None:
+        try:
+            found = await self._load(model, fed)
+            if found is None:
+                known.retry_at = time.monotonic() + RETRY_S
+                return
+            tokenizer, source = found
+            verdict = await self._verify(model, tokenizer, fed)
+            self.metrics.child(self.metrics.token_checks, model, verdict).inc()
+            if verdict == "mismatch":
+                known.retry_at = time.monotonic() + MISMATCH_RETRY_S
+                return
+            if verdict == "error":
+                known.retry_at = time.monotonic() + RETRY_S
+                return
+            known.tokenizer, known.source = tokenizer, source
+            m = self.metrics
+            m.child(m.tokenizer, model, "learnt").set(0)
+            m.child(m.tokenizer, model, source).set(1)
+            log.info("model %s: tokenized in the router (%s tokenizer, %s against the engine)", model, source, verdict)
+        finally:
+            known.finding = None
+
+    async def _load(self, model: str, fed: list[ReplicaState]) -> tuple[ChatTokenizer, str] | None:
+        """The model's tokenizer and where it came from; None where it cannot be had (said in the log)."""
+        folder = self.configured.get(model, self.configured.get("*"))
+        if folder is not None:
+            where, source = folder, "configured"
+        else:
+            served = await self._served(model, fed)
+            if served is None:
+                return None
+            root, owner = served
+            if owner == EMULATOR_OWNER:
+                return EmulatorTokenizer(), "builtin"
+            where, source = root, "path" if Path(root).is_dir() else "hub"
+            if source == "hub" and not _HUB_NAME.fullmatch(root):
+                log.warning("model %s: its engine serves it from %s, which this host cannot read", model, root)
+                return None
+        try:
+            loaded = await asyncio.wait_for(asyncio.to_thread(load_tokenizer, where, source), LOAD_TIMEOUT_S)
+        except (TokenizerError, TimeoutError) as exc:
+            log.warning("model %s: no tokenizer from %s (%s): its requests are priced as learnt", model, where, exc)
+            return None
+        return loaded, source
+
+    async def _served(self, model: str, fed: list[ReplicaState]) -> tuple[str, str] | None:
+        """(root, owned_by) of `model` as a replica's /v1/models lists it (a LoRA adapter: its parent's)."""
+        for replica in random.sample(fed, min(3, len(fed))):
+            try:
+                async with self.http().get(
+                    replica.url + "/v1/models", headers=replica.auth, timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)
+                ) as r:
+                    if r.status != 200:
+                        continue
+                    answer = await r.json(content_type=None, loads=orjson.loads)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            entries = answer.get("data") if isinstance(answer, Mapping) else None
+            if not isinstance(entries, list):
+                continue
+            listed = {e.get("id"): e for e in entries if isinstance(e, Mapping)}
+            entry = listed.get(model)
+            parent = entry.get("parent") if entry is not None else None
+            if isinstance(parent, str) and parent in listed:
+                entry = listed[parent]
+            if entry is not None and isinstance(entry.get("root"), str) and entry["root"]:
+                owner = entry.get("owned_by")
+                return entry["root"], owner if isinstance(owner, str) else ""
+        return None
+
+    async def _verify(self, model: str, tokenizer: ChatTokenizer, fed: list[ReplicaState]) -> str:
+        """match, mismatch, unchecked (no engine lets the router ask) or error (none answered)."""
+        samples: list[tuple[Api, dict[str, Any]]] = [
+            (CHAT, {"model": model, "messages": list(SAMPLE_CHAT)}),
+            (COMPLETION, {"model": model, "prompt": SAMPLE_PROMPT}),
+        ]
+        verdicts = []
+        for api, body in samples:
+            try:
+                mine = local_ids(tokenizer, api, body)
+            except (TokenizerError, ValueError, TypeError) as exc:
+                mine, failure = None, str(exc)
+            else:
+                failure = "no prompt"
+            if mine is None:
+                log.error("model %s: its tokenizer fails on a sample %s request: %s", model, api.name, failure)
+                return "mismatch"
+            verdicts.append(self._compare(model, mine, await self.engine_ids(fed, api, body)))
+        for verdict in ("mismatch", "error", "unchecked"):
+            if verdict in verdicts:
+                return verdict
+        return "match"
+
+    async def _check_request(
+        self, model: str, fed: list[ReplicaState], api: Api, body: Mapping[str, Any], ids: tuple[int, ...]
+    ) -> None:
+        verdict = self._compare(model, ids, await self.engine_ids(fed, api, body))
+        self.metrics.child(self.metrics.token_checks, model, verdict).inc()
+
+    def _compare(self, model: str, mine: tuple[int, ...], engine: tuple[int, ...] | str) -> str:
+        if isinstance(engine, str):
+            return engine
+        if engine == mine:
+            return "match"
+        first = next((i for i, (a, b) in enumerate(zip(engine, mine, strict=False)) if a != b), None)
+        log.error(
+            "model %s: the router's tokens differ from the engine's (%d against %d tokens, first at %s): its "
+            "requests are not tokenized here (tokenizer_dirs names a model's folder by hand)",
+            model,
+            len(mine),
+            len(engine),
+            min(len(engine), len(mine)) if first is None else first,
+        )
+        return "mismatch"
+
+    # -- asking an engine --------------------------------------------------------------------------------
+
+    async def engine_ids(
+        self, fed: list[ReplicaState], api: Api, body: Mapping[str, Any], generation: bool = True
+    ) -> tuple[int, ...] | str:
+        """The engine's token ids for a request (`generation`: a chat's with its generation prompt),
+        from its render endpoint where a replica serves one, else its /tokenize; "unchecked" where
+        every replica refuses both, "error" where none answered."""
+        result = "unchecked"
+        now = time.monotonic()
+        for replica in random.sample(fed, min(2, len(fed))):
+            for path, sent in _asks(api, body, generation):
+                if self.refused.get((replica.id, _family(path)), 0.0) > now:
+                    continue
+                answer = await self._ask(replica, path, sent)
+                if isinstance(answer, tuple):
+                    return answer
+                result = "error" if answer == "error" else result
+        return result
+
+    async def _ask(self, replica: ReplicaState, path: str, body: Mapping[str, Any]) -> tuple[int, ...] | str:
+        try:
+            async with self.http().post(
+                replica.url + path,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", **replica.auth},
+                timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S),
+            ) as r:
+                if r.status in REFUSING:
+                    self.refused[(replica.id, _family(path))] = time.monotonic() + REFUSED_S
+                    log.info(
+                        "replica %s answers %s with %d: not asked again for %g s", replica.id, path, r.status, REFUSED_S
+                    )
+                    return "refused"
+                if r.status != 200:
+                    return "error"
+                answer = await r.json(content_type=None, loads=orjson.loads)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return "error"
+        ids = token_ids_of(answer)
+        return "error" if ids is None else ids
+
+    def _learn(self, h: int, fed: list[ReplicaState], api: Api, body: Mapping[str, Any]) -> None:
+        if h in self.learning or len(self.learning) >= LEARNING:
+            return
+        self.learning.add(h)
+        self._spawn(self._learning(h, fed, api, body), "learn tokens")
+
+    async def _learning(self, h: int, fed: list[ReplicaState], api: Api, body: Mapping[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            ids = await self.engine_ids(fed, api, body, generation=False)
+        finally:
+            self.learning.discard(h)
+        if isinstance(ids, tuple):
+            m = self.metrics
+            m.child(m.tokenize_seconds, "engine").observe(time.perf_counter() - t0)
+            self.learnt[h] = ids
+            self.learnt.move_to_end(h)
+            if len(self.learnt) > LEARNT:
+                self.learnt.popitem(last=False)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def load_tokenizer(where: str, source: str) -> Tokenizer:
+    """A folder's tokenizer, or a hub name's (its tokenizer files only, through huggingface_hub)."""
+    if source != "hub":
+        return Tokenizer(where)
+    try:
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 (only a hub name needs it)
+    except ImportError:
+        raise TokenizerError("the `huggingface_hub` package is not installed") from None
+    try:
+        folder = snapshot_download(where, allow_patterns=TOKENIZER_FILES)
+    except Exception as exc:  # offline and not cached, no such repository, gated, the network: all "none"
+        raise TokenizerError(f"huggingface_hub: {type(exc).__name__}: {exc}") from None
+    return Tokenizer(folder)
+
+
+def local_ids(tokenizer: ChatTokenizer, api: Api, body: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """A request's prompt in the tokenizer's ids, as its engine would tokenize it; None where the
+    body holds no prompt this tokenizes (a list of prompts, non-text content the template refuses)."""
+    if api is COMPLETION:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        return tokenizer.prompt(prompt) if isinstance(prompt, str) else None
+    messages = chat_messages(api, body)
+    if messages is None:
+        return None
+    extra = {"tools": body["tools"]} if isinstance(body.get("tools"), list) else {}
+    return tokenizer.chat(messages, **extra)
+
+
+def chat_messages(api: Api, body: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """A chat's messages as the chat template gets them (an Anthropic request's `system` first)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    if api is MESSAGES:
+        system = body.get("system")
+        if isinstance(system, list):
+            system = "".join(p.get("text", "") for p in system if isinstance(p, Mapping))
+        if isinstance(system, str) and system:
+            messages = [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def conversation_hashes(model: str, api: Api, body: Mapping[str, Any]) -> list[int]:
+    """The keys of a conversation's learnt tokens: one per prefix of its messages (the last: all of
+    them), chained, so that one pass over the body keys every prefix; a completion's: its prompt's."""
+    seed = xxh3_64(model.encode("utf-8", "surrogatepass"))
+    if api is COMPLETION:
+        prompt = body.get("prompt")
+        return [xxh3_64(prompt.encode("utf-8", "surrogatepass"), seed)] if isinstance(prompt, str) else []
+    messages = chat_messages(api, body)
+    if not messages:
+        return []
+    tools = body.get("tools")
+    if tools is not None:
+        seed = xxh3_64(_dumps(tools), seed)
+    out = []
+    h = seed
+    for message in messages:
+        h = xxh3_64(_dumps(message), h)
+        out.append(h)
+    return out
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return repr(value).encode("utf-8", "surrogatepass")
+
+
+def _family(path: str) -> str:
+    """What a refusal is remembered by: the render endpoints together (vLLM serves all or none)."""
+    return "render" if path.endswith("/render") else path
+
+
+def _asks(api: Api, body: Mapping[str, Any], generation: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(path, body) to ask an engine for a request's tokens, in order: render (the request itself;
+    only with the generation prompt, which it always adds), then /tokenize."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if generation:
+        out.append((RENDER_PATHS[api.path], dict(body)))
+    tokenize: dict[str, Any] = {"model": body.get("model")}
+    if api is COMPLETION:
+        prompt = body.get("prompt")
+        tokenize["prompt"] = prompt[0] if isinstance(prompt, list) and prompt else prompt
+    else:
+        tokenize["messages"] = chat_messages(api, body)
+        tokenize["add_generation_prompt"] = generation
+        for name in ("tools", "chat_template_kwargs"):
+            if name in body:
+                tokenize[name] = body[name]
+    out.append((TOKENIZE_PATH, tokenize))
+    return out
+
+
+def token_ids_of(answer: Any) -> tuple[int, ...] | None:
+    """The ids in a render answer (`token_ids`; /v1/completions/render: a list, one per prompt) or
+    a /tokenize answer (`tokens`)."""
+    if isinstance(answer, list) and answer:
+        answer = answer[0]
+    if not isinstance(answer, Mapping):
+        return None
+    ids = answer.get("token_ids", answer.get("tokens"))
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        return None
+    return tuple(ids)
+
+
+__all__ = ["EngineTokenizers", "conversation_hashes", "load_tokenizer", "local_ids", "token_ids_of"]
