@@ -31,6 +31,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
+def latency_summary(values: Sequence[float]) -> dict[str, float]:
+    """n, mean, P50, P90 and P99 of some latencies ({"n": 0} for none): how every benchmark reports them."""
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
 def coefficient_of_variation(counts: Iterable[float]) -> float:
     xs = list(counts)
     if not xs:

@@ -104,6 +104,13 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
         assert len([n for n in served.values() if n > 0]) >= 2, sticky
         assert sessions[sticky]["kv_hit_rate"] > rr["kv_hit_rate"] + 0.1, sticky
     assert sessions["full"]["kv_hit_rate"] > rr["kv_hit_rate"] + 0.1
+    # the limit: no contender above the hit rate of one fleet-wide cache with Belady's eviction over
+    # its own run's requests; the sticky oracle nearer to it than round robin
+    for name, f in sessions.items():
+        assert 0 < f["bound_hit_rate"] < 1 and 0 <= f["hit_share_of_bound"] <= 1, (name, f)
+        assert 0 < f["ttft_floor_p99_s"] <= f["ttft_p99_s"], name
+    assert sessions["oracle"]["hit_share_of_bound"] > rr["hit_share_of_bound"]
+    assert "| **the limit** (the fleet's KV as one cache" in (out / "fleet.md").read_text()
     assert result["runs"]["sessions@3"]["full"][0]["router_cpu_share"] > 0
     assert result["runs"]["sessions@3"]["round-robin"][0]["router_cpu_share"] is None
 

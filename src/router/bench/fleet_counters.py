@@ -35,6 +35,7 @@ class RouterCounts:
     tokenized: dict[str, tuple[float, float]]  # source -> (count, seconds)
     checks: dict[str, float]  # router_token_checks by result: match, mismatch, error
     disagg: dict[str, float] = field(default_factory=dict)  # router_disagg_requests by mode (split, alone, ...)
+    tokenizers: dict[str, float] = field(default_factory=dict)  # router_tokenizer by source, over its models
 
     @classmethod
     def parse(cls, text: str) -> RouterCounts:
@@ -43,6 +44,7 @@ class RouterCounts:
         tokenized: dict[str, list[float]] = {}
         checks: dict[str, float] = {}
         disagg: dict[str, float] = {}
+        tokenizers: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = sample.labels
@@ -58,10 +60,18 @@ class RouterCounts:
                     checks[result] = checks.get(result, 0.0) + sample.value
                 elif sample.name == "router_disagg_requests_total":
                     disagg[labels.get("mode", "")] = sample.value
-        return cls(errors, believed, {k: (v[0], v[1]) for k, v in tokenized.items()}, checks, disagg)
+                elif sample.name == "router_tokenizer":
+                    source = labels.get("source", "")
+                    tokenizers[source] = tokenizers.get(source, 0.0) + sample.value
+        tokens = {k: (v[0], v[1]) for k, v in tokenized.items()}
+        return cls(errors, believed, tokens, checks, disagg, tokenizers)
 
     def all_believed(self, replicas: int) -> bool:
         return len(self.believed) >= replicas and all(v == 1 for v in self.believed.values())
+
+    def tokenizer_found(self) -> bool:
+        """A model's tokenizer is found (from the replicas' /v1/models), not only learnt."""
+        return any(v > 0 for source, v in self.tokenizers.items() if source != "learnt")
 
 
 def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, Any]:
@@ -114,11 +124,12 @@ async def router_counts(url: str) -> RouterCounts | None:
 
 async def events_believed(url: str, replicas: int, timeout: float = EVENTS_READY_S) -> float | None:
     """Seconds until router-serve at `url` believes every replica's KV events (it finds them through
-    /kv_event_sources every few seconds, then replays what they hold); None if not within `timeout`."""
+    /kv_event_sources every few seconds, then replays what they hold) and has found their model's
+    tokenizer (it asks their /v1/models once they are believed); None if not within `timeout`."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         counts = await router_counts(url)
-        if counts is not None and counts.all_believed(replicas):
+        if counts is not None and counts.all_believed(replicas) and counts.tokenizer_found():
             return time.monotonic() - t0
         await asyncio.sleep(0.25)
     return None

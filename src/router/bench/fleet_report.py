@@ -48,6 +48,13 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("exact_predicted_model", lambda r: r.get("exact_predicted_model", math.nan)),
     ("predicted_answers_events", lambda r: r.get("predicted_answers_events", math.nan)),
     ("predicted_answers_model", lambda r: r.get("predicted_answers_model", math.nan)),
+    # the run's limit (router.bench.bound, emulated fleets): the hit rate of one fleet-wide cache with
+    # Belady's eviction over the run's requests, the contender's share of it, and the TTFT floor
+    ("bound_hit_rate", lambda r: r.get("bound", {}).get("bound_hit_rate", math.nan)),
+    ("hit_share_of_bound", lambda r: r.get("hit_share_of_bound", math.nan)),
+    ("ttft_floor_p99_s", lambda r: r.get("bound", {}).get("ttft_floor_s", {}).get("p99", math.nan)),
+    ("ttft_floor_later_p50_s", lambda r: r.get("bound", {}).get("ttft_floor_later_s", {}).get("p50", math.nan)),
+    ("ttft_floor_later_p99_s", lambda r: r.get("bound", {}).get("ttft_floor_later_s", {}).get("p99", math.nan)),
 )
 
 
@@ -100,6 +107,7 @@ COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
     ("failed", lambda f: f"{f['failed']:,.0f}"),
     ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
+    ("of the bound", lambda f: _pct(f.get("hit_share_of_bound", math.nan))),
     ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
     ("multi-turn P99 (s)", lambda f: _num(f["multi_turn_p99_s"])),
     ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
@@ -166,6 +174,10 @@ def render_markdown(result: dict[str, Any]) -> str:
     else:
         what, notes = f"emulated replicas, time scale {result['time_scale']:g}", ""
     notes += (
+        " Of the bound: KV hit ÷ the hit rate of one cache of the whole fleet's KV with Belady's eviction"
+        " over the same requests in the order they were sent (router.bench.bound; emulated fleets only);"
+        " the limit row shows that rate and the TTFT floor (each request's uncached prefill alone on an"
+        " idle engine)."
         " Exact predicted: router-serve's answers whose cached tokens it predicted to the token, of those"
         " it priced by the engine's KV events / by its own model (`router_prefix_prediction_error_tokens`)."
     )
@@ -208,6 +220,9 @@ def render_markdown(result: dict[str, Any]) -> str:
             if searched:
                 row += f" {_needed(sizes['contenders'].get(name), result['replicas'])} |"
             lines.append(row)
+        limit = _limit_row(ran, columns)
+        if limit:
+            lines.append(limit)
         lines.append("")
         if not ran:
             continue
@@ -234,6 +249,33 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines.append("")
         lines += _goals(ran, labels, vllm=engine == "vllm")
     return "\n".join(lines)
+
+
+LIMIT_CELLS: dict[str, Callable[[list[dict[str, Any]]], float]] = {  # a column's cell in the limit row
+    "KV hit": lambda fs: max(f["bound_hit_rate"] for f in fs),
+    "TTFT P99 (s)": lambda fs: min(f["ttft_floor_p99_s"] for f in fs),
+    "later-turn TTFT P99 (s)": lambda fs: min(f["ttft_floor_later_p99_s"] for f in fs),
+    "later-turn TTFT P50 (s)": lambda fs: min(f["ttft_floor_later_p50_s"] for f in fs),
+}
+
+
+def _limit_row(ran: dict[str, dict[str, Any]], columns: tuple[Column, ...]) -> str | None:
+    """The row of the limit no router reaches (router.bench.bound): the highest bound of the runs'
+    request sequences (each contender's share is of its own run's) and the lowest TTFT floors."""
+    bounded = [f for f in ran.values() if not math.isnan(f.get("bound_hit_rate", math.nan))]
+    if not bounded:
+        return None
+    cells = []
+    for title, _ in columns:
+        if title == "of the bound":
+            cells.append("100%")
+        elif title in LIMIT_CELLS:
+            value = LIMIT_CELLS[title](bounded)
+            cells.append(_pct(value) if title == "KV hit" else _num(value))
+        else:
+            cells.append("—")
+    label = "**the limit** (the fleet's KV as one cache, Belady's eviction; TTFT: no queue)"
+    return f"| {label} | " + " | ".join(cells) + " |"
 
 
 def _shape_line(shape: dict[str, Any], replicas: int) -> str:

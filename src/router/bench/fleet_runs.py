@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -15,12 +16,14 @@ from typing import Any
 
 import aiohttp
 
+from router.bench.bound import bound_figures
 from router.bench.contenders import CONTENDERS, Contender, peer_versions, start_contender
 from router.bench.fleet_counters import Sampler, events_believed, fleet_figures, prediction_figures, router_counts
 from router.bench.fleet_report import exact_cell, make_tables
 from router.bench.fleet_workloads import (
     Workload,
     arrivals_s,
+    emulated_engine,
     emulator_args,
     engine_shape,
     size_workload,
@@ -81,6 +84,10 @@ async def run_one(
             ready_s = await events_believed(targets[0], len(fleet.urls))
         before = await router_counts(targets[0]) if reads else None
         opts = workload_options(workload, args, targets, c)
+        engine = emulated_engine(workload, args)
+        if engine is not None:  # the run's requests are kept for its bound
+            opts = dataclasses.replace(opts, bound_block_size=engine.block_size)
+        replayer = Replayer(opts, progress)
         sampler = Sampler(fleet, args.sample_s)
         cpu_fleet0 = fleet_cpu_seconds(fleet.pids)
         cpu_router0 = cpu_seconds(router.pid) if router else 0.0
@@ -88,7 +95,7 @@ async def run_one(
         sampling = asyncio.ensure_future(sampler.run(t0))
         try:
             await sampler.first.wait()  # the counters before the first request: changes are the run's
-            result = await Replayer(opts, progress).run()
+            result = await replayer.run()
         finally:
             sampler.stop()
             await sampling
@@ -111,6 +118,12 @@ async def run_one(
     result.update(fleet_figures(sampler.samples, window_wall))
     if router is not None and set(result["per_replica"]) <= set(targets):
         result["jump_rate"] = math.nan  # no answer named its replica (a peer in front of a real engine)
+    if engine is not None and replayer.bound is not None:
+        records = replayer.records
+        bound = bound_figures(replayer.bound, [r.ok for r in records], [r.turn > 1 for r in records], replicas, engine)
+        result["bound"] = bound
+        hit, limit = result.get("kv_hit_rate", math.nan), bound["bound_hit_rate"]
+        result["hit_share_of_bound"] = hit / limit if limit > 0 else math.nan
     result["contender"] = c.name
     result["replicas"] = replicas
     result["load_timeline"] = {

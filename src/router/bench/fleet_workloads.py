@@ -23,6 +23,7 @@ from router.bench.workloads import (
     generate_sessions,
     longdoc_documents,
 )
+from router.emulator.cli import UsageError, build_parser, engine_config
 from router.emulator.engine import EngineConfig
 
 TRACES = {
@@ -164,6 +165,17 @@ def emulator_args(workload: str, args: argparse.Namespace) -> list[str]:
     """What router-emulator is given for a workload's fleet: its engine shape, then `--emulator-arg`."""
     shape = LONGDOC_ENGINE if Workload.parse(workload).kind == "longdoc" else ()
     return [*shape, *args.emulator_arg]
+
+
+def emulated_engine(workload: str, args: argparse.Namespace) -> EngineConfig | None:
+    """The engine of a workload's emulated replicas, as router-emulator reads its flags; None on a
+    real engine (or flags router-emulator would refuse)."""
+    if getattr(args, "engine", "emulator") != "emulator":
+        return None
+    try:
+        return engine_config(build_parser().parse_args(emulator_args(workload, args)))
+    except (UsageError, SystemExit):
+        return None
 
 
 def _last_int(argv: list[str], flag: str, default: int) -> int | None:

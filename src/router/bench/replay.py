@@ -43,6 +43,7 @@ import aiohttp
 import orjson
 import uvloop
 
+from router.bench.bound import BoundTrace
 from router.bench.live import TICK_S, Progress, Stop, Stopped, partial_headline, run_until
 from router.bench.workloads import (
     LongDocSpec,
@@ -55,7 +56,7 @@ from router.bench.workloads import (
     load_trace,
     trace_prompt,
 )
-from router.measures import coefficient_of_variation, jump_rate, kv_hit_rate, percentile
+from router.measures import coefficient_of_variation, jump_rate, kv_hit_rate, latency_summary
 from router.ring import xxh3_64
 
 WORKLOADS = ("sessions", "longdoc", "mooncake-conversation", "mooncake-synthetic")
@@ -108,6 +109,9 @@ class ReplayOptions:
     # a latency target, engine seconds: (time to first token, time per output token after it); the
     # requests answered within both are counted (`slo_met`), for goodput
     slo: tuple[float, float] | None = None
+    # router-emulator's KV block size: every request sent is kept, cut into its blocks, for the run's
+    # bound (router.bench.bound); None: not kept
+    bound_block_size: int | None = None
 
 
 class Replayer:
@@ -116,6 +120,7 @@ class Replayer:
             raise ValueError("at least one --target is needed")
         self.opts = opts
         self.records: list[Record] = []
+        self.bound = BoundTrace(opts.bound_block_size) if opts.bound_block_size else None  # as records
         self._rr = itertools.cycle(opts.targets)
         self._progress = progress
         self._issued = 0
@@ -150,6 +155,8 @@ class Replayer:
         target = self.pick_target(session)
         rec = Record(session=session, turn=turn, target=target)
         self.records.append(rec)
+        if self.bound is not None:
+            self.bound.add(path, body)
         self._issued += 1
         scale = self.opts.time_scale
         assert self._session is not None
@@ -421,18 +428,6 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _latency(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"n": 0}
-    return {
-        "n": len(values),
-        "mean": sum(values) / len(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-    }
-
-
 def tpot(r: Record) -> float | None:
     """Time per output token after the first (engine seconds); None for an answer of one token or
     without its times."""
@@ -491,11 +486,11 @@ def summarize(
         "kv_hit_rate_later_turns": kv_hit_rate(
             sum(r.cached_tokens for r in later), sum(r.prompt_tokens for r in later)
         ),
-        "e2e_s": _latency([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "e2e_later_turns_s": _latency([r.e2e_s for r in later if r.e2e_s is not None]),
-        "ttft_s": _latency([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "ttft_later_turns_s": _latency([r.ttft_s for r in later if r.ttft_s is not None]),
-        "tpot_s": _latency([t for r in ok if (t := tpot(r)) is not None]),
+        "e2e_s": latency_summary([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "e2e_later_turns_s": latency_summary([r.e2e_s for r in later if r.e2e_s is not None]),
+        "ttft_s": latency_summary([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_later_turns_s": latency_summary([r.ttft_s for r in later if r.ttft_s is not None]),
+        "tpot_s": latency_summary([t for r in ok if (t := tpot(r)) is not None]),
         "slo": list(opts.slo) if opts.slo is not None else None,
         "slo_met": sum(meets(r, opts.slo) for r in ok) if opts.slo is not None else None,
         "per_replica": dict(sorted(per_replica.items())),

@@ -183,7 +183,8 @@ async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: li
                 finished=[int(x["engine"]["finished_total"]) for x in rows],
             )
 
-        return Fleet(urls, [child.pid], read, child.stop, "emulated replicas", control_url)
+        events = any(a.startswith("--kv-events-port") for a in emulator_args)
+        return Fleet(urls, [child.pid], read, child.stop, "emulated replicas", control_url, events)
     raise RuntimeError(f"the emulated fleet did not start: {problem}")
 
 

@@ -255,6 +255,26 @@ def build_tracer(args: argparse.Namespace) -> RequestTracer | None:
         raise UsageError(str(exc)) from None
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine every replica runs, from the engine flags (UsageError names a bad one)."""
+    try:
+        return EngineConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            step_base_s=args.step_ms / 1000,
+            decode_per_seq_s=args.decode_per_seq_ms / 1000,
+            attention_per_token_s=args.attention_ns_per_token / 1e9,
+            max_loras=args.max_loras,
+            lora_load_s=args.lora_load_ms / 1000,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -> tuple[Fleet, dict[int, float]]:
     if args.port is not None and args.replicas is not None:
         raise UsageError("give either --port (one replica) or --replicas N with --base-port, not both")
@@ -270,22 +290,7 @@ def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -
         raise UsageError("--time-scale must be a positive number")
     if args.stream_interval < 1 or args.default_max_tokens < 1:
         raise UsageError("--stream-interval and --default-max-tokens must be at least 1")
-    try:
-        config = EngineConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            prefill_tokens_per_s=args.prefill_tokens_per_s,
-            step_base_s=args.step_ms / 1000,
-            decode_per_seq_s=args.decode_per_seq_ms / 1000,
-            attention_per_token_s=args.attention_ns_per_token / 1e9,
-            max_loras=args.max_loras,
-            lora_load_s=args.lora_load_ms / 1000,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    config = engine_config(args)
     kv_events = kv_events_options(args, n, first_port)
     faults = [Faults() for _ in range(n)]
     crash_after: dict[int, float] = {}
