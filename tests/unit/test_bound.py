@@ -48,6 +48,20 @@ def test_the_last_token_is_never_a_hit() -> None:
     assert belady_hits([sent(1, 2), whole], 10, BS) == [0, 16]
 
 
+def test_an_answers_blocks_are_held_for_the_next_turn() -> None:
+    """The engine caches a reply's blocks as it decodes: the next turn (history + reply + more) hits them."""
+    answered = Sent(array("Q", [1, 2, 3]), 3 * BS + 5, answered=True)
+    assert belady_hits([sent(1, 2), answered, sent(1, 2, 3, 4)], 10, BS) == [0, 48]
+    trace = BoundTrace(BS)
+    number = trace.add("/v1/completions", {"prompt": "abcd" * 40})  # 40 tokens: 2 blocks
+    trace.ended(number, "efgh" * 40)
+    failed = trace.add("/v1/completions", {"prompt": "wxyz" * 40})
+    trace.ended(failed, None)  # nothing more cached
+    again = trace.add("/v1/completions", {"prompt": "abcd" * 40 + "efgh" * 40 + "more"})
+    assert [e.answered for e in trace.events] == [False, True, False, False] and again == 2
+    assert belady_hits(trace.events, 100, BS) == [0, 0, 80]
+
+
 def test_a_parent_outlives_its_child_when_both_come_back_together() -> None:
     # capacity 2 after [1 2 3]: the next request needs 1 and 2 (and 3); dropping 1 would waste 2 and 3
     hits = belady_hits([sent(1, 2, 3), sent(1, 2, 3, 4)], 2, BS)

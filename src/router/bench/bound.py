@@ -8,8 +8,9 @@ run's requests, in the order they were sent, through one cache of the fleet's wh
 - a request's hit is the longest run of its leading blocks the cache holds (a prefix cache hits no
   block after a miss), at most `(prompt tokens - 1) // block_size` blocks (the engine always
   computes the last token), as the emulated engine counts it;
-- then its prompt's blocks are in the cache (its reply's are not: the emulator caches prompt blocks,
-  as they are computed), each with the index of the next request whose prompt holds it;
+- then its prompt's blocks are in the cache, and once it is answered its reply's too (the emulator
+  caches a reply's blocks as decoding fills them: a conversation's next turn hits them), each with
+  the index of the next request whose prompt holds it;
 - over capacity, the block whose next use is farthest goes first; among blocks next used by the
   same request, the deepest of its chain (a child is never kept over its parent: a block after a
   missing one is worth nothing).
@@ -21,6 +22,9 @@ The TTFT floor: each request alone on an idle engine of the fleet's shape, its u
 (those the bound's cache missed) prefilled in chunks of `max_num_batched_tokens`, each step
 `step_base_s + attention_per_token_s x context + chunk / prefill_tokens_per_s`: no router can
 give that request its first token sooner.
+
+The hit rate is over the requests answered, each prompt's tokens as the emulator counts them (as the
+contenders' hit rates are over their answers' usage).
 
 Worked example, capacity 3 blocks, block size 16: requests A = [a1 a2 a3], B = [b1], A' = [a1 a2
 a3 a4] (each prompt one token past its blocks). A misses all three; B misses, and the cache must
@@ -49,21 +53,26 @@ NEVER = 1 << 62  # the next use of a block no later request holds
 
 @dataclass
 class Sent:
-    """One request as the bound sees it: its prompt's blocks and tokens."""
+    """One request as the bound sees it: its prompt's blocks and tokens; or, with `answered`, the
+    blocks its answer leaves cached (prompt and reply) once it ends."""
 
     chain: array[int]
     tokens: int
+    answered: bool = False
 
 
 class BoundTrace:
-    """The requests of a run in the order they were sent, cut into the emulator's blocks."""
+    """The requests of a run and their answers, in the order they were sent and ended, cut into the
+    emulator's blocks; `sent` is the requests alone, in order."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.events: list[Sent] = []
         self.sent: list[Sent] = []
+        self._prompts: dict[int, bytes] = {}  # requests in flight: their prompt, for their answer's chain
 
-    def add(self, path: str, body: Mapping[str, Any]) -> None:
-        """A request about to be sent (path /v1/chat/completions or /v1/completions)."""
+    def add(self, path: str, body: Mapping[str, Any]) -> int:
+        """A request about to be sent (path /v1/chat/completions or /v1/completions); its number."""
         try:
             if path.endswith("/chat/completions"):
                 text: Any = render_chat(body["messages"])
@@ -73,29 +82,43 @@ class BoundTrace:
             data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else b""
         except (KeyError, ValueError, TypeError):
             data = b""
-        self.sent.append(Sent(array("Q", block_hashes(data, self.block_size)), count_tokens(data)))
+        request = Sent(array("Q", block_hashes(data, self.block_size)), count_tokens(data))
+        self.events.append(request)
+        self.sent.append(request)
+        self._prompts[len(self.sent) - 1] = data
+        return len(self.sent) - 1
+
+    def ended(self, number: int, reply: str | None) -> None:
+        """Request `number` ended: with its reply's text, or None (it failed: nothing more cached)."""
+        prompt = self._prompts.pop(number, b"")
+        if reply:
+            data = prompt + reply.encode("utf-8", "surrogatepass")
+            self.events.append(Sent(array("Q", block_hashes(data, self.block_size)), count_tokens(data), True))
 
 
-def belady_hits(sent: Sequence[Sent], capacity_blocks: int, block_size: int) -> list[int]:
-    """Each request's cached tokens in one cache of `capacity_blocks` with Belady's eviction."""
-    # each block's next use after request i, computed backwards
-    next_use: list[list[int]] = [[] for _ in sent]
+def belady_hits(events: Sequence[Sent], capacity_blocks: int, block_size: int) -> list[int]:
+    """Each request's cached tokens in one cache of `capacity_blocks` with Belady's eviction, over
+    `events` (requests sent, and answers that leave their blocks cached) in their order."""
+    # each block's next use (the next request that holds it) after event i, computed backwards
+    next_use: list[list[int]] = [[] for _ in events]
     seen: dict[int, int] = {}
-    for i in range(len(sent) - 1, -1, -1):
-        chain = sent[i].chain
+    for i in range(len(events) - 1, -1, -1):
+        chain = events[i].chain
         next_use[i] = [seen.get(key, NEVER) for key in chain]
-        for key in chain:
-            seen[key] = i
+        if not events[i].answered:
+            for key in chain:
+                seen[key] = i
     held: dict[int, int] = {}  # block -> its next use
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block): the farthest, then the deepest, first
     hits: list[int] = []
-    for i, request in enumerate(sent):
+    for i, request in enumerate(events):
         chain = request.chain
-        limit = max(0, (request.tokens - 1) // block_size)
-        hit = 0
-        while hit < len(chain) and hit < limit and chain[hit] in held:
-            hit += 1
-        hits.append(hit * block_size)
+        if not request.answered:
+            limit = max(0, (request.tokens - 1) // block_size)
+            hit = 0
+            while hit < len(chain) and hit < limit and chain[hit] in held:
+                hit += 1
+            hits.append(hit * block_size)
         for depth, key in enumerate(chain):
             nxt = next_use[i][depth]
             held[key] = nxt
@@ -125,7 +148,7 @@ def bound_figures(
     """The bound of a run: the hit rate over the requests `counted` (those answered, as the
     contender's hit rate counts them), and the TTFT floor's P50/P99 over them and over `later`
     turns."""
-    hits = belady_hits(trace.sent, replicas * engine.num_blocks, trace.block_size)
+    hits = belady_hits(trace.events, replicas * engine.num_blocks, trace.block_size)
     hit = prompt = 0
     floors: list[float] = []
     later_floors: list[float] = []
@@ -144,6 +167,7 @@ def bound_figures(
         "ttft_floor_later_s": latency_summary(later_floors),
         "capacity_blocks": replicas * engine.num_blocks,
         "requests": len(trace.sent),
+        "answers": len(trace.events) - len(trace.sent),
     }
 
 

@@ -155,8 +155,7 @@ class Replayer:
         target = self.pick_target(session)
         rec = Record(session=session, turn=turn, target=target)
         self.records.append(rec)
-        if self.bound is not None:
-            self.bound.add(path, body)
+        number = self.bound.add(path, body) if self.bound is not None else 0
         self._issued += 1
         scale = self.opts.time_scale
         assert self._session is not None
@@ -185,6 +184,8 @@ class Replayer:
                 rec.error = f"connection: {type(exc).__name__}"
             finally:
                 self._inflight -= 1
+                if self.bound is not None:
+                    self.bound.ended(number, rec.text if rec.ok else None)
                 if rec.error:
                     self._errors += 1
                 elif rec.ok:
