@@ -159,6 +159,7 @@ class Placed:
     predicted: float = 0.0  # the cached tokens the decision counted on there
     tier_tokens: float = 0.0  # ... of which its engine holds on a second tier (loaded back, not computed)
     source: str = "model"  # where that came from: "events" (its engine's) or "model" (the router's)
+    coming: tuple[str, array[int]] | None = None  # (replica, its blocks) the events' truth expects there
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,6 +506,12 @@ class Placement:
         self._kv_mark(held)
         decode_s = candidate.wait_s - (start - now)
         source = self.source(candidate.index)
+        coming = None
+        if prompt.tokens is not None and replica.id in self.truth.replicas:
+            size = self.truth.block_size(replica.id) or replica.engine.block_size
+            if size:
+                coming = (replica.id, prompt.tokens.chain(int(size)))
+                self.truth.expect(*coming)
         return Placed(
             held,
             blocks,
@@ -516,11 +523,13 @@ class Placement:
             predicted=candidate.cached_tokens,
             tier_tokens=self._tier[candidate.index] if source == "events" else 0.0,
             source=source,
+            coming=coming,
         )
 
     def failed(self, replica: ReplicaState, prompt: Prompt, placed: Placed) -> None:
         """The attempt `placed` on `replica` failed before its first byte: it computed nothing of
         the prompt past what it held already, and holds none of it in flight."""
+        self._arrived(placed)
         if self.held.get(replica.id) is placed.held:
             self.index.truncate(placed.held.holder, prompt.chain, placed.blocks)
             self._unload(placed)
@@ -528,6 +537,8 @@ class Placement:
     def released(self, replica: ReplicaState, now: float, placed: Placed | None = None) -> None:
         """An attempt there ended (`placed`: what it expected there, if it was priced): its tokens
         leave the replica's KV cache; with nothing left in flight, nothing is queued either."""
+        if placed is not None:
+            self._arrived(placed)
         held = self.held.get(replica.id)
         if held is None:
             return
@@ -545,6 +556,12 @@ class Placement:
         held.kv_tokens = max(0.0, held.kv_tokens - placed.tokens)
         placed.tokens = 0.0
         self._kv_mark(held)
+
+    def _arrived(self, placed: Placed) -> None:
+        """Its attempt ended: what its engine holds of it is what the events say from now on."""
+        if placed.coming is not None:
+            self.truth.unexpect(*placed.coming)
+            placed.coming = None
 
     # -- KV-bound queues ---------------------------------------------------------------------------
 

@@ -107,6 +107,24 @@ def test_arguments() -> None:
             args_of(*flags)
 
 
+def test_agents_and_session_replay_are_sessions_of_their_own_shape() -> None:
+    args = args_of("--contenders", "full,smg-header", "--workloads", "agents@0.5,session-replay@4,agents-keyless@1")
+    assert args.workloads == ["agents@0.5", "session-replay@4", "agents-keyless@1"]
+    targets = ["http://127.0.0.1:1"]
+    agents = fleet_workloads.workload_options("agents@0.5", args, targets, contenders.CONTENDERS["smg-header"])
+    assert agents.spec is not None and agents.spec.rate == 0.5 and agents.spec.system_prompts == 2
+    assert agents.spec.system_tokens == 12_000 and agents.spec.turns_max == 30 and agents.spec.think_s == 1.5
+    # Claude Code's own session header, beside the one the contender reads
+    assert agents.key_headers == ("X-Session-ID", "x-claude-code-session-id")
+    keyless = fleet_workloads.workload_options("agents-keyless@1", args, targets, contenders.CONTENDERS["full"])
+    assert not keyless.session_keys and "x-claude-code-session-id" not in keyless.key_headers
+    replay = fleet_workloads.workload_options("session-replay@4", args, targets, contenders.CONTENDERS["full"])
+    assert replay.spec is not None and replay.spec.turns_min == replay.spec.turns_max == 20
+    assert fleet_workloads.size_workload(args.workloads) == "session-replay@4"  # the busiest keyed one
+    with pytest.raises(ValueError, match="rate after @"):
+        fleet_workloads.Workload.parse("agents@0")
+
+
 def test_workloads_by_name() -> None:
     args = args_of("--contenders", "full", "--rate", "2,8", "--workloads", "sessions-keyless,longdoc,sessions@3")
     assert args.workloads == ["sessions-keyless@2", "sessions-keyless@8", "longdoc", "sessions@3"]

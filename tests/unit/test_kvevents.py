@@ -277,6 +277,28 @@ def test_truth_answers_only_for_believed_replicas_and_prices_a_second_tier() -> 
     assert truth.of("b") == [] and truth.index.n_holders == 4  # a's two tiers, and b's two ranks' freed numbers
 
 
+def test_the_blocks_of_requests_in_flight_are_held_when_the_next_one_runs() -> None:
+    """A turn still prefilling has stored nothing yet; the next turn of its conversation, sent now,
+    runs after it there and finds its blocks: the truth expects them there until it ends."""
+    truth = Truth()
+    a = truth.holdings("a", 0, 100)
+    a.accept(batch(0, tagged_stored([1], None, TOKENS[:4])))  # the system prompt's block
+    first = EngineTokens(13, tuple(TOKENS[:13]), None, None, "tokenizer")
+    second = EngineTokens(21, tuple(TOKENS[:21]), None, None, "tokenizer")
+    assert truth.block_size("a") == BS and truth.held("a", second, {}).gpu_tokens == 4  # type: ignore[union-attr]
+    truth.expect("a", first.chain(BS))
+    truth.expect("a", first.chain(BS))  # a retry of it, or another reader of the same prompt
+    assert truth.held("a", second, {}).gpu_tokens == 12  # type: ignore[union-attr]  # held, then coming
+    truth.unexpect("a", first.chain(BS))
+    assert truth.held("a", second, {}).gpu_tokens == 12  # type: ignore[union-attr]  # the other is still running
+    truth.unexpect("a", first.chain(BS))
+    assert truth.held("a", second, {}).gpu_tokens == 4 and truth.coming["a"] == {}  # type: ignore[union-attr]
+    truth.expect("b", first.chain(BS))
+    assert truth.held("b", second, {}) is None  # a replica that publishes nothing is priced by the model
+    truth.forget("a")
+    assert "a" not in truth.coming
+
+
 # -- the model's own tokenizer ------------------------------------------------------------------------
 
 

@@ -691,3 +691,34 @@ def test_a_target_places_a_request_where_it_is_predicted_met_and_marks_it_late_w
     assert late is not None and (late.index, late.reason, late.late) == (1, "sticky", True)
     roomy = policy.pick(key, home.id, (), target_s=5.0)  # a target its own choice meets changes nothing
     assert roomy is not None and (roomy.index, roomy.reason, roomy.late) == (1, "sticky", False)
+
+
+# -- lmetric: LMetric's score, a baseline beside ttft -------------------------------------------------
+
+
+def test_lmetric_picks_the_lowest_product_of_new_tokens_and_batch() -> None:
+    """The module's worked example: A holds most of the prompt but runs 4, B holds nothing and runs
+    1, C holds nothing and is idle: C scores 0 and wins; busy too, A wins."""
+    specs = tuple(parse_replica(f"http://127.0.0.1:{9000 + i}") for i in range(3))
+    config = RouterConfig(replicas=specs)
+    fleet = Fleet(specs, config.vnodes, config.hash_seed)
+    policy = make_policy("lmetric", fleet, config)
+    assert isinstance(policy, Ttft) and policy.name == "lmetric"
+    opening = keyed("warm", chat(doc(1), "What is it about?"))
+    assert opening.prompt is not None
+    send_all(fleet, policy, 0, [opening], policy.placement.clock())  # A holds the document (and the opening)
+    fleet.release(fleet.replicas[0])
+    follow = keyed("other", chat(doc(1), "What is it about?", "And then?"))
+    fleet.loads[0], fleet.loads[1], fleet.loads[2] = 4, 1, 0
+    d = policy.pick(follow, None, ())
+    assert d is not None and d.index == 2 and d.cost is not None and d.cost.cached_tokens == 0
+    fleet.loads[2] = 1
+    d = policy.pick(follow, None, ())
+    assert d is not None and d.index == 0 and d.reason == "prefix"
+    # a keyed session stays only by its score: 62 new tokens x 50 beat 4,078 x 1; x 100 do not
+    fleet.loads[0] = 50
+    d = policy.pick(follow, fleet.replicas[0].id, ())
+    assert d is not None and d.index == 0 and d.reason == "sticky"
+    fleet.loads[0] = 100
+    d = policy.pick(follow, fleet.replicas[0].id, ())
+    assert d is not None and d.index in (1, 2) and d.reason == "cost"

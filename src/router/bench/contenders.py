@@ -51,6 +51,8 @@ CONTENDERS = {
         Contender("least_load", "router-serve least_load", "router", ("--policy", "least_load", *PLAIN)),
         Contender("consistent_hash", "router-serve consistent_hash", "router", ("--policy", "consistent_hash", *PLAIN)),
         Contender("full", "router-serve as shipped", "router", SHIPPED),  # its default policy
+        # LMetric (OSDI '26): new prefill tokens x batch size, from the paper's formula (router.policy.lmetric)
+        Contender("lmetric", "LMetric's score (paper's formula)", "router", ("--policy", "lmetric", *PLAIN)),
         # as shipped, but priced by the router's own model of what it sent, not by the engines' KV events
         Contender("full-model", "router-serve, KV events off", "router", (*SHIPPED, "--no-kv-events")),
         Contender(

@@ -48,6 +48,15 @@ Workloads (`--workloads`; by default `sessions`, and the traces with `--trace-di
 - `sessions@R`: synthetic multi-turn chats, R new sessions per engine second for `--duration`;
   `sessions` is one workload per `--rate`. `sessions-keyless@R` (`sessions-keyless`: one per
   `--rate`): the same chats with no session key at all, neither header nor `user` field;
+- `agents@R` (and `agents-keyless@R`): coding agents, R new sessions per engine second: two long
+  tool prompts that every session shares (12,000 tokens: an agent's instructions and tool
+  definitions), a task with files opened (2,000-8,000 tokens), then 8-30 turns of tool loops whose
+  results are long (100-3,000 tokens) and whose pauses are short (1.5 s on average: the tools
+  running), each request with Claude Code's `x-claude-code-session-id` beside the contender's key;
+- `session-replay@R`: the shape of Dynamo's session-replay study (many concurrent sessions of 20
+  turns on few replicas): the chats of `sessions`, 20 turns each, 1 s pauses; run it with few
+  `--replicas` and a rate that keeps hundreds of sessions open. Both fix their own turns and
+  pauses (`--turns` and `--think` are for `sessions` and `longdoc`);
 - `longdoc`: long-document question answering (router.bench.workloads): `--docs` documents of
   `--doc-tokens` tokens, `--doc-rate` new sessions per engine second for `--duration`, each
   asking `--doc-turns` questions about one document (Zipf popularity: sessions share documents).

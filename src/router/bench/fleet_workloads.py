@@ -44,7 +44,29 @@ LONGDOC_ENGINE = (
     "--step-ms=25",
     "--attention-ns-per-token=95",
 )
-WORKLOAD_NAMES = "sessions, sessions-keyless, sessions@R, longdoc, longdoc-keyless, " + ", ".join(TRACES)
+WORKLOAD_NAMES = (
+    "sessions, sessions-keyless, sessions@R, agents@R, session-replay@R, longdoc, longdoc-keyless, " + ", ".join(TRACES)
+)
+# the shapes of the sessions workloads (a rate after @ each), before --prompt-scale and --think:
+# `sessions`: chats (router.bench.workloads.SessionsSpec's defaults); `agents`: coding agents, two
+# long shared tool prompts (an agent's instructions and tool definitions), a task with files to
+# open, then tool loops of many turns whose results are long and whose pauses (the tools running)
+# are short, each request with Claude Code's session header; `session-replay`: Dynamo's session
+# replay study's shape, 20 turns a session, short pauses, many sessions at once on few replicas
+SHAPES: dict[str, dict[str, Any]] = {
+    "sessions": {},
+    "agents": {
+        "system_prompts": 2,
+        "system_tokens": 12_000,
+        "first_tokens": (2_000, 8_000),
+        "user_tokens": (100, 3_000),
+        "reply_tokens": (40, 300),
+        "turns": (8, 30),
+        "think_s": 1.5,
+    },
+    "session-replay": {"turns": (20, 20), "think_s": 1.0},
+}
+AGENT_HEADER = "x-claude-code-session-id"  # what the agents workload's requests carry, beside the contender's
 
 
 @dataclass(frozen=True)
@@ -56,6 +78,7 @@ class Workload:
     kind: str  # sessions | longdoc | trace
     keyed: bool = True  # False: no session key is sent at all
     rate: float | None = None  # sessions: new sessions per engine second
+    shape: str = "sessions"  # sessions kinds: a key of SHAPES
 
     @classmethod
     def parse(cls, name: str) -> Workload:
@@ -66,14 +89,14 @@ class Workload:
         base = base.removesuffix("-keyless")
         if base == "longdoc" and not at:
             return cls(name, "longdoc", keyed)
-        if base == "sessions" and at:
+        if base in SHAPES and at:
             try:
                 value = float(rate)
             except ValueError:
                 value = math.nan
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"workload {name!r}: the rate after @ must be a positive number")
-            return cls(name, "sessions", keyed, value)
+            return cls(name, "sessions", keyed, value, base)
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOAD_NAMES}")
 
 
@@ -92,19 +115,22 @@ def longdoc_spec(args: argparse.Namespace) -> LongDocSpec:
 def sessions_spec(w: Workload, args: argparse.Namespace) -> SessionsSpec:
     """A sessions workload's chats, their text `--prompt-scale` times the default length."""
     assert w.rate is not None
-    default, scale = SessionsSpec, args.prompt_scale
+    shape, scale = SHAPES[w.shape], args.prompt_scale
 
     def scaled(span: tuple[int, int]) -> tuple[int, int]:
         return (max(1, round(span[0] * scale)), max(1, round(span[1] * scale)))
 
+    turns = shape.get("turns", args.turns_range)
     return SessionsSpec(
         rate=w.rate,
-        think_s=args.think,
-        turns_min=args.turns_range[0],
-        turns_max=args.turns_range[1],
-        system_tokens=max(1, round(default.system_tokens * scale)),
-        first_tokens=scaled(default.first_tokens),
-        user_tokens=scaled(default.user_tokens),
+        think_s=shape.get("think_s", args.think),
+        turns_min=turns[0],
+        turns_max=turns[1],
+        system_prompts=shape.get("system_prompts", SessionsSpec.system_prompts),
+        system_tokens=max(1, round(shape.get("system_tokens", SessionsSpec.system_tokens) * scale)),
+        first_tokens=scaled(shape.get("first_tokens", SessionsSpec.first_tokens)),
+        user_tokens=scaled(shape.get("user_tokens", SessionsSpec.user_tokens)),
+        reply_tokens=shape.get("reply_tokens", SessionsSpec.reply_tokens),
         seed=args.seed,
     )
 
@@ -131,6 +157,8 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
         "slo": (args.slo_ttft, args.slo_tpot),
     }
     if w.kind == "sessions":
+        if w.shape == "agents" and w.keyed:  # a coding agent's own session header, beside the contender's
+            common["key_headers"] = (*c.key_headers, AGENT_HEADER)
         return ReplayOptions(workload="sessions", duration_s=args.duration, spec=sessions_spec(w, args), **common)
     if w.kind == "longdoc":
         return ReplayOptions(workload="longdoc", duration_s=args.duration, longdoc=longdoc_spec(args), **common)

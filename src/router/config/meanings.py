@@ -10,8 +10,8 @@ HELP = {
     "host": "address to bind (default 127.0.0.1)",
     "port": "port to listen on (default 8080)",
     "policy": "ttft (default: placement by predicted time to first token, from a prefix index of what each "
-    "replica holds and its prefill queue), affinity (sticky sessions on the ring), consistent_hash, round_robin "
-    "or least_load",
+    "replica holds and its prefill queue), affinity (sticky sessions on the ring), consistent_hash, round_robin, "
+    "least_load, or lmetric (a baseline: LMetric's new prefill tokens x batch size)",
     "vnodes": "virtual nodes per replica (default 128)",
     "hash_seed": "ring hash seed (default 0); changing it remaps every session",
     "bounded_load_c": "bounded-load factor c >= 1 (default 1.25)",

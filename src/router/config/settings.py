@@ -177,7 +177,7 @@ class RouterConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
-POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load")
+POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load", "lmetric")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 

@@ -34,7 +34,7 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,9 +87,14 @@ class EngineTokens:
     # `ids` are the whole prompt's; else its history's, whose last token may tokenize otherwise within
     # the whole (a BPE merges it with what follows), so that neither keys its last token
     whole: bool = True
+    _chains: dict[int, array[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def chain(self, block_size: int) -> array[int]:
-        return request_chain(self.ids, block_size, root_of(self.lora_name, self.salt))
+        """The keys of the blocks an engine of `block_size` may hold of it (made once per size)."""
+        found = self._chains.get(block_size)
+        if found is None:
+            found = self._chains[block_size] = request_chain(self.ids, block_size, root_of(self.lora_name, self.salt))
+        return found
 
 
 class TokenizerError(RouterError, ValueError):

@@ -12,6 +12,13 @@ turns them into the hit they are worth for a replica computing at `seconds_per_t
 tier tokens x max(0, 1 - tier seconds per token / seconds per token). The tier's speed starts at
 `kv_tier_tokens_per_s` and is learnt from the answers that loaded blocks back (`learn_tier`).
 
+What will be held when a request runs, not only what is held now: an engine runs what it was sent
+in order, so the prompt blocks of the requests the router sent a replica and that have not ended
+(`expect`, until `unexpect`) will be there before a request sent now is scheduled — held, or being
+computed and pinned — though no event says so yet. A conversation's next turn sent while its last
+turn is still prefilling finds that turn's blocks coming on its replica, and nowhere else: without
+them the replica that will hold the whole history looked no better than an idle one.
+
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
 replica holds what its best rank holds.
@@ -20,6 +27,8 @@ replica holds what its best rank holds.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.kvevents.holdings import Holdings
@@ -44,6 +53,7 @@ class Truth:
         self.replicas: dict[str, dict[int, Holdings]] = {}
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
+        self.coming: dict[str, Counter[int]] = {}  # replica -> blocks of the requests in flight there
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -62,6 +72,26 @@ class Truth:
     def forget(self, replica_id: str) -> None:
         for h in self.replicas.pop(replica_id, {}).values():
             h.close()
+        self.coming.pop(replica_id, None)
+
+    def block_size(self, replica_id: str) -> int | None:
+        """The block size its events say it keys blocks in (None: not said yet)."""
+        return next((h.block_size for h in self.replicas.get(replica_id, {}).values() if h.block_size), None)
+
+    def expect(self, replica_id: str, keys: Sequence[int]) -> None:
+        """A request was sent there: its prompt's blocks will be there when what is sent next runs."""
+        coming = self.coming.setdefault(replica_id, Counter())
+        coming.update(keys)
+
+    def unexpect(self, replica_id: str, keys: Sequence[int]) -> None:
+        """... it ended (or failed): its blocks are what the events say from now on."""
+        coming = self.coming.get(replica_id)
+        if coming is None:
+            return
+        coming.subtract(keys)
+        for key in keys:
+            if coming.get(key, 1) <= 0:
+                del coming[key]
 
     def sure(self, replica_id: str) -> bool:
         ranks = self.replicas.get(replica_id)
@@ -80,6 +110,7 @@ class Truth:
         if not ranks:
             return None
         best: Found | None = None
+        coming = self.coming.get(replica_id)
         for h in ranks.values():
             if not h.sure:
                 return None
@@ -94,6 +125,9 @@ class Truth:
             if chain is None:
                 chain = chains[size] = tokens.chain(size)
             gpu = h.match(chain)
+            if coming:  # what the requests in flight there compute before this one runs
+                while gpu < len(chain) and chain[gpu] in coming:
+                    gpu += 1
             tier = 0
             for medium in h.tiers:
                 if medium != MEDIUM_GPU:

@@ -13,10 +13,13 @@ from router.policy.affinity import Affinity
 from router.policy.base import Decision, Explained, Hearing, Policy
 from router.policy.consistent_hash import ConsistentHash
 from router.policy.least_load import LeastLoad
+from router.policy.lmetric import Lmetric
 from router.policy.round_robin import RoundRobin
 from router.policy.ttft import Ttft
 
-REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Ttft, Affinity, ConsistentHash, RoundRobin, LeastLoad)}
+REGISTRY: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Ttft, Affinity, ConsistentHash, RoundRobin, LeastLoad, Lmetric)
+}
 # config validates `policy` against its own list of names (config sits below the policies)
 assert tuple(REGISTRY) == POLICIES, "config.POLICIES must name the policies of REGISTRY, in order"
 
