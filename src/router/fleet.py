@@ -40,6 +40,12 @@ NONE: frozenset[int] = frozenset()
 MODEL_MEMO = 1024  # models whose replica sets are remembered between fleet changes
 UNLISTED_LABELS = 16  # model names a metric label may carry though no replica lists them (Fleet.model_label)
 TTFT_FLOOR_TOKENS = 256  # a short prompt's first token costs a fixed overhead: normalise by at least this
+# a reply's time per output token is a latency sample only while the prompt tokens sent to its replica
+# during it (others' prefill, which shares the engine's steps) stay within this many per token it
+# decoded: past that it measures their prompts, not the replica (a long prompt's prefill chunks
+# stretch every decode step beside it: on the Mooncake traces, replicas 4 to 33 times their
+# peers' time per token, and healthy, were taken out of routing)
+TPOT_PREFILL_TOKENS = 64
 WEIGHT_STEP = 0.05  # ring weights follow health in steps at least this big (each change rebuilds the ring)
 
 
@@ -62,6 +68,7 @@ class ReplicaState:
     agent: str = "none"  # its router-agent's last reading: none (no agent), fresh, stale or gone
     # (when, seconds per output token) of recent streamed replies, for the latency signal
     tpot: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    prompt_sent: float = 0.0  # prompt tokens this process sent there so far (to prefill), as estimated
     # (when, time to first token per prompt token computed, at least TTFT_FLOOR_TOKENS of them)
     ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # with worker processes: this replica's slot in the shared table, and (median, samples) of

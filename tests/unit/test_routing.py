@@ -256,6 +256,22 @@ async def test_a_keyless_or_failed_request_remembers_nothing() -> None:
     assert len(routing.directory.table) == 0 and observer.seen == []
 
 
+async def test_a_reply_beside_anothers_long_prefill_is_no_latency_sample() -> None:
+    """A long prompt sent to the same replica while a reply decodes stretches its steps: that reply's
+    time per token measures the other's prompt, not the replica. A few short ones beside it do not."""
+    routing, clock, _ = core()
+    for others, counted in ((8000.0, False), (10.0, True)):  # prompt tokens others sent there meanwhile
+        route = await routing.route(key("s1"), clock.now, clock.now + 60)
+        replica = route.next(clock.now)
+        assert replica is not None
+        before = len(replica.tpot)
+        replica.prompt_sent += others
+        clock.now += 1.0
+        route.release(replica)
+        route.served(replica, Served(200, ttft_s=0.2, prompt_tokens=100, completion_tokens=9, streamed=True))
+        assert len(replica.tpot) == before + counted, others
+
+
 async def test_samples_and_tokens_feed_the_replica() -> None:
     routing, clock, _ = core()
     route = await routing.route(key("s1"), clock.now, clock.now + 60)

@@ -11,11 +11,17 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 | memory: KV usage while more wait than at its peers | 0.90 | 1.00 | full KV with a queue is pressure; else busy |
 | fragmentation of held KV | 0.30 | 0.80 | blocks held but unused shrink the real capacity |
 | error rate (router-observed) | 0.05 | 0.50 | failing requests |
-| latency: time per output token vs the fleet's median | 2x | 4x | much slower than its peers on like work |
+| latency: time per output token vs the fleet's median (see below) | 2x | 4x | much slower than its peers on like work |
 | first token: TTFT per prompt token computed, sent while idle, vs the fleet's | 3x | 6x | slow prefill |
 | GPU temperature, hottest GPU (agent) | 85 C | 95 C | heat throttling is near |
 | GPU clocks slowed (agent: thermal, power brake, HW slowdown) | — | yes | every step runs slower |
 | uncorrected ECC errors (agent) | 0 | 1 or more | the GPU's memory is failing |
+
+Time per output token is sampled only from replies that shared their replica with little of
+others' prefill (router.fleet.TPOT_PREFILL_TOKENS prompt tokens sent there per token decoded):
+chunked prefill stretches every decode step beside a long prompt, and a replica given a long
+document is busy, not sick (on the Mooncake traces such replicas measured 4 to 33 times their
+peers' time per token and were taken out of routing, their sessions moved off their caches).
 
 Queue and memory are counted against the replica's peers (`peer_waiting`: the median of the
 others' waiting, this round): when the whole fleet is overloaded every engine has a queue and a

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from router.fleet import TTFT_FLOOR_TOKENS, Fleet, ReplicaState
+from router.fleet import TPOT_PREFILL_TOKENS, TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.keys import RoutingKey, stored_key
 from router.metrics import RouterMetrics
 from router.policy import Decision, Explained, Hearing, Policy
@@ -154,6 +154,7 @@ class Route:
         "late",
         "local",
         "parent",
+        "prompt_mark",
         "refuse_late",
         "routing",
         "t0",
@@ -186,6 +187,7 @@ class Route:
         self.first: ReplicaState | None = None
         self.decision: Decision | None = None  # the latest pick for the request itself
         self.alone = False  # the latest pick had nothing else in flight when acquired
+        self.prompt_mark = 0.0  # its replica's prompt_sent once its own prompt was counted there
         # what the policy learns from this route's attempts (ttft: its prefix index and prefill queues)
         self.hearing: Hearing | None = routing.policy.hear(key) if hearing else None
         self.timed_out = False  # `next` refused for the deadline
@@ -252,6 +254,8 @@ class Route:
             fleet.sent_adapter(replica, model)  # its engine loads it: the next request for it knows
         # nothing else in flight there: its time to first token measures the replica, not a queue
         self.alone = replica.index is not None and fleet.loads[replica.index] <= 1
+        replica.prompt_sent += _to_prefill(self.key, decision)
+        self.prompt_mark = replica.prompt_sent
         if self.hearing is not None:
             self.hearing.sent(replica, decision, now)
         return replica
@@ -303,9 +307,11 @@ class Route:
             m.child(m.cached_tokens, replica.id).inc(facts.cached_tokens)
         if facts.streamed and facts.ttft_s is not None and not facts.cut:
             now = routing.clock()
-            if facts.completion_tokens >= 2:
-                # time per output token after the first: the latency signal, normalised by reply length
-                replica.tpot.append((now, (now - self.t0 - facts.ttft_s) / (facts.completion_tokens - 1)))
+            decoded = facts.completion_tokens - 1
+            if decoded >= 1 and replica.prompt_sent - self.prompt_mark <= TPOT_PREFILL_TOKENS * decoded:
+                # time per output token after the first: the latency signal, normalised by reply
+                # length, from replies that shared their engine with little of others' prefill
+                replica.tpot.append((now, (now - self.t0 - facts.ttft_s) / decoded))
             if facts.prompt_tokens and self.alone:
                 # time to first token per prompt token computed (cached ones are nearly free), from
                 # requests that found the replica otherwise idle: a queue is load, not sickness
@@ -385,3 +391,14 @@ class Route:
         routing = self.routing
         started_ms = (routing.wall() - (routing.clock() - self.t0)) * 1000 - routing.move_slack_ms
         routing.directory.remember(self.key.key if key is None else key, replica, started_ms)
+
+
+def _to_prefill(key: RoutingKey, decision: Decision) -> float:
+    """The prompt tokens a request sends its replica to compute: what the decision priced as not
+    cached there, else its whole prompt as the key measures it (bytes / 4), else none known."""
+    if decision.cost is not None:
+        return decision.cost.uncached_tokens
+    prompt = key.prompt
+    if prompt is None:
+        return 0.0
+    return float(prompt.tokens.count) if prompt.tokens is not None else prompt.nbytes / 4
