@@ -58,7 +58,7 @@ from router.bench.common import free_port, positive_int
 from router.bench.vllm import MODEL_NAME, NotBuilt, VllmServer, find_vllm
 from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet
-from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError
+from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError, request_chain, root_of
 from router.kvevents.wire import MEDIUM_GPU, Batch, Stored
 from router.measures import percentile
 from router.placement import Placement
@@ -326,8 +326,10 @@ async def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> 
                 "events": time_calls(events, args.repeat, args.max_seconds),
                 "model": time_calls(model, args.repeat, args.max_seconds),
             }
-        tokens = EngineTokens(len(row["ids"]), row["ids"], None, None, "tokenizer")
-        row["chain"] = time_calls(partial(tokens.chain, args.block_size), args.repeat, args.max_seconds)
+        # the chain alone (EngineTokens keeps a request's chain once made: each call a new one here)
+        row["chain"] = time_calls(
+            partial(request_chain, row["ids"], args.block_size, root_of(None, None)), args.repeat, args.max_seconds
+        )
     if args.render:
         assert root is not None
         longest = max(row["prompt_tokens"] for row in rows)
