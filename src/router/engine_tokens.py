@@ -57,7 +57,14 @@ import orjson
 from router.apis import CHAT, COMPLETION, MESSAGES, Api
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
-from router.kvevents.tokens import ChatTokenizer, EmulatorTokenizer, EngineTokens, Tokenizer, TokenizerError
+from router.kvevents.tokens import (
+    ChatTokenizer,
+    EmulatorTokenizer,
+    EngineTokens,
+    Tokenizer,
+    TokenizerError,
+    message_keys,
+)
 from router.metrics import RouterMetrics
 from router.ring import xxh3_64
 
@@ -435,20 +442,8 @@ def conversation_hashes(model: str, api: Api, body: Mapping[str, Any]) -> list[i
         return []
     tools = body.get("tools")
     if tools is not None:
-        seed = xxh3_64(_dumps(tools), seed)
-    out = []
-    h = seed
-    for message in messages:
-        h = xxh3_64(_dumps(message), h)
-        out.append(h)
-    return out
-
-
-def _dumps(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except TypeError:
-        return repr(value).encode("utf-8", "surrogatepass")
+        seed = message_keys([tools], seed)[0]
+    return message_keys(messages, seed)
 
 
 def _family(path: str) -> str:

@@ -342,6 +342,32 @@ def test_a_conversations_earlier_turns_are_not_tokenized_again(tmp_path: Path) -
     assert tokenized < len(rendered) // 4  # ... from the new turns' text alone
 
 
+def test_a_turn_renders_its_template_once_and_a_changed_history_is_tokenized_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = Tokenizer(small_model(tmp_path))
+    renders = []
+    render = tokenizer.render
+    monkeypatch.setattr(tokenizer, "render", lambda *a, **k: renders.append(1) or render(*a, **k))
+    messages = [{"role": "system", "content": "the fox " * 50}, {"role": "user", "content": "the dog?"}]
+    tokenizer.chat(messages)
+    messages += [{"role": "assistant", "content": "the weather"}, {"role": "user", "content": "and the fox?"}]
+    tokenizer.chat(messages)
+    assert len(renders) == 2  # once a turn
+    # a template that renders the last message otherwise: the kept turn's text is no prefix of the
+    # next one's, though its messages are; the text's hash says so, and the turn is tokenized whole
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% if loop.last %}!{% endif %}"
+        "{{ '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+    marked = Tokenizer(tmp_path)
+    marked.chat(messages[:2])
+    before = marked.tokenized
+    ids = marked.chat(messages)
+    assert marked.tokenized - before == len(marked.render(messages))
+    assert list(ids) == marked.encode(marked.render(messages))
+
+
 def test_a_template_that_refuses_is_an_error_not_a_crash(tmp_path: Path) -> None:
     small_model(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")

@@ -20,9 +20,10 @@ Where the token ids come from: the model's own tokenizer and chat template, read
 `chat_template.jinja` or `tokenizer_config.json`, rendered with Jinja as the engine renders it),
 or, for router-emulator's replicas, the emulator's own (`EmulatorTokenizer`); router.engine_tokens
 finds which from what each engine says it serves. A conversation's earlier messages are not
-tokenized again: the token ids of each rendered history are kept (bounded LRU, by the hash of its
-text), and a new turn tokenizes only what follows its history when the template renders the
-history as a prefix of the whole (it does for every template that wraps each message alike).
+tokenized again, and its template is rendered once a turn: each prompt's ids are kept (bounded
+LRU) by a hash of its messages, and the next turn tokenizes only what follows when its text starts
+with the kept one (it does for every template that wraps each message alike and opens a reply with
+its generation prompt; a hash of the text checks it, else the turn is tokenized whole).
 Where no tokenizer can be had, the engine tokenizes a conversation off the request's path and
 its next turn knows the tokens of its history only (`EngineTokens.whole` False).
 """
@@ -37,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+import orjson
 
 from router.errors import RouterError
 from router.kvevents.emulator_tokens import render_chat, token_ids
@@ -162,7 +165,8 @@ class Tokenizer:
             except Exception as exc:
                 raise TokenizerError(f"{folder}: its chat template does not compile: {exc}") from None
         self.folder = folder
-        self._histories: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        # a prompt kept by its messages' key: (its text's length, the text's hash, its ids)
+        self._histories: OrderedDict[int, tuple[int, int, tuple[int, ...]]] = OrderedDict()
         self.tokenized = 0  # characters tokenized (a history found in the cache is not)
 
     def encode(self, text: str) -> list[int]:
@@ -176,36 +180,34 @@ class Tokenizer:
         return str(self.template.render(messages=messages, add_generation_prompt=generation, **self.special, **extra))
 
     def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]:
-        """The token ids of a chat request's prompt. The conversation so far (rendered without the
-        generation prompt) is kept by the hash of its text; the next turn renders its earlier
-        messages, finds them kept, and tokenizes only what follows (a template that does not
-        render a history as a prefix of the whole is tokenized whole)."""
+        """The token ids of a chat request's prompt, its template rendered once. Each prompt is kept
+        (its text's length and hash, and its ids) by the hash of its messages; the next turn of the
+        conversation (those messages, a reply and more) finds it, checks that its own text starts
+        with that text (every template that renders a history and its generation prompt as the
+        start of the longer conversation does), and tokenizes only what follows; else it is
+        tokenized whole."""
         text = self.render(messages, True, **extra)
-        so_far = self.render(messages, False, **extra)
-        if not text.startswith(so_far):
-            return tuple(self.encode(text))
+        keys = message_keys(messages, _extra_seed(extra))
         head: tuple[int, ...] = ()
         start = 0
         for cut in range(len(messages) - 1, max(0, len(messages) - HISTORY_LOOKBACK) - 1, -1):
-            if cut <= 0:
+            kept = self._histories.get(keys[cut - 1]) if cut > 0 else None
+            if kept is not None and kept[0] <= len(text) and _text_key(text[: kept[0]]) == kept[1]:
+                self._histories.move_to_end(keys[cut - 1])
+                head, start = kept[2], kept[0]
                 break
-            earlier = self.render(messages[:cut], False, **extra)
-            found = self._histories.get(_text_key(earlier)) if so_far.startswith(earlier) else None
-            if found is not None:
-                self._histories.move_to_end(_text_key(earlier))
-                head, start = found, len(earlier)
-                break
-        body = (*head, *self.encode(so_far[start:])) if start < len(so_far) else head
-        self._keep(_text_key(so_far), body)
-        return (*body, *self.encode(text[len(so_far) :])) if len(so_far) < len(text) else body
+        ids = (*head, *self.encode(text[start:])) if start < len(text) else head
+        if keys:
+            self._keep(keys[-1], (len(text), _text_key(text), ids))
+        return ids
 
     def prompt(self, text: str) -> tuple[int, ...]:
         """A completion's prompt, as vLLM tokenizes it (the tokenizer's own special tokens added)."""
         self.tokenized += len(text)
         return tuple(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
-    def _keep(self, h: int, ids: tuple[int, ...]) -> None:
-        self._histories[h] = ids
+    def _keep(self, h: int, kept: tuple[int, int, tuple[int, ...]]) -> None:
+        self._histories[h] = kept
         self._histories.move_to_end(h)
         if len(self._histories) > HISTORY_CACHE:
             self._histories.popitem(last=False)
@@ -213,6 +215,29 @@ class Tokenizer:
 
 def _text_key(text: str) -> int:
     return xxh3_64(text.encode("utf-8", "surrogatepass"))
+
+
+def message_keys(messages: Sequence[Any], seed: int) -> list[int]:
+    """One key per prefix of a chat's messages (the last: all of them), chained from `seed`, so
+    that one pass over the messages keys every prefix; a message's key is its JSON's (keys sorted)."""
+    out = []
+    h = seed
+    for message in messages:
+        h = xxh3_64(_json_bytes(message), h)
+        out.append(h)
+    return out
+
+
+def _json_bytes(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return repr(value).encode("utf-8", "surrogatepass")
+
+
+def _extra_seed(extra: Mapping[str, Any]) -> int:
+    """What the template gets besides the messages (tools), as the seed of their keys."""
+    return xxh3_64(_json_bytes(extra)) if extra else 0
 
 
 def _token_text(value: Any) -> str:
@@ -233,6 +258,7 @@ __all__ = [
     "EngineTokens",
     "Tokenizer",
     "TokenizerError",
+    "message_keys",
     "request_chain",
     "root_of",
     "token_chain",
