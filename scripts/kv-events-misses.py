@@ -3,17 +3,18 @@
     python scripts/kv-events-misses.py --blocks 128 --replicas 2 --rate 0.3 --duration 60 --out misses
 
 Starts `--replicas` vLLM replicas (router.bench.vllm: scripts/build-vllm.sh) of `--blocks` KV blocks
-of 32 tokens, each publishing its KV-cache events and serving the render endpoints, and
-router-serve as shipped in front (events found through /kv_event_sources, requests tokenized by
-render). It sends `router-bench fleet --engine vllm`'s sessions chats (their text at a quarter of
-the emulator's length, replies of 50-250 tokens with ignore_eos) and, for every request:
+of 32 tokens, each publishing its KV-cache events, started as vLLM's docs start it (no `--enable-
+scale-out`: its render endpoints answer 403), and router-serve as shipped in front (events found
+through /kv_event_sources, the model's tokenizer found from /v1/models). It sends `router-bench
+fleet --engine vllm`'s sessions chats (their text at a quarter of the emulator's length, replies of
+50-250 tokens with ignore_eos) and, for every request:
 
 - asks the router where it would go and what it predicts there (`POST /admin/route`, just before
   sending it: the same decision, nothing counted in flight), then sends it through the router and
   reads the engine's `cached_tokens`;
 - follows every replica's events itself, on a socket of its own, into the same index the router
   keeps (router.kvevents.holdings), each message timestamped on arrival; afterwards each request's
-  tokens (the replica's render) give what that replica held of it when the router decided, and
+  tokens (the replica's /tokenize of its messages) give what that replica held of it when the router decided, and
   the least and the most it held from then until the request's first token.
 
 A request whose cached tokens were not predicted exactly is then "evicted while waiting" (the
@@ -184,7 +185,6 @@ async def run(args: argparse.Namespace) -> None:
             max_num_seqs=8,
             kv_blocks=args.blocks,
             max_model_len=min(8192, (args.blocks - 1) * BLOCK),
-            scale_out=True,
             events_port=free_port(),
             replay_port=free_port(),
             env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
@@ -235,11 +235,11 @@ async def run(args: argparse.Namespace) -> None:
             t0 = time.monotonic()
             await asyncio.gather(*(converse(http, url, p, t0, records) for p in plans))
             by_port = {s.url.rsplit(":", 1)[1]: i for i, s in enumerate(servers)}
-            for r in records:  # the engine's tokens of each request, from its replica's render
+            for r in records:  # the engine's tokens of each request, from its replica's /tokenize
                 r["index"] = by_port.get(r["replica"].rsplit(":", 1)[-1], 0)
-                body = {"model": MODEL, "messages": r.pop("messages")}
-                async with http.post(servers[r["index"]].url + "/v1/chat/completions/render", json=body) as resp:
-                    r["ids"] = (await resp.json())["token_ids"]
+                body = {"model": MODEL, "messages": r.pop("messages"), "add_generation_prompt": True}
+                async with http.post(servers[r["index"]].url + "/tokenize", json=body) as resp:
+                    r["ids"] = (await resp.json())["tokens"]
     finally:
         router.terminate()
         await router.wait()
