@@ -45,7 +45,6 @@ import logging
 import random
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,6 +62,7 @@ from router.kvevents.tokens import (
     EngineTokens,
     Tokenizer,
     TokenizerError,
+    TokenStore,
     message_keys,
 )
 from router.metrics import RouterMetrics
@@ -76,7 +76,6 @@ MISMATCH_RETRY_S = 600.0  # ... one whose tokenizer the engine contradicted
 ASK_TIMEOUT_S = 5.0  # one request to an engine (its models, render, tokenize)
 LOAD_TIMEOUT_S = 120.0  # loading a tokenizer (a hub download included)
 LEARNING = 4  # background tokenizations in flight at once; a request beyond them is not learnt
-LEARNT = 8192  # conversations whose tokens are kept
 LOOKBACK = 4  # messages back a request looks for its conversation's learnt tokens
 MAX_TOKENIZERS = 64  # models whose tokenizers are kept
 REFUSING = frozenset({401, 403, 404, 405, 501})
@@ -127,7 +126,7 @@ class EngineTokenizers:
         self.bytes_per_token = bytes_per_token
         self.models: dict[str, ModelTokens] = {}
         self.refused: dict[tuple[str, str], float] = {}  # (replica id, _family(path)) -> until when not asked
-        self.learnt: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.learnt = TokenStore()  # conversations' tokens as engines tokenized them, by their messages' key
         self.learning: set[int] = set()  # conversations being tokenized by an engine now
         self.tasks: set[asyncio.Task[Any]] = set()
 
@@ -160,9 +159,9 @@ class EngineTokenizers:
             return key
         head = None
         for h in hashes[: -LOOKBACK - 1 : -1]:
-            head = self.learnt.get(h)
-            if head is not None:
-                self.learnt.move_to_end(h)
+            found = self.learnt.get(h)
+            if found is not None:
+                head = tuple(found[1])
                 break
         if hashes[-1] not in self.learnt:
             self._learn(hashes[-1], fed, api, body)
@@ -195,26 +194,32 @@ class EngineTokenizers:
 
     async def _find(self, model: str, known: ModelTokens, fed: list[ReplicaState]) -> None:
         try:
-            found = await self._load(model, fed)
-            if found is None:
-                known.retry_at = time.monotonic() + RETRY_S
-                return
-            tokenizer, source = found
-            verdict = await self._verify(model, tokenizer, fed)
-            self.metrics.child(self.metrics.token_checks, model, verdict).inc()
-            if verdict == "mismatch":
-                known.retry_at = time.monotonic() + MISMATCH_RETRY_S
-                return
-            if verdict == "error":
-                known.retry_at = time.monotonic() + RETRY_S
-                return
-            known.tokenizer, known.source = tokenizer, source
-            m = self.metrics
-            m.child(m.tokenizer, model, "learnt").set(0)
-            m.child(m.tokenizer, model, source).set(1)
-            log.info("model %s: tokenized in the router (%s tokenizer, %s against the engine)", model, source, verdict)
+            await self._search(model, known, fed)
+        except Exception:  # a background task: said in the log, tried again later, never lost silently
+            log.exception("model %s: finding its tokenizer failed", model)
+            known.retry_at = time.monotonic() + RETRY_S
         finally:
             known.finding = None
+
+    async def _search(self, model: str, known: ModelTokens, fed: list[ReplicaState]) -> None:
+        found = await self._load(model, fed)
+        if found is None:
+            known.retry_at = time.monotonic() + RETRY_S
+            return
+        tokenizer, source = found
+        verdict = await self._verify(model, tokenizer, fed)
+        self.metrics.child(self.metrics.token_checks, model, verdict).inc()
+        if verdict == "mismatch":
+            known.retry_at = time.monotonic() + MISMATCH_RETRY_S
+            return
+        if verdict == "error":
+            known.retry_at = time.monotonic() + RETRY_S
+            return
+        known.tokenizer, known.source = tokenizer, source
+        m = self.metrics
+        m.child(m.tokenizer, model, "learnt").set(0)
+        m.child(m.tokenizer, model, source).set(1)
+        log.info("model %s: tokenized in the router (%s tokenizer, %s against the engine)", model, source, verdict)
 
     async def _load(self, model: str, fed: list[ReplicaState]) -> tuple[ChatTokenizer, str] | None:
         """The model's tokenizer and where it came from; None where it cannot be had (said in the log)."""
@@ -366,10 +371,7 @@ class EngineTokenizers:
         if isinstance(ids, tuple):
             m = self.metrics
             m.child(m.tokenize_seconds, "engine").observe(time.perf_counter() - t0)
-            self.learnt[h] = ids
-            self.learnt.move_to_end(h)
-            if len(self.learnt) > LEARNT:
-                self.learnt.popitem(last=False)
+            self.learnt.put(h, ids)
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)

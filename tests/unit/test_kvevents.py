@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.kvevents.holdings import GAP, OK, RESTART, Holdings
-from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError, request_chain, root_of, token_chain
+from router.kvevents.tokens import (
+    EngineTokens,
+    Tokenizer,
+    TokenizerError,
+    TokenStore,
+    request_chain,
+    root_of,
+    token_chain,
+)
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode, frames_of
 from router.prefix import PrefixIndex
@@ -366,6 +374,19 @@ def test_a_turn_renders_its_template_once_and_a_changed_history_is_tokenized_who
     ids = marked.chat(messages)
     assert marked.tokenized - before == len(marked.render(messages))
     assert list(ids) == marked.encode(marked.render(messages))
+
+
+def test_kept_tokens_are_bounded_by_the_ids_they_hold() -> None:
+    store = TokenStore(max_tokens=100)
+    store.put(1, range(60), "a")
+    store.put(2, range(30))
+    assert store.get(1) == ("a", array("Q", range(60))) and store.tokens == 90  # 1 is now the most recent
+    store.put(3, range(20))  # 110 > 100: the least recently used (2) goes
+    assert 2 not in store and 1 in store and 3 in store and store.tokens == 80
+    store.put(1, range(5))  # kept again, smaller
+    assert store.tokens == 25 and len(store) == 2
+    store.put(4, range(101))  # more than the whole store: not kept, nothing dropped for it
+    assert 4 not in store and len(store) == 2
 
 
 def test_a_template_that_refuses_is_an_error_not_a_crash(tmp_path: Path) -> None:

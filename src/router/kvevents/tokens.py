@@ -46,7 +46,7 @@ from router.kvevents.emulator_tokens import render_chat, token_ids
 from router.prefix import block_chain
 from router.ring import xxh3_64
 
-HISTORY_CACHE = 4096  # rendered conversations whose token ids are kept
+KEPT_TOKENS = 4_000_000  # token ids a store of conversations keeps at most (8 bytes each: 32 MiB)
 HISTORY_LOOKBACK = 4  # messages back a new turn looks for a kept conversation
 _ROOT_TAG = b"kvar-token-root\x00"
 _LITTLE = sys.byteorder == "little"
@@ -102,6 +102,43 @@ class EngineTokens:
 
 class TokenizerError(RouterError, ValueError):
     """A model folder whose tokenizer or chat template cannot be read; the message names the file."""
+
+
+class TokenStore:
+    """Token ids kept by key, least recently used out, bounded by the ids they hold in all (a
+    long conversation holds as much as thousands of short ones); each kept as an array of 8-byte
+    ids (a tuple of Python ints costs several times that)."""
+
+    def __init__(self, max_tokens: int = KEPT_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._kept: OrderedDict[int, tuple[Any, array[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._kept
+
+    def get(self, key: int) -> tuple[Any, array[int]] | None:
+        """(what was kept beside the ids, the ids), made the most recently used; None if not kept."""
+        found = self._kept.get(key)
+        if found is not None:
+            self._kept.move_to_end(key)
+        return found
+
+    def put(self, key: int, ids: Sequence[int], tag: Any = None) -> None:
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self.tokens -= len(old[1])
+        if len(ids) > self.max_tokens:
+            return
+        kept = ids if isinstance(ids, array) and ids.typecode == "Q" else array("Q", ids)
+        self._kept[key] = (tag, kept)
+        self.tokens += len(kept)
+        while self.tokens > self.max_tokens:
+            _, (_, dropped) = self._kept.popitem(last=False)
+            self.tokens -= len(dropped)
 
 
 class ChatTokenizer(Protocol):
@@ -165,8 +202,8 @@ class Tokenizer:
             except Exception as exc:
                 raise TokenizerError(f"{folder}: its chat template does not compile: {exc}") from None
         self.folder = folder
-        # a prompt kept by its messages' key: (its text's length, the text's hash, its ids)
-        self._histories: OrderedDict[int, tuple[int, int, tuple[int, ...]]] = OrderedDict()
+        # a prompt kept by its messages' key: its ids, and (its text's length, the text's hash)
+        self._histories = TokenStore()
         self.tokenized = 0  # characters tokenized (a history found in the cache is not)
 
     def encode(self, text: str) -> list[int]:
@@ -188,29 +225,22 @@ class Tokenizer:
         tokenized whole."""
         text = self.render(messages, True, **extra)
         keys = message_keys(messages, _extra_seed(extra))
-        head: tuple[int, ...] = ()
+        head: Sequence[int] = ()
         start = 0
         for cut in range(len(messages) - 1, max(0, len(messages) - HISTORY_LOOKBACK) - 1, -1):
             kept = self._histories.get(keys[cut - 1]) if cut > 0 else None
-            if kept is not None and kept[0] <= len(text) and _text_key(text[: kept[0]]) == kept[1]:
-                self._histories.move_to_end(keys[cut - 1])
-                head, start = kept[2], kept[0]
+            if kept is not None and kept[0][0] <= len(text) and _text_key(text[: kept[0][0]]) == kept[0][1]:
+                head, start = kept[1], kept[0][0]
                 break
-        ids = (*head, *self.encode(text[start:])) if start < len(text) else head
+        ids = (*head, *self.encode(text[start:])) if start < len(text) else tuple(head)
         if keys:
-            self._keep(keys[-1], (len(text), _text_key(text), ids))
+            self._histories.put(keys[-1], ids, (len(text), _text_key(text)))
         return ids
 
     def prompt(self, text: str) -> tuple[int, ...]:
         """A completion's prompt, as vLLM tokenizes it (the tokenizer's own special tokens added)."""
         self.tokenized += len(text)
         return tuple(self.tokenizer.encode(text, add_special_tokens=True).ids)
-
-    def _keep(self, h: int, kept: tuple[int, int, tuple[int, ...]]) -> None:
-        self._histories[h] = kept
-        self._histories.move_to_end(h)
-        if len(self._histories) > HISTORY_CACHE:
-            self._histories.popitem(last=False)
 
 
 def _text_key(text: str) -> int:
@@ -256,6 +286,7 @@ __all__ = [
     "ChatTokenizer",
     "EmulatorTokenizer",
     "EngineTokens",
+    "TokenStore",
     "Tokenizer",
     "TokenizerError",
     "message_keys",
