@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -67,7 +68,8 @@ async def test_a_crashed_replica_is_removed_and_returns_with_a_ramp(start_fleet,
         assert (await chat(url, key))[1] == "emu-1"
 
 
-async def test_a_slow_replica_is_removed_by_its_latency(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+async def test_a_slow_replica_is_removed_by_its_latency(start_fleet, start_router, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="router.health")
     fleet = await start_fleet(4, time_scale=10.0)
     router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
     fleet.replicas[2].set_faults({"slow": 20})
@@ -80,6 +82,9 @@ async def test_a_slow_replica_is_removed_by_its_latency(start_fleet, start_route
         batch += 1
     assert state.state == "removed"
     assert all(r.state in ("healthy", "suspect") for r in router.fleet.replicas if r.id != "emu-2")
+    # the log says why, with the score's inputs
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("replica emu-2: ")]
+    assert any("-> removed" in line and "latency_ratio" in line for line in said), said
 
 
 async def test_a_busy_replica_is_never_removed(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]

@@ -187,7 +187,13 @@ class HealthMonitor:
                 ecc_errors=gpu.get("ecc_errors"),
             )
             replica.inputs = inputs
-            replica.health.observe(health_score(inputs, self.weights), now)
+            before = replica.state
+            score = health_score(inputs, self.weights)
+            replica.health.observe(score, now)
+            if replica.state != before:  # what an operator asks first: why
+                fields = dataclasses.asdict(inputs).items()
+                said = {k: round(v, 3) for k, v in fields if v is not None and v is not True}
+                log.info("replica %s: %s -> %s (score %.2f; %s)", replica.id, before, replica.state, score, said)
             self.fleet.apply_health(replica, now)
         self.rounds += 1
         if self.after_round is not None:
