@@ -161,7 +161,7 @@ class EngineTokenizers:
         for h in hashes[: -LOOKBACK - 1 : -1]:
             found = self.learnt.get(h)
             if found is not None:
-                head = tuple(found[1])
+                head = found[1]
                 break
         if hashes[-1] not in self.learnt:
             self._learn(hashes[-1], fed, api, body)

@@ -380,7 +380,7 @@ def test_kept_tokens_are_bounded_by_the_ids_they_hold() -> None:
     store = TokenStore(max_tokens=100)
     store.put(1, range(60), "a")
     store.put(2, range(30))
-    assert store.get(1) == ("a", array("Q", range(60))) and store.tokens == 90  # 1 is now the most recent
+    assert store.get(1) == ("a", tuple(range(60))) and store.tokens == 90  # 1 is now the most recent
     store.put(3, range(20))  # 110 > 100: the least recently used (2) goes
     assert 2 not in store and 1 in store and 3 in store and store.tokens == 80
     store.put(1, range(5))  # kept again, smaller

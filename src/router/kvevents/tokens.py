@@ -46,7 +46,7 @@ from router.kvevents.emulator_tokens import render_chat, token_ids
 from router.prefix import block_chain
 from router.ring import xxh3_64
 
-KEPT_TOKENS = 4_000_000  # token ids a store of conversations keeps at most (8 bytes each: 32 MiB)
+KEPT_TOKENS = 2_000_000  # token ids a store of conversations keeps at most
 HISTORY_LOOKBACK = 4  # messages back a new turn looks for a kept conversation
 _ROOT_TAG = b"kvar-token-root\x00"
 _LITTLE = sys.byteorder == "little"
@@ -106,13 +106,14 @@ class TokenizerError(RouterError, ValueError):
 
 class TokenStore:
     """Token ids kept by key, least recently used out, bounded by the ids they hold in all (a
-    long conversation holds as much as thousands of short ones); each kept as an array of 8-byte
-    ids (a tuple of Python ints costs several times that)."""
+    long conversation holds as much as thousands of short ones). Kept as the tuples they came in:
+    a conversation's next turn extends its history's tuple, and so shares its int objects (an
+    array would box every id again on each use: 0.5 ms for a 33k-token history)."""
 
     def __init__(self, max_tokens: int = KEPT_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        self._kept: OrderedDict[int, tuple[Any, array[int]]] = OrderedDict()
+        self._kept: OrderedDict[int, tuple[Any, tuple[int, ...]]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -120,7 +121,7 @@ class TokenStore:
     def __contains__(self, key: int) -> bool:
         return key in self._kept
 
-    def get(self, key: int) -> tuple[Any, array[int]] | None:
+    def get(self, key: int) -> tuple[Any, tuple[int, ...]] | None:
         """(what was kept beside the ids, the ids), made the most recently used; None if not kept."""
         found = self._kept.get(key)
         if found is not None:
@@ -133,7 +134,7 @@ class TokenStore:
             self.tokens -= len(old[1])
         if len(ids) > self.max_tokens:
             return
-        kept = ids if isinstance(ids, array) and ids.typecode == "Q" else array("Q", ids)
+        kept = ids if isinstance(ids, tuple) else tuple(ids)
         self._kept[key] = (tag, kept)
         self.tokens += len(kept)
         while self.tokens > self.max_tokens:
@@ -232,7 +233,7 @@ class Tokenizer:
             if kept is not None and kept[0][0] <= len(text) and _text_key(text[: kept[0][0]]) == kept[0][1]:
                 head, start = kept[1], kept[0][0]
                 break
-        ids = (*head, *self.encode(text[start:])) if start < len(text) else tuple(head)
+        ids = (*head, *self.encode(text[start:])) if start < len(text) else tuple(head)  # (a tuple: no copy)
         if keys:
             self._histories.put(keys[-1], ids, (len(text), _text_key(text)))
         return ids
