@@ -210,6 +210,12 @@ class EngineTokenizers:
         verdict = await self._verify(model, tokenizer, fed)
         self.metrics.child(self.metrics.token_checks, model, verdict).inc()
         if verdict == "mismatch":
+            log.error(
+                "model %s: its tokenizer (%s) is not the engine's: not used, its conversations are learnt from "
+                "the engines (tokenizer_dirs names the model's folder by hand)",
+                model,
+                source,
+            )
             known.retry_at = time.monotonic() + MISMATCH_RETRY_S
             return
         if verdict == "error":
@@ -305,8 +311,7 @@ class EngineTokenizers:
             return "match"
         first = next((i for i, (a, b) in enumerate(zip(engine, mine, strict=False)) if a != b), None)
         log.error(
-            "model %s: the router's tokens differ from the engine's (%d against %d tokens, first at %s): its "
-            "requests are not tokenized here (tokenizer_dirs names a model's folder by hand)",
+            "model %s: the router's tokens differ from the engine's (%d against %d tokens, first at %s)",
             model,
             len(mine),
             len(engine),
