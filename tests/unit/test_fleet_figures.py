@@ -272,6 +272,9 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     metrics.child(metrics.kv_events_believed, "r1").set(0)
     metrics.child(metrics.tokenize_seconds, "render").observe(0.002)
     metrics.child(metrics.token_checks, "m", "match").inc(2)
+    metrics.followups.inc(40)
+    metrics.child(metrics.jumps, "cost").inc(2)
+    metrics.child(metrics.jumps, "health").inc(1)
     after = page()
     assert not after.all_believed(2) and not fleet_counters.RouterCounts({}, {"r0": 1}, {}, {}).all_believed(2)
     got = fleet_counters.prediction_figures(before, after)
@@ -283,6 +286,7 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     assert got["kv_events_believed"] == {"r0": 1, "r1": 0}
     assert got["tokenize"]["render"]["count"] == 1 and got["tokenize"]["render"]["seconds"] == pytest.approx(0.002)
     assert got["token_checks"] == {"match": 2}
+    assert got["jumps_by_reason"] == {"cost": 2, "health": 1} and got["cost_move_share"] == 0.05
     # the table's cell: per source, the share exact of how many; none without answers; n/a for a peer
     assert fleet_report.exact_cell(got) == "60.0% of 5 / 100.0% of 1"
     assert fleet_report.exact_cell(fleet_counters.prediction_figures(before, before)) == "none / none"

@@ -36,6 +36,8 @@ class RouterCounts:
     checks: dict[str, float]  # router_token_checks by result: match, mismatch, error
     disagg: dict[str, float] = field(default_factory=dict)  # router_disagg_requests by mode (split, alone, ...)
     tokenizers: dict[str, float] = field(default_factory=dict)  # router_tokenizer by source, over its models
+    jumps: dict[str, float] = field(default_factory=dict)  # router_session_jumps by reason
+    followups: float = 0.0  # router_session_followups: the jump rate's denominator
 
     @classmethod
     def parse(cls, text: str) -> RouterCounts:
@@ -45,6 +47,8 @@ class RouterCounts:
         checks: dict[str, float] = {}
         disagg: dict[str, float] = {}
         tokenizers: dict[str, float] = {}
+        jumps: dict[str, float] = {}
+        followups = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = sample.labels
@@ -63,8 +67,12 @@ class RouterCounts:
                 elif sample.name == "router_tokenizer":
                     source = labels.get("source", "")
                     tokenizers[source] = tokenizers.get(source, 0.0) + sample.value
+                elif sample.name == "router_session_jumps_total":
+                    jumps[labels.get("reason", "")] = sample.value
+                elif sample.name == "router_session_followups_total":
+                    followups = sample.value
         tokens = {k: (v[0], v[1]) for k, v in tokenized.items()}
-        return cls(errors, believed, tokens, checks, disagg, tokenizers)
+        return cls(errors, believed, tokens, checks, disagg, tokenizers, jumps, followups)
 
     def all_believed(self, replicas: int) -> bool:
         return len(self.believed) >= replicas and all(v == 1 for v in self.believed.values())
@@ -103,6 +111,11 @@ def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, A
         for source, (count, seconds) in after.tokenized.items()
     }
     out["token_checks"] = {k: n - before.checks.get(k, 0.0) for k, n in after.checks.items()}
+    # its sessions moved, by why (the router's own count): `cost` is the one its price chose
+    moved = {k: n - before.jumps.get(k, 0.0) for k, n in after.jumps.items() if n - before.jumps.get(k, 0.0)}
+    followups = after.followups - before.followups
+    out["jumps_by_reason"] = moved
+    out["cost_move_share"] = moved.get("cost", 0.0) / followups if followups else math.nan
     if after.disagg:  # with prefill replicas: how its requests were served, split or whole
         modes = {k: n - before.disagg.get(k, 0.0) for k, n in after.disagg.items()}
         out["disagg_modes"] = modes

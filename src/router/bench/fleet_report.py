@@ -48,6 +48,8 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (  # (figur
     ("exact_predicted_model", lambda r: r.get("exact_predicted_model", math.nan)),
     ("predicted_answers_events", lambda r: r.get("predicted_answers_events", math.nan)),
     ("predicted_answers_model", lambda r: r.get("predicted_answers_model", math.nan)),
+    # router-serve only: its sessions' follow-ups sent to another replica because its price chose to
+    ("cost_move_share", lambda r: r.get("cost_move_share", math.nan)),
     # the run's limit (router.bench.bound, emulated fleets): the hit rate of one fleet-wide cache with
     # Belady's eviction over the run's requests, the contender's share of it, and the TTFT floor
     ("bound_hit_rate", lambda r: r.get("bound", {}).get("bound_hit_rate", math.nan)),
@@ -115,6 +117,7 @@ COLUMNS: tuple[Column, ...] = (
     ("load CV", lambda f: _num(f["load_cv"])),
     ("in-flight CV", lambda f: _num(f["inflight_cv"])),
     ("jump rate", lambda f: _pct(f["jump_rate"])),
+    ("moved for cost", lambda f: _pct(f.get("cost_move_share", math.nan))),
     ("GPU busy", lambda f: _pct(f["gpu_busy"])),
     ("exact predicted (events / model)", exact_cell),
 )
@@ -178,6 +181,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         " over the same requests in the order they were sent (router.bench.bound; emulated fleets only);"
         " the limit row shows that rate and the TTFT floor (each request's uncached prefill alone on an"
         " idle engine)."
+        " Moved for cost: router-serve's follow-ups its price sent off their session's replica"
+        ' (`router_session_jumps_total{reason="cost"}` ÷ follow-ups; the jump rate counts every move).'
         " Exact predicted: router-serve's answers whose cached tokens it predicted to the token, of those"
         " it priced by the engine's KV events / by its own model (`router_prefix_prediction_error_tokens`)."
     )
