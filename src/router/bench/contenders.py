@@ -161,8 +161,9 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
     try:
         await child.wait_up(url, "/health", timeout=60)
         # a peer may answer /health before its workers are registered: wait for one real answer
-        # (before the replay and its counters)
-        await first_answer(url)
+        # (before the replay and its counters); a split one may wait for a prefill replica's NIXL
+        # hand-off on a busy machine: given a minute a try, not cut short and sent again
+        await first_answer(url, **({"timeout": 180, "each_s": 60} if c.roles else {}))
     except BaseException:
         child.stop()
         raise

@@ -318,9 +318,13 @@ def peer_command(
     return [exe, *common, *args], None
 
 
-async def first_answer(url: str, timeout: float = 60.0, headers: dict[str, str] | None = None) -> None:
+async def first_answer(
+    url: str, timeout: float = 60.0, headers: dict[str, str] | None = None, each_s: float = 5.0
+) -> None:
     """Until a just-started router answers one completion (a peer may answer /health before its
-    workers are registered)."""
+    workers are registered), each try given `each_s`: a try cut short by the client is a request
+    the replicas may still be working on (a split one holds its prefill's blocks for their lease),
+    so where the first answer is slow, give it long enough rather than try again."""
     body = orjson.dumps(SMALL)
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
@@ -330,7 +334,7 @@ async def first_answer(url: str, timeout: float = 60.0, headers: dict[str, str] 
                     url + "/v1/chat/completions",
                     data=body,
                     headers={"Content-Type": "application/json", **(headers or {})},
-                    timeout=aiohttp.ClientTimeout(total=5),
+                    timeout=aiohttp.ClientTimeout(total=max(0.1, min(each_s, deadline - time.monotonic()))),
                 ) as r:
                     await r.read()
                     if r.status == 200:
