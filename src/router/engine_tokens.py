@@ -63,6 +63,7 @@ from router.kvevents.tokens import (
     Tokenizer,
     TokenizerError,
     TokenStore,
+    Turn,
     message_keys,
 )
 from router.metrics import RouterMetrics
@@ -141,19 +142,19 @@ class EngineTokenizers:
         model = key.model or ""
         t0 = time.perf_counter()
         known = self.of(model, fed)
-        ids: tuple[int, ...] | None = None
+        turn: Turn | None = None
         if known.tokenizer is not None:
             with contextlib.suppress(TokenizerError, ValueError, TypeError):
-                ids = local_ids(known.tokenizer, api, body)
+                turn = local_turn(known.tokenizer, api, body)
         m = self.metrics
         lora = model if model in self.fleet.adapter_names else None
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
-        if ids is not None:
+        if turn is not None:
             m.child(m.tokenize_seconds, "tokenizer").observe(time.perf_counter() - t0)
             if random.random() < self.check_share:
-                self._spawn(self._check_request(model, fed, api, body, ids), "token check")
-            return replace(key, prompt=replace(prompt, tokens=EngineTokens(len(ids), ids, lora, salt, "tokenizer")))
+                self._spawn(self._check_request(model, fed, api, body, turn.ids), "token check")
+            return replace(key, prompt=replace(prompt, tokens=EngineTokens.of_turn(turn, lora, salt)))
         hashes = conversation_hashes(model, api, body)
         if not hashes:
             return key
@@ -411,16 +412,22 @@ def load_tokenizer(where: str, source: str) -> Tokenizer:
 def local_ids(tokenizer: ChatTokenizer, api: Api, body: Mapping[str, Any]) -> tuple[int, ...] | None:
     """A request's prompt in the tokenizer's ids, as its engine would tokenize it; None where the
     body holds no prompt this tokenizes (a list of prompts, non-text content the template refuses)."""
+    turn = local_turn(tokenizer, api, body)
+    return None if turn is None else turn.ids
+
+
+def local_turn(tokenizer: ChatTokenizer, api: Api, body: Mapping[str, Any]) -> Turn | None:
+    """`local_ids` with what the tokenizer keeps of a chat's earlier turn (router.kvevents.tokens.Turn)."""
     if api is COMPLETION:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt:
             prompt = prompt[0]
-        return tokenizer.prompt(prompt) if isinstance(prompt, str) else None
+        return Turn(tokenizer.prompt(prompt)) if isinstance(prompt, str) else None
     messages = chat_messages(api, body)
     if messages is None:
         return None
     extra = {"tools": body["tools"]} if isinstance(body.get("tools"), list) else {}
-    return tokenizer.chat(messages, **extra)
+    return tokenizer.turn(messages, **extra)
 
 
 def chat_messages(api: Api, body: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
@@ -491,4 +498,4 @@ def token_ids_of(answer: Any) -> tuple[int, ...] | None:
     return tuple(ids)
 
 
-__all__ = ["EngineTokenizers", "conversation_hashes", "load_tokenizer", "local_ids", "token_ids_of"]
+__all__ = ["EngineTokenizers", "conversation_hashes", "load_tokenizer", "local_ids", "local_turn", "token_ids_of"]

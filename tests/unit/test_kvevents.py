@@ -17,6 +17,7 @@ from router.kvevents.tokens import (
     Tokenizer,
     TokenizerError,
     TokenStore,
+    extend_chain,
     request_chain,
     root_of,
     token_chain,
@@ -374,6 +375,43 @@ def test_a_turn_renders_its_template_once_and_a_changed_history_is_tokenized_who
     ids = marked.chat(messages)
     assert marked.tokenized - before == len(marked.render(messages))
     assert list(ids) == marked.encode(marked.render(messages))
+
+
+@given(
+    st.lists(st.integers(0, 2**32), max_size=60),
+    st.lists(st.integers(0, 2**32), max_size=60),
+    st.integers(1, 8),
+    st.sampled_from([None, "lora-0"]),
+)
+def test_a_longer_prompts_chain_extends_its_beginnings(
+    head: list[int], more: list[int], block_size: int, lora: str | None
+) -> None:
+    seed = root_of(lora, None)
+    ids = (*head, *more)
+    before = request_chain(head, block_size, seed)
+    # the same keys as hashing it whole, whatever the lengths (a head shorter than a block, the
+    # new ids ending inside the head's last block, nothing new)
+    assert extend_chain(before, ids, block_size, seed) == request_chain(ids, block_size, seed)
+
+
+def test_a_conversations_next_turn_hashes_only_its_new_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import router.kvevents.tokens as tokens  # noqa: PLC0415
+
+    tokenizer = Tokenizer(small_model(tmp_path))
+    messages = [{"role": "system", "content": "the fox " * 80}, {"role": "user", "content": "the dog?"}]
+    first = EngineTokens.of_turn(tokenizer.turn(messages), None, None)
+    assert first.chain(BS) == request_chain(first.ids, BS, root_of(None, None))
+    hashed: list[int] = []
+    chain = tokens.token_chain
+    monkeypatch.setattr(tokens, "token_chain", lambda ids, *a: hashed.append(len(ids)) or chain(ids, *a))
+    messages += [{"role": "assistant", "content": "the weather is fine"}, {"role": "user", "content": "and?"}]
+    second = EngineTokens.of_turn(tokenizer.turn(messages), None, None)
+    made = second.chain(BS)
+    assert 0 < sum(hashed) < len(second.ids) - len(first.ids) + 2 * BS  # the new turn's ids hashed ...
+    assert made == request_chain(second.ids, BS, root_of(None, None))  # ... the same keys as hashing it whole
+    # another adapter's chain of the same messages is its own, not the kept one's
+    other = EngineTokens.of_turn(tokenizer.turn(messages), "lora-0", None)
+    assert other.chain(BS) == request_chain(second.ids, BS, root_of("lora-0", None)) != second.chain(BS)
 
 
 def test_kept_tokens_are_bounded_by_the_ids_they_hold() -> None:

@@ -163,7 +163,10 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
         # a peer may answer /health before its workers are registered: wait for one real answer
         # (before the replay and its counters); a split one may wait for a prefill replica's NIXL
         # hand-off on a busy machine: given a minute a try, not cut short and sent again
-        await first_answer(url, **({"timeout": 180, "each_s": 60} if c.roles else {}))
+        if c.roles:
+            await first_answer(url, timeout=180, each_s=60)
+        else:
+            await first_answer(url)
     except BaseException:
         child.stop()
         raise

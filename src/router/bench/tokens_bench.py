@@ -14,7 +14,8 @@ message) and for the next turn of the same conversation (a `REPLY_TOKENS` reply 
   connection, the JSON answer parsed, the replica otherwise idle. Its token ids must equal the
   tokenizer's, or nothing is reported;
 - **decision**: the rest of the routing decision, in process, on fleets of `--replicas`: the
-  engine's tokens cut into the engine's blocks (`EngineTokens.chain`, `--block-size`) and
+  engine's tokens cut into the engine's blocks (`EngineTokens.chain`, `--block-size`; the follow-up's
+  extending the first turn's, as the tokenizer keeps it) and
   `Placement.price` reading the event-fed truth (every replica believed, the conversation held
   whole on one, other conversations of the same length on the others), against today's decision
   from the router's own model (`prompt_of`, then `Placement.price` without engine tokens). Both
@@ -58,7 +59,16 @@ from router.bench.common import free_port, positive_int
 from router.bench.vllm import MODEL_NAME, NotBuilt, VllmServer, find_vllm
 from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet
-from router.kvevents.tokens import EngineTokens, Tokenizer, TokenizerError, request_chain, root_of
+from router.kvevents.tokens import (
+    Chains,
+    EngineTokens,
+    Tokenizer,
+    TokenizerError,
+    Turn,
+    extend_chain,
+    request_chain,
+    root_of,
+)
 from router.kvevents.wire import MEDIUM_GPU, Batch, Stored
 from router.measures import percentile
 from router.placement import Placement
@@ -227,15 +237,18 @@ class Decision:
                 assert first is not None
                 self.placement.index.insert(self.placement.of(r).holder, first.chain)
 
-    def events(self, body: dict[str, Any], ids: tuple[int, ...]) -> Callable[[], tuple[int, Prompt]]:
+    def events(
+        self, body: dict[str, Any], ids: tuple[int, ...], head: Chains | None = None
+    ) -> Callable[[], tuple[int, Prompt]]:
         """The decision by the engines' events: the key's byte blocks, the engine's tokens, and price
-        (which cuts them into the engine's blocks and matches them against every replica's)."""
+        (which cuts them into the engine's blocks and matches them against every replica's). `head`:
+        the chains of the conversation's earlier turn, kept by the tokenizer (a follow-up's)."""
         placement = self.placement
 
         def decide() -> tuple[int, Prompt]:
             prompt = prompt_of(body, self.block_bytes)
             assert prompt is not None
-            prompt = replace(prompt, tokens=EngineTokens(len(ids), ids, None, None, "tokenizer"))
+            prompt = replace(prompt, tokens=EngineTokens.of_turn(Turn(ids, {}, head), None, None))
             best, _, _ = placement.price(prompt, (), None, placement.clock())
             return best, prompt
 
@@ -302,11 +315,16 @@ async def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> 
         row["tokenizer"] = time_calls(partial(tokenizer.chat, messages), args.repeat, args.max_seconds)
         body = {"model": MODEL_NAME, "messages": messages}
         first_body = {"model": MODEL_NAME, "messages": conv.first}
+        # a follow-up finds its first turn's chain kept beside its tokens (made when it was priced)
+        seed = root_of(None, None)
+        head: Chains | None = None
+        if row["turn"] != "first":
+            head = {(args.block_size, seed): request_chain(row["first_ids"], args.block_size, seed)}
         row["decision"] = {}
         for replicas in args.replicas:
             progress(f"{row['tokens']:,} tokens, {row['turn']} turn: decision on {replicas} replicas")
             d = Decision(replicas, args.block_size, row["first_ids"], first_body)
-            events, model = d.events(body, row["ids"]), d.model(body)
+            events, model = d.events(body, row["ids"], head), d.model(body)
             best, prompt = events()
             known = d.placement.rows()[0].cached_tokens
             # what the first replica holds of this prompt: the whole blocks of the first turn it shares
@@ -326,10 +344,13 @@ async def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> 
                 "events": time_calls(events, args.repeat, args.max_seconds),
                 "model": time_calls(model, args.repeat, args.max_seconds),
             }
-        # the chain alone (EngineTokens keeps a request's chain once made: each call a new one here)
-        row["chain"] = time_calls(
-            partial(request_chain, row["ids"], args.block_size, root_of(None, None)), args.repeat, args.max_seconds
-        )
+        # the chain alone (EngineTokens keeps a request's chain once made: each call a new one here;
+        # a follow-up's extends its first turn's)
+        if head is None:
+            chain = partial(request_chain, row["ids"], args.block_size, seed)
+        else:
+            chain = partial(extend_chain, head[(args.block_size, seed)], row["ids"], args.block_size, seed)
+        row["chain"] = time_calls(chain, args.repeat, args.max_seconds)
     if args.render:
         assert root is not None
         longest = max(row["prompt_tokens"] for row in rows)
@@ -447,7 +468,8 @@ def render_tables(result: dict[str, Any]) -> str:
         "",
         f"The follow-up turn is the first, its {result['reply_tokens']}-token reply and a "
         f"{result['follow_up_tokens']}-token question; the tokenizer keeps the first turn's tokens and "
-        "tokenizes only what follows. A decision by events: the key's byte blocks, the engine's blocks "
+        "tokenizes only what follows, and its engine blocks extend the first turn's chain (hashing the "
+        "blocks that follow it). A decision by events: the key's byte blocks, the engine's blocks "
         "and the price over every replica's events; by the model: the key's byte blocks and the price "
         "over the router's own index.",
     ]

@@ -23,7 +23,9 @@ finds which from what each engine says it serves. A conversation's earlier messa
 tokenized again, and its template is rendered once a turn: each prompt's ids are kept (bounded
 LRU) by a hash of its messages, and the next turn tokenizes only what follows when its text starts
 with the kept one (it does for every template that wraps each message alike and opens a reply with
-its generation prompt; a hash of the text checks it, else the turn is tokenized whole).
+its generation prompt; a hash of the text checks it, else the turn is tokenized whole). The
+chains made of a turn's ids are kept beside them, so the next turn's chain hashes only the
+blocks that follow its history's (`Turn`, `extend_chain`).
 Where no tokenizer can be had, the engine tokenizes a conversation off the request's path and
 its next turn knows the tokens of its history only (`EngineTokens.whole` False).
 """
@@ -58,6 +60,9 @@ def root_of(lora_name: str | None, salt: str | None) -> int:
     return xxh3_64(data + (salt or "").encode("utf-8", "surrogatepass"))
 
 
+_ROOT = root_of(None, None)
+
+
 def _ids_bytes(ids: Sequence[int]) -> bytes:
     a = array("Q", ids)
     if not _LITTLE:
@@ -78,6 +83,35 @@ def request_chain(ids: Sequence[int], block_size: int, seed: int) -> array[int]:
     return token_chain(ids[: max(0, len(ids) - 1)], block_size, seed)
 
 
+Chains = dict[tuple[int, int], "array[int]"]  # a prompt's chains by (block size, seed), made as asked
+
+
+def extend_chain(head: array[int], ids: Sequence[int], block_size: int, seed: int) -> array[int]:
+    """`request_chain(ids, block_size, seed)` where `head` is already the chain of a prompt whose
+    ids begin `ids`: its keys are kept and only the blocks after them are hashed (chained from its
+    last key). A prompt's every whole block but its last token's is one of a longer prompt's."""
+    n = max(0, len(ids) - 1) // block_size
+    m = len(head)
+    if m == 0 or m > n:
+        return request_chain(ids, block_size, seed)
+    if m == n:
+        return array("Q", head)
+    rest = token_chain(ids[m * block_size : n * block_size], block_size, int(head[m - 1]))
+    return head + rest
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A prompt's ids as a tokenizer made them, the chains that will be made of them (filled as
+    asked, and kept with the ids for the conversation's next turn), and, where its ids extend an
+    earlier prompt's (the conversation so far), that prompt's chains: its chain is not hashed
+    again, only what follows it."""
+
+    ids: tuple[int, ...]
+    chains: Chains = field(default_factory=dict)
+    head: Chains | None = None  # the chains of a prompt whose ids begin these
+
+
 @dataclass(frozen=True, slots=True)
 class EngineTokens:
     """A request in the engine's tokens: its prompt's token count and the chain a replica may hold."""
@@ -90,13 +124,26 @@ class EngineTokens:
     # `ids` are the whole prompt's; else its history's, whose last token may tokenize otherwise within
     # the whole (a BPE merges it with what follows), so that neither keys its last token
     whole: bool = True
-    _chains: dict[int, array[int]] = field(default_factory=dict, compare=False, repr=False)
+    # its chains by (block size, seed), shared with the tokenizer's kept turn; an earlier turn's
+    chains: Chains = field(default_factory=dict, compare=False, repr=False)
+    head: Chains | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of_turn(cls, turn: Turn, lora_name: str | None, salt: str | None) -> EngineTokens:
+        return cls(len(turn.ids), turn.ids, lora_name, salt, "tokenizer", True, turn.chains, turn.head)
 
     def chain(self, block_size: int) -> array[int]:
-        """The keys of the blocks an engine of `block_size` may hold of it (made once per size)."""
-        found = self._chains.get(block_size)
+        """The keys of the blocks an engine of `block_size` may hold of it (made once per size; from
+        the conversation's earlier turn's where that was made)."""
+        seed = root_of(self.lora_name, self.salt) if self.lora_name or self.salt else _ROOT
+        found = self.chains.get((block_size, seed))
         if found is None:
-            found = self._chains[block_size] = request_chain(self.ids, block_size, root_of(self.lora_name, self.salt))
+            before = self.head.get((block_size, seed)) if self.head is not None else None
+            if before is not None:
+                found = extend_chain(before, self.ids, block_size, seed)
+            else:
+                found = request_chain(self.ids, block_size, seed)
+            self.chains[(block_size, seed)] = found
         return found
 
 
@@ -147,6 +194,8 @@ class ChatTokenizer(Protocol):
 
     def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]: ...
 
+    def turn(self, messages: list[Mapping[str, Any]], **extra: Any) -> Turn: ...
+
     def prompt(self, text: str) -> tuple[int, ...]: ...
 
 
@@ -155,6 +204,9 @@ class EmulatorTokenizer:
 
     def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]:
         return tuple(token_ids(render_chat(messages).encode("utf-8", "surrogatepass")))
+
+    def turn(self, messages: list[Mapping[str, Any]], **extra: Any) -> Turn:
+        return Turn(self.chat(messages, **extra))
 
     def prompt(self, text: str) -> tuple[int, ...]:
         return tuple(token_ids(text.encode("utf-8", "surrogatepass")))
@@ -218,25 +270,31 @@ class Tokenizer:
         return str(self.template.render(messages=messages, add_generation_prompt=generation, **self.special, **extra))
 
     def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]:
-        """The token ids of a chat request's prompt, its template rendered once. Each prompt is kept
-        (its text's length and hash, and its ids) by the hash of its messages; the next turn of the
-        conversation (those messages, a reply and more) finds it, checks that its own text starts
-        with that text (every template that renders a history and its generation prompt as the
-        start of the longer conversation does), and tokenizes only what follows; else it is
-        tokenized whole."""
+        """The token ids of a chat request's prompt (`turn`'s)."""
+        return self.turn(messages, **extra).ids
+
+    def turn(self, messages: list[Mapping[str, Any]], **extra: Any) -> Turn:
+        """A chat request's prompt in token ids, its template rendered once. Each prompt is kept
+        (its text's length and hash, its ids and the chains made of them) by the hash of its
+        messages; the next turn of the conversation (those messages, a reply and more) finds it,
+        checks that its own text starts with that text (every template that renders a history and
+        its generation prompt as the start of the longer conversation does), and tokenizes only
+        what follows, its chains extending the kept ones; else it is tokenized whole."""
         text = self.render(messages, True, **extra)
         keys = message_keys(messages, _extra_seed(extra))
         head: Sequence[int] = ()
+        head_chains: Chains | None = None
         start = 0
         for cut in range(len(messages) - 1, max(0, len(messages) - HISTORY_LOOKBACK) - 1, -1):
             kept = self._histories.get(keys[cut - 1]) if cut > 0 else None
             if kept is not None and kept[0][0] <= len(text) and _text_key(text[: kept[0][0]]) == kept[0][1]:
-                head, start = kept[1], kept[0][0]
+                head, start, head_chains = kept[1], kept[0][0], kept[0][2]
                 break
         ids = (*head, *self.encode(text[start:])) if start < len(text) else tuple(head)  # (a tuple: no copy)
+        turn = Turn(ids, {}, head_chains)
         if keys:
-            self._histories.put(keys[-1], ids, (len(text), _text_key(text)))
-        return ids
+            self._histories.put(keys[-1], ids, (len(text), _text_key(text), turn.chains))
+        return turn
 
     def prompt(self, text: str) -> tuple[int, ...]:
         """A completion's prompt, as vLLM tokenizes it (the tokenizer's own special tokens added)."""
@@ -284,12 +342,15 @@ def _raise(message: str) -> None:
 
 
 __all__ = [
+    "Chains",
     "ChatTokenizer",
     "EmulatorTokenizer",
     "EngineTokens",
     "TokenStore",
     "Tokenizer",
     "TokenizerError",
+    "Turn",
+    "extend_chain",
     "message_keys",
     "request_chain",
     "root_of",
