@@ -57,6 +57,7 @@ from router.apis import CHAT, COMPLETION, MESSAGES, Api
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.kvevents.tokens import (
+    HISTORY_LOOKBACK,
     ChatTokenizer,
     EmulatorTokenizer,
     EngineTokens,
@@ -77,7 +78,7 @@ MISMATCH_RETRY_S = 600.0  # ... one whose tokenizer the engine contradicted
 ASK_TIMEOUT_S = 5.0  # one request to an engine (its models, render, tokenize)
 LOAD_TIMEOUT_S = 120.0  # loading a tokenizer (a hub download included)
 LEARNING = 4  # background tokenizations in flight at once; a request beyond them is not learnt
-LOOKBACK = 4  # messages back a request looks for its conversation's learnt tokens
+CHECKING = 4  # sampled checks against an engine in flight at once; a request beyond them is not checked
 MAX_TOKENIZERS = 64  # models whose tokenizers are kept
 REFUSING = frozenset({401, 403, 404, 405, 501})
 TOKENIZE_PATH = "/tokenize"
@@ -88,6 +89,7 @@ RENDER_PATHS = {
 }
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
 EMULATOR_OWNER = "router-emulator"
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt"})  # what a request's template kwargs cannot set
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
 # what a found tokenizer must tokenize as the engine does before it is used
 SAMPLE_CHAT = (
@@ -129,6 +131,7 @@ class EngineTokenizers:
         self.refused: dict[tuple[str, str], float] = {}  # (replica id, _family(path)) -> until when not asked
         self.learnt = TokenStore()  # conversations' tokens as engines tokenized them, by their messages' key
         self.learning: set[int] = set()  # conversations being tokenized by an engine now
+        self.checking = 0  # sampled requests being checked against an engine now
         self.tasks: set[asyncio.Task[Any]] = set()
 
     # -- the request's path: nothing here waits ------------------------------------------------------
@@ -152,14 +155,15 @@ class EngineTokenizers:
         salt = salt if isinstance(salt, str) and salt else None
         if turn is not None:
             m.child(m.tokenize_seconds, "tokenizer").observe(time.perf_counter() - t0)
-            if random.random() < self.check_share:
+            if self.checking < CHECKING and random.random() < self.check_share:
+                self.checking += 1
                 self._spawn(self._check_request(model, fed, api, body, turn.ids), "token check")
             return replace(key, prompt=replace(prompt, tokens=EngineTokens.of_turn(turn, lora, salt)))
         hashes = conversation_hashes(model, api, body)
         if not hashes:
             return key
         head = None
-        for h in hashes[: -LOOKBACK - 1 : -1]:
+        for h in hashes[: -HISTORY_LOOKBACK - 1 : -1]:
             found = self.learnt.get(h)
             if found is not None:
                 head = found[1]
@@ -178,8 +182,12 @@ class EngineTokenizers:
         """The model's tokens so far, a search for its tokenizer started where none is under way."""
         known = self.models.get(model)
         if known is None:
-            if len(self.models) >= MAX_TOKENIZERS:  # clients name any model they like: bounded
-                return ModelTokens()
+            if len(self.models) >= MAX_TOKENIZERS:  # clients name any model they like: bounded, and
+                # a name that found no tokenizer gives its place up to the next one
+                idle = next((n for n, k in self.models.items() if k.tokenizer is None and k.finding is None), None)
+                if idle is None:
+                    return ModelTokens()
+                del self.models[idle]
             known = self.models[model] = ModelTokens()
             self.metrics.child(self.metrics.tokenizer, model, "learnt").set(1)
         if known.tokenizer is None and known.finding is None and time.monotonic() >= known.retry_at:
@@ -283,13 +291,17 @@ class EngineTokenizers:
             (COMPLETION, {"model": model, "prompt": SAMPLE_PROMPT}),
         ]
         verdicts = []
-        for api, body in samples:
-            try:
-                mine = local_ids(tokenizer, api, body)
-            except (TokenizerError, ValueError, TypeError) as exc:
-                mine, failure = None, str(exc)
-            else:
-                failure = "no prompt"
+        for api, first in samples:
+            tries = [first]
+            if api is CHAT:  # a template that refuses a system message (Gemma's, older Mistral's): the user's alone
+                tries.append({"model": model, "messages": list(SAMPLE_CHAT[1:])})
+            mine, failure, body = None, "no prompt", first
+            for body in tries:  # (the body that tokenized is the one the engine is asked)
+                try:
+                    mine = local_ids(tokenizer, api, body)
+                    break
+                except (TokenizerError, ValueError, TypeError) as exc:
+                    failure = str(exc)
             if mine is None:
                 log.error("model %s: its tokenizer fails on a sample %s request: %s", model, api.name, failure)
                 return "mismatch"
@@ -302,7 +314,10 @@ class EngineTokenizers:
     async def _check_request(
         self, model: str, fed: list[ReplicaState], api: Api, body: Mapping[str, Any], ids: tuple[int, ...]
     ) -> None:
-        verdict = self._compare(model, ids, await self.engine_ids(fed, api, body))
+        try:
+            verdict = self._compare(model, ids, await self.engine_ids(fed, api, body))
+        finally:
+            self.checking -= 1
         self.metrics.child(self.metrics.token_checks, model, verdict).inc()
 
     def _compare(self, model: str, mine: tuple[int, ...], engine: tuple[int, ...] | str) -> str:
@@ -349,7 +364,9 @@ class EngineTokenizers:
                 timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S),
             ) as r:
                 if r.status in REFUSING:
-                    self.refused[(replica.id, _family(path))] = time.monotonic() + REFUSED_S
+                    now = time.monotonic()  # (rare: the refusals that ran out, or whose replica left, go)
+                    self.refused = {k: until for k, until in self.refused.items() if until > now}
+                    self.refused[(replica.id, _family(path))] = now + REFUSED_S
                     log.info(
                         "replica %s answers %s with %d: not asked again for %g s", replica.id, path, r.status, REFUSED_S
                     )
@@ -382,8 +399,13 @@ class EngineTokenizers:
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a background task: said, never lost
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
 
     async def close(self) -> None:
         tasks = list(self.tasks)
@@ -426,8 +448,19 @@ def local_turn(tokenizer: ChatTokenizer, api: Api, body: Mapping[str, Any]) -> T
     messages = chat_messages(api, body)
     if messages is None:
         return None
-    extra = {"tools": body["tools"]} if isinstance(body.get("tools"), list) else {}
-    return tokenizer.turn(messages, **extra)
+    return tokenizer.turn(messages, **template_extra(body))
+
+
+def template_extra(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a chat's template gets besides its messages, as vLLM passes it: the tools, and the
+    request's `chat_template_kwargs` (Qwen3's `enable_thinking`, ...)."""
+    extra: dict[str, Any] = {}
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, Mapping):
+        extra.update((k, v) for k, v in kwargs.items() if isinstance(k, str) and k not in TEMPLATE_OWN)
+    if isinstance(body.get("tools"), list):
+        extra["tools"] = body["tools"]
+    return extra
 
 
 def chat_messages(api: Api, body: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
@@ -454,9 +487,9 @@ def conversation_hashes(model: str, api: Api, body: Mapping[str, Any]) -> list[i
     messages = chat_messages(api, body)
     if not messages:
         return []
-    tools = body.get("tools")
-    if tools is not None:
-        seed = message_keys([tools], seed)[0]
+    extra = {k: body[k] for k in ("tools", "chat_template_kwargs") if body.get(k) is not None}
+    if extra:
+        seed = message_keys([extra], seed)[0]
     return message_keys(messages, seed)
 
 

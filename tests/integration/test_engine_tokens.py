@@ -11,6 +11,7 @@ hub cache under a temporary HF_HOME. tests/integration/test_vllm_events.py pins 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
@@ -18,16 +19,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from aiohttp import ClientSession, web
 
 from router.apis import CHAT, COMPLETION
 from router.config import ReplicaSpec
-from router.engine_tokens import LEARNING, EngineTokenizers, conversation_hashes
+from router.engine_tokens import CHECKING, LEARNING, EngineTokenizers, conversation_hashes, local_turn
 from router.fleet import Fleet
 from router.keys import RoutingKey
-from router.kvevents.tokens import Tokenizer
+from router.kvevents.tokens import Tokenizer, TokenizerError
 from router.metrics import RouterMetrics
 from router.prompt import prompt_of
 
@@ -104,7 +104,11 @@ class Engine:
         await asyncio.sleep(self.tokenize_delay)
         if "messages" in body:
             generation = body.get("add_generation_prompt", True)
-            text = self.tokenizer.render(body["messages"], generation)
+            kwargs = body.get("chat_template_kwargs") or {}
+            try:
+                text = self.tokenizer.render(body["messages"], generation, **kwargs)
+            except TokenizerError as exc:  # vLLM answers a template's refusal with a 400
+                return web.json_response({"error": {"message": str(exc), "code": 400}}, status=400)
             ids = self.tokenizer.encode(text)
             self.calls["tokenize-history" if not generation else "tokenize-whole"] += 1
         else:
@@ -186,11 +190,16 @@ async def test_a_model_folder_named_by_the_engine_is_found_checked_once_and_used
             assert tokens is not None and tokens.source == "tokenizer" and tokens.whole
         completion = setup.key({"model": "m", "prompt": "How deep is it? " * 8}, COMPLETION).prompt.tokens  # type: ignore[union-attr]
         assert completion is not None and completion.ids == Tokenizer(folder).prompt("How deep is it? " * 8)
-        # every request sampled (check_share 1) is checked in the background, render never asked again
+        # every request sampled (check_share 1) is checked in the background, CHECKING at once at most
+        # (the six above were keyed together: the rest were not checked), render never asked again
         deadline = time.monotonic() + 5
-        while setup.checks("match") < 7 and time.monotonic() < deadline:
+        while (setup.checks("match") < 1 + CHECKING or setup.tokens.checking) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert setup.checks("match") == 7 and setup.checks("mismatch") == 0
+        assert setup.checks("match") == 1 + CHECKING and setup.checks("mismatch") == 0
+        setup.key(chat_body("One more?"))  # the checks ended: the next one is checked
+        while setup.checks("match") < 2 + CHECKING and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert setup.checks("match") == 2 + CHECKING
         assert engine.calls["render"] == 1 and engine.calls["models"] == 1
         sample = setup.metrics.registry.get_sample_value
         assert sample("router_tokenizer", {"model": "m", "source": "path"}) == 1
@@ -281,7 +290,7 @@ async def test_a_slow_engine_never_holds_a_request_and_learning_is_bounded(
         for n in range(40):
             assert setup.key(chat_body(f"Conversation {n}: how deep?")).prompt.tokens is None  # type: ignore[union-attr]
         # all 40 were keyed while the engine was still tokenizing (nothing learnt yet): none waited for it
-        assert len(setup.tokens.learnt) == 0 and engine.calls["tokenize"] <= LEARNING
+        assert len(setup.tokens.learnt) == 0 and len(setup.tokens.learning) == LEARNING
         await asyncio.sleep(0.2)
         assert engine.calls["tokenize"] == LEARNING == len(setup.tokens.learning)
     finally:
@@ -321,5 +330,54 @@ def test_conversation_hashes_key_every_prefix_and_the_model() -> None:
     shorter = conversation_hashes("m", CHAT, chat_body("a"))
     assert shorter == hashes[:2]
     assert conversation_hashes("other", CHAT, chat_body("a")) != shorter
-    reordered = {"model": "m", "messages": [orjson.loads(orjson.dumps(m)) for m in body["messages"]]}
-    assert conversation_hashes("m", CHAT, reordered) == hashes
+    reordered = {"model": "m", "messages": [{k: m[k] for k in reversed(list(m))} for m in body["messages"]]}
+    assert [list(m) for m in reordered["messages"]] != [list(m) for m in body["messages"]]
+    assert conversation_hashes("m", CHAT, reordered) == hashes  # a message's keys in any order
+    # what the template gets besides the messages keys them too
+    thinking = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    assert conversation_hashes("m", CHAT, thinking) != hashes
+
+
+async def test_a_requests_template_kwargs_reach_the_template_and_a_system_refusing_one_is_checked(
+    tmp_path: Path, engine_of: Callable[..., Any]
+) -> None:
+    # a template with a switch of its own (as Qwen3's enable_thinking), that refuses a system message
+    # (as Gemma's and older Mistral's do)
+    template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        + TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|>{% if think %}<s>{% endif %}{% endif %}")
+    )
+    folder = write_model(tmp_path / "model", template)
+    tokenizer = Tokenizer(folder)
+    body = {"model": "m", "messages": [{"role": "user", "content": "How deep?"}]}
+    plain = local_turn(tokenizer, CHAT, body)
+    thinking = local_turn(tokenizer, CHAT, {**body, "chat_template_kwargs": {"think": True, "messages": []}})
+    assert plain is not None and thinking is not None
+    assert thinking.ids == (*plain.ids, tokenizer.tokenizer.token_to_id("<s>"))  # the kwarg, not its messages
+    # the sample check's system message is refused by the template: the user's alone is checked
+    engine = await engine_of(str(folder), Tokenizer(folder))
+    setup = Setup(engine)
+    try:
+        assert await setup.found() == "path" and setup.checks("match") == 1
+    finally:
+        await setup.close()
+
+
+async def test_a_background_task_that_fails_is_said_in_the_log(
+    tmp_path: Path, engine_of: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = await engine_of("/elsewhere", Tokenizer(write_model(tmp_path / "m")))
+    setup = Setup(engine)
+
+    async def broken() -> None:
+        raise RuntimeError("the session closed")
+
+    try:
+        task = setup.tokens._spawn(broken(), "learn tokens")
+        with contextlib.suppress(RuntimeError):
+            await task
+        await asyncio.sleep(0)  # its done callback
+        assert "learn tokens failed" in caplog.text and "the session closed" in caplog.text
+        assert task not in setup.tokens.tasks
+    finally:
+        await setup.close()

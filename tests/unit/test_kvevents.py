@@ -425,6 +425,10 @@ def test_kept_tokens_are_bounded_by_the_ids_they_hold() -> None:
     assert store.tokens == 25 and len(store) == 2
     store.put(4, range(101))  # more than the whole store: not kept, nothing dropped for it
     assert 4 not in store and len(store) == 2
+    few = TokenStore(max_tokens=100, max_entries=2)
+    for key in range(3):
+        few.put(key, ())  # empty prompts: bounded by their number
+    assert 0 not in few and len(few) == 2
 
 
 def test_a_template_that_refuses_is_an_error_not_a_crash(tmp_path: Path) -> None:

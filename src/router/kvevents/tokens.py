@@ -49,6 +49,7 @@ from router.prefix import block_chain
 from router.ring import xxh3_64
 
 KEPT_TOKENS = 2_000_000  # token ids a store of conversations keeps at most
+KEPT_ENTRIES = 100_000  # ... and prompts (short ones hold few ids but cost their entry)
 HISTORY_LOOKBACK = 4  # messages back a new turn looks for a kept conversation
 _ROOT_TAG = b"kvar-token-root\x00"
 _LITTLE = sys.byteorder == "little"
@@ -155,10 +156,13 @@ class TokenStore:
     """Token ids kept by key, least recently used out, bounded by the ids they hold in all (a
     long conversation holds as much as thousands of short ones). Kept as the tuples they came in:
     a conversation's next turn extends its history's tuple, and so shares its int objects (an
-    array would box every id again on each use: 0.5 ms for a 33k-token history)."""
+    array would box every id again on each use: 0.5 ms for a 33k-token history). What is kept
+    beside them (a tokenizer's text length and hash, the chains made of the ids: 8 bytes a block)
+    is not counted: a fraction of the ids it goes with."""
 
-    def __init__(self, max_tokens: int = KEPT_TOKENS) -> None:
+    def __init__(self, max_tokens: int = KEPT_TOKENS, max_entries: int = KEPT_ENTRIES) -> None:
         self.max_tokens = max_tokens
+        self.max_entries = max_entries
         self.tokens = 0
         self._kept: OrderedDict[int, tuple[Any, tuple[int, ...]]] = OrderedDict()
 
@@ -184,7 +188,7 @@ class TokenStore:
         kept = ids if isinstance(ids, tuple) else tuple(ids)
         self._kept[key] = (tag, kept)
         self.tokens += len(kept)
-        while self.tokens > self.max_tokens:
+        while self.tokens > self.max_tokens or len(self._kept) > self.max_entries:
             _, (_, dropped) = self._kept.popitem(last=False)
             self.tokens -= len(dropped)
 
@@ -267,7 +271,8 @@ class Tokenizer:
     def render(self, messages: list[Mapping[str, Any]], generation: bool = True, **extra: Any) -> str:
         if self.template is None:
             raise TokenizerError(f"{self.folder}: the model has no chat template")
-        return str(self.template.render(messages=messages, add_generation_prompt=generation, **self.special, **extra))
+        context = {**self.special, **extra, "messages": messages, "add_generation_prompt": generation}
+        return str(self.template.render(context))
 
     def chat(self, messages: list[Mapping[str, Any]], **extra: Any) -> tuple[int, ...]:
         """The token ids of a chat request's prompt (`turn`'s)."""
@@ -342,6 +347,7 @@ def _raise(message: str) -> None:
 
 
 __all__ = [
+    "HISTORY_LOOKBACK",
     "Chains",
     "ChatTokenizer",
     "EmulatorTokenizer",
