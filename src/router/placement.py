@@ -91,10 +91,9 @@ from router.config import RouterConfig, kv_capacities
 from router.fleet import Fleet, ReplicaState
 from router.kvevents.truth import Truth
 from router.prefix import PRICE_GATED, PRICE_NEAR, PrefixIndex
-from router.prompt import Prompt, prompt_of
+from router.prompt import BYTES_PER_TOKEN, Prompt, prompt_of
 
 DEFAULT_KV_TOKENS = 262_144  # a replica that says nothing of its KV cache: a mid-sized GPU's worth
-BYTES_PER_TOKEN = 4.0  # English text, before any usage says otherwise
 RATIO_ALPHA = 0.05  # EWMA weight of one answer's bytes-per-token
 SPEED_WINDOW = 16  # a replica's prefill speed is the median of its last this many samples ...
 SPEED_PRIOR = 8  # ... weighed against the fleet's median as if that were this many samples more
@@ -200,7 +199,7 @@ class Placement:
         self._known = array("d")
         self._tier = array("d")  # per position, the prompt's tokens its engine holds on a second tier
         self._known_used = False  # the latest price read the truth for some position
-        self.bytes_per_token = BYTES_PER_TOKEN
+        self.bytes_per_token = BYTES_PER_TOKEN  # before any usage says otherwise
         self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
         self.accuracy = Accuracy()  # of the decisions that read the model
         self.events_accuracy = Accuracy()  # ... and of those that read a replica's engine's events
@@ -417,7 +416,7 @@ class Placement:
             self._known = array("d", [-1.0]) * n
             self._tier = array("d", [0.0]) * n
         known, tier = self._known, self._tier
-        chains: dict[int, array[int]] = {}
+        matches: dict[int, array[int]] = {}  # by block size: what every holder keeps of its chain
         used = False
         for i, r in enumerate(self.fleet.replicas):
             known[i] = -1.0
@@ -428,7 +427,7 @@ class Placement:
                 truth.suspect(r.id)  # its health went down: the next message says whether it restarted
                 continue
             size = r.engine.block_size
-            found = truth.held(r.id, tokens, chains, int(size) if size else None)
+            found = truth.held(r.id, tokens, matches, int(size) if size else None)
             if found is not None:
                 known[i] = truth.credit(found, self._spt[i])
                 tier[i] = found.tier_tokens
