@@ -37,6 +37,7 @@ from router.ring import xxh3_64
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+BYTES_PER_TOKEN = 4.0  # a prompt's tokens estimated from its bytes (English text), where nothing says better
 MAX_MESSAGES = 4096  # messages rendered at most: bounded work whatever the body holds
 MAX_PARTS = 256  # content parts of one message
 

@@ -192,7 +192,11 @@ class HealthMonitor:
             replica.health.observe(score, now)
             if replica.state != before:  # what an operator asks first: why
                 fields = dataclasses.asdict(inputs).items()
-                said = {k: round(v, 3) for k, v in fields if v is not None and v is not True}
+                said = {
+                    k: v if isinstance(v, bool) else round(v, 3)
+                    for k, v in fields
+                    if v is not None and not (k == "probe_ok" and v)
+                }
                 log.info("replica %s: %s -> %s (score %.2f; %s)", replica.id, before, replica.state, score, said)
             self.fleet.apply_health(replica, now)
         self.rounds += 1

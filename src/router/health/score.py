@@ -17,8 +17,9 @@ missing signal (None) carries no penalty: not knowing is not being sick.
 | GPU clocks slowed (agent: thermal, power brake, HW slowdown) | — | yes | every step runs slower |
 | uncorrected ECC errors (agent) | 0 | 1 or more | the GPU's memory is failing |
 
-Time per output token is sampled only from replies that shared their replica with little of
-others' prefill (router.fleet.TPOT_PREFILL_TOKENS prompt tokens sent there per token decoded):
+Time per output token is sampled only from replies whose replica was sent little of others'
+prefill while they ran (router.fleet.TPOT_PREFILL_TOKENS prompt tokens sent there per token
+decoded; what was queued before a reply began is not counted):
 chunked prefill stretches every decode step beside a long prompt, and a replica given a long
 document is busy, not sick (on the Mooncake traces such replicas measured 4 to 33 times their
 peers' time per token and were taken out of routing, their sessions moved off their caches).

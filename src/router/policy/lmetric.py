@@ -12,8 +12,10 @@ The paper names the formula's one failure: both indicators zero. Two things the 
 are decided here, and said so: where several replicas score alike (an idle replica scores 0
 whatever it holds), the one with fewer new prefill tokens wins, then the ring order from the key
 (never list order); a request without a prompt the index can use is placed as by `affinity`.
-Nothing else of `ttft` applies: no gate, no stay margin, no move price, no sessions kept on
-their replica but by their score.
+Of `ttft`'s decision nothing else applies: no gate, no stay margin, no move price, no sessions
+kept on their replica but by their score. What `ttft.pick` does around any decision still does:
+a request with a first-token target goes where the prediction meets it, and a keyed session the
+score moves off its replica is counted as moved for cost (its metrics and jump reasons).
 
 Worked example: a 10,000-token prompt; replica A holds 9,000 of it and runs 4 requests (score
 1,000 x 4 = 4,000), B holds nothing and runs 1 (10,000 x 1 = 10,000), C is idle (0 x ... = 0):

@@ -49,6 +49,7 @@ from router.fleet import Fleet, ReplicaState
 from router.handoff import SPLITTABLE, Handoff
 from router.keys import RoutingKey
 from router.policy import Decision, Policy
+from router.prompt import BYTES_PER_TOKEN
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
 from router.proxy.journey import HttpAttempts
 from router.proxy.sse import StreamFramer
@@ -57,7 +58,6 @@ from router.upstream import Upstream, UpstreamError
 
 LEASE_S = 30.0  # vLLM's kv_lease_duration: how long a prefill's params stay worth retrying with
 AFFINITY_BLOCKS = 4  # the prompt's first blocks choose its prefill replica
-BYTES_PER_TOKEN = 4  # the prompt's size, estimated from the bytes the router keyed
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +146,7 @@ class DisaggAttempts:
         if decision is not None and decision.cost is not None and decision.index == replica.index:
             return decision.cost.uncached_tokens >= self.min_tokens
         prompt = intake.key.prompt
-        tokens = (prompt.nbytes if prompt is not None else len(intake.raw)) // BYTES_PER_TOKEN
+        tokens = int((prompt.nbytes if prompt is not None else len(intake.raw)) // BYTES_PER_TOKEN)
         return tokens >= self.min_tokens
 
     def send(

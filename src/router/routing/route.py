@@ -25,6 +25,7 @@ from router.fleet import TPOT_PREFILL_TOKENS, TTFT_FLOOR_TOKENS, Fleet, ReplicaS
 from router.keys import RoutingKey, stored_key
 from router.metrics import RouterMetrics
 from router.policy import Decision, Explained, Hearing, Policy
+from router.prompt import BYTES_PER_TOKEN
 from router.routing.directory import SessionDirectory
 
 # a move is stamped by the control process before it reaches the workers: one that arrives while a
@@ -395,10 +396,10 @@ class Route:
 
 def _to_prefill(key: RoutingKey, decision: Decision) -> float:
     """The prompt tokens a request sends its replica to compute: what the decision priced as not
-    cached there, else its whole prompt as the key measures it (bytes / 4), else none known."""
+    cached there, else its whole prompt as the key measures it (bytes / BYTES_PER_TOKEN), else none known."""
     if decision.cost is not None:
         return decision.cost.uncached_tokens
     prompt = key.prompt
     if prompt is None:
         return 0.0
-    return float(prompt.tokens.count) if prompt.tokens is not None else prompt.nbytes / 4
+    return float(prompt.tokens.count) if prompt.tokens is not None else prompt.nbytes / BYTES_PER_TOKEN
