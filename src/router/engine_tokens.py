@@ -128,6 +128,7 @@ class EngineTokenizers:
         self.metrics = metrics
         self.bytes_per_token = bytes_per_token
         self.models: dict[str, ModelTokens] = {}
+        self.loaded: dict[str, Tokenizer] = {}  # by folder or hub name (at most one per model)
         self.refused: dict[tuple[str, str], float] = {}  # (replica id, _family(path)) -> until when not asked
         self.learnt = TokenStore()  # conversations' tokens as engines tokenized them, by their messages' key
         self.learning: set[int] = set()  # conversations being tokenized by an engine now
@@ -252,11 +253,14 @@ class EngineTokenizers:
             if source == "hub" and not _HUB_NAME.fullmatch(root):
                 log.warning("model %s: its engine serves it from %s, which this host cannot read", model, root)
                 return None
-        try:
-            loaded = await asyncio.wait_for(asyncio.to_thread(load_tokenizer, where, source), LOAD_TIMEOUT_S)
-        except (TokenizerError, TimeoutError) as exc:
-            log.warning("model %s: no tokenizer from %s (%s): its requests are priced as learnt", model, where, exc)
-            return None
+        loaded = self.loaded.get(where)  # a LoRA adapter shares its parent's (and its kept turns)
+        if loaded is None:
+            try:
+                loaded = await asyncio.wait_for(asyncio.to_thread(load_tokenizer, where, source), LOAD_TIMEOUT_S)
+            except (TokenizerError, TimeoutError) as exc:
+                log.warning("model %s: no tokenizer from %s (%s): its requests are priced as learnt", model, where, exc)
+                return None
+            self.loaded[where] = loaded
         return loaded, source
 
     async def _served(self, model: str, fed: list[ReplicaState]) -> tuple[str, str] | None:

@@ -230,8 +230,9 @@ async def test_a_hub_name_is_loaded_from_the_hub_cache(
         assert setup.checks("match") == 1
         tokens = setup.key(chat_body("How deep?")).prompt.tokens  # type: ignore[union-attr]
         assert tokens is not None and tokens.ids == Tokenizer(snapshot).chat(chat_body("How deep?")["messages"])
-        # a LoRA adapter is tokenized as its parent
+        # a LoRA adapter is tokenized as its parent, by the same tokenizer (loaded once, its turns shared)
         assert await setup.found("m-lora") == "hub"
+        assert setup.tokens.models["m-lora"].tokenizer is setup.tokens.models["m"].tokenizer
     finally:
         await setup.close()
 
