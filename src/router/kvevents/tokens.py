@@ -33,6 +33,7 @@ its next turn knows the tokens of its history only (`EngineTokens.whole` False).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from array import array
 from collections import OrderedDict
@@ -225,6 +226,10 @@ class Tokenizer:
             from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415 (an optional dependency)
         except ImportError:
             raise TokenizerError("the `tokenizers` package is not installed (pip install tokenizers)") from None
+        # one request at a time, on the event loop: the `tokenizers` thread pool only adds a hand-off
+        # (an 84 us encode took 113 with it) and warns in every worker forked after its first use.
+        # An operator's own setting wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         file = folder / "tokenizer.json"
         if not file.is_file():
             raise TokenizerError(f"{file}: no such file (a model folder holds tokenizer.json)")
@@ -259,13 +264,15 @@ class Tokenizer:
             except Exception as exc:
                 raise TokenizerError(f"{folder}: its chat template does not compile: {exc}") from None
         self.folder = folder
+        # without the offsets `encode` also works out: the same ids, a quarter less time (0.20.1+)
+        self._encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         # a prompt kept by its messages' key: its ids, and (its text's length, the text's hash)
         self._histories = TokenStore()
         self.tokenized = 0  # characters tokenized (a history found in the cache is not)
 
     def encode(self, text: str) -> list[int]:
         self.tokenized += len(text)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._encode([text], add_special_tokens=False)[0].ids
         return ids
 
     def render(self, messages: list[Mapping[str, Any]], generation: bool = True, **extra: Any) -> str:
@@ -304,7 +311,7 @@ class Tokenizer:
     def prompt(self, text: str) -> tuple[int, ...]:
         """A completion's prompt, as vLLM tokenizes it (the tokenizer's own special tokens added)."""
         self.tokenized += len(text)
-        return tuple(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        return tuple(self._encode([text], add_special_tokens=True)[0].ids)
 
 
 def _text_key(text: str) -> int:
