@@ -84,6 +84,7 @@ ctypedef struct prefix_request_t:  # the prompt's side of the decision
     Py_ssize_t last              # the position that served the session last, or -1
     double recent_scale          # fleet.recent[i] * recent_scale: requests recently sent to i now
     double spread_tokens         # tokens of extra prefill charged per unit of excess; <= 0: no spread
+    bint spread_whole            # the spread charged whole (a new conversation), not by the share computed
     double interference          # seconds_per_token x (1 + interference x loads): 0 leaves it as it is
     bint history_from_all        # with last >= 0: history_blocks raised to the most any holder keeps
     double home_share            # < 0: no home; else costs.home is found (see PrefixIndex.price)

@@ -622,7 +622,7 @@ cdef class PrefixIndex:
               now, decode_s, mean_uncached, block_tokens, total_tokens, last, history_blocks, tie_s,
               tie_share, cached_out, wait_out, cost_out, flags_out, recent=None, recent_scale=1.0,
               spread_tokens=0.0, spread_out=None, interference=0.0, history_from_all=False, home_share=-1.0,
-              known=None):
+              known=None, spread_whole=False):
         """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
         Per position i: holders[i] (int32, -1: holds nothing yet), busy_until[i],
@@ -643,7 +643,8 @@ cdef class PrefixIndex:
             excess   = (r[i] - mean) / (mean + SPREAD_SMOOTH)
             spread   = spread_tokens * spt * excess * uncached / total_tokens   (left to right)
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
-                       total_tokens > 0; else 0
+                       total_tokens > 0; else 0 (with spread_whole, total_tokens in uncached's
+                       place: a new conversation commits its turns to whichever replica it goes)
             cost     = wait + uncached * spt + spread
             gated    = loads[i] >= caps[i]
 
@@ -701,6 +702,9 @@ cdef class PrefixIndex:
                 _arg_buffer(recent, &views[12], "recent", _FLOAT64, n, 12, &in_place, &taken)
             request.recent_scale = _float_arg("recent_scale", recent_scale)
             request.spread_tokens = _float_arg("spread_tokens", spread_tokens)
+            if not isinstance(spread_whole, bool):
+                raise TypeError(f"spread_whole must be a bool, not {type(spread_whole).__name__}")
+            request.spread_whole = spread_whole
             if spread_out is not None:
                 _arg_buffer(spread_out, &views[13], "spread_out", _FLOAT64_OUT, n, 13, &in_place, &taken)
             request.interference = _float_arg("interference", interference)
@@ -974,7 +978,8 @@ cdef class PrefixIndex:
                 if recent > mean:
                     # spread_tokens of prefill per unit of excess, times the share of the prompt it computes
                     excess = (recent - mean) / (mean + <double>PREFIX_SPREAD_SMOOTH)
-                    spread = ((((request.spread_tokens * spt) * excess) * uncached) / request.total_tokens)
+                    spread = ((((request.spread_tokens * spt) * excess)
+                               * (request.total_tokens if request.spread_whole else uncached)) / request.total_tokens)
                     cost = cost + spread
             flags = PREFIX_CANDIDATE
             if fleet.loads[i] >= fleet.caps[i]:

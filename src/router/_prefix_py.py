@@ -370,6 +370,7 @@ class PrefixIndex:
         history_from_all: bool = False,
         home_share: float = -1.0,
         known: Buffer | None = None,
+        spread_whole: bool = False,
     ) -> tuple[int, int, int]:
         """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
@@ -391,7 +392,8 @@ class PrefixIndex:
             excess   = (r[i] - mean) / (mean + SPREAD_SMOOTH)
             spread   = spread_tokens * spt * excess * uncached / total_tokens   (left to right)
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
-                       total_tokens > 0; else 0
+                       total_tokens > 0; else 0 (with spread_whole, total_tokens in uncached's
+                       place: a new conversation commits its turns to whichever replica it goes)
             cost     = wait + uncached * spt + spread
             gated    = loads[i] >= caps[i]
 
@@ -436,6 +438,8 @@ class PrefixIndex:
         sent = None if recent is None else _fleet_buffer(recent, "recent", _FLOAT64, n)
         recent_scale = _float_arg("recent_scale", recent_scale)
         spread_tokens = _float_arg("spread_tokens", spread_tokens)
+        if not isinstance(spread_whole, bool):
+            raise TypeError(f"spread_whole must be a bool, not {type(spread_whole).__name__}")
         spread_row = None if spread_out is None else _fleet_buffer(spread_out, "spread_out", _FLOAT64_OUT, n)
         interference = _float_arg("interference", interference)
         if not isinstance(history_from_all, bool):
@@ -500,7 +504,8 @@ class PrefixIndex:
                     smooth = mean + SPREAD_SMOOTH
                     # sent_now > mean: a positive numerator, and C's x / +0.0 is +inf
                     excess = (sent_now - mean) / smooth if smooth != 0.0 else math.inf
-                    spread = (((spread_tokens * spt) * excess) * uncached) / total_tokens
+                    computed = total_tokens if spread_whole else uncached
+                    spread = (((spread_tokens * spt) * excess) * computed) / total_tokens
                     cost = cost + spread
             flags = PRICE_CANDIDATE
             if flights[i] >= limits[i]:

@@ -48,6 +48,9 @@ class Prompt:
     nbytes: int  # bytes rendered (the partial block included)
     history_blocks: int  # blocks covered by every message but the last (0 for a prompt)
     tokens: EngineTokens | None = None  # the engine's own tokens, where replicas publish KV events (router.kvfeed)
+    # a chat with no assistant turn yet: a new conversation, whatever shared prefix it opens with
+    # (a system or tool prompt others sent too), not one continuing where it was served
+    opening: bool = False
 
 
 def _text(content: Any) -> str:
@@ -141,4 +144,11 @@ def prompt_of(body: Mapping[str, Any], block_bytes: int) -> Prompt | None:
     chain, total, head = chain_of_parts(cast("list[str | Buffer]", parts), block_bytes, seed, mark)
     if not chain:
         return None
-    return Prompt(chain, total, head // block_bytes)
+    return Prompt(chain, total, head // block_bytes, None, _opening(body))
+
+
+def _opening(body: Mapping[str, Any]) -> bool:
+    messages = body.get("messages")
+    return isinstance(messages, list) and not any(
+        isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages[:MAX_MESSAGES]
+    )

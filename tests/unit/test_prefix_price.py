@@ -89,8 +89,9 @@ SCALARS = {
     "interference": 0.0,
     "history_from_all": False,
     "home_share": -1.0,
+    "spread_whole": False,
 }
-LATER = ("recent_scale", "spread_tokens", "interference", "history_from_all", "home_share")  # optional ones
+LATER = ("recent_scale", "spread_tokens", "interference", "history_from_all", "home_share", "spread_whole")
 
 
 def decide(
@@ -216,6 +217,24 @@ def test_a_hand_computed_spread(impl: ModuleType) -> None:
     # the spread moves the request off the busy holder; margin max(1/16, 1.0078125 / 4) leaves 1 out
     assert (got.best, got.near) == (2, 1)
     assert got.flags == [CANDIDATE, CANDIDATE, CANDIDATE | NEAR]
+
+
+def test_a_new_conversations_spread_is_charged_whole(impl: ModuleType) -> None:
+    # the fleet above, spread_whole: every position over the mean pays as if it computed the whole
+    # prompt, the holder of most of it (0, 384 uncached) as much as one holding none
+    #   0: 8192 x 1/1024 x 1/4 x 1024 / 1024 = 2.0 s     1: 8192 x 1/2048 x 1/4 x 1024 / 1024 = 1.0 s
+    index = index_holding(impl, CHAIN, 40, 10)
+    fleet = hand_fleet(recent=[3.0, 3.0, 0.0])
+    scalars = HAND | {"total_tokens": 1024.0, "recent_scale": 2.0, "spread_tokens": 8192.0}
+    scaled = decide(index, CHAIN, fleet, **scalars)
+    whole = decide(index, CHAIN, fleet, spread_whole=True, **scalars)
+    assert whole.spread == [2.0, 1.0, 0.0] and scaled.spread == [0.75, 0.84375, 0.0]
+    assert whole.cached == scaled.cached and whole.wait == scaled.wait
+    assert whole.cost == [1.265625 + 2.0, 0.421875 + 1.0, 1.0078125]
+    # without a spread term it changes nothing
+    assert decide(index, CHAIN, fleet, **(scalars | {"spread_tokens": 0.0, "spread_whole": True})) == decide(
+        index, CHAIN, fleet, **(scalars | {"spread_tokens": 0.0})
+    )
 
 
 def test_the_last_server_never_pays_the_spread(impl: ModuleType) -> None:
@@ -464,6 +483,8 @@ def good_args(index: Any) -> list[Any]:
         0.0,
         False,
         -1.0,
+        None,
+        False,
     ]
 
 
@@ -517,6 +538,8 @@ BAD = [
     ("history_from_all none", 26, None),
     ("home_share str", 27, "0.5"),
     ("home_share huge", 27, 1 << 1100),
+    ("spread_whole int", 29, 1),
+    ("spread_whole none", 29, None),
 ]
 
 
@@ -639,6 +662,7 @@ spread_st = st.fixed_dictionaries(
         "spread_tokens": st.one_of(
             st.floats(0, 8192), st.sampled_from([0.0, -0.0, -64.0, 256.0, 1e-300, math.inf, math.nan])
         ),
+        "spread_whole": st.booleans(),
     }
 )
 # what each of six holders keeps: a prefix of BASE (after a truncate, maybe one with a gap), of OTHER
