@@ -643,8 +643,11 @@ cdef class PrefixIndex:
             excess   = (r[i] - mean) / (mean + SPREAD_SMOOTH)
             spread   = spread_tokens * spt * excess * uncached / total_tokens   (left to right)
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
-                       total_tokens > 0; else 0 (with spread_whole, total_tokens in uncached's
-                       place: a new conversation commits its turns to whichever replica it goes)
+                       total_tokens > 0; else 0 (with spread_whole, a new conversation, which
+                       commits its turns to whichever replica it goes: total_tokens in uncached's
+                       place, and max(min(cached, history_blocks x block_tokens), spread_tokens)
+                       in spread_tokens': what a replica holds of its messages before the last (a
+                       shared system or tool prompt) draws it there no further than the excess allows)
             cost     = wait + uncached * spt + spread
             gated    = loads[i] >= caps[i]
 
@@ -923,7 +926,9 @@ cdef class PrefixIndex:
         cdef int32_t h, matched
         cdef int64_t blocks, history = request.history_blocks
         cdef double cached, uncached, spt, queued, wait, cost, load, best_cost = 0.0, slack, limit, most
-        cdef double recent, recent_sum = 0.0, mean = 0.0, excess, spread
+        cdef double recent, recent_sum = 0.0, mean = 0.0, excess, spread, shared
+        # a new conversation's messages before its last: the prefix others may have sent (a system or tool prompt)
+        cdef double opening_history = (<double>request.history_blocks) * request.block_tokens
         cdef bint spreading = fleet.recent != NULL and request.spread_tokens > 0.0
         cdef uint8_t flags
         if request.history_from_all and request.last >= 0:
@@ -978,8 +983,13 @@ cdef class PrefixIndex:
                 if recent > mean:
                     # spread_tokens of prefill per unit of excess, times the share of the prompt it computes
                     excess = (recent - mean) / (mean + <double>PREFIX_SPREAD_SMOOTH)
-                    spread = ((((request.spread_tokens * spt) * excess)
-                               * (request.total_tokens if request.spread_whole else uncached)) / request.total_tokens)
+                    if request.spread_whole:
+                        # a new conversation: charged whole, and at least what the shared prefix there saves it
+                        shared = opening_history if opening_history < cached else cached
+                        spread = ((((shared if shared > request.spread_tokens else request.spread_tokens) * spt)
+                                   * excess) * request.total_tokens) / request.total_tokens
+                    else:
+                        spread = ((((request.spread_tokens * spt) * excess) * uncached) / request.total_tokens)
                     cost = cost + spread
             flags = PREFIX_CANDIDATE
             if fleet.loads[i] >= fleet.caps[i]:

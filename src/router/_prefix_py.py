@@ -392,8 +392,11 @@ class PrefixIndex:
             excess   = (r[i] - mean) / (mean + SPREAD_SMOOTH)
             spread   = spread_tokens * spt * excess * uncached / total_tokens   (left to right)
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
-                       total_tokens > 0; else 0 (with spread_whole, total_tokens in uncached's
-                       place: a new conversation commits its turns to whichever replica it goes)
+                       total_tokens > 0; else 0 (with spread_whole, a new conversation, which
+                       commits its turns to whichever replica it goes: total_tokens in uncached's
+                       place, and max(min(cached, history_blocks x block_tokens), spread_tokens)
+                       in spread_tokens': what a replica holds of its messages before the last (a
+                       shared system or tool prompt) draws it there no further than the excess allows)
             cost     = wait + uncached * spt + spread
             gated    = loads[i] >= caps[i]
 
@@ -429,6 +432,8 @@ class PrefixIndex:
         if not -1 <= last < n:
             raise ValueError(f"last must be -1 or in [0, {n}), got {last}")
         history_blocks = _count_arg("history_blocks", history_blocks, _MAX_SSIZE)
+        # a new conversation's messages before its last: the prefix others may have sent (a system or tool prompt)
+        opening_history = float(history_blocks) * block_tokens
         tie_s = _float_arg("tie_s", tie_s)
         tie_share = _float_arg("tie_share", tie_share)
         cached_row = _fleet_buffer(cached_out, "cached_out", _FLOAT64_OUT, n)
@@ -504,8 +509,13 @@ class PrefixIndex:
                     smooth = mean + SPREAD_SMOOTH
                     # sent_now > mean: a positive numerator, and C's x / +0.0 is +inf
                     excess = (sent_now - mean) / smooth if smooth != 0.0 else math.inf
-                    computed = total_tokens if spread_whole else uncached
-                    spread = (((spread_tokens * spt) * excess) * computed) / total_tokens
+                    if spread_whole:
+                        # a new conversation: charged whole, and at least what the shared prefix there saves it
+                        shared = opening_history if opening_history < cached else cached
+                        base = shared if shared > spread_tokens else spread_tokens
+                        spread = (((base * spt) * excess) * total_tokens) / total_tokens
+                    else:
+                        spread = (((spread_tokens * spt) * excess) * uncached) / total_tokens
                     cost = cost + spread
             flags = PRICE_CANDIDATE
             if flights[i] >= limits[i]:

@@ -60,10 +60,12 @@ their shared system prompt: right for one first token, wrong for the load (and t
 of every turn after it. A chat with no assistant turn yet (`Prompt.opening`) is a new conversation
 however much of it a replica holds (a coding agent's 12k-token tool prompt is most of its first
 turn, and its own context grows past it within a few tool calls): its spread is charged whole,
-not by the share computed, and in tokens of at least its whole prompt, so a replica one unit of
-excess past the mean costs it as much as computing it all elsewhere. On the agents workload the
-holders of the two shared tool prompts had drawn every session (load CV 1.53; 1.09 with it, the
-multi-turn mean 10 % lower). A keyed session's own replica never pays it.
+not by the share computed, and in at least the tokens of its messages before the last that the
+replica holds (its shared system or tool prompt), so what that prefix saves it there draws it no
+further than the replica's excess allows. On the agents workload the holders of the two shared
+tool prompts had drawn every session (load CV 1.53; 1.20 with it, the multi-turn mean 8 % lower).
+A document in its last message is its own work, not a shared prefix: it is not counted (counting
+it cost long-document QA a point of hit rate). A keyed session's own replica never pays it.
 
 `price` hands all of it to the compiled core (`PrefixIndex.price`: one loop over raw arrays kept
 here by fleet position), which also applies the gate and finds the cheapest and its near-ties;
@@ -402,7 +404,7 @@ class Placement:
             self._flags,
             recent=self._recent,
             recent_scale=math.exp((ref - now) / SPREAD_WINDOW_S),
-            spread_tokens=max(self.spread_tokens, self._total) if prompt.opening else self.spread_tokens,
+            spread_tokens=self.spread_tokens,
             spread_out=self._spread,
             interference=self.interference,
             history_from_all=last is not None,
