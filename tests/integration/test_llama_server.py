@@ -292,9 +292,10 @@ async def test_health_reads_llama_cpp_and_a_full_replica_spills(llama, start_rou
             assert row["engine"]["kv_usage"] is None  # llama-server exports none: missing, not zero
             assert row["engine"]["prefix_queries"] is not None and row["engine"]["running"] == 0
         # one session's burst: its replica runs two at once; the rest go to the idle one, not its queue
-        # long enough that all four still run when a probe looks (CI's pure pass once saw 300 tokens
-        # end on one replica before a probe found both busy)
-        long = {"messages": [SYSTEM, {"role": "user", "content": "go on"}], "max_tokens": 900, "ignore_eos": True}
+        # long enough that all four still run when a probe looks: the tiny model writes about a
+        # thousand tokens a second, and CI once saw 900 tokens end on both replicas before a probe
+        # found both busy (3,500 fills most of a slot's 4,096)
+        long = {"messages": [SYSTEM, {"role": "user", "content": "go on"}], "max_tokens": 3500, "ignore_eos": True}
 
         async def one() -> str:
             r, _ = await post(http, url, {**long, "stream": True}, "burst")
@@ -306,7 +307,9 @@ async def test_health_reads_llama_cpp_and_a_full_replica_spills(llama, start_rou
             await asyncio.sleep(0.02)
         # while they run, the router reads the engine's own slots and queue: both busy, none queued
         peak = None
-        for _ in range(60):
+        for _ in range(400):  # until both are seen busy or the burst is over
+            if all(task.done() for task in tasks):
+                break
             rows = await replicas(http)
             if all((row["engine"]["running"] or 0) >= 2 for row in rows.values()):
                 peak = rows
