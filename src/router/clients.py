@@ -15,7 +15,10 @@ Off unless `client_keys_file` names a file. The file holds a hash of each key, n
     tokens_per_minute = 200000    # prompt and completion tokens (router.budgets); absent: no budget
 
 A tenant without one is of the `default` class with no budget. A client sends its key as OpenAI's SDKs do
-(`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`). The file is read again
+(`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`): one credential, or the same key
+in both. Two `Authorization` headers, two `x-api-key` headers, or the two naming different keys are
+refused (`AmbiguousKey`, a 400), never decided by their order: behind an intermediary that adds a
+header of its own, a guess would authenticate or bill someone neither side meant. The file is read again
 when it changes, at most a second after (a Kubernetes Secret mounted as a volume is swapped by its
 kubelet; an edited file is rewritten): new keys work and removed ones stop, without a restart. A
 change that does not parse, or leaves no keys (a write under way), keeps the keys in force and
@@ -30,7 +33,7 @@ import logging
 import os
 import time
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from router.errors import RouterError
@@ -73,15 +76,39 @@ class Tenant:
     tokens_per_minute: int | None = None  # None: no budget
 
 
-def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a request presents: `Authorization: Bearer KEY`, else `x-api-key: KEY`."""
-    auth = headers.get("authorization")
+class AmbiguousKey(ValueError):
+    """A request that presents more than one credential (its message says which)."""
+
+
+Headers = Mapping[str, str] | Iterable[tuple[str, str]]
+
+
+def presented_key(headers: Headers) -> str | None:
+    """The key a request presents: `Authorization: Bearer KEY` or `x-api-key: KEY` (an Authorization
+    of another scheme is none). `headers`: a mapping (a multidict's repeated headers count each) or
+    (name, value) pairs. AmbiguousKey for a header given twice, or the two naming different keys."""
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    auth: str | None = None
+    api_key: str | None = None
+    for name, value in pairs:
+        lowered = name.lower()
+        if lowered == "authorization":
+            if auth is not None:
+                raise AmbiguousKey("the request has more than one Authorization header: send one credential")
+            auth = value
+        elif lowered == "x-api-key":
+            if api_key is not None:
+                raise AmbiguousKey("the request has more than one x-api-key header: send one credential")
+            api_key = value
+    bearer = None
     if auth:
         scheme, _, value = auth.strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    key = headers.get("x-api-key")
-    return key.strip() if key and key.strip() else None
+            bearer = value.strip()
+    key = api_key.strip() if api_key and api_key.strip() else None
+    if bearer is not None and key is not None and bearer != key:
+        raise AmbiguousKey("Authorization and x-api-key name different keys: send one credential")
+    return bearer or key
 
 
 def _tenants(entries: object, where: str) -> dict[str, Tenant]:
@@ -222,8 +249,9 @@ class ClientKeys:
             self.rejected += 1
             log.error("router: %s; the keys read before stay in force", exc)
 
-    def client(self, headers: Mapping[str, str]) -> Client | None:
-        """Whom the request's key belongs to; None without a valid key."""
+    def client(self, headers: Headers) -> Client | None:
+        """Whom the request's key belongs to; None without a valid key; AmbiguousKey for two
+        credentials (`presented_key`)."""
         self.refresh()
         key = presented_key(headers)
         if key is None:

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 from multidict import CIMultiDict
 
-from router.clients import CHECK_EVERY_S, RANK, Client, ClientKeys, ClientKeysError, parse, presented_key
+from router.clients import (
+    CHECK_EVERY_S,
+    RANK,
+    AmbiguousKey,
+    Client,
+    ClientKeys,
+    ClientKeysError,
+    parse,
+    presented_key,
+)
 from router.proxy.cli import main
 from router.proxy.intake import Refused, wishes
 
@@ -34,6 +43,27 @@ def test_the_key_comes_from_a_bearer_token_or_anthropics_header() -> None:
     assert presented_key({"x-api-key": "k-2"}) == "k-2"
     assert presented_key({"authorization": "Basic abc", "x-api-key": "k-3"}) == "k-3"
     assert presented_key({"authorization": "Bearer "}) is None and presented_key({}) is None
+    # one key in both headers is one credential; a multidict's and a pair list's headers count each
+    assert presented_key(CIMultiDict({"Authorization": "Bearer k-4", "X-Api-Key": "k-4"})) == "k-4"
+    assert presented_key([("Authorization", "Basic abc"), ("x-api-key", "k-5")]) == "k-5"
+
+
+@pytest.mark.parametrize(
+    ("headers", "says"),
+    [
+        ([("Authorization", "Bearer k-1"), ("authorization", "Bearer k-2")], "more than one Authorization"),
+        ([("Authorization", "Bearer k-1"), ("Authorization", "Bearer k-1")], "more than one Authorization"),
+        ([("Authorization", "Basic abc"), ("Authorization", "Bearer k-1")], "more than one Authorization"),
+        ([("x-api-key", "k-1"), ("X-API-KEY", "k-1")], "more than one x-api-key"),
+        ([("Authorization", "Bearer k-1"), ("x-api-key", "k-2")], "different keys"),
+        ([("x-api-key", "k-2"), ("Authorization", "Bearer k-1")], "different keys"),
+    ],
+)
+def test_two_credentials_are_never_guessed_between(headers: list[tuple[str, str]], says: str) -> None:
+    with pytest.raises(AmbiguousKey, match=says):
+        presented_key(headers)
+    with pytest.raises(AmbiguousKey, match=says):
+        presented_key(CIMultiDict(headers))
 
 
 @pytest.mark.parametrize(

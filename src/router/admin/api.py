@@ -46,8 +46,12 @@ def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool
 
 
 def token_ok(request: web.Request, token: str) -> bool:
-    """The request carries `Authorization: Bearer <token>` (compared in constant time)."""
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    """The request carries `Authorization: Bearer <token>` (compared in constant time), once: two
+    Authorization headers are refused, whatever their order."""
+    given = request.headers.getall("Authorization", [])
+    if len(given) != 1:
+        return False
+    scheme, _, value = given[0].partition(" ")
     offered = value.strip().encode("utf-8", "surrogateescape")
     return scheme.lower() == "bearer" and hmac.compare_digest(offered, token.encode())
 

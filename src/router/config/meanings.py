@@ -93,6 +93,8 @@ HELP = {
     "keepalive_timeout_s": "idle client connections close after this, as do those that have not sent a "
     "whole request's headers within it (default 75)",
     "max_body_bytes": "largest request body (default 32 MiB)",
+    "min_body_rate_bytes_per_s": "a request body that arrives slower than this, past its first 5 s, gets a 408 "
+    "(a slow-body attack; default 1024, 0: no floor)",
     "max_header_bytes": "largest request header block (default 16 KiB)",
     "upstream_connections": "keep-alive connections per replica (default 256)",
     "inject_usage": "ask streams for usage on the client's behalf, then hide it (default on)",
@@ -250,7 +252,8 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "",
         (
             "max_attempts", "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "total_timeout_s",
-            "client_timeout_s", "keepalive_timeout_s", "max_body_bytes", "max_header_bytes",
+            "client_timeout_s", "keepalive_timeout_s", "max_body_bytes",
+            "min_body_rate_bytes_per_s", "max_header_bytes",
             "upstream_connections", "inject_usage", "resume_streams", "resume_buffer_bytes", "front",
         ),
     ),

@@ -107,6 +107,8 @@ class RouterConfig:
     client_timeout_s: float = 60.0  # longest pause while a client sends its request body
     keepalive_timeout_s: float = 75.0  # idle connections close; a request's headers must be in within it
     max_body_bytes: int = 32 * 1024 * 1024
+    # a body must keep up this rate once it has had BODY_GRACE_S (router.proxy.intake); 0: no floor
+    min_body_rate_bytes_per_s: float = 1024.0
     max_header_bytes: int = 16 * 1024
     upstream_connections: int = 256  # per replica
     inject_usage: bool = True

@@ -24,7 +24,7 @@ from router.proxy.disagg import DisaggAttempts, PrefillPool
 from router.proxy.exchange import AioExchange, error_response
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
-from router.proxy.intake import take_in, unauthorized
+from router.proxy.intake import Refused, take_in, who
 from router.proxy.journey import Attempts, HttpAttempts, Journey, Ledger
 
 
@@ -179,11 +179,11 @@ class Proxy:
     # -- other routes ------------------------------------------------------------------------
 
     def refused_without_key(self, request: web.Request) -> web.Response | None:
-        """With client keys on (router.clients), the 401 of a request without a valid key."""
+        """With client keys on (router.clients), the 401 of a request without a valid key (400 with two)."""
         clients = self.node.clients
-        if clients is None or clients.client(request.headers) is not None:
+        refusal = None if clients is None else who(clients, request.headers)
+        if not isinstance(refusal, Refused):
             return None
-        refusal = unauthorized()
         return error_response(refusal.message, refusal.status, refusal.code, path=request.path)
 
     async def models(self, request: web.Request) -> web.Response:

@@ -20,8 +20,13 @@ Limits and time-outs are those aiohttp applies on the same settings (router.prox
   request's head within it (slowloris);
 - a header block over `max_header_bytes` gets an OpenAI-shaped 431; one header line over the
   field limit, more headers than the count limit, or a head over `HEAD_CAP` get a 400 and close;
-- a body over `max_body_bytes` gets a 413; one that pauses for `client_timeout_s` or takes
-  longer than `total_timeout_s` gets a 408 and the connection closes;
+- what can be refused from the head (no valid key, two credentials, a `Content-Length` over
+  `max_body_bytes`) is answered from it, its body not read unless small and of a known length
+  (router.proxy.intake); a chunked body is refused as it passes `max_body_bytes`. The answer says
+  `Connection: close`; the router then half-closes, drops what the client sends on for at most
+  `LINGER_S` and `LINGER_BYTES`, and closes (`_linger`: the client reads the answer, not a reset);
+- a body that pauses for `client_timeout_s`, falls below `min_body_rate_bytes_per_s` after its
+  first `BODY_GRACE_S`, or takes longer than `total_timeout_s` gets a 408 and the connection closes;
 - ambiguous or malformed framing (smuggling: Content-Length with Transfer-Encoding, two lengths,
   chunked not last) is refused by llhttp's strict parser: 400, connection closed.
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import socket
 import time
@@ -58,13 +64,17 @@ from router.config import RouterConfig
 from router.errors import error_body, error_body_for
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.intake import (
+    LINGER_BYTES,
+    LINGER_S,
     Intake,
     Refused,
+    body_deadline,
+    keeps_connection,
     take_in_body,
     too_large,
     too_many_header_bytes,
     too_slow,
-    unauthorized,
+    who,
 )
 
 log = logging.getLogger("router.front")
@@ -121,8 +131,10 @@ class _Message:
         "body",
         "body_deadline",
         "body_size",
+        "body_start",
         "client",
         "complete",
+        "content_length",
         "header_size",
         "headers",
         "hot",
@@ -149,6 +161,8 @@ class _Message:
         self.keep_alive = True
         self.body: list[bytes] = []
         self.body_size = 0
+        self.body_start = 0.0
+        self.content_length: int | None = None  # as its head says (None: chunked, or none said)
         self.refused: Refused | None = None
         self.client: Client | None = None  # whose key it brought (client keys on)
         self.complete = False
@@ -268,6 +282,7 @@ class Front(asyncio.Protocol):
         self.in_head = False  # between a request's first byte and the end of its head
         self.paused = False
         self.gone = False
+        self.discarding = -1  # bytes still dropped unread after an answer from the head (-1: none)
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -284,6 +299,11 @@ class Front(asyncio.Protocol):
         self._arm(self.cfg.keepalive_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        if self.discarding >= 0:  # after an answer from the head: dropped unparsed, within bounds
+            self.discarding -= len(data)
+            if self.discarding < 0 and self.transport is not None:
+                self.transport.close()
+            return
         if self.error is not None:
             return  # past a request that could not be read: nothing more is
         msg = self.msg
@@ -303,7 +323,9 @@ class Front(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             pass  # an upgrade (a websocket) is never a proxied request: aiohttp takes it below
         except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _TooBig):
+            if isinstance(exc.__context__, _Refusing):
+                pass  # answered from its head (queued): nothing after it is parsed
+            elif isinstance(exc.__context__, _TooBig):
                 error = str(exc.__context__)
             else:
                 log.error("front: parsing a request failed", exc_info=exc.__context__)
@@ -378,6 +400,9 @@ class Front(asyncio.Protocol):
         msg.method = self.parser.get_method()
         msg.version = self.parser.get_http_version().encode()
         msg.keep_alive = self.parser.should_keep_alive()
+        for name, value in msg.headers:
+            if name.lower() == "content-length":  # llhttp let one valid length through, or refused it
+                msg.content_length = int(value)
         url = msg.url
         if url.startswith(b"/"):
             msg.path = url.split(b"?", 1)[0]
@@ -399,11 +424,21 @@ class Front(asyncio.Protocol):
             msg.refused = too_many_header_bytes(msg.header_size, self.cfg)
         elif self.parser.should_upgrade():  # llhttp reads no body for it: the rest would be read as a request
             msg.refused = Refused(400, f"{msg.path.decode()} is not upgraded to another protocol", close=True)
-        elif (clients := self.server.proxy.clients) is not None:
-            # the key before the body: a request without one has its body read and dropped, unparsed
-            msg.client = clients.client({k.lower(): v for k, v in msg.headers if k.lower() in KEY_HEADERS})
-            if msg.client is None:
-                msg.refused = unauthorized()
+        else:
+            clients = self.server.proxy.clients
+            # the key before the body: a small body of a request without one is read and dropped
+            # unparsed (its connection kept); any other is answered from its head
+            found = (
+                None if clients is None else who(clients, [(k, v) for k, v in msg.headers if k.lower() in KEY_HEADERS])
+            )
+            if isinstance(found, Refused):
+                if not keeps_connection(msg.content_length):
+                    self._refuse_from_head(msg, found)
+                msg.refused = dataclasses.replace(found, close=False)
+            elif msg.content_length is not None and msg.content_length > self.cfg.max_body_bytes:
+                self._refuse_from_head(msg, too_large(self.cfg))  # (no anonymous client learns the limit)
+            else:
+                msg.client = found
         if not self.queue and self.task is None:
             expect = next((v for k, v in msg.headers if k.lower() == "expect"), "")
             if expect.lower() == "100-continue" and self.transport is not None:
@@ -416,9 +451,7 @@ class Front(asyncio.Protocol):
             return  # read and dropped
         msg.body_size += len(body)
         if msg.hot and msg.body_size > self.cfg.max_body_bytes:
-            msg.refused = too_large(self.cfg)
-            msg.body = []
-            return
+            self._refuse_from_head(msg, too_large(self.cfg))  # a chunked body, as it passes the limit
         if not msg.hot and msg.body_size > HANDOVER_BODY_CAP:
             msg.refused = Refused(
                 413,
@@ -492,6 +525,9 @@ class Front(asyncio.Protocol):
             self.task = None
         if self.transport is None or self.transport.is_closing():
             return
+        if msg.refused is not None and msg.refused.close:  # its body was left unread
+            self._linger()
+            return
         if exchange.closes or self.server.closing() or not exchange.prepared or exchange.unended:
             self.transport.close()
             return
@@ -539,6 +575,35 @@ class Front(asyncio.Protocol):
 
     # -- errors and timers ---------------------------------------------------------------------------
 
+    def _refuse_from_head(self, msg: _Message, refused: Refused) -> None:
+        """Answer `msg` with `refused` as soon as its turn comes, from what is known of it now (in a
+        parser callback): it is queued as a whole request, and nothing after it is parsed or read."""
+        msg.refused = refused
+        msg.complete = True
+        msg.body = []
+        self.msg = None
+        self._disarm()
+        self.queue.append(msg)
+        self._pause()
+        raise _Refusing
+
+    def _linger(self) -> None:
+        """After answering a request whose body was left unread: half-close, drop what the client
+        still sends for LINGER_S and LINGER_BYTES at most (a close with unread bytes would reset the
+        connection, and the client could lose the answer), then close."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self.queue.clear()
+        self.discarding = LINGER_BYTES
+        self.paused = False
+        transport.resume_reading()
+        self.idle_at = self.loop.time() + LINGER_S  # the sweep closes it
+
     def _fail(self, reason: str) -> None:
         """A request that cannot be read: a 400 once what is before it is answered, then close."""
         self._pause()
@@ -564,6 +629,7 @@ class Front(asyncio.Protocol):
 
     def _arm_body(self, msg: _Message) -> None:
         """Time the body: `client_timeout_s` without a byte, or `total_timeout_s` in all, is a 408."""
+        msg.body_start = msg.last_body
         msg.body_deadline = msg.last_body + self.cfg.total_timeout_s
         self.body_msg = msg
         self.idle_at = 0.0
@@ -578,7 +644,10 @@ class Front(asyncio.Protocol):
             if self.task is None and not self.queue and self.transport is not None:
                 self.transport.close()  # idle, or a head that never finished: as aiohttp's keep-alive time-out
         msg = self.body_msg
-        if msg is None or now < min(msg.last_body + self.cfg.client_timeout_s, msg.body_deadline):
+        if msg is None:
+            return
+        floor = body_deadline(msg.body_start, msg.body_size, self.cfg.min_body_rate_bytes_per_s)
+        if now < min(msg.last_body + self.cfg.client_timeout_s, msg.body_deadline, floor):
             return
         self.body_msg = None
         if msg is not self.msg or self.error is not None:
@@ -625,6 +694,10 @@ class Front(asyncio.Protocol):
 
 class _TooBig(Exception):
     """A header line or count past the parser's limits (a 400, as aiohttp's parser gives)."""
+
+
+class _Refusing(Exception):
+    """Stops the parser: the request being parsed is answered from what is known of it."""
 
 
 class FrontServer:

@@ -2,7 +2,15 @@
 (the overload queue, which may hold it next, is router.admission).
 
 A request that fails gets the answer it deserves (431, 408, 413 or 400), in its API's shape
-(OpenAI's, or Anthropic's on the Messages API), and never reaches a replica. One that passes may
+(OpenAI's, or Anthropic's on the Messages API), and never reaches a replica. What can be refused
+from the head is: no valid key (401), two credentials (400, router.clients), a `Content-Length`
+over `max_body_bytes` (413). Its body is then not read, unless it is small and of a known length
+(`KEEP_BODY_BYTES`: read and dropped, so a well-behaved client keeps its connection): the answer
+goes out while the client may still be sending, says `Connection: close`, and the connection
+closes after it (`LINGER_S`, `LINGER_BYTES`). A chunked body is refused (413) the moment it passes
+the limit, the same way. A body that pauses for `client_timeout_s`, or falls below
+`min_body_rate_bytes_per_s` once it has had `BODY_GRACE_S` (a slow-body attack: a byte now and
+then, never a long pause), gets a 408. One that passes may
 be changed on the way: a stream that did not ask for usage is asked for it (`inject_usage`), so
 the router learns its token counts, and the client is not shown it. What the rest of the router
 asks of the request is decided here, once: its kind (router.apis), whether it streams, and whether a
@@ -14,7 +22,10 @@ class (X-Priority, capped by its tenant's: router.clients) and its time-to-first
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from router.apis import CHAT, Api, api_of
-from router.clients import DEFAULT_RANK, PRIORITIES, RANK, Client, ClientKeys
+from router.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client, ClientKeys
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
@@ -33,18 +44,41 @@ from router.routing.request import request_key
 PRIORITY_HEADERS = ("x-priority", "x-smg-priority")  # ours, and smg's (the same class names)
 TARGET_HEADER = "x-slo-ttft-ms"  # as llm-d's predicted-latency scheduling reads it
 MAX_TARGET_MS = 3_600_000.0
+KEEP_BODY_BYTES = 64 * 1024  # a refused request's body of a known length up to this is read: its connection stays
+BODY_GRACE_S = 5.0  # a body's first seconds, before `min_body_rate_bytes_per_s` applies
+LINGER_S = 1.0  # after an answer from the head, what the client sends on is dropped this long at most ...
+LINGER_BYTES = 256 * 1024  # ... and this much at most: then the connection closes
 
 
-async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float) -> bytes:
+def keeps_connection(content_length: int | None) -> bool:
+    """Whether a request refused from its head has its body read and dropped (small, of a known
+    length: its connection stays usable) rather than left unread (its connection closes)."""
+    return content_length is not None and content_length <= KEEP_BODY_BYTES
+
+
+def body_deadline(start: float, received: int, min_rate: float) -> float:
+    """When a body that began at `start` and has `received` bytes falls below `min_rate` bytes a
+    second, its first BODY_GRACE_S given (as Apache's mod_reqtimeout's MinRate: each byte buys
+    1/min_rate s more); inf without a floor."""
+    return start + BODY_GRACE_S + received / min_rate if min_rate > 0 else math.inf
+
+
+async def read_body(request: web.Request, limit: int, pause_s: float, total_s: float, min_rate: float = 0.0) -> bytes:
     """The request body as it arrives. TimeoutError if it pauses for `pause_s` (a client stuck, or
-    slow on purpose) or takes more than `total_s` in all; HTTPRequestEntityTooLarge past `limit`."""
+    slow on purpose), falls below `min_rate` bytes a second (`body_deadline`) or takes more than
+    `total_s` in all; HTTPRequestEntityTooLarge past `limit`."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     parts: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     async with asyncio.timeout(total_s):
         while True:
-            async with asyncio.timeout(pause_s):
+            wait = min(pause_s, body_deadline(start, size, min_rate) - loop.time())
+            if wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
                 chunk = await request.content.readany()
             if not chunk:
                 return b"".join(parts)
@@ -52,6 +86,35 @@ async def read_body(request: web.Request, limit: int, pause_s: float, total_s: f
             if size > limit:
                 raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
             parts.append(chunk)
+
+
+@web.middleware
+async def unread_bodies(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's side (its path to the proxied endpoints, the admin API, the console): an error
+    answered before a body that is not small was read goes out at once, and the connection closes
+    after at most LINGER_S and LINGER_BYTES of what the client sends on (aiohttp's own lingering
+    reads the whole body, for up to `lingering_time`)."""
+    response = await handler(request)
+    if response.status < 400 or response.prepared or keeps_connection(request.content_length):
+        return response
+    if request.content.is_eof():
+        return response
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    transport = request.transport
+    if transport is not None and not transport.is_closing() and transport.can_write_eof():
+        transport.write_eof()  # the answer, then our end: the client reads it, not a reset
+    left = LINGER_BYTES
+    # what comes now is dropped unparsed; a broken or endless body ends the wait as well as its end
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(LINGER_S):
+            while left > 0 and (data := await request.content.readany()):
+                left -= len(data)
+    request.protocol.force_close()
+    return response
 
 
 @dataclass(slots=True)
@@ -102,6 +165,21 @@ def unauthorized(close: bool = False) -> Refused:
     )
 
 
+def ambiguous(why: AmbiguousKey, close: bool = False) -> Refused:
+    """A request that presents two credentials (router.clients.presented_key): never guessed between."""
+    return Refused(400, str(why), "ambiguous_credentials", close)
+
+
+def who(clients: ClientKeys, headers: Mapping[str, str] | list[tuple[str, str]]) -> Client | Refused:
+    """The client a request's credential names, or its refusal (401, or 400 for two), `close` set:
+    the caller keeps the connection (`keeps_connection`) where it reads the small body."""
+    try:
+        client = clients.client(headers)
+    except AmbiguousKey as exc:
+        return ambiguous(exc, close=True)
+    return client if client is not None else unauthorized(close=True)
+
+
 def no_such_model(model: str) -> Refused:
     """No replica in the fleet serves `model` (as each one's /v1/models or the pinned models say)."""
     return Refused(
@@ -119,15 +197,20 @@ def too_many_header_bytes(size: int, cfg: RouterConfig) -> Refused:
 def too_slow(cfg: RouterConfig) -> Refused:
     return Refused(
         408,
-        f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s) or took longer "
-        f"than total_timeout_s ({cfg.total_timeout_s:g} s)",
+        f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s), came slower than "
+        f"min_body_rate_bytes_per_s ({cfg.min_body_rate_bytes_per_s:g}) or took longer than total_timeout_s "
+        f"({cfg.total_timeout_s:g} s)",
         "request_timeout",
         close=True,
     )
 
 
 def too_large(cfg: RouterConfig) -> Refused:
-    return Refused(413, f"request body is larger than the limit of {cfg.max_body_bytes} bytes", "request_too_large")
+    """A body over the limit: refused from its head (Content-Length) or as it passes it (chunked);
+    the rest is not read, so the connection closes."""
+    return Refused(
+        413, f"request body is larger than the limit of {cfg.max_body_bytes} bytes", "request_too_large", close=True
+    )
 
 
 async def take_in(
@@ -141,11 +224,20 @@ async def take_in(
         return too_many_header_bytes(size, cfg)
     client = None
     if clients is not None:
-        client = clients.client(request.headers)
-        if client is None:
-            return unauthorized(close=True)  # its body is not read: the connection must not read it as a request
+        found = who(clients, request.headers)
+        if isinstance(found, Refused):
+            if keeps_connection(request.content_length):  # small: read and dropped, the connection kept
+                try:
+                    await read_body(request, KEEP_BODY_BYTES, cfg.client_timeout_s, cfg.total_timeout_s)
+                except (TimeoutError, web.HTTPRequestEntityTooLarge):
+                    return found
+                return dataclasses.replace(found, close=False)
+            return found  # its body is not read (router.proxy.workers closes the connection)
+        client = found
     try:
-        raw = await read_body(request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s)
+        raw = await read_body(
+            request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s, cfg.min_body_rate_bytes_per_s
+        )
     except TimeoutError:
         return too_slow(cfg)
     except web.HTTPRequestEntityTooLarge:

@@ -36,6 +36,7 @@ from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
 from router.proxy.front import FrontRunner
+from router.proxy.intake import unread_bodies
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 
@@ -79,6 +80,7 @@ def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     field_size = max(config.max_header_bytes + 1024, 8190)
     app[CLOSING] = []
     app.on_response_prepare.append(_close_after_answer)
+    app.middlewares.append(unread_bodies)
     return FrontRunner(
         app,
         config,
