@@ -76,7 +76,7 @@ class Tenant:
     tokens_per_minute: int | None = None  # None: no budget
 
 
-class AmbiguousKey(ValueError):
+class AmbiguousKey(RouterError, ValueError):
     """A request that presents more than one credential (its message says which)."""
 
 

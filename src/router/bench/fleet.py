@@ -348,19 +348,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.engine == "llama-server":
         if not (1 <= args.slots <= 64 and 256 <= args.slot_context <= 131072):
             raise ValueError("need 1 <= --slots <= 64 and 256 <= --slot-context <= 131072")
-        try:
-            find_binary()
-        except NotBuilt as exc:
-            raise ValueError(str(exc)) from None
     elif args.llama_arg:
         raise ValueError("--llama-arg is for --engine llama-server")
     if args.engine == "vllm":
         if not (1 <= args.max_num_seqs <= 256 and 17 <= args.kv_blocks <= 1_000_000):
             raise ValueError("need 1 <= --max-num-seqs <= 256 and 17 <= --kv-blocks (a 512-token context)")
-        try:
-            find_vllm()
-        except VllmNotBuilt as exc:
-            raise ValueError(str(exc)) from None
         args.vllm_replicas = VllmReplicas(
             kv_blocks=args.kv_blocks,
             max_num_seqs=args.max_num_seqs,
@@ -407,6 +399,14 @@ def check_args(args: argparse.Namespace) -> None:
     if missing:
         raise ValueError(f"contender {missing[0]!r} is not installed (pip install '.[bench]')")
     args.contenders = names
+    # the engine's build is looked for last: a user is not sent to build one for a run refused anyway
+    try:
+        if args.engine == "llama-server":
+            find_binary()
+        elif args.engine == "vllm":
+            find_vllm()
+    except (NotBuilt, VllmNotBuilt) as exc:
+        raise ValueError(str(exc)) from None
     if args.vllm_replicas is not None:  # prefill/decode contenders: NIXL in every replica
         args.vllm_replicas.nixl = any(CONTENDERS[n].roles for n in names)
     try:
