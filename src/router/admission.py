@@ -65,7 +65,8 @@ class Shed(RouterError):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.reason = reason  # queue_full | timeout | sheddable | target | budget | cold: a metric label
+        # queue_full | timeout | sheddable | target | budget | exceeds_budget | cold: a metric label
+        self.reason = reason
         self.retry_after_s = retry_after_s
 
 

@@ -4,10 +4,14 @@ A token bucket per tenant. Its capacity is the tenant's `tokens_per_minute` and 
 continuously at a sixtieth of that per second, never above capacity. At admission a request
 reserves what it is estimated to use (`estimate`): if the bucket holds that many they are taken,
 else nothing is taken and the caller is told how many seconds until enough has refilled (its
-Retry-After, at least 1). So that a request larger than the whole budget is not refused forever, a
-full bucket lets any size through and its level goes negative. When the request ends it settles
-with what it really used: the difference is given back, or taken, so a request that used more than
-reserved delays the tenant's next ones. Unknown usage keeps the reservation as charged.
+Retry-After, at least 1). A request estimated at more than the whole budget could never fit: the
+caller refuses it at once (`exceeds`: a 429 `request_exceeds_budget`, no Retry-After), rather than
+let it through on a full bucket and lock the tenant out for as long as its reservation takes to
+refill. When the request ends it settles with what it really used: the difference is given back,
+or taken, so a request that used more than reserved delays the tenant's next ones. A stream cut
+before its usage came is settled on what passed: its prompt's estimate and the token-carrying
+events the router forwarded (router.proxy.framer counts them). Unknown usage otherwise (an answer
+whose client left before it was sent) keeps the reservation as charged.
 
 Example: 6000 tokens a minute refill 100 a second. From a full bucket a request reserves 2500
 (3500 left); another that needs 4000 is told to wait ceil(500 / 100) = 5 s. If the first ends
@@ -197,6 +201,11 @@ class Budgets:
     def limited(self, tenant: str) -> bool:
         return tenant in self.limits
 
+    def exceeds(self, tenant: str, tokens: int) -> bool:
+        """Whether `tokens` is more than the tenant's whole budget: a request that could never fit."""
+        per_minute = self.limits.get(tenant)
+        return per_minute is not None and tokens > per_minute
+
     @property
     def local(self) -> LocalStore | None:
         """This process's store, which the caller may use without awaiting (`reserve_now`,
@@ -240,6 +249,12 @@ class Budgets:
 COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
+def prompt_estimate(raw_size: int) -> int:
+    """A request body's prompt tokens, guessed from its size: ~4 bytes of JSON per token of English
+    text (settling with the engine's usage corrects it)."""
+    return -(-raw_size // 4)
+
+
 def estimate(body: Mapping[str, Any], raw_size: int, default_completion: int) -> int:
     """The tokens a request is reserved at admission: its prompt and its completion cap.
 
@@ -247,8 +262,7 @@ def estimate(body: Mapping[str, Any], raw_size: int, default_completion: int) ->
     first that holds a positive integer counts, else `default_completion`. `n` choices each
     complete, but the prompt is read once.
     """
-    # ~4 bytes of JSON per token of English text; settling with the real usage corrects it
-    prompt = -(-raw_size // 4)
+    prompt = prompt_estimate(raw_size)
     completion = default_completion
     for name in COMPLETION_CAPS:
         cap = body.get(name)

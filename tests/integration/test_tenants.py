@@ -170,8 +170,8 @@ async def test_a_budget_is_shared_by_two_routers_on_redis(
     for status, headers, body in refused:
         assert status == 429 and body["error"]["code"] == "tokens_per_minute_exceeded"
         assert "team-a" in body["error"]["message"] and 1 <= int(headers["Retry-After"]) <= 60
-    # both routers drew from one bucket: served no more than it held, what refilled, and the one
-    # request a full bucket lets through whatever its size
+    # both routers drew from one bucket: served no more than it held, what refilled, and one
+    # request's worth of estimates (each taken whole from a bucket that held enough)
     assert used <= 600 + 10 * elapsed + 100, (used, elapsed)
     assert used >= 300, used  # usage settled the reservations: refunds let more through than the estimates
 

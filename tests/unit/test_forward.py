@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from router.proxy.forward import Outcome, _pump
-from router.proxy.framer import SseFramer
+from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.resume import SoFar, Splicer
 from router.proxy.sse import StreamFramer
 from router.routing import Served
@@ -143,3 +143,30 @@ def test_the_framer_and_the_splicer_read_usage_alike(usage: dict[str, Any], figu
     run_framer(framer, [data])
     run_framer(splicer, [data])
     assert framer.usage == splicer.usage == figures  # odd figures never go negative nor past the prompt
+
+
+def test_the_framers_count_the_events_that_carry_tokens_however_the_bytes_are_cut() -> None:
+    tokens = [{"choices": [{"index": 0, "delta": {"content": f"t{i} data: x"}}]} for i in range(7)]
+    chat = b"".join(b"data: " + orjson.dumps(t) + b"\n\n" for t in tokens) + b"data: [DONE]\n\n"
+    anthropic = b"".join(
+        b"event: content_block_delta\r\ndata: "
+        + orjson.dumps({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "delta\\n"}})
+        + b"\r\n\r\n"
+        for _ in range(5)
+    )
+    responses = b"".join(
+        b"event: response.output_text.delta\ndata: "
+        + orjson.dumps({"type": "response.output_text.delta", "delta": "x"})
+        + b"\n\n"
+        for _ in range(4)
+    )
+    rng = random.Random(3)
+    for framer, stream, at_least, at_most in (
+        (SseFramer(False), chat, 7, 8 + 7),  # seven tokens, [DONE]; "data:" in a token's text counts too
+        (MessagesFramer(), anthropic, 5, 5),
+        (ResponsesFramer(), responses, 4, 4),
+    ):
+        cut = sorted(rng.sample(range(1, len(stream)), 6))
+        for a, b in zip([0, *cut], [*cut, len(stream)], strict=True):
+            framer.feed(stream[a:b])
+        assert at_least <= framer.events <= at_most, (type(framer).__name__, framer.events)

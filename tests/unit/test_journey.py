@@ -13,7 +13,7 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.admission import Admission
-from router.budgets import Budgets, LocalStore
+from router.budgets import Budgets, LocalStore, estimate, prompt_estimate
 from router.clients import RANK, Client
 from router.config import load
 from router.fleet import Fleet, ReplicaState
@@ -294,11 +294,48 @@ async def test_a_tenants_budget_is_reserved_then_settled_on_what_the_request_use
     # one that asks more than is left gets a 429 with the wait for it, and reaches no replica
     greedy = journey(script := Script())
     exchange = Exchange()
-    await greedy.serve(exchange, keyed(body | {"max_tokens": 5990}), time.monotonic())
+    greedy_body = body | {"max_tokens": 5960}  # with its prompt, within the budget but not what is left
+    assert 6000 - 45 < estimate(greedy_body, len(orjson.dumps(greedy_body)), 256) <= 6000
+    await greedy.serve(exchange, keyed(greedy_body), time.monotonic())
     error = orjson.loads(exchange.body)["error"]
     assert exchange.status == 429 and error["code"] == "tokens_per_minute_exceeded" and script.sent == []
     assert int(exchange.sent_headers["Retry-After"]) >= 1 and "team" in error["message"]
     assert count(metrics.shed, reason="budget", priority="default") == 1
+
+
+async def test_a_request_larger_than_its_tenants_whole_budget_is_refused_and_a_cut_stream_pays_what_passed() -> None:
+    routing, admission, metrics, config, fleet = build()
+    clock = [0.0]
+    budgets = budgeted(2000, clock)
+    ledger = Ledger(metrics, routing.policy.name, fleet.model_label, log_requests=False, tenants=True)
+
+    def journey(script: Script) -> Journey:
+        return Journey(routing, admission, script, ledger, metrics, 30.0, 256, clients=None, budgets=budgets)
+
+    body = {"model": "m", "max_tokens": 120_000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    intake = dataclasses.replace(request(config, body), client=Client("team", "k"))
+    # on a full bucket: it could never fit, so it is refused at once, with no wait that would help
+    exchange = Exchange()
+    await journey(script := Script()).serve(exchange, intake, time.monotonic())
+    error = orjson.loads(exchange.body)["error"]
+    assert exchange.status == 429 and error["code"] == "request_exceeds_budget" and script.sent == []
+    assert "Retry-After" not in exchange.sent_headers and "2000" in error["message"]
+    assert count(metrics.shed, reason="exceeds_budget", priority="default") == 1
+    assert isinstance(budgets.store, LocalStore) and "team" not in budgets.store.buckets  # nothing taken
+
+    # a stream that fits, cut after three events and before its usage: charged its prompt's
+    # estimate and those three, not the 1,000 tokens it reserved for its answer
+    def cut(replica: ReplicaState, trip: Trip) -> Outcome:
+        trip.exchange.status, trip.exchange.prepared = 200, True
+        outcome = Outcome(trip.exchange, Served(200, ttft_s=0.01, streamed=True, cut=True, events=3))
+        outcome.stream_error = "upstream connection lost mid-stream"
+        return outcome
+
+    fits = dataclasses.replace(request(config, body | {"max_tokens": 1000}), client=Client("team", "k"))
+    served = journey(Script(cut))
+    await served.serve(Exchange(), fits, time.monotonic())
+    await settled(served)
+    assert level(budgets) == 2000 - (prompt_estimate(len(fits.raw)) + 3)
 
 
 async def test_a_sheddable_request_no_replica_can_serve_in_time_is_refused_before_any_attempt() -> None:

@@ -327,6 +327,7 @@ async def _stream(upstream: Response, outcome: Outcome, first: bytes, idle: floa
             outcome.transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
     if outcome.facts.client_gone:
         outcome.broken = False  # nobody to resume it for
+    outcome.facts.events = framer.events
     if framer.usage:
         outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = framer.usage
     if isinstance(framer, ResponsesFramer):

@@ -53,9 +53,12 @@ class SseFramer:
     """Splits a byte stream into SSE events (any of the spec's line endings); reads usage, drops
     the injected usage event, notices `[DONE]`. Events are forwarded byte for byte, except that when
     the router hides the usage event, the engine's own fields on it (llama-server's `timings`) are
-    added to the finish event, held back until then (FinishHold)."""
+    added to the finish event, held back until then (FinishHold). `events` counts the `data:` lines
+    forwarded: about one generated token each (an engine that batches tokens into one event makes
+    it fewer; the opening, finish, usage and `[DONE]` events a few more), what a stream cut before its
+    usage is charged for (router.budgets)."""
 
-    __slots__ = ("_events", "_hold", "done", "strip_usage", "usage")
+    __slots__ = ("_events", "_hold", "done", "events", "strip_usage", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
         self._events = EventCutter()
@@ -63,10 +66,12 @@ class SseFramer:
         self.strip_usage = strip_usage
         self.usage: tuple[int, int, int] | None = None
         self.done = False
+        self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         if not self._events.pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
             # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
+            self.events += chunk.count(b"data:")
             if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
                 self.done = True
             if b'"usage"' not in chunk and not (self.strip_usage and (self._hold.held or finishes(chunk))):
@@ -75,6 +80,7 @@ class SseFramer:
         complete = self._events.take(chunk)
         if not complete:
             return b""
+        self.events += complete.count(b"data:")
         if b"[DONE]" in complete and not self.done and _DONE.search(complete):
             self.done = True
         if b'"usage"' not in complete and not (self.strip_usage and (self._hold.held or finishes(complete))):
@@ -122,9 +128,11 @@ class NamedEvents:
     """A stream of named events (`event: NAME`, then `data:`), cut into whole events and forwarded
     byte for byte, without `[DONE]`: the events whose bytes hold one of `READ` are parsed and handed
     to `_on`; every other event passes unread. The router never asks such streams for usage (they
-    carry their own), so nothing is hidden."""
+    carry their own), so nothing is hidden. `events` counts the events forwarded whose name ends in
+    `delta` (Anthropic's `content_block_delta`, the Responses API's `response.output_text.delta`):
+    about one generated token each (SseFramer's `events`)."""
 
-    __slots__ = ("_events", "done", "strip_usage", "usage")
+    __slots__ = ("_events", "done", "events", "strip_usage", "usage")
     READ: tuple[bytes, ...] = ()
 
     def __init__(self) -> None:
@@ -132,9 +140,12 @@ class NamedEvents:
         self.strip_usage = False
         self.usage: tuple[int, int, int] | None = None
         self.done = False
+        self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
         complete = self._events.take(chunk)
+        if complete:  # an event line `event: NAME` ends with its line; a data line ends with JSON
+            self.events += complete.count(b"delta\n") + complete.count(b"delta\r")
         if complete and any(name in complete for name in self.READ):
             for m in EVENT.finditer(complete):
                 self._read(m.group(1))

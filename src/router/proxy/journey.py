@@ -34,7 +34,7 @@ import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.budgets import COMPLETION_CAPS, Budgets, Reservation, estimate
+from router.budgets import COMPLETION_CAPS, Budgets, Reservation, estimate, prompt_estimate
 from router.clients import KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
@@ -68,6 +68,7 @@ SHED_CODES = {
     "sheddable": "sheddable_shed",
     "target": "ttft_target_unmet",
     "budget": "tokens_per_minute_exceeded",
+    "exceeds_budget": "request_exceeds_budget",
     "cold": "no_replica_ready",
 }
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
@@ -349,6 +350,16 @@ class Journey:
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
             tokens = estimate(intake.body, len(intake.raw), self.reserve_tokens)
+            if budgets.exceeds(client.tenant, tokens):
+                limit = budgets.limits[client.tenant]
+                message = (
+                    f"this request may use {tokens} tokens (its prompt and its completion cap), more than tenant "
+                    f"{client.tenant}'s whole budget of {limit} tokens a minute: it could never fit; "
+                    "lower its max_tokens"
+                )
+                self._shed(exchange, Shed(429, message, "exceeds_budget", 0), key.model, intake.rank)
+                finish(exchange, exchange.status, None, key, None, t0)
+                return
             if budgets.local is not None:  # this process's buckets: no coroutine to await
                 reserved = budgets.reserve_now(client.tenant, tokens)
             else:
@@ -359,7 +370,8 @@ class Journey:
                 self._shed(exchange, Shed(429, message, "budget", reserved), key.model, intake.rank)
                 finish(exchange, exchange.status, None, key, None, t0)
                 return
-            finish = functools.partial(self._settled, finish, reserved)  # settled where the journey ends
+            # settled where the journey ends
+            finish = functools.partial(self._settled, finish, reserved, prompt_estimate(len(intake.raw)))
         if self.tokenize is not None and key.prompt is not None:
             key = self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
@@ -509,6 +521,7 @@ class Journey:
         self,
         finish: Callable[..., None],
         reserved: Reservation,
+        prompt: int,
         exchange: Exchange,
         status: int,
         replica: ReplicaState | None,
@@ -520,12 +533,15 @@ class Journey:
         verdict: Verdict | None = None,
     ) -> None:
         """`finish`, then settle the tenant's reservation on what the request used: its usage; none
-        where no replica answered or one refused it; as reserved where that is not known (a stream
-        cut before its usage, a client gone)."""
+        where no replica answered or one refused it; for a stream cut before its usage (the client
+        gone, the engine broken), `prompt` (its estimate) and the token-carrying events that passed;
+        as reserved where nothing says (a whole answer whose client left)."""
         finish(exchange, status, replica, key, decision, t0, result, attempts, verdict)
         facts = result.facts if result is not None else None
         spent: int | None
-        if status == 499:
+        if facts is not None and facts.events and not (facts.prompt_tokens or facts.completion_tokens):
+            spent = prompt + facts.events
+        elif status == 499:
             spent = None
         elif facts is None or facts.prompt_tokens or facts.completion_tokens or facts.status >= 400:
             spent = facts.prompt_tokens + facts.completion_tokens if facts is not None else 0
@@ -546,7 +562,8 @@ class Journey:
         (no replica started while it waited: scale_from_zero_s), with Retry-After."""
         m = self.metrics
         m.child(m.shed, shed.reason, self.fleet.model_label(model), PRIORITIES[rank]).inc()
-        headers = {**JSON, "Retry-After": str(shed.retry_after_s)}
+        # (0: waiting would not help, as for a request larger than its tenant's whole budget)
+        headers = {**JSON, "Retry-After": str(shed.retry_after_s)} if shed.retry_after_s else JSON
         exchange.answer(
             shed.status, error_body_for(exchange.path, shed.message, shed.status, SHED_CODES[shed.reason]), headers
         )

@@ -244,7 +244,7 @@ class Splicer:
     second role chunk, usage in the original request's terms (and dropped when the router asked
     for it on the client's behalf). A `StreamFramer`, as the forwarding framer is."""
 
-    __slots__ = ("_buf", "_hold", "chat", "done", "so_far", "strip_usage", "usage")
+    __slots__ = ("_buf", "_hold", "chat", "done", "events", "so_far", "strip_usage", "usage")
 
     def __init__(self, so_far: SoFar, chat: bool, strip_usage: bool) -> None:
         self._buf = bytearray()
@@ -254,6 +254,7 @@ class Splicer:
         self.strip_usage = strip_usage
         self.usage: tuple[int, int, int] | None = None
         self.done = False
+        self.events = 0  # the continuation's events forwarded (as SseFramer's `events`)
 
     def feed(self, chunk: bytes) -> bytes:
         self._buf += chunk
@@ -263,6 +264,7 @@ class Splicer:
             end = m.end()
             out += self._event(m.group(1))
         del self._buf[:end]
+        self.events += out.count(b"data:")
         return bytes(out)
 
     def pending(self) -> bytes:

@@ -49,6 +49,7 @@ class Served:
     client_gone: bool = False  # the client left mid-stream: not the replica's fault
     token_s: float | None = None  # time to the first generated token (past a bare opening event)
     response_id: str | None = None  # a Responses API answer's id: where it is stored, for a follow-up
+    events: int = 0  # a stream's events forwarded that carry generated tokens (router.proxy.framer)
 
 
 @dataclass(frozen=True, slots=True)
