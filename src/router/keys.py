@@ -188,15 +188,17 @@ def prefix_text(body: Mapping[str, Any], limit: int) -> str:
     return ""
 
 
-def response_key(body: Mapping[str, Any], max_key_bytes: int) -> RoutingKey | None:
+def response_key(body: Mapping[str, Any], max_key_bytes: int, tenant: str | None = None) -> RoutingKey | None:
     """A Responses API request that continues a stored response (`previous_response_id`) or a
     conversation (`conversation`, an id or {"id": ...}): its key names that state, which lives on
-    one replica alone (kind `response`: pinned there, router.routing.route). None otherwise."""
+    one replica alone (kind `response`: pinned there, router.routing.route). None otherwise.
+    `tenant`: whose request it is (client keys on): a stored response is known under its tenant's
+    name only (`stored_key`)."""
     named = body.get("model")
     model = named if isinstance(named, str) and named else None
     previous = body.get("previous_response_id")
     if isinstance(previous, str) and previous:
-        return RoutingKey(stored_key(previous, max_key_bytes), "response", "previous_response_id", model=model)
+        return RoutingKey(stored_key(previous, max_key_bytes, tenant), "response", "previous_response_id", model=model)
     conversation = body.get("conversation")
     if isinstance(conversation, dict):
         conversation = conversation.get("id")
@@ -207,9 +209,11 @@ def response_key(body: Mapping[str, Any], max_key_bytes: int) -> RoutingKey | No
     return None
 
 
-def stored_key(response_id: str, max_key_bytes: int) -> bytes:
-    """The session key under which the replica holding a stored response is remembered."""
-    return bounded_key(b"resp\x00" + _encode(response_id), max_key_bytes)
+def stored_key(response_id: str, max_key_bytes: int, tenant: str | None = None) -> bytes:
+    """The session key under which the replica holding a stored response is remembered; with a
+    `tenant` (client keys on), in that tenant's name: another tenant's request finds nothing."""
+    scope = b"" if tenant is None else _encode(tenant) + b"\x00"
+    return bounded_key(b"resp\x00" + scope + _encode(response_id), max_key_bytes)
 
 
 def routing_key(

@@ -5,6 +5,7 @@ it, through two routers on one Redis, and across a router restart, every follow-
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -237,3 +238,39 @@ async def test_a_responses_stream_that_breaks_ends_with_the_apis_own_error_event
     assert error["type"] == "error" and error["sequence_number"] == 3 and error["param"] is None
     assert error["code"] == "upstream_error" and error["error"]["message"] == error["message"]
     assert b"[DONE]" not in raw
+
+
+async def test_a_tenant_reads_deletes_and_continues_only_its_own_stored_responses(
+    start_fleet: Callable[..., Any], start_router: Callable[..., Any], tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        "".join(
+            f'[[keys]]\nid = "{t}"\ntenant = "{t}"\nsha256 = "{hashlib.sha256(f"sk-{t}".encode()).hexdigest()}"\n'
+            for t in ("alice", "bob")
+        )
+    )
+    fleet = await start_fleet(2)
+    _, url = await start_router(
+        [r.url for r in fleet.replicas], health_checks=False, client_keys_file=str(keys), admin_token="a" * 20
+    )
+    alice, bob = ({"Authorization": f"Bearer sk-{t}"} for t in ("alice", "bob"))
+    body = {"model": "emulated-llm", "input": "a secret of alice's", "max_output_tokens": 6}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/responses", json=body, headers=alice) as r:
+            assert r.status == 200
+            rid = (await r.json())["id"]
+        # another tenant's key: the id is not known to it, whatever it asks
+        for method in ("GET", "DELETE"):
+            async with s.request(method, url + f"/v1/responses/{rid}", headers=bob) as r:
+                assert r.status == 404 and "not known" in (await r.json())["error"]["message"]
+        follow = {**body, "input": "and then?", "previous_response_id": rid}
+        async with s.post(url + "/v1/responses", json=follow, headers=bob) as r:
+            error = (await r.json())["error"]
+            assert r.status == 404 and error["code"] == "previous_response_not_found", error
+            assert error["param"] == "previous_response_id"
+        # its own tenant still has it all
+        async with s.get(url + f"/v1/responses/{rid}", headers=alice) as r:
+            assert r.status == 200 and (await r.json())["id"] == rid
+        async with s.post(url + "/v1/responses", json=follow, headers=alice) as r:
+            assert r.status == 200 and (await r.json())["previous_response_id"] == rid

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from router.admin.api import add_admin_routes, token_ok
 from router.apis import PROXIED, RESPONSES
+from router.clients import Client
 from router.console.routes import add_console_routes
 from router.fleet import ReplicaState
 from router.handoff import VLLM
@@ -225,7 +226,11 @@ class Proxy:
         if refused is not None:
             return refused
         response_id = request.match_info["id"]
-        last, _ = await self.routing.directory.last_served(stored_key(response_id, self.config.max_key_bytes))
+        clients = self.node.clients
+        found = None if clients is None else who(clients, request.headers)
+        tenant = found.tenant if isinstance(found, Client) else None  # another tenant's id is unknown here
+        key = stored_key(response_id, self.config.max_key_bytes, tenant)
+        last, _ = await self.routing.directory.last_served(key)
         replica = self.node.fleet.find(last) if last is not None else None
         if replica is None or replica.index is None:
             return error_response(

@@ -180,6 +180,16 @@ def who(clients: ClientKeys, headers: Mapping[str, str] | list[tuple[str, str]])
     return client if client is not None else unauthorized(close=True)
 
 
+def unknown_response(response_id: object) -> Refused:
+    """A `previous_response_id` this tenant's requests did not produce (client keys on)."""
+    return Refused(
+        404,
+        f"Previous response with id '{response_id}' not found.",
+        "previous_response_not_found",
+        param="previous_response_id",
+    )
+
+
 def no_such_model(model: str) -> Refused:
     """No replica in the fleet serves `model` (as each one's /v1/models or the pinned models say)."""
     return Refused(
@@ -296,7 +306,7 @@ def take_in_body(
         if isinstance(wished, Refused):
             return wished
         rank, target_s = wished
-    key = request_key(api, headers, body, cfg, prompts)
+    key = request_key(api, headers, body, cfg, prompts, client.tenant if client is not None else None)
     streams = body.get("stream") is True
     strip_usage = False
     if streams and api.usage_option and cfg.inject_usage:

@@ -52,7 +52,7 @@ from router.proxy.forward import (
     forward_headers,
     resume,
 )
-from router.proxy.intake import Intake, Refused, no_such_model
+from router.proxy.intake import Intake, Refused, no_such_model, unknown_response
 from router.proxy.resume import Splicer, continued, read_so_far
 from router.proxy.sse import StreamFramer
 from router.routing import Route, Routing, Verdict
@@ -347,6 +347,14 @@ class Journey:
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
             finish(exchange, exchange.status, None, key, None, t0)
             return
+        if client is not None and key.source == "previous_response_id":
+            # a stored response is its tenant's alone: one this tenant did not make is not found,
+            # and the request is not sent where it might be (the engine itself does not ask whose)
+            last, _ = await self.routing.directory.last_served(key.key)
+            if last is None:
+                unknown_response(intake.body.get("previous_response_id")).answer(exchange)
+                finish(exchange, exchange.status, None, key, None, t0)
+                return
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
             tokens = estimate(intake.body, len(intake.raw), self.reserve_tokens)
@@ -442,7 +450,8 @@ class Journey:
                 and result.facts.status == 200
                 and intake.body.get("store") is not False
             ):
-                route.produced(result.facts.response_id, replica, self.max_key_bytes)
+                tenant = intake.client.tenant if intake.client is not None else None
+                route.produced(result.facts.response_id, replica, self.max_key_bytes, tenant)
             if intake.resumable and result.facts.streamed:
                 try:
                     replica = await self._resume(trip, route, result, replica, trace)

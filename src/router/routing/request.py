@@ -35,11 +35,18 @@ def session_key(headers: Mapping[str, str], body: dict[str, Any], cfg: RouterCon
 
 
 def request_key(
-    api: Api, headers: Mapping[str, str], body: dict[str, Any], cfg: RouterConfig, prompts: bool = False
+    api: Api,
+    headers: Mapping[str, str],
+    body: dict[str, Any],
+    cfg: RouterConfig,
+    prompts: bool = False,
+    tenant: str | None = None,
 ) -> RoutingKey:
     """The routing key of a request to `api`; `prompts`: with the prompt's blocks (an embedding's
-    input leaves no KV cache behind: none)."""
-    key = (response_key(body, cfg.max_key_bytes) if api is RESPONSES else None) or session_key(headers, body, cfg)
+    input leaves no KV cache behind: none); `tenant`: whose it is, with client keys on (a stored
+    response it continues is looked for in that tenant's name)."""
+    stored = response_key(body, cfg.max_key_bytes, tenant) if api is RESPONSES else None
+    key = stored or session_key(headers, body, cfg)
     if prompts and api.prompt:
         prompt = prompt_of(body, cfg.prefix_block_bytes)
         if prompt is not None:

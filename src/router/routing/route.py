@@ -278,10 +278,10 @@ class Route:
             return None
         return Decision(holder.index, "sticky")
 
-    def produced(self, response_id: str, replica: ReplicaState, max_key_bytes: int) -> None:
+    def produced(self, response_id: str, replica: ReplicaState, max_key_bytes: int, tenant: str | None = None) -> None:
         """`replica` stored a Responses API answer under `response_id`: a request continuing it
         (`previous_response_id`) goes there, as a session's turn would (TTL, sharing, saving)."""
-        self._remember(replica, stored_key(response_id, max_key_bytes))
+        self._remember(replica, stored_key(response_id, max_key_bytes, tenant))
 
     def release(self, replica: ReplicaState) -> None:
         routing = self.routing
