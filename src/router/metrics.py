@@ -54,6 +54,11 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "and status.",
         ("tenant", "key_id", "status"),
     ),
+    "router_class_requests": (
+        "counter",
+        "Requests answered, by the priority class each got (X-Priority capped by its tenant's class) and status.",
+        ("priority", "status"),
+    ),
     "router_tenant_tokens": (
         "counter",
         "Tokens of the answers served to each tenant (client_keys_file), by kind: prompt or completion.",
@@ -341,6 +346,7 @@ class RouterMetrics:
         self.requests = made["router_requests"]
         self.tenant_requests = made["router_tenant_requests"]
         self.tenant_tokens = made["router_tenant_tokens"]
+        self.class_requests = made["router_class_requests"]
         self.inflight = made["router_inflight"]
         self.ttft = made["router_ttft_seconds"]
         self.e2e = made["router_e2e_seconds"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -193,6 +194,11 @@ async def test_a_length_over_the_limit_is_refused_from_its_head(world: World) ->
     assert out.headers.get("connection") == "close" and out.closed
     assert out.sent_before < 16 * LIMIT and out.sent < 32 * LIMIT, out
     assert world.upstream.seen == 0 and await ok(world.url)
+    # refused, and counted against the tenant whose valid key it brought, as is one with a bad body
+    out = await upload(world.port, head(auth, "Content-Length: 5") + b"{nope", b"", endless=False)
+    assert out.status == 400
+    counted = world.node.metrics.tenant_requests
+    assert counted.labels("t", "a", "413")._value.get() == 1 and counted.labels("t", "a", "400")._value.get() == 1
 
 
 async def test_a_chunked_body_is_refused_when_it_passes_the_limit(world: World) -> None:
@@ -292,3 +298,16 @@ async def test_the_admin_api_refuses_an_endless_body_without_its_token_from_the_
     two = [("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer an-admin-token-of-some-length")]
     async with aiohttp.ClientSession() as http, http.get(world.url + "/admin/replicas", headers=two) as r:
         assert r.status == 401  # two Authorization headers: neither is taken
+
+
+async def test_a_target_no_parser_takes_gets_a_4xx_and_leaves_no_traceback(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    # (the front answers these in JSON, tests/integration/test_hostile_clients.py; aiohttp's parser
+    # in its own plain text, its traceback dropped from the log)
+    for line in (b"GET * HTTP/1.1", b"POST http://:99999/v1/chat/completions HTTP/1.1"):
+        with caplog.at_level(logging.WARNING):
+            out = await upload(world.port, line + b"\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"", endless=False)
+        assert 400 <= out.status < 500, out
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert await ok(world.url)

@@ -238,6 +238,24 @@ async def test_every_replica_full_sheds_with_a_429_in_the_apis_shape() -> None:
     assert orjson.loads(messages.body)["error"]["type"] == "rate_limit_error" and messages.status == 429
 
 
+async def test_the_access_log_and_a_counter_say_the_class_a_request_got_after_its_tenants_cap(caplog: Any) -> None:
+    routing, admission, metrics, config, _ = build()
+    ledger = Ledger(metrics, routing.policy.name, routing.fleet.model_label, log_requests=True, tenants=True)
+    journey = Journey(routing, admission, Script(answered, answered), ledger, metrics, 30.0, 256)
+    caplog.set_level("INFO", logger="router.access")
+    bulk = Client("team", "k", RANK["bulk"])  # a bulk tenant: asking for `system` does not lift it
+    asked = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s", "X-Priority": "system"}))
+    capped = take_in_body("/v1/chat/completions", asked, orjson.dumps(CHAT), config, client=bulk)
+    assert isinstance(capped, Intake)
+    await journey.serve(Exchange(), capped, time.monotonic())
+    await journey.serve(Exchange(), request(config, CHAT), time.monotonic())  # no keys, no header: default
+    first, second = (orjson.loads(r.getMessage()) for r in caplog.records if r.name == "router.access")
+    assert first["priority"] == "bulk" and first["tenant"] == "team" and second["priority"] == "default"
+    assert count(metrics.class_requests, priority="bulk", status="200") == 1
+    assert count(metrics.class_requests, priority="default", status="200") == 1
+    assert count(metrics.class_requests, priority="system", status="200") == 0
+
+
 async def test_the_access_log_names_a_sessions_jump_as_the_jumps_metric_counts_it(caplog: Any) -> None:
     routing, admission, metrics, config, _ = build()
     script = Script(answered)

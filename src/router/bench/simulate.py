@@ -270,6 +270,7 @@ class Tally:
         verdict: Verdict | None = None,
         client: Client | None = None,
         trace_id: str | None = None,
+        priority: int | None = None,
     ) -> None:
         assert isinstance(exchange, SimExchange)
         sim, turn = self.sim, exchange.turn

@@ -278,6 +278,7 @@ class Front(asyncio.Protocol):
         self.head_bytes = 0
         self.handover: _Message | None = None
         self.error: str | None = None  # a 400 to send once what is before it is answered
+        self.error_status = 400  # (405 for CONNECT)
         self.read = b""  # the bytes being parsed
         self.in_head = False  # between a request's first byte and the end of its head
         self.paused = False
@@ -404,11 +405,17 @@ class Front(asyncio.Protocol):
             if name.lower() == "content-length":  # llhttp let one valid length through, or refused it
                 msg.content_length = int(value)
         url = msg.url
+        if msg.method == b"CONNECT":  # authority-form: a forward proxy's request
+            self._refuse_target(405, "CONNECT is not served: the router is not a forward proxy")
         if url.startswith(b"/"):
             msg.path = url.split(b"?", 1)[0]
         elif url.startswith((b"http://", b"https://")):  # absolute-form: only the path is ours
-            with contextlib.suppress(httptools.HttpParserInvalidURLError):
-                msg.path = httptools.parse_url(url).path or b""
+            try:
+                msg.path = httptools.parse_url(url).path or b"/"
+            except httptools.HttpParserInvalidURLError:
+                self._refuse_target(400, "malformed request target: not a URL")
+        else:  # asterisk-form (`OPTIONS *`) or none the router serves
+            self._refuse_target(400, "the request target must be a path (`/v1/...`) or an absolute URL")
         msg.hot = msg.method == b"POST" and msg.path in HOT
         msg.last_body = self.loop.time()
         if not msg.hot and msg.raw is not None:
@@ -436,7 +443,8 @@ class Front(asyncio.Protocol):
                     self._refuse_from_head(msg, found)
                 msg.refused = dataclasses.replace(found, close=False)
             elif msg.content_length is not None and msg.content_length > self.cfg.max_body_bytes:
-                self._refuse_from_head(msg, too_large(self.cfg))  # (no anonymous client learns the limit)
+                # (no anonymous client learns the limit)
+                self._refuse_from_head(msg, dataclasses.replace(too_large(self.cfg), client=found))
             else:
                 msg.client = found
         if not self.queue and self.task is None:
@@ -451,7 +459,8 @@ class Front(asyncio.Protocol):
             return  # read and dropped
         msg.body_size += len(body)
         if msg.hot and msg.body_size > self.cfg.max_body_bytes:
-            self._refuse_from_head(msg, too_large(self.cfg))  # a chunked body, as it passes the limit
+            # a chunked body, as it passes the limit
+            self._refuse_from_head(msg, dataclasses.replace(too_large(self.cfg), client=msg.client))
         if not msg.hot and msg.body_size > HANDOVER_BODY_CAP:
             msg.refused = Refused(
                 413,
@@ -611,11 +620,25 @@ class Front(asyncio.Protocol):
         self.error = reason
         self._next()
 
+    def _refuse_target(self, status: int, reason: str) -> None:
+        """A request target the router serves nothing at (in a parser callback): answered by the
+        front in JSON, once what is before it is answered, then the connection closes (aiohttp's
+        parser would log a traceback for some and answer in plain text)."""
+        self.msg = None
+        self.error, self.error_status = reason, status
+        self._pause()
+        raise _Refusing
+
     def _send_error(self) -> None:
         if self.transport is None:
             return
-        body = error_body(self.error or "bad request", 400)
-        head = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        status = self.error_status
+        body = error_body(self.error or "bad request", status)
+        head = b"HTTP/1.1 %d %b\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % (
+            status,
+            REASONS.get(status, b"Unknown"),
+            len(body),
+        )
         self.transport.write(head + b"Connection: close\r\n\r\n" + body)
         self.transport.close()
 
@@ -652,7 +675,7 @@ class Front(asyncio.Protocol):
         self.body_msg = None
         if msg is not self.msg or self.error is not None:
             return
-        msg.refused = too_slow(self.cfg)
+        msg.refused = dataclasses.replace(too_slow(self.cfg), client=msg.client)
         msg.complete = True
         msg.body = []
         self.msg = None

@@ -148,6 +148,7 @@ class Refused:
     code: str | None = None  # OpenAI's `code`: what went wrong, in a word (its `type` follows the status)
     close: bool = False  # the connection closes after it (what is left of the body must not be read as a request)
     param: str | None = None  # the request's field at fault
+    client: Client | None = None  # whose valid key it brought, if it did: its tenant is counted and logged
 
     def answer(self, exchange: Exchange) -> None:
         body = error_body_for(exchange.path, self.message, self.status, self.code, self.param)
@@ -249,9 +250,9 @@ async def take_in(
             request, cfg.max_body_bytes, cfg.client_timeout_s, cfg.total_timeout_s, cfg.min_body_rate_bytes_per_s
         )
     except TimeoutError:
-        return too_slow(cfg)
+        return dataclasses.replace(too_slow(cfg), client=client)
     except web.HTTPRequestEntityTooLarge:
-        return too_large(cfg)
+        return dataclasses.replace(too_large(cfg), client=client)
     return take_in_body(request.path, request.headers, raw, cfg, prompts, client)
 
 
@@ -290,7 +291,21 @@ def take_in_body(
 ) -> Intake | Refused:
     """The request's parsed body and key, or the 400 it gets. `prompts`: the key carries the
     prompt's blocks too (for a policy that reads them, router.prompt); `client`: whose key it
-    brought (checked before: `take_in`, and the front as the head arrives)."""
+    brought (checked before: `take_in`, and the front as the head arrives), kept on a refusal."""
+    taken = _take_in_body(path, headers, raw, cfg, prompts, client)
+    if client is not None and isinstance(taken, Refused):
+        return dataclasses.replace(taken, client=client)
+    return taken
+
+
+def _take_in_body(
+    path: str,
+    headers: Mapping[str, str],
+    raw: bytes,
+    cfg: RouterConfig,
+    prompts: bool,
+    client: Client | None,
+) -> Intake | Refused:
     api = api_of(path)
     if api is None:
         return Refused(404, f"no route POST {path}", "not_found")

@@ -35,7 +35,7 @@ import orjson
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
 from router.budgets import COMPLETION_CAPS, Budgets, Reservation, estimate, prompt_estimate
-from router.clients import KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
+from router.clients import DEFAULT_RANK, KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
@@ -167,6 +167,7 @@ class Accounting(Protocol):
         verdict: Verdict | None = None,
         client: Client | None = None,
         trace_id: str | None = None,
+        priority: int | None = None,
     ) -> None: ...
 
 
@@ -201,14 +202,18 @@ class Ledger:
         verdict: Verdict | None = None,
         client: Client | None = None,
         trace_id: str | None = None,
+        priority: int | None = None,
     ) -> None:
         """Count and log the journey of a request that ended with `status` (`replica`: None when
         none answered; `verdict`: how the routing core counted a served keyed request; `client`:
-        whose key it brought, with client keys on; `trace_id`: its trace's, where it is traced)."""
+        whose key it brought, with client keys on; `trace_id`: its trace's, where it is traced;
+        `priority`: the class it got, None for the default class)."""
         elapsed = time.monotonic() - t0
         name = replica.id if replica is not None else "none"
         m = self.metrics
         m.child(m.requests, name, self.policy, key.kind, str(status), self.model_label(key.model)).inc()
+        rank = DEFAULT_RANK if priority is None else priority
+        m.child(m.class_requests, PRIORITIES[rank], str(status)).inc()
         if self.tenants:
             self._tenant(client, status, result)
         legs = None
@@ -223,6 +228,7 @@ class Ledger:
         if self.log_requests:
             facts = result.facts if result is not None else None
             tenant = {"tenant": client.tenant, "key_id": client.key_id} if client is not None else {}
+            tenant["priority"] = PRIORITIES[rank]
             if trace_id is not None:
                 tenant["trace_id"] = trace_id
             access_log.info(
@@ -337,11 +343,15 @@ class Journey:
             finish = functools.partial(self._traced, functools.partial(finish, trace_id=trace.trace_id), trace, intake)
         if not isinstance(intake, Intake):  # (with client keys on, a request without one is refused at intake)
             intake.answer(exchange)
+            if intake.client is not None:  # a valid key: its tenant is counted, as for a request served
+                finish = functools.partial(finish, client=intake.client)
             finish(exchange, exchange.status, None, NO_KEY, None, t0)
             return
         client = intake.client
         if client is not None:
             finish = functools.partial(finish, client=client)
+        if intake.rank != DEFAULT_RANK:  # (the default class is the Ledger's when none is said)
+            finish = functools.partial(finish, priority=intake.rank)
         key = intake.key
         if key.model is not None and self.fleet.unserved(key.model):
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
@@ -507,9 +517,12 @@ class Journey:
         attempts: int = 0,
         verdict: Verdict | None = None,
         client: Client | None = None,
+        priority: int | None = None,
     ) -> None:
         """`finish`, then the request's span (its tokens, tenant and outcome)."""
-        finish(exchange, status, replica, key, decision, t0, result, attempts, verdict, client=client)
+        finish(
+            exchange, status, replica, key, decision, t0, result, attempts, verdict, client=client, priority=priority
+        )
         facts = result.facts if result is not None else None
         cap = None
         if isinstance(intake, Intake):

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import multiprocess, values
 
 from router._runtime import run, settle, stop_event, until_stopped
@@ -74,10 +75,22 @@ async def _close_after_answer(request: web.Request, response: web.StreamResponse
         response.force_close()
 
 
+class _ClientsMalformedRequests(logging.Filter):
+    """aiohttp logs a traceback at ERROR for every request its parser refuses (a malformed target,
+    `GET *`): the client's fault, answered with a 400, and a way for anyone to flood the log. Dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], BadHttpMessage))
+
+
+MALFORMED = _ClientsMalformedRequests()
+
+
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     """The aiohttp runner of a proxying process (a lone router or a worker), its proxied endpoints on
     the front (router.proxy.front); stop it with `stop_serving`."""
     field_size = max(config.max_header_bytes + 1024, 8190)
+    logging.getLogger("aiohttp.server").addFilter(MALFORMED)  # (once: a filter is added at most once)
     app[CLOSING] = []
     app.on_response_prepare.append(_close_after_answer)
     app.middlewares.append(unread_bodies)
