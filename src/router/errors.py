@@ -69,6 +69,10 @@ ANTHROPIC_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+# every type Anthropic's errors carry (its docs' list)
+ANTHROPIC_KINDS = frozenset(
+    (*ANTHROPIC_TYPES.values(), "invalid_request_error", "api_error", "billing_error", "timeout_error")
+)
 LONGEST_WRAPPED = 2000  # characters of a replica's own error text kept in a wrapped error
 
 
@@ -97,7 +101,8 @@ def error_body_for(path: str, message: str, status: int, code: str | None = None
 
 def in_shape(path: str, body: bytes) -> bool:
     """`body` is an error the SDKs of the API at `path` read: a JSON object with an `error` object
-    carrying a string `message` (and, on Anthropic's API, `"type": "error"` around it)."""
+    carrying a string `message` (and, on Anthropic's API, `"type": "error"` around it and one of
+    Anthropic's own error types: vLLM writes its exception's name, `BadRequestError`)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -105,18 +110,23 @@ def in_shape(path: str, body: bytes) -> bool:
     error = data.get("error") if isinstance(data, dict) else None
     if not (isinstance(error, dict) and isinstance(error.get("message"), str)):
         return False
-    return not anthropic(path) or (data.get("type") == "error" and isinstance(error.get("type"), str))
+    return not anthropic(path) or (data.get("type") == "error" and error.get("type") in ANTHROPIC_KINDS)
 
 
 def wrapped(path: str, status: int, body: bytes) -> bytes:
     """A replica's error `body` that the API's clients cannot read (plain text, an HTML page, another
-    API's JSON), in the API's own shape: the status kept, the replica's words as the message."""
+    API's JSON), in the API's own shape: the status kept, the replica's words as the message. An
+    Anthropic-shaped error of a type Anthropic has not keeps its message, its type from the status."""
     message = ""
     head = body[: 4 * LONGEST_WRAPPED]  # a huge page is cut before it is read, not after
     try:
         data = orjson.loads(body) if len(body) <= 1 << 16 else None
     except orjson.JSONDecodeError:
         data = None
+    if anthropic(path) and isinstance(data, dict) and data.get("type") == "error":
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return anthropic_error_body(error["message"], status)
     if isinstance(data, dict):  # another API's shape: its message, where it has one
         error = data.get("error")
         found = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None

@@ -295,3 +295,14 @@ async def test_the_anthropic_sdk_through_the_router(
     count = await client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert count.input_tokens == 278
     assert len(bodies) == 3
+
+
+async def test_a_replicas_error_gets_anthropics_type_for_its_status(
+    start_fleet: Callable[..., Any], start_router: Callable[..., Any]
+) -> None:
+    fleet = await start_fleet(1)  # answers an empty conversation as vLLM does: 400, `BadRequestError`
+    _, url = await start_router([r.url for r in fleet.replicas], health_checks=False)
+    status, raw, _ = await post(url, {"model": "emulated-llm", "messages": [], "max_tokens": 4})
+    error = orjson.loads(raw)
+    assert status == 400 and error["type"] == "error", error
+    assert error["error"]["type"] == "invalid_request_error" and "empty conversation" in error["error"]["message"]

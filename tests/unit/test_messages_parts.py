@@ -194,6 +194,8 @@ def test_the_routers_own_errors_use_openais_types_and_a_string_code(status: int,
         ("/v1/chat/completions", b'{"error": "m"}', False),
         ("/v1/messages", b'{"type": "error", "error": {"type": "api_error", "message": "m"}}', True),
         ("/v1/messages", b'{"error": {"message": "m", "type": "BadRequestError", "code": 400}}', False),  # OpenAI's
+        # Anthropic's shape with vLLM's exception name for its type: not one of Anthropic's
+        ("/v1/messages", b'{"type": "error", "error": {"type": "BadRequestError", "message": "m"}}', False),
     ],
 )
 def test_a_replicas_error_is_kept_when_in_the_apis_shape(path: str, body: bytes, shaped: bool) -> None:
@@ -206,6 +208,12 @@ def test_a_replicas_error_out_of_shape_is_wrapped_with_its_words() -> None:
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "the replica answered 400: prompt too long"},
     }
+    vllm = b'{"type": "error", "error": {"type": "BadRequestError", "message": "max_tokens is too large"}}'
+    for status, kind in ((400, "invalid_request_error"), (404, "not_found_error"), (500, "api_error")):
+        assert orjson.loads(wrapped("/v1/messages", status, vllm)) == {
+            "type": "error",
+            "error": {"type": kind, "message": "max_tokens is too large"},  # its words kept, its type by status
+        }
     fastapi = orjson.loads(wrapped("/v1/responses", 404, b'{"detail": "Not Found"}'))["error"]
     assert fastapi["message"] == "the replica answered 404: Not Found" and fastapi["code"] == "upstream_error"
     empty = orjson.loads(wrapped("/v1/completions", 500, b""))["error"]
