@@ -34,8 +34,26 @@ zero: its autoscaler, following the scale signal that a waiting request raises, 
 waits so for up to `cold_s` (scale_from_zero_s; off by default), then gets a 503 with Retry-After.
 
 Nothing here is unbounded: the queue's size is capped and every waiter's wait is timed. It is on by
-default (`max_queued = auto`: `bound` follows the engines' capacity); with it off (`max_queued =
-0`) every request is forwarded at once, whatever the engines' queues.
+default (`max_queued = auto`); with it off (`max_queued = 0`) every request is forwarded at once,
+whatever the engines' queues.
+
+`max_queued = auto` bounds by time, not by a count alone. A request has a time-to-first-token
+target (`ttft_target_ms`, default 2 s; its tenant's `ttft_target_ms`; its own `x-slo-ttft-ms`).
+The router holds it only while it can still start in time, from the service rate it measures
+(each replica's answers a second, over the last RATE_SPAN_S):
+
+- an engine is full once its queue holds what it starts in ENGINE_SHARE of the target (at most
+  `full_waiting`): a request sent to it waits that long at most there;
+- a request that must wait here is refused at once (429, `Retry-After` the wait it would have)
+  when the requests ahead of it in its class and above, over the fleet's rate, would hold it
+  past QUEUE_SHARE of its target; one that waits is refused when it has waited that long;
+- the rest of the target is the engine's own time to the first token.
+
+Until a replica's first answer is RATE_SPAN_S old its rate is unknown: it is full at one round of
+its work queued (its capacity, or what it ran when it last queued; at most `full_waiting`), and
+the count bound alone holds the router's queue. The count bound (`bound`: as many as the engines run at once, at least
+AUTO_SLOTS) stays as the queue's size cap. At three times a small fleet's capacity, as shipped,
+this keeps late answers to a few percent (docs/benchmarks.md); a fleet not overloaded never waits.
 """
 
 from __future__ import annotations
@@ -55,6 +73,10 @@ from router.fleet import NONE, Fleet, ReplicaState
 from router.ring import xxh3_64
 
 AUTO_SLOTS = 16  # max_queued = auto: what an engine whose capacity nothing says counts for
+RATE_SPAN_S = 3.0  # a replica's service rate: its answers over the last this many seconds ...
+RATE_BUCKETS = 6  # ... counted in this many buckets
+QUEUE_SHARE = 0.5  # of a request's TTFT target, what it may wait in the router's queue (max_queued auto)
+ENGINE_SHARE = 0.25  # ... and in an engine's (full at what that engine starts in this long)
 COLD_RETRY_S = 10  # the Retry-After of a request that waited scale_from_zero_s for a first replica in vain
 
 
@@ -65,7 +87,7 @@ class Shed(RouterError):
         super().__init__(message)
         self.status = status
         self.message = message
-        # queue_full | timeout | sheddable | target | budget | exceeds_budget | cold: a metric label
+        # queue_full | late | timeout | sheddable | target | budget | exceeds_budget | cold: a metric label
         self.reason = reason
         self.retry_after_s = retry_after_s
 
@@ -85,11 +107,50 @@ class _Waiter:
         return self.rank * 2 + (0 if self.running else 1)
 
 
+class _Rate:
+    """One replica's answers a second, over the last RATE_SPAN_S, in RATE_BUCKETS buckets (memory
+    stays the same however fast it answers)."""
+
+    __slots__ = ("at", "counts", "since")
+    WIDTH = RATE_SPAN_S / RATE_BUCKETS
+
+    def __init__(self, now: float) -> None:
+        self.since = now  # its first answer counted
+        self.counts = [0] * RATE_BUCKETS
+        self.at = int(now / self.WIDTH)  # the bucket the latest count went to
+
+    def add(self, now: float) -> None:
+        bucket = self._roll(now)
+        self.counts[bucket % RATE_BUCKETS] += 1
+
+    def per_s(self, now: float) -> float | None:
+        """None until its first answer is RATE_SPAN_S old."""
+        if now - self.since < RATE_SPAN_S:
+            return None
+        bucket = self._roll(now)
+        covered = (RATE_BUCKETS - 1) * self.WIDTH + (now - bucket * self.WIDTH)  # the last bucket in part
+        return sum(self.counts) / covered
+
+    def _roll(self, now: float) -> int:
+        bucket = int(now / self.WIDTH)
+        if bucket - self.at >= RATE_BUCKETS:
+            self.counts = [0] * RATE_BUCKETS
+        else:
+            for b in range(self.at + 1, bucket + 1):
+                self.counts[b % RATE_BUCKETS] = 0
+        self.at = max(self.at, bucket)
+        return bucket
+
+
 @dataclass
 class _Class:
     """The waiters of one priority class: by client, clients in turn."""
 
     clients: collections.OrderedDict[str, collections.deque[_Waiter]] = field(default_factory=collections.OrderedDict)
+
+    @property
+    def count(self) -> int:
+        return sum(len(line) for line in self.clients.values())
 
     def add(self, waiter: _Waiter) -> None:
         self.clients.setdefault(waiter.client, collections.deque()).append(waiter)
@@ -145,6 +206,7 @@ class Admission:
         inflight: Callable[[ReplicaState], int] | None = None,
         free_share: float = 1.0,
         cold_s: float = 0.0,
+        ttft_target_s: float = 2.0,
     ) -> None:
         self.fleet = fleet
         self.auto = max_queued == AUTO_QUEUED  # the bound follows the engines' capacity (`bound`)
@@ -159,6 +221,11 @@ class Admission:
         self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
         self.free_share = free_share  # of an engine's free slots, the part this process may fill
         self.cold_s = cold_s  # scale_from_zero_s: how long a request waits for a first ready replica
+        self.ttft_target_s = ttft_target_s  # a request's target unless its tenant's or its own says
+        # each replica's service rate (max_queued auto), and the engine queue at which that makes
+        # it full (`full_at`), kept as each answer ends and each probe round
+        self._rates: dict[str, _Rate] = {}
+        self._full_at: dict[str, float] = {}
         # by priority class, and within each running sessions' turns first, then the rest (_Waiter.line)
         self.classes = tuple(_Class() for _ in range(2 * SHEDDABLE))
         self.queued = 0
@@ -206,6 +273,8 @@ class Admission:
                 self._limit[r.id] = engine.running  # it queues: this is what it runs at most, for now
         if self.auto:
             self.max_queued = self.bound()
+            for r in self.fleet.replicas:  # (what it ran when it last queued may have changed)
+                self._full_at[r.id] = self.full_at(r)
         self.wake(len(self.fleet.replicas))
 
     def queue_of(self, replica: ReplicaState) -> float | None:
@@ -231,9 +300,40 @@ class Admission:
             return max(inflight - replica.capacity, 0)
         return None
 
+    def rate(self, replica: ReplicaState) -> float | None:
+        """The replica's answers a second, over the last RATE_SPAN_S (None: not known yet)."""
+        rate = self._rates.get(replica.id)
+        return None if rate is None else rate.per_s(self.clock())
+
+    def fleet_rate(self) -> float | None:
+        """The fleet's answers a second: the sum of its routable replicas' rates (None: one unknown)."""
+        total = 0.0
+        fleet = self.fleet
+        for i, r in enumerate(fleet.replicas):
+            if fleet.routable(i):
+                rate = self.rate(r)
+                if rate is None:
+                    return None
+                total += rate
+        return total or None
+
+    def full_at(self, replica: ReplicaState) -> float:
+        """The engine queue at which the replica is full: `full_waiting`; with max_queued auto, at
+        most what it starts in ENGINE_SHARE of the default target (at least one), or before its
+        rate is known one round of its work (its capacity, or what it ran when it last queued).
+        (A worker process sees its share of the answers: the engine's rate is its rate over that.)"""
+        if not self.auto:
+            return self.full_waiting
+        rate = self.rate(replica)
+        if rate is None:
+            limit = replica.capacity if replica.capacity is not None else self._limit.get(replica.id)
+            return self.full_waiting if limit is None else min(self.full_waiting, max(1.0, limit))
+        engine_rate = rate / self.free_share
+        return min(self.full_waiting, max(1.0, math.floor(engine_rate * self.ttft_target_s * ENGINE_SHARE)))
+
     def full(self, replica: ReplicaState) -> bool:
         queue = self.queue_of(replica)
-        if queue is not None and queue >= self.full_waiting:
+        if queue is not None and queue >= self._full_at.get(replica.id, self.full_waiting):
             return True
         kv = replica.engine.kv_usage
         return kv is not None and kv >= self.full_kv_usage
@@ -266,10 +366,17 @@ class Admission:
     # -- the queue ---------------------------------------------------------------------------
 
     async def enter(
-        self, model: str | None, client: str, running: bool, deadline: float, rank: int = DEFAULT_RANK
+        self,
+        model: str | None,
+        client: str,
+        running: bool,
+        deadline: float,
+        rank: int = DEFAULT_RANK,
+        target_s: float | None = None,
     ) -> float:
         """Return once the request may go on (the seconds it waited), or raise Shed. `deadline`:
-        the request's own end (monotonic): it never waits past it; `rank`: its priority class."""
+        the request's own end (monotonic): it never waits past it; `rank`: its priority class;
+        `target_s`: its time-to-first-token target (None: the default), with max_queued auto."""
         if not self.on or (not self.waiting_models[model] and self.room(model)):
             return 0.0
         cold = not self._servable(model)
@@ -282,6 +389,19 @@ class Admission:
             self.shed["queue_full"] += 1
             message = f"every replica is full and {self.queued} requests wait already"
             raise Shed(429, message, "queue_full", self._retry())
+        wait_s = self.queue_timeout_s
+        if self.auto and not cold:
+            wait_s = min(wait_s, (target_s or self.ttft_target_s) * QUEUE_SHARE)
+            rate = self.fleet_rate()
+            if rate is not None:
+                expected = (self._ahead(rank) + 1) / rate
+                if expected > wait_s and not self._push_out(client, running, rank):
+                    self.shed["late"] += 1
+                    message = (
+                        f"every replica is full: this request would wait about {expected:.1f} s for room, "
+                        f"past the {wait_s:.1f} s its time-to-first-token target leaves it"
+                    )
+                    raise Shed(429, message, "late", max(1, math.ceil(expected)))
         now = self.clock()
         waiter = _Waiter(model, client, asyncio.get_running_loop().create_future(), now, running, rank)
         self.classes[waiter.line].add(waiter)
@@ -292,7 +412,7 @@ class Admission:
         if self.room(model):
             self.wake(1)  # it queued behind others while there is room: the first in order goes now
         # a request with no replica to go to waits for one to start (scale_from_zero_s), else for room
-        limit = max(min(self.cold_s if cold else self.queue_timeout_s, deadline - now), 0.0)
+        limit = max(min(self.cold_s if cold else wait_s, deadline - now), 0.0)
         try:
             async with asyncio.timeout(limit):
                 await waiter.future
@@ -369,6 +489,21 @@ class Admission:
         """A request ended: a slot may have freed."""
         if self.queued:
             self.wake(1)
+
+    def answered(self, replica: ReplicaState) -> None:
+        """`replica` answered a request (not a failure): its service rate counts it (max_queued auto)."""
+        if not self.auto:
+            return
+        now = self.clock()
+        rate = self._rates.get(replica.id)
+        if rate is None:
+            rate = self._rates[replica.id] = _Rate(now)
+        rate.add(now)
+        self._full_at[replica.id] = self.full_at(replica)
+
+    def _ahead(self, rank: int) -> int:
+        """Requests waiting that go before a new one of class `rank` (its class and those above)."""
+        return sum(c.count for c in self.classes[: rank * 2 + 2])
 
     def wake(self, at_most: int) -> None:
         """Let through up to `at_most` waiters whose models have room, in order."""

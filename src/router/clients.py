@@ -13,6 +13,7 @@ Off unless `client_keys_file` names a file. The file holds a hash of each key, n
     name = "team-a"
     priority = "interactive"      # its requests' class, and the highest an X-Priority header may ask
     tokens_per_minute = 200000    # prompt and completion tokens (router.budgets); absent: no budget
+    ttft_target_ms = 1000         # its requests' time-to-first-token target (router.admission); absent: the router's
 
 A tenant without one is of the `default` class with no budget. A client sends its key as OpenAI's SDKs do
 (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`): one credential, or the same key
@@ -65,6 +66,7 @@ class Client:
     tenant: str
     key_id: str
     rank: int = DEFAULT_RANK  # its tenant's priority class (an index into PRIORITIES)
+    ttft_target_s: float | None = None  # its tenant's time-to-first-token target (None: the router's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,7 @@ class Tenant:
     name: str
     rank: int = DEFAULT_RANK
     tokens_per_minute: int | None = None  # None: no budget
+    ttft_target_s: float | None = None  # None: the router's `ttft_target_ms` (router.admission)
 
 
 class AmbiguousKey(RouterError, ValueError):
@@ -118,10 +121,11 @@ def _tenants(entries: object, where: str) -> dict[str, Tenant]:
     for n, entry in enumerate(entries, 1):
         if not isinstance(entry, dict):
             raise ClientKeysError(f"{where}: tenant entry {n} is not a table")
-        extra = sorted(set(entry) - {"name", "priority", "tokens_per_minute"})
+        extra = sorted(set(entry) - {"name", "priority", "tokens_per_minute", "ttft_target_ms"})
         if extra:
             raise ClientKeysError(
-                f"{where}: tenant entry {n}: unknown field {extra[0]!r} (name, priority, tokens_per_minute)"
+                f"{where}: tenant entry {n}: unknown field {extra[0]!r} "
+                "(name, priority, tokens_per_minute, ttft_target_ms)"
             )
         name, priority, budget = entry.get("name"), entry.get("priority", "default"), entry.get("tokens_per_minute")
         if not isinstance(name, str) or not name.strip() or name.strip() == "none":
@@ -133,7 +137,10 @@ def _tenants(entries: object, where: str) -> dict[str, Tenant]:
             raise ClientKeysError(f"{where}: tenant {name}: `priority` must be one of {', '.join(PRIORITIES)}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise ClientKeysError(f"{where}: tenant {name}: `tokens_per_minute` must be a positive integer")
-        tenants[name] = Tenant(name, RANK[priority], budget)
+        target = entry.get("ttft_target_ms")
+        if target is not None and (isinstance(target, bool) or not isinstance(target, int | float) or not target > 0):
+            raise ClientKeysError(f"{where}: tenant {name}: `ttft_target_ms` must be a positive number of milliseconds")
+        tenants[name] = Tenant(name, RANK[priority], budget, None if target is None else target / 1000)
     return tenants
 
 
@@ -178,7 +185,11 @@ def parse(text: str, where: str) -> tuple[dict[str, Client], dict[str, Tenant]]:
             raise ClientKeysError(f"{where}: entry {n} ({key_id}): the same key as {clients[digest].key_id!r}")
         ids.add(key_id)
         table = tenants.get(tenant.strip())
-        clients[digest] = Client(tenant.strip(), key_id.strip(), table.rank if table else DEFAULT_RANK)
+        clients[digest] = (
+            Client(tenant.strip(), key_id.strip(), table.rank, table.ttft_target_s)
+            if table
+            else Client(tenant.strip(), key_id.strip())
+        )
     return clients, tenants
 
 

@@ -211,6 +211,7 @@ class Node:
             # had free, it fills its share before it counts its sends as queued
             free_share=1 / table.workers if self.follower is not None and table is not None else 1.0,
             cold_s=config.scale_from_zero_s,
+            ttft_target_s=config.ttft_target_ms / 1000,
         )
         self.balancer.held = lambda: self.admission.queued
         if self.admission.on:

@@ -8,7 +8,7 @@ import pytest
 
 from router.admission import Admission, Shed, client_of
 from router.clients import RANK
-from router.config import ReplicaSpec, RouterConfig
+from router.config import AUTO_QUEUED, ReplicaSpec, RouterConfig
 from router.fleet import Fleet
 from router.health.signals import EngineStats
 from router.keys import RoutingKey
@@ -323,3 +323,47 @@ def test_a_worker_process_fills_its_share_of_the_free_slots_before_counting_send
     for _ in range(3):
         fleet.acquire(r)
     assert a.queue_of(r) == 1  # two of the four free slots are this worker's; the other two the other's
+
+
+async def test_auto_holds_by_time_from_the_service_rate_it_measures() -> None:
+    fleet = fleet_of(2)
+    now = [0.0]
+    a = Admission(fleet, AUTO_QUEUED, 10.0, full_waiting=8, full_kv_usage=0.95, clock=lambda: now[0], ttft_target_s=2.0)
+    r0, r1 = fleet.replicas
+    fill(fleet, waiting=4)
+    assert not a.full(r0) and a.rate(r0) is None  # no rate, no capacity known: full at full_waiting (8)
+    r0.capacity = 3
+    assert a.full_at(r0) == 3  # its capacity known: one round of its work queued
+    for i in range(16):  # each replica answers 5 a second, for 3 s (RATE_SPAN_S: then its rate is known)
+        now[0] = i * 0.2
+        a.answered(r0)
+        a.answered(r1)
+    assert a.rate(r0) == pytest.approx(5.0, rel=0.1) and a.fleet_rate() == pytest.approx(10.0, rel=0.1)
+    # full once its queue holds what it starts in a quarter of the 2 s target: 5 x 0.5 -> 2
+    assert a.full_at(r0) == 2 and a.full(r0) and a.full(r1)
+    # the fleet starts 10 a second and a request may wait half its target (1 s) here: ten wait,
+    # the eleventh is refused at once with the wait it would have had
+    waiting = [asyncio.create_task(a.enter(None, f"c{i}", False, 1e9)) for i in range(10)]
+    await asyncio.sleep(0)
+    assert a.queued == 10
+    with pytest.raises(Shed) as refused:
+        await a.enter(None, "late", False, 1e9)
+    assert refused.value.reason == "late" and refused.value.retry_after_s == 2 and a.shed["late"] == 1
+    # a request with a target of its own (x-slo-ttft-ms) or a higher class has fewer ahead of it
+    with pytest.raises(Shed):
+        await a.enter(None, "hurried", False, 1e9, target_s=1.0)
+    urgent = asyncio.create_task(a.enter(None, "vip", False, 1e9, rank=RANK["interactive"]))
+    await asyncio.sleep(0)
+    assert a.queued == 11 and not urgent.done()
+    for task in [*waiting, urgent]:
+        task.cancel()
+    await asyncio.gather(*waiting, urgent, return_exceptions=True)
+
+
+async def test_auto_refuses_a_waiter_once_half_its_target_has_passed() -> None:
+    fleet = fleet_of(1)
+    a = Admission(fleet, AUTO_QUEUED, 10.0, full_waiting=8, full_kv_usage=0.95, ttft_target_s=0.2)
+    fill(fleet)
+    with pytest.raises(Shed) as refused:  # no rate known: it waits, but no longer than 0.1 s
+        await asyncio.wait_for(a.enter(None, "c", False, 1e9), 2.0)
+    assert refused.value.reason == "timeout"

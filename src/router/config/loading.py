@@ -192,6 +192,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
             raise bad(name, "must be a positive number of seconds")
+    if not (math.isfinite(cfg.ttft_target_ms) and 0 < cfg.ttft_target_ms <= 3_600_000):
+        raise bad("ttft_target_ms", "must be a positive number of milliseconds, at most an hour")
     if not (math.isfinite(cfg.min_body_rate_bytes_per_s) and cfg.min_body_rate_bytes_per_s >= 0):
         raise bad("min_body_rate_bytes_per_s", "must be a rate of at least 0 bytes a second (0: no floor)")
     if cfg.console_interval_s < 0.1:

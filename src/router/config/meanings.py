@@ -24,6 +24,9 @@ HELP = {
     "(default auto: as many as the fleet's engines run at once, by their reported or configured capacity, else "
     "what each ran when it last queued, else 16 each; 0: off, everything is forwarded at once)",
     "queue_timeout_s": "the longest a held request waits for room before its 429 (default 10)",
+    "ttft_target_ms": "with max_queued auto, a request's time-to-first-token target (its tenant's ttft_target_ms "
+    "or its x-slo-ttft-ms instead): it is held only while it can start within half of it, from the "
+    "service rate the router measures, and an engine is full at what it starts in a quarter of it (default 2000)",
     "full_waiting": "a replica is full once its engine's queue (probed, plus what was sent since) reaches this "
     "(default 8)",
     "full_kv_usage": "or once its KV cache usage reaches this share (default 0.95)",
@@ -228,7 +231,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "admission",
         "holding requests while every replica is full",
-        ("max_queued", "queue_timeout_s", "full_waiting", "full_kv_usage"),
+        ("max_queued", "queue_timeout_s", "ttft_target_ms", "full_waiting", "full_kv_usage"),
     ),
     (
         "health",

@@ -120,6 +120,8 @@ class RouterConfig:
     # (router.admission); 0: off, every request forwarded at once
     max_queued: int = -1
     queue_timeout_s: float = 10.0  # the longest a request waits for room before its 429
+    # max_queued auto: a request is held only while it can start within its share of this target
+    ttft_target_ms: float = 2000.0
     full_waiting: int = 8  # a replica is full once its engine's queue reaches this many requests,
     full_kv_usage: float = 0.95  # or its KV cache usage this share
     # health

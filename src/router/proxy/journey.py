@@ -69,6 +69,7 @@ SHED_CODES = {
     "target": "ttft_target_unmet",
     "budget": "tokens_per_minute_exceeded",
     "exceeds_budget": "request_exceeds_budget",
+    "late": "queue_wait_past_target",
     "cold": "no_replica_ready",
 }
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
@@ -414,6 +415,7 @@ class Journey:
                     route.last is not None,
                     t0 + self.total_timeout_s,
                     intake.rank,
+                    intake.target_s or (client.ttft_target_s if client is not None else None),
                 )
             except Shed as shed:
                 self._shed(exchange, shed, key.model, intake.rank)
@@ -453,6 +455,8 @@ class Journey:
                 route.failed(replica, result.cause)
                 failure = result
                 continue
+            if intake.api.queued:
+                admission.answered(replica)
             verdict = route.served(replica, result.facts, exchange.path, intake.raw)
             if (
                 intake.api is RESPONSES
