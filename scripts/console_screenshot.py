@@ -21,7 +21,7 @@ from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-TOKEN = "screenshot"
+TOKEN = "screenshot-token-0"
 
 
 def main(out: str) -> None:

@@ -52,7 +52,7 @@ from router.kvevents.wire import Batch, Removed, frames_of
 from router.prefix import PrefixIndex
 
 MODEL = "tiny"
-TOKEN = "misses-token"
+TOKEN = "misses-token-0123"
 BLOCK = 32
 GRACE_S = 1.0  # the events of a request's own first step, published after its first token streamed
 

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 from router.bench.common import free_port
 
@@ -23,10 +24,11 @@ def _healthy(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_demo(replicas: int, *extra: str) -> Iterator[tuple[int, int]]:
+def running_demo(replicas: int, *extra: str, log: Path | None = None) -> Iterator[tuple[int, int]]:
     """(port, pid) of `router-serve --demo REPLICAS --state none EXTRA...` on loopback, once /health
-    answers 200; stopped with its process group on the way out."""
+    answers 200; stopped with its process group on the way out. `log`: where its output goes."""
     port = free_port()
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -40,10 +42,12 @@ def running_demo(replicas: int, *extra: str) -> Iterator[tuple[int, int]]:
             "none",
             *extra,
         ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    if log is not None:
+        out.close()  # type: ignore[union-attr]
     try:
         deadline = time.monotonic() + 30
         while not _healthy(port):

@@ -71,14 +71,14 @@ async def test_one_process_serves_admin_apart(start_fleet) -> None:  # type: ign
     fleet = await start_fleet(2)
     port, admin_port = free_port(), free_port()
     args = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--admin-port", str(admin_port)]
-    args += ["--state", "none", "--admin-token", "s3cret-token"]
+    args += ["--state", "none", "--admin-token", "s3cret-admin-token"]
     for r in fleet.replicas:
         args += ["--replica", f"{r.options.replica_id}={r.url}"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:
         await wait_up(f"http://127.0.0.1:{port}", proc)
         await wait_up(f"http://127.0.0.1:{admin_port}", proc)
-        await check_split(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", "s3cret-token")
+        await check_split(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", "s3cret-admin-token")
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = await asyncio.to_thread(proc.communicate, timeout=20)

@@ -63,7 +63,9 @@ async def test_a_migration_warms_the_new_owner_then_moves_the_vnode_and_its_sess
 
 async def test_scale_out_slow_start_and_warm_moves(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(4)
-    router, url = await start_router(named(fleet)[:3], admin_token="t", health_checks="false", recovery_ramp_s="0.5")
+    router, url = await start_router(
+        named(fleet)[:3], admin_token="tttttttttttttttt", health_checks="false", recovery_ramp_s="0.5"
+    )
     sessions = [f"o{i}" for i in range(80)]
     for s in sessions:
         await turn(url, s)
@@ -72,7 +74,7 @@ async def test_scale_out_slow_start_and_warm_moves(start_fleet, start_router) ->
         http.post(
             url + "/admin/replicas",
             json={"id": "emu-3", "url": fleet.replicas[3].url},
-            headers={"Authorization": "Bearer t"},
+            headers={"Authorization": "Bearer tttttttttttttttt"},
         ) as r,
     ):
         added = await r.json()
@@ -112,7 +114,7 @@ async def test_autoscaler_signals(start_fleet, start_router) -> None:  # type: i
 
 async def test_a_drain_is_not_undone_by_a_request_still_running_there(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(3, time_scale=1.0)  # real time: a long reply takes seconds
-    router, url = await start_router(named(fleet), admin_token="t", health_checks="false")
+    router, url = await start_router(named(fleet), admin_token="tttttttttttttttt", health_checks="false")
     session = next(f"d{i}" for i in range(200) if router.fleet.ring.lookup(f"d{i}".encode()) == 0)
     assert await turn(url, session) == "emu-0"
     body = {"messages": [{"role": "user", "content": f"{session} says go on"}], "max_tokens": 150, "stream": True}
@@ -121,7 +123,9 @@ async def test_a_drain_is_not_undone_by_a_request_still_running_there(start_flee
             http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": session})
         )
         await until(fleet.replicas[0].engine.has_work, "the long reply running on emu-0")
-        async with http.post(url + "/admin/replicas/emu-0/drain", headers={"Authorization": "Bearer t"}) as r:
+        async with http.post(
+            url + "/admin/replicas/emu-0/drain", headers={"Authorization": "Bearer tttttttttttttttt"}
+        ) as r:
             assert r.status == 200
         deadline = time.monotonic() + 5
         while router.sessions.get(session.encode()) == "emu-0":  # warmed elsewhere and moved
@@ -137,7 +141,7 @@ async def test_a_drain_is_not_undone_by_a_request_still_running_there(start_flee
 
 async def test_a_scale_out_whose_warm_up_fails_moves_nobody(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(2)
-    router, url = await start_router(named(fleet), admin_token="t", health_checks="false")
+    router, url = await start_router(named(fleet), admin_token="tttttttttttttttt", health_checks="false")
     for i in range(40):
         await turn(url, f"w{i}")
     with socket.socket() as s:
@@ -148,7 +152,7 @@ async def test_a_scale_out_whose_warm_up_fails_moves_nobody(start_fleet, start_r
         http.post(
             url + "/admin/replicas",
             json={"id": "dead", "url": f"http://127.0.0.1:{dead}"},
-            headers={"Authorization": "Bearer t"},
+            headers={"Authorization": "Bearer tttttttttttttttt"},
         ) as r,
     ):
         assert (await r.json())["sessions_to_warm"] > 0

@@ -65,8 +65,8 @@ async def disagg(start_fleet, start_router, config: EngineConfig | None = None, 
 
 
 async def test_a_long_prompt_is_prefilled_apart_and_decoded_on_its_route(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
-    _, decode, node, url = await disagg(start_fleet, start_router, admin_token="t")
-    admin = {"Authorization": "Bearer t"}
+    _, decode, node, url = await disagg(start_fleet, start_router, admin_token="tttttttttttttttt")
+    admin = {"Authorization": "Bearer tttttttttttttttt"}
     async with aiohttp.ClientSession() as http, http.get(url + "/admin/replicas", headers=admin) as r:
         listed = await r.json()
     assert [(r["id"], r["role"]) for r in listed] == [
@@ -172,9 +172,14 @@ async def test_a_split_request_s_legs_are_measured_logged_and_on_the_console(  #
     start_fleet, start_router, caplog
 ) -> None:
     _, decode, _, url = await disagg(
-        start_fleet, start_router, admin_token="t", log_requests=True, console_interval_s=0.1, probe_interval_s=0.2
+        start_fleet,
+        start_router,
+        admin_token="tttttttttttttttt",
+        log_requests=True,
+        console_interval_s=0.1,
+        probe_interval_s=0.2,
     )
-    admin = {"Authorization": "Bearer t"}
+    admin = {"Authorization": "Bearer tttttttttttttttt"}
     with caplog.at_level(logging.INFO, logger="router.access"):
         for i, stream in enumerate((False, True)):
             status, _, _ = await chat(url, f"{i} {LONG}", f"l{i}", stream=stream, max_tokens=20)

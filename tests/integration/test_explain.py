@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-AUTH = {"Authorization": "Bearer t"}
+AUTH = {"Authorization": "Bearer tttttttttttttttt"}
 
 
 async def test_a_follow_up_to_a_stored_response_is_explained_where_it_goes(
@@ -18,7 +18,7 @@ async def test_a_follow_up_to_a_stored_response_is_explained_where_it_goes(
     fleet = await start_fleet(3)
     node, url = await start_router(
         [f"emu-{i}={r.url}" for i, r in enumerate(fleet.replicas)],
-        admin_token="t",
+        admin_token="tttttttttttttttt",
         health_checks=False,
         bounded_load_floor=1,
         bounded_load_c=1.0,
@@ -48,7 +48,9 @@ async def test_explaining_a_session_moves_nothing(
     start_fleet: Callable[..., Any], start_router: Callable[..., Any]
 ) -> None:
     fleet = await start_fleet(4)
-    node, url = await start_router([f"emu-{i}={r.url}" for i, r in enumerate(fleet.replicas)], admin_token="t")
+    node, url = await start_router(
+        [f"emu-{i}={r.url}" for i, r in enumerate(fleet.replicas)], admin_token="tttttttttttttttt"
+    )
     body = {"model": "emulated-llm", "messages": [{"role": "user", "content": "a long question " * 60}]}
     headers = {"X-Session-ID": "s-1"}
     async with aiohttp.ClientSession() as http:

@@ -129,10 +129,10 @@ async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start
 
 async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(2)
-    router, url = await start_router(named(fleet.replicas), admin_token="t", **FAST_PROBES)
+    router, url = await start_router(named(fleet.replicas), admin_token="tttttttttttttttt", **FAST_PROBES)
     await wait_for(lambda: router.monitor.rounds >= 2, 5)
     async with aiohttp.ClientSession() as s:
-        async with s.get(url + "/admin/replicas", headers={"Authorization": "Bearer t"}) as r:
+        async with s.get(url + "/admin/replicas", headers={"Authorization": "Bearer tttttttttttttttt"}) as r:
             listed = await r.json()
         async with s.get(url + "/metrics") as r:
             text = await r.text()
@@ -187,7 +187,7 @@ async def test_agent_figures_join_the_score(start_fleet, start_router) -> None: 
 
 async def test_each_jump_is_counted_with_its_reason(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(4)
-    router, url = await start_router(named(fleet.replicas), admin_token="t", **FAST_PROBES)
+    router, url = await start_router(named(fleet.replicas), admin_token="tttttttttttttttt", **FAST_PROBES)
     owned = {i: [f"j{k}" for k in range(400) if router.fleet.ring.lookup(f"j{k}".encode()) == i][:3] for i in range(4)}
     for keys in owned.values():
         for key in keys:
@@ -208,7 +208,7 @@ async def test_each_jump_is_counted_with_its_reason(start_fleet, start_router) -
     await wait_for(lambda: router.fleet.find("emu-1").state == "removed", 5)  # type: ignore[union-attr]
     for key in owned[1]:
         assert (await chat(url, key))[1] != "emu-1"
-    auth = {"Authorization": "Bearer t"}
+    auth = {"Authorization": "Bearer tttttttttttttttt"}
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/admin/replicas/emu-2/drain", headers=auth) as r:  # drain
             assert r.status == 200 and (await r.json())["sessions_to_move"] >= 3  # with some of emu-1's

@@ -20,7 +20,7 @@ from router.keys import RoutingKey
 from router.node import Node
 from router.proxy.app import build_app
 
-AUTH = {"Authorization": "Bearer t"}
+AUTH = {"Authorization": "Bearer tttttttttttttttt"}
 
 
 async def wait_for(predicate: Any, timeout: float = 5.0) -> float:
@@ -57,7 +57,12 @@ async def in_redis(router: Node, sessions: list[str]) -> dict[str, str | None]:
 async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet, start_router, redis_server) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(5)
     named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
-    settings = {"state": redis_server.url, "admin_token": "t", "health_checks": "false", "rebalance": "false"}
+    settings = {
+        "state": redis_server.url,
+        "admin_token": "tttttttttttttttt",
+        "health_checks": "false",
+        "rebalance": "false",
+    }
     a, url_a = await start_router(named[:3], **settings)
     b, url_b = await start_router(named[:3], **settings)
     await wait_for(lambda: a.redis.online and b.redis.online)
@@ -126,7 +131,7 @@ async def test_workers_share_sessions_via_redis(start_fleet, start_router, serve
     fleet = await start_fleet(3)
     named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
     lone, url_lone = await start_router(
-        named, state=redis_server.url, admin_token="t", health_checks="false", rebalance="false"
+        named, state=redis_server.url, admin_token="tttttttttttttttt", health_checks="false", rebalance="false"
     )
     workers = await serve_workers(named, "--state", redis_server.url, "--no-health-checks", "--no-rebalance")
     await wait_for(lambda: lone.redis.online)
@@ -217,7 +222,12 @@ async def test_routers_agree_at_once_after_a_restart(start_fleet, redis_server) 
     fleet = await start_fleet(5)
     named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
     # a 120 s slow start climbs in steps of 12 s (RAMP_STEPS): the checks below fall between steps
-    settings = {"state": redis_server.url, "admin_token": "t", "health_checks": "false", "recovery_ramp_s": "120"}
+    settings = {
+        "state": redis_server.url,
+        "admin_token": "tttttttttttttttt",
+        "health_checks": "false",
+        "recovery_ramp_s": "120",
+    }
     a = Served(named[:4], {**settings, "port": str(free_port())})
     b = Served(named[:4], {**settings, "port": str(free_port())})
     routers = [a, b]

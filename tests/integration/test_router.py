@@ -324,10 +324,10 @@ async def test_limits_and_bad_bodies_get_openai_errors(start_fleet, start_router
 
 async def test_admin_api(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(3)
-    _router, url = await start_router([r.url for r in fleet.replicas[:2]], admin_token="s3cret")
-    auth = {"Authorization": "Bearer s3cret"}
+    _router, url = await start_router([r.url for r in fleet.replicas[:2]], admin_token="s3cret-admin-token")
+    auth = {"Authorization": "Bearer s3cret-admin-token"}
     async with aiohttp.ClientSession() as s:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-admin-token"}):
             async with s.get(url + "/admin/replicas", headers=headers) as r:
                 assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
         await call(url, chat("warm"), {"X-Session-ID": "a-1"})
@@ -595,14 +595,14 @@ async def test_odd_usage_figures_never_break_the_answer(start_router, sse_upstre
 
 async def test_admin_odd_bytes_and_raw_keys(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(2)
-    router, url = await start_router(named(fleet.replicas), admin_token="t0k", policy="round_robin")
+    router, url = await start_router(named(fleet.replicas), admin_token="t0k-admin-token-0", policy="round_robin")
     async with aiohttp.ClientSession() as s:
         async with s.get(
             url + "/admin/replicas",
             headers={"Authorization": "Bearer t\udcff0k".encode("utf-8", "surrogateescape").decode("latin-1")},
         ) as r:
             assert r.status == 401
-        async with s.get(url + "/admin/route?key=%FFsess", headers={"Authorization": "Bearer t0k"}) as r:
+        async with s.get(url + "/admin/route?key=%FFsess", headers={"Authorization": "Bearer t0k-admin-token-0"}) as r:
             route = await r.json()
         assert route["hash"] == router.fleet.ring.key_hash(b"\xffsess")
         assert route["replica"] is None and "does not route by key" in route["reason"]
@@ -611,7 +611,7 @@ async def test_admin_odd_bytes_and_raw_keys(start_fleet, start_router) -> None: 
 async def test_a_replica_removed_during_a_retry_walk_does_not_confuse_it(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(3)
     router, url = await start_router(
-        named(fleet.replicas), policy="consistent_hash", first_byte_timeout_s=0.5, admin_token="t"
+        named(fleet.replicas), policy="consistent_hash", first_byte_timeout_s=0.5, admin_token="tttttttttttttttt"
     )
     ids = [r.options.replica_id for r in fleet.replicas]
     # a key owned by replica 1 whose ring successor is replica 2
@@ -621,7 +621,7 @@ async def test_a_replica_removed_during_a_retry_walk_does_not_confuse_it(start_f
     await asyncio.sleep(0.2)  # the first attempt is waiting on the hung replica
     async with (
         aiohttp.ClientSession() as s,
-        s.delete(url + f"/admin/replicas/{ids[0]}", headers={"Authorization": "Bearer t"}) as r,
+        s.delete(url + f"/admin/replicas/{ids[0]}", headers={"Authorization": "Bearer tttttttttttttttt"}) as r,
     ):
         assert r.status == 200  # indices shift: replica 1 becomes 0, replica 2 becomes 1
     status, headers, _ = await asyncio.wait_for(request, 5)

@@ -15,7 +15,7 @@ import pytest
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet, Replica
 
-TOKEN = "models-token"
+TOKEN = "models-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -18,7 +18,7 @@ import pytest
 from router.config import ConfigError, load
 
 REPLICA_KEY = "replica-secret"
-ADMIN = "admin-token"
+ADMIN = "admin-token-0123456"
 CHAT = {"model": "emulated-llm", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 MESSAGE = {"model": "emulated-llm", "max_tokens": 4, "messages": [{"role": "user", "content": "hello there"}]}
 

@@ -32,10 +32,15 @@ async def serve(config: Any) -> tuple[Node, web.AppRunner, str]:
 async def test_a_restart_brings_back_membership_drains_overrides_and_sessions(start_fleet, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(5)
     named = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
-    settings = {"replicas": named[:4], "state": f"file:{tmp_path}", "admin_token": "t", "health_checks": "false"}
+    settings = {
+        "replicas": named[:4],
+        "state": f"file:{tmp_path}",
+        "admin_token": "tttttttttttttttt",
+        "health_checks": "false",
+    }
     config = load(None, {}, settings)
     router, runner, url = await serve(config)
-    auth = {"Authorization": "Bearer t"}
+    auth = {"Authorization": "Bearer tttttttttttttttt"}
     sessions = [f"s{i}" for i in range(40)]
     served = {s: await turn(url, s) for s in sessions}
     async with aiohttp.ClientSession() as s:
@@ -112,7 +117,7 @@ async def test_drains_and_discovered_replicas_carry_over_a_restart(start_fleet, 
     settings = {
         "replicas": named[:1],
         "state": f"file:{tmp_path}",
-        "admin_token": "t",
+        "admin_token": "tttttttttttttttt",
         "health_checks": "false",
         "discovery": f"file:{listing}",
         "discovery_interval_s": "0.05",

@@ -62,7 +62,7 @@ async def test_a_higher_class_is_served_ahead_of_a_batch_flood_at_three_times_ca
         _, url = await start_router(
             [r.url for r in fleet.replicas],
             client_keys_file=path,
-            admin_token="t",
+            admin_token="tttttttttttttttt",
             full_waiting=1,
             max_queued=16,  # held by count: the order is the subject, not the time each may wait
             queue_timeout_s=10.0,
@@ -148,7 +148,12 @@ async def test_a_budget_is_shared_by_two_routers_on_redis(
     path = keys_file(tmp_path / "keys.toml", [("sk-a", "a", "team-a"), ("sk-b", "b", "team-b")], tenants)
     fleet = await start_fleet(2)
     urls = [r.url for r in fleet.replicas]
-    shared = {"state": redis_server.url, "client_keys_file": path, "admin_token": "t", "health_checks": "false"}
+    shared = {
+        "state": redis_server.url,
+        "client_keys_file": path,
+        "admin_token": "tttttttttttttttt",
+        "health_checks": "false",
+    }
     _, one = await start_router(urls, **shared)
     _, two = await start_router(urls, **shared)
     used = 0
@@ -256,7 +261,7 @@ async def test_a_request_is_held_through_a_scale_up_from_zero(
     start_fleet: Callable[..., Any], start_router: Callable[..., Any], tmp_path: Path
 ) -> None:
     fleet = await start_fleet(1)
-    admin = {"Authorization": "Bearer t"}
+    admin = {"Authorization": "Bearer tttttttttttttttt"}
     # a fleet scaled to zero: discovery finds no replica, as DNS finds none of a Deployment at 0
     found = tmp_path / "replicas.txt"
     found.write_text("")
@@ -264,7 +269,7 @@ async def test_a_request_is_held_through_a_scale_up_from_zero(
         [],
         discovery=f"file:{found}",
         discovery_interval_s=0.1,
-        admin_token="t",
+        admin_token="tttttttttttttttt",
         scale_from_zero_s=30,
         rebalance_window_s=0.2,
         probe_interval_s=0.1,

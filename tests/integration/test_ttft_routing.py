@@ -13,7 +13,7 @@ from router.emulator.engine import EngineConfig
 
 MODEL = "emulated-llm"
 SYSTEM = {"role": "system", "content": "You answer questions about the document the user gives. " * 4}
-AUTH = {"Authorization": "Bearer t0k"}
+AUTH = {"Authorization": "Bearer t0k-admin-token-0"}
 
 
 def named(replicas: Any) -> list[str]:
@@ -48,7 +48,7 @@ async def ask(
 
 async def test_keyless_conversations_reach_their_cache(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(4, EngineConfig(num_blocks=4000))
-    router, url = await start_router(named(fleet.replicas), admin_token="t0k", probe_interval_s=0.2)
+    router, url = await start_router(named(fleet.replicas), admin_token="t0k-admin-token-0", probe_interval_s=0.2)
     later_hits = []
     first_hits = []
     homes: dict[int, set[str]] = {}

@@ -40,7 +40,7 @@ from router.bench.common import free_port
 from router.bench.vllm import MODEL_NAME, VllmServer, start_all
 from router.health.signals import parse_engine_metrics
 
-TOKEN = "vllm-test-token"
+TOKEN = "vllm-test-token-0"
 SYSTEM = {"role": "system", "content": "You answer questions about foxes, dogs and the weather. " * 8}
 SLOTS = 4  # requests each replica runs at once (max_num_seqs)
 

@@ -164,7 +164,7 @@ async def test_the_index_equals_what_each_engine_holds(
     pair: list[VllmServer], start_router: Callable[..., Any]
 ) -> None:
     async with aiohttp.ClientSession() as http:
-        router, url = await start(start_router, pair, admin_token="events-test")
+        router, url = await start(start_router, pair, admin_token="events-test-token")
         # six keyed conversations of three turns through the router: more than both caches hold
         for turn in range(1, 4):
             for n in range(6):
@@ -196,7 +196,7 @@ async def test_the_index_equals_what_each_engine_holds(
         async with http.post(
             url + "/admin/route",
             data=orjson.dumps(probe_body),
-            headers={"X-Session-ID": "snow-0", "Authorization": "Bearer events-test"},
+            headers={"X-Session-ID": "snow-0", "Authorization": "Bearer events-test-token"},
         ) as r:
             assert r.status == 200, await r.text()
             explained = await r.json()

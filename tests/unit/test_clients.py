@@ -152,7 +152,15 @@ def test_a_missing_or_broken_file_stops_the_router_at_startup(tmp_path: Path) ->
 def test_router_serve_reads_the_keys_file_before_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "keys.toml"
     path.write_text(entry("sk-1", "ci", "team-a") + entry("sk-2", "nb", "team-a"))
-    base = ["--replica", "r0=http://127.0.0.1:9", "--admin-token", "t", "--state", "none", "--check-config"]
+    base = [
+        "--replica",
+        "r0=http://127.0.0.1:9",
+        "--admin-token",
+        "tttttttttttttttt",
+        "--state",
+        "none",
+        "--check-config",
+    ]
     assert main([*base, "--client-keys-file", str(path)]) == 0
     assert f"client keys: 2 keys of 1 tenant in {path}" in capsys.readouterr().out
     assert main([*base, "--client-keys-file", str(tmp_path / "absent.toml")]) == 2

@@ -249,8 +249,16 @@ def test_replica_capacity_entries() -> None:
 
 
 def test_an_admin_token_from_a_file_loses_its_newline() -> None:
-    cfg = load(None, {"ROUTER_ADMIN_TOKEN": "0123abcd\n"}, {"replicas": ["http://h:1"]})
-    assert cfg.admin_token == "0123abcd"
+    cfg = load(None, {"ROUTER_ADMIN_TOKEN": "0123abcd0123abcd\n"}, {"replicas": ["http://h:1"]})
+    assert cfg.admin_token == "0123abcd0123abcd"
+
+
+def test_a_short_admin_token_is_refused_with_how_to_make_one() -> None:
+    with pytest.raises(ConfigError, match=r"admin_token.*at least 16 bytes.*openssl rand -hex 32"):
+        load(None, {"ROUTER_ADMIN_TOKEN": "t"}, {"replicas": ["http://h:1"]})
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        load(None, {}, {"replicas": ["http://h:1"], "admin_token": "0123456789abcde"})  # 15
+    assert load(None, {}, {"replicas": ["http://h:1"], "admin_token": "0123456789abcdef"}).admin_token
 
 
 def _default_words(value: object, name: str = "") -> set[str]:

@@ -52,7 +52,7 @@ from router.measures import coefficient_of_variation, kv_hit_rate
 from router.node import Node
 from router.proxy.app import build_app
 
-ADMIN_TOKEN = "bench"
+ADMIN_TOKEN = "bench-admin-token"
 SCENARIOS = ("skew", "scale-out", "drain")
 
 

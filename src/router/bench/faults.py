@@ -110,7 +110,7 @@ FAULT_SETTINGS = {
 SCENARIO_OWNED = frozenset(
     {"host", "port", "state", "state_namespace", "admin_token", "admin_host", "admin_port", "workers", "demo"}
 )
-TOKEN = "faults-bench"
+TOKEN = "faults-bench-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VICTIM = "emu-0"
 # the session id in every request, under the names router-serve, sglang-router (policy manual),

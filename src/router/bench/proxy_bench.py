@@ -183,8 +183,8 @@ def shared_fleet_contenders(
     backend: str, folder: Path, sink: str
 ) -> list[tuple[str, list[str], dict[str, str] | None, str]]:
     """router-serve plain, with keys, with keys and a budget, and with traces too (all, then 1 %)."""
-    keyed = ["--client-keys-file", str(folder / "keys.toml"), "--admin-token", "bench"]
-    budget = ["--client-keys-file", str(folder / "keys-budget.toml"), "--admin-token", "bench"]
+    keyed = ["--client-keys-file", str(folder / "keys.toml"), "--admin-token", "bench-admin-token"]
+    budget = ["--client-keys-file", str(folder / "keys-budget.toml"), "--admin-token", "bench-admin-token"]
     traced = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink}
     sampled = traced | {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}
     out = []

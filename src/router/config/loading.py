@@ -112,6 +112,9 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         raise ConfigError(name, source, str(exc)) from None
 
 
+MIN_ADMIN_TOKEN_BYTES = 16  # an admin token shorter than this is refused at start
+
+
 def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     def bad(name: str, problem: str) -> ConfigError:
         return ConfigError(name, sources.get(name, "default"), problem)
@@ -125,6 +128,12 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("admin_port", f"{cfg.admin_port} is the proxy's own port; give the admin API a port of its own, or 0")
     if cfg.admin_port and not cfg.admin_host.strip():
         raise bad("admin_host", "must be an address (an empty one would listen on every interface)")
+    if cfg.admin_token and len(cfg.admin_token.encode()) < MIN_ADMIN_TOKEN_BYTES:
+        raise bad(
+            "admin_token",
+            f"must be at least {MIN_ADMIN_TOKEN_BYTES} bytes (a short token is guessed): make one with "
+            "`openssl rand -hex 32`",
+        )
     if cfg.client_keys_file and not cfg.admin_port and not cfg.admin_token:
         raise bad(
             "client_keys_file",
