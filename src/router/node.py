@@ -65,6 +65,7 @@ from router.shared import Follower, Publisher
 from router.shared_sessions import SharedSessions
 from router.shm.table import SlotTable
 from router.state import Persistence, state_file
+from router.tls import ServerTls, replica_context, server_tls
 from router.tracing import Tracing
 from router.upstream import Upstream
 
@@ -88,6 +89,9 @@ class Node:
         self.control_socket = control_socket
         # who may use the API (router.clients); None: anyone
         self.clients = ClientKeys(config.client_keys_file) if config.client_keys_file else None
+        # HTTPS to clients (None: plain HTTP) and the context https:// replicas are reached with (router.tls)
+        self.tls: ServerTls | None = server_tls(config)
+        self.replica_ssl = replica_context(config)
         # OpenTelemetry traces of the requests this process serves (router.tracing): OTEL_* turns them on
         self.tracing: Tracing | None = tracing.setup() if worker is not None or config.workers <= 1 else None
         self.budgets: Budgets | None = None  # the tenants' tokens a minute (router.budgets), with keys on
@@ -384,6 +388,8 @@ class Node:
         routes' own contexts may need): a worker's line to the control process, or the control
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
         contexts: list[Context] = []
+        if self.tls is not None and not control_only:  # each serving process reads its certificate again
+            contexts.append(self._tls_ctx)
         # the prefill replicas: probed and found by every process, the control process too (its
         # admin API and console show them)
         if self.prefill_policy is not None and self.config.health_checks:
@@ -417,13 +423,16 @@ class Node:
     async def client_context(self, app: web.Application) -> AsyncIterator[None]:
         """The upstream client, while the application runs (first in `cleanup_ctx`)."""
         connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=self.config.upstream_connections, enable_cleanup_closed=True
+            limit=0,
+            limit_per_host=self.config.upstream_connections,
+            enable_cleanup_closed=True,
+            ssl=self.replica_ssl if self.replica_ssl is not None else True,
         )
         self.client = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         # the proxied requests' own keep-alive pools (router.upstream); probes and the rest use `client`
-        self.upstream = Upstream(self.config.upstream_connections, self._reconnected)
+        self.upstream = Upstream(self.config.upstream_connections, self._reconnected, self.replica_ssl)
         yield
         self.upstream.close()
         await self.client.close()
@@ -489,6 +498,12 @@ class Node:
         await self.redis.start()
         yield
         await self.redis.close()
+
+    async def _tls_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.tls is not None
+        task = asyncio.create_task(self.tls.watch(), name="tls certificate")
+        yield
+        await self._run(task)
 
     async def _placements_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.placements is not None

@@ -356,8 +356,15 @@ class _Connection(asyncio.Protocol):
 class _Pool:
     """The connections to one replica (one origin)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, origin: tuple[str, str, int], per_host: int) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        origin: tuple[str, str, int],
+        per_host: int,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.loop = loop
+        self.ssl_context = ssl_context
         self.scheme, self.host, self.port = origin
         self.per_host = per_host
         self.idle: list[_Connection] = []  # a stack: the last one put back is taken first
@@ -392,7 +399,7 @@ class _Pool:
                     lambda: _Connection(self),
                     self.host,
                     self.port,
-                    ssl=_ssl_context() if self.scheme == "https" else None,
+                    ssl=(self.ssl_context or _ssl_context()) if self.scheme == "https" else None,
                 )
         except TimeoutError as exc:
             self._gone()
@@ -445,9 +452,11 @@ class Upstream:
         self,
         per_host: int = 256,
         on_reconnect: Callable[[str], None] = lambda url: None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.per_host = per_host
         self.on_reconnect = on_reconnect
+        self.ssl_context = ssl_context  # for https:// replicas (router.tls); None: the system's default
         self.loop = asyncio.get_running_loop()
         self.pools: dict[tuple[str, str, int], _Pool] = {}
         self.reconnects = 0
@@ -459,7 +468,7 @@ class Upstream:
         origin, target, host = _target(url)
         pool = self.pools.get(origin)
         if pool is None:
-            pool = self.pools[origin] = _Pool(self.loop, origin, self.per_host)
+            pool = self.pools[origin] = _Pool(self.loop, origin, self.per_host, self.ssl_context)
         head = _head(target, host, headers, len(body))
         data = head + body if len(body) < 65536 else None
         conn = await pool.get(connect_s)

@@ -94,11 +94,12 @@ async def start_router() -> AsyncIterator[Callable[..., Any]]:
             build_app(router), config, lambda: False, handle_signals=False, access_log=None, handler_cancellation=True
         )
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        tls = router.tls.context if router.tls is not None else None  # (tls_cert_file: HTTPS, as router-serve)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
         await site.start()
         runners.append(runner)
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return router, f"http://127.0.0.1:{port}"
+        return router, f"{'https' if tls else 'http'}://127.0.0.1:{port}"
 
     yield start
     for runner in runners:

@@ -105,7 +105,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 raise ValueError(f"expected a number, got {value!r}") from None
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
-        if name in ("admin_token", "client_keys_file"):
+        if name in ("admin_token", "client_keys_file") or name.endswith("_file"):
             return value.strip()  # a token or path read from a file or a Secret often ends in a newline
         return value
     except (TypeError, ValueError) as exc:
@@ -113,6 +113,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 
 
 MIN_ADMIN_TOKEN_BYTES = 16  # an admin token shorter than this is refused at start
+TLS_FILES = (
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+    "replica_ca_file",
+    "replica_cert_file",
+    "replica_key_file",
+)
 
 
 def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
@@ -128,6 +136,15 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         raise bad("admin_port", f"{cfg.admin_port} is the proxy's own port; give the admin API a port of its own, or 0")
     if cfg.admin_port and not cfg.admin_host.strip():
         raise bad("admin_host", "must be an address (an empty one would listen on every interface)")
+    for cert, key in (("tls_cert_file", "tls_key_file"), ("replica_cert_file", "replica_key_file")):
+        if bool(getattr(cfg, cert)) != bool(getattr(cfg, key)):
+            raise bad(cert if not getattr(cfg, cert) else key, f"{cert} and {key} go together: set both or neither")
+    if cfg.tls_client_ca_file and not cfg.tls_cert_file:
+        raise bad("tls_client_ca_file", "client certificates need the router's own HTTPS: set tls_cert_file too")
+    for name in TLS_FILES:
+        path = getattr(cfg, name)
+        if path and not os.path.isfile(path):
+            raise bad(name, f"{path} is not a file")
     if cfg.admin_token and len(cfg.admin_token.encode()) < MIN_ADMIN_TOKEN_BYTES:
         raise bad(
             "admin_token",

@@ -96,6 +96,12 @@ HELP = {
     "keepalive_timeout_s": "idle client connections close after this, as do those that have not sent a "
     "whole request's headers within it (default 75)",
     "max_body_bytes": "largest request body (default 32 MiB)",
+    "tls_cert_file": "serve HTTPS with this certificate chain (PEM; with tls_key_file), read again when it changes",
+    "tls_key_file": "the private key of tls_cert_file (PEM)",
+    "tls_client_ca_file": "require every client to present a certificate this CA signed (mTLS; needs tls_cert_file)",
+    "replica_ca_file": "verify https:// replicas against this CA alone (default: the system's CAs)",
+    "replica_cert_file": "present this client certificate (PEM; with replica_key_file) to https:// replicas",
+    "replica_key_file": "the private key of replica_cert_file (PEM)",
     "min_body_rate_bytes_per_s": "a request body that arrives slower than this, past its first 5 s, gets a 408 "
     "(a slow-body attack; default 1024, 0: no floor)",
     "max_header_bytes": "largest request header block (default 16 KiB)",
@@ -227,6 +233,18 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "a shared fleet",
         "who may use it, its tenants' budgets, and the replicas' own keys",
         ("client_keys_file", "budget_reserve_tokens", "replica_api_keys"),
+    ),
+    (
+        "TLS",
+        "HTTPS to clients (and their certificates) and to replicas",
+        (
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+            "replica_ca_file",
+            "replica_cert_file",
+            "replica_key_file",
+        ),
     ),
     (
         "admission",

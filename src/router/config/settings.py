@@ -172,6 +172,13 @@ class RouterConfig:
     # operating
     admin_token: str = dataclasses.field(default="", repr=False)
     client_keys_file: str = ""  # clients' keys, hashed, by tenant (router.clients); empty: no keys asked
+    # TLS (router.tls): HTTPS to clients with this certificate chain and key (PEM), read again on change
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # clients must present a certificate this CA signed (mTLS)
+    replica_ca_file: str = ""  # https:// replicas are verified against this CA (else the system's)
+    replica_cert_file: str = ""  # the client certificate (and key) the router presents to https:// replicas
+    replica_key_file: str = ""
     budget_reserve_tokens: int = 1024  # a request naming no max_tokens reserves this for its answer (router.budgets)
     # the admin API, console and /metrics on an address of their own; port 0: on the proxy's address
     admin_host: str = "127.0.0.1"

@@ -196,11 +196,12 @@ async def _serve_alone(config: RouterConfig, banner: str) -> None:
         await runner.setup()
         admin: web.AppRunner | None = None
         try:
-            await listen(runner, config.host, config.port)
+            context = node.tls.context if node.tls is not None else None
+            await listen(runner, config.host, config.port, ssl_context=context)
             if config.admin_port:
                 admin = runner_for(admin_app(node), config)
                 await admin.setup()
-                await listen(admin, config.admin_host, config.admin_port)
+                await listen(admin, config.admin_host, config.admin_port, ssl_context=context)
             settle()
             print(banner, flush=True)
             print(node.state_line(), flush=True)

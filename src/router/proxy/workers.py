@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import ssl
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,10 +57,13 @@ class CannotListen(RouterError, OSError):
         super().__init__(f"cannot listen on {host}:{port}: {reason}")
 
 
-async def listen(runner: web.AppRunner, host: str, port: int, reuse_port: bool = False) -> None:
-    """Serve `runner` on host:port; CannotListen names the address if that fails."""
+async def listen(
+    runner: web.AppRunner, host: str, port: int, reuse_port: bool = False, ssl_context: ssl.SSLContext | None = None
+) -> None:
+    """Serve `runner` on host:port (HTTPS with `ssl_context`); CannotListen names the address if that fails."""
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port).start()
+        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port, ssl_context=ssl_context)
+        await site.start()
     except OSError as exc:
         raise CannotListen(host, port, exc) from None
 
@@ -221,9 +225,10 @@ async def _worker(config: RouterConfig, shm_name: str, control_socket: str, inde
             await admin.setup()
             runners.append(admin)
             sites.append((admin, config.admin_host, config.admin_port))
+        context = node.tls.context if node.tls is not None else None
         for serving, host, port in sites:
             try:
-                await listen(serving, host, port, reuse_port=True)
+                await listen(serving, host, port, reuse_port=True, ssl_context=context)
             except CannotListen as exc:
                 ready.send(str(exc))
                 return
