@@ -37,7 +37,7 @@ from router.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client,
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
-from router.proxy.exchange import JSON, Exchange
+from router.proxy.exchange import JSON, Exchange, error_response
 from router.proxy.resume import why_not_continued
 from router.routing.request import request_key
 
@@ -95,8 +95,15 @@ async def unread_bodies(
     """aiohttp's side (its path to the proxied endpoints, the admin API, the console): an error
     answered before a body that is not small was read goes out at once, and the connection closes
     after at most LINGER_S and LINGER_BYTES of what the client sends on (aiohttp's own lingering
-    reads the whole body, for up to `lingering_time`)."""
-    response = await handler(request)
+    reads the whole body, for up to `lingering_time`). An HTTP error aiohttp raises itself (a
+    method its router has no route for, as CONNECT) is answered in the API's JSON shape."""
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}  # (405: what is allowed)
+        response = error_response(exc.reason, exc.status, path=request.path, headers=allow)
     if response.status < 400 or response.prepared or keeps_connection(request.content_length):
         return response
     if request.content.is_eof():

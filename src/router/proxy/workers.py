@@ -26,6 +26,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import multiprocess, values
@@ -37,6 +38,7 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
+from router.proxy.exchange import error_response
 from router.proxy.front import FrontRunner
 from router.proxy.intake import unread_bodies
 from router.shm.layout import COUNTER_CELL
@@ -90,11 +92,34 @@ class _ClientsMalformedRequests(logging.Filter):
 MALFORMED = _ClientsMalformedRequests()
 
 
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """`Expect` on aiohttp's side: `100-continue` as aiohttp answers it; any other value a JSON 417
+    (aiohttp's own handler echoes the value into its text, and a byte that is not UTF-8 there made
+    it a 500 and a traceback)."""
+    expect = request.headers.get("Expect", "")
+    if request.version != aiohttp.HttpVersion11:
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (the answer's own size starts after it)
+        return None
+    message = "the request's Expect header is not 100-continue"
+    return error_response(message, 417, "expectation_failed", path=request.path)
+
+
+def _expect_everywhere(app: web.Application) -> None:
+    """Every route's Expect handler is `_expect` (aiohttp takes one per route, as it is added)."""
+    for route in app.router.routes():
+        if isinstance(route, web.ResourceRoute):
+            route._expect_handler = _expect  # (no public setter once a route is added)
+
+
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     """The aiohttp runner of a proxying process (a lone router or a worker), its proxied endpoints on
     the front (router.proxy.front); stop it with `stop_serving`."""
     field_size = max(config.max_header_bytes + 1024, 8190)
     logging.getLogger("aiohttp.server").addFilter(MALFORMED)  # (once: a filter is added at most once)
+    _expect_everywhere(app)
     app[CLOSING] = []
     app.on_response_prepare.append(_close_after_answer)
     app.middlewares.append(unread_bodies)
