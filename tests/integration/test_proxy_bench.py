@@ -107,6 +107,32 @@ def test_the_shared_fleet_contenders_are_served_with_keys_budgets_and_traces() -
     assert result["saturate_s"] == 0
 
 
+def test_https_against_plain_http_keep_alive_and_a_new_connection_per_request() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.bench.cli",
+            "proxy",
+            "--json",
+            "--tls",
+            *("--requests", "40", "--streams", "8", "--tokens", "5", "--ttft-samples", "10", "--rounds", "1"),
+            *("--concurrency", "1,4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    rows = {r["contender"]: r for r in result["results"]}
+    assert list(rows) == ["direct", "router-serve, HTTP", "router-serve, HTTPS"]
+    for name in ("router-serve, HTTP", "router-serve, HTTPS"):  # every request answered, over TLS too
+        assert rows[name]["small_ok"] == 40 and rows[name]["events"] >= 8 * 5
+        assert rows[name]["cpu_us_per_request_new_connection"] is not None  # (40 requests: maybe 0 ticks)
+    assert result["saturate_s"] == 0
+
+
 def test_the_peer_routers_side_by_side() -> None:
     assert all(peer_installed(kind) for kind in PEERS)  # the test extra installs every peer
     out = subprocess.run(

@@ -28,6 +28,11 @@ plain, then with client keys (every request brings one), with a token budget for
 then 1 in 100, exported over OTLP/HTTP to a sink in a process of its own), side by side in the
 same rounds; every contender gets the same requests, key included.
 
+`--tls` measures what HTTPS costs: `router-serve` over plain HTTP against the same with
+`tls_cert_file` (a self-signed certificate the `openssl` command makes for the run, ECDSA P-256),
+side by side in the same rounds: CPU per request on keep-alive connections as above, and on a new
+connection per request (`cpu_us_per_request_new_connection`, 8 clients: the handshake's cost).
+
 The peers are launched here the same way for every benchmark (`PEERS`, `peer_command`; `router-bench
 fleet` and `faults` use them too): on loopback (they bind 0.0.0.0 for their API and metrics
 unless told otherwise), `HF_ENDPOINT` pointed at a closed loopback port (sglang-router tries to
@@ -50,6 +55,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -113,8 +119,51 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="router-serve with client keys, token budgets and traces on against off, instead of the peers",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="router-serve over HTTPS against plain HTTP (keep-alive, and a new connection per request)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
+
+
+# the client's trust in --tls's self-signed certificate (None: plain HTTP, or the system's CAs)
+TRUSTED: list[ssl.SSLContext] = []
+
+
+def _connector(**options: Any) -> aiohttp.TCPConnector:
+    return aiohttp.TCPConnector(ssl=TRUSTED[0] if TRUSTED else True, **options)
+
+
+def tls_files(folder: Path) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (the `openssl` command makes them)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+            "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    TRUSTED[:] = [ssl.create_default_context(cafile=str(cert))]
+    return str(cert), str(key)
+
+
+def tls_contenders(backend: str, folder: Path) -> list[tuple[str, list[str], dict[str, str] | None, str]]:
+    """router-serve over plain HTTP, and over HTTPS."""
+    cert, key = tls_files(folder)
+    out: list[tuple[str, list[str], dict[str, str] | None, str]] = []
+    for name, extra, scheme in (
+        ("router-serve, HTTP", [], "http"),
+        ("router-serve, HTTPS", ["--tls-cert-file", cert, "--tls-key-file", key], "https"),
+    ):
+        port = free_port()
+        serve = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--replica", backend, "--state", "none"]
+        out.append((name, [*serve, *extra], None, f"{scheme}://127.0.0.1:{port}"))
+    return out
 
 
 # -- the floor: a bare aiohttp pass-through --------------------------------------------------------
@@ -213,7 +262,7 @@ def cpu_seconds(pid: int) -> float:
 
 async def wait_ready(url: str, path: str = "/health", timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=_connector()) as s:
         while time.monotonic() < deadline:
             try:
                 async with s.get(url + path, timeout=aiohttp.ClientTimeout(total=1)) as r:
@@ -327,7 +376,7 @@ async def first_answer(
     so where the first answer is slow, give it long enough rather than try again."""
     body = orjson.dumps(SMALL)
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=_connector()) as s:
         while time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
                 async with s.post(
@@ -346,10 +395,12 @@ async def first_answer(
 # -- load --------------------------------------------------------------------------------------------
 
 
-async def small_requests(url: str, n: int, concurrency: int, headers: dict[str, str] | None = None) -> int:
+async def small_requests(
+    url: str, n: int, concurrency: int, headers: dict[str, str] | None = None, new_connections: bool = False
+) -> int:
     ok = 0
     body = orjson.dumps(SMALL)
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=_connector(force_close=new_connections)) as s:
 
         async def worker(count: int) -> None:
             nonlocal ok
@@ -369,7 +420,7 @@ async def small_requests(url: str, n: int, concurrency: int, headers: dict[str, 
 async def streams(url: str, n: int, tokens: int, concurrency: int, headers: dict[str, str] | None = None) -> int:
     events = 0
     body = orjson.dumps(SMALL | {"max_tokens": tokens, "stream": True})
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(connector=_connector()) as s:
 
         async def worker(count: int) -> None:
             nonlocal events
@@ -389,7 +440,7 @@ async def streams(url: str, n: int, tokens: int, concurrency: int, headers: dict
 async def ttft_probe(url: str, samples: int, headers: dict[str, str] | None = None) -> list[float]:
     body = orjson.dumps(SMALL | {"max_tokens": 2, "stream": True})
     out = []
-    connector = aiohttp.TCPConnector(limit=1)  # one keep-alive connection, reused
+    connector = _connector(limit=1)  # one keep-alive connection, reused
     async with aiohttp.ClientSession(connector=connector) as s:
         for i in range(samples + 5):
             t0 = time.perf_counter()
@@ -433,6 +484,13 @@ async def measure(
     ttfts = await ttft_probe(url, args.ttft_samples, args.headers)
     n_streams = max(1, args.streams // STREAM_CLIENTS) * STREAM_CLIENTS
     at_streams = at[str(near)] or 0.0
+    fresh = {}
+    if args.tls:  # a new connection (and handshake) per request
+        progress(f"{name}: a new connection per request")
+        c3 = cpu_seconds(pid) if pid else 0.0
+        ok = await small_requests(url, max(1, args.requests // 4), STREAM_CLIENTS, args.headers, new_connections=True)
+        c4 = cpu_seconds(pid) if pid else 0.0
+        fresh["cpu_us_per_request_new_connection"] = (c4 - c3) / max(ok, 1) * 1e6 if pid else None
     return {
         "contender": name,
         "small_ok": min(oks),
@@ -443,6 +501,7 @@ async def measure(
         "cpu_us_per_event": (((c2 - c1) * 1e6 - n_streams * at_streams) / max(events, 1)) if pid else None,
         "ttft_ms_median": statistics.median(ttfts) * 1000 if ttfts else None,
         "ttft_ms_p90": percentile(ttfts, 90) * 1000 if len(ttfts) >= 10 else None,
+        **fresh,
     }
 
 
@@ -561,6 +620,8 @@ async def run(
             await wait_ready(sink)
             folder = shared_fleet_files(Path(tempfile.mkdtemp(prefix="router-bench-")))
             contenders = shared_fleet_contenders(backend, folder, sink)
+        elif args.tls:
+            contenders = tls_contenders(backend, Path(tempfile.mkdtemp(prefix="router-bench-")))
         else:
             contenders = contenders_for(backend, args)
         for name, cmd, env, url in contenders:
@@ -587,6 +648,7 @@ async def run(
     if (
         not stopping.is_set()
         and not args.shared_fleet  # (its requests would need the key: the figures above are its point)
+        and not args.tls
         and args.saturate_s > 0
         and len(os.sched_getaffinity(0)) >= 2
         and {0, 1} <= os.sched_getaffinity(0)
@@ -654,6 +716,12 @@ def render(result: dict[str, Any]) -> str:
             f"| {r['contender']} | {' | '.join(cells)} | {f(r['cpu_us_per_event'], 1)} "
             f"| {f(r['ttft_ms_median'], 3)} | {f(r['ttft_ms_added'], 3)} |"
         )
+    if any(r.get("cpu_us_per_request_new_connection") is not None for r in result["results"]):
+        lines += ["", "a new connection per request (8 clients): CPU µs / request", ""]
+        lines += ["| contender | CPU µs / request |", "|---|---:|"]
+        for r in result["results"]:
+            if r.get("cpu_us_per_request_new_connection") is not None:
+                lines.append(f"| {r['contender']} | {f(r['cpu_us_per_request_new_connection'], 0)} |")
     if result.get("saturate_s"):
         lines += [
             "",
@@ -703,6 +771,12 @@ def run_cli(args: argparse.Namespace) -> int:
         print("router-bench proxy: --saturate-s must be a number of seconds >= 0", file=sys.stderr)
         return 2
     args.headers = {"Authorization": f"Bearer {BENCH_KEY}"} if args.shared_fleet else None
+    if args.tls and args.shared_fleet:
+        print("router-bench proxy: --tls and --shared-fleet are two different runs: choose one", file=sys.stderr)
+        return 2
+    if args.tls and shutil.which("openssl") is None:
+        print("router-bench proxy: --tls makes its certificate with the openssl command, not found", file=sys.stderr)
+        return 2
     args.against_pythons = []
     for entry in args.against:
         name, sep, python = entry.partition("=")
