@@ -7,7 +7,16 @@ Off unless `client_keys_file` names a file. The file holds a hash of each key, n
     tenant = "team-a"         # whose use it is
     sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
-(`printf %s "$KEY" | sha256sum` gives the hash.) A tenant may have a table of its own:
+(`printf %s "$KEY" | sha256sum` gives the hash.) With client certificates required
+(`tls_client_ca_file`, router.tls), an entry may name a certificate instead of a key:
+
+    [[keys]]
+    id = "batch-runner"
+    tenant = "team-b"
+    subject = "batch-runner.team-b"   # the certificate's subject common name (CN)
+
+A request then counts against the tenant its certificate names; one that also brings a key must
+name the same client (else a 400, as for two keys). A tenant may have a table of its own:
 
     [[tenants]]
     name = "team-a"
@@ -44,6 +53,7 @@ log = logging.getLogger("router.clients")
 CHECK_EVERY_S = 1.0  # how often a request may look at the file's modification time
 HEX = frozenset("0123456789abcdef")
 MISSING = (-1, -1, -1)  # the stamp of a file that is not there
+SUBJECT = "subject:"  # an entry naming a client certificate is kept under this and its CN (a key's: its hash)
 KEY_HEADERS = frozenset({"authorization", "x-api-key"})  # where a client's key comes (never forwarded with keys on)
 # The priority classes, highest first (smg's names, and `sheddable`). A request asks for one with
 # the X-Priority header (or smg's x-smg-priority); its tenant's class caps what it may ask and is
@@ -164,16 +174,21 @@ def parse(text: str, where: str) -> tuple[dict[str, Client], dict[str, Tenant]]:
     for n, entry in enumerate(entries, 1):
         if not isinstance(entry, dict):
             raise ClientKeysError(f"{where}: entry {n} is not a table")
-        extra = sorted(set(entry) - {"id", "tenant", "sha256"})
+        extra = sorted(set(entry) - {"id", "tenant", "sha256", "subject"})
         if extra:
-            raise ClientKeysError(f"{where}: entry {n}: unknown field {extra[0]!r} (id, tenant, sha256)")
-        key_id, tenant, digest = entry.get("id"), entry.get("tenant"), entry.get("sha256")
-        for name, value in (("id", key_id), ("tenant", tenant), ("sha256", digest)):
+            raise ClientKeysError(f"{where}: entry {n}: unknown field {extra[0]!r} (id, tenant, sha256 or subject)")
+        if "sha256" in entry and "subject" in entry:
+            raise ClientKeysError(f"{where}: entry {n}: give `sha256` (a key's hash) or `subject` (a certificate's CN)")
+        by_subject = "subject" in entry
+        key_id, tenant = entry.get("id"), entry.get("tenant")
+        digest = entry.get("subject") if by_subject else entry.get("sha256")
+        for name, value in (("id", key_id), ("tenant", tenant), ("subject" if by_subject else "sha256", digest)):
             if not isinstance(value, str) or not value.strip():
-                raise ClientKeysError(f"{where}: entry {n}: `{name}` must be a non-empty string")
+                also = " (or `subject`, a client certificate's CN)" if name == "sha256" else ""
+                raise ClientKeysError(f"{where}: entry {n}: `{name}` must be a non-empty string{also}")
         assert isinstance(key_id, str) and isinstance(tenant, str) and isinstance(digest, str)
-        digest = digest.strip().lower()
-        if len(digest) != 64 or not set(digest) <= HEX:
+        digest = SUBJECT + digest.strip() if by_subject else digest.strip().lower()
+        if not by_subject and (len(digest) != 64 or not set(digest) <= HEX):
             raise ClientKeysError(
                 f"{where}: entry {n} ({key_id}): `sha256` must be 64 hex digits, the hash of the key, never the key"
             )
@@ -182,7 +197,8 @@ def parse(text: str, where: str) -> tuple[dict[str, Client], dict[str, Tenant]]:
         if key_id in ids:
             raise ClientKeysError(f"{where}: entry {n}: the id {key_id!r} is used twice")
         if digest in clients:
-            raise ClientKeysError(f"{where}: entry {n} ({key_id}): the same key as {clients[digest].key_id!r}")
+            what = "certificate subject" if by_subject else "key"
+            raise ClientKeysError(f"{where}: entry {n} ({key_id}): the same {what} as {clients[digest].key_id!r}")
         ids.add(key_id)
         table = tenants.get(tenant.strip())
         clients[digest] = (
@@ -260,15 +276,33 @@ class ClientKeys:
             self.rejected += 1
             log.error("router: %s; the keys read before stay in force", exc)
 
-    def client(self, headers: Headers) -> Client | None:
-        """Whom the request's key belongs to; None without a valid key; AmbiguousKey for two
-        credentials (`presented_key`)."""
+    def client(self, headers: Headers, subject: str | None = None) -> Client | None:
+        """Whom the request belongs to: its key's client, else its client certificate's (`subject`:
+        the certificate's CN, verified by the TLS handshake); None without either; AmbiguousKey for
+        two credentials (`presented_key`), or a key and a certificate naming different clients. A
+        key that is no client's counts for nothing beside a certificate (an SDK sends a key of some
+        kind whatever it is given)."""
         self.refresh()
         key = presented_key(headers)
+        by_cert = self.clients.get(SUBJECT + subject) if subject else None
         if key is None:
-            return None
-        return self.clients.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest())
+            return by_cert
+        by_key = self.clients.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest())
+        if by_cert is not None and by_key is not None and by_cert != by_key:
+            raise AmbiguousKey("the API key and the client certificate name different clients: send one credential")
+        return by_key or by_cert
 
     def budgets(self) -> dict[str, int]:
         """Each tenant's tokens a minute, for those with a budget (router.budgets)."""
         return {t.name: t.tokens_per_minute for t in self.tenants.values() if t.tokens_per_minute is not None}
+
+
+def subject_of(peercert: object) -> str | None:
+    """The subject common name (CN) of a verified client certificate (`getpeercert()`'s dict)."""
+    if not isinstance(peercert, dict):
+        return None
+    for rdn in peercert.get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName" and isinstance(value, str):
+                return value
+    return None

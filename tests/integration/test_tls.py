@@ -5,6 +5,7 @@ SDK over TLS, a certificate read again when its files change, client certificate
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ssl
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -27,14 +28,16 @@ def write(cert: trustme.LeafCert, folder: Path, name: str) -> tuple[str, str]:
     return str(chain), str(key)
 
 
-def ask(url: str, ca: trustme.CA, client_cert: trustme.LeafCert | None = None, stream: bool = False) -> str:
+def ask(
+    url: str, ca: trustme.CA, client_cert: trustme.LeafCert | None = None, stream: bool = False, key: str = "none"
+) -> str:
     """One chat turn through the OpenAI SDK over HTTPS, trusting `ca` alone (and presenting `client_cert`)."""
     context = ssl.create_default_context()
     ca.configure_trust(context)
     if client_cert is not None:
         client_cert.configure_cert(context)
     with openai.DefaultHttpxClient(verify=context, timeout=20) as http:  # (the SDK's own HTTP client)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", http_client=http, max_retries=0)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, http_client=http, max_retries=0)
         if stream:
             parts = client.chat.completions.create(**CHAT, stream=True)
             return "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
@@ -67,22 +70,38 @@ async def test_https_with_the_openai_sdk_and_a_certificate_read_again_when_it_ch
     assert await asyncio.to_thread(ask, url, renewed)
 
 
-async def test_client_certificates_are_required_with_a_client_ca(
+async def test_client_certificates_are_required_with_a_client_ca_and_name_a_tenant(
     start_fleet: Callable[..., Any], start_router: Callable[..., Any], tmp_path: Path
 ) -> None:
     ca, clients_ca = trustme.CA(), trustme.CA()
     cert, key = write(ca.issue_cert("127.0.0.1"), tmp_path, "server")
     clients_ca.cert_pem.write_to_path(str(tmp_path / "clients-ca.pem"))
+    keys = tmp_path / "keys.toml"  # a key for team-a, a certificate's subject for team-b
+    digest = hashlib.sha256(b"sk-team-a-0123456789").hexdigest()
+    keys.write_text(
+        f'[[keys]]\nid = "ci"\ntenant = "team-a"\nsha256 = "{digest}"\n'
+        '[[keys]]\nid = "batch"\ntenant = "team-b"\nsubject = "batch-runner.team-b"\n'
+    )
     fleet = await start_fleet(1)
-    _, url = await start_router(
+    node, url = await start_router(
         [r.url for r in fleet.replicas],
         tls_cert_file=cert,
         tls_key_file=key,
         tls_client_ca_file=str(tmp_path / "clients-ca.pem"),
+        client_keys_file=str(keys),
+        admin_token="tls-test-admin-token",
     )
-    assert await asyncio.to_thread(ask, url, ca, clients_ca.issue_cert("team-a@clients.test"))
+    batch = clients_ca.issue_cert("batch-runner.team-b", common_name="batch-runner.team-b")
+    assert await asyncio.to_thread(ask, url, ca, batch)  # its certificate says whose it is (the SDK's key is none's)
+    assert node.metrics.tenant_requests.labels("team-b", "batch", "200")._value.get() == 1
+    stranger = clients_ca.issue_cert("someone.else", common_name="someone.else")
+    with pytest.raises(openai.AuthenticationError):
+        await asyncio.to_thread(ask, url, ca, stranger)  # a good certificate, but nobody's: 401
+    assert await asyncio.to_thread(ask, url, ca, stranger, key="sk-team-a-0123456789")  # ... with a key: the key's
+    with pytest.raises(openai.BadRequestError):  # a key and a certificate naming two clients: never guessed
+        await asyncio.to_thread(ask, url, ca, batch, key="sk-team-a-0123456789")
     with pytest.raises(openai.APIConnectionError):
-        await asyncio.to_thread(ask, url, ca)  # no certificate
+        await asyncio.to_thread(ask, url, ca)  # no certificate: no handshake
     with pytest.raises(openai.APIConnectionError):
         await asyncio.to_thread(ask, url, ca, trustme.CA().issue_cert("stranger@elsewhere"))  # another CA's
 

@@ -19,6 +19,7 @@ from router.clients import (
     ClientKeysError,
     parse,
     presented_key,
+    subject_of,
 )
 from router.proxy.cli import main
 from router.proxy.intake import Refused, wishes
@@ -220,3 +221,22 @@ def test_a_class_or_target_that_is_no_value_is_a_400_that_says_what_is() -> None
     for bad in ("soon", "0", "-5", "nan", "1e12"):
         refused = wishes({"x-slo-ttft-ms": bad}, None)
         assert isinstance(refused, Refused) and refused.code == "invalid_ttft_target", bad
+
+
+def test_an_entry_may_name_a_client_certificate_instead_of_a_key() -> None:
+    digest = hashlib.sha256(b"sk-a").hexdigest()
+    text = (
+        f'[[keys]]\nid = "a"\ntenant = "team-a"\nsha256 = "{digest}"\n'
+        '[[keys]]\nid = "b"\ntenant = "team-b"\nsubject = "runner.team-b"\n'
+    )
+    clients, _ = parse(text, "f")
+    assert clients["subject:runner.team-b"] == Client("team-b", "b")
+    for bad, says in (
+        ('[[keys]]\nid = "b"\ntenant = "t"\n', "`sha256` must be a non-empty string.*or `subject`"),
+        (f'[[keys]]\nid = "b"\ntenant = "t"\nsubject = "x"\nsha256 = "{digest}"\n', "sha256.*or.*subject"),
+        ('[[keys]]\nid = "b"\ntenant = "t"\nsubject = " "\n', "subject"),
+    ):
+        with pytest.raises(ClientKeysError, match=says):
+            parse(bad, "f")
+    assert subject_of({"subject": ((("countryName", "NL"),), (("commonName", "runner.team-b"),))}) == "runner.team-b"
+    assert subject_of(None) is None and subject_of({}) is None

@@ -25,7 +25,7 @@ from router.proxy.disagg import DisaggAttempts, PrefillPool
 from router.proxy.exchange import AioExchange, error_response
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
-from router.proxy.intake import Refused, take_in, who
+from router.proxy.intake import Refused, peer_subject, take_in, who
 from router.proxy.journey import Attempts, HttpAttempts, Journey, Ledger
 
 
@@ -182,7 +182,7 @@ class Proxy:
     def refused_without_key(self, request: web.Request) -> web.Response | None:
         """With client keys on (router.clients), the 401 of a request without a valid key (400 with two)."""
         clients = self.node.clients
-        refusal = None if clients is None else who(clients, request.headers)
+        refusal = None if clients is None else who(clients, request.headers, peer_subject(request))
         if not isinstance(refusal, Refused):
             return None
         return error_response(refusal.message, refusal.status, refusal.code, path=request.path)
@@ -227,7 +227,7 @@ class Proxy:
             return refused
         response_id = request.match_info["id"]
         clients = self.node.clients
-        found = None if clients is None else who(clients, request.headers)
+        found = None if clients is None else who(clients, request.headers, peer_subject(request))
         tenant = found.tenant if isinstance(found, Client) else None  # another tenant's id is unknown here
         key = stored_key(response_id, self.config.max_key_bytes, tenant)
         last, _ = await self.routing.directory.last_served(key)

@@ -59,7 +59,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis import PROXIED
-from router.clients import KEY_HEADERS, Client, ClientKeys
+from router.clients import KEY_HEADERS, Client, ClientKeys, subject_of
 from router.config import RouterConfig
 from router.errors import error_body, error_body_for
 from router.proxy.exchange import JSON, Exchange
@@ -284,6 +284,7 @@ class Front(asyncio.Protocol):
         self.paused = False
         self.gone = False
         self.discarding = -1  # bytes still dropped unread after an answer from the head (-1: none)
+        self.subject: str | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -296,6 +297,7 @@ class Front(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = t.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, tuple) and peer else None
+        self.subject = subject_of(t.get_extra_info("peercert"))  # a verified client certificate's CN (mTLS)
         self.server.fronts.add(self)
         self._arm(self.cfg.keepalive_timeout_s)
 
@@ -435,9 +437,8 @@ class Front(asyncio.Protocol):
             clients = self.server.proxy.clients
             # the key before the body: a small body of a request without one is read and dropped
             # unparsed (its connection kept); any other is answered from its head
-            found = (
-                None if clients is None else who(clients, [(k, v) for k, v in msg.headers if k.lower() in KEY_HEADERS])
-            )
+            pairs = [(k, v) for k, v in msg.headers if k.lower() in KEY_HEADERS]
+            found = None if clients is None else who(clients, pairs, self.subject)
             if isinstance(found, Refused):
                 if not keeps_connection(msg.content_length):
                     self._refuse_from_head(msg, found)

@@ -33,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from router.apis import CHAT, Api, api_of
-from router.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client, ClientKeys
+from router.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client, ClientKeys, subject_of
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
@@ -48,6 +48,12 @@ KEEP_BODY_BYTES = 64 * 1024  # a refused request's body of a known length up to 
 BODY_GRACE_S = 5.0  # a body's first seconds, before `min_body_rate_bytes_per_s` applies
 LINGER_S = 1.0  # after an answer from the head, what the client sends on is dropped this long at most ...
 LINGER_BYTES = 256 * 1024  # ... and this much at most: then the connection closes
+
+
+def peer_subject(request: web.Request) -> str | None:
+    """The CN of the client certificate an aiohttp request's connection presented (mTLS), if any."""
+    transport = request.transport
+    return subject_of(transport.get_extra_info("peercert")) if transport is not None else None
 
 
 def keeps_connection(content_length: int | None) -> bool:
@@ -178,11 +184,14 @@ def ambiguous(why: AmbiguousKey, close: bool = False) -> Refused:
     return Refused(400, str(why), "ambiguous_credentials", close)
 
 
-def who(clients: ClientKeys, headers: Mapping[str, str] | list[tuple[str, str]]) -> Client | Refused:
-    """The client a request's credential names, or its refusal (401, or 400 for two), `close` set:
-    the caller keeps the connection (`keeps_connection`) where it reads the small body."""
+def who(
+    clients: ClientKeys, headers: Mapping[str, str] | list[tuple[str, str]], subject: str | None = None
+) -> Client | Refused:
+    """The client a request's credential names (its key, or `subject`: its client certificate's CN),
+    or its refusal (401, or 400 for two), `close` set: the caller keeps the connection
+    (`keeps_connection`) where it reads the small body."""
     try:
-        client = clients.client(headers)
+        client = clients.client(headers, subject)
     except AmbiguousKey as exc:
         return ambiguous(exc, close=True)
     return client if client is not None else unauthorized(close=True)
@@ -242,7 +251,7 @@ async def take_in(
         return too_many_header_bytes(size, cfg)
     client = None
     if clients is not None:
-        found = who(clients, request.headers)
+        found = who(clients, request.headers, peer_subject(request))
         if isinstance(found, Refused):
             if keeps_connection(request.content_length):  # small: read and dropped, the connection kept
                 try:
