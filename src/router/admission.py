@@ -306,15 +306,13 @@ class Admission:
         return None if rate is None else rate.per_s(self.clock())
 
     def fleet_rate(self) -> float | None:
-        """The fleet's answers a second: the sum of its routable replicas' rates (None: one unknown)."""
+        """The fleet's answers a second: the sum of the rates its routable replicas have shown (a
+        replica whose rate is not known yet adds none; None: none is known)."""
         total = 0.0
         fleet = self.fleet
         for i, r in enumerate(fleet.replicas):
             if fleet.routable(i):
-                rate = self.rate(r)
-                if rate is None:
-                    return None
-                total += rate
+                total += self.rate(r) or 0.0
         return total or None
 
     def full_at(self, replica: ReplicaState) -> float:
@@ -395,7 +393,7 @@ class Admission:
             rate = self.fleet_rate()
             if rate is not None:
                 expected = (self._ahead(rank) + 1) / rate
-                if expected > wait_s and not self._push_out(client, running, rank):
+                if expected > wait_s:  # (pushing a lower class out would not shorten its own wait)
                     self.shed["late"] += 1
                     message = (
                         f"every replica is full: this request would wait about {expected:.1f} s for room, "

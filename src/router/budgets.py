@@ -4,10 +4,12 @@ A token bucket per tenant. Its capacity is the tenant's `tokens_per_minute` and 
 continuously at a sixtieth of that per second, never above capacity. At admission a request
 reserves what it is estimated to use (`estimate`): if the bucket holds that many they are taken,
 else nothing is taken and the caller is told how many seconds until enough has refilled (its
-Retry-After, at least 1). A request estimated at more than the whole budget could never fit: the
-caller refuses it at once (`exceeds`: a 429 `request_exceeds_budget`, no Retry-After), rather than
-let it through on a full bucket and lock the tenant out for as long as its reservation takes to
-refill. When the request ends it settles with what it really used: the difference is given back,
+Retry-After, at least 1). A request whose own completion cap is more than the whole budget could
+never fit: the caller refuses it at once (`exceeds`: a 429 `request_exceeds_budget`, no
+Retry-After), rather than let it through on a full bucket and lock the tenant out for as long as
+its reservation takes to refill. Any other request larger than the budget (its prompt estimated
+large) is let through by a full bucket, whose level goes negative, so that it is delayed, not
+refused forever. When the request ends it settles with what it really used: the difference is given back,
 or taken, so a request that used more than reserved delays the tenant's next ones. A stream cut
 before its usage came is settled on what passed: its prompt's estimate and the token-carrying
 events the router forwarded (router.proxy.framer counts them). Unknown usage otherwise (an answer
@@ -201,10 +203,12 @@ class Budgets:
     def limited(self, tenant: str) -> bool:
         return tenant in self.limits
 
-    def exceeds(self, tenant: str, tokens: int) -> bool:
-        """Whether `tokens` is more than the tenant's whole budget: a request that could never fit."""
+    def exceeds(self, tenant: str, completion: int | None) -> bool:
+        """Whether a request's own completion cap (`completion_cap`; None: it names none) is more
+        than the tenant's whole budget: it could never fit, whatever its prompt (a prompt's
+        estimate from its bytes is too rough to refuse on: an image, a tool schema)."""
         per_minute = self.limits.get(tenant)
-        return per_minute is not None and tokens > per_minute
+        return per_minute is not None and completion is not None and completion > per_minute
 
     @property
     def local(self) -> LocalStore | None:
@@ -253,6 +257,16 @@ def prompt_estimate(raw_size: int) -> int:
     """A request body's prompt tokens, guessed from its size: ~4 bytes of JSON per token of English
     text (settling with the engine's usage corrects it)."""
     return -(-raw_size // 4)
+
+
+def completion_cap(body: Mapping[str, Any]) -> int | None:
+    """The completion tokens a request asks for at most (times `n`), None where it names no cap."""
+    for name in COMPLETION_CAPS:
+        cap = body.get(name)
+        if type(cap) is int and cap > 0:
+            n = body.get("n")
+            return cap * n if type(n) is int and n > 1 else cap
+    return None
 
 
 def estimate(body: Mapping[str, Any], raw_size: int, default_completion: int) -> int:

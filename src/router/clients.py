@@ -15,8 +15,9 @@ Off unless `client_keys_file` names a file. The file holds a hash of each key, n
     tenant = "team-b"
     subject = "batch-runner.team-b"   # the certificate's subject common name (CN)
 
-A request then counts against the tenant its certificate names; one that also brings a key must
-name the same client (else a 400, as for two keys). A tenant may have a table of its own:
+A request then counts against the tenant its certificate names; one that also brings a valid key
+counts as the key's, which must be of the same tenant (else a 400, as for two keys). A tenant may
+have a table of its own:
 
     [[tenants]]
     name = "team-a"
@@ -288,8 +289,8 @@ class ClientKeys:
         if key is None:
             return by_cert
         by_key = self.clients.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest())
-        if by_cert is not None and by_key is not None and by_cert != by_key:
-            raise AmbiguousKey("the API key and the client certificate name different clients: send one credential")
+        if by_cert is not None and by_key is not None and by_cert.tenant != by_key.tenant:
+            raise AmbiguousKey("the API key and the client certificate name different tenants: send one credential")
         return by_key or by_cert
 
     def budgets(self) -> dict[str, int]:

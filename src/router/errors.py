@@ -126,7 +126,7 @@ def wrapped(path: str, status: int, body: bytes) -> bytes:
     if anthropic(path) and isinstance(data, dict) and data.get("type") == "error":
         error = data.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return anthropic_error_body(error["message"], status)
+            return anthropic_error_body(" ".join(error["message"].split())[:LONGEST_WRAPPED], status)
     if isinstance(data, dict):  # another API's shape: its message, where it has one
         error = data.get("error")
         found = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None

@@ -68,6 +68,9 @@ class ServerTls:
         if stamp == self._stamp or stamp == self._refused:
             return False
         try:
+            # into a scratch context first: OpenSSL drops the key in force when a certificate that is
+            # not its own is loaded, so a pair that does not load would leave the live context with none
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert_file, self.key_file)
             self.context.load_cert_chain(self.cert_file, self.key_file)
         except (OSError, ssl.SSLError) as exc:
             self._refused = stamp

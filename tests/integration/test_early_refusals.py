@@ -53,6 +53,7 @@ class World:
     url: str
     port: int
     node: Node
+    path: str  # front or aiohttp
 
 
 @pytest.fixture(params=["front", "aiohttp"])
@@ -91,7 +92,7 @@ async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield World(upstream, f"http://127.0.0.1:{port}", port, node)
+    yield World(upstream, f"http://127.0.0.1:{port}", port, node, request.param)
     await runner.cleanup()
     await up.cleanup()
 
@@ -311,3 +312,27 @@ async def test_a_target_no_parser_takes_gets_a_4xx_and_leaves_no_traceback(
         assert 400 <= out.status < 500, out
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert await ok(world.url)
+
+
+async def test_a_client_that_waits_for_100_continue_is_refused_instead_and_never_sends_its_body(
+    world: World,
+) -> None:
+    for headers, status in (
+        (("Expect: 100-continue", "Content-Length: 1000000"), 401),  # no key
+        ((f"Authorization: Bearer {KEY}", "Expect: 100-continue", f"Content-Length: {LIMIT + 1}"), 413),
+    ):
+        out = await upload(world.port, head(*headers), b"", endless=False)  # the head alone: it waits
+        assert out.status == status and out.headers.get("connection") == "close", out  # not `100 Continue`
+        # (aiohttp keeps the connection for its lingering time, waiting for a body that never comes)
+        assert out.closed or world.path == "aiohttp", out
+    body = orjson.dumps(CHAT)  # a request that will be served is told to go on
+    reader, writer = await asyncio.open_connection("127.0.0.1", world.port)
+    try:
+        writer.write(head(f"Authorization: Bearer {KEY}", "Expect: 100-continue", f"Content-Length: {len(body)}"))
+        await writer.drain()
+        async with asyncio.timeout(5):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100 Continue")
+            writer.write(body)
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    finally:
+        writer.close()

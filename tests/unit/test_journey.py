@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
+import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.admission import Admission
@@ -354,6 +355,21 @@ async def test_a_request_larger_than_its_tenants_whole_budget_is_refused_and_a_c
     await served.serve(Exchange(), fits, time.monotonic())
     await settled(served)
     assert level(budgets) == 2000 - (prompt_estimate(len(fits.raw)) + 3)
+
+    # a client that leaves mid-stream (its task cancelled): charged what its framer had passed, five
+    def gone(replica: ReplicaState, trip: Trip) -> Outcome:
+        outcome = Outcome(trip.exchange, Served(200, ttft_s=0.01, streamed=True))
+        outcome.framer = SseFramer(False)
+        outcome.framer.feed(b'data: {"choices": []}\n\n' * 5)
+        trip.streaming = outcome
+        raise asyncio.CancelledError
+
+    before = level(budgets)
+    left = journey(Script(gone))
+    with pytest.raises(asyncio.CancelledError):
+        await left.serve(Exchange(), fits, time.monotonic())
+    await settled(left)
+    assert level(budgets) == before - (prompt_estimate(len(fits.raw)) + 5)
 
 
 async def test_a_sheddable_request_no_replica_can_serve_in_time_is_refused_before_any_attempt() -> None:

@@ -107,6 +107,7 @@ class Trip:
     intake: Intake
     headers: dict[str, str]
     t0: float
+    streaming: Outcome | None = None  # the stream being relayed now: what passed, if the client leaves
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ async def _relay(
         return outcome
     outcome = Outcome(exchange, Served(upstream.status, streamed=True))
     outcome.framer = _framer(events, intake.strip_usage)
+    trip.streaming = outcome
     outcome.transport = exchange.transport
     if intake.keep > 0 and upstream.status == 200:
         outcome.record = StreamRecord(intake.keep)
@@ -327,7 +329,7 @@ async def _stream(upstream: Response, outcome: Outcome, first: bytes, idle: floa
             outcome.transport.abort()  # a client that stops reading cannot hold the replica's slot for ever
     if outcome.facts.client_gone:
         outcome.broken = False  # nobody to resume it for
-    outcome.facts.events = framer.events
+    outcome.facts.events += framer.events  # (a continuation's framer counts its own: the legs add up)
     if framer.usage:
         outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = framer.usage
     if isinstance(framer, ResponsesFramer):

@@ -403,9 +403,6 @@ class Front(asyncio.Protocol):
         msg.method = self.parser.get_method()
         msg.version = self.parser.get_http_version().encode()
         msg.keep_alive = self.parser.should_keep_alive()
-        for name, value in msg.headers:
-            if name.lower() == "content-length":  # llhttp let one valid length through, or refused it
-                msg.content_length = int(value)
         url = msg.url
         if msg.method == b"CONNECT":  # authority-form: a forward proxy's request
             self._refuse_target(405, "CONNECT is not served: the router is not a forward proxy")
@@ -429,6 +426,9 @@ class Front(asyncio.Protocol):
         if not msg.hot:
             return
         msg.t0 = time.monotonic()
+        for name, value in msg.headers:
+            if name.lower() == "content-length":  # llhttp let one valid length through, or refused it
+                msg.content_length = int(value)
         if msg.header_size > self.cfg.max_header_bytes:
             msg.refused = too_many_header_bytes(msg.header_size, self.cfg)
         elif self.parser.should_upgrade():  # llhttp reads no body for it: the rest would be read as a request
@@ -437,8 +437,10 @@ class Front(asyncio.Protocol):
             clients = self.server.proxy.clients
             # the key before the body: a small body of a request without one is read and dropped
             # unparsed (its connection kept); any other is answered from its head
-            pairs = [(k, v) for k, v in msg.headers if k.lower() in KEY_HEADERS]
-            found = None if clients is None else who(clients, pairs, self.subject)
+            found = None
+            if clients is not None:
+                pairs = [(k, v) for k, v in msg.headers if k.lower() in KEY_HEADERS]
+                found = who(clients, pairs, self.subject)
             if isinstance(found, Refused):
                 if not keeps_connection(msg.content_length):
                     self._refuse_from_head(msg, found)
@@ -456,8 +458,10 @@ class Front(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         msg = self.msg
         assert msg is not None
-        if msg.hot and msg.refused is not None:
-            return  # read and dropped
+        if msg.hot and msg.refused is not None:  # read and dropped (and timed: the rate floor counts it)
+            msg.body_size += len(body)
+            msg.last_body = self.loop.time()
+            return
         msg.body_size += len(body)
         if msg.hot and msg.body_size > self.cfg.max_body_bytes:
             # a chunked body, as it passes the limit
@@ -598,16 +602,15 @@ class Front(asyncio.Protocol):
         raise _Refusing
 
     def _linger(self) -> None:
-        """After answering a request whose body was left unread: half-close, drop what the client
+        """After answering a request whose body was left unread: half-close (where the transport
+        can: not under TLS), drop what the client
         still sends for LINGER_S and LINGER_BYTES at most (a close with unread bytes would reset the
         connection, and the client could lose the answer), then close."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        if not transport.can_write_eof():
-            transport.close()
-            return
-        transport.write_eof()
+        if transport.can_write_eof():  # (TLS cannot half-close: the answer says Connection: close)
+            transport.write_eof()
         self.queue.clear()
         self.discarding = LINGER_BYTES
         self.paused = False

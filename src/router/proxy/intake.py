@@ -255,7 +255,13 @@ async def take_in(
         if isinstance(found, Refused):
             if keeps_connection(request.content_length):  # small: read and dropped, the connection kept
                 try:
-                    await read_body(request, KEEP_BODY_BYTES, cfg.client_timeout_s, cfg.total_timeout_s)
+                    await read_body(
+                        request,
+                        KEEP_BODY_BYTES,
+                        cfg.client_timeout_s,
+                        cfg.total_timeout_s,
+                        cfg.min_body_rate_bytes_per_s,
+                    )
                 except (TimeoutError, web.HTTPRequestEntityTooLarge):
                     return found
                 return dataclasses.replace(found, close=False)

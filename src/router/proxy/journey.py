@@ -34,11 +34,11 @@ import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.budgets import COMPLETION_CAPS, Budgets, Reservation, estimate, prompt_estimate
+from router.budgets import COMPLETION_CAPS, Budgets, Reservation, completion_cap, estimate, prompt_estimate
 from router.clients import DEFAULT_RANK, KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
-from router.keys import NO_KEY, RoutingKey
+from router.keys import NO_KEY, RoutingKey, stored_key
 from router.metrics import RouterMetrics
 from router.policy import Decision
 from router.proxy.exchange import JSON, Exchange
@@ -359,22 +359,27 @@ class Journey:
             finish(exchange, exchange.status, None, key, None, t0)
             return
         if client is not None and key.source == "previous_response_id":
-            # a stored response is its tenant's alone: one this tenant did not make is not found,
-            # and the request is not sent where it might be (the engine itself does not ask whose)
-            last, _ = await self.routing.directory.last_served(key.key)
-            if last is None:
-                unknown_response(intake.body.get("previous_response_id")).answer(exchange)
+            # a stored response is its tenant's alone: one the router knows another tenant made is
+            # not found, and the request is not sent where it is (the engine itself does not ask
+            # whose); one it knows of no tenant (forgotten, or made before) goes on as before
+            previous = str(intake.body.get("previous_response_id"))
+            mine, _ = await self.routing.directory.last_served(key.key)
+            someones = None
+            if mine is None:
+                someones, _ = await self.routing.directory.last_served(stored_key(previous, self.max_key_bytes))
+            if someones is not None:
+                unknown_response(previous).answer(exchange)
                 finish(exchange, exchange.status, None, key, None, t0)
                 return
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
             tokens = estimate(intake.body, len(intake.raw), self.reserve_tokens)
-            if budgets.exceeds(client.tenant, tokens):
+            cap = completion_cap(intake.body)
+            if budgets.exceeds(client.tenant, cap):
                 limit = budgets.limits[client.tenant]
                 message = (
-                    f"this request may use {tokens} tokens (its prompt and its completion cap), more than tenant "
-                    f"{client.tenant}'s whole budget of {limit} tokens a minute: it could never fit; "
-                    "lower its max_tokens"
+                    f"this request asks for up to {cap} completion tokens, more than tenant {client.tenant}'s "
+                    f"whole budget of {limit} tokens a minute: it could never fit; lower its max_tokens"
                 )
                 self._shed(exchange, Shed(429, message, "exceeds_budget", 0), key.model, intake.rank)
                 finish(exchange, exchange.status, None, key, None, t0)
@@ -439,7 +444,7 @@ class Journey:
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 if span is not None:
                     span.end("client_gone")
-                finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
+                finish(exchange, 499, replica, key, route.decision, t0, trip.streaming, route.attempts)
                 raise
             finally:
                 route.release(replica)
@@ -455,7 +460,7 @@ class Journey:
                 route.failed(replica, result.cause)
                 failure = result
                 continue
-            if intake.api.queued:
+            if intake.api.queued and result.facts.status < 400:  # (a quick refusal is no service)
                 admission.answered(replica)
             verdict = route.served(replica, result.facts, exchange.path, intake.raw)
             if (
@@ -470,7 +475,7 @@ class Journey:
                 try:
                     replica = await self._resume(trip, route, result, replica, trace)
                 except asyncio.CancelledError:  # the client went away during the continuation
-                    finish(exchange, 499, replica, key, route.decision, t0, None, route.attempts)
+                    finish(exchange, 499, replica, key, route.decision, t0, trip.streaming, route.attempts)
                     raise
             finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts, verdict)
             return
@@ -559,14 +564,22 @@ class Journey:
         verdict: Verdict | None = None,
     ) -> None:
         """`finish`, then settle the tenant's reservation on what the request used: its usage; none
-        where no replica answered or one refused it; for a stream cut before its usage (the client
-        gone, the engine broken), `prompt` (its estimate) and the token-carrying events that passed;
-        as reserved where nothing says (a whole answer whose client left)."""
+        where no replica answered or one refused it; for a stream that ended early (the client
+        gone, the engine broken), its prompt (as the engine said, else `prompt`, its estimate) and
+        the token-carrying events that passed (or the completion tokens said, if more); as
+        reserved where nothing says (a whole answer whose client left before it was sent)."""
         finish(exchange, status, replica, key, decision, t0, result, attempts, verdict)
         facts = result.facts if result is not None else None
         spent: int | None
-        if facts is not None and facts.events and not (facts.prompt_tokens or facts.completion_tokens):
-            spent = prompt + facts.events
+        if (
+            result is not None
+            and facts is not None
+            and facts.streamed
+            and (facts.cut or facts.client_gone or status == 499)
+        ):
+            # ended early: what passed (a framer still counting, if the client left mid-read)
+            events = max(facts.events, result.framer.events if result.framer is not None else 0)
+            spent = (facts.prompt_tokens or prompt) + max(facts.completion_tokens, events)
         elif status == 499:
             spent = None
         elif facts is None or facts.prompt_tokens or facts.completion_tokens or facts.status >= 400:

@@ -32,6 +32,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import multiprocess, values
 
 from router._runtime import run, settle, stop_event, until_stopped
+from router.apis import PROXIED
 from router.balance.link import WorkerLink, worker_socket
 from router.config import RouterConfig
 from router.errors import RouterError
@@ -39,8 +40,8 @@ from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
 from router.proxy.exchange import error_response
-from router.proxy.front import FrontRunner
-from router.proxy.intake import unread_bodies
+from router.proxy.front import PROXY, FrontRunner
+from router.proxy.intake import Refused, peer_subject, too_large, unread_bodies, who
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
 
@@ -92,26 +93,39 @@ class _ClientsMalformedRequests(logging.Filter):
 MALFORMED = _ClientsMalformedRequests()
 
 
-async def _expect(request: web.Request) -> web.StreamResponse | None:
-    """`Expect` on aiohttp's side: `100-continue` as aiohttp answers it; any other value a JSON 417
-    (aiohttp's own handler echoes the value into its text, and a byte that is not UTF-8 there made
-    it a 500 and a traceback)."""
-    expect = request.headers.get("Expect", "")
-    if request.version != aiohttp.HttpVersion11:
-        return None
-    if expect.lower() == "100-continue":
+def _expect_everywhere(app: web.Application, config: RouterConfig) -> None:
+    """Every route's Expect handler (aiohttp takes one per route, as it is added) answers as
+    aiohttp's own does, except: any value but `100-continue` gets a JSON 417 (aiohttp's echoes the
+    value into its text, and a byte that is not UTF-8 there made it a 500 and a traceback); and a
+    proxied request that will be refused from its head (no valid key, two credentials, a length
+    over `max_body_bytes`) gets its refusal instead of `100 Continue`, so its body is never sent."""
+    proxy = app.get(PROXY)
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        if request.version != aiohttp.HttpVersion11:
+            return None
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            message = "the request's Expect header is not 100-continue"
+            return error_response(message, 417, "expectation_failed", path=request.path)
+        if proxy is not None and request.method == "POST" and request.path in PROXIED:
+            refused: Refused | None = None
+            if proxy.clients is not None:
+                found = who(proxy.clients, request.headers, peer_subject(request))
+                refused = found if isinstance(found, Refused) else None
+            length = request.content_length
+            if refused is None and length is not None and length > config.max_body_bytes:
+                refused = too_large(config)
+            if refused is not None:
+                answer = error_response(refused.message, refused.status, refused.code, path=request.path)
+                answer.force_close()
+                return answer
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # (the answer's own size starts after it)
         return None
-    message = "the request's Expect header is not 100-continue"
-    return error_response(message, 417, "expectation_failed", path=request.path)
 
-
-def _expect_everywhere(app: web.Application) -> None:
-    """Every route's Expect handler is `_expect` (aiohttp takes one per route, as it is added)."""
     for route in app.router.routes():
         if isinstance(route, web.ResourceRoute):
-            route._expect_handler = _expect  # (no public setter once a route is added)
+            route._expect_handler = expect  # (no public setter once a route is added)
 
 
 def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
@@ -119,7 +133,7 @@ def runner_for(app: web.Application, config: RouterConfig) -> web.AppRunner:
     the front (router.proxy.front); stop it with `stop_serving`."""
     field_size = max(config.max_header_bytes + 1024, 8190)
     logging.getLogger("aiohttp.server").addFilter(MALFORMED)  # (once: a filter is added at most once)
-    _expect_everywhere(app)
+    _expect_everywhere(app, config)
     app[CLOSING] = []
     app.on_response_prepare.append(_close_after_answer)
     app.middlewares.append(unread_bodies)

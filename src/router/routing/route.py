@@ -282,6 +282,8 @@ class Route:
         """`replica` stored a Responses API answer under `response_id`: a request continuing it
         (`previous_response_id`) goes there, as a session's turn would (TTL, sharing, saving)."""
         self._remember(replica, stored_key(response_id, max_key_bytes, tenant))
+        if tenant is not None:  # and that some tenant made it: another's continuation is then refused
+            self._remember(replica, stored_key(response_id, max_key_bytes))
 
     def release(self, replica: ReplicaState) -> None:
         routing = self.routing
