@@ -51,8 +51,8 @@ The router holds it only while it can still start in time, from the service rate
 
 Until a replica's first answer is RATE_SPAN_S old its rate is unknown: it is full at one round of
 its work queued (its capacity, or what it ran when it last queued; at most `full_waiting`), and
-the count bound alone holds the router's queue. The count bound (`bound`: as many as the engines run at once, at least
-AUTO_SLOTS) stays as the queue's size cap. At three times a small fleet's capacity, as shipped,
+the count bound alone holds the router's queue. The count bound (`bound`: as many as the engines
+run at once, at least AUTO_SLOTS) stays as the queue's size cap. At three times a small fleet's capacity, as shipped,
 this keeps late answers to a few percent (docs/benchmarks.md); a fleet not overloaded never waits.
 """
 
@@ -383,23 +383,23 @@ class Admission:
         if rank >= SHEDDABLE:
             self.shed["sheddable"] += 1
             raise Shed(429, "every replica is full and this request is sheddable: it does not wait", "sheddable", 1)
-        if self.queued >= self.max_queued and not self._push_out(client, running, rank):
-            self.shed["queue_full"] += 1
-            message = f"every replica is full and {self.queued} requests wait already"
-            raise Shed(429, message, "queue_full", self._retry())
         wait_s = self.queue_timeout_s
         if self.auto and not cold:
             wait_s = min(wait_s, (target_s or self.ttft_target_s) * QUEUE_SHARE)
             rate = self.fleet_rate()
             if rate is not None:
                 expected = (self._ahead(rank) + 1) / rate
-                if expected > wait_s:  # (pushing a lower class out would not shorten its own wait)
+                if expected > wait_s:  # (before the count bound: no one is pushed out for it)
                     self.shed["late"] += 1
                     message = (
                         f"every replica is full: this request would wait about {expected:.1f} s for room, "
                         f"past the {wait_s:.1f} s its time-to-first-token target leaves it"
                     )
                     raise Shed(429, message, "late", max(1, math.ceil(expected)))
+        if self.queued >= self.max_queued and not self._push_out(client, running, rank):
+            self.shed["queue_full"] += 1
+            message = f"every replica is full and {self.queued} requests wait already"
+            raise Shed(429, message, "queue_full", self._retry())
         now = self.clock()
         waiter = _Waiter(model, client, asyncio.get_running_loop().create_future(), now, running, rank)
         self.classes[waiter.line].add(waiter)

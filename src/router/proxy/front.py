@@ -603,9 +603,9 @@ class Front(asyncio.Protocol):
 
     def _linger(self) -> None:
         """After answering a request whose body was left unread: half-close (where the transport
-        can: not under TLS), drop what the client
-        still sends for LINGER_S and LINGER_BYTES at most (a close with unread bytes would reset the
-        connection, and the client could lose the answer), then close."""
+        can: not under TLS), drop what the client still sends for LINGER_S and LINGER_BYTES at most
+        (a close with unread bytes would reset the connection, and the client could lose the
+        answer), then close."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
