@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 from router.bench.proxy_bench import PEER_POLICIES, PEERS, peer_command, peer_installed
 
@@ -76,24 +77,16 @@ def test_proxy_benchmark_smoke() -> None:
     assert bad.returncode == 2 and "--concurrency '8,x' is not a list of numbers" in bad.stderr
 
 
+def small_run(mode: str) -> dict[str, Any]:
+    """`router-bench proxy MODE --json` at a small size, one round: its result."""
+    small = ("--requests", "40", "--streams", "8", "--tokens", "5", "--ttft-samples", "10", "--rounds", "1")
+    cmd = [sys.executable, "-m", "router.bench.cli", "proxy", "--json", mode, *small, "--concurrency", "1,4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
 def test_the_shared_fleet_contenders_are_served_with_keys_budgets_and_traces() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router.bench.cli",
-            "proxy",
-            "--json",
-            "--shared-fleet",
-            *("--requests", "40", "--streams", "8", "--tokens", "5", "--ttft-samples", "10", "--rounds", "1"),
-            *("--concurrency", "1,4"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=True,
-    )
-    result = json.loads(out.stdout)
+    result = small_run("--shared-fleet")
     assert [r["contender"] for r in result["results"]] == [
         "direct",
         "router-serve",
@@ -108,23 +101,7 @@ def test_the_shared_fleet_contenders_are_served_with_keys_budgets_and_traces() -
 
 
 def test_https_against_plain_http_keep_alive_and_a_new_connection_per_request() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router.bench.cli",
-            "proxy",
-            "--json",
-            "--tls",
-            *("--requests", "40", "--streams", "8", "--tokens", "5", "--ttft-samples", "10", "--rounds", "1"),
-            *("--concurrency", "1,4"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=True,
-    )
-    result = json.loads(out.stdout)
+    result = small_run("--tls")
     rows = {r["contender"]: r for r in result["results"]}
     assert list(rows) == ["direct", "router-serve, HTTP", "router-serve, HTTPS"]
     for name in ("router-serve, HTTP", "router-serve, HTTPS"):  # every request answered, over TLS too

@@ -23,6 +23,7 @@ from router.config.settings import (
     FIELDS,
     POLICIES,
     REDIS_SCHEMES,
+    TLS_FILES,
     RouterConfig,
     event_endpoints,
     kv_capacities,
@@ -113,14 +114,6 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 
 
 MIN_ADMIN_TOKEN_BYTES = 16  # an admin token shorter than this is refused at start
-TLS_FILES = (
-    "tls_cert_file",
-    "tls_key_file",
-    "tls_client_ca_file",
-    "replica_ca_file",
-    "replica_cert_file",
-    "replica_key_file",
-)
 
 
 def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:

@@ -6,6 +6,8 @@ text's "(default ...)" and docs/router.md's settings table are held to them by a
 
 from __future__ import annotations
 
+from router.config.settings import TLS_FILES
+
 HELP = {
     "host": "address to bind (default 127.0.0.1)",
     "port": "port to listen on (default 8080)",
@@ -237,14 +239,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "TLS",
         "HTTPS to clients (and their certificates) and to replicas",
-        (
-            "tls_cert_file",
-            "tls_key_file",
-            "tls_client_ca_file",
-            "replica_ca_file",
-            "replica_cert_file",
-            "replica_key_file",
-        ),
+        TLS_FILES,
     ),
     (
         "admission",

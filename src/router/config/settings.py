@@ -16,6 +16,15 @@ from urllib.parse import urlsplit
 from router.health.score import ScoreWeights
 
 AUTO_QUEUED = -1  # max_queued = "auto"
+# the TLS settings (router.tls): each a file, checked at start
+TLS_FILES = (
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+    "replica_ca_file",
+    "replica_cert_file",
+    "replica_key_file",
+)
 
 
 @dataclass(frozen=True)
