@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from demo import running_demo
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 KEY = "sk-fuzz-0123456789"
@@ -192,6 +192,10 @@ def check(path: str, data: bytes, answer: bytes) -> None:
         return  # (an error streamed as the replica's own answer: not the router's shape to keep)
     if b"text/plain" in fields.get(b"content-type", b"") and status == 400:
         return  # aiohttp's own parser's refusal (the front hands it what is not a proxied request)
+    if b"content-length" in fields:
+        # only the first answer's body: bytes after a body-less request's head are the next
+        # request, and its own answer may arrive in the same read
+        rest = rest[: int(fields[b"content-length"])]
     error = json.loads(rest)
     assert isinstance(error, dict) and "error" in error, (data[:300], answer[:300])
 
@@ -224,6 +228,8 @@ FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 
 @FUZZ
 @given(data=requests())
+# no Content-Length: an empty body, and what follows is a second (malformed) request on the connection
+@example(data=b"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n\x0b5\xcf\x17N")
 def test_any_request_gets_a_shaped_4xx_an_answer_or_a_close(router: tuple[str, int, Path], data: bytes) -> None:
     path, port, _ = router
     check(path, data, exchange(port, data))
