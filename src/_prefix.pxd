@@ -127,6 +127,10 @@ cdef class PrefixIndex:
     # Leading blocks of chain[:n] that `holder` keeps, found by galloping (probing 1, 2, 4, ...
     # blocks) then bisection; PREFIX_NO_HOLDER for a holder not in use.
     cdef int32_t c_match(self, int32_t holder, const uint64_t* chain, Py_ssize_t n) noexcept nogil
+    # c_match as it would be once the holder's `evicted` least-recent blocks were dropped (none is);
+    # PREFIX_NO_MEMORY when its scratch could not be allocated.
+    cdef int32_t c_match_after(self, int32_t holder, const uint64_t* chain, Py_ssize_t n,
+                               Py_ssize_t evicted) noexcept nogil
     # out[h] = c_match(h, chain, n) for every h < n_holders, 0 for free numbers.
     cdef void c_match_all(self, const uint64_t* chain, Py_ssize_t n, int32_t* out) noexcept nogil
     # One routing decision: per candidate position, the prompt's cached tokens, wait and cost

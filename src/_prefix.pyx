@@ -50,7 +50,7 @@ from cpython cimport array
 from cpython.object cimport Py_SIZE
 from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport uint32_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcpy, memset
 
 from _ring cimport RING_SECRET_SIZE, ring_derive_secret, ring_xxh3_64
@@ -307,6 +307,11 @@ cdef inline uint64_t _slot_hash(uint64_t key, int32_t holder) noexcept nogil:
     h ^= h >> 33
     h *= PREFIX_FMIX_2
     return h ^ (h >> 33)
+
+
+cdef int _compare_u64(const void* a, const void* b) noexcept nogil:
+    cdef uint64_t x = (<const uint64_t*>a)[0], y = (<const uint64_t*>b)[0]
+    return (x > y) - (x < y)
 
 
 cdef inline void _link_front(prefix_entry_t* entries, prefix_holder_t* hd, int32_t e) noexcept nogil:
@@ -600,6 +605,23 @@ cdef class PrefixIndex:
         PyBuffer_Release(&view)
         return matched
 
+    def match_after(self, holder, chain, evicted):
+        """How many leading blocks of `chain` the holder would keep once its `evicted` least-recent
+        blocks were gone: match() as it would be after evict(holder, evicted), nothing dropped."""
+        cdef int32_t h = _holder_arg(self, holder)
+        cdef Py_buffer view
+        cdef Py_ssize_t length = _get_buffer(chain, &view, "chain", _CHAIN)
+        cdef Py_ssize_t count
+        cdef int32_t kept
+        try:
+            count = _count_arg("evicted", evicted, self._holders[h].size)
+            kept = self.c_match_after(h, <const uint64_t*>view.buf, length, count)
+        finally:
+            PyBuffer_Release(&view)
+        if kept == PREFIX_NO_MEMORY:
+            raise MemoryError()
+        return kept
+
     def match_all(self, chain, out):
         """out[h] = match(h, chain) for every holder number h < n_holders (0 for free numbers)."""
         cdef Py_buffer cv, ov
@@ -877,6 +899,44 @@ cdef class PrefixIndex:
         entries[e].holder = PREFIX_NONE
         entries[e].next = self._free
         self._free = e
+
+    cdef int32_t c_match_after(self, int32_t holder, const uint64_t* chain, Py_ssize_t n,
+                               Py_ssize_t evicted) noexcept nogil:
+        # The matched blocks' entries, sorted (entry << 32 | position), then the `evicted` oldest
+        # entries looked up among them: the first position found is where the match would end.
+        cdef int32_t matched = self.c_match(holder, chain, n)
+        cdef int32_t kept, i, e
+        cdef uint64_t slot, want
+        cdef uint64_t* marks
+        cdef Py_ssize_t lo, hi, mid, walked = 0
+        if matched <= 0 or evicted <= 0:
+            return matched
+        marks = <uint64_t*>malloc(matched * sizeof(uint64_t))
+        if marks == NULL:
+            return PREFIX_NO_MEMORY
+        for i in range(matched):
+            e = self._find(holder, chain[i], &slot)
+            marks[i] = (<uint64_t><uint32_t>e << 32) | <uint32_t>i
+        qsort(marks, matched, sizeof(uint64_t), _compare_u64)
+        kept = matched
+        e = self._holders[holder].tail
+        while walked < evicted and e != PREFIX_NONE:
+            want = <uint64_t><uint32_t>e << 32
+            lo, hi = 0, matched
+            while lo < hi:  # the first mark at or past this entry
+                mid = (lo + hi) // 2
+                if marks[mid] < want:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo < matched and (marks[lo] >> 32) == (want >> 32):
+                i = <int32_t><uint32_t>marks[lo]
+                if i < kept:
+                    kept = i
+            e = self._entries[e].prev
+            walked += 1
+        free(marks)
+        return kept
 
     cdef int32_t c_match(self, int32_t holder, const uint64_t* chain, Py_ssize_t n) noexcept nogil:
         cdef Py_ssize_t lo = 0, k = 1, mid

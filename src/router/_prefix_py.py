@@ -12,6 +12,7 @@ for step: a reader checks the two side by side.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from array import array
@@ -329,6 +330,23 @@ class PrefixIndex:
         """How many leading blocks of `chain` the holder keeps."""
         held = self._held(holder)
         return _match(held, _buffer(chain, "chain", _CHAIN))
+
+    def match_after(self, holder: int, chain: Buffer, evicted: int) -> int:
+        """How many leading blocks of `chain` the holder would keep once its `evicted` least-recent
+        blocks were gone: match() as it would be after evict(holder, evicted), nothing dropped."""
+        held = self._held(holder)
+        keys = _buffer(chain, "chain", _CHAIN)
+        count = _count_arg("evicted", evicted, len(held))
+        matched = _match(held, keys)
+        if matched == 0 or count == 0:
+            return matched
+        position = {key: i for i, key in reversed(list(enumerate(keys[:matched].tolist())))}
+        kept = matched
+        for key in itertools.islice(held, count):
+            i = position.get(key)
+            if i is not None and i < kept:
+                kept = i
+        return kept
 
     def match_all(self, chain: Buffer, out: Buffer) -> None:
         """out[h] = match(h, chain) for every holder number h < n_holders (0 for free numbers)."""

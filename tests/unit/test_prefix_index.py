@@ -410,6 +410,30 @@ def test_evict_drops_the_oldest_blocks(impl: ModuleType) -> None:
     assert index.evict(h, 1 << 80) == 4 and index.size(h) == 0
 
 
+def test_match_after_is_the_match_once_the_oldest_blocks_went(impl: ModuleType) -> None:
+    # What a request would find once `evicted` blocks were allocated before it: nothing dropped.
+    index = impl.PrefixIndex()
+    h = index.add_holder(20)
+    a, b = chain_of(impl, "a" * 16), chain_of(impl, "b" * 12)
+    index.insert(h, a)  # a3 a2 a1 a0 (a0 most recent: its tail goes first, as an engine frees it)
+    index.insert(h, b)
+    assert [index.match_after(h, a, k) for k in range(6)] == [4, 3, 2, 1, 0, 0]
+    assert index.match_after(h, b, 4) == 3 and index.match_after(h, b, 1 << 80) == 0
+    assert index.size(h) == 7 and index.match(h, a) == 4  # nothing was dropped
+    index.insert(h, a, 2)  # a conversation's start used again: younger than all of b
+    assert index.match_after(h, a, 5) == 2
+    for k in range(8):  # the same as evicting on a copy
+        copy = impl.PrefixIndex()
+        c = copy.add_holder(20)
+        copy.insert(c, a[2:])
+        copy.insert(c, b)
+        copy.insert(c, a, 2)
+        copy.evict(c, k)
+        assert index.match_after(h, a, k) == copy.match(c, a), k
+    with pytest.raises(ValueError, match="evicted must be non-negative"):
+        index.match_after(h, a, -1)
+
+
 def test_match_all_fills_one_count_per_holder_number(impl: ModuleType) -> None:
     index = impl.PrefixIndex()
     chain = chain_of(impl, "0123456789abcdef")
@@ -569,6 +593,7 @@ op_st = st.one_of(
     st.tuples(st.just("evict"), holder_st, st.integers(0, 6)),
     st.tuples(st.just("clear"), holder_st),
     st.tuples(st.just("match"), holder_st, chain_st),
+    st.tuples(st.just("match_after"), holder_st, chain_st, st.integers(0, 16)),
     st.tuples(st.just("match_all"), chain_st),
     st.tuples(st.just("size"), holder_st),
 )
