@@ -34,6 +34,8 @@ only if removals were missed), and the hash map is trimmed with it.
 
 from __future__ import annotations
 
+import math
+import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -74,6 +76,7 @@ class Holdings:
         self.unsure = True  # nothing is known until the first message (and replay) says so
         self.suspect_since_seq: int | None = None  # health went down: the next message decides
         self._turnover = 0  # blocks stored since it became unsure
+        self.evicted_at = -math.inf  # when its engine last evicted a GPU block (monotonic seconds)
         self.figures = Figures()
         self.tier(MEDIUM_GPU)
 
@@ -252,6 +255,8 @@ class Holdings:
         if gone:
             self.index.truncate(t.holder, gone, 0)
             self.figures.removed += len(gone)
+            if e.medium == MEDIUM_GPU:
+                self.evicted_at = time.monotonic()
 
     def _trim(self, t: Tier) -> None:
         """Drops the oldest hashes past the tier's capacity (their blocks' removals were missed)."""

@@ -19,6 +19,20 @@ computed and pinned — though no event says so yet. A conversation's next turn 
 turn is still prefilling finds that turn's blocks coming on its replica, and nowhere else: without
 them the replica that will hold the whole history looked no better than an idle one.
 
+What those requests will allocate first can evict what is held now. An engine allocates a
+request's new blocks when it schedules it, from its free blocks: empty ones first, then cached
+blocks no running request uses, the longest unused first (vLLM frees a request's blocks tail
+first into that queue when it ends). So the index keeps each replica's blocks in that order: a
+request sent there touches the blocks of its prompt held there (it will pin them), and touches
+them again when it ends (they are freed then). A request priced now runs after the engine's
+queued requests (its probed `waiting`: the last that many the router sent there and that have not
+ended); they allocate their prompts' blocks not held when they were sent and their replies'. If
+the replica is evicting (a GPU block removed within EVICTING_S: it has no empty blocks) all of
+that evicts, otherwise what exceeds its empty blocks (its capacity less what it holds), and the
+request is priced on what is left of its prefix (`PrefixIndex.match_after`): the misses found on
+real vLLM were blocks evicted between the decision and the scheduling. A running request's reply
+growing block by block is not counted, nor are requests other routers sent.
+
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
 replica holds what its best rank holds.
@@ -26,9 +40,9 @@ replica holds what its best rank holds.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.kvevents.holdings import Holdings
@@ -38,6 +52,7 @@ from router.prefix import PrefixIndex
 
 TIER_PRIOR = 4  # the configured tier speed counts as this many samples
 TIER_ALPHA = 0.05  # ... and each new sample moves the learnt one this much, once many are in
+EVICTING_S = 1.0  # a replica that evicted a GPU block this recently has no empty blocks left
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +69,10 @@ class Truth:
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
         self.coming: dict[str, Counter[int]] = {}  # replica -> blocks of the requests in flight there
+        # replica -> the blocks each request in flight there allocates when it runs, in the order sent
+        # (keyed by its chain's id: the chain is kept, and so alive, until `unexpect`)
+        self.queued: dict[str, dict[int, tuple[int, float]]] = {}
+        self.cut: Counter[str] = Counter()  # replica -> prices cut by blocks predicted evicted first
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -72,19 +91,29 @@ class Truth:
     def forget(self, replica_id: str) -> None:
         for h in self.replicas.pop(replica_id, {}).values():
             h.close()
+        self.cut.pop(replica_id, None)
         self.coming.pop(replica_id, None)
+        self.queued.pop(replica_id, None)
 
     def block_size(self, replica_id: str) -> int | None:
         """The block size its events say it keys blocks in (None: not said yet)."""
         return next((h.block_size for h in self.replicas.get(replica_id, {}).values() if h.block_size), None)
 
-    def expect(self, replica_id: str, keys: Sequence[int]) -> None:
-        """A request was sent there: its prompt's blocks will be there when what is sent next runs."""
+    def expect(self, replica_id: str, keys: array[int], allocates: int = 0, starts: float = 0.0) -> None:
+        """A request was sent there: its prompt's blocks will be there when what is sent next runs,
+        and it allocates `allocates` new blocks when it runs (at `starts`, as the router's model of
+        that replica's queue has it). The blocks of `keys` held there are touched (it will pin them)."""
         coming = self.coming.setdefault(replica_id, Counter())
         coming.update(keys)
+        self.queued.setdefault(replica_id, {})[id(keys)] = (max(0, allocates), starts)
+        self._touch(replica_id, keys)
 
-    def unexpect(self, replica_id: str, keys: Sequence[int]) -> None:
-        """... it ended (or failed): its blocks are what the events say from now on."""
+    def unexpect(self, replica_id: str, keys: array[int]) -> None:
+        """... it ended (or failed): its blocks are what the events say from now on, the youngest of
+        the engine's free blocks."""
+        queued = self.queued.get(replica_id)
+        if queued is not None:
+            queued.pop(id(keys), None)
         coming = self.coming.get(replica_id)
         if coming is None:
             return
@@ -94,6 +123,24 @@ class Truth:
                 coming[key] = left
             else:
                 coming.pop(key, None)
+        self._touch(replica_id, keys)
+
+    def _touch(self, replica_id: str, keys: array[int]) -> None:
+        for h in self.replicas.get(replica_id, {}).values():
+            t = h.tiers[MEDIUM_GPU]
+            held = self.index.match(t.holder, keys)
+            if held:
+                self.index.insert(t.holder, keys, held)
+
+    def ahead(self, replica_id: str, waiting: float | None, now: float) -> int:
+        """Blocks the requests queued at the replica allocate before one sent now runs: those the
+        router's model has starting after `now`, and the last `waiting` (the engine's probed queue)
+        sent there that have not ended."""
+        queued = self.queued.get(replica_id)
+        if not queued:
+            return 0
+        last = len(queued) - (round(waiting) if waiting and waiting > 0 else 0)
+        return sum(blocks for i, (blocks, starts) in enumerate(queued.values()) if starts > now or i >= last)
 
     def sure(self, replica_id: str) -> bool:
         ranks = self.replicas.get(replica_id)
@@ -109,16 +156,22 @@ class Truth:
         tokens: EngineTokens,
         matches: dict[int, array[int]],
         block_size: int | None = None,
+        waiting: float | None = None,
+        now: float = 0.0,
     ) -> Found | None:
-        """What of `tokens` the replica holds, if its events say so (None: they do not, or are not
-        believed). `matches`: by block size, how many leading blocks of the request's chain each
-        holder of the index keeps, matched for every holder at once on first use (one call into
-        the index for the whole fleet, not one per replica)."""
+        """What of `tokens` the replica will hold when a request sent now runs, if its events say so
+        (None: they do not, or are not believed): what it holds, less what the `waiting` requests
+        queued there (`ahead`, at `now` on the placement's clock) evict first, plus what the requests in
+        flight there compute first.
+        `matches`: by block size, how many leading blocks of the request's chain each holder of the
+        index keeps, matched for every holder at once on first use (one call into the index for the
+        whole fleet, not one per replica)."""
         ranks = self.replicas.get(replica_id)
         if not ranks:
             return None
         best: Found | None = None
         coming = self.coming.get(replica_id)
+        allocated = -1  # (what is queued there is summed once, for the first rank that holds some)
         for h in ranks.values():
             if not h.sure:
                 return None
@@ -136,6 +189,16 @@ class Truth:
             for medium, t in h.tiers.items():
                 if medium == MEDIUM_GPU:
                     gpu = matched[t.holder]
+                    if gpu and allocated < 0:
+                        allocated = self.ahead(replica_id, waiting, now)
+                    if gpu and allocated > 0:
+                        evicting = time.monotonic() - h.evicted_at < EVICTING_S
+                        empty = 0 if evicting else max(0, h.capacity - h.blocks(MEDIUM_GPU))
+                        if allocated > empty:
+                            kept = self.index.match_after(t.holder, tokens.chain(size), allocated - empty)
+                            if kept < gpu:
+                                gpu = kept
+                                self.cut[replica_id] += 1
                 else:
                     tier = max(tier, matched[t.holder])
             if coming:  # what the requests in flight there compute before this one runs
@@ -175,7 +238,7 @@ class Truth:
         ranks = self.replicas.get(replica_id)
         if not ranks:
             return None
-        out: dict[str, object] = {"sure": self.sure(replica_id)}
+        out: dict[str, object] = {"sure": self.sure(replica_id), "evictions_predicted": self.cut[replica_id]}
         for rank, h in sorted(ranks.items()):
             f = h.figures
             out[f"rank_{rank}" if len(ranks) > 1 else "events"] = {
