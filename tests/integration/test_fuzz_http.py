@@ -229,7 +229,7 @@ FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 @FUZZ
 @given(data=requests())
 # no Content-Length: an empty body, and what follows is a second (malformed) request on the connection
-@example(data=b"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n\x0b5\xcf\x17N")
+@example(data=b"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer %s\r\n\r\n\x0b5\xcf\x17N" % KEY.encode())
 def test_any_request_gets_a_shaped_4xx_an_answer_or_a_close(router: tuple[str, int, Path], data: bytes) -> None:
     path, port, _ = router
     check(path, data, exchange(port, data))
