@@ -366,7 +366,7 @@ class Placement:
         ref = self._frame(now)
         ratio = self.bytes_per_token
         self._total = prompt.nbytes / ratio
-        known = self._known_of(prompt, excluded, now) if prompt.tokens is not None and self.truth else None
+        known = self._known_of(prompt, excluded) if prompt.tokens is not None and self.truth else None
         if known is not None:
             self._total = float(prompt.tokens.count)  # type: ignore[union-attr]
         self._candidates = excluded
@@ -413,7 +413,7 @@ class Placement:
             spread_whole=prompt.opening,
         )
 
-    def _known_of(self, prompt: Prompt, excluded: array[int], now: float) -> array[float] | None:
+    def _known_of(self, prompt: Prompt, excluded: array[int]) -> array[float] | None:
         """Per position, the cached tokens its engine's events say it holds (a second tier's
         credited at its speed), -1 where they say nothing or are not believed; None when no
         candidate's are."""
@@ -436,7 +436,7 @@ class Placement:
                 truth.suspect(r.id)  # its health went down: the next message says whether it restarted
                 continue
             size = r.engine.block_size
-            found = truth.held(r.id, tokens, matches, int(size) if size else None, r.engine.waiting, now)
+            found = truth.held(r.id, tokens, matches, int(size) if size else None)
             if found is not None:
                 known[i] = truth.credit(found, self._spt[i])
                 tier[i] = found.tier_tokens
@@ -522,7 +522,7 @@ class Placement:
                 coming = (replica.id, prompt.tokens.chain(size))
                 # it allocates its prompt's blocks not held there, and its reply's
                 allocates = len(coming[1]) - int(candidate.cached_tokens) // size + math.ceil(self.mean_output / size)
-                self.truth.expect(*coming, allocates, start)
+                self.truth.expect(*coming, allocates)
         return Placed(
             held,
             blocks,

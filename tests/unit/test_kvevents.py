@@ -308,39 +308,44 @@ def test_the_blocks_of_requests_in_flight_are_held_when_the_next_one_runs() -> N
     assert "a" not in truth.coming
 
 
-def test_what_the_requests_queued_ahead_allocate_first_is_not_counted_held() -> None:
+def test_what_the_requests_sent_ahead_allocate_first_is_not_counted_held() -> None:
     """The misses on real vLLM were blocks evicted between the decision and the scheduling: a
-    request priced now finds what the engine's queued requests leave of its prefix."""
+    request priced now finds what the requests sent there before it leave of its prefix, until
+    their own new blocks show in the events (their evictions come in the same message)."""
     truth = Truth()
     a = truth.holdings("a", 0, 8)  # a KV cache of eight blocks
     x = list(range(100, 112))  # a conversation's three blocks
     a.accept(batch(0, tagged_stored([1, 2, 3], None, x)))
     a.accept(batch(1, tagged_stored([4, 5, 6, 7], None, list(range(200, 216)))))  # four younger blocks
     turn = EngineTokens(14, (*x, 7, 8), None, None, "tokenizer")  # its next turn
-    queued = EngineTokens(12, tuple(range(300, 312)), None, None, "tokenizer")
-    truth.expect("a", queued.chain(BS), 3, 5.0)  # a request queued ahead: three new blocks, run at 5 s
 
-    def held(waiting: float | None, now: float = 10.0) -> int:
-        found = truth.held("a", turn, {}, waiting=waiting, now=now)
+    def held() -> int:
+        found = truth.held("a", turn, {})
         assert found is not None
         return found.gpu_tokens
 
+    assert held() == 12
+    other = EngineTokens(13, tuple(range(300, 313)), None, None, "tokenizer")
+    truth.expect("a", other.chain(BS), 3)  # sent before it: three new blocks when it runs
     # one empty block; two of the three allocated evict the two oldest: the conversation's tail first
-    assert truth.ahead("a", 1, 10.0) == 3 and held(1) == 4  # the engine says one is queued
-    assert held(0, now=4.0) == 4  # the router's model has it start after now
-    assert held(0) == held(None) == 12  # nothing queued, or the queue unknown: what it holds
-    assert truth.cut["a"] == 2
-    # it evicts now: no empty block, all three evict
+    assert truth.ahead("a") == 3 and held() == 4
+    assert truth.cut["a"] == 1
+    # it evicts now (no empty block): all three evict, the whole conversation
     a.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [6], "medium": "GPU"}))
-    assert held(1) == 0  # its three oldest blocks are the whole conversation
+    assert held() == 0
     # the conversation's last turn ends after the younger blocks were stored: its blocks are freed
-    # last, the youngest; what is allocated takes the younger four's instead
+    # last, the youngest; what is allocated takes the younger ones' instead
     last = EngineTokens(13, (*x, 7), None, None, "tokenizer")
     truth.expect("a", last.chain(BS))
     truth.unexpect("a", last.chain(BS))
-    assert held(1) == 12
-    truth.unexpect("a", queued.chain(BS))  # it ran: nothing is queued ahead
-    assert truth.ahead("a", 1, 0.0) == 0 and truth.figures("a")["evictions_predicted"] == 3  # type: ignore[index]
+    assert held() == 12
+    # the request sent ahead runs: its blocks show (and with them what it evicted): nothing is ahead
+    a.accept(batch(3, {"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "GPU"}))
+    assert held() == 0 and truth.ahead("a") == 3  # (an eviction says nothing of who caused it)
+    a.accept(batch(4, tagged_stored([9, 10, 11], None, list(range(300, 312)))))
+    assert truth.ahead("a") == 0 and "a" in truth.queued and not truth.queued["a"]
+    truth.unexpect("a", other.chain(BS))
+    assert truth.figures("a")["evictions_predicted"] == 2  # type: ignore[index]
 
 
 # -- the model's own tokenizer ------------------------------------------------------------------------

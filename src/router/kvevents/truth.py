@@ -24,14 +24,17 @@ request's new blocks when it schedules it, from its free blocks: empty ones firs
 blocks no running request uses, the longest unused first (vLLM frees a request's blocks tail
 first into that queue when it ends). So the index keeps each replica's blocks in that order: a
 request sent there touches the blocks of its prompt held there (it will pin them), and touches
-them again when it ends (they are freed then). A request priced now runs after the engine's
-queued requests (its probed `waiting`: the last that many the router sent there and that have not
-ended); they allocate their prompts' blocks not held when they were sent and their replies'. If
-the replica is evicting (a GPU block removed within EVICTING_S: it has no empty blocks) all of
-that evicts, otherwise what exceeds its empty blocks (its capacity less what it holds), and the
-request is priced on what is left of its prefix (`PrefixIndex.match_after`): the misses found on
-real vLLM were blocks evicted between the decision and the scheduling. A running request's reply
-growing block by block is not counted, nor are requests other routers sent.
+them again when it ends (they are freed then). A request priced now runs after those sent there
+before it whose new blocks no event has shown yet: they allocate their prompts' blocks not held
+when they were sent and their replies' first. An engine publishes what a request's allocation
+evicted no later than the blocks it stores (vLLM 0.32's `allocate_slots` takes the blocks, then
+caches them: one step's message; the emulator's come before), so once a request's blocks show,
+what it evicted has shown too. If the replica is evicting (a GPU block removed within EVICTING_S:
+it has no empty blocks) all of that evicts, otherwise what exceeds its empty blocks (its capacity
+less what it holds), and the request is priced on what is left of its prefix
+(`PrefixIndex.match_after`): the misses found on real vLLM were blocks evicted between the
+decision and the scheduling. A running request's reply growing block by block is not counted,
+nor are requests other routers sent.
 
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
@@ -56,6 +59,15 @@ EVICTING_S = 1.0  # a replica that evicted a GPU block this recently has no empt
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    """A request sent to a replica whose new blocks its events have not shown yet."""
+
+    keys: array[int]  # its prompt's blocks
+    allocates: int  # blocks it allocates when it runs: its prompt's not held, and its reply's
+    held: int  # of `keys`, what the replica held when it was sent
+
+
+@dataclass(frozen=True, slots=True)
 class Found:
     gpu_tokens: int  # tokens of the prompt its GPU holds
     tier_tokens: int  # ... a second tier holds beyond them
@@ -69,9 +81,9 @@ class Truth:
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
         self.coming: dict[str, Counter[int]] = {}  # replica -> blocks of the requests in flight there
-        # replica -> the blocks each request in flight there allocates when it runs, in the order sent
-        # (keyed by its chain's id: the chain is kept, and so alive, until `unexpect`)
-        self.queued: dict[str, dict[int, tuple[int, float]]] = {}
+        # replica -> the requests in flight there whose new blocks no event has shown yet (keyed by
+        # their chain's id: the chain is kept, and so alive, until `unexpect`)
+        self.queued: dict[str, dict[int, Queued]] = {}
         self.cut: Counter[str] = Counter()  # replica -> prices cut by blocks predicted evicted first
 
     def __bool__(self) -> bool:
@@ -99,14 +111,14 @@ class Truth:
         """The block size its events say it keys blocks in (None: not said yet)."""
         return next((h.block_size for h in self.replicas.get(replica_id, {}).values() if h.block_size), None)
 
-    def expect(self, replica_id: str, keys: array[int], allocates: int = 0, starts: float = 0.0) -> None:
+    def expect(self, replica_id: str, keys: array[int], allocates: int = 0) -> None:
         """A request was sent there: its prompt's blocks will be there when what is sent next runs,
-        and it allocates `allocates` new blocks when it runs (at `starts`, as the router's model of
-        that replica's queue has it). The blocks of `keys` held there are touched (it will pin them)."""
+        and it allocates `allocates` new blocks when it runs. The blocks of `keys` held there are
+        touched (it will pin them)."""
         coming = self.coming.setdefault(replica_id, Counter())
         coming.update(keys)
-        self.queued.setdefault(replica_id, {})[id(keys)] = (max(0, allocates), starts)
-        self._touch(replica_id, keys)
+        held = self._touch(replica_id, keys)
+        self.queued.setdefault(replica_id, {})[id(keys)] = Queued(keys, max(0, allocates), held)
 
     def unexpect(self, replica_id: str, keys: array[int]) -> None:
         """... it ended (or failed): its blocks are what the events say from now on, the youngest of
@@ -125,22 +137,36 @@ class Truth:
                 coming.pop(key, None)
         self._touch(replica_id, keys)
 
-    def _touch(self, replica_id: str, keys: array[int]) -> None:
+    def _touch(self, replica_id: str, keys: array[int]) -> int:
+        """Makes the blocks of `keys` held there the youngest (its best rank's); how many it holds."""
+        most = 0
         for h in self.replicas.get(replica_id, {}).values():
             t = h.tiers[MEDIUM_GPU]
             held = self.index.match(t.holder, keys)
             if held:
                 self.index.insert(t.holder, keys, held)
+                most = max(most, held)
+        return most
 
-    def ahead(self, replica_id: str, waiting: float | None, now: float) -> int:
-        """Blocks the requests queued at the replica allocate before one sent now runs: those the
-        router's model has starting after `now`, and the last `waiting` (the engine's probed queue)
-        sent there that have not ended."""
+    def ahead(self, replica_id: str) -> int:
+        """Blocks the requests sent to the replica allocate before one sent now runs: those of the
+        requests in flight there none of whose new blocks the events have shown (once a request's
+        blocks show, what its allocation evicted has shown too). A request that shows them leaves
+        the count for good."""
         queued = self.queued.get(replica_id)
         if not queued:
             return 0
-        last = len(queued) - (round(waiting) if waiting and waiting > 0 else 0)
-        return sum(blocks for i, (blocks, starts) in enumerate(queued.values()) if starts > now or i >= last)
+        ranks = self.replicas.get(replica_id, {}).values()
+        blocks = 0
+        shown = []
+        for key, q in queued.items():
+            if q.keys and any(self.index.match(h.tiers[MEDIUM_GPU].holder, q.keys) > q.held for h in ranks):
+                shown.append(key)
+            else:
+                blocks += q.allocates
+        for key in shown:
+            del queued[key]
+        return blocks
 
     def sure(self, replica_id: str) -> bool:
         ranks = self.replicas.get(replica_id)
@@ -156,13 +182,10 @@ class Truth:
         tokens: EngineTokens,
         matches: dict[int, array[int]],
         block_size: int | None = None,
-        waiting: float | None = None,
-        now: float = 0.0,
     ) -> Found | None:
         """What of `tokens` the replica will hold when a request sent now runs, if its events say so
-        (None: they do not, or are not believed): what it holds, less what the `waiting` requests
-        queued there (`ahead`, at `now` on the placement's clock) evict first, plus what the requests in
-        flight there compute first.
+        (None: they do not, or are not believed): what it holds, less what the requests sent ahead of
+        it evict first (`ahead`), plus what the requests in flight there compute first.
         `matches`: by block size, how many leading blocks of the request's chain each holder of the
         index keeps, matched for every holder at once on first use (one call into the index for the
         whole fleet, not one per replica)."""
@@ -190,7 +213,7 @@ class Truth:
                 if medium == MEDIUM_GPU:
                     gpu = matched[t.holder]
                     if gpu and allocated < 0:
-                        allocated = self.ahead(replica_id, waiting, now)
+                        allocated = self.ahead(replica_id)
                     if gpu and allocated > 0:
                         evicting = time.monotonic() - h.evicted_at < EVICTING_S
                         empty = 0 if evicting else max(0, h.capacity - h.blocks(MEDIUM_GPU))
@@ -260,4 +283,4 @@ class Truth:
         return out
 
 
-__all__ = ["Found", "Truth"]
+__all__ = ["Found", "Queued", "Truth"]
