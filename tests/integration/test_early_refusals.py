@@ -12,9 +12,10 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -57,15 +58,13 @@ class World:
 
 
 @pytest.fixture(params=["front", "aiohttp"])
-async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[World]:
+async def world(
+    request: pytest.FixtureRequest, tmp_path: Path, serve_app: Callable[[web.Application], Any]
+) -> AsyncIterator[World]:
     upstream = Upstream()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", upstream.handle)
-    up = web.AppRunner(app, access_log=None)
-    await up.setup()
-    up_site = web.TCPSite(up, "127.0.0.1", 0)
-    await up_site.start()
-    up_port = up_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    up_url = await serve_app(app)
     keys = tmp_path / "keys.toml"
     keys.write_text(
         "".join(
@@ -77,7 +76,7 @@ async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         None,
         {},
         {
-            "replicas": [f"up=http://127.0.0.1:{up_port}"],
+            "replicas": [f"up={up_url}"],
             "state": "none",
             "health_checks": "false",
             "client_keys_file": str(keys),
@@ -94,7 +93,6 @@ async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     yield World(upstream, f"http://127.0.0.1:{port}", port, node, request.param)
     await runner.cleanup()
-    await up.cleanup()
 
 
 def head(*headers: str, target: str = "/v1/chat/completions") -> bytes:
