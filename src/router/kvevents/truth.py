@@ -84,6 +84,8 @@ class Truth:
         # replica -> the requests in flight there whose new blocks no event has shown yet (keyed by
         # their chain's id: the chain is kept, and so alive, until `unexpect`)
         self.queued: dict[str, dict[int, Queued]] = {}
+        # replica -> (its blocks stored so far, `ahead` then): summed again only once events came
+        self._ahead: dict[str, tuple[int, int]] = {}
         self.cut: Counter[str] = Counter()  # replica -> prices cut by blocks predicted evicted first
 
     def __bool__(self) -> bool:
@@ -106,6 +108,7 @@ class Truth:
         self.cut.pop(replica_id, None)
         self.coming.pop(replica_id, None)
         self.queued.pop(replica_id, None)
+        self._ahead.pop(replica_id, None)
 
     def block_size(self, replica_id: str) -> int | None:
         """The block size its events say it keys blocks in (None: not said yet)."""
@@ -119,13 +122,14 @@ class Truth:
         coming.update(keys)
         held = self._touch(replica_id, keys)
         self.queued.setdefault(replica_id, {})[id(keys)] = Queued(keys, max(0, allocates), held)
+        self._ahead.pop(replica_id, None)
 
     def unexpect(self, replica_id: str, keys: array[int]) -> None:
         """... it ended (or failed): its blocks are what the events say from now on, the youngest of
         the engine's free blocks."""
         queued = self.queued.get(replica_id)
-        if queued is not None:
-            queued.pop(id(keys), None)
+        if queued is not None and queued.pop(id(keys), None) is not None:
+            self._ahead.pop(replica_id, None)
         coming = self.coming.get(replica_id)
         if coming is None:
             return
@@ -152,11 +156,16 @@ class Truth:
         """Blocks the requests sent to the replica allocate before one sent now runs: those of the
         requests in flight there none of whose new blocks the events have shown (once a request's
         blocks show, what its allocation evicted has shown too). A request that shows them leaves
-        the count for good."""
+        the count for good. Summed again only once a block was stored there since, or a request
+        came or went (prices come far more often than an engine's steps)."""
         queued = self.queued.get(replica_id)
         if not queued:
             return 0
         ranks = self.replicas.get(replica_id, {}).values()
+        stored = sum(h.figures.stored for h in ranks)
+        known = self._ahead.get(replica_id)
+        if known is not None and known[0] == stored:  # no block stored since: none shown since
+            return known[1]
         blocks = 0
         shown = []
         for key, q in queued.items():
@@ -166,6 +175,7 @@ class Truth:
                 blocks += q.allocates
         for key in shown:
             del queued[key]
+        self._ahead[replica_id] = (stored, blocks)
         return blocks
 
     def sure(self, replica_id: str) -> bool:
