@@ -26,6 +26,7 @@ from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import build_app
 from router.proxy.front import FrontRunner
+from router.proxy.workers import runner_for
 
 WORKERS_TOKEN = "workers-test-token"  # the admin token of the routers `serve_workers` starts
 FAST = 100.0  # engine seconds per wall second: a 10 ms step sleeps 0.1 ms
@@ -158,6 +159,25 @@ async def serve_app() -> AsyncIterator[Callable[[web.Application], Any]]:
 
     async def serve(app: web.Application) -> str:
         return await serve_on_loopback(app, runners)
+
+    yield serve
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def serve_node() -> AsyncIterator[Callable[[Node], Any]]:
+    """Serve router nodes on free loopback ports for one test, each as router-serve serves it
+    (`runner_for`: its parser limits, slow-client time-outs, early refusals); a call returns its port."""
+    runners: list[web.AppRunner] = []
+
+    async def serve(node: Node) -> int:
+        runner = runner_for(build_app(node), node.config)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
 
     yield serve
     for runner in runners:

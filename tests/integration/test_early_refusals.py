@@ -24,8 +24,6 @@ from aiohttp import web
 
 from router.config import load
 from router.node import Node
-from router.proxy.app import build_app
-from router.proxy.workers import runner_for
 
 KEY = "sk-early-refusals"
 OTHER = "sk-someone-else"
@@ -59,7 +57,10 @@ class World:
 
 @pytest.fixture(params=["front", "aiohttp"])
 async def world(
-    request: pytest.FixtureRequest, tmp_path: Path, serve_app: Callable[[web.Application], Any]
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    serve_app: Callable[[web.Application], Any],
+    serve_node: Callable[[Node], Any],
 ) -> AsyncIterator[World]:
     upstream = Upstream()
     app = web.Application()
@@ -86,13 +87,8 @@ async def world(
         },
     )
     node = Node(config)
-    runner = runner_for(build_app(node), config)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = await serve_node(node)
     yield World(upstream, f"http://127.0.0.1:{port}", port, node, request.param)
-    await runner.cleanup()
 
 
 def head(*headers: str, target: str = "/v1/chat/completions") -> bytes:

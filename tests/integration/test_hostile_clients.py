@@ -8,7 +8,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -18,8 +18,6 @@ from aiohttp import web
 
 from router.config import load
 from router.node import Node
-from router.proxy.app import build_app
-from router.proxy.workers import runner_for
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -38,22 +36,20 @@ class Upstream:
 
 
 @pytest.fixture
-async def world() -> AsyncIterator[tuple[Upstream, str, int]]:
+async def world(
+    serve_app: Callable[[web.Application], Any], serve_node: Callable[[Node], Any]
+) -> AsyncIterator[tuple[Upstream, str, int]]:
     """A recording upstream and the router in front of it, served as router-serve serves it
     (`runner_for`: its parser limits and slow-client time-outs), both client time-outs 1 s."""
     upstream = Upstream()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", upstream.handle)
-    up = web.AppRunner(app, access_log=None)
-    await up.setup()
-    up_site = web.TCPSite(up, "127.0.0.1", 0)
-    await up_site.start()
-    up_port = up_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    up_url = await serve_app(app)
     config = load(
         None,
         {},
         {
-            "replicas": [f"up=http://127.0.0.1:{up_port}"],
+            "replicas": [f"up={up_url}"],
             "state": "none",
             "health_checks": "false",
             "client_timeout_s": "1",
@@ -62,15 +58,8 @@ async def world() -> AsyncIterator[tuple[Upstream, str, int]]:
             "max_header_bytes": "4096",
         },
     )
-    router = Node(config)
-    runner = runner_for(build_app(router), config)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = await serve_node(Node(config))
     yield upstream, f"http://127.0.0.1:{port}", port
-    await runner.cleanup()
-    await up.cleanup()
 
 
 async def raw(port: int, data: bytes, read_s: float = 3.0) -> bytes:
