@@ -277,6 +277,19 @@ def budgeted(limit: int, clock: list[float]) -> Budgets:
     return Budgets({"team": limit}, LocalStore(clock=lambda: clock[0]))
 
 
+def budget_world(limit: int) -> tuple[Budgets, Any, RouterMetrics, Callable[[Script], Journey]]:
+    """A fleet whose one tenant, "team", has `limit` tokens a minute (the clock standing still):
+    its budgets, config, metrics, and a journey for a script."""
+    routing, admission, metrics, config, fleet = build()
+    budgets = budgeted(limit, [0.0])
+    ledger = Ledger(metrics, routing.policy.name, fleet.model_label, log_requests=False, tenants=True)
+
+    def journey(script: Script) -> Journey:
+        return Journey(routing, admission, script, ledger, metrics, 30.0, 256, clients=None, budgets=budgets)
+
+    return budgets, config, metrics, journey
+
+
 def level(budgets: Budgets) -> float:
     store = budgets.store
     assert isinstance(store, LocalStore)
@@ -289,13 +302,7 @@ async def settled(journey: Journey) -> None:
 
 
 async def test_a_tenants_budget_is_reserved_then_settled_on_what_the_request_used() -> None:
-    routing, admission, metrics, config, fleet = build()
-    clock = [0.0]
-    budgets = budgeted(6000, clock)
-    ledger = Ledger(metrics, routing.policy.name, fleet.model_label, log_requests=False, tenants=True)
-
-    def journey(script: Script) -> Journey:
-        return Journey(routing, admission, script, ledger, metrics, 30.0, 256, clients=None, budgets=budgets)
+    budgets, config, metrics, journey = budget_world(6000)
 
     def keyed(body: dict[str, Any]) -> Intake:
         return dataclasses.replace(request(config, body), client=Client("team", "k"))
@@ -323,13 +330,7 @@ async def test_a_tenants_budget_is_reserved_then_settled_on_what_the_request_use
 
 
 async def test_a_request_larger_than_its_tenants_whole_budget_is_refused_and_a_cut_stream_pays_what_passed() -> None:
-    routing, admission, metrics, config, fleet = build()
-    clock = [0.0]
-    budgets = budgeted(2000, clock)
-    ledger = Ledger(metrics, routing.policy.name, fleet.model_label, log_requests=False, tenants=True)
-
-    def journey(script: Script) -> Journey:
-        return Journey(routing, admission, script, ledger, metrics, 30.0, 256, clients=None, budgets=budgets)
+    budgets, config, metrics, journey = budget_world(2000)
 
     body = {"model": "m", "max_tokens": 120_000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     intake = dataclasses.replace(request(config, body), client=Client("team", "k"))
