@@ -70,6 +70,8 @@ ctypedef struct prefix_fleet_t:  # one decision's view of the fleet: n positions
                                  # recent_scale: the value now); NULL: no spread term
     const double* known          # tokens of the prompt position i is known to hold (its engine's
                                  # KV events), < 0: ask the index; NULL: ask it everywhere
+    const double* evicts         # seconds of prefill its allocation there costs the conversations
+                                 # likely to come back (what it evicts of theirs); NULL: none
 
 
 ctypedef struct prefix_request_t:  # the prompt's side of the decision
@@ -93,7 +95,7 @@ ctypedef struct prefix_request_t:  # the prompt's side of the decision
 ctypedef struct prefix_costs_t:  # written at candidate positions only
     double* cached               # tokens predicted cached there
     double* wait                 # seconds before its prefill of this prompt starts
-    double* cost                 # wait + uncached tokens x seconds per token + spread
+    double* cost                 # wait + uncached tokens x seconds per token + spread + evicts
     uint8_t* flags               # PREFIX_CANDIDATE | PREFIX_GATED | PREFIX_NEAR
     double* spread               # the spread term of the cost; NULL: not wanted
     Py_ssize_t home              # out: the candidate holding the most of the prompt, or -1

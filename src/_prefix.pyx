@@ -80,7 +80,7 @@ cdef enum:
     _MAX_CHAIN = 0x7FFFFFFF      # matches are int32
     _AHEAD = 16                  # insert prefetches the blocks this far down the chain
     _STACK_PARTS = 16            # chain_of_parts keeps this many pieces' spans on the stack
-    _PRICE_BUFFERS = 15          # price's buffer arguments
+    _PRICE_BUFFERS = 16          # price's buffer arguments
 
 cdef array.array _UINT64 = _array.array("Q")
 cdef bint _LITTLE = sys.byteorder == "little"
@@ -644,7 +644,7 @@ cdef class PrefixIndex:
               now, decode_s, mean_uncached, block_tokens, total_tokens, last, history_blocks, tie_s,
               tie_share, cached_out, wait_out, cost_out, flags_out, recent=None, recent_scale=1.0,
               spread_tokens=0.0, spread_out=None, interference=0.0, history_from_all=False, home_share=-1.0,
-              known=None, spread_whole=False):
+              known=None, spread_whole=False, evicts=None):
         """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
         Per position i: holders[i] (int32, -1: holds nothing yet), busy_until[i],
@@ -670,7 +670,8 @@ cdef class PrefixIndex:
                        place, and max(min(cached, history_blocks x block_tokens), spread_tokens)
                        in spread_tokens': what a replica holds of its messages before the last (a
                        shared system or tool prompt) draws it there no further than the excess allows)
-            cost     = wait + uncached * spt + spread
+            cost     = wait + uncached * spt + spread (+ evicts[i], when evicts is given and
+                       evicts[i] != 0: seconds of prefill what it would evict there costs others)
             gated    = loads[i] >= caps[i]
 
         where spt = seconds_per_token[i] x (1 + interference x loads[i]) (a prefill there delays
@@ -739,6 +740,8 @@ cdef class PrefixIndex:
             request.home_share = _float_arg("home_share", home_share)
             if known is not None:
                 _arg_buffer(known, &views[14], "known", _FLOAT64, n, 14, &in_place, &taken)
+            if evicts is not None:
+                _arg_buffer(evicts, &views[15], "evicts", _FLOAT64, n, 15, &in_place, &taken)
             # from here on no Python code runs until the loop is done
             fleet.n = n
             fleet.holders = <const int32_t*>_items(holders, &views[1], in_place & (1 << 1), n, "holders")
@@ -759,6 +762,9 @@ cdef class PrefixIndex:
             fleet.known = NULL
             if known is not None:
                 fleet.known = <const double*>_items(known, &views[14], in_place & (1 << 14), n, "known")
+            fleet.evicts = NULL
+            if evicts is not None:
+                fleet.evicts = <const double*>_items(evicts, &views[15], in_place & (1 << 15), n, "evicts")
             costs.spread = NULL
             if spread_out is not None:
                 costs.spread = <double*>_items(spread_out, &views[13], in_place & (1 << 13), n, "spread_out")
@@ -1051,6 +1057,8 @@ cdef class PrefixIndex:
                     else:
                         spread = ((((request.spread_tokens * spt) * excess) * uncached) / request.total_tokens)
                     cost = cost + spread
+            if fleet.evicts != NULL and fleet.evicts[i] != 0.0:
+                cost = cost + fleet.evicts[i]  # what it pushes out of conversations likely back soon
             flags = PREFIX_CANDIDATE
             if fleet.loads[i] >= fleet.caps[i]:
                 flags |= PREFIX_GATED

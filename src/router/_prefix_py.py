@@ -389,6 +389,7 @@ class PrefixIndex:
         home_share: float = -1.0,
         known: Buffer | None = None,
         spread_whole: bool = False,
+        evicts: Buffer | None = None,
     ) -> tuple[int, int, int]:
         """One routing decision over n = len(holders) fleet positions; returns (best, near, home).
 
@@ -415,7 +416,8 @@ class PrefixIndex:
                        place, and max(min(cached, history_blocks x block_tokens), spread_tokens)
                        in spread_tokens': what a replica holds of its messages before the last (a
                        shared system or tool prompt) draws it there no further than the excess allows)
-            cost     = wait + uncached * spt + spread
+            cost     = wait + uncached * spt + spread (+ evicts[i], when evicts is given and
+                       evicts[i] != 0: seconds of prefill what it would evict there costs others)
             gated    = loads[i] >= caps[i]
 
         where spt = seconds_per_token[i] x (1 + interference x loads[i]) (a prefill there delays
@@ -469,6 +471,7 @@ class PrefixIndex:
             raise TypeError(f"history_from_all must be a bool, not {type(history_from_all).__name__}")
         home_share = _float_arg("home_share", home_share)
         told = None if known is None else _fleet_buffer(known, "known", _FLOAT64, n)
+        pushed = None if evicts is None else _fleet_buffer(evicts, "evicts", _FLOAT64, n)
         lru = self._lru
         for i in range(n):
             h = hs[i]
@@ -535,6 +538,8 @@ class PrefixIndex:
                     else:
                         spread = (((spread_tokens * spt) * excess) * uncached) / total_tokens
                     cost = cost + spread
+            if pushed is not None and pushed[i] != 0.0:
+                cost = cost + pushed[i]  # what it pushes out of conversations likely back soon
             flags = PRICE_CANDIDATE
             if flights[i] >= limits[i]:
                 flags |= PRICE_GATED

@@ -51,6 +51,7 @@ class Fleet:
     excluded: list[int] = field(default_factory=list)
     recent: list[float] | None = None  # None: price gets no recent buffer
     known: list[float] | None = None  # None: price gets no known buffer (the index answers everywhere)
+    evicts: list[float] | None = None  # None: price gets no evicts buffer (no eviction is priced)
 
     def __post_init__(self) -> None:
         n = len(self.holders)
@@ -112,6 +113,7 @@ def decide(
             "recent": None if fleet.recent is None else array("d", fleet.recent),
             "spread_out": spread,
             **({} if fleet.known is None else {"known": array("d", fleet.known)}),
+            **({} if fleet.evicts is None else {"evicts": array("d", fleet.evicts)}),
             **{name: s[name] for name in LATER},
         }
     best, near, home = index.price(
@@ -362,6 +364,21 @@ def test_known_tokens_replace_the_match_and_the_history(impl: ModuleType) -> Non
     assert decide(index, CHAIN, fleet, last=1, history_blocks=20).cached == [0.0, 320.0, 480.0]
 
 
+def test_what_a_placement_evicts_is_added_to_its_cost_and_nothing_else(impl: ModuleType) -> None:
+    """evicts[i]: seconds of prefill what the request would push out there costs the conversations
+    likely to come back. It is part of the cost (and so of the best and the ties), not of the wait."""
+    index = index_holding(impl, CHAIN, 40, 10)
+    fleet = hand_fleet()
+    before = decide(index, CHAIN, fleet, **HAND)
+    fleet.evicts = [0.0, 0.0, 0.0]
+    assert_same(decide(index, CHAIN, fleet, **HAND), before)  # zeros add nothing, bit for bit
+    fleet.evicts = [0.0, 2.0, 0.25]
+    got = decide(index, CHAIN, fleet, **HAND)
+    assert got.wait == before.wait and got.cached == before.cached and got.spread == before.spread
+    assert got.cost == [before.cost[0], before.cost[1] + 2.0, before.cost[2] + 0.25]
+    assert before.best == 1 and got.best != 1  # the cheapest to compute destroys the most: it loses
+
+
 def test_interference_scales_each_speed_by_its_load(impl: ModuleType) -> None:
     # the hand-computed fleet at interference 1/2: s/token x 2, x 1 and x 1.5 for 2, 0 and 1 in flight
     index = index_holding(impl, CHAIN, 40, 10)
@@ -494,6 +511,7 @@ def good_args(index: Any) -> list[Any]:
         -1.0,
         None,
         False,
+        None,
     ]
 
 
@@ -549,6 +567,9 @@ BAD = [
     ("home_share huge", 27, 1 << 1100),
     ("spread_whole int", 29, 1),
     ("spread_whole none", 29, None),
+    ("evicts list", 30, [0.0, 0.0]),
+    ("evicts short", 30, array("d", [0.0])),
+    ("evicts int64", 30, array("q", [0, 0])),
 ]
 
 
@@ -803,6 +824,15 @@ def compare_both(
                 max_size=len(fleet),
             ),
             label="known",
+        )
+    if data.draw(st.booleans(), label="with evicts"):
+        spec.evicts = data.draw(
+            st.lists(
+                st.one_of(st.just(0.0), st.floats(0, 30), st.sampled_from([-0.0, math.inf, math.nan])),
+                min_size=len(fleet),
+                max_size=len(fleet),
+            ),
+            label="evicts",
         )
     ours, theirs = (decide(index, chain, spec, last=last, spread_out=spread_out, **request) for index in indexes)
     assert_same(ours, theirs)
