@@ -38,6 +38,8 @@ fast would look like the only fast one, and draw everything). So
                                                                   this request's own prefill, and
                                                                   the delay it causes the running
                   + ttft_spread_tokens x s_per_token x excess x uncached / prompt   what new context commits
+                  + evicted x block tokens x s_per_token          what it pushes out of the conversations
+                                                                  likely back soon (events only)
 
 kv_wait: an engine admits a request only once its blocks fit. The router counts the tokens it has
 in flight on each replica (prompts, and the mean reply length); past its KV capacity C, a request
@@ -66,6 +68,14 @@ further than the replica's excess allows. On the agents workload the holders of 
 tool prompts had drawn every session (load CV 1.53; 1.20 with it, the multi-turn mean 8 % lower).
 A document in its last message is its own work, not a shared prefix: it is not counted (counting
 it cost long-document QA a point of hit rate). A keyed session's own replica never pays it.
+
+The eviction term, where the replica's engine publishes KV-cache events: a request allocating
+more blocks there than are empty evicts its oldest free blocks, and those may be a conversation
+that ended a turn there seconds ago and is about to come back (router.kvevents.truth.Truth.evicts:
+its blocks evicted, each weighed by exp(-age / RETURN_S)). They would be computed again on its
+return, at that replica's speed. So a long new context goes where it destroys least (empty blocks,
+or blocks nobody is coming back for), and it is no part of the predicted time to first token
+(`Candidate.ttft_s`).
 
 `price` hands all of it to the compiled core (`PrefixIndex.price`: one loop over raw arrays kept
 here by fleet position), which also applies the gate and finds the cheapest and its near-ties;
@@ -150,6 +160,12 @@ class Candidate:
     cost_s: float
     spread_s: float = 0.0  # the part of the cost that is its recent traffic past the fleet's mean
     gated: bool = False
+    evicts_s: float = 0.0  # ... and what it would evict there of conversations likely back soon
+
+    @property
+    def ttft_s(self) -> float:
+        """Its predicted time to first token: the cost less what it charges for the turns after."""
+        return self.cost_s - self.spread_s - self.evicts_s
 
 
 @dataclass(slots=True)
@@ -205,6 +221,8 @@ class Placement:
         # what the replicas that publish KV-cache events hold, as they say (router.kvfeed feeds it)
         self.truth = Truth(config.kv_tier_tokens_per_s)
         self._known = array("d")
+        self._evicts = array("d")  # per position, seconds of others' prefill what it would evict costs
+        self._evicting = False  # the latest price charged some position for what it evicts
         self._tier = array("d")  # per position, the prompt's tokens its engine holds on a second tier
         self._known_used = False  # the latest price read the truth for some position
         self.bytes_per_token = BYTES_PER_TOKEN  # before any usage says otherwise
@@ -366,7 +384,8 @@ class Placement:
         ref = self._frame(now)
         ratio = self.bytes_per_token
         self._total = prompt.nbytes / ratio
-        known = self._known_of(prompt, excluded) if prompt.tokens is not None and self.truth else None
+        self._evicting = False
+        known = self._known_of(prompt, excluded, now) if prompt.tokens is not None and self.truth else None
         if known is not None:
             self._total = float(prompt.tokens.count)  # type: ignore[union-attr]
         self._candidates = excluded
@@ -411,12 +430,15 @@ class Placement:
             home_share=home_share,
             known=known,
             spread_whole=prompt.opening,
+            evicts=self._evicts if self._evicting else None,
         )
 
-    def _known_of(self, prompt: Prompt, excluded: array[int]) -> array[float] | None:
+    def _known_of(self, prompt: Prompt, excluded: array[int], now: float) -> array[float] | None:
         """Per position, the cached tokens its engine's events say it holds (a second tier's
         credited at its speed), -1 where they say nothing or are not believed; None when no
-        candidate's are."""
+        candidate's are. And in `_evicts`, what the blocks it would allocate there evict of the
+        conversations likely to come back costs them (router.kvevents.truth.Truth.evicts) at its
+        prefill speed."""
         tokens = prompt.tokens
         assert tokens is not None
         truth = self.truth
@@ -424,12 +446,15 @@ class Placement:
         if len(self._known) != n:
             self._known = array("d", [-1.0]) * n
             self._tier = array("d", [0.0]) * n
-        known, tier = self._known, self._tier
+            self._evicts = array("d", [0.0]) * n
+        known, tier, evicts = self._known, self._tier, self._evicts
         matches: dict[int, array[int]] = {}  # by block size: what every holder keeps of its chain
-        used = False
+        used = evicting = False
+        reply = self.mean_output
         for i, r in enumerate(self.fleet.replicas):
             known[i] = -1.0
             tier[i] = 0.0
+            evicts[i] = 0.0
             if excluded[i] or r.id not in truth.replicas:
                 continue
             if r.state == "removed":
@@ -441,8 +466,22 @@ class Placement:
                 known[i] = truth.credit(found, self._spt[i])
                 tier[i] = found.tier_tokens
                 used = True
+                if found.block_size and r.id in truth.returning:
+                    b = found.block_size
+                    chain = tokens.chain(b)
+                    # it allocates its prompt's blocks not held there, and its reply's
+                    allocates = len(chain) - found.gpu_tokens // b + math.ceil(reply / b)
+                    lost = truth.evicts(r.id, chain, allocates, now)
+                    if lost > 0:
+                        evicts[i] = lost * b * self._spt[i]
+                        evicting = True
         self._known_used = used
+        self._evicting = evicting
         return known if used else None
+
+    def history_tokens(self, prompt: Prompt) -> float:
+        """The tokens of `prompt`'s messages before its last (as the price counts them)."""
+        return prompt.history_blocks * self.block_bytes / self.bytes_per_token
 
     def source(self, pos: int) -> str:
         """Where the latest price's cached tokens at `pos` came from: "events" or "model"."""
@@ -476,6 +515,7 @@ class Placement:
             self._cost[pos],
             self._spread[pos],
             bool(self._flags[pos] & PRICE_GATED),
+            self._evicts[pos] if self._evicting else 0.0,
         )
 
     def rows(self) -> list[Candidate]:
@@ -549,6 +589,8 @@ class Placement:
         """An attempt there ended (`placed`: what it expected there, if it was priced): its tokens
         leave the replica's KV cache; with nothing left in flight, nothing is queued either."""
         if placed is not None:
+            if placed.coming is not None:  # its conversation may come back for what it left there
+                self.truth.ended(*placed.coming, now)
             self._arrived(placed)
         held = self.held.get(replica.id)
         if held is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from array import array
 from pathlib import Path
 
@@ -346,6 +347,54 @@ def test_what_the_requests_sent_ahead_allocate_first_is_not_counted_held() -> No
     assert truth.ahead("a") == 0 and "a" in truth.queued and not truth.queued["a"]
     truth.unexpect("a", other.chain(BS))
     assert truth.figures("a")["evictions_predicted"] == 2  # type: ignore[index]
+
+
+def test_a_conversation_that_ended_a_turn_is_kept_once_at_its_latest() -> None:
+    """`ended` keeps one record a conversation: its next turn replaces its last (whose blocks are a
+    prefix of it); an earlier one told late does not; at most RETURNING_MAX a replica, the newest."""
+    from router.kvevents.truth import RETURNING_MAX  # noqa: PLC0415
+
+    truth = Truth()
+    first = EngineTokens(9, tuple(range(100, 109)), None, None, "tokenizer").chain(BS)  # two blocks
+    second = EngineTokens(13, tuple(range(100, 113)), None, None, "tokenizer").chain(BS)  # three
+    truth.ended("a", first, 1.0)
+    truth.ended("a", second, 2.0)
+    assert [(list(r.keys), r.at) for r in truth.returning["a"]] == [(list(second), 2.0)]
+    truth.ended("a", first, 3.0)  # (an earlier turn told late: the later one stands)
+    assert [r.at for r in truth.returning["a"]] == [2.0]
+    for k in range(RETURNING_MAX + 2):
+        truth.ended("a", EngineTokens(5, (k, k, k, k, k), None, None, "tokenizer").chain(BS), 4.0 + k)
+    kept = truth.returning["a"]
+    assert len(kept) == RETURNING_MAX and kept[0].at == 6.0 and kept[-1].at == 5.0 + RETURNING_MAX
+    truth.ended("a", array("Q"), 99.0)  # a prompt shorter than a block leaves nothing to come back for
+    assert len(truth.returning["a"]) == RETURNING_MAX and truth.evicts("b", first, 5, 99.0) == 0.0
+    truth.forget("a")
+    assert "a" not in truth.returning
+
+
+def test_what_a_request_evicts_of_a_conversation_about_to_return_weighs_less_where_the_cache_turns_over() -> None:
+    """A cache of nine blocks holding eight, its oldest a conversation that ended a turn (it may come
+    back). A request allocating three blocks evicts two of the conversation's three, all of a loss
+    while the cache is not seen turning over; once it evicts half a block a second, those two blocks would be
+    gone 4 s later anyway, and a conversation comes back that soon with 1 - exp(-4 / RETURN_S)."""
+    from router.kvevents.truth import RETURN_S  # noqa: PLC0415
+
+    truth = Truth()
+    a = truth.holdings("a", 0, 9)
+    x = list(range(100, 112))
+    a.accept(batch(0, tagged_stored([1, 2, 3], None, x)))
+    a.accept(batch(1, tagged_stored([4, 5, 6, 7, 8], None, list(range(200, 220)))))  # one block left empty
+    conversation = EngineTokens(13, (*x, 7), None, None, "tokenizer").chain(BS)
+    other = EngineTokens(9, tuple(range(500, 509)), None, None, "tokenizer").chain(BS)
+    truth.ended("a", conversation, 0.0)
+    assert truth.evicts("a", other, 1, 0.0) == 0.0  # it fits the empty block: nothing is evicted for it ...
+    assert truth.evicts("a", other, 3, 0.0) == 2.0  # ... or the conversation's tail goes (no rate yet)
+    assert truth.evicts("a", conversation, 3, 0.0) == 0.0  # its own next turn pins what it shares
+    a.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [4, 5, 6, 7, 8], "medium": "GPU"}))
+    a.accept(batch(3, tagged_stored([9, 10, 11, 12, 13], None, list(range(300, 320)))))
+    got = truth.evicts("a", other, 2, 10.0)  # 5 blocks evicted in 10 s; evicting now: no empty block
+    assert got == pytest.approx(2 * math.exp(-10 / RETURN_S) * -math.expm1(-4 / RETURN_S))
+    assert truth.figures("a")["evictions_priced"] == 2  # type: ignore[index]
 
 
 # -- the model's own tokenizer ------------------------------------------------------------------------

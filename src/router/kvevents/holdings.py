@@ -45,6 +45,7 @@ from router.prefix import PrefixIndex
 
 OK, RESTART, GAP = "ok", "restart", "gap"
 TRIM_SLACK = 1.25  # the hash map is trimmed once it holds this many times the tier's capacity (and 64 more)
+RATE_S = 5.0  # its GPU's eviction rate is measured over at least this long
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ class Holdings:
         self.suspect_since_seq: int | None = None  # health went down: the next message decides
         self._turnover = 0  # blocks stored since it became unsure
         self.evicted_at = -math.inf  # when its engine last evicted a GPU block (monotonic seconds)
+        self.evicted = 0  # GPU blocks its engine removed
+        self._rate = 0.0  # ... a second, over the latest RATE_S or more (`eviction_rate`)
+        self._rate_mark: tuple[float, int] | None = None
         self.figures = Figures()
         self.tier(MEDIUM_GPU)
 
@@ -257,6 +261,18 @@ class Holdings:
             self.figures.removed += len(gone)
             if e.medium == MEDIUM_GPU:
                 self.evicted_at = time.monotonic()
+                self.evicted += len(gone)
+
+    def eviction_rate(self, now: float) -> float:
+        """GPU blocks its engine removed a second, measured over the latest RATE_S or more of the
+        clock `now` reads (0 until it has been measured once)."""
+        mark = self._rate_mark
+        if mark is None:
+            self._rate_mark = (now, self.evicted)
+        elif now - mark[0] >= RATE_S:
+            self._rate = (self.evicted - mark[1]) / (now - mark[0])
+            self._rate_mark = (now, self.evicted)
+        return self._rate
 
     def _trim(self, t: Tier) -> None:
         """Drops the oldest hashes past the tier's capacity (their blocks' removals were missed)."""

@@ -36,6 +36,22 @@ less what it holds), and the request is priced on what is left of its prefix
 decision and the scheduling. A running request's reply growing block by block is not counted,
 nor are requests other routers sent.
 
+What a request would push out, not only what it finds: where what it allocates exceeds the empty
+blocks, it evicts the oldest free blocks, and some of them are conversations about to come back
+(a coding agent's tool loop returns within seconds; a chat's next turn within a minute). The
+conversations that ended a turn on a replica are kept (`ended`: the blocks of the prompt it sent,
+at most RETURNING_MAX a replica, for RETURN_S), and `evicts` says how many of their blocks a
+request sent now would evict there beyond what the requests ahead of it evict anyway: what the
+conversations it pushes out will recompute when they come back. A block the request shares with
+one of them (a system prompt, its own history) is not counted lost: it pins them. Each is weighed
+by how likely its conversation is still alive, exp(-age / RETURN_S), and by how likely it comes
+back before the replica's other traffic would have evicted those blocks anyway: a request
+allocating a blocks past the empty ones evicts what the next a blocks of others would, a / rate
+seconds later (`Holdings.eviction_rate`), and a conversation returns within s seconds with
+1 - exp(-s / RETURN_S). On a cache that turns over in seconds the blocks at its tail are lost
+whatever is placed there; on one that rarely evicts, every block pushed out is a loss. Placement
+charges that at the replica's prefill speed.
+
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
 replica holds what its best rank holds.
@@ -43,9 +59,10 @@ replica holds what its best rank holds.
 
 from __future__ import annotations
 
+import math
 import time
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from router.kvevents.holdings import Holdings
@@ -56,6 +73,8 @@ from router.prefix import PrefixIndex
 TIER_PRIOR = 4  # the configured tier speed counts as this many samples
 TIER_ALPHA = 0.05  # ... and each new sample moves the learnt one this much, once many are in
 EVICTING_S = 1.0  # a replica that evicted a GPU block this recently has no empty blocks left
+RETURN_S = 30.0  # a conversation that ended a turn this long ago weighs exp(-1) of one that just did
+RETURNING_MAX = 16  # conversations that ended a turn kept per replica (the most recent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +84,14 @@ class Queued:
     keys: array[int]  # its prompt's blocks
     allocates: int  # blocks it allocates when it runs: its prompt's not held, and its reply's
     held: int  # of `keys`, what the replica held when it was sent
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A conversation that ended a turn on a replica: it may come back for what it left there."""
+
+    keys: array[int]  # its prompt's blocks
+    at: float  # when (monotonic seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +114,9 @@ class Truth:
         # replica -> (its blocks stored so far, `ahead` then): summed again only once events came
         self._ahead: dict[str, tuple[int, int]] = {}
         self.cut: Counter[str] = Counter()  # replica -> prices cut by blocks predicted evicted first
+        # replica -> the conversations that ended a turn there lately, oldest first (`ended`)
+        self.returning: dict[str, deque[Ended]] = {}
+        self.pushed: Counter[str] = Counter()  # replica -> prices charged for what they evict of those
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -106,6 +136,8 @@ class Truth:
         for h in self.replicas.pop(replica_id, {}).values():
             h.close()
         self.cut.pop(replica_id, None)
+        self.pushed.pop(replica_id, None)
+        self.returning.pop(replica_id, None)
         self.coming.pop(replica_id, None)
         self.queued.pop(replica_id, None)
         self._ahead.pop(replica_id, None)
@@ -140,6 +172,68 @@ class Truth:
             else:
                 coming.pop(key, None)
         self._touch(replica_id, keys)
+
+    def ended(self, replica_id: str, keys: array[int], now: float) -> None:
+        """A request sent there was answered: its conversation may come back for `keys`. An earlier
+        turn of it (a prefix of `keys`) is replaced; a later one already kept keeps it."""
+        if not keys:
+            return
+        kept = self.returning.setdefault(replica_id, deque())
+        n = len(keys)
+        for rec in list(kept):
+            m = len(rec.keys)
+            if m <= n and rec.keys[m - 1] == keys[m - 1]:  # chained keys: equal at m - 1, equal before
+                kept.remove(rec)
+            elif m > n and rec.keys[n - 1] == keys[n - 1]:
+                return
+        kept.append(Ended(keys, now))
+        while len(kept) > RETURNING_MAX:
+            kept.popleft()
+
+    def evicts(self, replica_id: str, chain: array[int], allocates: int, now: float) -> float:
+        """Blocks of the conversations that ended a turn there lately (`ended`) that a request of
+        prompt `chain` allocating `allocates` blocks there would evict beyond what the requests
+        ahead of it evict anyway, weighed by how likely each comes back for them in time (the
+        module's docstring); its best rank's."""
+        kept = self.returning.get(replica_id)
+        ranks = self.replicas.get(replica_id)
+        if not kept or not ranks or allocates <= 0:
+            return 0.0
+        while kept and now - kept[0].at > RETURN_S:
+            kept.popleft()
+        if not kept:
+            return 0.0
+        ahead = self.ahead(replica_id)
+        index = self.index
+        least = math.inf
+        for h in ranks.values():
+            empty = self._empty(h)
+            before, after = max(0, ahead - empty), ahead + allocates - empty
+            if after <= before:
+                return 0.0  # it fits in what is empty there
+            holder = h.tiers[MEDIUM_GPU].holder
+            rate = h.eviction_rate(now)
+            # the chance its conversation returns before the others' next (after - before) blocks evict it anyway
+            soon = -math.expm1(-(after - before) / (rate * RETURN_S)) if rate > 0 else 1.0
+            lost = 0.0
+            for rec in kept:
+                had = index.match_after(holder, rec.keys, before) if before else index.match(holder, rec.keys)
+                if not had:
+                    continue
+                left = max(index.match_after(holder, rec.keys, after), min(had, _common(rec.keys, chain)))
+                if left < had:
+                    lost += (had - left) * math.exp((rec.at - now) / RETURN_S)
+            least = min(least, lost * soon)
+        if least > 0:
+            self.pushed[replica_id] += 1
+        return least
+
+    @staticmethod
+    def _empty(h: Holdings) -> int:
+        """Its GPU's empty blocks: none while it is evicting (a block removed within EVICTING_S)."""
+        if time.monotonic() - h.evicted_at < EVICTING_S:
+            return 0
+        return max(0, h.capacity - h.blocks(MEDIUM_GPU))
 
     def _touch(self, replica_id: str, keys: array[int]) -> int:
         """Makes the blocks of `keys` held there the youngest (its best rank's); how many it holds."""
@@ -225,8 +319,7 @@ class Truth:
                     if gpu and allocated < 0:
                         allocated = self.ahead(replica_id)
                     if gpu and allocated > 0:
-                        evicting = time.monotonic() - h.evicted_at < EVICTING_S
-                        empty = 0 if evicting else max(0, h.capacity - h.blocks(MEDIUM_GPU))
+                        empty = self._empty(h)
                         if allocated > empty:
                             kept = self.index.match_after(t.holder, tokens.chain(size), allocated - empty)
                             if kept < gpu:
@@ -271,7 +364,12 @@ class Truth:
         ranks = self.replicas.get(replica_id)
         if not ranks:
             return None
-        out: dict[str, object] = {"sure": self.sure(replica_id), "evictions_predicted": self.cut[replica_id]}
+        out: dict[str, object] = {
+            "sure": self.sure(replica_id),
+            "evictions_predicted": self.cut[replica_id],
+            "returning": len(self.returning.get(replica_id, ())),
+            "evictions_priced": self.pushed[replica_id],
+        }
         for rank, h in sorted(ranks.items()):
             f = h.figures
             out[f"rank_{rank}" if len(ranks) > 1 else "events"] = {
@@ -293,4 +391,16 @@ class Truth:
         return out
 
 
-__all__ = ["Found", "Queued", "Truth"]
+def _common(a: array[int], b: array[int]) -> int:
+    """How many leading blocks two chains share (chained keys: equal at k, equal before k)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+__all__ = ["Ended", "Found", "Queued", "Truth"]

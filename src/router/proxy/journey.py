@@ -504,7 +504,7 @@ class Journey:
                 replica.id,
                 decision.reason if decision is not None else None,
                 route.key.kind,
-                round((cost.cost_s - cost.spread_s) * 1000, 3) if cost is not None else None,
+                round(cost.ttft_s * 1000, 3) if cost is not None else None,
                 round(cost.cached_tokens) if cost is not None else None,
             )
         span = trace.attempt(replica.id, replica.url + trip.exchange.path, route.attempts)
