@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -375,11 +376,12 @@ def test_a_new_conversation_does_not_pile_onto_the_holder_of_its_shared_prompt()
     opening = keyless(agent("a new task"))
     assert opening.prompt is not None and opening.prompt.opening
     d = policy.pick(opening, None, ())
-    # (its spread there: the tool prompt it holds, about 8,000 tokens, x 1/10,000 s x excess
-    # (40 - 10) / (10 + 4); scaled by the few tokens it computes there, as a continuation's is, it
-    # was nothing and it stayed)
+    # (its spread there, past the mean: the tool prompt it holds, about 8,000 tokens, x 1/10,000 s,
+    # what it saves it there, and the 2,000 spread tokens x 1/10,000 s x excess (40 - 10) / (10 + 4);
+    # scaled by the few tokens it computes there, as a continuation's is, it was nothing and it stayed)
     assert d is not None and d.index != 0 and d.cost is not None
-    assert placement.row(0).spread_s == pytest.approx(8000 / 10_000 * 30 / 14, rel=0.02)
+    assert placement.row(0).spread_s == pytest.approx((8000 + 2000 * 30 / 14) / 10_000, rel=0.02)
+    assert placement.row(0).ttft_s < d.cost.ttft_s  # its first token would come sooner there
     # the same prompt a turn further on is a conversation continuing there: it stays
     going_on = keyless(agent("a new task", "and then?"))
     assert going_on.prompt is not None and not going_on.prompt.opening
@@ -705,6 +707,75 @@ def test_a_replica_fed_by_events_is_priced_by_what_its_engine_holds() -> None:
     assert d is not None and placement.source(2) == "model"
 
 
+def test_a_long_new_context_goes_where_it_pushes_out_no_conversation_about_to_come_back() -> None:
+    """Two replicas of 300 blocks, each holding 250 blocks of one conversation: replica 0's ended a
+    turn just now (it may come back), replica 1's was never sent by this router (nothing says it
+    will). A new 4,000-token document fits in neither's 50 empty blocks: on 0 it would evict most
+    of the conversation about to return, so it goes to 1, and /admin/route's rows say why."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    import msgpack  # noqa: PLC0415
+
+    from router.kvevents.tokens import EngineTokens  # noqa: PLC0415
+    from router.kvevents.wire import decode  # noqa: PLC0415
+
+    fleet, policy, clock = setup(2)
+    placement = policy.placement
+
+    def tokens(first: int) -> EngineTokens:
+        ids = tuple(range(first, first + 4001))
+        return EngineTokens(len(ids), ids, None, None, "tokenizer")
+
+    def stored(first: int) -> dict[str, object]:
+        ids = list(range(first, first + 4000))
+        hashes = list(range(first, first + 250))
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                "token_ids": ids, "block_size": 16, "medium": "GPU"}  # fmt: skip
+
+    for i, first in enumerate((1, 100_001)):
+        h = placement.truth.holdings(fleet.replicas[i].id, 0, 300)
+        h.accept(decode(0, msgpack.packb([0.0, [stored(first)], 0])))
+    key = keyless(chat(doc(7), "q?"))
+    assert key.prompt is not None
+
+    def prompt(first: int):  # type: ignore[no-untyped-def]
+        return replace(key.prompt, tokens=tokens(first))
+
+    # before any conversation ended a turn here, the two are alike: a tie (the ring breaks it)
+    new = replace(key, prompt=prompt(200_001))
+    d = policy.pick(new, None, ())
+    assert d is not None and d.cost is not None and d.cost.evicts_s == 0.0 and len(placement.near()) == 2
+    there, other = d.index, 1 - d.index
+    # the conversation the ring's pick holds ends a turn there
+    mine = prompt((1, 100_001)[there])
+    placement.price(mine, (), None, clock.now)
+    placed = placement.sent(fleet.replicas[there], mine, placement.row(there), clock.now)
+    placement.released(fleet.replicas[there], clock.now, placed)
+    assert placement.truth.figures(fleet.replicas[there].id)["returning"] == 1  # type: ignore[index]
+    d = policy.pick(new, None, ())
+    assert d is not None and d.index == other and placement.near() == [other]
+    rows = {c.index: c for c in placement.rows()}
+    spt = placement.of(fleet.replicas[there]).seconds_per_token
+    # 250 + its reply's blocks, 50 empty: at least 200 of the conversation's 250 evicted, at its speed
+    assert rows[there].evicts_s >= 200 * 16 * spt and rows[other].evicts_s == 0.0
+    assert rows[there].ttft_s == pytest.approx(rows[other].ttft_s)  # its first token is no later there
+    # the conversation's own next turn shares what it holds: it pushes nothing of it out
+    ids = (*mine.tokens.ids[:4000], 9)
+    placement.price(replace(mine, tokens=EngineTokens(4001, ids, None, None, "tokenizer")), (), None, clock.now)
+    assert placement.row(there).evicts_s == 0.0
+    # 15 s later it weighs exp(-1/2) of that; past RETURN_S it is forgotten
+    clock.now += 15.0
+    d = policy.pick(new, None, ())
+    assert d is not None and d.index == other
+    assert {c.index: c for c in placement.rows()}[there].evicts_s == pytest.approx(
+        rows[there].evicts_s * math.exp(-0.5)
+    )
+    clock.now += 16.0
+    d = policy.pick(new, None, ())
+    assert d is not None and d.cost is not None and d.cost.evicts_s == 0.0 and len(placement.near()) == 2
+    assert placement.truth.figures(fleet.replicas[there].id)["evictions_priced"] == 2  # type: ignore[index]
+
+
 def test_a_target_places_a_request_where_it_is_predicted_met_and_marks_it_late_where_none_is() -> None:
     """The session of the test above stays home with 0.5 s queued there (the move does not pay for
     the fleet); asked for its first token within 0.4 s, it goes where that is predicted (about
@@ -719,7 +790,7 @@ def test_a_target_places_a_request_where_it_is_predicted_met_and_marks_it_late_w
     assert stay is not None and stay.index == 1 and not stay.late
     met = policy.pick(key, home.id, (), target_s=0.4)
     assert met is not None and (met.index, met.reason, met.late) == (0, "target", False)
-    assert met.cost is not None and met.cost.cost_s - met.cost.spread_s <= 0.4
+    assert met.cost is not None and met.cost.ttft_s <= 0.4
     late = policy.pick(key, home.id, (), target_s=0.1)
     assert late is not None and (late.index, late.reason, late.late) == (1, "sticky", True)
     roomy = policy.pick(key, home.id, (), target_s=5.0)  # a target its own choice meets changes nothing

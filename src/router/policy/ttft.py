@@ -21,7 +21,10 @@ the replica a session was served on last holds that session's whole history, its
    sessions as consistent hashing would (routers with no shared state agree), never by list order.
 3. A keyless request's home (the replica holding at least half its prompt) keeps it unless another
    costs less than 1 / (1 + `ttft_stay_share`) of its cost: a move leaves a cache behind, and
-   near-equal guesses are noise.
+   near-equal guesses are noise. A new conversation's (`Prompt.opening`: no assistant turn yet)
+   home must hold some of its last message (another reader of the same document, sent ahead of
+   it): one holding only its messages before the last holds a prefix others sent (a shared system
+   or tool prompt), and the spread term, not a stay margin, decides whether that draws it there.
 4. A keyed session's replica, while it is not past the gate, keeps the session unless the time a
    move saves this turn pays for what the move costs the fleet (`move_price`):
 
@@ -207,11 +210,11 @@ class Ttft(Policy):
         `target`, not past the gate where one is not); where none does, the decision stands,
         marked `late` (the journey turns a sheddable request away rather than serve it late)."""
         chosen = decision.cost
-        if chosen is None or chosen.cost_s - chosen.spread_s <= target_s:
+        if chosen is None or chosen.ttft_s <= target_s:
             return decision
         rows = self.placement.rows()
-        fastest = min(rows, key=lambda c: (c.gated, c.cost_s - c.spread_s))
-        if fastest.cost_s - fastest.spread_s <= target_s:
+        fastest = min(rows, key=lambda c: (c.gated, c.ttft_s))
+        if fastest.ttft_s <= target_s:
             return Decision(fastest.index, "target", fastest)
         return replace(decision, late=True)
 
@@ -247,6 +250,7 @@ class Ttft(Policy):
                     "wait_s": round(c.wait_s, 6),
                     "cost_s": round(c.cost_s, 6),
                     "spread_s": round(c.spread_s, 6),
+                    "evicts_s": round(c.evicts_s, 6),  # what it pushes out of conversations likely back
                     "gated": c.gated,
                     "prefill_tokens_per_s": round(1 / placement.of(fleet.replicas[c.index]).seconds_per_token),
                 }
@@ -283,6 +287,8 @@ class Ttft(Policy):
         )
         if best == -2:
             return None, placement
+        if holding >= 0 and prompt.opening and placement.row(holding).cached_tokens <= placement.history_tokens(prompt):
+            holding = -1  # a new conversation's home holds its own last message, not only a prefix others sent
         tie = near > 1
         if best == -1:  # every one past the gate: the least full of them (a queue still beats an error)
             rows = placement.rows()
@@ -330,7 +336,8 @@ class Ttft(Policy):
         first token (rows of the latest `price`): the history it recomputes there, once for itself
         and once for each request in flight or queued there, which waits for it; and the tokens of
         other conversations' context it pushes out of that KV cache (the history past the free room
-        of the replica's LRU), recomputed when they come back. At that replica's prefill speed."""
+        of the replica's LRU), recomputed when they come back. At that replica's prefill speed.
+        Where that replica's events priced it (the row's `evicts_s`), that is its price instead."""
         placement, fleet = self.placement, self.fleet
         replica = fleet.replicas[there.index]
         held = placement.of(replica)
@@ -340,6 +347,9 @@ class Ttft(Policy):
         waiting = replica.engine.waiting
         behind = load + max((waiting or 0) - load, 0)  # as priced: what others queued there beyond ours
         block_tokens = placement.block_bytes / placement.bytes_per_token
+        if there.evicts_s or placement.source(there.index) == "events":
+            # its engine's events priced what it pushes out there, of the conversations likely back
+            return history * spt * (1 + behind)
         free = max(held.blocks - placement.blocks_held(replica.id), 0) * block_tokens  # its LRU's room
         return history * spt * (1 + behind) + max(history - free, 0.0) * spt
 
