@@ -452,8 +452,10 @@ class Placement:
             self._evicts = array("d", [0.0]) * n
         known, tier, evicts = self._known, self._tier, self._evicts
         matches: dict[int, array[int]] = {}  # by block size: what every holder keeps of its chain
+        # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
+        sized: dict[int, tuple[array[int], int]] = {}
         used = evicting = False
-        reply = self.mean_output
+        returning = truth.returning
         for i, r in enumerate(self.fleet.replicas):
             known[i] = -1.0
             tier[i] = 0.0
@@ -469,12 +471,14 @@ class Placement:
                 known[i] = truth.credit(found, self._spt[i])
                 tier[i] = found.tier_tokens
                 used = True
-                if found.block_size and r.id in truth.returning:
-                    b = found.block_size
-                    chain = tokens.chain(b)
+                b = found.block_size
+                if b and r.id in returning:
+                    at_size = sized.get(b)
+                    if at_size is None:
+                        chain = tokens.chain(b)
+                        at_size = sized[b] = (chain, len(chain) + math.ceil(self.mean_output / b))
                     # it allocates its prompt's blocks not held there, and its reply's
-                    allocates = len(chain) - found.gpu_tokens // b + math.ceil(reply / b)
-                    lost = truth.evicts(r.id, chain, allocates, now)
+                    lost = truth.evicts(r.id, at_size[0], at_size[1] - found.gpu_tokens // b, now)
                     if lost > 0:
                         evicts[i] = lost * b * self._spt[i]
                         evicting = True

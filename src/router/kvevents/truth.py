@@ -75,6 +75,7 @@ TIER_ALPHA = 0.05  # ... and each new sample moves the learnt one this much, onc
 EVICTING_S = 1.0  # a replica that evicted a GPU block this recently has no empty blocks left
 RETURN_S = 30.0  # a conversation that ended a turn this long ago weighs exp(-1) of one that just did
 RETURNING_MAX = 16  # conversations that ended a turn kept per replica (the most recent)
+ROOM_S = 0.05  # a replica found with room for a request is taken to have as much for this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,9 @@ class Truth:
         # replica -> the conversations that ended a turn there lately, oldest first (`ended`)
         self.returning: dict[str, deque[Ended]] = {}
         self.pushed: Counter[str] = Counter()  # replica -> prices charged for what they evict of those
+        # replica -> (until when, the blocks a request may allocate there without evicting): found
+        # by `evicts`, kept ROOM_S or until a request comes or goes (most prices find room: a lookup)
+        self._room: dict[str, tuple[float, int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -138,6 +142,7 @@ class Truth:
         self.cut.pop(replica_id, None)
         self.pushed.pop(replica_id, None)
         self.returning.pop(replica_id, None)
+        self._room.pop(replica_id, None)
         self.coming.pop(replica_id, None)
         self.queued.pop(replica_id, None)
         self._ahead.pop(replica_id, None)
@@ -155,6 +160,7 @@ class Truth:
         held = self._touch(replica_id, keys)
         self.queued.setdefault(replica_id, {})[id(keys)] = Queued(keys, max(0, allocates), held)
         self._ahead.pop(replica_id, None)
+        self._room.pop(replica_id, None)
 
     def unexpect(self, replica_id: str, keys: array[int]) -> None:
         """... it ended (or failed): its blocks are what the events say from now on, the youngest of
@@ -162,6 +168,7 @@ class Truth:
         queued = self.queued.get(replica_id)
         if queued is not None and queued.pop(id(keys), None) is not None:
             self._ahead.pop(replica_id, None)
+            self._room.pop(replica_id, None)
         coming = self.coming.get(replica_id)
         if coming is None:
             return
@@ -196,8 +203,13 @@ class Truth:
         ahead of it evict anyway, weighed by how likely each comes back for them in time (the
         module's docstring); its best rank's."""
         kept = self.returning.get(replica_id)
+        if not kept or allocates <= 0:
+            return 0.0
+        room = self._room.get(replica_id)
+        if room is not None and now < room[0] and allocates <= room[1]:
+            return 0.0
         ranks = self.replicas.get(replica_id)
-        if not kept or not ranks or allocates <= 0:
+        if not ranks:
             return 0.0
         while kept and now - kept[0].at > RETURN_S:
             kept.popleft()
@@ -210,6 +222,7 @@ class Truth:
             empty = self._empty(h)
             before, after = max(0, ahead - empty), ahead + allocates - empty
             if after <= before:
+                self._room[replica_id] = (now + ROOM_S, empty - ahead)
                 return 0.0  # it fits in what is empty there
             holder = h.tiers[MEDIUM_GPU].holder
             rate = h.eviction_rate(now)
