@@ -667,9 +667,9 @@ cdef class PrefixIndex:
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
                        total_tokens > 0; else 0 (with spread_whole, a new conversation, which
                        commits its turns to whichever replica it goes: total_tokens in uncached's
-                       place, plus min(cached, history_blocks x block_tokens) x spt: what a replica
-                       holds of its messages before the last (a shared system or tool prompt) draws
-                       it only to a replica no busier than the mean)
+                       place, and max(min(cached, history_blocks x block_tokens), spread_tokens)
+                       in spread_tokens': what a replica holds of its messages before the last (a
+                       shared system or tool prompt) draws it there no further than the excess allows)
             cost     = wait + uncached * spt + spread (+ evicts[i], when evicts is given and
                        evicts[i] != 0: seconds of prefill what it would evict there costs others)
             gated    = loads[i] >= caps[i]
@@ -1050,11 +1050,10 @@ cdef class PrefixIndex:
                     # spread_tokens of prefill per unit of excess, times the share of the prompt it computes
                     excess = (recent - mean) / (mean + <double>PREFIX_SPREAD_SMOOTH)
                     if request.spread_whole:
-                        # a new conversation: charged whole, and what the shared prefix there saves it
-                        # draws it only to a replica no busier than the mean
+                        # a new conversation: charged whole, and at least what the shared prefix there saves it
                         shared = opening_history if opening_history < cached else cached
-                        spread = shared * spt + (((request.spread_tokens * spt) * excess)
-                                                 * request.total_tokens) / request.total_tokens
+                        spread = ((((shared if shared > request.spread_tokens else request.spread_tokens) * spt)
+                                   * excess) * request.total_tokens) / request.total_tokens
                     else:
                         spread = ((((request.spread_tokens * spt) * excess) * uncached) / request.total_tokens)
                     cost = cost + spread

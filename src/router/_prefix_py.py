@@ -413,9 +413,9 @@ class PrefixIndex:
                        when recent is given, spread_tokens > 0, i != last, r[i] > mean and
                        total_tokens > 0; else 0 (with spread_whole, a new conversation, which
                        commits its turns to whichever replica it goes: total_tokens in uncached's
-                       place, plus min(cached, history_blocks x block_tokens) x spt: what a replica
-                       holds of its messages before the last (a shared system or tool prompt) draws
-                       it only to a replica no busier than the mean)
+                       place, and max(min(cached, history_blocks x block_tokens), spread_tokens)
+                       in spread_tokens': what a replica holds of its messages before the last (a
+                       shared system or tool prompt) draws it there no further than the excess allows)
             cost     = wait + uncached * spt + spread (+ evicts[i], when evicts is given and
                        evicts[i] != 0: seconds of prefill what it would evict there costs others)
             gated    = loads[i] >= caps[i]
@@ -531,10 +531,10 @@ class PrefixIndex:
                     # sent_now > mean: a positive numerator, and C's x / +0.0 is +inf
                     excess = (sent_now - mean) / smooth if smooth != 0.0 else math.inf
                     if spread_whole:
-                        # a new conversation: charged whole, and what the shared prefix there saves it
-                        # draws it only to a replica no busier than the mean
+                        # a new conversation: charged whole, and at least what the shared prefix there saves it
                         shared = opening_history if opening_history < cached else cached
-                        spread = shared * spt + (((spread_tokens * spt) * excess) * total_tokens) / total_tokens
+                        base = shared if shared > spread_tokens else spread_tokens
+                        spread = (((base * spt) * excess) * total_tokens) / total_tokens
                     else:
                         spread = (((spread_tokens * spt) * excess) * uncached) / total_tokens
                     cost = cost + spread

@@ -62,13 +62,12 @@ their shared system prompt: right for one first token, wrong for the load (and t
 of every turn after it. A chat with no assistant turn yet (`Prompt.opening`) is a new conversation
 however much of it a replica holds (a coding agent's 12k-token tool prompt is most of its first
 turn, and its own context grows past it within a few tool calls): its spread is charged whole,
-not by the share computed, and a replica past the mean is charged too the tokens of its messages
-before the last that it holds (its shared system or tool prompt): what a shared prefix saves a new
-conversation draws it only to a replica no busier than the mean. On the agents workload the
-holders of the two shared tool prompts had drawn every session (load CV 1.53; 1.20 with the
-spread charged whole; with the prefix's saving charged past the mean, 0.81, near hashing's 0.76).
-Such a holder is no home for it either (router.policy.ttft: a new conversation's home holds some
-of its last message).
+not by the share computed, and in at least the tokens of its messages before the last that the
+replica holds (its shared system or tool prompt), so what that prefix saves it there draws it no
+further than the replica's excess allows. Nor is such a holder its home (router.policy.ttft: a
+new conversation's home holds some of its last message; the stay margin had kept the agents'
+sessions there). On the agents workload the holders of the two shared tool prompts had drawn
+every session (load CV 1.53; 1.20 with the spread charged whole; 0.86-0.91 with no home).
 A document in its last message is its own work, not a shared prefix: it is not counted (counting
 it cost long-document QA a point of hit rate). A keyed session's own replica never pays it.
 

@@ -233,16 +233,12 @@ def test_a_new_conversations_spread_is_charged_whole(impl: ModuleType) -> None:
     assert whole.spread == [2.0, 1.0, 0.0] and scaled.spread == [0.75, 0.84375, 0.0]
     assert whole.cached == scaled.cached and whole.wait == scaled.wait
     assert whole.cost == [1.265625 + 2.0, 0.421875 + 1.0, 1.0078125]
-    # and, past the mean, what the shared prefix there saves it: its messages before the last (30
-    # blocks, 480 tokens), as far as a replica holds them. With 64 spread tokens, 0 (holding 640)
-    # pays for 480 and 1 for the 160 it holds, whole (it draws the conversation no busier replica):
-    #   0: 480 x 1/1024 + 64 x 1/1024 x 1/4       1: 160 x 1/2048 + 64 x 1/2048 x 1/4
+    # and at least what the shared prefix there saves it: its messages before the last (30 blocks,
+    # 480 tokens), as far as a replica holds them. With 64 spread tokens, 0 (holding 640) pays for 480
+    # and 1 for the 160 it holds:  0: 480 x 1/1024 x 1/4     1: 160 x 1/2048 x 1/4 = 0.01953125 s
     small = scalars | {"spread_tokens": 64.0, "history_blocks": 30}
     held = decide(index, CHAIN, fleet, spread_whole=True, **small)
-    assert held.cached[:2] == [640.0, 160.0]
-    assert held.spread == [480 / 1024 + 64 / 1024 / 4, 160 / 2048 + 64 / 2048 / 4, 0.0]
-    # below the mean (2: nothing sent there lately) a shared prefix saves it all it holds
-    assert held.cost[2] == whole.cost[2] and held.spread[2] == 0.0
+    assert held.cached[:2] == [640.0, 160.0] and held.spread == [480 / 1024 / 4, 0.01953125, 0.0]
     # a prompt that is all its last message (no history) pays the spread tokens alone
     alone = decide(index, CHAIN, fleet, spread_whole=True, **(small | {"history_blocks": 0}))
     assert alone.spread == [64 / 1024 / 4, 64 / 2048 / 4, 0.0]

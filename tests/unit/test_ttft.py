@@ -376,11 +376,11 @@ def test_a_new_conversation_does_not_pile_onto_the_holder_of_its_shared_prompt()
     opening = keyless(agent("a new task"))
     assert opening.prompt is not None and opening.prompt.opening
     d = policy.pick(opening, None, ())
-    # (its spread there, past the mean: the tool prompt it holds, about 8,000 tokens, x 1/10,000 s,
-    # what it saves it there, and the 2,000 spread tokens x 1/10,000 s x excess (40 - 10) / (10 + 4);
-    # scaled by the few tokens it computes there, as a continuation's is, it was nothing and it stayed)
+    # (its spread there: the tool prompt it holds, about 8,000 tokens, x 1/10,000 s x excess
+    # (40 - 10) / (10 + 4); scaled by the few tokens it computes there, as a continuation's is, it
+    # was nothing and it stayed. The holder is no home for it: it holds none of its last message)
     assert d is not None and d.index != 0 and d.cost is not None
-    assert placement.row(0).spread_s == pytest.approx((8000 + 2000 * 30 / 14) / 10_000, rel=0.02)
+    assert placement.row(0).spread_s == pytest.approx(8000 / 10_000 * 30 / 14, rel=0.02)
     assert placement.row(0).ttft_s < d.cost.ttft_s  # its first token would come sooner there
     # the same prompt a turn further on is a conversation continuing there: it stays
     going_on = keyless(agent("a new task", "and then?"))

@@ -59,7 +59,7 @@ HELP = {
     "ttft_spread_tokens": "ttft: a new conversation costs this many more tokens of prefill on a replica whose "
     "recent traffic is past the fleet's mean, times (recent - mean) / (mean + 4) and the share of the prompt it "
     "would compute (its later turns will load it; default 2000); a chat with no assistant turn yet is charged "
-    "whole, plus the tokens of its earlier messages the replica holds",
+    "whole, and at least the tokens of its earlier messages the replica holds",
     "ttft_gate_c": "ttft: never a replica with more in flight than max(ceil(c x (in flight + 1) / replicas), "
     "ceil((in flight + 1) / replicas) + bounded_load_floor), c >= 1 (default 1.5)",
     "ttft_stay_share": "ttft: the replica holding a conversation (a keyed session's, or one holding half a keyless "
