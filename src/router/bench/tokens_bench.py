@@ -216,7 +216,8 @@ async def time_awaits(fn: Callable[[], Awaitable[object]], repeat: int, budget_s
 class Decision:
     """A Placement over `replicas` replicas whose engines' events are believed: the first holds the
     conversation's first turn (its prompt's blocks), every other one a conversation of its own of the
-    same length. Today's model holds the same in the router's own index."""
+    same length, each of which ended a turn there (it may come back: the price checks what a request
+    would evict of it). Today's model holds the same in the router's own index."""
 
     def __init__(self, replicas: int, block_size: int, first_ids: tuple[int, ...], first_body: dict[str, Any]) -> None:
         specs = tuple(parse_replica(f"r{i}=http://127.0.0.1:{9000 + i}") for i in range(replicas))
@@ -232,6 +233,8 @@ class Decision:
             hashes = tuple(range(i << 32, (i << 32) + whole // block_size))
             h = self.placement.truth.holdings(r.id, 0, capacity)
             h.accept(Batch(0, 0.0, 0, (Stored(hashes, None, ids, block_size, MEDIUM_GPU, None, None),)))
+            ended = EngineTokens(len(ids), ids, None, None, "tokenizer").chain(block_size)
+            self.placement.truth.ended(r.id, ended, self.placement.clock())
             if i == 0:
                 first = prompt_of(first_body, self.block_bytes)
                 assert first is not None

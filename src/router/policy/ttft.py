@@ -336,8 +336,7 @@ class Ttft(Policy):
         first token (rows of the latest `price`): the history it recomputes there, once for itself
         and once for each request in flight or queued there, which waits for it; and the tokens of
         other conversations' context it pushes out of that KV cache (the history past the free room
-        of the replica's LRU), recomputed when they come back. At that replica's prefill speed.
-        Where that replica's events priced it (the row's `evicts_s`), that is its price instead."""
+        of the replica's LRU), recomputed when they come back. At that replica's prefill speed."""
         placement, fleet = self.placement, self.fleet
         replica = fleet.replicas[there.index]
         held = placement.of(replica)
@@ -347,9 +346,6 @@ class Ttft(Policy):
         waiting = replica.engine.waiting
         behind = load + max((waiting or 0) - load, 0)  # as priced: what others queued there beyond ours
         block_tokens = placement.block_bytes / placement.bytes_per_token
-        if there.evicts_s or placement.source(there.index) == "events":
-            # its engine's events priced what it pushes out there, of the conversations likely back
-            return history * spt * (1 + behind)
         free = max(held.blocks - placement.blocks_held(replica.id), 0) * block_tokens  # its LRU's room
         return history * spt * (1 + behind) + max(history - free, 0.0) * spt
 
