@@ -67,15 +67,15 @@ replica holds (its shared system or tool prompt), so what that prefix saves it t
 further than the replica's excess allows. Nor is such a holder its home (router.policy.ttft: a
 new conversation's home holds some of its last message; the stay margin had kept the agents'
 sessions there). On the agents workload the holders of the two shared tool prompts had drawn
-every session (load CV 1.53; 1.20 with the spread charged whole; 0.86-0.91 with no home).
+every session (load CV 1.53; 1.20 with the spread charged whole; 0.86-1.02 with no home).
 A document in its last message is its own work, not a shared prefix: it is not counted (counting
 it cost long-document QA a point of hit rate). A keyed session's own replica never pays it.
 
 The eviction term, where the replica's engine publishes KV-cache events: a request allocating
 more blocks there than are empty evicts its oldest free blocks, and those may be a conversation
 that ended a turn there seconds ago and is about to come back (router.kvevents.truth.Truth.evicts:
-its blocks evicted, each weighed by exp(-age / RETURN_S)). They would be computed again on its
-return, at that replica's speed. So a long new context goes where it destroys least (empty blocks,
+its blocks evicted, weighed by how likely it comes back before the replica's other traffic would
+have evicted them anyway). They would be computed again on its return, at that replica's speed. So a long new context goes where it destroys least (empty blocks,
 or blocks nobody is coming back for), and it is no part of the predicted time to first token
 (`Candidate.ttft_s`).
 
