@@ -75,9 +75,9 @@ The eviction term, where the replica's engine publishes KV-cache events: a reque
 more blocks there than are empty evicts its oldest free blocks, and those may be a conversation
 that ended a turn there seconds ago and is about to come back (router.kvevents.truth.Truth.evicts:
 its blocks evicted, weighed by how likely it comes back before the replica's other traffic would
-have evicted them anyway). They would be computed again on its return, at that replica's speed. So a long new context goes where it destroys least (empty blocks,
-or blocks nobody is coming back for), and it is no part of the predicted time to first token
-(`Candidate.ttft_s`).
+have evicted them anyway). They would be computed again on its return, at that replica's speed.
+So a long new context goes where it destroys least (empty blocks, or blocks nobody is coming back
+for), and it is no part of the predicted time to first token (`Candidate.ttft_s`).
 
 `price` hands all of it to the compiled core (`PrefixIndex.price`: one loop over raw arrays kept
 here by fleet position), which also applies the gate and finds the cheapest and its near-ties;
