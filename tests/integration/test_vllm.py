@@ -298,7 +298,9 @@ async def test_overload_admission_reads_vllms_waiting_queue(
     """A burst of three times the fleet's slots: without admission it waits in the engines' queues;
     with it, the router holds what the engines have no room for (it reads their `waiting` gauge)
     and refuses the rest with a 429 and Retry-After."""
-    long = {"messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 120, "ignore_eos": True}
+    long = {"messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 240, "ignore_eos": True}
+    # long enough that the whole burst has arrived before the engines' first slots free: on a busy machine
+    # the 24 requests take a second or more to arrive, and a shorter story let the queue drain as it filled
 
     async def burst(url: str, n: int) -> tuple[list[int], int]:
         peak = 0
@@ -306,11 +308,13 @@ async def test_overload_admission_reads_vllms_waiting_queue(
 
         async def watch(http: aiohttp.ClientSession) -> None:
             nonlocal peak
-            while not done.is_set():
-                for server in pair:
-                    async with http.get(server.url + "/metrics") as r:
-                        stats = parse_engine_metrics(await r.text())
-                    peak = max(peak, int(stats.waiting or 0))
+
+            async def waiting(server: VllmServer) -> int:
+                async with http.get(server.url + "/metrics") as r:
+                    return int(parse_engine_metrics(await r.text()).waiting or 0)
+
+            while not done.is_set():  # both engines read at once, so neither is sampled late
+                peak = max(peak, *await asyncio.gather(*(waiting(server) for server in pair)))
                 await asyncio.sleep(0.05)
 
         async with aiohttp.ClientSession() as http:
