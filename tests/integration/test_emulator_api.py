@@ -104,6 +104,48 @@ async def test_streamed_chat_through_the_openai_client(replica: Replica) -> None
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}},
+]
+
+
+@pytest.mark.parametrize(
+    ("choice", "name", "finish"),
+    [("required", "read_file", "tool_calls"), ({"type": "function", "function": {"name": "run"}}, "run", "stop")],
+)
+async def test_a_chat_that_must_call_a_tool_is_answered_with_a_call_streamed_or_not(
+    replica: Replica, choice: object, name: str, finish: str
+) -> None:
+    """As vLLM 0.32 answers a required tool (finish `tool_calls`) or a named one (`stop`): one call,
+    its arguments JSON whole, streamed or not alike; the next turn carries the call and its result,
+    and finds the call's turn cached."""
+    client = openai.AsyncOpenAI(base_url=replica.url + "/v1", api_key="unused")
+    asked = {"model": "emulated-llm", "messages": CHAT, "max_tokens": 6, "tools": TOOLS, "tool_choice": choice}
+    done = await client.chat.completions.create(**asked)  # type: ignore[call-overload]
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == finish and message.content is None
+    assert message.tool_calls is not None and [c.function.name for c in message.tool_calls] == [name]
+    arguments = message.tool_calls[0].function.arguments
+    assert len(orjson.loads(arguments)["text"]) == 6 * 4
+    stream = await client.chat.completions.create(**asked, stream=True)  # type: ignore[call-overload]
+    chunks = [c async for c in stream if c.choices]
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert [c.id for c in calls if c.id] == [calls[0].id] and calls[0].function.name == name
+    assert "".join(c.function.arguments or "" for c in calls) == arguments  # the same prompt, the same reply
+    assert [c.choices[0].finish_reason for c in chunks][-1] == finish
+    assert not any(c.choices[0].delta.content for c in chunks)
+    turn2 = [
+        *CHAT,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "ok"},
+    ]
+    again = await client.chat.completions.create(model="emulated-llm", messages=turn2, max_tokens=2)  # type: ignore[arg-type]
+    await client.close()
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= done.usage.prompt_tokens // 16 * 16  # type: ignore[union-attr]
+
+
 async def test_completions_streaming_and_not(replica: Replica) -> None:
     client = openai.AsyncOpenAI(base_url=replica.url + "/v1", api_key="unused")
     done = await client.completions.create(model="emulated-llm", prompt="x" * 400, max_tokens=4)
@@ -185,6 +227,15 @@ async def test_models_health_and_metrics(replica: Replica) -> None:
         ("/v1/completions", {"prompt": "", "max_tokens": 2}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
         ("/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": "no"}, 400, "add_generation_prompt"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "any"}, 400, "tool_choice"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            400,
+            "tool_choice",
+        ),
     ],
 )
 async def test_bad_requests_get_openai_shaped_errors(

@@ -112,6 +112,26 @@ async def test_sessions_are_priced_by_the_events_and_predicted_exactly(
     assert removed > 0  # the engines evicted, and the index followed
 
 
+async def test_an_answer_that_called_tools_marks_its_conversation_as_coming_back_soon(
+    start_fleet: Callable[..., Any], start_router: Callable[..., Any]
+) -> None:
+    """The router reads, from the answer itself (whole or streamed), whether it called tools; the
+    conversations that ended a turn on the replica are kept, those that called tools marked as
+    coming back within seconds (router.kvevents.truth)."""
+    fleet = await fleet_with_events(start_fleet, 1)
+    router, url = await start_router([fleet.replicas[0].url], probe_interval_s=0.2)
+    await believed(router, 1)
+    tools = {"tools": [{"type": "function", "function": {"name": "read_file"}}], "tool_choice": "required"}
+    async with aiohttp.ClientSession() as http:
+        for n, extra, stream in ((1, {}, False), (2, tools, False), (3, tools, True), (4, {}, True)):
+            body = {"model": "emulated-llm", "messages": conversation(n, 1), "max_tokens": 4, "stream": stream}
+            async with http.post(url + "/v1/chat/completions", json={**body, **extra}) as r:
+                text = await r.text()
+                assert r.status == 200 and ('"tool_calls"' in text) == bool(extra), text
+    figures = router.placement.truth.figures(router.fleet.replicas[0].id)  # type: ignore[union-attr]
+    assert figures is not None and (figures["returning"], figures["returning_from_tools"]) == (4, 2)
+
+
 async def test_a_lost_message_is_replayed_and_a_restart_empties(
     start_fleet: Callable[..., Any], start_router: Callable[..., Any]
 ) -> None:

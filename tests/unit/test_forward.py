@@ -170,3 +170,73 @@ def test_the_framers_count_the_events_that_carry_tokens_however_the_bytes_are_cu
         for a, b in zip([0, *cut], [*cut, len(stream)], strict=True):
             framer.feed(stream[a:b])
         assert at_least <= framer.events <= at_most, (type(framer).__name__, framer.events)
+
+
+def _events(*objects: dict[str, Any], named: bool = False, crlf: bool = False) -> bytes:
+    end = b"\r\n\r\n" if crlf else b"\n\n"
+    out = b""
+    for o in objects:
+        head = b"event: " + str(o["type"]).encode() + end[: len(end) // 2] if named else b""
+        out += head + b"data: " + orjson.dumps(o) + end
+    return out
+
+
+def test_the_framers_read_whether_an_answer_called_tools_in_every_api_however_the_bytes_are_cut() -> None:
+    """A chat choice's tool-call deltas (whatever its finish reason: vLLM ends a named tool choice
+    with `stop`), an Anthropic `tool_use` block, a Responses API `function_call` item; a reply that
+    only mentions those names, or an empty `tool_calls` list, calls none."""
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "read", "arguments": ""}}
+    chat_tools = _events(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    )
+    chat_text = _events(
+        {"choices": [{"index": 0, "delta": {"content": 'call "tool_use" or "tool_calls":[{'}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "", "tool_calls": []}, "finish_reason": "stop"}]},
+    )
+    block = {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}
+    anthropic_tools = _events(
+        {"type": "content_block_start", "index": 0, "content_block": block},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 3}},
+        named=True,
+        crlf=True,
+    )
+    anthropic_text = _events(
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}},
+        named=True,
+    )
+    item = {"type": "function_call", "call_id": "c", "name": "read", "arguments": ""}
+    responses_tools = _events({"type": "response.output_item.added", "output_index": 0, "item": item}, named=True)
+    responses_text = _events({"type": "response.output_text.delta", "delta": '"function_call"'}, named=True)
+    rng = random.Random(5)
+    for make, stream, tools in (
+        (lambda: SseFramer(False), chat_tools, True),
+        (lambda: SseFramer(True), chat_text, False),
+        (MessagesFramer, anthropic_tools, True),
+        (MessagesFramer, anthropic_text, False),
+        (ResponsesFramer, responses_tools, True),
+        (ResponsesFramer, responses_text, False),
+    ):
+        for cuts in (0, 1, 5):
+            framer = make()
+            cut = sorted(rng.sample(range(1, len(stream)), cuts))
+            for a, b in zip([0, *cut], [*cut, len(stream)], strict=True):
+                framer.feed(stream[a:b])
+            framer.pending()
+            assert framer.tools is tools, (type(framer).__name__, stream, cut)
+    assert Splicer(SoFar(), chat=True, strip_usage=False).tools is False
+
+
+def test_a_whole_answer_that_called_tools_is_read_as_one() -> None:
+    from router.proxy.sse import calls_tools  # noqa: PLC0415
+
+    message = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}
+    assert calls_tools(orjson.dumps({"choices": [{"message": message, "finish_reason": "tool_calls"}]}))
+    assert calls_tools(orjson.dumps({"content": [{"type": "tool_use", "id": "t"}], "stop_reason": "tool_use"}))
+    assert calls_tools(orjson.dumps({"output": [{"type": "function_call", "name": "read"}]}))
+    text = {"role": "assistant", "content": 'say "tool_calls": [{ "tool_use"', "tool_calls": []}
+    assert not calls_tools(orjson.dumps({"choices": [{"message": text, "finish_reason": "stop"}]}))
+    assert not calls_tools(b'{"function_call": null, "stop_reason": "end_turn"}')

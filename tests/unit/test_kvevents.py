@@ -377,7 +377,7 @@ def test_what_a_request_evicts_of_a_conversation_about_to_return_weighs_less_whe
     back). A request allocating three blocks evicts two of the conversation's three, all of a loss
     while the cache is not seen turning over; once it evicts half a block a second, those two blocks would be
     gone 4 s later anyway, and a conversation comes back that soon with 1 - exp(-4 / RETURN_S)."""
-    from router.kvevents.truth import RETURN_S  # noqa: PLC0415
+    from router.kvevents.truth import RETURN_S, TOOLS_BACK_S  # noqa: PLC0415
 
     truth = Truth()
     a = truth.holdings("a", 0, 9)
@@ -395,6 +395,42 @@ def test_what_a_request_evicts_of_a_conversation_about_to_return_weighs_less_whe
     got = truth.evicts("a", other, 2, 10.0)  # 5 blocks evicted in 10 s; evicting now: no empty block
     assert got == pytest.approx(2 * math.exp(-10 / RETURN_S) * -math.expm1(-4 / RETURN_S))
     assert truth.figures("a")["evictions_priced"] == 2  # type: ignore[index]
+    # its answer called tools: it comes back within seconds (TOOLS_BACK_S), so the same push weighs
+    # what is left of it 10 s on, and that it is back well before the cache's turnover reaches it
+    truth.tools("a", conversation)
+    assert truth.figures("a")["returning_from_tools"] == 1  # type: ignore[index]
+    got_tools = truth.evicts("a", other, 2, 10.0)
+    assert got_tools == pytest.approx(2 * math.exp(-10 / TOOLS_BACK_S) * -math.expm1(-4 / TOOLS_BACK_S))
+    truth.tools("a", other)  # (a turn it never kept: nothing changes)
+    assert [r.back_s for r in truth.returning["a"]] == [TOOLS_BACK_S]
+
+
+def test_a_tool_loop_that_just_paused_weighs_more_than_a_chat_and_less_once_it_is_late() -> None:
+    """Two conversations alike but for how their answers ended: one called tools. Pushed out at
+    once, the tool loop's blocks weigh more (it is back within seconds, before the turnover would
+    have taken them); a minute on, less (a tool loop that has not come back has most likely ended)."""
+    truth = Truth()
+    a = truth.holdings("a", 0, 9)
+    x = list(range(100, 112))
+    a.accept(batch(0, tagged_stored([1, 2, 3], None, x)))
+    a.accept(batch(1, tagged_stored([4, 5, 6, 7, 8], None, list(range(200, 220)))))
+    assert a.eviction_rate(0.0) == 0.0  # (the rate's first mark)
+    a.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [4, 5, 6, 7, 8], "medium": "GPU"}))
+    a.accept(batch(3, tagged_stored([9, 10, 11, 12, 13], None, list(range(300, 320)))))
+    assert a.eviction_rate(10.0) == 0.5  # the cache turns over: two blocks' worth in 4 s
+    conversation = EngineTokens(13, (*x, 7), None, None, "tokenizer").chain(BS)
+    other = EngineTokens(9, tuple(range(500, 509)), None, None, "tokenizer").chain(BS)
+
+    def price(tools: bool, age: float) -> float:
+        truth.returning.clear()
+        truth._room.clear()
+        truth.ended("a", conversation, 10.0 - age)
+        if tools:
+            truth.tools("a", conversation)
+        return truth.evicts("a", other, 2, 10.0)
+
+    assert price(True, 0.0) > 2 * price(False, 0.0) > 0
+    assert 0 < price(True, 25.0) < price(False, 25.0)
 
 
 # -- the model's own tokenizer ------------------------------------------------------------------------

@@ -5,6 +5,12 @@ text completion's prompt is a single string. `cache_salt` (vLLM's extension: a n
 keeps the request's KV blocks apart from those of requests without it or with another salt.
 Streams send `data: {chunk}` lines (a chat's first chunk carries the assistant role and no text),
 a usage chunk when `stream_options.include_usage` is set, then `data: [DONE]`.
+
+A chat that offers `tools` and requires one (`tool_choice` `required`, or a function named) is
+answered with a call of it (the first tool offered, or the one named), its generated text as the
+call's arguments (`{"text": ...}`), streamed as argument deltas; its finish reason is what vLLM 0.32
+gives, as OpenAI does: `tool_calls` when required, `stop` when named. Other tool choices are
+answered in text (the emulator's model never chooses a tool itself).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class Completions(Api):
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.tool: str | None = None  # the function a chat must call (`tool_choice`)
+        self.tool_finish = "tool_calls"  # ... and its finish reason (named: `stop`)
+        self.called = False  # a stream sent the call's opening (its id and name)
 
     def parse(self, body: dict[str, Any]) -> Job:
         self.served.check(body.get("model"))
@@ -74,6 +83,8 @@ class Completions(Api):
                 text = prompt
         except PromptError as exc:
             raise ApiError(str(exc), self.prompt_field) from None
+        if self.chat:
+            self.tool, self.tool_finish = required_tool(body)
         prompt_bytes = text.encode("utf-8", "surrogatepass")
         return Job(prompt_bytes, max_tokens, stream, self.served.adapter(body.get("model")), cache_salt)
 
@@ -83,12 +94,12 @@ class Completions(Api):
     def reply(self, seq: Sequence, text: str) -> dict[str, Any]:
         finish = finish_reason(seq)
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tool is not None:
+                arguments = '{"text": ' + orjson.dumps(text).decode() + "}"  # (as a stream's deltas add up)
+                message = {"role": "assistant", "content": None, "tool_calls": [self._call(arguments)]}
+                finish = self.tool_finish
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         return {
@@ -107,6 +118,17 @@ class Completions(Api):
         return [self._data([role])]
 
     def chunk(self, text: str, finish: str | None) -> list[bytes]:
+        if self.tool is not None:
+            piece = orjson.dumps(text).decode()[1:-1] + ('"}' if finish is not None else "")
+            if not self.called:  # the call's opening: its id, its function's name, the arguments' start
+                self.called = True
+                call: dict[str, Any] = {"index": 0, **self._call('{"text": "' + piece)}
+            else:
+                call = {"index": 0, "function": {"arguments": piece}}
+            done = self.tool_finish if finish is not None else None
+            return [
+                self._data([{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": done, "logprobs": None}])
+            ]
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
         else:
@@ -119,9 +141,41 @@ class Completions(Api):
     def end(self) -> bytes:
         return b"data: [DONE]\n\n"
 
+    def _call(self, arguments: str) -> dict[str, Any]:
+        assert self.tool is not None
+        return {
+            "id": "chatcmpl-tool-" + self.id[-16:],
+            "type": "function",
+            "function": {"name": self.tool, "arguments": arguments},
+        }
+
     def _data(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         chunk = {"id": self.id, "object": self.object, "created": self.created, "model": self.served.model}
         return b"data: " + orjson.dumps({**chunk, "choices": choices, **extra}) + b"\n\n"
+
+
+def required_tool(body: dict[str, Any]) -> tuple[str | None, str]:
+    """The function a chat must call, and the finish reason of the answer that calls it: the first
+    of `tools` for `tool_choice` `required` (`tool_calls`), the one named (`stop`); else None."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not isinstance(tools, list) or not tools:
+        if choice is not None and choice not in ("none", "auto"):
+            raise ApiError("tool_choice needs tools", "tool_choice")
+        return None, "tool_calls"
+    names = [t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    if len(names) != len(tools) or not all(isinstance(n, str) and n for n in names):
+        raise ApiError("each tool must be {'type': 'function', 'function': {'name': ...}}", "tools")
+    if choice == "required":
+        return names[0], "tool_calls"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in names:
+            raise ApiError(f"tool_choice names a function not in tools: {name!r}", "tool_choice")
+        return name, "stop"
+    if choice not in (None, "none", "auto"):
+        raise ApiError("tool_choice must be none, auto, required or a named function", "tool_choice")
+    return None, "tool_calls"
 
 
 def flag(obj: dict[str, Any], name: str, default: bool, where: str | None = None) -> bool:

@@ -92,10 +92,25 @@ def _content_text(content: Any, where: str, system: bool = False) -> str:
     return "".join(parts)
 
 
+def _calls_text(calls: Any, where: str) -> str:
+    """An assistant message's tool calls, as its prompt holds them: `<|call|>name arguments` each."""
+    if not isinstance(calls, list):
+        raise PromptError(f"{where} must be a list")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise PromptError(f"{where}: each call must be {{'function': {{'name': ..., 'arguments': ...}}}}")
+        arguments = function.get("arguments")
+        out.append(f"<|call|>{function['name']} {arguments if isinstance(arguments, str) else ''}")
+    return "".join(out)
+
+
 def render_chat(
     messages: Sequence[Any], *, add_generation_prompt: bool = True, continue_final_message: bool = False
 ) -> str:
-    """The prompt text of a chat: `<|role|>content<|end|>` per message, then `<|assistant|>`.
+    """The prompt text of a chat: `<|role|>content<|end|>` per message (an assistant's tool calls
+    after its content, `<|call|>name arguments` each), then `<|assistant|>`.
 
     The rendering of a history is a prefix of the rendering of any longer history, so every turn
     of a conversation shares the previous turn's prompt (and reply) as its cached prefix. As
@@ -114,6 +129,9 @@ def render_chat(
         if not isinstance(role, str) or not role:
             raise PromptError(f"messages[{i}].role must be a non-empty string")
         text = _content_text(message.get("content"), f"messages[{i}].content", system=role == "system")
+        calls = message.get("tool_calls")
+        if calls:
+            text += _calls_text(calls, f"messages[{i}].tool_calls")
         last = i == len(messages) - 1
         if last and continue_final_message:
             if role != "assistant":

@@ -44,13 +44,16 @@ at most RETURNING_MAX a replica, for RETURN_S), and `evicts` says how many of th
 request sent now would evict there beyond what the requests ahead of it evict anyway: what the
 conversations it pushes out will recompute when they come back. A block the request shares with
 one of them (a system prompt, its own history) is not counted lost: it pins them. Each is weighed
-by how likely its conversation is still alive, exp(-age / RETURN_S), and by how likely it comes
+by how likely its conversation is still alive, exp(-age / back), and by how likely it comes
 back before the replica's other traffic would have evicted those blocks anyway: a request
 allocating a blocks past the empty ones evicts what the next a blocks of others would, a / rate
 seconds later (`Holdings.eviction_rate`), and a conversation returns within s seconds with
-1 - exp(-s / RETURN_S). On a cache that turns over in seconds the blocks at its tail are lost
-whatever is placed there; on one that rarely evicts, every block pushed out is a loss. Placement
-charges that at the replica's prefill speed.
+1 - exp(-s / back). `back` is how soon a conversation comes back: RETURN_S for one whose answer
+ended (a person reads it and replies), TOOLS_BACK_S for one whose answer called tools (`tools`:
+the client runs them and sends their results at once; an agent's tool loop). On a cache that
+turns over in seconds the blocks at its tail are lost whatever is placed there; on one that
+rarely evicts, every block pushed out is a loss. Placement charges that at the replica's prefill
+speed.
 
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
@@ -74,6 +77,7 @@ TIER_PRIOR = 4  # the configured tier speed counts as this many samples
 TIER_ALPHA = 0.05  # ... and each new sample moves the learnt one this much, once many are in
 EVICTING_S = 1.0  # a replica that evicted a GPU block this recently has no empty blocks left
 RETURN_S = 30.0  # a conversation that ended a turn this long ago weighs exp(-1) of one that just did
+TOOLS_BACK_S = 5.0  # ... and one whose answer called tools (the client runs them: seconds, mostly)
 RETURNING_MAX = 16  # conversations that ended a turn kept per replica (the most recent)
 ROOM_S = 0.05  # a replica found with room for a request is taken to have as much for this long
 
@@ -93,6 +97,7 @@ class Ended:
 
     keys: array[int]  # its prompt's blocks
     at: float  # when (monotonic seconds)
+    back_s: float = RETURN_S  # how soon it comes back: its return's mean time (TOOLS_BACK_S: it called tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +202,18 @@ class Truth:
         while len(kept) > RETURNING_MAX:
             kept.popleft()
 
+    def tools(self, replica_id: str, keys: array[int]) -> None:
+        """The answer that ended the turn of `keys` there called tools: its conversation comes back
+        within seconds (TOOLS_BACK_S), with their results."""
+        kept = self.returning.get(replica_id)
+        if not kept or not keys:
+            return
+        for i in range(len(kept) - 1, -1, -1):
+            rec = kept[i]
+            if len(rec.keys) == len(keys) and rec.keys[-1] == keys[-1]:
+                kept[i] = Ended(rec.keys, rec.at, TOOLS_BACK_S)
+                return
+
     def evicts(self, replica_id: str, chain: array[int], allocates: int, now: float) -> float:
         """Blocks of the conversations that ended a turn there lately (`ended`) that a request of
         prompt `chain` allocating `allocates` blocks there would evict beyond what the requests
@@ -226,8 +243,8 @@ class Truth:
                 return 0.0  # it fits in what is empty there
             holder = h.tiers[MEDIUM_GPU].holder
             rate = h.eviction_rate(now)
-            # the chance its conversation returns before the others' next (after - before) blocks evict it anyway
-            soon = -math.expm1(-(after - before) / (rate * RETURN_S)) if rate > 0 else 1.0
+            # seconds until the others' next (after - before) blocks would evict them anyway
+            spare_s = (after - before) / rate if rate > 0 else math.inf
             lost = 0.0
             for rec in kept:
                 had = index.match_after(holder, rec.keys, before) if before else index.match(holder, rec.keys)
@@ -235,8 +252,9 @@ class Truth:
                     continue
                 left = max(index.match_after(holder, rec.keys, after), min(had, _common(rec.keys, chain)))
                 if left < had:
-                    lost += (had - left) * math.exp((rec.at - now) / RETURN_S)
-            least = min(least, lost * soon)
+                    back = rec.back_s  # alive, and back within spare_s
+                    lost += (had - left) * math.exp((rec.at - now) / back) * -math.expm1(-spare_s / back)
+            least = min(least, lost)
         if least > 0:
             self.pushed[replica_id] += 1
         return least
@@ -381,6 +399,7 @@ class Truth:
             "sure": self.sure(replica_id),
             "evictions_predicted": self.cut[replica_id],
             "returning": len(self.returning.get(replica_id, ())),
+            "returning_from_tools": sum(rec.back_s == TOOLS_BACK_S for rec in self.returning.get(replica_id, ())),
             "evictions_priced": self.pushed[replica_id],
         }
         for rank, h in sorted(ranks.items()):

@@ -41,7 +41,8 @@ class Decision:
 class Hearing(Protocol):
     """What a policy learns from the attempts of one route: each replica it was `sent` to (with
     the decision), `released` when that attempt ends however it ended, `failed` before its first
-    byte, or `answered` with what the answer showed (the prediction it made there, if any)."""
+    byte, or `answered` with what the answer showed (the prediction it made there, if any), and
+    whether the answer `called_tools` (its conversation comes back within seconds)."""
 
     def sent(self, replica: ReplicaState, decision: Decision, now: float) -> None: ...
 
@@ -59,6 +60,8 @@ class Hearing(Protocol):
         reply_s: float | None,
         first_token_at: float | None,
     ) -> Prediction | None: ...
+
+    def called_tools(self, replica: ReplicaState) -> None: ...
 
     def blocks_held(self, replica: ReplicaState) -> int: ...
 

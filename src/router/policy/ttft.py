@@ -65,6 +65,7 @@ prompt) are placed as by `affinity`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
@@ -98,12 +99,13 @@ class PlacementHearing:
     before its first byte, checked against its answer's usage; every attempt's end (a replica
     with nothing left in flight has nothing queued)."""
 
-    __slots__ = ("placed", "placement", "prompt")
+    __slots__ = ("left", "placed", "placement", "prompt")
 
     def __init__(self, placement: Placement, prompt: Prompt | None) -> None:
         self.placement = placement
         self.prompt = prompt
         self.placed: tuple[ReplicaState, Placed] | None = None  # what the latest priced attempt expected there
+        self.left: tuple[str, array[int]] | None = None  # the blocks its latest ended attempt left, and where
 
     def sent(self, replica: ReplicaState, decision: Decision, now: float) -> None:
         if self.prompt is not None and decision.cost is not None:
@@ -114,7 +116,15 @@ class PlacementHearing:
         return placed[1] if placed is not None and placed[0] is replica else None
 
     def released(self, replica: ReplicaState, now: float) -> None:
-        self.placement.released(replica, now, self._there(replica))
+        placed = self._there(replica)
+        if placed is not None and placed.coming is not None:
+            self.left = placed.coming  # (released, it expects nothing more there)
+        self.placement.released(replica, now, placed)
+
+    def called_tools(self, replica: ReplicaState) -> None:
+        left = self.left
+        if left is not None and left[0] == replica.id:
+            self.placement.truth.tools(*left)
 
     def failed(self, replica: ReplicaState) -> None:
         placed = self._there(replica)

@@ -33,7 +33,7 @@ from router.proxy.exchange import JSON, Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.intake import Intake
 from router.proxy.resume import StreamRecord
-from router.proxy.sse import StreamFramer, usage_of
+from router.proxy.sse import StreamFramer, calls_tools, usage_of
 from router.routing import Served
 from router.upstream import ConnectError, Response, Upstream
 
@@ -261,6 +261,7 @@ async def _relay(
         outcome = Outcome(exchange, Served(upstream.status))
         outcome.facts.ttft_s = time.monotonic() - t0
         if upstream.status == 200 and content_type.startswith("application/json"):
+            outcome.facts.tools = calls_tools(data)
             try:
                 answer = orjson.loads(data)
             except orjson.JSONDecodeError:
@@ -330,6 +331,7 @@ async def _stream(upstream: Response, outcome: Outcome, first: bytes, idle: floa
     if outcome.facts.client_gone:
         outcome.broken = False  # nobody to resume it for
     outcome.facts.events += framer.events  # (a continuation's framer counts its own: the legs add up)
+    outcome.facts.tools = outcome.facts.tools or framer.tools
     if framer.usage:
         outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = framer.usage
     if isinstance(framer, ResponsesFramer):

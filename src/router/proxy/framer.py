@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from router.proxy.resume import FinishHold, finishes
-from router.proxy.sse import DATA_LINE, EVENT, EVENT_END, usage_of
+from router.proxy.sse import DATA_LINE, EVENT, EVENT_END, calls_tools, usage_of
 
 _DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\r|\n|$)")
 
@@ -56,9 +56,9 @@ class SseFramer:
     added to the finish event, held back until then (FinishHold). `events` counts the `data:` lines
     forwarded: about one generated token each (an engine that batches tokens into one event makes
     it fewer; the opening, finish, usage and `[DONE]` events a few more), what a stream cut before its
-    usage is charged for (router.budgets)."""
+    usage is charged for (router.budgets). `tools`: an event called tools (router.proxy.sse.calls_tools)."""
 
-    __slots__ = ("_events", "_hold", "done", "events", "strip_usage", "usage")
+    __slots__ = ("_events", "_hold", "done", "events", "strip_usage", "tools", "usage")
 
     def __init__(self, strip_usage: bool) -> None:
         self._events = EventCutter()
@@ -67,11 +67,14 @@ class SseFramer:
         self.usage: tuple[int, int, int] | None = None
         self.done = False
         self.events = 0
+        self.tools = False
 
     def feed(self, chunk: bytes) -> bytes:
         if not self._events.pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
             # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
             self.events += chunk.count(b"data:")
+            if not self.tools and calls_tools(chunk):
+                self.tools = True
             if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
                 self.done = True
             if b'"usage"' not in chunk and not (self.strip_usage and (self._hold.held or finishes(chunk))):
@@ -81,6 +84,8 @@ class SseFramer:
         if not complete:
             return b""
         self.events += complete.count(b"data:")
+        if not self.tools and calls_tools(complete):
+            self.tools = True
         if b"[DONE]" in complete and not self.done and _DONE.search(complete):
             self.done = True
         if b'"usage"' not in complete and not (self.strip_usage and (self._hold.held or finishes(complete))):
@@ -130,9 +135,10 @@ class NamedEvents:
     to `_on`; every other event passes unread. The router never asks such streams for usage (they
     carry their own), so nothing is hidden. `events` counts the events forwarded whose name ends in
     `delta` (Anthropic's `content_block_delta`, the Responses API's `response.output_text.delta`):
-    about one generated token each (SseFramer's `events`)."""
+    about one generated token each (SseFramer's `events`); `tools`, an event called tools (an
+    Anthropic `tool_use` block, a Responses API `function_call` item)."""
 
-    __slots__ = ("_events", "done", "events", "strip_usage", "usage")
+    __slots__ = ("_events", "done", "events", "strip_usage", "tools", "usage")
     READ: tuple[bytes, ...] = ()
 
     def __init__(self) -> None:
@@ -141,11 +147,14 @@ class NamedEvents:
         self.usage: tuple[int, int, int] | None = None
         self.done = False
         self.events = 0
+        self.tools = False
 
     def feed(self, chunk: bytes) -> bytes:
         complete = self._events.take(chunk)
         if complete:  # an event line `event: NAME` ends with its line; a data line ends with JSON
             self.events += complete.count(b"delta\n") + complete.count(b"delta\r")
+            if not self.tools and calls_tools(complete):
+                self.tools = True
         if complete and any(name in complete for name in self.READ):
             for m in EVENT.finditer(complete):
                 self._read(m.group(1))

@@ -245,6 +245,7 @@ class Splicer:
     for it on the client's behalf). A `StreamFramer`, as the forwarding framer is."""
 
     __slots__ = ("_buf", "_hold", "chat", "done", "events", "so_far", "strip_usage", "usage")
+    tools = False  # a stream that called tools is never continued (`read_so_far`'s `other`)
 
     def __init__(self, so_far: SoFar, chat: bool, strip_usage: bool) -> None:
         self._buf = bytearray()

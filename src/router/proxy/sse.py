@@ -10,6 +10,17 @@ EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 # one whole event: group 1 is the event without its blank line
 EVENT = re.compile(rb"(.*?)(?:" + EVENT_END.pattern + rb")", re.DOTALL)
 DATA_LINE = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
+# an answer that calls tools, in any API's shape: an OpenAI chat choice's non-empty `tool_calls` (or
+# its `finish_reason`: vLLM ends a named tool choice with `stop`, so the calls themselves count too),
+# an Anthropic `tool_use` block or stop reason, a Responses API `function_call` item. Inside a JSON
+# string a quote is escaped, so a reply that merely mentions these names never matches.
+_TOOLS = re.compile(rb'"tool_calls": ?\[\{|"finish_reason": ?"tool_calls"|"tool_use"|"type": ?"function_call"')
+
+
+def calls_tools(data: bytes) -> bool:
+    """Whether serialised answer bytes (a whole answer, or some of a stream's events) call tools:
+    the conversation comes back within seconds, with the tools' results."""
+    return (b"tool" in data or b"function_call" in data) and _TOOLS.search(data) is not None
 
 
 def usage_of(obj: Any) -> tuple[int, int, int] | None:
@@ -43,6 +54,7 @@ class StreamFramer(Protocol):
     usage: tuple[int, int, int] | None  # (prompt, cached, completion) tokens, once the usage event passed
     done: bool  # `[DONE]` has passed: nothing may follow
     events: int  # events forwarded that carry generated tokens: about one token each (router.budgets)
+    tools: bool  # the answer called tools (`calls_tools`): its conversation comes back within seconds
 
     def feed(self, chunk: bytes) -> bytes:
         """The events `chunk` completes, as the client gets them."""

@@ -50,6 +50,7 @@ class Served:
     token_s: float | None = None  # time to the first generated token (past a bare opening event)
     response_id: str | None = None  # a Responses API answer's id: where it is stored, for a follow-up
     events: int = 0  # a stream's events forwarded that carry generated tokens (router.proxy.framer)
+    tools: bool = False  # the answer called tools: its conversation comes back within seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +382,8 @@ class Route:
             m.child(m.prefix_error_tokens, rid).inc(abs(predicted.tokens - facts.cached_tokens))
             m.child(m.prefix_prediction_error, predicted.source).observe(predicted.tokens - facts.cached_tokens)
         m.child(m.prefix_index_blocks, rid).set(hearing.blocks_held(replica))
+        if facts.tools:
+            hearing.called_tools(replica)
 
     def resumed(self, replica: ReplicaState, whole: bool) -> None:
         """A broken stream was continued on `replica`; `whole`: the continuation ended well (else it broke too)."""
