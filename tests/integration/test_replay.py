@@ -59,6 +59,40 @@ async def test_sessions_round_robin_versus_pinned(start_fleet) -> None:  # type:
         assert result["sessions_cut"] == 0  # every started session played all its turns
 
 
+async def test_an_agents_tool_loop_calls_a_tool_each_turn_but_its_last_and_sends_the_results_back(
+    start_fleet,  # type: ignore[no-untyped-def]
+) -> None:
+    """`tool_loop`: each turn but a session's last is answered with a tool call (router-emulator
+    answers `tool_choice: required` so); the next turn sends the call back with its result as a
+    `tool` message, and finds its history cached (one replica)."""
+    fleet = await start_fleet(1)
+    replica = fleet.replicas[0]
+    opts = ReplayOptions(
+        targets=(replica.url,), workload="sessions", time_scale=20.0, spec=SPEC, duration_s=3, tool_loop=True
+    )
+    replayer = Replayer(opts)
+    sent: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    send = replayer.send
+
+    async def watched(session: str, turn: int, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        rec = await send(session, turn, path, body, headers)
+        sent.setdefault(session, []).append((body, rec.call))
+        return rec
+
+    replayer.send = watched  # type: ignore[method-assign]
+    result = await replayer.run()
+    assert result["errors"] == {} and result["ok"] == result["requests"] > 5
+    for turns in sent.values():
+        for k, (body, call) in enumerate(turns):
+            last = k == len(turns) - 1
+            assert (body.get("tool_choice") == "required") is (call is not None) is (not last)
+            if k:  # the previous turn's call, and its result answering it
+                before = turns[k - 1][1]
+                assert body["messages"][-2] == {"role": "assistant", "content": None, "tool_calls": [before]}
+                assert body["messages"][-1]["role"] == "tool" and body["messages"][-1]["tool_call_id"] == before["id"]
+    assert result["kv_hit_rate_later_turns"] > 0.5
+
+
 async def test_request_budget_and_errors_are_counted(start_fleet) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(1)
     fleet.replicas[0].set_faults({"error_rate": 1.0, "error_status": 503})

@@ -51,7 +51,8 @@ WORKLOAD_NAMES = (
 # `sessions`: chats (router.bench.workloads.SessionsSpec's defaults); `agents`: coding agents, two
 # long shared tool prompts (an agent's instructions and tool definitions), a task with files to
 # open, then tool loops of many turns whose results are long and whose pauses (the tools running)
-# are short, each request with Claude Code's session header; `session-replay`: Dynamo's session
+# are short, each request with Claude Code's session header (on router-emulator every turn but the
+# last calls a tool, and the next sends its result back: ReplayOptions.tool_loop); `session-replay`: Dynamo's session
 # replay study's shape, 20 turns a session, short pauses, many sessions at once on few replicas
 SHAPES: dict[str, dict[str, Any]] = {
     "sessions": {},
@@ -159,6 +160,8 @@ def workload_options(name: str, args: argparse.Namespace, targets: list[str], c:
     if w.kind == "sessions":
         if w.shape == "agents" and w.keyed:  # a coding agent's own session header, beside the contender's
             common["key_headers"] = (*c.key_headers, AGENT_HEADER)
+        if w.shape == "agents" and args.engine == "emulator":  # (a real random model is no tool caller)
+            common["tool_loop"] = True
         return ReplayOptions(workload="sessions", duration_s=args.duration, spec=sessions_spec(w, args), **common)
     if w.kind == "longdoc":
         return ReplayOptions(workload="longdoc", duration_s=args.duration, longdoc=longdoc_spec(args), **common)

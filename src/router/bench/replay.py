@@ -80,6 +80,7 @@ class Record:
     completion_tokens: int = 0
     text: str = ""
     cut: bool = False  # still in flight when the run was cut off: neither ok nor an error
+    call: dict[str, Any] | None = None  # the tool call the answer made (`tool_loop`), as the next turn sends it back
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,17 @@ class ReplayOptions:
     # router-emulator's KV block size: every request sent is kept, cut into its blocks, for the run's
     # bound (router.bench.bound); None: not kept
     bound_block_size: int | None = None
+    # the agents' tool loops: every turn but a session's last must call a tool (`tool_choice`
+    # `required`; router-emulator answers with a call), and the next turn sends the call back with
+    # the tool's result (the turn's text) as a `tool` message, as a coding agent does
+    tool_loop: bool = False
+
+
+# the tools a coding agent's tool loop offers (`tool_loop`): what its calls name
+AGENT_TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for name in ("read_file", "edit_file", "run_command")
+]
 
 
 class Replayer:
@@ -198,6 +210,7 @@ class Replayer:
     async def _read_stream(self, resp: aiohttp.ClientResponse, rec: Record, t0: float) -> None:
         scale = self.opts.time_scale
         parts: list[str] = []
+        call: dict[str, Any] | None = None  # the answer's tool call, its arguments' deltas joined
         done = False
         async for raw in resp.content:
             line = raw.strip()
@@ -215,7 +228,15 @@ class Replayer:
                 for choice in event.get("choices") or ():
                     piece = choice.get("text")
                     if piece is None:
-                        piece = (choice.get("delta") or {}).get("content")
+                        delta = choice.get("delta") or {}
+                        piece = delta.get("content")
+                        for part in delta.get("tool_calls") or ():
+                            if call is None:
+                                call = {"id": part["id"], "type": "function", "function": dict(part["function"])}
+                                piece = part["function"].get("arguments") or piece
+                            else:
+                                piece = part["function"].get("arguments") or piece
+                                call["function"]["arguments"] += piece or ""
                     if piece:
                         if rec.ttft_s is None:
                             rec.ttft_s = (time.perf_counter() - t0) * scale
@@ -235,6 +256,12 @@ class Replayer:
         if rec.ttft_s is None:
             rec.ttft_s = rec.e2e_s
         rec.text = "".join(parts)
+        if call is not None:  # what the engine generated (and caches) is the call's text
+            rec.call = call
+            try:
+                rec.text = str(orjson.loads(call["function"]["arguments"]).get("text", ""))
+            except (orjson.JSONDecodeError, AttributeError):
+                rec.text = ""
         rec.ok = True
 
     def describe(self) -> str:
@@ -281,7 +308,7 @@ class Replayer:
 
     async def _session_run(self, plan: SessionPlan, deadline: float) -> None:
         scale = self.opts.time_scale
-        messages: list[dict[str, str]] = [{"role": "system", "content": plan.system}]
+        messages: list[dict[str, Any]] = [{"role": "system", "content": plan.system}]
         for k, turn in enumerate(plan.turns, 1):
             if k > 1:
                 await asyncio.sleep(turn.think_s / scale)
@@ -290,8 +317,14 @@ class Replayer:
             if time.perf_counter() > deadline:
                 self._cut_sessions += 1  # past the drain cap: counted, so a slow target is visible
                 return
-            messages.append({"role": "user", "content": turn.user_text})
+            called = messages[-1].get("tool_calls") if k > 1 else None
+            if called:  # the tool's result answers the call
+                messages.append({"role": "tool", "tool_call_id": called[0]["id"], "content": turn.user_text})
+            else:
+                messages.append({"role": "user", "content": turn.user_text})
             body: dict[str, Any] = {"messages": list(messages), "max_tokens": turn.max_tokens}
+            if self.opts.tool_loop and k < len(plan.turns):
+                body["tools"], body["tool_choice"] = AGENT_TOOLS, "required"
             if self.opts.session_keys:
                 body["user"] = plan.user
             rec = await self.send(
@@ -299,8 +332,11 @@ class Replayer:
             )
             if not rec.ok:
                 return  # a failed turn ends the conversation
-            messages.append({"role": "assistant", "content": rec.text})
-            rec.text = ""
+            if rec.call is not None:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [rec.call]})
+            else:
+                messages.append({"role": "assistant", "content": rec.text})
+            rec.text, rec.call = "", None
 
     async def _session_counted(self, plan: SessionPlan, deadline: float) -> None:
         try:
