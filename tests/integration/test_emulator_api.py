@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import openai
@@ -115,11 +116,22 @@ TOOLS = [
     [("required", "read_file", "tool_calls"), ({"type": "function", "function": {"name": "run"}}, "run", "stop")],
 )
 async def test_a_chat_that_must_call_a_tool_is_answered_with_a_call_streamed_or_not(
-    replica: Replica, choice: object, name: str, finish: str
+    make_replica: Callable[..., Replica], choice: object, name: str, finish: str
 ) -> None:
-    """As vLLM 0.32 answers a required tool (finish `tool_calls`) or a named one (`stop`): one call,
-    its arguments JSON whole, streamed or not alike; the next turn carries the call and its result,
-    and finds the call's turn cached."""
+    """As vLLM 0.32 with a tool parser answers a required tool (finish `tool_calls`) or a named one
+    (`stop`): one call, its arguments JSON whole, streamed or not alike; the next turn carries the
+    call and its result, and finds the call's turn cached. Without the parser: vLLM's 400."""
+    plain = await post(
+        await _started(make_replica("plain")),
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": TOOLS, "tool_choice": choice},
+    )
+    wanted = '"required"' if choice == "required" else f'function "{name}"'
+    assert (
+        plain[0] == 400
+        and plain[2]["error"]["message"] == f"tool_choice={wanted} requires --tool-call-parser to be set"
+    )
+    replica = await _started(make_replica("tools", tools=True))
     client = openai.AsyncOpenAI(base_url=replica.url + "/v1", api_key="unused")
     asked = {"model": "emulated-llm", "messages": CHAT, "max_tokens": 6, "tools": TOOLS, "tool_choice": choice}
     done = await client.chat.completions.create(**asked)  # type: ignore[call-overload]
@@ -144,6 +156,53 @@ async def test_a_chat_that_must_call_a_tool_is_answered_with_a_call_streamed_or_
     await client.close()
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= done.usage.prompt_tokens // 16 * 16  # type: ignore[union-attr]
+
+
+async def test_auto_tool_choice_needs_the_parser_too_and_is_answered_in_text(
+    make_replica: Callable[..., Replica],
+) -> None:
+    body = {"messages": CHAT, "max_tokens": 3, "tools": TOOLS, "tool_choice": "auto"}
+    status, _, err = await post(await _started(make_replica("plain")), "/v1/chat/completions", body)
+    assert (status, err["error"]["message"]) == (
+        400,
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+    )
+    status, _, answer = await post(await _started(make_replica("tools", tools=True)), "/v1/chat/completions", body)
+    assert (
+        status == 200
+        and answer["choices"][0]["message"]["content"]
+        and "tool_calls" not in answer["choices"][0]["message"]
+    )
+
+
+def test_the_tool_flags_are_vllms() -> None:
+    from router.emulator.cli import UsageError, build_fleet, build_parser  # noqa: PLC0415
+
+    with pytest.raises(UsageError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        build_fleet(build_parser().parse_args(["--enable-auto-tool-choice"]))
+    for flags, tools in (
+        ([], False),
+        (["--tool-call-parser", "hermes"], False),
+        (["--tool-call-parser", "hermes", "--enable-auto-tool-choice"], True),
+    ):
+        fleet, _ = build_fleet(build_parser().parse_args(flags))
+        assert [r.served.tools for r in fleet.replicas] == [tools]  # (vLLM 0.32 loads the parser with both)
+
+
+_STARTED: list[Replica] = []
+
+
+async def _started(replica: Replica) -> Replica:
+    await replica.start()
+    _STARTED.append(replica)
+    return replica
+
+
+@pytest.fixture(autouse=True)
+async def _stop_started() -> Any:
+    yield
+    while _STARTED:
+        await _STARTED.pop().stop()
 
 
 async def test_completions_streaming_and_not(replica: Replica) -> None:
@@ -230,6 +289,7 @@ async def test_models_health_and_metrics(replica: Replica) -> None:
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "any"}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required"}, 400, None),
         (
             "/v1/chat/completions",
             {"messages": CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},

@@ -118,7 +118,8 @@ async def test_an_answer_that_called_tools_marks_its_conversation_as_coming_back
     """The router reads, from the answer itself (whole or streamed), whether it called tools; the
     conversations that ended a turn on the replica are kept, those that called tools marked as
     coming back within seconds (router.kvevents.truth)."""
-    fleet = await fleet_with_events(start_fleet, 1)
+    config = EngineConfig(num_blocks=64, block_size=16)
+    fleet = await start_fleet(1, config, kv_events=KvEventsOptions(port=0, replay_port=0), tools=True)
     router, url = await start_router([fleet.replicas[0].url], probe_interval_s=0.2)
     await believed(router, 1)
     tools = {"tools": [{"type": "function", "function": {"name": "read_file"}}], "tool_choice": "required"}

@@ -65,7 +65,7 @@ async def test_an_agents_tool_loop_calls_a_tool_each_turn_but_its_last_and_sends
     """`tool_loop`: each turn but a session's last is answered with a tool call (router-emulator
     answers `tool_choice: required` so); the next turn sends the call back with its result as a
     `tool` message, and finds its history cached (one replica)."""
-    fleet = await start_fleet(1)
+    fleet = await start_fleet(1, tools=True)  # (vLLM's tool parser flags)
     replica = fleet.replicas[0]
     opts = ReplayOptions(
         targets=(replica.url,), workload="sessions", time_scale=20.0, spec=SPEC, duration_s=3, tool_loop=True

@@ -44,6 +44,7 @@ LONGDOC_ENGINE = (
     "--step-ms=25",
     "--attention-ns-per-token=95",
 )
+AGENTS_ENGINE = ("--enable-auto-tool-choice", "--tool-call-parser=hermes")
 WORKLOAD_NAMES = (
     "sessions, sessions-keyless, sessions@R, agents@R, session-replay@R, longdoc, longdoc-keyless, " + ", ".join(TRACES)
 )
@@ -193,8 +194,10 @@ def arrivals_s(name: str, args: argparse.Namespace) -> float:
 
 
 def emulator_args(workload: str, args: argparse.Namespace) -> list[str]:
-    """What router-emulator is given for a workload's fleet: its engine shape, then `--emulator-arg`."""
-    shape = LONGDOC_ENGINE if Workload.parse(workload).kind == "longdoc" else ()
+    """What router-emulator is given for a workload's fleet: its engine shape, then `--emulator-arg`
+    (the agents' replicas parse tool calls, as vLLM's flags make it: their turns call tools)."""
+    w = Workload.parse(workload)
+    shape = LONGDOC_ENGINE if w.kind == "longdoc" else AGENTS_ENGINE if w.shape == "agents" else ()
     return [*shape, *args.emulator_arg]
 
 

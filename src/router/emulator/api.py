@@ -48,6 +48,7 @@ class Served:
     aliases: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()
     default_max_tokens: int = 256
+    tools: bool = False  # it has a tool parser (vLLM's --tool-call-parser, --enable-auto-tool-choice)
 
     @property
     def names(self) -> list[str]:

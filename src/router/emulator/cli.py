@@ -162,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the /v1/*/render endpoints, as vLLM does only with this flag (without it they answer 403; "
         "/tokenize answers either way)",
     )
+    g.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="as vLLM's: with --enable-auto-tool-choice, a chat that requires a tool (tool_choice `required` or a "
+        "named function) is answered with a call of it; without both, such a chat gets vLLM 0.32's 400",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="as vLLM's (needs --tool-call-parser): tool_choice `auto` is taken (the emulated model answers in text)",
+    )
     g.add_argument("--fault", action="append", default=[], metavar="[INDEX:]NAME[=VALUE]", help="inject a fault")
     g = p.add_argument_group("KV-cache events, as vLLM's --kv-events-config publishes them (off by default)")
     k = KvEventsOptions()
@@ -290,6 +301,8 @@ def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -
         raise UsageError("--time-scale must be a positive number")
     if args.stream_interval < 1 or args.default_max_tokens < 1:
         raise UsageError("--stream-interval and --default-max-tokens must be at least 1")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise UsageError("--enable-auto-tool-choice requires --tool-call-parser")  # (vLLM's words)
     config = engine_config(args)
     kv_events = kv_events_options(args, n, first_port)
     faults = [Faults() for _ in range(n)]
@@ -322,6 +335,8 @@ def build_fleet(args: argparse.Namespace, tracer: RequestTracer | None = None) -
             api_key=args.api_key,
             kv_load_failure_policy=args.kv_load_failure_policy,
             enable_scale_out=args.enable_scale_out,
+            # vLLM 0.32 loads its tool parser only with both flags (`--tool-call-parser` alone still refuses)
+            tools=bool(args.tool_call_parser and args.enable_auto_tool_choice),
         )
         replicas.append(Replica(options, config, faults[i], tracer))
     return Fleet(replicas, args.host, args.control_port), crash_after

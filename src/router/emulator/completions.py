@@ -6,11 +6,13 @@ keeps the request's KV blocks apart from those of requests without it or with an
 Streams send `data: {chunk}` lines (a chat's first chunk carries the assistant role and no text),
 a usage chunk when `stream_options.include_usage` is set, then `data: [DONE]`.
 
-A chat that offers `tools` and requires one (`tool_choice` `required`, or a function named) is
-answered with a call of it (the first tool offered, or the one named), its generated text as the
+A chat that offers `tools` and requires one (`tool_choice` `required`, or a function named) is,
+on a replica started with vLLM's `--tool-call-parser` and `--enable-auto-tool-choice`, answered
+with a call of it (the first tool offered, or the one named), its generated text as the
 call's arguments (`{"text": ...}`), streamed as argument deltas; its finish reason is what vLLM 0.32
 gives, as OpenAI does: `tool_calls` when required, `stop` when named. Other tool choices are
-answered in text (the emulator's model never chooses a tool itself).
+answered in text (the emulator's model never chooses a tool itself). Without both flags any tool
+choice but `none` gets vLLM 0.32's 400 (its parser is loaded only with both, checked here).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class Completions(Api):
         except PromptError as exc:
             raise ApiError(str(exc), self.prompt_field) from None
         if self.chat:
-            self.tool, self.tool_finish = required_tool(body)
+            self.tool, self.tool_finish = required_tool(body, self.served.tools)
         prompt_bytes = text.encode("utf-8", "surrogatepass")
         return Job(prompt_bytes, max_tokens, stream, self.served.adapter(body.get("model")), cache_salt)
 
@@ -154,9 +156,10 @@ class Completions(Api):
         return b"data: " + orjson.dumps({**chunk, "choices": choices, **extra}) + b"\n\n"
 
 
-def required_tool(body: dict[str, Any]) -> tuple[str | None, str]:
+def required_tool(body: dict[str, Any], parser: bool) -> tuple[str | None, str]:
     """The function a chat must call, and the finish reason of the answer that calls it: the first
-    of `tools` for `tool_choice` `required` (`tool_calls`), the one named (`stop`); else None."""
+    of `tools` for `tool_choice` `required` (`tool_calls`), the one named (`stop`); else None.
+    Without a tool parser (`parser`), any tool choice but `none` is refused in vLLM 0.32's words."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not isinstance(tools, list) or not tools:
         if choice is not None and choice not in ("none", "auto"):
@@ -165,16 +168,23 @@ def required_tool(body: dict[str, Any]) -> tuple[str | None, str]:
     names = [t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
     if len(names) != len(tools) or not all(isinstance(n, str) and n for n in names):
         raise ApiError("each tool must be {'type': 'function', 'function': {'name': ...}}", "tools")
-    if choice == "required":
-        return names[0], "tool_calls"
+    if choice not in (None, "none", "auto", "required") and not isinstance(choice, dict):
+        raise ApiError("tool_choice must be none, auto, required or a named function", "tool_choice")
+    named = None
     if isinstance(choice, dict):
         function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if name not in names:
-            raise ApiError(f"tool_choice names a function not in tools: {name!r}", "tool_choice")
-        return name, "stop"
-    if choice not in (None, "none", "auto"):
-        raise ApiError("tool_choice must be none, auto, required or a named function", "tool_choice")
+        named = function.get("name") if isinstance(function, dict) else None
+        if named not in names:
+            raise ApiError(f"tool_choice names a function not in tools: {named!r}", "tool_choice")
+    if not parser and choice not in (None, "none"):
+        if choice == "auto":
+            raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        wanted = f'function "{named}"' if named is not None else f'"{choice}"'
+        raise ApiError(f"tool_choice={wanted} requires --tool-call-parser to be set")
+    if choice == "required":
+        return names[0], "tool_calls"
+    if named is not None:
+        return named, "stop"
     return None, "tool_calls"
 
 

@@ -127,6 +127,9 @@ class ReplicaOptions:
     kv_load_failure_policy: str = "fail"
     # vLLM's --enable-scale-out: the /v1/*/render endpoints answer (without it, 403 as vLLM 0.32's do)
     enable_scale_out: bool = False
+    # vLLM's --tool-call-parser with --enable-auto-tool-choice: a chat that requires a tool is answered
+    # with a call (without them, any tool_choice but `none` gets vLLM 0.32's 400)
+    tools: bool = False
 
 
 class _Dropped(Exception):
@@ -145,7 +148,9 @@ class Replica:
         fleet's replicas share one)."""
         self.options = options
         self.tracer = tracer
-        self.served = Served(options.model, options.aliases, options.adapters, options.default_max_tokens)
+        self.served = Served(
+            options.model, options.aliases, options.adapters, options.default_max_tokens, options.tools
+        )
         self.engine = Engine(config, kv_events=options.kv_events is not None)
         self.metrics = ReplicaMetrics(options.model)
         self.faults = faults or Faults()
