@@ -240,3 +240,19 @@ def test_a_whole_answer_that_called_tools_is_read_as_one() -> None:
     text = {"role": "assistant", "content": 'say "tool_calls": [{ "tool_use"', "tool_calls": []}
     assert not calls_tools(orjson.dumps({"choices": [{"message": text, "finish_reason": "stop"}]}))
     assert not calls_tools(b'{"function_call": null, "stop_reason": "end_turn"}')
+
+
+def test_real_vllms_tool_call_stream_is_read_as_calling_tools() -> None:
+    """Recorded from vLLM 0.32 here (`--enable-auto-tool-choice --tool-call-parser hermes`, a
+    tiny random model, `tool_choice: required`): the call's opening delta, then a `length` finish
+    (its arguments were cut at max_tokens): the call is what counts, not the finish reason."""
+    from pathlib import Path  # noqa: PLC0415
+
+    stream = (Path(__file__).resolve().parents[1] / "data" / "engines" / "vllm-0.32-tool-call-stream.txt").read_bytes()
+    framer = SseFramer(False)
+    run_framer(framer, [stream])
+    assert framer.tools and framer.done
+    plain = b"".join(line for line in stream.splitlines(keepends=True) if b"tool_calls" not in line)
+    framer = SseFramer(False)
+    run_framer(framer, [plain])
+    assert not framer.tools

@@ -231,12 +231,12 @@ class Replayer:
                         delta = choice.get("delta") or {}
                         piece = delta.get("content")
                         for part in delta.get("tool_calls") or ():
-                            if call is None:
-                                call = {"id": part["id"], "type": "function", "function": dict(part["function"])}
-                                piece = part["function"].get("arguments") or piece
-                            else:
-                                piece = part["function"].get("arguments") or piece
-                                call["function"]["arguments"] += piece or ""
+                            if call is None:  # its opening: the id and name (vLLM's carries no arguments)
+                                call = {"id": part["id"], "type": "function", "function": {"arguments": ""}}
+                                call["function"]["name"] = part["function"]["name"]
+                            more = part["function"].get("arguments") or ""
+                            call["function"]["arguments"] += more
+                            piece = more or piece
                     if piece:
                         if rec.ttft_s is None:
                             rec.ttft_s = (time.perf_counter() - t0) * scale

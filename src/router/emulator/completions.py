@@ -122,15 +122,16 @@ class Completions(Api):
     def chunk(self, text: str, finish: str | None) -> list[bytes]:
         if self.tool is not None:
             piece = orjson.dumps(text).decode()[1:-1] + ('"}' if finish is not None else "")
-            if not self.called:  # the call's opening: its id, its function's name, the arguments' start
+            events = []
+            if not self.called:  # as vLLM streams it: the call's opening (its id and name), then its arguments
                 self.called = True
-                call: dict[str, Any] = {"index": 0, **self._call('{"text": "' + piece)}
-            else:
-                call = {"index": 0, "function": {"arguments": piece}}
+                opening = {"index": 0, **self._call(None)}
+                events.append(self._data([{"index": 0, "delta": {"content": None, "tool_calls": [opening]}}]))
+                piece = '{"text": "' + piece
+            call = {"index": 0, "function": {"arguments": piece}}
             done = self.tool_finish if finish is not None else None
-            return [
-                self._data([{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": done, "logprobs": None}])
-            ]
+            delta = {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": done, "logprobs": None}
+            return [*events, self._data([delta])]
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": None}
         else:
@@ -143,13 +144,11 @@ class Completions(Api):
     def end(self) -> bytes:
         return b"data: [DONE]\n\n"
 
-    def _call(self, arguments: str) -> dict[str, Any]:
+    def _call(self, arguments: str | None) -> dict[str, Any]:
+        """A call of the chat's tool: whole (its `arguments`), or a stream's opening (None: its name only)."""
         assert self.tool is not None
-        return {
-            "id": "chatcmpl-tool-" + self.id[-16:],
-            "type": "function",
-            "function": {"name": self.tool, "arguments": arguments},
-        }
+        function = {"name": self.tool} if arguments is None else {"name": self.tool, "arguments": arguments}
+        return {"id": "chatcmpl-tool-" + self.id[-16:], "type": "function", "function": function}
 
     def _data(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         chunk = {"id": self.id, "object": self.object, "created": self.created, "model": self.served.model}
