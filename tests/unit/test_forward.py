@@ -213,12 +213,16 @@ def test_the_framers_read_whether_an_answer_called_tools_in_every_api_however_th
     responses_text = _events({"type": "response.output_text.delta", "delta": '"function_call"'}, named=True)
     rng = random.Random(5)
     for make, stream, tools in (
-        (lambda: SseFramer(False), chat_tools, True),
-        (lambda: SseFramer(True), chat_text, False),
-        (MessagesFramer, anthropic_tools, True),
-        (MessagesFramer, anthropic_text, False),
-        (ResponsesFramer, responses_tools, True),
-        (ResponsesFramer, responses_text, False),
+        (lambda: SseFramer(False, True), chat_tools, True),
+        (lambda: SseFramer(True, True), chat_text, False),
+        (lambda: MessagesFramer(True), anthropic_tools, True),
+        (lambda: MessagesFramer(True), anthropic_text, False),
+        (lambda: ResponsesFramer(True), responses_tools, True),
+        (lambda: ResponsesFramer(True), responses_text, False),
+        # a request that offered no tools: its answer is not searched for calls (none can be there)
+        (lambda: SseFramer(False), chat_tools, False),
+        (MessagesFramer, anthropic_tools, False),
+        (ResponsesFramer, responses_tools, False),
     ):
         for cuts in (0, 1, 5):
             framer = make()
@@ -249,10 +253,10 @@ def test_real_vllms_tool_call_stream_is_read_as_calling_tools() -> None:
     from pathlib import Path  # noqa: PLC0415
 
     stream = (Path(__file__).resolve().parents[1] / "data" / "engines" / "vllm-0.32-tool-call-stream.txt").read_bytes()
-    framer = SseFramer(False)
+    framer = SseFramer(False, watch_tools=True)
     run_framer(framer, [stream])
     assert framer.tools and framer.done
     plain = b"".join(line for line in stream.splitlines(keepends=True) if b"tool_calls" not in line)
-    framer = SseFramer(False)
+    framer = SseFramer(False, watch_tools=True)
     run_framer(framer, [plain])
     assert not framer.tools

@@ -53,8 +53,9 @@ WORKLOAD_NAMES = (
 # long shared tool prompts (an agent's instructions and tool definitions), a task with files to
 # open, then tool loops of many turns whose results are long and whose pauses (the tools running)
 # are short, each request with Claude Code's session header (on router-emulator every turn but the
-# last calls a tool, and the next sends its result back: ReplayOptions.tool_loop); `session-replay`: Dynamo's session
-# replay study's shape, 20 turns a session, short pauses, many sessions at once on few replicas
+# last calls a tool, and the next sends its result back: ReplayOptions.tool_loop); `session-replay`:
+# Dynamo's session replay study's shape, 20 turns a session, short pauses, many sessions at once on
+# few replicas
 SHAPES: dict[str, dict[str, Any]] = {
     "sessions": {},
     "agents": {

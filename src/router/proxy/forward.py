@@ -204,12 +204,17 @@ def _errs_first(head: bytes) -> bool:
     return len(events) > 1 and events[1].lstrip().startswith((b'data: {"error"', b"event: error"))
 
 
-def _framer(events: str, strip_usage: bool) -> StreamFramer:
+def _framer(events: str, strip_usage: bool, tools: bool) -> StreamFramer:
     if events == "responses":
-        return ResponsesFramer()
+        return ResponsesFramer(tools)
     if events == "messages":
-        return MessagesFramer()
-    return SseFramer(strip_usage)
+        return MessagesFramer(tools)
+    return SseFramer(strip_usage, tools)
+
+
+def _offers_tools(intake: Intake) -> bool:
+    """Whether the request offered tools: only then can its answer call one (every API names them `tools`)."""
+    return bool(intake.body.get("tools"))
 
 
 def _retry_for(exc: BaseException) -> Retry:
@@ -261,7 +266,7 @@ async def _relay(
         outcome = Outcome(exchange, Served(upstream.status))
         outcome.facts.ttft_s = time.monotonic() - t0
         if upstream.status == 200 and content_type.startswith("application/json"):
-            outcome.facts.tools = calls_tools(data)
+            outcome.facts.tools = _offers_tools(intake) and calls_tools(data)
             try:
                 answer = orjson.loads(data)
             except orjson.JSONDecodeError:
@@ -273,7 +278,7 @@ async def _relay(
                 outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = usage
         return outcome
     outcome = Outcome(exchange, Served(upstream.status, streamed=True))
-    outcome.framer = _framer(events, intake.strip_usage)
+    outcome.framer = _framer(events, intake.strip_usage, _offers_tools(intake))
     trip.streaming = outcome
     outcome.transport = exchange.transport
     if intake.keep > 0 and upstream.status == 200:

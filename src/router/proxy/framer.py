@@ -56,11 +56,13 @@ class SseFramer:
     added to the finish event, held back until then (FinishHold). `events` counts the `data:` lines
     forwarded: about one generated token each (an engine that batches tokens into one event makes
     it fewer; the opening, finish, usage and `[DONE]` events a few more), what a stream cut before its
-    usage is charged for (router.budgets). `tools`: an event called tools (router.proxy.sse.calls_tools)."""
+    usage is charged for (router.budgets). `tools`: an event called tools (router.proxy.sse.calls_tools),
+    looked for only where the request offered tools (`watch_tools`: 0.1 us a chunk saved on every other)."""
 
-    __slots__ = ("_events", "_hold", "done", "events", "strip_usage", "tools", "usage")
+    __slots__ = ("_events", "_hold", "done", "events", "strip_usage", "tools", "usage", "watch_tools")
 
-    def __init__(self, strip_usage: bool) -> None:
+    def __init__(self, strip_usage: bool, watch_tools: bool = False) -> None:
+        self.watch_tools = watch_tools
         self._events = EventCutter()
         self._hold = FinishHold()
         self.strip_usage = strip_usage
@@ -73,7 +75,7 @@ class SseFramer:
         if not self._events.pending and chunk.endswith(b"\n\n") and b"\r" not in chunk:
             # the common case: whole events ending in \n\n, nothing pending — no copy, no regex
             self.events += chunk.count(b"data:")
-            if not self.tools and calls_tools(chunk):
+            if self.watch_tools and not self.tools and calls_tools(chunk):
                 self.tools = True
             if b"[DONE]" in chunk and not self.done and _DONE.search(chunk):
                 self.done = True
@@ -84,7 +86,7 @@ class SseFramer:
         if not complete:
             return b""
         self.events += complete.count(b"data:")
-        if not self.tools and calls_tools(complete):
+        if self.watch_tools and not self.tools and calls_tools(complete):
             self.tools = True
         if b"[DONE]" in complete and not self.done and _DONE.search(complete):
             self.done = True
@@ -136,12 +138,13 @@ class NamedEvents:
     carry their own), so nothing is hidden. `events` counts the events forwarded whose name ends in
     `delta` (Anthropic's `content_block_delta`, the Responses API's `response.output_text.delta`):
     about one generated token each (SseFramer's `events`); `tools`, an event called tools (an
-    Anthropic `tool_use` block, a Responses API `function_call` item)."""
+    Anthropic `tool_use` block, a Responses API `function_call` item), where the request offered tools."""
 
-    __slots__ = ("_events", "done", "events", "strip_usage", "tools", "usage")
+    __slots__ = ("_events", "done", "events", "strip_usage", "tools", "usage", "watch_tools")
     READ: tuple[bytes, ...] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, watch_tools: bool = False) -> None:
+        self.watch_tools = watch_tools
         self._events = EventCutter()
         self.strip_usage = False
         self.usage: tuple[int, int, int] | None = None
@@ -153,7 +156,7 @@ class NamedEvents:
         complete = self._events.take(chunk)
         if complete:  # an event line `event: NAME` ends with its line; a data line ends with JSON
             self.events += complete.count(b"delta\n") + complete.count(b"delta\r")
-            if not self.tools and calls_tools(complete):
+            if self.watch_tools and not self.tools and calls_tools(complete):
                 self.tools = True
         if complete and any(name in complete for name in self.READ):
             for m in EVENT.finditer(complete):
@@ -196,8 +199,8 @@ class ResponsesFramer(NamedEvents):
     __slots__ = ("_last", "response_id")
     READ = (b"response.created", b"response.completed", b"response.incomplete", b"response.failed")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, watch_tools: bool = False) -> None:
+        super().__init__(watch_tools)
         self._last = b""  # the latest whole events forwarded: where the stream's numbering stands
         self.response_id: str | None = None
 
@@ -240,8 +243,8 @@ class MessagesFramer(NamedEvents):
     __slots__ = ("_usage",)
     READ = (b"message_start", b"message_delta", b"message_stop", b"event: error")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, watch_tools: bool = False) -> None:
+        super().__init__(watch_tools)
         self._usage: dict[str, Any] = {}
 
     def _on(self, event: dict[str, Any]) -> None:
