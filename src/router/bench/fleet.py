@@ -53,6 +53,8 @@ Workloads (`--workloads`; by default `sessions`, and the traces with `--trace-di
   definitions), a task with files opened (2,000-8,000 tokens), then 8-30 turns of tool loops whose
   results are long (100-3,000 tokens) and whose pauses are short (1.5 s on average: the tools
   running), each request with Claude Code's `x-claude-code-session-id` beside the contender's key;
+  on router-emulator (started with vLLM's tool flags) each turn but a session's last requires a
+  tool, and the next turn sends the call back with its result as a `tool` message;
 - `session-replay@R`: the shape of Dynamo's session-replay study (many concurrent sessions of 20
   turns on few replicas): the chats of `sessions`, 20 turns each, 1 s pauses; run it with few
   `--replicas` and a rate that keeps hundreds of sessions open. Both fix their own turns and
