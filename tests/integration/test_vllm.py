@@ -443,11 +443,14 @@ async def test_a_sigkilled_replicas_streams_resume_or_end_in_their_apis_error(
             async for chunk in r.content.iter_any():
                 raw += chunk
                 victim = victims[name]
-                if raw.count(b"\n\n") >= 6 and victim.proc is not None and victim.proc.poll() is None:
-                    victim.kill()  # mid-stream, a few events in: the server, its engine and worker
+                # as early as a few tokens in: a busy machine's client may read its first events
+                # a second late, and the tiny model generates a long answer in a few seconds
+                if raw.count(b'"delta"') >= 3 and victim.proc is not None and victim.proc.poll() is None:
+                    victim.kill()  # mid-stream: the server, its engine and worker
         return bytes(raw)
 
-    chat = {"messages": [SYSTEM, {"role": "user", "content": "a long story"}], "max_tokens": 1500, "ignore_eos": True}
+    long = 3600  # of 4,096 in all
+    chat = {"messages": [SYSTEM, {"role": "user", "content": "a long story"}], "max_tokens": long, "ignore_eos": True}
     async with aiohttp.ClientSession() as http:
         raw = await stream_and_kill(http, {**chat, "temperature": 0}, "/v1/chat/completions", "v-chat")
         events = events_of(raw)
@@ -461,7 +464,7 @@ async def test_a_sigkilled_replicas_streams_resume_or_end_in_their_apis_error(
             "messages": [{"role": "user", "content": "a long story"}],
             "temperature": 0,  # greedy: this model's text never ends before max_tokens
         }
-        raw = await stream_and_kill(http, {**messages, "max_tokens": 1500}, "/v1/messages", "v-messages")
+        raw = await stream_and_kill(http, {**messages, "max_tokens": long}, "/v1/messages", "v-messages")
         text = await metrics_of(http, url, TOKEN)
     assert metric(text, "router_stream_resumes_total", outcome="resumed") == 1
     # a Messages stream is not resumed (that API has no way to continue a reply): it ends with its error event
