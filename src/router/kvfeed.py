@@ -289,6 +289,12 @@ class Feed:
             return key
         return self.tokens.tokenized(key, api, body, self.fed(key.model))
 
+    def replied(self, key: RoutingKey, api: Api, body: Mapping[str, Any], reply: Callable[[], str | None]) -> None:
+        """A chat's answer has gone to its client: its tokens kept for the conversation's next turn
+        (router.engine_tokens). Never waits."""
+        if key.prompt is not None and self.truth:
+            self.tokens.replied(key.model, api, body, reply)
+
 
 def _capacity_blocks(replica: ReplicaState, holdings: Holdings | None) -> int:
     size = (holdings.block_size if holdings is not None else None) or replica.engine.block_size

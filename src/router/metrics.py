@@ -95,7 +95,8 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "histogram",
         "Time to cut a request into its engine's tokens for the event-fed index, by source: tokenizer (the "
         "model's own, in the router, on the request's path), learnt (its history's tokens found, on the path) "
-        "or engine (a conversation tokenized by an engine in the background, off the path).",
+        "or engine (a conversation tokenized by an engine in the background, off the path); reply: a chat's answer "
+        "kept for its next turn, after it has gone.",
         ("source",),
     ),
     "router_token_checks": (

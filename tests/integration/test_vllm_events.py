@@ -16,6 +16,7 @@ prediction for that prompt, made just before, must be that number exactly.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from prometheus_client import generate_latest
 
 from router.bench.common import free_port
 from router.bench.vllm import MODEL_NAME, VllmServer, start_all
+from router.kvevents.tokens import Tokenizer
 from router.node import Node
 from router.proxy.intake import Intake, take_in_body
 
@@ -353,6 +355,64 @@ async def test_as_shipped_every_request_is_priced_by_the_events_in_tokens_found_
                 messages = conversation(60 + n, 4)
                 expected = (await predicted(router, messages))[server.name]
                 assert expected == await probe(http, server, messages), (n, server.name)
+                await settled(router)
+
+
+async def test_an_answer_is_tokenized_after_it_went_and_its_next_turn_only_the_new_message(
+    pair: list[VllmServer], start_router: Callable[..., Any]
+) -> None:
+    """A chat's answer, streamed or whole, is kept in the engine's tokens once the client has it; its
+    next turn, sending that answer back, tokenizes on its path only the message it adds, and its
+    tokens are still the engine's (its prediction is what the engine then finds cached)."""
+    async with aiohttp.ClientSession() as http:
+        router, url = await start(start_router, pair)
+        assert router.feed is not None
+        tokenizer = router.feed.tokens.models[MODEL_NAME].tokenizer
+        assert isinstance(tokenizer, Tokenizer)
+
+        def replies() -> float:
+            text = generate_latest(router.metrics.registry).decode()
+            found = re.search(r'router_tokenize_seconds_count\{source="reply"\} ([0-9.]+)', text)
+            return float(found.group(1)) if found else 0.0
+
+        async def turn(messages: list[dict[str, Any]], stream: bool, session: str) -> str:
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 24, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            answered = replies()
+            async with http.post(
+                url + "/v1/chat/completions",
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", "X-Session-ID": session},
+            ) as r:
+                assert r.status == 200, await r.text()
+                raw = await r.read()
+            deadline = time.monotonic() + 10
+            while replies() < answered + 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert replies() == answered + 1  # kept once the client had it
+            if not stream:
+                return str(orjson.loads(raw)["choices"][0]["message"]["content"])
+            events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+            return "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+
+        for stream in (True, False):
+            session = f"reply-{stream}"
+            messages = conversation(90 + stream, 1)
+            reply = await turn(messages, stream, session)
+            assert reply
+            answered = [*messages, {"role": "assistant", "content": reply}]
+            nxt = [*answered, {"role": "user", "content": "And tomorrow, in the valley?"}]
+            before = tokenizer.tokenized
+            second = await turn(nxt, stream, session)
+            # what was tokenized since: this turn's new message on its path, and its own answer after
+            # it went; never the first answer again
+            whole = tokenizer.render([*nxt, {"role": "assistant", "content": second}], False)
+            assert tokenizer.tokenized - before == len(whole) - len(tokenizer.render(answered, False))
+            await settled(router)
+            follow = [*nxt, {"role": "assistant", "content": second}, {"role": "user", "content": "Thanks."}]
+            for server in pair:
+                assert (await predicted(router, follow))[server.name] == await probe(http, server, follow)
                 await settled(router)
 
 

@@ -391,3 +391,68 @@ async def test_a_sheddable_request_no_replica_can_serve_in_time_is_refused_befor
     script = Script(answered)
     await journey_of(routing, admission, metrics, script).serve(Exchange(), intake, time.monotonic())
     assert len(script.sent) == 1
+
+
+class KeptReplies:
+    """The engines' tokens, recording what the journey hands them."""
+
+    def __init__(self) -> None:
+        self.replies: list[str] = []
+
+    def tokenized(self, key: Any, api: Any, body: dict[str, Any]) -> Any:
+        return key
+
+    def replied(self, key: Any, api: Any, body: dict[str, Any], reply: Callable[[], str | None]) -> None:
+        assert key.prompt is not None and body["messages"]
+        text = reply()
+        assert text is not None
+        self.replies.append(text)
+
+
+def whole_stream(replica: ReplicaState, trip: Trip) -> Outcome:
+    """A chat stream that ran to its end, as the client got it."""
+    events = [{"id": "c-1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    events += [{"id": "c-1", "choices": [{"index": 0, "delta": {"content": t}}]} for t in ("Hel", "lo")]
+    events.append({"id": "c-1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    record = StreamRecord(trip.intake.keep)
+    for event in events:
+        record.add(chunk(event))
+    record.add(b"data: [DONE]\n\n")
+    exchange = trip.exchange
+    exchange.status, exchange.prepared, exchange.body = 200, True, bytes(record.buf)
+    outcome = Outcome(exchange, Served(200, ttft_s=0.01, streamed=True))
+    outcome.record, outcome.framer = record, SseFramer(False)
+    return outcome
+
+
+async def test_a_chat_answer_that_ended_well_in_text_is_kept_for_its_next_turn_and_no_other() -> None:
+    routing, admission, metrics, config, _fleet = build(policy="ttft")
+    kept = KeptReplies()
+    ledger = Ledger(metrics, routing.policy.name, routing.fleet.model_label, log_requests=False)
+
+    def whole(replica: ReplicaState, trip: Trip) -> Outcome:
+        outcome = answered(replica, trip)
+        outcome.reply = "Hi there"  # (the relay reads it from the answer's JSON)
+        return outcome
+
+    def called_tools(replica: ReplicaState, trip: Trip) -> Outcome:
+        outcome = whole_stream(replica, trip)
+        outcome.facts.tools = True
+        return outcome
+
+    def resumed(outcome: Outcome) -> None:
+        outcome.stream_error, outcome.broken = None, False
+        return None
+
+    script = Script(whole_stream, whole, called_tools, broken, resumes=(resumed,))
+    journey = Journey(routing, admission, script, ledger, metrics, 30.0, 256, kept)
+    headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s-1"}))
+    chat = CHAT | {"messages": [{"role": "user", "content": "tell me about the fox " * 20}]}
+    for body in (chat | {"stream": True}, chat, chat | {"stream": True}, chat | {"stream": True}):
+        intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config, True)  # its prompt read
+        assert isinstance(intake, Intake) and intake.key.prompt is not None
+        await journey.serve(Exchange(), intake, time.monotonic())
+    # the stream's text read from its record, the whole answer's; not an answer that called tools,
+    # nor a stream that broke (what its client got was spliced from two replicas)
+    assert kept.replies == ["Hello", "Hi there"]
+    assert len(script.sent) == 4 and not script.steps

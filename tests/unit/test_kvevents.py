@@ -539,6 +539,41 @@ def test_a_conversations_next_turn_hashes_only_its_new_blocks(tmp_path: Path, mo
     assert other.chain(BS) == request_chain(second.ids, BS, root_of("lora-0", None)) != second.chain(BS)
 
 
+def test_an_answer_kept_after_it_went_leaves_the_next_turn_only_its_new_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import router.kvevents.tokens as tokens  # noqa: PLC0415
+
+    tokenizer = Tokenizer(small_model(tmp_path))
+    messages = [{"role": "system", "content": "the fox " * 80}, {"role": "user", "content": "the dog?"}]
+    first = EngineTokens.of_turn(tokenizer.turn(messages), None, None)
+    first.chain(BS)  # (the placement made it while pricing the turn)
+    reply = "the weather is fine and the dog jumps over the fox " * 3
+    kept = tokenizer.replied(messages, reply)
+    assert kept > len(first.ids)
+    hashed: list[int] = []
+    chain = tokens.token_chain
+    monkeypatch.setattr(tokens, "token_chain", lambda ids, *a: hashed.append(len(ids)) or chain(ids, *a))
+    # the client's copy of the answer carries fields the template does not render: found all the same
+    said = {"role": "assistant", "content": reply, "refusal": None, "tool_calls": []}
+    question = {"role": "user", "content": "and the fox?"}
+    nxt = [*messages, said, question]
+    before = tokenizer.tokenized
+    second = EngineTokens.of_turn(tokenizer.turn(nxt), None, None)
+    rendered = tokenizer.render(nxt)
+    assert list(second.ids) == tokenizer.encode(rendered)  # the same ids as tokenizing it whole ...
+    assert tokenizer.tokenized - before - len(rendered) == len("<|user|>and the fox?<|end|>\n<|assistant|>")
+    made = second.chain(BS)
+    assert 0 < sum(hashed) <= len(second.ids) - kept + BS  # ... the reply's blocks were hashed after it went
+    assert made == request_chain(second.ids, BS, root_of(None, None))
+    # a client that sends back an answer other than the one it got: its turn is tokenized from the
+    # request's own kept turn on, and its ids are still the whole text's
+    edited = [*messages, {"role": "assistant", "content": "the dog"}, question]
+    assert list(tokenizer.chat(edited)) == tokenizer.encode(tokenizer.render(edited))
+    # a conversation whose own turn was never kept keeps nothing: it would save no work
+    assert tokenizer.replied([{"role": "user", "content": "the lazy dog"}], reply) == 0
+
+
 def test_kept_tokens_are_bounded_by_the_ids_they_hold() -> None:
     store = TokenStore(max_tokens=100)
     store.put(1, range(60), "a")

@@ -10,7 +10,15 @@ import pytest
 from router.apis import CHAT, COMPLETION, EMBEDDING, MESSAGES, RESPONSES
 from router.config import RouterConfig
 from router.proxy.intake import Intake, take_in_body
-from router.proxy.resume import SoFar, Splicer, StreamRecord, continuation, read_so_far, why_not_continued
+from router.proxy.resume import (
+    SoFar,
+    Splicer,
+    StreamRecord,
+    continuation,
+    read_so_far,
+    streamed_text,
+    why_not_continued,
+)
 
 
 def sse(*events: Any) -> bytes:
@@ -27,6 +35,22 @@ def chat_chunk(content: str | None, role: bool = False, finish: str | None = Non
         "object": "chat.completion.chunk",
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
+
+
+def test_a_whole_streams_text_is_read_as_the_record_reads_it_back() -> None:
+    record = StreamRecord(100_000)
+    pieces = ["", "Hel", 'lo "quoted" \\ back', "slash\n", " caf\u00e9 \U0001f600", ' and "content": "no"']
+    record.add(sse(chat_chunk(pieces[0], role=True), *(chat_chunk(p) for p in pieces[1:])))
+    # logprobs name `content` too, as a list; reasoning is not the answer's text
+    record.add(sse({"choices": [{"index": 0, "delta": {"content": "!"}, "logprobs": {"content": [{"token": "!"}]}}]}))
+    record.add(sse({"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]}, chat_chunk(None, finish="stop")))
+    record.add(b"data: [DONE]\n\n")
+    so_far = read_so_far(record)
+    assert so_far is not None and streamed_text(record) == so_far.text == "".join(pieces) + "!"
+    assert streamed_text(StreamRecord(100)) is None  # nothing said
+    over = StreamRecord(10)
+    over.add(sse(chat_chunk("too long for the record")))
+    assert streamed_text(over) is None
 
 
 def test_the_record_reads_back_text_chunks_and_ids() -> None:

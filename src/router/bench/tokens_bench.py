@@ -7,8 +7,9 @@ message) and for the next turn of the same conversation (a `REPLY_TOKENS` reply 
 
 - **tokenizer**: `Tokenizer.chat` (router.kvevents.tokens) with the model's own tokenizer and chat
   template, in the router's process (found from the engines' /v1/models, router.engine_tokens). It
-  keeps each conversation's tokens, so the next turn renders the template again but tokenizes only
-  the new messages;
+  keeps each conversation's tokens, with its answer once the answer went (`Tokenizer.replied`, timed
+  on its own: off the request's path), so the next turn renders the template again but tokenizes
+  only the new question;
 - **render**: the round trip to one real vLLM replica's `/v1/chat/completions/render` (what the
   router once waited for on every request, and a peer's cache-aware policy does), on a keep-alive
   connection, the JSON answer parsed, the replica otherwise idle. Its token ids must equal the
@@ -163,11 +164,21 @@ class Conversation:
             if abs(got - tokens) <= tokens // 100:
                 break
             per_token *= tokens / max(1, got)
+        self.reply = _text(rng, round(REPLY_TOKENS * per_token))
         self.follow_up: list[Mapping[str, Any]] = [
             *self.first,
-            {"role": "assistant", "content": _text(rng, round(REPLY_TOKENS * per_token))},
+            {"role": "assistant", "content": self.reply},
             {"role": "user", "content": _text(rng, round(FOLLOW_UP_TOKENS * per_token))},
         ]
+
+    def answered(self, tokenizer: Tokenizer, block_size: int) -> tuple[int, ...]:
+        """The first turn as the router serves it: tokenized, priced (its chain made) and answered
+        (the answer kept by the tokenizer once it went); its ids."""
+        first = tokenizer.turn(self.first)
+        EngineTokens.of_turn(first, None, None).chain(block_size)
+        if not tokenizer.replied(self.first, self.reply):
+            raise RuntimeError("the tokenizer kept no answer of the first turn: refusing to report")
+        return first.ids
 
 
 # -- timing -------------------------------------------------------------------------------------------
@@ -303,7 +314,7 @@ async def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> 
     conversations = {n: Conversation(tokenizer, n, args.seed) for n in args.tokens}
     rows: list[dict[str, Any]] = []
     for n, conv in conversations.items():
-        first_ids = tokenizer.chat(conv.first)
+        first_ids = conv.answered(tokenizer, args.block_size)
         for turn, messages in (("first", conv.first), ("follow-up", conv.follow_up)):
             ids = tokenizer.chat(messages)
             if list(ids) != tokenizer.encode(tokenizer.render(messages)):
@@ -313,16 +324,24 @@ async def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> 
         conv = conversations[row["tokens"]]
         messages = conv.first if row["turn"] == "first" else conv.follow_up
         progress(f"{row['tokens']:,} tokens, {row['turn']} turn: tokenizer")
-        # a first turn finds no earlier turn kept, however often it is asked; the follow-up finds the
-        # first turn's tokens kept (it was tokenized above) and tokenizes its last two messages only
-        row["tokenizer"] = time_calls(partial(tokenizer.chat, messages), args.repeat, args.max_seconds)
-        body = {"model": MODEL_NAME, "messages": messages}
-        first_body = {"model": MODEL_NAME, "messages": conv.first}
-        # a follow-up finds its first turn's chain kept beside its tokens (made when it was priced)
         seed = root_of(None, None)
         head: Chains | None = None
         if row["turn"] != "first":
-            head = {(args.block_size, seed): request_chain(row["first_ids"], args.block_size, seed)}
+            # the first turn priced and answered again (the first row's timing kept it anew, chainless);
+            # keeping its answer, after it went, is timed on its own: off the request's path
+            conv.answered(tokenizer, args.block_size)
+            row["replied"] = time_calls(
+                partial(tokenizer.replied, conv.first, conv.reply), args.repeat, args.max_seconds
+            )
+            # the follow-up's chain extends the chain kept with its first turn's answer
+            head = tokenizer.turn(messages).head
+            if not head or (args.block_size, seed) not in head:
+                raise RuntimeError("the follow-up did not find its first turn's answer kept: refusing to report")
+        # a first turn finds no earlier turn kept, however often it is asked; the follow-up finds the
+        # first turn with its answer kept, and tokenizes the question alone
+        row["tokenizer"] = time_calls(partial(tokenizer.chat, messages), args.repeat, args.max_seconds)
+        body = {"model": MODEL_NAME, "messages": messages}
+        first_body = {"model": MODEL_NAME, "messages": conv.first}
         row["decision"] = {}
         for replicas in args.replicas:
             progress(f"{row['tokens']:,} tokens, {row['turn']} turn: decision on {replicas} replicas")
@@ -452,8 +471,8 @@ def render_tables(result: dict[str, Any]) -> str:
         "| prompt (tokens) | turn | tokenizer, in the router | render, vLLM round trip "
         "| engine blocks (chain) | "
         + " | ".join(f"decision, events, {n} replicas | decision, model, {n} replicas" for n in sizes)
-        + " |",
-        "|---:|---|---:|---:|---:|" + "---:|---:|" * len(sizes),
+        + " | the first turn's answer kept, after it went |",
+        "|---:|---|---:|---:|---:|" + "---:|---:|" * len(sizes) + "---:|",
     ]
     for row in result["rows"]:
         cells = [
@@ -466,13 +485,15 @@ def render_tables(result: dict[str, Any]) -> str:
         for n in sizes:
             d = row["decision"].get(n) or row["decision"].get(str(n))
             cells += [_time(d["events"]), _time(d["model"])]
+        cells.append(_time(row.get("replied")))
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         f"The follow-up turn is the first, its {result['reply_tokens']}-token reply and a "
-        f"{result['follow_up_tokens']}-token question; the tokenizer keeps the first turn's tokens and "
-        "tokenizes only what follows, and its engine blocks extend the first turn's chain (hashing the "
-        "blocks that follow it). A decision by events: the key's byte blocks, the engine's blocks "
+        f"{result['follow_up_tokens']}-token question; the tokenizer kept the first turn's tokens with its "
+        "answer once the answer went (the last column, off the request's path) and tokenizes only the "
+        "question, and its engine blocks extend the chain kept with them (hashing the blocks that "
+        "follow it). A decision by events: the key's byte blocks, the engine's blocks "
         "and the price over every replica's events; by the model: the key's byte blocks and the price "
         "over the router's own index.",
     ]

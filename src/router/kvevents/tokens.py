@@ -201,6 +201,8 @@ class ChatTokenizer(Protocol):
 
     def turn(self, messages: list[Mapping[str, Any]], **extra: Any) -> Turn: ...
 
+    def replied(self, messages: list[Mapping[str, Any]], reply: str, **extra: Any) -> int: ...
+
     def prompt(self, text: str) -> tuple[int, ...]: ...
 
 
@@ -212,6 +214,9 @@ class EmulatorTokenizer:
 
     def turn(self, messages: list[Mapping[str, Any]], **extra: Any) -> Turn:
         return Turn(self.chat(messages, **extra))
+
+    def replied(self, messages: list[Mapping[str, Any]], reply: str, **extra: Any) -> int:
+        return 0  # bytes to ids costs less than a lookup: nothing is kept between turns
 
     def prompt(self, text: str) -> tuple[int, ...]:
         return tuple(token_ids(text.encode("utf-8", "surrogatepass")))
@@ -291,22 +296,57 @@ class Tokenizer:
         messages; the next turn of the conversation (those messages, a reply and more) finds it,
         checks that its own text starts with that text (every template that renders a history and
         its generation prompt as the start of the longer conversation does), and tokenizes only
-        what follows, its chains extending the kept ones; else it is tokenized whole."""
+        what follows, its chains extending the kept ones; else it is tokenized whole. A history
+        kept with its reply (`replied`) is found by the messages before that reply, whatever else
+        the client's copy of the assistant message carries: its text is what is checked."""
         text = self.render(messages, True, **extra)
         keys = message_keys(messages, _extra_seed(extra))
-        head: Sequence[int] = ()
-        head_chains: Chains | None = None
-        start = 0
-        for cut in range(len(messages) - 1, max(0, len(messages) - HISTORY_LOOKBACK) - 1, -1):
-            kept = self._histories.get(keys[cut - 1]) if cut > 0 else None
-            if kept is not None and kept[0][0] <= len(text) and _text_key(text[: kept[0][0]]) == kept[0][1]:
-                head, start, head_chains = kept[1], kept[0][0], kept[0][2]
-                break
+        head, start, head_chains = self._head(messages, keys, text, len(messages) - 1)
         ids = (*head, *self.encode(text[start:])) if start < len(text) else tuple(head)  # (a tuple: no copy)
         turn = Turn(ids, {}, head_chains)
         if keys:
             self._histories.put(keys[-1], ids, (len(text), _text_key(text), turn.chains))
         return turn
+
+    def replied(self, messages: list[Mapping[str, Any]], reply: str, **extra: Any) -> int:
+        """Keep the conversation `messages` with `reply`, its answer, as the assistant's message (no
+        generation prompt after it), for its next turn: tokenized after the answer has gone, so
+        that the next turn's path tokenizes only the client's new message. Its chains are those its
+        own turn made, extended over the reply. Returns the tokens kept (0: none, as for a template
+        whose rendering of an answered turn is not its prompt's continuation)."""
+        if not messages:
+            return 0
+        text = self.render([*messages, {"role": "assistant", "content": reply}], False, **extra)
+        keys = message_keys(messages, _extra_seed(extra))
+        head, start, head_chains = self._head(messages, keys, text, len(messages))
+        if not head:
+            return 0  # its own turn is gone, or its text is not this one's start: nothing saved
+        ids = (*head, *self.encode(text[start:])) if start < len(text) else tuple(head)
+        chains: Chains = {}
+        for (size, seed), chain in (head_chains or {}).items():
+            chains[(size, seed)] = extend_chain(chain, ids, size, seed)
+        self._histories.put(_reply_key(keys[-1]), ids, (len(text), _text_key(text), chains))
+        return len(ids)
+
+    def _head(
+        self, messages: Sequence[Any], keys: list[int], text: str, top: int
+    ) -> tuple[Sequence[int], int, Chains | None]:
+        """The longest kept prompt whose text starts `text`, among the prefixes of `messages` of
+        `top` messages down to HISTORY_LOOKBACK fewer: its ids, its text's length, its chains. A
+        prefix ending in an assistant's message is also looked for as the one before it, replied."""
+        for cut in range(top, max(0, len(messages) - HISTORY_LOOKBACK) - 1, -1):
+            if cut <= 0:
+                break
+            kept = self._histories.get(keys[cut - 1])
+            if _starts(kept, text):
+                assert kept is not None
+                return kept[1], kept[0][0], kept[0][2]
+            if cut >= 2 and _assistant(messages[cut - 1]):
+                kept = self._histories.get(_reply_key(keys[cut - 2]))
+                if _starts(kept, text):
+                    assert kept is not None
+                    return kept[1], kept[0][0], kept[0][2]
+        return (), 0, None
 
     def prompt(self, text: str) -> tuple[int, ...]:
         """A completion's prompt, as vLLM tokenizes it (the tokenizer's own special tokens added)."""
@@ -316,6 +356,20 @@ class Tokenizer:
 
 def _text_key(text: str) -> int:
     return xxh3_64(text.encode("utf-8", "surrogatepass"))
+
+
+def _starts(kept: tuple[Any, tuple[int, ...]] | None, text: str) -> bool:
+    """Whether a kept prompt's text (its length and hash) is the start of `text`."""
+    return kept is not None and kept[0][0] <= len(text) and _text_key(text[: kept[0][0]]) == kept[0][1]
+
+
+def _reply_key(key: int) -> int:
+    """Where a conversation kept with its reply is found: by its messages before the reply."""
+    return xxh3_64(b"replied", key)
+
+
+def _assistant(message: Any) -> bool:
+    return isinstance(message, Mapping) and message.get("role") == "assistant"
 
 
 def message_keys(messages: Sequence[Any], seed: int) -> list[int]:

@@ -96,7 +96,6 @@ def journey_of(node: Node) -> Journey:
             observe,
         )
     ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests, node.clients is not None)
-    tokenize = node.feed.tokenized if node.feed is not None else None
     return Journey(
         node.routing,
         node.admission,
@@ -105,7 +104,7 @@ def journey_of(node: Node) -> Journey:
         node.metrics,
         cfg.total_timeout_s,
         cfg.max_key_bytes,
-        tokenize,
+        node.feed,
         clients=node.clients,
         budgets=node.budgets,
         reserve_tokens=cfg.budget_reserve_tokens,

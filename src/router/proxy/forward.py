@@ -27,12 +27,13 @@ from typing import Any
 import orjson
 from multidict import CIMultiDictProxy
 
+from router.apis import CHAT
 from router.clients import KEY_HEADERS
 from router.errors import in_shape, messages_error_event, responses_error_event, sse_error_event, wrapped
 from router.proxy.exchange import JSON, Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.intake import Intake
-from router.proxy.resume import StreamRecord
+from router.proxy.resume import StreamRecord, streamed_text
 from router.proxy.sse import StreamFramer, calls_tools, usage_of
 from router.routing import Served
 from router.upstream import ConnectError, Response, Upstream
@@ -74,7 +75,7 @@ class Outcome:
     stream is relayed, resumed or ended through (the client's exchange, the framer, the transport,
     what was forwarded so far, whether it broke with the response left open)."""
 
-    __slots__ = ("_error", "broken", "extra", "facts", "framer", "record", "response", "transport")
+    __slots__ = ("_error", "broken", "extra", "facts", "framer", "record", "reply", "response", "transport")
 
     def __init__(self, response: Exchange, facts: Served) -> None:
         self.response = response  # the client's side: the answer is given through it
@@ -86,6 +87,7 @@ class Outcome:
         self.broken = False
         self.framer: StreamFramer | None = None  # a stream's framer, or its splicer once resumed
         self.transport: asyncio.Transport | None = None
+        self.reply: str | None = None  # a whole chat answer's text (a stream's is read from its record)
 
     @property
     def stream_error(self) -> str | None:
@@ -272,6 +274,8 @@ async def _relay(
             except orjson.JSONDecodeError:
                 answer = None
             usage = usage_of(answer)
+            if intake.api is CHAT:
+                outcome.reply = _answer_text(answer)
             if events == "responses" and isinstance(answer, dict) and isinstance(answer.get("id"), str):
                 outcome.facts.response_id = answer["id"]
             if usage:
@@ -341,6 +345,23 @@ async def _stream(upstream: Response, outcome: Outcome, first: bytes, idle: floa
         outcome.facts.prompt_tokens, outcome.facts.cached_tokens, outcome.facts.completion_tokens = framer.usage
     if isinstance(framer, ResponsesFramer):
         outcome.facts.response_id = framer.response_id
+
+
+def reply_text(outcome: Outcome) -> str | None:
+    """The text of a chat answer of one choice that ended well, as its client got it (a stream's,
+    from its record: None where it kept none, as for a stream that cannot be resumed)."""
+    if not outcome.facts.streamed:
+        return outcome.reply
+    return streamed_text(outcome.record) if outcome.record is not None else None
+
+
+def _answer_text(answer: Any) -> str | None:
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    text = message.get("content") if isinstance(message, dict) else None
+    return text if isinstance(text, str) and text else None
 
 
 async def end_stream(outcome: Outcome) -> None:

@@ -15,7 +15,9 @@ attempt hands its replica its own trace context.
 It is built from narrow collaborators, never the node: the routing core, the overload queue, the
 attempts (`Attempts`: HTTP to replicas in the proxy, `HttpAttempts`; the modelled replicas of
 router-bench simulate, which drives this same loop on a virtual clock; fakes in its unit tests),
-where it ends (`Accounting`: the `Ledger`), and the engines' tokens where they are read (`tokenize`).
+where it ends (`Accounting`: the `Ledger`), and the engines' tokens where they are read (`Tokens`:
+a request cut into them before it is routed, a chat's answer kept for its next turn once it has
+gone).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from router.proxy.forward import (
     attempt,
     end_stream,
     forward_headers,
+    reply_text,
     resume,
 )
 from router.proxy.intake import Intake, Refused, no_such_model, unknown_response
@@ -290,7 +293,17 @@ def _logged_legs(result: Outcome | None, legs: dict[str, float] | None) -> dict[
     }
 
 
-Tokenize = Callable[[RoutingKey, Api, dict[str, Any]], RoutingKey]  # never waits (router.engine_tokens)
+class Tokens(Protocol):
+    """The engines' tokens (router.kvfeed.Feed, router.engine_tokens); neither call waits."""
+
+    def tokenized(self, key: RoutingKey, api: Api, body: dict[str, Any]) -> RoutingKey:
+        """`key` with its prompt in the engine's tokens, as far as they are known now."""
+        ...
+
+    def replied(self, key: RoutingKey, api: Api, body: dict[str, Any], reply: Callable[[], str | None]) -> None:
+        """A chat's answer has gone to its client: keep its tokens for the next turn (`reply` reads
+        its text, only where a tokenizer will keep it: 37 us for a 200-event stream)."""
+        ...
 
 
 def traced_headers(headers: dict[str, str], span: AttemptTrace) -> dict[str, str]:
@@ -310,7 +323,7 @@ class Journey:
         metrics: RouterMetrics,
         total_timeout_s: float,
         max_key_bytes: int,
-        tokenize: Tokenize | None = None,
+        tokens: Tokens | None = None,
         clock: Callable[[], float] = time.monotonic,
         clients: ClientKeys | None = None,
         budgets: Budgets | None = None,
@@ -325,7 +338,7 @@ class Journey:
         self.metrics = metrics
         self.total_timeout_s = total_timeout_s
         self.max_key_bytes = max_key_bytes
-        self.tokenize = tokenize
+        self.tokens = tokens
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
         self.clients = clients  # who may use the API (router.clients); None: anyone
         self.budgets = budgets  # tenants' tokens a minute (router.budgets); None: no budgets
@@ -396,8 +409,8 @@ class Journey:
                 return
             # settled where the journey ends
             finish = functools.partial(self._settled, finish, reserved, prompt_estimate(len(intake.raw)))
-        if self.tokenize is not None and key.prompt is not None:
-            key = self.tokenize(key, intake.api, intake.body)  # the engine's tokens, where events feed
+        if self.tokens is not None and key.prompt is not None:
+            key = self.tokens.tokenized(key, intake.api, intake.body)  # the engine's tokens, where events feed
         loop = asyncio.get_running_loop()
         routing = self.routing
         deadline = loop.time() - (self.clock() - t0) + self.total_timeout_s
@@ -478,6 +491,8 @@ class Journey:
                     finish(exchange, 499, replica, key, route.decision, t0, trip.streaming, route.attempts)
                     raise
             finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts, verdict)
+            if self.tokens is not None and key.prompt is not None and intake.api is CHAT:
+                self._replied(key, intake, result)
             return
         if route.late:
             late = Shed(429, "no replica is predicted to send the first token within x-slo-ttft-ms", "target", 1)
@@ -488,6 +503,14 @@ class Journey:
             failure = failure or Retry("timeout", 504)
         self._no_replica(exchange, failure, bool(route.tried))
         finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
+
+    def _replied(self, key: RoutingKey, intake: Intake, result: Outcome) -> None:
+        """A chat answer that ended well, whole and in text, to the engines' tokens for its next turn."""
+        facts = result.facts
+        if facts.status != 200 or facts.tools or result.stream_error is not None or "broke_on" in result.extra:
+            return
+        if self.tokens is not None:
+            self.tokens.replied(key, intake.api, intake.body, functools.partial(reply_text, result))
 
     def _attempt_span(
         self, trace: RequestTrace, route: Route, replica: ReplicaState, trip: Trip, since: float
