@@ -6,15 +6,22 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.health.signals import (
     BY_KIND,
     ENGINES,
+    KNOWN,
+    LABELLED,
     EngineStats,
     Metrics,
+    known_samples,
     lora_state,
     parse_engine_metrics,
     read_slots,
+    recognise,
+    samples,
     with_slots,
 )
 
@@ -157,3 +164,42 @@ def test_every_table_names_only_figures_the_router_has() -> None:
                 if isinstance(source, Metrics):
                     assert all(n.startswith(engine.prefix) or n.startswith("vllm:") for n in source.names)
     assert len(BY_KIND) == len(ENGINES)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.txt")))
+def test_the_probes_one_pass_reads_what_a_walk_over_every_line_reads(name: str) -> None:
+    """`known_samples` (a regex finds the lines of the metrics some table reads) against `samples`
+    (every line visited), on every engine's recorded /metrics, with Windows line ends, and with a
+    sample on the text's first line."""
+    text = fixture(name)
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    for variant in (text, text.replace("\n", "\r\n"), body):
+        labelled: dict[str, str] = {}
+        values, prefixes = samples(variant, KNOWN, labelled)
+        fast_values, fast_labelled, engine = known_samples(variant)
+        assert (fast_values, fast_labelled, engine) == (values, labelled, recognise(prefixes))
+    # a metric whose name starts another's is not read as it, nor a label value that names one
+    assert known_samples('vllm:num_requests_waiting_total 3\nx{a="vllm:num_requests_running 2"} 1\n')[0] == {}
+
+
+# every name a table reads (the labelled ones too), and others, one of them another's start and end
+_NAMES = [*sorted(KNOWN | LABELLED), "vllm:other", "sglang:x", "python_gc_total", "vllm:num_requests_waiting_total"]
+_LINES = st.one_of(
+    st.tuples(
+        st.sampled_from(_NAMES),
+        st.sampled_from(
+            ["", '{a="1"}', '{model_name="m",engine="0"}', '{reason="capacity"}', "{", '{b="}"}', '{block_size="16"}']
+        ),
+        st.sampled_from([" ", "  ", "\t", ""]),
+        st.sampled_from(["1", "2.5", "NaN", "+Inf", "x", "", "3 1700000000"]),
+    ).map(lambda t: "".join(t)),
+    st.sampled_from(["# HELP vllm:foo bar", "", "{}", "# TYPE x gauge"]),
+)
+
+
+@given(st.lists(_LINES, max_size=12), st.sampled_from(["\n", "\r\n"]))
+def test_the_probes_one_pass_agrees_with_the_walk_on_any_lines(lines: list[str], end: str) -> None:
+    text = end.join(lines)
+    labelled: dict[str, str] = {}
+    values, prefixes = samples(text, KNOWN, labelled)
+    assert known_samples(text) == (values, labelled, recognise(prefixes))
