@@ -202,7 +202,7 @@ class VllmServer:
                     raise RuntimeError(f"vLLM on port {self.port} exited with {self.proc.returncode}{self._tail()}")
                 if self._failed():
                     self.stop()
-                    raise RuntimeError(f"vLLM on port {self.port} failed to start{self._tail()}")
+                    raise RuntimeError(f"vLLM on port {self.port} failed to start{self._error()}{self._tail()}")
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
                     async with http.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
@@ -219,6 +219,23 @@ class VllmServer:
             return False
         with open(self.log, "rb") as f:
             return b"Traceback (most recent call last)" in f.read()
+
+    def _error(self) -> str:
+        """`: ` and the exception its log's first traceback ended in (what stopped it; the log's end
+        is what stopping it then printed), or nothing."""
+        if self.log is None or not self.log.exists():
+            return ""
+        text = self.log.read_text(errors="replace")
+        start = text.find("Traceback (most recent call last)")
+        if start < 0:
+            return ""
+        for line in text[start:].splitlines()[1:]:
+            # after vLLM's "(EngineCore pid=N) ERROR date [file:line] ": the traceback's frames and
+            # code are indented, its exception is not
+            message = line.split("] ", 1)[-1] if "] " in line else line
+            if message.strip() and not message[0].isspace():
+                return f": {message.strip()}"
+        return ""
 
     def _tail(self, lines: int = 15) -> str:
         if self.log is None or not self.log.exists():
