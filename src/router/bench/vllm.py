@@ -406,7 +406,14 @@ class VllmReplicas:
         if self.servers and (len(self.servers) != replicas or not alive):
             self.stop()
         if not self.servers:
-            await self._start(replicas)
+            try:
+                await self._start(replicas)
+            except RuntimeError as exc:
+                # once more, on new ports: 2 of 13 NIXL fleets failed to start on this 2-core machine
+                # where the next start passed (their cause uncaught then; the message names it now);
+                # a start that fails again is the error
+                print(f"router-bench: {exc}; starting the vLLM fleet once more", file=sys.stderr, flush=True)
+                await self._start(replicas)
         try:
             await self._cold()
         except RuntimeError:
