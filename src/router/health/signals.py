@@ -197,31 +197,39 @@ def samples(
         if name_end <= 0:
             continue
         name = line[:name_end]
-        if labelled is not None and name in LABELLED and name not in labelled and line[name_end] == "{":
-            end = line.rfind("}")
-            if end > name_end:
-                labelled[name] = line[name_end + 1 : end]
-        if names is not None and name not in names:
-            prefix, colon, _ = name.partition(":")
-            if colon:
-                prefixes.add(prefix + ":")
-            continue
-        fields = line[line.rfind("}") + 1 if "}" in line else name_end :].split()
-        try:
-            value = float(fields[0])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
-            values.setdefault(name, []).append(value)
-            label = BY_LABEL.get(name)
-            if label is not None and line[name_end] == "{":
-                found = _labels(line[name_end + 1 : line.rfind("}")]) or {}
-                if label in found:
-                    values.setdefault(_series(name, (label, found[label])), []).append(value)
+        wanted = names is None or name in names
+        if _read(name, line[name_end:], values, labelled, wanted) or not wanted:
             prefix, colon, _ = name.partition(":")
             if colon:
                 prefixes.add(prefix + ":")
     return values, prefixes
+
+
+def _read(name: str, rest: str, values: dict[str, list[float]], labelled: dict[str, str] | None, value: bool) -> bool:
+    """One sample line, its metric's `name` and what follows it (`rest`: its labels, if any, then
+    its value): a LABELLED metric's first label text into `labelled`; where `value`, its value
+    into `values` (and under `name{label="..."}` where BY_LABEL names one). Whether a finite
+    value was read."""
+    braced = rest[:1] == "{"
+    close = rest.rfind("}") if braced else -1
+    if labelled is not None and braced and close > 0 and name in LABELLED and name not in labelled:
+        labelled[name] = rest[1:close]
+    if not value:
+        return False
+    fields = rest[close + 1 :].split()
+    try:
+        number = float(fields[0])
+    except (IndexError, ValueError):
+        return False
+    if not math.isfinite(number):
+        return False
+    values.setdefault(name, []).append(number)
+    label = BY_LABEL.get(name)
+    if label is not None and braced:
+        found = _labels(rest[1:close]) or {}
+        if label in found:
+            values.setdefault(_series(name, (label, found[label])), []).append(number)
+    return True
 
 
 def recognise(prefixes: set[str]) -> Engine | None:
@@ -246,25 +254,8 @@ def known_samples(text: str) -> tuple[dict[str, list[float]], dict[str, str], En
     values: dict[str, list[float]] = {}
     labelled: dict[str, str] = {}
     for match in _READ.finditer(text):
-        name, rest = match.group(1), match.group(2)
-        braced = rest[0] == "{"
-        close = rest.rfind("}") if braced else -1
-        if name in LABELLED and name not in labelled and braced and close > 0:
-            labelled[name] = rest[1:close]
-        if name not in KNOWN:
-            continue
-        fields = rest[close + 1 :].split() if close >= 0 else rest.split()
-        try:
-            value = float(fields[0])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
-            values.setdefault(name, []).append(value)
-            label = BY_LABEL.get(name)
-            if label is not None and braced:
-                found = _labels(rest[1:close]) or {}
-                if label in found:
-                    values.setdefault(_series(name, (label, found[label])), []).append(value)
+        name = match.group(1)
+        _read(name, match.group(2), values, labelled, name in KNOWN)
     return values, labelled, _recognised(text, values)
 
 
