@@ -163,11 +163,84 @@ class Candidate:
     spread_s: float = 0.0  # the part of the cost that is its recent traffic past the fleet's mean
     gated: bool = False
     evicts_s: float = 0.0  # ... and what it would evict there of conversations likely back soon
+    source: str = "model"  # where its cached tokens come from: "events" (its engine's) or "model" (the router's)
+    tier_tokens: float = 0.0  # ... of which its engine holds on a second tier (events only)
 
     @property
     def ttft_s(self) -> float:
         """Its predicted time to first token: the cost less what it charges for the turns after."""
         return self.cost_s - self.spread_s - self.evicts_s
+
+
+class Priced:
+    """One prompt priced on the fleet (`Placement.price`): every candidate's row, the cheapest under
+    the gate, its near-ties and the conversation's home. A value: a later price makes another and
+    leaves this one as it was, so a decision reads its own rows however many prices came since."""
+
+    __slots__ = (
+        "best", "cached", "candidates", "cost", "evicts", "flags", "holding", "known", "spread", "tier", "ties",
+        "total", "wait",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        best: int,
+        ties: int,
+        holding: int,
+        total: float,
+        candidates: array[int],
+        rows: tuple[array[float], array[float], array[float], array[float], array[int]],
+        known: tuple[array[float], array[float]] | None = None,
+        evicts: array[float] | None = None,
+    ) -> None:
+        self.best = best  # the cheapest position under the gate; -1: every candidate is past it; -2: none
+        self.ties = ties  # how many candidates are within the tie margin of it
+        self.holding = holding  # the candidate holding at least the home share of the prompt, else -1
+        self.total = total  # the prompt's tokens, as priced
+        self.candidates = candidates  # per position, 0 where it was priced
+        self.cached, self.wait, self.cost, self.spread, self.flags = rows
+        # by the engines' events: per position, the cached tokens they say (-1: nothing), and of those on a second tier
+        self.known: array[float] | None = None if known is None else known[0]
+        self.tier: array[float] | None = None if known is None else known[1]
+        self.evicts = evicts  # per position, what it would evict there (None: nothing anywhere)
+
+    def row(self, pos: int) -> Candidate:
+        """The row of position `pos` (a candidate)."""
+        cached = self.cached[pos]
+        events = self.known is not None and self.known[pos] >= 0
+        return Candidate(
+            pos,
+            cached,
+            self.total - cached,
+            self.wait[pos],
+            self.cost[pos],
+            self.spread[pos],
+            bool(self.flags[pos] & PRICE_GATED),
+            self.evicts[pos] if self.evicts is not None else 0.0,
+            "events" if events else "model",
+            self.tier[pos] if events and self.tier is not None else 0.0,
+        )
+
+    def rows(self) -> list[Candidate]:
+        """Every candidate's row."""
+        return [self.row(i) for i, x in enumerate(self.candidates) if not x]
+
+    def near(self) -> list[int]:
+        """The candidates within the tie margin of the cheapest."""
+        flags = self.flags
+        return [i for i, x in enumerate(self.candidates) if not x and flags[i] & PRICE_NEAR]
+
+    def stays(self, home: int, best: int, share: float) -> bool:
+        """`home` keeps the request from `best`: it is not past the gate, and `best` costs at least
+        1 / (1 + share) of what it does."""
+        return not self.flags[home] & PRICE_GATED and self.cost[home] <= self.cost[best] * (1 + share)
+
+    def source(self, pos: int) -> str:
+        """Where the cached tokens at `pos` came from: "events" or "model"."""
+        return "events" if self.known is not None and pos < len(self.known) and self.known[pos] >= 0 else "model"
+
+
+_NO_ROWS = (array("d"), array("d"), array("d"), array("d"), array("B"))  # a price with no candidate
 
 
 @dataclass(slots=True)
@@ -222,11 +295,6 @@ class Placement:
         self.held: dict[str, Held] = {}
         # what the replicas that publish KV-cache events hold, as they say (router.kvfeed feeds it)
         self.truth = Truth(config.kv_tier_tokens_per_s)
-        self._known = array("d")
-        self._evicts = array("d")  # per position, seconds of others' prefill what it would evict costs
-        self._evicting = False  # the latest price charged some position for what it evicts
-        self._tier = array("d")  # per position, the prompt's tokens its engine holds on a second tier
-        self._known_used = False  # the latest price read the truth for some position
         self.bytes_per_token = BYTES_PER_TOKEN  # before any usage says otherwise
         self.mean_uncached = 0.0  # tokens a request computes, on average (for queues of unknown requests)
         self.accuracy = Accuracy()  # of the decisions that read the model
@@ -255,15 +323,14 @@ class Placement:
         self._helds: list[Held] = []
         self._holders = array("i")
         self._busy = self._spt = self._recent = self._waiting = array("d")
-        self._cached = self._wait = self._cost = self._spread = array("d")
-        self._flags = self._routable = self._candidates = array("B")
+        self._routable = array("B")
+        self._zeros = array("d")  # n zeros: the rows a price fills start as copies of it
         self._caps = array("q")
         self._uniform_cap: tuple[int, int] | None = None
         self._routable_for: object = None
         self._waiting_at = -math.inf
         # recent traffic x exp((ref - now) / SPREAD_WINDOW_S) is what it is now (`_frame`)
         self._recent_ref: float | None = None
-        self._total = 0.0
 
     # -- the replicas' state ----------------------------------------------------------------------
 
@@ -319,8 +386,7 @@ class Placement:
         self._recent = array("d", [h.recent for h in helds])
         self._waiting = array("d", [-1.0] * n)
         self._waiting_at = -math.inf
-        self._cached, self._wait, self._cost, self._spread = (array("d", [0.0] * n) for _ in range(4))
-        self._flags = array("B", [0] * n)
+        self._zeros = array("d", [0.0]) * n
         self._routable_for = None
         self._helds = helds
         self._layout_for = fleet.version
@@ -345,15 +411,15 @@ class Placement:
         now: float,
         home_share: float = -1.0,
         cold: frozenset[int] = frozenset(),
-    ) -> tuple[int, int, int]:
+    ) -> Priced:
         """Price `prompt` on every routable position not in `exclude` (and on `last`, the position of
         the keyed session's replica, even while it drains), in the compiled core (router.prefix):
-        the rows (`row(i)`) are filled for every candidate. Returns (the cheapest position under the
-        gate: -1 when every candidate is past it, -2 when there is no candidate; how many are
-        within the tie margin of it; with `home_share` >= 0, the candidate holding the most of the
-        prompt if that is at least that share of it, else -1). `cold`: positions that must load the
-        request's LoRA adapter first (router.fleet.Fleet.adapter_cold): their prefill starts
-        `adapter_load_s` later, except on `last`, which holds the session whatever the engine says."""
+        every candidate's row, the cheapest under the gate (`best`: -1 when every candidate is past
+        it, -2 when there is no candidate), how many are within the tie margin of it, and with
+        `home_share` >= 0 the candidate holding the most of the prompt if that is at least that
+        share of it (`holding`, else -1). `cold`: positions that must load the request's LoRA
+        adapter first (router.fleet.Fleet.adapter_cold): their prefill starts `adapter_load_s`
+        later, except on `last`, which holds the session whatever the engine says."""
         self._layout()
         fleet = self.fleet
         n = len(self._holders)
@@ -374,7 +440,7 @@ class Placement:
             if last is not None:
                 excluded[last] = 0
         if not excluded.count(0):
-            return -2, 0, -1
+            return Priced(-2, 0, -1, 0.0, excluded, _NO_ROWS)
         limit = fleet.load_limit(self.gate(), self.floor)
         if isinstance(limit, int):
             if self._uniform_cap != (limit, n):
@@ -385,23 +451,26 @@ class Placement:
             self._uniform_cap = None
         ref = self._frame(now)
         ratio = self.bytes_per_token
-        self._total = prompt.nbytes / ratio
-        self._evicting = False
-        known = self._known_of(prompt, excluded, now) if prompt.tokens is not None and self.truth else None
-        if known is not None:
-            self._total = float(prompt.tokens.count)  # type: ignore[union-attr]
-        self._candidates = excluded
+        total = prompt.nbytes / ratio
+        truth = self._known_of(prompt, excluded, now) if prompt.tokens is not None and self.truth else None
+        known = evicts = None
+        if truth is not None:
+            known, _, evicts = truth
+            total = float(prompt.tokens.count)  # type: ignore[union-attr]
         # the kernel counts a prefill's interference (it delays every request running there) and,
         # for a keyed session's replica, credits it with whatever of this prompt any replica holds
         busy = self._busy
         if self._kv_full and self.kv_wait:
-            busy = self._kv_bound(busy, now, self._total + self.mean_output)
+            busy = self._kv_bound(busy, now, total + self.mean_output)
         if cold and self.adapter_load_s > 0:
             busy = array("d", busy)
             for i in cold:
                 if i != last and i < n:
                     busy[i] = max(busy[i], now) + self.adapter_load_s
-        return self.index.price(
+        zeros = self._zeros
+        rows = (array("d", zeros), array("d", zeros), array("d", zeros), array("d", zeros), array("B", bytes(n)))
+        cached, wait, cost, spread, flags = rows
+        best, ties, holding = self.index.price(
             prompt.chain,
             self._holders,
             busy,
@@ -414,51 +483,49 @@ class Placement:
             self.decode_s,
             self.mean_uncached,
             self.block_bytes / ratio,
-            self._total,
+            total,
             -1 if last is None else last,
             prompt.history_blocks,
             self.tie_s,
             self.tie_share,
-            self._cached,
-            self._wait,
-            self._cost,
-            self._flags,
+            cached,
+            wait,
+            cost,
+            flags,
             recent=self._recent,
             recent_scale=math.exp((ref - now) / SPREAD_WINDOW_S),
             spread_tokens=self.spread_tokens,
-            spread_out=self._spread,
+            spread_out=spread,
             interference=self.interference,
             history_from_all=last is not None,
             home_share=home_share,
             known=known,
             spread_whole=prompt.opening,
-            evicts=self._evicts if self._evicting else None,
+            evicts=evicts,
         )
+        return Priced(best, ties, holding, total, excluded, rows, None if truth is None else truth[:2], evicts)
 
-    def _known_of(self, prompt: Prompt, excluded: array[int], now: float) -> array[float] | None:
+    def _known_of(
+        self, prompt: Prompt, excluded: array[int], now: float
+    ) -> tuple[array[float], array[float], array[float] | None] | None:
         """Per position, the cached tokens its engine's events say it holds (a second tier's
-        credited at its speed), -1 where they say nothing or are not believed; None when no
-        candidate's are. And in `_evicts`, what the blocks it would allocate there evict of the
-        conversations likely to come back costs them (router.kvevents.truth.Truth.evicts) at its
-        prefill speed."""
+        credited at its speed), -1 where they say nothing or are not believed; and of those, the
+        tokens its engine holds on a second tier; and what the blocks it would allocate there evict
+        of the conversations likely to come back costs them (router.kvevents.truth.Truth.evicts) at
+        its prefill speed (None where it evicts nothing anywhere). None when no candidate's events
+        say anything."""
         tokens = prompt.tokens
         assert tokens is not None
         truth = self.truth
         n = len(excluded)
-        if len(self._known) != n:
-            self._known = array("d", [-1.0]) * n
-            self._tier = array("d", [0.0]) * n
-            self._evicts = array("d", [0.0]) * n
-        known, tier, evicts = self._known, self._tier, self._evicts
+        known = array("d", [-1.0]) * n
+        tier, evicts = array("d", self._zeros), array("d", self._zeros)
         matches: dict[int, array[int]] = {}  # by block size: what every holder keeps of its chain
         # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
         sized: dict[int, tuple[array[int], int]] = {}
         used = evicting = False
         returning = truth.returning
         for i, r in enumerate(self.fleet.replicas):
-            known[i] = -1.0
-            tier[i] = 0.0
-            evicts[i] = 0.0
             if excluded[i] or r.id not in truth.replicas:
                 continue
             if r.state == "removed":
@@ -481,19 +548,13 @@ class Placement:
                     if lost > 0:
                         evicts[i] = lost * b * self._spt[i]
                         evicting = True
-        self._known_used = used
-        self._evicting = evicting
-        return known if used else None
+        if not used:
+            return None
+        return known, tier, evicts if evicting else None
 
     def history_tokens(self, prompt: Prompt) -> float:
         """The tokens of `prompt`'s messages before its last (as the price counts them)."""
         return prompt.history_blocks * self.block_bytes / self.bytes_per_token
-
-    def source(self, pos: int) -> str:
-        """Where the latest price's cached tokens at `pos` came from: "events" or "model"."""
-        if self._known_used and pos < len(self._known) and self._known[pos] >= 0:
-            return "events"
-        return "model"
 
     def gate(self) -> int:
         """The gate's in-flight cap (before any replica's capacity caps it): ttft_gate_c times the
@@ -507,36 +568,8 @@ class Placement:
     def candidates(self, prompt: Prompt, indices: Collection[int], last: int | None, now: float) -> list[Candidate]:
         """The rows of pricing `prompt` on the positions `indices` alone."""
         keep = set(indices)
-        self.price(prompt, [i for i in range(len(self.fleet)) if i not in keep], last, now)
-        return [c for c in self.rows() if c.index in keep]
-
-    def row(self, pos: int) -> Candidate:
-        """The priced row of position `pos` (a candidate of the latest `price`)."""
-        cached = self._cached[pos]
-        return Candidate(
-            pos,
-            cached,
-            self._total - cached,
-            self._wait[pos],
-            self._cost[pos],
-            self._spread[pos],
-            bool(self._flags[pos] & PRICE_GATED),
-            self._evicts[pos] if self._evicting else 0.0,
-        )
-
-    def rows(self) -> list[Candidate]:
-        """Every candidate of the latest `price` (rows of other positions are stale)."""
-        return [self.row(i) for i, x in enumerate(self._candidates) if not x]
-
-    def stays(self, home: int, best: int, share: float) -> bool:
-        """`home` keeps the request from `best`: it is not past the gate, and `best` costs at least
-        1 / (1 + share) of what it does."""
-        return not self._flags[home] & PRICE_GATED and self._cost[home] <= self._cost[best] * (1 + share)
-
-    def near(self) -> list[int]:
-        """The candidates within the tie margin of the cheapest, after `price`."""
-        flags = self._flags
-        return [i for i, x in enumerate(self._candidates) if not x and flags[i] & PRICE_NEAR]
+        priced = self.price(prompt, [i for i in range(len(self.fleet)) if i not in keep], last, now)
+        return [c for c in priced.rows() if c.index in keep]
 
     def sent(self, replica: ReplicaState, prompt: Prompt, candidate: Candidate, now: float) -> Placed:
         """`prompt` goes to `replica` (its `candidate` row): its prefill joins the queue there, and
@@ -559,7 +592,6 @@ class Placement:
         held.kv_tokens += tokens
         self._kv_mark(held)
         decode_s = candidate.wait_s - (start - now)
-        source = self.source(candidate.index)
         coming = None
         if prompt.tokens is not None and replica.id in self.truth.replicas:
             size = self.truth.block_size(replica.id) or replica.engine.block_size
@@ -578,8 +610,8 @@ class Placement:
             done + max(decode_s, 0.0),
             held.shift,
             predicted=candidate.cached_tokens,
-            tier_tokens=self._tier[candidate.index] if source == "events" else 0.0,
-            source=source,
+            tier_tokens=candidate.tier_tokens,
+            source=candidate.source,
             coming=coming,
         )
 
@@ -890,4 +922,4 @@ def _accuracy_figures(a: Accuracy) -> dict[str, float | int | None]:
     }
 
 
-__all__ = ["Accuracy", "Candidate", "Held", "Placed", "Placement", "Prediction"]
+__all__ = ["Accuracy", "Candidate", "Held", "Placed", "Placement", "Prediction", "Priced"]

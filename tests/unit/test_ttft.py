@@ -378,16 +378,16 @@ def test_a_new_conversation_does_not_pile_onto_the_holder_of_its_shared_prompt(s
     # a new session (no assistant turn yet) goes where its turns to come will not crowd the holder
     opening = keyless(agent("a new task"))
     assert opening.prompt is not None and opening.prompt.opening
-    d = policy.pick(opening, None, ())
+    d, priced = policy.decide(opening, opening.prompt, None, ())
     # (its spread there: the tool prompt it holds, about 8,000 tokens, x 1/10,000 s x excess
     # (40 - 10) / (10 + 4); scaled by the few tokens it computes there, as a continuation's is, it
     # was nothing and it stayed. The holder is no home for it: it holds none of its last message)
     assert d is not None and d.index != 0 and d.cost is not None
     mean = served / 4
-    assert placement.row(0).spread_s == pytest.approx(8000 / 10_000 * (served - mean) / (mean + 4), rel=0.02)
+    assert priced.row(0).spread_s == pytest.approx(8000 / 10_000 * (served - mean) / (mean + 4), rel=0.02)
     if served == 20:  # within the stay margin (a home keeps what costs less than twice another)
-        assert placement.row(0).cost_s < 2 * d.cost.cost_s
-    assert placement.row(0).ttft_s < d.cost.ttft_s  # its first token would come sooner there
+        assert priced.row(0).cost_s < 2 * d.cost.cost_s
+    assert priced.row(0).ttft_s < d.cost.ttft_s  # its first token would come sooner there
     # the same prompt a turn further on is a conversation continuing there: it stays
     going_on = keyless(agent("a new task", "and then?"))
     assert going_on.prompt is not None and not going_on.prompt.opening
@@ -587,9 +587,9 @@ def test_a_keyed_session_stays_unless_the_move_pays_for_what_it_costs_the_fleet(
             fill(policy, other, 2, 3)
         else:
             other.engine = EngineStats(waiting=3)
-        stay = policy.pick(key, home.id, ())
+        stay, priced = policy.decide(key, key.prompt, home.id, ())  # type: ignore[arg-type]
         assert stay is not None and stay.index == 1 and stay.reason == "sticky", crowded
-        rows = {c.index: c for c in placement.rows()}
+        rows = {c.index: c for c in priced.rows()}
         assert rows[0].cost_s < rows[1].cost_s / 2  # the cheaper guess by far, for this request alone
         recompute = (rows[0].uncached_tokens - rows[1].uncached_tokens) / 10_000
         assert recompute == pytest.approx(0.2, rel=0.05)
@@ -699,18 +699,18 @@ def test_a_replica_fed_by_events_is_priced_by_what_its_engine_holds() -> None:
         h = placement.truth.holdings(fleet.replicas[i].id, 0, 10_000)
         h.accept(decode(0, msgpack.packb([0.0, [stored] if i == 2 else [], 0])))
     eventful = replace(key, prompt=replace(key.prompt, tokens=tokens))
-    d = policy.pick(eventful, None, ())
+    d, priced = policy.decide(eventful, eventful.prompt, None, ())  # type: ignore[arg-type]
     assert d is not None and d.cost is not None and d.index == 2
-    assert d.cost.cached_tokens == 4000 and placement.source(2) == "events"
-    assert [c.cached_tokens for c in placement.rows()] == [0.0, 0.0, 4000.0]
+    assert d.cost.cached_tokens == 4000 and priced.source(2) == d.cost.source == "events"
+    assert [c.cached_tokens for c in priced.rows()] == [0.0, 0.0, 4000.0]
     placed = placement.sent(fleet.replicas[2], eventful.prompt, d.cost, clock.now)  # type: ignore[arg-type]
     got = placement.answered(fleet.replicas[2], eventful.prompt, placed, 4001, 4000, None)  # type: ignore[arg-type]
     assert got is not None and (got.tokens, got.source) == (4000, "events")
     assert placement.events_accuracy.exact == 1 and placement.figures()["by_source"]["events"]["exact_share"] == 1.0  # type: ignore[index]
     # its events stop being believed: the model prices it again
     placement.truth.suspect(fleet.replicas[2].id)
-    d = policy.pick(eventful, None, ())
-    assert d is not None and placement.source(2) == "model"
+    d, priced = policy.decide(eventful, eventful.prompt, None, ())  # type: ignore[arg-type]
+    assert d is not None and priced.source(2) == "model"
 
 
 def test_a_long_new_context_goes_where_it_pushes_out_no_conversation_about_to_come_back() -> None:
@@ -749,36 +749,34 @@ def test_a_long_new_context_goes_where_it_pushes_out_no_conversation_about_to_co
 
     # before any conversation ended a turn here, the two are alike: a tie (the ring breaks it)
     new = replace(key, prompt=prompt(200_001))
-    d = policy.pick(new, None, ())
-    assert d is not None and d.cost is not None and d.cost.evicts_s == 0.0 and len(placement.near()) == 2
+    d, priced = policy.decide(new, new.prompt, None, ())  # type: ignore[arg-type]
+    assert d is not None and d.cost is not None and d.cost.evicts_s == 0.0 and len(priced.near()) == 2
     there, other = d.index, 1 - d.index
     # the conversation the ring's pick holds ends a turn there
     mine = prompt((1, 100_001)[there])
-    placement.price(mine, (), None, clock.now)
-    placed = placement.sent(fleet.replicas[there], mine, placement.row(there), clock.now)
+    row = placement.price(mine, (), None, clock.now).row(there)
+    placed = placement.sent(fleet.replicas[there], mine, row, clock.now)
     placement.released(fleet.replicas[there], clock.now, placed)
     assert placement.truth.figures(fleet.replicas[there].id)["returning"] == 1  # type: ignore[index]
-    d = policy.pick(new, None, ())
-    assert d is not None and d.index == other and placement.near() == [other]
-    rows = {c.index: c for c in placement.rows()}
+    d, priced = policy.decide(new, new.prompt, None, ())  # type: ignore[arg-type]
+    assert d is not None and d.index == other and priced.near() == [other]
+    rows = {c.index: c for c in priced.rows()}
     spt = placement.of(fleet.replicas[there]).seconds_per_token
     # 250 + its reply's blocks, 50 empty: at least 200 of the conversation's 250 evicted, at its speed
     assert rows[there].evicts_s >= 200 * 16 * spt and rows[other].evicts_s == 0.0
     assert rows[there].ttft_s == pytest.approx(rows[other].ttft_s)  # its first token is no later there
     # the conversation's own next turn shares what it holds: it pushes nothing of it out
     ids = (*mine.tokens.ids[:4000], 9)
-    placement.price(replace(mine, tokens=EngineTokens(4001, ids, None, None, "tokenizer")), (), None, clock.now)
-    assert placement.row(there).evicts_s == 0.0
+    next_turn = replace(mine, tokens=EngineTokens(4001, ids, None, None, "tokenizer"))
+    assert placement.price(next_turn, (), None, clock.now).row(there).evicts_s == 0.0
     # 15 s later it weighs exp(-1/2) of that; past RETURN_S it is forgotten
     clock.now += 15.0
-    d = policy.pick(new, None, ())
+    d, priced = policy.decide(new, new.prompt, None, ())  # type: ignore[arg-type]
     assert d is not None and d.index == other
-    assert {c.index: c for c in placement.rows()}[there].evicts_s == pytest.approx(
-        rows[there].evicts_s * math.exp(-0.5)
-    )
+    assert {c.index: c for c in priced.rows()}[there].evicts_s == pytest.approx(rows[there].evicts_s * math.exp(-0.5))
     clock.now += 16.0
-    d = policy.pick(new, None, ())
-    assert d is not None and d.cost is not None and d.cost.evicts_s == 0.0 and len(placement.near()) == 2
+    d, priced = policy.decide(new, new.prompt, None, ())  # type: ignore[arg-type]
+    assert d is not None and d.cost is not None and d.cost.evicts_s == 0.0 and len(priced.near()) == 2
     assert placement.truth.figures(fleet.replicas[there].id)["evictions_priced"] == 2  # type: ignore[index]
 
 
@@ -832,3 +830,27 @@ def test_lmetric_picks_the_lowest_product_of_new_tokens_and_batch() -> None:
     fleet.loads[0] = 100
     d = policy.pick(follow, fleet.replicas[0].id, ())
     assert d is not None and d.index in (1, 2) and d.reason == "cost"
+
+
+def test_a_price_is_a_value_that_a_later_price_leaves_as_it_was() -> None:
+    """A decision reads its own rows: pricing another prompt (or the same one after the fleet
+    moved) makes another `Priced` and changes none of the first one's rows, its cheapest or its
+    ties. (The rows used to be scratch arrays that the next price overwrote.)"""
+    fleet, policy, clock = setup(3, prefill_tokens_per_s=10_000)
+    placement = policy.placement
+    fill(policy, fleet.replicas[1], 1)
+    first = keyless(chat(doc(1), "q?"))
+    assert first.prompt is not None
+    priced = placement.price(first.prompt, (), None, clock.now)
+    before = [(c.index, c.cached_tokens, c.cost_s, c.wait_s, c.gated) for c in priced.rows()]
+    assert priced.best == 1 and priced.row(1).cached_tokens > 0 and priced.source(1) == "model"
+    # another prompt held nowhere, and the holder loaded since: both change what a price says now
+    other = keyless(chat(doc(2), "q?"))
+    assert other.prompt is not None
+    placement.set_busy(placement.of(fleet.replicas[1]), clock.now + 9.0)
+    later = placement.price(other.prompt, (1,), None, clock.now)
+    assert later.best != 1 and [c.index for c in later.rows()] == [0, 2]
+    again = placement.price(first.prompt, (), None, clock.now)
+    assert again.row(1).cost_s > priced.row(1).cost_s + 8.0
+    assert [(c.index, c.cached_tokens, c.cost_s, c.wait_s, c.gated) for c in priced.rows()] == before
+    assert priced.best == 1 and priced.near() == [1]

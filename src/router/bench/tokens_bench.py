@@ -263,7 +263,7 @@ class Decision:
             prompt = prompt_of(body, self.block_bytes)
             assert prompt is not None
             prompt = replace(prompt, tokens=EngineTokens.of_turn(Turn(ids, {}, head), None, None))
-            best, _, _ = placement.price(prompt, (), None, placement.clock())
+            best = placement.price(prompt, (), None, placement.clock()).best
             return best, prompt
 
         return decide
@@ -275,7 +275,7 @@ class Decision:
         def decide() -> tuple[int, Prompt]:
             prompt = prompt_of(body, self.block_bytes)
             assert prompt is not None
-            best, _, _ = placement.price(prompt, (), None, placement.clock())
+            best = placement.price(prompt, (), None, placement.clock()).best
             return best, prompt
 
         return decide
@@ -348,7 +348,7 @@ async def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> 
             d = Decision(replicas, args.block_size, row["first_ids"], first_body)
             events, model = d.events(body, row["ids"], head), d.model(body)
             best, prompt = events()
-            known = d.placement.rows()[0].cached_tokens
+            known = d.placement.price(prompt, (), None, d.placement.clock()).row(0).cached_tokens
             # what the first replica holds of this prompt: the whole blocks of the first turn it shares
             # (never the prompt's last token: the engine computes that one anyway)
             first, ids = row["first_ids"], row["ids"][:-1]

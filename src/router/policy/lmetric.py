@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from router.keys import RoutingKey
-from router.placement import Placement
+from router.placement import Priced
 from router.policy.base import Decision
 from router.policy.ttft import Ttft
 from router.prompt import Prompt
@@ -38,14 +38,14 @@ class Lmetric(Ttft):
 
     def decide(
         self, key: RoutingKey, prompt: Prompt, last: str | None, exclude: Collection[int]
-    ) -> tuple[Decision | None, Placement]:
+    ) -> tuple[Decision | None, Priced]:
         fleet, placement = self.fleet, self.placement
         tried = exclude
         exclude = self.avoiding(key, exclude)
-        best, _, _ = placement.price(prompt, exclude, None, placement.clock(), -1.0, cold=fleet.adapter_cold(key.model))
-        if best == -2:
-            return None, placement
-        rows = placement.rows()
+        priced = placement.price(prompt, exclude, None, placement.clock(), -1.0, cold=fleet.adapter_cold(key.model))
+        if priced.best == -2:
+            return None, priced
+        rows = priced.rows()
         ring_key = key.key if key.kind != "none" else prompt.chain.tobytes()[:8]
         order = {index: n for n, index in enumerate(fleet.ring.successors(ring_key))}
         loads = fleet.loads
@@ -59,7 +59,7 @@ class Lmetric(Ttft):
             reason = "sticky" if chosen.index == last_index else "cost"
         else:
             reason = "prefix" if chosen.cached_tokens > 0 else "cost"
-        return Decision(chosen.index, reason, chosen), placement
+        return Decision(chosen.index, reason, chosen), priced
 
 
 __all__ = ["Lmetric"]

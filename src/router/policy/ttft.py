@@ -72,7 +72,7 @@ from dataclasses import dataclass, replace
 from router.config import RouterConfig
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
-from router.placement import Candidate, Placed, Placement, Prediction
+from router.placement import Candidate, Placed, Placement, Prediction, Priced
 from router.policy.affinity import Affinity
 from router.policy.base import Decision, Explained, Policy
 from router.prompt import Prompt
@@ -199,9 +199,9 @@ class Ttft(Policy):
         if prompt is None:
             decision = self.fallback.pick(key, last, exclude)
         else:
-            decision = self.decide(key, prompt, last, exclude)[0]
+            decision, priced = self.decide(key, prompt, last, exclude)
             if target_s is not None and decision is not None:
-                decision = self.within(decision, target_s)
+                decision = self.within(decision, priced, target_s)
             if (
                 decision is not None
                 and decision.reason == "cost"
@@ -214,15 +214,15 @@ class Ttft(Policy):
                 self._moved(key.key, Move(self.placement.clock(), last, self.fleet.replicas[decision.index].id))
         return self._counted(key, decision)
 
-    def within(self, decision: Decision, target_s: float) -> Decision:
-        """After `decide`: a request that asks for its first token within `target_s` goes where the
+    def within(self, decision: Decision, priced: Priced, target_s: float) -> Decision:
+        """After `decide` (`priced`: its rows): a request that asks for its first token within `target_s` goes where the
         prediction meets it: the replica decided on if it does, else the fastest that does (reason
         `target`, not past the gate where one is not); where none does, the decision stands,
         marked `late` (the journey turns a sheddable request away rather than serve it late)."""
         chosen = decision.cost
         if chosen is None or chosen.ttft_s <= target_s:
             return decision
-        rows = self.placement.rows()
+        rows = priced.rows()
         fastest = min(rows, key=lambda c: (c.gated, c.ttft_s))
         if fastest.ttft_s <= target_s:
             return Decision(fastest.index, "target", fastest)
@@ -243,9 +243,9 @@ class Ttft(Policy):
         prompt = key.prompt
         if prompt is None:
             return Explained(self._counted(key, self.fallback.pick(key, last, ())))
-        decision, placement = self.decide(key, prompt, last, ())
-        fleet = self.fleet
-        candidates = placement.rows() if decision is not None else []
+        decision, priced = self.decide(key, prompt, last, ())
+        fleet, placement = self.fleet, self.placement
+        candidates = priced.rows() if decision is not None else []
         details = {
             "blocks": len(prompt.chain),
             "prompt_tokens": (
@@ -255,7 +255,7 @@ class Ttft(Policy):
                 {
                     "replica": fleet.replicas[c.index].id,
                     "cached_tokens": round(c.cached_tokens),
-                    "cached_from": placement.source(c.index),  # its engine's KV events, or the model
+                    "cached_from": c.source,  # its engine's KV events, or the model
                     "uncached_tokens": round(c.uncached_tokens),
                     "wait_s": round(c.wait_s, 6),
                     "cost_s": round(c.cost_s, 6),
@@ -277,9 +277,9 @@ class Ttft(Policy):
 
     def decide(
         self, key: RoutingKey, prompt: Prompt, last: str | None, exclude: Collection[int]
-    ) -> tuple[Decision | None, Placement]:
-        """The decision (its `cost` the chosen replica's row; every candidate's in the placement's
-        `rows()`, for /admin/route)."""
+    ) -> tuple[Decision | None, Priced]:
+        """The decision (its `cost` the chosen replica's row), and the price it was made from (every
+        candidate's row, for a target's second choice and /admin/route)."""
         fleet = self.fleet
         placement = self.placement
         tried = exclude
@@ -287,7 +287,7 @@ class Ttft(Policy):
         last_index = self.session_replica(self.evidence(key, last), exclude)
         # a conversation's home: a keyed session's replica, else the one holding most of the prompt
         staying = self.stay_share and last_index is None
-        best, near, holding = placement.price(
+        priced = placement.price(
             prompt,
             exclude,
             last_index,
@@ -295,17 +295,18 @@ class Ttft(Policy):
             HOME_SHARE if staying else -1.0,
             cold=fleet.adapter_cold(key.model),
         )
+        best, holding = priced.best, priced.holding
         if best == -2:
-            return None, placement
-        if holding >= 0 and prompt.opening and placement.row(holding).cached_tokens <= placement.history_tokens(prompt):
+            return None, priced
+        if holding >= 0 and prompt.opening and priced.row(holding).cached_tokens <= placement.history_tokens(prompt):
             holding = -1  # a new conversation's home holds its own last message, not only a prefix others sent
-        tie = near > 1
+        tie = priced.ties > 1
         if best == -1:  # every one past the gate: the least full of them (a queue still beats an error)
-            rows = placement.rows()
+            rows = priced.rows()
             best = min(rows, key=lambda c: (fleet.fullness(c.index), c.cost_s)).index
         elif tie:
             # within the tie margin: the session's replica, else the least full, else the ring
-            close = placement.near()
+            close = priced.near()
             if last_index in close:
                 best = last_index
             else:
@@ -315,21 +316,22 @@ class Ttft(Policy):
                 best = next((i for i in fleet.ring.successors(ring_key) if i in least), min(least))
         if last_index is not None:
             # a keyed session's replica keeps it unless the move pays for what it costs the fleet
-            if best != last_index and not placement.row(last_index).gated and self.keeps(key.key, last_index, best):
+            home = priced.row(last_index)
+            if best != last_index and not home.gated and self.keeps(key.key, priced, last_index, best):
                 best = last_index
-        elif self.stay_share and holding >= 0 and holding != best and placement.stays(holding, best, self.stay_share):
+        elif self.stay_share and holding >= 0 and holding != best and priced.stays(holding, best, self.stay_share):
             # the replica that holds a keyless conversation keeps it unless moving saves a real share
             # of its cost: a move costs the cache it leaves behind, and near-equal guesses are noise
             best = holding
-        chosen = placement.row(best)
+        chosen = priced.row(best)
         orphan = None
         if last_index is None and (session := self.evidence(key, last)) is not None:
             previous = fleet.find(session)
             orphan = previous is not None and previous.index is not None and fleet.routable(previous.index)
-        return Decision(best, self._reason(chosen, last_index, tried, placement, tie, orphan), chosen), placement
+        return Decision(best, self._reason(chosen, last_index, tried, priced, tie, orphan), chosen), priced
 
-    def keeps(self, session: bytes, home: int, other: int) -> bool:
-        """After `price`: the session's replica `home` (not past the gate) keeps it from the cheaper
+    def keeps(self, session: bytes, priced: Priced, home: int, other: int) -> bool:
+        """Priced so: the session's replica `home` (not past the gate) keeps it from the cheaper
         `other`: the move is within the session's cool-down, or back to the replica it left, or
         saves less than `ttft_stay_share` of the other's cost plus `ttft_move_weight` times its
         price to the fleet (`move_price`)."""
@@ -337,7 +339,7 @@ class Ttft(Policy):
         move = self._move_of(session, replicas[home].id, placement.clock())
         if move is not None and (placement.clock() - move.at < self.cooldown_s or replicas[other].id == move.left):
             return True
-        stay, there = placement.row(home), placement.row(other)
+        stay, there = priced.row(home), priced.row(other)
         saving = stay.cost_s - there.cost_s
         return saving <= self.stay_share * there.cost_s + self.move_weight * self.move_price(stay, there)
 
@@ -385,7 +387,7 @@ class Ttft(Policy):
         chosen: Candidate,
         last_index: int | None,
         exclude: Collection[int],
-        placement: Placement,
+        priced: Priced,
         tie: bool,
         orphan: bool | None,
     ) -> str:
@@ -396,7 +398,7 @@ class Ttft(Policy):
         if last_index is not None:
             if chosen.index == last_index:
                 return "sticky"
-            return "spill" if placement.row(last_index).gated else "cost"
+            return "spill" if priced.row(last_index).gated else "cost"
         if orphan is not None:
             # a keyed session whose replica cannot take it: no cost of this policy moved it; its
             # jump counts by that replica's state (router.routing: gone, draining, out of routing),
