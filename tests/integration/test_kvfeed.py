@@ -150,7 +150,7 @@ async def test_a_lost_message_is_replayed_and_a_restart_empties(
         await chat(http, url, conversation(2, 1), "lake")
         await quiet(router)
         assert holdings.figures.gaps >= 1 and holdings.figures.replayed >= 1 and holdings.sure
-        accuracy = router.placement.events_accuracy  # type: ignore[union-attr]
+        accuracy = router.placement.learnt.events_accuracy  # type: ignore[union-attr]
         exact = accuracy.exact
         await chat(http, url, conversation(1, 2), "sea")  # the lost blocks are known again
         assert accuracy.exact == exact + 1

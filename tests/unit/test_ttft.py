@@ -127,7 +127,7 @@ def test_cost_is_the_queue_plus_the_uncached_prefill() -> None:
     assert rows[1].cached_tokens == 0 and rows[1].wait_s == 0
     assert rows[1].cost_s == pytest.approx(total / 10_000)
     # the engine's waiting queue beyond what the router sent counts as that many average requests
-    placement.mean_uncached = 1000
+    placement.learnt.mean_uncached = 1000
     fleet.replicas[1].engine = EngineStats(waiting=3)
     clock.now += 0.1  # probed queues are re-read at most every 50 ms
     again = {c.index: c for c in placement.candidates(p, [0, 1], None, clock.now)}
@@ -147,7 +147,7 @@ def test_a_replica_whose_kv_cache_is_full_makes_a_request_wait_for_room() -> Non
     one = keyless(chat(doc(9, 5000), "q?"))
     assert one.prompt is not None
     tokens = one.prompt.nbytes / placement.bytes_per_token
-    placement.mean_output = 100
+    placement.learnt.mean_output = 100
     full = fleet.replicas[0]
     placed = send_all(fleet, policy, 0, long, clock.now)
     held = placement.of(full)
@@ -158,18 +158,18 @@ def test_a_replica_whose_kv_cache_is_full_makes_a_request_wait_for_room() -> Non
     assert rows[0].wait_s == pytest.approx(4 * 0.002)  # no reply timed yet: no wait for room, however full
     # replies take 2 s from first token to last: tokens past the capacity drain 20,000 per 2 s
     placement.answered(fleet.replicas[1], one.prompt, None, round(tokens), 0, None, 100, 2.0)
-    assert placement.reply_s == 2.0
-    over = held.kv_tokens + tokens + placement.mean_output - placement.kv_capacity(held)
+    assert placement.learnt.reply_s == 2.0
+    over = held.kv_tokens + tokens + placement.learnt.mean_output - placement.kv.capacity(held)
     assert over > 0
     rows = {c.index: c for c in placement.candidates(one.prompt, [0, 1], None, clock.now)}
-    assert rows[0].wait_s == pytest.approx(over / placement.kv_capacity(held) * 2.0 + 4 * 0.002)
+    assert rows[0].wait_s == pytest.approx(over / placement.kv.capacity(held) * 2.0 + 4 * 0.002)
     assert rows[1].wait_s == 0
     d = policy.pick(one, None, ())
     assert d is not None and d.index == 1  # there is room there
     # the setting off: no such wait
-    placement.kv_wait = False
+    placement.kv.wait = False
     assert placement.candidates(one.prompt, [0], None, clock.now)[0].wait_s == pytest.approx(4 * 0.002)
-    placement.kv_wait = True
+    placement.kv.wait = True
     # finished and failed attempts take their tokens away; nothing in flight, nothing held
     fleet.release(full)
     placement.released(full, clock.now, placed[0])
@@ -218,7 +218,7 @@ def test_first_tokens_later_than_modelled_lengthen_the_queue_and_sooner_ones_sho
     answer(3, placed[3].due + 3.0)
     assert held.busy_until <= clock.now and replica.inflight == 0
     # ttft_queue_gain = 0: the model's queue alone
-    placement.queue_gain = 0
+    placement.learnt.queue_gain = 0
     prompt = keys[0].prompt
     assert prompt is not None
     fleet.acquire(replica)
@@ -333,7 +333,7 @@ def test_no_death_spiral_a_slow_replica_holding_every_prefix_still_spreads() -> 
     fleet, policy, clock = setup(4, prefill_tokens_per_s=10_000)
     placement = policy.placement
     slow = placement.of(fleet.replicas[0])
-    placement.set_spt(slow, 1 / 500)  # twenty times slower than the others
+    placement.rows.set_spt(slow, 1 / 500)  # twenty times slower than the others
     bodies = [chat(doc(i, 2000), "q?") for i in range(40)]
     for body in bodies:  # it holds every document
         prompt = prompt_of(body, BLOCK)
@@ -464,7 +464,7 @@ def test_usage_that_shows_an_over_prediction_shrinks_the_lru_and_drops_the_block
     assert placement.index.size(held.holder) <= held.blocks
     again = placement.candidates(key.prompt, [0], None, clock.now)[0]
     assert again.cached_tokens == pytest.approx(1000, abs=16)
-    assert placement.accuracy.over_tokens == pytest.approx(predicted.tokens - 1000)
+    assert placement.learnt.accuracy.over_tokens == pytest.approx(predicted.tokens - 1000)
 
 
 def test_a_replica_that_lost_its_cache_is_emptied_and_exact_answers_grow_it_back() -> None:
@@ -662,7 +662,9 @@ def test_a_replicas_speed_is_weighed_against_the_replicas_of_its_own_models() ->
     for _ in range(16):
         sample(0, 1000)  # the big model's
         sample(2, 8000)  # the small model's
-    assert placement.model_spt[big] == pytest.approx(1 / 1000) and placement.model_spt[small] == pytest.approx(1 / 8000)
+    assert placement.learnt.model_spt[big] == pytest.approx(1 / 1000) and placement.learnt.model_spt[
+        small
+    ] == pytest.approx(1 / 8000)
     # not measured yet: as fast as its own model's replicas, not the fleet's median of both
     assert 1 / placement.of(fleet.replicas[1]).seconds_per_token == pytest.approx(1000, rel=0.01)
     assert 1 / placement.of(fleet.replicas[3]).seconds_per_token == pytest.approx(8000, rel=0.01)
@@ -706,7 +708,9 @@ def test_a_replica_fed_by_events_is_priced_by_what_its_engine_holds() -> None:
     placed = placement.sent(fleet.replicas[2], eventful.prompt, d.cost, clock.now)  # type: ignore[arg-type]
     got = placement.answered(fleet.replicas[2], eventful.prompt, placed, 4001, 4000, None)  # type: ignore[arg-type]
     assert got is not None and (got.tokens, got.source) == (4000, "events")
-    assert placement.events_accuracy.exact == 1 and placement.figures()["by_source"]["events"]["exact_share"] == 1.0  # type: ignore[index]
+    assert (
+        placement.learnt.events_accuracy.exact == 1 and placement.figures()["by_source"]["events"]["exact_share"] == 1.0
+    )  # type: ignore[index]
     # its events stop being believed: the model prices it again
     placement.truth.suspect(fleet.replicas[2].id)
     d, priced = policy.decide(eventful, eventful.prompt, None, ())  # type: ignore[arg-type]
