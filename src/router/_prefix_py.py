@@ -8,6 +8,10 @@ does the compiled loop's float operations in its order, so the costs are equal, 
 See src/_prefix.pyx for the algorithm and its invariants.
 It is one file, as long as it is, because it mirrors the compiled module name for name and step
 for step: a reader checks the two side by side.
+
+It is past 450 lines because it is the twin of src/_prefix.pyx: it mirrors the compiled index
+function for function, with the same names, signatures and answers, and a twin cut differently from
+its original would be harder to hold equal.
 """
 
 from __future__ import annotations

@@ -54,6 +54,9 @@ its work queued (its capacity, or what it ran when it last queued; at most `full
 the count bound alone holds the router's queue. The count bound (`bound`: as many as the engines
 run at once, at least AUTO_SLOTS) stays as the queue's size cap. At three times a small fleet's capacity, as shipped,
 this keeps late answers to a few percent (docs/benchmarks.md); a fleet not overloaded never waits.
+
+It is past 450 lines as one room: the queue, its priority classes and their rates, and fair shedding
+are one state that every request held and every slot released reads and writes.
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ Worked example: vLLM started as `vllm serve Qwen/Qwen3-8B --kv-events-config ...
 "Qwen/Qwen3-8B"`; the router loads its tokenizer from the hub cache, asks render (403, remembered),
 then `/tokenize`, which agrees; from then on every request of that model is tokenized in the
 router, a conversation's earlier turns found in the tokenizer's history cache.
+
+It is past 450 lines as one room: finding a model's tokenizer, checking it against the engine,
+learning histories in the background and timing each are one state per model (`ModelTokens`).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ spills its third request to an idle replica instead of queueing it, and once eve
 the queues are shared out by the caps. Replicas of unknown capacity count as the mean of the
 known ones. With no capacity known, every cap is max(U, floor), as before.
 
-Long, but one room: every index Fleet keeps over its replicas (the ring, `loads`, the model and
-adapter memos, the capacity ratios) goes by position in `replicas` and must change with it in one
-place, so membership, models, capacity and in-flight accounting stay in one class.
+It is past 450 lines as one room: every index Fleet keeps over its replicas (the ring, `loads`, the
+model and adapter memos, the capacity ratios) goes by position in `replicas` and must change with it
+in one place, so membership, models, capacity and in-flight accounting stay in one class.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ client spends per request.
 Errors are `UpstreamError`s (`ConnectError` when no connection could be made), which are
 `OSError`s, so callers treat them as any socket failure.
 
-Long, but one room: the connection (an httptools protocol), its pool and the response it feeds
-share private state (a response hands its connection back to the pool, back-pressure pauses the
-connection's socket); split, those internals would have to become public.
+It is past 450 lines as one room: the connection (an httptools protocol), its pool and the response
+it feeds share private state (a response hands its connection back to the pool, back-pressure pauses
+the connection's socket); split, those internals would have to become public.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ model's 8,192-token context."""
 
 # This module is the command line: its options, their checks, and the command that runs the benchmark
 # and writes what it found (router.bench.fleet_runs drives the runs, router.bench.fleet_report writes
-# the results). It is over ~450 lines because the docstring above is `router-bench fleet --help`.
+# the results). It is past 450 lines because the docstring above is `router-bench fleet --help`.
 
 from __future__ import annotations
 

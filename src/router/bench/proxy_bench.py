@@ -44,6 +44,10 @@ uninstalling either removes it. smg is also given `--shutdown-grace-period-secs 
 only once its requests are done, and otherwise it waits 5 s on every SIGTERM.
 """
 
+# It is past 450 lines as one benchmark: its contenders (the peers, the lean floors, TLS and
+# shared-fleet variants), how each is started and measured, and the report; the docstring above is
+# `router-bench proxy --help`.
+
 from __future__ import annotations
 
 import argparse

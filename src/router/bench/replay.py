@@ -23,6 +23,9 @@ SIGINT and SIGTERM cut the run off the same way: the results so far are printed,
 partial, and the exit status is 130 or 143.
 """
 
+# It is past 450 lines as one benchmark: the replayer, its summary and its command line share the
+# record of each request, and the docstring above is `router-bench replay --help`.
+
 from __future__ import annotations
 
 import argparse

@@ -17,6 +17,9 @@ attention), and the model's two heads of 64.
 `VllmReplicas` keeps `router-bench fleet --engine vllm`'s replicas from run to run (a start takes a
 minute or two): before each run it waits until they are idle and empties their prefix caches.
 `vllm_metrics` reads what a run needs from one replica's `/metrics`.
+
+It is past 450 lines as one room: starting a replica, reading its log for why it failed, the NIXL
+handshakes and a fleet's start and retry all handle the same processes and ports.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ Default figures resemble one H100-class GPU serving an ~8B model in bf16 (see do
 16-token blocks; 30,000 blocks (480k tokens: 80 GB at 0.9 utilisation less 16 GB of weights, at
 128 KiB of KV per token); prefill at 15,000 tokens/s; a decode step of 10 ms (reading the weights
 once at 3.35 TB/s takes ~5 ms) plus 38 ns per context token (128 KiB of KV at 3.35 TB/s).
+
+It is past 450 lines as one room: the scheduler, its KV cache accounting and a step's events are one
+continuous-batching loop whose invariants cross all three.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ ZMQ as vLLM publishes them (router.emulator.kvevents). With a tracer, each finis
 Every generating endpoint (chat and text completions, Responses, Messages) takes one request
 path, `Replica._serve`, faults included; the APIs differ only in their wire format
 (router.emulator.api).
+
+It is past 450 lines as one room: a replica's HTTP endpoints, its fault switches and the fleet of
+them share one engine per port.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Streams pass through byte for byte, framed only at event boundaries (`\\n\\n`, r
 so the router can read the usage event; when the router asked upstream for usage on the client's
 behalf, that one event is dropped. The Responses API's and Anthropic's Messages streams have
 framers of their own (router.proxy.framer). Non-streamed bodies pass through unchanged.
+
+It is past 450 lines as one room: an attempt's send, its relay to the client and a broken stream's
+resume share what the stream has sent and what can be resumed.
 """
 
 from __future__ import annotations

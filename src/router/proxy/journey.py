@@ -18,6 +18,9 @@ router-bench simulate, which drives this same loop on a virtual clock; fakes in 
 where it ends (`Accounting`: the `Ledger`), and the engines' tokens where they are read (`Tokens`:
 a request cut into them before it is routed, a chat's answer kept for its next turn once it has
 gone).
+
+It is past 450 lines for now: the journey's steps, the HTTP attempts and the ledger that counts and
+logs each request stand together; the ledger and the split attempt's legs are the next to leave.
 """
 
 from __future__ import annotations

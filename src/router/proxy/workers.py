@@ -8,6 +8,9 @@ each listening on the same host and port with SO_REUSEPORT, so the kernel spread
 over them. Workers follow the table and publish their counters; metrics from all of them are
 merged by prometheus_client's multiprocess mode, so any worker's /metrics shows the whole router.
 A worker that dies is restarted; workers stop when the control process does, or goes away.
+
+It is past 450 lines as one room: the worker processes, the control process that starts and watches
+them and the shutdown they share are one lifecycle.
 """
 
 from __future__ import annotations
