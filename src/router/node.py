@@ -49,11 +49,11 @@ from router.config import (
 )
 from router.discovery import Discovery, PrefillReplicas
 from router.fleet import Fleet
-from router.health.monitor import HealthMonitor, latency_window_s
 from router.health.states import Hysteresis
 from router.kvfeed import Feed
 from router.membership import Membership
 from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
+from router.monitor import HealthMonitor, latency_window_s
 from router.placement import Placement
 from router.policy import make_policy
 from router.policy.ttft import Ttft

@@ -21,7 +21,7 @@ from router.config import ReplicaSpec
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet, Replica
 from router.fleet import Fleet as Replicas
-from router.health.monitor import HealthMonitor
+from router.monitor import HealthMonitor
 
 SLOW = 1.0  # engine seconds per wall second: a 20-token reply takes about 0.2 s
 HOLD = {"max_queued": 8, "queue_timeout_s": 2.0, "full_waiting": 2, "probe_interval_s": 0.1}

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from router.health.monitor import peer_median
 from router.health.score import HealthInputs, ScoreWeights, health_score, ramp
 from router.health.states import Hysteresis, ReplicaHealth
+from router.monitor import peer_median
 
 
 def test_score_is_one_for_a_busy_but_healthy_replica() -> None:

@@ -20,7 +20,6 @@ from router.config import load
 from router.fleet import Fleet, ReplicaState
 from router.metrics import RouterMetrics
 from router.policy import make_policy
-from router.proxy.exchange import JSON
 from router.proxy.forward import Outcome, Retry, Trip
 from router.proxy.framer import SseFramer
 from router.proxy.intake import Intake, take_in_body
@@ -29,6 +28,7 @@ from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory
 from router.sessions import SessionTable
+from router.web import JSON
 
 
 class Exchange:

@@ -6,10 +6,10 @@ import pytest
 
 from router.config import ReplicaSpec, RouterConfig, load, pinned_models
 from router.fleet import MODEL_MEMO, UNLISTED_LABELS, Fleet
-from router.health.monitor import listed_adapters, listed_models
 from router.health.signals import lora_state
 from router.keys import RoutingKey
 from router.metrics import RouterMetrics
+from router.monitor import listed_adapters, listed_models
 from router.policy import make_policy
 from router.prompt import prompt_of
 from router.routing import Routing, SessionDirectory

@@ -11,7 +11,7 @@ import pytest
 
 from router.config import ReplicaSpec
 from router.fleet import Fleet
-from router.health.monitor import HealthMonitor
+from router.monitor import HealthMonitor
 from router.shm.layout import HEADER_SIZE, SLOT_SIZE, ReplicaSlot, pack, unpack
 from router.shm.table import SlotTable
 

@@ -22,8 +22,8 @@ from router.fleet import ReplicaState
 from router.keys import RoutingKey, bounded_key
 from router.membership import Clash, NoRoom
 from router.node import Node
-from router.proxy.exchange import error_response
 from router.routing.request import request_key
+from router.web import error_response
 
 
 def add_admin_routes(app: web.Application, node: Node, replica_routes_only: bool = False) -> None:

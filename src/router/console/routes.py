@@ -31,7 +31,7 @@ from router.admin.api import AdminApi, token_ok
 from router.console.history import History
 from router.fleet import ReplicaState
 from router.node import Node
-from router.proxy.exchange import error_response
+from router.web import error_response
 
 log = logging.getLogger("router.console")
 ASSETS = {

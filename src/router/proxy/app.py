@@ -22,11 +22,12 @@ from router.handoff import VLLM
 from router.keys import stored_key
 from router.node import Node
 from router.proxy.disagg import DisaggAttempts, PrefillPool
-from router.proxy.exchange import AioExchange, error_response
+from router.proxy.exchange import AioExchange
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
 from router.proxy.intake import Refused, peer_subject, take_in, who
 from router.proxy.journey import Attempts, HttpAttempts, Journey, Ledger
+from router.web import error_response
 
 
 def build_app(node: Node, control_only: bool = False) -> web.Application:

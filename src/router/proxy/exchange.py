@@ -21,8 +21,6 @@ from typing import Protocol
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from router.errors import error_body_for
-
 
 class Exchange(Protocol):
     method: str
@@ -50,26 +48,6 @@ class Exchange(Protocol):
 
     async def write_eof(self) -> None:
         """End the stream."""
-
-
-JSON = {"Content-Type": "application/json"}
-
-
-def error_response(
-    message: str,
-    status: int = 400,
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-    path: str = "",
-) -> web.Response:
-    """An error answer, in the shape of the API at `path` (OpenAI's unless it is Anthropic's)."""
-    return web.Response(
-        status=status,
-        body=error_body_for(path, message, status, code, param),
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 class AioExchange:

@@ -33,13 +33,14 @@ from multidict import CIMultiDictProxy
 from router.apis import CHAT
 from router.clients import KEY_HEADERS
 from router.errors import in_shape, messages_error_event, responses_error_event, sse_error_event, wrapped
-from router.proxy.exchange import JSON, Exchange
+from router.proxy.exchange import Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
 from router.proxy.intake import Intake
 from router.proxy.resume import StreamRecord, streamed_text
 from router.proxy.sse import StreamFramer, calls_tools, usage_of
 from router.routing import Served
 from router.upstream import ConnectError, Response, Upstream
+from router.web import JSON
 
 HOP_BY_HOP = frozenset(
     h.lower()

@@ -62,7 +62,7 @@ from router.apis import PROXIED
 from router.clients import KEY_HEADERS, Client, ClientKeys, subject_of
 from router.config import RouterConfig
 from router.errors import error_body, error_body_for
-from router.proxy.exchange import JSON, Exchange
+from router.proxy.exchange import Exchange
 from router.proxy.intake import (
     LINGER_BYTES,
     LINGER_S,
@@ -76,6 +76,7 @@ from router.proxy.intake import (
     too_slow,
     who,
 )
+from router.web import JSON
 
 log = logging.getLogger("router.front")
 

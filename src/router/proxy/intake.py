@@ -37,9 +37,10 @@ from router.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client,
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
-from router.proxy.exchange import JSON, Exchange, error_response
+from router.proxy.exchange import Exchange
 from router.proxy.resume import why_not_continued
 from router.routing.request import request_key
+from router.web import JSON, error_response
 
 PRIORITY_HEADERS = ("x-priority", "x-smg-priority")  # ours, and smg's (the same class names)
 TARGET_HEADER = "x-slo-ttft-ms"  # as llm-d's predicted-latency scheduling reads it

@@ -46,7 +46,7 @@ from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey, stored_key
 from router.metrics import RouterMetrics
 from router.policy import Decision
-from router.proxy.exchange import JSON, Exchange
+from router.proxy.exchange import Exchange
 from router.proxy.forward import (
     Outcome,
     Retry,
@@ -64,6 +64,7 @@ from router.proxy.sse import StreamFramer
 from router.routing import Route, Routing, Verdict
 from router.tracing import TRACE_HEADERS, AttemptTrace, RequestTrace, Tracing
 from router.upstream import Upstream
+from router.web import JSON
 
 access_log = logging.getLogger("router.access")
 

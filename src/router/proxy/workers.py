@@ -42,11 +42,11 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
-from router.proxy.exchange import error_response
 from router.proxy.front import PROXY, FrontRunner
 from router.proxy.intake import Refused, peer_subject, too_large, unread_bodies, who
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
+from router.web import error_response
 
 log = logging.getLogger("router.workers")
 START_TIMEOUT_S = 60.0
