@@ -23,7 +23,8 @@ from router.policy import make_policy
 from router.proxy.forward import Outcome, Retry, Trip
 from router.proxy.framer import SseFramer
 from router.proxy.intake import Intake, take_in_body
-from router.proxy.journey import Journey, Ledger
+from router.proxy.journey import Journey
+from router.proxy.ledger import Ledger
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory

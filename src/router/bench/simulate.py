@@ -70,7 +70,6 @@ from router.admission import Admission
 from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.bench.virtual_time import VirtualLoop
-from router.clients import Client
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
@@ -78,12 +77,12 @@ from router.keys import RoutingKey
 from router.measures import coefficient_of_variation, kv_hit_rate, percentile
 from router.metrics import RouterMetrics
 from router.policy import Decision, make_policy
-from router.proxy.exchange import Exchange
 from router.proxy.forward import Outcome, Retry, Trip
 from router.proxy.intake import Intake
 from router.proxy.journey import Journey
+from router.proxy.ledger import Ending
 from router.proxy.sse import StreamFramer
-from router.routing import Routing, Served, SessionDirectory, Verdict
+from router.routing import Routing, Served, SessionDirectory
 from router.sessions import SessionTable
 
 SYSTEM_TOKENS = 400
@@ -221,7 +220,7 @@ class SimExchange:
 
 
 class ModelledReplicas:
-    """The journey's attempts (router.proxy.journey.Attempts) on the modelled replicas: a turn joins
+    """The journey's attempts (router.proxy.attempts.Attempts) on the modelled replicas: a turn joins
     the replica's slots or its queue and ends when the model says; a dead replica refuses it at
     once (`connect`), and one that dies while the turn waits or runs there cuts it (`reset`), both
     failed over by the journey as the proxy fails over HTTP attempts."""
@@ -260,21 +259,8 @@ class Tally:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
 
-    def finish(
-        self,
-        exchange: Exchange,
-        status: int,
-        replica: ReplicaState | None,
-        key: RoutingKey,
-        decision: Decision | None,
-        t0: float,
-        result: Outcome | None = None,
-        attempts: int = 0,
-        verdict: Verdict | None = None,
-        client: Client | None = None,
-        trace_id: str | None = None,
-        priority: int | None = None,
-    ) -> None:
+    def finish(self, end: Ending) -> None:
+        exchange, replica, key, verdict = end.exchange, end.replica, end.key, end.verdict
         assert isinstance(exchange, SimExchange)
         sim, turn = self.sim, exchange.turn
         s = sim.stats

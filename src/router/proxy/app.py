@@ -21,12 +21,14 @@ from router.fleet import ReplicaState
 from router.handoff import VLLM
 from router.keys import stored_key
 from router.node import Node
+from router.proxy.attempts import Attempts, HttpAttempts
 from router.proxy.disagg import DisaggAttempts, PrefillPool
 from router.proxy.exchange import AioExchange
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
 from router.proxy.intake import Refused, peer_subject, take_in, who
-from router.proxy.journey import Attempts, HttpAttempts, Journey, Ledger
+from router.proxy.journey import Journey
+from router.proxy.ledger import Ledger
 from router.web import error_response
 
 

@@ -28,10 +28,10 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
 
 A broken decode stream is resumed as any other (router.proxy.resume), aggregated.
 
-A split request's outcome carries its legs for the ledger (router.proxy.journey.Ledger): which
-replica prefilled it (`prefill_replica`), how long that took (`prefill_s`), and when, after its
-arrival, the decode was sent (`decode_sent_s`): its transfer leg is from there to the decode's
-first byte, its decode leg from there to the last.
+A split request's outcome carries its legs for the ledger (router.proxy.ledger): its `Split`
+(router.proxy.forward) says which replica prefilled it, how long that took, and when, after its
+arrival, the decode was sent: its transfer leg is from there to the decode's first byte, its
+decode leg from there to the last.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from router.handoff import SPLITTABLE, Handoff
 from router.keys import RoutingKey
 from router.policy import Decision, Policy
 from router.prompt import BYTES_PER_TOKEN
-from router.proxy.forward import Outcome, Retry, Timeouts, Trip
-from router.proxy.journey import HttpAttempts
+from router.proxy.attempts import HttpAttempts
+from router.proxy.forward import Outcome, Retry, Split, Timeouts, Trip
 from router.proxy.sse import StreamFramer
 from router.ring import xxh3_64
 from router.upstream import Upstream, UpstreamError
@@ -190,7 +190,7 @@ class DisaggAttempts:
                 del self._kept[gone]  # requests whose journey ended without another decode
             self._kept[request] = (now + LEASE_S, prefilled)  # the next decode replica reads it
             return result
-        result.extra.update(prefill_replica=prefilled.replica, prefill_s=prefilled.seconds, decode_sent_s=sent)
+        result.split = Split(prefilled.replica, prefilled.seconds, sent)
         return result
 
     async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> Prefilled | None:

@@ -73,19 +73,45 @@ class Retry:
     content_type: str = "application/json"
 
 
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A request prefilled on one replica and decoded on another (router.proxy.disagg): where it
+    was prefilled, how long that took, and when, after its arrival, the decode was sent."""
+
+    replica: str
+    prefill_s: float
+    decode_sent_s: float
+
+    def legs(self, ttft_s: float, elapsed: float) -> dict[str, float]:
+        """Its prefill, its transfer (the decode sent to its first byte) and its decode (that
+        first byte to the end), in seconds."""
+        return {
+            "prefill": self.prefill_s,
+            "transfer": max(0.0, ttft_s - self.decode_sent_s),
+            "decode": max(0.0, elapsed - ttft_s),
+        }
+
+
 class Outcome:
     """What one attempt did, in one record: its facts for the routing core (`facts`: status, time
-    to first token, tokens, whether it streamed, broke, or lost its client), and the HTTP side a
+    to first token, tokens, whether it streamed, broke, or lost its client), the HTTP side a
     stream is relayed, resumed or ended through (the client's exchange, the framer, the transport,
-    what was forwarded so far, whether it broke with the response left open)."""
+    what was forwarded so far, whether it broke with the response left open), and its legs: where
+    it broke and was resumed, whether it was resent on a new connection, how it was split."""
 
-    __slots__ = ("_error", "broken", "extra", "facts", "framer", "record", "reply", "response", "transport")
+    __slots__ = (
+        "_error", "broke_on", "broken", "facts", "framer", "record", "reply", "resent", "response", "resumed_on",
+        "split", "transport",
+    )  # fmt: skip
 
     def __init__(self, response: Exchange, facts: Served) -> None:
         self.response = response  # the client's side: the answer is given through it
         self.facts = facts
         self._error: str | None = None
-        self.extra: dict[str, Any] = {}  # for the access log: where it broke, where it was resumed
+        self.broke_on: str | None = None  # the replica its stream broke on (router.proxy.journey resumes it) ...
+        self.resumed_on: str | None = None  # ... and the one that continued it
+        self.resent = False  # its request was sent again on a new connection (a stale pooled one: router.upstream)
+        self.split: Split | None = None  # prefilled elsewhere (router.proxy.disagg)
         # resuming: what was forwarded so far, and whether the stream broke with the response left open
         self.record: StreamRecord | None = None
         self.broken = False
@@ -197,7 +223,7 @@ async def attempt(
             return _retry_for(exc)
         outcome = await _relay(trip, upstream, first, named, timeouts, deadline)
         if upstream.resent and isinstance(outcome, Outcome):
-            outcome.extra["resent"] = True  # (for the attempt's trace)
+            outcome.resent = True  # (for the attempt's trace)
         return outcome
     finally:
         if upstream is not None:

@@ -13,14 +13,14 @@ With traces on (router.tracing), each of those steps is a span of the request's 
 attempt hands its replica its own trace context.
 
 It is built from narrow collaborators, never the node: the routing core, the overload queue, the
-attempts (`Attempts`: HTTP to replicas in the proxy, `HttpAttempts`; the modelled replicas of
-router-bench simulate, which drives this same loop on a virtual clock; fakes in its unit tests),
-where it ends (`Accounting`: the `Ledger`), and the engines' tokens where they are read (`Tokens`:
-a request cut into them before it is routed, a chat's answer kept for its next turn once it has
-gone).
+attempts (router.proxy.attempts: HTTP to replicas in the proxy; the modelled replicas of
+router-bench simulate, which drives this same loop on a virtual clock; fakes in its unit tests), where it
+ends (router.proxy.ledger: one `Ending` record, counted and logged), and the engines' tokens where
+they are read (`Tokens`: a request cut into them before it is routed, a chat's answer kept for its
+next turn once it has gone).
 
-It is past 450 lines for now: the journey's steps, the HTTP attempts and the ledger that counts and
-logs each request stand together; the ledger and the split attempt's legs are the next to leave.
+It is past 450 lines as one room: its steps (intake's checks, a tenant's budget, the overload
+queue, the attempts' loop, a broken stream's resume) read one request's state top to bottom.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
-import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -40,33 +37,28 @@ import orjson
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
 from router.budgets import COMPLETION_CAPS, Budgets, Reservation, completion_cap, estimate, prompt_estimate
-from router.clients import DEFAULT_RANK, KEY_HEADERS, PRIORITIES, SHEDDABLE, Client, ClientKeys
+from router.clients import DEFAULT_RANK, PRIORITIES, SHEDDABLE, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
-from router.keys import NO_KEY, RoutingKey, stored_key
+from router.keys import RoutingKey, stored_key
 from router.metrics import RouterMetrics
 from router.policy import Decision
+from router.proxy.attempts import Attempts
 from router.proxy.exchange import Exchange
 from router.proxy.forward import (
     Outcome,
     Retry,
-    Timeouts,
     Trip,
-    attempt,
     end_stream,
     forward_headers,
     reply_text,
-    resume,
 )
 from router.proxy.intake import Intake, Refused, no_such_model, unknown_response
+from router.proxy.ledger import Accounting, Ending
 from router.proxy.resume import Splicer, continued, read_so_far
-from router.proxy.sse import StreamFramer
 from router.routing import Route, Routing, Verdict
 from router.tracing import TRACE_HEADERS, AttemptTrace, RequestTrace, Tracing
-from router.upstream import Upstream
 from router.web import JSON
-
-access_log = logging.getLogger("router.access")
 
 # a 429's `code`, by why it was shed
 SHED_CODES = {
@@ -79,222 +71,6 @@ SHED_CODES = {
     "late": "queue_wait_past_target",
     "cold": "no_replica_ready",
 }
-WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
-
-
-class Attempts(Protocol):
-    """How a request reaches a replica: `send` it (a `Retry` when it failed before its first
-    byte; `decision`: the pick that chose the replica, with its predicted cost where the policy
-    prices, for attempts that weigh it), or `resume` a broken stream's `outcome` there with the
-    continuation `body`, its new bytes spliced by `splicer` (a `Retry` when the continuation failed
-    before its first byte)."""
-
-    def send(
-        self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
-    ) -> Awaitable[Retry | Outcome]: ...
-
-    def resume(
-        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
-    ) -> Awaitable[Retry | None]: ...
-
-
-class HttpAttempts:
-    """Attempts over HTTP, on the process's keep-alive pools (router.upstream); every answer names
-    the replica (`replica_header`) and, in a worker process, the worker."""
-
-    def __init__(
-        self,
-        client: Callable[[], Upstream],
-        timeouts: Timeouts,
-        replica_header: str,
-        worker: int | None,
-    ) -> None:
-        self.client = client  # the pools exist once the app runs
-        self.timeouts = timeouts
-        self.replica_header = replica_header
-        self.worker = worker
-
-    @staticmethod
-    def keyed(replica: ReplicaState, trip: Trip) -> Trip:
-        """`trip` as sent to `replica`: with its engine's key (replica_api_keys) in place of the
-        client's, where it has one."""
-        auth = replica.auth
-        if not auth:
-            return trip
-        headers = {k: v for k, v in trip.headers.items() if k.lower() not in KEY_HEADERS}
-        return replace(trip, headers=headers | auth)
-
-    def named(self, replica: ReplicaState) -> dict[str, str]:
-        name = self.replica_header
-        if not name:
-            return {}
-        if self.worker is not None:
-            return {name: replica.id, WORKER_HEADER: str(self.worker)}
-        return {name: replica.id}
-
-    def send(
-        self, replica: ReplicaState, trip: Trip, deadline: float, decision: Decision | None = None
-    ) -> Awaitable[Retry | Outcome]:
-        # the attempt's own coroutine, not one around it: one frame less per request
-        if replica.auth:
-            trip = self.keyed(replica, trip)
-        return attempt(
-            self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline
-        )
-
-    def send_settled(self, replica: ReplicaState, trip: Trip, deadline: float) -> Awaitable[Retry | Outcome]:
-        """`send`, a stream held until its second event: one that errs there is a `Retry`
-        (router.proxy.forward.attempt's `settle`)."""
-        if replica.auth:
-            trip = self.keyed(replica, trip)
-        return attempt(
-            self.client(), trip, replica.url + trip.exchange.path, self.named(replica), self.timeouts, deadline, True
-        )
-
-    def resume(
-        self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
-    ) -> Awaitable[Retry | None]:
-        url, keyed = replica.url + trip.exchange.path, self.keyed(replica, trip)
-        return resume(self.client(), keyed, url, body, self.timeouts, deadline, outcome, splicer)
-
-
-class Accounting(Protocol):
-    """Where a request's journey ends (`finish`): the proxy's `Ledger`; router-bench simulate's
-    tally of its figures."""
-
-    def finish(
-        self,
-        exchange: Exchange,
-        status: int,
-        replica: ReplicaState | None,
-        key: RoutingKey,
-        decision: Decision | None,
-        t0: float,
-        result: Outcome | None = None,
-        attempts: int = 0,
-        verdict: Verdict | None = None,
-        client: Client | None = None,
-        trace_id: str | None = None,
-        priority: int | None = None,
-    ) -> None: ...
-
-
-class Ledger:
-    """Where a request's journey ends: its count by replica, policy, key kind, status and model,
-    its latencies, and (`log_requests`) its access-log line."""
-
-    def __init__(
-        self,
-        metrics: RouterMetrics,
-        policy: str,
-        model_label: Callable[[str | None], str],
-        log_requests: bool,
-        tenants: bool = False,
-    ) -> None:
-        self.metrics = metrics
-        self.policy = policy
-        self.model_label = model_label
-        self.log_requests = log_requests
-        self.tenants = tenants  # client keys are on: requests and tokens counted by tenant
-
-    def finish(
-        self,
-        exchange: Exchange,
-        status: int,
-        replica: ReplicaState | None,
-        key: RoutingKey,
-        decision: Decision | None,
-        t0: float,
-        result: Outcome | None = None,
-        attempts: int = 0,
-        verdict: Verdict | None = None,
-        client: Client | None = None,
-        trace_id: str | None = None,
-        priority: int | None = None,
-    ) -> None:
-        """Count and log the journey of a request that ended with `status` (`replica`: None when
-        none answered; `verdict`: how the routing core counted a served keyed request; `client`:
-        whose key it brought, with client keys on; `trace_id`: its trace's, where it is traced;
-        `priority`: the class it got, None for the default class)."""
-        elapsed = time.monotonic() - t0
-        name = replica.id if replica is not None else "none"
-        m = self.metrics
-        m.child(m.requests, name, self.policy, key.kind, str(status), self.model_label(key.model)).inc()
-        rank = DEFAULT_RANK if priority is None else priority
-        m.child(m.class_requests, PRIORITIES[rank], str(status)).inc()
-        if self.tenants:
-            self._tenant(client, status, result)
-        legs = None
-        if replica is not None:
-            m.child(m.e2e, name).observe(elapsed)
-            if result is not None and result.facts.ttft_s is not None:
-                m.child(m.ttft, name).observe(result.facts.ttft_s)
-                if "prefill_s" in result.extra:  # split: prefilled elsewhere (router.proxy.disagg)
-                    legs = _legs(result.extra, result.facts.ttft_s, elapsed)
-                    for leg, seconds in legs.items():
-                        m.child(m.legs, leg).observe(seconds)
-        if self.log_requests:
-            facts = result.facts if result is not None else None
-            tenant = {"tenant": client.tenant, "key_id": client.key_id} if client is not None else {}
-            tenant["priority"] = PRIORITIES[rank]
-            if trace_id is not None:
-                tenant["trace_id"] = trace_id
-            access_log.info(
-                json.dumps(
-                    {
-                        "ts": round(time.time(), 3),
-                        "method": exchange.method,
-                        "path": exchange.path,
-                        "status": status,
-                        "replica": replica.id if replica else None,
-                        "policy": self.policy,
-                        "key_kind": key.kind,
-                        "key_source": key.source,
-                        "reason": decision.reason if decision else None,
-                        "jump": verdict.jump if verdict else None,
-                        "attempts": attempts,
-                        "ttft_ms": round(facts.ttft_s * 1000, 2) if facts and facts.ttft_s is not None else None,
-                        "e2e_ms": round(elapsed * 1000, 2),
-                        "prompt_tokens": facts.prompt_tokens if facts else None,
-                        "cached_tokens": facts.cached_tokens if facts else None,
-                        "stream_error": result.stream_error if result else None,
-                        "broke_on": result.extra.get("broke_on") if result else None,
-                        "resumed_on": result.extra.get("resumed_on") if result else None,
-                    }
-                    | tenant
-                    | _logged_legs(result, legs)
-                )
-            )
-
-    def _tenant(self, client: Client | None, status: int, result: Outcome | None) -> None:
-        m = self.metrics
-        tenant, key_id = (client.tenant, client.key_id) if client is not None else ("none", "none")
-        m.child(m.tenant_requests, tenant, key_id, str(status)).inc()
-        if client is not None and result is not None:
-            facts = result.facts
-            if facts.prompt_tokens:
-                m.child(m.tenant_tokens, tenant, "prompt").inc(facts.prompt_tokens)
-            if facts.completion_tokens:
-                m.child(m.tenant_tokens, tenant, "completion").inc(facts.completion_tokens)
-
-
-def _legs(extra: dict[str, Any], ttft_s: float, elapsed: float) -> dict[str, float]:
-    """A split request's legs (router.proxy.disagg): its prefill, its transfer (the decode sent to
-    its first byte) and its decode (that first byte to the end)."""
-    return {
-        "prefill": extra["prefill_s"],
-        "transfer": max(0.0, ttft_s - extra["decode_sent_s"]),
-        "decode": max(0.0, elapsed - ttft_s),
-    }
-
-
-def _logged_legs(result: Outcome | None, legs: dict[str, float] | None) -> dict[str, Any]:
-    """A split request's legs for its access-log line (none for a request served whole)."""
-    if result is None or legs is None:
-        return {}
-    return {"prefill_replica": result.extra["prefill_replica"]} | {
-        f"{leg}_ms": round(seconds * 1000, 2) for leg, seconds in legs.items()
-    }
 
 
 class Tokens(Protocol):
@@ -353,27 +129,24 @@ class Journey:
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None:
         """Answer one proxied request, taken in or refused, through `exchange`."""
-        finish = self.ledger.finish
+        end = Ending(exchange, t0, intake)
         trace = None
         if self.tracing is not None:
-            trace = self.tracing.request(exchange.method, exchange.path, exchange.headers, t0)
+            trace = end.trace = self.tracing.request(exchange.method, exchange.path, exchange.headers, t0)
             trace.intake(t0, self.clock(), len(intake.raw) if isinstance(intake, Intake) else None)
-            finish = functools.partial(self._traced, functools.partial(finish, trace_id=trace.trace_id), trace, intake)
-        if not isinstance(intake, Intake):  # (with client keys on, a request without one is refused at intake)
+        # (with client keys on, a request without one is refused at intake; one with a valid key
+        # is counted by its tenant, as a request served)
+        client = end.client = intake.client
+        if not isinstance(intake, Intake):
             intake.answer(exchange)
-            if intake.client is not None:  # a valid key: its tenant is counted, as for a request served
-                finish = functools.partial(finish, client=intake.client)
-            finish(exchange, exchange.status, None, NO_KEY, None, t0)
+            self._finish(end, exchange.status)
             return
-        client = intake.client
-        if client is not None:
-            finish = functools.partial(finish, client=client)
         if intake.rank != DEFAULT_RANK:  # (the default class is the Ledger's when none is said)
-            finish = functools.partial(finish, priority=intake.rank)
-        key = intake.key
+            end.priority = intake.rank
+        key = end.key = intake.key
         if key.model is not None and self.fleet.unserved(key.model):
             no_such_model(key.model).answer(exchange)  # nothing is forwarded
-            finish(exchange, exchange.status, None, key, None, t0)
+            self._finish(end, exchange.status)
             return
         if client is not None and key.source == "previous_response_id":
             # a stored response is its tenant's alone: one the router knows another tenant made is
@@ -386,7 +159,7 @@ class Journey:
                 someones, _ = await self.routing.directory.last_served(stored_key(previous, self.max_key_bytes))
             if someones is not None:
                 unknown_response(previous).answer(exchange)
-                finish(exchange, exchange.status, None, key, None, t0)
+                self._finish(end, exchange.status)
                 return
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
@@ -399,7 +172,7 @@ class Journey:
                     f"whole budget of {limit} tokens a minute: it could never fit; lower its max_tokens"
                 )
                 self._shed(exchange, Shed(429, message, "exceeds_budget", 0), key.model, intake.rank)
-                finish(exchange, exchange.status, None, key, None, t0)
+                self._finish(end, exchange.status)
                 return
             if budgets.local is not None:  # this process's buckets: no coroutine to await
                 reserved = budgets.reserve_now(client.tenant, tokens)
@@ -409,12 +182,12 @@ class Journey:
                 limit = budgets.limits[client.tenant]
                 message = f"tenant {client.tenant} has used its {limit} tokens a minute: retry in {reserved} s"
                 self._shed(exchange, Shed(429, message, "budget", reserved), key.model, intake.rank)
-                finish(exchange, exchange.status, None, key, None, t0)
+                self._finish(end, exchange.status)
                 return
-            # settled where the journey ends
-            finish = functools.partial(self._settled, finish, reserved, prompt_estimate(len(intake.raw)))
+            end.reserved, end.prompt_estimate = reserved, prompt_estimate(len(intake.raw))  # settled at the end
         if self.tokens is not None and key.prompt is not None:
-            key = self.tokens.tokenized(key, intake.api, intake.body)  # the engine's tokens, where events feed
+            # the engine's tokens, where events feed
+            key = end.key = self.tokens.tokenized(key, intake.api, intake.body)
         loop = asyncio.get_running_loop()
         routing = self.routing
         deadline = loop.time() - (self.clock() - t0) + self.total_timeout_s
@@ -441,7 +214,7 @@ class Journey:
                 )
             except Shed as shed:
                 self._shed(exchange, shed, key.model, intake.rank)
-                finish(exchange, exchange.status, None, key, None, t0)
+                self._finish(end, exchange.status)
                 return
             if waited:
                 self.metrics.queue_wait.observe(waited)
@@ -461,7 +234,7 @@ class Journey:
             except asyncio.CancelledError:  # the client went away; the upstream request is closed
                 if span is not None:
                     span.end("client_gone")
-                finish(exchange, 499, replica, key, route.decision, t0, trip.streaming, route.attempts)
+                self._finish(end, 499, replica, route.decision, trip.streaming, route.attempts)
                 raise
             finally:
                 route.release(replica)
@@ -472,7 +245,7 @@ class Journey:
                     span.end(result.cause, result.status or None)
                 else:
                     outcome = "ok" if result.stream_error is None else "stream_error"
-                    span.end(outcome, result.facts.status, bool(result.extra.get("resent")))
+                    span.end(outcome, result.facts.status, result.resent)
             if isinstance(result, Retry):
                 route.failed(replica, result.cause)
                 failure = result
@@ -492,26 +265,26 @@ class Journey:
                 try:
                     replica = await self._resume(trip, route, result, replica, trace)
                 except asyncio.CancelledError:  # the client went away during the continuation
-                    finish(exchange, 499, replica, key, route.decision, t0, trip.streaming, route.attempts)
+                    self._finish(end, 499, replica, route.decision, trip.streaming, route.attempts)
                     raise
-            finish(exchange, result.facts.status, replica, key, route.decision, t0, result, route.attempts, verdict)
+            self._finish(end, result.facts.status, replica, route.decision, result, route.attempts, verdict)
             if self.tokens is not None and key.prompt is not None and intake.api is CHAT:
                 self._replied(key, intake, result)
             return
         if route.late:
             late = Shed(429, "no replica is predicted to send the first token within x-slo-ttft-ms", "target", 1)
             self._shed(exchange, late, key.model, intake.rank)
-            finish(exchange, exchange.status, None, key, None, t0)
+            self._finish(end, exchange.status)
             return
         if route.timed_out:
             failure = failure or Retry("timeout", 504)
         self._no_replica(exchange, failure, bool(route.tried))
-        finish(exchange, exchange.status, None, key, None, t0, None, route.attempts)
+        self._finish(end, exchange.status, attempts=route.attempts)
 
     def _replied(self, key: RoutingKey, intake: Intake, result: Outcome) -> None:
         """A chat answer that ended well, whole and in text, to the engines' tokens for its next turn."""
         facts = result.facts
-        if facts.status != 200 or facts.tools or result.stream_error is not None or "broke_on" in result.extra:
+        if facts.status != 200 or facts.tools or result.stream_error is not None or result.broke_on:
             return
         if self.tokens is not None:
             self.tokens.replied(key, intake.api, intake.body, functools.partial(reply_text, result))
@@ -538,64 +311,55 @@ class Journey:
         trip.headers = traced_headers(trip.headers, span)
         return span
 
-    @staticmethod
-    def _traced(
-        finish: Callable[..., None],
-        trace: RequestTrace,
-        intake: Intake | Refused,
-        exchange: Exchange,
+    def _finish(
+        self,
+        end: Ending,
         status: int,
-        replica: ReplicaState | None,
-        key: RoutingKey,
-        decision: Decision | None,
-        t0: float,
+        replica: ReplicaState | None = None,
+        decision: Decision | None = None,
         result: Outcome | None = None,
         attempts: int = 0,
         verdict: Verdict | None = None,
-        client: Client | None = None,
-        priority: int | None = None,
     ) -> None:
-        """`finish`, then the request's span (its tokens, tenant and outcome)."""
-        finish(
-            exchange, status, replica, key, decision, t0, result, attempts, verdict, client=client, priority=priority
-        )
+        """The journey ended with `status` (`replica`: the one that answered, None where none
+        did): its ledger counts and logs it, its trace ends, its tenant's reservation is settled."""
+        end.status, end.replica, end.decision, end.result, end.attempts, end.verdict = (
+            status, replica, decision, result, attempts, verdict
+        )  # fmt: skip
+        self.ledger.finish(end)
+        if end.trace is not None:
+            self._traced(end)
+        if end.reserved is not None:
+            self._settle(end, end.reserved)
+
+    @staticmethod
+    def _traced(end: Ending) -> None:
+        """The request's span ends: its tokens, tenant and outcome."""
+        assert end.trace is not None
+        result, client, intake = end.result, end.client, end.intake
         facts = result.facts if result is not None else None
         cap = None
         if isinstance(intake, Intake):
             cap = next((v for n in COMPLETION_CAPS if type(v := intake.body.get(n)) is int), None)
-        trace.finish(
-            status,
-            key.model,
+        end.trace.finish(
+            end.status,
+            end.key.model,
             facts.prompt_tokens if facts is not None else None,
             facts.completion_tokens if facts is not None else None,
             cap,
             client.tenant if client is not None else None,
             client.key_id if client is not None else None,
-            replica.id if replica is not None else None,
+            end.replica.id if end.replica is not None else None,
             result.stream_error if result is not None else None,
         )
 
-    def _settled(
-        self,
-        finish: Callable[..., None],
-        reserved: Reservation,
-        prompt: int,
-        exchange: Exchange,
-        status: int,
-        replica: ReplicaState | None,
-        key: RoutingKey,
-        decision: Decision | None,
-        t0: float,
-        result: Outcome | None = None,
-        attempts: int = 0,
-        verdict: Verdict | None = None,
-    ) -> None:
-        """`finish`, then settle the tenant's reservation on what the request used: its usage; none
-        where no replica answered or one refused it; for a stream that ended early (the client
-        gone, the engine broken), its prompt (as the engine said, else `prompt`, its estimate) and
-        the token-carrying events that passed (or the completion tokens said, if more); as
-        reserved where nothing says (a whole answer whose client left before it was sent)."""
-        finish(exchange, status, replica, key, decision, t0, result, attempts, verdict)
+    def _settle(self, end: Ending, reserved: Reservation) -> None:
+        """Settle the tenant's reservation on what the request used: its usage; none where no
+        replica answered or one refused it; for a stream that ended early (the client gone, the
+        engine broken), its prompt (as the engine said, else its estimate) and the token-carrying
+        events that passed (or the completion tokens said, if more); as reserved where nothing
+        says (a whole answer whose client left before it was sent)."""
+        result, status = end.result, end.status
         facts = result.facts if result is not None else None
         spent: int | None
         if (
@@ -606,7 +370,7 @@ class Journey:
         ):
             # ended early: what passed (a framer still counting, if the client left mid-read)
             events = max(facts.events, result.framer.events if result.framer is not None else 0)
-            spent = (facts.prompt_tokens or prompt) + max(facts.completion_tokens, events)
+            spent = (facts.prompt_tokens or end.prompt_estimate) + max(facts.completion_tokens, events)
         elif status == 499:
             spent = None
         elif facts is None or facts.prompt_tokens or facts.completion_tokens or facts.status >= 400:
@@ -646,7 +410,7 @@ class Journey:
             if result.stream_error and not result.facts.client_gone:
                 m.child(m.stream_resumes, "timeout").inc()  # broke at the deadline: no time left
             return broke
-        result.extra["broke_on"] = broke.id
+        result.broke_on = broke.id
         chat = trip.intake.api is CHAT
         assert result.record is not None
         so_far = read_so_far(result.record)
@@ -686,7 +450,7 @@ class Journey:
             if failed is not None:
                 route.failed(replica, failed.cause)
                 continue
-            result.extra["resumed_on"] = replica.id
+            result.resumed_on = replica.id
             if result.facts.client_gone:
                 return replica
             route.resumed(replica, whole=not result.stream_error)
