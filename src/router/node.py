@@ -41,14 +41,11 @@ from router.budgets import Budgets, LocalStore, RedisStore, Store
 from router.clients import ClientKeys
 from router.config import (
     RouterConfig,
-    pinned_models,
-    replica_api_keys,
-    replica_capacities,
     score_weights,
     shared_through_redis,
 )
-from router.discovery import Discovery, PrefillReplicas
-from router.fleet import Fleet
+from router.discovery import Discovery
+from router.fleet import ReplicaState
 from router.health.states import Hysteresis
 from router.kvfeed import Feed
 from router.membership import Membership
@@ -57,6 +54,7 @@ from router.monitor import HealthMonitor, latency_window_s
 from router.placement import Placement
 from router.policy import make_policy
 from router.policy.ttft import Ttft
+from router.pools import Pool, prefill_pool, replica_fleet
 from router.redis_state import RedisPlacements, RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.routing import Routing, SessionDirectory
@@ -100,45 +98,26 @@ class Node:
         self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
         self.client: aiohttp.ClientSession | None = None
         self.upstream: Upstream | None = None  # the proxied requests' keep-alive pools
-        self.fleet = fleet = Fleet(
-            () if worker is not None else config.replicas,
-            config.vnodes,
-            config.hash_seed,
-            Hysteresis(
-                config.remove_below,
-                config.return_above,
-                config.remove_after,
-                config.return_after,
-                config.recovery_ramp_s,
-                flap_backoff=config.flap_backoff,
-            ),
-            replica_capacities(config) if config.capacity_caps else {},
-            capacity_caps=config.capacity_caps,
-            models=pinned_models(config),
-            keys=replica_api_keys(config),
+        rules = Hysteresis(
+            config.remove_below,
+            config.return_above,
+            config.remove_after,
+            config.return_after,
+            config.recovery_ramp_s,
+            flap_backoff=config.flap_backoff,
         )
-        # the prefill replicas of a disaggregated fleet (router.proxy.disagg): a fleet of their own,
-        # out of the route's reach, probed by every process (the control process too: its admin API
-        # shows them)
-        self.prefill_fleet = Fleet(
-            config.prefill,
-            config.vnodes,
-            config.hash_seed,
-            fleet.rules,
-            replica_capacities(config) if config.capacity_caps else {},
-            capacity_caps=config.capacity_caps,
-            models=pinned_models(config),
-            keys=replica_api_keys(config),
-        )
-        # ... and `ttft` over them (their prefix index and prefill queues): a prompt's prefill replica
-        disaggregated = bool(config.prefill or config.prefill_discovery)
-        self.prefill_policy = Ttft(self.prefill_fleet, config) if disaggregated else None
+        self.fleet = fleet = replica_fleet(config, () if worker is not None else config.replicas, rules)
+        self.metrics = metrics or RouterMetrics()
+        # a disaggregated fleet's prefill replicas (router.pools, router.proxy.disagg): a pool of
+        # their own, out of the route's reach
+        routes = worker is not None or config.workers <= 1  # this process routes requests
+        prefill = prefill_pool(config, rules, self.metrics, lambda: self.http, routes)
+        disaggregated = prefill is not None
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
         # and the admin API read and feed (the root knows the concrete policy; nothing else asks)
         self.placement: Placement | None = self.policy.placement if isinstance(self.policy, Ttft) else None
         self.sessions = SessionTable(config.sticky_max_sessions, config.sticky_ttl_s)
-        self.metrics = metrics or RouterMetrics()
         self.publisher = Publisher(fleet, table) if table is not None and worker is None else None
         self.membership = Membership(
             fleet,
@@ -233,13 +212,6 @@ class Node:
             after_round=self._probed,
             inflight=self.admission.inflight,
         )
-        self.prefill_monitor = HealthMonitor(
-            self.prefill_fleet,
-            lambda: self.http,
-            config.probe_interval_s,
-            config.probe_timeout_s,
-            weights=score_weights(config),
-        )
         self.discovery = (
             Discovery(
                 self.membership,
@@ -252,34 +224,22 @@ class Node:
             if config.discovery and worker is None
             else None
         )
-        # the prefill replicas' discovery, in every process (each has their fleet)
-        self.prefill_discovery = (
-            Discovery(
-                PrefillReplicas(self.prefill_fleet, self.metrics.forget_replica),
-                self.metrics,
-                config.prefill_discovery,
-                config.discovery_interval_s,
-                config.prefill,
-                role="prefill",
-            )
-            if config.prefill_discovery
-            else None
-        )
         self.persistence: Persistence | None = None
         file = state_file(config) if worker is None else None
         if file is not None:
             self.persistence = Persistence(file, self.membership, config.replicas, self.view)
             self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
-        self.multiprocess_metrics = multiprocess_registry(fleet, self.prefill_fleet) if worker is not None else None
         # ttft: the engines' KV-cache events, read by every process that routes (each subscribes)
         self.feed: Feed | None = None
-        if placement is not None and config.kv_events and (worker is not None or config.workers <= 1):
+        if placement is not None and config.kv_events and routes:
             self.feed = Feed(fleet, placement, config, lambda: self.http, self.metrics)
-        self.prefill_feed: Feed | None = None  # the prefill replicas' events, where they publish
-        if self.prefill_policy is not None and config.kv_events and (worker is not None or config.workers <= 1):
-            self.prefill_feed = Feed(
-                self.prefill_fleet, self.prefill_policy.placement, config, lambda: self.http, self.metrics
-            )
+        # the roles' routing cores: the route's, and a disaggregated fleet's prefill pool
+        self.pools = [Pool("serve", fleet, self.policy, self.routing, self.monitor, self.discovery, self.feed)]
+        if prefill is not None:
+            self.pools.append(prefill)
+        self.multiprocess_metrics = (
+            multiprocess_registry(*(pool.fleet for pool in self.pools)) if worker is not None else None
+        )
 
     def _budgets(self, clients: ClientKeys) -> Budgets:
         """The tenants' budgets: in Redis where the routing state is (every router and worker on it
@@ -302,6 +262,14 @@ class Node:
         budgets = Budgets(limits(), store)
         clients.changed.append(lambda: budgets.update(limits()))
         return budgets
+
+    def pool(self, role: str) -> Pool | None:
+        """The pool of `role` ("serve", "prefill"), if this router has one."""
+        return next((p for p in self.pools if p.role == role), None)
+
+    def pool_of(self, replica: ReplicaState) -> Pool:
+        """The pool whose fleet `replica` is in (the route's, for one in none)."""
+        return next((p for p in self.pools if p.fleet.find(replica.id) is replica), self.pools[0])
 
     def state_line(self) -> str:
         """Where the routing state lives, for the start-up banner."""
@@ -368,7 +336,7 @@ class Node:
             self.follower.pull_loads()
         if self.multiprocess_metrics is not None:
             return self.multiprocess_metrics
-        show_replica_gauges(self.metrics, self.fleet, self.prefill_fleet)
+        show_replica_gauges(self.metrics, *(pool.fleet for pool in self.pools))
         return self.metrics.registry
 
     @property
@@ -390,14 +358,15 @@ class Node:
         contexts: list[Context] = []
         if self.tls is not None and not control_only:  # each serving process reads its certificate again
             contexts.append(self._tls_ctx)
-        # the prefill replicas: probed and found by every process, the control process too (its
-        # admin API and console show them)
-        if self.prefill_policy is not None and self.config.health_checks:
-            contexts.append(self._prefill_monitor_ctx)
-        if self.prefill_discovery is not None:
-            contexts.append(self._discovery_context(self.prefill_discovery, "prefill discovery"))
-        if self.prefill_feed is not None and not control_only:
-            contexts.append(self._feed_context(self.prefill_feed, "prefill kv events"))
+        # the other roles' pools (prefill): probed and found by every process, the control process
+        # too (its admin API and console show them)
+        for pool in self.pools[1:]:
+            if pool.monitor is not None and self.config.health_checks:
+                contexts.append(self._monitor_context(pool.monitor, f"{pool.role} health monitor"))
+            if pool.discovery is not None:
+                contexts.append(self._discovery_context(pool.discovery, f"{pool.role} discovery"))
+            if pool.feed is not None and not control_only:
+                contexts.append(self._feed_context(pool.feed, f"{pool.role} kv events"))
         if self.follower is not None and not control_only:
             contexts.append(self._follower_ctx)
             if self.placements is not None:
@@ -410,7 +379,7 @@ class Node:
         if self.feed is not None and not control_only:
             contexts.append(self._feed_context(self.feed, "kv events"))
         if self.config.health_checks:
-            contexts.append(self._monitor_ctx)
+            contexts.append(self._monitor_context(self.monitor, "health monitor"))
         contexts.append(self._balance_ctx)
         if self.persistence is not None:
             contexts.append(self.persistence.context)
@@ -450,15 +419,15 @@ class Node:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def _prefill_monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(self.prefill_monitor.run(), name="prefill health monitor")
-        yield
-        await self._run(task)
+    def _monitor_context(self, monitor: HealthMonitor, name: str) -> Context:
+        """A health monitor's probe rounds, run while the app runs (the route's pool's, or another role's)."""
 
-    async def _monitor_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(self.monitor.run(), name="health monitor")
-        yield
-        await self._run(task)
+        async def context(app: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(monitor.run(), name=name)
+            yield
+            await self._run(task)
+
+        return context
 
     async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.balancer.run(), name="balance")

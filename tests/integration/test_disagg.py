@@ -76,13 +76,13 @@ async def test_a_long_prompt_is_prefilled_apart_and_decoded_on_its_route(start_f
         ("p1", "prefill"),
     ]
     assert [r.role for r in node.fleet.replicas] == ["decode", "decode"]
-    assert [r.role for r in node.prefill_fleet.replicas] == ["prefill", "prefill"]
+    assert [r.role for r in node.pools[1].fleet.replicas] == ["prefill", "prefill"]
     status, answer, replica = await chat(url, LONG, "s1")
     assert status == 200 and answer["usage"]["completion_tokens"] == 6 and replica in ("d0", "d1")
     d = decode.replicas[int(replica[1])]
     assert await transfers(d) == (1.0, 0.0)  # its prompt's KV came from a prefill replica
-    assert sum(r.requests for r in node.prefill_fleet.replicas) == 1
-    assert sum(r.prompt_tokens for r in node.prefill_fleet.replicas) == answer["usage"]["prompt_tokens"]
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == 1
+    assert sum(r.prompt_tokens for r in node.pools[1].fleet.replicas) == answer["usage"]["prompt_tokens"]
     # the conversation's next turn: its decode replica holds its history, what is left is short,
     # so it is served there alone (the prefix index's prediction)
     status, _, again = await chat(url, [LONG, answer["choices"][0]["message"]["content"], "and then?"], "s1")
@@ -93,7 +93,7 @@ async def test_a_long_prompt_is_prefilled_apart_and_decoded_on_its_route(start_f
     assert (await transfers(decode.replicas[int(other[1])]))[0] == 1.0 + (other == replica)
     # a short prompt is not worth a transfer: its decode replica serves it alone
     status, _, _ = await chat(url, SHORT, "s3")
-    assert status == 200 and sum(r.requests for r in node.prefill_fleet.replicas) == 2
+    assert status == 200 and sum(r.requests for r in node.pools[1].fleet.replicas) == 2
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     assert 'router_disagg_requests_total{mode="split"} 2.0' in text
@@ -140,7 +140,7 @@ async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(
     status, answer, replica = await chat(url, LONG, owner)
     assert status == 200 and replica == "d1"
     assert await transfers(decode.replicas[1]) == (before[0] + 1, before[1])
-    assert sum(r.requests for r in node.prefill_fleet.replicas) == 3  # no second prefill for it
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == 3  # no second prefill for it
 
 
 async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
@@ -150,12 +150,12 @@ async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fl
     _, _, node, url = await disagg(start_fleet, start_router, config, prefill_tokens_per_s=4000)
     huge = asyncio.create_task(chat(url, "a huge document: " + LONG * 18, "huge"))
     for _ in range(200):
-        busy = [r for r in node.prefill_fleet.replicas if r.inflight]
+        busy = [r for r in node.pools[1].fleet.replicas if r.inflight]
         if busy:
             break
         await asyncio.sleep(0.01)
     assert len(busy) == 1
-    idle = next(r for r in node.prefill_fleet.replicas if r is not busy[0])
+    idle = next(r for r in node.pools[1].fleet.replicas if r is not busy[0])
     # whichever replica their leading blocks would choose, the prefill queue there sends them to the idle one
     for i in range(4):
         status, _, _ = await chat(url, f"document {i}: " + LONG, f"q{i}")
@@ -242,22 +242,22 @@ async def test_prefill_replicas_found_by_discovery_join_and_leave(start_fleet, s
 
     async def listed() -> list[str]:
         deadline = time.monotonic() + 5
-        while not node.prefill_fleet.replicas:
+        while not node.pools[1].fleet.replicas:
             assert time.monotonic() < deadline, "no prefill replica found"
             await asyncio.sleep(0.05)
-        return [r.id for r in node.prefill_fleet.replicas]
+        return [r.id for r in node.pools[1].fleet.replicas]
 
-    assert await listed() == ["p0"] and node.prefill_fleet.replicas[0].role == "prefill"
+    assert await listed() == ["p0"] and node.pools[1].fleet.replicas[0].role == "prefill"
     status, _, _ = await chat(url, "1 " + LONG, "s1")
-    assert status == 200 and node.prefill_fleet.find("p0").requests == 1  # split, prefilled on p0
+    assert status == 200 and node.pools[1].fleet.find("p0").requests == 1  # split, prefilled on p0
     # p0 is gone from the source and p1 is there: the next long prompt is prefilled on p1
     source.write_text(f"# the prefill replicas' service\np1={prefill.replicas[1].url}\n")
     deadline = time.monotonic() + 5
-    while [r.id for r in node.prefill_fleet.replicas] != ["p1"]:
-        assert time.monotonic() < deadline, [r.id for r in node.prefill_fleet.replicas]
+    while [r.id for r in node.pools[1].fleet.replicas] != ["p1"]:
+        assert time.monotonic() < deadline, [r.id for r in node.pools[1].fleet.replicas]
         await asyncio.sleep(0.05)
     status, _, _ = await chat(url, "2 " + LONG, "s2")
-    assert status == 200 and node.prefill_fleet.find("p1").requests == 1
+    assert status == 200 and node.pools[1].fleet.find("p1").requests == 1
     assert await transferred(decode) == 2
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
@@ -317,4 +317,4 @@ async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fle
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     assert 'router_disagg_requests_total{mode="recomputed"} 2.0' in text
-    assert sum(r.requests for r in node.prefill_fleet.replicas) == 2  # prefilled once each, not again
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == 2  # prefilled once each, not again

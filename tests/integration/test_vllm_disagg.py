@@ -137,8 +137,8 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
     assert metric(text, "router_disagg_requests_total", mode="split") == len(asks)
     assert metric(text, "router_disagg_requests_total", mode="alone") == 1
     # the prompts were computed on the prefill side and counted there
-    assert sum(r.requests for r in node.prefill_fleet.replicas) == len(asks)
-    assert sum(r.prompt_tokens for r in node.prefill_fleet.replicas) > len(asks) * 600
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == len(asks)
+    assert sum(r.prompt_tokens for r in node.pools[1].fleet.replicas) > len(asks) * 600
 
 
 async def test_a_decode_replica_killed_mid_stream_or_before_its_first_byte_loses_no_request(
@@ -170,12 +170,12 @@ async def test_a_decode_replica_killed_mid_stream_or_before_its_first_byte_loses
         assert len(text_of(events)) > 0
         # d-0 is gone before a request's first byte (the router has not noticed: no health checks):
         # d-1 decodes it with the params of the same prefill, none redone
-        prefills = sum(r.requests for r in node.prefill_fleet.replicas)
+        prefills = sum(r.requests for r in node.pools[1].fleet.replicas)
         before = (await settled(http, d[1:]))["d-1"]
         status, raw2, chosen = await post(http, url, "/v1/chat/completions", chat("again: " + LONG), owner)
         assert status == 200 and chosen == "d-1", raw2[:300]
         assert (await settled(http, d[1:], before[0] + 1))["d-1"] == (before[0] + 1, before[1])
-        assert sum(r.requests for r in node.prefill_fleet.replicas) == prefills + 1
+        assert sum(r.requests for r in node.pools[1].fleet.replicas) == prefills + 1
         text = await metrics_of(http, url, TOKEN)
     assert metric(text, "router_stream_resumes_total", outcome="resumed") == 1
 

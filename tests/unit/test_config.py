@@ -317,7 +317,7 @@ def test_prefill_and_decode_replicas_take_their_roles_and_decode_ones_are_routed
     assert [(r.id, r.role) for r in cfg.replicas] == [("c:1", "both"), ("d0", "decode")]
     assert [(r.id, r.role) for r in cfg.prefill] == [("p0", "prefill"), ("a:2", "prefill")]
     node = Node(cfg)
-    assert [r.role for r in node.fleet.replicas] == ["both", "decode"] and len(node.prefill_fleet.replicas) == 2
+    assert [r.role for r in node.fleet.replicas] == ["both", "decode"] and len(node.pools[1].fleet.replicas) == 2
     with pytest.raises(ConfigError, match="need replicas to decode"):
         load(None, {}, {"prefill": ["http://a:1"], "state": "none"})
     with pytest.raises(ConfigError, match="appears twice"):
@@ -328,7 +328,7 @@ def test_prefill_and_decode_replicas_take_their_roles_and_decode_ones_are_routed
     assert [r.role for r in filed.replicas] == ["decode", "decode"] and filed.prefill[0].url == "http://a:1"
     # prefill replicas found by discovery: a source of the same kinds, checked as discovery's
     found = load(None, {"ROUTER_PREFILL_DISCOVERY": "srv:_http._tcp.prefill"}, {"decode": ["http://b:1"]})
-    assert found.prefill_discovery == "srv:_http._tcp.prefill" and Node(found).prefill_policy is not None
+    assert found.prefill_discovery == "srv:_http._tcp.prefill" and Node(found).pool("prefill") is not None
     with pytest.raises(ConfigError, match=r"prefill_discovery.*unknown discovery kind"):
         load(None, {}, {"prefill_discovery": "consul:x", "decode": ["http://b:1"], "state": "none"})
     with pytest.raises(ConfigError, match="need replicas to decode"):

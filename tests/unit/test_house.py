@@ -98,3 +98,38 @@ def test_the_layout_rule_misses_what_is_not_named(tmp_path: Path) -> None:
         (tmp_path / name).write_text("")
     named = {p.name for p in tmp_path.iterdir() if _named(block, p)}
     assert named == {"placement", "prompt.py", "ring_bench.py", "tokens_bench.py", "fleet_report.py"}
+
+
+DOOR = ("routing", "policy", "bench")  # the routing core, the policies, and benchmarks of a policy alone
+
+
+def _door_calls(path: Path) -> list[str]:
+    """Calls in `path` that only the routing core may make: a policy's `pick` or `hear`, a fleet's
+    `acquire` or `release` (a route's own `release` is the way in for everyone else)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, receiver = node.func.attr, ast.unparse(node.func.value)
+        if name in ("pick", "hear") or (name in ("acquire", "release") and receiver.split(".")[-1] == "fleet"):
+            out.append(f"{path.name}:{node.lineno} {receiver}.{name}")
+    return out
+
+
+def test_only_the_routing_core_picks_hears_acquires_and_releases() -> None:
+    outside = [
+        call
+        for path in sorted(SOURCE.rglob("*.py"))
+        if path.relative_to(SOURCE).parts[0] not in DOOR
+        for call in _door_calls(path)
+    ]
+    assert not outside, f"these go around the routing core (router.routing: a Route picks, counts and hears): {outside}"
+
+
+def test_the_door_rule_sees_a_call_around_the_core(tmp_path: Path) -> None:
+    around = tmp_path / "around.py"
+    around.write_text("policy.pick(key, None, ())\nself.pool.fleet.acquire(r)\nroute.release(r)\nlock.acquire()\n")
+    assert [c.split(" ")[1] for c in _door_calls(around)] == [
+        "policy.pick",
+        "self.pool.fleet.acquire",
+    ]

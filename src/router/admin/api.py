@@ -22,6 +22,7 @@ from router.fleet import ReplicaState
 from router.keys import RoutingKey, bounded_key
 from router.membership import Clash, NoRoom
 from router.node import Node
+from router.pools import Pool
 from router.routing.request import request_key
 from router.web import error_response
 
@@ -81,7 +82,8 @@ class AdminApi:
         return guarded
 
     def _replica_json(self, r: ReplicaState) -> dict[str, Any]:
-        fleet = self.node.prefill_fleet if r.role == "prefill" else self.node.fleet
+        pool = self.node.pool_of(r)
+        fleet, placement = pool.fleet, pool.placement
         index = r.index
         return {
             "id": r.id,
@@ -103,20 +105,21 @@ class AdminApi:
             "adapters": sorted(r.adapters) if r.adapters is not None else None,  # loaded now; None: not said
             "max_lora": r.max_lora,
             "engine": dataclasses.asdict(r.engine),
-            "prefix_index": self._index_json(r),
+            "prefix_index": self._index_json(r, pool),
             # what its engine's KV-cache events say it holds (router.kvfeed); None: it publishes none
-            "kv_events": placement.truth.figures(r.id) if (placement := self.node.placement) else None,
+            "kv_events": placement.truth.figures(r.id) if placement is not None else None,
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,
             "slow_start_since": self.node.membership.warming_since.get(r.id) if r.state == "warming" else None,
         }
 
-    def _index_json(self, r: ReplicaState) -> dict[str, Any] | None:
-        """What the prefix index keeps for the replica (the `ttft` policy's): the blocks its engine's
-        KV holds, as the index counts them (the engine's own figure when it reports one), the blocks
-        it may keep now and those it keeps. None with a policy that keeps no index, or before the
-        replica's first decision."""
-        placement = self.node.placement
+    @staticmethod
+    def _index_json(r: ReplicaState, pool: Pool) -> dict[str, Any] | None:
+        """What the prefix index keeps for the replica (its pool's `ttft` policy's): the blocks its
+        engine's KV holds, as the index counts them (the engine's own figure when it reports one),
+        the blocks it may keep now and those it keeps. None with a policy that keeps no index, or
+        before the replica's first decision."""
+        placement = pool.placement
         held = placement.held.get(r.id) if placement is not None else None
         if placement is None or held is None:
             return None
@@ -157,7 +160,7 @@ class AdminApi:
 
     async def list_replicas(self, request: web.Request) -> web.Response:
         self.node.gather()
-        every = (*self.node.fleet.replicas, *self.node.prefill_fleet.replicas)  # prefill replicas last
+        every = [r for pool in self.node.pools for r in pool.fleet.replicas]  # the route's first, prefill last
         return _json([self._replica_json(r) for r in every])
 
     async def add_replica(self, request: web.Request) -> web.Response:

@@ -164,7 +164,8 @@ def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
                 **_transfers(r),
             }
         )
-    for r in node.prefill_fleet.replicas:  # not on the ring, not in the request metrics: their own figures
+    # the other roles' replicas (prefill): not on the route's ring, not in its request metrics
+    for r in (r for pool in node.pools[1:] for r in pool.fleet.replicas):
         rows.append(
             {
                 "id": r.id,
@@ -176,7 +177,7 @@ def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
                 "role": r.role,
             }
         )
-    present = {r.id for r in (*fleet.replicas, *node.prefill_fleet.replicas)}
+    present = {r.id for pool in node.pools for r in pool.fleet.replicas}
     for rid in sorted(set(latest) - present):
         rows.append({"id": rid, "state": "left", "score": None, "weight": 0.0, "ring_share": 0.0, "inflight": 0})
     return rows

@@ -22,7 +22,7 @@ from router.handoff import VLLM
 from router.keys import stored_key
 from router.node import Node
 from router.proxy.attempts import Attempts, HttpAttempts
-from router.proxy.disagg import DisaggAttempts, PrefillPool
+from router.proxy.disagg import DisaggAttempts
 from router.proxy.exchange import AioExchange
 from router.proxy.forward import Timeouts
 from router.proxy.front import PROXY
@@ -84,7 +84,8 @@ def journey_of(node: Node) -> Journey:
         node.worker,
     )
     attempts: Attempts = http
-    if node.prefill_policy is not None:  # a disaggregated fleet: prefill there, decode where routed
+    prefill = node.pool("prefill")
+    if prefill is not None:  # a disaggregated fleet: prefill there, decode where routed
         metrics = node.metrics
 
         def observe(mode: str) -> None:
@@ -92,7 +93,7 @@ def journey_of(node: Node) -> Journey:
 
         attempts = DisaggAttempts(
             http,
-            PrefillPool(node.prefill_fleet, node.prefill_policy, cfg.bounded_load_c),
+            prefill,
             VLLM,
             cfg.disagg_min_prompt_tokens,
             http.timeouts,

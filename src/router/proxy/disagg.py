@@ -10,11 +10,14 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   less what the prefix index predicted the decode replica holds when ttft chose it, so a short
   prompt and a conversation's next turn on the replica that holds its history stay whole (a prefill
   that small costs less than a transfer's round trip);
-- else asks a prefill replica (`PrefillPool`: `ttft`'s pick over the prefill fleet, the one whose
-  first token would come soonest from the prefix index of what each holds and their prefill
-  queues, so a document is prefilled where it was before) for the prompt's KV
-  with the protocol's prefill body (router.handoff), a failed one on the next, and sends the decode
-  replica the client's body with the params that came back; its answer is relayed as any other;
+- else routes a prefill leg through the prefill pool (router.pools: its own `Routing`, `ttft` over
+  the prefill fleet, the replica whose first token would come soonest from the prefix index of
+  what each holds and their prefill queues, so a document is prefilled where it was before): the
+  leg's route offers a prefill replica, which is asked for the prompt's KV with the protocol's
+  prefill body (router.handoff), a failed one the next (at most MAX_PREFILLS), and the decode
+  replica is sent the client's body with the params that came back; its answer is relayed as any
+  other. The leg is a route like any request's: picked, counted in flight, released, failed or
+  served through the pool's routing core, never by hand;
 - falls back to decoding alone (the decode replica recomputes the prompt) when no prefill replica
   answers with params, and when the decode replica fails the transfer (the lease ran out, or the
   prefill replica went away: vLLM answers a 5xx, or in a stream its opening event then an error
@@ -37,7 +40,6 @@ decode leg from there to the last.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -45,19 +47,18 @@ from typing import Any
 
 import orjson
 
-from router.fleet import Fleet, ReplicaState
+from router.fleet import ReplicaState
 from router.handoff import SPLITTABLE, Handoff
-from router.keys import RoutingKey
-from router.policy import Decision, Policy
+from router.policy import Decision
+from router.pools import Pool
 from router.prompt import BYTES_PER_TOKEN
 from router.proxy.attempts import HttpAttempts
 from router.proxy.forward import Outcome, Retry, Split, Timeouts, Trip
 from router.proxy.sse import StreamFramer
-from router.ring import xxh3_64
+from router.routing import Served
 from router.upstream import Upstream, UpstreamError
 
 LEASE_S = 30.0  # vLLM's kv_lease_duration: how long a prefill's params stay worth retrying with
-AFFINITY_BLOCKS = 4  # the prompt's first blocks choose its prefill replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,47 +70,6 @@ class Prefilled:
     seconds: float
 
 
-class PrefillPool:
-    """The prefill replicas, in a fleet of their own (probed and scored as any other), ordered per
-    request. With a `policy` over that fleet (`ttft`: a prefix index of what each prefill replica
-    holds, fed by their KV-cache events where they publish them, and their prefill queues): its
-    picks, the one whose first token would come soonest first. Without one, or for a request
-    without a prompt's blocks: by the prompt's leading blocks (highest random weight, so the same
-    document goes to the same replica and a replica leaving moves only its own), those loaded past
-    their share last."""
-
-    def __init__(self, fleet: Fleet, policy: Policy | None = None, slack: float = 1.25) -> None:
-        self.fleet = fleet
-        self.policy = policy
-        self.slack = slack
-
-    def order(self, key: RoutingKey, limit: int) -> list[tuple[ReplicaState, Decision | None]]:
-        fleet = self.fleet
-        prompt = key.prompt
-        if self.policy is not None and prompt is not None and len(prompt.chain):
-            picked: list[tuple[ReplicaState, Decision | None]] = []
-            tried: set[int] = set()
-            while len(picked) < limit:
-                decision = self.policy.pick(key, None, tried)
-                if decision is None:
-                    break
-                picked.append((fleet.replicas[decision.index], decision))
-                tried.add(decision.index)
-            return picked
-        skip = fleet.not_serving(key.model)
-        ready = [r for r in fleet.replicas if r.health.routable and r.index not in skip]
-        if not ready:
-            return []
-        if prompt is not None and len(prompt.chain):
-            anchor = int(prompt.chain[min(len(prompt.chain), AFFINITY_BLOCKS) - 1]).to_bytes(8, "little")
-        else:
-            anchor = key.key
-        ranked = sorted(ready, key=lambda r: xxh3_64(anchor + r.id.encode()), reverse=True)
-        share = math.ceil(self.slack * (sum(r.inflight for r in ready) + 1) / len(ready))
-        order = [r for r in ranked if r.inflight < share] + [r for r in ranked if r.inflight >= share]
-        return [(r, None) for r in order[:limit]]
-
-
 class DisaggAttempts:
     """Attempts that split a request between a prefill replica and the route's decode replica
     (this module's docstring); `observe(mode)` hears how each request was served (split, alone,
@@ -118,20 +78,18 @@ class DisaggAttempts:
     def __init__(
         self,
         inner: HttpAttempts,
-        pool: PrefillPool,
+        pool: Pool,
         protocol: Handoff,
         min_tokens: int,
         timeouts: Timeouts,
         observe: Callable[[str], None] | None = None,
-        max_prefills: int = 2,
     ) -> None:
         self.inner = inner
-        self.pool = pool
+        self.pool = pool  # the prefill pool (router.pools): its routing core routes each prefill leg
         self.protocol = protocol
         self.min_tokens = min_tokens
         self.timeouts = timeouts
         self.observe = observe or (lambda mode: None)
-        self.max_prefills = max_prefills
         # a decode that failed before its first byte: its params, for the journey's next decode
         # replica, by request (its exchange's identity and arrival), until the lease runs out
         self._kept: dict[tuple[int, float], tuple[float, Prefilled]] = {}
@@ -194,52 +152,47 @@ class DisaggAttempts:
         return result
 
     async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> Prefilled | None:
-        """A prefill done on the first prefill replica that answers with params; the pool's policy
-        hears each (sent, failed or answered with its usage, released)."""
+        """A prefill done on the first prefill replica the leg's route offers that answers with
+        params; the route hears of each (failed, or served with its usage, and released)."""
         raw = orjson.dumps(self.protocol.prefill_body(trip.intake.api, body))
-        for replica, decision in self.pool.order(trip.intake.key, self.max_prefills):
-            started = time.monotonic()
-            params = await self._prefill_on(replica, decision, trip, raw, deadline)
-            if params is not None:
-                return Prefilled(params, replica.id, time.monotonic() - started)
-            replica.errors += 1
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        route = self.pool.routing.local_route(Pool.leg_key(trip.intake.key), started, deadline)
+        while (replica := route.next(loop.time())) is not None:
+            began = time.monotonic()
+            try:
+                cause, answer, params = await self._prefill_on(replica, trip, raw, route.deadline)
+            finally:
+                route.release(replica)
+            if params is None:
+                route.failed(replica, cause)
+                continue
+            seconds = time.monotonic() - began  # its one token is its first: the answer's time is its TTFT
+            prompt_tokens, cached_tokens = _usage(answer)
+            facts = Served(200, seconds, prompt_tokens, cached_tokens, 1, streamed=True, token_s=seconds)
+            route.served(replica, facts)
+            return Prefilled(params, replica.id, seconds)
         return None
 
     async def _prefill_on(
-        self, replica: ReplicaState, decision: Decision | None, trip: Trip, raw: bytes, deadline: float
-    ) -> dict[str, Any] | None:
-        """One prefill: its params, or None where it failed or kept nothing."""
-        policy = self.pool.policy
-        hearing = policy.hear(trip.intake.key) if policy is not None and decision is not None else None
+        self, replica: ReplicaState, trip: Trip, raw: bytes, deadline: float
+    ) -> tuple[str, Any, dict[str, Any] | None]:
+        """One prefill: its answer and params, or why it failed (a cause of router_retries_total:
+        `timeout`, `connect`, or `http_5xx` for an answer other than a 200 with params)."""
         keyed = self.inner.keyed(replica, trip)
         loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        self.pool.fleet.acquire(replica)
-        if hearing is not None and decision is not None:
-            hearing.sent(replica, decision, started)
-        params = None
+        url = replica.url + trip.exchange.path
         try:
             async with asyncio.timeout_at(min(loop.time() + self.timeouts.first_byte_s, deadline)):
-                url = replica.url + trip.exchange.path
                 answer = await _post(self.inner.client(), url, raw, keyed.headers, self.timeouts)
             params = self.protocol.params(answer)
-        except (TimeoutError, OSError, UpstreamError, ValueError):
-            pass
-        finally:
-            if params is None and hearing is not None:
-                hearing.failed(replica)  # it holds none of it
-            self.pool.fleet.release(replica)
-            if hearing is not None:
-                hearing.released(replica, time.monotonic())
-        if params is None:
-            return None
-        prompt_tokens, cached_tokens = _usage(answer)
-        replica.prompt_tokens += prompt_tokens
-        replica.cached_tokens += cached_tokens
-        if hearing is not None:
-            now = time.monotonic()  # its one token is its first: the answer's time is its TTFT
-            hearing.answered(replica, prompt_tokens, cached_tokens, now - started, 1, None, now)
-        return params
+        except TimeoutError:
+            return "timeout", None, None
+        except (OSError, UpstreamError):
+            return "connect", None, None
+        except ValueError:  # an answer that is no JSON, or params that are no params
+            return "http_5xx", None, None
+        return ("http_5xx", answer, None) if params is None else ("", answer, params)
 
 
 async def _post(client: Upstream, url: str, raw: bytes, headers: dict[str, str], timeouts: Timeouts) -> Any:

@@ -83,6 +83,7 @@ class Routing:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         move_slack_ms: float = MOVE_SLACK_MS,
+        counted: bool = True,
     ) -> None:
         self.fleet = fleet
         self.policy = policy
@@ -94,6 +95,10 @@ class Routing:
         policy.use_clock(clock)  # what it learns from answers runs on the same clock
         self.wall = wall  # unix seconds: session entries
         self.move_slack_ms = move_slack_ms
+        # its routes are requests the metrics count (retries, failovers, tokens, the prefix index's
+        # accuracy); False for a request's legs routed apart (router.pools: a prefill leg), which
+        # the request's own route counts, and which have metrics of their own
+        self.counted = counted
 
     async def route(self, key: RoutingKey, t0: float, deadline: float, target_at: float | None = None) -> Route:
         """A route for a request that arrived at `t0` (clock) and must end by `deadline` (the
@@ -296,7 +301,8 @@ class Route:
         """The attempt on `replica` failed before its first byte (`cause`: connect, timeout, http_5xx, reset)."""
         replica.errors += 1
         m = self.routing.metrics
-        m.child(m.retries, cause).inc()
+        if self.routing.counted:
+            m.child(m.retries, cause).inc()
         if self.hearing is not None:
             self.hearing.failed(replica)
 
@@ -308,8 +314,9 @@ class Route:
         if facts.prompt_tokens:
             replica.prompt_tokens += facts.prompt_tokens
             replica.cached_tokens += facts.cached_tokens
-            m.child(m.prompt_tokens, replica.id).inc(facts.prompt_tokens)
-            m.child(m.cached_tokens, replica.id).inc(facts.cached_tokens)
+            if routing.counted:
+                m.child(m.prompt_tokens, replica.id).inc(facts.prompt_tokens)
+                m.child(m.cached_tokens, replica.id).inc(facts.cached_tokens)
         if facts.streamed and facts.ttft_s is not None and not facts.cut:
             now = routing.clock()
             decoded = facts.completion_tokens - 1
@@ -325,7 +332,7 @@ class Route:
         if facts.cut and not facts.client_gone:
             replica.errors += 1
             m.child(m.stream_errors, replica.id).inc()
-        if replica is not self.first:
+        if replica is not self.first and routing.counted:
             m.failovers.inc()
         key = self.key
         if self.hearing is not None and key.prompt is not None and facts.status < 400:
@@ -373,15 +380,16 @@ class Route:
             reply_s,
             first,
         )
-        m = routing.metrics
-        rid = replica.id
-        if predicted is not None:
-            m.child(m.prefix_prompt_tokens, rid).inc(facts.prompt_tokens)
-            m.child(m.prefix_predicted_tokens, rid).inc(predicted.tokens)
-            m.child(m.prefix_reported_tokens, rid).inc(facts.cached_tokens)
-            m.child(m.prefix_error_tokens, rid).inc(abs(predicted.tokens - facts.cached_tokens))
-            m.child(m.prefix_prediction_error, predicted.source).observe(predicted.tokens - facts.cached_tokens)
-        m.child(m.prefix_index_blocks, rid).set(hearing.blocks_held(replica))
+        if routing.counted:
+            m = routing.metrics
+            rid = replica.id
+            if predicted is not None:
+                m.child(m.prefix_prompt_tokens, rid).inc(facts.prompt_tokens)
+                m.child(m.prefix_predicted_tokens, rid).inc(predicted.tokens)
+                m.child(m.prefix_reported_tokens, rid).inc(facts.cached_tokens)
+                m.child(m.prefix_error_tokens, rid).inc(abs(predicted.tokens - facts.cached_tokens))
+                m.child(m.prefix_prediction_error, predicted.source).observe(predicted.tokens - facts.cached_tokens)
+            m.child(m.prefix_index_blocks, rid).set(hearing.blocks_held(replica))
         if facts.tools:
             hearing.called_tools(replica)
 

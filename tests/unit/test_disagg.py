@@ -1,0 +1,185 @@
+"""The split attempt without sockets (router.proxy.disagg): its prefill leg routed through the prefill pool
+(router.pools), with a scripted upstream for the prefill replicas and a scripted decode side."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.config import load, parse_replica
+from router.fleet import Fleet, ReplicaState
+from router.handoff import VLLM
+from router.health.states import Hysteresis
+from router.metrics import RouterMetrics
+from router.pools import Pool, prefill_pool
+from router.proxy.disagg import DisaggAttempts
+from router.proxy.forward import Outcome, Retry, Timeouts, Trip
+from router.proxy.intake import Intake, take_in_body
+from router.routing import Served
+
+PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
+LONG = "a document to read. " * 400  # some 2,000 tokens: worth splitting at min_tokens 512
+
+
+class Answer:
+    """A prefill replica's whole answer, as router.upstream hands it."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        self.status = status
+        self.body = orjson.dumps(body)
+
+    async def read(self) -> bytes:
+        return self.body
+
+    def at_eof(self) -> bool:
+        return True
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Upstream:
+    """The prefill replicas: what the next one asked answers, in turn; every request sent, by URL."""
+
+    def __init__(self, answers: list[Answer | Exception]) -> None:
+        self.answers = answers
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    async def post(self, url: str, raw: bytes, headers: dict[str, str], connect_s: float) -> Answer:
+        self.sent.append((url, orjson.loads(raw)))
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class Decode:
+    """The decode side (router.proxy.attempts.HttpAttempts' part the split attempt uses)."""
+
+    def __init__(self, upstream: Upstream, settled: list[Retry | None] | None = None) -> None:
+        self.upstream = upstream
+        self.settled = settled or []
+        self.bodies: list[tuple[str, str, dict[str, Any]]] = []  # (how, replica, body)
+
+    def client(self) -> Upstream:
+        return self.upstream
+
+    @staticmethod
+    def keyed(replica: ReplicaState, trip: Trip) -> Trip:
+        return trip
+
+    def _answer(self, how: str, replica: ReplicaState, trip: Trip) -> Outcome:
+        self.bodies.append((how, replica.id, orjson.loads(trip.intake.raw)))
+        return Outcome(trip.exchange, Served(200, ttft_s=0.05, prompt_tokens=2000, completion_tokens=4))
+
+    async def send(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        return self._answer("send", replica, trip)
+
+    async def send_settled(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+        failed = self.settled.pop(0) if self.settled else None
+        if failed is not None:
+            self.bodies.append(("settled", replica.id, orjson.loads(trip.intake.raw)))
+            return failed
+        return self._answer("settled", replica, trip)
+
+
+class Exchange:
+    method, path, remote, transport = "POST", "/v1/chat/completions", "10.0.0.1", None
+    headers = CIMultiDictProxy(CIMultiDict({}))
+
+
+def world(
+    answers: list[Answer | Exception], settled: list[Retry | None] | None = None
+) -> tuple[DisaggAttempts, Pool, Upstream, Decode, Any, list[str]]:
+    """Two prefill replicas (p0, p1) in their pool, answering in turn as `answers` says; one
+    decode replica, whose split attempts fail as `settled` says."""
+    config = load(
+        None,
+        {},
+        {
+            "decode": ["d0=http://127.0.0.1:9100"],
+            "prefill": ["p0=http://127.0.0.1:9200", "p1=http://127.0.0.1:9201"],
+            "state": "none",
+            "kv_events": False,
+        },
+    )
+    pool = prefill_pool(config, Hysteresis(), RouterMetrics(), lambda: None, True)  # type: ignore[arg-type, return-value]
+    assert pool is not None
+    upstream = Upstream(answers)
+    decode = Decode(upstream, settled)
+    modes: list[str] = []
+    attempts = DisaggAttempts(decode, pool, VLLM, 512, Timeouts(1.0, 5.0, 5.0), modes.append)  # type: ignore[arg-type]
+    return attempts, pool, upstream, decode, config, modes
+
+
+def trip(config: Any, text: str = LONG) -> Trip:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    raw = orjson.dumps(body)
+    intake = take_in_body("/v1/chat/completions", CIMultiDictProxy(CIMultiDict({})), raw, config, prompts=True)
+    assert isinstance(intake, Intake)
+    return Trip(Exchange(), intake, {}, time.monotonic())  # type: ignore[arg-type]
+
+
+DECODE = Fleet((parse_replica("d0=http://127.0.0.1:9100"),)).replicas[0]
+
+
+def prefilled(cached: int = 0) -> Answer:
+    usage = {"prompt_tokens": 2000, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": cached}}
+    return Answer(200, {"choices": [], "usage": usage, "kv_transfer_params": PARAMS})
+
+
+def asked(pool: Pool, upstream: Upstream) -> list[ReplicaState]:
+    """The prefill replicas asked, in order."""
+    return [next(r for r in pool.fleet.replicas if url.startswith(r.url + "/")) for url, _ in upstream.sent]
+
+
+async def test_a_long_prompt_s_prefill_leg_is_routed_through_the_prefill_pool_and_its_decode_reads_the_params() -> None:
+    attempts, pool, upstream, decode, config, modes = world([prefilled(), prefilled()])
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and modes == ["split"]
+    ((_, sent),) = upstream.sent
+    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["kv_transfer_params"]["do_remote_decode"]
+    how, replica, body = decode.bodies[0]
+    assert (how, replica) == ("settled", "d0") and body["kv_transfer_params"] == PARAMS
+    # the leg went through the pool's routing core: counted and released there, and heard by its policy
+    (prefiller,) = asked(pool, upstream)
+    assert result.split is not None and result.split.replica == prefiller.id and result.split.prefill_s >= 0
+    assert prefiller.requests == 1 and all(r.inflight == 0 for r in pool.fleet.replicas)
+    assert prefiller.prompt_tokens == 2000 and prefiller.errors == 0
+    assert pool.placement is not None and pool.placement.blocks_held(prefiller.id) > 0
+    # the same document's next request is prefilled where its blocks are
+    again = await attempts.send(DECODE, trip(config, LONG + " and a second question?"), time.monotonic() + 30)
+    assert isinstance(again, Outcome) and again.split is not None and again.split.replica == prefiller.id
+
+
+async def test_a_failed_prefill_replica_is_passed_over_and_with_none_left_the_decode_replica_computes() -> None:
+    attempts, pool, upstream, decode, config, modes = world(
+        [Answer(500, {"error": "x"}), prefilled(), ConnectionResetError(), Answer(200, {"choices": []})]
+    )
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and result.split is not None and modes == ["split"]
+    first, second = asked(pool, upstream)
+    assert first is not second and first.errors == 1 and result.split.replica == second.id
+    # neither answers with params (one resets, one kept nothing): the decode replica is sent the
+    # client's body as it came, and recomputes the prompt
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and result.split is None and modes == ["split", "fallback"]
+    how, _, body = decode.bodies[-1]
+    assert how == "send" and "kv_transfer_params" not in body
+    assert len(upstream.sent) == 4 and {r.id for r in asked(pool, upstream)[2:]} == {"p0", "p1"}
+    assert all(r.inflight == 0 for r in pool.fleet.replicas) and sum(r.errors for r in pool.fleet.replicas) == 3
+
+
+async def test_a_short_prompt_is_served_whole_and_a_transfer_that_fails_is_recomputed() -> None:
+    attempts, _, upstream, decode, config, modes = world([prefilled()], [Retry("http_5xx", 500)])
+    result = await attempts.send(DECODE, trip(config, "hi"), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and modes == ["alone"] and not upstream.sent
+    # the decode replica fails the transfer (5xx before its first byte): sent again without params
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and modes == ["alone", "split", "recomputed"]
+    assert [how for how, _, _ in decode.bodies] == ["send", "settled", "send"]
+    assert "kv_transfer_params" in decode.bodies[1][2] and "kv_transfer_params" not in decode.bodies[2][2]
