@@ -60,6 +60,7 @@ class Facts:
     """The fleet-wide routing facts, as another router or a saved state has them."""
 
     replicas: dict[str, str] = field(default_factory=dict)  # id -> url
+    roles: dict[str, str] = field(default_factory=dict)  # id -> role, where not "both" (decode replicas)
     removed: set[str] = field(default_factory=set)  # ids removed (and not added back since)
     draining: dict[str, bool] = field(default_factory=dict)  # id -> whether it leaves once drained
     warming: dict[str, float] = field(default_factory=dict)  # id -> unix time its slow start began
@@ -150,7 +151,7 @@ class Membership:
         if discovered and self.discovery:
             self.discovered.add(replica.id)
         self.publish()
-        self._share("add", (spec.id, spec.url, since))
+        self._share("add", (spec.id, spec.url, since, spec.role))
         if discovered:
             self._share("discovered", spec.id)
         if seen is not None:
@@ -219,7 +220,7 @@ class Membership:
             replica = fleet.find(rid)
             if replica is None:
                 try:
-                    fleet.add(ReplicaSpec(rid, url))
+                    fleet.add(ReplicaSpec(rid, url, facts.roles.get(rid, "both")))
                 except ValueError as exc:  # its URL is now another replica's
                     log.warning("cannot follow the fleet's replica %s: %s", rid, exc)
                     continue
@@ -276,6 +277,7 @@ class Membership:
         fleet = self.fleet
         return Facts(
             replicas={r.id: r.url for r in fleet.replicas},
+            roles={r.id: r.role for r in fleet.replicas if r.role != "both"},
             draining={r.id: r.id in self.removing for r in fleet.replicas if r.state == "draining"},
             warming={
                 rid: t for rid, t in self.warming_since.items() if (r := fleet.find(rid)) and r.state == "warming"

@@ -5,8 +5,10 @@ Redis, and each instance follows them; sessions (where each was served last) liv
 session's next turn lands on the same replica whichever instance takes it.
 
 Keys, under `kvar:<state_namespace>:`
-- `replicas`: hash, replica id -> {"url", "draining", "remove", "since"} (JSON): "since" is the
-  unix time its slow start (or its drain) began, so that every instance ramps its weight alike;
+- `replicas`: hash, replica id -> {"url", "draining", "remove", "since", "role"} (JSON): "since" is
+  the unix time its slow start (or its drain) began, so that every instance ramps its weight alike;
+  "role" is there for a decode replica (aggregated ones have none), which every instance then
+  routes as one;
   `removed`: hash, id -> unix time (a removal made on one instance removes the replica everywhere);
 - `overrides`: hash, "origin#vnode" -> owner id; `discovered`: hash of the replicas discovery
   added (and may remove); a replica entry's "remove" marks a drain that removes it at the end;
@@ -133,7 +135,7 @@ class RedisState:
                 removed = await r.hgetall(self.key("removed"))
                 for spec in self.configured:  # configured replicas nobody removed join
                     if spec.id.encode() not in removed and fleet.find(spec.id) is not None:
-                        entry = orjson.dumps({"url": spec.url, "draining": False})
+                        entry = orjson.dumps(_with_role({"url": spec.url, "draining": False}, spec.role))
                         await r.hsetnx(self.key("replicas"), spec.id, entry)
         self._pending.clear()
         self.online = True
@@ -164,7 +166,7 @@ class RedisState:
         since = facts.drained.get(rid) if rid in facts.draining else facts.warming.get(rid)
         if since is not None:
             entry["since"] = since
-        return entry
+        return _with_role(entry, facts.roles.get(rid, "both"))
 
     # -- following ------------------------------------------------------------------------------
 
@@ -223,6 +225,8 @@ class RedisState:
         for field, value in replicas.items():
             rid, entry = field.decode(), orjson.loads(value)
             facts.replicas[rid] = str(entry["url"])
+            if isinstance(role := entry.get("role"), str):
+                facts.roles[rid] = role
             since = entry.get("since")
             started = float(since) if isinstance(since, (int, float)) else None
             if entry.get("draining"):
@@ -259,15 +263,18 @@ class RedisState:
     async def _apply_remote(self, op: str, arg: Any) -> None:
         pipe = self.redis.pipeline(transaction=True)
         if op == "add":
-            rid, url, since = arg
-            pipe.hset(self.key("replicas"), rid, orjson.dumps({"url": url, "draining": False, "since": since}))
+            rid, url, since, role = arg
+            entry = _with_role({"url": url, "draining": False, "since": since}, role)
+            pipe.hset(self.key("replicas"), rid, orjson.dumps(entry))
             pipe.hdel(self.key("removed"), rid)
         elif op == "remove":
             pipe.hdel(self.key("replicas"), arg)
             pipe.hset(self.key("removed"), arg, time.time())
         elif op == "drain":
             rid, url, remove, since = arg
-            entry = {"url": url, "draining": True, "remove": remove, "since": since}
+            replica = self.membership.fleet.find(rid)
+            role = replica.role if replica is not None else "both"
+            entry = _with_role({"url": url, "draining": True, "remove": remove, "since": since}, role)
             pipe.hset(self.key("replicas"), rid, orjson.dumps(entry))
         elif op == "discovered":
             pipe.hset(self.key("discovered"), arg, 1)
@@ -281,6 +288,12 @@ class RedisState:
         version, *_ = reversed(await pipe.execute())
         self.version = int(version)  # our own change: nothing to pull for it
         await self.redis.publish(self.key("changes"), str(version))
+
+
+def _with_role(entry: dict[str, Any], role: str) -> dict[str, Any]:
+    """A replica's entry, with its role where it has one (a decode replica's: another router must
+    not take it for an aggregated one)."""
+    return entry if role == "both" else entry | {"role": role}
 
 
 class RedisSessions:

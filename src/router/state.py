@@ -57,6 +57,7 @@ class StateError(RouterError, ValueError):
 class RoutingState:
     saved_at: float = 0.0
     added: list[tuple[str, str]] = field(default_factory=list)  # (id, url)
+    roles: dict[str, str] = field(default_factory=dict)  # id -> role, of those added where not "both"
     removed: list[str] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
     removing: list[str] = field(default_factory=list)  # draining replicas that leave once drained
@@ -69,7 +70,10 @@ class RoutingState:
             {
                 "version": VERSION,
                 "saved_at": self.saved_at,
-                "added": [{"id": rid, "url": url} for rid, url in self.added],
+                "added": [
+                    {"id": rid, "url": url} | ({"role": self.roles[rid]} if rid in self.roles else {})
+                    for rid, url in self.added
+                ],
                 "removed": self.removed,
                 "draining": self.draining,
                 "removing": self.removing,
@@ -88,6 +92,7 @@ class RoutingState:
             return cls(
                 saved_at=float(raw["saved_at"]),
                 added=[(str(a["id"]), str(a["url"])) for a in raw["added"]],
+                roles={str(a["id"]): str(a["role"]) for a in raw["added"] if "role" in a},
                 removed=[str(r) for r in raw["removed"]],
                 draining=[str(r) for r in raw["draining"]],
                 removing=[str(r) for r in raw.get("removing", ())],
@@ -188,6 +193,7 @@ class Persistence:
         configured = {r.id for r in self.configured}
         facts = Facts(
             replicas={rid: url for rid, url in saved.added},
+            roles=saved.roles,
             removed={rid for rid in saved.removed if rid in configured},
             draining={rid: rid in saved.removing for rid in saved.draining},
             overrides={(origin, number): owner for origin, number, owner in saved.overrides},
@@ -223,6 +229,7 @@ class Persistence:
         return RoutingState(
             saved_at=time.time(),
             added=[(r.id, r.url) for r in fleet.replicas if r.id not in configured],
+            roles={r.id: r.role for r in fleet.replicas if r.id not in configured and r.role != "both"},
             removed=[rid for rid in configured if rid not in present],
             draining=[r.id for r in fleet.replicas if r.state == "draining"],
             removing=sorted(membership.removing),

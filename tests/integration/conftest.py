@@ -8,7 +8,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from router.bench.common import free_port
 from router.bench.faults import RedisServer
 from router.config import load
 from router.emulator.engine import EngineConfig
@@ -182,12 +182,6 @@ async def serve_node() -> AsyncIterator[Callable[[Node], Any]]:
     yield serve
     for runner in runners:
         await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Served:

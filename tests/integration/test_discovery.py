@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,6 @@ from router.config import ConfigError, ReplicaSpec, load
 from router.discovery import Discovery, resolve_dns, resolve_srv
 
 
-async def wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_watched_file_adds_and_removes_replicas(start_fleet, start_router, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(3)
     urls = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas]
@@ -34,13 +26,16 @@ async def test_a_watched_file_adds_and_removes_replicas(start_fleet, start_route
     def ids() -> list[str]:
         return sorted(r.id for r in router.fleet.replicas)
 
-    await wait_for(lambda: ids() == ["emu-0", "emu-1"])
+    await until(lambda: ids() == ["emu-0", "emu-1"], 'ids() == ["emu-0", "emu-1"]')
     assert router.fleet.find("emu-1").state == "warming"  # type: ignore[union-attr]  # slow start
     listing.write_text(f"{urls[1]}\n{urls[2]}  # a comment\n")
-    await wait_for(lambda: ids() == ["emu-1", "emu-2"])  # emu-0 drained, then removed
+    await until(lambda: ids() == ["emu-1", "emu-2"], 'ids() == ["emu-1", "emu-2"]')  # emu-0 drained, then removed
     listing.write_text("this is not a url\n")
     errors = router.metrics.discovery_errors._value.get()
-    await wait_for(lambda: router.metrics.discovery_errors._value.get() > errors)
+    await until(
+        lambda: router.metrics.discovery_errors._value.get() > errors,
+        "router.metrics.discovery_errors._value.get() > errors",
+    )
     assert ids() == ["emu-1", "emu-2"]  # a bad file changes nothing
     discovery = router.discovery
     assert discovery is not None
@@ -120,7 +115,7 @@ async def test_dns_discovery_follows_the_records(start_fleet, start_router) -> N
         assert ids() == ["emu-0", f"localhost:{ports[1]}"]
         server.records[(name + ".", "SRV")] = [f"0 0 {ports[2]} localhost."]
         await discovery.once()
-        await wait_for(lambda: ids() == ["emu-0", f"localhost:{ports[2]}"])
+        await until(lambda: ids() == ["emu-0", f"localhost:{ports[2]}"], 'ids() == ["emu-0", f"localhost:{ports[2]}"]')
         transport.close()  # the DNS server is gone: the fleet stays as it is
         await discovery.once()
         assert ids() == ["emu-0", f"localhost:{ports[2]}"]

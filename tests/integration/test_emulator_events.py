@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 from waiting import until
 
+from router.bench.common import free_port
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
 from router.emulator.server import Fleet, Replica
@@ -133,12 +134,6 @@ def pairs_of_free_ports(n: int, tries: int = 50) -> list[int]:
                 continue
         return found
     raise AssertionError(f"no {n} pairs of free consecutive ports in {tries} tries")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from waiting import until
 
+from router.bench.common import free_port
 from router.emulator.cli import UsageError, build_fleet, build_parser, parse_fault
 from router.emulator.server import Faults, Replica
 
@@ -199,12 +200,6 @@ def test_bad_command_lines_exit_2_with_one_line(args: list[str]) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("router-emulator: ")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_start_up_faults_in_a_real_process() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from waiting import until
 
 from router.emulator.engine import EngineConfig
 
@@ -34,15 +35,6 @@ async def chat(url: str, session: str, max_tokens: int = 8, stream: bool = True)
         return r.status, r.headers.get("X-Router-Replica", "")
 
 
-async def wait_for(predicate: Any, timeout: float) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
-
-
 async def test_a_crashed_replica_is_removed_and_returns_with_a_ramp(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(4)
     router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
@@ -52,15 +44,19 @@ async def test_a_crashed_replica_is_removed_and_returns_with_a_ramp(start_fleet,
     owned = [f"s{i}" for i in range(400) if router.fleet.ring.lookup(f"s{i}".encode()) == 1]
     keys, fresh = owned[:5], owned[5:10]
     await victim.crash()
-    await wait_for(lambda: state.state == "removed", 5)
+    await until(lambda: state.state == "removed", 'state.state == "removed"', 5)
     assert not router.fleet.ring.available[1]
     for key in keys:  # its sessions go to their ring successors and keep working
         status, served = await chat(url, key)
         assert status == 200 and served != "emu-1"
     await victim.restart()
-    await wait_for(lambda: state.state == "recovering", 5)
+    await until(lambda: state.state == "recovering", 'state.state == "recovering"', 5)
     assert 0 < router.fleet.ring.weights[1] < 1  # ramping, not its whole share at once
-    await wait_for(lambda: state.state == "healthy" and router.fleet.ring.weights[1] == 1.0, 5)
+    await until(
+        lambda: state.state == "healthy" and router.fleet.ring.weights[1] == 1.0,
+        "the replica healthy at full weight",
+        5,
+    )
     # its keys come back: new sessions land on it again; sessions that moved while it was out stay
     # where their cache now is (sticky) until their entry expires
     assert all(router.fleet.ring.lookup(k.encode()) == 1 for k in keys)
@@ -130,7 +126,7 @@ async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start
 async def test_admin_and_metrics_show_health(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     fleet = await start_fleet(2)
     router, url = await start_router(named(fleet.replicas), admin_token="tttttttttttttttt", **FAST_PROBES)
-    await wait_for(lambda: router.monitor.rounds >= 2, 5)
+    await until(lambda: router.monitor.rounds >= 2, "router.monitor.rounds >= 2", 5)
     async with aiohttp.ClientSession() as s:
         async with s.get(url + "/admin/replicas", headers={"Authorization": "Bearer tttttttttttttttt"}) as r:
             listed = await r.json()
@@ -175,12 +171,12 @@ async def test_agent_figures_join_the_score(start_fleet, start_router) -> None: 
         router, _ = await start_router(named(fleet.replicas), agents=[f"emu-0={agent_url}"], **FAST_PROBES)
         state = router.fleet.find("emu-0")
         assert state is not None
-        await wait_for(lambda: router.monitor.rounds >= 5, 5)
+        await until(lambda: router.monitor.rounds >= 5, "router.monitor.rounds >= 5", 5)
         assert state.state == "healthy" and state.health.score == 1.0  # a power cap alone is normal
         gpu["ecc_uncorrected"] = 2
-        await wait_for(lambda: state.state == "removed", 5)  # failing GPU memory takes it out
+        await until(lambda: state.state == "removed", 'state.state == "removed"', 5)  # failing GPU memory takes it out
         taken_at["delta"] = 3600.0  # a stale reading (ECC errors and all) is ignored, not trusted
-        await wait_for(lambda: state.state in ("recovering", "healthy"), 5)
+        await until(lambda: state.state in ("recovering", "healthy"), 'state.state in ("recovering", "healthy")', 5)
     finally:
         await runner.cleanup()
 
@@ -205,14 +201,14 @@ async def test_each_jump_is_counted_with_its_reason(start_fleet, start_router) -
         }
 
     await fleet.replicas[1].crash()  # health
-    await wait_for(lambda: router.fleet.find("emu-1").state == "removed", 5)  # type: ignore[union-attr]
+    await until(lambda: router.fleet.find("emu-1").state == "removed", "emu-1 removed", 5)  # type: ignore[union-attr]
     for key in owned[1]:
         assert (await chat(url, key))[1] != "emu-1"
     auth = {"Authorization": "Bearer tttttttttttttttt"}
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/admin/replicas/emu-2/drain", headers=auth) as r:  # drain
             assert r.status == 200 and (await r.json())["sessions_to_move"] >= 3  # with some of emu-1's
-        await wait_for(lambda: not router.balancer.tasks, 5)  # warmed on their new owners, then moved
+        await until(lambda: not router.balancer.tasks, "the moves done", 5)  # warmed on their new owners, then moved
         for key in owned[2]:
             assert (await chat(url, key))[1] != "emu-2"
         async with s.delete(url + "/admin/replicas/emu-3", headers=auth) as r:  # membership

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from waiting import probe_rounds
 
 from router.admission import Admission
 from router.config import ReplicaSpec
@@ -81,7 +82,7 @@ async def test_a_saturated_fleet_holds_requests_fairly_and_sheds_with_retry_afte
         statuses, forwarded_peak, _ = await burst(plain, fleet, {"a": 30})
         assert set(statuses["a"]) == {200}  # without admission everything is forwarded ...
         node, url = await start_router([r.url for r in fleet.replicas], **HOLD)
-        await asyncio.sleep(0.3)  # a probe round or two: the engines' queues are known
+        await probe_rounds(node)  # the engines' queues are known
         statuses, held_peak, shed = await burst(url, fleet, {"a": 30, "b": 6})
     finally:
         await fleet.stop()
@@ -110,7 +111,7 @@ async def test_turns_of_running_sessions_go_before_new_work(
         node, url = await start_router(
             [r.url for r in fleet.replicas], policy="affinity", **(HOLD | {"queue_timeout_s": 3.0})
         )
-        await asyncio.sleep(0.3)
+        await probe_rounds(node)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             for s in ("s1", "s2", "s3"):  # three conversations under way
                 assert (await send(http, url, "chat", s))[0] == 200
@@ -133,7 +134,7 @@ async def test_memory_and_descriptors_stay_flat_at_ten_times_overload(
     fleet = await small_fleet(make_replica)
     try:
         node, url = await start_router([r.url for r in fleet.replicas], **HOLD)
-        await asyncio.sleep(0.3)
+        await probe_rounds(node)
 
         def fds() -> int:
             """File descriptors open, less the router's pooled keep-alive connections to the replicas

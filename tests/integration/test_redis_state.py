@@ -11,7 +11,7 @@ from aiohttp import web
 from chat import turn
 from conftest import WORKERS_TOKEN
 from redis.exceptions import RedisError
-from waiting import until
+from waiting import took, until
 
 from router.bench.common import free_port
 from router.config import load
@@ -21,14 +21,6 @@ from router.node import Node
 from router.proxy.app import build_app
 
 AUTH = {"Authorization": "Bearer tttttttttttttttt"}
-
-
-async def wait_for(predicate: Any, timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, "condition not reached in time"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 async def reconnect(router: Node) -> None:
@@ -65,8 +57,8 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
     }
     a, url_a = await start_router(named[:3], **settings)
     b, url_b = await start_router(named[:3], **settings)
-    await wait_for(lambda: a.redis.online and b.redis.online)
-    await wait_for(lambda: a.redis.leader != b.redis.leader, 3)  # exactly one of them rebalances
+    await until(lambda: a.redis.online and b.redis.online, "both routers on Redis")
+    await until(lambda: a.redis.leader != b.redis.leader, "one leader of the two", 3)  # exactly one of them rebalances
 
     def members(router: Any) -> list[str]:
         return sorted(r.id for r in router.fleet.replicas)
@@ -91,8 +83,11 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
         override = {"origin": a.fleet.ring.replica_ids[origin], "vnode": number, "owner": new_owner}
         async with http.post(url_a + "/admin/overrides", json=override, headers=AUTH) as r:
             assert r.status == 200
-    took = await wait_for(lambda: members(b) == members(a) and b.fleet.ring.overrides == a.fleet.ring.overrides)
-    assert took < 1.0 and members(b) == ["emu-0", "emu-1", "emu-2", "emu-3"]
+    elapsed = await took(
+        lambda: members(b) == members(a) and b.fleet.ring.overrides == a.fleet.ring.overrides,
+        "members(b) == members(a) and b.fleet.ring.overrides == a.fleet.ring.overrides",
+    )
+    assert elapsed < 1.0 and members(b) == ["emu-0", "emu-1", "emu-2", "emu-3"]
     # the same inputs give the same decisions on both
     keys = [RoutingKey(f"user-{i}".encode(), "header", "x-session-id") for i in range(10_000)]
     assert [a.policy.pick(k, None, ()).index for k in keys] == [b.policy.pick(k, None, ()).index for k in keys]  # type: ignore[union-attr]
@@ -111,7 +106,7 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
 
     # Redis goes away: both keep routing on what they know; a change made meanwhile is kept
     await redis_server.stop()
-    await wait_for(lambda: not a.redis.online and not b.redis.online, 5)
+    await until(lambda: not a.redis.online and not b.redis.online, "both routers off Redis", 5)
     async with aiohttp.ClientSession() as http, http.delete(url_a + "/admin/replicas/emu-1", headers=AUTH) as r:
         assert r.status == 200
     for i in range(10):
@@ -122,8 +117,12 @@ async def test_two_routers_decide_alike_and_survive_redis_going_away(start_fleet
     # even when both find it back at the same moment (each one's loop may, by chance)
     await redis_server.start()
     await asyncio.gather(reconnect(b), reconnect(a))
-    await wait_for(lambda: a.redis.online and b.redis.online, 10)
-    await wait_for(lambda: members(b) == members(a) == ["emu-0", "emu-2", "emu-3"], 5)
+    await until(lambda: a.redis.online and b.redis.online, "both routers on Redis", 10)
+    await until(
+        lambda: members(b) == members(a) == ["emu-0", "emu-2", "emu-3"],
+        "the removal made while Redis was away, on both",
+        5,
+    )
     assert b.fleet.ring.overrides == a.fleet.ring.overrides
 
 
@@ -134,7 +133,7 @@ async def test_workers_share_sessions_via_redis(start_fleet, start_router, serve
         named, state=redis_server.url, admin_token="tttttttttttttttt", health_checks="false", rebalance="false"
     )
     workers = await serve_workers(named, "--state", redis_server.url, "--no-health-checks", "--no-rebalance")
-    await wait_for(lambda: lone.redis.online)
+    await until(lambda: lone.redis.online, "lone.redis.online")
     ring = lone.fleet.ring
     # sessions served by either side, then their vnodes handed elsewhere: the ring now says go
     # elsewhere, and only the session records in Redis say where their caches are
@@ -237,8 +236,9 @@ async def test_routers_agree_at_once_after_a_restart(start_fleet, redis_server) 
         for router in routers:
             await router.start()
         assert a.node is not None and a.node.redis is not None
-        await wait_for(
-            lambda: all(r.node is not None and r.node.redis is not None and r.node.redis.online for r in routers)
+        await until(
+            lambda: all(r.node is not None and r.node.redis is not None and r.node.redis.online for r in routers),
+            "all(r.node is not None and r.node.redis is not None and r.node.redis.online for r in routers)",
         )
         async with aiohttp.ClientSession() as http:
             async with http.post(
@@ -283,7 +283,11 @@ async def test_routers_agree_at_once_after_a_restart(start_fleet, redis_server) 
             async with http.post(a.url + "/admin/overrides", json=override, headers=AUTH) as r:
                 assert r.status == 200
             node_b = b.node
-            await wait_for(lambda: node_b.fleet.ring.overrides == ring.overrides, 2)
+            await until(
+                lambda: node_b.fleet.ring.overrides == ring.overrides,
+                "node_b.fleet.ring.overrides == ring.overrides",
+                2,
+            )
             assert node_b.fleet.find("emu-1").state == "draining"  # type: ignore[union-attr]
             await restart_b_between_steps()
             assert b.node.fleet.ring.overrides == ring.overrides and b.node.fleet.find("emu-1").state == "draining"  # type: ignore[union-attr]
@@ -301,7 +305,7 @@ async def test_routers_on_one_redis_share_where_they_placed_new_prefixes(
     settings = {"state": redis_server.url, "health_checks": "false"}
     a, url_a = await start_router(named, **settings)
     b, url_b = await start_router(named, **settings)
-    await wait_for(lambda: a.redis.online and b.redis.online)
+    await until(lambda: a.redis.online and b.redis.online, "both routers on Redis")
     system = {"role": "system", "content": "Answer from the document. " * 8}
     documents = [f"Document {i}: " + f"paragraph {i} of a long report. " * 300 for i in range(6)]
     placed = {}
@@ -319,8 +323,39 @@ async def test_routers_on_one_redis_share_where_they_placed_new_prefixes(
         for doc in documents:  # the first reader of each document comes through router A
             placed[doc], _ = await ask(url_a, doc, "\nWhat is it about?")
         # B learns A's placements from Redis, never having routed a request
-        await wait_for(lambda: b.placements is not None and b.placements.learnt >= len(documents))
+        await until(
+            lambda: b.placements is not None and b.placements.learnt >= len(documents),
+            "b.placements is not None and b.placements.learnt >= len(documents)",
+        )
         for doc in documents:  # a second reader of each comes through B: it goes where A put the document
             replica, hit = await ask(url_b, doc, "\nAnd who wrote it?")
             assert replica == placed[doc] and hit > 0.9
     assert a.placements is not None and a.placements.told >= len(documents)
+
+
+async def test_a_decode_replica_reaches_other_routers_with_its_role(start_fleet, start_router, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A disaggregated fleet's decode replica added on one router (by discovery, which names its
+    role) is a decode replica on every router on the same Redis, and after a restart from Redis:
+    taken for an aggregated one, it would be sent requests whole as if it could prefill for itself."""
+    from router.config import ReplicaSpec  # noqa: PLC0415
+
+    fleet = await start_fleet(4)
+    decode = [f"{r.options.replica_id}={r.url}" for r in fleet.replicas[:2]]
+    settings = {
+        "state": redis_server.url,
+        "health_checks": "false",
+        "rebalance": "false",
+        "decode": decode,
+        "prefill": [f"{fleet.replicas[3].options.replica_id}={fleet.replicas[3].url}"],
+    }
+    a, _ = await start_router([], **settings)
+    b, _ = await start_router([], **settings)
+    await until(lambda: a.redis.online and b.redis.online, "both routers on Redis")
+    added = fleet.replicas[2]
+    await a.membership.add(ReplicaSpec(added.options.replica_id, added.url, "decode"), discovered=True)
+    await until(lambda: b.fleet.find(added.options.replica_id) is not None, "the replica added on A, on B")
+    assert b.fleet.find(added.options.replica_id).role == "decode"  # type: ignore[union-attr]
+    assert sorted((r.id, r.role) for r in b.fleet.replicas) == sorted((r.id, r.role) for r in a.fleet.replicas)
+    c, _ = await start_router([], **settings)  # a router that joins later reads it from Redis
+    await until(lambda: c.fleet.find(added.options.replica_id) is not None, "the replica added on A, on C")
+    assert c.fleet.find(added.options.replica_id).role == "decode"  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from waiting import probe_rounds
 
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet, Replica
@@ -59,7 +60,7 @@ async def test_a_higher_class_is_served_ahead_of_a_batch_flood_at_three_times_ca
     path = keys_file(tmp_path / "keys.toml", [("sk-batch", "b", "batch"), ("sk-chat", "c", "chat")], tenants)
     fleet = await small_fleet(make_replica)
     try:
-        _, url = await start_router(
+        node, url = await start_router(
             [r.url for r in fleet.replicas],
             client_keys_file=path,
             admin_token="tttttttttttttttt",
@@ -68,7 +69,7 @@ async def test_a_higher_class_is_served_ahead_of_a_batch_flood_at_three_times_ca
             queue_timeout_s=10.0,
             probe_interval_s=0.1,
         )
-        await asyncio.sleep(0.3)  # a probe round or two: the engines' queues are known
+        await probe_rounds(node)  # the engines' queues are known
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             # the batch tenant floods first: 36 requests where the fleet runs 4 at once and queues 2
             began = time.monotonic()
@@ -190,7 +191,7 @@ async def test_the_router_as_shipped_holds_an_overload(
     try:
         node, url = await start_router([r.url for r in fleet.replicas], probe_interval_s=0.1)  # no max_queued
         assert node.admission.on and node.admission.auto
-        await asyncio.sleep(0.3)
+        await probe_rounds(node)
         assert node.admission.max_queued == 16  # four slots in all, the floor of sixteen
         peak = 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from engine_streams import (
     vllm_or_why,
 )
 from otlp_receiver import OtlpReceiver, ReceivedSpan
+from waiting import until
 
 from router.bench.common import free_port
 from router.bench.vllm import MODEL_NAME, VllmServer, start_all
@@ -100,16 +100,6 @@ async def admin(http: aiohttp.ClientSession, url: str, path: str, method: str = 
     async with http.request(method, url + path, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
         assert r.status == 200, await r.text()
         return await r.json()
-
-
-async def until(check: Callable[[], Any], timeout: float = 20.0, every: float = 0.05) -> Any:
-    """Poll `check` (a coroutine function) until it returns something true; that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(every)
 
 
 async def test_sessions_stick_and_the_engines_cached_tokens_are_counted(
@@ -345,7 +335,7 @@ async def test_overload_admission_reads_vllms_waiting_queue(
     }
     _router, url = await start_router(specs(pair), admin_token=TOKEN, **hold)
     async with aiohttp.ClientSession() as http:  # the first probe read each engine
-        await until(lambda: admin_ready(http, url))
+        await until(lambda: admin_ready(http, url), "the first probe round's figures", 20.0, 0.05)
     statuses, held_peak = await burst(url, n)
     assert statuses.count(200) >= len(pair) * SLOTS + SLOTS and 429 in statuses
     assert held_peak < unheld_peak and held_peak <= 2 * len(pair)
@@ -373,7 +363,7 @@ async def test_what_the_router_reads_from_vllm(pair: list[VllmServer], start_rou
         stats = parse_engine_metrics(live)
         assert (stats.kind, stats.block_size, stats.deferred) == ("vllm", 32.0, 0.0)
         _router, url = await start_router(specs(pair), admin_token=TOKEN, probe_interval_s=0.2)
-        await until(lambda: admin_ready(http, url))
+        await until(lambda: admin_ready(http, url), "the first probe round's figures", 20.0, 0.05)
         r, _ = await post(http, url, {"messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status == 200
         rows = {row["id"]: row for row in await admin(http, url, "/admin/replicas")}
@@ -401,7 +391,7 @@ async def test_two_served_names_and_adapters_go_only_where_served(
             rows = await admin(http, url, "/admin/replicas")
             return all(row["models"] for row in rows)
 
-        await until(lambda: listed())
+        await until(listed, "every replica's models listed", 20.0, 0.05)
         where: dict[str, set[str]] = {}
         for model in ("tiny-a", "tiny-b", "lora-0", "lora-1", MODEL_NAME):
             for i in range(6):
@@ -493,7 +483,7 @@ async def test_a_drain_warms_and_moves_its_sessions(pair: list[VllmServer], star
             text = await metrics_of(http, url, TOKEN)
             return text if metric(text, "router_sessions_moved_total", reason="drain") >= len(moving) else None
 
-        text = await until(moved)
+        text = await until(moved, "the sessions' moves warmed", 20.0, 0.05)
         assert text and metric(text, "router_warmup_requests_total", result="ok") >= len(moving)
         for key in moving:
             history[key].append({"role": "user", "content": "and now?"})
@@ -619,7 +609,7 @@ async def shared_fleet_with_keys(
     assert refused.value.code == "invalid_api_key"  # the router's own answer, in OpenAI's shape
     # the router's probes reached the guarded engine too: its models were listed with the key
     async with aiohttp.ClientSession() as http:
-        replicas = await until(lambda: admin_models(http, url))
+        replicas = await until(lambda: admin_models(http, url), "the engine's models read", 20.0, 0.05)
     assert replicas == [[MODEL_NAME]]
 
 

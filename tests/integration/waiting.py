@@ -24,3 +24,17 @@ async def until(check: Callable[[], Any | Awaitable[Any]], what: str, timeout: f
         if time.monotonic() >= deadline:
             raise AssertionError(f"not within {timeout} s: {what} (last: {value!r})")
         await asyncio.sleep(every)
+
+
+async def took(check: Callable[[], Any | Awaitable[Any]], what: str, timeout: float = 5.0) -> float:
+    """How long `until(check, what, timeout)` waited, in seconds."""
+    start = time.monotonic()
+    await until(check, what, timeout)
+    return time.monotonic() - start
+
+
+async def probe_rounds(node: Any, n: int = 2, timeout: float = 5.0) -> None:
+    """Wait for `n` more of a router's health probe rounds (router.monitor): what the engines said
+    after now (their queues, their models) is known to it."""
+    start = node.monitor.rounds
+    await until(lambda: node.monitor.rounds >= start + n, f"{n} probe rounds", timeout)

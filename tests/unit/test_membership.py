@@ -71,7 +71,7 @@ async def test_an_add_starts_slow_then_publishes_then_shares_then_warms() -> Non
     since = 1_800_000_001.0  # from the next whole second: where balance loops tick
     assert recorder.log == [
         ("publish", (("r0", "healthy"), ("r1", "healthy"), ("r9", "warming"))),  # never published cold at full weight
-        ("share", "add", ("r9", "http://10.0.0.9:8000", since)),
+        ("share", "add", ("r9", "http://10.0.0.9:8000", since, "both")),
         ("share", "discovered", "r9"),
         ("balance added", "r9", "warming"),
     ]
@@ -157,3 +157,22 @@ def test_a_saved_state_adds_without_slow_start_and_clears_no_override() -> None:
     membership.discovery = True
     membership.reconcile(facts, everything=False)
     assert membership.discovered == {"r5"}
+
+
+def test_a_replica_s_role_travels_with_the_facts_and_the_saved_state() -> None:
+    """A decode replica is one wherever the fleet's facts go (a peer through Redis, a saved state):
+    taken for an aggregated one, it would be sent requests whole where they should be split."""
+    from router.state import RoutingState  # noqa: PLC0415
+
+    membership, _recorder, _ = service(2)
+    membership.reconcile(
+        Facts(replicas={"d7": "http://10.0.0.7:8000", "r8": "http://10.0.0.8:8000"}, roles={"d7": "decode"})
+    )
+    d7, r8 = membership.fleet.find("d7"), membership.fleet.find("r8")
+    assert d7 is not None and d7.role == "decode" and r8 is not None and r8.role == "both"
+    assert membership.facts().roles == {"d7": "decode"}
+    saved = RoutingState(added=[("d7", "http://10.0.0.7:8000"), ("r8", "http://10.0.0.8:8000")], roles={"d7": "decode"})
+    again = RoutingState.from_json(saved.to_json())
+    assert again.roles == {"d7": "decode"} and again.added == saved.added
+    old = RoutingState.from_json(RoutingState(added=[("r8", "http://10.0.0.8:8000")]).to_json())
+    assert old.roles == {}  # a state saved with no role in it: aggregated, as before
