@@ -206,6 +206,14 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "(the decode replica failed the transfer and served it alone).",
         ("mode",),
     ),
+    "router_disagg_abandoned_prefills": (
+        "counter",
+        "Prefills whose KV no decode replica read, by why: transfer_failed (the decode replica failed "
+        "the transfer and recomputed the prompt), lease_over (the next decode replica came after the "
+        "lease: prefilled again), no_decode (the request ended without another decode replica). The "
+        "prefill replica holds their blocks until its lease runs out (vLLM: 30 s).",
+        ("why",),
+    ),
     "router_disagg_leg_seconds": (
         "histogram",
         "The legs of split requests: prefill (from the request to the prefill replica to its answer, the "
@@ -373,6 +381,7 @@ class RouterMetrics:
         self.failovers = made["router_failovers"]
         self.disagg = made["router_disagg_requests"]
         self.legs = made["router_disagg_leg_seconds"]
+        self.abandoned_prefills = made["router_disagg_abandoned_prefills"]
         self.queued = made["router_queued"]
         self.shed = made["router_shed"]
         self.queue_wait = made["router_queue_wait_seconds"]

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import load, parse_replica
@@ -15,6 +16,7 @@ from router.handoff import VLLM
 from router.health.states import Hysteresis
 from router.metrics import RouterMetrics
 from router.pools import Pool, prefill_pool
+from router.proxy import disagg
 from router.proxy.disagg import DisaggAttempts
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
 from router.proxy.intake import Intake, take_in_body
@@ -111,8 +113,16 @@ def world(
     assert pool is not None
     upstream = Upstream(answers)
     decode = Decode(upstream, settled)
-    modes: list[str] = []
-    attempts = DisaggAttempts(decode, pool, VLLM, 512, Timeouts(1.0, 5.0, 5.0), modes.append)  # type: ignore[arg-type]
+    modes: list[str] = []  # how each request was served, then why each abandoned prefill was
+    attempts = DisaggAttempts(
+        decode,  # type: ignore[arg-type]
+        pool,
+        VLLM,
+        512,
+        Timeouts(1.0, 5.0, 5.0),
+        modes.append,
+        lambda why: modes.append(f"abandoned: {why}"),
+    )
     return attempts, pool, upstream, decode, config, modes
 
 
@@ -180,6 +190,31 @@ async def test_a_short_prompt_is_served_whole_and_a_transfer_that_fails_is_recom
     assert isinstance(result, Outcome) and modes == ["alone"] and not upstream.sent
     # the decode replica fails the transfer (5xx before its first byte): sent again without params
     result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
-    assert isinstance(result, Outcome) and modes == ["alone", "split", "recomputed"]
+    assert isinstance(result, Outcome) and modes == ["alone", "split", "recomputed", "abandoned: transfer_failed"]
     assert [how for how, _, _ in decode.bodies] == ["send", "settled", "send"]
     assert "kv_transfer_params" in decode.bodies[1][2] and "kv_transfer_params" not in decode.bodies[2][2]
+
+
+async def test_a_prefill_no_decode_replica_read_is_counted_abandoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode replica that fails before its first byte (unreachable) leaves the params for the
+    request's next decode replica; past the lease they are prefilled again, and a request that
+    never came back for them leaves them abandoned once the lease is over."""
+    attempts, _, upstream, decode, config, modes = world(
+        [prefilled()] * 5, [Retry("connect"), None, Retry("connect"), None, Retry("connect"), Retry("connect")]
+    )
+    one = trip(config)
+    failed = await attempts.send(DECODE, one, time.monotonic() + 30)
+    assert isinstance(failed, Retry) and modes == ["split"] and len(upstream.sent) == 1
+    # its next decode replica, within the lease: the same params, no second prefill
+    again = await attempts.send(DECODE, one, time.monotonic() + 30)
+    assert isinstance(again, Outcome) and len(upstream.sent) == 1 and decode.bodies[-1][2]["kv_transfer_params"]
+    monkeypatch.setattr(disagg, "LEASE_S", -1.0)  # every lease over as soon as it is granted
+    other = trip(config)
+    assert isinstance(await attempts.send(DECODE, other, time.monotonic() + 30), Retry)
+    assert isinstance(await attempts.send(DECODE, other, time.monotonic() + 30), Outcome)
+    assert modes[-3:] == ["split", "abandoned: lease_over", "split"] and len(upstream.sent) == 3
+    # a request whose journey ended after its decode failed (no replica left) never comes back:
+    # the next request to keep params finds its lease over
+    assert isinstance(await attempts.send(DECODE, trip(config), time.monotonic() + 30), Retry)
+    assert isinstance(await attempts.send(DECODE, trip(config), time.monotonic() + 30), Retry)
+    assert modes[-3:] == ["split", "split", "abandoned: no_decode"]

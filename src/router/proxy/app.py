@@ -91,6 +91,9 @@ def journey_of(node: Node) -> Journey:
         def observe(mode: str) -> None:
             metrics.disagg.labels(mode).inc()
 
+        def abandoned(why: str) -> None:
+            metrics.abandoned_prefills.labels(why).inc()
+
         attempts = DisaggAttempts(
             http,
             prefill,
@@ -98,6 +101,7 @@ def journey_of(node: Node) -> Journey:
             cfg.disagg_min_prompt_tokens,
             http.timeouts,
             observe,
+            abandoned,
         )
     ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests, node.clients is not None)
     return Journey(

@@ -83,6 +83,7 @@ class DisaggAttempts:
         min_tokens: int,
         timeouts: Timeouts,
         observe: Callable[[str], None] | None = None,
+        abandoned: Callable[[str], None] | None = None,
     ) -> None:
         self.inner = inner
         self.pool = pool  # the prefill pool (router.pools): its routing core routes each prefill leg
@@ -90,6 +91,9 @@ class DisaggAttempts:
         self.min_tokens = min_tokens
         self.timeouts = timeouts
         self.observe = observe or (lambda mode: None)
+        # told of a prefill whose KV no decode replica read (why): vLLM 0.32 frees its blocks when
+        # its lease runs out (30 s); as vLLM serves by its docs, no endpoint frees them sooner
+        self.abandoned = abandoned or (lambda why: None)
         # a decode that failed before its first byte: its params, for the journey's next decode
         # replica, by request (its exchange's identity and arrival), until the lease runs out
         self._kept: dict[tuple[int, float], tuple[float, Prefilled]] = {}
@@ -125,6 +129,8 @@ class DisaggAttempts:
         request = (id(trip.exchange), trip.t0)
         kept = self._kept.pop(request, None)
         prefilled = kept[1] if kept is not None and kept[0] > time.monotonic() else None
+        if kept is not None and prefilled is None:
+            self.abandoned("lease_over")  # the next decode replica came after the lease: prefilled again
         if prefilled is None:
             prefilled = await self._prefill(trip, body, deadline)
             self.observe("split" if prefilled is not None else "fallback")
@@ -142,10 +148,12 @@ class DisaggAttempts:
             # the first-byte time-out anyway. It recomputes instead.
             if result.cause in ("http_5xx", "timeout"):
                 self.observe("recomputed")
+                self.abandoned("transfer_failed")
                 return await self.inner.send(replica, trip, deadline)
             now = time.monotonic()
             for gone in [k for k, (until, _) in self._kept.items() if until < now]:
                 del self._kept[gone]  # requests whose journey ended without another decode
+                self.abandoned("no_decode")
             self._kept[request] = (now + LEASE_S, prefilled)  # the next decode replica reads it
             return result
         result.split = Split(prefilled.replica, prefilled.seconds, sent)
