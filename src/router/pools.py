@@ -54,6 +54,14 @@ class Pool:
         """`ttft`'s prefix index and prefill queues over this pool's replicas (None for other policies)."""
         return self.policy.placement if isinstance(self.policy, Ttft) else None
 
+    def whole(self, metrics: RouterMetrics, max_attempts: int) -> Routing:
+        """A routing core over this pool's replicas for requests they serve whole (counted as the
+        route's are): a disaggregated fleet's prefill replicas, when no decode replica can (every
+        one gone, drained or out of routing). vLLM's replicas with a KV connector serve a request
+        that asks for no transfer as any replica does. Its sessions are remembered apart: their
+        next turns go back to the decode replicas once there are some."""
+        return Routing(self.fleet, self.policy, self.routing.directory, metrics, max_attempts)
+
     @staticmethod
     def leg_key(key: RoutingKey) -> RoutingKey:
         """The key a prefill leg is routed by: the request's prompt and model, no session."""
@@ -88,8 +96,8 @@ def prefill_pool(
         return None
     fleet = replica_fleet(config, config.prefill, rules)
     policy = Ttft(fleet, config)
-    # keyless legs: its session table is never written; one entry is room enough
-    directory = SessionDirectory(SessionTable(1, config.sticky_ttl_s), config.sticky_ttl_s)
+    # legs are keyless: its session table holds only requests served whole (`Pool.whole`), rarely
+    directory = SessionDirectory(SessionTable(1024, config.sticky_ttl_s), config.sticky_ttl_s)
     routing = Routing(fleet, policy, directory, metrics, MAX_PREFILLS, counted=False)  # legs, not requests
     monitor = HealthMonitor(fleet, http, config.probe_interval_s, config.probe_timeout_s, weights=score_weights(config))
     discovery = None

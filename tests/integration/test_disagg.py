@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from router.config import ReplicaSpec
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet
 
@@ -141,6 +142,29 @@ async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(
     assert status == 200 and replica == "d1"
     assert await transfers(decode.replicas[1]) == (before[0] + 1, before[1])
     assert sum(r.requests for r in node.pools[1].fleet.replicas) == 3  # no second prefill for it
+
+
+async def test_prefill_replicas_serve_whole_when_no_decode_replica_can(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    """Both decode replicas drained (out of routing): a request is not refused while the prefill
+    replicas, engines that can serve as well as prefill, are up; it is served whole by one of them,
+    and once a decode replica is back, the next request is split again."""
+    _, decode, node, url = await disagg(start_fleet, start_router, health_checks=False)
+    for replica in ("d0", "d1"):
+        await node.membership.drain(replica, remove=False)
+    status, answer, replica = await chat(url, LONG, "w")
+    assert status == 200 and replica in ("p0", "p1") and answer["usage"]["completion_tokens"] == 6
+    assert await transferred(decode) == 0 and sum(r.requests for r in node.pools[1].fleet.replicas) == 1
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="alone"} 1.0' in text
+    # counted as any request served, on the prefill replica that served it
+    served = [line for line in text.splitlines() if line.startswith("router_requests_total{")]
+    assert any(f'replica="{replica}"' in line and 'status="200"' in line for line in served), served
+    # a decode replica back (removed, and added again): split again, the prefill pool prefilling
+    node.membership.remove("d0")
+    await node.membership.add(ReplicaSpec("d0", decode.replicas[0].url, "decode"))
+    status, _, replica = await chat(url, "again: " + LONG, "w2")
+    assert status == 200 and replica == "d0" and await transferred(decode) == 1
 
 
 async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.admission import Admission
 from router.budgets import Budgets, LocalStore, estimate, prompt_estimate
 from router.clients import RANK, Client
-from router.config import load
+from router.config import load, parse_replica
 from router.fleet import Fleet, ReplicaState
 from router.metrics import RouterMetrics
 from router.policy import make_policy
@@ -180,6 +180,33 @@ async def test_no_replica_left_is_an_openai_shaped_answer_and_a_finish() -> None
         missing, request(config, CHAT | {"model": "x"}), time.monotonic()
     )
     assert missing.status == 404 and orjson.loads(missing.body)["error"]["code"] == "model_not_found"
+
+
+async def test_a_spare_routing_core_serves_whole_when_the_route_offers_no_replica() -> None:
+    """Every replica of the route's out of routing (drained): the spare's replicas (a disaggregated
+    fleet's prefill pool) serve the request, counted as any; without a spare, the 503 it was."""
+    routing, admission, metrics, config, fleet = build(replicas=2)
+    for r in fleet.replicas:
+        fleet.drain(r.id)
+    spare_fleet = Fleet((parse_replica("p0=http://127.0.0.1:9300"),))
+    sessions = SessionTable(16, config.sticky_ttl_s)
+    spare = Routing(
+        spare_fleet,
+        make_policy("affinity", spare_fleet, config),
+        SessionDirectory(sessions, config.sticky_ttl_s),
+        metrics,
+        3,
+    )
+    script = Script(answered)
+    ledger = Ledger(metrics, routing.policy.name, fleet.model_label, log_requests=False)
+    journey = Journey(routing, admission, script, ledger, metrics, 30.0, 256, spare=spare)
+    exchange = Exchange()
+    await journey.serve(exchange, request(config, CHAT), time.monotonic())
+    assert exchange.status == 200 and script.sent == ["p0"] and spare_fleet.replicas[0].inflight == 0
+    assert count(metrics.requests, replica="p0", status="200") == 1
+    alone = Exchange()
+    await journey_of(routing, admission, metrics, Script()).serve(alone, request(config, CHAT), time.monotonic())
+    assert alone.status == 503 and orjson.loads(alone.body)["error"]["code"] == "no_replica_available"
 
 
 async def test_a_stream_broken_mid_way_is_resumed_on_another_replica_from_what_the_client_has() -> None:

@@ -104,6 +104,7 @@ def journey_of(node: Node) -> Journey:
             abandoned,
         )
     ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests, node.clients is not None)
+    spare = prefill.whole(node.metrics, cfg.max_attempts) if prefill is not None else None
     return Journey(
         node.routing,
         node.admission,
@@ -117,6 +118,7 @@ def journey_of(node: Node) -> Journey:
         budgets=node.budgets,
         reserve_tokens=cfg.budget_reserve_tokens,
         tracing=node.tracing,
+        spare=spare,
     )
 
 

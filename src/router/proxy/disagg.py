@@ -103,8 +103,8 @@ class DisaggAttempts:
         decision that chose it predicted: its prompt less what the prefix index says it holds;
         else the whole prompt, estimated) is at least `min_tokens`."""
         intake = trip.intake
-        if intake.api.name not in SPLITTABLE or not self.pool.fleet.replicas:
-            return False
+        if intake.api.name not in SPLITTABLE or not self.pool.fleet.replicas or replica.role == "prefill":
+            return False  # (a prefill replica serves whole where no decode replica can: router.pools)
         if decision is not None and decision.cost is not None and decision.index == replica.index:
             return decision.cost.uncached_tokens >= self.min_tokens
         prompt = intake.key.prompt

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import orjson
@@ -109,8 +109,12 @@ class Journey:
         budgets: Budgets | None = None,
         reserve_tokens: int = 1024,
         tracing: Tracing | None = None,
+        spare: Routing | None = None,
     ) -> None:
         self.routing = routing
+        # where a request goes whole when the route offers no replica: a disaggregated fleet's
+        # prefill replicas (router.pools.Pool.whole), which can serve as well as prefill
+        self.spare = spare
         self.fleet = routing.fleet
         self.admission = admission
         self.attempts = attempts
@@ -226,51 +230,55 @@ class Journey:
         failure: Retry | None = None
         routing_since = self.clock() if trace is not None else 0.0
         span = None
-        while (replica := route.next(loop.time())) is not None:
-            if trace is not None:
-                span = self._attempt_span(trace, route, replica, trip, routing_since)
-            try:
-                result = await self.attempts.send(replica, trip, route.deadline, route.decision)
-            except asyncio.CancelledError:  # the client went away; the upstream request is closed
-                if span is not None:
-                    span.end("client_gone")
-                self._finish(end, 499, replica, route.decision, trip.streaming, route.attempts)
-                raise
-            finally:
-                route.release(replica)
-                if intake.api.queued:
-                    admission.released()
-            if span is not None:
-                if isinstance(result, Retry):
-                    span.end(result.cause, result.status or None)
-                else:
-                    outcome = "ok" if result.stream_error is None else "stream_error"
-                    span.end(outcome, result.facts.status, result.resent)
-            if isinstance(result, Retry):
-                route.failed(replica, result.cause)
-                failure = result
-                continue
-            if intake.api.queued and result.facts.status < 400:  # (a quick refusal is no service)
-                admission.answered(replica)
-            verdict = route.served(replica, result.facts, exchange.path, intake.raw)
-            if (
-                intake.api is RESPONSES
-                and result.facts.response_id is not None
-                and result.facts.status == 200
-                and intake.body.get("store") is not False
-            ):
-                tenant = intake.client.tenant if intake.client is not None else None
-                route.produced(result.facts.response_id, replica, self.max_key_bytes, tenant)
-            if intake.resumable and result.facts.streamed:
+        # the route's replicas; where it offers none (every decode replica gone, drained or out of
+        # routing), the spare's (a disaggregated fleet's prefill replicas), which serve it whole
+        offered = self._offered(route, key, t0)
+        for route in offered:  # (after the loop, `route` is the last one offered: it says why none served)
+            while (replica := route.next(loop.time())) is not None:
+                if trace is not None:
+                    span = self._attempt_span(trace, route, replica, trip, routing_since)
                 try:
-                    replica = await self._resume(trip, route, result, replica, trace)
-                except asyncio.CancelledError:  # the client went away during the continuation
+                    result = await self.attempts.send(replica, trip, route.deadline, route.decision)
+                except asyncio.CancelledError:  # the client went away; the upstream request is closed
+                    if span is not None:
+                        span.end("client_gone")
                     self._finish(end, 499, replica, route.decision, trip.streaming, route.attempts)
                     raise
-            self._finish(end, result.facts.status, replica, route.decision, result, route.attempts, verdict)
-            if self.tokens is not None and key.prompt is not None and intake.api is CHAT:
-                self._replied(key, intake, result)
-            return
+                finally:
+                    route.release(replica)
+                    if intake.api.queued:
+                        admission.released()
+                if span is not None:
+                    if isinstance(result, Retry):
+                        span.end(result.cause, result.status or None)
+                    else:
+                        outcome = "ok" if result.stream_error is None else "stream_error"
+                        span.end(outcome, result.facts.status, result.resent)
+                if isinstance(result, Retry):
+                    route.failed(replica, result.cause)
+                    failure = result
+                    continue
+                if intake.api.queued and result.facts.status < 400:  # (a quick refusal is no service)
+                    admission.answered(replica)
+                verdict = route.served(replica, result.facts, exchange.path, intake.raw)
+                if (
+                    intake.api is RESPONSES
+                    and result.facts.response_id is not None
+                    and result.facts.status == 200
+                    and intake.body.get("store") is not False
+                ):
+                    tenant = intake.client.tenant if intake.client is not None else None
+                    route.produced(result.facts.response_id, replica, self.max_key_bytes, tenant)
+                if intake.resumable and result.facts.streamed:
+                    try:
+                        replica = await self._resume(trip, route, result, replica, trace)
+                    except asyncio.CancelledError:  # the client went away during the continuation
+                        self._finish(end, 499, replica, route.decision, trip.streaming, route.attempts)
+                        raise
+                self._finish(end, result.facts.status, replica, route.decision, result, route.attempts, verdict)
+                if self.tokens is not None and key.prompt is not None and intake.api is CHAT:
+                    self._replied(key, intake, result)
+                return
         if route.late:
             late = Shed(429, "no replica is predicted to send the first token within x-slo-ttft-ms", "target", 1)
             self._shed(exchange, late, key.model, intake.rank)
@@ -280,6 +288,13 @@ class Journey:
             failure = failure or Retry("timeout", 504)
         self._no_replica(exchange, failure, bool(route.tried))
         self._finish(end, exchange.status, attempts=route.attempts)
+
+    def _offered(self, route: Route, key: RoutingKey, t0: float) -> Iterator[Route]:
+        """`route`, then, where it offered no replica (none tried, not refused as late, not timed
+        out), a route of the spare routing core (`spare`) for the same request."""
+        yield route
+        if self.spare is not None and not route.tried and not route.late and not route.timed_out:
+            yield self.spare.local_route(key, t0, route.deadline)
 
     def _replied(self, key: RoutingKey, intake: Intake, result: Outcome) -> None:
         """A chat answer that ended well, whole and in text, to the engines' tokens for its next turn."""
