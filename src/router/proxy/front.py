@@ -35,9 +35,11 @@ wait. A client that goes away cancels its request, as aiohttp's `handler_cancell
 access log records 499). Streams are sent chunked (HTTP/1.1) or until the connection closes
 (HTTP/1.0); a slow reader pauses the stream at the socket's write-buffer limit.
 
-It is past 450 lines as one room: the protocol, its per-request message and its server share the
-connection's state (the parser's callbacks, the pipeline, the write buffer, the time-outs swept by
-the server), and the hand-over to aiohttp needs all of it at once.
+A request's parsed message and the exchange it is answered through are router.proxy.front_exchange.
+
+It is past 450 lines as one room: the protocol and its server share the connection's state (the
+parser's callbacks, the pipeline, the write buffer, the time-outs swept by the server), and the
+hand-over to aiohttp needs all of it at once.
 """
 
 from __future__ import annotations
@@ -49,20 +51,18 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
-from email.utils import formatdate
-from http import HTTPStatus
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import httptools
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis import PROXIED
-from router.clients import KEY_HEADERS, Client, ClientKeys, subject_of
+from router.clients import KEY_HEADERS, ClientKeys, subject_of
 from router.config import RouterConfig
 from router.errors import error_body, error_body_for
 from router.proxy.exchange import Exchange
+from router.proxy.front_exchange import REASONS, FrontExchange, Message
 from router.proxy.intake import (
     LINGER_BYTES,
     LINGER_S,
@@ -86,7 +86,6 @@ PIPELINE = 8  # parsed requests waiting behind the one being answered before rea
 WRITE_HIGH = 64 * 1024  # a client's write buffer past this pauses the stream until it drains
 SWEEP_S = 0.25  # how often the server checks its connections' time-outs
 HANDOVER_BODY_CAP = 1 << 20  # a pipelined request handed to aiohttp carries at most this much body
-REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
 class Serving(Protocol):
@@ -102,162 +101,6 @@ class Serving(Protocol):
 PROXY: web.AppKey[Serving] = web.AppKey("proxy", Serving)
 
 
-class _Date:
-    """The Date header's value, made once a second."""
-
-    second = -1
-    value = b""
-
-    @classmethod
-    def now(cls) -> bytes:
-        t = int(time.time())
-        if t != cls.second:
-            cls.second, cls.value = t, formatdate(t, usegmt=True).encode()
-        return cls.value
-
-
-def _head(status: int, headers: Mapping[str, str], extra: bytes) -> bytes:
-    """A response's head; HTTP/1.1 to every client (a server answers with its own version)."""
-    lines = [b"HTTP/1.1 %d " % status, REASONS.get(status, b"Unknown"), b"\r\n"]
-    for name, value in headers.items():
-        lines += (name.encode("utf-8"), b": ", value.encode("utf-8", "surrogateescape"), b"\r\n")
-    lines += (b"Date: ", _Date.now(), b"\r\n", extra, b"\r\n")
-    return b"".join(lines)
-
-
-class _Message:
-    """One request as it is parsed."""
-
-    __slots__ = (
-        "body",
-        "body_deadline",
-        "body_size",
-        "body_start",
-        "client",
-        "complete",
-        "content_length",
-        "header_size",
-        "headers",
-        "hot",
-        "keep_alive",
-        "last_body",
-        "method",
-        "path",
-        "raw",
-        "refused",
-        "t0",
-        "url",
-        "version",
-    )
-
-    def __init__(self, raw: list[bytes] | None) -> None:
-        self.raw = raw  # every byte of it read so far, when it began a read (None: it came pipelined)
-        self.url = b""
-        self.headers: list[tuple[str, str]] = []
-        self.header_size = 0
-        self.method = b""
-        self.path = b""
-        self.version = b"1.1"
-        self.hot = False
-        self.keep_alive = True
-        self.body: list[bytes] = []
-        self.body_size = 0
-        self.body_start = 0.0
-        self.content_length: int | None = None  # as its head says (None: chunked, or none said)
-        self.refused: Refused | None = None
-        self.client: Client | None = None  # whose key it brought (client keys on)
-        self.complete = False
-        self.t0 = 0.0
-        self.last_body = 0.0
-        self.body_deadline = 0.0
-
-
-class FrontExchange:
-    """An `Exchange` on a front connection."""
-
-    __slots__ = (
-        "_chunked",
-        "_front",
-        "_prepared",
-        "_status",
-        "closes",
-        "headers",
-        "method",
-        "path",
-        "remote",
-        "transport",
-        "unended",
-    )
-
-    def __init__(self, front: Front, msg: _Message) -> None:
-        self._front = front
-        self.method = "POST"
-        self.path = msg.path.decode()
-        self.headers = CIMultiDictProxy(CIMultiDict(msg.headers))
-        self.remote = front.remote
-        self.transport = front.transport
-        self._status = 0
-        self._prepared = False
-        self.unended = False  # a stream's head went out and its end did not
-        self._chunked = msg.version == b"1.1"
-        # the connection closes after this answer: the client said so, or the router is stopping
-        self.closes = not msg.keep_alive
-
-    @property
-    def status(self) -> int:
-        return self._status
-
-    @property
-    def prepared(self) -> bool:
-        return self._prepared
-
-    def _connection(self) -> bytes:
-        if self.closes or self._front.server.closing():
-            self.closes = True
-            return b"Connection: close\r\n"
-        return b""
-
-    def answer(self, status: int, body: bytes, headers: Mapping[str, str], close: bool = False) -> None:
-        self._status = status
-        self.closes = self.closes or close
-        extra = b"Content-Length: %d\r\n" % len(body) + self._connection()
-        transport = self._front.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(_head(status, headers, extra) + body)
-        self._prepared = True
-
-    async def prepare(self, status: int, headers: Mapping[str, str]) -> None:
-        transport = self._front.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client has gone")
-        self._status = status
-        if self._chunked:
-            extra = b"Transfer-Encoding: chunked\r\n" + self._connection()
-        else:  # HTTP/1.0: the stream ends with the connection
-            self.closes = True
-            extra = b"Connection: close\r\n"
-        transport.write(_head(status, headers, extra))
-        self._prepared = self.unended = True
-
-    async def write(self, data: bytes) -> None:
-        transport = self._front.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client has gone")
-        if not data:
-            return
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-        if self._front.drained is not None:
-            await self._front.wait_drained()
-
-    async def write_eof(self) -> None:
-        transport = self._front.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client has gone")
-        if self._chunked:
-            transport.write(b"0\r\n\r\n")
-        self.unended = False
-
-
 class Front(asyncio.Protocol):
     """One client connection: parses requests, answers the proxied ones, hands the rest to aiohttp."""
 
@@ -268,16 +111,16 @@ class Front(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.remote: str | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self.msg: _Message | None = None  # the one being parsed
-        self.queue: collections.deque[_Message] = collections.deque()  # parsed, waiting to be answered
+        self.msg: Message | None = None  # the one being parsed
+        self.queue: collections.deque[Message] = collections.deque()  # parsed, waiting to be answered
         self.task: asyncio.Task[None] | None = None  # the one being answered
         self.idle_at = 0.0  # when an idle connection, or one whose head is not whole, closes (0: not timed)
-        self.body_msg: _Message | None = None  # the request whose body is being timed
+        self.body_msg: Message | None = None  # the request whose body is being timed
         self.drained: asyncio.Future[None] | None = None
         self.clean_start = True  # this read began at a request boundary
         self.begun = 0  # requests begun in this read
         self.head_bytes = 0
-        self.handover: _Message | None = None
+        self.handover: Message | None = None
         self.error: str | None = None  # a 400 to send once what is before it is answered
         self.error_status = 400  # (405 for CONNECT)
         self.read = b""  # the bytes being parsed
@@ -379,7 +222,7 @@ class Front(asyncio.Protocol):
         self.begun += 1
         self.in_head = True
         clean = self.clean_start and self.begun == 1
-        self.msg = _Message([self.read] if clean else None)
+        self.msg = Message([self.read] if clean else None)
 
     def on_url(self, url: bytes) -> None:
         assert self.msg is not None
@@ -512,7 +355,7 @@ class Front(asyncio.Protocol):
         if self.msg is None:
             self._arm(self.cfg.keepalive_timeout_s)
 
-    async def _serve(self, msg: _Message) -> None:
+    async def _serve(self, msg: Message) -> None:
         exchange = FrontExchange(self, msg)
         try:
             if not msg.hot:  # another server's request, refused before it could be handed over
@@ -558,7 +401,7 @@ class Front(asyncio.Protocol):
         self.handover = None
         self._give(b"".join(msg.raw))
 
-    def _hand_over_parsed(self, msg: _Message) -> None:
+    def _hand_over_parsed(self, msg: Message) -> None:
         """A request that came pipelined behind proxied ones: its head and body as one request that
         closes the connection after it."""
         target = msg.url
@@ -590,7 +433,7 @@ class Front(asyncio.Protocol):
 
     # -- errors and timers ---------------------------------------------------------------------------
 
-    def _refuse_from_head(self, msg: _Message, refused: Refused) -> None:
+    def _refuse_from_head(self, msg: Message, refused: Refused) -> None:
         """Answer `msg` with `refused` as soon as its turn comes, from what is known of it now (in a
         parser callback): it is queued as a whole request, and nothing after it is parsed or read."""
         msg.refused = refused
@@ -655,7 +498,7 @@ class Front(asyncio.Protocol):
         self.idle_at = self.loop.time() + after
         self.body_msg = None
 
-    def _arm_body(self, msg: _Message) -> None:
+    def _arm_body(self, msg: Message) -> None:
         """Time the body: `client_timeout_s` without a byte, or `total_timeout_s` in all, is a 408."""
         msg.body_start = msg.last_body
         msg.body_deadline = msg.last_body + self.cfg.total_timeout_s

@@ -12,12 +12,13 @@ however the attempt ends. The journey ends in the ledger: the request's metrics 
 With traces on (router.tracing), each of those steps is a span of the request's trace, and each
 attempt hands its replica its own trace context.
 
-It is built from narrow collaborators, never the node: the routing core, the overload queue, the
-attempts (router.proxy.attempts: HTTP to replicas in the proxy; the modelled replicas of
-router-bench simulate, which drives this same loop on a virtual clock; fakes in its unit tests), where it
-ends (router.proxy.ledger: one `Ending` record, counted and logged), and the engines' tokens where
-they are read (`Tokens`: a request cut into them before it is routed, a chat's answer kept for its
-next turn once it has gone).
+It is built from narrow collaborators, never the node: the routing core (and a spare one, whose
+replicas serve a request whole where the route offers none: a disaggregated fleet's prefill
+pool), the overload queue, the attempts (router.proxy.attempts: HTTP to replicas in the proxy; the
+modelled replicas of router-bench simulate, which drives this same loop on a virtual clock; fakes
+in its unit tests), where it ends (router.proxy.ledger: one `Ending` record, counted and logged),
+and the engines' tokens where they are read (`Tokens`: a request cut into them before it is
+routed, a chat's answer kept for its next turn once it has gone).
 
 It is past 450 lines as one room: its steps (intake's checks, a tenant's budget, the overload
 queue, the attempts' loop, a broken stream's resume) read one request's state top to bottom.
