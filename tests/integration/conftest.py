@@ -25,7 +25,7 @@ from router.emulator.engine import EngineConfig
 from router.emulator.server import Faults, Fleet, Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import build_app
-from router.proxy.front import FrontRunner
+from router.proxy.front_server import FrontRunner
 from router.proxy.workers import runner_for
 
 WORKERS_TOKEN = "workers-test-token"  # the admin token of the routers `serve_workers` starts

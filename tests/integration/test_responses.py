@@ -23,7 +23,7 @@ from router.emulator.server import Faults, Fleet
 from router.keys import stored_key
 from router.node import Node
 from router.proxy.app import build_app
-from router.proxy.front import FrontRunner
+from router.proxy.front_server import FrontRunner
 
 
 async def ask(

@@ -35,11 +35,12 @@ wait. A client that goes away cancels its request, as aiohttp's `handler_cancell
 access log records 499). Streams are sent chunked (HTTP/1.1) or until the connection closes
 (HTTP/1.0); a slow reader pauses the stream at the socket's write-buffer limit.
 
-A request's parsed message and the exchange it is answered through are router.proxy.front_exchange.
+A request's parsed message and the exchange it is answered through are router.proxy.front_exchange;
+the server that makes a `Front` per connection and sweeps their time-outs, router.proxy.front_server.
 
-It is past 450 lines as one room: the protocol and its server share the connection's state (the
-parser's callbacks, the pipeline, the write buffer, the time-outs swept by the server), and the
-hand-over to aiohttp needs all of it at once.
+It is past 450 lines as one room: the protocol's parsing, answering, time-outs and hand-over share
+the connection's state (the parser's callbacks, the pipeline, the write buffer), and the hand-over
+to aiohttp needs all of it at once.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import httptools
 from aiohttp import web
@@ -101,10 +102,26 @@ class Serving(Protocol):
 PROXY: web.AppKey[Serving] = web.AppKey("proxy", Serving)
 
 
+class Server(Protocol):
+    """What a connection needs of its server (router.proxy.front_server.FrontServer)."""
+
+    loop: asyncio.AbstractEventLoop
+    cfg: RouterConfig
+    proxy: Serving
+    inner: web.Server  # aiohttp's own: the connections handed over
+    fronts: set[Front]  # its connections (their time-outs are swept from there)
+    field_size: int  # a header line's limit
+    max_headers: int
+
+    @property
+    def closing(self) -> Callable[[], bool]:
+        """Whether the router is stopping."""
+
+
 class Front(asyncio.Protocol):
     """One client connection: parses requests, answers the proxied ones, hands the rest to aiohttp."""
 
-    def __init__(self, server: FrontServer) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
         self.loop = server.loop
         self.cfg = server.cfg
@@ -569,66 +586,3 @@ class _TooBig(Exception):
 
 class _Refusing(Exception):
     """Stops the parser: the request being parsed is answered from what is known of it."""
-
-
-class FrontServer:
-    """The protocol factory aiohttp's sites listen with: a `Front` per connection, aiohttp's own
-    server (`inner`) for the connections handed to it. It stands in for `web.Server` (its
-    connections, `pre_shutdown` and `shutdown` count both kinds)."""
-
-    def __init__(self, inner: web.Server, proxy: Serving, cfg: RouterConfig, closing: Callable[[], bool]) -> None:
-        self.inner = inner
-        self.proxy = proxy
-        self.cfg = cfg
-        self.closing = closing
-        self.loop = asyncio.get_running_loop()
-        self.fronts: set[Front] = set()
-        self.field_size = max(cfg.max_header_bytes + 1024, 8190)
-        self.max_headers = max(128, (2 << 20) // self.field_size)
-        self.sweeper: asyncio.TimerHandle | None = self.loop.call_later(SWEEP_S, self._sweep)
-
-    def _sweep(self) -> None:
-        now = self.loop.time()
-        for front in list(self.fronts):
-            front.sweep(now)
-        self.sweeper = self.loop.call_later(SWEEP_S, self._sweep)
-
-    def __call__(self) -> Front:
-        return Front(self)
-
-    @property
-    def connections(self) -> list[Any]:
-        return [*self.inner.connections, *self.fronts]
-
-    @property
-    def requests_count(self) -> int:
-        return self.inner.requests_count
-
-    def pre_shutdown(self) -> None:
-        self.inner.pre_shutdown()
-        for front in list(self.fronts):
-            front.close_if_idle()
-
-    async def shutdown(self, timeout: float | None = None) -> None:
-        await asyncio.gather(self.inner.shutdown(timeout), *(f.finish(timeout) for f in list(self.fronts)))
-        self.fronts.clear()
-        if self.sweeper is not None:
-            self.sweeper.cancel()
-            self.sweeper = None
-
-
-class FrontRunner(web.AppRunner):
-    """aiohttp's runner, whose sites listen with the front when the application has a proxy (`PROXY`)
-    and `cfg.front` is on; otherwise aiohttp's own server, as `web.AppRunner`."""
-
-    def __init__(self, app: web.Application, cfg: RouterConfig, closing: Callable[[], bool], **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
-        self.cfg = cfg
-        self.closing = closing
-
-    async def _make_server(self) -> web.Server:
-        inner = await super()._make_server()
-        proxy = self.app.get(PROXY)
-        if proxy is None or not self.cfg.front:
-            return inner
-        return cast(web.Server, FrontServer(inner, proxy, self.cfg, self.closing))

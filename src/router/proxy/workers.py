@@ -42,7 +42,8 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
-from router.proxy.front import PROXY, FrontRunner
+from router.proxy.front import PROXY
+from router.proxy.front_server import FrontRunner
 from router.proxy.intake import Refused, peer_subject, too_large, unread_bodies, who
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
