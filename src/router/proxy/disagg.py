@@ -175,11 +175,13 @@ class DisaggAttempts:
             if params is None:
                 route.failed(replica, cause)
                 continue
-            seconds = time.monotonic() - began  # its one token is its first: the answer's time is its TTFT
+            now = time.monotonic()
+            # its one token is its first: the answer's time is the leg's time to first token (from
+            # the leg's start, as a request's counts from its arrival)
+            first = now - started
             prompt_tokens, cached_tokens = _usage(answer)
-            facts = Served(200, seconds, prompt_tokens, cached_tokens, 1, streamed=True, token_s=seconds)
-            route.served(replica, facts)
-            return Prefilled(params, replica.id, seconds)
+            route.served(replica, Served(200, first, prompt_tokens, cached_tokens, 1, streamed=True, token_s=first))
+            return Prefilled(params, replica.id, now - began)
         return None
 
     async def _prefill_on(
