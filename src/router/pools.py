@@ -11,6 +11,8 @@ in flight, `release`, `failed` or `served` tell the policy and the fleet what ha
 
 A prefill leg's key is keyless (`Pool.leg_key`): a conversation's prefill goes where its prompt's
 blocks are, not to the prefill replica its session went to last, and nothing is remembered for it.
+Where no decode replica can serve a request at all, the prefill replicas serve it whole
+(`Pool.whole`: the journey's spare routing core, router.proxy.journey).
 """
 
 from __future__ import annotations
