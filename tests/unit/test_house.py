@@ -133,3 +133,14 @@ def test_the_door_rule_sees_a_call_around_the_core(tmp_path: Path) -> None:
         "policy.pick",
         "self.pool.fleet.acquire",
     ]
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    # the tests are not packages, so pytest imports each by its file's name: two test_x.py in two
+    # folders collect as one module, and the whole run stops at collection (it passes when each
+    # folder runs alone, as a contributor often runs them)
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"test modules that share a name (rename one): {shared}"
