@@ -202,17 +202,31 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "counter",
         "Requests of a fleet with prefill replicas, by how they were served: split (prefilled on a "
         "prefill replica, decoded on another), alone (not worth splitting: served by the decode replica), "
-        "fallback (no prefill replica answered: the decode replica recomputed the prompt) or recomputed "
-        "(the decode replica failed the transfer and served it alone).",
+        "fallback (no prefill replica answered: the decode replica recomputed the prompt), recomputed "
+        "(the decode replica failed the transfer and served it alone) or cold (its decode replica had met "
+        "no prefill replica yet: served there alone while the router introduces them).",
         ("mode",),
     ),
     "router_disagg_abandoned_prefills": (
         "counter",
         "Prefills whose KV no decode replica read, by why: transfer_failed (the decode replica failed "
         "the transfer and recomputed the prompt), lease_over (the next decode replica came after the "
-        "lease: prefilled again), no_decode (the request ended without another decode replica). The "
+        "lease: prefilled again), strangers (the next decode replica had not met that prefill replica: "
+        "prefilled again), no_decode (the request ended without another decode replica). The "
         "prefill replica holds their blocks until its lease runs out (vLLM: 30 s).",
         ("why",),
+    ),
+    "router_disagg_pair_meetings": (
+        "counter",
+        "The router's introductions of a prefill replica to a decode replica (a split request of its own, "
+        "so that no client's request pays the engines' first handshake), by outcome: met or failed.",
+        ("outcome",),
+    ),
+    "router_disagg_pair_meeting_seconds": (
+        "histogram",
+        "How long each introduction of a prefill replica to a decode replica took (the engines' "
+        "handshake included), met or failed.",
+        (),
     ),
     "router_disagg_leg_seconds": (
         "histogram",
@@ -382,6 +396,8 @@ class RouterMetrics:
         self.disagg = made["router_disagg_requests"]
         self.legs = made["router_disagg_leg_seconds"]
         self.abandoned_prefills = made["router_disagg_abandoned_prefills"]
+        self.pair_meetings = made["router_disagg_pair_meetings"]
+        self.pair_meeting_seconds = made["router_disagg_pair_meeting_seconds"]
         self.queued = made["router_queued"]
         self.shed = made["router_shed"]
         self.queue_wait = made["router_queue_wait_seconds"]

@@ -46,6 +46,7 @@ from router.config import (
 )
 from router.discovery import Discovery
 from router.fleet import ReplicaState
+from router.handoff import VLLM
 from router.health.states import Hysteresis
 from router.kvfeed import Feed
 from router.membership import Membership
@@ -54,7 +55,7 @@ from router.monitor import HealthMonitor, latency_window_s
 from router.placement import Placement
 from router.policy import make_policy
 from router.policy.ttft import Ttft
-from router.pools import Pool, prefill_pool, replica_fleet
+from router.pools import Pairs, Pool, lending_pool, prefill_pool, replica_fleet
 from router.redis_state import RedisPlacements, RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.routing import Routing, SessionDirectory
@@ -237,9 +238,22 @@ class Node:
         self.pools = [Pool("serve", fleet, self.policy, self.routing, self.monitor, self.discovery, self.feed)]
         if prefill is not None:
             self.pools.append(prefill)
+        # with prefill_anywhere, the replicas lend one another their prefill: the legs' routing
+        # core over the route's own fleet and policy (router.pools.lending_pool)
+        self.lending = lending_pool(self.pools[0], config, self.metrics) if config.prefill_anywhere else None
+        # which replica that prefills has met which that decodes: introduced by every process
+        # that routes, before a client's request is split across them (router.pools.Pairs)
+        lender = prefill if prefill is not None else self.lending
+        self.pairs: Pairs | None = None
+        if lender is not None and config.disagg_introduce and routes:
+            self.pairs = Pairs(lender.fleet, fleet, VLLM, lambda: self.http, self._pair_met)
         self.multiprocess_metrics = (
             multiprocess_registry(*(pool.fleet for pool in self.pools)) if worker is not None else None
         )
+
+    def _pair_met(self, outcome: str, seconds: float) -> None:
+        self.metrics.pair_meetings.labels(outcome).inc()
+        self.metrics.pair_meeting_seconds.observe(seconds)
 
     def _budgets(self, clients: ClientKeys) -> Budgets:
         """The tenants' budgets: in Redis where the routing state is (every router and worker on it
@@ -367,6 +381,8 @@ class Node:
                 contexts.append(self._discovery_context(pool.discovery, f"{pool.role} discovery"))
             if pool.feed is not None and not control_only:
                 contexts.append(self._feed_context(pool.feed, f"{pool.role} kv events"))
+        if self.pairs is not None and not control_only:
+            contexts.append(self._pairs_ctx)
         if self.follower is not None and not control_only:
             contexts.append(self._follower_ctx)
             if self.placements is not None:
@@ -428,6 +444,12 @@ class Node:
             await self._run(task)
 
         return context
+
+    async def _pairs_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        assert self.pairs is not None
+        task = asyncio.create_task(self.pairs.run(self.config.probe_interval_s), name="pair introductions")
+        yield
+        await self._run(task)
 
     async def _balance_ctx(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.balancer.run(), name="balance")

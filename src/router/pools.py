@@ -13,18 +13,29 @@ A prefill leg's key is keyless (`Pool.leg_key`): a conversation's prefill goes w
 blocks are, not to the prefill replica its session went to last, and nothing is remembered for it.
 Where no decode replica can serve a request at all, the prefill replicas serve it whole
 (`Pool.whole`: the journey's spare routing core, router.proxy.journey).
+
+`Pairs` keeps which prefill replica has met which decode replica, and introduces those that have
+not, so that no client request pays for the engines' first handshake (its docstring).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
+import orjson
 
+from router.apis import COMPLETION
 from router.config import ReplicaSpec, RouterConfig, pinned_models, replica_api_keys, replica_capacities, score_weights
 from router.discovery import Discovery, PrefillReplicas
-from router.fleet import Fleet
+from router.fleet import Fleet, ReplicaState
+from router.handoff import Handoff
 from router.health.states import Hysteresis
 from router.keys import RoutingKey
 from router.kvfeed import Feed
@@ -36,7 +47,13 @@ from router.policy.ttft import Ttft
 from router.routing import Routing, SessionDirectory
 from router.sessions import SessionTable
 
+log = logging.getLogger("router.pools")
+
 MAX_PREFILLS = 2  # prefill replicas a split request asks at most before its decode replica computes alone
+# a pair's introduction: a prompt of some 100 tokens (a few KV blocks, so that the prefill keeps
+# some for the decode side to read: vLLM keeps none of a prompt shorter than a block)
+MEETING = "the router introduces a prefill replica to a decode replica before any request crosses. " * 6
+MEETING_TIMEOUT_S = 90.0  # one introduction's two requests at most (the decode side may wait for a lease)
 
 
 @dataclass(eq=False)
@@ -116,4 +133,156 @@ def prefill_pool(
     return Pool("prefill", fleet, policy, routing, monitor, discovery, feed)
 
 
-__all__ = ["MAX_PREFILLS", "Pool", "prefill_pool", "replica_fleet"]
+def lending_pool(serve: Pool, config: RouterConfig, metrics: RouterMetrics) -> Pool:
+    """With `prefill_anywhere`: the serve pool's own replicas, fleet and policy (one prefix index,
+    one count of what is in flight), lending their prefill to one another; a routing core of its
+    own routes the legs (uncounted, keyless), and the serve pool's loops keep them true."""
+    directory = SessionDirectory(SessionTable(16, config.sticky_ttl_s), config.sticky_ttl_s)
+    routing = Routing(serve.fleet, serve.policy, directory, metrics, MAX_PREFILLS, counted=False)
+    return Pool("prefill", serve.fleet, serve.policy, routing)
+
+
+class Pairs:
+    """Which prefill replica has met which decode replica, and the introductions that make them meet.
+
+    A decode replica's first read of a prefill replica's KV begins with the engines' handshake
+    (NIXL's: the decode side fetches the prefill side's agent metadata over its side channel). On
+    vLLM 0.32's CPU build here it cost the request that paid it 10 to 30 s, or failed it: the decode
+    side gives the handshake up after 5 s, and the prefill engine often answers it only once the
+    lease it holds has run out. Once met, a pair's reads take milliseconds.
+
+    So the router pays it. Every `interval_s`, each routable prefill replica is introduced, one
+    decode replica at a time (its engine holds the blocks of one introduction until they are read),
+    to each routable decode replica it has not met, with a split request of the router's own: about
+    100 tokens prefilled there, one token decoded here. A pair that fails is tried again next round.
+
+    A client request is split only across a pair that has met: its prefill leg passes over the
+    prefill replicas its decode replica has not met (`strangers`), and one whose decode replica has
+    met none is served there alone (router.proxy.disagg, mode `cold`). A pair is forgotten when
+    either replica leaves routing (removed by its health, drained, gone: an engine that comes back
+    may be a new one, which needs a new handshake) and when a transfer between them fails
+    (`forget`); the next round introduces it again.
+
+    Each routing process keeps its own pairs (the engines' handshake is per pair of engines, so a
+    second process's introduction of a met pair takes milliseconds)."""
+
+    def __init__(
+        self,
+        prefill: Fleet,
+        decode: Fleet,
+        protocol: Handoff,
+        http: Callable[[], aiohttp.ClientSession],
+        met: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.protocol = protocol
+        self.http = http
+        self.heard = met or (lambda outcome, seconds: None)  # told of each introduction: met or failed, its time
+        self.met: dict[tuple[str, str], float] = {}  # (prefill id, decode id) -> seconds its introduction took
+        self.tries: dict[tuple[str, str], int] = {}  # introductions tried and failed, by pair not yet met
+        self.rounds = 0  # rounds of introductions done
+        self._nonce = itertools.count()
+        self._models: dict[str, str] = {}  # a prefill replica's model as its /v1/models lists it
+
+    def has_met(self, decode: ReplicaState) -> bool:
+        """Whether some prefill replica has met `decode`."""
+        return any(d == decode.id for _, d in self.met)
+
+    def strangers(self, decode: ReplicaState) -> frozenset[int]:
+        """The indices of the prefill replicas that have not met `decode`."""
+        return frozenset(
+            p.index for p in self.prefill.replicas if p.index is not None and (p.id, decode.id) not in self.met
+        )
+
+    def forget(self, prefill: str, decode: str) -> None:
+        """The pair's transfer failed: it is introduced again (an engine may have restarted)."""
+        self.met.pop((prefill, decode), None)
+
+    def apart(self) -> list[tuple[ReplicaState, ReplicaState]]:
+        """The routable pairs not yet met."""
+        prefills = [p for p in self.prefill.replicas if p.index is not None and self.prefill.routable(p.index)]
+        decodes = [d for d in self.decode.replicas if d.index is not None and self.decode.routable(d.index)]
+        return [(p, d) for p in prefills for d in decodes if p is not d and (p.id, d.id) not in self.met]
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            await self.introduce()
+            await asyncio.sleep(interval_s)
+
+    async def introduce(self) -> None:
+        """One round: every routable pair not yet met, introduced; prefill replicas side by side,
+        each one decode replica at a time."""
+        here = _routable(self.prefill), _routable(self.decode)
+        for pair in [pair for pair in (*self.met, *self.tries) if pair[0] not in here[0] or pair[1] not in here[1]]:
+            # a replica that left, or left routing (removed by its health, drained): met again if
+            # it comes back, whose engine may be a new one
+            self.met.pop(pair, None)
+            self.tries.pop(pair, None)
+        by_prefill: dict[str, list[tuple[ReplicaState, ReplicaState]]] = {}
+        for p, d in self.apart():
+            by_prefill.setdefault(p.id, []).append((p, d))
+        await asyncio.gather(*(self._introduce_all(pairs) for pairs in by_prefill.values()))
+        self.rounds += 1
+
+    async def _introduce_all(self, pairs: list[tuple[ReplicaState, ReplicaState]]) -> None:
+        for p, d in pairs:
+            began = time.monotonic()
+            met = await self.meet(p, d)
+            took = time.monotonic() - began
+            self.heard("met" if met else "failed", took)
+            pair = (p.id, d.id)
+            if met:
+                tries = self.tries.pop(pair, 0) + 1
+                self.met[pair] = took
+                log.info("prefill replica %s met decode replica %s in %.1f s (%d tries)", p.id, d.id, took, tries)
+                continue
+            self.tries[pair] = self.tries.get(pair, 0) + 1
+            if self.tries[pair] in (1, 10, 100):
+                log.warning("prefill replica %s has not met decode replica %s (%d tries)", p.id, d.id, self.tries[pair])
+
+    async def meet(self, prefill: ReplicaState, decode: ReplicaState) -> bool:
+        """One introduction: a prefill on `prefill` for a decode on `decode`, which reads its KV;
+        whether the decode answered (under vLLM's "fail" policy a failed read is a 5xx)."""
+        http = self.http()
+        try:
+            async with asyncio.timeout(MEETING_TIMEOUT_S):
+                model = await self._model(http, prefill, decode)
+                if model is None:
+                    return False
+                body = {"model": model, "prompt": f"{next(self._nonce)} {MEETING}", "max_tokens": 1}
+                answer = await _post(http, prefill, self.protocol.prefill_body(COMPLETION, body))
+                params = self.protocol.params(answer)
+                if params is None:
+                    return False
+                return await _post(http, decode, self.protocol.decode_body(body, params)) is not None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return False
+
+    async def _model(self, http: aiohttp.ClientSession, prefill: ReplicaState, decode: ReplicaState) -> str | None:
+        """A model both serve: as their probes found them listed, else as the prefill replica lists it."""
+        if prefill.models and decode.models and (both := sorted(prefill.models & decode.models)):
+            return both[0]
+        if prefill.id not in self._models:
+            async with http.get(prefill.url + "/v1/models", headers=prefill.auth) as r:
+                listed = orjson.loads(await r.read()) if r.status == 200 else None
+            ids = [m.get("id") for m in (listed or {}).get("data", []) if isinstance(m, dict)]
+            if not ids or not isinstance(ids[0], str):
+                return None
+            self._models[prefill.id] = ids[0]
+        return self._models[prefill.id]
+
+
+def _routable(fleet: Fleet) -> set[str]:
+    return {r.id for r in fleet.replicas if r.index is not None and fleet.routable(r.index)}
+
+
+async def _post(http: aiohttp.ClientSession, replica: ReplicaState, body: dict[str, Any]) -> Any:
+    """A replica's JSON answer to a completion, None for an answer other than a 200."""
+    headers = {"Content-Type": "application/json", **replica.auth}
+    async with http.post(replica.url + COMPLETION.path, data=orjson.dumps(body), headers=headers) as r:
+        data = await r.read()
+        return orjson.loads(data) if r.status == 200 else None
+
+
+__all__ = ["MAX_PREFILLS", "Pairs", "Pool", "lending_pool", "prefill_pool", "replica_fleet"]

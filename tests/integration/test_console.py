@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from waiting import until
 from yarl import URL
 
 from router.bench.common import free_port
@@ -336,7 +337,7 @@ async def test_the_console_shows_roles_and_the_legs_of_split_requests(start_flee
     from selenium.webdriver.common.by import By  # noqa: PLC0415 -- optional, as above
 
     prefill, decode = await start_fleet(1), await start_fleet(2)
-    _, url = await start_router(
+    node, url = await start_router(
         [],
         prefill=[f"p0={prefill.replicas[0].url}"],
         decode=[f"d{i}={r.url}" for i, r in enumerate(decode.replicas)],
@@ -344,6 +345,7 @@ async def test_the_console_shows_roles_and_the_legs_of_split_requests(start_flee
         console_interval_s="0.2",
         probe_interval_s="0.2",
     )
+    await until(lambda: node.pairs is not None and len(node.pairs.met) == 2, "p0 to meet both decode replicas", 10.0)
     async with aiohttp.ClientSession() as http:
         for i in range(3):  # long prompts: each is split between p0 and a decode replica
             body = {"messages": [{"role": "user", "content": f"{i} " + "a long document " * 300}], "max_tokens": 8}

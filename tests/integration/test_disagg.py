@@ -1,7 +1,11 @@
 """Prefill/decode disaggregation through the router, on emulated replicas that speak vLLM's
 hand-off: a long prompt is prefilled on a prefill replica and decoded on the route's decode
 replica (the decode side's transfer count grows), a short one is served there alone, and failures
-of either side lose no request."""
+of either side lose no request.
+
+The router introduces each prefill replica to each decode replica before a client's request is
+split across them (router.pools.Pairs); those introductions are transfers too, so a test counts
+the transfers since its router's pairs met (`introduced`)."""
 
 from __future__ import annotations
 
@@ -12,10 +16,12 @@ from typing import Any
 
 import aiohttp
 import orjson
+from waiting import until
 
 from router.config import ReplicaSpec
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet
+from router.node import Node
 
 LONG = "the quick brown fox jumps over the lazy dog " * 80  # about 900 tokens
 SHORT = "hello there"
@@ -40,7 +46,11 @@ async def chat(
         return r.status, data if stream else orjson.loads(data), r.headers.get("X-Router-Replica", "")
 
 
+BEFORE: dict[str, tuple[float, float]] = {}  # a decode replica's transfers when its router's pairs had met
+
+
 async def transfers(replica: Any) -> tuple[float, float]:
+    """A decode replica's transfers, and those that failed, since its router's pairs met."""
     async with aiohttp.ClientSession() as http, http.get(replica.url + "/metrics") as r:
         text = await r.text()
     done = failed = 0.0
@@ -49,7 +59,16 @@ async def transfers(replica: Any) -> tuple[float, float]:
             done = float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:nixl_num_failed_transfers_total"):
             failed = float(line.rsplit(" ", 1)[1])
-    return done, failed
+    before = BEFORE.get(replica.url, (0.0, 0.0))
+    return done - before[0], failed - before[1]
+
+
+async def introduced(node: Node, decode: Fleet, pairs: int) -> None:
+    """Wait until the router's `pairs` pairs have met, then count the decode replicas' transfers from there."""
+    await until(lambda: node.pairs is not None and len(node.pairs.met) >= pairs, "the pairs to meet", 10.0)
+    for d in decode.replicas:
+        BEFORE.pop(d.url, None)
+        BEFORE[d.url] = await transfers(d)
 
 
 async def transferred(fleet: Fleet) -> float:
@@ -62,6 +81,8 @@ async def disagg(start_fleet, start_router, config: EngineConfig | None = None, 
     prefill = await start_fleet(2, config, time_scale=1.0) if config is not None else await start_fleet(2)
     decode = await start_fleet(2)
     node, url = await start_router([], prefill=named(prefill, "p"), decode=named(decode, "d"), **settings)
+    if settings.get("disagg_introduce", True):
+        await introduced(node, decode, 4)
     return prefill, decode, node, url
 
 
@@ -119,7 +140,9 @@ async def test_a_prefill_replica_down_is_skipped_and_with_none_decode_recomputes
 
 
 async def test_a_failed_transfer_is_recomputed_and_a_dead_decode_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
-    prefill, decode, node, url = await disagg(start_fleet, start_router, health_checks=False)
+    # (no introductions: a pair whose transfer failed is introduced again, and these prefill
+    # replicas lose every lease, the introductions' too; test_a_pair_that_fails_a_transfer_...)
+    prefill, decode, node, url = await disagg(start_fleet, start_router, health_checks=False, disagg_introduce=False)
     # the prefill replicas lose their KV between prefill and decode: the transfer fails, the decode recomputes
     for p in prefill.replicas:
         p.lease_s = -1.0
@@ -163,8 +186,35 @@ async def test_prefill_replicas_serve_whole_when_no_decode_replica_can(start_fle
     # a decode replica back (removed, and added again): split again, the prefill pool prefilling
     node.membership.remove("d0")
     await node.membership.add(ReplicaSpec("d0", decode.replicas[0].url, "decode"))
+    await introduced(node, decode, 2)  # (met again, if a round forgot it while it was out of routing)
     status, _, replica = await chat(url, "again: " + LONG, "w2")
     assert status == 200 and replica == "d0" and await transferred(decode) == 1
+
+
+async def test_no_client_request_pays_a_pair_s_first_handshake(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    """A decode replica's first read of a prefill engine waits for their handshake (2 s here, as
+    NIXL's costs seconds): the router's own introductions pay it. A long prompt that comes before
+    its decode replica has met any prefill replica is served there whole; once pairs have met,
+    long prompts are split, and no client's request waited for a handshake."""
+    prefill = await start_fleet(2)
+    decode = await start_fleet(2, EngineConfig(kv_handshake_s=200.0))  # engine seconds: 2 s at the fleet's pace
+    node, url = await start_router([], prefill=named(prefill, "p"), decode=named(decode, "d"), health_checks=False)
+    status, answer, _ = await chat(url, "early " + LONG, "early")
+    assert status == 200 and answer["usage"]["completion_tokens"] == 6
+    assert node.pairs is not None and not node.pairs.met  # answered while the introductions wait
+    await introduced(node, decode, 4)
+    for i in range(4):
+        status, answer, _ = await chat(url, f"{i} {LONG}", f"s{i}")
+        assert status == 200 and answer["usage"]["completion_tokens"] == 6
+    assert await transferred(decode) == 4
+    waited = [body for d in decode.replicas for body in d.handshake_waits]
+    assert len(waited) == 4 and all("introduces a prefill replica" in body["prompt"] for body in waited), waited
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="cold"} 1.0' in text
+    assert 'router_disagg_requests_total{mode="split"} 4.0' in text
+    assert 'router_disagg_pair_meetings_total{outcome="met"} 4.0' in text
+    assert 'router_disagg_pair_meeting_seconds_bucket{le="1.0"} 0.0' in text  # each paid its handshake
 
 
 async def test_a_prefill_replica_busy_with_a_long_prompt_is_passed_over(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
@@ -272,6 +322,7 @@ async def test_prefill_replicas_found_by_discovery_join_and_leave(start_fleet, s
         return [r.id for r in node.pools[1].fleet.replicas]
 
     assert await listed() == ["p0"] and node.pools[1].fleet.replicas[0].role == "prefill"
+    await introduced(node, decode, 2)
     status, _, _ = await chat(url, "1 " + LONG, "s1")
     assert status == 200 and node.pools[1].fleet.find("p0").requests == 1  # split, prefilled on p0
     # p0 is gone from the source and p1 is there: the next long prompt is prefilled on p1
@@ -280,9 +331,11 @@ async def test_prefill_replicas_found_by_discovery_join_and_leave(start_fleet, s
     while [r.id for r in node.pools[1].fleet.replicas] != ["p1"]:
         assert time.monotonic() < deadline, [r.id for r in node.pools[1].fleet.replicas]
         await asyncio.sleep(0.05)
+    await until(lambda: node.pairs is not None and {p for p, _ in node.pairs.met} == {"p1"}, "p1 to meet", 10.0)
+    await introduced(node, decode, 2)  # p0's pairs forgotten, p1's met
     status, _, _ = await chat(url, "2 " + LONG, "s2")
     assert status == 200 and node.pools[1].fleet.find("p1").requests == 1
-    assert await transferred(decode) == 2
+    assert await transferred(decode) == 1
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     assert 'router_replica_role{replica="p1",role="prefill"} 1.0' in text
@@ -296,6 +349,14 @@ async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_p
     flags = [a for spec in named(prefill, "p") for a in ("--prefill", spec)]
     flags += [a for spec in named(decode, "d") for a in ("--decode", spec)]
     served = await serve_workers([], *flags, "--probe-interval-s", "0.2")
+
+    async def met() -> bool:  # each worker introduces its pairs (two each): the workers' counts merged
+        async with aiohttp.ClientSession() as http, http.get(served.url + "/metrics") as r:
+            return 'router_disagg_pair_meetings_total{outcome="met"} 4.0' in await r.text()
+
+    await until(met, "each worker's pairs to meet", 15.0, every=0.2)
+    for d in decode.replicas:
+        BEFORE[d.url] = await transfers(d)
     for i in range(2):
         status, answer, _ = await chat(served.url, f"{i} {LONG}", f"w{i}")
         assert status == 200 and answer["usage"]["completion_tokens"] == 6
@@ -321,8 +382,13 @@ async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fle
     # on real vLLM a read from a prefill replica that died between the legs can hang with no error;
     # the only decode replica here hangs so on its transfer, past the router's first-byte time-out
     prefill, decode = await start_fleet(1), await start_fleet(1)
-    node, url = await start_router(
-        [], prefill=named(prefill, "p"), decode=named(decode, "d"), health_checks=False, first_byte_timeout_s=1
+    node, url = await start_router(  # (without introductions, which would hang as well)
+        [],
+        prefill=named(prefill, "p"),
+        decode=named(decode, "d"),
+        health_checks=False,
+        first_byte_timeout_s=1,
+        disagg_introduce=False,
     )
     d = decode.replicas[0]
 
@@ -342,3 +408,34 @@ async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fle
         text = await r.text()
     assert 'router_disagg_requests_total{mode="recomputed"} 2.0' in text
     assert sum(r.requests for r in node.pools[1].fleet.replicas) == 2  # prefilled once each, not again
+
+
+async def test_with_prefill_anywhere_a_busy_replica_s_long_prompt_is_prefilled_by_an_idle_one(  # type: ignore[no-untyped-def]
+    start_fleet, start_router
+) -> None:
+    """No prefill replicas: every replica serves, and prefills for another where that costs the
+    fleet less waiting. A conversation's replica busy with two long answers has its next long
+    prompt prefilled by an idle replica (it reads the KV and decodes); idle, it prefills its own."""
+    fleet = await start_fleet(3, time_scale=1.0)  # real time: the answers in flight last seconds
+    node, url = await start_router([r.url for r in fleet.replicas], prefill_anywhere=True, health_checks=False)
+    await introduced(node, fleet, 6)  # each replica to each other one
+    history = ["first: " + LONG, "an answer"]
+    status, _, home = await chat(url, history[0], "x")
+    assert status == 200
+    busy = [asyncio.create_task(chat(url, [*history, f"story {i}"], "x", stream=True, max_tokens=400)) for i in (1, 2)]
+    await until(lambda: sum(node.fleet.loads) == 2, "the two answers in flight")
+    owner = fleet.replicas[[r.id for r in node.fleet.replicas].index(home)]
+    before = await transfers(owner)
+    status, answer, replica = await chat(url, [*history, "second: " + LONG], "x")
+    assert status == 200 and replica == home and answer["usage"]["completion_tokens"] == 6
+    assert (await transfers(owner))[0] == before[0] + 1  # its KV came from another replica
+    lent = [r for r in node.fleet.replicas if r.id != home and r.requests > 0]
+    assert len(lent) == 1, [(r.id, r.requests) for r in node.fleet.replicas]
+    for task in busy:
+        assert (await task)[0] == 200
+    # idle again: its own replica prefills it
+    status, _, replica = await chat(url, [*history, "third: " + LONG], "x")
+    assert status == 200 and replica == home and (await transfers(owner))[0] == before[0] + 1
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="split"} 1.0' in text

@@ -12,11 +12,17 @@ them: a decode replica (mid-stream, then before a request's first byte), then bo
 replicas, each between its prefill and the decode that reads it (in front of the two decode
 replicas left: a read from a prefill replica that died may hang with no error, and vLLM 0.32's
 decode engine may die when that read is aborted, so the router needs another decode replica).
+
+A pair's first read waits for NIXL's handshake (10 to 30 s here). The first test's router
+introduces its pairs itself (router.pools.Pairs) before it splits a client's request; the module
+introduces d-2, which only the last test uses (without introductions: its relays kill a prefill
+replica after its first prefill, an introduction's too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,7 @@ import orjson
 import pytest
 from aiohttp import web
 from engine_streams import events_of, metric, metrics_of, text_of, vllm_or_why
+from waiting import until
 
 from router.bench.common import free_port
 from router.bench.vllm import MODEL_NAME, VllmServer, nixl_handshakes, nixl_transfer, start_all
@@ -57,7 +64,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmSe
     servers = [replica(name, logs) for name in ("p-0", "p-1", "d-0", "d-1", "d-2")]
     try:
         asyncio.run(start_all(servers))
-        print("handshakes took", asyncio.run(nixl_handshakes(servers[:2], servers[2:])))
+        print("d-2's handshakes took", asyncio.run(nixl_handshakes(servers[:2], servers[4:])))
         yield {s.name: s for s in servers}
     finally:
         for server in servers:
@@ -107,6 +114,15 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
 ) -> None:
     p, d = [fleet["p-0"], fleet["p-1"]], [fleet["d-0"], fleet["d-1"]]
     node, url = await start_router([], prefill=specs(*p), decode=specs(*d), admin_token=TOKEN, health_checks=False)
+    # the router introduces each prefill replica to each decode replica (NIXL's first handshake)
+    # before it splits a client's request across them; one that comes before is served whole
+    async with aiohttp.ClientSession() as http:
+        status, raw, _ = await post(http, url, "/v1/chat/completions", chat("0 " + LONG), "s-early")
+        assert status == 200, raw[:300]
+    assert node.pairs is not None
+    await until(lambda: len(node.pairs.met) == 4, "the router's four pairs to meet", 300.0, every=0.5)
+    print("the router's introductions took", node.pairs.met, "tries failed", node.pairs.tries)
+    slowest = max(node.pairs.met.values())
     asks = [
         ("/v1/chat/completions", chat("1 " + LONG)),
         ("/v1/chat/completions", chat("2 " + LONG, stream=True)),
@@ -116,10 +132,15 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
         ("/v1/responses", {"input": "6 " + LONG, "max_output_tokens": 8, "stream": True}),
     ]
     async with aiohttp.ClientSession() as http:
-        before = await settled(http, d)  # the handshakes' transfers counted
+        before = await settled(http, d)  # the introductions' transfers counted
         for i, (path, body) in enumerate(asks):
+            began = time.monotonic()
             status, raw, chosen = await post(http, url, path, body, f"s{i}")
+            took = time.monotonic() - began
             assert status == 200, raw[:300]
+            if i == 0:  # the first split request did not wait for a handshake (the introductions did)
+                print(f"the first split request took {took:.2f} s; the slowest introduction {slowest:.2f} s")
+                assert took < max(slowest, 5.0), (took, node.pairs.met)
             if body.get("stream"):
                 assert b'"error"' not in raw and (path == "/v1/responses" or raw.rstrip().endswith(b"data: [DONE]"))
             else:
@@ -136,6 +157,8 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
         text = await metrics_of(http, url, TOKEN)
     assert metric(text, "router_disagg_requests_total", mode="split") == len(asks)
     assert metric(text, "router_disagg_requests_total", mode="alone") == 1
+    assert metric(text, "router_disagg_requests_total", mode="cold") <= 1  # the early one, if no pair had met
+    assert metric(text, "router_disagg_pair_meetings_total", outcome="met") == 4
     # the prompts were computed on the prefill side and counted there
     assert sum(r.requests for r in node.pools[1].fleet.replicas) == len(asks)
     assert sum(r.prompt_tokens for r in node.pools[1].fleet.replicas) > len(asks) * 600
@@ -149,6 +172,8 @@ async def test_a_decode_replica_killed_mid_stream_or_before_its_first_byte_loses
         [], prefill=specs(*p), decode=specs(*d), admin_token=TOKEN, health_checks=False, policy="affinity"
     )
     owner = next(f"k{i}" for i in range(200) if node.fleet.ring.lookup(f"k{i}".encode()) == 0)  # on d-0
+    # (the engines met in the test above: this router's introductions take milliseconds)
+    await until(lambda: node.pairs is not None and len(node.pairs.met) == 4, "the router's pairs to meet", 120.0)
     async with aiohttp.ClientSession() as http:
         # killed mid-stream, a few events in: the stream is resumed on d-1, the client sees one whole stream
         body = {**chat("tell a long story. " + LONG, stream=True, max_tokens=600), "ignore_eos": True, "temperature": 0}
@@ -224,7 +249,13 @@ async def test_prefill_replicas_killed_between_the_legs_lose_no_request(
     prefill = [f"p-{i}={await relay.start()}" for i, relay in enumerate(relays)]
     d = [fleet["d-1"], fleet["d-2"]]
     _, url = await start_router(
-        [], prefill=prefill, decode=specs(*d), admin_token=TOKEN, health_checks=False, policy="affinity"
+        [],
+        prefill=prefill,
+        decode=specs(*d),
+        admin_token=TOKEN,
+        health_checks=False,
+        policy="affinity",
+        disagg_introduce=False,
     )
     try:
         async with aiohttp.ClientSession() as http:

@@ -300,6 +300,18 @@ def test_each_settings_default_is_written_alike_in_the_dataclass_the_help_and_th
             assert value in words, (name, default, value)
 
 
+def test_prefill_anywhere_lends_the_route_s_own_replicas_and_wants_ttft_and_no_prefill_replicas() -> None:
+    cfg = load(None, {"ROUTER_PREFILL_ANYWHERE": "true"}, {"replicas": ["http://a:1", "http://a:2"], "state": "none"})
+    node = Node(cfg)
+    assert node.lending is not None and node.lending.fleet is node.fleet and node.lending.policy is node.policy
+    assert len(node.pools) == 1 and node.pairs is not None and node.pairs.prefill is node.fleet  # one fleet, shown once
+    assert not Node(load(None, {}, {"replicas": ["http://a:1"], "state": "none"})).lending
+    with pytest.raises(ConfigError, match=r"prefill_anywhere.*without prefill replicas"):
+        load(None, {}, {"prefill_anywhere": True, "prefill": ["http://p:1"], "decode": ["http://d:1"], "state": "none"})
+    with pytest.raises(ConfigError, match=r"prefill_anywhere.*needs policy ttft"):
+        load(None, {}, {"prefill_anywhere": True, "policy": "affinity", "replicas": ["http://a:1"], "state": "none"})
+
+
 def test_prefill_and_decode_replicas_take_their_roles_and_decode_ones_are_routed_to() -> None:
     args = build_parser().parse_args(
         [

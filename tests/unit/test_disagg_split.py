@@ -15,7 +15,7 @@ from router.fleet import Fleet, ReplicaState
 from router.handoff import VLLM
 from router.health.states import Hysteresis
 from router.metrics import RouterMetrics
-from router.pools import Pool, prefill_pool
+from router.pools import Pairs, Pool, prefill_pool
 from router.proxy import disagg
 from router.proxy.disagg import DisaggAttempts
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
@@ -95,10 +95,11 @@ class Exchange:
 
 
 def world(
-    answers: list[Answer | Exception], settled: list[Retry | None] | None = None
+    answers: list[Answer | Exception], settled: list[Retry | None] | None = None, met: tuple[str, ...] | None = None
 ) -> tuple[DisaggAttempts, Pool, Upstream, Decode, Any, list[str]]:
     """Two prefill replicas (p0, p1) in their pool, answering in turn as `answers` says; one
-    decode replica, whose split attempts fail as `settled` says."""
+    decode replica, whose split attempts fail as `settled` says; `met`: the prefill replicas it
+    has met (router.pools.Pairs; None: no introductions, every pair is split across)."""
     config = load(
         None,
         {},
@@ -122,7 +123,10 @@ def world(
         Timeouts(1.0, 5.0, 5.0),
         modes.append,
         lambda why: modes.append(f"abandoned: {why}"),
+        None if met is None else Pairs(pool.fleet, Fleet((DECODE_SPEC,)), VLLM, lambda: None),  # type: ignore[arg-type, return-value]
     )
+    if attempts.pairs is not None:
+        attempts.pairs.met.update({(p, "d0"): 1.0 for p in met or ()})
     return attempts, pool, upstream, decode, config, modes
 
 
@@ -134,7 +138,8 @@ def trip(config: Any, text: str = LONG) -> Trip:
     return Trip(Exchange(), intake, {}, time.monotonic())  # type: ignore[arg-type]
 
 
-DECODE = Fleet((parse_replica("d0=http://127.0.0.1:9100"),)).replicas[0]
+DECODE_SPEC = parse_replica("d0=http://127.0.0.1:9100")
+DECODE = Fleet((DECODE_SPEC,)).replicas[0]
 
 
 def prefilled(cached: int = 0) -> Answer:
@@ -218,3 +223,86 @@ async def test_a_prefill_no_decode_replica_read_is_counted_abandoned(monkeypatch
     assert isinstance(await attempts.send(DECODE, trip(config), time.monotonic() + 30), Retry)
     assert isinstance(await attempts.send(DECODE, trip(config), time.monotonic() + 30), Retry)
     assert modes[-3:] == ["split", "split", "abandoned: no_decode"]
+
+
+async def test_a_decode_replica_that_has_met_no_prefill_replica_serves_alone_and_strangers_are_passed_over() -> None:
+    attempts, pool, upstream, decode, config, modes = world([prefilled(), prefilled()], met=())
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and modes == ["cold"] and not upstream.sent
+    assert decode.bodies[0][0] == "send" and "kv_transfer_params" not in decode.bodies[0][2]
+    # it has met p1 alone: every prefill leg goes there, however the prefix index would choose
+    assert attempts.pairs is not None
+    attempts.pairs.met[("p1", "d0")] = 1.0
+    for i in range(2):
+        result = await attempts.send(DECODE, trip(config, f"{i} {LONG}"), time.monotonic() + 30)
+        assert isinstance(result, Outcome) and result.split is not None and result.split.replica == "p1"
+    assert [r.id for r in asked(pool, upstream)] == ["p1", "p1"]
+
+
+async def test_a_pair_whose_transfer_fails_is_forgotten_and_kept_params_do_not_cross_to_a_stranger() -> None:
+    attempts, pool, upstream, _, config, modes = world([prefilled()] * 3, [Retry("http_5xx", 500)], met=("p0",))
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and modes == ["split", "recomputed", "abandoned: transfer_failed"]
+    assert attempts.pairs is not None and attempts.pairs.met == {}  # introduced again before the next split
+    result = await attempts.send(DECODE, trip(config), time.monotonic() + 30)
+    assert isinstance(result, Outcome) and modes[-1] == "cold"
+    # d0 fails before its first byte: its params are kept for the request's next decode replica,
+    # but d1 has met p1 alone, so the prompt is prefilled again there, not read from p0
+    pairs = attempts.pairs
+    pairs.met.update({("p0", "d0"): 1.0, ("p1", "d1"): 1.0})
+    attempts.inner.settled = [Retry("connect")]  # type: ignore[attr-defined]
+    d1 = Fleet((parse_replica("d1=http://127.0.0.1:9101"),)).replicas[0]
+    one = trip(config)
+    assert isinstance(await attempts.send(DECODE, one, time.monotonic() + 30), Retry)
+    result = await attempts.send(d1, one, time.monotonic() + 30)
+    assert isinstance(result, Outcome) and result.split is not None and result.split.replica == "p1"
+    assert modes[-3:] == ["split", "abandoned: strangers", "split"]
+    assert [r.id for r in asked(pool, upstream)] == ["p0", "p0", "p1"]
+
+
+def pairs_of(prefills: int, decodes: int) -> tuple[Pairs, list[tuple[str, str]]]:
+    """Pairs over fleets of `prefills` and `decodes` replicas whose introductions are scripted: a
+    pair meets when it is not in `failing`; every introduction is recorded in order."""
+    prefill = Fleet(tuple(parse_replica(f"p{i}=http://127.0.0.1:{9200 + i}") for i in range(prefills)))
+    decode = Fleet(tuple(parse_replica(f"d{i}=http://127.0.0.1:{9100 + i}") for i in range(decodes)))
+    heard: list[str] = []
+    pairs = Pairs(prefill, decode, VLLM, lambda: None, lambda outcome, s: heard.append(outcome))  # type: ignore[arg-type, return-value]
+    tried: list[tuple[str, str]] = []
+    failing: set[tuple[str, str]] = set()
+
+    async def meet(p: ReplicaState, d: ReplicaState) -> bool:
+        tried.append((p.id, d.id))
+        return (p.id, d.id) not in failing
+
+    pairs.meet = meet  # type: ignore[method-assign]
+    pairs.failing = failing  # type: ignore[attr-defined]
+    return pairs, tried
+
+
+async def test_pairs_are_introduced_each_prefill_replica_to_each_decode_replica_once_and_again_after_a_failure() -> (
+    None
+):
+    pairs, tried = pairs_of(2, 3)
+    pairs.failing.add(("p1", "d2"))  # type: ignore[attr-defined]
+    await pairs.introduce()
+    assert sorted(tried) == [(f"p{i}", f"d{j}") for i in range(2) for j in range(3)]
+    # one prefill replica's introductions in turn (its engine holds one's blocks until they are read)
+    assert [d for p, d in tried if p == "p0"] == ["d0", "d1", "d2"]
+    assert len(pairs.met) == 5 and pairs.tries == {("p1", "d2"): 1}
+    d2 = pairs.decode.find("d2")
+    assert d2 is not None and pairs.has_met(d2) and pairs.strangers(d2) == {1}
+    pairs.failing.clear()  # type: ignore[attr-defined]
+    tried.clear()
+    await pairs.introduce()
+    assert tried == [("p1", "d2")] and len(pairs.met) == 6 and not pairs.tries and not pairs.strangers(d2)
+    # a replica out of routing (removed by its health, drained) has its pairs forgotten: an engine
+    # that comes back may be a new one, which the others have not met
+    d0 = pairs.decode.find("d0")
+    assert d0 is not None and d0.index is not None
+    d0.health.state = "removed"
+    tried.clear()
+    await pairs.introduce()
+    assert not tried and not pairs.has_met(d0) and len(pairs.met) == 4
+    d0.health.state = "healthy"
+    await pairs.introduce()
+    assert sorted(tried) == [("p0", "d0"), ("p1", "d0")] and len(pairs.met) == 6

@@ -201,12 +201,19 @@ def test_contenders_of_the_router_and_the_peers() -> None:
 
 def test_prefill_decode_contenders_split_the_fleet_and_run_only_when_named() -> None:
     c = contenders.CONTENDERS
-    assert [n for n, x in c.items() if x.roles] == ["disagg", "disagg-always", "vllm-pd"]
+    assert [n for n, x in c.items() if x.roles] == ["disagg", "disagg-always", "disagg-p25", "disagg-p75", "vllm-pd"]
+    assert [n for n, x in c.items() if x.splits and not x.roles] == ["anywhere"]
+    assert c["anywhere"].args[-1] == "--prefill-anywhere" and c["anywhere"].engines == ("emulator", "vllm")
     assert c["disagg"].args == c["full"].args and c["disagg-always"].args[-2:] == ("--disagg-min-prompt-tokens", "0")
     assert all(c[n].engines == ("emulator", "vllm") for n in ("disagg", "disagg-always", "vllm-pd"))
     urls = [f"http://127.0.0.1:{9001 + i}" for i in range(5)]
     assert contenders.split_roles(urls) == (urls[:2], urls[2:])
     assert contenders.split_roles(urls[:2]) == ([urls[0]], [urls[1]])
+    eight = [f"http://127.0.0.1:{9001 + i}" for i in range(8)]
+    assert [len(contenders.split_roles(eight, share)[0]) for share in (0.25, 0.5, 0.75, 0.01, 0.99)] == [2, 4, 6, 1, 7]
+    # roles that follow the load: every replica given as a replica, none as prefill or decode
+    cmd = contenders.router_command(c["anywhere"], 8000, eight)
+    assert "--prefill" not in cmd and cmd.count("--replica") == 8 and "--prefill-anywhere" in cmd
     cmd = contenders.router_command(c["disagg-always"], 8000, urls)
     assert "--replica" not in cmd and cmd[-10:] == [
         *("--prefill", urls[0], "--prefill", urls[1]),
@@ -217,7 +224,7 @@ def test_prefill_decode_contenders_split_the_fleet_and_run_only_when_named() -> 
     assert "--worker-urls" not in peer and "--vllm-pd-disaggregation" in peer
     assert peer[peer.index("--prefill") : peer.index("--prefill") + 4] == ["--prefill", urls[0], "--prefill", urls[1]]
     # the default contenders leave them out: they run when named
-    assert not {"disagg", "disagg-always", "vllm-pd"} & set(args_of().contenders)
+    assert not {"disagg", "disagg-always", "disagg-p25", "anywhere", "vllm-pd"} & set(args_of().contenders)
     assert args_of("--contenders", "full,disagg").contenders == ["full", "disagg"]
     with pytest.raises(ValueError, match="runs with --engine emulator or vllm only"):
         args_of("--engine", "llama-server", "--contenders", "disagg")

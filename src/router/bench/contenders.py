@@ -4,10 +4,14 @@ installed, and how one is started in front of a run's replicas."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import sys
+import time
 from dataclasses import dataclass
+
+import aiohttp
 
 from router.bench.common import free_port
 from router.bench.proxy_bench import PEERS, first_answer, peer_command, peer_installed, role_flags
@@ -32,13 +36,22 @@ class Contender:
     # prefill/decode: the first half of the replicas prefill, the others decode (router-serve's
     # --prefill/--decode, a peer's PD mode); the replicas then speak vLLM's kv_transfer_params
     roles: bool = False
+    prefill_share: float = 0.5  # ... of which this share prefill (rounded, at least one of each)
+    # every replica may prefill for another, chosen per request (router-serve's --prefill-anywhere;
+    # vLLM's kv_both on every replica): no fixed roles, the replicas speak kv_transfer_params
+    lends: bool = False
+
+    @property
+    def splits(self) -> bool:
+        """Whether it splits requests between replicas (its replicas speak vLLM's hand-off)."""
+        return self.roles or self.lends
 
 
-def split_roles(urls: list[str]) -> tuple[list[str], list[str]]:
-    """A fleet's replicas as a disaggregated contender runs them: (prefill, decode), the first half
-    prefilling (at least one each)."""
-    half = max(1, len(urls) // 2)
-    return urls[:half], urls[half:]
+def split_roles(urls: list[str], share: float = 0.5) -> tuple[list[str], list[str]]:
+    """A fleet's replicas as a disaggregated contender runs them: (prefill, decode), the first
+    `share` of them prefilling (rounded; at least one each)."""
+    n = min(max(1, round(len(urls) * share)), len(urls) - 1) if len(urls) > 1 else 1
+    return urls[:n], urls[n:]
 
 
 PLAIN = ("--no-rebalance", "--no-warmup")  # least_load and consistent_hash run as plain policies
@@ -105,6 +118,35 @@ CONTENDERS = {
             engines=PD_ENGINES,
             roles=True,
         ),
+        # the split searched: a quarter or three quarters of the replicas prefill, not half
+        Contender(
+            "disagg-p25",
+            "router-serve prefill/decode, 1/4 prefill (conditional)",
+            "router",
+            SHIPPED,
+            engines=PD_ENGINES,
+            roles=True,
+            prefill_share=0.25,
+        ),
+        Contender(
+            "disagg-p75",
+            "router-serve prefill/decode, 3/4 prefill (conditional)",
+            "router",
+            SHIPPED,
+            engines=PD_ENGINES,
+            roles=True,
+            prefill_share=0.75,
+        ),
+        # roles that follow the load: every replica serves, and prefills for another where that
+        # costs the fleet less waiting (router.routing.lend_worth)
+        Contender(
+            "anywhere",
+            "router-serve, prefill anywhere (kv_both)",
+            "router",
+            (*SHIPPED, "--prefill-anywhere"),
+            engines=PD_ENGINES,
+            lends=True,
+        ),
         Contender(
             "vllm-pd",
             "vllm-router PD (--vllm-pd-disaggregation)",
@@ -137,7 +179,22 @@ def router_command(c: Contender, port: int, urls: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "router.proxy.cli", "--port", str(port), "--state", "none", *c.args]
     if not c.roles:
         return cmd + [a for url in urls for a in ("--replica", url)]
-    return cmd + role_flags(*split_roles(urls))
+    return cmd + role_flags(*split_roles(urls, c.prefill_share))
+
+
+async def pairs_met(url: str, pairs: int, timeout: float) -> None:
+    """Until router-serve at `url` says (its /metrics) that `pairs` prefill/decode pairs have met."""
+    name = 'router_disagg_pair_meetings_total{outcome="met"} '
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    met = [float(line[len(name) :]) for line in (await r.text()).splitlines() if line.startswith(name)]
+                    if met and met[0] >= pairs:
+                        return
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"{url}'s {pairs} prefill/decode pairs did not meet within {timeout:g} s")
 
 
 async def start_contender(c: Contender, urls: list[str], settings: dict[str, str]) -> tuple[Child | None, list[str]]:
@@ -155,7 +212,7 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
                 raise RuntimeError(str(exc)) from None
         env = {"ROUTER_" + k.upper(): v for k, v in settings.items()}
     else:
-        cmd, env = peer_command(c.kind, port, urls, c.args, split_roles(urls) if c.roles else None)
+        cmd, env = peer_command(c.kind, port, urls, c.args, split_roles(urls, c.prefill_share) if c.roles else None)
     child = Child.spawn(cmd, c.label, env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -163,8 +220,12 @@ async def start_contender(c: Contender, urls: list[str], settings: dict[str, str
         # a peer may answer /health before its workers are registered: wait for one real answer
         # (before the replay and its counters); a split one may wait for a prefill replica's NIXL
         # hand-off on a busy machine: given a minute a try, not cut short and sent again
-        if c.roles:
+        if c.splits:
             await first_answer(url, timeout=180, each_s=60)
+            if c.kind == "router":  # and its pairs introduced (router.pools.Pairs): none of the replay is cold
+                prefill, decode = split_roles(urls, c.prefill_share) if c.roles else (urls, urls)
+                pairs = len(prefill) * len(decode) - (len(urls) if c.lends else 0)
+                await pairs_met(url, pairs, timeout=180 + 2 * pairs)
         else:
             await first_answer(url)
     except BaseException:

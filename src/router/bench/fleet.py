@@ -38,7 +38,10 @@ this process sending the workload. Contenders:
   others decode, through vLLM's `kv_transfer_params` hand-off (the emulator speaks it; real vLLM
   needs NIXL, router.bench.vllm). `disagg`: router-serve as shipped with `--prefill`/`--decode`,
   splitting a request only when its decode replica would prefill at least
-  `disagg_min_prompt_tokens` (conditional); `disagg-always`: every request split; `vllm-pd`:
+  `disagg_min_prompt_tokens` (conditional); `disagg-p25`, `disagg-p75`: the same with a quarter
+  or three quarters of the replicas prefilling; `disagg-always`: every request split; `anywhere`:
+  no roles, every replica serving and prefilling for another where that costs the fleet less
+  waiting (`--prefill-anywhere`, vLLM's kv_both); `vllm-pd`:
   `vllm-router --vllm-pd-disaggregation --policy consistent_hash` (session id in
   `x-session-id`). With any of them, each table also shows TTFT P50, time per output token (after
   the first) P50 and P99, and goodput: answers within `--slo-ttft` and `--slo-tpot` a second
@@ -388,7 +391,7 @@ def check_args(args: argparse.Namespace) -> None:
     names = (
         _names(args.contenders, "--contenders")
         if args.contenders
-        else [n for n, c in CONTENDERS.items() if available(n) and args.engine in c.engines and not c.roles]
+        else [n for n, c in CONTENDERS.items() if available(n) and args.engine in c.engines and not c.splits]
     )
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown:
@@ -410,7 +413,7 @@ def check_args(args: argparse.Namespace) -> None:
     except (NotBuilt, VllmNotBuilt) as exc:
         raise ValueError(str(exc)) from None
     if args.vllm_replicas is not None:  # prefill/decode contenders: NIXL in every replica
-        args.vllm_replicas.nixl = any(CONTENDERS[n].roles for n in names)
+        args.vllm_replicas.nixl = any(CONTENDERS[n].splits for n in names)
     try:
         args.rate = [float(r) for r in _names(str(args.rate), "--rate")]
     except ValueError as exc:

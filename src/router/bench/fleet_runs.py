@@ -231,7 +231,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
         "settings": args.settings,
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         # prefill/decode contenders among them: their tables show TPOT and goodput
-        "disagg": any(CONTENDERS[n].roles for n in args.contenders),
+        "disagg": any(CONTENDERS[n].splits for n in args.contenders),
         "emulator_args": args.emulator_arg,
         # per workload: what its replicas are (emulator arguments, KV capacity, working set)
         "engine_shapes": {w: engine_shape(w, args) for w in args.workloads} if args.engine == "emulator" else {},

@@ -303,6 +303,10 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
         if cfg.prefill or cfg.prefill_discovery:
             raise bad("decode", "prefill replicas need replicas to decode: give --decode URL (repeatable)")
         raise bad("replicas", "no replicas: give --replica URL (repeatable), ROUTER_REPLICAS, --discovery, or --demo N")
+    if cfg.prefill_anywhere and (cfg.prefill or cfg.prefill_discovery):
+        raise bad("prefill_anywhere", "is for a fleet without prefill replicas: drop --prefill or this")
+    if cfg.prefill_anywhere and cfg.policy != "ttft":
+        raise bad("prefill_anywhere", "needs policy ttft (its prefix index and prefill queues price each prefill)")
     if cfg.disagg_min_prompt_tokens < 0:
         raise bad("disagg_min_prompt_tokens", "must be 0 or more tokens")
     every = (*cfg.replicas, *cfg.prefill)

@@ -184,6 +184,14 @@ HELP = {
     "replicas found and gone join and leave the prefill replicas",
     "disagg_min_prompt_tokens": "with prefill replicas: a request leaving fewer tokens than this to prefill on "
     "its decode replica (its prompt less what the prefix index predicts there) is served there alone (default 512)",
+    "prefill_anywhere": "with no prefill replicas (and policy ttft): any replica may prefill a request for another "
+    "(vLLM's kv_both connector on every replica), chosen per request: the replica whose prefill would cost the "
+    "fleet least waiting (its first token, plus the streams it would stall), where that beats prefilling on the "
+    "request's own replica, which then reads the KV and decodes (default off)",
+    "disagg_introduce": "with prefill replicas: introduce each prefill replica to each decode replica with a split "
+    "request of the router's own (the engines' first handshake, NIXL's: seconds), and split a client's request "
+    "only across a pair that has met; a decode replica that has met none serves alone meanwhile (default on; "
+    "off: any pair is split across, and the first request of each pays the handshake)",
     "demo": "start N emulated replicas in-process and route to them too; a demo saves no routing state unless "
     "--state is given",
 }
@@ -205,7 +213,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "prefill/decode disaggregation",
         "replicas that prefill, replicas that decode, and what is split",
-        ("prefill", "decode", "prefill_discovery", "disagg_min_prompt_tokens"),
+        ("prefill", "decode", "prefill_discovery", "disagg_min_prompt_tokens", "prefill_anywhere", "disagg_introduce"),
     ),
     (
         "sessions and routing keys",

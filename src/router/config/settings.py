@@ -45,6 +45,10 @@ class RouterConfig:
     prefill: tuple[ReplicaSpec, ...] = ()
     decode: tuple[ReplicaSpec, ...] = ()
     disagg_min_prompt_tokens: int = 512  # a shorter prompt is served by its decode replica alone
+    # with no prefill replicas: every replica may prefill a request for another (vLLM's kv_both),
+    # chosen per request where that costs the fleet less waiting (router.proxy.disagg)
+    prefill_anywhere: bool = False
+    disagg_introduce: bool = True  # pairs meet by the router's requests before a client's is split across them
     # ring
     vnodes: int = 128
     hash_seed: int = 0

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine milliseconds to load an adapter into a free GPU slot (default 0)",
     )
     g.add_argument(
+        "--kv-handshake-ms",
+        type=float,
+        default=d.kv_handshake_s * 1000,
+        help="engine milliseconds a decode replica's first read of a prefill engine's KV waits for their "
+        "handshake (NIXL's; default 0)",
+    )
+    g.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -281,6 +288,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             attention_per_token_s=args.attention_ns_per_token / 1e9,
             max_loras=args.max_loras,
             lora_load_s=args.lora_load_ms / 1000,
+            kv_handshake_s=args.kv_handshake_ms / 1000,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

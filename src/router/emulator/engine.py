@@ -71,6 +71,10 @@ class EngineConfig:
     # of the tiny model)
     kv_transfer_base_s: float = 0.005
     kv_transfer_tokens_per_s: float = 1_000_000.0
+    # a decode replica's first read of a given prefill engine waits for NIXL's handshake with it
+    # (later reads do not): 10 to 30 s on vLLM 0.32's CPU build here (the prefill engine answers it
+    # late while it holds a lease); 0 by default, as the router introduces pairs before they serve
+    kv_handshake_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras")
@@ -80,7 +84,14 @@ class EngineConfig:
         for name in ("prefill_tokens_per_s", "kv_transfer_tokens_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("step_base_s", "decode_per_seq_s", "attention_per_token_s", "lora_load_s", "kv_transfer_base_s"):
+        for name in (
+            "step_base_s",
+            "decode_per_seq_s",
+            "attention_per_token_s",
+            "lora_load_s",
+            "kv_transfer_base_s",
+            "kv_handshake_s",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.max_num_seqs:

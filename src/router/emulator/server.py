@@ -184,6 +184,9 @@ class Replica:
         self.leases: dict[str, tuple[float, int]] = {}
         self.lease_s = 30.0  # vLLM's kv_lease_duration
         self._pulls: Any = None  # the decode side's HTTP client, made at the first transfer
+        # the prefill engines this engine has shaken hands with (kv_handshake_s), or is shaking
+        self._handshakes: dict[str, asyncio.Future[None]] = {}
+        self.handshake_waits: list[dict[str, Any]] = []  # the bodies of the decodes that waited for one
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -318,6 +321,7 @@ class Replica:
         self._epoch += 1
         self.engine_id = uuid.uuid4().hex  # the KV its prefills kept is gone
         self.leases.clear()
+        self._handshakes.clear()  # and the engines it had met
         waiting_handlers = [seq.owner for seq in (*self.engine.running, *self.engine.waiting)]
         self.engine.reset()
         for owner in waiting_handlers:
@@ -430,7 +434,10 @@ class Replica:
         lease = isinstance(transfer, dict) and transfer.get("do_remote_decode") is True and not job.stream
         if isinstance(transfer, dict) and transfer.get("do_remote_prefill") is True:
             # a decode for a remote prefill: read its KV first, as vLLM's connector does before
-            # it schedules the request (kv_load_failure_policy "fail": the request fails)
+            # it schedules the request (kv_load_failure_policy "fail": the request fails), the
+            # first read of a prefill engine after their handshake
+            if await self._handshake(str(transfer.get("remote_engine_id"))):
+                self.handshake_waits.append(body)
             pulled = await self._pull_kv(transfer, seq.prompt_tokens)
             if pulled is None and self.options.kv_load_failure_policy != "recompute":
                 if job.stream and isinstance(wire, Completions):
@@ -576,6 +583,19 @@ class Replica:
         await asyncio.sleep((cfg.kv_transfer_base_s + tokens / cfg.kv_transfer_tokens_per_s) / self.options.time_scale)
         self.metrics.transfer_time.labels(self.options.model).observe(time.monotonic() - started)
         return tokens
+
+    async def _handshake(self, engine: str) -> bool:
+        """The first read of `engine`'s KV waits for the handshake with it (`kv_handshake_s`);
+        reads that come while it is under way wait for the same one, later ones not at all.
+        Whether this read waited."""
+        cost = self.engine.config.kv_handshake_s
+        shaking = self._handshakes.get(engine)
+        if cost <= 0 or (shaking is not None and shaking.done()):
+            return False
+        if shaking is None:
+            shaking = self._handshakes[engine] = asyncio.ensure_future(asyncio.sleep(cost / self.options.time_scale))
+        await asyncio.shield(shaking)
+        return True
 
     async def _stream(self, request: web.Request, seq: Sequence, wire: Api) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -85,7 +85,8 @@ def journey_of(node: Node) -> Journey:
     )
     attempts: Attempts = http
     prefill = node.pool("prefill")
-    if prefill is not None:  # a disaggregated fleet: prefill there, decode where routed
+    lender = prefill if prefill is not None else node.lending
+    if lender is not None:  # a disaggregated fleet, or one lending prefill: prefill there, decode where routed
         metrics = node.metrics
 
         def observe(mode: str) -> None:
@@ -96,12 +97,14 @@ def journey_of(node: Node) -> Journey:
 
         attempts = DisaggAttempts(
             http,
-            prefill,
+            lender,
             VLLM,
             cfg.disagg_min_prompt_tokens,
             http.timeouts,
             observe,
             abandoned,
+            node.pairs,
+            lends=prefill is None,
         )
     ledger = Ledger(node.metrics, node.policy.name, node.fleet.model_label, cfg.log_requests, node.clients is not None)
     spare = prefill.whole(node.metrics, cfg.max_attempts) if prefill is not None else None

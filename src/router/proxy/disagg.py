@@ -5,6 +5,10 @@ The route (router.routing) chooses among the decode replicas (and aggregated one
 request: a conversation's turns stay on one decode replica, whose cache holds its blocks too. Then
 `DisaggAttempts.send`, in place of a plain attempt:
 
+- serves the request there alone when its decode replica has met no prefill replica yet (mode
+  `cold`): the engines' first handshake between a pair costs seconds, which the router pays with
+  requests of its own (router.pools.Pairs), never a client's; the prefill leg passes over the
+  prefill replicas the decode replica has not met;
 - serves the request there alone when it is not worth splitting: an API the engines' connectors do
   not see (router.handoff.SPLITTABLE), or fewer than `min_tokens` left to prefill there: the prompt
   less what the prefix index predicted the decode replica holds when ttft chose it, so a short
@@ -31,6 +35,16 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
 
 A broken decode stream is resumed as any other (router.proxy.resume), aggregated.
 
+With `prefill_anywhere` (`lends`), there are no prefill replicas: every replica may prefill for
+another (vLLM's kv_both), and the prefill pool is the route's own fleet and policy. A request worth
+splitting is then split only where a prefill elsewhere costs the fleet less waiting than one on
+its own replica (`lend_worth`): the prompt priced on the other replicas (ttft's prefix index and
+prefill queues), the cheapest one's time to first token plus the transfer, plus the prefill time
+it would stall the streams in flight there for, against the same on the request's replica
+(router.routing.lend_worth). So a
+document goes to be prefilled where its blocks are or where nothing is decoding, and its
+conversation stays where it was routed.
+
 A split request's outcome carries its legs for the ledger (router.proxy.ledger): its `Split`
 (router.proxy.forward) says which replica prefilled it, how long that took, and when, after its
 arrival, the decode was sent: its transfer leg is from there to the decode's first byte, its
@@ -50,12 +64,12 @@ import orjson
 from router.fleet import ReplicaState
 from router.handoff import SPLITTABLE, Handoff
 from router.policy import Decision
-from router.pools import Pool
+from router.pools import Pairs, Pool
 from router.prompt import BYTES_PER_TOKEN
 from router.proxy.attempts import HttpAttempts
 from router.proxy.forward import Outcome, Retry, Split, Timeouts, Trip
 from router.proxy.sse import StreamFramer
-from router.routing import Served
+from router.routing import Served, lend_worth
 from router.upstream import Upstream, UpstreamError
 
 LEASE_S = 30.0  # vLLM's kv_lease_duration: how long a prefill's params stay worth retrying with
@@ -84,6 +98,8 @@ class DisaggAttempts:
         timeouts: Timeouts,
         observe: Callable[[str], None] | None = None,
         abandoned: Callable[[str], None] | None = None,
+        pairs: Pairs | None = None,
+        lends: bool = False,
     ) -> None:
         self.inner = inner
         self.pool = pool  # the prefill pool (router.pools): its routing core routes each prefill leg
@@ -94,6 +110,11 @@ class DisaggAttempts:
         # told of a prefill whose KV no decode replica read (why): vLLM 0.32 frees its blocks when
         # its lease runs out (30 s); as vLLM serves by its docs, no endpoint frees them sooner
         self.abandoned = abandoned or (lambda why: None)
+        # which prefill replica has met which decode replica (None: any pair is split across)
+        self.pairs = pairs
+        # the pool's fleet is the route's own: every replica may prefill for another, where worth it
+        self.lends = lends
+        self.transfer_s = 0.0  # a split's transfer leg (its decode sent to its first byte), as measured lately
         # a decode that failed before its first byte: its params, for the journey's next decode
         # replica, by request (its exchange's identity and arrival), until the lease runs out
         self._kept: dict[tuple[int, float], tuple[float, Prefilled]] = {}
@@ -117,7 +138,26 @@ class DisaggAttempts:
         if not self.split(replica, trip, decision):
             self.observe("alone")
             return self.inner.send(replica, trip, deadline)
+        if self.pairs is not None and not self.pairs.has_met(replica):
+            self.observe("cold")  # the router is introducing it to the prefill replicas: not at a client's cost
+            return self.inner.send(replica, trip, deadline)
+        if self.lends and not self.lend(replica, trip, decision):
+            self.observe("alone")  # its own replica prefills it at no more cost to the fleet
+            return self.inner.send(replica, trip, deadline)
         return self._split(replica, trip, deadline)
+
+    def lend(self, replica: ReplicaState, trip: Trip, decision: Decision | None) -> bool:
+        """With every replica able to prefill for another: whether the cheapest other replica
+        (that `replica` has met) prefilling the prompt costs less waiting than `replica` itself."""
+        if decision is None or decision.index != replica.index or replica.index is None:
+            return False
+        exclude = {replica.index} | (self.pairs.strangers(replica) if self.pairs is not None else set())
+        other = self.pool.routing.peek(trip.intake.key, exclude)
+        if other is None:
+            return False
+        loads = self.pool.fleet.loads
+        # (the request itself is in flight on its replica already: the route acquired it)
+        return lend_worth(decision, loads[replica.index] - 1, other, loads[other.index], self.transfer_s)
 
     def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
@@ -131,8 +171,11 @@ class DisaggAttempts:
         prefilled = kept[1] if kept is not None and kept[0] > time.monotonic() else None
         if kept is not None and prefilled is None:
             self.abandoned("lease_over")  # the next decode replica came after the lease: prefilled again
+        if prefilled is not None and self.pairs is not None and (prefilled.replica, replica.id) not in self.pairs.met:
+            self.abandoned("strangers")  # the next decode replica has not met that prefill replica: prefilled again
+            prefilled = None
         if prefilled is None:
-            prefilled = await self._prefill(trip, body, deadline)
+            prefilled = await self._prefill(trip, body, deadline, replica)
             self.observe("split" if prefilled is not None else "fallback")
         if prefilled is None:
             return await self.inner.send(replica, trip, deadline)  # decoded alone: it recomputes the prompt
@@ -149,6 +192,8 @@ class DisaggAttempts:
             if result.cause in ("http_5xx", "timeout"):
                 self.observe("recomputed")
                 self.abandoned("transfer_failed")
+                if self.pairs is not None:  # an engine may have restarted: the pair is introduced again
+                    self.pairs.forget(prefilled.replica, replica.id)
                 return await self.inner.send(replica, trip, deadline)
             now = time.monotonic()
             for gone in [k for k, (until, _) in self._kept.items() if until < now]:
@@ -157,15 +202,24 @@ class DisaggAttempts:
             self._kept[request] = (now + LEASE_S, prefilled)  # the next decode replica reads it
             return result
         result.split = Split(prefilled.replica, prefilled.seconds, sent)
+        if result.facts.ttft_s is not None:
+            self.transfer_s += 0.2 * (max(0.0, result.facts.ttft_s - sent) - self.transfer_s)
         return result
 
-    async def _prefill(self, trip: Trip, body: dict[str, Any], deadline: float) -> Prefilled | None:
+    async def _prefill(
+        self, trip: Trip, body: dict[str, Any], deadline: float, decode: ReplicaState
+    ) -> Prefilled | None:
         """A prefill done on the first prefill replica the leg's route offers that answers with
-        params; the route hears of each (failed, or served with its usage, and released)."""
+        params (of those `decode` has met); the route hears of each (failed, or served with its
+        usage, and released)."""
         raw = orjson.dumps(self.protocol.prefill_body(trip.intake.api, body))
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         route = self.pool.routing.local_route(Pool.leg_key(trip.intake.key), started, deadline)
+        if self.pairs is not None:
+            route.avoid = self.pairs.strangers(decode)
+        if self.lends and decode.index is not None:
+            route.avoid |= {decode.index}  # prefilled elsewhere, or not split at all
         while (replica := route.next(loop.time())) is not None:
             began = time.monotonic()
             try:

@@ -1,6 +1,7 @@
 """The routing decision, below HTTP: which replica serves a request, and where its session lives."""
 
 from router.routing.directory import PeerSessions, SessionDirectory, SiblingSessions
+from router.routing.lending import lend_worth
 from router.routing.route import MOVE_SLACK_MS, Observer, Route, Routing, Served, Verdict
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "SessionDirectory",
     "SiblingSessions",
     "Verdict",
+    "lend_worth",
 ]

@@ -17,7 +17,7 @@ the replica's latency samples, its token counts and the balance loop's per-vnode
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -118,6 +118,11 @@ class Routing:
         parent = table.get(key.parent) if last is None and key.parent is not None else None
         return Route(self, key, last, last is not None, t0, deadline, parent=parent, target_at=target_at)
 
+    def peek(self, key: RoutingKey, exclude: Collection[int]) -> Decision | None:
+        """Where a keyless first attempt for `key` would go, never to a replica in `exclude`, with
+        nothing acquired, counted or remembered (a keyless pick moves no session)."""
+        return self.policy.pick(key if key.kind == "none" else replace(key, kind="none"), None, exclude)
+
     async def explain(self, key: RoutingKey) -> tuple[Explained, str | None]:
         """Where a first attempt for `key` would go, as `route(key).next()` decides it (a stored
         response's replica included), and where its session was served last; nothing is counted,
@@ -153,6 +158,7 @@ class Routing:
 class Route:
     __slots__ = (
         "alone",
+        "avoid",
         "deadline",
         "decision",
         "first",
@@ -199,6 +205,9 @@ class Route:
         # what the policy learns from this route's attempts (ttft: its prefix index and prefill queues)
         self.hearing: Hearing | None = routing.policy.hear(key) if hearing else None
         self.timed_out = False  # `next` refused for the deadline
+        # replicas (indices) `next` passes over besides those tried: for a prefill leg, the prefill
+        # replicas its decode replica has not met yet (router.pools.Pairs)
+        self.avoid: frozenset[int] = frozenset()
         # a first pick that no replica is predicted to serve by `target_at` is not sent (a sheddable
         # request's, which is better refused at once than served late): `next` says None, and `late`
         self.refuse_late = False
@@ -238,7 +247,7 @@ class Route:
             decision = routing.policy.pick(
                 self.key,
                 None if resuming else self.start,
-                {r.index for r in self.tried if r.index is not None},
+                {r.index for r in self.tried if r.index is not None} | self.avoid,
                 parent=self.last is None and self.parent is not None,
                 target_s=None if self.target_at is None or resuming else self.target_at - now,
             )
