@@ -180,6 +180,7 @@ class Pairs:
         self.http = http
         self.heard = met or (lambda outcome, seconds: None)  # told of each introduction: met or failed, its time
         self.met: dict[tuple[str, str], float] = {}  # (prefill id, decode id) -> seconds its introduction took
+        self._partners: dict[str, int] = {}  # decode id -> how many prefill replicas it has met (read per request)
         self.tries: dict[tuple[str, str], int] = {}  # introductions tried and failed, by pair not yet met
         self.rounds = 0  # rounds of introductions done
         self._nonce = itertools.count()
@@ -187,7 +188,7 @@ class Pairs:
 
     def has_met(self, decode: ReplicaState) -> bool:
         """Whether some prefill replica has met `decode`."""
-        return any(d == decode.id for _, d in self.met)
+        return self._partners.get(decode.id, 0) > 0
 
     def strangers(self, decode: ReplicaState) -> frozenset[int]:
         """The indices of the prefill replicas that have not met `decode`."""
@@ -195,9 +196,16 @@ class Pairs:
             p.index for p in self.prefill.replicas if p.index is not None and (p.id, decode.id) not in self.met
         )
 
+    def record(self, prefill: str, decode: str, seconds: float) -> None:
+        """The pair has met (its introduction took `seconds`)."""
+        if (prefill, decode) not in self.met:
+            self._partners[decode] = self._partners.get(decode, 0) + 1
+        self.met[(prefill, decode)] = seconds
+
     def forget(self, prefill: str, decode: str) -> None:
         """The pair's transfer failed: it is introduced again (an engine may have restarted)."""
-        self.met.pop((prefill, decode), None)
+        if self.met.pop((prefill, decode), None) is not None:
+            self._partners[decode] -= 1
 
     def apart(self) -> list[tuple[ReplicaState, ReplicaState]]:
         """The routable pairs not yet met."""
@@ -207,7 +215,10 @@ class Pairs:
 
     async def run(self, interval_s: float) -> None:
         while True:
-            await self.introduce()
+            try:
+                await self.introduce()
+            except Exception:  # a round that broke: logged, and the next one tries again
+                log.exception("introducing prefill and decode replicas failed")
             await asyncio.sleep(interval_s)
 
     async def introduce(self) -> None:
@@ -217,7 +228,7 @@ class Pairs:
         for pair in [pair for pair in (*self.met, *self.tries) if pair[0] not in here[0] or pair[1] not in here[1]]:
             # a replica that left, or left routing (removed by its health, drained): met again if
             # it comes back, whose engine may be a new one
-            self.met.pop(pair, None)
+            self.forget(*pair)
             self.tries.pop(pair, None)
         by_prefill: dict[str, list[tuple[ReplicaState, ReplicaState]]] = {}
         for p, d in self.apart():
@@ -234,7 +245,7 @@ class Pairs:
             pair = (p.id, d.id)
             if met:
                 tries = self.tries.pop(pair, 0) + 1
-                self.met[pair] = took
+                self.record(p.id, d.id, took)
                 log.info("prefill replica %s met decode replica %s in %.1f s (%d tries)", p.id, d.id, took, tries)
                 continue
             self.tries[pair] = self.tries.get(pair, 0) + 1
@@ -266,7 +277,8 @@ class Pairs:
         if prefill.id not in self._models:
             async with http.get(prefill.url + "/v1/models", headers=prefill.auth) as r:
                 listed = orjson.loads(await r.read()) if r.status == 200 else None
-            ids = [m.get("id") for m in (listed or {}).get("data", []) if isinstance(m, dict)]
+            data = listed.get("data") if isinstance(listed, dict) else None
+            ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
             if not ids or not isinstance(ids[0], str):
                 return None
             self._models[prefill.id] = ids[0]

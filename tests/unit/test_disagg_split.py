@@ -125,8 +125,9 @@ def world(
         lambda why: modes.append(f"abandoned: {why}"),
         None if met is None else Pairs(pool.fleet, Fleet((DECODE_SPEC,)), VLLM, lambda: None),  # type: ignore[arg-type, return-value]
     )
-    if attempts.pairs is not None:
-        attempts.pairs.met.update({(p, "d0"): 1.0 for p in met or ()})
+    for p in met or ():
+        assert attempts.pairs is not None
+        attempts.pairs.record(p, "d0", 1.0)
     return attempts, pool, upstream, decode, config, modes
 
 
@@ -232,7 +233,7 @@ async def test_a_decode_replica_that_has_met_no_prefill_replica_serves_alone_and
     assert decode.bodies[0][0] == "send" and "kv_transfer_params" not in decode.bodies[0][2]
     # it has met p1 alone: every prefill leg goes there, however the prefix index would choose
     assert attempts.pairs is not None
-    attempts.pairs.met[("p1", "d0")] = 1.0
+    attempts.pairs.record("p1", "d0", 1.0)
     for i in range(2):
         result = await attempts.send(DECODE, trip(config, f"{i} {LONG}"), time.monotonic() + 30)
         assert isinstance(result, Outcome) and result.split is not None and result.split.replica == "p1"
@@ -249,7 +250,8 @@ async def test_a_pair_whose_transfer_fails_is_forgotten_and_kept_params_do_not_c
     # d0 fails before its first byte: its params are kept for the request's next decode replica,
     # but d1 has met p1 alone, so the prompt is prefilled again there, not read from p0
     pairs = attempts.pairs
-    pairs.met.update({("p0", "d0"): 1.0, ("p1", "d1"): 1.0})
+    pairs.record("p0", "d0", 1.0)
+    pairs.record("p1", "d1", 1.0)
     attempts.inner.settled = [Retry("connect")]  # type: ignore[attr-defined]
     d1 = Fleet((parse_replica("d1=http://127.0.0.1:9101"),)).replicas[0]
     one = trip(config)

@@ -104,7 +104,7 @@ CONTENDERS = {
             "vllm-cache-aware", "vllm-router cache_aware", "vllm", ("--policy", "cache_aware"), engines=("vllm",)
         ),
         Contender("oracle", "sticky oracle (client pins sessions)", "direct", spread="session"),
-        # prefill/decode disaggregation (half the replicas prefill, half decode): router-serve as
+        # prefill/decode disaggregation (half the replicas prefill, half decode, by default): router-serve as
         # shipped, which splits a request only when what its decode replica would prefill is long
         # (disagg_min_prompt_tokens), every request split, and vllm-router's PD mode
         Contender(

@@ -198,11 +198,12 @@ def render_markdown(result: dict[str, Any]) -> str:
     if result.get("disagg"):
         slo = result["slo"]
         lines[0] += (
-            f" Prefill/decode contenders: half the replicas prefill, half decode. TPOT: time per output"
-            f" token after the first; goodput: answers with TTFT ≤ {slo['ttft_s']:g} s and TPOT ≤"
-            f" {1000 * slo['tpot_s']:g} ms a second of the run, and their share of the answers; split:"
-            " router-serve's requests prefilled on a prefill replica (the rest served whole by a decode"
-            " replica, `router_disagg_requests_total`)."
+            f" Prefill/decode contenders: half the replicas prefill, half decode, unless the label gives"
+            f" another share; prefill anywhere: no roles, any replica prefilling for another. TPOT: time"
+            f" per output token after the first; goodput: answers with TTFT ≤ {slo['ttft_s']:g} s and TPOT"
+            f" ≤ {1000 * slo['tpot_s']:g} ms a second of the run, and their share of the answers; split:"
+            " router-serve's requests prefilled on another replica than the one that decoded them (the rest"
+            " served whole, `router_disagg_requests_total`)."
         )
     for workload, table in result["tables"].items():
         lines += [f"**{workload}**", ""]

@@ -41,9 +41,8 @@ splitting is then split only where a prefill elsewhere costs the fleet less wait
 its own replica (`lend_worth`): the prompt priced on the other replicas (ttft's prefix index and
 prefill queues), the cheapest one's time to first token plus the transfer, plus the prefill time
 it would stall the streams in flight there for, against the same on the request's replica
-(router.routing.lend_worth). So a
-document goes to be prefilled where its blocks are or where nothing is decoding, and its
-conversation stays where it was routed.
+(router.routing.lend_worth). So a document goes to be prefilled where its blocks are or where
+little is decoding, and its conversation stays where it was routed.
 
 A split request's outcome carries its legs for the ledger (router.proxy.ledger): its `Split`
 (router.proxy.forward) says which replica prefilled it, how long that took, and when, after its
@@ -202,7 +201,7 @@ class DisaggAttempts:
             self._kept[request] = (now + LEASE_S, prefilled)  # the next decode replica reads it
             return result
         result.split = Split(prefilled.replica, prefilled.seconds, sent)
-        if result.facts.ttft_s is not None:
+        if result.facts.streamed and result.facts.ttft_s is not None:  # (a whole answer's time is its decode's too)
             self.transfer_s += 0.2 * (max(0.0, result.facts.ttft_s - sent) - self.transfer_s)
         return result
 
