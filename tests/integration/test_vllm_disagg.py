@@ -22,6 +22,7 @@ replica after its first prefill, an introduction's too).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,6 +70,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmSe
     finally:
         for server in servers:
             server.stop()
+
+
+def handshakes(server: VllmServer) -> int:
+    """The NIXL handshakes a replica's log shows: vLLM 0.32's worker logs its compatibility check
+    with each remote engine it meets ("NIXL compatibility check passed"), once."""
+    assert server.log is not None
+    return server.log.read_bytes().count(b"NIXL compatibility check passed")
 
 
 def specs(*servers: VllmServer) -> list[str]:
@@ -123,6 +131,10 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
     await until(lambda: len(node.pairs.met) == 4, "the router's four pairs to meet", 300.0, every=0.5)
     print("the router's introductions took", node.pairs.met, "tries failed", node.pairs.tries)
     slowest = max(node.pairs.met.values())
+    # a decode replica logs NIXL's compatibility check once for each prefill replica it meets:
+    # both met in the introductions, and none again while clients' requests are split below
+    met = [handshakes(s) for s in d]
+    assert all(n >= 2 for n in met), met
     asks = [
         ("/v1/chat/completions", chat("1 " + LONG)),
         ("/v1/chat/completions", chat("2 " + LONG, stream=True)),
@@ -133,14 +145,20 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
     ]
     async with aiohttp.ClientSession() as http:
         before = await settled(http, d)  # the introductions' transfers counted
+        # (the early request may have been split after all: its first attempt, starved of CPU by
+        # the introductions, can time out, and its next comes once a pair has met)
+        counted = await metrics_of(http, url, TOKEN)
+        splits, alone = (metric(counted, "router_disagg_requests_total", mode=m) for m in ("split", "alone"))
+        prefills = sum(r.requests for r in node.pools[1].fleet.replicas)
+        prompts = sum(r.prompt_tokens for r in node.pools[1].fleet.replicas)
         for i, (path, body) in enumerate(asks):
             began = time.monotonic()
             status, raw, chosen = await post(http, url, path, body, f"s{i}")
             took = time.monotonic() - began
             assert status == 200, raw[:300]
-            if i == 0:  # the first split request did not wait for a handshake (the introductions did)
+            if i == 0:  # the first split request: no handshake of its own (the introductions made them)
                 print(f"the first split request took {took:.2f} s; the slowest introduction {slowest:.2f} s")
-                assert took < max(slowest, 5.0), (took, node.pairs.met)
+                assert [handshakes(s) for s in d] == met
             if body.get("stream"):
                 assert b'"error"' not in raw and (path == "/v1/responses" or raw.rstrip().endswith(b"data: [DONE]"))
             else:
@@ -155,25 +173,28 @@ async def test_prompts_are_prefilled_apart_and_decoded_for_each_api_streamed_and
         status, raw, _ = await post(http, url, "/v1/chat/completions", chat("hello there"), "short")
         assert status == 200 and await settled(http, d) == before
         text = await metrics_of(http, url, TOKEN)
-    assert metric(text, "router_disagg_requests_total", mode="split") == len(asks)
-    assert metric(text, "router_disagg_requests_total", mode="alone") == 1
-    assert metric(text, "router_disagg_requests_total", mode="cold") <= 1  # the early one, if no pair had met
+    assert metric(text, "router_disagg_requests_total", mode="split") == splits + len(asks)
+    assert metric(text, "router_disagg_requests_total", mode="alone") == alone + 1
     assert metric(text, "router_disagg_pair_meetings_total", outcome="met") == 4
     # the prompts were computed on the prefill side and counted there
-    assert sum(r.requests for r in node.pools[1].fleet.replicas) == len(asks)
-    assert sum(r.prompt_tokens for r in node.pools[1].fleet.replicas) > len(asks) * 600
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == prefills + len(asks)
+    assert sum(r.prompt_tokens for r in node.pools[1].fleet.replicas) > prompts + len(asks) * 600
 
 
 async def test_a_decode_replica_killed_mid_stream_or_before_its_first_byte_loses_no_request(
     fleet: dict[str, VllmServer], start_router: Callable[..., Any]
 ) -> None:
     p, d = [fleet["p-0"], fleet["p-1"]], [fleet["d-0"], fleet["d-1"]]
-    node, url = await start_router(
-        [], prefill=specs(*p), decode=specs(*d), admin_token=TOKEN, health_checks=False, policy="affinity"
+    node, url = await start_router(  # (the engines met in the test above: no introductions to count)
+        [],
+        prefill=specs(*p),
+        decode=specs(*d),
+        admin_token=TOKEN,
+        health_checks=False,
+        policy="affinity",
+        disagg_introduce=False,
     )
     owner = next(f"k{i}" for i in range(200) if node.fleet.ring.lookup(f"k{i}".encode()) == 0)  # on d-0
-    # (the engines met in the test above: this router's introductions take milliseconds)
-    await until(lambda: node.pairs is not None and len(node.pairs.met) == 4, "the router's pairs to meet", 120.0)
     async with aiohttp.ClientSession() as http:
         # killed mid-stream, a few events in: the stream is resumed on d-1, the client sees one whole stream
         body = {**chat("tell a long story. " + LONG, stream=True, max_tokens=600), "ignore_eos": True, "temperature": 0}
@@ -242,8 +263,11 @@ class KilledAfterPrefill:
 
 
 async def test_prefill_replicas_killed_between_the_legs_lose_no_request(
-    fleet: dict[str, VllmServer], start_router: Callable[..., Any]
+    fleet: dict[str, VllmServer], start_router: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:
+    # the router's own account of each attempt (its causes, what it recomputed), shown if this
+    # fails: how vLLM answers a read from a dead prefill replica varies from run to run here
+    caplog.set_level(logging.INFO, logger="router")
     # after the test above d-1 and d-2 decode; each prefill replica dies right after its first prefill
     relays = [KilledAfterPrefill(fleet["p-0"]), KilledAfterPrefill(fleet["p-1"])]
     prefill = [f"p-{i}={await relay.start()}" for i, relay in enumerate(relays)]
@@ -256,6 +280,7 @@ async def test_prefill_replicas_killed_between_the_legs_lose_no_request(
         health_checks=False,
         policy="affinity",
         disagg_introduce=False,
+        log_requests=True,
     )
     try:
         async with aiohttp.ClientSession() as http:

@@ -53,6 +53,7 @@ decode leg from there to the last.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -70,6 +71,8 @@ from router.proxy.forward import Outcome, Retry, Split, Timeouts, Trip
 from router.proxy.sse import StreamFramer
 from router.routing import Served, lend_worth
 from router.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("router.disagg")
 
 LEASE_S = 30.0  # vLLM's kv_lease_duration: how long a prefill's params stay worth retrying with
 
@@ -177,6 +180,7 @@ class DisaggAttempts:
             prefilled = await self._prefill(trip, body, deadline, replica)
             self.observe("split" if prefilled is not None else "fallback")
         if prefilled is None:
+            log.info("no prefill replica answered: %s computes the prompt alone", replica.id)
             return await self.inner.send(replica, trip, deadline)  # decoded alone: it recomputes the prompt
         raw = orjson.dumps(self.protocol.decode_body(body, prefilled.params))
         decoding = replace(trip, intake=replace(trip.intake, raw=raw))
@@ -189,6 +193,12 @@ class DisaggAttempts:
             # died can wait with no error (seen on real vLLM), and the lease has likely run out by
             # the first-byte time-out anyway. It recomputes instead.
             if result.cause in ("http_5xx", "timeout"):
+                log.info(
+                    "%s failed to read %s's KV (%s): it computes the prompt itself",
+                    replica.id,
+                    prefilled.replica,
+                    result.cause,
+                )
                 self.observe("recomputed")
                 self.abandoned("transfer_failed")
                 if self.pairs is not None:  # an engine may have restarted: the pair is introduced again
