@@ -12,7 +12,7 @@ from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet, ReplicaState
 from router.health.signals import EngineStats
 from router.keys import RoutingKey
-from router.placement import Placed, Placement
+from router.placement import Answer, Placed, Placement
 from router.policy import make_policy
 from router.policy.ttft import Ttft
 from router.prompt import Prompt, prompt_of, render
@@ -71,7 +71,7 @@ def serve(fleet: Fleet, policy: Ttft, key: RoutingKey, cached: int | None = None
     placed = policy.placement.sent(replica, key.prompt, d.cost, policy.placement.clock())
     tokens = round(key.prompt.nbytes / policy.placement.bytes_per_token)
     got = round(d.cost.cached_tokens) if cached is None else cached
-    policy.placement.answered(replica, key.prompt, placed, tokens, got, ttft)
+    policy.placement.answered(replica, key.prompt, placed, Answer(tokens, got, ttft))
     policy.placement.released(replica, policy.placement.clock())
     return d.index
 
@@ -157,7 +157,7 @@ def test_a_replica_whose_kv_cache_is_full_makes_a_request_wait_for_room() -> Non
     rows = {c.index: c for c in placement.candidates(one.prompt, [0, 1], None, clock.now)}
     assert rows[0].wait_s == pytest.approx(4 * 0.002)  # no reply timed yet: no wait for room, however full
     # replies take 2 s from first token to last: tokens past the capacity drain 20,000 per 2 s
-    placement.answered(fleet.replicas[1], one.prompt, None, round(tokens), 0, None, 100, 2.0)
+    placement.answered(fleet.replicas[1], one.prompt, None, Answer(round(tokens), 0, None, 100, 2.0))
     assert placement.learnt.reply_s == 2.0
     over = held.kv_tokens + tokens + placement.learnt.mean_output - placement.kv.capacity(held)
     assert over > 0
@@ -199,7 +199,7 @@ def test_first_tokens_later_than_modelled_lengthen_the_queue_and_sooner_ones_sho
         placement.released(replica, clock.now, placed[i])
         prompt = keys[i].prompt
         assert prompt is not None
-        placement.answered(replica, prompt, placed[i], 2000, 0, None, 50, 1.0, first_at)
+        placement.answered(replica, prompt, placed[i], Answer(2000, 0, None, 50, 1.0, first_at))
 
     clock.now += 0.3
     busy = held.busy_until
@@ -226,7 +226,7 @@ def test_first_tokens_later_than_modelled_lengthen_the_queue_and_sooner_ones_sho
     one = placement.sent(replica, prompt, placement.candidates(prompt, [0], None, clock.now)[0], clock.now)
     busy = held.busy_until
     fleet.release(replica)
-    placement.answered(replica, prompt, one, 2000, 0, None, 50, 1.0, one.due + 5.0)
+    placement.answered(replica, prompt, one, Answer(2000, 0, None, 50, 1.0, one.due + 5.0))
     assert held.busy_until == busy
 
 
@@ -258,7 +258,7 @@ def test_prefill_speed_is_learnt_from_measured_ttft() -> None:
         replica = fleet.replicas[0]
         placed = placement.sent(replica, key.prompt, d.cost, clock.now)
         tokens = round(key.prompt.nbytes / 4)
-        placement.answered(replica, key.prompt, placed, tokens, 0, tokens / 4000)
+        placement.answered(replica, key.prompt, placed, Answer(tokens, 0, tokens / 4000))
         placement.index.clear(placement.of(replica).holder)
         clock.now += 100
     assert 1 / placement.of(fleet.replicas[0]).seconds_per_token == pytest.approx(4000, rel=0.05)
@@ -279,7 +279,7 @@ def speed_sampler(models: list[frozenset[str]] | None = None) -> tuple[Fleet, Pl
         assert prompt is not None
         replica = fleet.replicas[index]
         placed = placement.sent(replica, prompt, placement.candidates(prompt, [index], None, clock.now)[0], clock.now)
-        placement.answered(replica, prompt, placed, computed, 0, computed / tokens_per_s)
+        placement.answered(replica, prompt, placed, Answer(computed, 0, computed / tokens_per_s))
         placement.index.clear(placement.of(replica).holder)
         clock.now += 100
 
@@ -423,7 +423,7 @@ def test_a_hot_prefix_gains_a_second_holder_when_its_first_is_the_bottleneck() -
     second = others[0]
     key = keyless(chat(doc(5, 8000), "later?"))
     assert key.prompt is not None
-    placement.answered(fleet.replicas[second], key.prompt, None, 0, 0, None)  # it answered: it holds it
+    placement.answered(fleet.replicas[second], key.prompt, None, Answer(0, 0, None))  # it answered: it holds it
     rows = {c.index: c for c in placement.candidates(key.prompt, [owner, second], None, clock.now)}
     assert rows[second].cached_tokens > 7000 and rows[owner].cached_tokens > 7000
 
@@ -458,7 +458,7 @@ def test_usage_that_shows_an_over_prediction_shrinks_the_lru_and_drops_the_block
     placed = placement.sent(replica, key.prompt, d.cost, clock.now)
     # the engine held only the first 1,000 tokens: someone else's requests evicted the rest
     tokens = round(key.prompt.nbytes / 4)
-    predicted = placement.answered(replica, key.prompt, placed, tokens, 1000, None)
+    predicted = placement.answered(replica, key.prompt, placed, Answer(tokens, 1000, None))
     assert predicted is not None and predicted.tokens > 3900 and predicted.source == "model"
     assert held.blocks < before
     assert placement.index.size(held.holder) <= held.blocks
@@ -706,7 +706,7 @@ def test_a_replica_fed_by_events_is_priced_by_what_its_engine_holds() -> None:
     assert d.cost.cached_tokens == 4000 and priced.source(2) == d.cost.source == "events"
     assert [c.cached_tokens for c in priced.rows()] == [0.0, 0.0, 4000.0]
     placed = placement.sent(fleet.replicas[2], eventful.prompt, d.cost, clock.now)  # type: ignore[arg-type]
-    got = placement.answered(fleet.replicas[2], eventful.prompt, placed, 4001, 4000, None)  # type: ignore[arg-type]
+    got = placement.answered(fleet.replicas[2], eventful.prompt, placed, Answer(4001, 4000, None))  # type: ignore[arg-type]
     assert got is not None and (got.tokens, got.source) == (4000, "events")
     assert (
         placement.learnt.events_accuracy.exact == 1 and placement.figures()["by_source"]["events"]["exact_share"] == 1.0

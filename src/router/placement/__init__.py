@@ -97,11 +97,11 @@ The parts:
 - `learnt`: what the answers teach (bytes per token, the mean request, prefill speeds, the queue's
   lag, the index's corrections, accuracy);
 - `rows`: the arrays by fleet position the compiled core reads; `kv_room`: room in the KV caches;
-  `events`: what the engines' events say of a prompt; `records`: `Held`, `Placed` and the rest.
+  `events`: what the engines' events say of a prompt; `records`: `Held`, `Placed`, `Answer` and the rest.
 """
 
 from router.placement.priced import Candidate, Priced
 from router.placement.pricing import Placement
-from router.placement.records import Accuracy, Held, Placed, Prediction
+from router.placement.records import Accuracy, Answer, Held, Placed, Prediction
 
-__all__ = ["Accuracy", "Candidate", "Held", "Placed", "Placement", "Prediction", "Priced"]
+__all__ = ["Accuracy", "Answer", "Candidate", "Held", "Placed", "Placement", "Prediction", "Priced"]

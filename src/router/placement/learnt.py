@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from router.fleet import ReplicaState
 from router.kvevents.truth import Truth
-from router.placement.records import Accuracy, Held, Placed, Prediction
+from router.placement.records import Accuracy, Answer, Held, Placed, Prediction
 from router.placement.rows import Rows
 from router.prefix import PrefixIndex
 from router.prompt import BYTES_PER_TOKEN, Prompt
@@ -85,15 +85,12 @@ class Learnt:
         held: Held,
         prompt: Prompt,
         placed: Placed | None,
-        prompt_tokens: int,
-        cached_tokens: int,
-        ttft_s: float | None,
-        completion_tokens: int,
-        reply_s: float | None,
-        first_token_at: float | None,
+        answer: Answer,
         clock: Callable[[], float],
     ) -> Prediction | None:
         """What `replica` (its record `held`) reported of `prompt` (router.placement.Placement.answered)."""
+        prompt_tokens, cached_tokens, ttft_s = answer.prompt_tokens, answer.cached_tokens, answer.ttft_s
+        completion_tokens, reply_s, first_token_at = answer.completion_tokens, answer.reply_s, answer.first_token_at
         if completion_tokens > 0:  # (the first answer sets it: it is a length, no prior fits every fleet)
             self.mean_output += (REPLY_ALPHA if self.mean_output else 1.0) * (completion_tokens - self.mean_output)
         if reply_s is not None and math.isfinite(reply_s) and reply_s > 0:

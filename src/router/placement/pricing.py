@@ -19,7 +19,7 @@ from router.placement.events import events_rows
 from router.placement.kv_room import KvRoom
 from router.placement.learnt import Learnt
 from router.placement.priced import NO_ROWS, Candidate, Priced
-from router.placement.records import Held, Placed, Prediction, accuracy_figures
+from router.placement.records import Answer, Held, Placed, Prediction, accuracy_figures
 from router.placement.rows import Rows
 from router.prefix import PrefixIndex
 from router.prompt import Prompt, prompt_of
@@ -320,38 +320,16 @@ class Placement:
             placed.coming = None
 
     def answered(
-        self,
-        replica: ReplicaState,
-        prompt: Prompt,
-        placed: Placed | None,
-        prompt_tokens: int,
-        cached_tokens: int,
-        ttft_s: float | None,
-        completion_tokens: int = 0,
-        reply_s: float | None = None,
-        first_token_at: float | None = None,
+        self, replica: ReplicaState, prompt: Prompt, placed: Placed | None, answer: Answer
     ) -> Prediction | None:
-        """`replica` answered `prompt`: it holds the prompt's blocks now; what it reported (tokens,
-        cached tokens, time to first token when streamed; the reply's tokens and the seconds from
-        its first to its last; when its first token came, on the placement's clock) corrects the
-        model. Returns the cached tokens the decision counted on, and whence, when the answer
-        reported usage to check them against."""
+        """`replica` answered `prompt`: it holds the prompt's blocks now; what the answer showed
+        (`Answer`: its usage, and its times where it streamed; the first token's on the placement's
+        clock) corrects the model. Returns the cached tokens the decision counted on, and whence,
+        when the answer reported usage to check them against."""
         held = self.of(replica)
         if self.index.insert(held.holder, prompt.chain) and self.share is not None:
             self.share(replica.id, prompt.chain)
-        return self.learnt.answered(
-            replica,
-            held,
-            prompt,
-            placed,
-            prompt_tokens,
-            cached_tokens,
-            ttft_s,
-            completion_tokens,
-            reply_s,
-            first_token_at,
-            self.clock,
-        )
+        return self.learnt.answered(replica, held, prompt, placed, answer, self.clock)
 
     # -- what others say it holds ------------------------------------------------------------------
 

@@ -48,6 +48,21 @@ class Placed:
 
 
 @dataclass(frozen=True, slots=True)
+class Answer:
+    """What an answer showed of its request: its usage (tokens, cached tokens, the reply's tokens)
+    and, where it streamed whole, its time to first token, the seconds from its first token to its
+    last, and when its first token came (on the routing clock). Told to the policy that chose its
+    replica, which teaches placement."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float | None = None  # a prefill's time where the replica served it alone
+    completion_tokens: int = 0
+    reply_s: float | None = None
+    first_token_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Prediction:
     """What a decision counted on at the replica that answered, to check against its usage."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from router.config import POLICIES, RouterConfig
 from router.fleet import Fleet
+from router.placement import Answer
 from router.policy.affinity import Affinity
 from router.policy.base import Decision, Explained, Hearing, Policy
 from router.policy.consistent_hash import ConsistentHash
@@ -32,4 +33,4 @@ def make_policy(name: str, fleet: Fleet, config: RouterConfig) -> Policy:
     return cls(fleet, config)
 
 
-__all__ = ["REGISTRY", "Decision", "Explained", "Hearing", "Policy", "make_policy"]
+__all__ = ["REGISTRY", "Answer", "Decision", "Explained", "Hearing", "Policy", "make_policy"]

@@ -20,7 +20,7 @@ from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 
 if TYPE_CHECKING:
-    from router.placement import Candidate, Prediction
+    from router.placement import Answer, Candidate, Prediction
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,9 @@ class Decision:
     jump: str | None = field(default=None, compare=False)
     passed_over: str = field(default="ring", compare=False)
     late: bool = field(default=False, compare=False)  # ttft: no replica is predicted to meet the request's target
+    # the replica a session's turn leaves for this one (where it was served last), set by the route
+    # when the pick moves it: where its cache is (router.proxy.disagg moves it over with a split)
+    left: str | None = field(default=None, compare=False)
 
 
 class Hearing(Protocol):
@@ -50,16 +53,7 @@ class Hearing(Protocol):
 
     def failed(self, replica: ReplicaState) -> None: ...
 
-    def answered(
-        self,
-        replica: ReplicaState,
-        prompt_tokens: int,
-        cached_tokens: int,
-        ttft_s: float | None,
-        completion_tokens: int,
-        reply_s: float | None,
-        first_token_at: float | None,
-    ) -> Prediction | None: ...
+    def answered(self, replica: ReplicaState, answer: Answer) -> Prediction | None: ...
 
     def called_tools(self, replica: ReplicaState) -> None: ...
 

@@ -72,7 +72,7 @@ from dataclasses import dataclass, replace
 from router.config import RouterConfig
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
-from router.placement import Candidate, Placed, Placement, Prediction, Priced
+from router.placement import Answer, Candidate, Placed, Placement, Prediction, Priced
 from router.policy.affinity import Affinity
 from router.policy.base import Decision, Explained, Policy
 from router.prompt import Prompt
@@ -132,29 +132,10 @@ class PlacementHearing:
             self.placement.failed(replica, self.prompt, placed)
             self.placed = None
 
-    def answered(
-        self,
-        replica: ReplicaState,
-        prompt_tokens: int,
-        cached_tokens: int,
-        ttft_s: float | None,
-        completion_tokens: int,
-        reply_s: float | None,
-        first_token_at: float | None,
-    ) -> Prediction | None:
+    def answered(self, replica: ReplicaState, answer: Answer) -> Prediction | None:
         if self.prompt is None:
             return None
-        return self.placement.answered(
-            replica,
-            self.prompt,
-            self._there(replica),
-            prompt_tokens,
-            cached_tokens,
-            ttft_s,
-            completion_tokens,
-            reply_s,
-            first_token_at,
-        )
+        return self.placement.answered(replica, self.prompt, self._there(replica), answer)
 
     def blocks_held(self, replica: ReplicaState) -> int:
         return self.placement.blocks_held(replica.id)

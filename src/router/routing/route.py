@@ -24,7 +24,7 @@ from typing import Protocol
 from router.fleet import TPOT_PREFILL_TOKENS, TTFT_FLOOR_TOKENS, Fleet, ReplicaState
 from router.keys import RoutingKey, stored_key
 from router.metrics import RouterMetrics
-from router.policy import Decision, Explained, Hearing, Policy
+from router.policy import Answer, Decision, Explained, Hearing, Policy
 from router.prompt import BYTES_PER_TOKEN
 from router.routing.directory import SessionDirectory
 
@@ -381,13 +381,7 @@ class Route:
             reply_s = routing.clock() - self.t0 - facts.ttft_s
         first = self.t0 + facts.token_s if facts.streamed and not facts.cut and facts.token_s is not None else None
         predicted = hearing.answered(
-            replica,
-            facts.prompt_tokens,
-            facts.cached_tokens,
-            ttft,
-            facts.completion_tokens,
-            reply_s,
-            first,
+            replica, Answer(facts.prompt_tokens, facts.cached_tokens, ttft, facts.completion_tokens, reply_s, first)
         )
         if routing.counted:
             m = routing.metrics
