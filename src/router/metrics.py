@@ -200,8 +200,10 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "router_disagg_requests": (
         "counter",
-        "Requests of a fleet with prefill replicas, by how they were served: split (prefilled on a "
-        "prefill replica, decoded on another), alone (not worth splitting: served by the decode replica), "
+        "Requests of a fleet with prefill replicas (or prefill_anywhere), by how each attempt at a decode "
+        "replica was served (a retried request counts each): split (prefilled on a prefill replica, "
+        "decoded on another), moved (a session moved from a replica still up, which prefilled its turn "
+        "from its cache: its KV travelled), alone (not worth splitting: served by the decode replica), "
         "fallback (no prefill replica answered: the decode replica recomputed the prompt), recomputed "
         "(the decode replica failed the transfer and served it alone) or cold (its decode replica had met "
         "no prefill replica yet: served there alone while the router introduces them).",
@@ -267,7 +269,8 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "router_warmup_requests": (
         "counter",
-        "Prefill-only warm-up requests the router sent before moving sessions, by result (ok, failed, "
+        "Prefill-only warm-up requests the router sent before moving sessions, by result (ok: computed "
+        "there, moved: its KV read from the replica the session left, with prefill_anywhere, failed, "
         "skipped: not sent before the warm-up time-out).",
         ("result",),
     ),

@@ -159,9 +159,10 @@ class Pairs:
     A client request is split only across a pair that has met: its prefill leg passes over the
     prefill replicas its decode replica has not met (`strangers`), and one whose decode replica has
     met none is served there alone (router.proxy.disagg, mode `cold`). A pair is forgotten when
-    either replica leaves routing (removed by its health, drained, gone: an engine that comes back
-    may be a new one, which needs a new handshake) and when a transfer between them fails
-    (`forget`); the next round introduces it again.
+    either replica is removed by its health or leaves the fleet (an engine that comes back may be a
+    new one, which needs a new handshake) and when a transfer between them fails (`forget`); the
+    next round introduces it again. A drained replica keeps its pairs (its engine is the same one,
+    and hands its sessions' KV over to where they move: router.proxy.disagg's mode `moved`).
 
     Each routing process keeps its own pairs (the engines' handshake is per pair of engines, so a
     second process's introduction of a met pair takes milliseconds)."""
@@ -224,10 +225,10 @@ class Pairs:
     async def introduce(self) -> None:
         """One round: every routable pair not yet met, introduced; prefill replicas side by side,
         each one decode replica at a time."""
-        here = _routable(self.prefill), _routable(self.decode)
+        here = _up(self.prefill), _up(self.decode)
         for pair in [pair for pair in (*self.met, *self.tries) if pair[0] not in here[0] or pair[1] not in here[1]]:
-            # a replica that left, or left routing (removed by its health, drained): met again if
-            # it comes back, whose engine may be a new one
+            # a replica that left, or that its health removed: met again if it comes back, whose
+            # engine may be a new one
             self.forget(*pair)
             self.tries.pop(pair, None)
         by_prefill: dict[str, list[tuple[ReplicaState, ReplicaState]]] = {}
@@ -285,8 +286,9 @@ class Pairs:
         return self._models[prefill.id]
 
 
-def _routable(fleet: Fleet) -> set[str]:
-    return {r.id for r in fleet.replicas if r.index is not None and fleet.routable(r.index)}
+def _up(fleet: Fleet) -> set[str]:
+    """The replicas routable or draining (an operator's drain: its engine serves what it holds)."""
+    return {r.id for r in fleet.replicas if r.index is not None and (r.health.routable or r.health.state == "draining")}
 
 
 async def _post(http: aiohttp.ClientSession, replica: ReplicaState, body: dict[str, Any]) -> Any:

@@ -410,6 +410,42 @@ async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fle
     assert sum(r.requests for r in node.pools[1].fleet.replicas) == 2  # prefilled once each, not again
 
 
+async def test_with_prefill_anywhere_a_drained_replica_s_sessions_take_their_kv_where_they_move(  # type: ignore[no-untyped-def]
+    start_fleet, start_router
+) -> None:
+    """A drain moves a conversation to its ring owner, warmed first: with every replica able to
+    prefill for another, its warm-up is a split whose prefill side is the drained replica (nearly
+    all cache there), so the new replica reads the conversation's KV instead of computing it, and
+    its next turn finds it cached there."""
+    fleet = await start_fleet(2)
+    token = "moved-kv-admin-token"
+    node, url = await start_router(
+        [r.url for r in fleet.replicas], prefill_anywhere=True, health_checks=False, admin_token=token
+    )
+    await introduced(node, fleet, 2)
+    history = ["first: " + LONG, "an answer"]
+    status, _, home = await chat(url, history[0], "x")
+    assert status == 200
+    other = next(r for r in node.fleet.replicas if r.id != home)
+    emulated = {r.id: e for r, e in zip(node.fleet.replicas, fleet.replicas, strict=True)}
+    before = await transfers(emulated[other.id])
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/admin/replicas/{home}/drain", headers={"Authorization": f"Bearer {token}"}) as r,
+    ):
+        assert r.status == 200 and (await r.json())["sessions_to_move"] == 1
+    await until(lambda: node.sessions.get(b"x") == other.id, "the session moved, warmed")
+    assert (await transfers(emulated[other.id]))[0] == before[0] + 1  # its warm-up read the KV from home
+    status, answer, replica = await chat(url, [*history, "and then?"], "x")
+    assert status == 200 and replica == other.id
+    details = answer["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] >= answer["usage"]["prompt_tokens"] - 64  # all but the new turn's blocks
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_warmup_requests_total{result="moved"} 1.0' in text
+    assert 'router_warmup_requests_total{result="ok"}' not in text
+
+
 async def test_with_prefill_anywhere_a_busy_replica_s_long_prompt_is_prefilled_by_an_idle_one(  # type: ignore[no-untyped-def]
     start_fleet, start_router
 ) -> None:

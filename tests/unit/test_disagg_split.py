@@ -15,12 +15,15 @@ from router.fleet import Fleet, ReplicaState
 from router.handoff import VLLM
 from router.health.states import Hysteresis
 from router.metrics import RouterMetrics
-from router.pools import Pairs, Pool, prefill_pool
+from router.policy import Decision
+from router.policy.ttft import Ttft
+from router.pools import Pairs, Pool, lending_pool, prefill_pool, replica_fleet
 from router.proxy import disagg
 from router.proxy.disagg import DisaggAttempts
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
 from router.proxy.intake import Intake, take_in_body
-from router.routing import Served
+from router.routing import Routing, Served, SessionDirectory
+from router.sessions import SessionTable
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
 LONG = "a document to read. " * 400  # some 2,000 tokens: worth splitting at min_tokens 512
@@ -297,8 +300,16 @@ async def test_pairs_are_introduced_each_prefill_replica_to_each_decode_replica_
     tried.clear()
     await pairs.introduce()
     assert tried == [("p1", "d2")] and len(pairs.met) == 6 and not pairs.tries and not pairs.strangers(d2)
-    # a replica out of routing (removed by its health, drained) has its pairs forgotten: an engine
-    # that comes back may be a new one, which the others have not met
+    # a drained replica keeps its pairs (its engine is the same one: it hands its sessions' KV over)
+    p0 = pairs.prefill.find("p0")
+    assert p0 is not None
+    p0.health.state = "draining"
+    tried.clear()
+    await pairs.introduce()
+    assert not tried and len(pairs.met) == 6
+    p0.health.state = "healthy"
+    # a replica its health removed has its pairs forgotten: an engine that comes back may be a new
+    # one, which the others have not met
     d0 = pairs.decode.find("d0")
     assert d0 is not None and d0.index is not None
     d0.health.state = "removed"
@@ -308,3 +319,88 @@ async def test_pairs_are_introduced_each_prefill_replica_to_each_decode_replica_
     d0.health.state = "healthy"
     await pairs.introduce()
     assert sorted(tried) == [("p0", "d0"), ("p1", "d0")] and len(pairs.met) == 6
+
+
+def lending_world(
+    answers: list[Answer | Exception], apart: tuple[tuple[str, str], ...] = ()
+) -> tuple[DisaggAttempts, Fleet, Upstream, Decode, Any, list[str]]:
+    """Three replicas (r0, r1, r2) that prefill for one another (prefill_anywhere), every pair met
+    but those `apart` (prefill, decode); the prefill legs answered as `answers` says."""
+    config = load(
+        None,
+        {},
+        {
+            "replicas": [f"r{i}=http://127.0.0.1:{9300 + i}" for i in range(3)],
+            "policy": "ttft",
+            "prefill_anywhere": True,
+            "state": "none",
+            "kv_events": False,
+        },
+    )
+    fleet = replica_fleet(config, config.replicas, Hysteresis())
+    policy = Ttft(fleet, config)
+    metrics = RouterMetrics()
+    directory = SessionDirectory(SessionTable(64, config.sticky_ttl_s), config.sticky_ttl_s)
+    serve = Pool("serve", fleet, policy, Routing(fleet, policy, directory, metrics, 3))
+    upstream = Upstream(answers)
+    decode = Decode(upstream)
+    modes: list[str] = []
+    pairs = Pairs(fleet, fleet, VLLM, lambda: None)  # type: ignore[arg-type, return-value]
+    for p in fleet.replicas:
+        for d in fleet.replicas:
+            if p is not d and (p.id, d.id) not in apart:
+                pairs.record(p.id, d.id, 1.0)
+    attempts = DisaggAttempts(
+        decode,  # type: ignore[arg-type]
+        lending_pool(serve, config, metrics),
+        VLLM,
+        512,
+        Timeouts(1.0, 5.0, 5.0),
+        modes.append,
+        lambda why: modes.append(f"abandoned: {why}"),
+        pairs,
+        lends=True,
+    )
+    return attempts, fleet, upstream, decode, config, modes
+
+
+@pytest.mark.parametrize("why", ["draining", "passed over"])
+async def test_a_moved_session_s_turn_is_prefilled_by_the_replica_it_left_and_its_kv_travels(why: str) -> None:
+    attempts, fleet, upstream, decode, config, modes = lending_world([prefilled(cached=1900)])
+    r0, r1, _ = fleet.replicas
+    if why == "draining":
+        fleet.drain("r0")  # an operator drains it: it serves what it holds, its engine is the same
+    moved = Decision(1, "ring", left="r0")  # the route's pick left r0 for r1
+    result = await attempts.send(r1, trip(config), time.monotonic() + 30, moved)
+    assert isinstance(result, Outcome) and modes == ["moved"]
+    assert result.split is not None and result.split.replica == "r0"
+    ((url, sent),) = upstream.sent
+    assert url.startswith(r0.url + "/") and sent["kv_transfer_params"]["do_remote_decode"]
+    ((how, replica, body),) = decode.bodies
+    assert (how, replica) == ("settled", "r1") and body["kv_transfer_params"] == PARAMS
+    # the leg went through the routing core: counted there, and released
+    assert r0.requests == 1 and r0.inflight == 0 and r0.prompt_tokens == 2000
+
+
+async def test_a_move_from_a_replica_down_or_unmet_or_whose_prefill_fails_is_computed_where_it_goes() -> None:
+    moved = Decision(1, "ring", left="r0")  # the route's pick left r0 for r1
+    # its health removed it: its engine may be gone, nothing is asked of it
+    attempts, fleet, upstream, decode, config, modes = lending_world([])
+    r0, r1, _ = fleet.replicas
+    r0.health.state = "removed"
+    fleet.apply_health(r0, time.monotonic())
+    result = await attempts.send(r1, trip(config), time.monotonic() + 30, moved)
+    assert (
+        isinstance(result, Outcome)
+        and "moved" not in modes
+        and all(url.startswith(fleet.replicas[2].url) for url, _ in upstream.sent)
+    )
+    # the pair never met: no client request pays its handshake (r1 has met r2: it is not cold)
+    attempts, fleet, upstream, decode, config, modes = lending_world([], apart=(("r0", "r1"),))
+    result = await attempts.send(fleet.replicas[1], trip(config), time.monotonic() + 30, moved)
+    assert isinstance(result, Outcome) and modes == ["alone"] and not upstream.sent
+    # its prefill fails: the new replica computes the prompt, and no other replica is asked
+    attempts, fleet, upstream, decode, config, modes = lending_world([Answer(503, {"error": "busy"})])
+    result = await attempts.send(fleet.replicas[1], trip(config), time.monotonic() + 30, moved)
+    assert isinstance(result, Outcome) and modes == ["fallback"] and len(upstream.sent) == 1
+    assert [how for how, _, _ in decode.bodies] == ["send"] and result.split is None

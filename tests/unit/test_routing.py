@@ -120,7 +120,7 @@ async def test_a_session_sticks_and_its_next_turn_is_a_followup_without_a_jump()
     clock.now += 5
     route, again = await serve(routing, clock, key("s1"))
     assert route.last == first.id and again is first and route.decision is not None
-    assert route.decision.reason == "sticky"
+    assert route.decision.reason == "sticky" and route.decision.left is None  # it stays: nothing moves
     assert routing.metrics.followups._value.get() == 1 and jumps(routing) == {}
 
 
@@ -149,6 +149,8 @@ async def test_a_served_failover_counts_as_one_and_classifies_the_jump() -> None
     route.failed(first, "http_5xx")
     second = route.next(clock.now)
     assert second is not None and second is not home
+    # a failover's pick moves no KV from the home it left: that replica just failed
+    assert route.decision is not None and route.decision.left is None
     route.release(second)
     verdict = route.served(second, Served(200))
     assert verdict.followup and verdict.jump == "failover" and not verdict.moved
@@ -186,6 +188,8 @@ async def test_jump_reasons_by_cause(cause: str, policy: str) -> None:
     route = await routing.route(key("s1"), clock.now, clock.now + 60)
     replica = route.next(clock.now)
     assert replica is not None and replica.id != home.id
+    # the pick says where the session left (router.proxy.disagg moves its KV from there when it is up)
+    assert route.decision is not None and route.decision.left == home.id
     route.release(replica)
     verdict = route.served(replica, Served(200))
     assert verdict.followup and verdict.jump == cause and jumps(routing) == {cause: 1.0}

@@ -31,9 +31,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
-from router.balance.warmup import PromptStore, warm
+from router.balance.warmup import PromptStore, Source, warm
 from router.config import RouterConfig
 from router.fleet import Fleet, ReplicaState
+from router.handoff import VLLM
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.routing import PeerSessions
@@ -185,10 +186,13 @@ class Balancer:
 
     # -- moving sessions ----------------------------------------------------------------------------
 
-    async def _warm_and_move(self, target: ReplicaState, keys: list[bytes], reason: str, all_keys: bool) -> int:
+    async def _warm_and_move(
+        self, target: ReplicaState, keys: list[bytes], reason: str, all_keys: bool, source: ReplicaState | None = None
+    ) -> int:
         """Warm the most recent of `keys` on `target` and move those whose warm-up succeeded (or,
         with warm-up off, the same most recent ones, cold); with `all_keys`, move the rest too.
-        Returns how many moved."""
+        `source`: the replica they leave; with prefill_anywhere, while it is up, their warm-up
+        reads their KV from there (router.balance.warmup.Source). Returns how many moved."""
         cfg = self.config
         m = self.metrics
         view = self._sessions()
@@ -205,8 +209,15 @@ class Balancer:
                 cfg.warmup_concurrency,
                 cfg.warmup_timeout_s,
                 target.auth,
+                self._source(source, target),
             )
-            for outcome, count in (("ok", result.ok), ("failed", result.failed), ("skipped", result.skipped)):
+            counts = (
+                ("ok", result.ok),
+                ("moved", result.moved),
+                ("failed", result.failed),
+                ("skipped", result.skipped),
+            )
+            for outcome, count in counts:
                 if count:
                     m.child(m.warmups, outcome).inc(count)
             ready = [key for (key, _), ok in zip(chosen, result.succeeded, strict=True) if ok]
@@ -225,6 +236,16 @@ class Balancer:
         if moved:
             m.child(m.sessions_moved, reason).inc(len(moved))
         return len(moved)
+
+    def _source(self, source: ReplicaState | None, target: ReplicaState) -> Source | None:
+        """Where the sessions' KV can be read from: the replica they leave, where every replica
+        prefills for another (prefill_anywhere) and it is up (routable, or drained by an operator:
+        its engine serves what it holds)."""
+        if not self.config.prefill_anywhere or source is None or source is target or source.index is None:
+            return None
+        if not (source.health.routable or source.health.state == "draining"):
+            return None
+        return Source(source.url, source.auth, VLLM)
 
     async def migrate(self, move: Move) -> None:
         """Warm the vnode's sessions on the target, then hand the vnode over (one at a time per
@@ -252,7 +273,7 @@ class Balancer:
             if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
                 keys.append(key)
         # sessions whose warm-up did not succeed stay where their cache is until their entry ends
-        await self._warm_and_move(target, keys, "migration", all_keys=False)
+        await self._warm_and_move(target, keys, "migration", all_keys=False, source=source)
         if target.index is None or move.origin not in ring.replica_ids:
             return  # the fleet changed while we warmed
         self.membership.override(move.origin, move.number, target.id)
@@ -332,7 +353,7 @@ class Balancer:
                     groups.setdefault(id(target), (target, []))[1].append(key)
             for target, group in groups.values():
                 if target.index is not None:
-                    await self._warm_and_move(target, group, "drain", all_keys=True)
+                    await self._warm_and_move(target, group, "drain", all_keys=True, source=replica)
             found = await self._live(replica.id)
             keys = None if found is None else [key for key, *_ in found]
             if keys == [] or replica.state != "draining":

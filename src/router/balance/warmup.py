@@ -7,6 +7,13 @@ completion or Anthropic Messages request into one that computes the prompt and g
 token (`max_tokens: 1`, not streamed). `warm` sends such requests to one replica, a few at a time, each marked with
 `X-Router-Warmup: 1` so it is never mistaken for user traffic, and gives up on what is left when
 its time is up.
+
+Where the sessions' KV can travel (`Source`: every replica prefills for another, prefill_anywhere,
+and the replica they leave is up: drained, or passing a vnode on), a warm-up is a split rather
+than a recompute: the replica that served the session prefills its prompt (nearly all cache there)
+and keeps its blocks for a remote decode (router.handoff), and the new replica reads them and
+computes one token: the real KV moves, and it costs the new replica a transfer, not the prompt's
+prefill. Where that fails (no params, a failed read), the new replica computes the prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from router.apis import PROXIED, api_of
+from router.handoff import SPLITTABLE, Handoff
 from router.upstream import Response
 
 WARMUP_HEADER = "X-Router-Warmup"
@@ -101,10 +109,20 @@ def prefill_only(body: bytes, path: str = "/v1/chat/completions") -> bytes | Non
 @dataclass
 class WarmupResult:
     sent: int = 0
-    ok: int = 0
+    ok: int = 0  # ... and computed there
+    moved: int = 0  # ... warmed with the KV read from the `Source`
     failed: int = 0
     skipped: int = 0  # not sent: time ran out
     succeeded: list[bool] = field(default_factory=list)  # per request, in order
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """The replica the sessions leave, which holds their KV, and the hand-off its engine speaks."""
+
+    url: str
+    auth: dict[str, str]
+    protocol: Handoff
 
 
 # how warm-up sends one request: the router's upstream client (router.upstream.Upstream.post),
@@ -119,13 +137,39 @@ async def warm(
     concurrency: int,
     timeout_s: float,
     auth: dict[str, str] | None = None,
+    source: Source | None = None,
 ) -> WarmupResult:
     """Replay `requests` (path, stored body) on one replica as prefill-only requests (`auth`: its
-    engine's key, router.fleet.ReplicaState.auth)."""
+    engine's key, router.fleet.ReplicaState.auth); with a `source`, each reads its KV from there
+    where it can (this module's docstring)."""
     result = WarmupResult(succeeded=[False] * len(requests))
     queue = list(enumerate(requests))
     deadline = time.monotonic() + timeout_s
     headers = {"Content-Type": "application/json", WARMUP_HEADER: "1", **(auth or {})}
+
+    async def send(url: str, payload: bytes, sent_with: dict[str, str]) -> tuple[int, bytes]:
+        left = max(deadline - time.monotonic(), 0.1)
+        async with asyncio.timeout(left):
+            resp = await post(url, payload, sent_with, left)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.release()
+
+    async def travelled(path: str, payload: bytes) -> bool:
+        """The prompt prefilled at the source and its KV read here (one token computed)."""
+        assert source is not None
+        api = api_of(path)
+        if api is None or api.name not in SPLITTABLE:
+            return False
+        data = orjson.loads(payload)
+        at_source = {**headers, **source.auth}
+        status, answer = await send(source.url + path, orjson.dumps(source.protocol.prefill_body(api, data)), at_source)
+        params = source.protocol.params(orjson.loads(answer)) if status == 200 else None
+        if params is None:
+            return False
+        status, _ = await send(base_url + path, orjson.dumps(source.protocol.decode_body(data, params)), headers)
+        return status == 200
 
     async def one(i: int, path: str, body: bytes) -> None:
         payload = prefill_only(body, path)
@@ -133,15 +177,17 @@ async def warm(
             result.skipped += 1
             return
         result.sent += 1
-        left = deadline - time.monotonic()
         try:
-            async with asyncio.timeout(max(left, 0.1)):
-                resp = await post(base_url + path, payload, headers, max(left, 0.1))
+            if source is not None:
                 try:
-                    await resp.read()
-                finally:
-                    resp.release()
-            if resp.status == 200:
+                    if await travelled(path, payload):
+                        result.moved += 1
+                        result.succeeded[i] = True
+                        return
+                except (OSError, ValueError):  # (the source unreachable, its answer not JSON): computed here
+                    pass
+            status, _ = await send(base_url + path, payload, headers)
+            if status == 200:
                 result.ok += 1
                 result.succeeded[i] = True
             else:

@@ -187,7 +187,8 @@ HELP = {
     "prefill_anywhere": "with no prefill replicas (and policy ttft): any replica may prefill a request for another "
     "(vLLM's kv_both connector on every replica), chosen per request: the replica whose prefill would cost the "
     "fleet least waiting (its first token, plus the streams it would stall), where that beats prefilling on the "
-    "request's own replica, which then reads the KV and decodes (default off)",
+    "request's own replica, which then reads the KV and decodes; a session moved off a replica still up (a drain's "
+    "warm-up, a cheaper home) has its KV read from there instead of computed again (default off)",
     "disagg_introduce": "with prefill replicas: introduce each prefill replica to each decode replica with a split "
     "request of the router's own (the engines' first handshake, NIXL's: seconds), and split a client's request "
     "only across a pair that has met; a decode replica that has met none serves alone meanwhile (default on; "

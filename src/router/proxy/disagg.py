@@ -42,7 +42,12 @@ its own replica (`lend_worth`): the prompt priced on the other replicas (ttft's 
 prefill queues), the cheapest one's time to first token plus the transfer, plus the prefill time
 it would stall the streams in flight there for, against the same on the request's replica
 (router.routing.lend_worth). So a document goes to be prefilled where its blocks are or where
-little is decoding, and its conversation stays where it was routed.
+little is decoding, and its conversation stays where it was routed. A session the route moves (its
+turn's first pick leaves the replica that served it last, still up: drained by an operator, or
+passed over for a cheaper or cooler home: the decision's `left`) is split with that replica as the
+prefill side, where it has met the new one (`holder`): its prefill there is nearly all cache, so
+the conversation's blocks travel instead of being computed again (mode `moved`); where that
+prefill fails, the new replica computes the prompt.
 
 A split request's outcome carries its legs for the ledger (router.proxy.ledger): its `Split`
 (router.proxy.forward) says which replica prefilled it, how long that took, and when, after its
@@ -143,10 +148,30 @@ class DisaggAttempts:
         if self.pairs is not None and not self.pairs.has_met(replica):
             self.observe("cold")  # the router is introducing it to the prefill replicas: not at a client's cost
             return self.inner.send(replica, trip, deadline)
-        if self.lends and not self.lend(replica, trip, decision):
-            self.observe("alone")  # its own replica prefills it at no more cost to the fleet
-            return self.inner.send(replica, trip, deadline)
+        if self.lends:
+            holder = self.holder(replica, decision)
+            if holder is not None:
+                return self._split(replica, trip, deadline, holder)  # the session's KV moves with it
+            if not self.lend(replica, trip, decision):
+                self.observe("alone")  # its own replica prefills it at no more cost to the fleet
+                return self.inner.send(replica, trip, deadline)
         return self._split(replica, trip, deadline)
+
+    def holder(self, replica: ReplicaState, decision: Decision | None) -> ReplicaState | None:
+        """Where the route moves a session to `replica` from a replica still up (drained, or
+        passed over for a cheaper or cooler home) that has met it: the replica to prefill its turn,
+        which holds its blocks (its prefill there is nearly all cache), so they travel instead of
+        being computed again."""
+        if decision is None or decision.left is None:
+            return None
+        holder = self.pool.fleet.find(decision.left)
+        if holder is None or holder is replica or holder.index is None:
+            return None
+        if not (holder.health.routable or holder.health.state == "draining"):
+            return None  # removed by its health: its engine may be gone
+        if self.pairs is not None and (holder.id, replica.id) not in self.pairs.met:
+            return None
+        return holder
 
     def lend(self, replica: ReplicaState, trip: Trip, decision: Decision | None) -> bool:
         """With every replica able to prefill for another: whether the cheapest other replica
@@ -166,7 +191,9 @@ class DisaggAttempts:
     ) -> Awaitable[Retry | None]:
         return self.inner.resume(replica, trip, body, deadline, outcome, splicer)
 
-    async def _split(self, replica: ReplicaState, trip: Trip, deadline: float) -> Retry | Outcome:
+    async def _split(
+        self, replica: ReplicaState, trip: Trip, deadline: float, holder: ReplicaState | None = None
+    ) -> Retry | Outcome:
         body = orjson.loads(trip.intake.raw)  # as forwarded (usage asked for where the router strips it)
         request = (id(trip.exchange), trip.t0)
         kept = self._kept.pop(request, None)
@@ -177,8 +204,8 @@ class DisaggAttempts:
             self.abandoned("strangers")  # the next decode replica has not met that prefill replica: prefilled again
             prefilled = None
         if prefilled is None:
-            prefilled = await self._prefill(trip, body, deadline, replica)
-            self.observe("split" if prefilled is not None else "fallback")
+            prefilled = await self._prefill(trip, body, deadline, replica, holder)
+            self.observe(("moved" if holder is not None else "split") if prefilled is not None else "fallback")
         if prefilled is None:
             log.info("no prefill replica answered: %s computes the prompt alone", replica.id)
             return await self.inner.send(replica, trip, deadline)  # decoded alone: it recomputes the prompt
@@ -216,11 +243,11 @@ class DisaggAttempts:
         return result
 
     async def _prefill(
-        self, trip: Trip, body: dict[str, Any], deadline: float, decode: ReplicaState
+        self, trip: Trip, body: dict[str, Any], deadline: float, decode: ReplicaState, holder: ReplicaState | None
     ) -> Prefilled | None:
         """A prefill done on the first prefill replica the leg's route offers that answers with
-        params (of those `decode` has met); the route hears of each (failed, or served with its
-        usage, and released)."""
+        params (of those `decode` has met; `holder` alone, where the session moves from it); the
+        route hears of each (failed, or served with its usage, and released)."""
         raw = orjson.dumps(self.protocol.prefill_body(trip.intake.api, body))
         loop = asyncio.get_running_loop()
         started = time.monotonic()
@@ -229,6 +256,7 @@ class DisaggAttempts:
             route.avoid = self.pairs.strangers(decode)
         if self.lends and decode.index is not None:
             route.avoid |= {decode.index}  # prefilled elsewhere, or not split at all
+        route.pinned = holder
         while (replica := route.next(loop.time())) is not None:
             began = time.monotonic()
             try:
@@ -237,6 +265,8 @@ class DisaggAttempts:
                 route.release(replica)
             if params is None:
                 route.failed(replica, cause)
+                if holder is not None:
+                    return None  # only the holder's prefill is nearly free: the decode replica computes it
                 continue
             now = time.monotonic()
             # its one token is its first: the answer's time is the leg's time to first token (from

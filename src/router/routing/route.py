@@ -168,6 +168,7 @@ class Route:
         "late",
         "local",
         "parent",
+        "pinned",
         "prompt_mark",
         "refuse_late",
         "routing",
@@ -208,6 +209,9 @@ class Route:
         # replicas (indices) `next` passes over besides those tried: for a prefill leg, the prefill
         # replicas its decode replica has not met yet (router.pools.Pairs)
         self.avoid: frozenset[int] = frozenset()
+        # the replica the first attempt goes to, whatever the policy would pick, while it is in the
+        # fleet: a moved session's prefill leg, on the replica that holds its blocks (draining too)
+        self.pinned: ReplicaState | None = None
         # a first pick that no replica is predicted to serve by `target_at` is not sent (a sheddable
         # request's, which is better refused at once than served late): `next` says None, and `late`
         self.refuse_late = False
@@ -243,6 +247,9 @@ class Route:
         if self.key.kind == "response" and self.last is not None and not resuming and self.tried:
             return None  # only the replica holding a stored response can continue it: no retry elsewhere
         decision = None if resuming else self.holder()
+        pinned = self.pinned
+        if pinned is not None and not self.tried and pinned.index is not None:
+            decision = Decision(pinned.index, "sticky")
         if decision is None:
             decision = routing.policy.pick(
                 self.key,
@@ -253,6 +260,16 @@ class Route:
             )
             if self.parent is not None:
                 decision = self.from_parent(decision)
+            last = self.last
+            # the first pick moves the session from `last` (a failover's does not: its home failed here)
+            if (
+                decision is not None
+                and last is not None
+                and not self.tried
+                and not resuming
+                and routing.fleet.replicas[decision.index].id != last
+            ):
+                decision = replace(decision, left=last)
         if decision is None:
             return None
         if decision.late and self.refuse_late and not self.tried:
