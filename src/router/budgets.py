@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -63,6 +63,17 @@ class Reservation:
     tenant: str
     tokens: int
     charged: bool = True
+    prompt: int = 0  # its prompt's tokens as estimated from the body's size (a stream that ends early is charged it)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request a tenant's budget turns away: why (`reason`, a label of router_shed_total), in
+    words, and the whole seconds to wait before asking again (0: waiting would not help)."""
+
+    message: str
+    reason: str
+    retry_after_s: int
 
 
 class Store(Protocol):
@@ -241,6 +252,46 @@ class Budgets:
         if per_minute is None:
             return Reservation(tenant, tokens, charged=False)
         return await self.store.take(tenant, tokens, per_minute, per_minute / 60)
+
+    def admit_now(
+        self, tenant: str, body: Mapping[str, Any], raw_size: int, default_completion: int
+    ) -> Reservation | Refusal:
+        """`admit` from this process's own buckets (`local`), without awaiting."""
+        refused = self._never_fits(tenant, body)
+        if refused is not None:
+            return refused
+        return self._admitted(tenant, self.reserve_now(tenant, estimate(body, raw_size, default_completion)), raw_size)
+
+    async def admit(
+        self, tenant: str, body: Mapping[str, Any], raw_size: int, default_completion: int
+    ) -> Reservation | Refusal:
+        """A request's admission by its tenant's budget: its tokens (`estimate`) reserved, or why
+        not: its own completion cap is more than the whole budget (`exceeds_budget`: it could
+        never fit), or the budget is spent for now (`budget`, with the seconds to wait)."""
+        refused = self._never_fits(tenant, body)
+        if refused is not None:
+            return refused
+        return self._admitted(
+            tenant, await self.reserve(tenant, estimate(body, raw_size, default_completion)), raw_size
+        )
+
+    def _never_fits(self, tenant: str, body: Mapping[str, Any]) -> Refusal | None:
+        cap = completion_cap(body)
+        if not self.exceeds(tenant, cap):
+            return None
+        message = (
+            f"this request asks for up to {cap} completion tokens, more than tenant {tenant}'s "
+            f"whole budget of {self.limits[tenant]} tokens a minute: it could never fit; lower its max_tokens"
+        )
+        return Refusal(message, "exceeds_budget", 0)
+
+    def _admitted(self, tenant: str, reserved: Reservation | int, raw_size: int) -> Reservation | Refusal:
+        if isinstance(reserved, int):
+            limit = self.limits[tenant]
+            return Refusal(
+                f"tenant {tenant} has used its {limit} tokens a minute: retry in {reserved} s", "budget", reserved
+            )
+        return replace(reserved, prompt=prompt_estimate(raw_size))
 
     async def settle(self, reservation: Reservation, used: int | None) -> None:
         """Correct a reservation by what the request used (None: unknown, it stays as charged)."""

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.budgets import Budgets, LocalStore, Reservation, estimate
+from router.budgets import Budgets, LocalStore, Refusal, Reservation, estimate
 
 PER_MINUTE = 6000  # 100 tokens a second
 T = TypeVar("T")
@@ -187,3 +187,28 @@ def test_never_above_capacity_nor_more_granted_than_capacity_and_refill(
 )
 def test_estimate(body: dict[str, object], raw_size: int, expected: int) -> None:
     assert estimate(body, raw_size, 256) == expected
+
+
+@pytest.mark.parametrize("awaited", [False, True])
+async def test_admission_reserves_the_estimate_or_says_why_not_alike_awaited_or_not(awaited: bool) -> None:
+    budgets, _, clock = make()
+
+    def admit(body: dict[str, Any], raw_size: int) -> Reservation | Refusal:
+        if awaited:
+            return at_once(budgets.admit("acme", body, raw_size, 100))
+        return budgets.admit_now("acme", body, raw_size, 100)
+
+    # its own cap is more than the whole budget: it could never fit, waiting would not help
+    never = admit({"max_tokens": PER_MINUTE + 1}, 40)
+    assert isinstance(never, Refusal) and (never.reason, never.retry_after_s) == ("exceeds_budget", 0)
+    assert f"{PER_MINUTE + 1} completion tokens" in never.message
+    # it fits: its prompt's estimate (from its size) and its cap are reserved
+    fits = admit({"max_tokens": 4000}, 400)
+    assert isinstance(fits, Reservation) and (fits.tokens, fits.prompt) == (4100, 100)
+    # the budget is spent for now: the seconds until what it asks for has refilled ((4100 - 1900) / 100)
+    spent = admit({"max_tokens": 4000}, 400)
+    assert isinstance(spent, Refusal) and spent.reason == "budget" and spent.retry_after_s == 22
+    clock.now += 21
+    assert isinstance(admit({"max_tokens": 4000}, 400), Refusal)
+    clock.now += 1
+    assert isinstance(admit({"max_tokens": 4000}, 400), Reservation)

@@ -37,7 +37,7 @@ import orjson
 
 from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.budgets import COMPLETION_CAPS, Budgets, Reservation, completion_cap, estimate, prompt_estimate
+from router.budgets import COMPLETION_CAPS, Budgets, Refusal, Reservation
 from router.clients import DEFAULT_RANK, PRIORITIES, SHEDDABLE, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
@@ -168,28 +168,16 @@ class Journey:
                 return
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
-            tokens = estimate(intake.body, len(intake.raw), self.reserve_tokens)
-            cap = completion_cap(intake.body)
-            if budgets.exceeds(client.tenant, cap):
-                limit = budgets.limits[client.tenant]
-                message = (
-                    f"this request asks for up to {cap} completion tokens, more than tenant {client.tenant}'s "
-                    f"whole budget of {limit} tokens a minute: it could never fit; lower its max_tokens"
-                )
-                self._shed(exchange, Shed(429, message, "exceeds_budget", 0), key.model, intake.rank)
-                self._finish(end, exchange.status)
-                return
             if budgets.local is not None:  # this process's buckets: no coroutine to await
-                reserved = budgets.reserve_now(client.tenant, tokens)
+                admitted = budgets.admit_now(client.tenant, intake.body, len(intake.raw), self.reserve_tokens)
             else:
-                reserved = await budgets.reserve(client.tenant, tokens)
-            if isinstance(reserved, int):
-                limit = budgets.limits[client.tenant]
-                message = f"tenant {client.tenant} has used its {limit} tokens a minute: retry in {reserved} s"
-                self._shed(exchange, Shed(429, message, "budget", reserved), key.model, intake.rank)
+                admitted = await budgets.admit(client.tenant, intake.body, len(intake.raw), self.reserve_tokens)
+            if isinstance(admitted, Refusal):
+                shed = Shed(429, admitted.message, admitted.reason, admitted.retry_after_s)
+                self._shed(exchange, shed, key.model, intake.rank)
                 self._finish(end, exchange.status)
                 return
-            end.reserved, end.prompt_estimate = reserved, prompt_estimate(len(intake.raw))  # settled at the end
+            end.reserved = admitted  # settled at the end
         if self.tokens is not None and key.prompt is not None:
             # the engine's tokens, where events feed
             key = end.key = self.tokens.tokenized(key, intake.api, intake.body)
@@ -386,7 +374,7 @@ class Journey:
         ):
             # ended early: what passed (a framer still counting, if the client left mid-read)
             events = max(facts.events, result.framer.events if result.framer is not None else 0)
-            spent = (facts.prompt_tokens or end.prompt_estimate) + max(facts.completion_tokens, events)
+            spent = (facts.prompt_tokens or reserved.prompt) + max(facts.completion_tokens, events)
         elif status == 499:
             spent = None
         elif facts is None or facts.prompt_tokens or facts.completion_tokens or facts.status >= 400:

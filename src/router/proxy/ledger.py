@@ -51,8 +51,7 @@ class Ending:
     client: Client | None = None  # whose key it brought, with client keys on
     priority: int | None = None  # the class it got (None: the default class)
     trace: RequestTrace | None = None  # its trace, where it is traced
-    reserved: Reservation | None = None  # its tenant's tokens, reserved until it is settled ...
-    prompt_estimate: int = 0  # ... with its prompt's tokens estimated, for a stream that ends early
+    reserved: Reservation | None = None  # its tenant's tokens, reserved until it is settled
 
 
 class Accounting(Protocol):
