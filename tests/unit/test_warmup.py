@@ -57,6 +57,10 @@ async def test_with_a_source_the_prompt_is_prefilled_there_and_its_kv_read_by_th
     (at_old, prefill, old_headers), (at_new, decode, new_headers) = replicas.sent
     assert at_old == "old:1" and prefill["kv_transfer_params"]["do_remote_decode"] and prefill["max_tokens"] == 1
     assert old_headers["Authorization"] == "Bearer old-key" and old_headers[WARMUP_HEADER] == "1"
+    source = Source("http://old:1", {}, VLLM)  # a source without a key is sent none (not the new replica's)
+    replicas.sent.clear()
+    await warm(replicas.post, "http://new:1", requests(), 2, 5.0, {"Authorization": "Bearer new-key"}, source)
+    assert "Authorization" not in replicas.sent[0][2]
     assert at_new == "new:1" and decode["kv_transfer_params"] == PARAMS and decode["max_tokens"] == 1
     assert decode["stream"] is False and new_headers["Authorization"] == "Bearer new-key"
 

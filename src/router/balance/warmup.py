@@ -145,7 +145,8 @@ async def warm(
     result = WarmupResult(succeeded=[False] * len(requests))
     queue = list(enumerate(requests))
     deadline = time.monotonic() + timeout_s
-    headers = {"Content-Type": "application/json", WARMUP_HEADER: "1", **(auth or {})}
+    plain = {"Content-Type": "application/json", WARMUP_HEADER: "1"}
+    headers = {**plain, **(auth or {})}
 
     async def send(url: str, payload: bytes, sent_with: dict[str, str]) -> tuple[int, bytes]:
         left = max(deadline - time.monotonic(), 0.1)
@@ -163,7 +164,7 @@ async def warm(
         if api is None or api.name not in SPLITTABLE:
             return False
         data = orjson.loads(payload)
-        at_source = {**headers, **source.auth}
+        at_source = {**plain, **source.auth}  # (its own engine key, never the new replica's)
         status, answer = await send(source.url + path, orjson.dumps(source.protocol.prefill_body(api, data)), at_source)
         params = source.protocol.params(orjson.loads(answer)) if status == 200 else None
         if params is None:
