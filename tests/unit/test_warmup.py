@@ -3,6 +3,7 @@ sessions move to, or, with a `Source`, prefilled where they were and its KV read
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -29,15 +30,17 @@ class Replicas:
     """Two replicas: `old` (the source) answers a prefill with params unless told not to; `new`
     answers 200, or 500 to a request that reads KV when its reads fail."""
 
-    def __init__(self, params: bool = True, reads_fail: bool = False) -> None:
+    def __init__(self, params: bool = True, reads_fail: bool = False, source_s: float = 0.0) -> None:
         self.params = params
         self.reads_fail = reads_fail
+        self.source_s = source_s  # how long the source takes to answer
         self.sent: list[tuple[str, dict[str, Any], dict[str, str]]] = []
 
     async def post(self, url: str, payload: bytes, headers: dict[str, str], connect_s: float) -> Answer:
         body = orjson.loads(payload)
         self.sent.append((url.split("/")[2], body, headers))
         if url.startswith("http://old"):
+            await asyncio.sleep(self.source_s)
             return Answer(200, {"choices": [], "kv_transfer_params": PARAMS if self.params else None})
         if "kv_transfer_params" in body and self.reads_fail:
             return Answer(500, {"error": {"message": "KV transfer failed"}})
@@ -66,9 +69,10 @@ async def test_with_a_source_the_prompt_is_prefilled_there_and_its_kv_read_by_th
 
 
 async def test_where_the_kv_cannot_travel_the_new_replica_computes_the_prompt() -> None:
-    for replicas in (Replicas(params=False), Replicas(reads_fail=True)):
+    # no params, a failed read, a source slower than half the time: each computed on the new replica
+    for replicas in (Replicas(params=False), Replicas(reads_fail=True), Replicas(source_s=30.0)):
         source = Source("http://old:1", {}, VLLM)
-        result = await warm(replicas.post, "http://new:1", requests(), 2, 5.0, None, source)
+        result = await warm(replicas.post, "http://new:1", requests(), 2, 1.0, None, source)
         assert (result.moved, result.ok, result.failed, result.succeeded) == (0, 1, 0, [True])
         at, computed, _ = replicas.sent[-1]
         assert at == "new:1" and "kv_transfer_params" not in computed

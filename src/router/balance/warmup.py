@@ -13,7 +13,8 @@ and the replica they leave is up: drained, or passing a vnode on), a warm-up is 
 than a recompute: the replica that served the session prefills its prompt (nearly all cache there)
 and keeps its blocks for a remote decode (router.handoff), and the new replica reads them and
 computes one token: the real KV moves, and it costs the new replica a transfer, not the prompt's
-prefill. Where that fails (no params, a failed read), the new replica computes the prompt.
+prefill. Where that fails (no params, a failed read) or takes more than half the time left, the
+new replica computes the prompt.
 """
 
 from __future__ import annotations
@@ -181,11 +182,13 @@ async def warm(
         try:
             if source is not None:
                 try:
-                    if await travelled(path, payload):
-                        result.moved += 1
-                        result.succeeded[i] = True
-                        return
-                except (OSError, ValueError):  # (the source unreachable, its answer not JSON): computed here
+                    # half the time left at most: the rest computes it here where the transfer is slow
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.2) / 2):
+                        if await travelled(path, payload):
+                            result.moved += 1
+                            result.succeeded[i] = True
+                            return
+                except (OSError, ValueError, TimeoutError):  # (unreachable, not JSON, slow): computed here
                     pass
             status, _ = await send(base_url + path, payload, headers)
             if status == 200:
