@@ -213,11 +213,13 @@ async def test_a_sigkilled_replicas_stream_is_resumed_on_the_other(llama, start_
         _, reference = await post(http, servers[0].url, body)  # uninterrupted, for comparison
         expected = text_of(events_of(reference))
         raw = bytearray()
+        before = ""  # what the victim streamed before it was killed
         async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers={"X-Session-ID": "k"}) as r:
             victim = by_name[r.headers["X-Router-Replica"]]
             async for chunk in r.content.iter_any():
                 raw += chunk
                 if raw.count(b"\n\n") >= 12 and victim.proc is not None and victim.proc.poll() is None:
+                    before = text_of(events_of(bytes(raw[: raw.rfind(b"\n\n") + 2])))
                     victim.kill()  # mid-stream, a dozen events in
         text = await metrics_of(http, url)
     events = events_of(bytes(raw))
@@ -225,7 +227,15 @@ async def test_a_sigkilled_replicas_stream_is_resumed_on_the_other(llama, start_
     finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["length"]
     got = text_of(events)
-    assert got == expected  # greedy decoding: the other replica went on exactly where the first stopped
+    # greedy decoding: the other replica went on exactly where the first stopped, its next tokens
+    # the reference's. (Not necessarily all of them: the continuation reads the text so far as a
+    # prompt, whose float rounding differs from the token-by-token decode it replaces, and on a
+    # random-weight model a near tie can later flip: seen after some 900 characters on one CPU.)
+    assert before and expected.startswith(before) and got.startswith(before)
+    same = next(
+        (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
+    )
+    assert same >= min(len(before) + 8, len(expected)), (before, got, expected)
     assert len({e["id"] for e in events if isinstance(e, dict)}) == 1
     assert metric(text, "router_stream_resumes_total", outcome="resumed") == 1
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from waiting import probe_rounds
+from waiting import probe_rounds, until
 
 from router.admission import Admission
 from router.config import ReplicaSpec
@@ -116,8 +116,7 @@ async def test_turns_of_running_sessions_go_before_new_work(
             for s in ("s1", "s2", "s3"):  # three conversations under way
                 assert (await send(http, url, "chat", s))[0] == 200
             flood = [asyncio.create_task(send(http, url, "batch")) for _ in range(24)]
-            while node.admission.queued < 8:  # the queue is full of new work
-                await asyncio.sleep(0.01)
+            await until(lambda: node.admission.queued >= 8, "the queue full of new work", 30.0, every=0.01)
             turns = await asyncio.gather(*(send(http, url, "chat", s) for s in ("s1", "s2", "s3")))
             batch = await asyncio.gather(*flood)
     finally:
