@@ -288,7 +288,7 @@ class Pairs:
 
 def _up(fleet: Fleet) -> set[str]:
     """The replicas routable or draining (an operator's drain: its engine serves what it holds)."""
-    return {r.id for r in fleet.replicas if r.index is not None and (r.health.routable or r.health.state == "draining")}
+    return {r.id for r in fleet.replicas if r.index is not None and r.health.up}
 
 
 async def _post(http: aiohttp.ClientSession, replica: ReplicaState, body: dict[str, Any]) -> Any:

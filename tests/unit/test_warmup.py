@@ -7,23 +7,13 @@ import asyncio
 from typing import Any
 
 import orjson
+from test_disagg_split import Answer  # a replica's whole answer, as router.upstream hands it
 
 from router.balance.warmup import WARMUP_HEADER, Source, warm
 from router.handoff import VLLM
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_engine_id": "old"}
 CHAT = "/v1/chat/completions"
-
-
-class Answer:
-    def __init__(self, status: int, body: Any) -> None:
-        self.status = status
-        self.body = orjson.dumps(body)
-
-    async def read(self) -> bytes:
-        return self.body
-
-    def release(self) -> None: ...
 
 
 class Replicas:

@@ -243,7 +243,7 @@ class Balancer:
         its engine serves what it holds)."""
         if not self.config.prefill_anywhere or source is None or source is target or source.index is None:
             return None
-        if not (source.health.routable or source.health.state == "draining"):
+        if not source.health.up:
             return None
         return Source(source.url, source.auth, VLLM)
 

@@ -76,6 +76,12 @@ class ReplicaHealth:
     def routable(self) -> bool:
         return self.state in ROUTABLE
 
+    @property
+    def up(self) -> bool:
+        """Routable, or drained by an operator: its engine serves what it holds (and may hand a
+        session's KV over); not removed by its scores, whose engine may be gone."""
+        return self.state in ROUTABLE or self.state == "draining"
+
     def _move(self, state: str, now: float) -> str:
         if state == "removed" and self.state == "recovering":
             self.relapses += 1

@@ -167,7 +167,7 @@ class DisaggAttempts:
         holder = self.pool.fleet.find(decision.left)
         if holder is None or holder is replica or holder.index is None:
             return None
-        if not (holder.health.routable or holder.health.state == "draining"):
+        if not holder.health.up:
             return None  # removed by its health: its engine may be gone
         if self.pairs is not None and (holder.id, replica.id) not in self.pairs.met:
             return None
