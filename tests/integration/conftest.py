@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import re
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import psutil
 import pytest
 from aiohttp import web
 
@@ -30,6 +32,41 @@ from router.proxy.workers import runner_for
 
 WORKERS_TOKEN = "workers-test-token"  # the admin token of the routers `serve_workers` starts
 FAST = 100.0  # engine seconds per wall second: a 10 ms step sleeps 0.1 ms
+
+
+LEFT_RUNNING: list[str] = []  # processes a module's tests left running, for the session's summary
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """After a module's last test (its fixtures torn down with it), no process it started may still
+    run: an engine left behind would load this machine's two cores for every module after it, and
+    their timing-sensitive tests fail for it. Those found are ended (they are this process's
+    children) and named in the session's summary."""
+    yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    mine = [p for p in psutil.Process().children(recursive=True) if not _shared_helper(p)]
+    _, alive = psutil.wait_procs(mine, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            LEFT_RUNNING.append(f"{item.module.__name__}: pid {p.pid} {' '.join(p.cmdline())[:200]}")
+            p.kill()
+
+
+def _shared_helper(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker (or fork server) lives as long as the session, by design."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE or "multiprocessing" in " ".join(p.cmdline())
+    except psutil.Error:
+        return True
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if LEFT_RUNNING:
+        terminalreporter.section("processes the tests left running (ended after their module)")
+        for line in LEFT_RUNNING:
+            terminalreporter.write_line(line)
 
 
 def make_replica(

@@ -316,11 +316,14 @@ def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
     table = result["tables"]["sessions@1"]
     assert list(table) == contenders
     for name, f in table.items():
-        assert f["requests"] > 5 and f["failed"] <= 1, name
+        # a 429 is router-serve's overload hold refusing what would start past its TTFT target (2 s as
+        # shipped): on two slots a replica, a moment's burst of sessions' turns may be, now and then
+        assert f["requests"] > 5 and f["failed"] - f["refused"] <= 1 and f["refused"] <= f["requests"] / 5, name
         assert 0 < f["gpu_busy"] <= 1, name  # from the servers' own prompt and generation seconds
         run = result["runs"]["sessions@1"][name][0]
         assert sum(run["finished"]) > 0 and len(run["load_timeline"]["queued"][0]) == 2  # their /metrics
-    assert table["full"]["failed"] == 0  # the router resends on the connections llama-server closes
+    # the router resends on the connections llama-server closes: nothing fails but what it refused
+    assert table["full"]["failed"] == table["full"]["refused"]
     # the engines' own cached-token counts: sticky routing finds more of each session's prefix cached
     assert table["full"]["kv_hit_rate"] > table["round-robin"]["kv_hit_rate"]
     assert table["full"]["jump_rate"] < table["round-robin"]["jump_rate"]

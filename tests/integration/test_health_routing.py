@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -103,7 +104,9 @@ async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start
     # two sequences at a time each: 210 long replies at once leave tens waiting on every replica,
     # past the queue penalty's midpoint: overload, not sickness, so routing keeps all three
     fleet = await start_fleet(3, EngineConfig(num_blocks=4000, max_num_seqs=2, max_num_batched_tokens=256))
-    router, url = await start_router(named(fleet.replicas), **FAST_PROBES)
+    # the surge must reach the engines' queues: the router's overload hold (max_queued auto) would keep
+    # it at the edge, and on a busy machine refuse part of it (429s) as past its TTFT target
+    router, url = await start_router(named(fleet.replicas), max_queued=0, **FAST_PROBES)
     deepest = [0.0, 0.0, 0.0]
     states: set[str] = set()
 
@@ -115,7 +118,7 @@ async def test_a_surge_that_queues_every_replica_removes_none(start_fleet, start
 
     router.monitor.after_round = watch
     answers = await asyncio.gather(*(chat(url, f"surge-{i}", max_tokens=100) for i in range(210)))
-    assert all(status == 200 for status, _ in answers)
+    assert all(status == 200 for status, _ in answers), Counter(status for status, _ in answers)
     # every replica queued, and the deepest queues alone would have scored them below removal
     assert min(deepest) > 8 and max(deepest) > 36
     # the deepest of the moment may be suspect for a probe or two (it is past its peers), never out

@@ -72,6 +72,8 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [v for v in values if not math.isnan(v)]
         out[key] = statistics.median(values) if values else math.nan
     out["failed"] = sum(r["requests"] - r["ok"] for r in done)
+    # of them, the 429s a router's overload hold turned away (a decision, where the others are faults)
+    out["refused"] = sum(r.get("errors", {}).get("http 429", 0) for r in done)
     out["sessions_cut"] = sum(r.get("sessions_cut", 0) for r in done)
     out["rounds"] = len(done)
     if len(done) < len(runs):
@@ -107,7 +109,7 @@ def exact_cell(f: dict[str, Any]) -> str:
 Column = tuple[str, Callable[[dict[str, Any]], str]]  # (title, the cell of a contender's figures)
 COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
-    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")),
     ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
     ("of the bound", lambda f: _pct(f.get("hit_share_of_bound", math.nan))),
     ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
@@ -125,7 +127,7 @@ COLUMNS: tuple[Column, ...] = (
 # free of prefills, against TTFT, which pays a transfer) and goodput within both targets
 DISAGG_COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
-    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")),
     ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
     ("TTFT P50 (s)", lambda f: _num(f.get("ttft_p50_s", math.nan))),
     ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
@@ -139,7 +141,7 @@ DISAGG_COLUMNS: tuple[Column, ...] = (
 )
 VLLM_COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
-    ("failed", lambda f: f"{f['failed']:,.0f}"),
+    ("failed", lambda f: f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")),
     ("KV hit (engine)", lambda f: _pct(f.get("engine_kv_hit_rate", math.nan))),
     ("KV hit (client)", lambda f: _pct(f["kv_hit_rate"])),
     ("later-turn TTFT P50 (s)", lambda f: _num(f.get("ttft_later_p50_s", math.nan))),
@@ -188,7 +190,8 @@ def render_markdown(result: dict[str, Any]) -> str:
     )
     lines = [
         f"{result['replicas']} {what}, "
-        f"median of {result['rounds']} round(s) (failed requests: summed); latencies in "
+        f"median of {result['rounds']} round(s) (failed requests: summed, the 429s of a router's overload hold "
+        "among them as refused); latencies in "
         + ("engine seconds." if engine == "emulator" else "seconds.")
         + notes
         + ("" if result.get("complete", True) else " **Interrupted: only the runs that finished.**"),

@@ -134,6 +134,12 @@ async def run_one(
     return result
 
 
+def failed_why(run: dict[str, Any]) -> str:
+    """What the failed requests of a run said, for its progress line: " (HTTP 502 x2)"; empty if none."""
+    errors = run.get("errors") or {}
+    return " (" + ", ".join(f"{e} x{n}" for e, n in sorted(errors.items())) + ")" if errors else ""
+
+
 async def bisect_size(lo: int, hi: int, meets: Callable[[int], Awaitable[bool]]) -> int | None:
     """The smallest n in [lo, hi] with meets(n), assuming meets is monotone (more replicas, lower
     P99); None when even hi does not. Each size is probed at most once."""
@@ -283,7 +289,9 @@ async def run_all(
                 result["runs"][workload][name].append(run)
                 p99 = run["e2e_later_turns_s"].get("p99", math.nan)
                 note(
-                    f"{prefix} round {rnd + 1}: {run['requests']} requests, {run['requests'] - run['ok']} failed, "
+                    f"{prefix} round {rnd + 1}: {run['requests']} requests, {run['requests'] - run['ok']} failed"
+                    + failed_why(run)
+                    + ", "
                     f"KV hit {run['kv_hit_rate']:.1%}, multi-turn P99 {p99:.3f} s, "
                     f"GPU busy {run['gpu_busy']:.0%}, client CPU {run['client_cpu_share']:.0%}"
                     + (f", exact predicted {exact_cell(run)}" if "predictions" in run else "")
