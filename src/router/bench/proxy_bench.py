@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -400,8 +401,14 @@ async def first_answer(
 
 
 async def small_requests(
-    url: str, n: int, concurrency: int, headers: dict[str, str] | None = None, new_connections: bool = False
+    url: str,
+    n: int,
+    concurrency: int,
+    headers: dict[str, str] | None = None,
+    new_connections: bool = False,
+    failed: Counter[int] | None = None,
 ) -> int:
+    """How many of `n` small completions answered 200; the others' statuses counted in `failed`."""
     ok = 0
     body = orjson.dumps(SMALL)
     async with aiohttp.ClientSession(connector=_connector(force_close=new_connections)) as s:
@@ -416,6 +423,8 @@ async def small_requests(
                 ) as r:
                     await r.read()
                     ok += r.status == 200
+                    if r.status != 200 and failed is not None:
+                        failed[r.status] += 1
 
         await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
     return ok
@@ -470,10 +479,11 @@ async def measure(
 ) -> dict[str, Any]:
     at: dict[str, float | None] = {}
     oks = []
+    failed: Counter[int] = Counter()
     for level in args.levels:
         progress(f"{name}: small requests, {level} clients")
         c0 = cpu_seconds(pid) if pid else 0.0
-        ok = await small_requests(url, args.requests, level, args.headers)
+        ok = await small_requests(url, args.requests, level, args.headers, failed=failed)
         c1 = cpu_seconds(pid) if pid else 0.0
         oks.append(ok)
         at[str(level)] = (c1 - c0) / max(ok, 1) * 1e6 if pid else None
@@ -498,6 +508,7 @@ async def measure(
     return {
         "contender": name,
         "small_ok": min(oks),
+        "small_failed": {str(status): n for status, n in sorted(failed.items())},  # by HTTP status
         "cpu_us_per_request": per_request,
         **{f"cpu_us_per_request_c{level}": at[str(level)] for level in args.levels},
         "events": events,
@@ -688,6 +699,9 @@ async def _measured(
 def _median_of(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"contender": name}
     for field in rows[0]:
+        if field == "small_failed":  # statuses summed over the rounds
+            out[field] = dict(sum((Counter(r[field]) for r in rows), Counter()))
+            continue
         values = [r[field] for r in rows if isinstance(r[field], (int, float))]
         if field != "contender":
             out[field] = statistics.median(values) if values else None
