@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -115,25 +114,6 @@ async def get(url: str) -> Any:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         assert r.status == 200
         return orjson.loads(await r.read())
-
-
-def pairs_of_free_ports(n: int, tries: int = 50) -> list[int]:
-    """`n` ports p whose p and p + 1 are free now (each pair apart from the others): a fleet
-    binds consecutive ports, and the port after a free one may be another process's."""
-    for _ in range(tries):
-        found = [free_port() for _ in range(n)]
-        wanted = {q for p in found for q in (p, p + 1)}
-        if len(wanted) < 2 * n:
-            continue
-        with contextlib.ExitStack() as held:
-            try:
-                for q in wanted:
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", q))
-            except OSError:
-                continue
-        return found
-    raise AssertionError(f"no {n} pairs of free consecutive ports in {tries} tries")
 
 
 @pytest.fixture
@@ -478,7 +458,7 @@ def test_bad_kv_events_command_lines_exit_2_with_one_line(args: list[str]) -> No
 
 
 async def test_a_fleet_publishes_on_consecutive_ports_in_a_real_process() -> None:
-    http, pub, rep = pairs_of_free_ports(3)
+    http, pub, rep = (free_port(2) for _ in range(3))  # a fleet of two binds consecutive ports
     args = ["--replicas", "2", "--base-port", str(http), "--time-scale", "100"]
     args += ["--kv-events-port", str(pub), "--kv-events-replay-port", str(rep), "--kv-events-encoding", "positional"]
     proc = subprocess.Popen(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,28 +19,12 @@ import orjson
 import pytest
 from otlp_receiver import OtlpReceiver, ReceivedSpan
 
+from router.bench.common import free_port
+
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 CHAT = {"model": "emulated-llm", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 WAIT_S = 10.0
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports that are free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = int(s.getsockname()[1])
-        if first + n > 65535:
-            continue
-        try:
-            for port in range(first + 1, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise AssertionError(f"no {n} consecutive free ports")
 
 
 async def ended(proc: subprocess.Popen[bytes], timeout: float = WAIT_S) -> int:
@@ -61,7 +44,7 @@ async def ended(proc: subprocess.Popen[bytes], timeout: float = WAIT_S) -> int:
 async def emulator(traces_url: str, replicas: int, **env: str) -> AsyncIterator[int]:
     """router-emulator serving `replicas` replicas, tracing to `traces_url`; yields the first port.
     At the end it is stopped with SIGTERM and must exit 0."""
-    port = free_ports(replicas)
+    port = free_port(replicas)
     args = ["--replicas", str(replicas), "--base-port", str(port), "--time-scale", "10"]
     inherited = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME"}
     environment = inherited | {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"} | env
@@ -151,7 +134,7 @@ async def test_the_spans_still_batched_go_out_at_exit_under_its_service_name() -
 
 def test_a_protocol_other_than_http_protobuf_is_refused() -> None:
     env = os.environ | {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}
-    args = ["--port", str(free_ports(1)), "--otlp-traces-endpoint", "http://127.0.0.1:4317"]
+    args = ["--port", str(free_port()), "--otlp-traces-endpoint", "http://127.0.0.1:4317"]
     proc = subprocess.run(
         [sys.executable, "-m", "router.emulator.cli", *args],
         capture_output=True,

@@ -5,8 +5,10 @@ what it measured until then)."""
 from __future__ import annotations
 
 import argparse
+import random
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from router._runtime import run as run_loop
@@ -25,10 +27,45 @@ def positive_int(text: str) -> int:
     return value
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed: set[int] = set()  # ports this process has handed out: never twice
+
+
+def free_port(n: int = 1) -> int:
+    """The first of `n` consecutive loopback ports that nobody holds now, below the kernel's
+    ephemeral range where there is room: a port from that range, free when asked, may be taken
+    by any process's next outgoing connection or port-0 bind before its server binds it (five
+    vLLM engines starting at once here had one API server's port taken by another's engine core)."""
+    rng = random.Random()
+    try:
+        ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    low, high = 10000, ephemeral - n
+    for _ in range(500 if high > low else 0):
+        base = rng.randrange(low, high)
+        ports = range(base, base + n)
+        if any(port in _handed for port in ports):
+            continue
+        if all(_bindable(port) for port in ports):
+            _handed.update(ports)
+            return base
+    for _ in range(50):  # no room below the range: the kernel's choice, and the ports after it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n <= 65536 and all(_bindable(port) for port in range(base + 1, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free loopback ports found")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def parse_settings(entries: list[str]) -> dict[str, str]:

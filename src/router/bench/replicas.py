@@ -9,9 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,26 +28,6 @@ from router.bench.proxy_bench import stop
 from router.bench.vllm import VLLM_COUNTERS, vllm_metrics
 from router.config import FIELDS
 from router.health.signals import samples
-
-
-def free_port_run(n: int) -> int:
-    """The first of `n` consecutive ports that are free now (the emulator fleet binds a run)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 @dataclass
@@ -138,7 +116,7 @@ async def start_fleet(replicas: int, args: argparse.Namespace, emulator_args: li
         return await start_vllm_fleet(replicas, args)
     problem = ""
     for _ in range(3):  # a port of the run can be taken between the check and the bind: try another run
-        base, control = free_port_run(replicas), free_port()
+        base, control = free_port(replicas), free_port()
         cmd = [
             sys.executable,
             "-m",
