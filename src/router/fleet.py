@@ -72,7 +72,7 @@ class ReplicaState:
     # (when, time to first token per prompt token computed, at least TTFT_FLOOR_TOKENS of them)
     ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
     # with worker processes: this replica's slot in the shared table, and (median, samples) of
-    # the workers' recent time per output token, pooled by the control loop (router.shared)
+    # the workers' recent time per output token, pooled by the control loop (router.state.replica_table)
     queue_load: int = 0  # load_queue_weight x the engine's waiting requests, part of `Fleet.loads`
     capacity: int | None = None  # requests it runs at once: reported by its engine, else configured
     # the models (and adapters) it serves: pinned by config, else as its /v1/models lists them; None: unknown
@@ -164,7 +164,7 @@ class Fleet:
         self.by_slot: dict[int, ReplicaState] = {}  # with worker processes: shared-table slot -> replica
         self.ring = Ring([r.id for r in self.replicas], vnodes, seed)
         self.loads = array("q", [0] * len(self.replicas))
-        # with worker processes (router.shared.Follower): this worker's in-flight cells in shared
+        # with worker processes (router.state.replica_table.Follower): this worker's in-flight cells in shared
         # memory, kept current on every acquire and release, and a way to re-read every worker's
         # counts into `loads` before a decision that depends on them (a spill)
         self.shared_inflight: memoryview | None = None
@@ -175,7 +175,7 @@ class Fleet:
         self._ratios_for: tuple[object, int] | None = None  # the ring snapshot and capacities they are for
         self._total_capacity = 0.0
         self._not_routing: list[int] = []  # indices out of the ring, as of `_ratios_for`
-        # with admission on (router.admission): the replicas, of those not in the given set, that
+        # with admission on (router.tenancy.admission): the replicas, of those not in the given set, that
         # are full while another of them has room (policies pass them over); None: off
         self.full_of: Callable[[frozenset[int]], frozenset[int]] | None = None
         self._models_changes = 0

@@ -87,7 +87,7 @@ class Membership:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.fleet = fleet
-        self.discovery = False  # replica discovery runs here (router.discovery): what it added is kept
+        self.discovery = False  # replica discovery runs here (router.engines.discovery): what it added is kept
         self._forget = forget  # a replica left: drop its gauges
         self._room = room
         self._clock = clock

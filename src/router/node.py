@@ -33,22 +33,20 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from router import tracing
-from router.admission import Admission
 from router.balance.controller import Balancer
 from router.balance.link import internal_app, serve_internal, worker_socket
 from router.balance.view import LocalSessions
-from router.budgets import Budgets, LocalStore, RedisStore, Store
-from router.clients import ClientKeys
 from router.config import (
     RouterConfig,
     score_weights,
     shared_through_redis,
 )
-from router.discovery import Discovery
+from router.engines.discovery import Discovery
+from router.engines.handoff import VLLM
+from router.engines.kvfeed import Feed
+from router.engines.upstream import Upstream
 from router.fleet import ReplicaState
-from router.handoff import VLLM
 from router.health.states import Hysteresis
-from router.kvfeed import Feed
 from router.membership import Membership
 from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
 from router.monitor import HealthMonitor, latency_window_s
@@ -56,17 +54,19 @@ from router.placement import Placement
 from router.policy import make_policy
 from router.policy.ttft import Ttft
 from router.pools import Pairs, Pool, lending_pool, prefill_pool, replica_fleet
-from router.redis_state import RedisPlacements, RedisSessions, RedisState
 from router.ring import xxh3_64
 from router.routing import Routing, SessionDirectory
 from router.sessions import LinkDown, SessionTable, SessionView
-from router.shared import Follower, Publisher
-from router.shared_sessions import SharedSessions
 from router.shm.table import SlotTable
-from router.state import Persistence, state_file
+from router.state.file import Persistence, state_file
+from router.state.redis import RedisPlacements, RedisSessions, RedisState
+from router.state.replica_table import Follower, Publisher
+from router.state.session_table import SharedSessions
+from router.tenancy.admission import Admission
+from router.tenancy.budgets import Budgets, LocalStore, RedisStore, Store
+from router.tenancy.clients import ClientKeys
 from router.tls import ServerTls, replica_context, server_tls
 from router.tracing import Tracing
-from router.upstream import Upstream
 
 log = logging.getLogger("router.node")
 SYNC_INTERVAL_S = 0.05  # how often a worker follows the shared table and publishes its counters
@@ -86,14 +86,14 @@ class Node:
         self.config = config
         self.worker = worker
         self.control_socket = control_socket
-        # who may use the API (router.clients); None: anyone
+        # who may use the API (router.tenancy.clients); None: anyone
         self.clients = ClientKeys(config.client_keys_file) if config.client_keys_file else None
         # HTTPS to clients (None: plain HTTP) and the context https:// replicas are reached with (router.tls)
         self.tls: ServerTls | None = server_tls(config)
         self.replica_ssl = replica_context(config)
         # OpenTelemetry traces of the requests this process serves (router.tracing): OTEL_* turns them on
         self.tracing: Tracing | None = tracing.setup() if worker is not None or config.workers <= 1 else None
-        self.budgets: Budgets | None = None  # the tenants' tokens a minute (router.budgets), with keys on
+        self.budgets: Budgets | None = None  # the tenants' tokens a minute (router.tenancy.budgets), with keys on
         if self.clients is not None:
             self.budgets = self._budgets(self.clients)
         self.control: aiohttp.ClientSession | None = None  # a worker's line to the control process
@@ -416,7 +416,7 @@ class Node:
         self.client = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
-        # the proxied requests' own keep-alive pools (router.upstream); probes and the rest use `client`
+        # the proxied requests' own keep-alive pools (router.engines.upstream); probes and the rest use `client`
         self.upstream = Upstream(self.config.upstream_connections, self._reconnected, self.replica_ssl)
         yield
         self.upstream.close()
@@ -475,7 +475,7 @@ class Node:
             except LinkDown:  # a worker did not take its share: all again (a restore skips what is newer)
                 await asyncio.sleep(1.0 + tries)
         if persistence.restored_sessions:
-            logging.getLogger("router.state").warning(
+            logging.getLogger("router.state.file").warning(
                 "%d restored sessions did not all reach the workers; those not taken start over",
                 len(persistence.restored_sessions),
             )

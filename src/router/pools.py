@@ -33,12 +33,12 @@ import orjson
 
 from router.apis import COMPLETION
 from router.config import ReplicaSpec, RouterConfig, pinned_models, replica_api_keys, replica_capacities, score_weights
-from router.discovery import Discovery, PrefillReplicas
+from router.engines.discovery import Discovery, PrefillReplicas
+from router.engines.handoff import Handoff
+from router.engines.kvfeed import Feed
 from router.fleet import Fleet, ReplicaState
-from router.handoff import Handoff
 from router.health.states import Hysteresis
 from router.keys import RoutingKey
-from router.kvfeed import Feed
 from router.metrics import RouterMetrics
 from router.monitor import HealthMonitor
 from router.placement import Placement

@@ -47,7 +47,8 @@ class Prompt:
     chain: array[int]  # the blocks' keys (typecode 'Q')
     nbytes: int  # bytes rendered (the partial block included)
     history_blocks: int  # blocks covered by every message but the last (0 for a prompt)
-    tokens: EngineTokens | None = None  # the engine's own tokens, where replicas publish KV events (router.kvfeed)
+    # the engine's own tokens, where replicas publish KV events (router.engines.kvfeed)
+    tokens: EngineTokens | None = None
     # a chat with no assistant turn yet: a new conversation, whatever shared prefix it opens with
     # (a system or tool prompt others sent too), not one continuing where it was served
     opening: bool = False

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from router.bench.faults import RedisServer
-from router.budgets import Budgets, RedisStore, Reservation
+from router.tenancy.budgets import Budgets, RedisStore, Reservation
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ async def test_fails_open_and_counts_when_redis_is_gone(
         before = await budgets.reserve("acme", 10)
         assert before == Reservation("acme", 10)
         await redis_server.stop()
-        with caplog.at_level(logging.WARNING, logger="router.budgets"):
+        with caplog.at_level(logging.WARNING, logger="router.tenancy.budgets"):
             for _ in range(3):
                 assert await budgets.reserve("acme", 5000) == Reservation("acme", 5000, charged=False)
             await budgets.settle(before, 500)  # dropped: counted, not raised

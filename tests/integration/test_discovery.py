@@ -13,7 +13,7 @@ import pytest
 from waiting import until
 
 from router.config import ConfigError, ReplicaSpec, load
-from router.discovery import Discovery, resolve_dns, resolve_srv
+from router.engines.discovery import Discovery, resolve_dns, resolve_srv
 
 
 async def test_a_watched_file_adds_and_removes_replicas(start_fleet, start_router, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -37,7 +37,7 @@ async def test_a_watched_file_adds_and_removes_replicas(start_fleet, start_route
         "router.metrics.discovery_errors._value.get() > errors",
     )
     assert ids() == ["emu-1", "emu-2"]  # a bad file changes nothing
-    discovery = router.discovery
+    discovery = router.engines.discovery
     assert discovery is not None
     rounds = discovery.rounds  # a read that finds the file (the bad one raised before counting)
     listing.write_text("")

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 
 from router.apis import CHAT, COMPLETION
-from router.handoff import VLLM
+from router.engines.handoff import VLLM
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 40
 

@@ -24,7 +24,7 @@ from aiohttp import ClientSession, web
 
 from router.apis import CHAT, COMPLETION
 from router.config import ReplicaSpec
-from router.engine_tokens import CHECKING, LEARNING, EngineTokenizers, conversation_hashes, local_turn
+from router.engines.tokens import CHECKING, LEARNING, EngineTokenizers, conversation_hashes, local_turn
 from router.fleet import Fleet
 from router.keys import RoutingKey
 from router.kvevents.tokens import Tokenizer, TokenizerError

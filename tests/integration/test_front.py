@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from router.upstream import _Connection
+from router.engines.upstream import _Connection
 
 CHAT = {"model": "emulated-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BODY = orjson.dumps(CHAT)

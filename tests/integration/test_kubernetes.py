@@ -21,8 +21,8 @@ import kubernetes.client
 import pytest
 import yaml
 
-from router.clients import Client, ClientKeys
 from router.config import load
+from router.tenancy.clients import Client, ClientKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

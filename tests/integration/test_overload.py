@@ -17,12 +17,12 @@ import orjson
 from aiohttp import web
 from waiting import probe_rounds, until
 
-from router.admission import Admission
 from router.config import ReplicaSpec
 from router.emulator.engine import EngineConfig
 from router.emulator.server import Fleet, Replica
 from router.fleet import Fleet as Replicas
 from router.monitor import HealthMonitor
+from router.tenancy.admission import Admission
 
 SLOW = 1.0  # engine seconds per wall second: a 20-token reply takes about 0.2 s
 HOLD = {"max_queued": 8, "queue_timeout_s": 2.0, "full_waiting": 2, "probe_interval_s": 0.1}

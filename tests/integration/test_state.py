@@ -17,7 +17,7 @@ from chat import turn
 from router.config import load
 from router.node import Node
 from router.proxy.app import build_app
-from router.state import RoutingState, StateError, StateFile
+from router.state.file import RoutingState, StateError, StateFile
 
 
 async def serve(config: Any) -> tuple[Node, web.AppRunner, str]:

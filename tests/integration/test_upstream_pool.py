@@ -1,4 +1,5 @@
-"""The router's own keep-alive pools (router.upstream), against a raw replica that does exactly what each test scripts.
+"""The router's own keep-alive pools (router.engines.upstream), against a raw replica that does exactly
+what each test scripts.
 
 Each test's replica is an asyncio server whose `answer` decides, per request, the bytes to send
 back and whether to close the connection after them; it counts connections and requests.
@@ -14,8 +15,8 @@ from typing import Any
 import pytest
 from waiting import until
 
-from router import upstream as upstream_module
-from router.upstream import ConnectError, StaleConnection, Upstream, UpstreamError
+from router.engines import upstream as upstream_module
+from router.engines.upstream import ConnectError, StaleConnection, Upstream, UpstreamError
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 

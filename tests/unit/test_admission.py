@@ -1,4 +1,4 @@
-"""Overload held at the edge (router.admission): who waits, who goes next, and who gets a 429."""
+"""Overload held at the edge (router.tenancy.admission): who waits, who goes next, and who gets a 429."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission, Shed, client_of
-from router.clients import RANK
 from router.config import AUTO_QUEUED, ReplicaSpec, RouterConfig
 from router.fleet import Fleet
 from router.health.signals import EngineStats
 from router.keys import RoutingKey
 from router.policy import make_policy
+from router.tenancy.admission import Admission, Shed, client_of
+from router.tenancy.clients import RANK
 
 
 def fleet_of(n: int = 2) -> Fleet:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.budgets import Budgets, LocalStore, Refusal, Reservation, estimate
+from router.tenancy.budgets import Budgets, LocalStore, Refusal, Reservation, estimate
 
 PER_MINUTE = 6000  # 100 tokens a second
 T = TypeVar("T")

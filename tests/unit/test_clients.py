@@ -1,4 +1,4 @@
-"""Client keys (router.clients): the file's entries and its mistakes, the key a request presents,
+"""Client keys (router.tenancy.clients): the file's entries and its mistakes, the key a request presents,
 and a file read again when it changes."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from multidict import CIMultiDict
 
-from router.clients import (
+from router.proxy.cli import main
+from router.proxy.intake import Refused, wishes
+from router.tenancy.clients import (
     CHECK_EVERY_S,
     RANK,
     AmbiguousKey,
@@ -21,8 +23,6 @@ from router.clients import (
     presented_key,
     subject_of,
 )
-from router.proxy.cli import main
-from router.proxy.intake import Refused, wishes
 
 
 def entry(key: str, key_id: str, tenant: str) -> str:

@@ -11,8 +11,8 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config import load, parse_replica
+from router.engines.handoff import VLLM
 from router.fleet import Fleet, ReplicaState
-from router.handoff import VLLM
 from router.health.states import Hysteresis
 from router.metrics import RouterMetrics
 from router.policy import Decision
@@ -30,7 +30,7 @@ LONG = "a document to read. " * 400  # some 2,000 tokens: worth splitting at min
 
 
 class Answer:
-    """A prefill replica's whole answer, as router.upstream hands it."""
+    """A prefill replica's whole answer, as router.engines.upstream hands it."""
 
     def __init__(self, status: int, body: Any) -> None:
         self.status = status

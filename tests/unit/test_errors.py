@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 import router
-from router.admission import Shed
-from router.clients import ClientKeysError
 from router.config.loading import ConfigError, UnknownSettings
-from router.discovery import DiscoveryError
+from router.engines.discovery import DiscoveryError
+from router.engines.upstream import ConnectError, StaleConnection, UpstreamError
 from router.errors import RouterError
 from router.kvevents.tokens import TokenizerError
 from router.kvevents.wire import WireError
@@ -22,8 +21,9 @@ from router.membership import Clash, NoRoom
 from router.proxy.workers import CannotListen, WorkerFailed
 from router.sessions import LinkDown
 from router.shm.table import TornRead
-from router.state import StateError
-from router.upstream import ConnectError, StaleConnection, UpstreamError
+from router.state.file import StateError
+from router.tenancy.admission import Shed
+from router.tenancy.clients import ClientKeysError
 
 PACKAGE = Path(router.__file__).parent
 APART = ("bench", "emulator")  # router-bench and router-emulator: tools beside the router, not the router
@@ -53,7 +53,7 @@ def defined_exceptions() -> dict[str, type[BaseException]]:
 
 def test_every_exception_the_router_defines_is_a_router_error() -> None:
     found = defined_exceptions()
-    assert "router.upstream:StaleConnection" in found  # the walk reached the modules
+    assert "router.engines.upstream:StaleConnection" in found  # the walk reached the modules
     outside = [where for where, cls in found.items() if not (issubclass(cls, RouterError) or cls.__name__[0] == "_")]
     assert not outside, f"derive these from router.errors.RouterError as well: {outside}"
 

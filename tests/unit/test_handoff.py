@@ -1,4 +1,4 @@
-"""The prefill/decode hand-off as vLLM's connectors speak it (router.handoff)."""
+"""The prefill/decode hand-off as vLLM's connectors speak it (router.engines.handoff)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from router.apis import CHAT, COMPLETION, RESPONSES
-from router.handoff import SPLITTABLE, VLLM
+from router.engines.handoff import SPLITTABLE, VLLM
 
 # a prefill replica's answer as vLLM 0.32 with NixlConnector gave it here
 RECORDED = json.loads((Path(__file__).parents[1] / "data/engines/vllm-0.32-nixl-prefill-answer.json").read_text())

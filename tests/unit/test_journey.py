@@ -13,9 +13,6 @@ import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.admission import Admission
-from router.budgets import Budgets, LocalStore, estimate, prompt_estimate
-from router.clients import RANK, Client
 from router.config import load, parse_replica
 from router.fleet import Fleet, ReplicaState
 from router.metrics import RouterMetrics
@@ -29,6 +26,9 @@ from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory
 from router.sessions import SessionTable
+from router.tenancy.admission import Admission
+from router.tenancy.budgets import Budgets, LocalStore, estimate, prompt_estimate
+from router.tenancy.clients import RANK, Client
 from router.web import JSON
 
 

@@ -162,7 +162,7 @@ def test_a_saved_state_adds_without_slow_start_and_clears_no_override() -> None:
 def test_a_replica_s_role_travels_with_the_facts_and_the_saved_state() -> None:
     """A decode replica is one wherever the fleet's facts go (a peer through Redis, a saved state):
     taken for an aggregated one, it would be sent requests whole where they should be split."""
-    from router.state import RoutingState  # noqa: PLC0415
+    from router.state.file import RoutingState  # noqa: PLC0415
 
     membership, _recorder, _ = service(2)
     membership.reconcile(

@@ -14,10 +14,10 @@ from router.fleet import Fleet
 from router.health.signals import EngineStats
 from router.keys import RoutingKey
 from router.policy import make_policy
-from router.shared import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, owner_tag
-from router.shared_sessions import SharedSessions
 from router.shm.layout import COUNTER_CELL
 from router.shm.table import SlotTable
+from router.state.replica_table import ERRORS, INFLIGHT, OWNER, REQUESTS, Follower, Publisher, owner_tag
+from router.state.session_table import SharedSessions
 
 SPECS = [ReplicaSpec(f"r{i}", f"http://10.0.0.{i}:8000") for i in range(5)]
 KEYS = [f"session-{i}".encode() for i in range(2000)]

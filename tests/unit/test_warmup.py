@@ -7,10 +7,10 @@ import asyncio
 from typing import Any
 
 import orjson
-from test_disagg_split import Answer  # a replica's whole answer, as router.upstream hands it
+from test_disagg_split import Answer  # a replica's whole answer, as router.engines.upstream hands it
 
 from router.balance.warmup import WARMUP_HEADER, Source, warm
-from router.handoff import VLLM
+from router.engines.handoff import VLLM
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_engine_id": "old"}
 CHAT = "/v1/chat/completions"

@@ -106,7 +106,7 @@ class AdminApi:
             "max_lora": r.max_lora,
             "engine": dataclasses.asdict(r.engine),
             "prefix_index": self._index_json(r, pool),
-            # what its engine's KV-cache events say it holds (router.kvfeed); None: it publishes none
+            # what its engine's KV-cache events say it holds (router.engines.kvfeed); None: it publishes none
             "kv_events": placement.truth.figures(r.id) if placement is not None else None,
             "inputs": dataclasses.asdict(r.inputs) if r.inputs is not None else None,
             "ring_share": fleet.ring.shares()[index] if index is not None else 0.0,

@@ -33,13 +33,13 @@ from typing import Any
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.balance.warmup import PromptStore, Source, warm
 from router.config import RouterConfig
+from router.engines.handoff import VLLM
+from router.engines.upstream import Upstream
 from router.fleet import Fleet, ReplicaState
-from router.handoff import VLLM
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.routing import PeerSessions
 from router.sessions import LinkDown, SessionEntry, SessionSource
-from router.upstream import Upstream
 
 log = logging.getLogger("router.balance")
 TICK_S = 1.0
@@ -80,7 +80,7 @@ class Balancer:
         self._peers = peers
         self._warmed = warmed
         self.migrates = cfg.rebalance and by_ring  # overheat moves vnodes (and counts their traffic)
-        # requests held in this process because every replica was full (router.admission): load too
+        # requests held in this process because every replica was full (router.tenancy.admission): load too
         self.held: Callable[[], int] = lambda: 0
         # with worker processes each keeps the prompts of the requests it proxies: a share of the cap
         self.prompts = PromptStore(cfg.prompt_store_bytes // share, cfg.sticky_ttl_s)

@@ -20,7 +20,7 @@ per-vnode traffic counts. The control process runs the balance loop, and asks th
 - `POST /models` `{"models": {replica id: [model] | null}, "adapters": {replica id: [[adapter] |
   null, max_lora | null]}}`: the models each replica serves and the LoRA adapters it has loaded,
   as the control process's probes read them (pinned models still win in the worker); the answer says
-  how many requests the worker holds in its admission queue (router.admission), which the
+  how many requests the worker holds in its admission queue (router.tenancy.admission), which the
   control process's scale signal counts as load.
 
 The sockets live in the control process's private directory (mode 0700), next to its own.

@@ -11,7 +11,7 @@ its time is up.
 Where the sessions' KV can travel (`Source`: every replica prefills for another, prefill_anywhere,
 and the replica they leave is up: drained, or passing a vnode on), a warm-up is a split rather
 than a recompute: the replica that served the session prefills its prompt (nearly all cache there)
-and keeps its blocks for a remote decode (router.handoff), and the new replica reads them and
+and keeps its blocks for a remote decode (router.engines.handoff), and the new replica reads them and
 computes one token: the real KV moves, and it costs the new replica a transfer, not the prompt's
 prefill. Where that fails (no params, a failed read) or takes more than half the time left, the
 new replica computes the prompt.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import orjson
 
 from router.apis import PROXIED, api_of
-from router.handoff import SPLITTABLE, Handoff
-from router.upstream import Response
+from router.engines.handoff import SPLITTABLE, Handoff
+from router.engines.upstream import Response
 
 WARMUP_HEADER = "X-Router-Warmup"
 WARMABLE = frozenset(api.path for api in PROXIED.values() if api.prompt)  # what leaves a KV cache behind
@@ -126,7 +126,7 @@ class Source:
     protocol: Handoff
 
 
-# how warm-up sends one request: the router's upstream client (router.upstream.Upstream.post),
+# how warm-up sends one request: the router's upstream client (router.engines.upstream.Upstream.post),
 # which resends a request whose pooled connection the replica had closed
 Post = Callable[[str, bytes, dict[str, str], float], Awaitable[Response]]
 

@@ -85,7 +85,7 @@ from router.emulator.server import Replica, ReplicaOptions
 from router.node import Node
 from router.proxy.app import build_app
 from router.proxy.workers import runner_for
-from router.state import StateFile
+from router.state.file import StateFile
 
 SCENARIOS = (
     "crash-before-first-byte",

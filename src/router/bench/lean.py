@@ -2,7 +2,7 @@
 replica that costs next to nothing, and a load generator on raw connections.
 
 - `floor_main`: the least a proxy on uvloop and httptools does: parse the request, send it on a
-  pooled keep-alive connection (router.upstream), relay the answer chunked as it comes. No
+  pooled keep-alive connection (router.engines.upstream), relay the answer chunked as it comes. No
   routing, no limits, no metrics: what the front (router.proxy.front) costs above it is its work.
 - `canned_main`: a replica that answers every completion at once with fixed bytes (a JSON body,
   or `max_tokens` SSE events and a usage event when `stream` is set), and `/health`, `/metrics`
@@ -26,8 +26,8 @@ import httptools
 import orjson
 import uvloop
 
+from router.engines.upstream import Upstream
 from router.measures import percentile
-from router.upstream import Upstream
 
 EVENT = (
     b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"emulated-llm",'

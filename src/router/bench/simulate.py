@@ -66,7 +66,6 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.admission import Admission
 from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.bench.virtual_time import VirtualLoop
@@ -84,6 +83,7 @@ from router.proxy.ledger import Ending
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory
 from router.sessions import SessionTable
+from router.tenancy.admission import Admission
 
 SYSTEM_TOKENS = 400
 TICK_S = 1.0  # the balance loop's period, as in the router

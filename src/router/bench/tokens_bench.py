@@ -1,12 +1,12 @@
 """`router-bench tokens`: what it costs to price a request by what the engines hold, against the model.
 
-The event-fed index (router.kvfeed) needs each request in the engine's own tokens before it can
+The event-fed index (router.engines.kvfeed) needs each request in the engine's own tokens before it can
 price it. This measures, for a chat of `--tokens` prompt tokens (a system prompt and one long user
 message) and for the next turn of the same conversation (a `REPLY_TOKENS` reply and a
 `FOLLOW_UP_TOKENS` question more), side by side:
 
 - **tokenizer**: `Tokenizer.chat` (router.kvevents.tokens) with the model's own tokenizer and chat
-  template, in the router's process (found from the engines' /v1/models, router.engine_tokens). It
+  template, in the router's process (found from the engines' /v1/models, router.engines.tokens). It
   keeps each conversation's tokens, with its answer once the answer went (`Tokenizer.replied`, timed
   on its own: off the request's path), so the next turn renders the template again but tokenizes
   only the new question;

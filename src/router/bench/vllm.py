@@ -44,7 +44,7 @@ import orjson
 from router.apis import CHAT
 from router.bench.common import free_port
 from router.bench.llama_server import cache_root
-from router.handoff import VLLM
+from router.engines.handoff import VLLM
 from router.health.signals import samples
 
 MODEL_NAME = "tiny"  # the name it serves by default (`--served-model-name`)

@@ -67,14 +67,14 @@ class RouterConfig:
     prefix_block_bytes: int = 64  # the prefix index's block: 64 bytes of prompt, about 16 tokens
     # REPLICA_ID=TOKENS (or *=TOKENS): KV-cache size where the engine does not say (vLLM and SGLang do)
     kv_capacity_tokens: tuple[str, ...] = ()
-    # KV-cache events (router.kvfeed): a replica that publishes them (found through its
+    # KV-cache events (router.engines.kvfeed): a replica that publishes them (found through its
     # /kv_event_sources, or named here) is priced by what its engine says it holds
     kv_events: bool = True
     # REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT: where a replica publishes, where its
     # /kv_event_sources does not say (SGLang, an engine behind a proxy)
     kv_event_endpoints: tuple[str, ...] = ()
     # MODEL=DIR (or *=DIR): a model's tokenizer.json and chat template; else found from the engines'
-    # /v1/models (router.engine_tokens)
+    # /v1/models (router.engines.tokens)
     tokenizer_dirs: tuple[str, ...] = ()
     token_check_share: float = 0.01  # share of requests tokenized here checked again against the engine
     kv_tier_tokens_per_s: float = 200_000.0  # tokens a second a second KV tier (CPU offloading) loads back
@@ -128,9 +128,10 @@ class RouterConfig:
     resume_streams: bool = True  # continue a stream a replica broke mid-way on another replica
     resume_buffer_bytes: int = 1024 * 1024  # per stream: what was sent, to continue from (past it: no resume)
     front: bool = True  # the proxied endpoints on the router's own HTTP/1.1 server (httptools), not aiohttp's
-    # overload held at the edge (router.admission): requests wait here while every replica for their model is full
+    # overload held at the edge (router.tenancy.admission): requests wait here while every replica for their
+    # model is full
     # requests waiting at most: AUTO_QUEUED ("auto" in a file or flag) follows the engines' capacity
-    # (router.admission); 0: off, every request forwarded at once
+    # (router.tenancy.admission); 0: off, every request forwarded at once
     max_queued: int = -1
     queue_timeout_s: float = 10.0  # the longest a request waits for room before its 429
     # max_queued auto: a request is held only while it can start within its share of this target
@@ -166,10 +167,10 @@ class RouterConfig:
     warmup_timeout_s: float = 10.0  # a move switches after this long even if warm-up is not done
     prompt_store_bytes: int = 64 * 1024 * 1024  # latest request body per session, for warm-up
     drain_timeout_s: float = 120.0  # a drain that removes waits this long for in-flight requests
-    # discovery: "" (off), file:PATH, dns:NAME:PORT or srv:NAME (router.discovery)
+    # discovery: "" (off), file:PATH, dns:NAME:PORT or srv:NAME (router.engines.discovery)
     discovery: str = ""
     discovery_interval_s: float = 5.0
-    prefill_discovery: str = ""  # the prefill replicas' source, as `discovery` (router.discovery)
+    prefill_discovery: str = ""  # the prefill replicas' source, as `discovery` (router.engines.discovery)
     # routing state: "file" (default: a file under $XDG_STATE_HOME/kv-affinity-router),
     # "file:DIRECTORY", "redis://HOST:PORT/DB" (shared by several routers), or "none"
     state: str = "file"
@@ -184,7 +185,7 @@ class RouterConfig:
     console_history_s: float = 900.0  # how far back the heatmap and curves go
     # operating
     admin_token: str = dataclasses.field(default="", repr=False)
-    client_keys_file: str = ""  # clients' keys, hashed, by tenant (router.clients); empty: no keys asked
+    client_keys_file: str = ""  # clients' keys, hashed, by tenant (router.tenancy.clients); empty: no keys asked
     # TLS (router.tls): HTTPS to clients with this certificate chain and key (PEM), read again on change
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -192,7 +193,8 @@ class RouterConfig:
     replica_ca_file: str = ""  # https:// replicas are verified against this CA (else the system's)
     replica_cert_file: str = ""  # the client certificate (and key) the router presents to https:// replicas
     replica_key_file: str = ""
-    budget_reserve_tokens: int = 1024  # a request naming no max_tokens reserves this for its answer (router.budgets)
+    # a request naming no max_tokens reserves this for its answer (router.tenancy.budgets)
+    budget_reserve_tokens: int = 1024
     # the admin API, console and /metrics on an address of their own; port 0: on the proxy's address
     admin_host: str = "127.0.0.1"
     admin_port: int = 0
@@ -228,7 +230,7 @@ def parse_replica(text: str) -> ReplicaSpec:
 
 
 def parse_source(text: str) -> tuple[str, str, int]:
-    """(kind, name, port) of a `discovery` setting (router.discovery); ValueError with a one-line reason."""
+    """(kind, name, port) of a `discovery` setting (router.engines.discovery); ValueError with a one-line reason."""
     kind, sep, rest = text.partition(":")
     if not sep or not rest:
         raise ValueError(f"{text!r}: use file:PATH, dns:NAME:PORT or srv:NAME")

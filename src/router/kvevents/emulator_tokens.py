@@ -1,6 +1,6 @@
 """The emulator's tokenizer and chat template: deterministic, cheap, and exact about prefixes.
 
-The router knows it as a built-in (router.engine_tokens finds it for an engine whose /v1/models
+The router knows it as a built-in (router.engines.tokens finds it for an engine whose /v1/models
 says `owned_by: router-emulator`), as it finds a real model's tokenizer from its files: both the
 emulator and the router import it from here.
 
@@ -71,7 +71,7 @@ def generated_text(prompt_seed: int, start: int, count: int) -> str:
 
 class PromptError(RouterError, ValueError):
     """A request whose prompt cannot be rendered; the message is meant for the API client (the
-    emulator's), or a chat the router's built-in tokenizer cannot tokenize (router.engine_tokens)."""
+    emulator's), or a chat the router's built-in tokenizer cannot tokenize (router.engines.tokens)."""
 
 
 def _content_text(content: Any, where: str, system: bool = False) -> str:

@@ -18,7 +18,7 @@ k1 = xxh3(u64le(7, 8), k0); token 9 is the one the engine computes anyway.
 Where the token ids come from: the model's own tokenizer and chat template, read from its files
 (`Tokenizer`: `tokenizer.json` with the `tokenizers` package, the template from
 `chat_template.jinja` or `tokenizer_config.json`, rendered with Jinja as the engine renders it),
-or, for router-emulator's replicas, the emulator's own (`EmulatorTokenizer`); router.engine_tokens
+or, for router-emulator's replicas, the emulator's own (`EmulatorTokenizer`); router.engines.tokens
 finds which from what each engine says it serves. A conversation's earlier messages are not
 tokenized again, and its template is rendered once a turn: each prompt's ids are kept (bounded
 LRU) by a hash of its messages, and the next turn tokenizes only what follows when its text starts

@@ -45,7 +45,7 @@ class Placement:
         self.configured = kv_capacities(config)
         self.index = PrefixIndex()
         self.held: dict[str, Held] = {}
-        # what the replicas that publish KV-cache events hold, as they say (router.kvfeed feeds it)
+        # what the replicas that publish KV-cache events hold, as they say (router.engines.kvfeed feeds it)
         self.truth = Truth(config.kv_tier_tokens_per_s)
         self.rows = Rows()
         self.learnt = Learnt(
@@ -334,7 +334,7 @@ class Placement:
     # -- what others say it holds ------------------------------------------------------------------
 
     def learned(self, replica_id: str, chain: array[int]) -> None:
-        """Another router placed this prompt on `replica_id` (router.redis_state.RedisPlacements)."""
+        """Another router placed this prompt on `replica_id` (router.state.redis.RedisPlacements)."""
         replica = self.fleet.find(replica_id)
         if replica is not None and replica.index is not None:
             self.index.insert(self.of(replica).holder, chain)

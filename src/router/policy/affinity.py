@@ -19,7 +19,7 @@ its ring owner is the first of them clockwise, so replicas of other models joini
 never move its sessions, and its load cap counts only them. A request for a LoRA adapter that some
 replicas have loaded (router.fleet.Fleet.adapter_cold) and its owner has not goes, unless it has a
 session replica, to the first of those clockwise that is under its cap (reason `adapter`); all at
-their caps, to its owner, which loads it. With admission on (router.admission),
+their caps, to its owner, which loads it. With admission on (router.tenancy.admission),
 a full replica is no candidate either while another has room.
 With worker processes, other workers' in-flight counts arrive every few tens of milliseconds;
 before a load cap changes a decision they are re-read, so a spill is never caused by a count

@@ -15,10 +15,9 @@ from prometheus_client import generate_latest
 
 from router.admin.api import add_admin_routes, token_ok
 from router.apis import PROXIED, RESPONSES
-from router.clients import Client
 from router.console.routes import add_console_routes
+from router.engines.handoff import VLLM
 from router.fleet import ReplicaState
-from router.handoff import VLLM
 from router.keys import stored_key
 from router.node import Node
 from router.proxy.attempts import Attempts, HttpAttempts
@@ -29,6 +28,7 @@ from router.proxy.front import PROXY
 from router.proxy.intake import Refused, peer_subject, take_in, who
 from router.proxy.journey import Journey
 from router.proxy.ledger import Ledger
+from router.tenancy.clients import Client
 from router.web import error_response
 
 
@@ -192,7 +192,7 @@ class Proxy:
     # -- other routes ------------------------------------------------------------------------
 
     def refused_without_key(self, request: web.Request) -> web.Response | None:
-        """With client keys on (router.clients), the 401 of a request without a valid key (400 with two)."""
+        """With client keys on (router.tenancy.clients), the 401 of a request without a valid key (400 with two)."""
         clients = self.node.clients
         refusal = None if clients is None else who(clients, request.headers, peer_subject(request))
         if not isinstance(refusal, Refused):

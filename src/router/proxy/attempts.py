@@ -1,7 +1,7 @@
 """How a request reaches a replica: an attempt sent (or a broken stream resumed) over HTTP.
 
 The journey (router.proxy.journey) asks its `Attempts` to send a request to the replica its route
-offers; `HttpAttempts` does it on the process's keep-alive pools (router.upstream), with the
+offers; `HttpAttempts` does it on the process's keep-alive pools (router.engines.upstream), with the
 replica's own engine key in place of the client's where it has one, and names the replica (and,
 in a worker process, the worker) on every answer. router-bench simulate's modelled replicas and
 the unit tests' scripts are `Attempts` too; the split attempt (router.proxy.disagg) wraps these.
@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Protocol
 
-from router.clients import KEY_HEADERS
+from router.engines.upstream import Upstream
 from router.fleet import ReplicaState
 from router.policy import Decision
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip, attempt, resume
 from router.proxy.sse import StreamFramer
-from router.upstream import Upstream
+from router.tenancy.clients import KEY_HEADERS
 
 WORKER_HEADER = "X-Router-Worker"  # which worker process answered, next to the replica header
 
@@ -40,7 +40,7 @@ class Attempts(Protocol):
 
 
 class HttpAttempts:
-    """Attempts over HTTP, on the process's keep-alive pools (router.upstream); every answer names
+    """Attempts over HTTP, on the process's keep-alive pools (router.engines.upstream); every answer names
     the replica (`replica_header`) and, in a worker process, the worker."""
 
     def __init__(

@@ -14,7 +14,6 @@ from typing import Any, NoReturn
 from aiohttp import web
 
 from router._runtime import run, settle, until_stopped
-from router.clients import ClientKeys, ClientKeysError
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.config.meanings import GROUPS, HELP
 from router.emulator.server import Fleet as EmulatorFleet
@@ -33,7 +32,8 @@ from router.proxy.workers import (
 )
 from router.ring import IMPLEMENTATION as RING_IMPLEMENTATION
 from router.shm.table import SlotTable
-from router.state import StateError, state_file
+from router.state.file import StateError, state_file
+from router.tenancy.clients import ClientKeys, ClientKeysError
 from router.tracing import TracingConfigError, exporters_from_environment
 
 

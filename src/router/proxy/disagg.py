@@ -10,7 +10,7 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   requests of its own (router.pools.Pairs), never a client's; the prefill leg passes over the
   prefill replicas the decode replica has not met;
 - serves the request there alone when it is not worth splitting: an API the engines' connectors do
-  not see (router.handoff.SPLITTABLE), or fewer than `min_tokens` left to prefill there: the prompt
+  not see (router.engines.handoff.SPLITTABLE), or fewer than `min_tokens` left to prefill there: the prompt
   less what the prefix index predicted the decode replica holds when ttft chose it, so a short
   prompt and a conversation's next turn on the replica that holds its history stay whole (a prefill
   that small costs less than a transfer's round trip);
@@ -18,7 +18,7 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
   the prefill fleet, the replica whose first token would come soonest from the prefix index of
   what each holds and their prefill queues, so a document is prefilled where it was before): the
   leg's route offers a prefill replica, which is asked for the prompt's KV with the protocol's
-  prefill body (router.handoff), a failed one the next (at most MAX_PREFILLS), and the decode
+  prefill body (router.engines.handoff), a failed one the next (at most MAX_PREFILLS), and the decode
   replica is sent the client's body with the params that came back; its answer is relayed as any
   other. The leg is a route like any request's: picked, counted in flight, released, failed or
   served through the pool's routing core, never by hand;
@@ -66,8 +66,9 @@ from typing import Any
 
 import orjson
 
+from router.engines.handoff import SPLITTABLE, Handoff
+from router.engines.upstream import Upstream, UpstreamError
 from router.fleet import ReplicaState
-from router.handoff import SPLITTABLE, Handoff
 from router.policy import Decision
 from router.pools import Pairs, Pool
 from router.prompt import BYTES_PER_TOKEN
@@ -75,7 +76,6 @@ from router.proxy.attempts import HttpAttempts
 from router.proxy.forward import Outcome, Retry, Split, Timeouts, Trip
 from router.proxy.sse import StreamFramer
 from router.routing import Served, lend_worth
-from router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("router.disagg")
 

@@ -31,7 +31,7 @@ import orjson
 from multidict import CIMultiDictProxy
 
 from router.apis import CHAT
-from router.clients import KEY_HEADERS
+from router.engines.upstream import ConnectError, Response, Upstream
 from router.errors import in_shape, messages_error_event, responses_error_event, sse_error_event, wrapped
 from router.proxy.exchange import Exchange
 from router.proxy.framer import MessagesFramer, ResponsesFramer, SseFramer
@@ -39,7 +39,7 @@ from router.proxy.intake import Intake
 from router.proxy.resume import StreamRecord, streamed_text
 from router.proxy.sse import StreamFramer, calls_tools, usage_of
 from router.routing import Served
-from router.upstream import ConnectError, Response, Upstream
+from router.tenancy.clients import KEY_HEADERS
 from router.web import JSON
 
 HOP_BY_HOP = frozenset(
@@ -110,7 +110,7 @@ class Outcome:
         self._error: str | None = None
         self.broke_on: str | None = None  # the replica its stream broke on (router.proxy.journey resumes it) ...
         self.resumed_on: str | None = None  # ... and the one that continued it
-        self.resent = False  # its request was sent again on a new connection (a stale pooled one: router.upstream)
+        self.resent = False  # sent again on a new connection (a stale pooled one: router.engines.upstream)
         self.split: Split | None = None  # prefilled elsewhere (router.proxy.disagg)
         # resuming: what was forwarded so far, and whether the stream broke with the response left open
         self.record: StreamRecord | None = None
@@ -161,7 +161,7 @@ def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
 REQUEST_DROP = HOP_BY_HOP | {"accept-encoding", "content-encoding", "expect", "content-type"}
 
 
-REQUEST_DROP_KEYS = REQUEST_DROP | KEY_HEADERS  # ... and a client's key to the API (router.clients)
+REQUEST_DROP_KEYS = REQUEST_DROP | KEY_HEADERS  # ... and a client's key to the API (router.tenancy.clients)
 
 
 def forward_headers(headers: CIMultiDictProxy[str], remote: str | None, client_key: bool = True) -> dict[str, str]:

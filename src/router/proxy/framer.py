@@ -56,7 +56,7 @@ class SseFramer:
     added to the finish event, held back until then (FinishHold). `events` counts the `data:` lines
     forwarded: about one generated token each (an engine that batches tokens into one event makes
     it fewer; the opening, finish, usage and `[DONE]` events a few more), what a stream cut before its
-    usage is charged for (router.budgets). `tools`: an event called tools (router.proxy.sse.calls_tools),
+    usage is charged for (router.tenancy.budgets). `tools`: an event called tools (router.proxy.sse.calls_tools),
     looked for only where the request offered tools (`watch_tools`: 0.1 us a chunk saved on every other)."""
 
     __slots__ = ("_events", "_hold", "done", "events", "strip_usage", "tools", "usage", "watch_tools")

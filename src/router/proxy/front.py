@@ -59,7 +59,6 @@ import httptools
 from aiohttp import web
 
 from router.apis import PROXIED
-from router.clients import KEY_HEADERS, ClientKeys, subject_of
 from router.config import RouterConfig
 from router.errors import error_body, error_body_for
 from router.proxy.exchange import Exchange
@@ -77,6 +76,7 @@ from router.proxy.intake import (
     too_slow,
     who,
 )
+from router.tenancy.clients import KEY_HEADERS, ClientKeys, subject_of
 from router.web import JSON
 
 log = logging.getLogger("router.front")
@@ -93,7 +93,7 @@ class Serving(Protocol):
     """What the front hands a proxied request to (router.proxy.journey.Journey)."""
 
     prompts: bool  # the policy reads prompts: intake cuts them into blocks
-    clients: ClientKeys | None  # who may use the API (router.clients): intake checks keys first
+    clients: ClientKeys | None  # who may use the API (router.tenancy.clients): intake checks keys first
 
     async def serve(self, exchange: Exchange, intake: Intake | Refused, t0: float) -> None: ...
 

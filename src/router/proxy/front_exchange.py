@@ -18,8 +18,8 @@ from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.clients import Client
 from router.proxy.intake import Refused
+from router.tenancy.clients import Client
 
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 

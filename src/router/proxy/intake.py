@@ -1,9 +1,9 @@
 """Intake of a proxied request: its headers and body within the limits, JSON parsed, routing key found
-(the overload queue, which may hold it next, is router.admission).
+(the overload queue, which may hold it next, is router.tenancy.admission).
 
 A request that fails gets the answer it deserves (431, 408, 413 or 400), in its API's shape
 (OpenAI's, or Anthropic's on the Messages API), and never reaches a replica. What can be refused
-from the head is: no valid key (401), two credentials (400, router.clients), a `Content-Length`
+from the head is: no valid key (401), two credentials (400, router.tenancy.clients), a `Content-Length`
 over `max_body_bytes` (413). Its body is then not read, unless it is small and of a known length
 (`KEEP_BODY_BYTES`: read and dropped, so a well-behaved client keeps its connection): the answer
 goes out while the client may still be sending, says `Connection: close`, and the connection
@@ -15,7 +15,7 @@ be changed on the way: a stream that did not ask for usage is asked for it (`inj
 the router learns its token counts, and the client is not shown it. What the rest of the router
 asks of the request is decided here, once: its kind (router.apis), whether it streams, and whether a
 stream broken mid-way can be resumed on another replica (router.proxy.resume), its priority
-class (X-Priority, capped by its tenant's: router.clients) and its time-to-first-token target
+class (X-Priority, capped by its tenant's: router.tenancy.clients) and its time-to-first-token target
 (x-slo-ttft-ms, which `ttft` placement checks its prediction against).
 """
 
@@ -33,13 +33,13 @@ import orjson
 from aiohttp import web
 
 from router.apis import CHAT, Api, api_of
-from router.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client, ClientKeys, subject_of
 from router.config import RouterConfig
 from router.errors import error_body_for
 from router.keys import RoutingKey
 from router.proxy.exchange import Exchange
 from router.proxy.resume import why_not_continued
 from router.routing.request import request_key
+from router.tenancy.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client, ClientKeys, subject_of
 from router.web import JSON, error_response
 
 PRIORITY_HEADERS = ("x-priority", "x-smg-priority")  # ours, and smg's (the same class names)
@@ -143,8 +143,8 @@ class Intake:
     keep: int  # bytes of the stream kept to resume it elsewhere (0: not resumable)
     api: Api
     streams: bool  # the client asked for a stream (`"stream": true`)
-    client: Client | None = None  # whose key it brought, with client keys on (router.clients)
-    rank: int = DEFAULT_RANK  # its priority class (router.clients.PRIORITIES)
+    client: Client | None = None  # whose key it brought, with client keys on (router.tenancy.clients)
+    rank: int = DEFAULT_RANK  # its priority class (router.tenancy.clients.PRIORITIES)
     target_s: float | None = None  # the time to first token it asks for (x-slo-ttft-ms), in seconds
 
     @property
@@ -170,7 +170,7 @@ class Refused:
 
 
 def unauthorized(close: bool = False) -> Refused:
-    """A request without a valid client key (router.clients), in its API's shape; `close`: its
+    """A request without a valid client key (router.tenancy.clients), in its API's shape; `close`: its
     body was not read, so the connection closes after the answer."""
     return Refused(
         401,
@@ -181,7 +181,7 @@ def unauthorized(close: bool = False) -> Refused:
 
 
 def ambiguous(why: AmbiguousKey, close: bool = False) -> Refused:
-    """A request that presents two credentials (router.clients.presented_key): never guessed between."""
+    """A request that presents two credentials (router.tenancy.clients.presented_key): never guessed between."""
     return Refused(400, str(why), "ambiguous_credentials", close)
 
 

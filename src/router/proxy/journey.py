@@ -1,9 +1,9 @@
 """One proxied request's journey, below the two HTTP servers that parse it (router.proxy.exchange).
 
 A request taken in (router.proxy.intake) that names a model some replica serves reserves its
-tenant's tokens (router.budgets: or gets a 429; settled on its usage where it ends), is keyed in
+tenant's tokens (router.tenancy.budgets: or gets a 429; settled on its usage where it ends), is keyed in
 the engines' tokens where replicas publish KV events, given a `Route` (router.routing), held by the
-overload queue while every replica for its model is full (router.admission: or shed with a 429),
+overload queue while every replica for its model is full (router.tenancy.admission: or shed with a 429),
 then sent to each replica its route offers until one answers: a failure before the first byte goes
 to the next (never one already tried, within `max_attempts` and the deadline), and a stream broken
 mid-way is continued on another replica by the same route (router.proxy.resume). Each attempt's
@@ -35,10 +35,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from router.admission import Admission, Shed, client_of
 from router.apis import CHAT, RESPONSES, Api
-from router.budgets import COMPLETION_CAPS, Budgets, Refusal, Reservation
-from router.clients import DEFAULT_RANK, PRIORITIES, SHEDDABLE, ClientKeys
 from router.errors import error_body_for, in_shape, wrapped
 from router.fleet import ReplicaState
 from router.keys import RoutingKey, stored_key
@@ -58,6 +55,9 @@ from router.proxy.intake import Intake, Refused, no_such_model, unknown_response
 from router.proxy.ledger import Accounting, Ending
 from router.proxy.resume import Splicer, continued, read_so_far
 from router.routing import Route, Routing, Verdict
+from router.tenancy.admission import Admission, Shed, client_of
+from router.tenancy.budgets import COMPLETION_CAPS, Budgets, Refusal, Reservation
+from router.tenancy.clients import DEFAULT_RANK, PRIORITIES, SHEDDABLE, ClientKeys
 from router.tracing import TRACE_HEADERS, AttemptTrace, RequestTrace, Tracing
 from router.web import JSON
 
@@ -75,7 +75,7 @@ SHED_CODES = {
 
 
 class Tokens(Protocol):
-    """The engines' tokens (router.kvfeed.Feed, router.engine_tokens); neither call waits."""
+    """The engines' tokens (router.engines.kvfeed.Feed, router.engines.tokens); neither call waits."""
 
     def tokenized(self, key: RoutingKey, api: Api, body: dict[str, Any]) -> RoutingKey:
         """`key` with its prompt in the engine's tokens, as far as they are known now."""
@@ -125,8 +125,8 @@ class Journey:
         self.max_key_bytes = max_key_bytes
         self.tokens = tokens
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
-        self.clients = clients  # who may use the API (router.clients); None: anyone
-        self.budgets = budgets  # tenants' tokens a minute (router.budgets); None: no budgets
+        self.clients = clients  # who may use the API (router.tenancy.clients); None: anyone
+        self.budgets = budgets  # tenants' tokens a minute (router.tenancy.budgets); None: no budgets
         self.reserve_tokens = reserve_tokens  # what a request naming no max_tokens reserves for its answer
         self._settling: set[asyncio.Future[None]] = set()  # budgets settling (kept from the collector)
         self.tracing = tracing  # OpenTelemetry (router.tracing); None: off, and no cost

@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from router.budgets import Reservation
-from router.clients import DEFAULT_RANK, PRIORITIES, Client
 from router.fleet import ReplicaState
 from router.keys import NO_KEY, RoutingKey
 from router.metrics import RouterMetrics
@@ -29,6 +27,8 @@ from router.proxy.exchange import Exchange
 from router.proxy.forward import Outcome
 from router.proxy.intake import Intake, Refused
 from router.routing import Verdict
+from router.tenancy.budgets import Reservation
+from router.tenancy.clients import DEFAULT_RANK, PRIORITIES, Client
 from router.tracing import RequestTrace
 
 access_log = logging.getLogger("router.access")

@@ -53,7 +53,7 @@ class StreamFramer(Protocol):
     strip_usage: bool  # the router asked for usage on the client's behalf: the usage event is hidden
     usage: tuple[int, int, int] | None  # (prompt, cached, completion) tokens, once the usage event passed
     done: bool  # `[DONE]` has passed: nothing may follow
-    events: int  # events forwarded that carry generated tokens: about one token each (router.budgets)
+    events: int  # events forwarded that carry generated tokens: about one token each (router.tenancy.budgets)
     tools: bool  # the answer called tools (`calls_tools`): its conversation comes back within seconds
 
     def feed(self, chunk: bytes) -> bytes:

@@ -3,7 +3,7 @@
 The process that runs `router-serve` becomes the control process. It creates the shared-memory
 segment (router.shm), probes and scores replicas, owns membership (the admin API's replica
 routes reach it over a Unix socket in a private directory) and publishes the replica table
-(router.shared). It then starts N worker processes (spawned, not forked: each starts clean),
+(router.state.replica_table). It then starts N worker processes (spawned, not forked: each starts clean),
 each listening on the same host and port with SO_REUSEPORT, so the kernel spreads connections
 over them. Workers follow the table and publish their counters; metrics from all of them are
 merged by prometheus_client's multiprocess mode, so any worker's /metrics shows the whole router.

@@ -1,8 +1,8 @@
 """Where each session was served last, across this process, its sibling workers and other routers.
 
 Three stores may know a session: this process's own table (`router.sessions.SessionTable`),
-the shared-memory table the worker processes of one router write (`router.shared_sessions.SharedSessions`),
-and Redis, where several routers write (`router.redis_state.RedisSessions`). Every entry carries
+the shared-memory table the worker processes of one router write (`router.state.session_table.SharedSessions`),
+and Redis, where several routers write (`router.state.redis.RedisSessions`). Every entry carries
 the wall-clock time it was written; the newest wins. A turn served here is written to all three.
 The directory knows the two shared stores only by the small protocols below, so it sits below them.
 """

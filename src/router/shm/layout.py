@@ -9,7 +9,7 @@ Segment, all little-endian:
     agents    `slots` slots written by colocated router-agents, agent slot i for replica slot i
     counters  `workers` rows of `slots` cells of COUNTER_FIELDS int64s, row w written by worker w only
     sessions  `workers` tables of `sticky entries` entries (a power of two) of three uint64s, table w
-              written by worker w only: where each session was served last (router.shared_sessions)
+              written by worker w only: where each session was served last (router.state.session_table)
     overrides seq u64 | checksum u64 | count u32 | padding | MAX_OVERRIDES entries of (origin slot
               u16, owner slot u16, vnode u32): the ring's vnode overrides, written by the control loop
 
@@ -18,7 +18,7 @@ Segment, all little-endian:
 `generation` goes up each time the control loop changes what routing depends on (membership,
 state, ring weight), so a worker re-reads the table only when it changed. `probe round` goes up
 after each round of health probes, whether or not any figure changed: a worker then knows the
-engines' queues it reads are new, and counts its sends from there (router.admission).
+engines' queues it reads are new, and counts its sends from there (router.tenancy.admission).
 
 `seq` is the slot's seqlock: odd while a writer is inside. `checksum` is XXH3 of the payload, so a
 reader also rejects a torn copy on hardware that reorders stores. Bump VERSION whenever the payload
@@ -79,7 +79,7 @@ COUNTER_FIELDS = (
     "errors",
     "prompt_tokens",
     "cached_tokens",
-    "owner",  # a tag of the replica (id and epoch) the worker counted for (router.shared.owner_tag)
+    "owner",  # a tag of the replica (id and epoch) the worker counted for (router.state.replica_table.owner_tag)
     "tpot_count",  # how many of the tpot sample cells hold a sample
     *(f"tpot_{i}" for i in range(LATENCY_SAMPLES)),
     "ttft_count",

@@ -34,7 +34,7 @@ from router.shm.layout import (
     unpack,
 )
 
-STICKY_ENTRY = 3  # uint64s per session entry (router.shared_sessions.SharedSessions)
+STICKY_ENTRY = 3  # uint64s per session entry (router.state.session_table.SharedSessions)
 MAX_OVERRIDES = 4096
 _COUNT = struct.Struct("<I4x")
 _OVERRIDE = struct.Struct("<HHI")  # origin slot, owner slot, vnode

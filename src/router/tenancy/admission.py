@@ -15,7 +15,7 @@ requests in all (the next gets a 429 at once) and up to `queue_timeout_s` each (
 with `Retry-After`. Whenever a request ends, or a probe round finds room, the next waiter is let
 through by this order:
 
-1. the higher priority class first (router.clients.PRIORITIES: by the tenant's table, or the
+1. the higher priority class first (router.tenancy.clients.PRIORITIES: by the tenant's table, or the
    request's X-Priority header within it); a `sheddable` request never waits: where it would,
    it gets its 429 at once;
 2. within a class, turns of sessions already running (the router has served the session: its
@@ -69,11 +69,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.clients import DEFAULT_RANK, SHEDDABLE
 from router.config import AUTO_QUEUED
 from router.errors import RouterError
 from router.fleet import NONE, Fleet, ReplicaState
 from router.ring import xxh3_64
+from router.tenancy.clients import DEFAULT_RANK, SHEDDABLE
 
 AUTO_SLOTS = 16  # max_queued = auto: what an engine whose capacity nothing says counts for
 RATE_SPAN_S = 3.0  # a replica's service rate: its answers over the last this many seconds ...
@@ -220,7 +220,7 @@ class Admission:
         self.clock = clock
         self.on_change = on_change  # told how many wait, whenever that changes (a gauge)
         # what every sender has in flight at a replica: this process's own count, or, for a worker
-        # process, every worker's (router.shared.Follower.fleet_inflight)
+        # process, every worker's (router.state.replica_table.Follower.fleet_inflight)
         self.inflight: Callable[[ReplicaState], int] = inflight or (lambda r: r.inflight)
         self.free_share = free_share  # of an engine's free slots, the part this process may fill
         self.cold_s = cold_s  # scale_from_zero_s: how long a request waits for a first ready replica

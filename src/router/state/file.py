@@ -46,7 +46,7 @@ from router.sessions import LinkDown, SessionEntry, SessionTable, SessionView
 VERSION = 1
 STATE_SAVE_S = 5.0  # how often the routing state is saved while it changes
 SESSIONS_SAVE_S = 30.0  # with worker processes: how often their sessions are asked for, to save
-log = logging.getLogger("router.state")
+log = logging.getLogger("router.state.file")
 
 
 class StateError(RouterError, ValueError):

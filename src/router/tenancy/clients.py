@@ -22,8 +22,8 @@ have a table of its own:
     [[tenants]]
     name = "team-a"
     priority = "interactive"      # its requests' class, and the highest an X-Priority header may ask
-    tokens_per_minute = 200000    # prompt and completion tokens (router.budgets); absent: no budget
-    ttft_target_ms = 1000         # its requests' time-to-first-token target (router.admission); absent: the router's
+    tokens_per_minute = 200000    # prompt and completion tokens (router.tenancy.budgets); absent: no budget
+    ttft_target_ms = 1000         # its requests' TTFT target (router.tenancy.admission); absent: the router's
 
 A tenant without one is of the `default` class with no budget. A client sends its key as OpenAI's SDKs do
 (`Authorization: Bearer KEY`) or as Anthropic's do (`x-api-key: KEY`): one credential, or the same key
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from router.errors import RouterError
 
-log = logging.getLogger("router.clients")
+log = logging.getLogger("router.tenancy.clients")
 
 CHECK_EVERY_S = 1.0  # how often a request may look at the file's modification time
 HEX = frozenset("0123456789abcdef")
@@ -87,7 +87,7 @@ class Tenant:
     name: str
     rank: int = DEFAULT_RANK
     tokens_per_minute: int | None = None  # None: no budget
-    ttft_target_s: float | None = None  # None: the router's `ttft_target_ms` (router.admission)
+    ttft_target_s: float | None = None  # None: the router's `ttft_target_ms` (router.tenancy.admission)
 
 
 class AmbiguousKey(RouterError, ValueError):
@@ -294,7 +294,7 @@ class ClientKeys:
         return by_key or by_cert
 
     def budgets(self) -> dict[str, int]:
-        """Each tenant's tokens a minute, for those with a budget (router.budgets)."""
+        """Each tenant's tokens a minute, for those with a budget (router.tenancy.budgets)."""
         return {t.name: t.tokens_per_minute for t in self.tenants.values() if t.tokens_per_minute is not None}
 
 

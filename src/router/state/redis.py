@@ -58,7 +58,7 @@ from redis.exceptions import RedisError
 from router.config import RouterConfig
 from router.membership import Facts, Membership
 
-log = logging.getLogger("router.redis_state")
+log = logging.getLogger("router.state.redis")
 POLL_S = 1.0
 FLUSH_S = 0.1
 LOOKUP_TIMEOUT_S = 0.05

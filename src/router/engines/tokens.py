@@ -77,7 +77,7 @@ from router.kvevents.tokens import (
 from router.metrics import RouterMetrics
 from router.ring import xxh3_64
 
-log = logging.getLogger("router.engine_tokens")
+log = logging.getLogger("router.engines.tokens")
 
 REFUSED_S = 600.0  # an endpoint that refused is not asked again on that replica for this long
 RETRY_S = 30.0  # a model whose tokenizer could not be found or checked is tried again after this

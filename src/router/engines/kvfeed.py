@@ -17,7 +17,7 @@ rather than from whenever it joined; every message then goes to the replica's `H
 and what replay cannot fill leaves that replica unsure (routed by the model) until rebuilt.
 
 `Feed.tokenized` gives a request the engine's tokens when a replica that serves its model is fed
-by events, without a round trip (router.engine_tokens: the model's tokenizer, found from what the
+by events, without a round trip (router.engines.tokens: the model's tokenizer, found from what the
 engines serve and checked against them off the path, else a conversation's history as an engine
 tokenized it in the background); what is not known in tokens is priced by the router's model.
 """
@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from router.apis import Api
 from router.config import RouterConfig, event_endpoints, tokenizer_dirs
-from router.engine_tokens import EngineTokenizers
+from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.kvevents.holdings import GAP, Holdings
@@ -47,7 +47,7 @@ from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
 from router.placement import Placement
 
-log = logging.getLogger("router.kvfeed")
+log = logging.getLogger("router.engines.kvfeed")
 
 FIND_EVERY_S = 5.0  # replicas are asked where they publish this often (until they say)
 SOURCES_TIMEOUT_S = 2.0
@@ -284,14 +284,14 @@ class Feed:
 
     def tokenized(self, key: RoutingKey, api: Api, body: Mapping[str, Any]) -> RoutingKey:
         """`key` with its prompt in the engine's tokens as far as they are known now, where a replica
-        serving its model is fed by events (router.engine_tokens); else `key` as it is. Never waits."""
+        serving its model is fed by events (router.engines.tokens); else `key` as it is. Never waits."""
         if key.prompt is None or not self.truth:
             return key
         return self.tokens.tokenized(key, api, body, self.fed(key.model))
 
     def replied(self, key: RoutingKey, api: Api, body: Mapping[str, Any], reply: Callable[[], str | None]) -> None:
         """A chat's answer has gone to its client: its tokens kept for the conversation's next turn
-        (router.engine_tokens). Never waits."""
+        (router.engines.tokens). Never waits."""
         if key.prompt is not None and self.truth:
             self.tokens.replied(key.model, api, body, reply)
 

@@ -9,7 +9,7 @@ a key where the others would. Workers publish their own per-replica counters (in
 errors, tokens, time per output token) in their row; the control loop adds the rows up for health
 scoring and the admin API, and each worker adds the other workers' in-flight counts to its own
 for the bounded-load cap. Where each session was served last is shared beside this table
-(router.shared_sessions).
+(router.state.session_table).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-log = logging.getLogger("router.budgets")
+log = logging.getLogger("router.tenancy.budgets")
 WARN_EVERY_S = 60.0
 IDLE_TTL_S = 120  # a bucket's key outlives the moment it is full again by this much
 

@@ -39,7 +39,7 @@ from router.fleet import Fleet
 from router.membership import Clash, NoRoom
 from router.metrics import RouterMetrics
 
-log = logging.getLogger("router.discovery")
+log = logging.getLogger("router.engines.discovery")
 
 
 class DiscoveryError(RouterError, RuntimeError):

@@ -2,7 +2,7 @@
 
 With `--workers N` every worker answers turns of the same sessions; this table in the shared
 segment lets a turn served or moved by one worker be followed by all (router.routing.directory
-reads it as the sibling workers' sessions). The replica table itself is router.shared's.
+reads it as the sibling workers' sessions). The replica table itself is router.state.replica_table's.
 """
 
 from __future__ import annotations
