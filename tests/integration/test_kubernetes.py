@@ -261,7 +261,7 @@ def test_the_deployment_probes_drains_and_sizes_its_workers(rendered: list[dict[
         and "cpu" in router["resources"]["requests"]
     )
     pause = int(router["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert pod["terminationGracePeriodSeconds"] >= pause + config["drain_timeout_s"] + 5
+    assert pod["terminationGracePeriodSeconds"] >= pause + config["balance"]["drain_timeout_s"] + 5
     assert pod["securityContext"]["runAsNonRoot"] and router["securityContext"]["readOnlyRootFilesystem"]
     mounts = {m["mountPath"] for m in router["volumeMounts"]}
     assert {"/etc/kv-affinity-router", "/tmp", "/dev/shm", config["state"].removeprefix("file:")} <= mounts

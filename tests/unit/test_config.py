@@ -22,7 +22,7 @@ from router.config import (
     replica_capacities,
     score_weights,
 )
-from router.config.meanings import GROUPS, HELP
+from router.config.meanings import GROUPS, HELP, SECTIONS
 from router.health.score import ScoreWeights
 from router.node import Node
 from router.proxy.cli import build_parser, cli_values
@@ -163,6 +163,45 @@ def test_unknown_names_are_named_once_each_with_the_closest_settings(tmp_path: P
         load(None, {"ROUTER_ADMIN_PORT": "tcp://10.0.0.3:80"}, {"replicas": ["http://a:1"]})
 
 
+def test_a_file_may_hold_each_group_in_its_own_table(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.toml"
+    flat.write_text('replicas = ["http://a:1"]\nprobe_interval_s = 0.5\nmax_queued = 40\nvnodes = 64\n')
+    grouped = tmp_path / "grouped.toml"
+    grouped.write_text(
+        'replicas = ["http://a:1"]\nvnodes = 64\n[health]\nprobe_interval_s = 0.5\n[admission]\nmax_queued = 40\n'
+    )
+    assert load(str(grouped), {}, {}) == load(str(flat), {}, {})
+    assert load(str(grouped), {}, {}).probe_interval_s == 0.5
+    assert load(str(grouped), {"ROUTER_MAX_QUEUED": "7"}, {}).max_queued == 7  # the environment still wins
+    # a bad value in a table names the table
+    grouped.write_text('replicas = ["http://a:1"]\n[health]\nprobe_interval_s = -1\n')
+    with pytest.raises(ConfigError, match=re.escape(f"invalid setting 'probe_interval_s' (from {grouped} [health])")):
+        load(str(grouped), {}, {})
+
+
+def test_a_setting_in_another_group_s_table_is_sent_where_it_belongs(tmp_path: Path) -> None:
+    toml = tmp_path / "router.toml"
+    toml.write_text('replicas = ["http://a:1"]\n[health]\nmax_queued = 4\nport = 1\nprobe_intervall_s = 1\nzzz = 1\n')
+    with pytest.raises(ConfigError) as info:
+        load(str(toml), {}, {})
+    assert str(info.value).splitlines() == [
+        f"setting max_queued is not one of [health] (from {toml}): it belongs in [admission], or at the top",
+        f"setting port is not one of [health] (from {toml}): it stands at the top",
+        f"unknown setting probe_intervall_s in [health] (from {toml}): did you mean probe_interval_s?",
+        f"unknown setting zzz in [health] (from {toml}): router-serve --help lists [health]'s settings",
+    ]
+    toml.write_text('replicas = ["http://a:1"]\nprobe_interval_s = 1\n[health]\nprobe_interval_s = 2\n')
+    with pytest.raises(ConfigError, match=r"'probe_interval_s' .*is set twice: at the top and in \[health\]"):
+        load(str(toml), {}, {})
+
+
+def test_each_group_s_table_is_named_apart_from_every_setting() -> None:
+    sections = [section for section, _, _, _ in GROUPS if section]
+    assert len(sections) == len(set(sections)) == len(GROUPS) - 1  # every group but "start here"
+    assert not set(sections) & set(FIELDS)  # `[health]` can never be read as a setting's value
+    assert dict(SECTIONS) == {section: names for section, _, _, names in GROUPS if section}
+
+
 def test_every_router_variable_the_code_reads_is_a_setting_or_known_not_to_be() -> None:
     # a new ROUTER_* variable that is not a setting must join NOT_SETTINGS, or router-serve refuses it
     source = Path(__file__).parents[2] / "src" / "router"  # the repository's, installed or not
@@ -201,7 +240,7 @@ def test_check_config_names_every_mistake_and_where_state_is_kept(tmp_path: Path
 
 
 def test_help_puts_the_everyday_options_first_and_every_setting_in_one_group() -> None:
-    grouped = [name for _, _, names in GROUPS for name in names]
+    grouped = [name for _, _, _, names in GROUPS for name in names]
     assert sorted(grouped) == sorted(set(FIELDS) - {"replicas", "demo"})  # once each
     text = build_parser().format_help()
     groups = text[text.index("start here:") :]

@@ -1,7 +1,9 @@
 """Reading the settings: defaults, the TOML file, the environment and the CLI, then validation.
 
 Precedence, lowest first: defaults, the TOML file (`--config`), environment variables
-`ROUTER_<SETTING>` (upper case; lists comma-separated), command-line flags. A bad value raises
+`ROUTER_<SETTING>` (upper case; lists comma-separated), command-line flags. In the TOML file a
+setting stands at the top or in its group's table (`[health]`, `[admission]`: meanings.SECTIONS),
+never in both. A bad value raises
 ConfigError naming the setting and where it came from; names that are no setting (a TOML key, a
 `ROUTER_*` variable) raise UnknownSettings, one line each with the closest names.
 """
@@ -18,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from router.config.meanings import SECTIONS
 from router.config.settings import (
     AUTO_QUEUED,
     FIELDS,
@@ -338,13 +341,13 @@ def load(
             raise ConfigError("config", file, exc.strerror or str(exc)) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("config", file, f"not valid TOML: {exc}") from None
-    unknown = [_unknown(name, file or "") for name in data if name not in FIELDS]
+    settings, where, unknown = _sections(data, file or "")
     unknown += [_unknown(key, "the environment") for key in sorted(env or ()) if _unknown_variable(key, env or {})]
     if unknown:
         raise UnknownSettings(unknown)
-    for name, value in data.items():
-        values[name] = _coerce(name, value, file or "")
-        sources[name] = file or ""
+    for name, value in settings.items():
+        values[name] = _coerce(name, value, where[name])
+        sources[name] = where[name]
     for name in FIELDS:
         key = "ROUTER_" + name.upper()
         if env is not None and key in env:
@@ -368,6 +371,44 @@ def load(
     if values.get("decode"):  # decode replicas are replicas: they serve alone what is not split
         values["replicas"] = (*values.get("replicas", ()), *values["decode"])
     return validate(RouterConfig(**values), sources)
+
+
+def _sections(data: Mapping[str, Any], file: str) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """A TOML file's settings, from the top and from their groups' tables: (settings, where each
+    was: `FILE` or `FILE [section]`, a line for each name that is no setting there)."""
+    settings: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    unknown: list[str] = []
+    for key, value in data.items():
+        names = SECTIONS.get(key)
+        if names is None or not isinstance(value, dict):
+            if key not in FIELDS:
+                unknown.append(_unknown(key, file))
+            elif key in settings:
+                raise ConfigError(key, file, f"is set twice: at the top and in {where[key].removeprefix(file).strip()}")
+            else:
+                settings[key], where[key] = value, file
+            continue
+        for name, item in value.items():
+            if name not in names:
+                unknown.append(_misplaced(name, key, file))
+            elif name in settings:
+                raise ConfigError(name, file, f"is set twice: at the top and in [{key}]")
+            else:
+                settings[name], where[name] = item, f"{file} [{key}]"
+    return settings, where, unknown
+
+
+def _misplaced(name: str, section: str, file: str) -> str:
+    """One line for a name in a group's table that is no setting of that group."""
+    home = next((s for s, names in SECTIONS.items() if name in names), None)
+    if home is not None:
+        return f"setting {name} is not one of [{section}] (from {file}): it belongs in [{home}], or at the top"
+    if name in FIELDS:
+        return f"setting {name} is not one of [{section}] (from {file}): it stands at the top"
+    close = difflib.get_close_matches(name, list(SECTIONS[section]), n=2, cutoff=0.7)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"router-serve --help lists [{section}]'s settings"
+    return f"unknown setting {name} in [{section}] (from {file}): {hint}"
 
 
 def _unknown_variable(key: str, env: Mapping[str, str]) -> bool:

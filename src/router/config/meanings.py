@@ -199,25 +199,27 @@ HELP = {
 
 
 # --help in the order a newcomer needs it: starting, then one group per part of the router (`demo`
-# and `replicas` are the CLI's own, first of all)
-GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+# and `replicas` are the CLI's own, first of all). Each group but the first is a table of its own in
+# a TOML file too (its section, first: `[health]`); there, as in the environment, a setting may also
+# stand at the top, as it always could.
+GROUPS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
-        "start here",
+        "", "start here",
         "where to listen, what to route to, and how",
         ("host", "port", "policy", "workers", "state", "admin_token", "admin_port", "console", "log_requests"),
     ),
     (
-        "replicas",
+        "fleet", "replicas",
         "how they are found and what each serves",
         ("discovery", "discovery_interval_s", "replica_models", "replica_capacity", "agents", "replica_header"),
     ),
     (
-        "prefill/decode disaggregation",
+        "disagg", "prefill/decode disaggregation",
         "replicas that prefill, replicas that decode, and what is split",
         ("prefill", "decode", "prefill_discovery", "disagg_min_prompt_tokens", "prefill_anywhere", "disagg_introduce"),
     ),
     (
-        "sessions and routing keys",
+        "sessions", "sessions and routing keys",
         "what keeps a conversation on the replica holding its context",
         (
             "agent_session_headers", "key_headers", "key_body_fields", "sticky_ttl_s", "sticky_max_sessions",
@@ -225,7 +227,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "placement (ttft)",
+        "placement", "placement (ttft)",
         "the default policy: each request where its time to first token is predicted least",
         (
             "kv_events", "kv_event_endpoints", "tokenizer_dirs", "token_check_share", "prefix_block_bytes",
@@ -236,27 +238,27 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "the ring and load",
+        "ring", "the ring and load",
         "affinity and consistent_hash, and the load caps every policy keeps",
         ("vnodes", "hash_seed", "bounded_load_c", "bounded_load_floor", "capacity_caps", "load_queue_weight"),
     ),
     (
-        "a shared fleet",
+        "tenancy", "a shared fleet",
         "who may use it, its tenants' budgets, and the replicas' own keys",
         ("client_keys_file", "budget_reserve_tokens", "replica_api_keys"),
     ),
     (
-        "TLS",
+        "tls", "TLS",
         "HTTPS to clients (and their certificates) and to replicas",
         TLS_FILES,
     ),
     (
-        "admission",
+        "admission", "admission",
         "holding requests while every replica is full",
         ("max_queued", "queue_timeout_s", "ttft_target_ms", "full_waiting", "full_kv_usage"),
     ),
     (
-        "health",
+        "health", "health",
         "probing replicas and routing around sick ones",
         (
             "health_checks", "probe_interval_s", "probe_timeout_s", "remove_below", "return_above",
@@ -264,7 +266,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "balance, warm-up and drains",
+        "balance", "balance, warm-up and drains",
         "moving load off hot replicas without a session storm",
         (
             "rebalance", "rebalance_threshold", "rebalance_window_s", "rebalance_cooldown_s",
@@ -273,7 +275,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "proxying: time-outs, limits, streams",
+        "proxying", "proxying: time-outs, limits, streams",
         "",
         (
             "max_attempts", "connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s", "total_timeout_s",
@@ -283,10 +285,13 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "state, processes, console",
+        "processes", "state, processes, console",
         "",
         (
             "state_namespace", "shm_name", "shm_slots", "console_interval_s", "console_history_s", "admin_host",
         ),
     ),
 )  # fmt: skip
+
+# a group's TOML table: its section name and the settings it holds
+SECTIONS: dict[str, tuple[str, ...]] = {section: names for section, _, _, names in GROUPS if section}

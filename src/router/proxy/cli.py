@@ -83,15 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[NAME=]URL",
         help="a replica's base URL, e.g. http://10.0.0.5:8000; repeatable",
     )
-    first.add_argument("--config", metavar="FILE", help="TOML file of settings (the names below, with underscores)")
+    first.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file of settings: the names below with underscores, at the top or in their group's [table]",
+    )
     first.add_argument(
         "--check-config",
         action="store_true",
         help="validate the settings (file, environment and flags together), print what they amount to and where "
         "state is kept, and exit: 0 when valid, 2 with the problem otherwise",
     )
-    for title, about, names in GROUPS:
-        group = first if title == "start here" else p.add_argument_group(title, about or None)
+    for section, title, about, names in GROUPS:
+        group = first if not section else p.add_argument_group(f"{title} [{section}]", about or None)
         for name in names:
             flag = "--" + name.replace("_", "-")
             if FIELDS[name].type == "bool":
