@@ -37,7 +37,7 @@ async def test_a_watched_file_adds_and_removes_replicas(start_fleet, start_route
         "router.metrics.discovery_errors._value.get() > errors",
     )
     assert ids() == ["emu-1", "emu-2"]  # a bad file changes nothing
-    discovery = router.engines.discovery
+    discovery = router.discovery
     assert discovery is not None
     rounds = discovery.rounds  # a read that finds the file (the bad one raised before counting)
     listing.write_text("")

@@ -115,7 +115,7 @@ async def test_client_keys_by_tenant_and_the_replicas_own_key(fleet, start_route
         while (await call(url, "/v1/chat/completions", CHAT, {"Authorization": "Bearer sk-team-a2"}))[0] != 200:
             await asyncio.sleep(0.2)
     assert (await call(url, "/v1/chat/completions", CHAT, {"Authorization": "Bearer sk-team-a"}))[0] == 401
-    assert router.tenancy.clients is not None and router.tenancy.clients.reloads == 1
+    assert router.clients is not None and router.clients.reloads == 1
 
 
 async def test_the_clients_key_never_reaches_a_replica(start_router, sse_upstream, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
