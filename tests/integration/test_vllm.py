@@ -438,27 +438,32 @@ async def test_a_sigkilled_replicas_streams_resume_or_end_in_their_apis_error(
                 return f"k{i}"
         raise AssertionError(f"no key lands on {name}")
 
-    async def stream_and_kill(http: aiohttp.ClientSession, body: dict[str, Any], path: str, name: str) -> bytes:
+    async def stream_and_kill(
+        http: aiohttp.ClientSession, body: dict[str, Any], path: str, name: str, after: int
+    ) -> bytes:
+        """The stream, its replica killed once `after` deltas have come (0: once its headers have)."""
         session = await key_on(http, name)
         raw = bytearray()
         target = url + path
         data = orjson.dumps({"model": MODEL_NAME, **body, "stream": True})
         headers = {"X-Session-ID": session, "Content-Type": "application/json"}
+        victim = victims[name]
         async with http.post(target, data=data, headers=headers) as r:
             assert r.headers["X-Router-Replica"] == name
+            if not after:
+                victim.kill()
             async for chunk in r.content.iter_any():
                 raw += chunk
-                victim = victims[name]
                 # as early as a few tokens in: a busy machine's client may read its first events
                 # a second late, and the tiny model generates a long answer in a few seconds
-                if raw.count(b'"delta"') >= 3 and victim.proc is not None and victim.proc.poll() is None:
+                if raw.count(b'"delta"') >= after and victim.proc is not None and victim.proc.poll() is None:
                     victim.kill()  # mid-stream: the server, its engine and worker
         return bytes(raw)
 
     long = 3600  # of 4,096 in all
     chat = {"messages": [SYSTEM, {"role": "user", "content": "a long story"}], "max_tokens": long, "ignore_eos": True}
     async with aiohttp.ClientSession() as http:
-        raw = await stream_and_kill(http, {**chat, "temperature": 0}, "/v1/chat/completions", "v-chat")
+        raw = await stream_and_kill(http, {**chat, "temperature": 0}, "/v1/chat/completions", "v-chat", 3)
         events = events_of(raw)
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
         choices = [c for e in events if isinstance(e, dict) for c in e["choices"]]
@@ -470,12 +475,15 @@ async def test_a_sigkilled_replicas_streams_resume_or_end_in_their_apis_error(
             "messages": [{"role": "user", "content": "a long story"}],
             "temperature": 0,  # greedy: this model's text never ends before max_tokens
         }
-        raw = await stream_and_kill(http, {**messages, "max_tokens": long}, "/v1/messages", "v-messages")
+        # killed as its stream begins: once, with its client a few deltas in, vLLM had sent the whole reply
+        # into the sockets before the kill on a busy machine (the stream ended with message_stop)
+        raw = await stream_and_kill(http, {**messages, "max_tokens": long}, "/v1/messages", "v-messages", 0)
         text = await metrics_of(http, url, TOKEN)
     assert metric(text, "router_stream_resumes_total", outcome="resumed") == 1
     # a Messages stream is not resumed (that API has no way to continue a reply): it ends with its error event
     last = [e for e in raw.split(b"\n\n") if e.strip()][-1]
-    assert last.startswith(b"event: error\ndata: ") and orjson.loads(last.split(b"data: ", 1)[1])["type"] == "error"
+    assert last.startswith(b"event: error\ndata: "), (raw.count(b"content_block_delta"), last[:200])
+    assert orjson.loads(last.split(b"data: ", 1)[1])["type"] == "error"
     assert b"[DONE]" not in raw
 
 
