@@ -472,6 +472,31 @@ async def ttft_probe(url: str, samples: int, headers: dict[str, str] | None = No
 
 
 STREAM_CLIENTS = 8  # parallel clients of the stream and TTFT runs
+QUIET_WAIT_S = 10.0  # the longest a contender's measurement waits for its router to read the replica idle
+
+
+async def quiet(url: str, headers: dict[str, str] | None = None) -> None:
+    """Until a router that reports the replica's queue as it last read it (router-serve's
+    `router_replica_health_input{input="waiting"}`) reads it empty; any other contender: at once.
+    The replica is shared: a router whose last probe saw the queue another contender's load left
+    would hold, or refuse as past its target (its overload hold, as shipped), what the replica has
+    had room for since (CI saw one contender answer none of its 40 small requests)."""
+    deadline = time.monotonic() + QUIET_WAIT_S
+    async with aiohttp.ClientSession(connector=_connector()) as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/metrics", headers=headers, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    text = await r.text() if r.status == 200 else ""
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                return
+            waiting = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("router_replica_health_input{") and 'input="waiting"' in line
+            ]
+            if not any(waiting):
+                return
+            await asyncio.sleep(0.1)
 
 
 async def measure(
@@ -480,6 +505,7 @@ async def measure(
     at: dict[str, float | None] = {}
     oks = []
     failed: Counter[int] = Counter()
+    await quiet(url, args.headers)
     for level in args.levels:
         progress(f"{name}: small requests, {level} clients")
         c0 = cpu_seconds(pid) if pid else 0.0
