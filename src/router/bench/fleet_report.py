@@ -106,10 +106,15 @@ def exact_cell(f: dict[str, Any]) -> str:
     return " / ".join(cells)
 
 
+def _failed(f: dict[str, Any]) -> str:
+    """Failed requests, and how many of them a router's overload hold refused: `3 (2 refused)`."""
+    return f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")
+
+
 Column = tuple[str, Callable[[dict[str, Any]], str]]  # (title, the cell of a contender's figures)
 COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
-    ("failed", lambda f: f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")),
+    ("failed", _failed),
     ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
     ("of the bound", lambda f: _pct(f.get("hit_share_of_bound", math.nan))),
     ("multi-turn mean (s)", lambda f: _num(f["multi_turn_mean_s"])),
@@ -127,7 +132,7 @@ COLUMNS: tuple[Column, ...] = (
 # free of prefills, against TTFT, which pays a transfer) and goodput within both targets
 DISAGG_COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
-    ("failed", lambda f: f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")),
+    ("failed", _failed),
     ("KV hit", lambda f: _pct(f["kv_hit_rate"])),
     ("TTFT P50 (s)", lambda f: _num(f.get("ttft_p50_s", math.nan))),
     ("TTFT P99 (s)", lambda f: _num(f["ttft_p99_s"])),
@@ -141,7 +146,7 @@ DISAGG_COLUMNS: tuple[Column, ...] = (
 )
 VLLM_COLUMNS: tuple[Column, ...] = (
     ("requests", lambda f: f"{f['requests']:,.0f}"),
-    ("failed", lambda f: f"{f['failed']:,.0f}" + (f" ({f['refused']:,.0f} refused)" if f.get("refused") else "")),
+    ("failed", _failed),
     ("KV hit (engine)", lambda f: _pct(f.get("engine_kv_hit_rate", math.nan))),
     ("KV hit (client)", lambda f: _pct(f["kv_hit_rate"])),
     ("later-turn TTFT P50 (s)", lambda f: _num(f.get("ttft_later_p50_s", math.nan))),

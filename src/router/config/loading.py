@@ -381,13 +381,11 @@ def _sections(data: Mapping[str, Any], file: str) -> tuple[dict[str, Any], dict[
     unknown: list[str] = []
     for key, value in data.items():
         names = SECTIONS.get(key)
-        if names is None or not isinstance(value, dict):
-            if key not in FIELDS:
-                unknown.append(_unknown(key, file))
-            elif key in settings:
-                raise ConfigError(key, file, f"is set twice: at the top and in {where[key].removeprefix(file).strip()}")
-            else:
+        if names is None or not isinstance(value, dict):  # at the top (TOML puts it before every table)
+            if key in FIELDS:
                 settings[key], where[key] = value, file
+            else:
+                unknown.append(_unknown(key, file))
             continue
         for name, item in value.items():
             if name not in names:

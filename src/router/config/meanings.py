@@ -200,8 +200,7 @@ HELP = {
 
 # --help in the order a newcomer needs it: starting, then one group per part of the router (`demo`
 # and `replicas` are the CLI's own, first of all). Each group but the first is a table of its own in
-# a TOML file too (its section, first: `[health]`); there, as in the environment, a setting may also
-# stand at the top, as it always could.
+# a TOML file too (its section, first: `[health]`), where a setting may also stand at the top.
 GROUPS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     (
         "", "start here",
