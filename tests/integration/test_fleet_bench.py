@@ -79,17 +79,22 @@ def test_every_contender_on_a_small_fleet(tmp_path: Path) -> None:
             str(out),
         ]
     )
-    assert args.run(args) == 0  # 0: no request failed anywhere
+    assert args.run(args) == 0  # 0: no request failed for a fault anywhere (a router's 429s are results)
     result = json.loads((out / "fleet.json").read_text())
     assert (out / "fleet.md").read_text().startswith("3 emulated replicas")
     assert (out / "fleet-hit-p99.png").stat().st_size > 1000 and (out / "fleet-load.png").stat().st_size > 1000
 
     sessions = result["tables"]["sessions@3"]
     assert list(sessions) == contenders
-    requests = {f["requests"] for f in sessions.values()}
-    assert len(requests) == 1 and requests.pop() > 20  # every contender served the same turns
+    # every request split puts each one on the one decode replica after a hand-off: on a busy machine
+    # (CI's) its first tokens pass router-serve's TTFT target and its overload hold refuses a few (a
+    # refused turn ends its session). Every other contender serves every turn, and none fails for a fault.
     for name, f in sessions.items():
-        assert f["failed"] == 0, name
+        assert f["failed"] == f["refused"], name
+        assert f["refused"] == 0 or (name == "disagg-always" and f["refused"] <= f["requests"] / 5), name
+    requests = {f["requests"] for f in sessions.values() if not f["refused"]}
+    assert len(requests) == 1 and requests.pop() > 20  # every contender that refused none served the same turns
+    for name, f in sessions.items():
         assert 0 < f["gpu_busy"] <= 1, name
         run = result["runs"]["sessions@3"][name][0]
         # the fleet finished at least what the client got (plus readiness probes and warm-ups)
@@ -163,7 +168,7 @@ def test_long_documents_and_keyless_sessions_on_a_small_fleet(tmp_path: Path, mo
             *("--contenders", ",".join(contenders), "--out", str(out)),
         ]
     )
-    assert args.run(args) == 0  # 0: no request failed anywhere
+    assert args.run(args) == 0  # 0: no request failed for a fault anywhere (a router's 429s are results)
     result = json.loads((out / "fleet.json").read_text())
     assert list(result["tables"]) == ["longdoc", "longdoc-keyless", "sessions-keyless@3"]
     for workload, table in result["tables"].items():
@@ -222,7 +227,7 @@ def test_prefill_decode_contenders_on_a_small_fleet(tmp_path: Path) -> None:
             *("--contenders", ",".join(contenders), "--out", str(out)),
         ]
     )
-    assert args.run(args) == 0  # 0: no request failed anywhere
+    assert args.run(args) == 0  # 0: no request failed for a fault anywhere (a router's 429s are results)
     result = json.loads((out / "fleet.json").read_text())
     table = result["tables"]["longdoc"]
     assert list(table) == contenders and result["disagg"] is True
@@ -341,7 +346,7 @@ def test_real_vllm_side_by_side(tmp_path: Path) -> None:
             *("--contenders", ",".join(contenders), "--size-search", "", "--out", str(out)),
         ]
     )
-    assert args.run(args) == 0  # 0: no request failed anywhere
+    assert args.run(args) == 0  # 0: no request failed for a fault anywhere (a router's 429s are results)
     result = json.loads((out / "fleet.json").read_text())
     assert result["engine"] == "vllm" and result["time_scale"] == 1.0
     assert result["engine_settings"]["vllm_version"] and result["engine_settings"]["max_model_len"] == 63 * 32
@@ -392,7 +397,7 @@ def test_real_vllm_prefill_decode_side_by_side(tmp_path: Path) -> None:
             *("--setting", "health_checks=false"),
         ]
     )
-    assert args.run(args) == 0  # 0: no request failed anywhere
+    assert args.run(args) == 0  # 0: no request failed for a fault anywhere (a router's 429s are results)
     result = json.loads((out / "fleet.json").read_text())
     assert result["disagg"] is True and list(result["tables"]["sessions@0.25"]) == contenders
     split = result["runs"]["sessions@0.25"]["disagg-always"][0]
