@@ -89,8 +89,8 @@ class Node:
         # who may use the API (router.tenancy.clients); None: anyone
         self.clients = ClientKeys(config.client_keys_file) if config.client_keys_file else None
         # HTTPS to clients (None: plain HTTP) and the context https:// replicas are reached with (router.tls)
-        self.tls: ServerTls | None = server_tls(config)
-        self.replica_ssl = replica_context(config)
+        self.tls: ServerTls | None = server_tls(config.tls)
+        self.replica_ssl = replica_context(config.tls)
         # OpenTelemetry traces of the requests this process serves (router.tracing): OTEL_* turns them on
         self.tracing: Tracing | None = tracing.setup() if worker is not None or config.workers <= 1 else None
         self.budgets: Budgets | None = None  # the tenants' tokens a minute (router.tenancy.budgets), with keys on
@@ -147,13 +147,15 @@ class Node:
         # ttft: prompts placed by this process and by the other routers (and workers) on one Redis
         self.placements: RedisPlacements | None = None
         placement = self.placement
-        redis = shared_through_redis(config)
+        redis = shared_through_redis(config.state)
         if redis and placement is not None and (worker is not None or config.workers <= 1):
             self.placements = RedisPlacements(config.state, config.state_namespace, placement.learned)
             placement.share = self.placements.placed
         if redis:
             if worker is None:
-                self.redis = RedisState(config.state, config.state_namespace, self.membership, config)
+                self.redis = RedisState(
+                    config.state, config.state_namespace, self.membership, config.replicas, config.sticky_ttl_s
+                )
                 self.redis_sessions = self.redis.sessions
                 self.membership.peers = self.redis
             else:  # a worker looks sessions up and writes them itself; the control process does the rest
@@ -163,7 +165,7 @@ class Node:
         lone = worker is None and config.workers <= 1
         self.view = SessionView(None, lone)
         self.balancer = Balancer(
-            config,
+            config.balance,
             fleet,
             self.metrics,
             self.membership,
@@ -175,6 +177,8 @@ class Node:
             share=max(config.workers, 1) if worker is not None else 1,
             warmed=self.placement.warmed if self.placement is not None else None,
             by_ring=self.placement is None,
+            sticky_ttl_s=config.sticky_ttl_s,
+            prefill_anywhere=config.prefill_anywhere,
         )
         self.membership.mover = self.balancer
         if lone:
@@ -205,7 +209,7 @@ class Node:
             lambda: self.http,
             config.probe_interval_s,
             config.probe_timeout_s,
-            weights=score_weights(config),
+            weights=score_weights(config.health),
             agents=dict(entry.split("=", 1) for entry in config.agents),
             table=table,
             queue_weight=config.load_queue_weight,
@@ -226,14 +230,14 @@ class Node:
             else None
         )
         self.persistence: Persistence | None = None
-        file = state_file(config) if worker is None else None
+        file = state_file(config.state, config.host, config.port) if worker is None else None
         if file is not None:
             self.persistence = Persistence(file, self.membership, config.replicas, self.view)
             self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
         # ttft: the engines' KV-cache events, read by every process that routes (each subscribes)
         self.feed: Feed | None = None
         if placement is not None and config.kv_events and routes:
-            self.feed = Feed(fleet, placement, config, lambda: self.http, self.metrics)
+            self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics)
         # the roles' routing cores: the route's, and a disaggregated fleet's prefill pool
         self.pools = [Pool("serve", fleet, self.policy, self.routing, self.monitor, self.discovery, self.feed)]
         if prefill is not None:
@@ -260,7 +264,7 @@ class Node:
         shares one), else this process's share of each (a worker's, of its router's)."""
         config = self.config
         store: Store
-        if shared_through_redis(config):
+        if shared_through_redis(config.state):
             client = aioredis.Redis(
                 connection_pool=aioredis.BlockingConnectionPool.from_url(
                     config.state, max_connections=32, timeout=0.5, socket_timeout=0.5, socket_connect_timeout=0.5

@@ -94,10 +94,10 @@ def replica_fleet(config: RouterConfig, specs: tuple[ReplicaSpec, ...], rules: H
         config.vnodes,
         config.hash_seed,
         rules,
-        replica_capacities(config) if config.capacity_caps else {},
+        replica_capacities(config.fleet) if config.capacity_caps else {},
         capacity_caps=config.capacity_caps,
-        models=pinned_models(config),
-        keys=replica_api_keys(config),
+        models=pinned_models(config.fleet),
+        keys=replica_api_keys(config.tenancy),
     )
 
 
@@ -114,11 +114,13 @@ def prefill_pool(
     if not (config.prefill or config.prefill_discovery):
         return None
     fleet = replica_fleet(config, config.prefill, rules)
-    policy = Ttft(fleet, config)
+    policy = Ttft.from_config(fleet, config)
     # legs are keyless: its session table holds only requests served whole (`Pool.whole`), rarely
     directory = SessionDirectory(SessionTable(1024, config.sticky_ttl_s), config.sticky_ttl_s)
     routing = Routing(fleet, policy, directory, metrics, MAX_PREFILLS, counted=False)  # legs, not requests
-    monitor = HealthMonitor(fleet, http, config.probe_interval_s, config.probe_timeout_s, weights=score_weights(config))
+    monitor = HealthMonitor(
+        fleet, http, config.probe_interval_s, config.probe_timeout_s, weights=score_weights(config.health)
+    )
     discovery = None
     if config.prefill_discovery:
         discovery = Discovery(
@@ -129,7 +131,7 @@ def prefill_pool(
             config.prefill,
             role="prefill",
         )
-    feed = Feed(fleet, policy.placement, config, http, metrics) if config.kv_events and routes else None
+    feed = Feed(fleet, policy.placement, config.placement, http, metrics) if config.kv_events and routes else None
     return Pool("prefill", fleet, policy, routing, monitor, discovery, feed)
 
 

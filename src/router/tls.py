@@ -20,7 +20,8 @@ import logging
 import os
 import ssl
 
-from router.config import ConfigError, RouterConfig
+from router.config import ConfigError
+from router.config.groups import TlsSettings
 
 log = logging.getLogger("router.tls")
 
@@ -91,14 +92,14 @@ class ServerTls:
             self.check()
 
 
-def server_tls(config: RouterConfig) -> ServerTls | None:
+def server_tls(config: TlsSettings) -> ServerTls | None:
     """The router's HTTPS, as its settings say (None: plain HTTP)."""
     if not config.tls_cert_file:
         return None
     return ServerTls(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
 
 
-def replica_context(config: RouterConfig) -> ssl.SSLContext | None:
+def replica_context(config: TlsSettings) -> ssl.SSLContext | None:
     """The context HTTPS replicas are reached with; None: the system's default (its CAs, no client certificate)."""
     if not (config.replica_ca_file or config.replica_cert_file):
         return None

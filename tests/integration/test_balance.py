@@ -98,7 +98,16 @@ async def test_autoscaler_signals(start_fleet, start_router) -> None:  # type: i
     )
     # this test ticks a balancer of its own, on its own clock, into metrics of its own
     m = RouterMetrics()
-    balancer = Balancer(router.config, router.fleet, m, router.membership, router.view.current, router.upstream_client)
+    balancer = Balancer(
+        router.config.balance,
+        router.fleet,
+        m,
+        router.membership,
+        router.view.current,
+        router.upstream_client,
+        sticky_ttl_s=router.config.sticky_ttl_s,
+        prefill_anywhere=False,
+    )
     await balancer.tick(100.0)
     assert m.scale_recommended._value.get() == 1 and m.scale_idle._value.get() == 0
     await balancer.tick(111.0)  # idle for a whole window

@@ -33,6 +33,7 @@ from router.bench.vllm import MODEL_NAME, VllmServer, start_all
 from router.kvevents.tokens import Tokenizer
 from router.node import Node
 from router.proxy.intake import Intake, take_in_body
+from router.routing.request import Keys
 
 BLOCKS = 48  # KV blocks of each replica: 1,536 tokens, two or three of the conversations below
 SYSTEM = {"role": "system", "content": "You answer questions about the weather in the mountains. " * 6}
@@ -135,7 +136,7 @@ async def predicted(
     """The cached tokens the router's event-fed index predicts for this prompt on each replica
     (None where it does not know: events not believed, or the replica does not serve the model)."""
     raw = orjson.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1, **extra})
-    admitted = take_in_body("/v1/chat/completions", {}, raw, router.config, True)
+    admitted = take_in_body("/v1/chat/completions", {}, raw, router.config.proxying, Keys.of(router.config, True))
     assert isinstance(admitted, Intake) and router.feed is not None
     key = router.feed.tokenized(admitted.key, admitted.api, admitted.body)
     assert key.prompt is not None and key.prompt.tokens is not None and key.prompt.tokens.source == source

@@ -17,11 +17,13 @@ from router.config import (
     NOT_SETTINGS,
     ConfigError,
     ReplicaSpec,
+    RouterConfig,
     load,
     parse_replica,
     replica_capacities,
     score_weights,
 )
+from router.config.groups import GROUP_CLASSES
 from router.config.meanings import GROUPS, HELP, SECTIONS
 from router.health.score import ScoreWeights
 from router.node import Node
@@ -272,7 +274,7 @@ def test_score_weights_override_the_defaults() -> None:
     cfg = load(
         None, {"ROUTER_SCORE_WEIGHTS": "latency=0.5, queue_from=16"}, {"replicas": ["http://a:1"], "state": "none"}
     )
-    weights = score_weights(cfg)
+    weights = score_weights(cfg.health)
     assert (weights.latency, weights.queue_from, weights.queue) == (0.5, 16.0, ScoreWeights().queue)
     assert Node(cfg).monitor.weights == weights  # the control loop scores with them
     queued = load(None, {"ROUTER_LOAD_QUEUE_WEIGHT": "2"}, {"replicas": ["http://a:1"], "state": "none"})
@@ -281,7 +283,7 @@ def test_score_weights_override_the_defaults() -> None:
 
 def test_replica_capacity_entries() -> None:
     cfg = load(None, {"ROUTER_REPLICA_CAPACITY": "gpu-1=4, *=256"}, {"replicas": ["gpu-1=http://h:1"]})
-    assert replica_capacities(cfg) == {"gpu-1": 4, "*": 256}
+    assert replica_capacities(cfg.fleet) == {"gpu-1": 4, "*": 256}
     for bad in ("gpu-1", "gpu-1=0", "=4", "gpu-1=four", "gpu-1=2.5", "a=1,a=2"):
         with pytest.raises(ConfigError, match=r"invalid setting 'replica_capacity' \(from ROUTER_REPLICA_CAPACITY\)"):
             load(None, {"ROUTER_REPLICA_CAPACITY": bad}, {"replicas": ["gpu-1=http://h:1"]})
@@ -384,3 +386,25 @@ def test_prefill_and_decode_replicas_take_their_roles_and_decode_ones_are_routed
         load(None, {}, {"prefill_discovery": "consul:x", "decode": ["http://b:1"], "state": "none"})
     with pytest.raises(ConfigError, match="need replicas to decode"):
         load(None, {}, {"prefill_discovery": "file:/x", "state": "none"})
+
+
+def test_each_group_holds_its_table_s_settings_with_the_config_s_types_and_no_default_of_its_own() -> None:
+    assert [g.section for g in GROUP_CLASSES] == list(SECTIONS)
+    types = {name: f.type for name, f in FIELDS.items()}
+    for group in GROUP_CLASSES:
+        fields = dataclasses.fields(group)
+        assert [f.name for f in fields] == list(SECTIONS[group.section]), group.section
+        assert all(f.type == types[f.name] for f in fields), group.section
+        # a default is written once, in RouterConfig
+        assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
+
+
+def test_a_config_hands_each_room_its_group_as_set() -> None:
+    cfg = RouterConfig(rebalance=False, max_attempts=5, vnodes=64, replica_api_keys=("*=sk-secret",))
+    assert cfg.balance.rebalance is False and cfg.proxying.max_attempts == 5 and cfg.ring.vnodes == 64
+    assert cfg.placement.prefix_block_bytes == RouterConfig.prefix_block_bytes  # the default, from the config
+    assert cfg.tenancy.replica_api_keys == ("*=sk-secret",) and "sk-secret" not in repr(cfg.tenancy)
+    assert cfg.ring is cfg.ring  # made once
+    # a config changed by replace hands the new values on, not the old groups
+    moved = dataclasses.replace(cfg, vnodes=32)
+    assert moved.ring.vnodes == 32 and cfg.ring.vnodes == 64

@@ -23,6 +23,7 @@ from router.proxy.disagg import DisaggAttempts
 from router.proxy.forward import Outcome, Retry, Timeouts, Trip
 from router.proxy.intake import Intake, take_in_body
 from router.routing import Routing, Served, SessionDirectory
+from router.routing.request import Keys
 from router.sessions import SessionTable
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "e"}
@@ -137,7 +138,9 @@ def world(
 def trip(config: Any, text: str = LONG) -> Trip:
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
     raw = orjson.dumps(body)
-    intake = take_in_body("/v1/chat/completions", CIMultiDictProxy(CIMultiDict({})), raw, config, prompts=True)
+    intake = take_in_body(
+        "/v1/chat/completions", CIMultiDictProxy(CIMultiDict({})), raw, config.proxying, Keys.of(config, True)
+    )
     assert isinstance(intake, Intake)
     return Trip(Exchange(), intake, {}, time.monotonic())  # type: ignore[arg-type]
 
@@ -338,7 +341,7 @@ def lending_world(
         },
     )
     fleet = replica_fleet(config, config.replicas, Hysteresis())
-    policy = Ttft(fleet, config)
+    policy = Ttft.from_config(fleet, config)
     metrics = RouterMetrics()
     directory = SessionDirectory(SessionTable(64, config.sticky_ttl_s), config.sticky_ttl_s)
     serve = Pool("serve", fleet, policy, Routing(fleet, policy, directory, metrics, 3))

@@ -135,6 +135,46 @@ def test_the_door_rule_sees_a_call_around_the_core(tmp_path: Path) -> None:
     ]
 
 
+# the modules that assemble the router from its whole config and hand each room its group of settings
+# (router.config.groups); the factories that read a config for what they make (a policy's groups, the
+# keys' settings), the server around the front, and the benchmarks
+ASSEMBLY = (
+    "config/*",
+    "node.py",
+    "pools.py",
+    "proxy/cli.py",
+    "proxy/workers.py",
+    "proxy/front_server.py",
+    "policy/__init__.py",
+    "policy/base.py",
+    "policy/ttft.py",
+    "routing/request.py",
+    "bench/*",
+)
+
+
+def _takes_whole_config(path: Path) -> bool:
+    return any(
+        isinstance(node, ast.Name) and node.id == "RouterConfig" for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def test_each_room_receives_its_group_of_settings_not_the_whole_config() -> None:
+    whole = [
+        str(rel)
+        for path in sorted(SOURCE.rglob("*.py"))
+        if not any(fnmatch.fnmatch(str(rel := path.relative_to(SOURCE)), pattern) for pattern in ASSEMBLY)
+        and _takes_whole_config(path)
+    ]
+    assert not whole, f"these take the whole RouterConfig; give them their group (config.<section>): {whole}"
+
+
+def test_the_settings_rule_sees_the_whole_config_named(tmp_path: Path) -> None:
+    (tmp_path / "whole.py").write_text("def f(config: RouterConfig) -> int:\n    return config.port\n")
+    (tmp_path / "group.py").write_text("def f(config: ProxySettings) -> int:\n    return config.max_attempts\n")
+    assert _takes_whole_config(tmp_path / "whole.py") and not _takes_whole_config(tmp_path / "group.py")
+
+
 def test_no_two_test_modules_share_a_name() -> None:
     # the tests are not packages, so pytest imports each by its file's name: two test_x.py in two
     # folders collect as one module, and the whole run stops at collection (it passes when each

@@ -25,6 +25,7 @@ from router.proxy.ledger import Ledger
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
 from router.routing import Routing, Served, SessionDirectory
+from router.routing.request import Keys
 from router.sessions import SessionTable
 from router.tenancy.admission import Admission
 from router.tenancy.budgets import Budgets, LocalStore, estimate, prompt_estimate
@@ -130,7 +131,7 @@ def journey_of(routing: Routing, admission: Admission, metrics: RouterMetrics, s
 
 def request(config: Any, body: dict[str, Any], session: str = "s-1", path: str = "/v1/chat/completions") -> Intake:
     headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": session}))
-    intake = take_in_body(path, headers, orjson.dumps(body), config)
+    intake = take_in_body(path, headers, orjson.dumps(body), config.proxying, Keys.of(config))
     assert isinstance(intake, Intake)
     return intake
 
@@ -274,7 +275,9 @@ async def test_the_access_log_and_a_counter_say_the_class_a_request_got_after_it
     caplog.set_level("INFO", logger="router.access")
     bulk = Client("team", "k", RANK["bulk"])  # a bulk tenant: asking for `system` does not lift it
     asked = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s", "X-Priority": "system"}))
-    capped = take_in_body("/v1/chat/completions", asked, orjson.dumps(CHAT), config, client=bulk)
+    capped = take_in_body(
+        "/v1/chat/completions", asked, orjson.dumps(CHAT), config.proxying, Keys.of(config), client=bulk
+    )
     assert isinstance(capped, Intake)
     await journey.serve(Exchange(), capped, time.monotonic())
     await journey.serve(Exchange(), request(config, CHAT), time.monotonic())  # no keys, no header: default
@@ -405,7 +408,7 @@ async def test_a_sheddable_request_no_replica_can_serve_in_time_is_refused_befor
     routing, admission, metrics, config, fleet = build(policy="ttft", prefill_tokens_per_s=1000)
     headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s", "X-Priority": "sheddable", "x-slo-ttft-ms": "50"}))
     body = {"model": "m", "messages": [{"role": "user", "content": "lorem ipsum " * 400}], "max_tokens": 4}
-    intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config, prompts=True)
+    intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config.proxying, Keys.of(config, True))
     assert isinstance(intake, Intake) and intake.target_s == 0.05 and intake.rank == RANK["sheddable"]
     script = Script()
     exchange = Exchange()
@@ -414,7 +417,7 @@ async def test_a_sheddable_request_no_replica_can_serve_in_time_is_refused_befor
     assert script.sent == [] and all(r.inflight == 0 for r in fleet.replicas)
     # the same request of the default class is served, late
     headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s", "x-slo-ttft-ms": "50"}))
-    intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config, prompts=True)
+    intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config.proxying, Keys.of(config, True))
     assert isinstance(intake, Intake)
     script = Script(answered)
     await journey_of(routing, admission, metrics, script).serve(Exchange(), intake, time.monotonic())
@@ -477,7 +480,9 @@ async def test_a_chat_answer_that_ended_well_in_text_is_kept_for_its_next_turn_a
     headers = CIMultiDictProxy(CIMultiDict({"X-Session-ID": "s-1"}))
     chat = CHAT | {"messages": [{"role": "user", "content": "tell me about the fox " * 20}]}
     for body in (chat | {"stream": True}, chat, chat | {"stream": True}, chat | {"stream": True}):
-        intake = take_in_body("/v1/chat/completions", headers, orjson.dumps(body), config, True)  # its prompt read
+        intake = take_in_body(
+            "/v1/chat/completions", headers, orjson.dumps(body), config.proxying, Keys.of(config, True)
+        )  # its prompt read
         assert isinstance(intake, Intake) and intake.key.prompt is not None
         await journey.serve(Exchange(), intake, time.monotonic())
     # the stream's text read from its record, the whole answer's; not an answer that called tools,

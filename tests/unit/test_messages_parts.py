@@ -22,6 +22,7 @@ from router.prompt import prompt_of, render
 from router.proxy.framer import MessagesFramer
 from router.proxy.intake import Intake, Refused, take_in_body
 from router.proxy.sse import usage_of
+from router.routing.request import Keys
 
 CFG = RouterConfig(replicas=("http://127.0.0.1:1",))
 
@@ -123,14 +124,18 @@ def test_a_messages_request_is_keyed_and_cut_into_blocks_like_the_same_chat() ->
     one, other = prompt_of(messages, 16), prompt_of(chat, 16)
     assert one is not None and other is not None and list(one.chain) == list(other.chain)
     assert one.history_blocks == other.history_blocks > 0
-    keyed = take_in_body("/v1/messages", {}, orjson.dumps({**messages, "metadata": {"user_id": "u-7"}}), CFG, True)
+    keyed = take_in_body(
+        "/v1/messages", {}, orjson.dumps({**messages, "metadata": {"user_id": "u-7"}}), CFG.proxying, Keys.of(CFG, True)
+    )
     assert isinstance(keyed, Intake) and keyed.api is MESSAGES
     assert (keyed.key.kind, keyed.key.source, keyed.key.key) == ("body", "metadata.user_id", b"u-7")
     assert keyed.key.prompt is not None and keyed.keep == 0  # not resumable
     # streamed: never asked for usage (it always comes), so nothing is hidden from the client
-    streamed = take_in_body("/v1/messages", {}, orjson.dumps({**messages, "stream": True}), CFG, True)
+    streamed = take_in_body(
+        "/v1/messages", {}, orjson.dumps({**messages, "stream": True}), CFG.proxying, Keys.of(CFG, True)
+    )
     assert isinstance(streamed, Intake) and not streamed.strip_usage and "stream_options" not in streamed.body
-    keyless = take_in_body("/v1/messages", {}, orjson.dumps(messages), CFG)
+    keyless = take_in_body("/v1/messages", {}, orjson.dumps(messages), CFG.proxying, Keys.of(CFG))
     assert isinstance(keyless, Intake) and keyless.key.kind == "prefix"  # the first user message, not the system
 
 
@@ -232,7 +237,7 @@ def test_a_broken_messages_stream_ends_with_its_apis_error_event() -> None:
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
-    refused = take_in_body("/v1/messages", {}, b"[]", CFG)
+    refused = take_in_body("/v1/messages", {}, b"[]", CFG.proxying, Keys.of(CFG))
     assert isinstance(refused, Refused) and refused.status == 400
 
 

@@ -48,7 +48,7 @@ def test_who_serves_what() -> None:
 
 def test_pinned_models_win_over_what_the_engine_lists() -> None:
     cfg = load(None, {}, {"replicas": ["http://a:1"], "replica_models": ["r0=model-a", "r0=model-x", "*=model-b"]})
-    pins = pinned_models(cfg)
+    pins = pinned_models(cfg.fleet)
     assert pins == {"r0": {"model-a", "model-x"}, "*": {"model-b"}}
     fleet = fleet_of([B, A], pins)
     assert fleet.replicas[0].models == {"model-a", "model-x"}

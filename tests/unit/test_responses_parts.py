@@ -14,6 +14,7 @@ from router.proxy.framer import ResponsesFramer
 from router.proxy.intake import Intake, take_in_body
 from router.proxy.sse import usage_of
 from router.routing import Routing, SessionDirectory
+from router.routing.request import Keys
 from router.sessions import SessionTable
 
 
@@ -68,16 +69,20 @@ def test_usage_in_both_apis_names() -> None:
 def test_a_follow_up_is_keyed_by_what_it_continues_before_any_session_header() -> None:
     cfg = RouterConfig()
     body = {"model": "m", "input": "hi", "previous_response_id": "resp_9", "conversation": "conv_1"}
-    admitted = take_in_body("/v1/responses", {"x-session-id": "s"}, orjson.dumps(body), cfg)
+    admitted = take_in_body("/v1/responses", {"x-session-id": "s"}, orjson.dumps(body), cfg.proxying, Keys.of(cfg))
     assert isinstance(admitted, Intake)
     assert (admitted.key.key, admitted.key.kind, admitted.key.model) == (stored_key("resp_9", 256), "response", "m")
     assert admitted.keep == 0 and not admitted.strip_usage  # not resumed, usage never injected
     key = response_key({"conversation": {"id": "conv_1"}}, 256)
     assert key is not None and key.source == "conversation" and key.kind == "response"
     assert response_key({"input": "hi"}, 256) is None
-    plain = take_in_body("/v1/responses", {"x-session-id": "s"}, orjson.dumps({"input": "hi"}), cfg)
+    plain = take_in_body(
+        "/v1/responses", {"x-session-id": "s"}, orjson.dumps({"input": "hi"}), cfg.proxying, Keys.of(cfg)
+    )
     assert isinstance(plain, Intake) and plain.key.kind == "header"  # a first turn: as any request
-    chat = take_in_body("/v1/chat/completions", {}, orjson.dumps({"previous_response_id": "resp_9"}), cfg)
+    chat = take_in_body(
+        "/v1/chat/completions", {}, orjson.dumps({"previous_response_id": "resp_9"}), cfg.proxying, Keys.of(cfg)
+    )
     assert isinstance(chat, Intake) and chat.key.kind != "response"  # only the Responses API continues by id
 
 

@@ -19,6 +19,7 @@ from router.proxy.resume import (
     streamed_text,
     why_not_continued,
 )
+from router.routing.request import Keys
 
 
 def sse(*events: Any) -> bytes:
@@ -158,7 +159,8 @@ def test_a_body_that_can_be_continued_passes_the_checks() -> None:
 
 
 def taken_in(path: str, body: dict[str, Any], cfg: RouterConfig | None = None) -> Intake:
-    intake = take_in_body(path, {}, orjson.dumps(body), cfg or RouterConfig())
+    cfg = cfg or RouterConfig()
+    intake = take_in_body(path, {}, orjson.dumps(body), cfg.proxying, Keys.of(cfg))
     assert isinstance(intake, Intake)
     return intake
 

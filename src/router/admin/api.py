@@ -23,7 +23,7 @@ from router.keys import RoutingKey, bounded_key
 from router.membership import Clash, NoRoom
 from router.node import Node
 from router.pools import Pool
-from router.routing.request import request_key
+from router.routing.request import Keys
 from router.web import error_response
 
 
@@ -325,7 +325,7 @@ class AdminApi:
         api = (MESSAGES if "system" in body else CHAT) if "messages" in body else COMPLETION
         if "previous_response_id" in body or "input" in body:
             api = RESPONSES
-        key = request_key(api, request.headers, body, cfg, node.policy.reads_prompts)
+        key = Keys.of(cfg, node.policy.reads_prompts).request(api, request.headers, body)
         fleet = node.fleet
         answer: dict[str, Any] = {
             "policy": node.policy.name,

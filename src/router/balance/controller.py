@@ -32,7 +32,7 @@ from typing import Any
 
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.balance.warmup import PromptStore, Source, warm
-from router.config import RouterConfig
+from router.config.groups import BalanceSettings
 from router.engines.handoff import VLLM
 from router.engines.upstream import Upstream
 from router.fleet import Fleet, ReplicaState
@@ -48,7 +48,7 @@ TICK_S = 1.0
 class Balancer:
     def __init__(
         self,
-        config: RouterConfig,
+        config: BalanceSettings,
         fleet: Fleet,
         metrics: RouterMetrics,
         membership: Membership,
@@ -60,6 +60,9 @@ class Balancer:
         share: int = 1,
         warmed: Callable[[ReplicaState, bytes], None] | None = None,
         by_ring: bool = True,
+        *,
+        sticky_ttl_s: float,
+        prefill_anywhere: bool,
     ) -> None:
         """`sessions`: where sessions are found, once they can be asked for; `upstream`: the client
         warm-ups go out on; `gather`: brings the workers' in-flight counts in; `leader`: whether
@@ -68,7 +71,9 @@ class Balancer:
         told of each request body a warm-up computed on a replica (the prefix index learns it);
         `by_ring`: the policy places sessions by the ring, so a hot replica's traffic is its vnodes'
         and overheat moves vnodes (under `ttft` it is not: placement by cost steers new work off a
-        hot replica, and only scale-out and drain move sessions)."""
+        hot replica, and only scale-out and drain move sessions); `sticky_ttl_s`: how long a session
+        (and its prompt, kept for warm-up) lives; `prefill_anywhere`: a session that moves warms
+        up by a prefill on the replica it leaves (router.proxy.disagg)."""
         cfg = self.config = config
         self.fleet = fleet
         self.metrics = metrics
@@ -79,11 +84,12 @@ class Balancer:
         self._leader = leader
         self._peers = peers
         self._warmed = warmed
+        self.prefill_anywhere = prefill_anywhere
         self.migrates = cfg.rebalance and by_ring  # overheat moves vnodes (and counts their traffic)
         # requests held in this process because every replica was full (router.tenancy.admission): load too
         self.held: Callable[[], int] = lambda: 0
         # with worker processes each keeps the prompts of the requests it proxies: a share of the cap
-        self.prompts = PromptStore(cfg.prompt_store_bytes // share, cfg.sticky_ttl_s)
+        self.prompts = PromptStore(cfg.prompt_store_bytes // share, sticky_ttl_s)
         self.traffic = VnodeTraffic()
         self.rebalancer = Rebalancer(
             RebalanceSettings(
@@ -241,7 +247,7 @@ class Balancer:
         """Where the sessions' KV can be read from: the replica they leave, where every replica
         prefills for another (prefill_anywhere) and it is up (routable, or drained by an operator:
         its engine serves what it holds)."""
-        if not self.config.prefill_anywhere or source is None or source is target or source.index is None:
+        if not self.prefill_anywhere or source is None or source is target or source.index is None:
             return None
         if not source.health.up:
             return None

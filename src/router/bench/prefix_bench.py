@@ -261,7 +261,7 @@ def decision_bench(args: argparse.Namespace, capacity: int) -> Callable[[list[st
         kv_capacity_tokens=(f"*={capacity * args.block_bytes // 4}",),
     )
     fleet = Fleet(specs, config.vnodes, config.hash_seed)
-    policy = Ttft(fleet, config)
+    policy = Ttft.from_config(fleet, config)
     placement = policy.placement
     holders = [placement.of(r).holder for r in fleet.replicas]
     fill(placement.index, prefix.block_chain, args, placement.index.capacity(holders[0]))

@@ -237,7 +237,7 @@ class Decision:
         specs = tuple(parse_replica(f"r{i}=http://127.0.0.1:{9000 + i}") for i in range(replicas))
         config = RouterConfig(replicas=specs)
         self.fleet = Fleet(specs, config.vnodes, config.hash_seed)
-        self.placement = Placement(self.fleet, config)
+        self.placement = Placement(self.fleet, config.placement, config.bounded_load_floor)
         self.block_bytes = config.prefix_block_bytes
         capacity = 2 * (len(first_ids) // block_size) + 64  # blocks: room for what each holds
         whole = len(first_ids) // block_size * block_size

@@ -15,7 +15,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -254,26 +254,24 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
     if not (math.isfinite(cfg.recovery_ramp_s) and cfg.recovery_ramp_s >= 0):
         raise bad("recovery_ramp_s", "must be a number of seconds >= 0")
     # the settings whose text is read into entries: each reader says what is wrong with an entry
-    for name, reader in (
-        ("score_weights", score_weights),
-        ("replica_capacity", replica_capacities),
-        ("kv_capacity_tokens", kv_capacities),
-        ("kv_event_endpoints", event_endpoints),
-        ("tokenizer_dirs", tokenizer_dirs),
-        ("replica_api_keys", replica_api_keys),
-    ):
+    readers: tuple[tuple[str, Callable[[], object]], ...] = (
+        ("score_weights", lambda: score_weights(cfg.health)),
+        ("replica_capacity", lambda: replica_capacities(cfg.fleet)),
+        ("kv_capacity_tokens", lambda: kv_capacities(cfg.placement)),
+        ("kv_event_endpoints", lambda: event_endpoints(cfg.placement)),
+        ("tokenizer_dirs", lambda: tokenizer_dirs(cfg.placement)),
+        ("replica_api_keys", lambda: replica_api_keys(cfg.tenancy)),
+        ("replica_models", lambda: pinned_models(cfg.fleet)),
+    )
+    for name, read in readers:
         try:
-            reader(cfg)
+            read()
         except ValueError as exc:
             raise bad(name, str(exc)) from None
     if not (math.isfinite(cfg.token_check_share) and 0 <= cfg.token_check_share <= 1):
         raise bad("token_check_share", "must be a share in 0..1")
     if not (math.isfinite(cfg.kv_tier_tokens_per_s) and cfg.kv_tier_tokens_per_s > 0):
         raise bad("kv_tier_tokens_per_s", "must be a positive number of tokens a second")
-    try:
-        pinned_models(cfg)
-    except ValueError as exc:
-        raise bad("replica_models", str(exc)) from None
     known = {r.id for r in cfg.replicas}
     for entry in cfg.agents:
         rid, sep, url = entry.partition("=")

@@ -11,8 +11,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from urllib.parse import urlsplit
 
+from router.config.groups import (
+    AdmissionSettings,
+    BalanceSettings,
+    DisaggSettings,
+    FleetSettings,
+    HealthSettings,
+    PlacementSettings,
+    ProcessSettings,
+    ProxySettings,
+    RingSettings,
+    SessionSettings,
+    TenancySettings,
+    TlsSettings,
+)
 from router.health.score import ScoreWeights
 
 AUTO_QUEUED = -1  # max_queued = "auto"
@@ -201,6 +216,55 @@ class RouterConfig:
     log_requests: bool = False
     demo: int = 0
 
+    # each group of settings, for the room that owns it (router.config.groups); made once per config
+    @cached_property
+    def fleet(self) -> FleetSettings:
+        return FleetSettings.of(self)
+
+    @cached_property
+    def disagg(self) -> DisaggSettings:
+        return DisaggSettings.of(self)
+
+    @cached_property
+    def sessions(self) -> SessionSettings:
+        return SessionSettings.of(self)
+
+    @cached_property
+    def placement(self) -> PlacementSettings:
+        return PlacementSettings.of(self)
+
+    @cached_property
+    def ring(self) -> RingSettings:
+        return RingSettings.of(self)
+
+    @cached_property
+    def tenancy(self) -> TenancySettings:
+        return TenancySettings.of(self)
+
+    @cached_property
+    def tls(self) -> TlsSettings:
+        return TlsSettings.of(self)
+
+    @cached_property
+    def admission(self) -> AdmissionSettings:
+        return AdmissionSettings.of(self)
+
+    @cached_property
+    def health(self) -> HealthSettings:
+        return HealthSettings.of(self)
+
+    @cached_property
+    def balance(self) -> BalanceSettings:
+        return BalanceSettings.of(self)
+
+    @cached_property
+    def proxying(self) -> ProxySettings:
+        return ProxySettings.of(self)
+
+    @cached_property
+    def processes(self) -> ProcessSettings:
+        return ProcessSettings.of(self)
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
 POLICIES = ("ttft", "affinity", "consistent_hash", "round_robin", "least_load", "lmetric")
@@ -246,22 +310,23 @@ def parse_source(text: str) -> tuple[str, str, int]:
     raise ValueError(f"{text!r}: unknown discovery kind {kind!r}; use file:, dns: or srv:")
 
 
-def shared_through_redis(cfg: RouterConfig) -> bool:
-    """The routing state lives in Redis (redis://, rediss:// or unix://), shared by several routers."""
-    return cfg.state.startswith(REDIS_SCHEMES)
+def shared_through_redis(state: str) -> bool:
+    """With this `state` setting the routing state lives in Redis (redis://, rediss:// or unix://),
+    shared by several routers."""
+    return state.startswith(REDIS_SCHEMES)
 
 
-def replica_capacities(cfg: RouterConfig) -> dict[str, int]:
+def replica_capacities(cfg: FleetSettings) -> dict[str, int]:
     """`replica_capacity` as {replica id or "*": requests it runs at once}."""
     return _per_replica(cfg.replica_capacity)
 
 
-def kv_capacities(cfg: RouterConfig) -> dict[str, int]:
+def kv_capacities(cfg: PlacementSettings) -> dict[str, int]:
     """`kv_capacity_tokens` as {replica id or "*": tokens its KV cache holds}."""
     return _per_replica(cfg.kv_capacity_tokens)
 
 
-def event_endpoints(cfg: RouterConfig) -> dict[str, tuple[str, str | None]]:
+def event_endpoints(cfg: PlacementSettings) -> dict[str, tuple[str, str | None]]:
     """`kv_event_endpoints` as {replica id: (its PUB endpoint, its replay endpoint or None)}."""
     out: dict[str, tuple[str, str | None]] = {}
     for entry in cfg.kv_event_endpoints:
@@ -280,7 +345,7 @@ def event_endpoints(cfg: RouterConfig) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def tokenizer_dirs(cfg: RouterConfig) -> dict[str, str]:
+def tokenizer_dirs(cfg: PlacementSettings) -> dict[str, str]:
     """`tokenizer_dirs` as {model or "*": the folder of its tokenizer.json and chat template}."""
     out: dict[str, str] = {}
     for entry in cfg.tokenizer_dirs:
@@ -294,7 +359,7 @@ def tokenizer_dirs(cfg: RouterConfig) -> dict[str, str]:
     return out
 
 
-def replica_api_keys(cfg: RouterConfig) -> dict[str, str]:
+def replica_api_keys(cfg: TenancySettings) -> dict[str, str]:
     """`replica_api_keys` as {replica id or "*": its engine's key}."""
     out: dict[str, str] = {}
     for entry in cfg.replica_api_keys:
@@ -308,7 +373,7 @@ def replica_api_keys(cfg: RouterConfig) -> dict[str, str]:
     return out
 
 
-def pinned_models(cfg: RouterConfig) -> dict[str, frozenset[str]]:
+def pinned_models(cfg: FleetSettings) -> dict[str, frozenset[str]]:
     """`replica_models` as {replica id or "*": the models it serves}."""
     out: dict[str, set[str]] = {}
     for entry in cfg.replica_models:
@@ -337,7 +402,7 @@ def _per_replica(entries: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
-def score_weights(cfg: RouterConfig) -> ScoreWeights:
+def score_weights(cfg: HealthSettings) -> ScoreWeights:
     """The health score's weights and thresholds: the defaults with `score_weights` applied."""
     names = {f.name for f in dataclasses.fields(ScoreWeights)}
     values: dict[str, float] = {}

@@ -38,7 +38,8 @@ import zmq
 import zmq.asyncio
 
 from router.apis import Api
-from router.config import RouterConfig, event_endpoints, tokenizer_dirs
+from router.config import event_endpoints, tokenizer_dirs
+from router.config.groups import PlacementSettings
 from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
@@ -102,7 +103,7 @@ class Feed:
         self,
         fleet: Fleet,
         placement: Placement,
-        config: RouterConfig,
+        config: PlacementSettings,
         http: Callable[[], aiohttp.ClientSession],
         metrics: RouterMetrics,
     ) -> None:

@@ -12,7 +12,8 @@ from collections.abc import Callable, Collection
 
 import orjson
 
-from router.config import RouterConfig, kv_capacities
+from router.config import kv_capacities
+from router.config.groups import PlacementSettings
 from router.fleet import Fleet, ReplicaState
 from router.kvevents.truth import Truth
 from router.placement.events import events_rows
@@ -35,7 +36,14 @@ class Placement:
     fails before its first byte (`failed`) or ends (`released`); its answer teaches the model
     (`answered`: router.placement.learnt)."""
 
-    def __init__(self, fleet: Fleet, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: PlacementSettings,
+        floor: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`floor`: the ring's bounded-load floor (`bounded_load_floor`), which the gate keeps too."""
         self.fleet = fleet
         self.clock = clock
         self.block_bytes = config.prefix_block_bytes
@@ -61,7 +69,7 @@ class Placement:
         # told of every prompt that added blocks to the index (routers on one Redis share them)
         self.share: Callable[[str, array[int]], None] | None = None
         self.gate_c = config.ttft_gate_c
-        self.floor = config.bounded_load_floor
+        self.floor = floor
         self.tie_s = config.ttft_tie_s
         self.tie_share = config.ttft_tie_share
         self.adapter_load_s = config.adapter_load_s

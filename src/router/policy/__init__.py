@@ -30,7 +30,7 @@ def make_policy(name: str, fleet: Fleet, config: RouterConfig) -> Policy:
         cls = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(REGISTRY)}") from None
-    return cls(fleet, config)
+    return cls.from_config(fleet, config)
 
 
 __all__ = ["REGISTRY", "Answer", "Decision", "Explained", "Hearing", "Policy", "make_policy"]

@@ -68,10 +68,10 @@ class Affinity(Policy):
     ) -> tuple[Decision | None, bool]:
         """The decision, and whether a load cap changed it (`skip`: replicas not serving its model)."""
         fleet, ring = self.fleet, self.fleet.ring
-        floor = self.config.bounded_load_floor
+        floor = self.caps.bounded_load_floor
         capped = False
         loads = fleet.loads
-        c = self.config.bounded_load_c
+        c = self.caps.bounded_load_c
         limit = fleet.load_limit(fleet.load_cap_among(skip, c) if skip else ring.load_cap(loads, c), floor)
         if isinstance(limit, int):  # no capacity known: one cap for every replica, as before
 

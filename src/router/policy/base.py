@@ -13,9 +13,10 @@ import itertools
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 from router.config import RouterConfig
+from router.config.groups import RingSettings
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 
@@ -74,11 +75,17 @@ class Policy:
     keyed: ClassVar[bool] = False  # it routes by the request's key (else the key only counts jumps)
     reads_prompts: ClassVar[bool] = False  # its keys carry the prompt's blocks (router.prompt)
 
-    def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
+    def __init__(self, fleet: Fleet, ring: RingSettings) -> None:
+        """`ring`: the ring's settings; of them a policy keeps the load caps (`bounded_load_c`, `_floor`)."""
         self.fleet = fleet
-        self.config = config
+        self.caps = ring
         self.clock: Callable[[], float] = time.monotonic
         self._rotation = itertools.count()
+
+    @classmethod
+    def from_config(cls, fleet: Fleet, config: RouterConfig) -> Self:
+        """The policy with the groups of settings it reads (the ring's, by default)."""
+        return cls(fleet, config.ring)
 
     def pick(
         self,

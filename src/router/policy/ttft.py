@@ -68,8 +68,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from typing import Self
 
 from router.config import RouterConfig
+from router.config.groups import PlacementSettings, RingSettings, SessionSettings
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.placement import Answer, Candidate, Placed, Placement, Prediction, Priced
@@ -146,19 +148,26 @@ class Ttft(Policy):
     keyed = True
     reads_prompts = True
 
-    def __init__(self, fleet: Fleet, config: RouterConfig) -> None:
-        super().__init__(fleet, config)
-        self.placement: Placement = Placement(fleet, config, self.clock)
-        self.fallback = Affinity(fleet, config)
+    def __init__(
+        self, fleet: Fleet, ring: RingSettings, placement: PlacementSettings, sessions: SessionSettings
+    ) -> None:
+        """`sessions`: how long and how many sessions are kept (its moves are remembered as long)."""
+        super().__init__(fleet, ring)
+        self.placement: Placement = Placement(fleet, placement, ring.bounded_load_floor, self.clock)
+        self.fallback = Affinity(fleet, ring)
         self.fallback.passes_over = "ring"  # a keyed session left behind counts by its replica's state
-        self.stay_share = config.ttft_stay_share
-        self.move_weight = config.ttft_move_weight
-        self.cooldown_s = config.ttft_move_cooldown_s
+        self.stay_share = placement.ttft_stay_share
+        self.move_weight = placement.ttft_move_weight
+        self.cooldown_s = placement.ttft_move_cooldown_s
         # the sessions moved by cost, oldest first: no move again within the cool-down, none back
         # while remembered (as long as a session entry lives, and as many)
         self.moves: dict[bytes, Move] = {}
-        self.moves_ttl_s = max(config.sticky_ttl_s, self.cooldown_s)
-        self.moves_kept = config.sticky_max_sessions
+        self.moves_ttl_s = max(sessions.sticky_ttl_s, self.cooldown_s)
+        self.moves_kept = sessions.sticky_max_sessions
+
+    @classmethod
+    def from_config(cls, fleet: Fleet, config: RouterConfig) -> Self:
+        return cls(fleet, config.ring, config.placement, config.sessions)
 
     def use_clock(self, clock: Callable[[], float]) -> None:
         super().use_clock(clock)

@@ -28,6 +28,7 @@ from router.proxy.front import PROXY
 from router.proxy.intake import Refused, peer_subject, take_in, who
 from router.proxy.journey import Journey
 from router.proxy.ledger import Ledger
+from router.routing.request import Keys
 from router.tenancy.clients import Client
 from router.web import error_response
 
@@ -179,12 +180,13 @@ class Proxy:
         self.config = node.config
         self.routing = node.routing
         self.journey = journey
+        self.keys = Keys.of(node.config, journey.prompts)  # how the requests' routing keys are read
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """A proxied endpoint, served by aiohttp (a connection the front handed over)."""
         t0 = time.monotonic()
         exchange = AioExchange(request)
-        intake = await take_in(request, self.config, self.journey.prompts, self.node.clients)
+        intake = await take_in(request, self.config.proxying, self.keys, self.node.clients)
         await self.journey.serve(exchange, intake, t0)
         assert exchange.response is not None
         return exchange.response

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import importlib.metadata
 import logging
@@ -131,7 +132,7 @@ def summary(config: RouterConfig) -> str:
         f"admin on {config.admin_host}:{config.admin_port}" if config.admin_port else "admin on the proxy's port",
         "admin API " + ("on (token set)" if config.admin_token else "off (no token)"),
     ]
-    file = state_file(config)
+    file = state_file(config.state, config.host, config.port)
     if file is not None:
         parts.append(f"routing state saved to {file.path}")
     elif config.state == "none":
@@ -161,7 +162,7 @@ async def serve(config: RouterConfig) -> None:
         demo_fleet = EmulatorFleet([Replica(ReplicaOptions(replica_id=f"emu-{p}", port=p)) for p in ports])
         await demo_fleet.start()
         specs = tuple(ReplicaSpec(f"emu-{p}", f"http://127.0.0.1:{p}") for p in ports)
-        config = RouterConfig(**{**config.__dict__, "replicas": config.replicas + specs})
+        config = dataclasses.replace(config, replicas=config.replicas + specs)
     base = f"http://{config.host}:{config.port}"
     admin = f"http://{config.admin_host}:{config.admin_port}" if config.admin_port else base
     banner = f"router-serve listening on {base} ({config.policy}, {len(config.replicas)} replicas)"

@@ -59,7 +59,7 @@ import httptools
 from aiohttp import web
 
 from router.apis import PROXIED
-from router.config import RouterConfig
+from router.config.groups import ProxySettings
 from router.errors import error_body, error_body_for
 from router.proxy.exchange import Exchange
 from router.proxy.front_exchange import REASONS, FrontExchange, Message
@@ -76,6 +76,7 @@ from router.proxy.intake import (
     too_slow,
     who,
 )
+from router.routing.request import Keys
 from router.tenancy.clients import KEY_HEADERS, ClientKeys, subject_of
 from router.web import JSON
 
@@ -106,7 +107,8 @@ class Server(Protocol):
     """What a connection needs of its server (router.proxy.front_server.FrontServer)."""
 
     loop: asyncio.AbstractEventLoop
-    cfg: RouterConfig
+    cfg: ProxySettings  # the limits requests are taken in within
+    keys: Keys  # how their routing keys are read
     proxy: Serving
     inner: web.Server  # aiohttp's own: the connections handed over
     fronts: set[Front]  # its connections (their time-outs are swept from there)
@@ -125,6 +127,7 @@ class Front(asyncio.Protocol):
         self.server = server
         self.loop = server.loop
         self.cfg = server.cfg
+        self.keys = server.keys
         self.transport: asyncio.Transport | None = None
         self.remote: str | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -385,8 +388,7 @@ class Front(asyncio.Protocol):
                     intake = msg.refused
                 else:
                     raw = msg.body[0] if len(msg.body) == 1 else b"".join(msg.body)
-                    proxy = self.server.proxy
-                    intake = take_in_body(exchange.path, exchange.headers, raw, self.cfg, proxy.prompts, msg.client)
+                    intake = take_in_body(exchange.path, exchange.headers, raw, self.cfg, self.keys, msg.client)
                 await self.server.proxy.serve(exchange, intake, msg.t0)
         except asyncio.CancelledError:
             return

@@ -15,7 +15,9 @@ from typing import Any, cast
 from aiohttp import web
 
 from router.config import RouterConfig
+from router.config.groups import ProxySettings
 from router.proxy.front import PROXY, SWEEP_S, Front, Serving
+from router.routing.request import Keys
 
 
 class FrontServer:
@@ -23,10 +25,14 @@ class FrontServer:
     server (`inner`) for the connections handed to it. It stands in for `web.Server` (its
     connections, `pre_shutdown` and `shutdown` count both kinds)."""
 
-    def __init__(self, inner: web.Server, proxy: Serving, cfg: RouterConfig, closing: Callable[[], bool]) -> None:
+    def __init__(
+        self, inner: web.Server, proxy: Serving, cfg: ProxySettings, keys: Keys, closing: Callable[[], bool]
+    ) -> None:
+        """`cfg`: the limits requests are taken in within; `keys`: how their routing keys are read."""
         self.inner = inner
         self.proxy = proxy
         self.cfg = cfg
+        self.keys = keys
         self.closing = closing
         self.loop = asyncio.get_running_loop()
         self.fronts: set[Front] = set()
@@ -78,7 +84,8 @@ class FrontRunner(web.AppRunner):
         proxy = self.app.get(PROXY)
         if proxy is None or not self.cfg.front:
             return inner
-        return cast(web.Server, FrontServer(inner, proxy, self.cfg, self.closing))
+        keys = Keys.of(self.cfg, proxy.prompts)
+        return cast(web.Server, FrontServer(inner, proxy, self.cfg.proxying, keys, self.closing))
 
 
 __all__ = ["FrontRunner", "FrontServer"]

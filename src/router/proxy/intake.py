@@ -33,12 +33,12 @@ import orjson
 from aiohttp import web
 
 from router.apis import CHAT, Api, api_of
-from router.config import RouterConfig
+from router.config.groups import ProxySettings
 from router.errors import error_body_for
 from router.keys import RoutingKey
 from router.proxy.exchange import Exchange
 from router.proxy.resume import why_not_continued
-from router.routing.request import request_key
+from router.routing.request import Keys
 from router.tenancy.clients import DEFAULT_RANK, PRIORITIES, RANK, AmbiguousKey, Client, ClientKeys, subject_of
 from router.web import JSON, error_response
 
@@ -218,11 +218,11 @@ def no_such_model(model: str) -> Refused:
     )
 
 
-def too_many_header_bytes(size: int, cfg: RouterConfig) -> Refused:
+def too_many_header_bytes(size: int, cfg: ProxySettings) -> Refused:
     return Refused(431, f"request headers are {size} bytes; the limit is {cfg.max_header_bytes}", "request_too_large")
 
 
-def too_slow(cfg: RouterConfig) -> Refused:
+def too_slow(cfg: ProxySettings) -> Refused:
     return Refused(
         408,
         f"the request body paused for client_timeout_s ({cfg.client_timeout_s:g} s), came slower than "
@@ -233,7 +233,7 @@ def too_slow(cfg: RouterConfig) -> Refused:
     )
 
 
-def too_large(cfg: RouterConfig) -> Refused:
+def too_large(cfg: ProxySettings) -> Refused:
     """A body over the limit: refused from its head (Content-Length) or as it passes it (chunked);
     the rest is not read, so the connection closes."""
     return Refused(
@@ -242,10 +242,11 @@ def too_large(cfg: RouterConfig) -> Refused:
 
 
 async def take_in(
-    request: web.Request, cfg: RouterConfig, prompts: bool = False, clients: ClientKeys | None = None
+    request: web.Request, cfg: ProxySettings, keys: Keys, clients: ClientKeys | None = None
 ) -> Intake | Refused:
     """An aiohttp request's body and key, or the answer it gets instead (431, 401, 408, 413, 400);
-    with client keys on, its key is checked before its body is read."""
+    with client keys on, its key is checked before its body is read. `cfg`: the limits it is
+    taken in within; `keys`: how its routing key is read."""
     # checked here rather than in a middleware: a middleware wraps every request's handler
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > cfg.max_header_bytes:
@@ -276,7 +277,7 @@ async def take_in(
         return dataclasses.replace(too_slow(cfg), client=client)
     except web.HTTPRequestEntityTooLarge:
         return dataclasses.replace(too_large(cfg), client=client)
-    return take_in_body(request.path, request.headers, raw, cfg, prompts, client)
+    return take_in_body(request.path, request.headers, raw, cfg, keys, client)
 
 
 def wishes(headers: Mapping[str, str], client: Client | None) -> tuple[int, float | None] | Refused:
@@ -308,14 +309,14 @@ def take_in_body(
     path: str,
     headers: Mapping[str, str],
     raw: bytes,
-    cfg: RouterConfig,
-    prompts: bool = False,
+    cfg: ProxySettings,
+    keys: Keys,
     client: Client | None = None,
 ) -> Intake | Refused:
-    """The request's parsed body and key, or the 400 it gets. `prompts`: the key carries the
-    prompt's blocks too (for a policy that reads them, router.prompt); `client`: whose key it
+    """The request's parsed body and key, or the 400 it gets. `keys`: how its routing key is read
+    (with the prompt's blocks for a policy that reads them, router.prompt); `client`: whose key it
     brought (checked before: `take_in`, and the front as the head arrives), kept on a refusal."""
-    taken = _take_in_body(path, headers, raw, cfg, prompts, client)
+    taken = _take_in_body(path, headers, raw, cfg, keys, client)
     if client is not None and isinstance(taken, Refused):
         return dataclasses.replace(taken, client=client)
     return taken
@@ -325,8 +326,8 @@ def _take_in_body(
     path: str,
     headers: Mapping[str, str],
     raw: bytes,
-    cfg: RouterConfig,
-    prompts: bool,
+    cfg: ProxySettings,
+    keys: Keys,
     client: Client | None,
 ) -> Intake | Refused:
     api = api_of(path)
@@ -344,7 +345,7 @@ def _take_in_body(
         if isinstance(wished, Refused):
             return wished
         rank, target_s = wished
-    key = request_key(api, headers, body, cfg, prompts, client.tenant if client is not None else None)
+    key = keys.request(api, headers, body, client.tenant if client is not None else None)
     streams = body.get("stream") is True
     strip_usage = False
     if streams and api.usage_option and cfg.inject_usage:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -118,7 +119,7 @@ def _expect_everywhere(app: web.Application, config: RouterConfig) -> None:
                 refused = found if isinstance(found, Refused) else None
             length = request.content_length
             if refused is None and length is not None and length > config.max_body_bytes:
-                refused = too_large(config)
+                refused = too_large(config.proxying)
             if refused is not None:
                 answer = error_response(refused.message, refused.status, refused.code, path=request.path)
                 answer.force_close()
@@ -320,7 +321,7 @@ class WorkerPool:
         self.procs: list[BaseProcess | None] = [None] * config.workers
         self.stopping = False
         # the workers' config: same settings, but replicas come from the table and the demo is ours
-        self.worker_config = RouterConfig(**{**config.__dict__, "demo": 0})
+        self.worker_config = dataclasses.replace(config, demo=0)
 
     def _spawn(self, index: int) -> tuple[BaseProcess, Connection]:
         receive, send = self.ctx.Pipe(duplex=False)

@@ -12,43 +12,52 @@ as its route would.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router.apis import RESPONSES, Api
 from router.config import RouterConfig
+from router.config.groups import SessionSettings
 from router.keys import RoutingKey, response_key, routing_key
 from router.prompt import prompt_of
 
 
-def session_key(headers: Mapping[str, str], body: dict[str, Any], cfg: RouterConfig) -> RoutingKey:
-    """The session key of a request with these headers and this (parsed) body, by the configured sources."""
-    return routing_key(
-        headers,
-        body,
-        header_names=cfg.key_headers,
-        body_fields=cfg.key_body_fields,
-        prefix_chars=cfg.prefix_chars,
-        max_key_bytes=cfg.max_key_bytes,
-        agents=cfg.agent_session_headers,
-    )
+@dataclass(frozen=True)
+class Keys:
+    """How requests' routing keys are read: the sessions' sources, and the prompt's blocks for a
+    policy that reads them."""
 
+    sessions: SessionSettings
+    block_bytes: int = 0  # the prompt's block (prefix_block_bytes); 0: the keys carry no prompt
 
-def request_key(
-    api: Api,
-    headers: Mapping[str, str],
-    body: dict[str, Any],
-    cfg: RouterConfig,
-    prompts: bool = False,
-    tenant: str | None = None,
-) -> RoutingKey:
-    """The routing key of a request to `api`; `prompts`: with the prompt's blocks (an embedding's
-    input leaves no KV cache behind: none); `tenant`: whose it is, with client keys on (a stored
-    response it continues is looked for in that tenant's name)."""
-    stored = response_key(body, cfg.max_key_bytes, tenant) if api is RESPONSES else None
-    key = stored or session_key(headers, body, cfg)
-    if prompts and api.prompt:
-        prompt = prompt_of(body, cfg.prefix_block_bytes)
-        if prompt is not None:
-            key = replace(key, prompt=prompt)
-    return key
+    @classmethod
+    def of(cls, config: RouterConfig, prompts: bool = False) -> Keys:
+        """As `config` says; `prompts`: the policy reads prompts (its keys carry their blocks)."""
+        return cls(config.sessions, config.prefix_block_bytes if prompts else 0)
+
+    def session(self, headers: Mapping[str, str], body: dict[str, Any]) -> RoutingKey:
+        """The session key of a request with these headers and this (parsed) body."""
+        cfg = self.sessions
+        return routing_key(
+            headers,
+            body,
+            header_names=cfg.key_headers,
+            body_fields=cfg.key_body_fields,
+            prefix_chars=cfg.prefix_chars,
+            max_key_bytes=cfg.max_key_bytes,
+            agents=cfg.agent_session_headers,
+        )
+
+    def request(
+        self, api: Api, headers: Mapping[str, str], body: dict[str, Any], tenant: str | None = None
+    ) -> RoutingKey:
+        """The routing key of a request to `api` (with the prompt's blocks where they are read: an
+        embedding's input leaves no KV cache behind, none); `tenant`: whose it is, with client keys
+        on (a stored response it continues is looked for in that tenant's name)."""
+        stored = response_key(body, self.sessions.max_key_bytes, tenant) if api is RESPONSES else None
+        key = stored or self.session(headers, body)
+        if self.block_bytes and api.prompt:
+            prompt = prompt_of(body, self.block_bytes)
+            if prompt is not None:
+                key = replace(key, prompt=prompt)
+        return key

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from router.config import ReplicaSpec, RouterConfig, shared_through_redis
+from router.config import ReplicaSpec, shared_through_redis
 from router.errors import RouterError
 from router.membership import Facts, Membership, Settle
 from router.sessions import LinkDown, SessionEntry, SessionTable, SessionView
@@ -138,12 +138,13 @@ class StateFile:
             raise
 
 
-def state_file(config: RouterConfig) -> StateFile | None:
-    """Where a router with `config` keeps its routing state in a file (None: Redis, or not kept)."""
-    if config.state == "none" or shared_through_redis(config):
+def state_file(state: str, host: str, port: int) -> StateFile | None:
+    """Where a router with the `state` setting, listening on host:port, keeps its routing state in a
+    file (None: Redis, or not kept)."""
+    if state == "none" or shared_through_redis(state):
         return None
-    directory = config.state[5:] if config.state.startswith("file:") else default_directory()
-    return StateFile(directory, config.host, config.port)
+    directory = state[5:] if state.startswith("file:") else default_directory()
+    return StateFile(directory, host, port)
 
 
 def default_directory() -> str:

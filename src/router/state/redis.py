@@ -55,7 +55,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router.config import RouterConfig
+from router.config import ReplicaSpec
 from router.membership import Facts, Membership
 
 log = logging.getLogger("router.state.redis")
@@ -74,13 +74,16 @@ MAX_SHARED_BLOCKS = 8192  # blocks of one placement told at most (64 KiB; 512k b
 class RedisState:
     """This instance's membership, drains and overrides, shared with the others (membership's `Peers`)."""
 
-    def __init__(self, url: str, namespace: str, membership: Membership, config: RouterConfig) -> None:
+    def __init__(
+        self, url: str, namespace: str, membership: Membership, configured: tuple[ReplicaSpec, ...], sticky_ttl_s: float
+    ) -> None:
+        """`configured`: the replicas the router was started with; `sticky_ttl_s`: how long a session lives."""
         self.membership = membership
-        self.configured = config.replicas
+        self.configured = configured
         self.url = url
         self.prefix = f"kvar:{namespace}:"
         self.redis = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        self.sessions = RedisSessions(self.redis, self.prefix, config.sticky_ttl_s)
+        self.sessions = RedisSessions(self.redis, self.prefix, sticky_ttl_s)
         self.version: int | None = None
         self._pending: list[tuple[str, Any]] = []  # changes made while Redis was away
         self._tasks: list[asyncio.Task[None]] = []
