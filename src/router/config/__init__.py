@@ -1,12 +1,12 @@
 """Router configuration: the settings (settings.py), what each means (meanings.py), read and validated
 at load (loading.py)."""
 
+from router.config.groups import ReplicaSpec
 from router.config.loading import ENV_NAMES, NOT_SETTINGS, ConfigError, from_environment, load
 from router.config.settings import (
     AUTO_QUEUED,
     FIELDS,
     POLICIES,
-    ReplicaSpec,
     RouterConfig,
     event_endpoints,
     kv_capacities,

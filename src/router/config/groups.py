@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import ClassVar, Self
 
-if TYPE_CHECKING:
-    from router.config.settings import ReplicaSpec, RouterConfig
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    id: str
+    url: str
+    role: str = "both"  # prefill and decode (aggregated), "decode" (--decode) or "prefill" (--prefill)
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,8 @@ class Group:
     section: ClassVar[str] = ""
 
     @classmethod
-    def of(cls, config: RouterConfig) -> Self:
+    def of(cls, config: object) -> Self:
+        """The group's settings as `config` (a RouterConfig: router.config.settings, above this module) has them."""
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 

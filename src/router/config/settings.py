@@ -23,6 +23,7 @@ from router.config.groups import (
     PlacementSettings,
     ProcessSettings,
     ProxySettings,
+    ReplicaSpec,
     RingSettings,
     SessionSettings,
     TenancySettings,
@@ -40,13 +41,6 @@ TLS_FILES = (
     "replica_cert_file",
     "replica_key_file",
 )
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    id: str
-    url: str
-    role: str = "both"  # prefill and decode (aggregated), "decode" (--decode) or "prefill" (--prefill)
 
 
 @dataclass(frozen=True)
