@@ -277,7 +277,7 @@ class Node:
         def limits() -> dict[str, int]:
             return {tenant: max(1, int(n * share)) for tenant, n in clients.budgets().items()}
 
-        budgets = Budgets(limits(), store)
+        budgets = Budgets(limits(), store, reserve_tokens=self.config.budget_reserve_tokens)
         clients.changed.append(lambda: budgets.update(limits()))
         return budgets
 

@@ -44,7 +44,7 @@ async def clients(shared_redis: RedisServer) -> AsyncIterator[list[aioredis.Redi
 
 
 def pods(clients: list[aioredis.Redis], limits: dict[str, int], prefix: str) -> list[Budgets]:
-    return [Budgets(limits, RedisStore(client, prefix)) for client in clients]
+    return [Budgets(limits, RedisStore(client, prefix), reserve_tokens=1024) for client in clients]
 
 
 async def test_concurrent_pods_never_grant_more_than_the_budget(clients: list[aioredis.Redis]) -> None:
@@ -87,7 +87,7 @@ async def test_fails_open_and_counts_when_redis_is_gone(
 ) -> None:
     client = aioredis.from_url(redis_server.url, socket_timeout=0.2, socket_connect_timeout=0.2)
     store = RedisStore(client, "gone:")
-    budgets = Budgets({"acme": 1000}, store)
+    budgets = Budgets({"acme": 1000}, store, reserve_tokens=1024)
     try:
         before = await budgets.reserve("acme", 10)
         assert before == Reservation("acme", 10)

@@ -35,7 +35,7 @@ def at_once(coro: Coroutine[Any, Any, T]) -> T:
 def make(limits: dict[str, int] | None = None) -> tuple[Budgets, LocalStore, Clock]:
     clock = Clock()
     store = LocalStore(clock)
-    return Budgets({"acme": PER_MINUTE} if limits is None else limits, store), store, clock
+    return Budgets({"acme": PER_MINUTE} if limits is None else limits, store, reserve_tokens=100), store, clock
 
 
 async def test_takes_while_there_is_enough_then_says_how_long_to_wait() -> None:
@@ -136,7 +136,7 @@ async def test_a_lowered_limit_clamps_the_level() -> None:
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "100"])
 def test_limits_are_positive_integers(bad: object) -> None:
     with pytest.raises(ValueError, match="acme"):
-        Budgets({"acme": bad})  # type: ignore[dict-item]
+        Budgets({"acme": bad}, reserve_tokens=100)  # type: ignore[dict-item]
 
 
 @settings(max_examples=200, deadline=None)
@@ -195,8 +195,8 @@ async def test_admission_reserves_the_estimate_or_says_why_not_alike_awaited_or_
 
     def admit(body: dict[str, Any], raw_size: int) -> Reservation | Refusal:
         if awaited:
-            return at_once(budgets.admit("acme", body, raw_size, 100))
-        return budgets.admit_now("acme", body, raw_size, 100)
+            return at_once(budgets.admit("acme", body, raw_size))
+        return budgets.admit_now("acme", body, raw_size)
 
     # its own cap is more than the whole budget: it could never fit, waiting would not help
     never = admit({"max_tokens": PER_MINUTE + 1}, 40)

@@ -55,7 +55,7 @@ def test_points_are_rates_and_windowed_hit_rates_from_the_metrics() -> None:
 
 def test_events_say_what_changed_between_samples() -> None:
     m, clock = RouterMetrics(), Clock()
-    history = History(m.registry.collect, interval_s=1, clock=clock)
+    history = History(m.registry.collect, interval_s=1, history_s=900, clock=clock)
     for r in ("a", "b"):
         m.show_health(r, "healthy", None)
     history.sample()
@@ -94,7 +94,7 @@ def test_quantile_bound_of_histogram_deltas() -> None:
 
 def test_a_replica_gone_before_the_second_reading_is_still_shown_as_left() -> None:
     m, clock = RouterMetrics(), Clock()
-    history = History(m.registry.collect, interval_s=1, clock=clock)
+    history = History(m.registry.collect, interval_s=1, history_s=900, clock=clock)
     m.show_health("x", "healthy", None)
     serve(m, "x", 1, 10, 0)
     history.sample()
@@ -107,7 +107,7 @@ def test_a_replica_gone_before_the_second_reading_is_still_shown_as_left() -> No
 
 def test_a_replica_removed_and_added_again_comes_back_to_life() -> None:
     m, clock = RouterMetrics(), Clock()
-    history = History(m.registry.collect, interval_s=1, clock=clock)
+    history = History(m.registry.collect, interval_s=1, history_s=900, clock=clock)
     m.show_health("a", "healthy", None)
     m.child(m.inflight, "a").set(2)
     history.sample()

@@ -305,7 +305,7 @@ async def test_the_access_log_names_a_sessions_jump_as_the_jumps_metric_counts_i
 
 
 def budgeted(limit: int, clock: list[float]) -> Budgets:
-    return Budgets({"team": limit}, LocalStore(clock=lambda: clock[0]))
+    return Budgets({"team": limit}, LocalStore(clock=lambda: clock[0]), reserve_tokens=1024)
 
 
 def budget_world(limit: int) -> tuple[Budgets, Any, RouterMetrics, Callable[[Script], Journey]]:

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RebalanceSettings:
-    threshold: float = 0.5  # theta: hot above (1 + theta) x mean
-    window_s: float = 30.0  # W: hot this long before anything moves
-    cooldown_s: float = 60.0  # C: both sides rest this long after a move
-    max_vnodes: int = 4  # moved per cycle at most
+    # the settings rebalance_threshold, _window_s, _cooldown_s and _max_vnodes (their defaults: router.config)
+    threshold: float  # theta: hot above (1 + theta) x mean
+    window_s: float  # W: hot this long before anything moves
+    cooldown_s: float  # C: both sides rest this long after a move
+    max_vnodes: int  # moved per cycle at most
     min_load: float = 2.0  # a fleet whose mean load is below this is not rebalanced
 
     def __post_init__(self) -> None:
@@ -56,7 +57,7 @@ class _Replica:
 
 @dataclass
 class Rebalancer:
-    settings: RebalanceSettings = field(default_factory=RebalanceSettings)
+    settings: RebalanceSettings
     _replicas: dict[str, _Replica] = field(default_factory=dict)
     _last_sample: float | None = None
     _vnode_rest: dict[tuple[str, int], float] = field(default_factory=dict)

@@ -30,6 +30,7 @@ from router.config.groups import (
     TlsSettings,
 )
 from router.health.score import ScoreWeights
+from router.health.states import Hysteresis
 
 AUTO_QUEUED = -1  # max_queued = "auto"
 # the TLS settings (router.tls): each a file, checked at start
@@ -152,12 +153,12 @@ class RouterConfig:
     agents: tuple[str, ...] = ()  # REPLICA_ID=URL of a router-agent whose /stats the control loop reads
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
-    remove_below: float = 0.5
-    return_above: float = 0.7
-    remove_after: int = 3
-    return_after: int = 3
-    recovery_ramp_s: float = 30.0
-    flap_backoff: int = 8  # a replica removed again while recovering needs up to 8x return_after to return
+    remove_below: float = Hysteresis.remove_below  # (router.health.states holds these defaults)
+    return_above: float = Hysteresis.return_above
+    remove_after: int = Hysteresis.remove_after
+    return_after: int = Hysteresis.return_after
+    recovery_ramp_s: float = Hysteresis.ramp_s
+    flap_backoff: int = Hysteresis.flap_backoff  # removed again while recovering: up to this x return_after to return
     score_weights: tuple[str, ...] = ()  # NAME=VALUE overrides of router.health.score.ScoreWeights
     # balance and elasticity
     load_queue_weight: float = 0.0  # bounded load counts in-flight + this x requests waiting in the engine

@@ -188,8 +188,8 @@ class History:
     def __init__(
         self,
         collect: Callable[[], Iterable[Any]],
-        interval_s: float = 2.0,
-        history_s: float = 900.0,
+        interval_s: float,
+        history_s: float,
         window_s: float = 20.0,
         clock: Callable[[], float] = time.time,
     ) -> None:

@@ -120,7 +120,6 @@ def journey_of(node: Node) -> Journey:
         node.feed,
         clients=node.clients,
         budgets=node.budgets,
-        reserve_tokens=cfg.budget_reserve_tokens,
         tracing=node.tracing,
         spare=spare,
     )

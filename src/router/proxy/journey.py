@@ -108,7 +108,6 @@ class Journey:
         clock: Callable[[], float] = time.monotonic,
         clients: ClientKeys | None = None,
         budgets: Budgets | None = None,
-        reserve_tokens: int = 1024,
         tracing: Tracing | None = None,
         spare: Routing | None = None,
     ) -> None:
@@ -127,7 +126,6 @@ class Journey:
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
         self.clients = clients  # who may use the API (router.tenancy.clients); None: anyone
         self.budgets = budgets  # tenants' tokens a minute (router.tenancy.budgets); None: no budgets
-        self.reserve_tokens = reserve_tokens  # what a request naming no max_tokens reserves for its answer
         self._settling: set[asyncio.Future[None]] = set()  # budgets settling (kept from the collector)
         self.tracing = tracing  # OpenTelemetry (router.tracing); None: off, and no cost
         self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
@@ -169,9 +167,9 @@ class Journey:
         budgets = self.budgets
         if budgets is not None and client is not None and budgets.limited(client.tenant):
             if budgets.local is not None:  # this process's buckets: no coroutine to await
-                admitted = budgets.admit_now(client.tenant, intake.body, len(intake.raw), self.reserve_tokens)
+                admitted = budgets.admit_now(client.tenant, intake.body, len(intake.raw))
             else:
-                admitted = await budgets.admit(client.tenant, intake.body, len(intake.raw), self.reserve_tokens)
+                admitted = await budgets.admit(client.tenant, intake.body, len(intake.raw))
             if isinstance(admitted, Refusal):
                 shed = Shed(429, admitted.message, admitted.reason, admitted.retry_after_s)
                 self._shed(exchange, shed, key.model, intake.rank)

@@ -199,8 +199,10 @@ class RedisStore:
 class Budgets:
     """Tenants' token budgets, in tokens a minute, kept in `store` (this process's, by default)."""
 
-    def __init__(self, limits: Mapping[str, int], store: Store | None = None) -> None:
+    def __init__(self, limits: Mapping[str, int], store: Store | None = None, *, reserve_tokens: int) -> None:
+        """`reserve_tokens`: what a request naming no max_tokens reserves for its answer."""
         self.store: Store = store if store is not None else LocalStore()
+        self.reserve_tokens = reserve_tokens
         self.limits: dict[str, int] = {}
         self.update(limits)
 
@@ -253,18 +255,14 @@ class Budgets:
             return Reservation(tenant, tokens, charged=False)
         return await self.store.take(tenant, tokens, per_minute, per_minute / 60)
 
-    def admit_now(
-        self, tenant: str, body: Mapping[str, Any], raw_size: int, default_completion: int
-    ) -> Reservation | Refusal:
+    def admit_now(self, tenant: str, body: Mapping[str, Any], raw_size: int) -> Reservation | Refusal:
         """`admit` from this process's own buckets (`local`), without awaiting."""
         refused = self._never_fits(tenant, body)
         if refused is not None:
             return refused
-        return self._admitted(tenant, self.reserve_now(tenant, estimate(body, raw_size, default_completion)), raw_size)
+        return self._admitted(tenant, self.reserve_now(tenant, estimate(body, raw_size, self.reserve_tokens)), raw_size)
 
-    async def admit(
-        self, tenant: str, body: Mapping[str, Any], raw_size: int, default_completion: int
-    ) -> Reservation | Refusal:
+    async def admit(self, tenant: str, body: Mapping[str, Any], raw_size: int) -> Reservation | Refusal:
         """A request's admission by its tenant's budget: its tokens (`estimate`) reserved, or why
         not: its own completion cap is more than the whole budget (`exceeds_budget`: it could
         never fit), or the budget is spent for now (`budget`, with the seconds to wait)."""
@@ -272,7 +270,7 @@ class Budgets:
         if refused is not None:
             return refused
         return self._admitted(
-            tenant, await self.reserve(tenant, estimate(body, raw_size, default_completion)), raw_size
+            tenant, await self.reserve(tenant, estimate(body, raw_size, self.reserve_tokens)), raw_size
         )
 
     def _never_fits(self, tenant: str, body: Mapping[str, Any]) -> Refusal | None:
