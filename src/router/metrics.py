@@ -39,7 +39,11 @@ ERROR_BUCKETS = (
     *(float(4**k) for k in range(1, 9)),
 )
 TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5)
-BUCKETS = {"router_prefix_prediction_error_tokens": ERROR_BUCKETS, "router_tokenize_seconds": TOKENIZE_BUCKETS}
+BUCKETS = {
+    "router_prefix_prediction_error_tokens": ERROR_BUCKETS,
+    "router_tokenize_seconds": TOKENIZE_BUCKETS,
+    "router_kv_event_lag_seconds": TOKENIZE_BUCKETS,
+}
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -127,6 +131,12 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "1 while a replica's KV-cache events are followed without a gap (it is priced by them), 0 while they "
         "are not believed (a gap replay could not fill, a health outage: it is priced by the router's model).",
         ("replica",),
+    ),
+    "router_kv_event_lag_seconds": (
+        "histogram",
+        "From a KV-cache event batch's timestamp (its engine's clock) to the router applying it to its index, "
+        "live batches only (not replayed ones); across hosts it includes the clocks' offset.",
+        (),
     ),
     "router_prefix_predicted_tokens": (
         "counter",
@@ -390,6 +400,7 @@ class RouterMetrics:
         self.tokenizer = made["router_tokenizer"]
         self.kv_event_blocks = made["router_kv_event_blocks"]
         self.kv_events_believed = made["router_kv_events_believed"]
+        self.kv_event_lag = made["router_kv_event_lag_seconds"]
         self.prefix_reported_tokens = made["router_prefix_reported_tokens"]
         self.prefix_error_tokens = made["router_prefix_error_tokens"]
         self.prefix_index_blocks = made["router_prefix_index_blocks"]

@@ -122,6 +122,20 @@ def _browser() -> Any:
     return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
 
 
+def _enter_token(driver: Any) -> None:
+    """Type the admin token into the page's form once it shows (the page shows it when its first
+    request is refused for want of one: on a busy machine, a while after the page loaded)."""
+    from selenium.webdriver.common.by import By  # noqa: PLC0415 -- optional, as in _browser
+
+    deadline = time.monotonic() + 15
+    form = driver.find_element(By.ID, "token-form")
+    while not form.is_displayed():
+        assert time.monotonic() < deadline, "the console never asked for its token"
+        time.sleep(0.05)
+    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+
+
 @pytest.fixture
 async def demo() -> AsyncIterator[str]:
     port = free_port()
@@ -216,10 +230,7 @@ async def test_the_console_in_headless_chromium(demo: str) -> None:
     try:
         await asyncio.to_thread(driver.get, demo + "/console")
         # the page asks for the token (it is never in the URL), then shows the data
-        form = driver.find_element(By.ID, "token-form")
-        assert form.is_displayed()
-        driver.find_element(By.ID, "token").send_keys(TOKEN)
-        driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        await asyncio.to_thread(_enter_token, driver)
         assert TOKEN not in driver.current_url
 
         def drawn() -> bool:
@@ -354,8 +365,7 @@ async def test_the_console_shows_roles_and_the_legs_of_split_requests(start_flee
     driver = await asyncio.to_thread(_browser)
     try:
         await asyncio.to_thread(driver.get, url + "/console")
-        driver.find_element(By.ID, "token").send_keys(TOKEN)
-        driver.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        await asyncio.to_thread(_enter_token, driver)
 
         def rows() -> dict[str, str] | None:
             found = driver.find_elements(By.CSS_SELECTOR, "#replicas tbody tr")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.kvevents.holdings import GAP, OK, RESTART, Holdings
+from router.kvevents.holdings import DUPLICATE, GAP, OK, RESTART, Holdings
 from router.kvevents.tokens import (
     EngineTokens,
     Tokenizer,
@@ -47,12 +47,15 @@ def tagged_stored(hashes, parent, tokens, lora=None, extra=None, medium="GPU"): 
     }
 
 
-def payload(*events: object, rank: int = 0) -> bytes:
-    return msgpack.packb([1796301048.5, list(events), rank])
+TS = 1796301048.5
 
 
-def batch(seq: int, *events: object) -> Batch:
-    return decode(seq, payload(*events))
+def payload(*events: object, rank: int = 0, ts: float = TS) -> bytes:
+    return msgpack.packb([ts, list(events), rank])
+
+
+def batch(seq: int, *events: object, ts: float = TS) -> Batch:
+    return decode(seq, payload(*events, ts=ts))
 
 
 TOKENS = list(range(100, 124))  # six blocks of four
@@ -197,9 +200,37 @@ def test_sequence_numbers_decide_what_is_believed() -> None:
     assert h.accept(later) == GAP and h.seq == 1  # nothing applied past the gap
     assert h.replayed([missed, later], 2) and h.sure and h.seq == 3
     assert h.match(chain_of(TOKENS[:16])) == 4 and h.figures.replayed == 2
-    # a number seen before on the live stream: the engine restarted and its first messages were lost
-    assert h.accept(batch(2, tagged_stored([9], None, TOKENS[:4]))) == GAP
+    # a number seen before on the live stream, sent later: the engine restarted and its first messages were lost
+    assert h.accept(batch(2, tagged_stored([9], None, TOKENS[:4]), ts=TS + 60)) == GAP
     assert h.figures.restarts == 2 and h.blocks() == 0 and h.seq is None
+
+
+def test_live_copies_of_what_a_replay_applied_are_skipped_not_taken_for_a_restart() -> None:
+    # a router joins a busy engine: it subscribes, asks the replay socket for everything, and meanwhile
+    # the same messages queue in its subscriber socket; they arrive after the replay, already applied
+    h = holdings()
+    sent = [
+        batch(0, tagged_stored([1], None, TOKENS[:4]), ts=TS),
+        batch(1, tagged_stored([2], 1, TOKENS[4:8]), ts=TS + 0.05),
+        batch(2, tagged_stored([3], 2, TOKENS[8:12]), ts=TS + 0.10),
+    ]
+    assert h.accept(sent[1]) == GAP
+    assert h.replayed(sent, 0) and h.sure and h.seq == 2
+    assert [h.accept(b) for b in sent[1:]] == [DUPLICATE, DUPLICATE]
+    assert h.figures.restarts == 0 and h.figures.duplicates == 2 and h.match(chain_of(TOKENS[:12])) == 3
+    assert h.accept(batch(3, tagged_stored([4], 3, TOKENS[12:16]), ts=TS + 0.15)) == OK and h.seq == 3
+    # past the replay a repeated number is a restart again, whatever its timestamp
+    assert h.accept(batch(1, tagged_stored([9], None, TOKENS[:4]), ts=TS + 0.05)) == GAP
+    assert h.figures.restarts == 1 and h.blocks() == 0
+
+
+def test_a_restart_right_after_a_replay_is_still_a_restart() -> None:
+    h = holdings()
+    sent = [batch(0, tagged_stored([1], None, TOKENS[:4]), ts=TS), batch(1, tagged_stored([2], 1, TOKENS[4:8]))]
+    assert h.replayed(sent, 0) and h.seq == 1
+    # the engine started again: its message 0 is a new one (a later timestamp), not the replayed 0
+    assert h.accept(batch(0, tagged_stored([7], None, TOKENS[8:12]), ts=TS + 30)) == RESTART
+    assert h.figures.restarts == 1 and h.figures.duplicates == 0 and h.blocks() == 1
 
 
 def test_a_gap_replay_cannot_fill_leaves_it_unsure_until_the_cache_turned_over() -> None:

@@ -9,6 +9,7 @@ import sys
 from router.bench import (
     adapters,
     balance_bench,
+    event_plane,
     faults,
     fleet,
     health_bench,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     overload.add_parser(sub)
     adapters.add_parser(sub)
     tokens_bench.add_parser(sub)
+    event_plane.add_parser(sub)
     return parser
 
 

@@ -43,7 +43,7 @@ from router.config.groups import PlacementSettings
 from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
-from router.kvevents.holdings import GAP, Holdings
+from router.kvevents.holdings import DUPLICATE, GAP, Holdings
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
 from router.placement import Placement
@@ -122,6 +122,8 @@ class Feed:
         self.bad_messages = 0
         # replica id -> messages to lose on arrival, as a network would (how tests reach the replay path)
         self.lose: dict[str, int] = {}
+        # told of each live batch once applied, with its replica's id (router-bench events measures by it)
+        self.applied: Callable[[str, Batch], None] | None = None
 
     # -- subscribers -------------------------------------------------------------------------------
 
@@ -212,12 +214,19 @@ class Feed:
                 except WireError as exc:
                     self._bad(replica.id, exc)
                     continue
-                if holdings.accept(batch) == GAP:
+                verdict = holdings.accept(batch)
+                if verdict == DUPLICATE:
+                    continue  # the replay applied it already
+                if verdict == GAP:
                     if replay is not None:
                         await self._fill(holdings, replay, 0 if holdings.seq is None else holdings.seq + 1)
                     missing = holdings.seq is None or batch.seq > holdings.seq  # else the replay had it
                     if missing and holdings.accept(batch) == GAP:
                         holdings.force(batch)
+                if batch.ts > 0:
+                    self.metrics.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
+                if self.applied is not None:
+                    self.applied(replica.id, batch)
         finally:
             sub.close(linger=0)
 

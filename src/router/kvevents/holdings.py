@@ -43,7 +43,7 @@ from router.kvevents.tokens import root_of, token_chain
 from router.kvevents.wire import MEDIUM_GPU, Batch, Cleared, Removed, Stored
 from router.prefix import PrefixIndex
 
-OK, RESTART, GAP = "ok", "restart", "gap"
+OK, RESTART, GAP, DUPLICATE = "ok", "restart", "gap", "duplicate"
 TRIM_SLACK = 1.25  # the hash map is trimmed once it holds this many times the tier's capacity (and 64 more)
 RATE_S = 5.0  # its GPU's eviction rate is measured over at least this long
 
@@ -64,6 +64,7 @@ class Figures:
     gaps: int = 0
     replayed: int = 0  # batches that came from the replay socket and were applied
     restarts: int = 0
+    duplicates: int = 0  # live messages the replay had applied already (they waited in the socket's queue)
     unsure_episodes: int = 0
 
 
@@ -82,6 +83,9 @@ class Holdings:
         self._rate = 0.0  # ... a second, over the latest RATE_S or more (`eviction_rate`)
         self._rate_mark: tuple[float, int] | None = None
         self.figures = Figures()
+        # the latest replay's messages, sequence number -> timestamp: the same messages arriving live
+        # after it (queued in the subscriber's socket while it ran) are copies, not a restart
+        self._replayed: dict[int, float] = {}
         self.tier(MEDIUM_GPU)
 
     # -- what it holds -----------------------------------------------------------------------------
@@ -120,9 +124,16 @@ class Holdings:
     def accept(self, batch: Batch) -> str:
         """Applies `batch` if it is the next one (or a restarted engine's first); says what it was.
         A live publisher never sends a number twice nor goes back: one that does started again
-        (its cache empty); if its first messages were lost on the way, that is a GAP from 0."""
+        (its cache empty); if its first messages were lost on the way, that is a GAP from 0. A
+        message the latest replay applied already (the same number and timestamp), queued in the
+        socket while the replay ran, is a DUPLICATE: skipped."""
         seq = batch.seq
         last = self.seq
+        if self._replayed:
+            if last is not None and seq <= last and self._replayed.get(seq) == batch.ts:
+                self.figures.duplicates += 1
+                return DUPLICATE
+            self._replayed = {}  # past the replay (or an engine that did restart): no copies to expect
         restarted = False
         if last is not None and seq <= last:
             self._restarted()
@@ -164,6 +175,7 @@ class Holdings:
                 self.make_unsure()  # a hole inside the replay itself
             self.apply(b)
             self.figures.replayed += 1
+            self._replayed[b.seq] = b.ts
         return covered
 
     def caught_up(self) -> None:
@@ -288,4 +300,4 @@ class Holdings:
         self.index.truncate(t.holder, gone, 0)
 
 
-__all__ = ["GAP", "OK", "RESTART", "Holdings"]
+__all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings"]

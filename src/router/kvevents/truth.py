@@ -417,6 +417,7 @@ class Truth:
                 "orphans": f.orphans,
                 "gaps": f.gaps,
                 "replayed": f.replayed,
+                "duplicates": f.duplicates,
                 "restarts": f.restarts,
                 "unsure_episodes": f.unsure_episodes,
             }

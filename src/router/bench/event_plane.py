@@ -1,0 +1,420 @@
+"""`router-bench events`: the KV-event plane at fleet scale, one router process's subscriber against
+many light publishers that speak vLLM's wire.
+
+Each publisher is an engine's KV-event sockets (router.emulator.kvevents.Publisher: a PUB socket
+numbering its messages from 0, a replay ROUTER socket keeping the last `--replay-steps`) driven by a
+light model of an engine's prefix cache (`Engine`): every `--batch-blocks / --blocks-per-s`
+seconds, one scheduler step's message storing `--batch-blocks` full blocks of `--block-size`
+tokens (a request's chain, a new one every `--chain-blocks`), and once the cache holds
+`--capacity-blocks`, one `BlockRemoved` per block it evicts (oldest first), as vLLM sends them. The
+defaults are an H200 serving an 8B model: about 20,000 prompt tokens a second, 16-token blocks, a
+step of 64 blocks, 80,000 blocks of KV (80 million for a thousand replicas). The publishers run in
+`--publisher-procs` child processes, started before the router joins.
+
+The subscriber is the router's own (router.engines.kvfeed.Feed, its index router.kvevents), in
+this process, configured as `router-serve` would be with `kv_event_endpoints` naming each
+publisher; it joins `--join-after` seconds after the publishers start, and asks each replay socket
+for what it missed. For each fleet size in `--publishers` the table shows: the time until it
+believes every replica (its events followed with no gap), the blocks a second the publishers sent
+and the share of them the index applied, messages a second, the lag from a message's timestamp to
+its application (P50, P99), the subscriber's CPU (cores, and microseconds a block) and its memory
+growth per million blocks held. The publishers share this machine's cores with the subscriber:
+where they cannot send at the asked rate, the table says how much they sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from array import array
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvloop
+
+from router.bench.common import free_port, positive_int
+from router.config import ReplicaSpec, RouterConfig
+from router.emulator.kvcache import BlockRemoved, BlockStored, CacheEvent
+from router.emulator.kvevents import KvEventsOptions, Publisher
+from router.engines.kvfeed import Feed
+from router.health.states import Hysteresis
+from router.kvevents.wire import Batch
+from router.metrics import RouterMetrics
+from router.placement import Placement
+from router.pools import replica_fleet
+
+MIB = 1 << 20
+TICK_S = 0.002  # the publishers' clock: a step due is sent within this
+BEHIND_S = 1.0  # a publisher this far behind its schedule skips ahead (the sent rate says so)
+SETTLE_S = 0.5  # after the run, the subscriber is done once nothing arrived for this long
+SETTLE_MAX_S = 10.0
+BELIEVE_MAX_S = 60.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One replica's engine, as its events show it."""
+
+    blocks_per_s: float = 1250.0
+    batch_blocks: int = 64
+    block_size: int = 16
+    capacity_blocks: int = 80_000
+    chain_blocks: int = 256  # a request's blocks (4,096 tokens): a new chain after this many
+    replay_steps: int = 10_000  # vLLM's buffer_steps
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < self.chain_blocks + self.batch_blocks:
+            raise ValueError(
+                f"--capacity-blocks {self.capacity_blocks} must hold a chain and a step "
+                f"(--chain-blocks {self.chain_blocks} + --batch-blocks {self.batch_blocks})"
+            )
+
+    @property
+    def period_s(self) -> float:
+        return self.batch_blocks / self.blocks_per_s
+
+
+class Engine:
+    """An engine's prefix cache as light as it can be: chains of unique blocks, stored a step at a
+    time; past its capacity the oldest chain is evicted from its tail, one event per block (vLLM
+    frees a finished request's blocks tail first into its LRU queue)."""
+
+    def __init__(self, index: int, shape: Shape) -> None:
+        self.shape = shape
+        self.base = (index + 1) << 40  # its block hashes and token ids are its own
+        self.made = 0
+        self.chain_left = 0
+        self.parent: int | None = None
+        self.chains: deque[list[int]] = deque()  # the blocks held, by chain, oldest chain first
+        self.held = 0
+        self.stored = 0
+        self.removed = 0
+
+    def step(self) -> list[CacheEvent]:
+        shape = self.shape
+        events: list[CacheEvent] = []
+        # room first: vLLM evicts as it allocates a step's blocks, before they are full and stored
+        while self.held + shape.batch_blocks > shape.capacity_blocks and self.chains:
+            oldest = self.chains[0]
+            events.append(BlockRemoved(oldest.pop()))
+            if not oldest:
+                self.chains.popleft()
+            self.held -= 1
+            self.removed += 1
+        left = shape.batch_blocks
+        while left:
+            if not self.chain_left:
+                self.chain_left, self.parent = shape.chain_blocks, None
+                self.chains.append([])
+            n = min(left, self.chain_left)
+            first = self.base + self.made
+            hashes = list(range(first, first + n))
+            size = shape.block_size
+            # the chain's first block starts with its own number: no two chains share a root key
+            tokens = list(range((first * size) & 0x3FFFFFFF, ((first * size) & 0x3FFFFFFF) + n * size))
+            events.append(BlockStored(hashes, self.parent, tokens, None, [None] * n))
+            self.parent = hashes[-1]
+            self.made += n
+            self.chain_left -= n
+            left -= n
+            self.chains[-1].extend(hashes)
+            self.held += n
+            self.stored += n
+        return events
+
+
+def _publishers_main(first: int, ports: list[tuple[int, int]], shape: Shape, start_at: float, conn: Connection) -> None:
+    uvloop.run(_publish(first, ports, shape, start_at, conn))
+
+
+async def _publish(first: int, ports: list[tuple[int, int]], shape: Shape, start_at: float, conn: Connection) -> None:
+    """Publishers on `ports` (PUB, replay) from `start_at` (wall clock) until the parent says stop;
+    then their counts go back on `conn`."""
+    options = [KvEventsOptions(port=p, replay_port=q, buffer_steps=shape.replay_steps) for p, q in ports]
+    pubs = [Publisher(o, "127.0.0.1", shape.block_size, {}) for o in options]
+    for pub in pubs:
+        await pub.open()
+    engines = [Engine(first + i, shape) for i in range(len(pubs))]
+    conn.send("ready")
+    await asyncio.sleep(max(start_at - time.time(), 0.0))
+    period = shape.period_s
+    t0 = time.monotonic()
+    due = [t0 + period * i / len(pubs) for i in range(len(pubs))]  # staggered, as engines are
+    skipped = 0
+    while not conn.poll():
+        now = time.monotonic()
+        for i, pub in enumerate(pubs):
+            if due[i] > now:
+                continue
+            if now - due[i] > BEHIND_S:
+                skipped += int((now - due[i]) / period)
+                due[i] = now
+            pub.publish(engines[i].step())
+            due[i] += period
+        await asyncio.sleep(max(min(due) - time.monotonic(), TICK_S))  # (replays are answered meanwhile)
+    conn.recv()
+    conn.send(
+        {
+            "messages": sum(p.sent for p in pubs),
+            "stored": sum(e.stored for e in engines),
+            "removed": sum(e.removed for e in engines),
+            "skipped_steps": skipped,
+            "seconds": time.monotonic() - t0,
+        }
+    )
+    # the replays a late subscriber may still ask for are answered until the parent ends this process
+    while not conn.poll(0):
+        await asyncio.sleep(0.05)
+    for pub in pubs:
+        await pub.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _percentile(values: array[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure(publishers: int, shape: Shape, duration_s: float, join_after_s: float, procs: int) -> dict[str, Any]:
+    """One fleet size: publishers started, the subscriber joining, the run, and what it measured."""
+    base = free_port(2 * publishers)
+    ports = [(base + 2 * i, base + 2 * i + 1) for i in range(publishers)]
+    specs = tuple(ReplicaSpec(f"r{i}", f"http://127.0.0.1:9/r{i}") for i in range(publishers))
+    config = RouterConfig(
+        replicas=specs,
+        health_checks=False,
+        kv_event_endpoints=tuple(f"r{i}=tcp://127.0.0.1:{p};tcp://127.0.0.1:{q}" for i, (p, q) in enumerate(ports)),
+    )
+    ctx = mp.get_context("spawn")
+    start_at = time.time() + 1.0 + publishers / 500  # every child opened its sockets by then
+    children: list[tuple[Any, Connection]] = []
+    per = math.ceil(publishers / procs)
+    for k in range(0, publishers, per):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_publishers_main, args=(k, ports[k : k + per], shape, start_at, child), daemon=True)
+        proc.start()
+        children.append((proc, parent))
+    try:
+        for _, parent in children:
+            if not parent.poll(60) or parent.recv() != "ready":
+                raise RuntimeError("a publisher process did not start")
+        return await _subscribe(config, shape, duration_s, join_after_s, start_at, children)
+    finally:
+        for proc, parent in children:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                parent.send("end")
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+async def _subscribe(
+    config: RouterConfig,
+    shape: Shape,
+    duration_s: float,
+    join_after_s: float,
+    start_at: float,
+    children: list[tuple[Any, Connection]],
+) -> dict[str, Any]:
+    metrics = RouterMetrics()
+    fleet = replica_fleet(config, config.replicas, Hysteresis())
+    for replica in fleet.replicas:  # what its probes would have read off the engine
+        replica.engine = replace(
+            replica.engine, kv_tokens=shape.capacity_blocks * shape.block_size, block_size=shape.block_size
+        )
+    placement = Placement(fleet, config.placement, config.bounded_load_floor)
+    lags = array("d")
+    applied = [0]
+    last = [time.monotonic()]
+
+    def heard(rid: str, batch: Batch) -> None:
+        applied[0] += 1
+        last[0] = time.monotonic()
+        if batch.ts > 0:
+            lags.append(time.time() - batch.ts)
+
+    async with aiohttp.ClientSession() as http:
+        feed = Feed(fleet, placement, config.placement, lambda: http, metrics)
+        feed.applied = heard
+        await asyncio.sleep(max(start_at + join_after_s - time.time(), 0.0))
+        gc.collect()
+        rss0, cpu0 = _rss(), time.process_time()
+        joined = time.monotonic()
+        await feed.find()
+        ids = [r.id for r in fleet.replicas]
+        while not all(feed.truth.sure(rid) for rid in ids) and time.monotonic() - joined < BELIEVE_MAX_S:
+            await asyncio.sleep(0.02)
+        believed = sum(feed.truth.sure(rid) for rid in ids)
+        believe_s = time.monotonic() - joined
+        # the measured window: from the whole fleet believed to the end of the run
+        del lags[:]
+        n0, cpu1, t1 = applied[0], time.process_time(), time.monotonic()
+        stored0 = _stored(feed, ids)
+        await asyncio.sleep(max(start_at + duration_s - time.time(), 0.0))
+        n1, cpu2, t2 = applied[0], time.process_time(), time.monotonic()
+        stored1 = _stored(feed, ids)
+        window_lags = array("d", lags)
+        for _, parent in children:
+            parent.send("stop")
+        sent = {"messages": 0, "stored": 0, "removed": 0, "skipped_steps": 0, "seconds": 0.0}
+        for _, parent in children:
+            counts = parent.recv()
+            for k in sent:
+                sent[k] = sent[k] + counts[k] if k != "seconds" else max(sent[k], counts[k])
+        settle = time.monotonic()
+        while time.monotonic() - max(last[0], settle) < SETTLE_S and time.monotonic() - settle < SETTLE_MAX_S:
+            await asyncio.sleep(0.05)
+        held = sum(h.blocks() for rid in ids for h in feed.truth.of(rid))
+        figures = [h.figures for rid in ids for h in feed.truth.of(rid)]
+        rss = _rss()
+        await feed.close()
+    window = t2 - t1
+    blocks = stored1 - stored0
+    return {
+        "publishers": len(ids),
+        "believed": believed,
+        "believe_s": believe_s,
+        "sent_blocks_per_s": sent["stored"] / sent["seconds"] if sent["seconds"] else 0.0,
+        "asked_blocks_per_s": shape.blocks_per_s * len(ids),
+        "skipped_steps": sent["skipped_steps"],
+        "sent_messages": sent["messages"],
+        "sent_stored": sent["stored"],
+        "applied_stored": sum(f.stored for f in figures),
+        "absorbed_blocks_per_s": blocks / window if window > 0 else 0.0,
+        "messages_per_s": (n1 - n0) / window if window > 0 else 0.0,
+        "lag_p50_s": _percentile(window_lags, 0.5),
+        "lag_p99_s": _percentile(window_lags, 0.99),
+        "cpu_cores": (cpu2 - cpu1) / window if window > 0 else 0.0,
+        "cpu_us_per_block": (cpu2 - cpu1) / blocks * 1e6 if blocks else math.nan,
+        "join_cpu_s": cpu1 - cpu0,
+        "held_blocks": held,
+        "rss_growth_mib": (rss - rss0) / MIB,
+        "mib_per_million_blocks": (rss - rss0) / MIB / (held / 1e6) if held else math.nan,
+        "gaps": sum(f.gaps for f in figures),
+        "orphans": sum(f.orphans for f in figures),
+        "unsure_episodes": sum(f.unsure_episodes for f in figures),
+        "bad_messages": feed.bad_messages,
+        "window_s": window,
+    }
+
+
+def _stored(feed: Feed, ids: list[str]) -> int:
+    return sum(h.figures.stored for rid in ids for h in feed.truth.of(rid))
+
+
+def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"Publishers: {shape.blocks_per_s:,.0f} blocks a second asked of each, {shape.batch_blocks} a message, "
+        f"{shape.block_size}-token blocks, {shape.capacity_blocks:,} blocks of KV each; one subscriber "
+        f"(this process, the router's Feed); {os.cpu_count()} CPUs shared with the publishers.",
+        "",
+        "| publishers | believed (s) | blocks/s sent (asked) | applied | messages/s | lag P50 (ms) | lag P99 (ms) "
+        "| CPU (cores) | µs CPU/block | blocks held | MiB per million blocks | gaps |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        share = r["applied_stored"] / r["sent_stored"] if r["sent_stored"] else math.nan
+        lines.append(
+            f"| {r['publishers']:,} | {r['believe_s']:.2f} ({r['believed']:,}) | {r['sent_blocks_per_s']:,.0f} "
+            f"({r['asked_blocks_per_s']:,.0f}) | {share:.1%} | {r['messages_per_s']:,.0f} "
+            f"| {r['lag_p50_s'] * 1e3:,.1f} | {r['lag_p99_s'] * 1e3:,.1f} | {r['cpu_cores']:.2f} "
+            f"| {r['cpu_us_per_block']:.2f} | {r['held_blocks']:,} | {r['mib_per_million_blocks']:,.1f} "
+            f"| {r['gaps']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        shape = Shape(
+            blocks_per_s=args.blocks_per_s,
+            batch_blocks=args.batch_blocks,
+            block_size=args.block_size,
+            capacity_blocks=args.capacity_blocks,
+            chain_blocks=args.chain_blocks,
+            replay_steps=args.replay_steps,
+        )
+    except ValueError as exc:
+        print(f"router-bench events: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for n in args.publishers:
+        row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs))
+        rows.append(row)
+        if not args.json:
+            print(
+                f"{n} publishers: believed in {row['believe_s']:.2f} s, {row['absorbed_blocks_per_s']:,.0f} blocks/s "
+                f"applied, lag P99 {row['lag_p99_s'] * 1e3:.1f} ms",
+                file=sys.stderr,
+            )
+    result = {"shape": asdict(shape), "cpus": os.cpu_count(), "rows": rows}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "events.json").write_text(json.dumps(result, indent=1))
+        (args.out / "events.md").write_text(render(shape, rows) + "\n")
+    print(json.dumps(result, indent=1) if args.json else render(shape, rows))
+    return 0 if all(r["believed"] == r["publishers"] and not r["bad_messages"] for r in rows) else 1
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: publisher counts, comma-separated (100,300,1000)") from None
+    if not sizes or any(n < 1 or n > 5000 for n in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count must be in 1..5000")
+    return sizes
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "events",
+        help="the KV-event plane: many light publishers of vLLM's events against one router's subscriber",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--publishers", type=_sizes, default=[100, 300, 1000], help="fleet sizes, comma-separated")
+    p.add_argument("--blocks-per-s", type=_positive_float, default=Shape.blocks_per_s, help="stored a second, each")
+    p.add_argument("--batch-blocks", type=positive_int, default=Shape.batch_blocks, help="blocks a message stores")
+    p.add_argument("--block-size", type=positive_int, default=Shape.block_size, help="tokens a block")
+    p.add_argument("--capacity-blocks", type=positive_int, default=Shape.capacity_blocks, help="KV blocks each")
+    p.add_argument("--chain-blocks", type=positive_int, default=Shape.chain_blocks, help="blocks a request's chain")
+    p.add_argument("--replay-steps", type=positive_int, default=Shape.replay_steps, help="messages kept for replay")
+    p.add_argument("--duration", type=_positive_float, default=10.0, help="seconds each fleet size publishes")
+    p.add_argument("--join-after", type=float, default=1.0, help="seconds the publishers run before the router joins")
+    p.add_argument("--publisher-procs", type=positive_int, default=1, help="child processes the publishers run in")
+    p.add_argument("--out", type=Path, default=None, help="folder for events.json and events.md")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+__all__ = ["Engine", "Shape", "add_parser", "measure", "render", "run"]
