@@ -72,7 +72,7 @@ def test_a_tagged_batch_as_vllm_032_sends_it() -> None:
     assert (got.seq, got.rank) == (7, 0)
     (e,) = got.events
     assert isinstance(e, Stored)
-    assert e.hashes == (11, 12) and e.parent is None and e.token_ids == tuple(TOKENS[:8])
+    assert e.hashes == (11, 12) and e.parent is None and list(e.token_ids) == TOKENS[:8]
     assert (e.block_size, e.medium, e.lora_name, e.salt) == (BS, "GPU", "lora-0", "abc")
     removed = batch(8, {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 0})
     assert removed.events == (Removed((11,), "GPU"),)

@@ -49,6 +49,7 @@ import random
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from functools import partial
@@ -246,7 +247,7 @@ class Decision:
             ids = first_ids[:whole] if i == 0 else tuple(t + 7 * i for t in first_ids[:whole])
             hashes = tuple(range(i << 32, (i << 32) + whole // block_size))
             h = self.placement.truth.holdings(r.id, 0, capacity)
-            h.accept(Batch(0, 0.0, 0, (Stored(hashes, None, ids, block_size, MEDIUM_GPU, None, None),)))
+            h.accept(Batch(0, 0.0, 0, (Stored(hashes, None, array("Q", ids), block_size, MEDIUM_GPU, None, None),)))
             ended = EngineTokens(len(ids), ids, None, None, "tokenizer").chain(block_size)
             self.placement.truth.ended(r.id, ended, self.placement.clock())
             if i == 0:

@@ -195,16 +195,29 @@ class Holdings:
         self.seq = batch.seq
         f = self.figures
         f.batches += 1
+        # vLLM sends one BlockRemoved per evicted block: a run of them on one medium is applied at once
+        gone: list[object] = []
+        medium = MEDIUM_GPU
         for e in batch.events:
+            if isinstance(e, Removed):
+                if gone and e.medium != medium:
+                    self._remove(gone, medium)
+                    gone = []
+                medium = e.medium
+                gone.extend(e.hashes)
+                continue
+            if gone:
+                self._remove(gone, medium)
+                gone = []
             if isinstance(e, Stored):
                 self._store(e)
-            elif isinstance(e, Removed):
-                self._remove(e)
             elif isinstance(e, Cleared):
                 f.cleared += 1
                 self._clear()
                 if self.unsure:
                     self._believe()
+        if gone:
+            self._remove(gone, medium)
 
     def suspect(self) -> None:
         """Its health went down: believe nothing until the next message says what happened."""
@@ -263,15 +276,16 @@ class Holdings:
         if len(keys) > self.capacity * TRIM_SLACK + 64:
             self._trim(t)
 
-    def _remove(self, e: Removed) -> None:
-        t = self.tiers.get(e.medium)
+    def _remove(self, hashes: list[object], medium: str) -> None:
+        t = self.tiers.get(medium)
         if t is None:
             return
-        gone = array("Q", [k for h in e.hashes if (k := t.keys.pop(h, None)) is not None])
+        pop = t.keys.pop
+        gone = array("Q", [k for h in hashes if (k := pop(h, None)) is not None])
         if gone:
             self.index.truncate(t.holder, gone, 0)
             self.figures.removed += len(gone)
-            if e.medium == MEDIUM_GPU:
+            if medium == MEDIUM_GPU:
                 self.evicted_at = time.monotonic()
                 self.evicted += len(gone)
 

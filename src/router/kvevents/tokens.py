@@ -66,8 +66,9 @@ _ROOT = root_of(None, None)
 
 
 def _ids_bytes(ids: Sequence[int]) -> bytes:
-    a = array("Q", ids)
+    a = ids if isinstance(ids, array) and ids.typecode == "Q" else array("Q", ids)
     if not _LITTLE:
+        a = array("Q", a)  # (never the caller's own)
         a.byteswap()
     return a.tobytes()
 
