@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import resource
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -34,6 +35,25 @@ async def until_stopped(stop: Stop | None = None) -> str:
     stop = stop or stop_event()
     await stop.wait()
     return stop.signal
+
+
+OPEN_FILES = 1 << 20  # the soft limit raised no higher than this (an unlimited hard limit)
+
+
+def raise_open_files() -> int:
+    """Raise this process's soft limit on open files to its hard limit (at most OPEN_FILES) and return
+    it: a router following a thousand replicas' KV events holds a few descriptors for each (its
+    subscriber's connection, ZMQ's signalling), besides its clients' and replicas' connections, and
+    a container's soft limit is often 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            return soft
+        return want
+    return soft
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

@@ -44,7 +44,10 @@ from typing import Any
 
 import aiohttp
 import uvloop
+import zmq
+import zmq.asyncio
 
+from router._runtime import raise_open_files
 from router.bench.common import free_port, positive_int
 from router.config import ReplicaSpec, RouterConfig
 from router.emulator.kvcache import BlockRemoved, BlockStored, CacheEvent
@@ -136,6 +139,10 @@ class Engine:
 
 
 def _publishers_main(first: int, ports: list[tuple[int, int]], shape: Shape, start_at: float, conn: Connection) -> None:
+    raise_open_files()
+    # the publishers' PUB and replay sockets: ZMQ's default context holds 1,023
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 16_384)
+    zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 16_384)
     uvloop.run(_publish(first, ports, shape, start_at, conn))
 
 
@@ -289,8 +296,10 @@ async def _subscribe(
         figures = [h.figures for rid in ids for h in feed.truth.of(rid)]
         rss = _rss()
         await feed.close()
-    steady, whole = t2 - t1, t2 - joined
-    blocks = stored2 - stored1
+    whole = t2 - joined
+    # steady only once every replica was believed before the run's end (else there is no such window)
+    steady = t2 - t1 if believed == len(ids) else 0.0
+    blocks = stored2 - stored1 if steady else 0
     return {
         "publishers": len(ids),
         "believed": believed,
@@ -306,12 +315,13 @@ async def _subscribe(
         "whole_s": whole,
         "whole_blocks_per_s": stored2 / whole if whole > 0 else 0.0,
         "whole_cpu_cores": (cpu2 - cpu0) / whole if whole > 0 else 0.0,
+        "whole_cpu_us_per_block": (cpu2 - cpu0) / stored2 * 1e6 if stored2 else math.nan,
         # steady: every replica believed, to the end of the run
         "steady_s": steady,
         "absorbed_blocks_per_s": blocks / steady if steady > 0 else math.nan,
         "messages_per_s": (n2 - n1) / steady if steady > 0 else math.nan,
-        "lag_p50_s": _percentile(steady_lags, 0.5),
-        "lag_p99_s": _percentile(steady_lags, 0.99),
+        "lag_p50_s": _percentile(steady_lags, 0.5) if steady else math.nan,
+        "lag_p99_s": _percentile(steady_lags, 0.99) if steady else math.nan,
         "cpu_cores": (cpu2 - cpu1) / steady if steady > 0 else math.nan,
         "cpu_us_per_block": (cpu2 - cpu1) / blocks * 1e6 if blocks else math.nan,
         "held_blocks": held,
@@ -338,7 +348,7 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
         "seconds from joining until every replica's replay was applied (— : not by the run's end). Steady: "
         "from then to the run's end. Whole: from joining to the run's end.",
         "",
-        "| publishers | blocks/s sent (asked) | believed (s) | applied by the end | whole: blocks/s, cores "
+        "| publishers | blocks/s sent (asked) | believed (s) | applied by the end | whole: blocks/s, cores, µs/block "
         "| steady: blocks/s | lag P50 (ms) | lag P99 (ms) | cores | µs CPU/block | blocks held "
         "| MiB per million blocks |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -348,7 +358,8 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
         believe = f"{r['believe_s']:.2f}" if r["believed"] == r["publishers"] else f"— ({r['believed']:,} believed)"
         lines.append(
             f"| {r['publishers']:,} | {r['sent_blocks_per_s']:,.0f} ({r['asked_blocks_per_s']:,.0f}) | {believe} "
-            f"| {share:.1%} | {r['whole_blocks_per_s']:,.0f}, {r['whole_cpu_cores']:.2f} "
+            f"| {share:.1%} | {r['whole_blocks_per_s']:,.0f}, {r['whole_cpu_cores']:.2f}, "
+            f"{_num(r['whole_cpu_us_per_block'], '.2f')} "
             f"| {_num(r['absorbed_blocks_per_s'], ',.0f')} | {_num(r['lag_p50_s'] * 1e3, ',.1f')} "
             f"| {_num(r['lag_p99_s'] * 1e3, ',.1f')} | {_num(r['cpu_cores'], '.2f')} "
             f"| {_num(r['cpu_us_per_block'], '.2f')} | {r['held_blocks']:,} | {r['mib_per_million_blocks']:,.1f} |"
@@ -373,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"router-bench events: {exc}", file=sys.stderr)
         return 2
+    raise_open_files()  # as router-serve does
     rows = []
     for n in args.publishers:
         row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs))

@@ -98,6 +98,9 @@ def sources_of(answer: Any, replica_url: str) -> dict[int, tuple[str, str | None
     return out
 
 
+MAX_SOCKETS = 16_384  # the feed's ZMQ sockets at most: subscribers and replay dealers, two a replica
+
+
 class Feed:
     def __init__(
         self,
@@ -116,7 +119,9 @@ class Feed:
         self.tokens = EngineTokenizers(
             fleet, tokenizer_dirs(config), config.token_check_share, http, metrics, lambda: placement.bytes_per_token
         )
-        self.ctx = zmq.asyncio.Context.instance()
+        # a context of its own: ZMQ's default holds 1,023 sockets, and each replica followed takes a
+        # subscriber (and a replay dealer while it catches up): a thousand replicas need more
+        self.ctx = _context()
         self.tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.asked: dict[str, float] = {}  # replica id -> when its /kv_event_sources was last asked
         self.bad_messages = 0
@@ -284,6 +289,8 @@ class Feed:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.tasks.clear()
+        self.ctx.destroy(linger=0)  # its I/O thread ends with it
+        self.ctx = _context()  # (a feed closed may run again)
 
     # -- the engine's tokens -------------------------------------------------------------------------
 
@@ -304,6 +311,12 @@ class Feed:
         (router.engines.tokens). Never waits."""
         if key.prompt is not None and self.truth:
             self.tokens.replied(key.model, api, body, reply)
+
+
+def _context() -> zmq.asyncio.Context:
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT)))
+    return ctx
 
 
 def _capacity_blocks(replica: ReplicaState, holdings: Holdings | None) -> int:

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from aiohttp import web
 
-from router._runtime import run, settle, until_stopped
+from router._runtime import raise_open_files, run, settle, until_stopped
 from router.config import FIELDS, ConfigError, ReplicaSpec, RouterConfig, from_environment
 from router.config.meanings import GROUPS, HELP
 from router.emulator.server import Fleet as EmulatorFleet
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if config.log_requests:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    raise_open_files()
     try:
         run(serve(config))
     except (WorkerFailed, CannotListen) as exc:  # each says what failed, and where
