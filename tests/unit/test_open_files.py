@@ -8,6 +8,7 @@ import sys
 
 import zmq
 
+from router._runtime import raise_open_files
 from router.engines.kvfeed import _context
 
 
@@ -27,6 +28,7 @@ def test_router_serve_raises_its_soft_limit_on_open_files_to_the_hard_one() -> N
 
 
 def test_the_feed_s_context_holds_the_sockets_of_a_thousand_replicas() -> None:
+    raise_open_files()  # as router-serve does at start: each socket holds a descriptor
     ctx = _context()
     sockets = []
     try:

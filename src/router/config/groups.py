@@ -4,7 +4,9 @@ Each class is one group of `--help` and one table of the TOML file (router.confi
 read off a loaded config as `config.<section>` (`config.balance`, `config.proxying`, ...). The
 fields have no defaults here: a setting's default is written once, in `RouterConfig`, and a group
 is only ever made from a config (tests make one as `RouterConfig(setting=value).<section>`); a unit
-test holds each group's fields to its table's names and types.
+test holds each group's fields to its table's names and types. `ReplicaSpec`, a replica as
+configured, lives here too: the disaggregation group holds replicas (and settings.py imports this
+module, never the other way).
 """
 
 from __future__ import annotations
