@@ -138,8 +138,9 @@ def classify(records: list[dict[str, Any]], timeline: list[tuple[float, int, Bat
 
     positions = [{k: j for j, k in enumerate(chain)} for chain in chains]
     for t, i, batch in sorted(timeline, key=lambda x: x[0]):
-        gpu = holds[i].tiers["GPU"].keys
-        removed = [gpu[h] for e in batch.events if isinstance(e, Removed) for h in e.hashes if h in gpu]
+        gpu, index = holds[i].tiers["GPU"].holder, holds[i].index
+        named = (index.key_of(gpu, h) for e in batch.events if isinstance(e, Removed) for h in e.hashes)
+        removed = [k for k in named if k is not None]
         holds[i].accept(batch)
         for r, chain, at in zip(records, chains, positions, strict=True):
             if r["index"] != i:

@@ -41,7 +41,7 @@ ctypedef struct prefix_entry_t:
     int32_t holder               # holder that keeps it; -1 while the entry is on the free list
     int32_t prev                 # neighbour toward the holder's most recent block
     int32_t next                 # neighbour toward the least recent block; the free list's link
-    int32_t _pad
+    int32_t aliased              # 1: _aliases[entry] is its engine's name for it (in the alias table)
 
 
 ctypedef struct prefix_holder_t:
@@ -125,6 +125,12 @@ cdef class PrefixIndex:
     cdef int32_t _free                 # first free entry
     cdef int32_t _n_holders            # 1 + highest holder number ever in use
     cdef int32_t _holders_cap
+    # An event-fed holder's blocks also carry their engine's name (its block hash, 64 bits):
+    # allocated at the first aliased insert, so an index that never sees one pays nothing.
+    cdef uint64_t* _aliases            # per entry (as long as the pool), valid where entry.aliased
+    cdef int32_t* _aslots              # (holder, alias) -> entry, linear probing, load <= 1/2; NULL: none yet
+    cdef uint64_t _amask
+    cdef int64_t _n_aliased
 
     # Leading blocks of chain[:n] that `holder` keeps, found by galloping (probing 1, 2, 4, ...
     # blocks) then bisection; PREFIX_NO_HOLDER for a holder not in use.
@@ -147,6 +153,14 @@ cdef class PrefixIndex:
     # Touches chain[n-1] .. chain[0], then evicts least-recent blocks down to the capacity;
     # the number of blocks that were not held before, or a sentinel.
     cdef Py_ssize_t c_insert(self, int32_t holder, const uint64_t* chain, Py_ssize_t n) noexcept nogil
+    # c_insert, and block chain[i] is named aliases[i] by its engine (a name another block of
+    # the holder had moves to this one; the block's earlier name is forgotten).
+    cdef Py_ssize_t c_insert_aliased(self, int32_t holder, const uint64_t* chain, const uint64_t* aliases,
+                                     Py_ssize_t n) noexcept nogil
+    # Drops the blocks of `holder` its engine names aliases[:n]; how many it held, or PREFIX_NO_HOLDER.
+    cdef Py_ssize_t c_forget(self, int32_t holder, const uint64_t* aliases, Py_ssize_t n) noexcept nogil
+    # The entry `holder`'s engine names `alias`, or PREFIX_NONE (PREFIX_NO_HOLDER for a holder not in use).
+    cdef int32_t c_named(self, int32_t holder, uint64_t alias) noexcept nogil
     # Drops chain[keep:n] from `holder`; how many it held, or PREFIX_NO_HOLDER.
     cdef Py_ssize_t c_truncate(self, int32_t holder, const uint64_t* chain, Py_ssize_t n,
                                Py_ssize_t keep) noexcept nogil
@@ -159,3 +173,9 @@ cdef class PrefixIndex:
     cdef void _drop(self, int32_t e) noexcept nogil
     cdef bint _grow_table(self) noexcept nogil
     cdef bint _grow_pool(self) noexcept nogil
+    cdef Py_ssize_t _insert(self, int32_t holder, const uint64_t* chain, const uint64_t* aliases,
+                            Py_ssize_t n) noexcept nogil
+    cdef int32_t _afind(self, int32_t holder, uint64_t alias, uint64_t* slot) noexcept nogil
+    cdef bint _alias(self, int32_t e, uint64_t alias) noexcept nogil
+    cdef void _unalias(self, int32_t e) noexcept nogil
+    cdef bint _grow_aliases(self) noexcept nogil

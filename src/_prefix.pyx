@@ -489,6 +489,10 @@ cdef class PrefixIndex:
         self._free = PREFIX_NONE
         self._n_holders = 0
         self._holders_cap = 0
+        self._aliases = NULL
+        self._aslots = NULL
+        self._amask = 0
+        self._n_aliased = 0
 
     def __init__(self):
         pass
@@ -497,6 +501,8 @@ cdef class PrefixIndex:
         free(self._entries)
         free(self._slots)
         free(self._holders)
+        free(self._aliases)
+        free(self._aslots)
 
     def __repr__(self):
         return f"PrefixIndex({self._n_holders} holders, {self._n_used} blocks)"
@@ -567,34 +573,77 @@ cdef class PrefixIndex:
         return self._n_used
 
     def memory_bytes(self):
-        """Bytes the index has allocated: entry pool, slot table and holder table."""
+        """Bytes the index has allocated: entry pool, slot table and holder table (and, once a
+        block was named by its engine, the names and their table)."""
+        cdef int64_t named = 0
+        if self._aslots != NULL:
+            named = (self._n_entries * <int64_t>sizeof(uint64_t)
+                     + <int64_t>(self._amask + 1) * <int64_t>sizeof(int32_t))
         return (self._n_entries * <int64_t>sizeof(prefix_entry_t)
                 + <int64_t>(self._mask + 1) * <int64_t>sizeof(int32_t)
-                + <int64_t>self._holders_cap * <int64_t>sizeof(prefix_holder_t))
+                + <int64_t>self._holders_cap * <int64_t>sizeof(prefix_holder_t) + named)
 
     # -- blocks ---------------------------------------------------------------------------------
 
-    def insert(self, holder, chain, n=-1):
+    def insert(self, holder, chain, n=-1, aliases=None):
         """Records that `holder` now caches chain[:n] (all of it for n = -1): touches chain[n-1]
         down to chain[0], each becoming the most recent, then evicts least-recent blocks down
         to the capacity. Returns how many of those blocks it did not hold before (some may
-        have been evicted again when n exceeds the capacity)."""
+        have been evicted again when n exceeds the capacity).
+
+        With `aliases` (uint64, as long as `chain`), block chain[i] is also named aliases[i]:
+        its engine's hash of it, by which `forget` drops it and `key_of` finds it. A block has
+        one name (a new one replaces it), a name one block of a holder (another block named
+        alike loses it); a block that leaves the holder takes its name along."""
         cdef int32_t h = _holder_arg(self, holder)
-        cdef Py_buffer view
+        cdef Py_buffer view, names
         cdef Py_ssize_t length = _get_buffer(chain, &view, "chain", _CHAIN)
-        cdef Py_ssize_t count, added
+        cdef Py_ssize_t count, added, n_names = 0
+        cdef bint named = aliases is not None
+        try:
+            if named:
+                n_names = _get_buffer(aliases, &names, "aliases", _CHAIN)
+        except BaseException:
+            PyBuffer_Release(&view)
+            raise
         try:
             if isinstance(n, bool) or not isinstance(n, int):
                 raise TypeError(f"n must be an int, not {type(n).__name__}")
             if n != -1 and not 0 <= n <= length:
                 raise ValueError(f"n must be -1 or in [0, {length}], got {n}")
+            if named and n_names != length:
+                raise ValueError(f"aliases has {n_names} entries, not one per block of the chain ({length})")
             count = length if n == -1 else <Py_ssize_t>n
-            added = self.c_insert(h, <const uint64_t*>view.buf, count)
+            added = self._insert(h, <const uint64_t*>view.buf,
+                                 <const uint64_t*>names.buf if named else NULL, count)
         finally:
+            if named:
+                PyBuffer_Release(&names)
             PyBuffer_Release(&view)
         if added == PREFIX_NO_MEMORY:
             raise MemoryError()
         return added
+
+    def forget(self, holder, aliases):
+        """Drops the holder's blocks its engine names `aliases` (uint64): the engine removed
+        them. How many of them it held; a name it does not know is passed over."""
+        cdef int32_t h = _holder_arg(self, holder)
+        cdef Py_buffer view
+        cdef Py_ssize_t length = _get_buffer(aliases, &view, "aliases", _CHAIN)
+        cdef Py_ssize_t dropped = self.c_forget(h, <const uint64_t*>view.buf, length)
+        PyBuffer_Release(&view)
+        return dropped
+
+    def key_of(self, holder, alias):
+        """The key of the holder's block its engine names `alias`, or None: it holds none."""
+        cdef int32_t h = _holder_arg(self, holder)
+        cdef int32_t e
+        if isinstance(alias, bool) or not isinstance(alias, int):
+            raise TypeError(f"alias must be an int, not {type(alias).__name__}")
+        if not 0 <= alias < _SEED_SPAN:
+            raise ValueError(f"alias must be in [0, 2**64), got {alias}")
+        e = self.c_named(h, <uint64_t>alias)
+        return None if e < 0 else self._entries[e].key
 
     def match(self, holder, chain):
         """How many leading blocks of `chain` the holder keeps."""
@@ -844,16 +893,23 @@ cdef class PrefixIndex:
         # instead of copying them
         cdef int64_t n_old = self._n_entries, n_new = n_old + (n_old >> 2) if n_old else _MIN_ENTRIES, i
         cdef prefix_entry_t* grown
+        cdef uint64_t* names
         if n_new > _MAX_CHAIN:
             n_new = _MAX_CHAIN
         if n_new <= n_old:
             return False
+        if self._aslots != NULL:  # the names grow first: a longer array is harmless if the pool cannot
+            names = <uint64_t*>realloc(self._aliases, sizeof(uint64_t) * <size_t>n_new)
+            if names == NULL:
+                return False
+            self._aliases = names
         grown = <prefix_entry_t*>realloc(self._entries, sizeof(prefix_entry_t) * <size_t>n_new)
         if grown == NULL:
             return False
         # new entries go on the free list in order, so a fresh pool fills front to back
         for i in range(n_old, n_new):
             grown[i].holder = PREFIX_NONE
+            grown[i].aliased = 0
             grown[i].next = <int32_t>(i + 1)
         grown[n_new - 1].next = self._free
         self._free = <int32_t>n_old
@@ -875,6 +931,7 @@ cdef class PrefixIndex:
         self._free = self._entries[e].next
         self._entries[e].key = key
         self._entries[e].holder = holder
+        self._entries[e].aliased = 0
         self._slots[slot] = e
         _link_front(self._entries, &self._holders[holder], e)
         self._holders[holder].size += 1
@@ -887,6 +944,8 @@ cdef class PrefixIndex:
         cdef prefix_entry_t* entries = self._entries
         cdef int32_t holder = entries[e].holder, moved
         cdef uint64_t hole, j, home, mask = self._mask
+        if entries[e].aliased:
+            self._unalias(e)
         self._find(holder, entries[e].key, &hole)
         j = hole
         while True:
@@ -1092,6 +1151,14 @@ cdef class PrefixIndex:
         return best
 
     cdef Py_ssize_t c_insert(self, int32_t holder, const uint64_t* chain, Py_ssize_t n) noexcept nogil:
+        return self._insert(holder, chain, NULL, n)
+
+    cdef Py_ssize_t c_insert_aliased(self, int32_t holder, const uint64_t* chain, const uint64_t* aliases,
+                                     Py_ssize_t n) noexcept nogil:
+        return self._insert(holder, chain, aliases, n)
+
+    cdef Py_ssize_t _insert(self, int32_t holder, const uint64_t* chain, const uint64_t* aliases,
+                            Py_ssize_t n) noexcept nogil:
         cdef prefix_holder_t* hd
         cdef Py_ssize_t i, added = 0
         cdef uint64_t slot
@@ -1112,13 +1179,17 @@ cdef class PrefixIndex:
                     prefix_prefetch(&self._entries[ahead])
             e = self._find(holder, chain[i], &slot)
             if e == PREFIX_NONE:
-                if self._add(holder, chain[i], slot) == PREFIX_NO_MEMORY:
+                e = self._add(holder, chain[i], slot)
+                if e == PREFIX_NO_MEMORY:
                     failed = True
                     break
                 added += 1
             elif hd.head != e:
                 _unlink(self._entries, hd, e)
                 _link_front(self._entries, hd, e)
+            if aliases != NULL and not self._alias(e, aliases[i]):
+                failed = True
+                break
             i -= 1
         while hd.size > hd.capacity:
             # the tail walks toward the head: fetch the next tail's slot and the one after it
@@ -1152,3 +1223,111 @@ cdef class PrefixIndex:
             self._drop(self._holders[holder].tail)
             dropped += 1
         return dropped
+
+    cdef Py_ssize_t c_forget(self, int32_t holder, const uint64_t* aliases, Py_ssize_t n) noexcept nogil:
+        cdef Py_ssize_t i, dropped = 0
+        cdef uint64_t slot
+        cdef int32_t e
+        if holder < 0 or holder >= self._n_holders or not self._holders[holder].in_use:
+            return PREFIX_NO_HOLDER
+        if self._aslots == NULL:
+            return 0
+        for i in range(n):
+            e = self._afind(holder, aliases[i], &slot)
+            if e != PREFIX_NONE:
+                self._drop(e)
+                dropped += 1
+        return dropped
+
+    cdef int32_t c_named(self, int32_t holder, uint64_t alias) noexcept nogil:
+        cdef uint64_t slot
+        if holder < 0 or holder >= self._n_holders or not self._holders[holder].in_use:
+            return PREFIX_NO_HOLDER
+        if self._aslots == NULL:
+            return PREFIX_NONE
+        return self._afind(holder, alias, &slot)
+
+    # -- engines' names: a second table over the same entries ------------------------------------
+
+    cdef int32_t _afind(self, int32_t holder, uint64_t alias, uint64_t* slot) noexcept nogil:
+        # The entry `holder`'s engine names `alias`, or PREFIX_NONE; `slot` as _find's.
+        cdef uint64_t i = _slot_hash(alias, holder) & self._amask
+        cdef int32_t e
+        while True:
+            e = self._aslots[i]
+            if e == PREFIX_NONE or (self._aliases[e] == alias and self._entries[e].holder == holder):
+                slot[0] = i
+                return e
+            i = (i + 1) & self._amask
+
+    cdef bint _alias(self, int32_t e, uint64_t alias) noexcept nogil:
+        # Names entry e `alias` in its holder; False when a table could not grow (e keeps no name).
+        cdef int32_t holder = self._entries[e].holder, other
+        cdef uint64_t slot
+        if self._aslots == NULL:
+            self._aslots = <int32_t*>malloc(sizeof(int32_t) * _MIN_SLOTS)
+            self._aliases = <uint64_t*>malloc(sizeof(uint64_t) * <size_t>(self._n_entries if self._n_entries else 1))
+            if self._aslots == NULL or self._aliases == NULL:
+                free(self._aslots)
+                free(self._aliases)
+                self._aslots = NULL
+                self._aliases = NULL
+                return False
+            memset(self._aslots, 0xFF, sizeof(int32_t) * _MIN_SLOTS)
+            self._amask = _MIN_SLOTS - 1
+        if self._entries[e].aliased:
+            if self._aliases[e] == alias:
+                return True
+            self._unalias(e)
+        other = self._afind(holder, alias, &slot)
+        if other != PREFIX_NONE:  # the name moves to this block
+            self._unalias(other)
+            self._afind(holder, alias, &slot)
+        if 2 * (self._n_aliased + 1) > <int64_t>(self._amask + 1):
+            if not self._grow_aliases():
+                return False
+            self._afind(holder, alias, &slot)
+        self._aliases[e] = alias
+        self._entries[e].aliased = 1
+        self._aslots[slot] = e
+        self._n_aliased += 1
+        return True
+
+    cdef void _unalias(self, int32_t e) noexcept nogil:
+        # Takes entry e's name out of the alias table (backward-shift deletion, as _drop's).
+        cdef prefix_entry_t* entries = self._entries
+        cdef int32_t moved
+        cdef uint64_t hole, j, home, mask = self._amask
+        self._afind(entries[e].holder, self._aliases[e], &hole)
+        j = hole
+        while True:
+            j = (j + 1) & mask
+            moved = self._aslots[j]
+            if moved == PREFIX_NONE:
+                break
+            home = _slot_hash(self._aliases[moved], entries[moved].holder) & mask
+            if ((j - home) & mask) >= ((j - hole) & mask):
+                self._aslots[hole] = moved
+                hole = j
+        self._aslots[hole] = PREFIX_NONE
+        entries[e].aliased = 0
+        self._n_aliased -= 1
+
+    cdef bint _grow_aliases(self) noexcept nogil:
+        cdef uint64_t n_old = self._amask + 1, new_mask = 2 * n_old - 1, i, j
+        cdef int32_t* slots = <int32_t*>malloc(sizeof(int32_t) * 2 * n_old)
+        cdef int32_t e
+        if slots == NULL:
+            return False
+        memset(slots, 0xFF, sizeof(int32_t) * 2 * n_old)
+        for i in range(n_old):
+            e = self._aslots[i]
+            if e != PREFIX_NONE:
+                j = _slot_hash(self._aliases[e], self._entries[e].holder) & new_mask
+                while slots[j] != PREFIX_NONE:
+                    j = (j + 1) & new_mask
+                slots[j] = e
+        free(self._aslots)
+        self._aslots = slots
+        self._amask = new_mask
+        return True

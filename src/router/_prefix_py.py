@@ -1,6 +1,7 @@
 """Pure-Python twin of the compiled prefix index `_prefix`: the same names, signatures and answers.
 
-Per holder, an OrderedDict of block keys in LRU order (last = most recent). Block keys are
+Per holder, an OrderedDict of block keys in LRU order (last = most recent), each with its
+engine's name for it (or None), and a dict of those names back to the keys. Block keys are
 XXH3-64 by the xxhash package, each block seeded with its parent's key; `match` probes in the
 compiled core's exact order (galloping over 1, 2, 4, ... blocks, then bisection), so the two
 agree even where a chain has a gap. `chain_of_parts` joins the pieces and keys the join; `price`
@@ -203,7 +204,7 @@ def _fleet_buffer(obj: object, name: str, kind: _Kind, n: int) -> memoryview[Any
     return view
 
 
-def _match(held: OrderedDict[int, None], chain: memoryview) -> int:
+def _match(held: OrderedDict[int, int | None], chain: memoryview) -> int:
     # The compiled core's probe order exactly: gallop over 1, 2, 4, ... blocks, then bisect.
     n = len(chain)
     if n == 0 or not held:
@@ -231,16 +232,17 @@ class PrefixIndex:
 
     Holders are numbered from 0; add_holder takes the lowest free number."""
 
-    __slots__ = ("_capacity", "_lru")
+    __slots__ = ("_capacity", "_lru", "_names")
 
     def __init__(self) -> None:
-        self._lru: list[OrderedDict[int, None] | None] = []  # None: a free number
+        self._lru: list[OrderedDict[int, int | None] | None] = []  # key -> its alias; None: a free number
         self._capacity: list[int] = []
+        self._names: list[dict[int, int]] = []  # per holder, alias -> key
 
     def __repr__(self) -> str:
         return f"PrefixIndex({len(self._lru)} holders, {self.total()} blocks)"
 
-    def _held(self, holder: object) -> OrderedDict[int, None]:
+    def _held(self, holder: object) -> OrderedDict[int, int | None]:
         if isinstance(holder, bool) or not isinstance(holder, int):
             raise TypeError(f"holder must be an int, not {type(holder).__name__}")
         held = self._lru[holder] if 0 <= holder < len(self._lru) else None
@@ -262,14 +264,17 @@ class PrefixIndex:
         if holder == len(self._lru):
             self._lru.append(None)
             self._capacity.append(0)
+            self._names.append({})
         self._lru[holder] = OrderedDict()
         self._capacity[holder] = cap
+        self._names[holder] = {}
         return holder
 
     def remove_holder(self, holder: int) -> None:
         """Drops the holder's blocks; its number becomes free for add_holder."""
         self._held(holder)
         self._lru[holder] = None
+        self._names[holder] = {}
 
     def capacity(self, holder: int) -> int:
         """Blocks the holder may keep."""
@@ -280,7 +285,7 @@ class PrefixIndex:
         """Sets the holder's capacity, evicting its least-recent blocks down to it; how many it evicted."""
         held = self._held(holder)
         self._capacity[holder] = _capacity_arg(capacity)
-        return self._evict(held, len(held) - self._capacity[holder])
+        return self._evict(holder, held, len(held) - self._capacity[holder])
 
     def size(self, holder: int) -> int:
         """Blocks the holder keeps now."""
@@ -291,6 +296,7 @@ class PrefixIndex:
         held = self._held(holder)
         dropped = len(held)
         held.clear()
+        self._names[holder].clear()
         return dropped
 
     def total(self) -> int:
@@ -301,34 +307,81 @@ class PrefixIndex:
         """A rough estimate, not a measurement: the holder lists' own size (sys.getsizeof of each
         OrderedDict, which counts its table and order nodes) plus a 36-byte int object per held
         key. Keys shared between holders may be one object; they count once per holder."""
-        estimate = sys.getsizeof(self._lru) + sys.getsizeof(self._capacity)
-        for held in self._lru:
+        estimate = sys.getsizeof(self._lru) + sys.getsizeof(self._capacity) + sys.getsizeof(self._names)
+        for held, names in zip(self._lru, self._names, strict=True):
             if held is not None:
-                estimate += sys.getsizeof(held) + 36 * len(held)
+                estimate += sys.getsizeof(held) + 36 * len(held) + sys.getsizeof(names) + 36 * len(names)
         return estimate
 
     # -- blocks ---------------------------------------------------------------------------------
 
-    def insert(self, holder: int, chain: Buffer, n: int = -1) -> int:
+    def insert(self, holder: int, chain: Buffer, n: int = -1, aliases: Buffer | None = None) -> int:
         """Records that `holder` now caches chain[:n] (all of it for n = -1): touches chain[n-1]
         down to chain[0], each becoming the most recent, then evicts least-recent blocks down
         to the capacity. Returns how many of those blocks it did not hold before (some may
-        have been evicted again when n exceeds the capacity)."""
+        have been evicted again when n exceeds the capacity).
+
+        With `aliases` (uint64, as long as `chain`), block chain[i] is also named aliases[i]:
+        its engine's hash of it, by which `forget` drops it and `key_of` finds it. A block has
+        one name (a new one replaces it), a name one block of a holder (another block named
+        alike loses it); a block that leaves the holder takes its name along."""
         held = self._held(holder)
         keys = _buffer(chain, "chain", _CHAIN)
+        named = None if aliases is None else _buffer(aliases, "aliases", _CHAIN)
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be an int, not {type(n).__name__}")
         if n != -1 and not 0 <= n <= len(keys):
             raise ValueError(f"n must be -1 or in [0, {len(keys)}], got {n}")
+        if named is not None and len(named) != len(keys):
+            raise ValueError(f"aliases has {len(named)} entries, not one per block of the chain ({len(keys)})")
+        count = len(keys) if n == -1 else n
+        names = None if named is None else named[:count].tolist()
         added = 0
-        for key in reversed(keys[: len(keys) if n == -1 else n].tolist()):
+        for i, key in reversed(list(enumerate(keys[:count].tolist()))):
             if key in held:
                 held.move_to_end(key)
             else:
                 held[key] = None
                 added += 1
-        self._evict(held, len(held) - self._capacity[holder])
+            if names is not None:
+                self._name(holder, held, key, names[i])
+        self._evict(holder, held, len(held) - self._capacity[holder])
         return added
+
+    def _name(self, holder: int, held: OrderedDict[int, int | None], key: int, alias: int) -> None:
+        old = held[key]
+        if old == alias:
+            return
+        names = self._names[holder]
+        if old is not None:
+            del names[old]
+        other = names.get(alias)
+        if other is not None:  # the name moves to this block
+            held[other] = None
+        names[alias] = key
+        held[key] = alias
+
+    def forget(self, holder: int, aliases: Buffer) -> int:
+        """Drops the holder's blocks its engine names `aliases` (uint64): the engine removed
+        them. How many of them it held; a name it does not know is passed over."""
+        held = self._held(holder)
+        names = self._names[holder]
+        dropped = 0
+        for alias in _buffer(aliases, "aliases", _CHAIN).tolist():
+            key = names.pop(alias, None)
+            if key is not None:
+                del held[key]
+                dropped += 1
+        return dropped
+
+    def key_of(self, holder: int, alias: int) -> int | None:
+        """The key of the holder's block its engine names `alias`, or None: it holds none."""
+        self._held(holder)
+        if isinstance(alias, bool) or not isinstance(alias, int):
+            raise TypeError(f"alias must be an int, not {type(alias).__name__}")
+        if not 0 <= alias < _SEED_SPAN:
+            raise ValueError(f"alias must be in [0, 2**64), got {alias}")
+        return self._names[holder].get(alias)
 
     def match(self, holder: int, chain: Buffer) -> int:
         """How many leading blocks of `chain` the holder keeps."""
@@ -579,19 +632,25 @@ class PrefixIndex:
         held = self._held(holder)
         keys = _buffer(chain, "chain", _CHAIN)
         start = _count_arg("keep", keep, len(keys))
+        names = self._names[holder]
         dropped = 0
         for key in keys[start:].tolist():
-            if held.pop(key, 0) is None:
+            if key in held:
+                alias = held.pop(key)
+                if alias is not None:
+                    del names[alias]
                 dropped += 1
         return dropped
 
     def evict(self, holder: int, count: int) -> int:
         """Drops the holder's `count` least-recent blocks; how many it dropped."""
         held = self._held(holder)
-        return self._evict(held, _count_arg("count", count, len(held)))
+        return self._evict(holder, held, _count_arg("count", count, len(held)))
 
-    @staticmethod
-    def _evict(held: OrderedDict[int, None], count: int) -> int:
+    def _evict(self, holder: int, held: OrderedDict[int, int | None], count: int) -> int:
+        names = self._names[holder]
         for _ in range(count):
-            held.popitem(last=False)
+            alias = held.popitem(last=False)[1]
+            if alias is not None:
+                del names[alias]
         return max(count, 0)

@@ -24,7 +24,7 @@ from router.kvevents.tokens import (
     token_chain,
 )
 from router.kvevents.truth import Truth
-from router.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode, frames_of
+from router.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode, engine_name, frames_of
 from router.prefix import PrefixIndex
 from router.ring import xxh3_64
 
@@ -72,10 +72,10 @@ def test_a_tagged_batch_as_vllm_032_sends_it() -> None:
     assert (got.seq, got.rank) == (7, 0)
     (e,) = got.events
     assert isinstance(e, Stored)
-    assert e.hashes == (11, 12) and e.parent is None and list(e.token_ids) == TOKENS[:8]
+    assert list(e.hashes) == [11, 12] and e.parent is None and list(e.token_ids) == TOKENS[:8]
     assert (e.block_size, e.medium, e.lora_name, e.salt) == (BS, "GPU", "lora-0", "abc")
     removed = batch(8, {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 0})
-    assert removed.events == (Removed((11,), "GPU"),)
+    assert removed.events == (Removed(array("Q", [11]), "GPU"),)
     assert batch(9, {"type": "AllBlocksCleared"}).events == (Cleared(),)
 
 
@@ -88,9 +88,32 @@ def test_the_positional_encoding_of_older_vllm() -> None:
         ["AllBlocksCleared"],
     )
     first, second, removed, cleared = b.events
-    assert isinstance(first, Stored) and first.medium == "CPU" and first.hashes == (b"\x01" * 32,)
-    assert isinstance(second, Stored) and second.medium == "GPU" and second.parent == b"\x01" * 32
-    assert removed == Removed((5,), "GPU") and cleared == Cleared()
+    assert isinstance(first, Stored) and first.medium == "CPU" and list(first.hashes) == [engine_name(b"\x01" * 32)]
+    assert isinstance(second, Stored) and second.medium == "GPU" and second.parent == engine_name(b"\x01" * 32)
+    assert removed == Removed(array("Q", [5]), "GPU") and cleared == Cleared()
+
+
+def test_an_engines_block_hash_is_read_as_a_64_bit_name() -> None:
+    assert [engine_name(h) for h in (0, 7, 2**64 - 1)] == [0, 7, 2**64 - 1]  # vLLM's ints as they are
+    assert engine_name(-1) == 2**64 - 1 and engine_name(-(2**63)) == 2**63  # signed 64-bit: two's complement
+    names = {engine_name(h) for h in (b"\x01" * 32, b"\x02" * 32, 2**64, -(2**63) - 1, b"")}
+    assert len(names) == 5 and all(0 <= x < 2**64 for x in names)
+    assert engine_name(b"\x01" * 32) == engine_name(b"\x01" * 32)
+    with pytest.raises(WireError, match="a block hash is a bool"):
+        batch(0, tagged_stored([1, True], None, TOKENS[:8]))
+    with pytest.raises(WireError, match="a block hash is a str"):
+        batch(0, {"type": "BlockRemoved", "block_hashes": ["x"]})
+
+
+def test_bytes_hashes_store_and_remove_alike() -> None:
+    # vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 sends its 32-byte hashes
+    h = holdings()
+    a, b = b"\xaa" * 32, b"\xbb" * 32
+    h.accept(batch(0, tagged_stored([a], None, TOKENS[:4])))
+    h.accept(batch(1, tagged_stored([b], a, TOKENS[4:8])))
+    assert h.match(chain_of(TOKENS[:8])) == 2
+    h.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [b], "medium": "GPU"}))
+    assert h.match(chain_of(TOKENS[:8])) == 1 and h.figures.removed == 1
 
 
 def test_a_salt_without_an_adapter() -> None:
@@ -276,7 +299,10 @@ def test_memory_is_bounded_by_the_engines_capacity() -> None:
     for seq in range(100):  # every removal missed
         tokens = [seq * 1000 + t for t in range(BS)]
         h.accept(batch(seq, tagged_stored([seq + 1], None, tokens)))
-    assert h.blocks() <= 8 and len(h.tiers["GPU"].keys) <= 8 * 1.25 + 64
+    assert h.blocks() <= 8
+    assert [h.index.key_of(h.tiers["GPU"].holder, seq + 1) is not None for seq in range(100)] == [False] * 92 + [
+        True
+    ] * 8
 
 
 def test_a_second_tier_is_held_apart() -> None:

@@ -483,6 +483,62 @@ def test_compiled_memory_stays_under_46_bytes_a_block(compiled: ModuleType) -> N
     assert index.total() == 1 << 17
 
 
+# -- engines' names for blocks (an event-fed holder) -------------------------------------------------
+
+
+def test_an_engines_name_finds_and_forgets_its_block(impl: ModuleType) -> None:
+    index = impl.PrefixIndex()
+    h, other = index.add_holder(10), index.add_holder(10)
+    chain = chain_of(impl, "abcdefghijkl")
+    assert index.insert(h, chain, -1, array("Q", [101, 102, 103])) == 3
+    index.insert(other, chain, -1, array("Q", [101, 102, 103]))  # the same names, another holder
+    assert [index.key_of(h, x) for x in (101, 102, 103, 104)] == [*chain, None]
+    assert index.forget(h, array("Q", [103, 999])) == 1  # an unknown name is passed over
+    assert index.match(h, chain) == 2 and index.key_of(h, 103) is None
+    assert index.match(other, chain) == 3 and index.key_of(other, 103) == chain[2]  # untouched
+    index.insert(h, chain, 1, array("Q", [201, 202, 203]))  # block 0 renamed: its old name is gone
+    assert index.key_of(h, 101) is None and index.key_of(h, 201) == chain[0]
+    index.insert(h, chain[1:2], -1, array("Q", [201]))  # the name moves to block 1
+    assert index.key_of(h, 201) == chain[1] and index.forget(h, array("Q", [102])) == 0
+    assert index.forget(h, array("Q", [201])) == 1 and index.match(h, chain) == 1
+
+
+def test_a_block_that_leaves_takes_its_name_along(impl: ModuleType) -> None:
+    index = impl.PrefixIndex()
+    h = index.add_holder(2)
+    chain = chain_of(impl, "abcdefghijkl")
+    index.insert(h, chain, -1, array("Q", [1, 2, 3]))  # capacity 2: block 2 evicted at once
+    assert index.key_of(h, 3) is None and index.forget(h, array("Q", [3])) == 0
+    index.truncate(h, chain, 1)
+    assert index.key_of(h, 2) is None and index.key_of(h, 1) == chain[0]
+    index.evict(h, 1)
+    assert index.key_of(h, 1) is None
+    index.insert(h, chain, 2, array("Q", [1, 2, 3]))
+    index.clear(h)
+    assert index.key_of(h, 1) is None and index.key_of(h, 2) is None
+    index.insert(h, chain, 2, array("Q", [1, 2, 3]))
+    index.set_capacity(h, 1)
+    assert (index.key_of(h, 1), index.key_of(h, 2)) == (chain[0], None)
+    index.remove_holder(h)
+    h = index.add_holder(2)  # the number again, nothing named
+    assert index.key_of(h, 1) is None
+
+
+def test_compiled_memory_with_names_stays_under_72_bytes_a_block(compiled: ModuleType) -> None:
+    # 32 bytes of entry and name, 8 to 16 of slots in each table, at most a quarter of idle pool
+    index = compiled.PrefixIndex()
+    plain = compiled.PrefixIndex()
+    rng = random.Random(4)
+    for h in range(4):
+        index.add_holder(1 << 15)
+        plain.add_holder(1 << 15)
+        chain = compiled.block_chain(rng.randbytes(1 << 17), 4, h + 1)
+        index.insert(h, chain, -1, array("Q", [rng.getrandbits(64) for _ in chain]))
+        plain.insert(h, chain)
+        assert index.memory_bytes() / index.total() <= 72
+    assert index.memory_bytes() > plain.memory_bytes()  # an index that names nothing pays nothing
+
+
 # -- bad input: the same refusals both ways --------------------------------------------------------
 
 
@@ -519,6 +575,13 @@ def bad_calls(index: Any, chain: array[int]) -> list[tuple[str, Any]]:
         ("out read-only", lambda: index.match_all(chain, memoryview(array("i", [0] * 3).tobytes()).cast("i"))),
         ("out list", lambda: index.match_all(chain, [0, 0, 0])),
         ("out before chain", lambda: index.match_all([1], [0, 0, 0])),
+        ("aliases list", lambda: index.insert(0, chain, -1, [1, 2, 3, 4])),
+        ("aliases short", lambda: index.insert(0, chain, 2, array("Q", [1, 2]))),
+        ("aliases signed", lambda: index.forget(0, array("q", [1]))),
+        ("forget removed holder", lambda: index.forget(1, array("Q", [1]))),
+        ("alias negative", lambda: index.key_of(0, -1)),
+        ("alias huge", lambda: index.key_of(0, 1 << 64)),
+        ("alias str", lambda: index.key_of(2, "1")),
     ]
 
 
@@ -546,6 +609,8 @@ def test_bad_input_is_refused_with_a_clear_error(impl: ModuleType) -> None:
     assert found["chain signed"] == (TypeError, "chain must be a buffer of uint64 (array('Q')), not one of format 'q'")
     assert found["n too big"] == (ValueError, "n must be -1 or in [0, 4], got 5")
     assert found["out short"] == (ValueError, "out has 2 entries, fewer than n_holders (3)")
+    assert found["aliases short"] == (ValueError, "aliases has 2 entries, not one per block of the chain (4)")
+    assert found["alias negative"] == (ValueError, "alias must be in [0, 2**64), got -1")
     assert found["out read-only"] == (
         TypeError,
         "out must be a writable buffer of int32 (array('i')), not a read-only one",
@@ -596,12 +661,23 @@ op_st = st.one_of(
     st.tuples(st.just("match_after"), holder_st, chain_st, st.integers(0, 16)),
     st.tuples(st.just("match_all"), chain_st),
     st.tuples(st.just("size"), holder_st),
+    st.tuples(st.just("insert_named"), holder_st, chain_st, st.integers(-1, 16), st.integers(0, 3)),
+    st.tuples(st.just("forget"), holder_st, st.lists(st.integers(0, 9), max_size=4).map(lambda a: array("Q", a))),
+    st.tuples(st.just("key_of"), holder_st, st.integers(0, 9)),
 )
+
+
+def names_of(chain: array[int], salt: int) -> array[int]:
+    """Engine names for a chain's blocks, from few enough values that names often move between blocks."""
+    return array("Q", [(key * 7 + salt) % 10 for key in chain])
 
 
 def apply(index: Any, op: tuple[Any, ...]) -> Any:
     name, *args = op
     try:
+        if name == "insert_named":
+            holder, chain, n, salt = args
+            return index.insert(holder, chain, n, names_of(chain, salt))
         if name == "match_all":
             out = array("i", [-1] * (index.n_holders + 1))
             index.match_all(args[0], out)
@@ -616,6 +692,9 @@ def assert_same(a: Any, b: Any, probes: list[array[int]]) -> None:
     for h in range(a.n_holders):
         assert apply(a, ("size", h)) == apply(b, ("size", h))
         assert apply(a, ("capacity", h)) == apply(b, ("capacity", h))
+        assert [apply(a, ("key_of", h, alias)) for alias in range(10)] == [
+            apply(b, ("key_of", h, alias)) for alias in range(10)
+        ]
     for chain in probes:
         assert apply(a, ("match_all", chain)) == apply(b, ("match_all", chain))
 
@@ -644,8 +723,12 @@ def test_compiled_equals_twin_at_scale(compiled: ModuleType) -> None:
         h = rng.randrange(5)
         chain = rng.choice(chains)
         roll = rng.random()
-        if roll < 0.6:
+        if roll < 0.3:
             op: tuple[Any, ...] = ("insert", h, chain, -1)
+        elif roll < 0.6:
+            op = ("insert", h, chain, -1, array("Q", [k >> 50 for k in chain]))  # some names shared
+        elif roll < 0.65:
+            op = ("forget", h, array("Q", [k >> 50 for k in rng.choice(chains)[rng.randrange(3) :]]))
         elif roll < 0.8:
             op = ("match_all", chain)
         elif roll < 0.9:
@@ -657,6 +740,9 @@ def test_compiled_equals_twin_at_scale(compiled: ModuleType) -> None:
         assert apply(a, op) == apply(b, op), (step, op)
     assert_same(a, b, chains)
     assert a.total() > 5000
+    names = sorted({k >> 50 for c in chains for k in c})
+    for h in range(5):
+        assert [a.key_of(h, x) for x in names] == [b.key_of(h, x) for x in names]
 
 
 def test_compiled_equals_twin_in_a_crowded_small_table(compiled: ModuleType) -> None:

@@ -245,7 +245,7 @@ class Decision:
         for i, r in enumerate(self.fleet.replicas):
             # another conversation: the same length, other tokens (ids shifted past the first's)
             ids = first_ids[:whole] if i == 0 else tuple(t + 7 * i for t in first_ids[:whole])
-            hashes = tuple(range(i << 32, (i << 32) + whole // block_size))
+            hashes = array("Q", range(i << 32, (i << 32) + whole // block_size))
             h = self.placement.truth.holdings(r.id, 0, capacity)
             h.accept(Batch(0, 0.0, 0, (Stored(hashes, None, array("Q", ids), block_size, MEDIUM_GPU, None, None),)))
             ended = EngineTokens(len(ids), ids, None, None, "tokenizer").chain(block_size)

@@ -5,8 +5,10 @@ A `Holdings` turns a replica's event batches into blocks of the router's own key
 offloading tier, SGLang's HiCache host tier are others). A stored block's key is the router's
 chained hash of its token ids (router.kvevents.tokens: the parent's key seeds the child's, the
 chain's first block is seeded by its LoRA adapter and cache_salt), so a request cut into the same
-tokens finds exactly the blocks the engine computed. The engine's own hashes are kept only to map
-its removals back to keys: `engine hash -> key`, per medium.
+tokens finds exactly the blocks the engine computed. The engine's own hashes (as 64-bit names,
+router.kvevents.wire.engine_name) are kept only to map its removals back to keys: each block of
+the index carries its engine's name (`PrefixIndex.insert(..., aliases)`), so a removal is one
+compiled call (`forget`) and a block and its name leave together.
 
 Sequence numbers decide what is believed (`accept`):
 - the next number: applied;
@@ -29,7 +31,7 @@ A stored block whose parent the router never saw (stored before the router joine
 already applied) cannot be keyed: it is counted (`orphans`) and skipped; a prefix match could
 never reach it anyway. Memory is bounded by the engine's KV capacity: each tier's holder keeps at
 most as many blocks as the engine says it has (its LRU drops the oldest past that, which happens
-only if removals were missed), and the hash map is trimmed with it.
+only if removals were missed), and their names with them.
 """
 
 from __future__ import annotations
@@ -37,21 +39,19 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.kvevents.tokens import root_of, token_chain
 from router.kvevents.wire import MEDIUM_GPU, Batch, Cleared, Removed, Stored
 from router.prefix import PrefixIndex
 
 OK, RESTART, GAP, DUPLICATE = "ok", "restart", "gap", "duplicate"
-TRIM_SLACK = 1.25  # the hash map is trimmed once it holds this many times the tier's capacity (and 64 more)
 RATE_S = 5.0  # its GPU's eviction rate is measured over at least this long
 
 
 @dataclass(slots=True)
 class Tier:
-    holder: int  # its number in the events index
-    keys: dict[object, int] = field(default_factory=dict)  # engine hash -> the router's key, oldest first
+    holder: int  # its number in the events index (its blocks named by the engine's hashes)
 
 
 @dataclass(slots=True)
@@ -196,19 +196,19 @@ class Holdings:
         f = self.figures
         f.batches += 1
         # vLLM sends one BlockRemoved per evicted block: a run of them on one medium is applied at once
-        gone: list[object] = []
+        gone: array[int] = array("Q")
         medium = MEDIUM_GPU
         for e in batch.events:
             if isinstance(e, Removed):
                 if gone and e.medium != medium:
                     self._remove(gone, medium)
-                    gone = []
+                    gone = array("Q")
                 medium = e.medium
                 gone.extend(e.hashes)
                 continue
             if gone:
                 self._remove(gone, medium)
-                gone = []
+                gone = array("Q")
             if isinstance(e, Stored):
                 self._store(e)
             elif isinstance(e, Cleared):
@@ -245,7 +245,6 @@ class Holdings:
     def _clear(self) -> None:
         for t in self.tiers.values():
             self.index.clear(t.holder)
-            t.keys.clear()
 
     def _store(self, e: Stored) -> None:
         t = self.tier(e.medium)
@@ -253,9 +252,9 @@ class Holdings:
         if e.parent is None:
             seed = root_of(e.lora_name, e.salt)
         else:
-            parent = t.keys.get(e.parent)
+            parent = self.index.key_of(t.holder, e.parent)
             if parent is None and e.medium != MEDIUM_GPU:  # offloaded children of a GPU-held parent
-                parent = self.tiers[MEDIUM_GPU].keys.get(e.parent)
+                parent = self.index.key_of(self.tiers[MEDIUM_GPU].holder, e.parent)
             if parent is None:
                 self.figures.orphans += len(e.hashes)
                 return
@@ -263,31 +262,23 @@ class Holdings:
         chain = token_chain(e.token_ids, e.block_size, seed)
         if len(chain) != len(e.hashes):
             return
-        self.index.insert(t.holder, chain)
-        keys = t.keys
-        for h, k in zip(e.hashes, chain, strict=True):
-            keys.pop(h, None)  # re-stored: now the newest
-            keys[h] = k
+        self.index.insert(t.holder, chain, -1, e.hashes)
         self.figures.stored += len(chain)
         if self.unsure:
             self._turnover += len(chain)
             if self._turnover >= self.capacity:  # the cache has turned over once since: rebuilt
                 self._believe()
-        if len(keys) > self.capacity * TRIM_SLACK + 64:
-            self._trim(t)
 
-    def _remove(self, hashes: list[object], medium: str) -> None:
+    def _remove(self, hashes: array[int], medium: str) -> None:
         t = self.tiers.get(medium)
         if t is None:
             return
-        pop = t.keys.pop
-        gone = array("Q", [k for h in hashes if (k := pop(h, None)) is not None])
+        gone = self.index.forget(t.holder, hashes)
         if gone:
-            self.index.truncate(t.holder, gone, 0)
-            self.figures.removed += len(gone)
+            self.figures.removed += gone
             if medium == MEDIUM_GPU:
                 self.evicted_at = time.monotonic()
-                self.evicted += len(gone)
+                self.evicted += gone
 
     def eviction_rate(self, now: float) -> float:
         """GPU blocks its engine removed a second, measured over the latest RATE_S or more of the
@@ -299,19 +290,6 @@ class Holdings:
             self._rate = (self.evicted - mark[1]) / (now - mark[0])
             self._rate_mark = (now, self.evicted)
         return self._rate
-
-    def _trim(self, t: Tier) -> None:
-        """Drops the oldest hashes past the tier's capacity (their blocks' removals were missed)."""
-        keys = t.keys
-        excess = len(keys) - self.capacity
-        old = []
-        for h in keys:
-            if excess <= 0:
-                break
-            old.append(h)
-            excess -= 1
-        gone = array("Q", [keys.pop(h) for h in old])
-        self.index.truncate(t.holder, gone, 0)
 
 
 __all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings"]

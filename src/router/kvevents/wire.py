@@ -16,6 +16,11 @@ lora_id, medium, lora_name?]`, `["BlockRemoved", hashes, medium]`, `["AllBlocksC
 Fields an engine adds later are ignored; a message that is not one of these is a `WireError`
 (one readable line), never a crash of the subscriber. The engine's block hashes (ints or bytes)
 are kept only to apply its removals: the router keys blocks by its own hash of the token ids.
+Each is read as a 64-bit name (`engine_name`): vLLM's default hashes are ints under 2**64
+(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1: the low 64 bits of its SHA-256), read as they are, in one
+array at C speed; a negative 64-bit int (an engine that sends signed hashes) is its two's
+complement; bytes and longer ints are hashed to 64 bits (BLAKE2b), where two of a replica's
+blocks share a name with odds of about one in 10**19 / blocks held.
 
 A stored block's `extra_keys` entry holds, in order, the LoRA adapter's name (when one is set),
 multimodal identifiers, and the request's `cache_salt` (a string, on the first block only):
@@ -25,6 +30,7 @@ separate them too (router.kvevents.tokens.root_of).
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +41,7 @@ from router.errors import RouterError
 
 MEDIUM_GPU = "GPU"
 END_SEQ = -1  # the replay socket's last answer
+_SPAN = 1 << 64
 
 
 class WireError(RouterError, ValueError):
@@ -43,8 +50,8 @@ class WireError(RouterError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    hashes: tuple[object, ...]  # the engine's keys of the stored blocks, in chain order
-    parent: object  # the engine's key of the block before the first (None: the chain's first)
+    hashes: array[int]  # the engine's names of the stored blocks, in chain order ('Q': `engine_name`)
+    parent: int | None  # the engine's name of the block before the first (None: the chain's first)
     token_ids: array[int]  # len(hashes) x block_size tokens ('Q': unsigned 64-bit)
     block_size: int
     medium: str
@@ -54,7 +61,7 @@ class Stored:
 
 @dataclass(frozen=True, slots=True)
 class Removed:
-    hashes: tuple[object, ...]
+    hashes: array[int]  # 'Q': `engine_name`
     medium: str
 
 
@@ -74,13 +81,32 @@ class Batch:
     events: tuple[Event, ...]
 
 
-def _hashes(value: Any, where: str) -> tuple[object, ...]:
+def engine_name(h: object, where: str = "event") -> int:
+    """An engine's block hash as a 64-bit name: an int in [0, 2**64) itself, a negative one from
+    -2**63 its two's complement, bytes or a longer int 64 bits of BLAKE2b of it."""
+    if isinstance(h, int) and not isinstance(h, bool):
+        if 0 <= h < _SPAN:
+            return h
+        if -(1 << 63) <= h < 0:
+            return h + _SPAN
+        data = b"i" + h.to_bytes((h.bit_length() + 8) // 8, "big", signed=True)
+    elif isinstance(h, bytes):
+        data = b"b" + h
+    else:
+        raise WireError(f"{where}: a block hash is a {type(h).__name__}, not an int or bytes")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _hashes(value: Any, where: str) -> array[int]:
     if not isinstance(value, list | tuple):
         raise WireError(f"{where}: block_hashes is not a list")
-    for h in value:
-        if not isinstance(h, int | bytes) or isinstance(h, bool):
-            raise WireError(f"{where}: a block hash is a {type(h).__name__}, not an int or bytes")
-    return tuple(value)
+    try:  # vLLM's ints, at C speed (a bool would pass: it is refused below, at C speed too)
+        names = array("Q", value)
+    except (TypeError, OverflowError):
+        return array("Q", [engine_name(h, where) for h in value])
+    if bool in map(type, value):
+        raise WireError(f"{where}: a block hash is a bool, not an int or bytes")
+    return names
 
 
 def _medium(value: Any) -> str:
@@ -105,8 +131,10 @@ def _stored(
     hashes: Any, parent: Any, token_ids: Any, block_size: Any, medium: Any, lora_name: Any, extra: Any, where: str
 ) -> Stored:
     keys = _hashes(hashes, where)
-    if parent is not None and (not isinstance(parent, int | bytes) or isinstance(parent, bool)):
-        raise WireError(f"{where}: parent_block_hash is a {type(parent).__name__}")
+    if parent is not None:
+        if not isinstance(parent, int | bytes) or isinstance(parent, bool):
+            raise WireError(f"{where}: parent_block_hash is a {type(parent).__name__}")
+        parent = engine_name(parent, where)
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise WireError(f"{where}: block_size is {block_size!r}, not a whole number >= 1")
     try:  # (the array checks each id at C speed: an int, not negative, under 2**64)
@@ -216,6 +244,7 @@ __all__ = [
     "Stored",
     "WireError",
     "decode",
+    "engine_name",
     "event_of",
     "frames_of",
     "seq_of",
