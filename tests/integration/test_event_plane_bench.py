@@ -1,6 +1,7 @@
 """router-bench events, reduced to tens of publishers: every block the publishers stored reaches one
 router's index once, through a join mid-stream (the replay, and the live copies queued meanwhile),
-and the index holds what the engines hold once they evict."""
+and the index holds what the engines hold once they evict; routers that follow the same events
+decide alike, a late one too once it believes every replica."""
 
 from __future__ import annotations
 
@@ -45,3 +46,39 @@ def test_twenty_publishers_reach_one_router_s_index_whole(tmp_path: Path) -> Non
     assert row["held_blocks"] == 20 * 200
     assert 0 < row["lag_p50_s"] <= row["lag_p99_s"] and row["messages_per_s"] > 0
     assert "| 20 | " in (tmp_path / "events.md").read_text()
+
+
+def test_routers_that_follow_the_same_events_decide_alike(tmp_path: Path) -> None:
+    # two routers joining together and a third halfway through, light publishers
+    args = build_parser().parse_args(
+        [
+            "events",
+            "--publishers",
+            "10",
+            "--duration",
+            "4",
+            "--join-after",
+            "0.5",
+            "--blocks-per-s",
+            "120",
+            "--batch-blocks",
+            "8",
+            "--chain-blocks",
+            "24",
+            "--capacity-blocks",
+            "120",
+            "--routers",
+            "2",
+            "--late-router",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert args.run(args) == 0
+    (row,) = json.loads((tmp_path / "events.json").read_text())["rows"]
+    assert row["routers"] == 2 and row["believed"] == 10
+    # most prompts are held by some replica (the index decides), and the routers agree on nearly all
+    assert row["decisions_compared"] > 200 and row["decisions_by_index"] > row["decisions_compared"] // 2
+    assert row["agreement"] >= 0.98
+    assert 0 < row["late_believe_s"] < 1.5 and row["late_compared"] > 50 and row["late_agreement"] >= 0.98
+    assert "| 10 | 2 | " in (tmp_path / "events.md").read_text()

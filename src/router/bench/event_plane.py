@@ -3,8 +3,8 @@ many light publishers that speak vLLM's wire.
 
 Each publisher is an engine's KV-event sockets (router.emulator.kvevents.Publisher: a PUB socket
 numbering its messages from 0, a replay ROUTER socket keeping the last `--replay-steps`) driven by a
-light model of an engine's prefix cache (`Engine`): every `--batch-blocks / --blocks-per-s`
-seconds, one scheduler step's message storing `--batch-blocks` full blocks of `--block-size`
+light model of an engine's prefix cache (router.bench.event_publishers): every `--batch-blocks /
+--blocks-per-s` seconds, one scheduler step's message storing `--batch-blocks` full blocks of `--block-size`
 tokens (a request's chain, a new one every `--chain-blocks`), and once the cache holds
 `--capacity-blocks`, one `BlockRemoved` per block it evicts (oldest first), as vLLM sends them. The
 defaults are an H200 serving an 8B model: about 20,000 prompt tokens a second, 16-token blocks, a
@@ -18,9 +18,15 @@ for what it missed. For each fleet size in `--publishers` the table shows: the t
 believes every replica (its events followed with no gap), the blocks a second the publishers sent
 and the share of them the index applied, messages a second, the lag from a message's timestamp to
 its application (P50, P99), the subscriber's CPU (cores, and microseconds a block) and its memory
-growth per million blocks held. The publishers share this machine's cores with the subscriber:
-where they cannot send at the asked rate, the table says how much they sent. It exits 1 only when
-the subscriber met a message it could not read.
+growth per million blocks held (and, in brackets, the compiled index's own bytes). The publishers
+share this machine's cores with the subscriber: where they cannot send at the asked rate, the
+table says how much they sent. It exits 1 only when the subscriber met a message it could not read.
+
+With `--routers N`, N routers' subscribers (each its own fleet, index and sockets, as N router
+processes would have) follow the same publishers from this process, and with `--late-router` one
+more joins halfway through the run; a second table says how often they decide alike on keyless
+traffic while events are in flight (router.bench.event_agreement), and how long the late one took
+to believe every replica. CPU and memory are then this process's: every router's together.
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ import os
 import sys
 import time
 from array import array
-from collections import deque
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -44,148 +49,23 @@ from typing import Any
 
 import aiohttp
 import uvloop
-import zmq
-import zmq.asyncio
 
 from router._runtime import raise_open_files
 from router.bench.common import free_port, positive_int
+from router.bench.event_agreement import Agreement, Recorder, sample
+from router.bench.event_publishers import Shape, publishers_main
 from router.config import ReplicaSpec, RouterConfig
-from router.emulator.kvcache import BlockRemoved, BlockStored, CacheEvent
-from router.emulator.kvevents import KvEventsOptions, Publisher
 from router.engines.kvfeed import Feed
 from router.health.states import Hysteresis
+from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.pools import replica_fleet
 
 MIB = 1 << 20
-TICK_S = 0.002  # the publishers' clock: a step due is sent within this
-BEHIND_S = 1.0  # a publisher this far behind its schedule skips ahead (the sent rate says so)
 SETTLE_S = 0.5  # after the run, the subscriber is done once nothing arrived for this long
 SETTLE_MAX_S = 10.0
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One replica's engine, as its events show it."""
-
-    blocks_per_s: float = 1250.0
-    batch_blocks: int = 64
-    block_size: int = 16
-    capacity_blocks: int = 80_000
-    chain_blocks: int = 256  # a request's blocks (4,096 tokens): a new chain after this many
-    replay_steps: int = 10_000  # vLLM's buffer_steps
-
-    def __post_init__(self) -> None:
-        if self.capacity_blocks < self.chain_blocks + self.batch_blocks:
-            raise ValueError(
-                f"--capacity-blocks {self.capacity_blocks} must hold a chain and a step "
-                f"(--chain-blocks {self.chain_blocks} + --batch-blocks {self.batch_blocks})"
-            )
-
-    @property
-    def period_s(self) -> float:
-        return self.batch_blocks / self.blocks_per_s
-
-
-class Engine:
-    """An engine's prefix cache as light as it can be: chains of unique blocks, stored a step at a
-    time; past its capacity the oldest chain is evicted from its tail, one event per block (vLLM
-    frees a finished request's blocks tail first into its LRU queue)."""
-
-    def __init__(self, index: int, shape: Shape) -> None:
-        self.shape = shape
-        self.base = (index + 1) << 40  # its block hashes and token ids are its own
-        self.made = 0
-        self.chain_left = 0
-        self.parent: int | None = None
-        self.chains: deque[list[int]] = deque()  # the blocks held, by chain, oldest chain first
-        self.held = 0
-        self.stored = 0
-        self.removed = 0
-
-    def step(self) -> list[CacheEvent]:
-        shape = self.shape
-        events: list[CacheEvent] = []
-        # room first: vLLM evicts as it allocates a step's blocks, before they are full and stored
-        while self.held + shape.batch_blocks > shape.capacity_blocks and self.chains:
-            oldest = self.chains[0]
-            events.append(BlockRemoved(oldest.pop()))
-            if not oldest:
-                self.chains.popleft()
-            self.held -= 1
-            self.removed += 1
-        left = shape.batch_blocks
-        while left:
-            if not self.chain_left:
-                self.chain_left, self.parent = shape.chain_blocks, None
-                self.chains.append([])
-            n = min(left, self.chain_left)
-            first = self.base + self.made
-            hashes = list(range(first, first + n))
-            size = shape.block_size
-            # the chain's first block starts with its own number: no two chains share a root key
-            tokens = list(range((first * size) & 0x3FFFFFFF, ((first * size) & 0x3FFFFFFF) + n * size))
-            events.append(BlockStored(hashes, self.parent, tokens, None, [None] * n))
-            self.parent = hashes[-1]
-            self.made += n
-            self.chain_left -= n
-            left -= n
-            self.chains[-1].extend(hashes)
-            self.held += n
-            self.stored += n
-        return events
-
-
-def _publishers_main(first: int, ports: list[tuple[int, int]], shape: Shape, start_at: float, conn: Connection) -> None:
-    raise_open_files()
-    # the publishers' PUB and replay sockets: ZMQ's default context holds 1,023
-    zmq.Context.instance().set(zmq.MAX_SOCKETS, 16_384)
-    zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 16_384)
-    uvloop.run(_publish(first, ports, shape, start_at, conn))
-
-
-async def _publish(first: int, ports: list[tuple[int, int]], shape: Shape, start_at: float, conn: Connection) -> None:
-    """Publishers on `ports` (PUB, replay) from `start_at` (wall clock) until the parent says stop;
-    then their counts go back on `conn`."""
-    options = [KvEventsOptions(port=p, replay_port=q, buffer_steps=shape.replay_steps) for p, q in ports]
-    pubs = [Publisher(o, "127.0.0.1", shape.block_size, {}) for o in options]
-    for pub in pubs:
-        await pub.open()
-    engines = [Engine(first + i, shape) for i in range(len(pubs))]
-    conn.send("ready")
-    await asyncio.sleep(max(start_at - time.time(), 0.0))
-    period = shape.period_s
-    t0 = time.monotonic()
-    due = [t0 + period * i / len(pubs) for i in range(len(pubs))]  # staggered, as engines are
-    skipped = 0
-    while not conn.poll():
-        now = time.monotonic()
-        for i, pub in enumerate(pubs):
-            if due[i] > now:
-                continue
-            if now - due[i] > BEHIND_S:
-                skipped += int((now - due[i]) / period)
-                due[i] = now
-            pub.publish(engines[i].step())
-            due[i] += period
-        await asyncio.sleep(max(min(due) - time.monotonic(), TICK_S))  # (replays are answered meanwhile)
-    conn.recv()
-    conn.send(
-        {
-            "messages": sum(p.sent for p in pubs),
-            "stored": sum(e.stored for e in engines),
-            "removed": sum(e.removed for e in engines),
-            "skipped_steps": skipped,
-            "seconds": time.monotonic() - t0,
-        }
-    )
-    # the replays a late subscriber may still ask for are answered until the parent ends this process
-    while not conn.poll(0):
-        await asyncio.sleep(0.05)
-    for pub in pubs:
-        await pub.close()
 
 
 def _rss() -> int:
@@ -200,8 +80,18 @@ def _percentile(values: array[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(publishers: int, shape: Shape, duration_s: float, join_after_s: float, procs: int) -> dict[str, Any]:
-    """One fleet size: publishers started, the subscriber joining, the run, and what it measured."""
+@dataclass(frozen=True)
+class Routers:
+    """The subscribers: how many join together, and whether one more joins halfway through."""
+
+    together: int = 1
+    late: bool = False
+
+
+async def measure(
+    publishers: int, shape: Shape, duration_s: float, join_after_s: float, procs: int, routers: Routers = Routers()
+) -> dict[str, Any]:
+    """One fleet size: publishers started, the subscribers joining, the run, and what it measured."""
     base = free_port(2 * publishers)
     ports = [(base + 2 * i, base + 2 * i + 1) for i in range(publishers)]
     specs = tuple(ReplicaSpec(f"r{i}", f"http://127.0.0.1:9/r{i}") for i in range(publishers))
@@ -216,14 +106,14 @@ async def measure(publishers: int, shape: Shape, duration_s: float, join_after_s
     per = math.ceil(publishers / procs)
     for k in range(0, publishers, per):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_publishers_main, args=(k, ports[k : k + per], shape, start_at, child), daemon=True)
+        proc = ctx.Process(target=publishers_main, args=(k, ports[k : k + per], shape, start_at, child), daemon=True)
         proc.start()
         children.append((proc, parent))
     try:
         for _, parent in children:
             if not parent.poll(60) or parent.recv() != "ready":
                 raise RuntimeError("a publisher process did not start")
-        return await _subscribe(config, shape, duration_s, join_after_s, start_at, children)
+        return await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers)
     finally:
         for proc, parent in children:
             with contextlib.suppress(OSError, BrokenPipeError):
@@ -241,46 +131,72 @@ async def _subscribe(
     join_after_s: float,
     start_at: float,
     children: list[tuple[Any, Connection]],
+    routers: Routers,
 ) -> dict[str, Any]:
     metrics = RouterMetrics()
-    fleet = replica_fleet(config, config.replicas, Hysteresis())
-    for replica in fleet.replicas:  # what its probes would have read off the engine
-        replica.engine = replace(
-            replica.engine, kv_tokens=shape.capacity_blocks * shape.block_size, block_size=shape.block_size
-        )
-    placement = Placement(fleet, config.placement, config.bounded_load_floor)
     lags = array("d")
     applied = [0]
     last = [time.monotonic()]
+    compared = routers.together > 1 or routers.late
+    recorder = Recorder(shape.block_size)
 
     def heard(rid: str, batch: Batch) -> None:
         applied[0] += 1
         last[0] = time.monotonic()
         if batch.ts > 0:
             lags.append(time.time() - batch.ts)
+        if compared:
+            recorder.heard(rid, batch)
 
     async with aiohttp.ClientSession() as http:
-        feed = Feed(fleet, placement, config.placement, lambda: http, metrics)
+        feeds = [_router(config, shape, metrics, http) for _ in range(routers.together)]
+        feed = feeds[0]
         feed.applied = heard
+        ids = [r.id for r in feed.fleet.replicas]
+        end = start_at + duration_s  # wall clock
+        late: list[Feed] = []
+        late_believe = [math.nan]
+
+        async def join_late() -> None:
+            await asyncio.sleep(max(start_at + duration_s / 2 - time.time(), 0.0))
+            late.append(_router(config, shape, metrics, http))
+            at = time.monotonic()
+            await late[0].find()
+            while time.time() < end and not all(late[0].truth.sure(rid) for rid in ids):
+                await asyncio.sleep(0.02)
+            if all(late[0].truth.sure(rid) for rid in ids):
+                late_believe[0] = time.monotonic() - at
+
+        def late_truth() -> Truth | None:
+            return late[0].truth if late and not math.isnan(late_believe[0]) else None
+
         await asyncio.sleep(max(start_at + join_after_s - time.time(), 0.0))
         gc.collect()
         rss0, cpu0, joined = _rss(), time.process_time(), time.monotonic()
-        await feed.find()
-        ids = [r.id for r in fleet.replicas]
-        end = start_at + duration_s  # wall clock
-        # joining: until every replica is believed (its replay applied), or the run ends first
+        for f in feeds:
+            await f.find()
+        joining = asyncio.create_task(join_late()) if routers.late else None
+        # joining: until every router believes every replica (its replay applied), or the run ends first
         believe_s = math.nan
         while time.time() < end:
-            if all(feed.truth.sure(rid) for rid in ids):
+            if all(f.truth.sure(rid) for f in feeds for rid in ids):
                 believe_s = time.monotonic() - joined
                 break
             await asyncio.sleep(0.02)
-        believed = sum(feed.truth.sure(rid) for rid in ids)
+        believed = min(sum(f.truth.sure(rid) for rid in ids) for f in feeds)
         # steady: from then to the end of the run (empty when it never caught up)
         del lags[:]
         n1, cpu1, t1, stored1 = applied[0], time.process_time(), time.monotonic(), _stored(feed, ids)
+        agreement = Agreement()
+        together = [f.truth for f in feeds]
+        if compared and believed == len(ids):
+            await sample(recorder, together, late_truth, ids, agreement, end, time.time)
         await asyncio.sleep(max(end - time.time(), 0.0))
         n2, cpu2, t2, stored2 = applied[0], time.process_time(), time.monotonic(), _stored(feed, ids)
+        if joining is not None:
+            joining.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await joining
         steady_lags = array("d", lags)
         for _, parent in children:
             parent.send("stop")
@@ -295,7 +211,9 @@ async def _subscribe(
         held = sum(h.blocks() for rid in ids for h in feed.truth.of(rid))
         figures = [h.figures for rid in ids for h in feed.truth.of(rid)]
         rss = _rss()
-        await feed.close()
+        index_bytes = feed.truth.index.memory_bytes()
+        for f in feeds + late:
+            await f.close()
     whole = t2 - joined
     # steady only once every replica was believed before the run's end (else there is no such window)
     steady = t2 - t1 if believed == len(ids) else 0.0
@@ -327,13 +245,35 @@ async def _subscribe(
         "held_blocks": held,
         "rss_growth_mib": (rss - rss0) / MIB,
         "mib_per_million_blocks": (rss - rss0) / MIB / (held / 1e6) if held else math.nan,
+        # the compiled index alone (blocks, their engines' names, both tables), one router's
+        "index_mib_per_million_blocks": index_bytes / MIB / (held / 1e6) if held else math.nan,
         "gaps": sum(f.gaps for f in figures),
         "duplicates": sum(f.duplicates for f in figures),
         "restarts": sum(f.restarts for f in figures),
         "orphans": sum(f.orphans for f in figures),
         "unsure_episodes": sum(f.unsure_episodes for f in figures),
-        "bad_messages": feed.bad_messages,
+        "bad_messages": sum(f.bad_messages for f in feeds + late),
+        "routers": routers.together,
+        "late_router": routers.late,
+        "decisions_compared": agreement.samples,
+        "decisions_by_index": agreement.held,
+        "decisions_identical": agreement.identical,
+        "agreement": agreement.share,
+        "late_believe_s": late_believe[0],
+        "late_compared": agreement.late_samples,
+        "late_agreement": agreement.late_share,
     }
+
+
+def _router(config: RouterConfig, shape: Shape, metrics: RouterMetrics, http: aiohttp.ClientSession) -> Feed:
+    """One router's subscriber: its fleet, its placement's index, its Feed (not yet following)."""
+    fleet = replica_fleet(config, config.replicas, Hysteresis())
+    for replica in fleet.replicas:  # what its probes would have read off the engine
+        replica.engine = replace(
+            replica.engine, kv_tokens=shape.capacity_blocks * shape.block_size, block_size=shape.block_size
+        )
+    placement = Placement(fleet, config.placement, config.bounded_load_floor)
+    return Feed(fleet, placement, config.placement, lambda: http, metrics)
 
 
 def _stored(feed: Feed, ids: list[str]) -> int:
@@ -350,7 +290,7 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
         "",
         "| publishers | blocks/s sent (asked) | believed (s) | applied by the end | whole: blocks/s, cores, µs/block "
         "| steady: blocks/s | lag P50 (ms) | lag P99 (ms) | cores | µs CPU/block | blocks held "
-        "| MiB per million blocks |",
+        "| MiB per million blocks: process (index) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -362,8 +302,31 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
             f"{_num(r['whole_cpu_us_per_block'], '.2f')} "
             f"| {_num(r['absorbed_blocks_per_s'], ',.0f')} | {_num(r['lag_p50_s'] * 1e3, ',.1f')} "
             f"| {_num(r['lag_p99_s'] * 1e3, ',.1f')} | {_num(r['cpu_cores'], '.2f')} "
-            f"| {_num(r['cpu_us_per_block'], '.2f')} | {r['held_blocks']:,} | {r['mib_per_million_blocks']:,.1f} |"
+            f"| {_num(r['cpu_us_per_block'], '.2f')} | {r['held_blocks']:,} "
+            f"| {r['mib_per_million_blocks']:,.1f} ({r['index_mib_per_million_blocks']:,.1f}) |"
         )
+    compared = [r for r in rows if r["routers"] > 1 or r["late_router"]]
+    if compared:
+        lines += [
+            "",
+            "Agreement on keyless traffic, in the steady window: prompts drawn from the replicas' latest chains "
+            "(the newest blocks included), each router sending each to the replica its events say holds the most "
+            "of it. Late: a router that joined halfway through, against the first, once it believed every replica.",
+            "",
+            "| publishers | routers together | decisions compared | by the index | identical "
+            "| late router: believed (s) | compared | identical |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in compared:
+            late = (
+                f"{_num(r['late_believe_s'], '.2f')} | {r['late_compared']:,} | {_num(r['late_agreement'], '.3%')}"
+                if r["late_router"]
+                else "— | — | —"
+            )
+            lines.append(
+                f"| {r['publishers']:,} | {r['routers']} | {r['decisions_compared']:,} | {r['decisions_by_index']:,} "
+                f"| {_num(r['agreement'], '.3%')} | {late} |"
+            )
     return "\n".join(lines)
 
 
@@ -387,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
     raise_open_files()  # as router-serve does
     rows = []
     for n in args.publishers:
-        row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs))
+        routers = Routers(args.routers, args.late_router)
+        row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
         rows.append(row)
         if not args.json:
             print(
@@ -442,9 +406,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--duration", type=_positive_float, default=10.0, help="seconds each fleet size publishes")
     p.add_argument("--join-after", type=float, default=1.0, help="seconds the publishers run before the router joins")
     p.add_argument("--publisher-procs", type=positive_int, default=1, help="child processes the publishers run in")
+    p.add_argument("--routers", type=positive_int, default=1, help="routers' subscribers joining together")
+    p.add_argument("--late-router", action="store_true", help="one more router joins halfway through the run")
     p.add_argument("--out", type=Path, default=None, help="folder for events.json and events.md")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
 
-__all__ = ["Engine", "Shape", "add_parser", "measure", "render", "run"]
+__all__ = ["Routers", "add_parser", "measure", "render", "run"]
