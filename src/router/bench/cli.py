@@ -16,6 +16,7 @@ from router.bench import (
     overload,
     prefix_bench,
     proxy_bench,
+    redis_bench,
     replay,
     ring_bench,
     simulate,
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapters.add_parser(sub)
     tokens_bench.add_parser(sub)
     event_plane.add_parser(sub)
+    redis_bench.add_parser(sub)
     return parser
 
 

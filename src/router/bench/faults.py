@@ -218,8 +218,17 @@ class Clients:
     """Users holding multi-turn chat sessions against the router URLs (taken in turn), every
     answer classified into a `Tally`. Each user waits `think_s` between turns."""
 
-    def __init__(self, urls: list[str], users: int, max_tokens: int, think_s: float, tag: str) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        users: int,
+        max_tokens: int,
+        think_s: float,
+        tag: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.urls = urls
+        self.headers = headers or {}  # sent with every request (an API key)
         self.users = users
         self.max_tokens = max_tokens
         self.think_s = think_s
@@ -229,6 +238,7 @@ class Clients:
         # router's to place, even when its answer comes while the router drains
         self.served: dict[str, list[tuple[float, str]]] = {}
         self.refused_at: list[float] = []
+        self.answers: list[tuple[float, float, str]] = []  # (sent, seconds to the whole answer, verdict)
         self.streaming: Counter[str] = Counter()  # streams under way, by the replica serving them
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -276,7 +286,7 @@ class Clients:
         """One request, classified; its reply ("" if it failed), or None if the router refused the connection."""
         body = {"model": "emulated-llm", "messages": history, "max_tokens": self.max_tokens, "stream": stream}
         sent = time.monotonic()
-        headers = {"Content-Type": "application/json", **{name: session for name in SESSION_HEADERS}}
+        headers = {"Content-Type": "application/json", **{name: session for name in SESSION_HEADERS}, **self.headers}
         try:
             async with http.post(url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
                 # the emulated replica that answered names itself, through any router
@@ -300,6 +310,7 @@ class Clients:
             raise
         verdict, detail = classify(status, raw, stream, self.max_tokens)
         self.tally.add(verdict, detail)
+        self.answers.append((sent, time.monotonic() - sent, verdict))
         if verdict == "succeeded" and replica:
             self.served.setdefault(session, []).append((sent, replica))
         return "" if verdict != "succeeded" else "ok " * 8
