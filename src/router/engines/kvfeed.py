@@ -52,7 +52,11 @@ log = logging.getLogger("router.engines.kvfeed")
 
 FIND_EVERY_S = 5.0  # replicas are asked where they publish this often (until they say)
 SOURCES_TIMEOUT_S = 2.0
-REPLAY_TIMEOUT_S = 3.0  # the replay socket's whole answer
+REPLAY_TIMEOUT_S = 3.0  # a replay socket's answer is given up after this long without a message of it
+# ... and after this long in all, however it flows. (A router joining a busy fleet shares its CPU
+# between the replays and the live streams: a replay of 20 s of an H200's events took 10-20 s to
+# read, and one timed out on its whole answer after 3 s was never read at all.)
+REPLAY_MAX_S = 120.0
 DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has
 
 
@@ -250,17 +254,17 @@ class Feed:
         return holdings.replayed(batches, wanted)
 
     async def replay(self, endpoint: str, start: int) -> list[Batch] | None:
-        """The replay socket's batches from `start` on ([] when it has none); None when it did not
-        answer in time."""
+        """The replay socket's batches from `start` on ([] when it has none); None when it fell
+        silent for REPLAY_TIMEOUT_S before its end (or took REPLAY_MAX_S)."""
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoint)
         out: list[Batch] = []
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
-            deadline = time.monotonic() + REPLAY_TIMEOUT_S
+            end = time.monotonic() + REPLAY_MAX_S
             while True:
-                left = deadline - time.monotonic()
+                left = min(REPLAY_TIMEOUT_S, end - time.monotonic())
                 if left <= 0 or not await dealer.poll(left * 1000):
                     return None
                 frames = await dealer.recv_multipart()
