@@ -98,6 +98,6 @@ def test_the_sampler_counts_identical_decisions_and_the_late_router_apart() -> N
     agreement = Agreement()
     clock = iter([0.0, 0.0, 1.0])  # two rounds of draws, then the time is up
     asyncio.run(sample(rec, [first, second], lambda: late, IDS, agreement, 1.0, lambda: next(clock)))
-    assert agreement.samples == agreement.identical == agreement.held == 16 and agreement.share == 1.0
+    assert agreement.samples == agreement.identical == agreement.held == 32 and agreement.share == 1.0
     # the late router applied nothing yet: every prompt it sends elsewhere (to load) than the first
-    assert agreement.late_samples == 16 and agreement.late_identical == 0 and agreement.late_share == 0.0
+    assert agreement.late_samples == 32 and agreement.late_identical == 0 and agreement.late_share == 0.0

@@ -29,7 +29,7 @@ from router.kvevents.truth import Truth
 from router.kvevents.wire import MEDIUM_GPU, Batch, Stored
 
 SAMPLE_S = 0.05  # prompts are drawn this often
-SAMPLES = 8  # ... this many each time
+SAMPLES = 16  # ... this many each time
 CHAINS_KEPT = 4  # a replica's latest chains a prompt is drawn from
 
 

@@ -212,6 +212,7 @@ async def _subscribe(
         figures = [h.figures for rid in ids for h in feed.truth.of(rid)]
         rss = _rss()
         index_bytes = feed.truth.index.memory_bytes()
+        late_believed = sum(late[0].truth.sure(rid) for rid in ids) if late else 0
         for f in feeds + late:
             await f.close()
     whole = t2 - joined
@@ -260,6 +261,7 @@ async def _subscribe(
         "decisions_identical": agreement.identical,
         "agreement": agreement.share,
         "late_believe_s": late_believe[0],
+        "late_believed": late_believed,
         "late_compared": agreement.late_samples,
         "late_agreement": agreement.late_share,
     }
@@ -319,13 +321,15 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
         ]
         for r in compared:
             late = (
-                f"{_num(r['late_believe_s'], '.2f')} | {r['late_compared']:,} | {_num(r['late_agreement'], '.3%')}"
+                f"{_num(r['late_believe_s'], '.2f')} ({r['late_believed']:,} believed) | {r['late_compared']:,} "
+                f"| {_num(r['late_agreement'], '.3%')}"
                 if r["late_router"]
                 else "— | — | —"
             )
+            identical = _num(r["agreement"], ".3%") if r["routers"] > 1 else "— (one router)"
             lines.append(
                 f"| {r['publishers']:,} | {r['routers']} | {r['decisions_compared']:,} | {r['decisions_by_index']:,} "
-                f"| {_num(r['agreement'], '.3%')} | {late} |"
+                f"| {identical} | {late} |"
             )
     return "\n".join(lines)
 
