@@ -19,8 +19,8 @@ are kept only to apply its removals: the router keys blocks by its own hash of t
 Each is read as a 64-bit name (`engine_name`): vLLM's default hashes are ints under 2**64
 (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1: the low 64 bits of its SHA-256), read as they are, in one
 array at C speed; a negative 64-bit int (an engine that sends signed hashes) is its two's
-complement; bytes and longer ints are hashed to 64 bits (BLAKE2b), where two of a replica's
-blocks share a name with odds of about one in 10**19 / blocks held.
+complement; bytes and longer ints are hashed to 64 bits (BLAKE2b), where two of the n blocks a
+replica holds share a name with odds of about n**2 / 2**65 (one in 37 million at a million).
 
 A stored block's `extra_keys` entry holds, in order, the LoRA adapter's name (when one is set),
 multimodal identifiers, and the request's `cache_salt` (a string, on the first block only):
