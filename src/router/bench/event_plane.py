@@ -51,7 +51,7 @@ import aiohttp
 import uvloop
 
 from router._runtime import raise_open_files
-from router.bench.common import free_port, positive_int
+from router.bench.common import free_port, positive_float, positive_int
 from router.bench.event_agreement import Agreement, Recorder, sample
 from router.bench.event_publishers import Shape, publishers_main
 from router.config import ReplicaSpec, RouterConfig
@@ -59,6 +59,7 @@ from router.engines.kvfeed import Feed
 from router.health.states import Hysteresis
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch
+from router.measures import percentile
 from router.metrics import RouterMetrics
 from router.placement import Placement
 from router.pools import replica_fleet
@@ -71,13 +72,6 @@ SETTLE_MAX_S = 10.0
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _percentile(values: array[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @dataclass(frozen=True)
@@ -239,8 +233,8 @@ async def _subscribe(
         "steady_s": steady,
         "absorbed_blocks_per_s": blocks / steady if steady > 0 else math.nan,
         "messages_per_s": (n2 - n1) / steady if steady > 0 else math.nan,
-        "lag_p50_s": _percentile(steady_lags, 0.5) if steady else math.nan,
-        "lag_p99_s": _percentile(steady_lags, 0.99) if steady else math.nan,
+        "lag_p50_s": percentile(steady_lags, 50) if steady else math.nan,
+        "lag_p99_s": percentile(steady_lags, 99) if steady else math.nan,
         "cpu_cores": (cpu2 - cpu1) / steady if steady > 0 else math.nan,
         "cpu_us_per_block": (cpu2 - cpu1) / blocks * 1e6 if blocks else math.nan,
         "held_blocks": held,
@@ -383,16 +377,6 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "events",
@@ -401,13 +385,13 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--publishers", type=_sizes, default=[100, 300, 1000], help="fleet sizes, comma-separated")
-    p.add_argument("--blocks-per-s", type=_positive_float, default=Shape.blocks_per_s, help="stored a second, each")
+    p.add_argument("--blocks-per-s", type=positive_float, default=Shape.blocks_per_s, help="stored a second, each")
     p.add_argument("--batch-blocks", type=positive_int, default=Shape.batch_blocks, help="blocks a message stores")
     p.add_argument("--block-size", type=positive_int, default=Shape.block_size, help="tokens a block")
     p.add_argument("--capacity-blocks", type=positive_int, default=Shape.capacity_blocks, help="KV blocks each")
     p.add_argument("--chain-blocks", type=positive_int, default=Shape.chain_blocks, help="blocks a request's chain")
     p.add_argument("--replay-steps", type=positive_int, default=Shape.replay_steps, help="messages kept for replay")
-    p.add_argument("--duration", type=_positive_float, default=10.0, help="seconds each fleet size publishes")
+    p.add_argument("--duration", type=positive_float, default=10.0, help="seconds each fleet size publishes")
     p.add_argument("--join-after", type=float, default=1.0, help="seconds the publishers run before the router joins")
     p.add_argument("--publisher-procs", type=positive_int, default=1, help="child processes the publishers run in")
     p.add_argument("--routers", type=positive_int, default=1, help="routers' subscribers joining together")

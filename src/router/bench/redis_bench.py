@@ -46,8 +46,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from router.bench.common import positive_int
+from router.bench.common import positive_float, positive_int
 from router.bench.faults import Options, RedisServer, World, wait_until
+from router.measures import percentile
 from router.node import Node
 from router.tenancy.budgets import RedisStore
 
@@ -79,13 +80,6 @@ async def _commandstats(client: aioredis.Redis) -> Counter[str]:
     except (OSError, TimeoutError, aioredis.RedisError):
         return Counter()
     return Counter({name.removeprefix("cmdstat_").upper(): int(v["calls"]) for name, v in info.items()})
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _stall(client: aioredis.Redis, stall_ms: int, every_ms: int, stop: asyncio.Event) -> None:
@@ -160,8 +154,8 @@ async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int) -> d
         p["answered"] = len(answers)
         p["succeeded"] = len(whole)
         p["failed_clean"] = sum(verdict == "failed_clean" for _, verdict in answers)
-        p["p50_s"] = _percentile(whole, 0.5)
-        p["p99_s"] = _percentile(whole, 0.99)
+        p["p50_s"] = percentile(whole, 50)
+        p["p99_s"] = percentile(whole, 99)
         total = sum(p["commands"].values())
         p["commands_per_s"] = total / p["seconds"]
         p["commands_per_request"] = total / len(answers) if answers else math.nan
@@ -257,16 +251,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result["cut_silently"] or result["sessions_lost"] else 0
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "redis",
@@ -275,7 +259,7 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--users", type=positive_int, default=12, help="users holding chat sessions")
-    p.add_argument("--phase-s", type=_positive_float, default=4.0, help="seconds each phase lasts")
+    p.add_argument("--phase-s", type=positive_float, default=4.0, help="seconds each phase lasts")
     p.add_argument("--stall-ms", type=positive_int, default=200, help="how long each pause of the slowed phase is")
     p.add_argument("--stall-every-ms", type=positive_int, default=250, help="a pause begins this often")
     p.add_argument("--out", type=Path, default=None, help="folder for redis.json and redis.md")
