@@ -309,6 +309,49 @@ cdef inline uint64_t _slot_hash(uint64_t key, int32_t holder) noexcept nogil:
     return h ^ (h >> 33)
 
 
+cdef inline uint64_t _filed(const prefix_entry_t* entries, const uint64_t* aliases, int32_t e) noexcept nogil:
+    # What entry e is filed under in a table: its key, or (aliases given) its engine's name.
+    return entries[e].key if aliases == NULL else aliases[e]
+
+
+cdef void _vacate(int32_t* slots, uint64_t mask, uint64_t hole, const prefix_entry_t* entries,
+                  const uint64_t* aliases) noexcept nogil:
+    # Empties slot `hole` of a table by backward-shift deletion: every later entry of the probe
+    # run that may move into the hole does, so there are no tombstones.
+    cdef uint64_t j = hole, home
+    cdef int32_t moved
+    while True:
+        j = (j + 1) & mask
+        moved = slots[j]
+        if moved == PREFIX_NONE:
+            break
+        home = _slot_hash(_filed(entries, aliases, moved), entries[moved].holder) & mask
+        if ((j - home) & mask) >= ((j - hole) & mask):
+            slots[hole] = moved
+            hole = j
+    slots[hole] = PREFIX_NONE
+
+
+cdef int32_t* _doubled(const int32_t* slots, uint64_t mask, const prefix_entry_t* entries,
+                       const uint64_t* aliases) noexcept nogil:
+    # The table's entries filed again in one twice as large (the caller frees the old one);
+    # NULL when it could not be allocated.
+    cdef uint64_t n_old = mask + 1, new_mask = 2 * n_old - 1, i, j
+    cdef int32_t* grown = <int32_t*>malloc(sizeof(int32_t) * 2 * n_old)
+    cdef int32_t e
+    if grown == NULL:
+        return NULL
+    memset(grown, 0xFF, sizeof(int32_t) * 2 * n_old)
+    for i in range(n_old):
+        e = slots[i]
+        if e != PREFIX_NONE:
+            j = _slot_hash(_filed(entries, aliases, e), entries[e].holder) & new_mask
+            while grown[j] != PREFIX_NONE:
+                j = (j + 1) & new_mask
+            grown[j] = e
+    return grown
+
+
 cdef int _compare_u64(const void* a, const void* b) noexcept nogil:
     cdef uint64_t x = (<const uint64_t*>a)[0], y = (<const uint64_t*>b)[0]
     return (x > y) - (x < y)
@@ -870,22 +913,12 @@ cdef class PrefixIndex:
         return self._find(holder, key, &slot) != PREFIX_NONE
 
     cdef bint _grow_table(self) noexcept nogil:
-        cdef uint64_t n_old = self._mask + 1, new_mask = 2 * n_old - 1, i, j
-        cdef int32_t* slots = <int32_t*>malloc(sizeof(int32_t) * 2 * n_old)
-        cdef int32_t e
+        cdef int32_t* slots = _doubled(self._slots, self._mask, self._entries, NULL)
         if slots == NULL:
             return False
-        memset(slots, 0xFF, sizeof(int32_t) * 2 * n_old)
-        for i in range(n_old):
-            e = self._slots[i]
-            if e != PREFIX_NONE:
-                j = _slot_hash(self._entries[e].key, self._entries[e].holder) & new_mask
-                while slots[j] != PREFIX_NONE:
-                    j = (j + 1) & new_mask
-                slots[j] = e
         free(self._slots)
         self._slots = slots
-        self._mask = new_mask
+        self._mask = 2 * self._mask + 1
         return True
 
     cdef bint _grow_pool(self) noexcept nogil:
@@ -939,25 +972,14 @@ cdef class PrefixIndex:
         return e
 
     cdef void _drop(self, int32_t e) noexcept nogil:
-        # Removes entry e from its holder and from the table (backward-shift deletion: every
-        # later entry of the probe run that may move into the hole does, so no tombstones).
+        # Removes entry e from its holder and from the table (and its name from theirs).
         cdef prefix_entry_t* entries = self._entries
-        cdef int32_t holder = entries[e].holder, moved
-        cdef uint64_t hole, j, home, mask = self._mask
+        cdef int32_t holder = entries[e].holder
+        cdef uint64_t hole
         if entries[e].aliased:
             self._unalias(e)
         self._find(holder, entries[e].key, &hole)
-        j = hole
-        while True:
-            j = (j + 1) & mask
-            moved = self._slots[j]
-            if moved == PREFIX_NONE:
-                break
-            home = _slot_hash(entries[moved].key, entries[moved].holder) & mask
-            if ((j - home) & mask) >= ((j - hole) & mask):
-                self._slots[hole] = moved
-                hole = j
-        self._slots[hole] = PREFIX_NONE
+        _vacate(self._slots, self._mask, hole, entries, NULL)
         _unlink(entries, &self._holders[holder], e)
         self._holders[holder].size -= 1
         self._n_used -= 1
@@ -1294,40 +1316,18 @@ cdef class PrefixIndex:
         return True
 
     cdef void _unalias(self, int32_t e) noexcept nogil:
-        # Takes entry e's name out of the alias table (backward-shift deletion, as _drop's).
-        cdef prefix_entry_t* entries = self._entries
-        cdef int32_t moved
-        cdef uint64_t hole, j, home, mask = self._amask
-        self._afind(entries[e].holder, self._aliases[e], &hole)
-        j = hole
-        while True:
-            j = (j + 1) & mask
-            moved = self._aslots[j]
-            if moved == PREFIX_NONE:
-                break
-            home = _slot_hash(self._aliases[moved], entries[moved].holder) & mask
-            if ((j - home) & mask) >= ((j - hole) & mask):
-                self._aslots[hole] = moved
-                hole = j
-        self._aslots[hole] = PREFIX_NONE
-        entries[e].aliased = 0
+        # Takes entry e's name out of the alias table.
+        cdef uint64_t hole
+        self._afind(self._entries[e].holder, self._aliases[e], &hole)
+        _vacate(self._aslots, self._amask, hole, self._entries, self._aliases)
+        self._entries[e].aliased = 0
         self._n_aliased -= 1
 
     cdef bint _grow_aliases(self) noexcept nogil:
-        cdef uint64_t n_old = self._amask + 1, new_mask = 2 * n_old - 1, i, j
-        cdef int32_t* slots = <int32_t*>malloc(sizeof(int32_t) * 2 * n_old)
-        cdef int32_t e
+        cdef int32_t* slots = _doubled(self._aslots, self._amask, self._entries, self._aliases)
         if slots == NULL:
             return False
-        memset(slots, 0xFF, sizeof(int32_t) * 2 * n_old)
-        for i in range(n_old):
-            e = self._aslots[i]
-            if e != PREFIX_NONE:
-                j = _slot_hash(self._aliases[e], self._entries[e].holder) & new_mask
-                while slots[j] != PREFIX_NONE:
-                    j = (j + 1) & new_mask
-                slots[j] = e
         free(self._aslots)
         self._aslots = slots
-        self._amask = new_mask
+        self._amask = 2 * self._amask + 1
         return True
