@@ -22,6 +22,12 @@ array at C speed; a negative 64-bit int (an engine that sends signed hashes) is 
 complement; bytes and longer ints are hashed to 64 bits (BLAKE2b), where two of the n blocks a
 replica holds share a name with odds of about n**2 / 2**65 (one in 37 million at a million).
 
+Most messages are read at C speed (`_kvwire.scan`, its twin router/_kvwire_py.py): the tagged
+events vLLM sends, their hashes and token ids straight from the msgpack bytes into arrays. Any
+other message (positional events, signed or bytes hashes, a malformed one) is decoded here the
+long way, which also says what is wrong with it. Either way a run of BlockRemoved events on one
+medium (vLLM sends one per evicted block) is one `Removed`.
+
 A stored block's `extra_keys` entry holds, in order, the LoRA adapter's name (when one is set),
 multimodal identifiers, and the request's `cache_salt` (a string, on the first block only):
 blocks of two adapters or two salts never share a key, and `cache_salt` is how the router's keys
@@ -33,11 +39,17 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from router._compat import NO_EXTENSIONS
 from router.errors import RouterError
+
+if TYPE_CHECKING or NO_EXTENSIONS:
+    from router._kvwire_py import scan
+else:
+    from _kvwire import scan
 
 MEDIUM_GPU = "GPU"
 END_SEQ = -1  # the replay socket's last answer
@@ -202,8 +214,36 @@ def seq_of(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
+def _events(scanned: list[tuple[Any, ...]]) -> tuple[Event, ...]:
+    out: list[Event] = []
+    for e in scanned:
+        kind = e[0]
+        out.append(Stored(*e[1:]) if kind == 0 else Removed(e[1], e[2]) if kind == 1 else Cleared())
+    return tuple(out)
+
+
+def _gathered(events: list[Event]) -> tuple[Event, ...]:
+    """`events` with each run of removals on one medium made one."""
+    out: list[Event] = []
+    for e in events:
+        last = out[-1] if out else None
+        if isinstance(e, Removed) and isinstance(last, Removed) and last.medium == e.medium:
+            out[-1] = Removed(last.hashes + e.hashes, e.medium)
+        else:
+            out.append(e)
+    return tuple(out)
+
+
 def decode(seq: int, payload: bytes) -> Batch:
     """The batch a message carries (its sequence number already read)."""
+    scanned = scan(payload)
+    if scanned is not None:
+        return Batch(seq, scanned[0], scanned[1], _events(scanned[2]))
+    return decode_long(seq, payload)
+
+
+def decode_long(seq: int, payload: bytes) -> Batch:
+    """`decode` without the scanner: every message, every shape, and a WireError that says what is wrong."""
     try:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
@@ -221,7 +261,7 @@ def decode(seq: int, payload: bytes) -> Batch:
         seq,
         float(ts) if isinstance(ts, int | float) else 0.0,
         rank,
-        tuple(event_of(e, where) for e in events),
+        _gathered([event_of(e, where) for e in events]),
     )
 
 
@@ -244,6 +284,7 @@ __all__ = [
     "Stored",
     "WireError",
     "decode",
+    "decode_long",
     "engine_name",
     "event_of",
     "frames_of",
