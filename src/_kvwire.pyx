@@ -26,7 +26,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from cpython cimport array
 from cpython.object cimport Py_SIZE
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 import array as _array
 
@@ -41,7 +41,7 @@ cdef str _GPU = "GPU"
 cdef enum:
     _NO = -1                     # not a shape scan reads (or malformed): the caller decodes it the long way
     # kinds of value
-    _NIL = 0
+    _NIL = 0                     # (0: a zeroed _value is nil)
     _BOOL = 1
     _UINT = 2                    # a non-negative int (any encoding)
     _NEG = 3                     # a negative int
@@ -316,8 +316,8 @@ cdef int _salt(const uint8_t* at, const uint8_t* end, const _value* lora, _value
     return found
 
 
-ctypedef struct _fields:         # one event map's fields of interest (the last of each name wins)
-    _value type
+ctypedef struct _fields:         # one event map's fields of interest (the last of each name wins;
+    _value type                  # an absent one reads as nil)
     _value medium
     _value lora_name
     _value parent
@@ -325,9 +325,6 @@ ctypedef struct _fields:         # one event map's fields of interest (the last 
     const uint8_t* block_hashes  # where the value starts; NULL: absent
     const uint8_t* token_ids
     const uint8_t* extra_keys
-    bint has_type
-    bint has_parent
-    bint has_block_size
 
 
 cdef bint _event_fields(_reader* r, _fields* f) noexcept nogil:
@@ -335,9 +332,7 @@ cdef bint _event_fields(_reader* r, _fields* f) noexcept nogil:
     cdef _value m, key, v
     cdef uint64_t k
     cdef const uint8_t* start
-    f.has_type = f.has_parent = f.has_block_size = False
-    f.type.kind = f.medium.kind = f.lora_name.kind = _NIL
-    f.block_hashes = f.token_ids = f.extra_keys = NULL
+    memset(f, 0, sizeof(_fields))  # (every value nil: _NIL is 0)
     if not _head(r, &m) or m.kind != _MAP or m.u > <uint64_t>(r.end - r.p):
         return False
     for k in range(m.u):
@@ -348,17 +343,14 @@ cdef bint _event_fields(_reader* r, _fields* f) noexcept nogil:
             return False
         if _is(&key, b"type", 4):
             f.type = v
-            f.has_type = True
         elif _is(&key, b"block_hashes", 12):
             f.block_hashes = start
         elif _is(&key, b"token_ids", 9):
             f.token_ids = start
         elif _is(&key, b"parent_block_hash", 17):
             f.parent = v
-            f.has_parent = True
         elif _is(&key, b"block_size", 10):
             f.block_size = v
-            f.has_block_size = True
         elif _is(&key, b"medium", 6):
             f.medium = v
         elif _is(&key, b"lora_name", 9):
@@ -394,13 +386,14 @@ cdef object _stored(const _fields* f, const uint8_t* end):
     cdef Py_ssize_t n_medium
     cdef _value salt
     cdef int has_salt = 0
+    memset(&salt, 0, sizeof(_value))
     if f.block_hashes == NULL or not _uints(f.block_hashes, end, hashes):
         return None
-    if f.has_parent and f.parent.kind != _NIL:
+    if f.parent.kind != _NIL:
         if f.parent.kind != _UINT:
             return None
         parent = f.parent.u
-    if not f.has_block_size or f.block_size.kind != _UINT or f.block_size.u < 1:
+    if f.block_size.kind != _UINT or f.block_size.u < 1:
         return None
     if f.token_ids == NULL or not _uints(f.token_ids, end, ids):
         return None
@@ -462,7 +455,7 @@ def scan(payload):
     if not _head(&r, &events_v) or events_v.kind != _ARRAY or events_v.u > <uint64_t>(r.end - r.p):
         return None
     for k in range(events_v.u):
-        if not _event_fields(&r, &f) or not f.has_type:
+        if not _event_fields(&r, &f):
             return None
         if _is(&f.type, b"BlockRemoved", 12):
             _medium_of(&f.medium, &medium, &n_medium)
