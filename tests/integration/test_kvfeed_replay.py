@@ -5,6 +5,7 @@ socket is given up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import msgpack
@@ -117,3 +118,51 @@ async def test_a_silent_replay_socket_is_given_up(ctx: zmq.asyncio.Context, monk
     finally:
         server.close()
         await feed.close()
+
+
+async def test_a_subscriber_reads_what_queued_while_it_was_busy_in_order_and_lets_go_of_its_socket() -> None:
+    """The feed's reader (`_messages`) reads every message queued, in order, past DRAIN_RUN at a time,
+    wakes for the next one, and stops watching the socket's descriptor when it is closed."""
+    ctx = zmq.asyncio.Context()
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    loop = asyncio.get_running_loop()
+    fd = sub.getsockopt(zmq.FD)
+    try:
+        await asyncio.sleep(0.3)  # the subscription reaches the publisher
+        n = 3 * kvfeed.DRAIN_RUN + 5
+        for i in range(n):  # all queued before the reader starts
+            await pub.send_multipart([b"t", i.to_bytes(8, "big")])
+        await asyncio.sleep(0.2)
+        got: list[int] = []
+
+        async def read(until: int) -> None:
+            async with contextlib.aclosing(kvfeed._messages(sub)) as messages:
+                async for frames in messages:
+                    got.append(int.from_bytes(frames[1], "big"))
+                    if len(got) == until:
+                        return
+
+        reader = asyncio.create_task(read(n + 1))
+        await asyncio.sleep(0.2)
+        assert got == list(range(n))  # the backlog, whole and in order; then it waits
+        assert not reader.done()
+        await pub.send_multipart([b"t", n.to_bytes(8, "big")])  # one more, later: it wakes for it
+        await asyncio.wait_for(reader, 2.0)
+        assert got == list(range(n + 1))
+        assert not loop.remove_reader(fd)  # it stopped watching the descriptor when it ended
+
+        cancelled = asyncio.create_task(read(10**6))  # and when it is cancelled while waiting
+        await asyncio.sleep(0.1)
+        cancelled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        assert not loop.remove_reader(fd)
+    finally:
+        sub.close(linger=0)
+        pub.close(linger=0)
+        ctx.term()
