@@ -82,3 +82,33 @@ def test_routers_that_follow_the_same_events_decide_alike(tmp_path: Path) -> Non
     assert row["agreement"] >= 0.98
     assert 0 < row["late_believe_s"] < 1.5 and row["late_compared"] > 50 and row["late_agreement"] >= 0.98
     assert "| 10 | 2 | " in (tmp_path / "events.md").read_text()
+
+
+def test_router_serve_with_workers_as_the_subscriber_is_measured_as_a_host_pays_for_it(tmp_path: Path) -> None:
+    """`--serve-workers`: router-serve itself, two workers and its control process, follows the
+    publishers; its tree's CPU and memory are counted, its /metrics say when it believes them all."""
+    args = build_parser().parse_args(
+        [
+            "events",
+            "--publishers",
+            "8",
+            "--duration",
+            "6",
+            "--blocks-per-s",
+            "160",
+            "--batch-blocks",
+            "16",
+            "--serve-workers",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert args.run(args) == 0
+    (row,) = json.loads((tmp_path / "events-serve.json").read_text())["serve_rows"]
+    assert row["workers"] == 2 and row["processes"] >= 3  # the control process, its two workers (and helpers)
+    assert row["believed"] == 8 and 0 < row["believe_s"] < 6
+    assert row["host_cpu_cores"] > 0 and row["host_cpu_us_per_block"] > 0
+    assert 0 < row["lag_p50_le_s"] <= row["lag_p99_le_s"] <= 2.5
+    assert row["held_blocks"] > 8 * 16 and row["rss_mib"] > 0
+    assert "| 8 | 2 | " in (tmp_path / "events-serve.md").read_text()

@@ -27,6 +27,11 @@ processes would have) follow the same publishers from this process, and with `--
 more joins halfway through the run; a second table says how often they decide alike on keyless
 traffic while events are in flight (router.bench.event_agreement), and how long the late one took
 to believe every replica. CPU and memory are then this process's: every router's together.
+
+With `--serve-workers N` (comma-separated counts) the subscriber is `router-serve --workers N`
+itself, started as an operator would start it, and the table is what the host pays for it: the
+CPU and memory of its whole process tree, the time until its /metrics say every replica is
+believed, and its lag histogram's percentiles (router.bench.event_serve).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from router._runtime import raise_open_files
 from router.bench.common import free_port, positive_float, positive_int
 from router.bench.event_agreement import Agreement, Recorder, sample
 from router.bench.event_publishers import Shape, publishers_main
+from router.bench.event_serve import measure_serve, render_serve
 from router.config import ReplicaSpec, RouterConfig
 from router.engines.kvfeed import Feed
 from router.health.states import Hysteresis
@@ -83,9 +89,17 @@ class Routers:
 
 
 async def measure(
-    publishers: int, shape: Shape, duration_s: float, join_after_s: float, procs: int, routers: Routers = Routers()
+    publishers: int,
+    shape: Shape,
+    duration_s: float,
+    join_after_s: float,
+    procs: int,
+    routers: Routers = Routers(),
+    serve_workers: int = 0,
 ) -> dict[str, Any]:
-    """One fleet size: publishers started, the subscribers joining, the run, and what it measured."""
+    """One fleet size: publishers started, the subscribers joining (this process's, or with
+    `serve_workers` a `router-serve --workers N` child: router.bench.event_serve), the run, and
+    what it measured."""
     base = free_port(2 * publishers)
     ports = [(base + 2 * i, base + 2 * i + 1) for i in range(publishers)]
     specs = tuple(ReplicaSpec(f"r{i}", f"http://127.0.0.1:9/r{i}") for i in range(publishers))
@@ -107,6 +121,16 @@ async def measure(
         for _, parent in children:
             if not parent.poll(60) or parent.recv() != "ready":
                 raise RuntimeError("a publisher process did not start")
+        if serve_workers:
+            endpoints = [(f"r{i}", p, q) for i, (p, q) in enumerate(ports)]
+            return await measure_serve(
+                endpoints,
+                shape,
+                serve_workers,
+                start_at + join_after_s,
+                start_at + duration_s,
+                lambda: _stop_publishers(children),
+            )
         return await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers)
     finally:
         for proc, parent in children:
@@ -192,13 +216,7 @@ async def _subscribe(
             with contextlib.suppress(asyncio.CancelledError):
                 await joining
         steady_lags = array("d", lags)
-        for _, parent in children:
-            parent.send("stop")
-        sent = {"messages": 0, "stored": 0, "removed": 0, "skipped_steps": 0, "seconds": 0.0}
-        for _, parent in children:
-            counts = parent.recv()
-            for k in sent:
-                sent[k] = sent[k] + counts[k] if k != "seconds" else max(sent[k], counts[k])
+        sent = _stop_publishers(children)
         settle = time.monotonic()
         while time.monotonic() - max(last[0], settle) < SETTLE_S and time.monotonic() - settle < SETTLE_MAX_S:
             await asyncio.sleep(0.05)
@@ -259,6 +277,18 @@ async def _subscribe(
         "late_compared": agreement.late_samples,
         "late_agreement": agreement.late_share,
     }
+
+
+def _stop_publishers(children: list[tuple[Any, Connection]]) -> dict[str, Any]:
+    """Tells the publishers' processes to stop; what they sent, all together."""
+    for _, parent in children:
+        parent.send("stop")
+    sent = {"messages": 0, "stored": 0, "removed": 0, "skipped_steps": 0, "seconds": 0.0}
+    for _, parent in children:
+        counts = parent.recv()
+        for k in sent:
+            sent[k] = sent[k] + counts[k] if k != "seconds" else max(sent[k], counts[k])
+    return sent
 
 
 def _router(config: RouterConfig, shape: Shape, metrics: RouterMetrics, http: aiohttp.ClientSession) -> Feed:
@@ -347,6 +377,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     raise_open_files()  # as router-serve does
     rows = []
+    if args.serve_workers:
+        return _run_serve(args, shape)
     for n in args.publishers:
         routers = Routers(args.routers, args.late_router)
         row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
@@ -367,6 +399,28 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r["bad_messages"] for r in rows) else 0
 
 
+def _run_serve(args: argparse.Namespace, shape: Shape) -> int:
+    rows = []
+    for n in args.publishers:
+        for workers in args.serve_workers:
+            run = measure(n, shape, args.duration, args.join_after, args.publisher_procs, Routers(), workers)
+            row = uvloop.run(run)
+            rows.append(row)
+            if not args.json:
+                print(
+                    f"{n} publishers, router-serve --workers {workers}: {row['believed']} believed after "
+                    f"{row['believe_s']:.2f} s, {row['host_cpu_cores']:.2f} cores",
+                    file=sys.stderr,
+                )
+    result = {"shape": asdict(shape), "cpus": os.cpu_count(), "serve_rows": rows}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "events-serve.json").write_text(json.dumps(result, indent=1))
+        (args.out / "events-serve.md").write_text(render_serve(rows) + "\n")
+    print(json.dumps(result, indent=1) if args.json else render_serve(rows))
+    return 0
+
+
 def _sizes(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
@@ -375,6 +429,16 @@ def _sizes(text: str) -> list[int]:
     if not sizes or any(n < 1 or n > 5000 for n in sizes):
         raise argparse.ArgumentTypeError(f"{text!r}: each count must be in 1..5000")
     return sizes
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: worker counts, comma-separated (1,2)") from None
+    if not counts or any(n < 1 or n > 64 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each count must be in 1..64")
+    return counts
 
 
 def add_parser(sub: Any) -> None:
@@ -396,6 +460,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--publisher-procs", type=positive_int, default=1, help="child processes the publishers run in")
     p.add_argument("--routers", type=positive_int, default=1, help="routers' subscribers joining together")
     p.add_argument("--late-router", action="store_true", help="one more router joins halfway through the run")
+    p.add_argument(
+        "--serve-workers",
+        type=_counts,
+        default=[],
+        help="instead of this process's subscriber, router-serve --workers N as a child, for each N "
+        "(comma-separated): the host's CPU and memory for it (router.bench.event_serve)",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for events.json and events.md")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
