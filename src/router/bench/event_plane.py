@@ -42,7 +42,6 @@ import contextlib
 import gc
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -58,7 +57,7 @@ import uvloop
 from router._runtime import raise_open_files
 from router.bench.common import free_port, positive_float, positive_int
 from router.bench.event_agreement import Agreement, Recorder, sample
-from router.bench.event_publishers import Shape, publishers_main
+from router.bench.event_publishers import Shape, end_publishers, start_publishers, stop_publishers
 from router.bench.event_serve import measure_serve, render_serve
 from router.config import ReplicaSpec, RouterConfig
 from router.engines.kvfeed import Feed
@@ -108,19 +107,9 @@ async def measure(
         health_checks=False,
         kv_event_endpoints=tuple(f"r{i}=tcp://127.0.0.1:{p};tcp://127.0.0.1:{q}" for i, (p, q) in enumerate(ports)),
     )
-    ctx = mp.get_context("spawn")
     start_at = time.time() + 1.0 + publishers / 500  # every child opened its sockets by then
-    children: list[tuple[Any, Connection]] = []
-    per = math.ceil(publishers / procs)
-    for k in range(0, publishers, per):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=publishers_main, args=(k, ports[k : k + per], shape, start_at, child), daemon=True)
-        proc.start()
-        children.append((proc, parent))
+    children = start_publishers(ports, shape, procs, start_at)
     try:
-        for _, parent in children:
-            if not parent.poll(60) or parent.recv() != "ready":
-                raise RuntimeError("a publisher process did not start")
         if serve_workers:
             endpoints = [(f"r{i}", p, q) for i, (p, q) in enumerate(ports)]
             return await measure_serve(
@@ -129,17 +118,11 @@ async def measure(
                 serve_workers,
                 start_at + join_after_s,
                 start_at + duration_s,
-                lambda: _stop_publishers(children),
+                lambda: stop_publishers(children),
             )
         return await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers)
     finally:
-        for proc, parent in children:
-            with contextlib.suppress(OSError, BrokenPipeError):
-                parent.send("end")
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        end_publishers(children)
 
 
 async def _subscribe(
@@ -216,7 +199,7 @@ async def _subscribe(
             with contextlib.suppress(asyncio.CancelledError):
                 await joining
         steady_lags = array("d", lags)
-        sent = _stop_publishers(children)
+        sent = stop_publishers(children)
         settle = time.monotonic()
         while time.monotonic() - max(last[0], settle) < SETTLE_S and time.monotonic() - settle < SETTLE_MAX_S:
             await asyncio.sleep(0.05)
@@ -277,18 +260,6 @@ async def _subscribe(
         "late_compared": agreement.late_samples,
         "late_agreement": agreement.late_share,
     }
-
-
-def _stop_publishers(children: list[tuple[Any, Connection]]) -> dict[str, Any]:
-    """Tells the publishers' processes to stop; what they sent, all together."""
-    for _, parent in children:
-        parent.send("stop")
-    sent = {"messages": 0, "stored": 0, "removed": 0, "skipped_steps": 0, "seconds": 0.0}
-    for _, parent in children:
-        counts = parent.recv()
-        for k in sent:
-            sent[k] = sent[k] + counts[k] if k != "seconds" else max(sent[k], counts[k])
-    return sent
 
 
 def _router(config: RouterConfig, shape: Shape, metrics: RouterMetrics, http: aiohttp.ClientSession) -> Feed:

@@ -10,10 +10,15 @@ parent says stop, then sends back what they sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import multiprocessing as mp
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import uvloop
 import zmq
@@ -97,6 +102,49 @@ class Engine:
             self.held += n
             self.stored += n
         return events
+
+
+def start_publishers(
+    ports: list[tuple[int, int]], shape: Shape, procs: int, start_at: float
+) -> list[tuple[BaseProcess, Connection]]:
+    """Publishers on `ports` (PUB, replay) in `procs` child processes, publishing from `start_at`
+    (wall clock); returns once every child has opened its sockets. End them with `end_publishers`."""
+    ctx = mp.get_context("spawn")
+    children: list[tuple[BaseProcess, Connection]] = []
+    per = math.ceil(len(ports) / procs)
+    for k in range(0, len(ports), per):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=publishers_main, args=(k, ports[k : k + per], shape, start_at, child), daemon=True)
+        proc.start()
+        children.append((proc, parent))
+    for _, parent in children:
+        if not parent.poll(60) or parent.recv() != "ready":
+            end_publishers(children)
+            raise RuntimeError("a publisher process did not start")
+    return children
+
+
+def stop_publishers(children: list[tuple[BaseProcess, Connection]]) -> dict[str, Any]:
+    """Tells the publishers to stop; what they sent, all together."""
+    for _, parent in children:
+        parent.send("stop")
+    sent: dict[str, Any] = {"messages": 0, "stored": 0, "removed": 0, "skipped_steps": 0, "seconds": 0.0}
+    for _, parent in children:
+        counts = parent.recv()
+        for k in sent:
+            sent[k] = sent[k] + counts[k] if k != "seconds" else max(sent[k], counts[k])
+    return sent
+
+
+def end_publishers(children: list[tuple[BaseProcess, Connection]]) -> None:
+    """The publishers' processes ended (stopped or not)."""
+    for proc, parent in children:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            parent.send("end")
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def publishers_main(first: int, ports: list[tuple[int, int]], shape: Shape, start_at: float, conn: Connection) -> None:
