@@ -347,9 +347,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"router-bench events: {exc}", file=sys.stderr)
         return 2
     raise_open_files()  # as router-serve does
-    rows = []
     if args.serve_workers:
         return _run_serve(args, shape)
+    rows = []
     for n in args.publishers:
         routers = Routers(args.routers, args.late_router)
         row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
@@ -360,12 +360,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{row['whole_blocks_per_s']:,.0f} blocks/s applied, lag P99 {row['lag_p99_s'] * 1e3:.1f} ms",
                 file=sys.stderr,
             )
-    result = {"shape": asdict(shape), "cpus": os.cpu_count(), "rows": rows}
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "events.json").write_text(json.dumps(result, indent=1))
-        (args.out / "events.md").write_text(render(shape, rows) + "\n")
-    print(json.dumps(result, indent=1) if args.json else render(shape, rows))
+    _show(args, "events", {"shape": asdict(shape), "cpus": os.cpu_count(), "rows": rows}, render(shape, rows))
     # a subscriber that falls behind is a result (the table says how far); a message it could not read is not
     return 1 if any(r["bad_messages"] for r in rows) else 0
 
@@ -384,12 +379,17 @@ def _run_serve(args: argparse.Namespace, shape: Shape) -> int:
                     file=sys.stderr,
                 )
     result = {"shape": asdict(shape), "cpus": os.cpu_count(), "serve_rows": rows}
+    _show(args, "events-serve", result, render_serve(rows))
+    return 0
+
+
+def _show(args: argparse.Namespace, name: str, result: dict[str, Any], table: str) -> None:
+    """The results printed (a table, or JSON with --json), and with --out kept as NAME.json and NAME.md."""
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "events-serve.json").write_text(json.dumps(result, indent=1))
-        (args.out / "events-serve.md").write_text(render_serve(rows) + "\n")
-    print(json.dumps(result, indent=1) if args.json else render_serve(rows))
-    return 0
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"{name}.md").write_text(table + "\n")
+    print(json.dumps(result, indent=1) if args.json else table)
 
 
 def _sizes(text: str) -> list[int]:
@@ -438,7 +438,9 @@ def add_parser(sub: Any) -> None:
         help="instead of this process's subscriber, router-serve --workers N as a child, for each N "
         "(comma-separated): the host's CPU and memory for it (router.bench.event_serve)",
     )
-    p.add_argument("--out", type=Path, default=None, help="folder for events.json and events.md")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for events.json and .md (events-serve.* with --serve-workers)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
