@@ -184,6 +184,9 @@ async def test_the_index_equals_what_each_engine_holds(
             for h in router.placement.truth.of(rid)
         )  # type: ignore[union-attr]
         assert evicted > 0  # the caches were too small for all of them: the engines evicted
+        # every message vLLM sent was read by the scanner (none left to the long decoder)
+        holdings = [h for rid in router.placement.truth.replicas for h in router.placement.truth.of(rid)]  # type: ignore[union-attr]
+        assert all(h.figures.batches > 0 and h.figures.long_way == 0 for h in holdings), [h.figures for h in holdings]
         # every conversation's next turn, on every replica: the prediction is what the engine then finds
         checked = 0
         for n in range(6):

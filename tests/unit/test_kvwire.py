@@ -23,7 +23,9 @@ from twins import implementations
 from router import _kvwire_py
 from router._compat import NO_EXTENSIONS
 from router.kvevents import wire
+from router.kvevents.holdings import Holdings
 from router.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode, decode_long
+from router.prefix import PrefixIndex
 
 IMPLEMENTATIONS = implementations("_kvwire", _kvwire_py)
 TS = 1796301048.25
@@ -304,3 +306,16 @@ def test_vllm_shaped_messages_are_all_scanned(raw: list[Any], rank: int) -> None
     )
     for name, impl in IMPLEMENTATIONS.items():
         assert (impl.scan(payload) is not None) == plain, name
+
+
+def test_a_replica_counts_the_batches_the_scanner_left_to_the_long_way() -> None:
+    """`long_way` in a replica's figures: an engine whose every message takes the long way (a
+    wire format the scanner does not read) shows there, not only in the CPU it costs."""
+    h = Holdings(PrefixIndex(), 100)
+    fast = decode(0, packed(removed(1)))
+    slow = decode(1, packed(["BlockRemoved", [2], "GPU"]))  # positional: the long way
+    assert fast.scanned and not slow.scanned
+    assert fast == decode_long(0, packed(removed(1)))  # (whether it was scanned is not what it says)
+    h.accept(fast)
+    h.accept(slow)
+    assert h.figures.batches == 2 and h.figures.long_way == 1

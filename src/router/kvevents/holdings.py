@@ -66,6 +66,7 @@ class Figures:
     restarts: int = 0
     duplicates: int = 0  # live messages the replay had applied already (they waited in the socket's queue)
     unsure_episodes: int = 0
+    long_way: int = 0  # batches the compiled scanner left to the long decoder (router.kvevents.wire)
 
 
 class Holdings:
@@ -195,6 +196,7 @@ class Holdings:
         self.seq = batch.seq
         f = self.figures
         f.batches += 1
+        f.long_way += not batch.scanned
         # vLLM sends one BlockRemoved per evicted block: a run of them on one medium is applied at once
         gone: array[int] = array("Q")
         medium = MEDIUM_GPU

@@ -420,6 +420,7 @@ class Truth:
                 "duplicates": f.duplicates,
                 "restarts": f.restarts,
                 "unsure_episodes": f.unsure_episodes,
+                "long_way": f.long_way,
             }
         return out
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -91,6 +91,9 @@ class Batch:
     ts: float
     rank: int
     events: tuple[Event, ...]
+    # read by the scanner (False: decoded the long way: a shape the scanner leaves, which an engine
+    # sending it on every message would make slow; Holdings counts them). Not part of what it says.
+    scanned: bool = field(default=False, compare=False)
 
 
 def engine_name(h: object, where: str = "event") -> int:
@@ -238,7 +241,7 @@ def decode(seq: int, payload: bytes) -> Batch:
     """The batch a message carries (its sequence number already read)."""
     scanned = scan(payload)
     if scanned is not None:
-        return Batch(seq, scanned[0], scanned[1], _events(scanned[2]))
+        return Batch(seq, scanned[0], scanned[1], _events(scanned[2]), scanned=True)
     return decode_long(seq, payload)
 
 
