@@ -1,8 +1,9 @@
 """`router-bench redis`: what the state shared through Redis costs a request, and what a slow or gone Redis does.
 
-Two routers share one `redis-server` (a child of this process, on a loopback port) for their
-sessions, membership and tenants' token budgets, in front of emulated replicas; clients hold
-multi-turn chat sessions through both, with an API key whose tenant has a budget (large enough
+`--routers` routers (two by default) share one `redis-server` (a child of this process, on a
+loopback port) for their sessions, membership and tenants' token budgets, in front of emulated
+replicas; clients hold multi-turn chat sessions through them (a session's turns go round the
+routers), with an API key whose tenant has a budget (large enough
 never to refuse: every request is charged, none is refused). The run goes through five phases of
 `--phase-s` each:
 
@@ -14,7 +15,8 @@ never to refuse: every request is charged, none is refused). The run goes throug
   back what they know.
 
 For each phase: the requests answered, how (whole, failed clean; a cut one is a fault), their
-latency P50/P99, and Redis' commands by name (INFO commandstats), a second and per request. Per
+latency P50/P99, Redis' own CPU (INFO cpu: a second, and a request's net of the routers' background),
+and Redis' commands by name (INFO commandstats), a second and per request. Per
 request they are counted net of the routers' own background (the idle phase's rate) and by the
 feature behind them: budgets (EVALSHA: one script to reserve before the request, one to settle
 after, each one round trip running TIME, HMGET, HSET and EXPIRE inside), sessions (GET: a
@@ -82,6 +84,15 @@ async def _commandstats(client: aioredis.Redis) -> Counter[str]:
     return Counter({name.removeprefix("cmdstat_").upper(): int(v["calls"]) for name, v in info.items()})
 
 
+async def _cpu(client: aioredis.Redis) -> float:
+    """Seconds of CPU redis-server has used since it started (user and system; nan while it is away)."""
+    try:
+        info = await asyncio.wait_for(client.info("cpu"), 2)
+    except (OSError, TimeoutError, aioredis.RedisError):
+        return math.nan
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 async def _stall(client: aioredis.Redis, stall_ms: int, every_ms: int, stop: asyncio.Event) -> None:
     """Every `every_ms`, hold every client's commands for `stall_ms` (CLIENT PAUSE ALL)."""
     while not stop.is_set():
@@ -91,7 +102,7 @@ async def _stall(client: aioredis.Redis, stall_ms: int, every_ms: int, stop: asy
             await asyncio.wait_for(stop.wait(), every_ms / 1000)
 
 
-async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int) -> dict[str, Any]:
+async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int, routers: int = 2) -> dict[str, Any]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
@@ -103,25 +114,25 @@ async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int) -> d
         world.closers.append(redis.stop)
         await world.start_fleet()
         shared = {"state": redis.url, "client_keys_file": _keys_file(folder)}
-        a, url_a = await world.start_router(**shared)
-        b, url_b = await world.start_router(**shared)
-        nodes = (a, b)
+        started = [await world.start_router(**shared) for _ in range(routers)]
+        nodes = [node for node, _ in started]
         if await wait_until(lambda: all(n.redis is not None and n.redis.online for n in nodes), 10) is None:
             raise RuntimeError("the routers did not reach redis-server")
         probe = aioredis.from_url(redis.url, socket_timeout=2, socket_connect_timeout=1)
         world.closers.append(probe.aclose)
-        clients = world.clients([url_a, url_b], "redis")
+        clients = world.clients([url for _, url in started], "redis")
         clients.headers = {"Authorization": f"Bearer {API_KEY}"}
         phases: list[dict[str, Any]] = []
         windows: dict[str, tuple[float, float]] = {}
 
         async def phase(name: str) -> None:
-            before, t0 = await _commandstats(probe), time.monotonic()
+            before, cpu0, t0 = await _commandstats(probe), await _cpu(probe), time.monotonic()
             await asyncio.sleep(phase_s)
-            after, t1 = await _commandstats(probe), time.monotonic()
+            after, cpu1, t1 = await _commandstats(probe), await _cpu(probe), time.monotonic()
             windows[name] = (t0, t1)
             calls = Counter({c: n for c, n in (after - before).items() if c not in OWN}) if after else Counter()
-            phases.append({"phase": name, "seconds": t1 - t0, "commands": dict(calls)})
+            # (a server that was away at either end has no CPU figure for the phase)
+            phases.append({"phase": name, "seconds": t1 - t0, "commands": dict(calls), "redis_cpu_s": cpu1 - cpu0})
 
         await phase("idle")
         clients.start()
@@ -168,7 +179,12 @@ async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int) -> d
         by_feature = {f: sum(v for c, v in net.items() if c in cmds) for f, cmds in FEATURES.items()}
         by_feature["other"] = sum(v for c, v in net.items() if not any(c in cmds for cmds in FEATURES.values()))
         p["round_trips_per_request"] = by_feature if answers else {}
+        # Redis' own CPU: a second of the phase, and a request's net of the routers' background
+        p["redis_cpu_ms_per_s"] = p["redis_cpu_s"] / p["seconds"] * 1e3
+        background = idle["redis_cpu_s"] / idle["seconds"] * p["seconds"]
+        p["redis_cpu_us_per_request"] = (p["redis_cpu_s"] - background) / len(answers) * 1e6 if answers else math.nan
     return {
+        "routers": routers,
         "users": users,
         "phase_s": phase_s,
         "stall": f"{stall_ms} ms of every {every_ms} ms",
@@ -201,13 +217,15 @@ def _uncharged(node: Node) -> int:
 
 def render(result: dict[str, Any]) -> str:
     lines = [
-        f"Two routers on one redis-server, {result['users']} users holding chat sessions through both, "
-        f"every request charged to a tenant's budget; phases of {result['phase_s']:g} s; slowed: Redis "
-        f"paused {result['stall']}.",
+        f"{result['routers']} routers on one redis-server, {result['users']} users holding chat sessions "
+        f"through them, every request charged to a tenant's budget; phases of {result['phase_s']:g} s; slowed: "
+        f"Redis paused {result['stall']}. Redis CPU: ms a second of the phase, and µs a request net of the "
+        "routers' background (the idle phase's).",
         "",
         "| phase | answered | whole | failed clean | P50 (ms) | P99 (ms) | Redis commands/s | per request "
-        "| round trips a request: budgets, sessions, placements, other | by command (per request) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| round trips a request: budgets, sessions, placements, other | Redis CPU: ms/s, µs a request "
+        "| by command (per request) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for p in result["phases"]:
         n = p["answered"]
@@ -216,7 +234,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"| {p['phase']} | {n:,} | {p['succeeded']:,} | {p['failed_clean']:,} | {_ms(p['p50_s'])} "
             f"| {_ms(p['p99_s'])} | {p['commands_per_s']:,.1f} | {_num(p['commands_per_request'])} "
-            f"| {', '.join(f'{v:.2f}' for v in p['round_trips_per_request'].values()) or '—'} | {by} |"
+            f"| {', '.join(f'{v:.2f}' for v in p['round_trips_per_request'].values()) or '—'} "
+            f"| {_num(p['redis_cpu_ms_per_s'])}, {_num(p['redis_cpu_us_per_request'])} | {by} |"
         )
     lines += [
         "",
@@ -239,7 +258,7 @@ def _num(value: float | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = asyncio.run(measure(args.users, args.phase_s, args.stall_ms, args.stall_every_ms))
+        result = asyncio.run(measure(args.users, args.phase_s, args.stall_ms, args.stall_every_ms, args.routers))
     except RuntimeError as exc:
         print(f"router-bench redis: {exc}", file=sys.stderr)
         return 2
@@ -258,6 +277,7 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--routers", type=positive_int, default=2, help="routers sharing the one Redis")
     p.add_argument("--users", type=positive_int, default=12, help="users holding chat sessions")
     p.add_argument("--phase-s", type=positive_float, default=4.0, help="seconds each phase lasts")
     p.add_argument("--stall-ms", type=positive_int, default=200, help="how long each pause of the slowed phase is")
