@@ -46,6 +46,7 @@ import os
 import sys
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -392,24 +393,19 @@ def _show(args: argparse.Namespace, name: str, result: dict[str, Any], table: st
     print(json.dumps(result, indent=1) if args.json else table)
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: publisher counts, comma-separated (100,300,1000)") from None
-    if not sizes or any(n < 1 or n > 5000 for n in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: each count must be in 1..5000")
-    return sizes
+def _counts(what: str, example: str, most: int) -> Callable[[str], list[int]]:
+    """An argument's parser: comma-separated counts of `what`, each in 1..most."""
 
+    def parse(text: str) -> list[int]:
+        try:
+            counts = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} counts, comma-separated ({example})") from None
+        if not counts or any(n < 1 or n > most for n in counts):
+            raise argparse.ArgumentTypeError(f"{text!r}: each count must be in 1..{most}")
+        return counts
 
-def _counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: worker counts, comma-separated (1,2)") from None
-    if not counts or any(n < 1 or n > 64 for n in counts):
-        raise argparse.ArgumentTypeError(f"{text!r}: each count must be in 1..64")
-    return counts
+    return parse
 
 
 def add_parser(sub: Any) -> None:
@@ -419,7 +415,8 @@ def add_parser(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--publishers", type=_sizes, default=[100, 300, 1000], help="fleet sizes, comma-separated")
+    publishers = _counts("publisher", "100,300,1000", 5000)
+    p.add_argument("--publishers", type=publishers, default=[100, 300, 1000], help="fleet sizes, comma-separated")
     p.add_argument("--blocks-per-s", type=positive_float, default=Shape.blocks_per_s, help="stored a second, each")
     p.add_argument("--batch-blocks", type=positive_int, default=Shape.batch_blocks, help="blocks a message stores")
     p.add_argument("--block-size", type=positive_int, default=Shape.block_size, help="tokens a block")
@@ -433,7 +430,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--late-router", action="store_true", help="one more router joins halfway through the run")
     p.add_argument(
         "--serve-workers",
-        type=_counts,
+        type=_counts("worker", "1,2", 64),
         default=[],
         help="instead of this process's subscriber, router-serve --workers N as a child, for each N "
         "(comma-separated): the host's CPU and memory for it (router.bench.event_serve)",
