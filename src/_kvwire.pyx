@@ -256,12 +256,13 @@ cdef inline bint _key(_reader* r) noexcept nogil:
     return _head(r, &v) and v.kind == _STR
 
 
-cdef inline bint _is(const _value* v, const char* name, Py_ssize_t n) noexcept nogil:
-    return v.kind == _STR and v.u == <uint64_t>n and memcmp(v.data, name, n) == 0
-
-
 cdef inline bint _same(const uint8_t* a, Py_ssize_t na, const uint8_t* b, Py_ssize_t nb) noexcept nogil:
     return na == nb and memcmp(a, b, na) == 0
+
+
+cdef inline bint _is(const _value* v, const char* name, Py_ssize_t n) noexcept nogil:
+    """`v` is the string `name` (`n` bytes)."""
+    return v.kind == _STR and _same(v.data, <Py_ssize_t>v.u, <const uint8_t*>name, n)
 
 
 cdef inline str _text(const uint8_t* data, Py_ssize_t n):
