@@ -358,14 +358,17 @@ def test_real_vllm_side_by_side(tmp_path: Path) -> None:
     table = result["tables"]["sessions@1"]
     assert list(table) == contenders
     # every contender is sent the same turns, unless a slow run reached the drain cap (3 x --duration)
-    # and cut a session's later turns: then it served fewer, and the report says so under the table
+    # and cut a session's later turns, or a turn failed (a router's refusal among them) and ended its
+    # conversation: then it served fewer, and the report says so under the table
     planned = sum(len(p.turns) for p in session_plans(Workload.parse("sessions@1"), args))
     assert planned >= 5
     for name, f in table.items():
+        if f["turns_dropped"]:
+            assert f["failed"] and "an earlier turn of their conversation failed" in md, name
         if f["sessions_cut"]:
-            assert f["requests"] < planned and "Sessions cut at the drain cap" in md, name
+            assert f["requests"] + f["turns_dropped"] < planned and "Sessions cut at the drain cap" in md, name
         else:
-            assert f["requests"] == planned, name
+            assert f["requests"] + f["turns_dropped"] == planned, name
     for name in contenders:
         run = result["runs"]["sessions@1"][name][0]
         assert sum(run["finished"]) == run["ok"] and len(run["load_timeline"]["queued"][0]) == 2, name

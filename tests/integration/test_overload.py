@@ -28,10 +28,13 @@ SLOW = 1.0  # engine seconds per wall second: a 20-token reply takes about 0.2 s
 HOLD = {"max_queued": 8, "queue_timeout_s": 2.0, "full_waiting": 2, "probe_interval_s": 0.1}
 
 
-async def small_fleet(make_replica: Callable[..., Replica]) -> Fleet:
-    """Two replicas of two slots each: four requests at once, about twenty a second."""
+async def small_fleet(make_replica: Callable[..., Replica], time_scale: float = SLOW) -> Fleet:
+    """Two replicas of two slots each: four requests at once, about twenty a second (at SLOW)."""
     fleet = Fleet(
-        [make_replica(f"emu-{i}", EngineConfig(num_blocks=4000, max_num_seqs=2), time_scale=SLOW) for i in range(2)]
+        [
+            make_replica(f"emu-{i}", EngineConfig(num_blocks=4000, max_num_seqs=2), time_scale=time_scale)
+            for i in range(2)
+        ]
     )
     await fleet.start()
     return fleet
@@ -106,7 +109,9 @@ async def test_a_saturated_fleet_holds_requests_fairly_and_sheds_with_retry_afte
 async def test_turns_of_running_sessions_go_before_new_work(
     make_replica: Callable[..., Replica], start_router: Callable[..., Any]
 ) -> None:
-    fleet = await small_fleet(make_replica)
+    # replies of about 0.4 s: the queue stays full long enough to be seen on a busy machine, whose
+    # 24 requests may take a while to all arrive
+    fleet = await small_fleet(make_replica, time_scale=SLOW / 2)
     try:
         node, url = await start_router(
             [r.url for r in fleet.replicas], policy="affinity", **(HOLD | {"queue_timeout_s": 3.0})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import socket
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from router.bench.replay import Replayer, ReplayOptions
-from router.bench.workloads import SessionsSpec, best_case_prefix_reuse
+from router.bench.workloads import SessionsSpec, best_case_prefix_reuse, generate_sessions
 from router.emulator.engine import EngineConfig
 
 SPEC = SessionsSpec(
@@ -98,6 +99,12 @@ async def test_request_budget_and_errors_are_counted(start_fleet) -> None:  # ty
     fleet.replicas[0].set_faults({"error_rate": 1.0, "error_status": 503})
     result = await replay([fleet.replicas[0].url], duration_s=30, requests=5)
     assert result["requests"] == 5 and result["ok"] == 0 and result["errors"] == {"http 503": 5}
+    # with no request budget: each conversation ends at its failed first turn, and its other turns,
+    # never sent, are counted as such
+    failing = await replay([fleet.replicas[0].url], duration_s=4)
+    started = list(itertools.islice(generate_sessions(SPEC), failing["requests"]))
+    assert failing["ok"] == 0 and failing["requests"] == len(started) > 3
+    assert failing["turns_dropped"] == sum(len(p.turns) - 1 for p in started) > failing["requests"]
     dead = await replay(["http://127.0.0.1:9"], duration_s=2, requests=3)
     assert dead["ok"] == 0 and sum(dead["errors"].values()) == 3
     assert next(iter(dead["errors"])).startswith("connection")

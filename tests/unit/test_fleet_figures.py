@@ -376,6 +376,12 @@ def test_medians_tables_and_ratios() -> None:
         "Sessions cut at the drain cap (3 × `--duration`), their later turns never sent: router-serve full policy 2."
         in render_markdown(result)
     )
+    assert "an earlier turn of their conversation failed" not in md
+    full["turns_dropped"] = 3  # refused turns ended their conversations: the row is short, and says so
+    assert (
+        "Turns never sent because an earlier turn of their conversation failed (a refusal among them): "
+        "router-serve full policy 3." in render_markdown(result)
+    )
 
 
 async def test_a_fleet_that_fails_requests_does_not_meet_the_target(monkeypatch: pytest.MonkeyPatch) -> None:

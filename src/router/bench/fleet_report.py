@@ -75,6 +75,8 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     # of them, the 429s a router's overload hold turned away (a decision, where the others are faults)
     out["refused"] = sum(r.get("errors", {}).get("http 429", 0) for r in done)
     out["sessions_cut"] = sum(r.get("sessions_cut", 0) for r in done)
+    # turns never sent because an earlier turn of their conversation failed (a refusal among them)
+    out["turns_dropped"] = sum(r.get("turns_dropped", 0) for r in done)
     out["rounds"] = len(done)
     if len(done) < len(runs):
         out["error"] = next(r["error"] for r in runs if "error" in r)
@@ -246,6 +248,13 @@ def render_markdown(result: dict[str, Any]) -> str:
                 "Sessions cut at the drain cap (3 × `--duration`), their later turns never sent: "
                 + ", ".join(cut)
                 + ". Those rows count fewer requests than the others, and miss their slowest turns.",
+                "",
+            ]
+        dropped = [f"{labels[n]} {f['turns_dropped']:,.0f}" for n, f in ran.items() if f.get("turns_dropped")]
+        if dropped:
+            lines += [
+                "Turns never sent because an earlier turn of their conversation failed (a refusal among "
+                "them): " + ", ".join(dropped) + ". Those rows count fewer requests than the others.",
                 "",
             ]
         cpu = [

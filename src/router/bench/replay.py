@@ -145,6 +145,7 @@ class Replayer:
         self._cached = 0
         self._prompt = 0
         self._cut_sessions = 0
+        self._turns_dropped = 0  # turns never sent: an earlier turn of their conversation failed
         self._tasks: list[asyncio.Future[Any]] = []
         self._deadline: float | None = None  # perf_counter when the run is cut off or the drain capped
         self._slots = asyncio.Semaphore(opts.max_inflight)
@@ -334,6 +335,8 @@ class Replayer:
                 plan.session_id, k, "/v1/chat/completions", self._body(body), self._key_headers(plan.session_id)
             )
             if not rec.ok:
+                if not rec.cut:
+                    self._turns_dropped += len(plan.turns) - k
                 return  # a failed turn ends the conversation
             if rec.call is not None:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [rec.call]})
@@ -442,7 +445,7 @@ class Replayer:
                     ticker.cancel()
                     await asyncio.wait([ticker])
         wall = time.perf_counter() - t0
-        return summarize(self.records, self.opts, wall, _cpu_seconds() - cpu0, self._cut_sessions)
+        return summarize(self.records, self.opts, wall, _cpu_seconds() - cpu0, self._cut_sessions, self._turns_dropped)
 
 
 def _monotonic_at(t: float | None) -> float | None:
@@ -483,7 +486,12 @@ def meets(r: Record, slo: tuple[float, float]) -> bool:
 
 
 def summarize(
-    records: list[Record], opts: ReplayOptions, wall_s: float, cpu_s: float, cut_sessions: int = 0
+    records: list[Record],
+    opts: ReplayOptions,
+    wall_s: float,
+    cpu_s: float,
+    cut_sessions: int = 0,
+    turns_dropped: int = 0,
 ) -> dict[str, Any]:
     # requests cut off at the run's end are neither ok nor errors; having no end, they are in no latency
     ok = [r for r in records if r.ok]
@@ -518,6 +526,7 @@ def summarize(
         "cut_off": sum(r.cut for r in records),
         "sessions": len(paths),
         "sessions_cut": cut_sessions,
+        "turns_dropped": turns_dropped,
         "later_turns": len(later),
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "cached_tokens": sum(r.cached_tokens for r in ok),
@@ -733,7 +742,8 @@ def render(r: dict[str, Any]) -> str:
         f"{r['workload']} → {len(r['targets'])} target(s), spread {r['spread']}, time scale {r['time_scale']:g}",
         f"requests {r['requests']}  ok {r['ok']}  errors {errors}  cut off at the end {r['cut_off']}  "
         f"sessions {r['sessions']}  later turns {r['later_turns']}"
-        + (f"  sessions cut short {r['sessions_cut']}" if r["sessions_cut"] else ""),
+        + (f"  sessions cut short {r['sessions_cut']}" if r["sessions_cut"] else "")
+        + (f"  turns not sent after a failed turn {r['turns_dropped']}" if r.get("turns_dropped") else ""),
         (
             f"KV hit rate        {r['kv_hit_rate']:.1%}  (later turns {r['kv_hit_rate_later_turns']:.1%})"
             if r["ok"]
