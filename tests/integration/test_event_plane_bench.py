@@ -1,14 +1,22 @@
 """router-bench events, reduced to tens of publishers: every block the publishers stored reaches one
 router's index once, through a join mid-stream (the replay, and the live copies queued meanwhile),
 and the index holds what the engines hold once they evict; routers that follow the same events
-decide alike, a late one too once it believes every replica."""
+decide alike, in one process or each in its own, a late one too once it believes every replica."""
 
 from __future__ import annotations
 
 import json
+import math
+from array import array
 from pathlib import Path
 
+import pytest
+
 from router.bench.cli import build_parser
+from router.bench.common import free_port
+from router.bench.event_publishers import Shape
+from router.bench.event_remote import Remote
+from router.config import ReplicaSpec, RouterConfig
 
 
 def test_twenty_publishers_reach_one_router_s_index_whole(tmp_path: Path) -> None:
@@ -82,6 +90,41 @@ def test_routers_that_follow_the_same_events_decide_alike(tmp_path: Path) -> Non
     assert row["agreement"] >= 0.98
     assert 0 < row["late_believe_s"] < 1.5 and row["late_compared"] > 50 and row["late_agreement"] >= 0.98
     assert "| 10 | 2 | " in (tmp_path / "events.md").read_text()
+
+
+def test_routers_in_processes_of_their_own_decide_alike(tmp_path: Path) -> None:
+    # three routers, two of them each in a process of its own, asked over a pipe
+    args = build_parser().parse_args(
+        [
+            *("events", "--publishers", "10", "--duration", "5", "--join-after", "0.5"),
+            *("--blocks-per-s", "120", "--batch-blocks", "8", "--chain-blocks", "24", "--capacity-blocks", "120"),
+            *("--routers", "3", "--router-procs", "--out", str(tmp_path)),
+        ]
+    )
+    assert args.run(args) == 0
+    (row,) = json.loads((tmp_path / "events.json").read_text())["rows"]
+    assert row["routers"] == 3 and row["router_procs"] == 2 and row["believed"] == 10
+    assert row["router_procs_cpu_s"] > 0  # they followed the events themselves
+    assert row["decisions_compared"] > 200 and row["decisions_by_index"] > row["decisions_compared"] // 2
+    assert row["agreement"] >= 0.95
+    assert "| 10 | 3 (2 in processes of their own) | " in (tmp_path / "events.md").read_text()
+
+
+async def test_a_router_process_that_died_fails_the_question_with_one_line() -> None:
+    config = RouterConfig(
+        replicas=(ReplicaSpec("r0", "http://127.0.0.1:9/r0"),),
+        health_checks=False,
+        kv_event_endpoints=(f"r0=tcp://127.0.0.1:{free_port(2)};tcp://127.0.0.1:{free_port(2) + 1}",),
+    )
+    remote = Remote(config, Shape())
+    try:
+        assert await remote.ask(("sure",)) == 0  # it answers before it joins: nothing believed yet
+        assert await remote.ask(("decide", [array("Q", [1, 2, 3])])) == [-1]
+        remote.proc.kill()
+        with pytest.raises(RuntimeError, match=r"a router process ended .* before answering 'sure'"):
+            await remote.ask(("sure",))
+    finally:
+        assert math.isnan(await remote.end())
 
 
 def test_router_serve_with_workers_as_the_subscriber_is_measured_as_a_host_pays_for_it(tmp_path: Path) -> None:

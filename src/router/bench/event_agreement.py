@@ -18,11 +18,13 @@ not believe yet is priced by its model in a real router: here it counts as holdi
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.kvevents.tokens import root_of, token_chain
 from router.kvevents.truth import Truth
@@ -115,25 +117,72 @@ async def sample(
     until: float,
     clock: Callable[[], float],
     seed: int = 7,
+    remote: Callable[[list[array[int]]], Awaitable[list[list[int]]]] | None = None,
 ) -> None:
     """Draws prompts every SAMPLE_S until `until` (on `clock`) and counts identical decisions.
-    `late()` is the late router once it believes every replica (None before, or without one)."""
+    `late()` is the late router once it believes every replica (None before, or without one);
+    `remote(chains)`: the decisions of routers in other processes (router.bench.event_remote), each
+    a list in the order of `chains`, asked just after this process's routers decided."""
     rng = random.Random(seed)
     while clock() < until:
         joined = late()
+        chains = []
         for _ in range(SAMPLES):
             chain = recorder.draw(rng)
             if chain is None:
                 break
-            first = decision(together[0], ids, chain)
-            same = all(decision(t, ids, chain) == first for t in together[1:])
-            agreement.samples += 1
-            agreement.identical += same
-            agreement.held += first >= 0
-            if joined is not None:
-                agreement.late_samples += 1
-                agreement.late_identical += decision(joined, ids, chain) == first
+            chains.append(chain)
+        # this process's routers decide at one instant (no await between them)
+        firsts = [decision(together[0], ids, chain) for chain in chains]
+        pairs = list(zip(chains, firsts, strict=True))
+        same = [all(decision(t, ids, chain) == first for t in together[1:]) for chain, first in pairs]
+        if joined is not None:
+            agreement.late_samples += len(chains)
+            agreement.late_identical += sum(decision(joined, ids, c) == f for c, f in pairs)
+        if remote is not None and chains:
+            for theirs in await remote(chains):
+                same = [s and t == f for s, t, f in zip(same, theirs, firsts, strict=True)]
+        agreement.samples += len(chains)
+        agreement.identical += sum(same)
+        agreement.held += sum(f >= 0 for f in firsts)
         await asyncio.sleep(SAMPLE_S)
 
 
-__all__ = ["Agreement", "Recorder", "decision", "sample"]
+def render_agreement(rows: list[dict[str, Any]]) -> list[str]:
+    """The agreement table's lines, for the rows that compared routers (none: no lines)."""
+    compared = [r for r in rows if r["routers"] > 1 or r["late_router"]]
+    if not compared:
+        return []
+    lines = [
+        "",
+        "Agreement on keyless traffic, in the steady window: prompts drawn from the replicas' latest chains "
+        "(the newest blocks included), each router sending each to the replica its events say holds the most "
+        "of it. Late: a router that joined halfway through, against the first, once it believed every replica.",
+        "",
+        "| publishers | routers together | decisions compared | by the index | identical "
+        "| late router: believed (s) | compared | identical |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in compared:
+        late = (
+            f"{figure(r['late_believe_s'], '.2f')} ({r['late_believed']:,} believed) | {r['late_compared']:,} "
+            f"| {figure(r['late_agreement'], '.3%')}"
+            if r["late_router"]
+            else "— | — | —"
+        )
+        identical = figure(r["agreement"], ".3%") if r["routers"] > 1 else "— (one router)"
+        procs = r.get("router_procs", 0)
+        together = f"{r['routers']}" + (f" ({procs} in processes of their own)" if procs else "")
+        lines.append(
+            f"| {r['publishers']:,} | {together} | {r['decisions_compared']:,} | {r['decisions_by_index']:,} "
+            f"| {identical} | {late} |"
+        )
+    return lines
+
+
+def figure(value: float, spec: str) -> str:
+    """`value` formatted by `spec`, or — where it is NaN (not measured)."""
+    return "—" if math.isnan(value) else format(value, spec)
+
+
+__all__ = ["Agreement", "Recorder", "decision", "figure", "render_agreement", "sample"]

@@ -26,7 +26,9 @@ With `--routers N`, N routers' subscribers (each its own fleet, index and socket
 processes would have) follow the same publishers from this process, and with `--late-router` one
 more joins halfway through the run; a second table says how often they decide alike on keyless
 traffic while events are in flight (router.bench.event_agreement), and how long the late one took
-to believe every replica. CPU and memory are then this process's: every router's together.
+to believe every replica. CPU and memory are then this process's: every router's together. With
+`--router-procs` the routers after the first each run in a process of their own, asked over a pipe
+(router.bench.event_remote): their skew is then between processes, not one loop's turns.
 
 With `--serve-workers N` (comma-separated counts) the subscriber is `router-serve --workers N`
 itself, started as an operator would start it, and the table is what the host pays for it: the
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -47,7 +50,7 @@ import sys
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -57,18 +60,16 @@ import uvloop
 
 from router._runtime import raise_open_files
 from router.bench.common import free_port, positive_float, positive_int
-from router.bench.event_agreement import Agreement, Recorder, sample
+from router.bench.event_agreement import Agreement, Recorder, figure, render_agreement, sample
 from router.bench.event_publishers import Shape, end_publishers, start_publishers, stop_publishers
+from router.bench.event_remote import Remote, decide_all, subscriber
 from router.bench.event_serve import measure_serve, render_serve
 from router.config import ReplicaSpec, RouterConfig
 from router.engines.kvfeed import Feed
-from router.health.states import Hysteresis
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch
 from router.measures import percentile
 from router.metrics import RouterMetrics
-from router.placement import Placement
-from router.pools import replica_fleet
 
 MIB = 1 << 20
 SETTLE_S = 0.5  # after the run, the subscriber is done once nothing arrived for this long
@@ -86,6 +87,7 @@ class Routers:
 
     together: int = 1
     late: bool = False
+    procs: bool = False  # the routers after the first each in a process of its own (router.bench.event_remote)
 
 
 async def measure(
@@ -135,6 +137,26 @@ async def _subscribe(
     children: list[tuple[Any, Connection]],
     routers: Routers,
 ) -> dict[str, Any]:
+    remotes = [Remote(config, shape) for _ in range(routers.together - 1)] if routers.procs else []
+    try:
+        row = await _follow(config, shape, duration_s, join_after_s, start_at, children, routers, remotes)
+    finally:
+        cpus = [await r.end() for r in remotes]
+    # each other router process's CPU, from its joining to its end (the settling after the run included)
+    row["router_procs_cpu_s"] = sum(cpus) / len(cpus) if cpus else math.nan
+    return row
+
+
+async def _follow(
+    config: RouterConfig,
+    shape: Shape,
+    duration_s: float,
+    join_after_s: float,
+    start_at: float,
+    children: list[tuple[Any, Connection]],
+    routers: Routers,
+    remotes: list[Remote],
+) -> dict[str, Any]:
     metrics = RouterMetrics()
     lags = array("d")
     applied = [0]
@@ -150,8 +172,13 @@ async def _subscribe(
         if compared:
             recorder.heard(rid, batch)
 
+    async def remote_sure() -> int:
+        """The fewest replicas a router in another process believes (every one, with none)."""
+        counts = await asyncio.gather(*(r.ask(("sure",)) for r in remotes))
+        return min(counts, default=len(config.replicas))
+
     async with aiohttp.ClientSession() as http:
-        feeds = [_router(config, shape, metrics, http) for _ in range(routers.together)]
+        feeds = [subscriber(config, shape, metrics, http) for _ in range(routers.together - len(remotes))]
         feed = feeds[0]
         feed.applied = heard
         ids = [r.id for r in feed.fleet.replicas]
@@ -161,7 +188,7 @@ async def _subscribe(
 
         async def join_late() -> None:
             await asyncio.sleep(max(start_at + duration_s / 2 - time.time(), 0.0))
-            late.append(_router(config, shape, metrics, http))
+            late.append(subscriber(config, shape, metrics, http))
             at = time.monotonic()
             await late[0].find()
             while time.time() < end and not all(late[0].truth.sure(rid) for rid in ids):
@@ -177,22 +204,25 @@ async def _subscribe(
         rss0, cpu0, joined = _rss(), time.process_time(), time.monotonic()
         for f in feeds:
             await f.find()
+        for r in remotes:
+            await r.ask(("join",))
         joining = asyncio.create_task(join_late()) if routers.late else None
         # joining: until every router believes every replica (its replay applied), or the run ends first
         believe_s = math.nan
         while time.time() < end:
-            if all(f.truth.sure(rid) for f in feeds for rid in ids):
+            if all(f.truth.sure(rid) for f in feeds for rid in ids) and await remote_sure() == len(ids):
                 believe_s = time.monotonic() - joined
                 break
             await asyncio.sleep(0.02)
-        believed = min(sum(f.truth.sure(rid) for rid in ids) for f in feeds)
+        believed = min(min(sum(f.truth.sure(rid) for rid in ids) for f in feeds), await remote_sure())
         # steady: from then to the end of the run (empty when it never caught up)
         del lags[:]
         n1, cpu1, t1, stored1 = applied[0], time.process_time(), time.monotonic(), _stored(feed, ids)
         agreement = Agreement()
         together = [f.truth for f in feeds]
         if compared and believed == len(ids):
-            await sample(recorder, together, late_truth, ids, agreement, end, time.time)
+            asked = functools.partial(decide_all, remotes) if remotes else None
+            await sample(recorder, together, late_truth, ids, agreement, end, time.time, remote=asked)
         await asyncio.sleep(max(end - time.time(), 0.0))
         n2, cpu2, t2, stored2 = applied[0], time.process_time(), time.monotonic(), _stored(feed, ids)
         if joining is not None:
@@ -251,6 +281,7 @@ async def _subscribe(
         "unsure_episodes": sum(f.unsure_episodes for f in figures),
         "bad_messages": sum(f.bad_messages for f in feeds + late),
         "routers": routers.together,
+        "router_procs": len(remotes),  # of them, each in a process of its own
         "late_router": routers.late,
         "decisions_compared": agreement.samples,
         "decisions_by_index": agreement.held,
@@ -261,17 +292,6 @@ async def _subscribe(
         "late_compared": agreement.late_samples,
         "late_agreement": agreement.late_share,
     }
-
-
-def _router(config: RouterConfig, shape: Shape, metrics: RouterMetrics, http: aiohttp.ClientSession) -> Feed:
-    """One router's subscriber: its fleet, its placement's index, its Feed (not yet following)."""
-    fleet = replica_fleet(config, config.replicas, Hysteresis())
-    for replica in fleet.replicas:  # what its probes would have read off the engine
-        replica.engine = replace(
-            replica.engine, kv_tokens=shape.capacity_blocks * shape.block_size, block_size=shape.block_size
-        )
-    placement = Placement(fleet, config.placement, config.bounded_load_floor)
-    return Feed(fleet, placement, config.placement, lambda: http, metrics)
 
 
 def _stored(feed: Feed, ids: list[str]) -> int:
@@ -297,41 +317,14 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['publishers']:,} | {r['sent_blocks_per_s']:,.0f} ({r['asked_blocks_per_s']:,.0f}) | {believe} "
             f"| {share:.1%} | {r['whole_blocks_per_s']:,.0f}, {r['whole_cpu_cores']:.2f}, "
-            f"{_num(r['whole_cpu_us_per_block'], '.2f')} "
-            f"| {_num(r['absorbed_blocks_per_s'], ',.0f')} | {_num(r['lag_p50_s'] * 1e3, ',.1f')} "
-            f"| {_num(r['lag_p99_s'] * 1e3, ',.1f')} | {_num(r['cpu_cores'], '.2f')} "
-            f"| {_num(r['cpu_us_per_block'], '.2f')} | {r['held_blocks']:,} "
+            f"{figure(r['whole_cpu_us_per_block'], '.2f')} "
+            f"| {figure(r['absorbed_blocks_per_s'], ',.0f')} | {figure(r['lag_p50_s'] * 1e3, ',.1f')} "
+            f"| {figure(r['lag_p99_s'] * 1e3, ',.1f')} | {figure(r['cpu_cores'], '.2f')} "
+            f"| {figure(r['cpu_us_per_block'], '.2f')} | {r['held_blocks']:,} "
             f"| {r['mib_per_million_blocks']:,.1f} ({r['index_mib_per_million_blocks']:,.1f}) |"
         )
-    compared = [r for r in rows if r["routers"] > 1 or r["late_router"]]
-    if compared:
-        lines += [
-            "",
-            "Agreement on keyless traffic, in the steady window: prompts drawn from the replicas' latest chains "
-            "(the newest blocks included), each router sending each to the replica its events say holds the most "
-            "of it. Late: a router that joined halfway through, against the first, once it believed every replica.",
-            "",
-            "| publishers | routers together | decisions compared | by the index | identical "
-            "| late router: believed (s) | compared | identical |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in compared:
-            late = (
-                f"{_num(r['late_believe_s'], '.2f')} ({r['late_believed']:,} believed) | {r['late_compared']:,} "
-                f"| {_num(r['late_agreement'], '.3%')}"
-                if r["late_router"]
-                else "— | — | —"
-            )
-            identical = _num(r["agreement"], ".3%") if r["routers"] > 1 else "— (one router)"
-            lines.append(
-                f"| {r['publishers']:,} | {r['routers']} | {r['decisions_compared']:,} | {r['decisions_by_index']:,} "
-                f"| {identical} | {late} |"
-            )
+    lines += render_agreement(rows)
     return "\n".join(lines)
-
-
-def _num(value: float, spec: str) -> str:
-    return "—" if math.isnan(value) else format(value, spec)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_serve(args, shape)
     rows = []
     for n in args.publishers:
-        routers = Routers(args.routers, args.late_router)
+        routers = Routers(args.routers, args.late_router, args.router_procs)
         row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
         rows.append(row)
         if not args.json:
@@ -428,6 +421,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--publisher-procs", type=positive_int, default=1, help="child processes the publishers run in")
     p.add_argument("--routers", type=positive_int, default=1, help="routers' subscribers joining together")
     p.add_argument("--late-router", action="store_true", help="one more router joins halfway through the run")
+    p.add_argument(
+        "--router-procs",
+        action="store_true",
+        help="the routers after the first each in a process of its own, asked over a pipe (router.bench.event_remote)",
+    )
     p.add_argument(
         "--serve-workers",
         type=_counts("worker", "1,2", 64),
