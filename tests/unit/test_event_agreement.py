@@ -101,3 +101,26 @@ def test_the_sampler_counts_identical_decisions_and_the_late_router_apart() -> N
     assert agreement.samples == agreement.identical == agreement.held == 32 and agreement.share == 1.0
     # the late router applied nothing yet: every prompt it sends elsewhere (to load) than the first
     assert agreement.late_samples == 32 and agreement.late_identical == 0 and agreement.late_share == 0.0
+
+
+def test_decisions_of_routers_in_other_processes_are_compared_chain_by_chain() -> None:
+    first = router()
+    rec = Recorder(BS)
+    b = batch(0, stored([1, 2], None, 100))
+    apply(first, "a", b)
+    rec.heard("a", b)
+    asked: list[int] = []
+
+    async def remote(chains: list[array[int]]) -> list[list[int]]:
+        # two other processes: one agrees on every chain; the other has not applied the batch yet,
+        # so it sends the prompts of two blocks elsewhere (to load) and agrees on the one-block ones
+        asked.append(len(chains))
+        return [[0] * len(chains), [0 if len(c) == 1 else -1 for c in chains]]
+
+    agreement = Agreement()
+    clock = iter([0.0, 1.0])  # one round of draws
+    asyncio.run(sample(rec, [first], lambda: None, IDS, agreement, 1.0, lambda: next(clock), remote=remote))
+    assert asked == [16] and agreement.samples == 16 and agreement.held == 16
+    rng = random.Random(7)  # the sampler's draws, again: the one-block prompts are the identical ones
+    one_block = sum(len(rec.draw(rng) or ()) == 1 for _ in range(16))
+    assert 0 < one_block < 16 and agreement.identical == one_block

@@ -340,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"router-bench events: {exc}", file=sys.stderr)
         return 2
+    if args.router_procs and args.routers < 2:
+        print("router-bench events: --router-procs needs --routers 2 or more (the first stays here)", file=sys.stderr)
+        return 2
     raise_open_files()  # as router-serve does
     if args.serve_workers:
         return _run_serve(args, shape)
