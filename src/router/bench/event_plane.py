@@ -112,6 +112,7 @@ async def measure(
     )
     start_at = time.time() + 1.0 + publishers / 500  # every child opened its sockets by then
     children = start_publishers(ports, shape, procs, start_at)
+    remotes: list[Remote] = []
     try:
         if serve_workers:
             endpoints = [(f"r{i}", p, q) for i, (p, q) in enumerate(ports)]
@@ -123,31 +124,18 @@ async def measure(
                 start_at + duration_s,
                 lambda: stop_publishers(children),
             )
-        return await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers)
-    finally:
-        end_publishers(children)
-
-
-async def _subscribe(
-    config: RouterConfig,
-    shape: Shape,
-    duration_s: float,
-    join_after_s: float,
-    start_at: float,
-    children: list[tuple[Any, Connection]],
-    routers: Routers,
-) -> dict[str, Any]:
-    remotes = [Remote(config, shape) for _ in range(routers.together - 1)] if routers.procs else []
-    try:
-        row = await _follow(config, shape, duration_s, join_after_s, start_at, children, routers, remotes)
+        if routers.procs:  # the routers after the first, each in a process of its own
+            remotes = [Remote(config, shape) for _ in range(routers.together - 1)]
+        row = await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers, remotes)
     finally:
         cpus = [await r.end() for r in remotes]
+        end_publishers(children)
     # each other router process's CPU, from its joining to its end (the settling after the run included)
     row["router_procs_cpu_s"] = sum(cpus) / len(cpus) if cpus else math.nan
     return row
 
 
-async def _follow(
+async def _subscribe(
     config: RouterConfig,
     shape: Shape,
     duration_s: float,
