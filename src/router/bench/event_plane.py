@@ -337,7 +337,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for n in args.publishers:
         routers = Routers(args.routers, args.late_router, args.router_procs)
-        row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
+        try:
+            row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
+        except RuntimeError as exc:  # a router process that died or fell silent (router.bench.event_remote)
+            print(f"router-bench events: {exc}", file=sys.stderr)
+            return 1
         rows.append(row)
         if not args.json:
             print(
