@@ -60,11 +60,10 @@ class Remote:
     """One router in a child process, asked over its pipe."""
 
     def __init__(self, config: RouterConfig, shape: Shape) -> None:
-        parent, child = mp.get_context("spawn").Pipe()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
         self.conn = parent
-        self.proc: BaseProcess = mp.get_context("spawn").Process(
-            target=remote_main, args=(config, shape, child), daemon=True
-        )
+        self.proc: BaseProcess = ctx.Process(target=remote_main, args=(config, shape, child), daemon=True)
         self.proc.start()
         child.close()
 
