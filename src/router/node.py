@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -265,12 +264,7 @@ class Node:
         config = self.config
         store: Store
         if shared_through_redis(config.state):
-            client = aioredis.Redis(
-                connection_pool=aioredis.BlockingConnectionPool.from_url(
-                    config.state, max_connections=32, timeout=0.5, socket_timeout=0.5, socket_connect_timeout=0.5
-                )
-            )
-            store, share = RedisStore(client, f"kvar:{config.state_namespace}:"), 1.0
+            store, share = RedisStore.connect(config.state, f"kvar:{config.state_namespace}:"), 1.0
         else:
             store, share = LocalStore(), 1 / max(config.workers, 1)
 
