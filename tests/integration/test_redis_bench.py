@@ -42,3 +42,41 @@ def test_requests_go_on_through_a_slow_and_a_stopped_redis(tmp_path: Path) -> No
     assert result["sessions_served_while_stopped"] > 0 and result["sessions_lost"] == 0
     assert result["uncharged_while_away"] > 0  # the budgets fail open while Redis is away
     assert "| stopped | " in (tmp_path / "redis.md").read_text()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_requests_shared_state_at_a_rate_through_a_slow_and_a_stopped_redis(tmp_path: Path) -> None:
+    """--rates: processes run a request's Redis calls with the router's own objects, open loop."""
+    args = build_parser().parse_args(
+        ["redis", "--rates", "150,300", "--procs", "2", "--phase-s", "1.5", "--faults", "--out", str(tmp_path)]
+    )
+    assert args.run(args) == 0
+    result = json.loads((tmp_path / "redis-rates.json").read_text())
+    phases = {p["phase"]: p for p in result["phases"]}
+    assert list(phases) == ["150/s", "300/s", "slowed", "stopped", "back"]
+    for name in ("150/s", "300/s"):
+        p = phases[name]
+        # open loop: the arrivals come at the rate asked (Poisson), and every one is started
+        assert 0.6 * p["rate_asked"] < p["started_per_s"] < 1.4 * p["rate_asked"], p
+        assert p["started"] == p["asked"] and p["uncharged"] == 0 and p["settlements_dropped"] == 0
+        # a reservation and its settlement: two scripts a request, each run once by Redis
+        assert p["scripts_run"] == p["scripts_expected"] == 2 * p["started"]
+        trips = p["round_trips_per_request"]
+        assert trips["budgets"] == 2.0 and 1.5 <= trips["sessions"] <= 2.2 and 0.9 <= trips["placements"] <= 1.1
+        assert p["redis_cpu_us_per_request"] > 0 and p["procs_cpu_us_per_request"] > 0
+        assert 0 < p["on_path_p50_ms"] <= p["on_path_p99_ms"]
+    # stopped: the budgets fail open at once, nothing reaches Redis, the requests go on
+    stopped = phases["stopped"]
+    assert stopped["commands"] == {} and stopped["scripts_run"] is None
+    assert stopped["uncharged"] == stopped["started"] > 0 and stopped["on_path_p99_ms"] < 50
+    # slowed and back: Redis ran exactly the scripts the processes were told it ran
+    for name in ("slowed", "back"):
+        assert phases[name]["scripts_run"] == phases[name]["scripts_expected"] > 0, name
+    lost = result["sessions_lost"]
+    assert lost["served_while_stopped"] > 0 and lost["missing_after"] == 0
+    assert "| stopped | " in (tmp_path / "redis-rates.md").read_text()
+
+
+def test_rates_must_be_positive_counts() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["redis", "--rates", "100,x"])

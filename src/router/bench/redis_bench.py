@@ -48,6 +48,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from router.bench import redis_load
 from router.bench.common import positive_float, positive_int
 from router.bench.faults import Options, RedisServer, World, wait_until
 from router.measures import percentile
@@ -257,6 +258,8 @@ def _num(value: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rates is not None:
+        return _run_rates(args)
     try:
         result = asyncio.run(measure(args.users, args.phase_s, args.stall_ms, args.stall_every_ms, args.routers))
     except RuntimeError as exc:
@@ -268,6 +271,38 @@ def run(args: argparse.Namespace) -> int:
         (args.out / "redis.md").write_text(render(result) + "\n")
     print(json.dumps(result, indent=1) if args.json else render(result))
     return 1 if result["cut_silently"] or result["sessions_lost"] else 0
+
+
+def _run_rates(args: argparse.Namespace) -> int:
+    try:
+        result = asyncio.run(
+            redis_load.measure(
+                args.rates, args.procs, args.phase_s, args.sessions, args.faults, args.stall_ms, args.stall_every_ms
+            )
+        )
+    except RuntimeError as exc:
+        print(f"router-bench redis: {exc}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "redis-rates.json").write_text(json.dumps(result, indent=1))
+        (args.out / "redis-rates.md").write_text(redis_load.render(result) + "\n")
+    print(json.dumps(result, indent=1) if args.json else redis_load.render(result))
+    wrong = redis_load.faulty(result)
+    if wrong is not None:
+        print(f"router-bench redis: {wrong}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _rates(text: str) -> list[int]:
+    try:
+        rates = [positive_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
+        rates = []
+    if not rates:
+        raise argparse.ArgumentTypeError(f"{text!r}: requests a second, comma-separated (1000,2000,4000)")
+    return rates
 
 
 def add_parser(sub: Any) -> None:
@@ -282,7 +317,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--phase-s", type=positive_float, default=4.0, help="seconds each phase lasts")
     p.add_argument("--stall-ms", type=positive_int, default=200, help="how long each pause of the slowed phase is")
     p.add_argument("--stall-every-ms", type=positive_int, default=250, help="a pause begins this often")
-    p.add_argument("--out", type=Path, default=None, help="folder for redis.json and redis.md")
+    p.add_argument(
+        "--rates",
+        type=_rates,
+        default=None,
+        help="instead of routers: drive a request's shared state (router.bench.redis_load) at these requests a "
+        "second, comma-separated, one phase each",
+    )
+    p.add_argument("--procs", type=positive_int, default=2, help="with --rates: processes driving it")
+    p.add_argument("--sessions", type=positive_int, default=100_000, help="with --rates: sessions drawn from")
+    p.add_argument("--faults", action="store_true", help="with --rates: slowed, stopped and back at the last rate")
+    p.add_argument("--out", type=Path, default=None, help="folder for redis.json and redis.md (redis-rates.*)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
