@@ -31,9 +31,11 @@ A tenant with no budget costs one dict lookup. Two stores keep the buckets:
   it would be full again: an idle tenant costs nothing, and a missing key is a full bucket.
   When Redis fails (unreachable, timed out, refusing writes) a request is let through uncharged,
   counted in `errors` and logged at most once a minute: the fleet staying available matters more
-  than a budget staying exact for the seconds Redis is away. The caller gives the client a short socket
-  timeout, so that a request waits on a dead Redis that long at most, and a blocking connection
-  pool: a plain one refuses a burst beyond its size, and those requests would pass uncharged.
+  than a budget staying exact for the seconds Redis is away. `RedisStore.connect` gives the client a
+  short socket timeout, so that a request waits on a dead Redis that long at most, and a blocking
+  connection pool: a plain one refuses a burst beyond its size, and those requests would pass
+  uncharged; its short wait for a free connection (POOL_WAIT_S) keeps a stalled Redis from costing
+  every request the stall.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from redis.exceptions import RedisError
 log = logging.getLogger("router.tenancy.budgets")
 WARN_EVERY_S = 60.0
 IDLE_TTL_S = 120  # a bucket's key outlives the moment it is full again by this much
+POOL_WAIT_S = 0.02  # the longest a request waits for a free connection to Redis (RedisStore.connect)
 
 
 @dataclass(slots=True, frozen=True)
@@ -173,10 +176,12 @@ class RedisStore:
 
     @classmethod
     def connect(cls, url: str, prefix: str) -> RedisStore:
-        """A store on its own pool of at most 32 connections: a request waits for one at most
-        0.5 s, and for Redis' answer as long, then passes uncharged."""
+        """A store on its own pool of at most 32 connections. A request waits for Redis' answer
+        0.5 s at most, and for a free connection POOL_WAIT_S: all 32 busy that long means Redis
+        has stalled (healthy, each holds a connection for a fraction of a millisecond), and then
+        the requests behind them pass uncharged at once instead of each waiting out the stall."""
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=32, timeout=0.5, socket_timeout=0.5, socket_connect_timeout=0.5
+            url, max_connections=32, timeout=POOL_WAIT_S, socket_timeout=0.5, socket_connect_timeout=0.5
         )
         return cls(aioredis.Redis(connection_pool=pool), prefix)
 
