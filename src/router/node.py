@@ -368,6 +368,8 @@ class Node:
         routes' own contexts may need): a worker's line to the control process, or the control
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
         contexts: list[Context] = []
+        if self.budgets is not None and isinstance(self.budgets.store, RedisStore) and not control_only:
+            contexts.append(self._budgets_ctx)  # first in, last out: the settlements the others' ends owe
         if self.tls is not None and not control_only:  # each serving process reads its certificate again
             contexts.append(self._tls_ctx)
         # the other roles' pools (prefill): probed and found by every process, the control process
@@ -493,6 +495,11 @@ class Node:
         task = asyncio.create_task(self.tls.watch(), name="tls certificate")
         yield
         await self._run(task)
+
+    async def _budgets_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        yield
+        assert self.budgets is not None and isinstance(self.budgets.store, RedisStore)
+        await self.budgets.store.close()  # what its tenants are owed, sent
 
     async def _placements_ctx(self, app: web.Application) -> AsyncIterator[None]:
         assert self.placements is not None

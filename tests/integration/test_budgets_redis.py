@@ -64,10 +64,39 @@ async def test_a_settlement_on_one_pod_is_seen_by_the_other(clients: list[aiored
     assert isinstance(taken, Reservation)
     assert await b.reserve("acme", 10) == 1
     await a.settle(taken, 0)
+    assert isinstance(a.store, RedisStore)
+    await a.store.flush()  # (settlements go summed, every 100 ms)
     overrun = await b.reserve("acme", 1000)
     assert isinstance(overrun, Reservation)
     await b.settle(overrun, 1100)
+    await asyncio.sleep(0.3)  # sent on its own, within 100 ms
     assert await a.reserve("acme", 100) == 12  # 200 tokens short, 1000 / 60 a second
+
+
+async def test_a_tenants_settlements_go_summed_in_one_script_and_closing_sends_what_is_owed(
+    clients: list[aioredis.Redis],
+) -> None:
+    (a,) = pods(clients[:1], {"acme": 6000, "zeta": 6000}, "sum:")
+    store = a.store
+    assert isinstance(store, RedisStore)
+    taken = [await a.reserve("acme", 100) for _ in range(30)] + [await a.reserve("zeta", 500)]
+    assert all(isinstance(r, Reservation) and r.charged for r in taken)
+    answered = store.answered  # the 31 reservations
+    for reservation in taken:  # each used 40 tokens: acme is owed 30 x 60, zeta 460
+        await a.settle(reservation, 40)  # type: ignore[arg-type]
+    assert store.answered == answered  # nothing sent yet ...
+    await asyncio.sleep(0.3)
+    assert store.answered == answered + 2  # ... then one script a tenant
+    level = float((await clients[0].hget("sum:budget:acme", "level")) or 0)
+    # (and what refilled meanwhile, 100 a second; without the settlements it would be near 3,000)
+    assert level == pytest.approx(6000 - 30 * 40, abs=60)
+    zeta = float((await clients[0].hget("sum:budget:zeta", "level")) or 0)
+    assert zeta == pytest.approx(6000 - 40, abs=40)
+    last = await a.reserve("acme", 1000)
+    assert isinstance(last, Reservation)
+    await a.settle(last, 0)
+    await store.close()  # sends the 1000 owed without waiting for the round
+    assert float((await clients[0].hget("sum:budget:acme", "level")) or 0) == pytest.approx(6000 - 30 * 40, abs=120)
 
 
 async def test_a_bucket_is_one_hash_that_expires_once_full_again(clients: list[aioredis.Redis]) -> None:
@@ -95,7 +124,8 @@ async def test_fails_open_and_counts_when_redis_is_gone(
         with caplog.at_level(logging.WARNING, logger="router.tenancy.budgets"):
             for _ in range(3):
                 assert await budgets.reserve("acme", 5000) == Reservation("acme", 5000, charged=False)
-            await budgets.settle(before, 500)  # dropped: counted, not raised
+            await budgets.settle(before, 500)
+            await store.flush()  # dropped: counted, not raised
         assert store.errors == 4
         assert len(caplog.records) == 1, caplog.records  # one warning a minute at most
     finally:

@@ -27,9 +27,10 @@ def test_requests_go_on_through_a_slow_and_a_stopped_redis(tmp_path: Path) -> No
     assert phases["idle"]["answered"] == 0 and phases["idle"]["commands_per_s"] > 0  # the routers' own polling
     healthy = phases["healthy"]
     assert healthy["answered"] > 10 and healthy["succeeded"] == healthy["answered"]
-    # each request reserves its budget before and settles it after: two scripts a request, no more
-    assert 1.8 <= healthy["commands"]["EVALSHA"] / healthy["answered"] <= 2.2
-    assert 1.8 <= healthy["round_trips_per_request"]["budgets"] <= 2.2
+    # each request reserves its budget before, and settles it after in a router's round of
+    # settlements (summed by tenant every 100 ms): two scripts a request at most, more than one
+    assert 1.0 < healthy["commands"]["EVALSHA"] / healthy["answered"] <= 2.2
+    assert 1.0 < healthy["round_trips_per_request"]["budgets"] <= 2.2
     assert healthy["round_trips_per_request"]["sessions"] > 0
     assert healthy["commands"].get("SET", 0) > 0  # sessions written (in batches)
     for name in ("slowed", "stopped", "back"):  # routing goes on, whatever Redis does
@@ -59,10 +60,13 @@ def test_a_requests_shared_state_at_a_rate_through_a_slow_and_a_stopped_redis(tm
         # open loop: the arrivals come at the rate asked (Poisson), and every one is started
         assert 0.6 * p["rate_asked"] < p["started_per_s"] < 1.4 * p["rate_asked"], p
         assert p["started"] == p["asked"] and p["uncharged"] == 0 and p["settlements_dropped"] == 0
-        # a reservation and its settlement: two scripts a request, each run once by Redis
-        assert p["scripts_run"] == p["scripts_expected"] == 2 * p["started"]
+        # a reservation's script a request, and a script a process's round of settlements (every 100
+        # ms): each run by Redis answered its process
+        assert p["scripts_run"] == p["scripts_expected"]
+        rounds = 2 * result["phase_s"] / 0.1
+        assert p["started"] < p["scripts_run"] <= p["started"] + rounds + 4, (p["scripts_run"], p["started"])
         trips = p["round_trips_per_request"]
-        assert trips["budgets"] == 2.0 and 1.5 <= trips["sessions"] <= 2.2 and 0.9 <= trips["placements"] <= 1.1
+        assert 1.0 < trips["budgets"] < 1.5 and 1.5 <= trips["sessions"] <= 2.2 and 0.9 <= trips["placements"] <= 1.1
         assert p["redis_cpu_us_per_request"] > 0 and p["procs_cpu_us_per_request"] > 0
         assert 0 < p["on_path_p50_ms"] <= p["on_path_p99_ms"]
     # stopped: the budgets fail open at once, nothing reaches Redis, the requests go on

@@ -18,8 +18,9 @@ For each phase: the requests answered, how (whole, failed clean; a cut one is a 
 latency P50/P99, Redis' own CPU (INFO cpu: a second, and a request's net of the routers' background),
 and Redis' commands by name (INFO commandstats), a second and per request. Per
 request they are counted net of the routers' own background (the idle phase's rate) and by the
-feature behind them: budgets (EVALSHA: one script to reserve before the request, one to settle
-after, each one round trip running TIME, HMGET, HSET and EXPIRE inside), sessions (GET: a
+feature behind them: budgets (EVALSHA: one script to reserve before the request, and one a
+router sends every 100 ms to settle its requests of a tenant, summed; each one round trip running
+TIME, HMGET, HSET and EXPIRE inside), sessions (GET: a
 session this router has not seen is looked up; SET: where each was served, written in batches
 every 100 ms), placements (PUBLISH: under `ttft`, the prompts a router placed, told to the
 others in batches), and the rest (new connections' HELLO, membership followed, the leader's

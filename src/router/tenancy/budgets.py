@@ -29,6 +29,8 @@ A tenant with no budget costs one dict lookup. Two stores keep the buckets:
   pods lose no update and their own clocks do not matter. A tenant's bucket is the hash
   `{prefix}budget:{tenant}` with fields `level` and `at` (unix seconds), expiring two minutes after
   it would be full again: an idle tenant costs nothing, and a missing key is a full bucket.
+  Reserving is on a request's path, one script; settling is not, and a process sums each
+  tenant's settlements and sends them every SETTLE_EVERY_S as one (the refund comes that late).
   When Redis fails (unreachable, timed out, refusing writes) a request is let through uncharged,
   counted in `errors` and logged at most once a minute: the fleet staying available matters more
   than a budget staying exact for the seconds Redis is away. `RedisStore.connect` gives the client a
@@ -40,6 +42,8 @@ A tenant with no budget costs one dict lookup. Two stores keep the buckets:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -54,6 +58,8 @@ log = logging.getLogger("router.tenancy.budgets")
 WARN_EVERY_S = 60.0
 IDLE_TTL_S = 120  # a bucket's key outlives the moment it is full again by this much
 POOL_WAIT_S = 0.02  # the longest a request waits for a free connection to Redis (RedisStore.connect)
+SETTLE_EVERY_S = 0.1  # a tenant's settlements go to Redis summed, this often
+CLOSE_TIMEOUT_S = 2.0  # the longest closing waits on Redis for what is owed, and for the client
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,15 +170,23 @@ SETTLE_LUA = _REFILL + "level = math.min(capacity, level + tokens)\n" + _KEEP + 
 
 
 class RedisStore:
-    """Buckets in Redis, shared by every router pod on it; fails open when Redis does."""
+    """Buckets in Redis, shared by every router pod on it; fails open when Redis does.
+
+    A reservation is one script on the request's path. Settlements are off it, and summed: every
+    SETTLE_EVERY_S each tenant's go to Redis as one script (a tenant's refund arrives that much
+    later), so a request costs Redis one script and a fraction, not two.
+    """
 
     def __init__(self, redis: aioredis.Redis, prefix: str = "") -> None:
         self.redis = redis
         self.prefix = prefix
         self.errors = 0  # reservations let through, and settlements dropped, while Redis failed
+        self.answered = 0  # scripts Redis ran and answered: reservations, and tenants' summed settlements
         self._reserve = redis.register_script(RESERVE_LUA)
         self._settle = redis.register_script(SETTLE_LUA)
         self._warned_at = -math.inf
+        self._owed: dict[str, list[Any]] = {}  # tenant -> [tokens, capacity, per_s, settlements summed]
+        self._settling: asyncio.Task[None] | None = None
 
     @classmethod
     def connect(cls, url: str, prefix: str) -> RedisStore:
@@ -194,16 +208,54 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             self._failed(exc)
             return Reservation(tenant, tokens, charged=False)
+        self.answered += 1
         return Reservation(tenant, tokens) if wait == 0 else int(wait)
 
     async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        """Owed to the tenant's bucket, sent with its other settlements within SETTLE_EVERY_S."""
+        owed = self._owed.get(tenant)
+        if owed is None:
+            self._owed[tenant] = [tokens, capacity, per_s, 1]
+        else:  # summed; the latest limits apply
+            owed[0] += tokens
+            owed[1], owed[2] = capacity, per_s
+            owed[3] += 1
+        if self._settling is None:
+            self._settling = asyncio.ensure_future(self._settle_soon())
+
+    async def _settle_soon(self) -> None:
+        await asyncio.sleep(SETTLE_EVERY_S)
+        self._settling = None  # what is owed from here on waits for the next round
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Send every tenant's summed settlements now, one script each (dropped, and counted in
+        `errors` one a settlement, where Redis fails)."""
+        owed, self._owed = self._owed, {}
+        await asyncio.gather(*(self._send(tenant, *entry) for tenant, entry in owed.items()))
+
+    async def _send(self, tenant: str, tokens: int, capacity: int, per_s: float, settlements: int) -> None:
+        if tokens == 0:
+            return
         try:
             await self._settle(keys=[self.key(tenant)], args=[tokens, capacity, per_s, IDLE_TTL_S])
         except (RedisError, OSError) as exc:
-            self._failed(exc)
+            self._failed(exc, settlements)
+            return
+        self.answered += 1
 
-    def _failed(self, exc: Exception) -> None:
-        self.errors += 1
+    async def close(self) -> None:
+        """Send what is owed (if Redis answers in time), then close the client."""
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self.flush(), CLOSE_TIMEOUT_S)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT_S)
+
+    def _failed(self, exc: Exception, count: int = 1) -> None:
+        self.errors += count
         now = time.monotonic()
         if now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
