@@ -231,6 +231,9 @@ class RedisStore:
     async def flush(self) -> None:
         """Send every tenant's summed settlements now, one script each (dropped, and counted in
         `errors` one a settlement, where Redis fails)."""
+        if self._settling is not None:  # the round waiting is sent now
+            self._settling.cancel()
+            self._settling = None
         owed, self._owed = self._owed, {}
         await asyncio.gather(*(self._send(tenant, *entry) for tenant, entry in owed.items()))
 
@@ -246,9 +249,6 @@ class RedisStore:
 
     async def close(self) -> None:
         """Send what is owed (if Redis answers in time), then close the client."""
-        if self._settling is not None:
-            self._settling.cancel()
-            self._settling = None
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await asyncio.wait_for(self.flush(), CLOSE_TIMEOUT_S)
         with contextlib.suppress(RedisError, OSError, TimeoutError):
