@@ -44,3 +44,35 @@ def test_timeouts_fire_on_the_virtual_clock() -> None:
 
     assert loop.run_until_complete(main()) == pytest.approx(30.0)
     loop.close()
+
+
+def test_timers_due_at_one_time_run_in_the_order_set_and_cancelled_ones_never() -> None:
+    loop = VirtualLoop()
+    seen: list[str] = []
+    for name in "abcdefgh":
+        loop.call_at(5.0, seen.append, name)
+    loop.call_at(5.0, seen.append, "cancelled").cancel()
+    loop.call_later(1.0, seen.append, "early")
+    later: list[asyncio.TimerHandle] = []
+    loop.call_at(9.0, lambda: later[0].cancel())  # set first, so it runs first: in the turn both fall due
+    later.append(loop.call_at(9.0, seen.append, "late, cancelled"))
+    loop.call_at(9.0, loop.stop)
+    loop.run_forever()
+    assert seen == ["early", *"abcdefgh"]
+    assert loop.time() == 9.0
+    loop.close()
+
+
+def test_a_cancelled_timer_alone_does_not_keep_the_clock_going() -> None:
+    loop = VirtualLoop()
+
+    async def main() -> None:
+        loop.call_at(50.0, lambda: None).cancel()
+        await asyncio.sleep(0)
+
+    loop.run_until_complete(main())
+    never = loop.create_future()
+    with pytest.raises(RuntimeError, match="nothing left to run"):
+        loop.run_until_complete(never)
+    assert loop.time() == 0.0  # the cancelled timer's time never came
+    loop.close()
