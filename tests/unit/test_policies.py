@@ -10,6 +10,7 @@ from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet
 from router.keys import NO_KEY, RoutingKey
 from router.policy import REGISTRY, make_policy
+from router.policy.base import clockwise
 
 
 def setup(name: str, n: int = 4, **cfg: object) -> tuple[Fleet, object]:
@@ -79,6 +80,26 @@ def test_affinity_sticks_spills_under_load_and_keeps_the_spill_sticky() -> None:
     removed.health.state = "removed"  # as three failed probes would leave it
     back = policy.pick(key, removed.id, ())  # type: ignore[attr-defined]
     assert back.index == owner
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 30])
+def test_a_clockwise_walk_asked_in_two_parts_is_the_rings_whole_order(n: int) -> None:
+    fleet, _ = setup("affinity", n=n)
+    for i in range(50):
+        assert list(clockwise(fleet.ring, k(i).key)) == fleet.ring.successors(k(i).key)
+
+
+def test_a_spill_goes_clockwise_past_capped_replicas_far_round_the_ring() -> None:
+    fleet, policy = setup("affinity", n=30, bounded_load_c=1.25, bounded_load_floor=1)
+    key = k(5)
+    order = fleet.ring.successors(key.key)
+    for i in order[:12]:  # the owner and the next eleven at their caps (past the walk's first part)
+        fleet.loads[i] = 10
+    spill = policy.pick(key, None, ())  # type: ignore[attr-defined]
+    assert (spill.reason, spill.index) == ("spill", order[12])
+    # a retry that excludes the owner and the next replica goes on from there, capped ones passed over
+    retry = policy.pick(key, None, set(order[:2]))  # type: ignore[attr-defined]
+    assert (retry.reason, retry.index) == ("failover", order[12])
 
 
 def test_requests_without_a_key_never_pile_onto_one_replica() -> None:

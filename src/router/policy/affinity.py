@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from router.fleet import NONE
 from router.keys import RoutingKey
-from router.policy.base import Decision, Policy
+from router.policy.base import Decision, Policy, clockwise
 
 
 class Affinity(Policy):
@@ -92,26 +92,25 @@ class Affinity(Policy):
         if not exclude:
             owner = ring.lookup(key.key)
             if skip and owner in skip:  # the model's owner: the first clockwise that serves it
-                owner = next((i for i in ring.successors(key.key) if i not in skip), -1)
+                owner = next((i for i in clockwise(ring, key.key) if i not in skip), -1)
             if owner < 0:
                 return None, capped
             cold = fleet.adapter_cold(key.model)
             if cold and owner in cold:
                 # a LoRA adapter loaded elsewhere: the first replica clockwise that has it, under its cap
-                warm = next((i for i in ring.successors(key.key) if i not in skip and i not in cold and under(i)), -1)
+                warm = next((i for i in clockwise(ring, key.key) if i not in skip and i not in cold and under(i)), -1)
                 if warm >= 0:  # (a session off its capped replica spills there)
                     return Decision(warm, "spill" if capped else "adapter"), capped
             if under(owner):
                 return Decision(owner, "ring"), capped
             # the next replica clockwise under its cap (the floor included, which the ring's own
             # lookup_bounded does not know); every one at its cap: the least full of them
-            walk = ring.successors(key.key)
-            if skip:
-                walk = [i for i in walk if i not in skip]
-            spill = next((i for i in walk if under(i)), min(walk, key=fleet.fullness))
+            spill = next((i for i in clockwise(ring, key.key) if i not in skip and under(i)), -1)
+            if spill < 0:
+                spill = min((i for i in ring.successors(key.key) if i not in skip), key=fleet.fullness)
             return Decision(spill, "spill"), True
         fallback: int | None = None
-        for i in ring.successors(key.key):
+        for i in clockwise(ring, key.key):
             if i in exclude or i in skip:
                 continue
             if under(i):

@@ -76,7 +76,7 @@ from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.placement import Answer, Candidate, Placed, Placement, Prediction, Priced
 from router.policy.affinity import Affinity
-from router.policy.base import Decision, Explained, Policy
+from router.policy.base import Decision, Explained, Policy, clockwise
 from router.prompt import Prompt
 
 HOME_SHARE = 0.5  # a keyless conversation's home holds at least this share of its prompt (not only an opening)
@@ -303,7 +303,7 @@ class Ttft(Policy):
                 fewest = min(fleet.fullness(i) for i in close)
                 least = {i for i in close if fleet.fullness(i) == fewest}
                 ring_key = key.key if key.kind != "none" else prompt.chain.tobytes()[:8]
-                best = next((i for i in fleet.ring.successors(ring_key) if i in least), min(least))
+                best = next((i for i in clockwise(fleet.ring, ring_key) if i in least), min(least))
         if last_index is not None:
             # a keyed session's replica keeps it unless the move pays for what it costs the fleet
             home = priced.row(last_index)
