@@ -369,7 +369,7 @@ class Node:
         loops (health probes, balance, routing state, Redis, discovery, as configured)."""
         contexts: list[Context] = []
         if self.budgets is not None and isinstance(self.budgets.store, RedisStore) and not control_only:
-            contexts.append(self._budgets_ctx)  # first in, last out: the settlements the others' ends owe
+            contexts.append(self._budgets_ctx)  # first in, so closed last: it sends what the requests owe
         if self.tls is not None and not control_only:  # each serving process reads its certificate again
             contexts.append(self._tls_ctx)
         # the other roles' pools (prefill): probed and found by every process, the control process

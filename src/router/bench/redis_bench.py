@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import math
@@ -95,15 +94,6 @@ async def _cpu(client: aioredis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-async def _stall(client: aioredis.Redis, stall_ms: int, every_ms: int, stop: asyncio.Event) -> None:
-    """Every `every_ms`, hold every client's commands for `stall_ms` (CLIENT PAUSE ALL)."""
-    while not stop.is_set():
-        with contextlib.suppress(OSError, TimeoutError, aioredis.RedisError):
-            await client.client_pause(stall_ms, all=True)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), every_ms / 1000)
-
-
 async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int, routers: int = 2) -> dict[str, Any]:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -142,7 +132,7 @@ async def measure(users: int, phase_s: float, stall_ms: int, every_ms: int, rout
         await asyncio.sleep(1.0)  # sessions under way
         await phase("healthy")
         stop_stall = asyncio.Event()
-        stalling = asyncio.create_task(_stall(probe, stall_ms, every_ms, stop_stall))
+        stalling = asyncio.create_task(redis_load.stall(probe, stall_ms, every_ms, stop_stall))
         await phase("slowed")
         stop_stall.set()
         await stalling
@@ -266,12 +256,17 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"router-bench redis: {exc}", file=sys.stderr)
         return 2
+    _show(args, "redis", result, render(result))
+    return 1 if result["cut_silently"] or result["sessions_lost"] else 0
+
+
+def _show(args: argparse.Namespace, name: str, result: dict[str, Any], table: str) -> None:
+    """Print the run (its table, or its JSON with --json), and keep both in --out."""
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "redis.json").write_text(json.dumps(result, indent=1))
-        (args.out / "redis.md").write_text(render(result) + "\n")
-    print(json.dumps(result, indent=1) if args.json else render(result))
-    return 1 if result["cut_silently"] or result["sessions_lost"] else 0
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"{name}.md").write_text(table + "\n")
+    print(json.dumps(result, indent=1) if args.json else table)
 
 
 def _run_rates(args: argparse.Namespace) -> int:
@@ -284,11 +279,7 @@ def _run_rates(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"router-bench redis: {exc}", file=sys.stderr)
         return 2
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "redis-rates.json").write_text(json.dumps(result, indent=1))
-        (args.out / "redis-rates.md").write_text(redis_load.render(result) + "\n")
-    print(json.dumps(result, indent=1) if args.json else redis_load.render(result))
+    _show(args, "redis-rates", result, redis_load.render(result))
     wrong = redis_load.faulty(result)
     if wrong is not None:
         print(f"router-bench redis: {wrong}", file=sys.stderr)

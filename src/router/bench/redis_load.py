@@ -219,7 +219,8 @@ async def _stats(probe: aioredis.Redis) -> tuple[Counter[str] | None, float]:
     return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-async def _stall(probe: aioredis.Redis, stall_ms: int, every_ms: int, stop: asyncio.Event) -> None:
+async def stall(probe: aioredis.Redis, stall_ms: int, every_ms: int, stop: asyncio.Event) -> None:
+    """Every `every_ms`, hold every client's commands for `stall_ms` (CLIENT PAUSE ALL), until `stop`."""
     while not stop.is_set():
         with contextlib.suppress(OSError, TimeoutError, aioredis.RedisError):
             await probe.client_pause(stall_ms, all=True)
@@ -270,7 +271,7 @@ async def measure(
         if faults:
             top = rates[-1]
             stop = asyncio.Event()
-            stalling = asyncio.create_task(_stall(probe, stall_ms, stall_every_ms, stop))
+            stalling = asyncio.create_task(stall(probe, stall_ms, stall_every_ms, stop))
             try:
                 await phase("slowed", top, phase_s)
             finally:
@@ -404,4 +405,4 @@ def faulty(result: dict[str, Any]) -> str | None:
     return None
 
 
-__all__ = ["faulty", "measure", "render"]
+__all__ = ["faulty", "measure", "render", "stall"]
