@@ -59,7 +59,6 @@ FEATURES = {
     "sessions": frozenset({"GET", "SET"}),
     "placements": frozenset({"PUBLISH"}),
 }
-INSIDE_SCRIPTS = frozenset({"TIME", "HMGET", "HSET", "EXPIRE"})  # run by the scripts, no round trip of their own
 OWN = frozenset({"INFO", "CLIENT|PAUSE", "SCAN"})  # the bench's own commands
 BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 200}
 RAW_SIZE = 480
