@@ -63,8 +63,8 @@ def test_a_requests_shared_state_at_a_rate_through_a_slow_and_a_stopped_redis(tm
         # a reservation's script a request, and a script a process's round of settlements (every 100
         # ms): each run by Redis answered its process
         assert p["scripts_run"] == p["scripts_expected"]
-        rounds = 2 * result["phase_s"] / 0.1
-        assert p["started"] < p["scripts_run"] <= p["started"] + rounds + 4, (p["scripts_run"], p["started"])
+        rounds = 2 * result["phase_s"] / 0.1  # (two processes; twice that, for the drain at the end of a slow one)
+        assert p["started"] < p["scripts_run"] <= p["started"] + 2 * rounds, (p["scripts_run"], p["started"])
         trips = p["round_trips_per_request"]
         assert 1.0 < trips["budgets"] < 1.5 and 1.5 <= trips["sessions"] <= 2.2 and 0.9 <= trips["placements"] <= 1.1
         assert p["redis_cpu_us_per_request"] > 0 and p["procs_cpu_us_per_request"] > 0
@@ -72,7 +72,8 @@ def test_a_requests_shared_state_at_a_rate_through_a_slow_and_a_stopped_redis(tm
     # stopped: the budgets fail open at once, nothing reaches Redis, the requests go on
     stopped = phases["stopped"]
     assert stopped["commands"] == {} and stopped["scripts_run"] is None
-    assert stopped["uncharged"] == stopped["started"] > 0 and stopped["on_path_p99_ms"] < 50
+    # (none waits on a connection or an answer: 0.5 s each, were it so)
+    assert stopped["uncharged"] == stopped["started"] > 0 and stopped["on_path_p99_ms"] < 250
     # slowed and back: Redis ran exactly the scripts the processes were told it ran
     for name in ("slowed", "back"):
         assert phases[name]["scripts_run"] == phases[name]["scripts_expected"] > 0, name
