@@ -49,7 +49,7 @@ def test_requests_go_on_through_a_slow_and_a_stopped_redis(tmp_path: Path) -> No
 def test_a_requests_shared_state_at_a_rate_through_a_slow_and_a_stopped_redis(tmp_path: Path) -> None:
     """--rates: processes run a request's Redis calls with the router's own objects, open loop."""
     args = build_parser().parse_args(
-        ["redis", "--rates", "150,300", "--procs", "2", "--phase-s", "1.5", "--faults", "--out", str(tmp_path)]
+        ["redis", "--rates", "150,300", "--procs", "2", "--phase-s", "2", "--faults", "--out", str(tmp_path)]
     )
     assert args.run(args) == 0
     result = json.loads((tmp_path / "redis-rates.json").read_text())
