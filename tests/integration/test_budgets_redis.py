@@ -63,12 +63,12 @@ async def test_a_settlement_on_one_pod_is_seen_by_the_other(clients: list[aiored
     taken = await a.reserve("acme", 1000)
     assert isinstance(taken, Reservation)
     assert await b.reserve("acme", 10) == 1
-    await a.settle(taken, 0)
+    a.settle_now(taken, 0)
     assert isinstance(a.store, RedisStore)
     await a.store.flush()  # (settlements go summed, every 100 ms)
     overrun = await b.reserve("acme", 1000)
     assert isinstance(overrun, Reservation)
-    await b.settle(overrun, 1100)
+    b.settle_now(overrun, 1100)
     await asyncio.sleep(0.3)  # sent on its own, within 100 ms
     assert await a.reserve("acme", 100) == 12  # 200 tokens short, 1000 / 60 a second
 
@@ -83,7 +83,7 @@ async def test_a_tenants_settlements_go_summed_in_one_script_and_closing_sends_w
     assert all(isinstance(r, Reservation) and r.charged for r in taken)
     answered = store.answered  # the 31 reservations
     for reservation in taken:  # each used 40 tokens: acme is owed 30 x 60, zeta 460
-        await a.settle(reservation, 40)  # type: ignore[arg-type]
+        a.settle_now(reservation, 40)  # type: ignore[arg-type]
     assert store.answered == answered  # nothing sent yet ...
     await asyncio.sleep(0.3)
     assert store.answered == answered + 2  # ... then one script a tenant
@@ -94,7 +94,7 @@ async def test_a_tenants_settlements_go_summed_in_one_script_and_closing_sends_w
     assert zeta == pytest.approx(6000 - 40, abs=40)
     last = await a.reserve("acme", 1000)
     assert isinstance(last, Reservation)
-    await a.settle(last, 0)
+    a.settle_now(last, 0)
     await store.close()  # sends the 1000 owed without waiting for the round
     assert float((await clients[0].hget("sum:budget:acme", "level")) or 0) == pytest.approx(6000 - 30 * 40, abs=120)
 
@@ -124,7 +124,7 @@ async def test_fails_open_and_counts_when_redis_is_gone(
         with caplog.at_level(logging.WARNING, logger="router.tenancy.budgets"):
             for _ in range(3):
                 assert await budgets.reserve("acme", 5000) == Reservation("acme", 5000, charged=False)
-            await budgets.settle(before, 500)
+            budgets.settle_now(before, 500)
             await store.flush()  # dropped: counted, not raised
         assert store.errors == 4
         assert len(caplog.records) == 1, caplog.records  # one warning a minute at most

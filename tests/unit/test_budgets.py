@@ -63,7 +63,7 @@ async def test_settle_refunds_what_was_not_used() -> None:
     reservation = await budgets.reserve("acme", 2500)
     assert isinstance(reservation, Reservation)
     assert await budgets.reserve("acme", 4000) == 5
-    await budgets.settle(reservation, 1500)
+    budgets.settle_now(reservation, 1500)
     assert store.buckets["acme"][0] == 4500
     assert await budgets.reserve("acme", 4000) == Reservation("acme", 4000)
 
@@ -72,7 +72,7 @@ async def test_settle_charges_what_was_used_beyond_the_reservation() -> None:
     budgets, store, _ = make()
     reservation = await budgets.reserve("acme", 1000)
     assert isinstance(reservation, Reservation)
-    await budgets.settle(reservation, 8000)
+    budgets.settle_now(reservation, 8000)
     assert store.buckets["acme"][0] == -2000
     assert await budgets.reserve("acme", 100) == 21
 
@@ -81,7 +81,7 @@ async def test_unknown_usage_keeps_the_reservation_charged() -> None:
     budgets, store, _ = make()
     reservation = await budgets.reserve("acme", 1000)
     assert isinstance(reservation, Reservation)
-    await budgets.settle(reservation, None)
+    budgets.settle_now(reservation, None)
     assert store.buckets["acme"][0] == 5000
 
 
@@ -90,7 +90,7 @@ async def test_a_refund_never_fills_beyond_capacity() -> None:
     reservation = await budgets.reserve("acme", 3000)
     assert isinstance(reservation, Reservation)
     clock.now += 60
-    await budgets.settle(reservation, 0)
+    budgets.settle_now(reservation, 0)
     assert store.buckets["acme"][0] == PER_MINUTE
 
 
@@ -109,7 +109,7 @@ async def test_a_tenant_without_a_budget_passes_and_settles_to_nothing() -> None
     reservation = await budgets.reserve("other", 10**9)
     assert reservation == Reservation("other", 10**9, charged=False)
     assert not budgets.limited("other") and budgets.limited("acme")
-    await budgets.settle(reservation, 10**9)
+    budgets.settle_now(reservation, 10**9)
     assert store.buckets == {}
 
 
@@ -122,7 +122,7 @@ async def test_update_keeps_the_levels_of_tenants_that_remain() -> None:
     assert await budgets.reserve("acme", 100) == 1  # empty: the level was kept, not refilled to the new limit
     assert not budgets.limited("gone")
     assert isinstance(held, Reservation)
-    await budgets.settle(held, 0)  # its tenant lost its budget: nothing to give back to
+    budgets.settle_now(held, 0)  # its tenant lost its budget: nothing to give back to
     assert store.buckets["gone"][0] == 500
 
 
@@ -161,7 +161,7 @@ def test_never_above_capacity_nor_more_granted_than_capacity_and_refill(
         reservation = at_once(budgets.reserve("t", tokens))
         if isinstance(reservation, Reservation):
             used = tokens if used_share is None else int(used_share * tokens)
-            at_once(budgets.settle(reservation, used))
+            budgets.settle_now(reservation, used)
             granted += used
         else:
             assert reservation >= 1

@@ -11,7 +11,7 @@ at an open-loop Poisson rate:
   process that did not serve the one before, as when turns go round routers;
 - where it was served written (`RedisSessions.served`: SETs in batches every 100 ms), and its
   prompt's placement told to the others (`RedisPlacements.placed`: PUBLISH in batches);
-- its reservation settled with what it used (`Budgets.settle`: off its path, summed with the
+- its reservation settled with what it used (`Budgets.settle_now`: off its path, summed with the
   process's other settlements of the tenant and sent as one settle script every 100 ms).
 
 Each rate is a phase of `--phase-s`. With `--faults`, three more at the last rate: `slowed` (Redis
@@ -135,7 +135,7 @@ async def _phase(
             counts["refused"] += 1
             return
         counts["charged"] += admitted.charged
-        await budgets.settle(admitted, admitted.tokens - 1)  # it used one token less than reserved: a settlement
+        budgets.settle_now(admitted, admitted.tokens - 1)  # it used one token less than reserved: a settlement
 
     cpu0, start = time.process_time(), time.perf_counter()
     due = start

@@ -126,7 +126,6 @@ class Journey:
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
         self.clients = clients  # who may use the API (router.tenancy.clients); None: anyone
         self.budgets = budgets  # tenants' tokens a minute (router.tenancy.budgets); None: no budgets
-        self._settling: set[asyncio.Future[None]] = set()  # budgets settling (kept from the collector)
         self.tracing = tracing  # OpenTelemetry (router.tracing); None: off, and no cost
         self.prompts = routing.policy.reads_prompts  # the keys carry the prompt's blocks
 
@@ -379,14 +378,8 @@ class Journey:
             spent = facts.prompt_tokens + facts.completion_tokens if facts is not None else 0
         else:
             spent = None
-        budgets = self.budgets
-        assert budgets is not None
-        if budgets.local is not None:
-            budgets.settle_now(reserved, spent)
-            return
-        task = asyncio.ensure_future(budgets.settle(reserved, spent))  # (Redis: not on the answer's time)
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        assert self.budgets is not None
+        self.budgets.settle_now(reserved, spent)  # (in Redis: queued for its next round, off the answer's time)
 
     def _shed(self, exchange: Exchange, shed: Shed, model: str | None, rank: int) -> None:
         """The answer of a request turned away before any replica: its 429 (every replica for its

@@ -93,8 +93,10 @@ class Store(Protocol):
         """The tokens taken, or the whole seconds (at least 1) until they could be."""
         ...
 
-    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
-        """Add `tokens` to the bucket (negative: take them), at most up to capacity."""
+    def give_now(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+        """Add `tokens` to the bucket (negative: take them), at most up to capacity; without
+        awaiting (a settlement is never on a request's path: a store that writes elsewhere
+        queues it)."""
         ...
 
 
@@ -131,9 +133,6 @@ class LocalStore:
 
     async def take(self, tenant: str, tokens: int, capacity: int, per_s: float) -> Reservation | int:
         return self.take_now(tenant, tokens, capacity, per_s)
-
-    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
-        self.give_now(tenant, tokens, capacity, per_s)
 
 
 # Both scripts: KEYS[1] the bucket; ARGV tokens, capacity, per second. Numbers are written with
@@ -211,7 +210,7 @@ class RedisStore:
         self.answered += 1
         return Reservation(tenant, tokens) if wait == 0 else int(wait)
 
-    async def give(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
+    def give_now(self, tenant: str, tokens: int, capacity: int, per_s: float) -> None:
         """Owed to the tenant's bucket, sent with its other settlements within SETTLE_EVERY_S."""
         owed = self._owed.get(tenant)
         if owed is None:
@@ -291,8 +290,8 @@ class Budgets:
 
     @property
     def local(self) -> LocalStore | None:
-        """This process's store, which the caller may use without awaiting (`reserve_now`,
-        `settle_now`: no coroutine or task per request); None where the buckets are in Redis."""
+        """This process's store, from which the caller may reserve without awaiting
+        (`reserve_now`: no coroutine or task per request); None where the buckets are in Redis."""
         store = self.store
         return store if isinstance(store, LocalStore) else None
 
@@ -306,13 +305,12 @@ class Budgets:
         return local.take_now(tenant, tokens, per_minute, per_minute / 60)
 
     def settle_now(self, reservation: Reservation, used: int | None) -> None:
-        """`settle` into this process's own buckets (`local`), without awaiting."""
-        local = self.local
-        assert local is not None
+        """Correct a reservation by what the request used (None: unknown, it stays as charged),
+        without awaiting: into this process's buckets, or queued for Redis' next round."""
         per_minute = self.limits.get(reservation.tenant)
         if not reservation.charged or used is None or per_minute is None or used == reservation.tokens:
             return
-        local.give_now(reservation.tenant, reservation.tokens - used, per_minute, per_minute / 60)
+        self.store.give_now(reservation.tenant, reservation.tokens - used, per_minute, per_minute / 60)
 
     async def reserve(self, tenant: str, tokens: int) -> Reservation | int:
         """A reservation of `tokens`, or the whole seconds (at least 1) to wait before asking again."""
@@ -356,13 +354,6 @@ class Budgets:
                 f"tenant {tenant} has used its {limit} tokens a minute: retry in {reserved} s", "budget", reserved
             )
         return replace(reserved, prompt=prompt_estimate(raw_size))
-
-    async def settle(self, reservation: Reservation, used: int | None) -> None:
-        """Correct a reservation by what the request used (None: unknown, it stays as charged)."""
-        per_minute = self.limits.get(reservation.tenant)
-        if not reservation.charged or used is None or per_minute is None or used == reservation.tokens:
-            return
-        await self.store.give(reservation.tenant, reservation.tokens - used, per_minute, per_minute / 60)
 
 
 COMPLETION_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
