@@ -40,13 +40,31 @@ import math
 import time
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from router.kvevents.tokens import root_of, token_chain
 from router.kvevents.wire import MEDIUM_GPU, Batch, Cleared, Removed, Stored
-from router.prefix import PrefixIndex
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 OK, RESTART, GAP, DUPLICATE = "ok", "restart", "gap", "duplicate"
 RATE_S = 5.0  # its GPU's eviction rate is measured over at least this long
+
+
+class BlockIndex(Protocol):
+    """What Holdings asks of the index its blocks are in: a PrefixIndex (router.prefix), or a
+    SharedIndex that other processes read (router.kvevents.shared)."""
+
+    def add_holder(self, capacity: int) -> int: ...
+    def remove_holder(self, holder: int) -> None: ...
+    def set_capacity(self, holder: int, capacity: int) -> int: ...
+    def size(self, holder: int) -> int: ...
+    def clear(self, holder: int) -> int: ...
+    def key_of(self, holder: int, alias: int) -> int | None: ...
+    def insert(self, holder: int, chain: Buffer, n: int = -1, aliases: Buffer | None = None) -> int: ...
+    def forget(self, holder: int, aliases: Buffer) -> int: ...
+    def match(self, holder: int, chain: Buffer) -> int: ...
 
 
 @dataclass(slots=True)
@@ -70,7 +88,7 @@ class Figures:
 
 
 class Holdings:
-    def __init__(self, index: PrefixIndex, capacity_blocks: int) -> None:
+    def __init__(self, index: BlockIndex, capacity_blocks: int) -> None:
         self.index = index
         self.capacity = max(1, capacity_blocks)
         self.tiers: dict[str, Tier] = {}
@@ -84,6 +102,7 @@ class Holdings:
         self._rate = 0.0  # ... a second, over the latest RATE_S or more (`eviction_rate`)
         self._rate_mark: tuple[float, int] | None = None
         self.figures = Figures()
+        self.row: int | None = None  # its roster row, where the index is shared (router.kvevents.shared)
         # the latest replay's messages, sequence number -> timestamp: the same messages arriving live
         # after it (queued in the subscriber's socket while it ran) are copies, not a restart
         self._replayed: dict[int, float] = {}

@@ -58,6 +58,10 @@ speed.
 A replica of several data-parallel ranks has one Holdings per rank (each rank publishes on its
 own port and numbers its own messages); a request goes to whichever rank the engine picks, so the
 replica holds what its best rank holds.
+
+It is past 450 lines because it is one class, Truth, whose methods all read and keep the same
+per-replica state (what is held, queued, coming, returning) by the model this docstring explains;
+split, each part would reach into the others' dictionaries.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from router.kvevents.holdings import Holdings
+from router.kvevents.roster import Followed
+from router.kvevents.shared import SharedIndex, SharedIndexReader
 from router.kvevents.tokens import EngineTokens
 from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PrefixIndex
@@ -108,9 +114,15 @@ class Found:
 
 
 class Truth:
-    def __init__(self, tier_tokens_per_s: float = 0.0) -> None:
-        self.index = PrefixIndex()
-        self.replicas: dict[str, dict[int, Holdings]] = {}
+    def __init__(
+        self, tier_tokens_per_s: float = 0.0, index: PrefixIndex | SharedIndex | SharedIndexReader | None = None
+    ) -> None:
+        # the event-fed index: this process's own; or one in shared memory it writes for its host's
+        # other processes (a SharedIndex); or, in one of those, the reader of it (router.kvevents.shared)
+        self.index = PrefixIndex() if index is None else index
+        self.reader = index if isinstance(index, SharedIndexReader) else None
+        self._roster = -1  # a reader's: the roster's generation its replicas were last built from
+        self.replicas: dict[str, dict[int, Holdings | Followed]] = {}
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
         self.coming: dict[str, Counter[int]] = {}  # replica -> blocks of the requests in flight there
@@ -131,19 +143,63 @@ class Truth:
         return bool(self.replicas)
 
     def holdings(self, replica_id: str, rank: int, capacity_blocks: int) -> Holdings:
-        """The Holdings of one replica's rank, made on first use."""
+        """The Holdings of one replica's rank, made on first use (on a shared index, enlisted in
+        its roster for the readers)."""
+        if self.reader is not None:
+            raise TypeError("a reader of a shared index follows the engines' events through its writer")
         ranks = self.replicas.setdefault(replica_id, {})
         h = ranks.get(rank)
         if h is None:
+            assert not isinstance(self.index, SharedIndexReader)
             h = ranks[rank] = Holdings(self.index, capacity_blocks)
+            if isinstance(self.index, SharedIndex):
+                h.row = self.index.roster.enlist(replica_id, rank)
+                self.index.roster.describe(h.row, h)
+        assert isinstance(h, Holdings)
         return h
 
-    def of(self, replica_id: str) -> list[Holdings]:
+    def share(self, index: SharedIndex | SharedIndexReader) -> None:
+        """The event-fed index in shared memory from now on: written here for the host's other
+        processes (a SharedIndex), or read here from the one that writes it (a SharedIndexReader).
+        Before any replica is followed."""
+        if self.replicas:
+            raise RuntimeError("the event-fed index is shared before any replica is followed")
+        self.index = index
+        self.reader = index if isinstance(index, SharedIndexReader) else None
+
+    def published(self, h: Holdings) -> None:
+        """What `h` says changed (a message applied, a replay, its capacity): on a shared index,
+        told to the readers."""
+        if h.row is not None and isinstance(self.index, SharedIndex):
+            self.index.roster.describe(h.row, h)
+
+    def follow(self) -> None:
+        """A reader's: the replicas' ranks its writer follows, as its roster says now (a no-op
+        while the roster has not changed)."""
+        reader = self.reader
+        if reader is None or reader.roster.generation == self._roster:
+            return
+        self._roster = reader.roster.generation
+        listed: dict[str, dict[int, Holdings | Followed]] = {}
+        for row, rid, rank in reader.roster.listed():
+            kept = self.replicas.get(rid, {}).get(rank)
+            same = isinstance(kept, Followed) and kept.at == row * kept.words
+            listed.setdefault(rid, {})[rank] = (
+                kept if same and kept is not None else Followed(reader.roster, reader, row)
+            )
+        for rid in set(self.replicas) - set(listed):
+            self.forget(rid)
+        self.replicas.update(listed)
+
+    def of(self, replica_id: str) -> list[Holdings | Followed]:
         return list(self.replicas.get(replica_id, {}).values())
 
     def forget(self, replica_id: str) -> None:
         for h in self.replicas.pop(replica_id, {}).values():
-            h.close()
+            if isinstance(h, Holdings):
+                if h.row is not None and isinstance(self.index, SharedIndex):
+                    self.index.roster.delist(h.row)
+                h.close()
         self.cut.pop(replica_id, None)
         self.pushed.pop(replica_id, None)
         self.returning.pop(replica_id, None)
@@ -260,7 +316,7 @@ class Truth:
         return least
 
     @staticmethod
-    def _empty(h: Holdings) -> int:
+    def _empty(h: Holdings | Followed) -> int:
         """Its GPU's empty blocks: none while it is evicting (a block removed within EVICTING_S)."""
         if time.monotonic() - h.evicted_at < EVICTING_S:
             return 0
@@ -270,11 +326,13 @@ class Truth:
         """Makes the blocks of `keys` held there the youngest (its best rank's); how many it holds."""
         most = 0
         for h in self.replicas.get(replica_id, {}).values():
-            t = h.tiers[MEDIUM_GPU]
+            t = h.tiers.get(MEDIUM_GPU)
+            if t is None:
+                continue
             held = self.index.match(t.holder, keys)
-            if held:
+            if held and not isinstance(self.index, SharedIndexReader):  # (a reader cannot reorder them)
                 self.index.insert(t.holder, keys, held)
-                most = max(most, held)
+            most = max(most, held)
         return most
 
     def ahead(self, replica_id: str) -> int:
@@ -310,6 +368,8 @@ class Truth:
     def suspect(self, replica_id: str) -> None:
         for h in self.replicas.get(replica_id, {}).values():
             h.suspect()
+            if isinstance(h, Holdings):
+                self.published(h)
 
     def held(
         self,

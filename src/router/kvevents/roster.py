@@ -1,0 +1,258 @@
+"""The roster of a shared event-fed index: what each followed engine's events say, for the readers.
+
+The process that follows the engines (router.kvevents.shared.SharedIndex's writer) keeps one row
+per replica's rank (its `Holdings`): whether its events are believed, its engine's block size and
+capacity, its evictions (how many, the latest when), its last sequence number, its figures, and
+which holders of the index are its tiers. `Roster.describe` rewrites a row after each message
+applied; a reader process (a worker) builds its Truth's replicas from the rows in use
+(`RosterReader.listed`) and reads each as a `Followed`, which answers what `Holdings` answers.
+
+File: a 64-byte header (magic, generation, rows used), then MAX_ROWS rows of 48 uint64 words:
+generation (0: free), rank, believed, block size, capacity, evicted, when (a double: monotonic
+seconds, the same clock in every process of a host), sequence + 2 (0: none), the eleven figures,
+four (medium as 8 ASCII bytes, holder + 1) pairs, and the replica's id (UTF-8, 128 bytes). Each
+word is whole to a reader; the words of a row may be a message apart, as an event in flight is.
+A row's generation is written last when it is taken, and the header's generation after it.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from router.kvevents.holdings import RATE_S, Figures, Tier
+from router.kvevents.mapped import SharedFileError, map_file, unlink_file
+from router.kvevents.wire import MEDIUM_GPU
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from router.kvevents.holdings import Holdings
+
+_HEAD = struct.Struct("<QQQ40x")
+MAX_ROWS = 16_384
+_MAGIC = int.from_bytes(b"kvarros1", "little")
+_ROW_WORDS = 48
+_R_GEN, _R_RANK, _R_SURE, _R_BLOCK, _R_CAPACITY, _R_EVICTED, _R_EVICTED_AT, _R_SEQ = range(8)
+_R_FIGURES = 8  # Figures' counters, in their order, from here
+_R_TIERS = 20  # four (medium, holder + 1) pairs: the medium as 8 bytes of ASCII
+_MAX_TIERS = 4
+_R_ID = 32  # the replica's id, UTF-8, NUL-padded
+_ID_BYTES = 8 * (_ROW_WORDS - _R_ID)
+
+
+class Index(Protocol):
+    """What a Followed asks of the index its holders are in (a SharedIndexReader)."""
+
+    def size(self, holder: int) -> int: ...
+    def match(self, holder: int, chain: Buffer) -> int: ...
+
+
+class Roster:
+    """The writer's roster file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._file = map_file(path, _HEAD.size + MAX_ROWS * 8 * _ROW_WORDS, True)
+        except OSError as exc:
+            raise SharedFileError(f"cannot lay out the roster {path}: {exc}") from None
+        _HEAD.pack_into(self._file, 0, _MAGIC, 0, 0)
+        self._rows = memoryview(self._file)[_HEAD.size :].cast("Q")
+        self._floats = memoryview(self._file)[_HEAD.size :].cast("d")
+        self._gen = 0
+        self._count = 0  # rows ever used
+        self._free: list[int] = []
+
+    def enlist(self, replica_id: str, rank: int) -> int:
+        """A roster row for one replica's rank (its Holdings); `describe` fills it."""
+        name = replica_id.encode()
+        if len(name) > _ID_BYTES:
+            raise SharedFileError(f"replica id {replica_id!r} is longer than {_ID_BYTES} bytes")
+        if self._free:
+            row = min(self._free)
+            self._free.remove(row)
+        else:
+            row = self._count
+            if row >= MAX_ROWS:
+                raise SharedFileError(f"the roster has room for {MAX_ROWS} replicas' ranks")
+            self._count += 1
+        at = row * _ROW_WORDS
+        self._rows[at : at + _ROW_WORDS] = array("Q", bytes(8 * _ROW_WORDS))
+        self._rows[at + _R_RANK] = rank
+        self._file[_HEAD.size + 8 * (at + _R_ID) : _HEAD.size + 8 * (at + _R_ID) + len(name)] = name
+        self._gen += 1
+        self._rows[at + _R_GEN] = self._gen  # last: the row is whole once it is in use
+        self._changed()
+        return row
+
+    def delist(self, row: int) -> None:
+        self._rows[row * _ROW_WORDS + _R_GEN] = 0
+        self._free.append(row)
+        self._gen += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        _HEAD.pack_into(self._file, 0, _MAGIC, self._gen, self._count)
+
+    def describe(self, row: int, h: Holdings) -> None:
+        """Writes what `h` says now into its row: believed or not, its engine's block size and
+        capacity, its evictions, its last sequence number, its figures and its tiers' holders.
+        Each word is whole to a reader; the words together may be a message apart."""
+        rows, at = self._rows, row * _ROW_WORDS
+        rows[at + _R_SURE] = 1 if h.sure else 0
+        rows[at + _R_BLOCK] = h.block_size or 0
+        rows[at + _R_CAPACITY] = h.capacity
+        rows[at + _R_EVICTED] = h.evicted
+        self._floats[at + _R_EVICTED_AT] = h.evicted_at
+        rows[at + _R_SEQ] = 0 if h.seq is None else h.seq + 2  # (-1 after a replay from 0: 1)
+        f = h.figures
+        rows[at + _R_FIGURES : at + _R_FIGURES + 11] = array(
+            "Q",
+            (
+                f.batches,
+                f.stored,
+                f.removed,
+                f.cleared,
+                f.orphans,
+                f.gaps,
+                f.replayed,
+                f.restarts,
+                f.duplicates,
+                f.unsure_episodes,
+                f.long_way,
+            ),
+        )
+        if rows[at + _R_TIERS + 2 * min(len(h.tiers), _MAX_TIERS) - 1] == 0:  # a tier it did not have before
+            for k, (medium, tier) in enumerate(list(h.tiers.items())[:_MAX_TIERS]):
+                rows[at + _R_TIERS + 2 * k] = int.from_bytes(medium.encode()[:8].ljust(8, b"\0"), "little")
+                rows[at + _R_TIERS + 2 * k + 1] = tier.holder + 1
+
+    def close(self) -> None:
+        unlink_file(self.path)
+
+
+class RosterReader:
+    """A reader's mapping of a roster file."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._file = map_file(path, 0, False)
+        except OSError as exc:
+            raise SharedFileError(f"cannot read the roster {path}: {exc}") from None
+        if len(self._file) < _HEAD.size + MAX_ROWS * 8 * _ROW_WORDS or _HEAD.unpack_from(self._file, 0)[0] != _MAGIC:
+            raise SharedFileError(f"{path} is not a shared index's roster")
+        self._head = memoryview(self._file)[: _HEAD.size].cast("Q")
+        self.rows = memoryview(self._file)[_HEAD.size :].cast("Q")
+        self.floats = memoryview(self._file)[_HEAD.size :].cast("d")
+
+    @property
+    def generation(self) -> int:
+        """Moves whenever a replica's rank is enlisted or delisted."""
+        return int(self._head[1])
+
+    def listed(self) -> list[tuple[int, str, int]]:
+        """(row, replica id, rank) of every replica's rank the writer follows now."""
+        out = []
+        for row in range(int(self._head[2])):
+            at = row * _ROW_WORDS
+            gen = self.rows[at + _R_GEN]
+            if not gen:
+                continue
+            start = _HEAD.size + 8 * (at + _R_ID)
+            name = bytes(self._file[start : start + _ID_BYTES]).rstrip(b"\0").decode(errors="replace")
+            if self.rows[at + _R_GEN] == gen:  # not delisted and reused meanwhile
+                out.append((row, name, int(self.rows[at + _R_RANK])))
+        return out
+
+
+class Followed:
+    """One replica's rank as a reader of the shared index sees it: what `Holdings` tells Truth,
+    read from its roster row and its holders' regions (router.kvevents.truth, on a worker)."""
+
+    words = _ROW_WORDS
+
+    def __init__(self, roster: RosterReader, index: Index, row: int) -> None:
+        self.rows, self.floats = roster.rows, roster.floats
+        self.index = index
+        self.at = row * _ROW_WORDS
+        self.tiers: dict[str, Tier] = {}
+        self._suspect_seq: int | None = None
+        self._rate = 0.0
+        self._rate_mark: tuple[float, int] | None = None
+        self._tiers()
+
+    def _tiers(self) -> None:
+        rows = self.rows
+        for k in range(_MAX_TIERS):
+            holder = rows[self.at + _R_TIERS + 2 * k + 1]
+            if not holder:
+                break
+            medium = int(rows[self.at + _R_TIERS + 2 * k]).to_bytes(8, "little").rstrip(b"\0").decode()
+            if medium not in self.tiers:
+                self.tiers[medium] = Tier(holder - 1)
+
+    @property
+    def sure(self) -> bool:
+        rows = self.rows
+        if self._suspect_seq is not None:
+            if rows[self.at + _R_SEQ] == self._suspect_seq:
+                return False  # no message since its health went down
+            self._suspect_seq = None
+        if len(self.tiers) < _MAX_TIERS and rows[self.at + _R_TIERS + 2 * len(self.tiers) + 1]:
+            self._tiers()  # its engine began another tier
+        return bool(rows[self.at + _R_SURE])
+
+    def suspect(self) -> None:
+        """Its health went down: not believed here until its next message (the writer decides)."""
+        if self._suspect_seq is None:
+            self._suspect_seq = int(self.rows[self.at + _R_SEQ])
+
+    @property
+    def seq(self) -> int | None:
+        seq = int(self.rows[self.at + _R_SEQ])
+        return None if seq == 0 else seq - 2
+
+    @property
+    def block_size(self) -> int | None:
+        return int(self.rows[self.at + _R_BLOCK]) or None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.rows[self.at + _R_CAPACITY])
+
+    @property
+    def evicted(self) -> int:
+        return int(self.rows[self.at + _R_EVICTED])
+
+    @property
+    def evicted_at(self) -> float:
+        return float(self.floats[self.at + _R_EVICTED_AT])
+
+    @property
+    def figures(self) -> Figures:
+        start = self.at + _R_FIGURES
+        return Figures(*(int(v) for v in self.rows[start : start + 11]))
+
+    def blocks(self, medium: str = MEDIUM_GPU) -> int:
+        t = self.tiers.get(medium)
+        return 0 if t is None else self.index.size(t.holder)
+
+    def match(self, chain: array[int], medium: str = MEDIUM_GPU) -> int:
+        t = self.tiers.get(medium)
+        return 0 if t is None or not chain else self.index.match(t.holder, chain)
+
+    def eviction_rate(self, now: float) -> float:
+        """As Holdings.eviction_rate, from the evictions the writer counted."""
+        mark, evicted = self._rate_mark, self.evicted
+        if mark is None:
+            self._rate_mark = (now, evicted)
+        elif now - mark[0] >= RATE_S:
+            self._rate = (evicted - mark[1]) / (now - mark[0])
+            self._rate_mark = (now, evicted)
+        return self._rate
+
+
+__all__ = ["MAX_ROWS", "Followed", "Index", "Roster", "RosterReader"]

@@ -1,0 +1,317 @@
+"""The event-fed index in shared memory: one process on a host follows the engines, the others read.
+
+`SharedIndex` answers what `PrefixIndex` answers for the event-fed index (router.kvevents.truth
+and holdings use it in its place), but keeps each holder, one replica's medium, in a region of
+its own: a file under a memory-backed directory (/dev/shm) that the process writing it maps
+read-write and every other process on the host maps read-only (`SharedIndexReader`). The regions
+are laid out and changed by `_kvshare` (its twin router/_kvshare_py.py): a reader never waits on
+the writer, and a read that raced a change is read again (see src/_kvshare.pyx).
+
+A roster file says what each followed engine's events say beside its blocks (router.kvevents.roster).
+A directory file names each holder's current region. A holder starts in a small region and moves
+to one twice as large as it fills, up to its capacity and a sixteenth of slack (so an index costs
+what it holds, not what the engines could hold): the writer lays out the new file, copies the
+blocks oldest first (the LRU order is kept), names it in the directory and unlinks the old one;
+readers map the new one at their next read, and keep reading the old mapping until then.
+
+Directory file: a 64-byte header (magic, generation, holders named) and a 64-byte row per holder
+(generation, pool, file name). The generation is bumped after every change; a reader rescans
+only when it moved, and keeps a scan only if it did not move during it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from array import array
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from router._compat import NO_EXTENSIONS
+from router.kvevents.mapped import SHM_DIR, SharedFileError, map_file, unlink_file
+from router.kvevents.roster import Roster, RosterReader
+
+if TYPE_CHECKING or NO_EXTENSIONS:
+    from router._kvshare_py import Regions, region_bytes
+else:
+    from _kvshare import Regions, region_bytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+MAX_HOLDERS = 32_768
+FIRST_POOL = 4_096  # a holder's first region (grown as it fills)
+MIN_SLACK = 64  # a full holder's region keeps this many entries (or a sixteenth of its capacity) spare
+_DIR_MAGIC = int.from_bytes(b"kvardir1", "little")
+_HEAD = struct.Struct("<QQQ40x")
+_ROW = struct.Struct("<QQ48s")
+_NAME_MAX = 47
+
+
+def max_pool(capacity: int) -> int:
+    """The largest region a holder of `capacity` blocks moves to."""
+    return max(1, capacity + max(MIN_SLACK, capacity // 16))
+
+
+class SharedIndex:
+    """The writer: a PrefixIndex's answers for the event-fed index, its holders in shared memory.
+
+    `name` prefixes its files in `directory`; give readers the same two (router.kvevents.shared
+    `SharedIndexReader`). Only this process changes it; `close()` unlinks its files."""
+
+    def __init__(self, name: str, directory: str = SHM_DIR, max_holders: int = MAX_HOLDERS) -> None:
+        if not name or "/" in name or len(name) > _NAME_MAX - 16:
+            raise SharedFileError(f"a shared index's name must be 1 to {_NAME_MAX - 16} characters without '/'")
+        self.name = name
+        self.directory = Path(directory)
+        self.max_holders = max_holders
+        self.regions = Regions()
+        self._maps: dict[int, tuple[mmap.mmap, Path]] = {}
+        self._gen = 0
+        self._count = 0  # holder rows named in the directory
+        self._free: list[int] = []
+        self._dir_path = self.directory / f"{name}.dir"
+        try:
+            self._dir = map_file(self._dir_path, _HEAD.size + max_holders * _ROW.size, True)
+        except OSError as exc:
+            raise SharedFileError(f"cannot lay out the shared index {self._dir_path}: {exc}") from None
+        _HEAD.pack_into(self._dir, 0, _DIR_MAGIC, 0, 0)
+        try:
+            self.roster = Roster(self.directory / f"{name}.roster")  # what each engine's events say
+        except SharedFileError:
+            unlink_file(self._dir_path)
+            raise
+
+    def __repr__(self) -> str:
+        return f"SharedIndex({self.name!r}, {len(self._maps)} holders, {self.total()} blocks)"
+
+    # -- the directory -------------------------------------------------------------------------------
+
+    def _publish(self, holder: int, pool: int, file: str) -> None:
+        self._gen += 1
+        gen = self._gen if file else 0
+        _ROW.pack_into(self._dir, _HEAD.size + holder * _ROW.size, 0, pool, file.encode())
+        struct.pack_into("<Q", self._dir, _HEAD.size + holder * _ROW.size, gen)
+        self._count = max(self._count, holder + 1)
+        _HEAD.pack_into(self._dir, 0, _DIR_MAGIC, self._gen, self._count)
+
+    def _region(self, holder: int, capacity: int, pool: int) -> None:
+        """Lays out a fresh region of `pool` entries for `holder`, moving its blocks there."""
+        self._gen += 1
+        file = f"{self.name}-{holder}-{self._gen}"
+        path = self.directory / file
+        try:
+            buf = map_file(path, region_bytes(pool), True)
+        except OSError as exc:
+            raise SharedFileError(f"cannot lay out a region of the shared index ({path}): {exc}") from None
+        old = self._maps.get(holder)
+        if old is None:
+            self.regions.format(holder, buf, capacity, pool)
+        else:
+            keys, aliases, named = self.regions.blocks(holder)
+            moved = Regions()
+            moved.format(0, buf, capacity, pool)
+            _refile(moved, keys, aliases, named)
+            del moved
+            self.regions.retire(holder)
+            self.regions.attach(holder, buf)
+        self._maps[holder] = (buf, path)
+        self._publish(holder, pool, file)
+        if old is not None:
+            unlink_file(old[1])
+
+    # -- holders -------------------------------------------------------------------------------------
+
+    @property
+    def n_holders(self) -> int:
+        return self.regions.n_holders
+
+    def add_holder(self, capacity: int) -> int:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
+        if self._free:
+            holder = min(self._free)
+            self._free.remove(holder)
+        else:
+            holder = self.regions.n_holders
+            if holder >= self.max_holders:
+                raise SharedFileError(f"the shared index has room for {self.max_holders} holders")
+        self._region(holder, capacity, min(FIRST_POOL, max_pool(capacity)))
+        return holder
+
+    def remove_holder(self, holder: int) -> None:
+        self.regions.retire(holder)
+        _, path = self._maps.pop(holder)
+        self._publish(holder, 0, "")
+        unlink_file(path)
+        self._free.append(holder)
+
+    def capacity(self, holder: int) -> int:
+        return int(self.regions.capacity(holder))
+
+    def set_capacity(self, holder: int, capacity: int) -> int:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
+        return int(self.regions.set_capacity(holder, capacity))
+
+    def size(self, holder: int) -> int:
+        return int(self.regions.size(holder))
+
+    def clear(self, holder: int) -> int:
+        return int(self.regions.clear(holder))
+
+    def evict(self, holder: int, count: int) -> int:
+        return int(self.regions.evict(holder, count))
+
+    def total(self) -> int:
+        return int(self.regions.total())
+
+    def memory_bytes(self) -> int:
+        """Bytes of the regions laid out (their files' length; pages are taken as they are written)."""
+        return int(self.regions.memory_bytes())
+
+    # -- blocks --------------------------------------------------------------------------------------
+
+    def insert(self, holder: int, chain: Buffer, n: int = -1, aliases: Buffer | None = None) -> int:
+        count = len(memoryview(chain)) if n == -1 else n
+        regions = self.regions
+        pool, size = regions.pool(holder), regions.size(holder)
+        if isinstance(count, int) and pool - size < count:
+            top = max_pool(regions.capacity(holder))
+            if pool < top:
+                self._region(holder, regions.capacity(holder), min(top, max(2 * pool, size + count)))
+        return int(regions.insert(holder, chain, n, aliases))
+
+    def forget(self, holder: int, aliases: Buffer) -> int:
+        return int(self.regions.forget(holder, aliases))
+
+    def key_of(self, holder: int, alias: int) -> int | None:
+        return self.regions.key_of(holder, alias)
+
+    def match(self, holder: int, chain: Buffer) -> int:
+        return int(self.regions.match(holder, chain))
+
+    def match_after(self, holder: int, chain: Buffer, evicted: int) -> int:
+        return int(self.regions.match_after(holder, chain, evicted))
+
+    def match_all(self, chain: Buffer, out: Buffer) -> None:
+        self.regions.match_all(chain, out)
+
+    def close(self) -> None:
+        """Unlinks its files (readers keep what they mapped until they let go)."""
+        for holder in list(self._maps):
+            _, path = self._maps.pop(holder)
+            unlink_file(path)
+        unlink_file(self._dir_path)
+        self.roster.close()
+
+
+def _refile(regions: Regions, keys: array[int], aliases: array[int], named: bytes) -> None:
+    """Files blocks given least recent first into holder 0 of `regions`, in that LRU order: each
+    run of named (or unnamed) blocks in one insert, most recent first (insert touches its chain
+    from the end, so the chain's first block ends the most recent)."""
+    start = 0
+    while start < len(keys):
+        end = start + 1
+        while end < len(keys) and named[end] == named[start]:
+            end += 1
+        chain = keys[start:end]
+        chain.reverse()
+        names = None
+        if named[start]:
+            names = aliases[start:end]
+            names.reverse()
+        regions.insert(0, chain, -1, names)
+        start = end
+
+
+class SharedIndexReader:
+    """A reader of a SharedIndex another process on this host writes: `match`, `match_after`,
+    `match_all`, `size`, `capacity` of its holders, as it stands at each question."""
+
+    def __init__(self, name: str, directory: str = SHM_DIR) -> None:
+        self.name = name
+        self.directory = Path(directory)
+        path = self.directory / f"{name}.dir"
+        try:
+            self._dir = map_file(path, 0, False)
+        except OSError as exc:
+            raise SharedFileError(f"cannot read the shared index {path}: {exc}") from None
+        magic, _, _ = _HEAD.unpack_from(self._dir, 0)
+        if magic != _DIR_MAGIC:
+            raise SharedFileError(f"{path} is not a shared index's directory")
+        self.regions = Regions()
+        self._known = -1  # the directory's generation last followed whole
+        self._rows: dict[int, int] = {}  # holder -> the generation of the region mapped
+        self._maps: dict[int, mmap.mmap] = {}
+        self.roster = RosterReader(self.directory / f"{name}.roster")
+
+    def follow(self) -> None:
+        """Maps the regions the directory names now (a no-op while it has not changed)."""
+        _, gen, count = _HEAD.unpack_from(self._dir, 0)
+        if gen == self._known:
+            return
+        for holder in range(count):
+            row_gen, _, file = _ROW.unpack_from(self._dir, _HEAD.size + holder * _ROW.size)
+            if row_gen == self._rows.get(holder, 0):
+                continue
+            if row_gen == 0:
+                if self.regions.attached(holder):
+                    self.regions.detach(holder)
+                self._rows.pop(holder, None)
+                self._maps.pop(holder, None)
+                continue
+            try:
+                buf = map_file(self.directory / file.rstrip(b"\0").decode(), 0, False)
+                self.regions.attach(holder, buf)
+            except (OSError, ValueError):
+                continue  # moved again meanwhile: the next look finds where
+            self._rows[holder] = row_gen
+            self._maps[holder] = buf
+        if _HEAD.unpack_from(self._dir, 0)[1] == gen:
+            self._known = gen
+
+    @property
+    def n_holders(self) -> int:
+        self.follow()
+        return int(self.regions.n_holders)
+
+    def size(self, holder: int) -> int:
+        self.follow()
+        return int(self.regions.size(holder)) if self.regions.attached(holder) else 0
+
+    def capacity(self, holder: int) -> int:
+        self.follow()
+        return int(self.regions.capacity(holder)) if self.regions.attached(holder) else 0
+
+    def total(self) -> int:
+        self.follow()
+        return int(self.regions.total())
+
+    def match(self, holder: int, chain: Buffer) -> int:
+        self.follow()
+        return int(self.regions.match(holder, chain)) if self.regions.attached(holder) else 0
+
+    def match_after(self, holder: int, chain: Buffer, evicted: int) -> int:
+        self.follow()
+        return int(self.regions.match_after(holder, chain, evicted)) if self.regions.attached(holder) else 0
+
+    def match_all(self, chain: Buffer, out: Buffer) -> None:
+        self.follow()
+        self.regions.match_all(chain, out)
+
+    def memory_bytes(self) -> int:
+        return int(self.regions.memory_bytes())
+
+    @property
+    def torn(self) -> int:
+        return int(self.regions.torn)
+
+    def close(self) -> None:
+        self.regions = Regions()
+        self._maps.clear()
+        self._rows.clear()
+        self._known = -1
+
+
+__all__ = ["MAX_HOLDERS", "SharedIndex", "SharedIndexReader", "max_pool"]

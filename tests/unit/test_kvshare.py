@@ -1,0 +1,324 @@
+"""The event-fed index in shared memory: regions (`_kvshare`, twin router/_kvshare_py.py) and the
+index and reader made of them (router.kvevents.shared).
+
+A region must answer as `PrefixIndex` answers for one holder, whatever the operations; a region
+written by one implementation must read alike in the other; a reader in another process must map
+the writer's regions as they move and never see a block that was never stored, even while the
+writer changes them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twins import implementations
+
+from router import _kvshare_py
+from router.kvevents.holdings import Holdings
+from router.kvevents.mapped import SharedFileError
+from router.kvevents.shared import FIRST_POOL, SharedIndex, SharedIndexReader
+from router.kvevents.tokens import EngineTokens, root_of, token_chain
+from router.kvevents.truth import Found, Truth
+from router.kvevents.wire import Batch, Removed, Stored
+from router.prefix import PrefixIndex
+
+IMPLEMENTATIONS = implementations("_kvshare", _kvshare_py)
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    return IMPLEMENTATIONS[request.param]
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[str]:
+    """A folder for the index's files: under /dev/shm where there is one (as it runs), else tmp."""
+    base = Path("/dev/shm")
+    if base.is_dir() and os.access(base, os.W_OK):
+        folder = base / f"kvar-test-{os.getpid()}-{tmp_path.name}"
+        folder.mkdir()
+        yield str(folder)
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+    else:
+        yield str(tmp_path)
+
+
+def chain_of(base: int, n: int) -> array[int]:
+    return array("Q", [base * 1000 + i + 1 for i in range(n)])
+
+
+def names_of(base: int, n: int, twist: int = 0) -> array[int]:
+    return array("Q", [(base * 1000 + i) * 7 + 3 + twist for i in range(n)])
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "insert", "insert", "forget", "evict", "capacity", "after"]),
+        st.integers(0, 12),  # which chain
+        st.integers(1, 24),  # how long
+        st.integers(0, 1),  # a twist of the names (a block renamed)
+        st.integers(0, 60),  # a count
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS)
+def test_a_region_answers_as_a_prefix_index_holder_does(ops: list[tuple[str, int, int, int, int]]) -> None:
+    for module in IMPLEMENTATIONS.values():
+        regions, index = module.Regions(), PrefixIndex()
+        regions.format(0, bytearray(module.region_bytes(64)), 40, 64)
+        h = index.add_holder(40)
+        for op, base, n, twist, count in ops:
+            chain, names = chain_of(base, n), names_of(base, n, twist)
+            if op == "insert":
+                assert regions.insert(0, chain, -1, names) == index.insert(h, chain, -1, names)
+            elif op == "forget":
+                assert regions.forget(0, names[:count]) == index.forget(h, names[:count])
+            elif op == "evict":
+                assert regions.evict(0, count) == index.evict(h, count)
+            elif op == "capacity":
+                assert regions.set_capacity(0, count) == index.set_capacity(h, count)
+            else:
+                assert regions.match_after(0, chain, count) == index.match_after(h, chain, count)
+            assert regions.match(0, chain) == index.match(h, chain)
+            assert regions.size(0) == index.size(h)
+            assert regions.key_of(0, names[-1]) == index.key_of(h, names[-1])
+
+
+def test_a_region_written_by_one_implementation_reads_alike_in_the_other() -> None:
+    if len(IMPLEMENTATIONS) < 2:
+        pytest.skip("the compiled module was not built (ROUTER_NO_EXTENSIONS=1)")
+    rng = random.Random(5)
+    for writer, reader in (("compiled", "python"), ("python", "compiled")):
+        buf = bytearray(IMPLEMENTATIONS[writer].region_bytes(300))
+        w = IMPLEMENTATIONS[writer].Regions()
+        w.format(0, buf, 250, 300)
+        for _ in range(200):
+            base, n = rng.randrange(30), rng.randint(1, 30)
+            if rng.random() < 0.8:
+                w.insert(0, chain_of(base, n), -1, names_of(base, n))
+            else:
+                w.forget(0, names_of(base, rng.randint(1, n)))
+        r = IMPLEMENTATIONS[reader].Regions()
+        r.attach(0, memoryview(buf).toreadonly())
+        for base in range(30):
+            chain = chain_of(base, 30)
+            assert r.match(0, chain) == w.match(0, chain)
+            assert r.match_after(0, chain, 100) == w.match_after(0, chain, 100)
+            assert r.key_of(0, names_of(base, 3)[2]) == w.key_of(0, names_of(base, 3)[2])
+        assert (r.size(0), r.capacity(0)) == (w.size(0), w.capacity(0))
+        with pytest.raises(ValueError, match="read-only"):
+            r.insert(0, chain_of(1, 2))
+
+
+def test_bad_arguments_are_refused_with_a_clear_error(impl: ModuleType) -> None:
+    regions = impl.Regions()
+    with pytest.raises(ValueError, match="bad magic"):
+        regions.attach(0, bytes(impl.region_bytes(16)))
+    with pytest.raises(ValueError, match="needs"):
+        regions.format(0, bytearray(100), 10, 16)
+    regions.format(0, bytearray(impl.region_bytes(16)), 10, 16)
+    with pytest.raises(TypeError, match="unsigned 64-bit"):
+        regions.match(0, array("i", [1, 2]))
+    with pytest.raises(ValueError, match="not attached"):
+        regions.match(3, chain_of(1, 2))
+    with pytest.raises(ValueError, match="aliases has"):
+        regions.insert(0, chain_of(1, 3), -1, names_of(1, 2))
+    with pytest.raises(ValueError, match="out must hold"):
+        regions.match_all(chain_of(1, 2), array("q", [0]))
+    broken = bytearray(impl.region_bytes(16))
+    impl.Regions().format(0, broken, 10, 16)
+    broken[32:40] = (1 << 40).to_bytes(8, "little")  # a slot count the buffer cannot hold
+    with pytest.raises(ValueError, match="does not fit"):
+        impl.Regions().attach(0, bytes(broken))
+
+
+def test_the_shared_index_answers_as_a_prefix_index_while_its_holders_grow_and_move(shm_dir: str) -> None:
+    rng = random.Random(11)
+    shared, index = SharedIndex("grow", shm_dir), PrefixIndex()
+    try:
+        holders = [(shared.add_holder(6000), index.add_holder(6000)) for _ in range(3)]
+        reader = SharedIndexReader("grow", shm_dir)
+        for step in range(1500):
+            s, p = rng.choice(holders)
+            base, n = rng.randrange(600), rng.randint(1, 64)
+            chain, names = chain_of(base, n), names_of(base, n)
+            if rng.random() < 0.8:
+                assert shared.insert(s, chain, -1, names) == index.insert(p, chain, -1, names)
+            else:
+                assert shared.forget(s, names[: n // 2]) == index.forget(p, names[: n // 2])
+            assert shared.match(s, chain) == index.match(p, chain) == reader.match(s, chain), step
+            evicted = rng.randrange(5000)
+            assert reader.match_after(s, chain, evicted) == index.match_after(p, chain, evicted)
+            ours, theirs = array("i", bytes(12)), array("i", bytes(12))
+            reader.match_all(chain, ours)
+            index.match_all(chain, theirs)
+            assert ours == theirs
+        # every holder outgrew its first region, up to its capacity and slack, never past it
+        for s, p in holders:
+            assert shared.regions.pool(s) > FIRST_POOL
+            assert shared.size(s) == index.size(p) == reader.size(s) == 6000
+        assert reader.torn == 0
+        files = sorted(os.listdir(shm_dir))
+        assert len(files) == 5  # the directory, the roster and one region a holder: those moved from are gone
+        gone = holders[0][0]
+        shared.remove_holder(gone)
+        assert reader.size(gone) == 0 and reader.match(gone, chain_of(1, 4)) == 0
+        again = shared.add_holder(100)  # the number is taken again, in a fresh region
+        assert again == gone and reader.size(again) == 0 and reader.capacity(again) == 100
+    finally:
+        shared.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_reader_needs_a_shared_index_to_read(shm_dir: str) -> None:
+    with pytest.raises(SharedFileError, match="cannot read"):
+        SharedIndexReader("absent", shm_dir)
+    with pytest.raises(SharedFileError, match="name"):
+        SharedIndex("a/b", shm_dir)
+    Path(shm_dir, "junk.dir").write_bytes(bytes(64))
+    with pytest.raises(SharedFileError, match="not a shared index"):
+        SharedIndexReader("junk", shm_dir)
+
+
+def _read_while_written(name: str, folder: str, until: float, out: mp.Queue) -> None:
+    """A reader process: matches chains the writer stores and removes, and chains it never stores."""
+    reader = SharedIndexReader(name, folder)
+    rng = random.Random(os.getpid())
+    reads = false = 0
+    while time.time() < until:
+        base = rng.randrange(200)
+        if reader.n_holders:
+            matched = array("i", bytes(4 * reader.n_holders))
+            reader.match_all(chain_of(base, 64), matched)
+            never = chain_of(100_000 + base, 8)  # stored by nobody
+            false += sum(reader.match(h, never) for h in range(reader.n_holders))
+            reads += 1
+    out.put((reads, false, reader.torn))
+
+
+def test_readers_in_other_processes_follow_the_writer_and_never_see_a_block_never_stored(shm_dir: str) -> None:
+    shared = SharedIndex("live", shm_dir)
+    try:
+        holders = [shared.add_holder(3000) for _ in range(4)]
+        ctx = mp.get_context("spawn")
+        out: mp.Queue = ctx.Queue()
+        until = time.time() + 3.0
+        procs = [ctx.Process(target=_read_while_written, args=("live", shm_dir, until, out)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        rng = random.Random(2)
+        while time.time() < until:  # stores and removals as engines send them, holders moving as they fill
+            h, base, n = rng.choice(holders), rng.randrange(200), rng.randint(8, 64)
+            if rng.random() < 0.75:
+                shared.insert(h, chain_of(base, n), -1, names_of(base, n))
+            else:
+                shared.forget(h, names_of(base, n)[n // 2 :])
+        results = [out.get(timeout=30) for _ in procs]
+        for p in procs:
+            p.join(10)
+            assert p.exitcode == 0
+        assert all(reads > 0 for reads, _, _ in results)
+        assert all(false == 0 for _, false, _ in results)
+        # once the writer stops, a reader answers as the writer does
+        reader = SharedIndexReader("live", shm_dir)
+        for base in range(200):
+            for h in holders:
+                assert reader.match(h, chain_of(base, 64)) == shared.match(h, chain_of(base, 64))
+    finally:
+        shared.close()
+
+
+def test_truth_decides_alike_on_a_shared_index(shm_dir: str) -> None:
+    """The event-fed index's users (Holdings, Truth) on a SharedIndex: the same answers as on their own."""
+    shared = SharedIndex("truth", shm_dir)
+    try:
+        truths = [Truth(), Truth(index=shared)]
+        holdings = [t.holdings("r0", 0, 500) for t in truths]
+        seed = root_of(None, None)
+        rng = random.Random(9)
+        chains: list[tuple[int, ...]] = []
+        for seq in range(120):
+            tokens = tuple(rng.randrange(50_000) for _ in range(16 * rng.randint(1, 12)))
+            hashes = [rng.getrandbits(63) for _ in range(len(tokens) // 16)]
+            events: list[Stored | Removed] = [
+                Stored(array("Q", hashes), None, array("Q", tokens), 16, "GPU", None, None)
+            ]
+            if chains and rng.random() < 0.3:
+                events.append(Removed(array("Q", chains.pop(0)), "GPU"))
+            chains.append(tuple(hashes[len(hashes) // 2 :]))
+            for h in holdings:
+                assert h.accept(Batch(seq, float(seq), 0, tuple(events))) == "ok"
+            keys = token_chain(array("Q", tokens), 16, seed)
+            assert holdings[0].match(keys) == holdings[1].match(keys) == len(keys)  # the newest chain, whole
+            older = token_chain(array("Q", tokens[: 16 * rng.randint(1, len(keys))]), 16, seed)
+            assert holdings[0].match(older) == holdings[1].match(older)
+            assert holdings[0].blocks() == holdings[1].blocks()
+        assert holdings[1].blocks() == 500  # full: evicting by its capacity, as the other
+    finally:
+        shared.close()
+
+
+def test_a_worker_reading_the_shared_index_believes_and_prices_as_the_writer(shm_dir: str) -> None:
+    """A worker's Truth on a SharedIndexReader: the replicas the writer follows, believed when
+    it believes them, holding what it holds; a replica suspected there is believed again once a
+    message comes; one the writer forgets leaves the worker's too."""
+    shared = SharedIndex("follow", shm_dir)
+    try:
+        writer, worker = Truth(), Truth()
+        writer.share(shared)
+        worker.share(SharedIndexReader("follow", shm_dir))
+        worker.follow()
+        assert not worker.replicas
+        rng = random.Random(4)
+        prompts = []
+        for rid in ("a", "b"):
+            h = writer.holdings(rid, 0, 1000)
+            for seq in range(5):
+                tokens = array("Q", [rng.randrange(50_000) for _ in range(16 * 6)])
+                hashes = array("Q", [rng.getrandbits(63) for _ in range(6)])
+                batch = Batch(seq, 1.0 + seq, 0, (Stored(hashes, None, tokens, 16, "GPU", None, None),))
+                assert h.accept(batch) == "ok"
+                writer.published(h)
+                prompts.append(tokens)
+        worker.follow()
+        assert sorted(worker.replicas) == ["a", "b"] and worker.sure("a") and worker.sure("b")
+        for tokens in prompts:
+            engine = EngineTokens(len(tokens), tuple(tokens), None, None, "tokenizer")
+            for rid in ("a", "b"):
+                assert worker.held(rid, engine, {}, 16) == writer.held(rid, engine, {}, 16)
+        first = EngineTokens(96, tuple(prompts[0]), None, None, "tokenizer")
+        assert [worker.held(rid, first, {}, 16) for rid in "ab"] == [
+            Found(80, 0, 16),
+            Found(0, 0, 16),
+        ]  # (its last block is computed again)
+        worker.suspect("a")
+        assert not worker.sure("a") and worker.sure("b")
+        h = writer.of("a")[0]
+        assert isinstance(h, Holdings)
+        tokens = array("Q", range(32))
+        assert h.accept(Batch(5, 9.0, 0, (Stored(array("Q", [7, 8]), None, tokens, 16, "GPU", None, None),))) == "ok"
+        writer.published(h)
+        assert worker.sure("a")  # the next message came: nothing was missed
+        assert worker.of("a")[0].figures.stored == h.figures.stored == 32
+        writer.forget("b")
+        worker.follow()
+        assert sorted(worker.replicas) == ["a"]
+        with pytest.raises(TypeError, match="reader"):
+            worker.holdings("c", 0, 10)
+    finally:
+        shared.close()
