@@ -46,6 +46,8 @@ from router.engines.kvfeed import Feed
 from router.engines.upstream import Upstream
 from router.fleet import ReplicaState
 from router.health.states import Hysteresis
+from router.kvevents.mapped import SharedFileError
+from router.kvevents.shared import SharedIndex, SharedIndexReader
 from router.membership import Membership
 from router.metrics import RouterMetrics, multiprocess_registry, show_replica_gauges
 from router.monitor import HealthMonitor, latency_window_s
@@ -233,10 +235,24 @@ class Node:
         if file is not None:
             self.persistence = Persistence(file, self.membership, config.replicas, self.view)
             self.persistence.restore(self.sessions)  # StateError: the caller says so and stops
-        # ttft: the engines' KV-cache events, read by every process that routes (each subscribes)
+        # ttft: the engines' KV-cache events. A lone router follows them itself. Under --workers the
+        # control process follows them once for the host, into an index in shared memory that its
+        # workers read (router.kvevents.shared); a worker whose control process could not lay one
+        # out follows them itself, as a lone router does.
         self.feed: Feed | None = None
-        if placement is not None and config.kv_events and routes:
-            self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics)
+        self.shared_index: SharedIndex | None = None
+        if placement is not None and config.kv_events:
+            name = f"{table.name}-kv" if table is not None else None
+            if name is not None and worker is None and not routes:
+                self.shared_index = _shared_index(name)
+                if self.shared_index is not None:
+                    placement.truth.share(self.shared_index)
+                    self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics, routes=False)
+            elif routes:
+                reader = _index_reader(name) if name is not None and worker is not None else None
+                if reader is not None:
+                    placement.truth.share(reader)
+                self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics)
         # the roles' routing cores: the route's, and a disaggregated fleet's prefill pool
         self.pools = [Pool("serve", fleet, self.policy, self.routing, self.monitor, self.discovery, self.feed)]
         if prefill is not None:
@@ -394,6 +410,8 @@ class Node:
             contexts.append(self._placements_ctx)
         if self.feed is not None and not control_only:
             contexts.append(self._feed_context(self.feed, "kv events"))
+        if self.feed is not None and self.shared_index is not None:  # the control process, for its workers
+            contexts.append(self._feed_context(self.feed, "kv events (for the workers)"))
         if self.config.health_checks:
             contexts.append(self._monitor_context(self.monitor, "health monitor"))
         contexts.append(self._balance_ctx)
@@ -516,6 +534,8 @@ class Node:
             yield
             await self._run(task)
             await feed.close()
+            if feed is self.feed and self.shared_index is not None:
+                self.shared_index.close()  # its files unlinked (the workers have stopped)
 
         return context
 
@@ -580,3 +600,21 @@ class Node:
         if self.redis_sessions is not None:
             await self.redis_sessions.close(own_client=True)
         await self.control.close()
+
+
+def _shared_index(name: str) -> SharedIndex | None:
+    """The control process's index in shared memory for its workers, or None where it cannot lay
+    one out (each worker then follows the engines itself)."""
+    try:
+        return SharedIndex(name)
+    except SharedFileError as exc:
+        log.warning("%s: each worker follows the engines' KV events itself", exc)
+        return None
+
+
+def _index_reader(name: str) -> SharedIndexReader | None:
+    """A worker's reader of its control process's shared index (None: there is none)."""
+    try:
+        return SharedIndexReader(name)
+    except SharedFileError:
+        return None

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -197,3 +199,17 @@ async def test_every_worker_routes_from_the_events(
     assert count and exact and below, text[-2000:]
     assert float(count[1]) == 24  # every request, whichever worker took it, priced by the events
     assert (float(exact[1]) - float(below[1])) / float(count[1]) >= 0.95
+    # one subscriber on the host: the control process follows the engines into the index in shared
+    # memory the workers read; each message reached the router once, not once a worker
+    assert Path(f"/dev/shm/{served.shm}-kv.dir").exists() and Path(f"/dev/shm/{served.shm}-kv.roster").exists()
+    sent = sum(r.publisher.sent for r in fleet.replicas if r.publisher is not None)
+
+    async def once() -> float | None:  # every message the engines sent, applied once on the host
+        async with aiohttp.ClientSession() as http, http.get(served.url + "/metrics") as r:
+            lagged = re.search(r"router_kv_event_lag_seconds_count (\S+)", await r.text())
+        return float(lagged[1]) if lagged and float(lagged[1]) >= sent else None
+
+    assert sent > 0 and await until(once, f"the {sent} messages applied", 10, 0.1) == sent
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(served.proc.wait, 20) == 0
+    assert not list(Path("/dev/shm").glob(f"{served.shm}-kv*"))  # its files go with it

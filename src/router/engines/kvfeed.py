@@ -44,6 +44,7 @@ from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.kvevents.holdings import DUPLICATE, GAP, Holdings
+from router.kvevents.roster import Followed
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
 from router.placement import Placement
@@ -59,6 +60,7 @@ REPLAY_TIMEOUT_S = 3.0  # a replay socket's answer is given up after this long w
 REPLAY_MAX_S = 120.0
 DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has
 DRAIN_RUN = 64  # messages one subscriber reads in a row before the others' turn
+FOLLOW_EVERY_S = 0.05  # a worker on its host's shared index looks at its roster this often
 
 
 def reachable(endpoint: str, replica_url: str) -> str | None:
@@ -114,10 +116,12 @@ class Feed:
         config: PlacementSettings,
         http: Callable[[], aiohttp.ClientSession],
         metrics: RouterMetrics,
+        routes: bool = True,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
         self.truth = placement.truth
+        self.routes = routes  # False: the control process of workers (it follows for them; it tokenizes nothing)
         self.http = http
         self.metrics = metrics
         self.configured = event_endpoints(config)
@@ -139,11 +143,36 @@ class Feed:
 
     async def run(self) -> None:
         try:
+            if self.truth.reader is not None:
+                await self._read()
             while True:
                 await self.find()
                 await asyncio.sleep(FIND_EVERY_S / 5)
         finally:
             await self.close()
+
+    async def _read(self) -> None:
+        """A worker on its host's shared index: no subscriber of its own; the replicas its control
+        process follows, taken from the roster every FOLLOW_EVERY_S (their blocks are read from the
+        shared regions at each request)."""
+        turns = 0
+        while True:
+            self.truth.follow()
+            if turns % round(FIND_EVERY_S / 5 / FOLLOW_EVERY_S) == 0:
+                self._watch({r.id: r for r in self.fleet.replicas})
+            turns += 1
+            await asyncio.sleep(FOLLOW_EVERY_S)
+
+    def _watch(self, present: dict[str, ReplicaState]) -> None:
+        """Finds the tokenizers of the models the believed replicas serve, before their first request."""
+        if not self.routes:
+            return
+        models: dict[str, list[ReplicaState]] = {}
+        for rid, replica in present.items():
+            if replica.models and self.truth.sure(rid):
+                for model in replica.models:
+                    models.setdefault(model, []).append(replica)
+        self.tokens.watch(models)
 
     async def find(self) -> None:
         """Subscribe to the replicas that publish and are not followed yet; stop following gone ones."""
@@ -157,18 +186,14 @@ class Feed:
                     self.asked.pop(rid, None)
         now = time.monotonic()
         m = self.metrics
-        models: dict[str, list[ReplicaState]] = {}
-        for rid, replica in present.items():
-            if replica.models and self.truth.sure(rid):
-                for model in replica.models:
-                    models.setdefault(model, []).append(replica)
-        self.tokens.watch(models)  # their tokenizers are found before their first request
+        self._watch(present)
         for rid, replica in present.items():
             ranks = self.truth.of(rid)
             for h in ranks:
                 blocks = _capacity_blocks(replica, h)
-                if blocks != h.capacity:
+                if isinstance(h, Holdings) and blocks != h.capacity:
                     h.set_capacity(blocks)
+                    self.truth.published(h)
             if ranks:
                 m.child(m.kv_events_believed, rid).set(1 if self.truth.sure(rid) else 0)
                 for medium in {medium for h in ranks for medium in h.tiers}:
@@ -233,6 +258,7 @@ class Feed:
                         missing = holdings.seq is None or batch.seq > holdings.seq  # else the replay had it
                         if missing and holdings.accept(batch) == GAP:
                             holdings.force(batch)
+                    self.truth.published(holdings)
                     if batch.ts > 0:
                         self.metrics.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
                     if self.applied is not None:
@@ -242,6 +268,12 @@ class Feed:
 
     async def _fill(self, holdings: Holdings, endpoint: str, wanted: int) -> bool:
         """Asks the replay socket for everything from `wanted` on and applies it."""
+        try:
+            return await self._replayed(holdings, endpoint, wanted)
+        finally:
+            self.truth.published(holdings)
+
+    async def _replayed(self, holdings: Holdings, endpoint: str, wanted: int) -> bool:
         batches = await self.replay(endpoint, wanted)
         if batches is None:
             holdings.make_unsure()
@@ -355,7 +387,7 @@ def _context() -> zmq.asyncio.Context:
     return ctx
 
 
-def _capacity_blocks(replica: ReplicaState, holdings: Holdings | None) -> int:
+def _capacity_blocks(replica: ReplicaState, holdings: Holdings | Followed | None) -> int:
     size = (holdings.block_size if holdings is not None else None) or replica.engine.block_size
     tokens = replica.engine.kv_tokens
     if size and tokens:
