@@ -78,14 +78,26 @@ def decision(truth: Truth, ids: Sequence[str], chain: array[int]) -> int:
     index = truth.index
     matched = array("i", bytes(4 * index.n_holders))
     index.match_all(chain, matched)
+    return best_of(matched, gpu_holders(truth, ids))
+
+
+def gpu_holders(truth: Truth, ids: Sequence[str]) -> list[list[int]]:
+    """Per position, the index's holders of the replica's GPU tiers (one a rank); none for a
+    replica not believed."""
+    out: list[list[int]] = []
+    for rid in ids:
+        tiers = [h.tiers.get(MEDIUM_GPU) for h in truth.of(rid)] if truth.sure(rid) else []
+        out.append([t.holder for t in tiers if t is not None])
+    return out
+
+
+def best_of(matched: array[int], holders: Sequence[Sequence[int]]) -> int:
+    """`decision` from one match over the index (`matched[holder]`) and `gpu_holders`."""
     best, most = -1, 0
-    for pos, rid in enumerate(ids):
-        if not truth.sure(rid):
-            continue
-        for h in truth.of(rid):
-            t = h.tiers.get(MEDIUM_GPU)
-            if t is not None and matched[t.holder] > most:
-                best, most = pos, matched[t.holder]
+    for pos, numbers in enumerate(holders):
+        for holder in numbers:
+            if holder < len(matched) and matched[holder] > most:
+                best, most = pos, matched[holder]
     return best
 
 
@@ -172,11 +184,20 @@ def render_agreement(rows: list[dict[str, Any]]) -> list[str]:
         )
         identical = figure(r["agreement"], ".3%") if r["routers"] > 1 else "— (one router)"
         procs = r.get("router_procs", 0)
-        together = f"{r['routers']}" + (f" ({procs} in processes of their own)" if procs else "")
+        own = "reading the first's index in shared memory" if r.get("shared_index") else "in processes of their own"
+        together = f"{r['routers']}" + (f" ({procs} {own})" if procs else "")
         lines.append(
             f"| {r['publishers']:,} | {together} | {r['decisions_compared']:,} | {r['decisions_by_index']:,} "
             f"| {identical} | {late} |"
         )
+    for r in compared:
+        if r.get("router_procs"):
+            lines.append(
+                f"\n{r['publishers']:,} publishers: each other router process used "
+                f"{figure(r.get('router_procs_cpu_s', math.nan), '.2f')} s of CPU and ended with "
+                f"{figure(r.get('router_procs_rss_mib', math.nan), ',.0f')} MiB resident, "
+                f"{figure(r.get('router_procs_private_mib', math.nan), ',.0f')} MiB of it its own."
+            )
     return lines
 
 
@@ -185,4 +206,4 @@ def figure(value: float, spec: str) -> str:
     return "—" if math.isnan(value) else format(value, spec)
 
 
-__all__ = ["Agreement", "Recorder", "decision", "figure", "render_agreement", "sample"]
+__all__ = ["Agreement", "Recorder", "best_of", "decision", "figure", "gpu_holders", "render_agreement", "sample"]

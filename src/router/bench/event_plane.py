@@ -28,12 +28,18 @@ more joins halfway through the run; a second table says how often they decide al
 traffic while events are in flight (router.bench.event_agreement), and how long the late one took
 to believe every replica. CPU and memory are then this process's: every router's together. With
 `--router-procs` the routers after the first each run in a process of their own, asked over a pipe
-(router.bench.event_remote): their skew is then between processes, not one loop's turns.
+(router.bench.event_remote): their skew is then between processes, not one loop's turns. With
+`--shared-index` as well, only the first router follows the engines, into an index in shared
+memory (router.kvevents.shared), and the other processes read it: one subscriber a host.
 
 With `--serve-workers N` (comma-separated counts) the subscriber is `router-serve --workers N`
 itself, started as an operator would start it, and the table is what the host pays for it: the
 CPU and memory of its whole process tree, the time until its /metrics say every replica is
 believed, and its lag histogram's percentiles (router.bench.event_serve).
+
+It is past 450 lines because it is one benchmark whole: the run of a fleet size (publishers,
+subscribers, the routers compared), its table and its command line; what other parts could use
+is apart already (event_publishers, event_agreement, event_remote, event_serve).
 """
 
 from __future__ import annotations
@@ -60,12 +66,13 @@ import uvloop
 
 from router._runtime import raise_open_files
 from router.bench.common import free_port, positive_float, positive_int
-from router.bench.event_agreement import Agreement, Recorder, figure, render_agreement, sample
+from router.bench.event_agreement import Agreement, Recorder, figure, gpu_holders, render_agreement, sample
 from router.bench.event_publishers import Shape, end_publishers, start_publishers, stop_publishers
 from router.bench.event_remote import Remote, decide_all, subscriber
 from router.bench.event_serve import measure_serve, render_serve
 from router.config import ReplicaSpec, RouterConfig
 from router.engines.kvfeed import Feed
+from router.kvevents.shared import SharedIndex
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch
 from router.measures import percentile
@@ -88,6 +95,7 @@ class Routers:
     together: int = 1
     late: bool = False
     procs: bool = False  # the routers after the first each in a process of its own (router.bench.event_remote)
+    shared: bool = False  # ... reading the first router's index in shared memory (router.kvevents.shared)
 
 
 async def measure(
@@ -124,14 +132,17 @@ async def measure(
                 start_at + duration_s,
                 lambda: stop_publishers(children),
             )
+        shared = f"kvar-bench-{os.getpid()}" if routers.shared else None
         if routers.procs:  # the routers after the first, each in a process of its own
-            remotes = [Remote(config, shape) for _ in range(routers.together - 1)]
-        row = await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers, remotes)
+            remotes = [Remote(config, shape, shared) for _ in range(routers.together - 1)]
+        row = await _subscribe(config, shape, duration_s, join_after_s, start_at, children, routers, remotes, shared)
     finally:
         cpus = [await r.end() for r in remotes]
         end_publishers(children)
     # each other router process's CPU, from its joining to its end (the settling after the run included)
     row["router_procs_cpu_s"] = sum(cpus) / len(cpus) if cpus else math.nan
+    row["router_procs_rss_mib"] = sum(r.rss_mib for r in remotes) / len(remotes) if remotes else math.nan
+    row["router_procs_private_mib"] = sum(r.private_mib for r in remotes) / len(remotes) if remotes else math.nan
     return row
 
 
@@ -144,6 +155,7 @@ async def _subscribe(
     children: list[tuple[Any, Connection]],
     routers: Routers,
     remotes: list[Remote],
+    shared: str | None = None,
 ) -> dict[str, Any]:
     metrics = RouterMetrics()
     lags = array("d")
@@ -166,7 +178,11 @@ async def _subscribe(
         return min(counts, default=len(config.replicas))
 
     async with aiohttp.ClientSession() as http:
-        feeds = [subscriber(config, shape, metrics, http) for _ in range(routers.together - len(remotes))]
+        index = SharedIndex(shared) if shared is not None else None
+        feeds = [
+            subscriber(config, shape, metrics, http, index if i == 0 else None)
+            for i in range(routers.together - len(remotes))
+        ]
         feed = feeds[0]
         feed.applied = heard
         ids = [r.id for r in feed.fleet.replicas]
@@ -209,7 +225,8 @@ async def _subscribe(
         agreement = Agreement()
         together = [f.truth for f in feeds]
         if compared and believed == len(ids):
-            asked = functools.partial(decide_all, remotes) if remotes else None
+            holders = functools.partial(gpu_holders, feed.truth, ids) if index is not None else None
+            asked = functools.partial(decide_all, remotes, holders=holders) if remotes else None
             await sample(recorder, together, late_truth, ids, agreement, end, time.time, remote=asked)
         await asyncio.sleep(max(end - time.time(), 0.0))
         n2, cpu2, t2, stored2 = applied[0], time.process_time(), time.monotonic(), _stored(feed, ids)
@@ -229,6 +246,8 @@ async def _subscribe(
         late_believed = sum(late[0].truth.sure(rid) for rid in ids) if late else 0
         for f in feeds + late:
             await f.close()
+        if index is not None:
+            index.close()
     whole = t2 - joined
     # steady only once every replica was believed before the run's end (else there is no such window)
     steady = t2 - t1 if believed == len(ids) else 0.0
@@ -270,6 +289,7 @@ async def _subscribe(
         "bad_messages": sum(f.bad_messages for f in feeds + late),
         "routers": routers.together,
         "router_procs": len(remotes),  # of them, each in a process of its own
+        "shared_index": shared is not None,  # ... reading the first one's index in shared memory
         "late_router": routers.late,
         "decisions_compared": agreement.samples,
         "decisions_by_index": agreement.held,
@@ -331,12 +351,18 @@ def run(args: argparse.Namespace) -> int:
     if args.router_procs and args.routers < 2:
         print("router-bench events: --router-procs needs --routers 2 or more (the first stays here)", file=sys.stderr)
         return 2
+    if args.shared_index and not args.router_procs:
+        print(
+            "router-bench events: --shared-index needs --router-procs (its readers are the other processes)",
+            file=sys.stderr,
+        )
+        return 2
     raise_open_files()  # as router-serve does
     if args.serve_workers:
         return _run_serve(args, shape)
     rows = []
     for n in args.publishers:
-        routers = Routers(args.routers, args.late_router, args.router_procs)
+        routers = Routers(args.routers, args.late_router, args.router_procs, args.shared_index)
         try:
             row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
         except RuntimeError as exc:  # a router process that died or fell silent (router.bench.event_remote)
@@ -420,6 +446,12 @@ def add_parser(sub: Any) -> None:
         "--router-procs",
         action="store_true",
         help="the routers after the first each in a process of its own, asked over a pipe (router.bench.event_remote)",
+    )
+    p.add_argument(
+        "--shared-index",
+        action="store_true",
+        help="with --router-procs: the first router's index in shared memory, the other processes only "
+        "reading it (router.kvevents.shared), instead of each following the engines itself",
     )
     p.add_argument(
         "--serve-workers",
