@@ -26,7 +26,7 @@ from twins import implementations
 from router import _kvshare_py
 from router.kvevents.holdings import Holdings
 from router.kvevents.mapped import SharedFileError
-from router.kvevents.shared import FIRST_POOL, SharedIndex, SharedIndexReader
+from router.kvevents.shared import FIRST_POOL, SharedIndex, SharedIndexReader, max_pool
 from router.kvevents.tokens import EngineTokens, root_of, token_chain
 from router.kvevents.truth import Found, Truth
 from router.kvevents.wire import Batch, Removed, Stored
@@ -170,7 +170,7 @@ def test_the_shared_index_answers_as_a_prefix_index_while_its_holders_grow_and_m
             assert ours == theirs
         # every holder outgrew its first region, up to its capacity and slack, never past it
         for s, p in holders:
-            assert shared.regions.pool(s) > FIRST_POOL
+            assert shared.regions.pool(s) == max_pool(6000) > FIRST_POOL
             assert shared.size(s) == index.size(p) == reader.size(s) == 6000
         assert reader.torn == 0
         files = sorted(os.listdir(shm_dir))
@@ -180,6 +180,7 @@ def test_the_shared_index_answers_as_a_prefix_index_while_its_holders_grow_and_m
         assert reader.size(gone) == 0 and reader.match(gone, chain_of(1, 4)) == 0
         again = shared.add_holder(100)  # the number is taken again, in a fresh region
         assert again == gone and reader.size(again) == 0 and reader.capacity(again) == 100
+        assert shared.regions.pool(again) == max_pool(100)  # what its capacity needs, less than a first region
     finally:
         shared.close()
     assert os.listdir(shm_dir) == []
@@ -316,6 +317,10 @@ def test_a_worker_reading_the_shared_index_believes_and_prices_as_the_writer(shm
         assert worker.sure("a")  # the next message came: nothing was missed
         assert worker.of("a")[0].figures.stored == h.figures.stored == 32
         writer.forget("b")
+        worker.follow()
+        assert sorted(worker.replicas) == ["a"]
+        long = writer.holdings("r" * 200, 0, 10)  # an id too long for the roster: followed here, not shared
+        assert long.row is None and "r" * 200 in writer.replicas
         worker.follow()
         assert sorted(worker.replicas) == ["a"]
         with pytest.raises(TypeError, match="reader"):

@@ -66,6 +66,7 @@ split, each part would reach into the others' dictionaries.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from array import array
@@ -73,11 +74,14 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from router.kvevents.holdings import Holdings
+from router.kvevents.mapped import SharedFileError
 from router.kvevents.roster import Followed
 from router.kvevents.shared import SharedIndex, SharedIndexReader
 from router.kvevents.tokens import EngineTokens
 from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PrefixIndex
+
+log = logging.getLogger("router.kvevents.truth")
 
 TIER_PRIOR = 4  # the configured tier speed counts as this many samples
 TIER_ALPHA = 0.05  # ... and each new sample moves the learnt one this much, once many are in
@@ -153,8 +157,12 @@ class Truth:
             assert not isinstance(self.index, SharedIndexReader)
             h = ranks[rank] = Holdings(self.index, capacity_blocks)
             if isinstance(self.index, SharedIndex):
-                h.row = self.index.roster.enlist(replica_id, rank)
-                self.index.roster.describe(h.row, h)
+                try:
+                    h.row = self.index.roster.enlist(replica_id, rank)
+                except SharedFileError as exc:  # (its blocks are kept; the readers price it by their model)
+                    log.warning("replica %s's KV events are not shared with the workers: %s", replica_id, exc)
+                else:
+                    self.index.roster.describe(h.row, h)
         assert isinstance(h, Holdings)
         return h
 
