@@ -102,14 +102,21 @@ def _tree_cpu(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _tree_rss(pid: int) -> tuple[int, int]:
-    """(the tree's resident bytes, its processes)."""
+def _tree_memory(pid: int) -> tuple[int, int, int]:
+    """(the tree's resident bytes, its proportional bytes, its processes). Resident memory counts
+    a page every process maps once in each (the workers' shared index: in every worker); the
+    proportional set size divides it among them, so the tree's sum is what the host pays."""
     procs = _tree(pid)
-    rss = 0
+    rss = pss = 0
     for p in procs:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            rss += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return rss, len(procs)
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                name, _, rest = line.partition(":")
+                if name in ("Rss", "Pss"):
+                    kib = int(rest.split()[0]) * 1024
+                    rss += kib if name == "Rss" else 0
+                    pss += kib if name == "Pss" else 0
+    return rss, pss, len(procs)
 
 
 async def _scrape(http: aiohttp.ClientSession, url: str) -> Scrape:
@@ -176,7 +183,7 @@ async def _follow(
         first, cpu1, t1 = await _scrape(http, url), _tree_cpu(pid), time.monotonic()
         await asyncio.sleep(max(end - time.time(), 0.0))
         last, cpu2, t2 = await _scrape(http, url), _tree_cpu(pid), time.monotonic()
-        rss, procs = _tree_rss(pid)
+        rss, pss, procs = _tree_memory(pid)
     sent = stop_publishers()
     steady = t2 - t1 if believed == len(ids) else 0.0
     rate = sent["stored"] / sent["seconds"] if sent["seconds"] else 0.0
@@ -199,21 +206,25 @@ async def _follow(
         "lag_p99_le_s": bucket_percentile(first.lag, last.lag, 99) if steady else math.nan,
         "held_blocks": held,
         "rss_mib": rss / MIB,
-        # the host's memory for each million blocks the fleet holds (every worker keeps its own index)
+        "pss_mib": pss / MIB,
+        # the host's memory for each million blocks the fleet holds (proportional: a page the
+        # processes share counted once)
         "rss_mib_per_million_blocks_held": rss / MIB / (held / 1e6) if held else math.nan,
+        "pss_mib_per_million_blocks_held": pss / MIB / (held / 1e6) if held else math.nan,
     }
 
 
 def render_serve(rows: list[dict[str, Any]]) -> str:
     lines = [
         "`router-serve --workers N` as the subscriber (its whole process tree: the control process and "
-        "N workers, each following every replica). Lag: the bound of the router's histogram bucket the "
-        "percentile falls in.",
+        "N workers). Lag: the bound of the router's histogram bucket the percentile falls in. Memory: "
+        "resident (a page several processes map counted in each) and proportional (counted once: what "
+        "the host pays).",
         "",
         "| publishers | workers | believed (s) | blocks/s sent (asked) | host cores | cores per worker "
         "| µs CPU per block sent | lag P50 ≤ (ms) | lag P99 ≤ (ms) | blocks the engines hold "
-        "| RSS, all processes (MiB) | MiB per million blocks held |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| RSS, all processes (MiB) | PSS, all processes (MiB) | PSS MiB per million blocks held |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         believe = f"{r['believe_s']:.2f}" if r["believed"] == r["publishers"] else f"— ({r['believed']:,} believed)"
@@ -222,7 +233,8 @@ def render_serve(rows: list[dict[str, Any]]) -> str:
             f"| {r['sent_blocks_per_s']:,.0f} ({r['asked_blocks_per_s']:,.0f}) | {_num(r['host_cpu_cores'], '.2f')} "
             f"| {_num(r['cpu_cores_per_worker'], '.2f')} | {_num(r['host_cpu_us_per_block'], '.2f')} "
             f"| {_num(r['lag_p50_le_s'] * 1e3, ',.1f')} | {_num(r['lag_p99_le_s'] * 1e3, ',.1f')} "
-            f"| {r['held_blocks']:,} | {r['rss_mib']:,.0f} | {_num(r['rss_mib_per_million_blocks_held'], ',.0f')} |"
+            f"| {r['held_blocks']:,} | {r['rss_mib']:,.0f} | {r['pss_mib']:,.0f} "
+            f"| {_num(r['pss_mib_per_million_blocks_held'], ',.0f')} |"
         )
     return "\n".join(lines)
 

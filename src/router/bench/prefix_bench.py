@@ -19,6 +19,7 @@ calls to take at least 100 µs; a timing stops early once it has used --max-seco
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -28,6 +29,7 @@ import random
 import statistics
 import string
 import sys
+import tempfile
 import time
 from array import array
 from collections.abc import Callable
@@ -38,6 +40,8 @@ from router.bench.common import positive_int
 from router.config import RouterConfig, parse_replica
 from router.fleet import Fleet
 from router.keys import RoutingKey
+from router.kvevents.mapped import SHM_DIR
+from router.kvevents.shared import SharedIndex, SharedIndexReader
 from router.policy.ttft import Ttft
 from router.prefix import PrefixIndex
 from router.prompt import prompt_of
@@ -85,6 +89,12 @@ def add_parser(sub: Any) -> None:
         default=True,
         help="also time the ttft policy's whole decision on a second, equally filled index (default on)",
     )
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="also the event-fed index in shared memory (router.kvevents.shared), filled alike: a worker's "
+        "match_all on its reader, the writer's insert, its memory",
+    )
     p.add_argument("--seed", type=int, default=1, help="random seed for the prompts (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run)
@@ -131,7 +141,9 @@ def repeated(fn: Callable[[], object]) -> Callable[[int], Callable[[], object]]:
     return make
 
 
-def fill(index: PrefixIndex, block_chain: Callable[..., array[int]], args: argparse.Namespace, capacity: int) -> None:
+def fill(
+    index: PrefixIndex | SharedIndex, block_chain: Callable[..., array[int]], args: argparse.Namespace, capacity: int
+) -> None:
     """Every holder full of its own conversations: distinct seeds give chains that share nothing."""
     filler = random.Random(args.seed + 1).randbytes(FILL_CHAIN_TOKENS * 4)
     seed = MODEL_SEED + 1
@@ -157,6 +169,7 @@ def bench_prompt(
     args: argparse.Namespace,
     progress: Callable[[str], None],
     decider: Callable[[list[str]], Callable[[], object]] | None = None,
+    shared: tuple[SharedIndex, SharedIndexReader] | None = None,
 ) -> dict[str, Any]:
     parts = chat_parts(tokens, args.seed * 1_000_003 + tokens)
     prompt = "".join(parts).encode()
@@ -187,6 +200,18 @@ def bench_prompt(
     if list(out) != expected:
         raise SystemExit(f"router-bench prefix: match_all gave {list(out)}, not {expected}; refusing to report")
     row["matched"] = list(out)
+    if shared is not None:
+        writer, reader = shared
+        writer.insert(0, chain)
+        if writer.n_holders > 1:
+            writer.insert(1, chain, n // 2)
+        theirs = array("i", [0] * reader.n_holders)
+        progress(f"{tokens} tokens: match_all, shared")
+        row["shared_match_all_us"] = median_us_per_call(
+            repeated(lambda: reader.match_all(chain, theirs)), args.repeat, args.max_seconds
+        )
+        if list(theirs) != list(out):
+            raise SystemExit(f"router-bench prefix: the shared index matched {list(theirs)}, not {list(out)}")
 
     progress(f"{tokens} tokens: price")
     price = pricing(index, chain, tokens, args.block_bytes / 4)
@@ -217,9 +242,30 @@ def bench_prompt(
 
     progress(f"{tokens} tokens: insert")
     row["insert_us"] = median_us_per_call(make_inserts, args.repeat, args.max_seconds)
+    if shared is not None:
+        progress(f"{tokens} tokens: insert, shared")
+        row["shared_insert_us"] = median_us_per_call(
+            lambda k: _inserts(shared[0], keys, prompt, args, target, fresh, k), args.repeat, args.max_seconds
+        )
     progress(f"{tokens} tokens: insert, held")
     row["insert_held_us"] = median_us_per_call(repeated(lambda: index.insert(0, chain)), args.repeat, args.max_seconds)
     return row
+
+
+def _inserts(
+    index: SharedIndex, keys: Keys, prompt: bytes, args: argparse.Namespace, target: int, fresh: list[int], k: int
+) -> Callable[[], object]:
+    """k inserts of chains the holder does not hold, into a shared index (the writer's side)."""
+    chains = []
+    for _ in range(k):
+        fresh[0] += 1
+        chains.append(keys.block_chain(prompt, args.block_bytes, fresh[0]))
+
+    def batch() -> None:
+        for c in chains:
+            index.insert(target, c)
+
+    return batch
 
 
 def pricing(
@@ -317,9 +363,44 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     fill(index, keys.block_chain, args, capacity)
     fill_s = time.perf_counter() - t0
+    decider = decision_bench(args, capacity) if args.decision else None
+    with contextlib.ExitStack() as stack:
+        shared = _shared(stack, args, keys, capacity, show) if args.shared else None
+        return _measure(args, index, keys, capacity, fill_s, show, live, decider, shared)
+
+
+def _shared(
+    stack: contextlib.ExitStack, args: argparse.Namespace, keys: Keys, capacity: int, show: Callable[[str], None]
+) -> tuple[SharedIndex, SharedIndexReader]:
+    """A shared index filled as the bench's, in a folder of its own under /dev/shm, and a reader of it."""
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvar-prefix-", dir=shm_folder()))
+    writer = SharedIndex("bench", folder)
+    stack.callback(writer.close)
+    for _ in range(args.replicas):
+        writer.add_holder(capacity)
+    show(f"filling {args.replicas} shared holders with {capacity:,} blocks each")
+    fill(writer, keys.block_chain, args, capacity)
+    return writer, SharedIndexReader("bench", folder)
+
+
+def shm_folder() -> str | None:
+    """/dev/shm where this host has it (memory-backed, as the router uses it), else the default temp folder."""
+    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
+
+
+def _measure(
+    args: argparse.Namespace,
+    index: PrefixIndex,
+    keys: Keys,
+    capacity: int,
+    fill_s: float,
+    show: Callable[[str], None],
+    live: bool,
+    decider: Callable[[list[str]], Callable[[], object]] | None,
+    shared: tuple[SharedIndex, SharedIndexReader] | None,
+) -> int:
     memory = index.memory_bytes()
     total = index.total()
-    decider = decision_bench(args, capacity) if args.decision else None
     result = {
         "benchmark": "prefix",
         "implementation": args.impl,
@@ -336,8 +417,10 @@ def run(args: argparse.Namespace) -> int:
         "memory_mib_per_million_blocks": memory / total * 1e6 / 2**20,
         "memory_is_estimate": args.impl == "python",
         "decision_implementation": prefix.IMPLEMENTATION,
-        "prompts": [bench_prompt(index, keys, t, args, show, decider) for t in args.tokens],
+        "prompts": [bench_prompt(index, keys, t, args, show, decider, shared) for t in args.tokens],
     }
+    if shared is not None:
+        result["shared_memory_bytes_per_block"] = shared[0].memory_bytes() / shared[0].total()
     # after the inserts have churned every holder: what a running router's index looks like
     result["memory_bytes_per_block_churned"] = index.memory_bytes() / index.total()
     if live:
@@ -378,4 +461,13 @@ def render(result: dict[str, Any]) -> str:
         f"{result['memory_bytes_per_block_churned']:.1f} bytes a block after the inserts; "
         f"filled in {result['fill_seconds']:.2f} s",
     ]
+    if "shared_memory_bytes_per_block" in result:
+        lines += ["", "The event-fed index in shared memory, filled alike (router.kvevents.shared):", ""]
+        lines += [
+            "| prompt (tokens) | match_all, a worker's reader (µs) | insert, the writer (µs) |",
+            "|---:|---:|---:|",
+        ]
+        for r in result["prompts"]:
+            lines.append(f"| {r['tokens']:,} | {r['shared_match_all_us']:,.2f} | {r['shared_insert_us']:,.2f} |")
+        lines.append(f"\nmemory: {result['shared_memory_bytes_per_block']:.1f} bytes a block (its files' length)")
     return "\n".join(lines)
