@@ -278,6 +278,27 @@ class Ring:
         self._place_all()
         return self._publish()
 
+    def add_replicas(
+        self,
+        replica_ids: Sequence[str],
+        weights: Sequence[float] | None = None,
+        available: Sequence[bool] | None = None,
+    ) -> list[MovedRange]:
+        """Append several replicas at once, in order: one placement and one snapshot for them all."""
+        new = list(replica_ids)
+        ws = [1.0] * len(new) if weights is None else [_check_weight(w) for w in weights]
+        flags = [True] * len(new) if available is None else [bool(a) for a in available]
+        if len(ws) != len(new) or len(flags) != len(new):
+            raise ValueError(f"weights and available must have one entry per replica ({len(new)})")
+        ids = _check_ids([*self._ids, *new])
+        if len(ids) * self.vnodes > _MAX_POINTS:
+            raise ValueError(f"too many points: replicas * vnodes must stay at most {_MAX_POINTS}")
+        self._ids = ids
+        self._weights.extend(ws)
+        self._available.extend(flags)
+        self._place_all()
+        return self._publish()
+
     def remove_replica(self, index: int) -> list[MovedRange]:
         """Remove replica `index`; later replicas shift down by one. Its keys move clockwise,
         and vnode overrides that name it are dropped."""

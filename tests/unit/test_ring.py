@@ -223,6 +223,27 @@ def test_adding_one_replica_moves_about_one_share_and_only_to_it(impl: ModuleTyp
     assert_moves_match_ranges(ring, before, ids, moved, sample)
 
 
+def test_adding_replicas_at_once_is_adding_them_one_by_one(impl: ModuleType) -> None:
+    one, many = impl.Ring(fleet()), impl.Ring(fleet())
+    sample = keys(20000)
+    before = list(many.lookup_many(sample))
+    ids = many.replica_ids
+    added = ["replica-20", "replica-21", "replica-22"]
+    for rid, w in zip(added, (1.0, 0.5, 1.0), strict=True):
+        one.add_replica(rid, w, rid != "replica-22")
+    moved = many.add_replicas(added, weights=[1.0, 0.5, 1.0], available=[True, True, False])
+    assert many.replica_ids == one.replica_ids and many.weights == one.weights and many.available == one.available
+    assert list(many.lookup_many(sample)) == list(one.lookup_many(sample))
+    assert {r.new for r in moved} == {"replica-20", "replica-21"}  # (replica-22 is out of the ring)
+    assert_moves_match_ranges(many, before, ids, moved, sample)
+    assert many.add_replicas([]) == [] and many.n_replicas == N + 3
+    with pytest.raises(ValueError, match="one entry per replica"):
+        many.add_replicas(["replica-23"], weights=[1.0, 1.0])
+    with pytest.raises(ValueError):
+        many.add_replicas(["replica-24", "replica-20"])  # already there: nothing is added
+    assert many.n_replicas == N + 3
+
+
 def test_removing_a_replica_moves_only_its_keys(impl: ModuleType) -> None:
     ring = impl.Ring(fleet())
     sample = keys(20000)

@@ -279,11 +279,14 @@ class Follower:
             if found is None or found[0] != gone.slot or found[1].epoch != gone.epoch or found[1].url != gone.url:
                 fleet.remove(gone.id)
                 self.on_removed(gone.id)
-        for rid, (slot, row) in sorted(wanted.items(), key=lambda item: item[1][0]):
+        listed = sorted(wanted.items(), key=lambda item: item[1][0])
+        added = [ReplicaSpec(rid, row.url) for rid, (_, row) in listed if fleet.find(rid) is None]
+        fleet.add_all(added)  # (the ring placed once for all of them)
+        new = {spec.id for spec in added}
+        for rid, (slot, row) in listed:
             replica = fleet.find(rid)
-            if replica is None:
-                fleet.add(ReplicaSpec(rid, row.url))
-                replica = fleet.replicas[-1]
+            assert replica is not None
+            if rid in new:
                 replica.slot, replica.epoch = slot, row.epoch
                 replica.owner_tag = owner_tag(rid, row.epoch)
                 base = slot * COUNTER_CELL
