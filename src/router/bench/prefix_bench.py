@@ -14,6 +14,11 @@ request body (router.prompt.prompt_of) and the policy's pick (the gate, the cost
 it runs on the implementation router.prefix selects.
 Each figure is the median, over up to --repeat batches, of µs per call, a batch being enough
 calls to take at least 100 µs; a timing stops early once it has used --max-seconds.
+With --shared the same is timed on the event-fed index in shared memory (router.kvevents.shared):
+a worker's match_all on its reader, and the writer's insert.
+
+It is past 450 lines because it is one benchmark whole: the indexes filled alike, each call timed
+the same way on each, and the table; split, each part would need the others' arguments.
 """
 
 from __future__ import annotations
