@@ -51,7 +51,10 @@ cdef extern from *:
     static inline int32_t shx_load32(const int32_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
     static inline uint64_t shx_loadu64(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
     static inline void shx_store64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-    static inline void shx_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+    /* a seqlock's fences: the writer's orders its stores around the odd sequence number, the
+       reader's its loads before the second look at it (neither is an instruction on x86) */
+    static inline void shx_release(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
+    static inline void shx_acquire(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
     static inline void shx_prefetch(const void *p) { __builtin_prefetch(p); }
     """
     uint64_t shx_load64(const uint64_t* p) noexcept nogil
@@ -59,7 +62,8 @@ cdef extern from *:
     int32_t shx_load32(const int32_t* p) noexcept nogil
     uint64_t shx_loadu64(const uint64_t* p) noexcept nogil
     void shx_store64(uint64_t* p, uint64_t v) noexcept nogil
-    void shx_fence() noexcept nogil
+    void shx_release() noexcept nogil
+    void shx_acquire() noexcept nogil
     void shx_prefetch(const void* p) noexcept nogil
 
 DEF _HEADER = 128
@@ -586,7 +590,7 @@ cdef class Regions:
             if before & 1:
                 continue
             answer = _match_after(r, chain, n, evicted) if evicted > 0 else _match(r, chain, n)
-            shx_fence()
+            shx_acquire()
             after = shx_load64(&r.hd.seq)
             if before == after:
                 return answer
@@ -677,10 +681,10 @@ cdef class Regions:
 
     cdef void _begin(self, shx_region_t* r) noexcept nogil:
         shx_store64(&r.hd.seq, r.hd.seq + 1)
-        shx_fence()
+        shx_release()
 
     cdef void _end(self, shx_region_t* r) noexcept nogil:
-        shx_fence()
+        shx_release()
         shx_store64(&r.hd.seq, r.hd.seq + 1)
 
     def insert(self, holder, chain, n=-1, aliases=None):
@@ -766,6 +770,6 @@ cdef class Regions:
     def retire(self, holder):
         """Marks the holder's region retired (it moved) and detaches it."""
         cdef shx_region_t* r = self._writable(holder)
-        shx_fence()
+        shx_release()
         shx_store64(&r.hd.retired, 1)
         self._detach(holder)
