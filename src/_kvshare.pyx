@@ -153,40 +153,33 @@ cdef int _compare_u64(const void* a, const void* b) noexcept nogil:
 # One region, on raw pointers. The writer's side reads plainly (it alone writes); what readers
 # run loads every shared word once and checks it before following it.
 
-cdef inline int32_t _find(shx_region_t* r, uint64_t key, uint64_t* slot) noexcept nogil:
-    # The entry keyed `key`, or -1; `slot` is where it is, or the empty slot where it would go.
-    # Bounded, and every entry checked: safe on a region being written (then maybe wrong).
-    cdef uint64_t i = _hash(key) & r.mask, probes = 0
+cdef inline int32_t _probe(shx_region_t* r, const int32_t* slots, uint64_t value, bint aliases,
+                           uint64_t* slot) noexcept nogil:
+    # The entry filed under `value` in `slots` (by its key, or with `aliases` its engine's name),
+    # or -1; `slot` is where it is, or the empty slot where it would go. Bounded, and every entry
+    # checked: safe on a region being written (then maybe wrong).
+    cdef uint64_t i = _hash(value) & r.mask, probes = 0
     cdef int32_t e
     while probes <= r.mask:
-        e = shx_load32(&r.kslots[i]) - 1
+        e = shx_load32(&slots[i]) - 1
         if e < 0 or e >= r.pool:
             slot[0] = i
             return _NONE
-        if shx_loadu64(&r.entries[e].key) == key:
+        if shx_loadu64(&r.entries[e].alias if aliases else &r.entries[e].key) == value:
             slot[0] = i
             return e
         i = (i + 1) & r.mask
         probes += 1
     slot[0] = i
     return _NONE
+
+
+cdef inline int32_t _find(shx_region_t* r, uint64_t key, uint64_t* slot) noexcept nogil:
+    return _probe(r, r.kslots, key, False, slot)
 
 
 cdef inline int32_t _afind(shx_region_t* r, uint64_t alias, uint64_t* slot) noexcept nogil:
-    cdef uint64_t i = _hash(alias) & r.mask, probes = 0
-    cdef int32_t e
-    while probes <= r.mask:
-        e = shx_load32(&r.aslots[i]) - 1
-        if e < 0 or e >= r.pool:
-            slot[0] = i
-            return _NONE
-        if shx_loadu64(&r.entries[e].alias) == alias:
-            slot[0] = i
-            return e
-        i = (i + 1) & r.mask
-        probes += 1
-    slot[0] = i
-    return _NONE
+    return _probe(r, r.aslots, alias, True, slot)
 
 
 cdef void _vacate(shx_region_t* r, int32_t* slots, uint64_t hole, bint aliases) noexcept nogil:

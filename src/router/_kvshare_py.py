@@ -14,6 +14,8 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Any
 
+from router._gallop import gallop
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
@@ -224,29 +226,11 @@ class _Region:
 
     # -- answers -------------------------------------------------------------------------------------
 
-    def holds(self, key: int) -> bool:
-        return self.find(key)[0] != _NONE
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, int) and self.find(key)[0] != _NONE
 
     def match(self, chain: memoryview, n: int) -> int:
-        n = min(n, 0x7FFFFFFF)
-        if n == 0 or self.hd64[_SIZE] == 0:
-            return 0
-        lo, k = 0, 1
-        while True:
-            k = min(k, n)
-            if not self.holds(chain[k - 1]):
-                break
-            lo = k
-            if k == n:
-                return n
-            k *= 2
-        while k - lo > 1:
-            mid = lo + (k - lo) // 2
-            if self.holds(chain[mid - 1]):
-                lo = mid
-            else:
-                k = mid
-        return lo
+        return 0 if self.hd64[_SIZE] == 0 else gallop(self, chain, n)
 
     def match_after(self, chain: memoryview, n: int, evicted: int) -> int:
         matched = self.match(chain, n)

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import xxhash
 
+from router._gallop import gallop
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
@@ -205,26 +207,8 @@ def _fleet_buffer(obj: object, name: str, kind: _Kind, n: int) -> memoryview[Any
 
 
 def _match(held: OrderedDict[int, int | None], chain: memoryview) -> int:
-    # The compiled core's probe order exactly: gallop over 1, 2, 4, ... blocks, then bisect.
-    n = len(chain)
-    if n == 0 or not held:
-        return 0
-    lo, k = 0, 1
-    while True:
-        k = min(k, n)
-        if chain[k - 1] not in held:
-            break
-        lo = k
-        if k == n:
-            return n
-        k *= 2
-    while k - lo > 1:
-        mid = lo + (k - lo) // 2
-        if chain[mid - 1] in held:
-            lo = mid
-        else:
-            k = mid
-    return lo
+    # The compiled core's probe order exactly (router._gallop).
+    return gallop(held, chain, len(chain)) if held else 0
 
 
 class PrefixIndex:

@@ -233,20 +233,10 @@ def bench_prompt(
     target = index.n_holders - 1
     fresh = [MODEL_SEED + (1 << 40)]
 
-    def make_inserts(k: int) -> Callable[[], object]:
-        chains = []
-        for _ in range(k):
-            fresh[0] += 1
-            chains.append(keys.block_chain(prompt, args.block_bytes, fresh[0]))
-
-        def batch() -> None:
-            for c in chains:
-                index.insert(target, c)
-
-        return batch
-
     progress(f"{tokens} tokens: insert")
-    row["insert_us"] = median_us_per_call(make_inserts, args.repeat, args.max_seconds)
+    row["insert_us"] = median_us_per_call(
+        lambda k: _inserts(index, keys, prompt, args, target, fresh, k), args.repeat, args.max_seconds
+    )
     if shared is not None:
         progress(f"{tokens} tokens: insert, shared")
         row["shared_insert_us"] = median_us_per_call(
@@ -258,9 +248,15 @@ def bench_prompt(
 
 
 def _inserts(
-    index: SharedIndex, keys: Keys, prompt: bytes, args: argparse.Namespace, target: int, fresh: list[int], k: int
+    index: PrefixIndex | SharedIndex,
+    keys: Keys,
+    prompt: bytes,
+    args: argparse.Namespace,
+    target: int,
+    fresh: list[int],
+    k: int,
 ) -> Callable[[], object]:
-    """k inserts of chains the holder does not hold, into a shared index (the writer's side)."""
+    """k inserts of chains the holder does not hold (fresh seeds: chains of the prompt's length)."""
     chains = []
     for _ in range(k):
         fresh[0] += 1

@@ -52,19 +52,24 @@ OK, RESTART, GAP, DUPLICATE = "ok", "restart", "gap", "duplicate"
 RATE_S = 5.0  # its GPU's eviction rate is measured over at least this long
 
 
-class BlockIndex(Protocol):
+class MatchIndex(Protocol):
+    """What is asked of the index a replica's tiers are in, to answer for them."""
+
+    def size(self, holder: int) -> int: ...
+    def match(self, holder: int, chain: Buffer) -> int: ...
+
+
+class BlockIndex(MatchIndex, Protocol):
     """What Holdings asks of the index its blocks are in: a PrefixIndex (router.prefix), or a
     SharedIndex that other processes read (router.kvevents.shared)."""
 
     def add_holder(self, capacity: int) -> int: ...
     def remove_holder(self, holder: int) -> None: ...
     def set_capacity(self, holder: int, capacity: int) -> int: ...
-    def size(self, holder: int) -> int: ...
     def clear(self, holder: int) -> int: ...
     def key_of(self, holder: int, alias: int) -> int | None: ...
     def insert(self, holder: int, chain: Buffer, n: int = -1, aliases: Buffer | None = None) -> int: ...
     def forget(self, holder: int, aliases: Buffer) -> int: ...
-    def match(self, holder: int, chain: Buffer) -> int: ...
 
 
 @dataclass(slots=True)
@@ -87,7 +92,46 @@ class Figures:
     long_way: int = 0  # batches the compiled scanner left to the long decoder (router.kvevents.wire)
 
 
-class Holdings:
+class Rate:
+    """A count's rate a second, measured over the latest RATE_S or more of the clock it is given."""
+
+    __slots__ = ("_mark", "_rate")
+
+    def __init__(self) -> None:
+        self._rate = 0.0
+        self._mark: tuple[float, int] | None = None
+
+    def at(self, now: float, count: int) -> float:
+        """The rate as of `now`, the count being `count` (0 until it has been measured once)."""
+        mark = self._mark
+        if mark is None:
+            self._mark = (now, count)
+        elif now - mark[0] >= RATE_S:
+            self._rate = (count - mark[1]) / (now - mark[0])
+            self._mark = (now, count)
+        return self._rate
+
+
+class Tiers:
+    """What a replica's rank holds on each medium, asked of the index its tiers' holders are in
+    (Holdings writes them; router.kvevents.roster.Followed reads them from another process)."""
+
+    index: MatchIndex
+    tiers: dict[str, Tier]
+
+    def blocks(self, medium: str = MEDIUM_GPU) -> int:
+        t = self.tiers.get(medium)
+        return 0 if t is None else self.index.size(t.holder)
+
+    def match(self, chain: array[int], medium: str = MEDIUM_GPU) -> int:
+        """How many of `chain`'s leading blocks it holds on `medium`."""
+        t = self.tiers.get(medium)
+        return 0 if t is None or not chain else self.index.match(t.holder, chain)
+
+
+class Holdings(Tiers):
+    index: BlockIndex
+
     def __init__(self, index: BlockIndex, capacity_blocks: int) -> None:
         self.index = index
         self.capacity = max(1, capacity_blocks)
@@ -99,8 +143,7 @@ class Holdings:
         self._turnover = 0  # blocks stored since it became unsure
         self.evicted_at = -math.inf  # when its engine last evicted a GPU block (monotonic seconds)
         self.evicted = 0  # GPU blocks its engine removed
-        self._rate = 0.0  # ... a second, over the latest RATE_S or more (`eviction_rate`)
-        self._rate_mark: tuple[float, int] | None = None
+        self._rate = Rate()  # ... a second (`eviction_rate`)
         self.figures = Figures()
         self.row: int | None = None  # its roster row, where the index is shared (router.kvevents.shared)
         # the latest replay's messages, sequence number -> timestamp: the same messages arriving live
@@ -119,15 +162,6 @@ class Holdings:
     @property
     def sure(self) -> bool:
         return not self.unsure and self.suspect_since_seq is None
-
-    def blocks(self, medium: str = MEDIUM_GPU) -> int:
-        t = self.tiers.get(medium)
-        return 0 if t is None else self.index.size(t.holder)
-
-    def match(self, chain: array[int], medium: str = MEDIUM_GPU) -> int:
-        """How many of `chain`'s leading blocks it holds on `medium`."""
-        t = self.tiers.get(medium)
-        return 0 if t is None or not chain else self.index.match(t.holder, chain)
 
     def set_capacity(self, blocks: int) -> None:
         self.capacity = max(1, blocks)
@@ -304,13 +338,7 @@ class Holdings:
     def eviction_rate(self, now: float) -> float:
         """GPU blocks its engine removed a second, measured over the latest RATE_S or more of the
         clock `now` reads (0 until it has been measured once)."""
-        mark = self._rate_mark
-        if mark is None:
-            self._rate_mark = (now, self.evicted)
-        elif now - mark[0] >= RATE_S:
-            self._rate = (self.evicted - mark[1]) / (now - mark[0])
-            self._rate_mark = (now, self.evicted)
-        return self._rate
+        return self._rate.at(now, self.evicted)
 
 
 __all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings"]

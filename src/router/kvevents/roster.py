@@ -20,15 +20,12 @@ from __future__ import annotations
 import struct
 from array import array
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from router.kvevents.holdings import RATE_S, Figures, Tier
+from router.kvevents.holdings import Figures, MatchIndex, Rate, Tier, Tiers
 from router.kvevents.mapped import SharedFileError, map_file, unlink_file
-from router.kvevents.wire import MEDIUM_GPU
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer
-
     from router.kvevents.holdings import Holdings
 
 _HEAD = struct.Struct("<QQQ40x")
@@ -41,13 +38,6 @@ _R_TIERS = 20  # four (medium, holder + 1) pairs: the medium as 8 bytes of ASCII
 _MAX_TIERS = 4
 _R_ID = 32  # the replica's id, UTF-8, NUL-padded
 _ID_BYTES = 8 * (_ROW_WORDS - _R_ID)
-
-
-class Index(Protocol):
-    """What a Followed asks of the index its holders are in (a SharedIndexReader)."""
-
-    def size(self, holder: int) -> int: ...
-    def match(self, holder: int, chain: Buffer) -> int: ...
 
 
 class Roster:
@@ -168,20 +158,19 @@ class RosterReader:
         return out
 
 
-class Followed:
+class Followed(Tiers):
     """One replica's rank as a reader of the shared index sees it: what `Holdings` tells Truth,
     read from its roster row and its holders' regions (router.kvevents.truth, on a worker)."""
 
     words = _ROW_WORDS
 
-    def __init__(self, roster: RosterReader, index: Index, row: int) -> None:
+    def __init__(self, roster: RosterReader, index: MatchIndex, row: int) -> None:
         self.rows, self.floats = roster.rows, roster.floats
         self.index = index
         self.at = row * _ROW_WORDS
         self.tiers: dict[str, Tier] = {}
         self._suspect_seq: int | None = None
-        self._rate = 0.0
-        self._rate_mark: tuple[float, int] | None = None
+        self._rate = Rate()
         self._tiers()
 
     def _tiers(self) -> None:
@@ -236,23 +225,9 @@ class Followed:
         start = self.at + _R_FIGURES
         return Figures(*(int(v) for v in self.rows[start : start + 11]))
 
-    def blocks(self, medium: str = MEDIUM_GPU) -> int:
-        t = self.tiers.get(medium)
-        return 0 if t is None else self.index.size(t.holder)
-
-    def match(self, chain: array[int], medium: str = MEDIUM_GPU) -> int:
-        t = self.tiers.get(medium)
-        return 0 if t is None or not chain else self.index.match(t.holder, chain)
-
     def eviction_rate(self, now: float) -> float:
         """As Holdings.eviction_rate, from the evictions the writer counted."""
-        mark, evicted = self._rate_mark, self.evicted
-        if mark is None:
-            self._rate_mark = (now, evicted)
-        elif now - mark[0] >= RATE_S:
-            self._rate = (evicted - mark[1]) / (now - mark[0])
-            self._rate_mark = (now, evicted)
-        return self._rate
+        return self._rate.at(now, self.evicted)
 
 
-__all__ = ["MAX_ROWS", "Followed", "Index", "Roster", "RosterReader"]
+__all__ = ["MAX_ROWS", "Followed", "Roster", "RosterReader"]
