@@ -535,7 +535,7 @@ class Node:
             await self._run(task)
             await feed.close()
             if feed is self.feed and self.shared_index is not None:
-                self.shared_index.close()  # its files unlinked (the workers have stopped)
+                self.shared_index.close()  # its files unlinked (a worker keeps what it mapped)
 
         return context
 

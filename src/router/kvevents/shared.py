@@ -55,7 +55,8 @@ FIRST_POOL = 4_096
 MIN_SLACK = 64  # a full holder's region keeps this many entries (or a sixteenth of its capacity) spare
 _DIR_MAGIC = int.from_bytes(b"kvardir1", "little")
 _HEAD = struct.Struct("<QQQ40x")
-_ROW = struct.Struct("<QQ48s")
+_ROW = struct.Struct("<QQ48s")  # generation (0: none), pool, file name
+_ROW_TAIL = struct.Struct("<Q48s")
 _NAME_MAX = 47
 
 
@@ -111,10 +112,13 @@ class SharedIndex:
     # -- the directory -------------------------------------------------------------------------------
 
     def _publish(self, holder: int, pool: int, file: str) -> None:
+        """Names `holder`'s region `file` ("": none): the pool and name first, the row's generation
+        last, so a reader that sees the new generation reads the new name."""
         self._gen += 1
         gen = self._gen if file else 0
-        _ROW.pack_into(self._dir, _HEAD.size + holder * _ROW.size, 0, pool, file.encode())
-        struct.pack_into("<Q", self._dir, _HEAD.size + holder * _ROW.size, gen)
+        at = _HEAD.size + holder * _ROW.size
+        _ROW_TAIL.pack_into(self._dir, at + 8, pool, file.encode())
+        struct.pack_into("<Q", self._dir, at, gen)
         self._count = max(self._count, holder + 1)
         _HEAD.pack_into(self._dir, 0, _DIR_MAGIC, self._gen, self._count)
 
