@@ -11,6 +11,7 @@ pins the same behaviour against the real engine).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -175,7 +176,7 @@ async def test_every_worker_routes_from_the_events(
     served = await serve_workers([r.url for r in fleet.replicas])
     async with aiohttp.ClientSession() as http:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # both workers subscribe and believe both replicas
+        while time.monotonic() < deadline:  # the control process follows, both workers believe both replicas
             async with http.get(served.url + "/metrics") as r:
                 text = await r.text()
             believing = len(re.findall(r"router_kv_events_believed\{.*\} 1\.0", text)) >= 2
@@ -210,6 +211,29 @@ async def test_every_worker_routes_from_the_events(
         return float(lagged[1]) if lagged and float(lagged[1]) >= sent else None
 
     assert sent > 0 and await until(once, f"the {sent} messages applied", 10, 0.1) == sent
+    # a worker that dies is replaced by one that reads the same index: it believes at once, no
+    # replica is followed twice, and every request it takes is priced by the events
+    os.kill(served.pids[0], signal.SIGKILL)
+    await asyncio.to_thread(served.line, r"worker 0 \(pid \d+\) exited \(-9\); restarting", 20)
+    async with aiohttp.ClientSession() as http:
+
+        async def both() -> bool:  # the new worker found its tokenizer: it serves, reading the index
+            async with http.get(served.url + "/metrics") as r:
+                return 'router_tokenizer{model="emulated-llm",source="builtin"} 2.0' in await r.text()
+
+        await until(both, "the restarted worker serving", 30, 0.2)
+        for n in range(8):
+            await chat(http, served.url, conversation(n, 4), f"w-{n}")
+
+        async def repriced() -> str | None:
+            async with http.get(served.url + "/metrics") as r:
+                text = await r.text()
+            count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
+            return text if count and float(count[1]) >= 32 else None
+
+        await until(repriced, "the 8 requests after the restart priced by the events too", 10, 0.1)
+    sent = sum(r.publisher.sent for r in fleet.replicas if r.publisher is not None)
+    assert await until(once, f"the {sent} messages applied once", 10, 0.1) == sent
     served.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(served.proc.wait, 20) == 0
     assert not list(Path("/dev/shm").glob(f"{served.shm}-kv*"))  # its files go with it
