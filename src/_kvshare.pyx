@@ -23,7 +23,8 @@ only as blocks arrive. Entries come from a bump counter (`fresh`), then from the
 
 Readers never block the writer. The writer makes `seq` odd before it changes a region and even
 after; a reader reads `seq`, answers, reads `seq` again, and answers again if it changed (at most
-READ_TRIES times; the last answer then stands and is counted in `torn`). Every index a reader
+READ_TRIES times). One that finds `seq` odd waits a moment (SPINS looks) for the change to end;
+past that, or past READ_TRIES, its last answer stands and is counted in `torn`. Every index a reader
 follows is checked against the region's bounds and every probe run and LRU walk is bounded, so a
 read racing the writer can be wrong (as stale as an event in flight) but never crash or hang. A
 holder that outgrows its region moves to a larger one (`move`): the old one is marked `retired`
@@ -580,9 +581,9 @@ cdef class Regions:
             while before & 1 and spins < _SPINS:  # the writer is at it: a few microseconds
                 before = shx_load64(&r.hd.seq)
                 spins += 1
-            if before & 1:
-                continue
             answer = _match_after(r, chain, n, evicted) if evicted > 0 else _match(r, chain, n)
+            if before & 1:
+                break  # a writer held up (or gone) mid-change: this answer, as it read, stands
             shx_acquire()
             after = shx_load64(&r.hd.seq)
             if before == after:

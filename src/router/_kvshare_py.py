@@ -356,9 +356,9 @@ class Regions:
             while before & 1 and spins < _SPINS:
                 before = hd[_SEQ]
                 spins += 1
-            if before & 1:
-                continue
             answer = r.match_after(chain, n, evicted) if evicted > 0 else r.match(chain, n)
+            if before & 1:
+                break  # a writer held up (or gone) mid-change: this answer, as it read, stands
             if hd[_SEQ] == before:
                 return answer
         self.torn += 1

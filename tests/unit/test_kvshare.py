@@ -125,6 +125,20 @@ def test_a_region_written_by_one_implementation_reads_alike_in_the_other() -> No
             r.insert(0, chain_of(1, 2))
 
 
+def test_a_reader_of_a_region_its_writer_left_mid_change_answers_and_counts_it_torn(impl: ModuleType) -> None:
+    buf = bytearray(impl.region_bytes(64))
+    writer = impl.Regions()
+    writer.format(0, buf, 64, 64)
+    writer.insert(0, chain_of(1, 8), -1, names_of(1, 8))
+    buf[8:16] = (int.from_bytes(buf[8:16], "little") + 1).to_bytes(8, "little")  # seq odd: a change never ended
+    reader = impl.Regions()
+    reader.attach(0, memoryview(buf).toreadonly())
+    assert reader.match(0, chain_of(1, 8)) == 8 and reader.torn == 1  # answered as it read, not hung
+    out = array("i", [0])
+    reader.match_all(chain_of(1, 4), out)
+    assert list(out) == [4] and reader.torn == 2
+
+
 def test_bad_arguments_are_refused_with_a_clear_error(impl: ModuleType) -> None:
     regions = impl.Regions()
     with pytest.raises(ValueError, match="bad magic"):
