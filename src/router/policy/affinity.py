@@ -29,7 +29,6 @@ that has already gone down.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import replace
 
 from router.fleet import NONE
 from router.keys import RoutingKey
@@ -59,8 +58,6 @@ class Affinity(Policy):
         if capped and self.fleet.refresh_loads is not None:
             self.fleet.refresh_loads()
             decision, _ = self._pick(key, last, exclude, skip)
-        if decision is not None and self.passes_over != decision.passed_over:
-            decision = replace(decision, passed_over=self.passes_over)
         return decision
 
     def _pick(
@@ -69,6 +66,7 @@ class Affinity(Policy):
         """The decision, and whether a load cap changed it (`skip`: replicas not serving its model)."""
         fleet, ring = self.fleet, self.fleet.ring
         floor = self.caps.bounded_load_floor
+        over = self.passes_over  # how a session's jump away counts (router.policy.base.Decision)
         capped = False
         loads = fleet.loads
         c = self.caps.bounded_load_c
@@ -87,7 +85,7 @@ class Affinity(Policy):
         previous = self.session_replica(last, skip.union(exclude) if skip else exclude)
         if previous is not None:
             if under(previous):
-                return Decision(previous, "sticky"), False
+                return Decision(previous, "sticky", passed_over=over), False
             capped = True
         if not exclude:
             owner = ring.lookup(key.key)
@@ -100,23 +98,23 @@ class Affinity(Policy):
                 # a LoRA adapter loaded elsewhere: the first replica clockwise that has it, under its cap
                 warm = next((i for i in clockwise(ring, key.key) if i not in skip and i not in cold and under(i)), -1)
                 if warm >= 0:  # (a session off its capped replica spills there)
-                    return Decision(warm, "spill" if capped else "adapter"), capped
+                    return Decision(warm, "spill" if capped else "adapter", passed_over=over), capped
             if under(owner):
-                return Decision(owner, "ring"), capped
+                return Decision(owner, "ring", passed_over=over), capped
             # the next replica clockwise under its cap (the floor included, which the ring's own
             # lookup_bounded does not know); every one at its cap: the least full of them
             spill = next((i for i in clockwise(ring, key.key) if i not in skip and under(i)), -1)
             if spill < 0:
                 spill = min((i for i in ring.successors(key.key) if i not in skip), key=fleet.fullness)
-            return Decision(spill, "spill"), True
+            return Decision(spill, "spill", passed_over=over), True
         fallback: int | None = None
         for i in clockwise(ring, key.key):
             if i in exclude or i in skip:
                 continue
             if under(i):
-                return Decision(i, "failover"), capped
+                return Decision(i, "failover", passed_over=over), capped
             capped = True
             if fallback is None:
                 fallback = i
         # every untried replica is at its cap: a retry still beats an error
-        return (None if fallback is None else Decision(fallback, "failover")), capped
+        return (None if fallback is None else Decision(fallback, "failover", passed_over=over)), capped
