@@ -13,6 +13,7 @@ import argparse
 import asyncio
 
 from router.bench.simulate import Simulation, Turn, add_parser
+from router.bench.virtual_time import LightLoop, Strand
 from router.config import load
 from router.keys import RoutingKey
 from router.node import Node
@@ -30,14 +31,9 @@ def sim_args(policy: str) -> argparse.Namespace:
     return parser.parse_args(["simulate", *flags])
 
 
-def settle(loop: asyncio.AbstractEventLoop) -> None:
+def settle(loop: LightLoop) -> None:
     """Run what is ready on the simulator's loop without moving its clock."""
-
-    async def yields() -> None:
-        for _ in range(20):
-            await asyncio.sleep(0)
-
-    loop.run_until_complete(yields())
+    loop.run_until(loop.time())
 
 
 def script() -> list[tuple[str, int]]:
@@ -61,7 +57,7 @@ def run_simulator(policy: str) -> tuple[list[str], dict[str, str | None]]:
     picks: list[str] = []
     running: dict[int, Turn] = {}
     rounds: dict[int, int] = {}
-    served: list[asyncio.Task[bool]] = []
+    served: list[Strand[bool]] = []
     for step, (op, session) in enumerate(script()):
         sim.now = float(step)
         if op == "start":
@@ -73,7 +69,7 @@ def run_simulator(policy: str) -> tuple[list[str], dict[str, str | None]]:
             sim.shape[session] = [(100, 50, 1.0)] * 3
             sim.system[session] = 0
             turn = Turn(session, number, 3, 400 + number * 150, 100, 50, started=sim.now)
-            served.append(sim.loop.create_task(sim.serve(turn)))  # the proxy's journey, to its attempt
+            served.append(sim.loop.spawn(sim.serve(turn)))  # the proxy's journey, to its attempt
             settle(sim.loop)
             assert turn.replica is not None
             picks.append(turn.replica.id)
@@ -86,7 +82,7 @@ def run_simulator(policy: str) -> tuple[list[str], dict[str, str | None]]:
                 sim._start(turn, model)
             sim._done(turn)
             settle(sim.loop)  # the journey ends the turn
-    assert all(task.done() and task.result() for task in served)
+    assert all(task.done and task.result() for task in served)
     sim.loop.close()
     return picks, {f"session-{s}": sim.sessions.get(key(s).key) for s in range(24)}
 

@@ -9,7 +9,7 @@ within `max_attempts` and the deadline, jump causes, session entries and their m
 (`_ring`, or its pure-Python twin), the policy objects (`router.policy`), the session table
 (`router.sessions`), the fleet's in-flight loads and ring weights (`router.fleet`), and the health
 state machine with its slow start (`router.health.states`), fed one score per probe interval. It
-all runs on an asyncio loop whose clock is virtual (router.bench.virtual_time): time jumps to the
+all runs on a light event loop whose clock is virtual (router.bench.virtual_time): time jumps to the
 next timer instead of passing. What serves is a model of a replica, coarser than the emulator's:
 
 - KV cache: a replica holds up to `--kv-tokens` tokens of conversation context. A session's
@@ -54,7 +54,7 @@ event moved, and the run's wall time and peak memory.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import gc
 import json
 import random
 import resource
@@ -68,7 +68,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
-from router.bench.virtual_time import VirtualLoop
+from router.bench.virtual_time import LightLoop, Timer, Wait
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
@@ -184,8 +184,8 @@ class Turn:
     replica: ReplicaState | None = None  # where its attempt is (or was last)
     ttft: float = 0.0
     busy_s: float = 0.0  # the slot time it took
-    answer: asyncio.Future[Retry | Outcome] | None = None  # what its attempt there ends in
-    timer: asyncio.TimerHandle | None = None  # ... when it runs: its end
+    answer: Wait[Retry | Outcome] | None = None  # what its attempt there ends in
+    timer: Timer | None = None  # ... when it runs: its end
     exchange: SimExchange | None = None
 
 
@@ -199,7 +199,7 @@ class SimExchange:
     path = "/v1/chat/completions"
     headers = NO_HEADERS
     remote: str | None = None
-    transport: asyncio.Transport | None = None
+    transport: Any = None
     prepared = False
 
     def __init__(self, turn: Turn) -> None:
@@ -240,12 +240,14 @@ class ModelledReplicas:
             sim.stats.failed_attempts += 1
             return Retry("connect")
         turn.replica = replica
-        turn.answer = sim.loop.create_future()
+        turn.answer = answer = sim.loop.wait()
         if model.running < model.slots:
             sim._start(turn, model)
         else:
             model.queue.append(turn)
-        return await turn.answer
+        result: Retry | Outcome = await answer
+        turn.answer = None  # (the turn, its answer and the journey's frame no longer hold each other)
+        return result
 
     async def resume(
         self, replica: ReplicaState, trip: Trip, body: bytes, deadline: float, outcome: Outcome, splicer: StreamFramer
@@ -323,7 +325,7 @@ class Simulation:
         self.arrivals = random.Random(args.seed)
         self.shapes = random.Random(args.seed + 1)
         self.rng = random.Random(args.seed + 2)
-        self.loop = VirtualLoop()  # `now` is its clock
+        self.loop = LightLoop()  # `now` is its clock
         specs = [ReplicaSpec(f"r{i}", f"http://sim/{i}") for i in range(args.replicas)]
         self.config = load(None, {}, {"replicas": [f"{s.id}={s.url}" for s in specs], "policy": args.policy})
         self.rules = Hysteresis(remove_after=args.remove_after, ramp_s=args.ramp_s)
@@ -366,9 +368,7 @@ class Simulation:
             "probe": self._probe,
             "tick": self._tick,
         }
-        self.finished = asyncio.Event()  # every session has arrived and ended
-        self.sessions_running: set[asyncio.Task[None]] = set()
-        self.crashed: BaseException | None = None
+        self.finished = False  # every session has arrived and ended
         self.stats = Stats()
         self.live: set[int] = set()
         self.started = 0
@@ -405,13 +405,6 @@ class Simulation:
         """Move the clock on to `t` (tests that drive the handlers themselves)."""
         self.loop.advance(t - self.loop.time())
 
-    def _crash(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        """An event handler raised (a bug): the run stops and says so, rather than run on with a
-        turn that never ends (its clock would tick on forever)."""
-        if self.crashed is None:
-            self.crashed = context.get("exception") or RuntimeError(context.get("message", "the event loop failed"))
-        self.finished.set()
-
     def at(self, t: float, kind: str, payload: Any = None) -> None:
         self.loop.call_at(t, self.handlers[kind], payload)
 
@@ -423,13 +416,18 @@ class Simulation:
         for when, kind in ((a.scale_out_at, "scale_out"), (a.scale_in_at, "scale_in"), (a.fail_at, "fail")):
             if when is not None:
                 self.at(when, kind)
-        self.loop.set_exception_handler(self._crash)
+        # a turn leaves no reference cycle behind (a test holds it to that), so the collector,
+        # which would walk every live session's objects again and again, is off while it runs
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            self.loop.run_until_complete(self.finished.wait())
+            # (an event handler or a session that raises, a bug, stops the run and is raised here,
+            # rather than run on with a turn that never ends: its clock would tick on forever)
+            self.loop.run(until=lambda: self.finished)
         finally:
             self.loop.close()
-        if self.crashed is not None:
-            raise self.crashed
+            if collecting:
+                gc.enable()
         return self._report(time.perf_counter() - wall0)
 
     # -- sessions ------------------------------------------------------------------------------
@@ -448,27 +446,21 @@ class Simulation:
         ]
         self.system[session] = shapes.randrange(self.args.system_prompts)
         self.live.add(session)
-        task = self.loop.create_task(self._session(session))
-        self.sessions_running.add(task)
-        task.add_done_callback(self.sessions_running.discard)
+        self.loop.spawn(self._session(session))
 
     async def _session(self, session: int) -> None:
         """A conversation: its turns one after another, each after the think time that follows the
         last; a failed turn ends it."""
-        try:
-            shape = self.shape[session]
-            context = SYSTEM_TOKENS
-            for number, (message, output, think) in enumerate(shape):
-                if not await self.serve(Turn(session, number, len(shape), context, message, output, self.now)):
-                    break
-                context += message + output
-                if number + 1 < len(shape):
-                    await asyncio.sleep(think)
-            self._ended(session)
-        except Exception as exc:  # a bug: the run stops and says so, rather than hang or go quiet
-            self.crashed = exc
-            self.finished.set()
-            raise
+        # (a bug that raises here stops the run and is raised by it, rather than hang or go quiet)
+        shape = self.shape[session]
+        context = SYSTEM_TOKENS
+        for number, (message, output, think) in enumerate(shape):
+            if not await self.serve(Turn(session, number, len(shape), context, message, output, self.now)):
+                break
+            context += message + output
+            if number + 1 < len(shape):
+                await self.loop.sleep(think)
+        self._ended(session)
 
     async def serve(self, turn: Turn) -> bool:
         """One turn through the proxy's journey; whether it was served."""
@@ -476,6 +468,7 @@ class Simulation:
         key = self.keys[turn.session]
         intake = Intake(body={}, raw=b"", key=key, strip_usage=False, keep=0, api=CHAT, streams=True)
         await self.journey.serve(exchange, intake, self.now)
+        turn.exchange = None  # (the turn and its exchange no longer hold each other)
         return exchange.status == 200
 
     def _wall_ms(self) -> int:
@@ -508,6 +501,7 @@ class Simulation:
         assert replica is not None and answer is not None and exchange is not None
         if turn.timer is not None:
             turn.timer.cancel()  # (a test may end a turn itself)
+            turn.timer = None  # (the turn and its timer no longer hold each other)
         model = self.models[replica.id]
         model.running -= 1
         model.active.discard(turn)
@@ -523,7 +517,7 @@ class Simulation:
         model.keep(turn.session, prompt + turn.output)
         model.keep_system(self.system[turn.session])
         exchange.status = 200
-        answer.set_result(Outcome(exchange, Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)))
+        answer.set(Outcome(exchange, Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)))
 
     def _ended(self, session: int) -> None:
         self.live.discard(session)
@@ -535,7 +529,7 @@ class Simulation:
         self.shape.pop(session, None)
         self.system.pop(session, None)
         if not self.live and self.started >= self.args.sessions:
-            self.finished.set()
+            self.finished = True
 
     def _placed(self, session: int, now: str) -> None:
         """The session's entry points at `now` (served there, or moved there)."""
@@ -563,7 +557,7 @@ class Simulation:
 
     def _tick(self, _: Any) -> None:
         """The balance loop's turn: loads into the rebalancer; with affinity, its moves made."""
-        if not self.finished.is_set():  # the run goes on while sessions do
+        if not self.finished:  # the run goes on while sessions do
             self.at(self.now + TICK_S, "tick")
         if not self.rebalancing:
             return
@@ -663,8 +657,9 @@ class Simulation:
         for turn in [*model.queue, *model.active]:
             if turn.timer is not None:
                 turn.timer.cancel()
+                turn.timer = None
             assert turn.answer is not None
-            turn.answer.set_result(Retry("reset"))
+            turn.answer.set(Retry("reset"))
             self.stats.failed_attempts += 1
         model.queue.clear()
         model.active.clear()

@@ -1,66 +1,130 @@
-"""An asyncio event loop on a virtual clock, for `router-bench simulate`.
+"""A light event loop on a virtual clock, for `router-bench simulate`.
 
 The loop's `time()` is a number that moves only when the loop would otherwise wait: where a real
 loop blocks in its selector until the next timer is due, this one jumps the clock to that timer.
-Coroutines written for real time (`asyncio.sleep`, `loop.call_at`, `loop.time()` for deadlines)
-run unchanged and as fast as the CPU allows, in the order of their virtual times; nothing reads
-the wall clock. It has no I/O: a socket registered with it would never be ready (the loop's own
-wake-up pipe is the only one, and it is never written in one thread).
+Nothing reads the wall clock, so an hour of a fleet runs as fast as the CPU allows.
 
-Its turn of the loop is lighter than asyncio's, which a simulation of a million sessions runs
-some ten million times: timers wait in a heap of (time, order, handle) tuples that compare in C
-(asyncio's heap compares its handles with a method written in Python), equal times run in the
-order they were set, and a turn neither asks the selector nor makes the checks of debug mode.
+It is not an asyncio loop: it runs only what the proxy's journey needs of one, and a simulation of
+a million sessions runs its turn some ten million times. A coroutine runs as a `Strand` (asyncio's
+Task, without its future, its context or its cancellation); it may await the loop's own `Wait`s
+(set once, by a timer or by the simulation: `sleep`, and a modelled replica's answer) and other
+coroutines, nothing else: awaiting an asyncio future or an `asyncio.sleep` is an error the run
+stops on, never a hang. While the loop runs it is the thread's running loop, so the journey's
+`asyncio.get_running_loop().time()` reads the virtual clock.
+
+Its turns run in asyncio's order, so a run replays the asyncio loop's to the last digit: timers
+wait in a heap of (time, order, timer) tuples, which compare in C; equal times run in the order
+they were set; each turn runs what was ready when it began, after the timers due join it; a
+strand started, or woken by a `Wait` set, goes on in the next turn, and a timer's callback that
+sets a `Wait` wakes its strand one turn later, as asyncio's `sleep` does.
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
-import selectors
 from asyncio import events
-from collections.abc import Callable
-from contextvars import Context
-from typing import Any, TypeVarTuple
+from collections import deque
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Generic, TypeVar
 
-_Ts = TypeVarTuple("_Ts")
-
-
-class _Idle(selectors.BaseSelector):
-    """A selector with nothing to wait for, where the loop registers its wake-up pipe; the loop's
-    turn (`VirtualLoop._run_once`) never asks it."""
-
-    def __init__(self) -> None:
-        self._keys: dict[Any, selectors.SelectorKey] = {}
-
-    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        key = selectors.SelectorKey(fileobj, fileobj if isinstance(fileobj, int) else fileobj.fileno(), events, data)
-        self._keys[fileobj] = key
-        return key
-
-    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
-        return self._keys.pop(fileobj)
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        return []
-
-    def close(self) -> None:
-        self._keys.clear()
-
-    def get_map(self) -> dict[Any, selectors.SelectorKey]:
-        return self._keys
+T = TypeVar("T")
 
 
-class VirtualLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock starts at 0 and jumps to each timer as it falls due."""
+class Timer:
+    """A callback due at a virtual time; `cancel` before then and it never runs."""
+
+    __slots__ = ("callback", "arg", "cancelled")
+
+    def __init__(self, callback: Callable[[Any], object], arg: Any) -> None:
+        self.callback = callback
+        self.arg = arg
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.arg = None  # (what it held is free at once, as asyncio's cancelled handles are)
+
+    def __call__(self) -> None:
+        if not self.cancelled:  # (cancelled after it fell due, in the turn it runs: as in asyncio)
+            self.callback(self.arg)
+
+
+class Wait(Generic[T]):
+    """What a strand awaits: `set` once, and the strand awaiting it goes on in the next turn."""
+
+    __slots__ = ("loop", "strand", "done", "value")
+
+    def __init__(self, loop: LightLoop) -> None:
+        self.loop = loop
+        self.strand: Strand[Any] | None = None
+        self.done = False
+        self.value: Any = None
+
+    def set(self, value: T) -> None:
+        if self.done:
+            raise RuntimeError("a Wait is set once")
+        self.done = True
+        self.value = value
+        strand = self.strand
+        if strand is not None:
+            self.strand = None
+            self.loop._ready.append(strand._step)
+
+    def __await__(self) -> Generator[Wait[T], None, T]:
+        if not self.done:
+            yield self
+        return self.value  # type: ignore[no-any-return]
+
+
+class Strand(Generic[T]):
+    """A coroutine the loop runs, a step per turn it is woken in."""
+
+    __slots__ = ("loop", "coro", "done", "value", "error")
+
+    def __init__(self, loop: LightLoop, coro: Coroutine[Any, Any, T]) -> None:
+        self.loop = loop
+        self.coro = coro
+        self.done = False
+        self.value: T | None = None
+        self.error: BaseException | None = None
+
+    def result(self) -> T:
+        if not self.done:
+            raise RuntimeError("the strand has not ended")
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+    def _step(self) -> None:
+        try:
+            waited = self.coro.send(None)
+        except StopIteration as end:
+            self.done, self.value = True, end.value
+            return
+        except BaseException as exc:  # noqa: BLE001  (a bug in the coroutine: the run stops on it)
+            self.done, self.error = True, exc
+            self.loop.crashed(exc)
+            return
+        if type(waited) is not Wait:
+            # an asyncio future or sleep: nothing here would ever end it
+            self.coro.close()
+            self.done = True
+            self.error = RuntimeError(f"a strand awaited {waited!r}; the light loop runs only its own Waits")
+            self.loop.crashed(self.error)
+            return
+        waited.strand = self
+
+
+class LightLoop:
+    """Timers and strands on a clock that starts at 0 and jumps to each timer as it falls due."""
 
     def __init__(self) -> None:
         self._now = 0.0
-        self._timers: list[tuple[float, int, events.TimerHandle]] = []
+        self._timers: list[tuple[float, int, Timer]] = []
         self._order = itertools.count()
-        super().__init__(selector=_Idle())
-        self._clock_resolution = 1e-9
+        self._ready: deque[Callable[[], object]] = deque()
+        self.error: BaseException | None = None  # what a strand or a timer's callback raised
 
     def time(self) -> float:
         return self._now
@@ -68,43 +132,94 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def advance(self, seconds: float) -> None:
         self._now += max(seconds, 0.0)
 
-    def call_at(
-        self,
-        when: float,
-        callback: Callable[[*_Ts], object],
-        *args: *_Ts,
-        context: Context | None = None,
-    ) -> events.TimerHandle:
-        timer = events.TimerHandle(when, callback, args, self, context)
+    def call_at(self, when: float, callback: Callable[[Any], object], arg: Any = None) -> Timer:
+        """`callback(arg)` at virtual time `when` (at once, in the next turn, if that has passed)."""
+        timer = Timer(callback, arg)
         heapq.heappush(self._timers, (when, next(self._order), timer))
-        # (asyncio's own fields, as its loop keeps them: a cancelled timer tells its loop while scheduled)
-        timer._scheduled = True  # type: ignore[attr-defined]
         return timer
 
-    def _run_once(self) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> Strand[T]:
+        """Run `coro` from the next turn on."""
+        strand = Strand(self, coro)
+        self._ready.append(strand._step)
+        return strand
+
+    def wait(self) -> Wait[Any]:
+        return Wait(self)
+
+    def sleep(self, seconds: float) -> Wait[None]:
+        """A Wait set `seconds` from now (asyncio.sleep's, on this loop)."""
+        done: Wait[None] = Wait(self)
+        self.call_at(self._now + seconds, done.set)
+        return done
+
+    def crashed(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def run(self, until: Callable[[], bool]) -> None:
+        """Run turns until `until()` says so after one, or a strand or callback raises (raised
+        here); RuntimeError where nothing is left to run and `until()` still says no."""
+        previous = events._get_running_loop()
+        events._set_running_loop(self)  # type: ignore[arg-type]  # (the journey reads loop.time())
+        try:
+            while not until():
+                self._turn()
+                if self.error is not None:
+                    raise self.error
+        finally:
+            events._set_running_loop(previous)
+
+    def run_until_done(self, strand: Strand[T]) -> T:
+        self.run(lambda: strand.done)
+        return strand.result()
+
+    def run_until(self, when: float) -> None:
+        """Run every turn due by virtual time `when`, and move the clock on to it."""
+        self.call_at(when, _nothing)
+        self.run(lambda: self._now >= when and not self._ready and not self._due(when))
+        self._now = max(self._now, when)
+
+    def _due(self, when: float) -> bool:
+        timers = self._timers
+        while timers and timers[0][2].cancelled:
+            heapq.heappop(timers)
+        return bool(timers) and timers[0][0] <= when
+
+    def _turn(self) -> None:
         """One turn: with nothing ready, the clock jumps to the next timer; every timer due joins
-        the ready handles, and those ready at the turn's start run."""
-        ready: Any = self._ready  # type: ignore[attr-defined]  # (asyncio's deque of handles ready to run)
+        the ready callbacks, and those ready at the turn's start run."""
+        ready = self._ready
         timers = self._timers
         if not ready:
-            while timers and timers[0][2]._cancelled:
+            while timers and timers[0][2].cancelled:
                 heapq.heappop(timers)
             if not timers:
                 # nothing scheduled and nothing ready: in real time the loop would wait forever
-                raise RuntimeError("the virtual clock has nothing left to run (a coroutine waits for what never comes)")
+                raise RuntimeError("the virtual clock has nothing left to run (a strand waits for what never comes)")
             if timers[0][0] > self._now:
                 self._now = timers[0][0]
         now = self._now
         while timers and timers[0][0] <= now:
             timer = heapq.heappop(timers)[2]
-            timer._scheduled = False  # type: ignore[attr-defined]
-            if not timer._cancelled:
+            if not timer.cancelled:
                 ready.append(timer)
         for _ in range(len(ready)):
-            handle = ready.popleft()
-            if not handle._cancelled:
-                handle._run()
+            try:
+                ready.popleft()()
+            except BaseException as exc:  # noqa: BLE001  (a bug in a handler: the run stops on it)
+                self.crashed(exc)
+                return
 
     def close(self) -> None:
         self._timers.clear()
-        super().close()
+        self._ready.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        # asyncio's loop methods (create_future, call_soon, ...) a coroutine reached for: said plainly
+        raise AttributeError(f"the simulator's light loop has no {name}: it runs its own Waits and sleeps only")
+
+
+def _nothing(_: Any) -> None:
+    pass
+
