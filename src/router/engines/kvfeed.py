@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -43,7 +44,7 @@ from router.config.groups import PlacementSettings
 from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
-from router.kvevents.holdings import DUPLICATE, GAP, Holdings
+from router.kvevents.holdings import Holdings, take
 from router.kvevents.roster import Followed
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
@@ -238,8 +239,9 @@ class Feed:
         log.info("replica %s: reading its KV events from %s (replay: %s)", replica.id, pub, replay or "none")
         try:
             await asyncio.sleep(0.2)  # the subscription reaches the publisher before replay is asked
-            if replay is not None:
-                await self._fill(holdings, replay, 0)
+            fill = None if replay is None else functools.partial(self._fill, holdings, replay)
+            if fill is not None:
+                await fill(0)
             async with contextlib.aclosing(_messages(sub)) as messages:
                 async for frames in messages:
                     if self.lose.get(replica.id):
@@ -250,15 +252,8 @@ class Feed:
                     except WireError as exc:
                         self._bad(replica.id, exc)
                         continue
-                    verdict = holdings.accept(batch)
-                    if verdict == DUPLICATE:
+                    if not await take(holdings, batch, fill):
                         continue  # the replay applied it already
-                    if verdict == GAP:
-                        if replay is not None:
-                            await self._fill(holdings, replay, 0 if holdings.seq is None else holdings.seq + 1)
-                        missing = holdings.seq is None or batch.seq > holdings.seq  # else the replay had it
-                        if missing and holdings.accept(batch) == GAP:
-                            holdings.force(batch)
                     self.truth.published(holdings)
                     if batch.ts > 0:
                         self.metrics.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
@@ -275,17 +270,7 @@ class Feed:
             self.truth.published(holdings)
 
     async def _replayed(self, holdings: Holdings, endpoint: str, wanted: int) -> bool:
-        batches = await self.replay(endpoint, wanted)
-        if batches is None:
-            holdings.make_unsure()
-            return False
-        if not batches:
-            if wanted == 0:
-                holdings.caught_up()
-                return True
-            holdings.make_unsure()
-            return False
-        return holdings.replayed(batches, wanted)
+        return holdings.filled(await self.replay(endpoint, wanted), wanted)
 
     async def replay(self, endpoint: str, start: int) -> list[Batch] | None:
         """The replay socket's batches from `start` on ([] when it has none); None when it fell

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -132,8 +133,9 @@ class Tiers:
 class Holdings(Tiers):
     index: BlockIndex
 
-    def __init__(self, index: BlockIndex, capacity_blocks: int) -> None:
+    def __init__(self, index: BlockIndex, capacity_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
+        self.clock = clock  # when its engine evicts (`evicted_at`)
         self.capacity = max(1, capacity_blocks)
         self.tiers: dict[str, Tier] = {}
         self.seq: int | None = None  # the last sequence number applied (None: none since it joined)
@@ -231,6 +233,20 @@ class Holdings(Tiers):
             self.figures.replayed += 1
             self._replayed[b.seq] = b.ts
         return covered
+
+    def filled(self, batches: list[Batch] | None, wanted: int) -> bool:
+        """The replay socket's whole answer to a request from `wanted` on: its batches ([]: it has
+        none; None: it fell silent), applied (`replayed`). True when the gap is covered."""
+        if batches is None:
+            self.make_unsure()
+            return False
+        if not batches:
+            if wanted == 0:  # nothing published since the engine started
+                self.caught_up()
+                return True
+            self.make_unsure()
+            return False
+        return self.replayed(batches, wanted)
 
     def caught_up(self) -> None:
         """The replay socket has nothing at all: the engine has published nothing since it started,
@@ -332,7 +348,7 @@ class Holdings(Tiers):
         if gone:
             self.figures.removed += gone
             if medium == MEDIUM_GPU:
-                self.evicted_at = time.monotonic()
+                self.evicted_at = self.clock()
                 self.evicted += gone
 
     def eviction_rate(self, now: float) -> float:
@@ -341,4 +357,23 @@ class Holdings(Tiers):
         return self._rate.at(now, self.evicted)
 
 
-__all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings"]
+async def take(holdings: Holdings, batch: Batch, fill: Callable[[int], Awaitable[object]] | None) -> bool:
+    """One message as it arrives from its engine (router.engines.kvfeed, and router-bench
+    simulate's modelled engines), applied in order. Past a gap, what the engine's replay socket
+    holds from the first number missing is asked for (`fill(wanted)`; None: it has no replay
+    socket), then the message is applied after it, or over the gap where nothing filled it (the
+    replica is then unsure until its cache turns over). False: a copy of a message the latest
+    replay applied already, skipped."""
+    verdict = holdings.accept(batch)
+    if verdict == DUPLICATE:
+        return False
+    if verdict == GAP:
+        if fill is not None:
+            await fill(0 if holdings.seq is None else holdings.seq + 1)
+        missing = holdings.seq is None or batch.seq > holdings.seq  # else the replay had it
+        if missing and holdings.accept(batch) == GAP:
+            holdings.force(batch)
+    return True
+
+
+__all__ = ["DUPLICATE", "GAP", "OK", "RESTART", "Holdings", "take"]

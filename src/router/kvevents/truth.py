@@ -71,6 +71,7 @@ import math
 import time
 from array import array
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.kvevents.holdings import Holdings
@@ -119,11 +120,15 @@ class Found:
 
 class Truth:
     def __init__(
-        self, tier_tokens_per_s: float = 0.0, index: PrefixIndex | SharedIndex | SharedIndexReader | None = None
+        self,
+        tier_tokens_per_s: float = 0.0,
+        index: PrefixIndex | SharedIndex | SharedIndexReader | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # the event-fed index: this process's own; or one in shared memory it writes for its host's
         # other processes (a SharedIndex); or, in one of those, the reader of it (router.kvevents.shared)
         self.index = PrefixIndex() if index is None else index
+        self.clock = clock  # when its engines evicted (monotonic seconds; router-bench simulate's: virtual)
         self.reader = index if isinstance(index, SharedIndexReader) else None
         self._roster = -1  # a reader's: the roster's generation its replicas were last built from
         self.replicas: dict[str, dict[int, Holdings | Followed]] = {}
@@ -155,7 +160,7 @@ class Truth:
         h = ranks.get(rank)
         if h is None:
             assert not isinstance(self.index, SharedIndexReader)
-            h = ranks[rank] = Holdings(self.index, capacity_blocks)
+            h = ranks[rank] = Holdings(self.index, capacity_blocks, self.clock)
             if isinstance(self.index, SharedIndex):
                 try:
                     h.row = self.index.roster.enlist(replica_id, rank)
@@ -165,6 +170,14 @@ class Truth:
                     self.index.roster.describe(h.row, h)
         assert isinstance(h, Holdings)
         return h
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Run on `clock` (monotonic seconds), the routing core's: a simulator's is virtual."""
+        self.clock = clock
+        for ranks in self.replicas.values():
+            for h in ranks.values():
+                if isinstance(h, Holdings):
+                    h.clock = clock
 
     def share(self, index: SharedIndex | SharedIndexReader) -> None:
         """The event-fed index in shared memory from now on: written here for the host's other
@@ -323,10 +336,9 @@ class Truth:
             self.pushed[replica_id] += 1
         return least
 
-    @staticmethod
-    def _empty(h: Holdings | Followed) -> int:
+    def _empty(self, h: Holdings | Followed) -> int:
         """Its GPU's empty blocks: none while it is evicting (a block removed within EVICTING_S)."""
-        if time.monotonic() - h.evicted_at < EVICTING_S:
+        if self.clock() - h.evicted_at < EVICTING_S:
             return 0
         return max(0, h.capacity - h.blocks(MEDIUM_GPU))
 

@@ -172,6 +172,7 @@ class Ttft(Policy):
     def use_clock(self, clock: Callable[[], float]) -> None:
         super().use_clock(clock)
         self.placement.clock = clock  # its prefill queues run on the same clock
+        self.placement.truth.use_clock(clock)  # ... and what its engines evict
 
     def hear(self, key: RoutingKey) -> PlacementHearing:
         return PlacementHearing(self.placement, key.prompt)
