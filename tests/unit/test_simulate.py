@@ -191,7 +191,19 @@ def test_a_run_leaves_no_reference_cycle_behind() -> None:
     """The run turns the collector off (router.bench.simulate.Simulation.run): that holds only while
     a turn, failed over or not, leaves nothing that only the collector would free."""
     args = build_parser().parse_args(
-        ["simulate", "--replicas", "6", "--sessions", "400", "--scale-out-at", "5", "--fail-at", "8", "--scale-in-at", "12"]
+        [
+            "simulate",
+            "--replicas",
+            "6",
+            "--sessions",
+            "400",
+            "--scale-out-at",
+            "5",
+            "--fail-at",
+            "8",
+            "--scale-in-at",
+            "12",
+        ]
     )
     sim = Simulation(args)
     gc.collect()

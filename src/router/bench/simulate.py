@@ -61,13 +61,14 @@ import resource
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
+from router.bench.simulate_events import Publishers, Turns
 from router.bench.virtual_time import LightLoop, Timer, Wait
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
@@ -76,6 +77,8 @@ from router.keys import RoutingKey
 from router.measures import coefficient_of_variation, kv_hit_rate, percentile
 from router.metrics import RouterMetrics
 from router.policy import Decision, make_policy
+from router.policy.ttft import Ttft
+from router.prompt import BYTES_PER_TOKEN
 from router.proxy.forward import Outcome, Retry, Trip
 from router.proxy.intake import Intake
 from router.proxy.journey import Journey
@@ -126,6 +129,28 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--probe-s", type=float, default=2.0, help="health probe interval (default 2)")
     p.add_argument("--remove-after", type=int, default=3, help="failed probes before removal (default 3)")
     p.add_argument("--ramp-s", type=float, default=30.0, help="slow start of a joining replica (default 30)")
+    p.add_argument(
+        "--prompts",
+        action="store_true",
+        help="turns carry their prompts, which ttft prices by the router's own model of what each replica holds",
+    )
+    p.add_argument(
+        "--events",
+        action="store_true",
+        help="the replicas publish KV-cache events the router's event-fed index follows (needs --policy ttft)",
+    )
+    p.add_argument("--block-tokens", type=int, default=16, help="with --events: tokens a KV block (default 16)")
+    p.add_argument(
+        "--event-delay-ms", type=float, default=5.0, help="with --events: a message's way to the router (default 5)"
+    )
+    p.add_argument("--event-loss", type=float, default=0.0, help="with --events: share of messages lost (default 0)")
+    p.add_argument("--replay-ms", type=float, default=2.0, help="with --events: a replay's round trip (default 2)")
+    p.add_argument(
+        "--replay-keep",
+        type=int,
+        default=16,
+        help="with --events: messages an engine's replay buffer keeps (default 16)",
+    )
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
@@ -141,11 +166,14 @@ class Model:
     cached_tokens: int = 0
     running: int = 0
     queue: deque[Any] = field(default_factory=deque)
-    active: set[Any] = field(default_factory=set)  # the turns running
+    # the turns running, in the order they started (a dict: a set of them would iterate in the order
+    # of their addresses, and a failure would cut them in an order that differs run to run)
+    active: dict[Any, None] = field(default_factory=dict)
     dead: bool = False
     systems: set[int] = field(default_factory=set)  # shared system prompts it has cached (never evicted)
     born: float = 0.0  # virtual second it joined
     gone: float | None = None  # ... and left or died
+    dropped: list[tuple[int, int]] | None = None  # with --events: the sessions evicted, and their tokens
 
     def keep_system(self, system: int) -> None:
         """A shared system prompt joins the cache for good (its tokens count against the capacity)."""
@@ -167,8 +195,10 @@ class Model:
 
     def _evict(self) -> None:
         while self.cached_tokens > self.kv_tokens and self.cache:
-            _, dropped = self.cache.popitem(last=False)
+            session, dropped = self.cache.popitem(last=False)
             self.cached_tokens -= dropped
+            if self.dropped is not None:
+                self.dropped.append((session, dropped))
 
 
 @dataclass(eq=False)
@@ -277,6 +307,12 @@ class Tally:
             sim._placed(turn.session, current)
         sim._sample("latency", s.latencies, sim.now - turn.started)
         sim._sample("ttft", s.ttfts, turn.ttft)
+        cost = end.decision.cost if end.decision is not None else None
+        if cost is not None:  # a priced decision: what it counted on held, against what was
+            s.priced += 1
+            s.priced_by_events += cost.source == "events"
+            s.counted_off += abs(cost.cached_tokens - turn.cached)
+            s.priced_prompt_tokens += turn.context + turn.message
 
 
 @dataclass
@@ -296,6 +332,10 @@ class Stats:
     live_at: dict[str, int] = field(default_factory=dict)  # live sessions when each event happened
     slot_seconds: float = 0.0  # summed service time of completed requests
     migrations: int = 0  # vnodes the rebalancer moved
+    priced: int = 0  # turns placed by a priced decision (ttft, with --prompts or --events)
+    priced_by_events: int = 0  # ... whose replica's cached tokens its events said
+    counted_off: float = 0.0  # |cached tokens the decision counted on - cached tokens computed|, summed
+    priced_prompt_tokens: int = 0  # ... over their prompts
     migrated_sessions: int = 0
 
 
@@ -360,6 +400,27 @@ class Simulation:
             clock=clock,
         )
         self.models = {r.id: Model(args.kv_tokens, args.slots) for r in self.fleet.replicas}
+        # --events: the replicas' KV-cache events, and the router's index of them (router.bench.simulate_events)
+        self.prompts: Turns | None = None
+        self.events: Publishers | None = None
+        if args.prompts or args.events:
+            index_block = max(1, int(self.config.placement.prefix_block_bytes / BYTES_PER_TOKEN))
+            self.prompts = Turns(SYSTEM_TOKENS, args.system_prompts, args.block_tokens, index_block)
+        if args.events:
+            assert isinstance(self.policy, Ttft) and self.prompts is not None
+            self.events = Publishers(
+                self.loop,
+                self.policy.placement.truth,
+                self.prompts,
+                args.kv_tokens // args.block_tokens,
+                args.event_delay_ms / 1000,
+                args.event_loss,
+                args.replay_ms / 1000,
+                args.replay_keep,
+                args.seed + 3,
+            )
+            for r in self.fleet.replicas:
+                self._publishing(r)
         self.handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive,
             "scale_out": self._scale_out,
@@ -369,6 +430,7 @@ class Simulation:
             "tick": self._tick,
         }
         self.finished = False  # every session has arrived and ended
+        self.ended_at = 0.0  # ... at this virtual second
         self.stats = Stats()
         self.live: set[int] = set()
         self.started = 0
@@ -424,6 +486,9 @@ class Simulation:
             # (an event handler or a session that raises, a bug, stops the run and is raised here,
             # rather than run on with a turn that never ends: its clock would tick on forever)
             self.loop.run(until=lambda: self.finished)
+            self.ended_at = self.now
+            if self.events is not None:  # the messages on their way (and any replay they ask) arrive
+                self.loop.run_until(self.now + self.events.settle_s)
         finally:
             self.loop.close()
             if collecting:
@@ -466,10 +531,20 @@ class Simulation:
         """One turn through the proxy's journey; whether it was served."""
         turn.exchange = exchange = SimExchange(turn)
         key = self.keys[turn.session]
+        if self.prompts is not None:  # the prompt in the engine's tokens, as a router with its tokenizer reads it
+            key = self.prompts.key(key, turn.session, self.system[turn.session], turn.context, turn.message)
         intake = Intake(body={}, raw=b"", key=key, strip_usage=False, keep=0, api=CHAT, streams=True)
         await self.journey.serve(exchange, intake, self.now)
         turn.exchange = None  # (the turn and its exchange no longer hold each other)
         return exchange.status == 200
+
+    def _publishing(self, replica: ReplicaState) -> None:
+        """--events: the replica's engine publishes, and says its blocks' size and its cache's, as
+        an engine's metrics do."""
+        assert self.events is not None
+        replica.engine = replace(replica.engine, block_size=self.args.block_tokens, kv_tokens=self.args.kv_tokens)
+        self.models[replica.id].dropped = []
+        self.events.join(replica.id)
 
     def _wall_ms(self) -> int:
         return int(self.now * 1000)
@@ -483,7 +558,7 @@ class Simulation:
 
     def _start(self, turn: Turn, model: Model) -> None:
         model.running += 1
-        model.active.add(turn)
+        model.active[turn] = None
         a = self.args
         prompt = turn.context + turn.message
         shared = SYSTEM_TOKENS if self.system[turn.session] in model.systems else 0
@@ -504,7 +579,7 @@ class Simulation:
             turn.timer = None  # (the turn and its timer no longer hold each other)
         model = self.models[replica.id]
         model.running -= 1
-        model.active.discard(turn)
+        model.active.pop(turn, None)
         while model.queue and model.running < model.slots:
             self._start(model.queue.popleft(), model)
         prompt = turn.context + turn.message
@@ -516,6 +591,10 @@ class Simulation:
         s.slot_seconds += turn.busy_s
         model.keep(turn.session, prompt + turn.output)
         model.keep_system(self.system[turn.session])
+        if self.events is not None and model.dropped is not None:  # what its engine publishes
+            cached = model.cache.get(turn.session, 0)
+            self.events.turn_ended(replica.id, turn.session, self.system[turn.session], model.dropped, cached)
+            model.dropped.clear()
         exchange.status = 200
         answer.set(Outcome(exchange, Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)))
 
@@ -621,6 +700,8 @@ class Simulation:
         def join() -> None:
             self.fleet.add(ReplicaSpec(rid, f"http://sim/{rid}"))
             replica = self.fleet.replicas[-1]
+            if self.events is not None:
+                self._publishing(replica)
             replica.health.start_warming(self.now)
             self.fleet.apply_health(replica, self.now)
 
@@ -644,6 +725,8 @@ class Simulation:
         self.touched.add(victim)
         self.models[victim].gone = self.now
         self.stats.moved["scale_in"] = self._moved_share(lambda: self.fleet.remove(victim), "scale_in")
+        if self.events is not None:
+            self.events.forget(victim)
 
     def _fail(self, _: Any) -> None:
         victim = self.fleet.replicas[len(self.fleet.replicas) // 2]
@@ -651,6 +734,8 @@ class Simulation:
         model = self.models[victim.id]
         model.dead = True
         model.gone = self.now
+        if self.events is not None:
+            self.events.die(victim.id)  # it publishes nothing again
         model.cache.clear()
         model.cached_tokens = 0
         # what waits or runs there is cut: each attempt fails, and its journey fails over
@@ -693,6 +778,8 @@ class Simulation:
                 for before, after in zip((self._owners_at_fail[s] for s in live), now_owner, strict=True)
             )
             self.stats.moved["failure"] = moved / max(len(live), 1)
+            if self.events is not None:
+                self.events.forget(rid)
             return  # out of the ring; nobody probes it back here
         self.fleet.apply_health(replica, self.now)
         if replica.state != "healthy" or score < 1.0:
@@ -704,7 +791,7 @@ class Simulation:
         s = self.stats
         # slot time the fleet had: each replica from when it joined until it left, died or the end
         slot_time = self.args.slots * sum(
-            (m.gone if m.gone is not None else self.now) - m.born for m in self.models.values()
+            (m.gone if m.gone is not None else self.ended_at) - m.born for m in self.models.values()
         )
 
         def pct(values: list[float], q: int) -> float | None:
@@ -716,7 +803,7 @@ class Simulation:
             "sessions": self.started,
             "requests": s.requests,
             "rate_sessions_per_s": round(self.rate, 2),
-            "virtual_s": round(self.now, 1),
+            "virtual_s": round(self.ended_at, 1),
             "kv_hit_rate": round(kv_hit_rate(s.cached_tokens, s.prompt_tokens), 4),
             # over the replicas in the fleet the whole run: one that joined, died or left late
             # would count its partial run as imbalance
@@ -735,6 +822,16 @@ class Simulation:
             "migrated_sessions": s.migrated_sessions,
             "moved_share": {k: round(v, 4) for k, v in s.moved.items()},
             "live_sessions_at": s.live_at,
+            "priced": None
+            if self.prompts is None
+            else {
+                "decisions": s.priced,
+                "by_events": round(s.priced_by_events / s.priced, 4) if s.priced else 0.0,
+                # how far the cached tokens a decision counted on were from those its replica computed
+                # from cache, per prompt token (events count whole blocks: up to a block short a turn)
+                "off_per_prompt_token": round(s.counted_off / s.priced_prompt_tokens, 4) if s.priced else 0.0,
+            },
+            "events": None if self.events is None else self.events.report(),
             "wall_s": round(wall_s, 1),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
         }
@@ -752,6 +849,17 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("need --rate >= 0, --think-s > 0, --probe-s > 0, --ramp-s >= 0 and --remove-after >= 1")
     if not (args.prefill_s_per_token >= 0 and args.tpot_s >= 0 and args.prefill_s_per_token + args.tpot_s > 0):
         raise ValueError("--prefill-s-per-token and --tpot-s must be >= 0, and not both 0")
+    if args.events or args.prompts:
+        if args.policy != "ttft":
+            raise ValueError("--prompts and --events need --policy ttft (the policy that prices what replicas hold)")
+        if not 1 <= args.block_tokens <= SYSTEM_TOKENS:
+            raise ValueError(f"--block-tokens must be 1 to {SYSTEM_TOKENS}")
+        if not (
+            args.event_delay_ms >= 0 and args.replay_ms >= 0 and 0 <= args.event_loss < 1 and args.replay_keep >= 0
+        ):
+            raise ValueError(
+                "need --event-delay-ms >= 0, --replay-ms >= 0, 0 <= --event-loss < 1 and --replay-keep >= 0"
+            )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -780,5 +888,18 @@ def run_cli(args: argparse.Namespace) -> int:
     for event, share in out["moved_share"].items():
         live = out["live_sessions_at"].get(event.split("_at_")[0].replace("_full_weight", ""), 0)
         print(f"  {event}: {share:.2%} of the {live:,} live sessions changed ring owner")
+    priced = out["priced"]
+    if priced is not None:
+        print(
+            f"  {priced['decisions']:,} priced decisions, {priced['by_events']:.1%} by events; the cached tokens "
+            f"counted on were off by {priced['off_per_prompt_token']:.2%} of the prompt tokens"
+        )
+    ev = out["events"]
+    if ev is not None:
+        print(
+            f"  events: {ev['published']:,} messages, {ev['lost']:,} lost, {ev['applied']:,} applied, "
+            f"{ev['gaps']:,} gaps, {ev['replayed']:,} replayed, {ev['unsure_episodes']:,} times unsure; "
+            f"{ev['believed_at_end']} of {ev['followed_at_end']} replicas believed at the end"
+        )
     print(f"  ran in {out['wall_s']} s wall, peak memory {out['peak_rss_mib']} MiB")
     return 0

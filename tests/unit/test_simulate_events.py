@@ -1,0 +1,88 @@
+"""router-bench simulate --events: modelled engines publish KV-cache events that the router's own
+event-fed index follows (router.bench.simulate_events)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.bench.cli import build_parser
+from router.bench.simulate import SYSTEM_TOKENS, Simulation
+
+# a small fleet whose caches evict: about 30 conversations' context a replica
+FLEET = ["--replicas", "6", "--sessions", "300", "--policy", "ttft", "--kv-tokens", "12000"]
+CHANGES = ["--scale-out-at", "10", "--fail-at", "15", "--scale-in-at", "20"]
+
+
+def run(*flags: str) -> tuple[Simulation, dict[str, Any]]:
+    sim = Simulation(build_parser().parse_args(["simulate", *FLEET, *flags]))
+    return sim, sim.run()
+
+
+def test_the_routers_index_follows_each_modelled_engine_block_for_block_through_losses_and_changes() -> None:
+    sim, out = run("--events", "--event-loss", "0.1", *CHANGES)
+    events = out["events"]
+    assert events["lost"] > 0 and events["gaps"] > 0 and events["replayed"] > 0  # losses, filled by replay
+    assert events["unsure_episodes"] == 0 and events["orphans"] == 0
+    assert events["believed_at_end"] == events["followed_at_end"] == 5  # one joined; one died, one left
+    assert out["failed_requests"] == 0 and out["failed_attempts"] > 0
+    assert out["priced"]["by_events"] > 0.95
+    assert sim.events is not None
+    block = sim.args.block_tokens
+    system_blocks = SYSTEM_TOKENS // block
+    followed = 0
+    for rid, model in sim.models.items():
+        holdings = sim.events.holdings.get(rid)
+        if holdings is None:
+            assert model.gone is not None  # only the replicas that died or left are not followed
+            continue
+        followed += 1
+        # what the engine's cache keeps, in whole blocks: each conversation's own, each system prompt's once
+        kept = sum(max(0, t // block - system_blocks) for t in model.cache.values()) + system_blocks * len(
+            model.systems
+        )
+        assert kept > 0 and holdings.blocks() == kept
+        assert holdings.sure
+    assert followed == 5
+
+
+def test_events_tell_the_decision_what_the_routers_own_model_guesses_wrong() -> None:
+    _, modelled = run("--prompts")
+    _, evented = run("--events")
+    assert modelled["priced"]["by_events"] == 0.0 and evented["priced"]["by_events"] == 1.0
+    assert modelled["requests"] == evented["requests"] == modelled["priced"]["decisions"]
+    # the caches evict: the router's model of them (what it sent, least recently first) is far
+    # off; the engines' events are off by whole blocks and what evicts between decision and run
+    assert evented["priced"]["off_per_prompt_token"] < 0.5 * modelled["priced"]["off_per_prompt_token"]
+    assert modelled["events"] is None and evented["events"]["applied"] == evented["events"]["published"]
+
+
+def test_a_loss_past_the_replay_buffer_leaves_its_replica_priced_by_the_model_until_it_turns_over() -> None:
+    _, out = run("--events", "--event-loss", "0.2", "--replay-keep", "0")
+    events = out["events"]
+    assert events["replayed"] == 0 and events["unsure_episodes"] > 0
+    assert 0.0 < out["priced"]["by_events"] < 1.0
+
+
+def test_a_run_with_events_and_failures_is_the_same_run_to_run() -> None:
+    """Everything the run reads is its virtual clock and its seeded draws (the turns a failure
+    cuts fail over in the order they started, not in their objects' addresses' order)."""
+    first = run("--events", "--event-loss", "0.05", *CHANGES)[1]
+    ballast = [object() for _ in range(10_007)]  # the second run's objects at other addresses
+    second = run("--events", "--event-loss", "0.05", *CHANGES)[1]
+    del ballast
+    first.pop("wall_s"), second.pop("wall_s"), first.pop("peak_rss_mib"), second.pop("peak_rss_mib")
+    assert first == second
+
+
+def test_bad_event_arguments_are_one_line() -> None:
+    for flags, message in (
+        (["--events"], "need --policy ttft"),
+        (["--prompts", "--policy", "affinity"], "need --policy ttft"),
+        (["--events", "--policy", "ttft", "--block-tokens", "0"], "--block-tokens"),
+        (["--events", "--policy", "ttft", "--event-loss", "1"], "--event-loss"),
+        (["--events", "--policy", "ttft", "--replay-keep", "-1"], "--replay-keep"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Simulation(build_parser().parse_args(["simulate", *flags]))
