@@ -34,7 +34,7 @@ T = TypeVar("T")
 class Timer:
     """A callback due at a virtual time; `cancel` before then and it never runs."""
 
-    __slots__ = ("callback", "arg", "cancelled")
+    __slots__ = ("arg", "callback", "cancelled")
 
     def __init__(self, callback: Callable[[Any], object], arg: Any) -> None:
         self.callback = callback
@@ -53,7 +53,7 @@ class Timer:
 class Wait(Generic[T]):
     """What a strand awaits: `set` once, and the strand awaiting it goes on in the next turn."""
 
-    __slots__ = ("loop", "strand", "done", "value")
+    __slots__ = ("done", "loop", "strand", "value")
 
     def __init__(self, loop: LightLoop) -> None:
         self.loop = loop
@@ -80,7 +80,7 @@ class Wait(Generic[T]):
 class Strand(Generic[T]):
     """A coroutine the loop runs, a step per turn it is woken in."""
 
-    __slots__ = ("loop", "coro", "done", "value", "error")
+    __slots__ = ("coro", "done", "error", "loop", "value")
 
     def __init__(self, loop: LightLoop, coro: Coroutine[Any, Any, T]) -> None:
         self.loop = loop
@@ -102,7 +102,7 @@ class Strand(Generic[T]):
         except StopIteration as end:
             self.done, self.value = True, end.value
             return
-        except BaseException as exc:  # noqa: BLE001  (a bug in the coroutine: the run stops on it)
+        except BaseException as exc:  # (a bug in the coroutine: the run stops on it)
             self.done, self.error = True, exc
             self.loop.crashed(exc)
             return
@@ -207,7 +207,7 @@ class LightLoop:
         for _ in range(len(ready)):
             try:
                 ready.popleft()()
-            except BaseException as exc:  # noqa: BLE001  (a bug in a handler: the run stops on it)
+            except BaseException as exc:  # (a bug in a handler: the run stops on it)
                 self.crashed(exc)
                 return
 
@@ -222,4 +222,3 @@ class LightLoop:
 
 def _nothing(_: Any) -> None:
     pass
-
