@@ -327,7 +327,9 @@ class Truth:
                 had = index.match_after(holder, rec.keys, before) if before else index.match(holder, rec.keys)
                 if not had:
                     continue
-                left = max(index.match_after(holder, rec.keys, after), min(had, _common(rec.keys, chain)))
+                left = index.match_after(holder, rec.keys, after)
+                if left < had:  # (what it shares with the request is pinned by it: not lost)
+                    left = max(left, min(had, _common(rec.keys, chain)))
                 if left < had:
                     back = rec.back_s  # alive, and back within spare_s
                     lost += (had - left) * math.exp((rec.at - now) / back) * -math.expm1(-spare_s / back)
