@@ -42,10 +42,22 @@ finish); at `--fail-at` one dies: its requests in flight and queued fail and are
 policy's next choice, new ones routed there fail over the same way, its cache is lost, and it
 leaves the ring after `--remove-after` probes (`--probe-s` apart) score 0.
 
+Prompts and KV-cache events (`--policy ttft`, the router's default, which prices each replica by
+what it holds): with `--prompts` each turn carries its prompt in the engine's tokens (the
+session's system prompt, then its history) and the policy prices replicas by the router's own
+model of their caches; with `--events` the modelled replicas also publish what their caches
+store and evict, as vLLM does, `--event-delay-ms` late, each message lost with probability
+`--event-loss` and asked again of an engine's replay buffer (`--replay-keep` messages,
+`--replay-ms` away), and the router's own event-fed index follows them
+(router.bench.simulate_events has the model).
+
 Reported: KV hit rate (cached / prompt tokens), load CV (requests per replica), jump rate
 (turns served elsewhere than the session's previous turn), latency P50/P99 and time to first
 token P99 in virtual seconds, failed attempts, the share of live sessions whose ring owner each
-event moved, and the run's wall time and peak memory.
+event moved, and the run's wall time and peak memory; with prompts, how far the cached tokens
+each decision counted on were from those the replica computed from cache, and the share priced
+by events; with events, the messages published, lost, applied and replayed, the gaps, and the
+replicas unsure and believed.
 """
 
 # It is past 450 lines as one benchmark: the modelled replicas, the simulation's loop and its
@@ -568,6 +580,20 @@ class Simulation:
         tpot = a.tpot_s * (1 + a.batch_slowdown * (model.running - 1) / max(model.slots - 1, 1))
         turn.busy_s = prefill + turn.output * tpot
         turn.timer = self.loop.call_at(self.now + turn.busy_s, self._done, turn)
+        if self.prompts is not None:
+            # with prompts, a prompt's blocks are cached as it is scheduled (vLLM allocates and caches
+            # them then; its events say so at once), its reply's as it ends
+            self._keep(turn, model, prompt)
+
+    def _keep(self, turn: Turn, model: Model, tokens: int) -> None:
+        """The replica's cache keeps `tokens` of the turn's conversation, and its system prompt; its
+        engine publishes what that stored and evicted (--events)."""
+        model.keep(turn.session, tokens)
+        model.keep_system(self.system[turn.session])
+        if self.events is not None and model.dropped is not None and turn.replica is not None:
+            cached = model.cache.get(turn.session, 0)
+            self.events.kept(turn.replica.id, turn.session, self.system[turn.session], model.dropped, cached)
+            model.dropped.clear()
 
     def _done(self, turn: Turn) -> None:
         """The model finished `turn`: its slot frees for the next queued one, its replica keeps its
@@ -589,12 +615,7 @@ class Simulation:
         s.cached_tokens += turn.cached
         s.per_replica[replica.id] = s.per_replica.get(replica.id, 0) + 1
         s.slot_seconds += turn.busy_s
-        model.keep(turn.session, prompt + turn.output)
-        model.keep_system(self.system[turn.session])
-        if self.events is not None and model.dropped is not None:  # what its engine publishes
-            cached = model.cache.get(turn.session, 0)
-            self.events.turn_ended(replica.id, turn.session, self.system[turn.session], model.dropped, cached)
-            model.dropped.clear()
+        self._keep(turn, model, prompt + turn.output)
         exchange.status = 200
         answer.set(Outcome(exchange, Served(200, turn.ttft, prompt, turn.cached, turn.output, streamed=True)))
 

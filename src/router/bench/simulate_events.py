@@ -7,15 +7,14 @@ id of its own place in the conversation, so two turns share exactly the blocks o
 share. The policy (`ttft`, the router's default, is the one that reads them) prices each replica
 from what that replica's events say it holds, where it believes them, else by its own model.
 
-Each modelled replica is an engine of `--block-tokens`-token blocks. When a turn ends there it
-publishes one message (a `Batch`, numbered per replica, as vLLM numbers its own): a
-`BlockRemoved` for every block of the conversations its cache evicted to make room, then a
-`BlockStored` for the system prompt's blocks if it is new there, and one for the blocks the turn
-filled (its prompt's and its reply's whole blocks not stored before, chained to the block before
-them, with their token ids). The model's cache is kept by conversation, least recently used first
-(router.bench.simulate.Model), and its events say exactly that; a conversation's blocks are
-stored when its turn ends, not as its prefill runs (a conversation has one turn running at a time,
-so its next turn never finds them half stored).
+Each modelled replica is an engine of `--block-tokens`-token blocks. When a turn is scheduled
+there its prompt is cached, and when it ends its reply; each time it publishes one message (a
+`Batch`, numbered per replica, as vLLM numbers its own): a `BlockRemoved` for every block of the
+conversations its cache evicted to make room, then a `BlockStored` for the system prompt's blocks
+if they are new there, and one for the whole blocks of the conversation not stored before
+(chained to the block before them, with their token ids). The model's cache is kept by
+conversation, least recently used first (router.bench.simulate.Model), and its events say
+exactly that (vLLM evicts block by block, the chain's tail first).
 
 A message reaches the router `--event-delay-ms` after it was published, or never: each is lost
 with probability `--event-loss`. The router applies each with its own code
@@ -147,11 +146,10 @@ class Publishers:
         if engine is not None:
             engine.dead = True
 
-    def turn_ended(
-        self, replica_id: str, session: int, system: int, dropped: list[tuple[int, int]], cached: int
-    ) -> None:
-        """A turn of `session` ended on the replica, whose cache now keeps `cached` tokens of that
-        conversation (0: none, it was evicted itself) and evicted the conversations `dropped`."""
+    def kept(self, replica_id: str, session: int, system: int, dropped: list[tuple[int, int]], cached: int) -> None:
+        """The replica's cache now keeps `cached` tokens of `session`'s conversation (0: none, it
+        was evicted itself) and evicted the conversations `dropped`: a turn of it was scheduled
+        there (its prompt), or ended (its reply)."""
         engine = self.engines[replica_id]
         if engine.dead:
             return
