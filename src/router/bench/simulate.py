@@ -344,11 +344,11 @@ class Stats:
     live_at: dict[str, int] = field(default_factory=dict)  # live sessions when each event happened
     slot_seconds: float = 0.0  # summed service time of completed requests
     migrations: int = 0  # vnodes the rebalancer moved
+    migrated_sessions: int = 0
     priced: int = 0  # turns placed by a priced decision (ttft, with --prompts or --events)
     priced_by_events: int = 0  # ... whose replica's cached tokens its events said
     counted_off: float = 0.0  # |cached tokens the decision counted on - cached tokens computed|, summed
     priced_prompt_tokens: int = 0  # ... over their prompts
-    migrated_sessions: int = 0
 
 
 def default_rate(args: argparse.Namespace, turns: tuple[int, int]) -> float:
