@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 import aiohttp
-from aiohttp import web
+from aiohttp import web, web_urldispatcher
 from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import multiprocess, values
 
@@ -96,6 +96,23 @@ class _ClientsMalformedRequests(logging.Filter):
 
 
 MALFORMED = _ClientsMalformedRequests()
+
+
+async def _expect_unrouted(request: web.Request) -> web.StreamResponse | None:
+    """The Expect handler of a request no route takes (aiohttp answers it 404 or 405 itself: a
+    CONNECT's target matches no path): as aiohttp's own, except that any value but `100-continue`
+    gets a JSON 417, not aiohttp's text echoing the value (a byte that is not UTF-8 there made it
+    a 500 and a traceback)."""
+    if request.version != aiohttp.HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return error_response("the request's Expect header is not 100-continue", 417, "expectation_failed")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
+
+
+# (aiohttp makes the route of an unrouted request per request, with its module's default handler)
+setattr(web_urldispatcher, "_default_expect_handler", _expect_unrouted)  # noqa: B010
 
 
 def _expect_everywhere(app: web.Application, config: RouterConfig) -> None:
