@@ -290,17 +290,22 @@ def test_what_is_sent_after_a_probe_first_takes_the_slots_the_engine_had_free() 
     assert a.queue_of(r) == 0
 
     # no capacity known: what it ran the last time it queued stands for it, once it has queued
+    # (each read counts what the router has in flight there: 3, then 9, then 3)
     r.capacity = None
-    r.engine = EngineStats(waiting=0, running=2, kv_usage=0.1)
+    r.engine = EngineStats(waiting=0, running=3, kv_usage=0.1)
     r.inflight_at_read = r.inflight
     a.probed()
     for _ in range(20):
         fleet.acquire(r)
     assert a.queue_of(r) is None and not a.full(r)  # never seen queueing: its limit is unknown
+    for _ in range(14):
+        fleet.release(r)
     r.engine = EngineStats(waiting=3, running=6, kv_usage=0.2)
     r.inflight_at_read = r.inflight
     a.probed()
     assert a.queue_of(r) == 3 and a.full(r)
+    for _ in range(6):
+        fleet.release(r)
     r.engine = EngineStats(waiting=0, running=3, kv_usage=0.2)
     r.inflight_at_read = r.inflight
     a.probed()
@@ -311,6 +316,44 @@ def test_what_is_sent_after_a_probe_first_takes_the_slots_the_engine_had_free() 
     fleet.acquire(r)
     fleet.acquire(r)
     assert a.full(r)
+
+
+def test_what_was_in_flight_at_the_read_beyond_the_engines_figures_takes_slots_too() -> None:
+    """vLLM's gauges are its scheduler's at its last step: eight requests the router had just sent
+    were in neither its running nor its waiting count (measured: 0 and 0 with eight sent, 30 ms
+    later 4 and 4). Read so, its four slots are taken by four of them, and the other four wait."""
+    fleet = fleet_of(1)
+    a = Admission(fleet, 10, 1.0, full_waiting=1, full_kv_usage=0.95)
+    r = fleet.replicas[0]
+    r.capacity = 4
+    for _ in range(8):
+        fleet.acquire(r)
+    r.engine = EngineStats(waiting=0, running=0, kv_usage=0.0)
+    r.inflight_at_read = 8
+    a.probed()
+    assert a.queue_of(r) == 4 and a.full(r)  # (counted as the figures say, it had four slots free)
+    r.engine = EngineStats(waiting=4, running=4, kv_usage=0.1)  # the next read: they are in its figures
+    a.probed()
+    assert a.queue_of(r) == 4
+    for _ in range(4):  # four answered, and four more sent before the next read: its figures lag again
+        fleet.release(r)
+        fleet.acquire(r)
+    r.engine = EngineStats(waiting=0, running=4, kv_usage=0.1)
+    a.probed()
+    assert a.queue_of(r) == 4 and a.full(r)
+    # a read counting more than the router sent (another router's, or replies it has not relayed
+    # yet) takes what it counts
+    r.engine = EngineStats(waiting=0, running=2, kv_usage=0.1)
+    for _ in range(7):
+        fleet.release(r)
+    r.inflight_at_read = r.inflight
+    a.probed()
+    assert r.inflight == 1 and a.queue_of(r) == 0
+    fleet.acquire(r)
+    fleet.acquire(r)
+    assert a.queue_of(r) == 0 and not a.full(r)
+    fleet.acquire(r)
+    assert a.queue_of(r) == 1 and a.full(r)
 
 
 def test_a_worker_process_fills_its_share_of_the_free_slots_before_counting_sends_as_queued() -> None:

@@ -145,6 +145,10 @@ class ReplicaMetrics:
         self._lora_series: OrderedDict[tuple[str, str, str], None] = OrderedDict()  # least recently current first
         self.model = model
         self._steps: deque[tuple[float, float]] = deque()  # (end, duration) of recent steps
+        # (running, waiting, deferred) as the last step left them: vLLM sets its queue gauges as it
+        # records a step, so a request that arrived since is in neither count until the step after
+        # it (measured on vLLM 0.32: eight requests sent at once read 0 and 0, then 4 and 4)
+        self._queues = (0, 0, 0)
 
     def on_step(self, end: float, duration: float, tokens: int) -> None:
         self._steps.append((end, duration))
@@ -152,6 +156,10 @@ class ReplicaMetrics:
             self._steps.popleft()
         self.busy_seconds.labels(self.model).inc(duration)
         self.generation_tokens.labels(self.model).inc(tokens)
+
+    def on_recorded(self, engine: Engine) -> None:
+        """A step's end: its queues as the gauges will show them until the next one."""
+        self._queues = (len(engine.running), len(engine.waiting), engine.deferred())
 
     def on_admitted(self, seq: Sequence) -> None:
         self.prefix_queries.labels(self.model).inc(seq.prompt_tokens)
@@ -197,10 +205,11 @@ class ReplicaMetrics:
         if adapters:
             self.on_lora(engine)
             self.lora_info.labels(*next(reversed(self._lora_series))).set(time.time())  # current until now
-        self.running.labels(m).set(len(engine.running))
-        self.waiting.labels(m).set(len(engine.waiting))
-        deferred = engine.deferred()
-        self.waiting_by_reason.labels(m, "capacity").set(len(engine.waiting) - deferred)
+        # an engine with nothing left (the last request cancelled while it waited) shows none
+        running, waiting, deferred = self._queues if engine.has_work() else (0, 0, 0)
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.waiting_by_reason.labels(m, "capacity").set(waiting - deferred)
         self.waiting_by_reason.labels(m, "deferred").set(deferred)
         self.kv_usage.labels(m).set(engine.cache.usage)
         self.fragmentation.labels(m).set(engine.fragmentation())

@@ -370,6 +370,7 @@ class Replica:
             if self.publisher is not None:
                 self._publish_kv_events()
             self.metrics.on_step(clock, step.duration, len(events.tokens))
+            self.metrics.on_recorded(engine)
             for seq in events.tokens:
                 seq.owner.set()
             for seq in events.finished:

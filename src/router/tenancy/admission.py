@@ -286,13 +286,23 @@ class Admission:
         What was sent since the read first takes the slots its engine had free then: none if it
         was queueing; else its capacity (reported or configured) less what it ran, or, where that
         is not known, what it ran the last time it queued (None until it has queued once: its
-        limit is unknown, so nothing says it is full but its KV cache)."""
+        limit is unknown, so nothing says it is full but its KV cache).
+
+        The engine's figures are its scheduler's at its last step: a request that reached it since
+        is in neither its running nor its waiting count (vLLM: until the step after its arrival, a
+        few tens of milliseconds on an idle CPU engine, longer on a busy one). So what the router
+        had in flight there when the figures arrived, beyond what they count, is counted as sent
+        since: it takes a free slot or waits like the rest. (A reply the engine has finished and
+        the router still relays counts so too, until it ends: the router errs full, never empty.)"""
         engine = replica.engine
         waiting = engine.waiting
         inflight = self.inflight(replica)
         if waiting is not None:
-            sent = inflight - self._at_probe.get(replica.id, inflight)
+            at_read = self._at_probe.get(replica.id, inflight)
+            sent: float = inflight - at_read
             running = engine.running
+            if running is not None:
+                sent += max(at_read - running - waiting, 0.0)  # in flight at the read, not in its figures yet
             if waiting > 0 or running is None:
                 return max(waiting + sent, 0.0)
             limit = replica.capacity if replica.capacity is not None else self._limit.get(replica.id)
