@@ -379,6 +379,75 @@ cdef int32_t _match_after(shx_region_t* r, const uint64_t* chain, Py_ssize_t n, 
     return kept
 
 
+cdef int _match_after_many(shx_region_t* r, const uint64_t** chains, const Py_ssize_t* lengths,
+                           Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
+                           int32_t* out) noexcept nogil:
+    # PrefixIndex.c_match_after_many: out[i * n_evicted + j] = _match_after(r, chains[i], ...,
+    # evicted[j]), every chain's matched blocks' marks sorted together, then one walk of the
+    # max(evicted) oldest entries (at most the pool's length). -2: no memory.
+    cdef Py_ssize_t i, j, g, total = 0, most = 0, lo, hi, mid, walked = 0
+    cdef Py_ssize_t* first
+    cdef int32_t* owner
+    cdef uint64_t* marks
+    cdef uint64_t slot, want
+    cdef int32_t matched, e, at
+    first = <Py_ssize_t*>malloc((n_chains + 1) * sizeof(Py_ssize_t))
+    if first == NULL:
+        return -2
+    for i in range(n_chains):
+        matched = _match(r, chains[i], lengths[i])
+        if matched < 0:
+            matched = 0
+        first[i] = total
+        total += matched
+        for j in range(n_evicted):
+            out[i * n_evicted + j] = matched
+    first[n_chains] = total
+    for j in range(n_evicted):
+        if evicted[j] > most:
+            most = evicted[j]
+    if total == 0 or most == 0 or total > <Py_ssize_t>0xFFFFFFFF:
+        free(first)
+        return 0 if total <= <Py_ssize_t>0xFFFFFFFF else -2
+    marks = <uint64_t*>malloc(total * sizeof(uint64_t))
+    owner = <int32_t*>malloc(total * sizeof(int32_t))
+    if marks == NULL or owner == NULL:
+        free(marks)
+        free(owner)
+        free(first)
+        return -2
+    for i in range(n_chains):
+        for g in range(first[i], first[i + 1]):
+            e = _find(r, chains[i][g - first[i]], &slot)
+            marks[g] = (<uint64_t><uint32_t>e << 32) | <uint32_t>g
+            owner[g] = <int32_t>i
+    qsort(marks, total, sizeof(uint64_t), _compare_u64)
+    e = shx_load32(&r.hd.tail)
+    while walked < most and walked < r.pool and 0 <= e < r.pool:
+        want = <uint64_t><uint32_t>e << 32
+        lo, hi = 0, total
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if marks[mid] < want:
+                lo = mid + 1
+            else:
+                hi = mid
+        while lo < total and (marks[lo] >> 32) == (want >> 32):
+            g = <Py_ssize_t><uint32_t>marks[lo]
+            i = owner[g]
+            at = <int32_t>(g - first[i])
+            for j in range(n_evicted):
+                if walked < evicted[j] and at < out[i * n_evicted + j]:
+                    out[i * n_evicted + j] = at
+            lo += 1
+        e = shx_load32(&r.entries[e].prev)
+        walked += 1
+    free(marks)
+    free(owner)
+    free(first)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Python face.
 
@@ -615,6 +684,78 @@ cdef class Regions:
         if m == -2:
             raise MemoryError()
         return m
+
+    cdef int _read_many(self, shx_region_t* r, const uint64_t** chains, const Py_ssize_t* lengths,
+                        Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
+                        int32_t* out) noexcept nogil:
+        # _read_match's seqlock, around one _match_after_many
+        cdef uint64_t before, after
+        cdef int status = 0, tries, spins
+        if not r.view.readonly:
+            return _match_after_many(r, chains, lengths, n_chains, evicted, n_evicted, out)
+        for tries in range(_TRIES):
+            before = shx_load64(&r.hd.seq)
+            spins = 0
+            while before & 1 and spins < _SPINS:
+                before = shx_load64(&r.hd.seq)
+                spins += 1
+            status = _match_after_many(r, chains, lengths, n_chains, evicted, n_evicted, out)
+            if before & 1 or status != 0:
+                break
+            shx_acquire()
+            after = shx_load64(&r.hd.seq)
+            if before == after:
+                return status
+        if status == 0:
+            self.torn += 1
+        return status
+
+    def match_after_many(self, holder, chains, evicted):
+        """[match_after(holder, c, k) for c in chains for k in evicted], in one walk of the holder's
+        LRU tail (its max(evicted) least-recent blocks), read as one consistent state."""
+        cdef shx_region_t* r = self._region(holder)
+        cdef list chain_list = list(chains)
+        cdef list counts = []
+        cdef Py_ssize_t n_chains = len(chain_list), n_evicted, i, got = 0
+        cdef Py_buffer* views
+        cdef const uint64_t** starts
+        cdef Py_ssize_t* lengths
+        cdef Py_ssize_t* ks
+        cdef int32_t* out
+        cdef int status
+        for k in evicted:
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise TypeError(f"evicted must be an int, not {type(k).__name__}")
+            counts.append(min(max(k, 0), 0x7FFFFFFF))
+        n_evicted = len(counts)
+        if n_chains == 0 or n_evicted == 0:
+            return []
+        views = <Py_buffer*>malloc(n_chains * sizeof(Py_buffer))
+        starts = <const uint64_t**>malloc(n_chains * sizeof(uint64_t*))
+        lengths = <Py_ssize_t*>malloc(n_chains * sizeof(Py_ssize_t))
+        ks = <Py_ssize_t*>malloc(n_evicted * sizeof(Py_ssize_t))
+        out = <int32_t*>malloc(n_chains * n_evicted * sizeof(int32_t))
+        try:
+            if views == NULL or starts == NULL or lengths == NULL or ks == NULL or out == NULL:
+                raise MemoryError()
+            for i in range(n_evicted):
+                ks[i] = counts[i]
+            while got < n_chains:
+                lengths[got] = _chain_arg(chain_list[got], &views[got], "chain")
+                starts[got] = <const uint64_t*>views[got].buf
+                got += 1
+            status = self._read_many(r, starts, lengths, n_chains, ks, n_evicted, out)
+            if status == -2:
+                raise MemoryError()
+            return [out[i] for i in range(n_chains * n_evicted)]
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&views[i])
+            free(views)
+            free(starts)
+            free(lengths)
+            free(ks)
+            free(out)
 
     def match_all(self, chain, out):
         """out[h] = match(h, chain) for every attached holder h < n_holders, 0 for the others."""

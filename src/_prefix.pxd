@@ -139,6 +139,11 @@ cdef class PrefixIndex:
     # PREFIX_NO_MEMORY when its scratch could not be allocated.
     cdef int32_t c_match_after(self, int32_t holder, const uint64_t* chain, Py_ssize_t n,
                                Py_ssize_t evicted) noexcept nogil
+    # out[i * n_evicted + j] = c_match_after(holder, chains[i], lengths[i], evicted[j]), in one
+    # walk of the holder's LRU tail (max(evicted) entries): 0, or PREFIX_NO_MEMORY.
+    cdef int c_match_after_many(self, int32_t holder, const uint64_t** chains, const Py_ssize_t* lengths,
+                                Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
+                                int32_t* out) noexcept nogil
     # out[h] = c_match(h, chain, n) for every h < n_holders, 0 for free numbers.
     cdef void c_match_all(self, const uint64_t* chain, Py_ssize_t n, int32_t* out) noexcept nogil
     # One routing decision: per candidate position, the prompt's cached tokens, wait and cost

@@ -714,6 +714,51 @@ cdef class PrefixIndex:
             raise MemoryError()
         return kept
 
+    def match_after_many(self, holder, chains, evicted):
+        """[match_after(holder, c, k) for c in chains for k in evicted], in one walk of the holder's
+        LRU tail (its max(evicted) least-recent blocks) rather than one for each chain and count:
+        what each of a replica's returning conversations would keep were its oldest blocks gone."""
+        cdef int32_t h = _holder_arg(self, holder)
+        cdef Py_ssize_t size = self._holders[h].size
+        cdef list chain_list = list(chains)
+        cdef Py_ssize_t n_chains = len(chain_list), n_evicted, i, got = 0
+        cdef list counts = [_count_arg("evicted", k, size) for k in evicted]
+        cdef Py_buffer* views
+        cdef const uint64_t** starts
+        cdef Py_ssize_t* lengths
+        cdef Py_ssize_t* ks
+        cdef int32_t* out
+        cdef int status = 0
+        n_evicted = len(counts)
+        if n_chains == 0 or n_evicted == 0:
+            return []
+        views = <Py_buffer*>malloc(n_chains * sizeof(Py_buffer))
+        starts = <const uint64_t**>malloc(n_chains * sizeof(uint64_t*))
+        lengths = <Py_ssize_t*>malloc(n_chains * sizeof(Py_ssize_t))
+        ks = <Py_ssize_t*>malloc(n_evicted * sizeof(Py_ssize_t))
+        out = <int32_t*>malloc(n_chains * n_evicted * sizeof(int32_t))
+        try:
+            if views == NULL or starts == NULL or lengths == NULL or ks == NULL or out == NULL:
+                raise MemoryError()
+            for i in range(n_evicted):
+                ks[i] = counts[i]
+            while got < n_chains:
+                lengths[got] = _get_buffer(chain_list[got], &views[got], "chain", _CHAIN)
+                starts[got] = <const uint64_t*>views[got].buf
+                got += 1
+            status = self.c_match_after_many(h, starts, lengths, n_chains, ks, n_evicted, out)
+            if status == PREFIX_NO_MEMORY:
+                raise MemoryError()
+            return [out[i] for i in range(n_chains * n_evicted)]
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&views[i])
+            free(views)
+            free(starts)
+            free(lengths)
+            free(ks)
+            free(out)
+
     def match_all(self, chain, out):
         """out[h] = match(h, chain) for every holder number h < n_holders (0 for free numbers)."""
         cdef Py_buffer cv, ov
@@ -1024,6 +1069,79 @@ cdef class PrefixIndex:
             walked += 1
         free(marks)
         return kept
+
+    cdef int c_match_after_many(self, int32_t holder, const uint64_t** chains, const Py_ssize_t* lengths,
+                                Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
+                                int32_t* out) noexcept nogil:
+        # c_match_after's marks, for every chain's matched blocks at once (entry << 32 | g, g a
+        # block's number among them all; first[i] the number of chain i's first), sorted; then one
+        # walk of the max(evicted) oldest entries, each looked up among them: every block of every
+        # chain it is (chains share blocks: a system prompt) ends that chain's match for the counts
+        # that reach this far.
+        cdef Py_ssize_t i, j, g, total = 0, most = 0, lo, hi, mid, walked = 0
+        cdef Py_ssize_t* first
+        cdef int32_t* owner
+        cdef uint64_t* marks
+        cdef uint64_t slot, want
+        cdef int32_t matched, e, at
+        first = <Py_ssize_t*>malloc((n_chains + 1) * sizeof(Py_ssize_t))
+        if first == NULL:
+            return PREFIX_NO_MEMORY
+        for i in range(n_chains):
+            matched = self.c_match(holder, chains[i], lengths[i])
+            if matched < 0:
+                matched = 0
+            first[i] = total
+            total += matched
+            for j in range(n_evicted):
+                out[i * n_evicted + j] = matched
+        first[n_chains] = total
+        for j in range(n_evicted):
+            if evicted[j] > most:
+                most = evicted[j]
+        if total == 0 or most == 0:
+            free(first)
+            return 0
+        if total > <Py_ssize_t>0xFFFFFFFF:
+            free(first)
+            return PREFIX_NO_MEMORY
+        marks = <uint64_t*>malloc(total * sizeof(uint64_t))
+        owner = <int32_t*>malloc(total * sizeof(int32_t))
+        if marks == NULL or owner == NULL:
+            free(marks)
+            free(owner)
+            free(first)
+            return PREFIX_NO_MEMORY
+        for i in range(n_chains):
+            for g in range(first[i], first[i + 1]):
+                e = self._find(holder, chains[i][g - first[i]], &slot)
+                marks[g] = (<uint64_t><uint32_t>e << 32) | <uint32_t>g
+                owner[g] = <int32_t>i
+        qsort(marks, total, sizeof(uint64_t), _compare_u64)
+        e = self._holders[holder].tail
+        while walked < most and e != PREFIX_NONE:
+            want = <uint64_t><uint32_t>e << 32
+            lo, hi = 0, total
+            while lo < hi:  # the first mark at or past this entry
+                mid = (lo + hi) // 2
+                if marks[mid] < want:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            while lo < total and (marks[lo] >> 32) == (want >> 32):
+                g = <Py_ssize_t><uint32_t>marks[lo]
+                i = owner[g]
+                at = <int32_t>(g - first[i])
+                for j in range(n_evicted):
+                    if walked < evicted[j] and at < out[i * n_evicted + j]:
+                        out[i * n_evicted + j] = at
+                lo += 1
+            e = self._entries[e].prev
+            walked += 1
+        free(marks)
+        free(owner)
+        free(first)
+        return 0
 
     cdef int32_t c_match(self, int32_t holder, const uint64_t* chain, Py_ssize_t n) noexcept nogil:
         cdef Py_ssize_t lo = 0, k = 1, mid

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from router._gallop import gallop
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from typing_extensions import Buffer
 
 __all__ = ["ENTRY_BYTES", "HEADER_BYTES", "MAGIC", "READ_TRIES", "Regions", "region_bytes", "slots_for"]
@@ -373,6 +375,18 @@ class Regions:
         if isinstance(evicted, bool) or not isinstance(evicted, int):
             raise TypeError(f"evicted must be an int, not {type(evicted).__name__}")
         return self._read(r, _chain(chain, "chain"), min(max(evicted, 0), 0x7FFFFFFF))
+
+    def match_after_many(self, holder: int, chains: Iterable[Buffer], evicted: Iterable[int]) -> list[int]:
+        """[match_after(holder, c, k) for c in chains for k in evicted] (the compiled one walks the
+        LRU tail once for them all, read as one state; here each is its own read)."""
+        r = self._region(holder)
+        counts = []
+        for k in evicted:
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise TypeError(f"evicted must be an int, not {type(k).__name__}")
+            counts.append(min(max(k, 0), 0x7FFFFFFF))
+        views = [_chain(chain, "chain") for chain in chains]
+        return [self._read(r, view, k) for view in views for k in counts]
 
     def match_all(self, chain: Buffer, out: Buffer) -> None:
         view = _chain(chain, "chain")

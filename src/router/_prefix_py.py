@@ -29,6 +29,8 @@ import xxhash
 from router._gallop import gallop
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from typing_extensions import Buffer
 
 __all__ = [
@@ -388,6 +390,28 @@ class PrefixIndex:
             if i is not None and i < kept:
                 kept = i
         return kept
+
+    def match_after_many(self, holder: int, chains: Iterable[Buffer], evicted: Iterable[int]) -> list[int]:
+        """[match_after(holder, c, k) for c in chains for k in evicted], in one walk of the holder's
+        LRU tail (its max(evicted) least-recent blocks) rather than one for each chain and count:
+        what each of a replica's returning conversations would keep were its oldest blocks gone."""
+        held = self._held(holder)
+        counts = [_count_arg("evicted", k, len(held)) for k in evicted]
+        keys = [_buffer(chain, "chain", _CHAIN) for chain in chains]
+        matched = [_match(held, chain) for chain in keys]
+        out = [m for m in matched for _ in counts]
+        if not counts:
+            return []
+        places: dict[int, list[tuple[int, int]]] = {}  # key -> (chain, position) of each matched block
+        for i, chain in enumerate(keys):
+            for at, key in enumerate(chain[: matched[i]].tolist()):
+                places.setdefault(key, []).append((i, at))
+        for walked, key in enumerate(itertools.islice(held, max(counts))):
+            for i, at in places.get(key, ()):
+                for j, count in enumerate(counts):
+                    if walked < count and at < out[i * len(counts) + j]:
+                        out[i * len(counts) + j] = at
+        return out
 
     def match_all(self, chain: Buffer, out: Buffer) -> None:
         """out[h] = match(h, chain) for every holder number h < n_holders (0 for free numbers)."""

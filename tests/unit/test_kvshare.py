@@ -94,6 +94,10 @@ def test_a_region_answers_as_a_prefix_index_holder_does(ops: list[tuple[str, int
                 assert regions.set_capacity(0, count) == index.set_capacity(h, count)
             else:
                 assert regions.match_after(0, chain, count) == index.match_after(h, chain, count)
+                others = [chain, chain_of(base + 1, n), chain_of(base, n // 2)]
+                assert regions.match_after_many(0, others, [count, 0, count + 7]) == index.match_after_many(
+                    h, others, [count, 0, count + 7]
+                )
             assert regions.match(0, chain) == index.match(h, chain)
             assert regions.size(0) == index.size(h)
             assert regions.key_of(0, names[-1]) == index.key_of(h, names[-1])
@@ -178,6 +182,10 @@ def test_the_shared_index_answers_as_a_prefix_index_while_its_holders_grow_and_m
             assert shared.match(s, chain) == index.match(p, chain) == reader.match(s, chain), step
             evicted = rng.randrange(5000)
             assert reader.match_after(s, chain, evicted) == index.match_after(p, chain, evicted)
+            others = [chain, chain_of(base + 1, 64), chain_of((base + 7) % 600, 32)]  # (the rng draws as before)
+            assert reader.match_after_many(s, others, [evicted // 2, evicted]) == index.match_after_many(
+                p, others, [evicted // 2, evicted]
+            )
             ours, theirs = array("i", bytes(12)), array("i", bytes(12))
             reader.match_all(chain, ours)
             index.match_all(chain, theirs)

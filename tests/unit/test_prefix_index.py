@@ -434,6 +434,32 @@ def test_match_after_is_the_match_once_the_oldest_blocks_went(impl: ModuleType) 
         index.match_after(h, a, -1)
 
 
+def test_match_after_many_is_match_after_for_each_chain_and_count_in_one_walk(impl: ModuleType) -> None:
+    # A replica's returning conversations: one system prompt, then each its own turns, and one of
+    # them used again lately; asked for several counts at once, in any order.
+    index = impl.PrefixIndex()
+    h = index.add_holder(400)
+    system = b"s" * 4 * BLOCK
+    chains = [impl.block_chain(system + bytes([i]) * (2 + i) * BLOCK, BLOCK, 5) for i in range(6)]
+    for chain in chains:
+        index.insert(h, chain)
+    index.insert(h, chains[2], 5)
+    index.insert(h, impl.block_chain(b"x" * 40 * BLOCK, BLOCK, 5))
+    stranger = impl.block_chain(b"y" * 3 * BLOCK, BLOCK, 5)
+    asked = [*chains, stranger, chains[0][:2]]
+    for counts in ([0], [7, 0, 30], [index.size(h), 1 << 80], [45, 44, 46, 60]):
+        expected = [index.match_after(h, c, k) for c in asked for k in counts]
+        assert index.match_after_many(h, asked, counts) == expected, counts
+    expected = [index.match_after(h, c, 3) for c in asked[:2]]
+    assert index.match_after_many(h, (c for c in asked[:2]), iter([3])) == expected  # any iterables
+    assert index.match_after_many(h, [], [3]) == [] and index.match_after_many(h, asked, []) == []
+    assert index.size(h) == 4 + sum(2 + i for i in range(6)) + 40  # nothing was dropped
+    with pytest.raises(ValueError, match="evicted must be non-negative"):
+        index.match_after_many(h, asked, [3, -1])
+    with pytest.raises(TypeError):
+        index.match_after_many(h, [b"not keys"], [3])
+
+
 def test_match_all_fills_one_count_per_holder_number(impl: ModuleType) -> None:
     index = impl.PrefixIndex()
     chain = chain_of(impl, "0123456789abcdef")
@@ -659,6 +685,9 @@ op_st = st.one_of(
     st.tuples(st.just("clear"), holder_st),
     st.tuples(st.just("match"), holder_st, chain_st),
     st.tuples(st.just("match_after"), holder_st, chain_st, st.integers(0, 16)),
+    st.tuples(
+        st.just("match_after_many"), holder_st, st.lists(chain_st, max_size=3), st.lists(st.integers(0, 16), max_size=3)
+    ),
     st.tuples(st.just("match_all"), chain_st),
     st.tuples(st.just("size"), holder_st),
     st.tuples(st.just("insert_named"), holder_st, chain_st, st.integers(-1, 16), st.integers(0, 3)),

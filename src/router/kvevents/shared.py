@@ -39,6 +39,8 @@ else:
     from _kvshare import Regions, region_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from typing_extensions import Buffer
 
 log = logging.getLogger("router.kvevents.shared")
@@ -235,6 +237,9 @@ class SharedIndex:
     def match_after(self, holder: int, chain: Buffer, evicted: int) -> int:
         return int(self.regions.match_after(holder, chain, evicted))
 
+    def match_after_many(self, holder: int, chains: Iterable[Buffer], evicted: Iterable[int]) -> list[int]:
+        return self.regions.match_after_many(holder, chains, evicted)
+
     def match_all(self, chain: Buffer, out: Buffer) -> None:
         self.regions.match_all(chain, out)
 
@@ -336,6 +341,12 @@ class SharedIndexReader:
     def match_after(self, holder: int, chain: Buffer, evicted: int) -> int:
         self.follow()
         return int(self.regions.match_after(holder, chain, evicted)) if self.regions.attached(holder) else 0
+
+    def match_after_many(self, holder: int, chains: Iterable[Buffer], evicted: Iterable[int]) -> list[int]:
+        self.follow()
+        if self.regions.attached(holder):
+            return self.regions.match_after_many(holder, chains, evicted)
+        return [0] * (len(list(chains)) * len(list(evicted)))
 
     def match_all(self, chain: Buffer, out: Buffer) -> None:
         self.follow()

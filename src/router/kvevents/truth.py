@@ -323,11 +323,12 @@ class Truth:
             # seconds until the others' next (after - before) blocks would evict them anyway
             spare_s = (after - before) / rate if rate > 0 else math.inf
             lost = 0.0
-            for rec in kept:
-                had = index.match_after(holder, rec.keys, before) if before else index.match(holder, rec.keys)
+            # what each would keep past the others' `before` blocks and past `after`: one walk of the LRU tail
+            counts = index.match_after_many(holder, [rec.keys for rec in kept], (before, after))
+            for i, rec in enumerate(kept):
+                had, left = counts[2 * i], counts[2 * i + 1]
                 if not had:
                     continue
-                left = index.match_after(holder, rec.keys, after)
                 if left < had:  # (what it shares with the request is pinned by it: not lost)
                     left = max(left, min(had, _common(rec.keys, chain)))
                 if left < had:
