@@ -382,69 +382,67 @@ cdef int32_t _match_after(shx_region_t* r, const uint64_t* chain, Py_ssize_t n, 
 cdef int _match_after_many(shx_region_t* r, const uint64_t** chains, const Py_ssize_t* lengths,
                            Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
                            int32_t* out) noexcept nogil:
-    # PrefixIndex.c_match_after_many: out[i * n_evicted + j] = _match_after(r, chains[i], ...,
-    # evicted[j]), every chain's matched blocks' marks sorted together, then one walk of the
-    # max(evicted) oldest entries (at most the pool's length). -2: no memory.
-    cdef Py_ssize_t i, j, g, total = 0, most = 0, lo, hi, mid, walked = 0
-    cdef Py_ssize_t* first
-    cdef int32_t* owner
-    cdef uint64_t* marks
-    cdef uint64_t slot, want
-    cdef int32_t matched, e, at
-    first = <Py_ssize_t*>malloc((n_chains + 1) * sizeof(Py_ssize_t))
-    if first == NULL:
-        return -2
-    for i in range(n_chains):
-        matched = _match(r, chains[i], lengths[i])
-        if matched < 0:
-            matched = 0
-        first[i] = total
-        total += matched
-        for j in range(n_evicted):
-            out[i * n_evicted + j] = matched
-    first[n_chains] = total
+    # PrefixIndex.c_match_after_many: the max(evicted) oldest entries (at most the pool's length)
+    # walked into a small table of key -> age rank, then each chain's matched blocks looked up
+    # there in order. -2: no memory.
+    cdef Py_ssize_t i, j, p, most = 0, walked = 0, size = 16, left
+    cdef uint64_t mask, key, slot
+    cdef uint64_t* keys
+    cdef int32_t* ranks
+    cdef int32_t matched, e, rank
     for j in range(n_evicted):
         if evicted[j] > most:
             most = evicted[j]
-    if total == 0 or most == 0 or total > <Py_ssize_t>0xFFFFFFFF:
-        free(first)
-        return 0 if total <= <Py_ssize_t>0xFFFFFFFF else -2
-    marks = <uint64_t*>malloc(total * sizeof(uint64_t))
-    owner = <int32_t*>malloc(total * sizeof(int32_t))
-    if marks == NULL or owner == NULL:
-        free(marks)
-        free(owner)
-        free(first)
-        return -2
     for i in range(n_chains):
-        for g in range(first[i], first[i + 1]):
-            e = _find(r, chains[i][g - first[i]], &slot)
-            marks[g] = (<uint64_t><uint32_t>e << 32) | <uint32_t>g
-            owner[g] = <int32_t>i
-    qsort(marks, total, sizeof(uint64_t), _compare_u64)
+        matched = _match(r, chains[i], lengths[i])
+        for j in range(n_evicted):
+            out[i * n_evicted + j] = matched if matched > 0 else 0
+    if most == 0:
+        return 0
+    if most > r.pool:
+        most = r.pool
+    while size < 2 * most:
+        size *= 2
+    mask = <uint64_t>(size - 1)
+    keys = <uint64_t*>malloc(size * sizeof(uint64_t))
+    ranks = <int32_t*>malloc(size * sizeof(int32_t))
+    if keys == NULL or ranks == NULL:
+        free(keys)
+        free(ranks)
+        return -2
+    memset(ranks, 0xFF, size * sizeof(int32_t))  # -1: free
     e = shx_load32(&r.hd.tail)
-    while walked < most and walked < r.pool and 0 <= e < r.pool:
-        want = <uint64_t><uint32_t>e << 32
-        lo, hi = 0, total
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if marks[mid] < want:
-                lo = mid + 1
-            else:
-                hi = mid
-        while lo < total and (marks[lo] >> 32) == (want >> 32):
-            g = <Py_ssize_t><uint32_t>marks[lo]
-            i = owner[g]
-            at = <int32_t>(g - first[i])
-            for j in range(n_evicted):
-                if walked < evicted[j] and at < out[i * n_evicted + j]:
-                    out[i * n_evicted + j] = at
-            lo += 1
+    while walked < most and 0 <= e < r.pool:
+        key = shx_loadu64(&r.entries[e].key)
+        slot = _hash(key) & mask
+        while ranks[slot] >= 0:
+            slot = (slot + 1) & mask
+        keys[slot] = key
+        ranks[slot] = <int32_t>walked
         e = shx_load32(&r.entries[e].prev)
         walked += 1
-    free(marks)
-    free(owner)
-    free(first)
+    for i in range(n_chains):
+        left = n_evicted
+        matched = out[i * n_evicted]
+        for p in range(matched):
+            key = chains[i][p]
+            slot = _hash(key) & mask
+            rank = -1
+            while ranks[slot] >= 0:
+                if keys[slot] == key:
+                    rank = ranks[slot]
+                    break
+                slot = (slot + 1) & mask
+            if rank < 0:
+                continue
+            for j in range(n_evicted):
+                if rank < evicted[j] and out[i * n_evicted + j] > p:
+                    out[i * n_evicted + j] = <int32_t>p
+                    left -= 1
+            if left == 0:
+                break
+    free(keys)
+    free(ranks)
     return 0
 
 

@@ -1073,74 +1073,69 @@ cdef class PrefixIndex:
     cdef int c_match_after_many(self, int32_t holder, const uint64_t** chains, const Py_ssize_t* lengths,
                                 Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
                                 int32_t* out) noexcept nogil:
-        # c_match_after's marks, for every chain's matched blocks at once (entry << 32 | g, g a
-        # block's number among them all; first[i] the number of chain i's first), sorted; then one
-        # walk of the max(evicted) oldest entries, each looked up among them: every block of every
-        # chain it is (chains share blocks: a system prompt) ends that chain's match for the counts
-        # that reach this far.
-        cdef Py_ssize_t i, j, g, total = 0, most = 0, lo, hi, mid, walked = 0
-        cdef Py_ssize_t* first
-        cdef int32_t* owner
-        cdef uint64_t* marks
-        cdef uint64_t slot, want
-        cdef int32_t matched, e, at
-        first = <Py_ssize_t*>malloc((n_chains + 1) * sizeof(Py_ssize_t))
-        if first == NULL:
-            return PREFIX_NO_MEMORY
-        for i in range(n_chains):
-            matched = self.c_match(holder, chains[i], lengths[i])
-            if matched < 0:
-                matched = 0
-            first[i] = total
-            total += matched
-            for j in range(n_evicted):
-                out[i * n_evicted + j] = matched
-        first[n_chains] = total
+        # The max(evicted) oldest entries walked first, their keys put in a small open-addressed
+        # table with their age rank (0: the oldest); then each chain's matched blocks looked up
+        # there in order: the first block of rank below a count is where its match would end for
+        # that count. Its cost is the walk and one probe of a table that fits in cache per block
+        # matched (a walk is short: what a request allocates past the empty blocks).
+        cdef Py_ssize_t i, j, p, most = 0, walked = 0, size = 16, left
+        cdef uint64_t mask, key, slot
+        cdef uint64_t* keys
+        cdef int32_t* ranks
+        cdef int32_t matched, e, rank
         for j in range(n_evicted):
             if evicted[j] > most:
                 most = evicted[j]
-        if total == 0 or most == 0:
-            free(first)
-            return 0
-        if total > <Py_ssize_t>0xFFFFFFFF:
-            free(first)
-            return PREFIX_NO_MEMORY
-        marks = <uint64_t*>malloc(total * sizeof(uint64_t))
-        owner = <int32_t*>malloc(total * sizeof(int32_t))
-        if marks == NULL or owner == NULL:
-            free(marks)
-            free(owner)
-            free(first)
-            return PREFIX_NO_MEMORY
         for i in range(n_chains):
-            for g in range(first[i], first[i + 1]):
-                e = self._find(holder, chains[i][g - first[i]], &slot)
-                marks[g] = (<uint64_t><uint32_t>e << 32) | <uint32_t>g
-                owner[g] = <int32_t>i
-        qsort(marks, total, sizeof(uint64_t), _compare_u64)
+            matched = self.c_match(holder, chains[i], lengths[i])
+            for j in range(n_evicted):
+                out[i * n_evicted + j] = matched if matched > 0 else 0
+        if most == 0:
+            return 0
+        if most > self._holders[holder].size:
+            most = self._holders[holder].size
+        while size < 2 * most:
+            size *= 2
+        mask = <uint64_t>(size - 1)
+        keys = <uint64_t*>malloc(size * sizeof(uint64_t))
+        ranks = <int32_t*>malloc(size * sizeof(int32_t))
+        if keys == NULL or ranks == NULL:
+            free(keys)
+            free(ranks)
+            return PREFIX_NO_MEMORY
+        memset(ranks, 0xFF, size * sizeof(int32_t))  # -1: free
         e = self._holders[holder].tail
         while walked < most and e != PREFIX_NONE:
-            want = <uint64_t><uint32_t>e << 32
-            lo, hi = 0, total
-            while lo < hi:  # the first mark at or past this entry
-                mid = (lo + hi) // 2
-                if marks[mid] < want:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            while lo < total and (marks[lo] >> 32) == (want >> 32):
-                g = <Py_ssize_t><uint32_t>marks[lo]
-                i = owner[g]
-                at = <int32_t>(g - first[i])
-                for j in range(n_evicted):
-                    if walked < evicted[j] and at < out[i * n_evicted + j]:
-                        out[i * n_evicted + j] = at
-                lo += 1
+            key = self._entries[e].key
+            slot = _slot_hash(key, holder) & mask
+            while ranks[slot] >= 0:
+                slot = (slot + 1) & mask
+            keys[slot] = key
+            ranks[slot] = <int32_t>walked
             e = self._entries[e].prev
             walked += 1
-        free(marks)
-        free(owner)
-        free(first)
+        for i in range(n_chains):
+            left = n_evicted  # counts whose end this chain has not met yet
+            matched = out[i * n_evicted]
+            for p in range(matched):
+                key = chains[i][p]
+                slot = _slot_hash(key, holder) & mask
+                rank = -1
+                while ranks[slot] >= 0:
+                    if keys[slot] == key:
+                        rank = ranks[slot]
+                        break
+                    slot = (slot + 1) & mask
+                if rank < 0:
+                    continue
+                for j in range(n_evicted):
+                    if rank < evicted[j] and out[i * n_evicted + j] > p:
+                        out[i * n_evicted + j] = <int32_t>p
+                        left -= 1
+                if left == 0:
+                    break
+        free(keys)
+        free(ranks)
         return 0
 
     cdef int32_t c_match(self, int32_t holder, const uint64_t* chain, Py_ssize_t n) noexcept nogil:
