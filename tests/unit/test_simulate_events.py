@@ -9,6 +9,9 @@ import pytest
 
 from router.bench.cli import build_parser
 from router.bench.simulate import SYSTEM_TOKENS, Simulation
+from router.placement.events import Evicting
+from router.placement.priced import Priced
+from router.placement.pricing import Placement
 
 # a small fleet whose caches evict: about 30 conversations' context a replica
 FLEET = ["--replicas", "6", "--sessions", "300", "--policy", "ttft", "--kv-tokens", "12000"]
@@ -75,6 +78,47 @@ def test_a_run_with_events_and_failures_is_the_same_run_to_run() -> None:
     del ballast
     first.pop("wall_s"), second.pop("wall_s"), first.pop("peak_rss_mib"), second.pop("peak_rss_mib")
     assert first == second
+
+
+def test_what_a_request_would_evict_priced_only_where_it_can_matter_decides_as_priced_everywhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A price asks what a request would evict (Truth.evicts) only of the candidates that could
+    still be the cheapest or tie with it, the session's replica and the conversation's home. At
+    every decision of a run whose caches evict, priced both ways on the same state, the cheapest,
+    its ties and the home are the same, and so is every row the decision reads.
+
+    (Run against each other, the two make different runs: a replica's eviction rate is measured
+    over windows that start when it is read, so asking fewer replicas moves their windows.)"""
+    real = Placement.price
+    seen = {"decisions": 0, "skipped": 0, "evicting": 0}
+
+    def both(self: Placement, *args: Any, **kwargs: Any) -> Priced:
+        asked, calls = Evicting.at, {True: 0, False: 0}
+
+        def counted(ev: Evicting, i: int) -> float:
+            calls[every] += i in ev.asks
+            return asked(ev, i)
+
+        monkeypatch.setattr(Evicting, "at", counted)
+        every = True
+        everywhere = real(self, *args, **{**kwargs, "every_row": True})
+        every = False
+        bounded = real(self, *args, **{**kwargs, "every_row": False})
+        monkeypatch.setattr(Evicting, "at", asked)
+        seen["decisions"] += 1
+        seen["evicting"] += everywhere.evicts is not None
+        seen["skipped"] += calls[False] < calls[True]
+        assert (bounded.best, bounded.ties, bounded.holding) == (everywhere.best, everywhere.ties, everywhere.holding)
+        read = {bounded.best, bounded.holding, *bounded.near()} - {-1, -2}
+        for i in read:
+            assert bounded.row(i) == everywhere.row(i)
+        return bounded
+
+    monkeypatch.setattr(Placement, "price", both)
+    run("--events", *CHANGES)
+    assert seen["decisions"] > 1000 and seen["evicting"] > 100
+    assert seen["skipped"] > seen["evicting"] / 2  # most prices that evict skipped some candidate
 
 
 def test_bad_event_arguments_are_one_line() -> None:

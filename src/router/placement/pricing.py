@@ -131,6 +131,7 @@ class Placement:
         now: float,
         home_share: float = -1.0,
         cold: frozenset[int] = frozenset(),
+        every_row: bool = False,
     ) -> Priced:
         """Price `prompt` on every routable position not in `exclude` (and on `last`, the position of
         the keyed session's replica, even while it drains), in the compiled core (router.prefix):
@@ -139,7 +140,13 @@ class Placement:
         `home_share` >= 0 the candidate holding the most of the prompt if that is at least that
         share of it (`holding`, else -1). `cold`: positions that must load the request's LoRA
         adapter first (router.fleet.Fleet.adapter_cold): their prefill starts `adapter_load_s`
-        later, except on `last`, which holds the session whatever the engine says."""
+        later, except on `last`, which holds the session whatever the engine says.
+
+        Where the engines' events say what a request would evict of conversations likely back
+        (router.placement.events.Evicting), that is priced where the decision may read it: the
+        candidates that could be the cheapest or tie with it, `last`, and `holding` (a second
+        call of the compiled price with it). Every row gets it with `every_row` (/admin/route);
+        the others read 0.0 there, and the decision is the same either way."""
         fleet, rows, learnt = self.fleet, self.rows, self.learnt
         if not rows.current(fleet):
             rows.lay([self.held.get(r.id) or self.of(r) for r in fleet.replicas], fleet.version)
@@ -161,9 +168,9 @@ class Placement:
         truth = None
         if prompt.tokens is not None and self.truth:
             truth = events_rows(fleet, self.truth, prompt, excluded, rows.spt, rows.zeros, learnt.mean_output, now)
-        known = evicts = None
+        known = evicting = None
         if truth is not None:
-            known, _, evicts = truth
+            known, _, evicting = truth
             total = float(prompt.tokens.count)  # type: ignore[union-attr]
         # the kernel counts a prefill's interference (it delays every request running there) and,
         # for a keyed session's replica, credits it with whatever of this prompt any replica holds
@@ -175,20 +182,54 @@ class Placement:
                     busy[i] = max(busy[i], now) + self.adapter_load_s
         zeros = rows.zeros
         out = (zeros[:], zeros[:], zeros[:], zeros[:], rows.no_flags[:])
+        cost, flags = out[2], out[4]
+        evicts = None if evicting is None or not every_row else evicting.every()
+        best, ties, holding = self._price(
+            prompt, busy, caps, excluded, now, total, last, home_share, ref, known, out, evicts
+        )
+        if evicting is not None and not every_row:
+            # what a request would evict there is asked only where it may change the decision
+            evicts = evicting.bound(
+                cost, flags, best, (-1 if last is None else last, holding), self.tie_s, self.tie_share
+            )
+            if evicts is not None:
+                out[4][:] = rows.no_flags  # (the price marks its candidates afresh)
+                best, ties, holding = self._price(
+                    prompt, busy, caps, excluded, now, total, last, home_share, ref, known, out, evicts
+                )
+        return Priced(best, ties, holding, total, excluded, out, None if truth is None else truth[:2], evicts)
+
+    def _price(
+        self,
+        prompt: Prompt,
+        busy: array[float],
+        caps: array[int],
+        excluded: array[int],
+        now: float,
+        total: float,
+        last: int | None,
+        home_share: float,
+        ref: float,
+        known: array[float] | None,
+        out: tuple[array[float], array[float], array[float], array[float], array[int]],
+        evicts: array[float] | None,
+    ) -> tuple[int, int, int]:
+        """One call of the compiled price (`price`'s arguments; the rows into `out`)."""
+        rows, learnt = self.rows, self.learnt
         cached, wait, cost, spread, flags = out
-        best, ties, holding = self.index.price(
+        return self.index.price(
             prompt.chain,
             rows.holders,
             busy,
             rows.spt,
-            fleet.loads,
+            self.fleet.loads,
             rows.waiting,
             caps,
             excluded,
             now,
             self.decode_s,
             learnt.mean_uncached,
-            self.block_bytes / ratio,
+            self.block_bytes / learnt.bytes_per_token,
             total,
             -1 if last is None else last,
             prompt.history_blocks,
@@ -209,7 +250,6 @@ class Placement:
             spread_whole=prompt.opening,
             evicts=evicts,
         )
-        return Priced(best, ties, holding, total, excluded, out, None if truth is None else truth[:2], evicts)
 
     def history_tokens(self, prompt: Prompt) -> float:
         """The tokens of `prompt`'s messages before its last (as the price counts them)."""
@@ -227,7 +267,7 @@ class Placement:
     def candidates(self, prompt: Prompt, indices: Collection[int], last: int | None, now: float) -> list[Candidate]:
         """The rows of pricing `prompt` on the positions `indices` alone."""
         keep = set(indices)
-        priced = self.price(prompt, [i for i in range(len(self.fleet)) if i not in keep], last, now)
+        priced = self.price(prompt, [i for i in range(len(self.fleet)) if i not in keep], last, now, every_row=True)
         return [c for c in priced.rows() if c.index in keep]
 
     def _frame(self, now: float) -> float:

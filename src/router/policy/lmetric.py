@@ -37,12 +37,13 @@ class Lmetric(Ttft):
     name = "lmetric"
 
     def decide(
-        self, key: RoutingKey, prompt: Prompt, last: str | None, exclude: Collection[int]
+        self, key: RoutingKey, prompt: Prompt, last: str | None, exclude: Collection[int], every_row: bool = False
     ) -> tuple[Decision | None, Priced]:
         fleet, placement = self.fleet, self.placement
         tried = exclude
         exclude = self.avoiding(key, exclude)
-        priced = placement.price(prompt, exclude, None, placement.clock(), -1.0, cold=fleet.adapter_cold(key.model))
+        cold = fleet.adapter_cold(key.model)
+        priced = placement.price(prompt, exclude, None, placement.clock(), -1.0, cold=cold, every_row=every_row)
         if priced.best == -2:
             return None, priced
         rows = priced.rows()

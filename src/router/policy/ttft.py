@@ -234,7 +234,7 @@ class Ttft(Policy):
         prompt = key.prompt
         if prompt is None:
             return Explained(self._counted(key, self.fallback.pick(key, last, ())))
-        decision, priced = self.decide(key, prompt, last, ())
+        decision, priced = self.decide(key, prompt, last, (), every_row=True)
         fleet, placement = self.fleet, self.placement
         candidates = priced.rows() if decision is not None else []
         details = {
@@ -267,10 +267,11 @@ class Ttft(Policy):
         return last if key.kind in ("header", "body") else None
 
     def decide(
-        self, key: RoutingKey, prompt: Prompt, last: str | None, exclude: Collection[int]
+        self, key: RoutingKey, prompt: Prompt, last: str | None, exclude: Collection[int], every_row: bool = False
     ) -> tuple[Decision | None, Priced]:
         """The decision (its `cost` the chosen replica's row), and the price it was made from (every
-        candidate's row, for a target's second choice and /admin/route)."""
+        candidate's row, for a target's second choice and /admin/route; with `every_row`, what it
+        would evict there priced on every row, not only where the decision reads it)."""
         fleet = self.fleet
         placement = self.placement
         tried = exclude
@@ -285,6 +286,7 @@ class Ttft(Policy):
             placement.clock(),
             HOME_SHARE if staying else -1.0,
             cold=fleet.adapter_cold(key.model),
+            every_row=every_row,
         )
         best, holding = priced.best, priced.holding
         if best == -2:
