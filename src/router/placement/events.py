@@ -50,8 +50,13 @@ class Evicting:
             for i in list(self.asks):
                 self.at(i)
         elif best >= 0:
-            order = sorted((cost[i], i) for i in self.asks if flags[i] & PRICE_CANDIDATE and not flags[i] & PRICE_GATED)
             least = cost[best] + self.at(best)  # the cheapest total found so far
+            limit = least + max(tie_s, least * tie_share)  # (it only falls: none past it is asked)
+            order = sorted(
+                (cost[i], i)
+                for i in self.asks
+                if cost[i] <= limit and flags[i] & PRICE_CANDIDATE and not flags[i] & PRICE_GATED
+            )
             for base, i in order:
                 if base > least + max(tie_s, least * tie_share):
                     break
