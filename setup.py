@@ -14,7 +14,7 @@ from setuptools.command.build_py import build_py
 NO_EXTENSIONS = os.environ.get("ROUTER_NO_EXTENSIONS", "").strip().lower() not in ("", "0", "false", "no")
 # Shipped at the top level next to the modules, so `cimport _ring`, `cimport _prefix` and type
 # checkers find them (`_prefix` cimports `_ring`; `_kvwire` and `_kvshare` have stubs only: nothing
-# cimports them).
+# cimports them). src/_aged.pxd is inline code `_prefix` and `_kvshare` share at build time: not shipped.
 CONTRACT_FILES = ("src/_ring.pxd", "src/_ring.pyi", "src/_prefix.pxd", "src/_prefix.pyi", "src/_kvwire.pyi", "src/_kvshare.pyi")
 
 

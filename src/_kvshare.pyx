@@ -38,6 +38,8 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memset
+
+from _aged cimport aged_clear, aged_cut, aged_put, aged_size
 from cpython cimport array
 
 import array as _array
@@ -383,13 +385,12 @@ cdef int _match_after_many(shx_region_t* r, const uint64_t** chains, const Py_ss
                            Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
                            int32_t* out) noexcept nogil:
     # PrefixIndex.c_match_after_many: the max(evicted) oldest entries (at most the pool's length)
-    # walked into a small table of key -> age rank, then each chain's matched blocks looked up
-    # there in order. -2: no memory.
-    cdef Py_ssize_t i, j, p, most = 0, walked = 0, size = 16, left
-    cdef uint64_t mask, key, slot
+    # walked into a small table of key -> age rank (_aged.pxd), then each chain's matched blocks
+    # looked up there in order. -2: no memory.
+    cdef Py_ssize_t i, j, most = 0, walked = 0, size
     cdef uint64_t* keys
     cdef int32_t* ranks
-    cdef int32_t matched, e, rank
+    cdef int32_t matched, e
     for j in range(n_evicted):
         if evicted[j] > most:
             most = evicted[j]
@@ -397,50 +398,24 @@ cdef int _match_after_many(shx_region_t* r, const uint64_t** chains, const Py_ss
         matched = _match(r, chains[i], lengths[i])
         for j in range(n_evicted):
             out[i * n_evicted + j] = matched if matched > 0 else 0
-    if most == 0:
-        return 0
     if most > r.pool:
         most = r.pool
-    while size < 2 * most:
-        size *= 2
-    mask = <uint64_t>(size - 1)
+    if most <= 0:
+        return 0
+    size = aged_size(most)
     keys = <uint64_t*>malloc(size * sizeof(uint64_t))
     ranks = <int32_t*>malloc(size * sizeof(int32_t))
     if keys == NULL or ranks == NULL:
         free(keys)
         free(ranks)
         return -2
-    memset(ranks, 0xFF, size * sizeof(int32_t))  # -1: free
+    aged_clear(ranks, size)
     e = shx_load32(&r.hd.tail)
     while walked < most and 0 <= e < r.pool:
-        key = shx_loadu64(&r.entries[e].key)
-        slot = _hash(key) & mask
-        while ranks[slot] >= 0:
-            slot = (slot + 1) & mask
-        keys[slot] = key
-        ranks[slot] = <int32_t>walked
+        aged_put(keys, ranks, <uint64_t>(size - 1), shx_loadu64(&r.entries[e].key), <int32_t>walked)
         e = shx_load32(&r.entries[e].prev)
         walked += 1
-    for i in range(n_chains):
-        left = n_evicted
-        matched = out[i * n_evicted]
-        for p in range(matched):
-            key = chains[i][p]
-            slot = _hash(key) & mask
-            rank = -1
-            while ranks[slot] >= 0:
-                if keys[slot] == key:
-                    rank = ranks[slot]
-                    break
-                slot = (slot + 1) & mask
-            if rank < 0:
-                continue
-            for j in range(n_evicted):
-                if rank < evicted[j] and out[i * n_evicted + j] > p:
-                    out[i * n_evicted + j] = <int32_t>p
-                    left -= 1
-            if left == 0:
-                break
+    aged_cut(chains, n_chains, evicted, n_evicted, out, keys, ranks, <uint64_t>(size - 1))
     free(keys)
     free(ranks)
     return 0

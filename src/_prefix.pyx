@@ -53,6 +53,8 @@ from libc.stdint cimport uint32_t
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcpy, memset
 
+from _aged cimport aged_clear, aged_cut, aged_put, aged_size
+
 from _ring cimport RING_SECRET_SIZE, ring_derive_secret, ring_xxh3_64
 
 import array as _array
@@ -1073,16 +1075,15 @@ cdef class PrefixIndex:
     cdef int c_match_after_many(self, int32_t holder, const uint64_t** chains, const Py_ssize_t* lengths,
                                 Py_ssize_t n_chains, const Py_ssize_t* evicted, Py_ssize_t n_evicted,
                                 int32_t* out) noexcept nogil:
-        # The max(evicted) oldest entries walked first, their keys put in a small open-addressed
-        # table with their age rank (0: the oldest); then each chain's matched blocks looked up
-        # there in order: the first block of rank below a count is where its match would end for
-        # that count. Its cost is the walk and one probe of a table that fits in cache per block
-        # matched (a walk is short: what a request allocates past the empty blocks).
-        cdef Py_ssize_t i, j, p, most = 0, walked = 0, size = 16, left
-        cdef uint64_t mask, key, slot
+        # The max(evicted) oldest entries walked first into a small table of key -> age rank (0:
+        # the oldest; _aged.pxd), then each chain's matched blocks looked up there in order: the
+        # first block ranked below a count is where its match would end for that count. Its cost
+        # is the walk (short: what a request allocates past the empty blocks) and one probe of a
+        # table that fits in cache per block matched.
+        cdef Py_ssize_t i, j, most = 0, walked = 0, size
         cdef uint64_t* keys
         cdef int32_t* ranks
-        cdef int32_t matched, e, rank
+        cdef int32_t matched, e
         for j in range(n_evicted):
             if evicted[j] > most:
                 most = evicted[j]
@@ -1090,50 +1091,24 @@ cdef class PrefixIndex:
             matched = self.c_match(holder, chains[i], lengths[i])
             for j in range(n_evicted):
                 out[i * n_evicted + j] = matched if matched > 0 else 0
-        if most == 0:
-            return 0
         if most > self._holders[holder].size:
             most = self._holders[holder].size
-        while size < 2 * most:
-            size *= 2
-        mask = <uint64_t>(size - 1)
+        if most <= 0:
+            return 0
+        size = aged_size(most)
         keys = <uint64_t*>malloc(size * sizeof(uint64_t))
         ranks = <int32_t*>malloc(size * sizeof(int32_t))
         if keys == NULL or ranks == NULL:
             free(keys)
             free(ranks)
             return PREFIX_NO_MEMORY
-        memset(ranks, 0xFF, size * sizeof(int32_t))  # -1: free
+        aged_clear(ranks, size)
         e = self._holders[holder].tail
         while walked < most and e != PREFIX_NONE:
-            key = self._entries[e].key
-            slot = _slot_hash(key, holder) & mask
-            while ranks[slot] >= 0:
-                slot = (slot + 1) & mask
-            keys[slot] = key
-            ranks[slot] = <int32_t>walked
+            aged_put(keys, ranks, <uint64_t>(size - 1), self._entries[e].key, <int32_t>walked)
             e = self._entries[e].prev
             walked += 1
-        for i in range(n_chains):
-            left = n_evicted  # counts whose end this chain has not met yet
-            matched = out[i * n_evicted]
-            for p in range(matched):
-                key = chains[i][p]
-                slot = _slot_hash(key, holder) & mask
-                rank = -1
-                while ranks[slot] >= 0:
-                    if keys[slot] == key:
-                        rank = ranks[slot]
-                        break
-                    slot = (slot + 1) & mask
-                if rank < 0:
-                    continue
-                for j in range(n_evicted):
-                    if rank < evicted[j] and out[i * n_evicted + j] > p:
-                        out[i * n_evicted + j] = <int32_t>p
-                        left -= 1
-                if left == 0:
-                    break
+        aged_cut(chains, n_chains, evicted, n_evicted, out, keys, ranks, <uint64_t>(size - 1))
         free(keys)
         free(ranks)
         return 0
