@@ -32,6 +32,10 @@ def test_affinity_keeps_caches_that_round_robin_scatters() -> None:
     assert 0.2 < scattered["kv_hit_rate"] < 0.6 and affinity["kv_hit_rate"] > scattered["kv_hit_rate"] + 0.3
     assert 0 < affinity["slot_occupancy"] < scattered["slot_occupancy"] < 1  # recomputing costs slot time
     assert affinity["jump_rate"] < 0.2 < scattered["jump_rate"]
+    # each jump counted by its cause (router_session_jumps' labels): they add up to the jump rate
+    for out in (affinity, scattered):
+        assert sum(out["jumps_by"].values()) == pytest.approx(out["jump_rate"], abs=5e-4)
+    assert set(scattered["jumps_by"]) == {"round_robin"}
     assert affinity["failed_attempts"] == scattered["failed_attempts"] == 0
 
 

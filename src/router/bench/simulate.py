@@ -313,7 +313,9 @@ class Tally:
             return
         if verdict is not None and verdict.followup:
             s.followups += 1
-            s.jumps += verdict.jump is not None and not verdict.moved  # a move is counted as migrated
+            if verdict.jump is not None and not verdict.moved:  # a move is counted as migrated
+                s.jumps += 1
+                s.jump_causes[verdict.jump] = s.jump_causes.get(verdict.jump, 0) + 1
         current = sim.sessions.get(key.key)
         if current is not None:
             sim._placed(turn.session, current)
@@ -336,6 +338,7 @@ class Stats:
     failed_requests: int = 0  # turns no replica could serve
     followups: int = 0
     jumps: int = 0
+    jump_causes: dict[str, int] = field(default_factory=dict)  # by router_session_jumps' cause
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     seen: int = 0
@@ -832,6 +835,8 @@ class Simulation:
                 coefficient_of_variation([n for rid, n in s.per_replica.items() if rid not in self.touched]), 4
             ),
             "jump_rate": round(s.jumps / s.followups, 4) if s.followups else 0.0,
+            # each cause's share of the follow-up turns (they sum to the jump rate)
+            "jumps_by": {k: round(v / s.followups, 4) for k, v in sorted(s.jump_causes.items())} if s.followups else {},
             "latency_p50_s": pct(s.latencies, 50),
             "latency_p99_s": pct(s.latencies, 99),
             "ttft_p99_s": pct(s.ttfts, 99),
@@ -906,6 +911,8 @@ def run_cli(args: argparse.Namespace) -> int:
         f"  slots busy {out['slot_occupancy']:.0%}; rebalancer: {out['migrations']} vnodes moved, "
         f"{out['migrated_sessions']:,} sessions with them"
     )
+    if out["jumps_by"]:
+        print("  jumps by cause (of follow-up turns): " + ", ".join(f"{k} {v:.1%}" for k, v in out["jumps_by"].items()))
     for event, share in out["moved_share"].items():
         live = out["live_sessions_at"].get(event.split("_at_")[0].replace("_full_weight", ""), 0)
         print(f"  {event}: {share:.2%} of the {live:,} live sessions changed ring owner")
