@@ -9,7 +9,10 @@ import pytest
 
 from router.bench.cli import build_parser
 from router.bench.simulate import SYSTEM_TOKENS, Simulation
-from router.placement.events import Evicting
+from router.fleet import Fleet
+from router.kvevents.truth import Truth
+from router.placement import pricing
+from router.placement.events import Evicting, Layout
 from router.placement.priced import Priced
 from router.placement.pricing import Placement
 
@@ -119,6 +122,45 @@ def test_what_a_request_would_evict_priced_only_where_it_can_matter_decides_as_p
     run("--events", *CHANGES)
     assert seen["decisions"] > 1000 and seen["evicting"] > 100
     assert seen["skipped"] > seen["evicting"] / 2  # most prices that evict skipped some candidate
+
+
+class OneByOne(Layout):
+    """A layout that reads no replica in the pass: every one asked one by one (`Truth.row`)."""
+
+    def of(self, fleet: Fleet, truth: Truth) -> Layout:
+        Layout.of(self, fleet, truth)
+        self.others = sorted(self.others + [i for i, *_ in self.plain])
+        self.plain, self.key = [], None
+        return self
+
+
+def test_the_replicas_read_in_one_pass_are_priced_as_asked_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`events_rows` reads most replicas in one pass (one sure rank on its GPU, nothing in flight)
+    and asks the rest one by one. Through losses past the replay buffer (replicas not believed), a
+    replica joining, one dying and one removed, every price's rows, second-tier tokens and what it
+    would ask of evictions are those of asking every replica one by one."""
+    real = pricing.events_rows
+    seen = {"prices": 0, "evicting": 0, "mixed": 0}
+
+    def both(fleet: Fleet, truth: Truth, *args: Any) -> Any:
+        *rest, layout = args
+        ours = real(fleet, truth, *rest, layout)
+        theirs = real(fleet, truth, *rest, OneByOne())
+        assert (ours is None) == (theirs is None)
+        if ours is not None and theirs is not None:
+            seen["prices"] += 1
+            assert ours[0] == theirs[0] and ours[1] == theirs[1]
+            asks = [None if e is None else e.asks for e in (ours[2], theirs[2])]
+            assert asks[0] == asks[1]
+            seen["evicting"] += asks[0] is not None
+            plain = sum(1 for i, *_ in layout.plain if ours[0][i] >= 0)
+            seen["mixed"] += 0 < plain < len(fleet.replicas)
+        return ours
+
+    monkeypatch.setattr(pricing, "events_rows", both)
+    _, out = run("--events", "--event-loss", "0.05", "--replay-keep", "0", *CHANGES)
+    assert out["events"]["unsure_episodes"] > 0 and out["failed_attempts"] > 0
+    assert seen["prices"] > 1000 and seen["evicting"] > 100 and seen["mixed"] > 100
 
 
 def test_bad_event_arguments_are_one_line() -> None:

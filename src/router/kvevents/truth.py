@@ -132,6 +132,7 @@ class Truth:
         self.reader = index if isinstance(index, SharedIndexReader) else None
         self._roster = -1  # a reader's: the roster's generation its replicas were last built from
         self.replicas: dict[str, dict[int, Holdings | Followed]] = {}
+        self.members = 0  # bumped whenever a replica's ranks are added or dropped (a layout of them is stale)
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
         self.coming: dict[str, Counter[int]] = {}  # replica -> blocks of the requests in flight there
@@ -161,6 +162,7 @@ class Truth:
         if h is None:
             assert not isinstance(self.index, SharedIndexReader)
             h = ranks[rank] = Holdings(self.index, capacity_blocks, self.clock)
+            self.members += 1
             if isinstance(self.index, SharedIndex):
                 try:
                     h.row = self.index.roster.enlist(replica_id, rank)
@@ -201,6 +203,7 @@ class Truth:
         if reader is None or reader.roster.generation == self._roster:
             return
         self._roster = reader.roster.generation
+        self.members += 1
         listed: dict[str, dict[int, Holdings | Followed]] = {}
         for row, rid, rank in reader.roster.listed():
             kept = self.replicas.get(rid, {}).get(rank)
@@ -216,6 +219,7 @@ class Truth:
         return list(self.replicas.get(replica_id, {}).values())
 
     def forget(self, replica_id: str) -> None:
+        self.members += 1
         for h in self.replicas.pop(replica_id, {}).values():
             if isinstance(h, Holdings):
                 if h.row is not None and isinstance(self.index, SharedIndex):
@@ -410,7 +414,20 @@ class Truth:
         ranks = self.replicas.get(replica_id)
         if not ranks:
             return None
-        best: Found | None = None
+        found = self.row(ranks, replica_id, tokens, matches, block_size)
+        return None if found is None else Found(*found)
+
+    def row(
+        self,
+        ranks: dict[int, Holdings | Followed],
+        replica_id: str,
+        tokens: EngineTokens,
+        matches: dict[int, array[int]],
+        block_size: int | None,
+    ) -> tuple[int, int, int] | None:
+        """`held` as (GPU tokens, second-tier tokens, block size), for the replica's `ranks` (not
+        empty): placement asks it of every replica on every request, so it builds no object."""
+        best: tuple[int, int, int] | None = None
         coming = self.coming.get(replica_id)
         allocated = -1  # (what is queued there is summed once, for the first rank that holds some)
         for h in ranks.values():
@@ -420,48 +437,54 @@ class Truth:
             if not size:
                 if any(h.blocks(medium) for medium in h.tiers):
                     return None  # neither its events nor its metrics said its block size yet
-                found = Found(0, 0, 0)  # it holds nothing at all (whatever its blocks' size)
-                best = best or found
+                if best is None:
+                    best = (0, 0, 0)  # it holds nothing at all (whatever its blocks' size)
                 continue
-            matched = matches.get(size)
-            if matched is None:
-                matched = matches[size] = self._match_all(tokens.chain(size))
+            matched = matches.get(size) or self.matched(tokens, size, matches)
             gpu = tier = 0
             for medium, t in h.tiers.items():
                 if medium == MEDIUM_GPU:
                     gpu = matched[t.holder]
-                    if gpu and allocated < 0:
-                        allocated = self.ahead(replica_id)
-                    if gpu and allocated > 0:
-                        empty = self._empty(h)
-                        if allocated > empty:
-                            kept = self.index.match_after(t.holder, tokens.chain(size), allocated - empty)
-                            if kept < gpu:
-                                gpu = kept
-                                self.cut[replica_id] += 1
+                    if gpu:
+                        if allocated < 0:
+                            allocated = self.ahead(replica_id)
+                        if allocated > 0:
+                            empty = self._empty(h)
+                            if allocated > empty:
+                                kept = self.index.match_after(t.holder, tokens.chain(size), allocated - empty)
+                                if kept < gpu:
+                                    gpu = kept
+                                    self.cut[replica_id] += 1
                 else:
                     tier = max(tier, matched[t.holder])
             if coming:  # what the requests in flight there compute before this one runs
                 chain = tokens.chain(size)
                 while gpu < len(chain) and chain[gpu] in coming:
                     gpu += 1
-            found = Found(gpu * size, max(0, tier - gpu) * size, size)
-            if best is None or (found.gpu_tokens, found.tier_tokens) > (best.gpu_tokens, best.tier_tokens):
+            found = (gpu * size, max(0, tier - gpu) * size, size)
+            if best is None or (found[0], found[1]) > (best[0], best[1]):
                 best = found
         return best
 
-    def _match_all(self, chain: array[int]) -> array[int]:
-        matched = array("i", bytes(4 * self.index.n_holders))
+    def matched(self, tokens: EngineTokens, size: int, matches: dict[int, array[int]]) -> array[int]:
+        """How many leading blocks of `tokens`' chain at block size `size` each holder of the index
+        keeps (one call into the index for every holder), kept in `matches` by size."""
+        chain = tokens.chain(size)
+        matched = matches[size] = array("i", bytes(4 * self.index.n_holders))
         if len(chain):
             self.index.match_all(chain, matched)
         return matched
 
     def credit(self, held: Found, seconds_per_token: float) -> float:
         """The cached tokens `held` is worth at a replica computing a token in `seconds_per_token`."""
-        if not held.tier_tokens or seconds_per_token <= 0:
-            return float(held.gpu_tokens)
+        return self.credit_tokens(held.gpu_tokens, held.tier_tokens, seconds_per_token)
+
+    def credit_tokens(self, gpu_tokens: int, tier_tokens: int, seconds_per_token: float) -> float:
+        """`credit` of a `row`'s figures."""
+        if not tier_tokens or seconds_per_token <= 0:
+            return float(gpu_tokens)
         saved = 1.0 - self.tier_spt / seconds_per_token
-        return held.gpu_tokens + held.tier_tokens * max(0.0, saved)
+        return gpu_tokens + tier_tokens * max(0.0, saved)
 
     def learn_tier(self, seconds_per_token: float) -> None:
         """One answer's time per token loaded back from a second tier (its first token's time, less

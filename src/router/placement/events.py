@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from array import array
 
-from router.fleet import Fleet
+from router.fleet import Fleet, ReplicaState
+from router.kvevents.holdings import Holdings, Tier
+from router.kvevents.roster import Followed
 from router.kvevents.truth import Truth
+from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PRICE_CANDIDATE, PRICE_GATED
 from router.prompt import Prompt
 
@@ -73,6 +76,40 @@ class Evicting:
         return self.seconds if any(self.seconds) else None
 
 
+class Layout:
+    """How `events_rows` reads the fleet: the positions whose replica's events come from one rank,
+    with its GPU its only medium (most of a fleet), each with that rank and its holder in the
+    index, read in one pass; and the others (several ranks, a second tier), asked one by one.
+    Laid out again when the fleet's membership or the ranks the events follow change."""
+
+    __slots__ = ("at", "key", "others", "plain")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.plain: list[tuple[int, ReplicaState, Holdings | Followed, dict[str, Tier], int]] = []
+        self.others: list[int] = []
+        self.at: dict[str, int] = {}  # replica -> its position
+
+    def of(self, fleet: Fleet, truth: Truth) -> Layout:
+        key = (fleet.version, truth.members)
+        if key != self.key:
+            self.plain, self.others, self.at = [], [], {}
+            for i, r in enumerate(fleet.replicas):
+                self.at[r.id] = i
+                ranks = truth.replicas.get(r.id)
+                if not ranks:
+                    continue
+                if len(ranks) == 1:
+                    (h,) = ranks.values()
+                    gpu = h.tiers.get(MEDIUM_GPU)
+                    if gpu is not None and len(h.tiers) == 1:
+                        self.plain.append((i, r, h, h.tiers, gpu.holder))
+                        continue
+                self.others.append(i)
+            self.key = key
+        return self
+
+
 def events_rows(
     fleet: Fleet,
     truth: Truth,
@@ -82,48 +119,92 @@ def events_rows(
     zeros: array[float],
     mean_output: float,
     now: float,
+    layout: Layout | None = None,
 ) -> tuple[array[float], array[float], Evicting | None] | None:
     """Per position, the cached tokens its engine's events say it holds (a second tier's
     credited at its speed `spt`), -1 where they say nothing or are not believed; and of those, the
     tokens its engine holds on a second tier; and what the blocks it would allocate there (its
     prompt's not held, and a reply of `mean_output` tokens) would evict of the conversations likely
     to come back, to be asked where it matters (`Evicting`; None where no position holds any). None
-    when no candidate's events say anything. `prompt` carries its engine tokens."""
+    when no candidate's events say anything. `prompt` carries its engine tokens.
+
+    Every replica is read on every request, so most are read in one pass (`layout`: one sure rank
+    on its GPU, of a known block size, nothing in flight there): its blocks held are the index's
+    match for it. The rest, and those with requests in flight (what they compute first, what they
+    evict first), are asked one by one (`Truth.row`)."""
     tokens = prompt.tokens
     assert tokens is not None
-    known = array("d", [-1.0]) * len(excluded)
+    n = len(excluded)
+    known = array("d", [-1.0]) * n
     tier = zeros[:]
     matches: dict[int, array[int]] = {}  # by block size: what every holder keeps of its chain
-    # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
-    sized: dict[int, tuple[array[int], int]] = {}
-    used = False
-    evicting: Evicting | None = None
-    returning = truth.returning
-    for i, r in enumerate(fleet.replicas):
-        if excluded[i] or r.id not in truth.replicas:
+    plan = (layout or Layout()).of(fleet, truth)
+    sizes = array("i", bytes(4 * n))  # by position read in the pass: its block size (0: not read)
+    slow = list(plan.others)
+    for i, r, h, tiers, holder in plan.plain:
+        if excluded[i]:
             continue
-        if r.state == "removed":
+        size = h.block_size
+        if not size or not h.sure or len(tiers) != 1 or r.health.state == "removed":
+            slow.append(i)  # (a second tier since, not believed, its block size not said yet, removed)
+            continue
+        matched = matches.get(size) or truth.matched(tokens, size, matches)
+        known[i] = matched[holder] * size
+        sizes[i] = size
+    for busy in (truth.coming, truth.queued):  # where requests are in flight
+        for rid, there in busy.items():
+            i = plan.at.get(rid, -1) if there else -1
+            if i >= 0 and sizes[i]:
+                sizes[i] = 0
+                known[i] = -1.0
+                slow.append(i)
+    gpus: dict[int, tuple[int, int]] = {}  # by position asked one by one: its GPU tokens and block size
+    for i in sorted(set(slow)):
+        r = fleet.replicas[i]
+        ranks = truth.replicas.get(r.id)
+        if excluded[i] or not ranks:
+            continue
+        if r.health.state == "removed":
             truth.suspect(r.id)  # its health went down: the next message says whether it restarted
             continue
-        size = r.engine.block_size
-        found = truth.held(r.id, tokens, matches, int(size) if size else None)
-        if found is not None:
-            known[i] = truth.credit(found, spt[i])
-            tier[i] = found.tier_tokens
-            used = True
-            b = found.block_size
-            if b and returning.get(r.id):
-                at_size = sized.get(b)
-                if at_size is None:
-                    chain = tokens.chain(b)
-                    at_size = sized[b] = (chain, len(chain) + math.ceil(mean_output / b))
-                if evicting is None:
-                    evicting = Evicting(truth, now, len(excluded))
-                # it allocates its prompt's blocks not held there, and its reply's
-                evicting.asks[i] = (r.id, at_size[0], at_size[1] - found.gpu_tokens // b, b * spt[i])
-    if not used:
+        said = r.engine.block_size  # (its metrics' block size, where its events have not said one)
+        found = truth.row(ranks, r.id, tokens, matches, int(said) if said else None)
+        if found is None:
+            continue
+        gpu, on_tier, b = found
+        known[i] = truth.credit_tokens(gpu, on_tier, spt[i]) if on_tier else gpu
+        if on_tier:
+            tier[i] = on_tier
+        gpus[i] = (gpu, b)
+    if not gpus and not any(sizes):
         return None
+    # what it would evict where conversations likely back are held: asked later, where it matters
+    evicting: Evicting | None = None
+    # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
+    sized: dict[int, tuple[array[int], int]] = {}
+    asks: list[tuple[int, str, int, int]] = []
+    for rid, back in truth.returning.items():
+        i = plan.at.get(rid, -1) if back else -1
+        if i < 0:
+            continue
+        if sizes[i]:
+            gpu, b = int(known[i]), sizes[i]
+        elif i in gpus:
+            gpu, b = gpus[i]
+        else:
+            continue
+        if b:
+            asks.append((i, rid, gpu, b))
+    for i, rid, gpu, b in sorted(asks):
+        at_size = sized.get(b)
+        if at_size is None:
+            chain = tokens.chain(b)
+            at_size = sized[b] = (chain, len(chain) + math.ceil(mean_output / b))
+        if evicting is None:
+            evicting = Evicting(truth, now, n)
+        # it allocates its prompt's blocks not held there, and its reply's
+        evicting.asks[i] = (rid, at_size[0], at_size[1] - gpu // b, b * spt[i])
     return known, tier, evicting
 
 
-__all__ = ["Evicting", "events_rows"]
+__all__ = ["Evicting", "Layout", "events_rows"]

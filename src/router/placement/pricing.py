@@ -16,7 +16,7 @@ from router.config import kv_capacities
 from router.config.groups import PlacementSettings
 from router.fleet import Fleet, ReplicaState
 from router.kvevents.truth import Truth
-from router.placement.events import events_rows
+from router.placement.events import Layout, events_rows
 from router.placement.kv_room import KvRoom
 from router.placement.learnt import Learnt
 from router.placement.priced import NO_ROWS, Candidate, Priced
@@ -55,6 +55,7 @@ class Placement:
         self.held: dict[str, Held] = {}
         # what the replicas that publish KV-cache events hold, as they say (router.engines.kvfeed feeds it)
         self.truth = Truth(config.kv_tier_tokens_per_s)
+        self.layout = Layout()  # how events_rows reads the fleet (most replicas in one pass)
         self.rows = Rows()
         self.learnt = Learnt(
             self.held,
@@ -167,7 +168,9 @@ class Placement:
         total = prompt.nbytes / ratio
         truth = None
         if prompt.tokens is not None and self.truth:
-            truth = events_rows(fleet, self.truth, prompt, excluded, rows.spt, rows.zeros, learnt.mean_output, now)
+            truth = events_rows(
+                fleet, self.truth, prompt, excluded, rows.spt, rows.zeros, learnt.mean_output, now, self.layout
+            )
         known = evicting = None
         if truth is not None:
             known, _, evicting = truth
