@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -12,6 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.config import ReplicaSpec
+from router.fleet import Fleet
 from router.kvevents.holdings import DUPLICATE, GAP, OK, RESTART, Holdings
 from router.kvevents.tokens import (
     EngineTokens,
@@ -25,7 +28,9 @@ from router.kvevents.tokens import (
 )
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode, engine_name, frames_of
+from router.placement.events import Layout, events_rows
 from router.prefix import PrefixIndex
+from router.prompt import Prompt
 from router.ring import xxh3_64
 
 BS = 4
@@ -342,6 +347,43 @@ def test_truth_answers_only_for_believed_replicas_and_prices_a_second_tier() -> 
     assert truth.held("b", tokens, {}) is None and not truth.sure("b")
     truth.forget("b")
     assert truth.of("b") == [] and truth.index.n_holders == 4  # a's two tiers, and b's two ranks' freed numbers
+
+
+def test_placement_reads_each_replica_as_the_truth_holds_it_in_one_pass_or_one_by_one() -> None:
+    """`events_rows` reads most replicas in one pass (one believed rank on its GPU, the index's
+    match) and the rest one by one: either way each replica's row is what `Truth.held` says, with
+    the blocks of requests in flight there, a second tier, a rank not believed, a block size said
+    only by its metrics, and a replica excluded or publishing nothing."""
+    fleet = Fleet([ReplicaSpec(rid, f"http://10.0.0.{k}:1") for k, rid in enumerate("abcdefg")])
+    truth = Truth(tier_tokens_per_s=40_000)
+    for rid in "abcdef":
+        truth.holdings(rid, 0, 100)
+    for rid in "abcd":  # the system prompt's block, and for b and c more of the conversation
+        truth.of(rid)[0].accept(batch(0, tagged_stored([1], None, TOKENS[:4])))  # type: ignore[union-attr]
+    truth.of("b")[0].accept(batch(1, tagged_stored([2, 3], 1, TOKENS[4:12])))  # type: ignore[union-attr]
+    truth.of("c")[0].accept(batch(1, tagged_stored([1, 2], None, TOKENS[:8], medium="CPU")))  # type: ignore[union-attr]
+    truth.of("d")[0].suspect()  # type: ignore[union-attr]  # its health went down: not believed
+    truth.of("e")[0].accept(batch(0))  # type: ignore[union-attr]  # believed, holding nothing: no block size said
+    fleet.replicas[4].engine = replace(fleet.replicas[4].engine, block_size=BS)  # ... but its metrics say one
+    first = EngineTokens(13, tuple(TOKENS[:13]), None, None, "tokenizer")
+    second = EngineTokens(21, tuple(TOKENS[:21]), None, None, "tokenizer")
+    truth.expect("a", first.chain(BS))  # the conversation's last turn, still in flight on a ...
+    truth.of("a")[0].accept(batch(1, tagged_stored([2], 1, TOKENS[4:8])))  # type: ignore[union-attr]
+    assert truth.ahead("a") == 0  # ... its first blocks shown: it evicts nothing more before the next
+    excluded = array("B", [0, 0, 0, 0, 0, 0, 0])
+    spt = array("d", [1e-4] * 7)
+    prompt = Prompt(second.chain(BS), 84, 3, second)
+    got = events_rows(fleet, truth, prompt, excluded, spt, array("d", [0.0] * 7), 0.0, 0.0, Layout())
+    assert got is not None
+    known, tier, _ = got
+    for i, rid in enumerate("abcdefg"):
+        held = truth.held(rid, second, {}, BS if rid == "e" else None)
+        assert known[i] == (-1.0 if held is None else truth.credit(held, 1e-4)), rid
+        assert tier[i] == (0 if held is None else held.tier_tokens), rid
+    assert list(known) == [12.0, 12.0, 4.0 + 4 * 0.75, -1.0, 0.0, -1.0, -1.0]  # (f: no message yet)
+    excluded[1] = 1
+    known, _, _ = events_rows(fleet, truth, prompt, excluded, spt, array("d", [0.0] * 7), 0.0, 0.0)  # type: ignore[misc]
+    assert known[1] == -1.0 and known[0] == 12.0
 
 
 def test_the_blocks_of_requests_in_flight_are_held_when_the_next_one_runs() -> None:

@@ -8,6 +8,7 @@ from array import array
 from router.fleet import Fleet, ReplicaState
 from router.kvevents.holdings import Holdings, Tier
 from router.kvevents.roster import Followed
+from router.kvevents.tokens import EngineTokens
 from router.kvevents.truth import Truth
 from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PRICE_CANDIDATE, PRICE_GATED
@@ -20,23 +21,32 @@ class Evicting:
     can change the decision (`bound`), since on a fleet of full caches each one walks the tail of
     that replica's LRU (at 100 replicas, pricing them all was most of a decision's time)."""
 
-    __slots__ = ("asks", "now", "seconds", "truth")
+    __slots__ = ("asks", "mean_output", "now", "seconds", "sized", "spt", "tokens", "truth")
 
-    def __init__(self, truth: Truth, now: float, n: int) -> None:
+    def __init__(self, truth: Truth, now: float, tokens: EngineTokens, mean_output: float, spt: array[float]) -> None:
         self.truth = truth
         self.now = now
-        # by position: its replica, the prompt's chain at its block size, the blocks it would
-        # allocate there, and a block's seconds of prefill there
-        self.asks: dict[int, tuple[str, array[int], int, float]] = {}
-        self.seconds = array("d", bytes(8 * n))
+        self.tokens = tokens  # the request's, in its engine's tokens
+        self.mean_output = mean_output  # its reply's tokens, as the router expects them
+        self.spt = spt  # by position: a token's seconds of prefill there
+        # by position: its replica, the tokens of the prompt its GPU holds, and its block size
+        self.asks: dict[int, tuple[str, int, int]] = {}
+        self.seconds = array("d", bytes(8 * len(spt)))
+        # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
+        self.sized: dict[int, tuple[array[int], int]] = {}
 
     def at(self, i: int) -> float:
         """Position i's (0.0 where it holds none likely back), asked once."""
         ask = self.asks.pop(i, None)
         if ask is not None:
-            replica_id, chain, allocates, block_s = ask
-            lost = self.truth.evicts(replica_id, chain, allocates, self.now)
-            self.seconds[i] = lost * block_s
+            replica_id, held, b = ask
+            at_size = self.sized.get(b)
+            if at_size is None:
+                chain = self.tokens.chain(b)
+                at_size = self.sized[b] = (chain, len(chain) + math.ceil(self.mean_output / b))
+            # it allocates its prompt's blocks not held there, and its reply's
+            lost = self.truth.evicts(replica_id, at_size[0], at_size[1] - held // b, self.now)
+            self.seconds[i] = lost * (b * self.spt[i])  # (a block's seconds of prefill there)
         return self.seconds[i]
 
     def bound(
@@ -145,19 +155,36 @@ def events_rows(
         if excluded[i]:
             continue
         size = h.block_size
+        if not size:  # (its events have not said one yet: its metrics' may have)
+            said = r.engine.block_size
+            size = int(said) if said else 0
         if not size or not h.sure or len(tiers) != 1 or r.health.state == "removed":
-            slow.append(i)  # (a second tier since, not believed, its block size not said yet, removed)
+            slow.append(i)  # (no block size said yet, not believed, a second tier since, removed)
             continue
         matched = matches.get(size) or truth.matched(tokens, size, matches)
         known[i] = matched[holder] * size
         sizes[i] = size
-    for busy in (truth.coming, truth.queued):  # where requests are in flight
-        for rid, there in busy.items():
-            i = plan.at.get(rid, -1) if there else -1
-            if i >= 0 and sizes[i]:
-                sizes[i] = 0
-                known[i] = -1.0
-                slow.append(i)
+    # where requests are in flight: what those sent earlier evict first is asked one by one; what
+    # they compute first is held when this one runs (`Truth.row` reads both the same way)
+    for rid, queued in truth.queued.items():
+        i = plan.at.get(rid, -1) if queued else -1
+        if i >= 0 and sizes[i]:
+            sizes[i] = 0
+            known[i] = -1.0
+            slow.append(i)
+    chains: dict[int, array[int]] = {}
+    for rid, coming in truth.coming.items():
+        i = plan.at.get(rid, -1) if coming else -1
+        if i >= 0 and sizes[i]:
+            size = sizes[i]
+            chain = chains.get(size)
+            if chain is None:
+                chain = chains[size] = tokens.chain(size)
+            gpu = int(known[i]) // size
+            if gpu < len(chain) and chain[gpu] in coming:
+                while gpu < len(chain) and chain[gpu] in coming:
+                    gpu += 1
+                known[i] = gpu * size
     gpus: dict[int, tuple[int, int]] = {}  # by position asked one by one: its GPU tokens and block size
     for i in sorted(set(slow)):
         r = fleet.replicas[i]
@@ -180,30 +207,22 @@ def events_rows(
         return None
     # what it would evict where conversations likely back are held: asked later, where it matters
     evicting: Evicting | None = None
-    # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
-    sized: dict[int, tuple[array[int], int]] = {}
-    asks: list[tuple[int, str, int, int]] = []
     for rid, back in truth.returning.items():
         i = plan.at.get(rid, -1) if back else -1
         if i < 0:
             continue
-        if sizes[i]:
-            gpu, b = int(known[i]), sizes[i]
+        b = sizes[i]
+        if b:
+            gpu = int(known[i])
         elif i in gpus:
             gpu, b = gpus[i]
+            if not b:
+                continue
         else:
             continue
-        if b:
-            asks.append((i, rid, gpu, b))
-    for i, rid, gpu, b in sorted(asks):
-        at_size = sized.get(b)
-        if at_size is None:
-            chain = tokens.chain(b)
-            at_size = sized[b] = (chain, len(chain) + math.ceil(mean_output / b))
         if evicting is None:
-            evicting = Evicting(truth, now, n)
-        # it allocates its prompt's blocks not held there, and its reply's
-        evicting.asks[i] = (rid, at_size[0], at_size[1] - gpu // b, b * spt[i])
+            evicting = Evicting(truth, now, tokens, mean_output, spt)
+        evicting.asks[i] = (rid, gpu, b)
     return known, tier, evicting
 
 
