@@ -163,6 +163,27 @@ def test_the_replicas_read_in_one_pass_are_priced_as_asked_one_by_one(monkeypatc
     assert seen["prices"] > 1000 and seen["evicting"] > 100 and seen["mixed"] > 100
 
 
+def test_explain_jumps_reads_the_decisions_without_changing_them() -> None:
+    """--explain-jumps: the rows each move compared, and each kind of turn's hit; the run is the
+    same without it."""
+    _, plain = run("--events", "--kv-tokens", "4000")
+    _, out = run("--events", "--kv-tokens", "4000", "--explain-jumps")
+    why = out.pop("jumps_explained")
+    assert plain.pop("jumps_explained") is None
+    for o in (plain, out):
+        o.pop("wall_s"), o.pop("peak_rss_mib")
+    assert out == plain
+    turns = why["turns"]
+    assert sum(t["turns"] for t in turns.values()) == out["requests"]
+    assert turns["first"]["turns"] == out["sessions"]
+    followups = out["requests"] - out["sessions"]
+    assert turns["moved"]["turns"] == round(out["jump_rate"] * followups) > 0
+    assert 0 < why["moves_explained"] <= turns["moved"]["turns"]
+    p50 = why["rows_p50"]
+    assert p50["chosen_cost_s"] < p50["home_cost_s"]  # a move goes where the price is lower
+    assert 0.0 <= why["engine_held_none_there"] <= 1.0
+
+
 def test_bad_event_arguments_are_one_line() -> None:
     for flags, message in (
         (["--events"], "need --policy ttft"),
@@ -170,6 +191,7 @@ def test_bad_event_arguments_are_one_line() -> None:
         (["--events", "--policy", "ttft", "--block-tokens", "0"], "--block-tokens"),
         (["--events", "--policy", "ttft", "--event-loss", "1"], "--event-loss"),
         (["--events", "--policy", "ttft", "--replay-keep", "-1"], "--replay-keep"),
+        (["--explain-jumps"], "--explain-jumps needs --policy ttft"),
     ):
         with pytest.raises(ValueError, match=message):
             Simulation(build_parser().parse_args(["simulate", *flags]))

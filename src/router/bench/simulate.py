@@ -81,6 +81,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.apis import CHAT
 from router.balance.rebalance import Move, Rebalancer, RebalanceSettings, VnodeTraffic
 from router.bench.simulate_events import Publishers, Turns
+from router.bench.simulate_jumps import JumpWatch
+from router.bench.simulate_jumps import print_report as print_jumps
 from router.bench.virtual_time import LightLoop, Timer, Wait
 from router.config import ReplicaSpec, load
 from router.fleet import Fleet, ReplicaState
@@ -162,6 +164,12 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=16,
         help="with --events: messages an engine's replay buffer keeps (default 16)",
+    )
+    p.add_argument(
+        "--explain-jumps",
+        action="store_true",
+        help="with --policy ttft: for the follow-ups that leave their session's replica, the two rows the "
+        "decision compared and what the modelled engine held there; and each kind of turn's KV hit",
     )
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -316,6 +324,8 @@ class Tally:
             if verdict.jump is not None and not verdict.moved:  # a move is counted as migrated
                 s.jumps += 1
                 s.jump_causes[verdict.jump] = s.jump_causes.get(verdict.jump, 0) + 1
+        if sim.jumps is not None:
+            sim.jumps.finished(turn, verdict is not None and verdict.jump is not None and not verdict.moved)
         current = sim.sessions.get(key.key)
         if current is not None:
             sim._placed(turn.session, current)
@@ -436,6 +446,8 @@ class Simulation:
             )
             for r in self.fleet.replicas:
                 self._publishing(r)
+        # --explain-jumps: why follow-ups leave their session's replica (router.bench.simulate_jumps)
+        self.jumps = JumpWatch(self) if args.explain_jumps else None
         self.handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive,
             "scale_out": self._scale_out,
@@ -624,6 +636,8 @@ class Simulation:
 
     def _ended(self, session: int) -> None:
         self.live.discard(session)
+        if self.jumps is not None:
+            self.jumps.ended(session)
         self.keys.pop(session, None)
         last = self.home.pop(session, None)
         recent = self.served_by.get(last) if last is not None else None
@@ -858,6 +872,7 @@ class Simulation:
                 "off_per_prompt_token": round(s.counted_off / s.priced_prompt_tokens, 4) if s.priced else 0.0,
             },
             "events": None if self.events is None else self.events.report(),
+            "jumps_explained": None if self.jumps is None else self.jumps.report(),
             "wall_s": round(wall_s, 1),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
         }
@@ -875,6 +890,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError("need --rate >= 0, --think-s > 0, --probe-s > 0, --ramp-s >= 0 and --remove-after >= 1")
     if not (args.prefill_s_per_token >= 0 and args.tpot_s >= 0 and args.prefill_s_per_token + args.tpot_s > 0):
         raise ValueError("--prefill-s-per-token and --tpot-s must be >= 0, and not both 0")
+    if args.explain_jumps and args.policy != "ttft":
+        raise ValueError("--explain-jumps needs --policy ttft (the policy that prices each replica)")
     if args.events or args.prompts:
         if args.policy != "ttft":
             raise ValueError("--prompts and --events need --policy ttft (the policy that prices what replicas hold)")
@@ -929,5 +946,7 @@ def run_cli(args: argparse.Namespace) -> int:
             f"{ev['gaps']:,} gaps, {ev['replayed']:,} replayed, {ev['unsure_episodes']:,} times unsure; "
             f"{ev['believed_at_end']} of {ev['followed_at_end']} replicas believed at the end"
         )
+    if out["jumps_explained"] is not None:
+        print_jumps(out["jumps_explained"])
     print(f"  ran in {out['wall_s']} s wall, peak memory {out['peak_rss_mib']} MiB")
     return 0
