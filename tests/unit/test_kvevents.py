@@ -474,11 +474,12 @@ def test_a_conversation_that_ended_a_turn_is_kept_once_at_its_latest() -> None:
 def test_what_a_request_evicts_of_a_conversation_about_to_return_weighs_less_where_the_cache_turns_over() -> None:
     """A cache of nine blocks holding eight, its oldest a conversation that ended a turn (it may come
     back). A request allocating three blocks evicts two of the conversation's three, all of a loss
-    while the cache is not seen turning over; once it evicts half a block a second, those two blocks would be
-    gone 4 s later anyway, and a conversation comes back that soon with 1 - exp(-4 / RETURN_S)."""
+    while the cache is not seen turning over; once it evicts a block a second, those two blocks would be
+    gone 2 s later anyway, and a conversation comes back that soon with 1 - exp(-2 / RETURN_S)."""
     from router.kvevents.truth import RETURN_S, TOOLS_BACK_S  # noqa: PLC0415
 
-    truth = Truth()
+    clock = [0.0]
+    truth = Truth(clock=lambda: clock[0])
     a = truth.holdings("a", 0, 9)
     x = list(range(100, 112))
     a.accept(batch(0, tagged_stored([1, 2, 3], None, x)))
@@ -489,34 +490,62 @@ def test_what_a_request_evicts_of_a_conversation_about_to_return_weighs_less_whe
     assert truth.evicts("a", other, 1, 0.0) == 0.0  # it fits the empty block: nothing is evicted for it ...
     assert truth.evicts("a", other, 3, 0.0) == 2.0  # ... or the conversation's tail goes (no rate yet)
     assert truth.evicts("a", conversation, 3, 0.0) == 0.0  # its own next turn pins what it shares
+    clock[0] = 9.5
     a.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [4, 5, 6, 7, 8], "medium": "GPU"}))
     a.accept(batch(3, tagged_stored([9, 10, 11, 12, 13], None, list(range(300, 320)))))
-    got = truth.evicts("a", other, 2, 10.0)  # 5 blocks evicted in 10 s; evicting now: no empty block
-    assert got == pytest.approx(2 * math.exp(-10 / RETURN_S) * -math.expm1(-4 / RETURN_S))
+    got = truth.evicts("a", other, 2, 10.0)  # 5 blocks evicted in the 5 s to 10 s; evicting now: no empty block
+    assert got == pytest.approx(2 * math.exp(-10 / RETURN_S) * -math.expm1(-2 / RETURN_S))
     assert truth.figures("a")["evictions_priced"] == 2  # type: ignore[index]
     # its answer called tools: it comes back within seconds (TOOLS_BACK_S), so the same push weighs
     # what is left of it 10 s on, and that it is back well before the cache's turnover reaches it
     truth.tools("a", conversation)
     assert truth.figures("a")["returning_from_tools"] == 1  # type: ignore[index]
     got_tools = truth.evicts("a", other, 2, 10.0)
-    assert got_tools == pytest.approx(2 * math.exp(-10 / TOOLS_BACK_S) * -math.expm1(-4 / TOOLS_BACK_S))
+    assert got_tools == pytest.approx(2 * math.exp(-10 / TOOLS_BACK_S) * -math.expm1(-2 / TOOLS_BACK_S))
     truth.tools("a", other)  # (a turn it never kept: nothing changes)
     assert [r.back_s for r in truth.returning["a"]] == [TOOLS_BACK_S]
+
+
+def test_an_eviction_rate_is_the_same_whoever_reads_it_when() -> None:
+    """The rate over whole windows of RATE_S fixed on the clock: read often or rarely, it says the
+    same at the same time (a read that moved its window would make /admin/route's explanations,
+    which read every replica, change later decisions)."""
+    from router.kvevents.holdings import RATE_S, Rate  # noqa: PLC0415
+
+    often, rarely = Rate(), Rate()
+    removals = [(0.4, 3), (1.0, 2), (4.9, 5), (5.0, 1), (7.5, 4), (16.0, 2)]
+    t = 0.0
+    for at, n in removals:
+        while t < at:
+            often.at(t)
+            t += 0.1
+        often.add(at, n)
+        rarely.add(at, n)
+    times = (4.0, 5.0, 9.9, 10.0, 14.0, 16.0, 19.9, 20.0, 25.0)
+    assert [often.at(x) for x in times] == [rarely.at(x) for x in times]
+    # windows [0, 5), [5, 10), [10, 15), [15, 20): 10, 5, 0 and 2 blocks; each read after its window
+    assert [rarely.at(x) for x in (16.0, 19.9, 20.0, 25.0)] == [0.0, 0.0, 2 / RATE_S, 0.0]
+    early = Rate()
+    for at, n in removals[:4]:
+        early.add(at, n)
+    assert [early.at(x) for x in (5.0, 9.9, 10.0, 15.0)] == [10 / RATE_S, 10 / RATE_S, 1 / RATE_S, 0.0]
 
 
 def test_a_tool_loop_that_just_paused_weighs_more_than_a_chat_and_less_once_it_is_late() -> None:
     """Two conversations alike but for how their answers ended: one called tools. Pushed out at
     once, the tool loop's blocks weigh more (it is back within seconds, before the turnover would
     have taken them); a minute on, less (a tool loop that has not come back has most likely ended)."""
-    truth = Truth()
+    clock = [0.0]
+    truth = Truth(clock=lambda: clock[0])
     a = truth.holdings("a", 0, 9)
     x = list(range(100, 112))
     a.accept(batch(0, tagged_stored([1, 2, 3], None, x)))
     a.accept(batch(1, tagged_stored([4, 5, 6, 7, 8], None, list(range(200, 220)))))
-    assert a.eviction_rate(0.0) == 0.0  # (the rate's first mark)
+    assert a.eviction_rate(0.0) == 0.0  # (nothing evicted yet)
+    clock[0] = 9.5
     a.accept(batch(2, {"type": "BlockRemoved", "block_hashes": [4, 5, 6, 7, 8], "medium": "GPU"}))
     a.accept(batch(3, tagged_stored([9, 10, 11, 12, 13], None, list(range(300, 320)))))
-    assert a.eviction_rate(10.0) == 0.5  # the cache turns over: two blocks' worth in 4 s
+    assert a.eviction_rate(10.0) == 1.0  # the cache turns over: two blocks' worth in 2 s
     conversation = EngineTokens(13, (*x, 7), None, None, "tokenizer").chain(BS)
     other = EngineTokens(9, tuple(range(500, 509)), None, None, "tokenizer").chain(BS)
 

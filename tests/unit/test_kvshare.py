@@ -299,21 +299,25 @@ def test_truth_decides_alike_on_a_shared_index(shm_dir: str) -> None:
 def test_a_worker_reading_the_shared_index_believes_and_prices_as_the_writer(shm_dir: str) -> None:
     """A worker's Truth on a SharedIndexReader: the replicas the writer follows, believed when
     it believes them, holding what it holds; a replica suspected there is believed again once a
-    message comes; one the writer forgets leaves the worker's too."""
+    message comes; one the writer forgets leaves the worker's too. Its eviction rate is the
+    writer's, whenever either asks."""
     shared = SharedIndex("follow", shm_dir)
     try:
-        writer, worker = Truth(), Truth()
+        clock = [100.0]
+        writer, worker = Truth(clock=lambda: clock[0]), Truth()
         writer.share(shared)
         worker.share(SharedIndexReader("follow", shm_dir))
         worker.follow()
         assert not worker.replicas
         rng = random.Random(4)
         prompts = []
+        stored: list[array[int]] = []
         for rid in ("a", "b"):
             h = writer.holdings(rid, 0, 1000)
             for seq in range(5):
                 tokens = array("Q", [rng.randrange(50_000) for _ in range(16 * 6)])
                 hashes = array("Q", [rng.getrandbits(63) for _ in range(6)])
+                stored.append(hashes)
                 batch = Batch(seq, 1.0 + seq, 0, (Stored(hashes, None, tokens, 16, "GPU", None, None),))
                 assert h.accept(batch) == "ok"
                 writer.published(h)
@@ -329,6 +333,16 @@ def test_a_worker_reading_the_shared_index_believes_and_prices_as_the_writer(shm
             Found(80, 0, 16),
             Found(0, 0, 16),
         ]  # (its last block is computed again)
+        b = writer.of("b")[0]
+        assert isinstance(b, Holdings)
+        for seq, (at, gone) in enumerate([(101.0, stored[5]), (104.0, stored[6][:2]), (106.0, stored[6][2:])]):
+            clock[0] = at
+            assert b.accept(Batch(5 + seq, at, 0, (Removed(gone, "GPU"),))) == "ok"
+            writer.published(b)
+            (read,) = worker.of("b")
+            for now in (at, at + 0.5, 105.0, 109.9, 110.0, 115.0):
+                assert read.eviction_rate(now) == b.eviction_rate(now)
+        assert b.eviction_rate(110.0) == 4 / 5 and b.eviction_rate(109.0) == 8 / 5  # (the windows 100-105, 105-110)
         worker.suspect("a")
         assert not worker.sure("a") and worker.sure("b")
         h = writer.of("a")[0]

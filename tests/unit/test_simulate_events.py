@@ -89,10 +89,10 @@ def test_what_a_request_would_evict_priced_only_where_it_can_matter_decides_as_p
     """A price asks what a request would evict (Truth.evicts) only of the candidates that could
     still be the cheapest or tie with it, the session's replica and the conversation's home. At
     every decision of a run whose caches evict, priced both ways on the same state, the cheapest,
-    its ties and the home are the same, and so is every row the decision reads.
-
-    (Run against each other, the two make different runs: a replica's eviction rate is measured
-    over windows that start when it is read, so asking fewer replicas moves their windows.)"""
+    its ties and the home are the same, and so is every row the decision reads. Run against each
+    other, the two make the same run: a replica's eviction rate is measured over windows fixed on
+    the clock, so asking it of fewer replicas (or of every one, as /admin/route does) changes
+    nothing later."""
     real = Placement.price
     seen = {"decisions": 0, "skipped": 0, "evicting": 0}
 
@@ -119,9 +119,18 @@ def test_what_a_request_would_evict_priced_only_where_it_can_matter_decides_as_p
         return bounded
 
     monkeypatch.setattr(Placement, "price", both)
-    run("--events", *CHANGES)
+    _, lazily = run("--events", *CHANGES)
     assert seen["decisions"] > 1000 and seen["evicting"] > 100
     assert seen["skipped"] > seen["evicting"] / 2  # most prices that evict skipped some candidate
+
+    def every(self: Placement, *args: Any, **kwargs: Any) -> Priced:
+        return real(self, *args, **{**kwargs, "every_row": True})
+
+    monkeypatch.setattr(Placement, "price", every)
+    _, everywhere = run("--events", *CHANGES)
+    for out in (lazily, everywhere):
+        out.pop("wall_s"), out.pop("peak_rss_mib")
+    assert lazily == everywhere
 
 
 class OneByOne(Layout):

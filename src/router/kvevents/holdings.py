@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 OK, RESTART, GAP, DUPLICATE = "ok", "restart", "gap", "duplicate"
-RATE_S = 5.0  # its GPU's eviction rate is measured over at least this long
+RATE_S = 5.0  # its GPU's eviction rate is measured over whole windows this long
 
 
 class MatchIndex(Protocol):
@@ -94,23 +94,40 @@ class Figures:
 
 
 class Rate:
-    """A count's rate a second, measured over the latest RATE_S or more of the clock it is given."""
+    """A count's rate a second over the latest whole window of RATE_S seconds of its clock, the
+    windows fixed on the clock (multiples of RATE_S): what it says depends on when the count
+    grew, never on who read it when. Written where the count grows (`add`); its state (`window`,
+    `start`, `before`) is what a reader in another process needs to say the same (`of`)."""
 
-    __slots__ = ("_mark", "_rate")
+    __slots__ = ("before", "count", "start", "window")
 
     def __init__(self) -> None:
-        self._rate = 0.0
-        self._mark: tuple[float, int] | None = None
+        self.window = -1  # the window of the latest growth (-1: none yet)
+        self.start = 0  # the count when that window began
+        self.before = 0.0  # the rate over the window before it
+        self.count = 0
 
-    def at(self, now: float, count: int) -> float:
-        """The rate as of `now`, the count being `count` (0 until it has been measured once)."""
-        mark = self._mark
-        if mark is None:
-            self._mark = (now, count)
-        elif now - mark[0] >= RATE_S:
-            self._rate = (count - mark[1]) / (now - mark[0])
-            self._mark = (now, count)
-        return self._rate
+    def add(self, now: float, n: int) -> None:
+        """The count grew by `n` at `now`."""
+        w = math.floor(now / RATE_S)
+        if w != self.window:
+            self.before = (self.count - self.start) / RATE_S if w == self.window + 1 else 0.0
+            self.window, self.start = w, self.count
+        self.count += n
+
+    def at(self, now: float) -> float:
+        """The rate over the last whole window before `now`'s (0 until a count grew)."""
+        return Rate.of(now, self.window, self.start, self.before, self.count)
+
+    @staticmethod
+    def of(now: float, window: int, start: int, before: float, count: int) -> float:
+        """`at` for a rate whose state is (`window`, `start`, `before`) and count `count`."""
+        if window < 0:
+            return 0.0
+        w = math.floor(now / RATE_S)
+        if w <= window:
+            return before
+        return (count - start) / RATE_S if w == window + 1 else 0.0
 
 
 class Tiers:
@@ -145,7 +162,7 @@ class Holdings(Tiers):
         self._turnover = 0  # blocks stored since it became unsure
         self.evicted_at = -math.inf  # when its engine last evicted a GPU block (monotonic seconds)
         self.evicted = 0  # GPU blocks its engine removed
-        self._rate = Rate()  # ... a second (`eviction_rate`)
+        self.rate = Rate()  # ... a second (`eviction_rate`)
         self.figures = Figures()
         self.row: int | None = None  # its roster row, where the index is shared (router.kvevents.shared)
         # the latest replay's messages, sequence number -> timestamp: the same messages arriving live
@@ -350,11 +367,12 @@ class Holdings(Tiers):
             if medium == MEDIUM_GPU:
                 self.evicted_at = self.clock()
                 self.evicted += gone
+                self.rate.add(self.evicted_at, gone)
 
     def eviction_rate(self, now: float) -> float:
-        """GPU blocks its engine removed a second, measured over the latest RATE_S or more of the
-        clock `now` reads (0 until it has been measured once)."""
-        return self._rate.at(now, self.evicted)
+        """GPU blocks its engine removed a second, over the last whole window of RATE_S seconds
+        of its clock before `now`'s (`Rate`: the same whoever asks, and however often)."""
+        return self.rate.at(now)
 
 
 async def take(holdings: Holdings, batch: Batch, fill: Callable[[int], Awaitable[object]] | None) -> bool:

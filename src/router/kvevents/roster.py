@@ -10,7 +10,8 @@ applied; a reader process (a worker) builds its Truth's replicas from the rows i
 File: a 64-byte header (magic, generation, rows used), then MAX_ROWS rows of 48 uint64 words:
 generation (0: free), rank, believed, block size, capacity, evicted, when (a double: monotonic
 seconds, the same clock in every process of a host), sequence + 2 (0: none), the eleven figures,
-four (medium as 8 ASCII bytes, holder + 1) pairs, and the replica's id (UTF-8, 128 bytes). Each
+four (medium as 8 ASCII bytes, holder + 1) pairs, its eviction rate's window + 1, count at that
+window's start and rate before it (a double), and the replica's id (UTF-8, 128 bytes). Each
 word is whole to a reader; the words of a row may be a message apart, as an event in flight is.
 A row's generation is written last when it is taken, and the header's generation after it.
 """
@@ -36,6 +37,7 @@ _R_GEN, _R_RANK, _R_SURE, _R_BLOCK, _R_CAPACITY, _R_EVICTED, _R_EVICTED_AT, _R_S
 _R_FIGURES = 8  # Figures' counters, in their order, from here
 _R_TIERS = 20  # four (medium, holder + 1) pairs: the medium as 8 bytes of ASCII
 _MAX_TIERS = 4
+_R_RATE_WINDOW, _R_RATE_START, _R_RATE_BEFORE = 28, 29, 30  # its eviction Rate's state (window + 1; a double)
 _R_ID = 32  # the replica's id, UTF-8, NUL-padded
 _ID_BYTES = 8 * (_ROW_WORDS - _R_ID)
 
@@ -98,6 +100,10 @@ class Roster:
         rows[at + _R_EVICTED] = h.evicted
         self._floats[at + _R_EVICTED_AT] = h.evicted_at
         rows[at + _R_SEQ] = 0 if h.seq is None else h.seq + 2  # (-1 after a replay from 0: 1)
+        rate = h.rate
+        rows[at + _R_RATE_START] = rate.start
+        self._floats[at + _R_RATE_BEFORE] = rate.before
+        rows[at + _R_RATE_WINDOW] = rate.window + 1
         f = h.figures
         rows[at + _R_FIGURES : at + _R_FIGURES + 11] = array(
             "Q",
@@ -170,7 +176,6 @@ class Followed(Tiers):
         self.at = row * _ROW_WORDS
         self.tiers: dict[str, Tier] = {}
         self._suspect_seq: int | None = None
-        self._rate = Rate()
         self._tiers()
 
     def _tiers(self) -> None:
@@ -226,8 +231,12 @@ class Followed(Tiers):
         return Figures(*(int(v) for v in self.rows[start : start + 11]))
 
     def eviction_rate(self, now: float) -> float:
-        """As Holdings.eviction_rate, from the evictions the writer counted."""
-        return self._rate.at(now, self.evicted)
+        """As Holdings.eviction_rate, from the writer's Rate (its words may be a message apart:
+        the rate then is one message off, as an event in flight makes it)."""
+        rows, at = self.rows, self.at
+        window = int(rows[at + _R_RATE_WINDOW]) - 1
+        before = float(self.floats[at + _R_RATE_BEFORE])
+        return Rate.of(now, window, int(rows[at + _R_RATE_START]), before, int(rows[at + _R_EVICTED]))
 
 
 __all__ = ["MAX_ROWS", "Followed", "Roster", "RosterReader"]
