@@ -10,8 +10,8 @@ had moved. The run's decisions are the same as without it: it only reads them.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Mapping
+from typing import Any, Protocol
 
 from router.keys import RoutingKey
 from router.measures import percentile
@@ -20,8 +20,33 @@ from router.policy import Decision
 from router.policy.ttft import Ttft
 from router.prompt import Prompt
 
-if TYPE_CHECKING:
-    from router.bench.simulate import Simulation, Turn
+
+class Cache(Protocol):
+    """A modelled replica (router.bench.simulate.Model): its cache, session -> context tokens."""
+
+    @property
+    def cache(self) -> Mapping[int, int]: ...
+
+
+class Simulated(Protocol):
+    """What is read of the simulation (router.bench.simulate.Simulation)."""
+
+    @property
+    def policy(self) -> object: ...
+
+    @property
+    def models(self) -> Mapping[str, Cache]: ...
+
+
+class SimTurn(Protocol):
+    """A turn served (router.bench.simulate.Turn)."""
+
+    session: int
+    number: int
+    context: int  # tokens before its message
+    message: int
+    cached: int  # of its prompt, computed from cache
+
 
 KINDS = ("first", "stayed", "moved", "stayed after a move")
 FIELDS = ("cached_tokens", "wait_s", "cost_s", "evicts_s")
@@ -30,7 +55,7 @@ FIELDS = ("cached_tokens", "wait_s", "cost_s", "evicts_s")
 class JumpWatch:
     """Watches the policy's decisions of one simulated run (`decide` wrapped on its instance)."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulated) -> None:
         policy = sim.policy
         if not isinstance(policy, Ttft):
             raise ValueError("--explain-jumps needs --policy ttft (the policy that prices each replica)")
@@ -60,7 +85,7 @@ class JumpWatch:
             self.pending[session] = (priced.row(home), priced.row(decision.index), held)
         return decision, priced
 
-    def finished(self, turn: Turn, jumped: bool) -> None:
+    def finished(self, turn: SimTurn, jumped: bool) -> None:
         """A turn was served (`jumped`: it counted as a jump)."""
         pending = self.pending.pop(turn.session, None)
         if turn.number == 0:
