@@ -161,8 +161,7 @@ class Holdings(Tiers):
         self.suspect_since_seq: int | None = None  # health went down: the next message decides
         self._turnover = 0  # blocks stored since it became unsure
         self.evicted_at = -math.inf  # when its engine last evicted a GPU block (monotonic seconds)
-        self.evicted = 0  # GPU blocks its engine removed
-        self.rate = Rate()  # ... a second (`eviction_rate`)
+        self.rate = Rate()  # GPU blocks its engine removed (`evicted`), and a second (`eviction_rate`)
         self.figures = Figures()
         self.row: int | None = None  # its roster row, where the index is shared (router.kvevents.shared)
         # the latest replay's messages, sequence number -> timestamp: the same messages arriving live
@@ -366,8 +365,12 @@ class Holdings(Tiers):
             self.figures.removed += gone
             if medium == MEDIUM_GPU:
                 self.evicted_at = self.clock()
-                self.evicted += gone
                 self.rate.add(self.evicted_at, gone)
+
+    @property
+    def evicted(self) -> int:
+        """GPU blocks its engine removed."""
+        return self.rate.count
 
     def eviction_rate(self, now: float) -> float:
         """GPU blocks its engine removed a second, over the last whole window of RATE_S seconds
