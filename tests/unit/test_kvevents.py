@@ -386,6 +386,48 @@ def test_placement_reads_each_replica_as_the_truth_holds_it_in_one_pass_or_one_b
     assert known[1] == -1.0 and known[0] == 12.0
 
 
+def test_a_layout_kept_across_requests_follows_what_each_replica_becomes() -> None:
+    """A Layout judges once which replicas are read in the pass, and again whenever a rank's
+    believed, block size or tiers change or a replica's health does: one kept across requests reads
+    every row as `Truth.held` says it, however the replicas change between them."""
+    rids = "abcd"
+    fleet = Fleet([ReplicaSpec(rid, f"http://10.0.0.{k}:1") for k, rid in enumerate(rids)])
+    truth = Truth(tier_tokens_per_s=40_000)
+    ranks = {rid: truth.holdings(rid, 0, 100) for rid in rids}
+    for rid in "abc":
+        ranks[rid].accept(batch(0, tagged_stored([1], None, TOKENS[:4])))
+    ranks["d"].accept(batch(0))  # believed, holding nothing: no block size said yet
+    tokens = EngineTokens(13, tuple(TOKENS[:13]), None, None, "tokenizer")
+    prompt = Prompt(tokens.chain(BS), 52, 3, tokens)
+    layout = Layout()
+    excluded = array("B", [0] * len(rids))
+
+    def rows() -> list[float]:
+        got = events_rows(
+            fleet, truth, prompt, excluded, array("d", [1e-4] * 4), array("d", [0.0] * 4), 0.0, 0.0, layout
+        )
+        assert got is not None
+        for i, rid in enumerate(rids):
+            held = truth.held(rid, tokens, {})
+            assert got[0][i] == (-1.0 if held is None else truth.credit(held, 1e-4)), rid
+        return list(got[0])
+
+    assert rows() == [4.0, 4.0, 4.0, 0.0] and len(layout.fast[0]) == 3 and len(layout.dynamic) == 1
+    ranks["a"].suspect()  # its health went down: not believed until its next message
+    assert rows() == [-1.0, 4.0, 4.0, 0.0]
+    ranks["a"].accept(batch(1))  # the next number: nothing was missed
+    assert rows()[0] == 4.0
+    fleet.replicas[1].health.state = "removed"  # (excluded by the ring in routing; here, asked)
+    assert rows()[1] == -1.0 and not ranks["b"].sure  # a removed replica is suspected
+    fleet.replicas[1].health.state = "healthy"
+    ranks["b"].accept(batch(1, tagged_stored([2], 1, TOKENS[4:8])))
+    assert rows()[1] == 8.0
+    ranks["c"].accept(batch(1, tagged_stored([1, 2, 3], None, TOKENS[:12], medium="CPU")))  # a second tier
+    assert rows()[2] == 4.0 + 8 * 0.75 and layout.slow == [2]
+    ranks["d"].accept(batch(1, tagged_stored([1], None, TOKENS[:4])))  # its events say a block size
+    assert rows()[3] == 4.0 and len(layout.fast[0]) == 3 and not layout.dynamic
+
+
 def test_the_blocks_of_requests_in_flight_are_held_when_the_next_one_runs() -> None:
     """A turn still prefilling has stored nothing yet; the next turn of its conversation, sent now,
     runs after it there and finds its blocks: the truth expects them there until it ends."""
@@ -401,7 +443,7 @@ def test_the_blocks_of_requests_in_flight_are_held_when_the_next_one_runs() -> N
     truth.unexpect("a", first.chain(BS))
     assert truth.held("a", second, {}).gpu_tokens == 12  # type: ignore[union-attr]  # the other is still running
     truth.unexpect("a", first.chain(BS))
-    assert truth.held("a", second, {}).gpu_tokens == 4 and truth.coming["a"] == {}  # type: ignore[union-attr]
+    assert truth.held("a", second, {}).gpu_tokens == 4 and "a" not in truth.coming  # type: ignore[union-attr]
     truth.expect("b", first.chain(BS))
     assert truth.held("b", second, {}) is None  # a replica that publishes nothing is priced by the model
     truth.forget("a")
@@ -443,7 +485,7 @@ def test_what_the_requests_sent_ahead_allocate_first_is_not_counted_held() -> No
     a.accept(batch(3, {"type": "BlockRemoved", "block_hashes": [1, 2, 3], "medium": "GPU"}))
     assert held() == 0 and truth.ahead("a") == 3  # (an eviction says nothing of who caused it)
     a.accept(batch(4, tagged_stored([9, 10, 11], None, list(range(300, 312)))))
-    assert truth.ahead("a") == 0 and "a" in truth.queued and not truth.queued["a"]
+    assert truth.ahead("a") == 0 and "a" not in truth.queued
     truth.unexpect("a", other.chain(BS))
     assert truth.figures("a")["evictions_predicted"] == 2  # type: ignore[index]
 

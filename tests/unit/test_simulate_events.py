@@ -3,6 +3,7 @@ event-fed index follows (router.bench.simulate_events)."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pytest
@@ -139,7 +140,8 @@ class OneByOne(Layout):
     def of(self, fleet: Fleet, truth: Truth) -> Layout:
         Layout.of(self, fleet, truth)
         self.others = sorted(self.others + [i for i, *_ in self.plain])
-        self.plain, self.key = [], None
+        self.plain, self.key, self.verdicts_key = [], None, None
+        self.fast, self.dynamic, self.slow = (array("i"), array("i"), array("i")), [], []
         return self
 
 

@@ -59,11 +59,16 @@ class Hysteresis:
 
 
 class ReplicaHealth:
+    # bumped by every change of any replica's state in this process: what is laid out by the
+    # states (router.placement.events.Layout's verdicts) knows when it is stale
+    changes = 0
+
     def __init__(self, rules: Hysteresis | None = None, state: str = "healthy") -> None:
         if state not in STATES:
             raise ValueError(f"unknown state {state!r}")
         self.rules = rules or Hysteresis()
-        self.state = state
+        self._state = state
+        ReplicaHealth.changes += 1
         self.score = 1.0
         self.transitions = 0
         self.relapses = 0  # removals during recovery: the replica is flapping
@@ -73,8 +78,18 @@ class ReplicaHealth:
         self._ramp_start = 0.0
 
     @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+            ReplicaHealth.changes += 1
+
+    @property
     def routable(self) -> bool:
-        return self.state in ROUTABLE
+        return self._state in ROUTABLE
 
     @property
     def up(self) -> bool:

@@ -150,15 +150,24 @@ class Tiers:
 class Holdings(Tiers):
     index: BlockIndex
 
-    def __init__(self, index: BlockIndex, capacity_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: BlockIndex,
+        capacity_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+        changes: list[int] | None = None,
+    ) -> None:
         self.index = index
         self.clock = clock  # when its engine evicts (`evicted_at`)
+        # bumped whenever what a read of it depends on changes (believed, block size, tiers):
+        # shared by a Truth's holdings, so a layout of their verdicts knows when it is stale
+        self.changes = [0] if changes is None else changes
         self.capacity = max(1, capacity_blocks)
         self.tiers: dict[str, Tier] = {}
         self.seq: int | None = None  # the last sequence number applied (None: none since it joined)
-        self.block_size: int | None = None  # tokens per block, as its events say
-        self.unsure = True  # nothing is known until the first message (and replay) says so
-        self.suspect_since_seq: int | None = None  # health went down: the next message decides
+        self._block_size: int | None = None  # tokens per block, as its events say
+        self._unsure = True  # nothing is known until the first message (and replay) says so
+        self._suspect_since_seq: int | None = None  # health went down: the next message decides
         self._turnover = 0  # blocks stored since it became unsure
         self.evicted_at = -math.inf  # when its engine last evicted a GPU block (monotonic seconds)
         self.rate = Rate()  # GPU blocks its engine removed (`evicted`), and a second (`eviction_rate`)
@@ -175,11 +184,43 @@ class Holdings(Tiers):
         t = self.tiers.get(medium)
         if t is None:
             t = self.tiers[medium] = Tier(self.index.add_holder(self.capacity))
+            self.changes[0] += 1
         return t
 
     @property
     def sure(self) -> bool:
-        return not self.unsure and self.suspect_since_seq is None
+        return not self._unsure and self._suspect_since_seq is None
+
+    # (each write that changes one of these is counted in `changes`)
+    @property
+    def unsure(self) -> bool:
+        return self._unsure
+
+    @unsure.setter
+    def unsure(self, value: bool) -> None:
+        if value != self._unsure:
+            self._unsure = value
+            self.changes[0] += 1
+
+    @property
+    def suspect_since_seq(self) -> int | None:
+        return self._suspect_since_seq
+
+    @suspect_since_seq.setter
+    def suspect_since_seq(self, value: int | None) -> None:
+        if value != self._suspect_since_seq:
+            self._suspect_since_seq = value
+            self.changes[0] += 1
+
+    @property
+    def block_size(self) -> int | None:
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int | None) -> None:
+        if value != self._block_size:
+            self._block_size = value
+            self.changes[0] += 1
 
     def set_capacity(self, blocks: int) -> None:
         self.capacity = max(1, blocks)
@@ -190,6 +231,7 @@ class Holdings(Tiers):
         for t in self.tiers.values():
             self.index.remove_holder(t.holder)
         self.tiers.clear()
+        self.changes[0] += 1
 
     # -- what its engine says ------------------------------------------------------------------------
 
@@ -335,7 +377,8 @@ class Holdings(Tiers):
 
     def _store(self, e: Stored) -> None:
         t = self.tier(e.medium)
-        self.block_size = e.block_size
+        if e.block_size != self._block_size:
+            self.block_size = e.block_size
         if e.parent is None:
             seed = root_of(e.lora_name, e.salt)
         else:

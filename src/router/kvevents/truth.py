@@ -133,11 +133,14 @@ class Truth:
         self._roster = -1  # a reader's: the roster's generation its replicas were last built from
         self.replicas: dict[str, dict[int, Holdings | Followed]] = {}
         self.members = 0  # bumped whenever a replica's ranks are added or dropped (a layout of them is stale)
+        # bumped whenever one of its Holdings' believed, block size or tiers change (router.placement.events)
+        self.changes = [0]
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
-        self.coming: dict[str, Counter[int]] = {}  # replica -> blocks of the requests in flight there
+        # replica -> blocks of the requests in flight there (only replicas with some: a read visits each)
+        self.coming: dict[str, Counter[int]] = {}
         # replica -> the requests in flight there whose new blocks no event has shown yet (keyed by
-        # their chain's id: the chain is kept, and so alive, until `unexpect`)
+        # their chain's id: the chain is kept, and so alive, until `unexpect`; only replicas with some)
         self.queued: dict[str, dict[int, Queued]] = {}
         # replica -> (its blocks stored so far, `ahead` then): summed again only once events came
         self._ahead: dict[str, tuple[int, int]] = {}
@@ -161,7 +164,7 @@ class Truth:
         h = ranks.get(rank)
         if h is None:
             assert not isinstance(self.index, SharedIndexReader)
-            h = ranks[rank] = Holdings(self.index, capacity_blocks, self.clock)
+            h = ranks[rank] = Holdings(self.index, capacity_blocks, self.clock, self.changes)
             self.members += 1
             if isinstance(self.index, SharedIndex):
                 try:
@@ -255,6 +258,8 @@ class Truth:
         if queued is not None and queued.pop(id(keys), None) is not None:
             self._ahead.pop(replica_id, None)
             self._room.pop(replica_id, None)
+            if not queued:  # (only replicas with requests in flight are kept: a read visits each)
+                del self.queued[replica_id]
         coming = self.coming.get(replica_id)
         if coming is None:
             return
@@ -264,6 +269,8 @@ class Truth:
                 coming[key] = left
             else:
                 coming.pop(key, None)
+        if not coming:
+            del self.coming[replica_id]
         self._touch(replica_id, keys)
 
     def ended(self, replica_id: str, keys: array[int], now: float) -> None:
@@ -385,6 +392,8 @@ class Truth:
                 blocks += q.allocates
         for key in shown:
             del queued[key]
+        if not queued:
+            del self.queued[replica_id]
         self._ahead[replica_id] = (stored, blocks)
         return blocks
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from array import array
+from typing import TYPE_CHECKING
 
+from router._compat import NO_EXTENSIONS
 from router.fleet import Fleet, ReplicaState
+from router.health.states import ReplicaHealth
 from router.kvevents.holdings import Holdings, Tier
 from router.kvevents.roster import Followed
 from router.kvevents.tokens import EngineTokens
@@ -13,6 +16,11 @@ from router.kvevents.truth import Truth
 from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PRICE_CANDIDATE, PRICE_GATED
 from router.prompt import Prompt
+
+if TYPE_CHECKING or NO_EXTENSIONS:
+    from router._held_py import read_plain, returning_asks
+else:
+    from _held import read_plain, returning_asks
 
 
 class Evicting:
@@ -90,15 +98,27 @@ class Layout:
     """How `events_rows` reads the fleet: the positions whose replica's events come from one rank,
     with its GPU its only medium (most of a fleet), each with that rank and its holder in the
     index, read in one pass; and the others (several ranks, a second tier), asked one by one.
-    Laid out again when the fleet's membership or the ranks the events follow change."""
+    Laid out again when the fleet's membership or the ranks the events follow change.
 
-    __slots__ = ("at", "key", "others", "plain")
+    Of the pass, the verdicts are laid out too (`verdicts`): which positions read their holder's
+    match at a block size (three flat arrays, which a request reads at C speed without touching a
+    replica's objects), which are asked one by one (not believed, a second tier since, removed),
+    and which are judged on every request (a rank followed from another process, whose state
+    changes there; a block size only its metrics said). Laid out again when any rank's believed,
+    block size or tiers change (`Truth.changes`) or any replica's health state does."""
+
+    __slots__ = ("at", "dynamic", "fast", "key", "others", "plain", "slow", "verdicts_key")
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.plain: list[tuple[int, ReplicaState, Holdings | Followed, dict[str, Tier], int]] = []
         self.others: list[int] = []
         self.at: dict[str, int] = {}  # replica -> its position
+        self.verdicts_key: tuple[tuple[int, int] | None, int, int] | None = None
+        # (positions, holders, block sizes) read in the pass
+        self.fast: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
+        self.dynamic: list[tuple[int, ReplicaState, Holdings | Followed, dict[str, Tier], int]] = []
+        self.slow: list[int] = []
 
     def of(self, fleet: Fleet, truth: Truth) -> Layout:
         key = (fleet.version, truth.members)
@@ -117,7 +137,26 @@ class Layout:
                         continue
                 self.others.append(i)
             self.key = key
+        stamp = (self.key, truth.changes[0], ReplicaHealth.changes)
+        if stamp != self.verdicts_key:
+            self._judge()
+            self.verdicts_key = stamp
         return self
+
+    def _judge(self) -> None:
+        positions, holders, sizes = array("i"), array("i"), array("i")
+        self.dynamic, self.slow = [], []
+        for entry in self.plain:
+            i, r, h, tiers, holder = entry
+            if not isinstance(h, Holdings) or not h.block_size:
+                self.dynamic.append(entry)
+            elif not h.sure or len(tiers) != 1 or r.health.state == "removed":
+                self.slow.append(i)
+            else:
+                positions.append(i)
+                holders.append(holder)
+                sizes.append(h.block_size)
+        self.fast = (positions, holders, sizes)
 
 
 def events_rows(
@@ -151,40 +190,7 @@ def events_rows(
     plan = (layout or Layout()).of(fleet, truth)
     sizes = array("i", bytes(4 * n))  # by position read in the pass: its block size (0: not read)
     slow = list(plan.others)
-    for i, r, h, tiers, holder in plan.plain:
-        if excluded[i]:
-            continue
-        size = h.block_size
-        if not size:  # (its events have not said one yet: its metrics' may have)
-            said = r.engine.block_size
-            size = int(said) if said else 0
-        if not size or not h.sure or len(tiers) != 1 or r.health.state == "removed":
-            slow.append(i)  # (no block size said yet, not believed, a second tier since, removed)
-            continue
-        matched = matches.get(size) or truth.matched(tokens, size, matches)
-        known[i] = matched[holder] * size
-        sizes[i] = size
-    # where requests are in flight: what those sent earlier evict first is asked one by one; what
-    # they compute first is held when this one runs (`Truth.row` reads both the same way)
-    for rid, queued in truth.queued.items():
-        i = plan.at.get(rid, -1) if queued else -1
-        if i >= 0 and sizes[i]:
-            sizes[i] = 0
-            known[i] = -1.0
-            slow.append(i)
-    chains: dict[int, array[int]] = {}
-    for rid, coming in truth.coming.items():
-        i = plan.at.get(rid, -1) if coming else -1
-        if i >= 0 and sizes[i]:
-            size = sizes[i]
-            chain = chains.get(size)
-            if chain is None:
-                chain = chains[size] = tokens.chain(size)
-            gpu = int(known[i]) // size
-            if gpu < len(chain) and chain[gpu] in coming:
-                while gpu < len(chain) and chain[gpu] in coming:
-                    gpu += 1
-                known[i] = gpu * size
+    read_plain(*plan.fast, plan.dynamic, plan.slow, excluded, known, sizes, slow, truth, tokens, matches, plan.at)
     gpus: dict[int, tuple[int, int]] = {}  # by position asked one by one: its GPU tokens and block size
     for i in sorted(set(slow)):
         r = fleet.replicas[i]
@@ -206,23 +212,11 @@ def events_rows(
     if not gpus and not any(sizes):
         return None
     # what it would evict where conversations likely back are held: asked later, where it matters
+    asks = returning_asks(truth.returning, plan.at, sizes, known, gpus)
     evicting: Evicting | None = None
-    for rid, back in truth.returning.items():
-        i = plan.at.get(rid, -1) if back else -1
-        if i < 0:
-            continue
-        b = sizes[i]
-        if b:
-            gpu = int(known[i])
-        elif i in gpus:
-            gpu, b = gpus[i]
-            if not b:
-                continue
-        else:
-            continue
-        if evicting is None:
-            evicting = Evicting(truth, now, tokens, mean_output, spt)
-        evicting.asks[i] = (rid, gpu, b)
+    if asks:
+        evicting = Evicting(truth, now, tokens, mean_output, spt)
+        evicting.asks = asks
     return known, tier, evicting
 
 

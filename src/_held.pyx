@@ -1,0 +1,132 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: initializedcheck=False, embedsignature=True
+"""The part of a price's read of the engines' events that visits every replica (compiled core).
+
+router.placement.events.events_rows reads what each replica's events say it holds of a prompt on
+every request: at a thousand replicas its loops over the fleet were most of a decision's time.
+``read_plain`` and ``returning_asks`` are those loops; what they read and why is said in their
+pure-Python twin, router/_held_py.py, which answers alike (tests/unit/test_held.py compares them).
+They read the router's objects (a replica, its rank's holdings, the truth's maps) as Python
+does, attribute by attribute, and only the arrays at C speed: the saving is the interpreter's.
+"""
+
+REMOVED = "removed"
+
+
+def read_plain(const int[:] positions, const int[:] holders, const int[:] block_sizes, list dynamic,
+               list judged_slow, const unsigned char[:] excluded, double[:] known, int[:] sizes,
+               list slow, truth, tokens, dict matches, dict at):
+    """Fills ``known`` (tokens held) and ``sizes`` (block size; 0: not read here) for the positions
+    read in the pass: those judged readable when laid out (``positions``, their ``holders`` and
+    ``block_sizes``), and those judged here (``dynamic``); appends to ``slow`` those to ask one by
+    one, ``judged_slow`` among them."""
+    cdef Py_ssize_t i, k, holder, gpu, n_chain
+    cdef long size, last_size = 0
+    cdef int[:] matched
+    cdef object entry, r, h, said, obj, state, rid, queued, coming, chain, found
+    cdef tuple t
+    for k in range(positions.shape[0]):
+        i = positions[k]
+        if excluded[i]:
+            continue
+        size = block_sizes[k]
+        if size != last_size:
+            found = matches.get(size)
+            if not found:
+                found = truth.matched(tokens, size, matches)
+            matched = found
+            last_size = size
+        known[i] = matched[holders[k]] * <double>size
+        sizes[i] = size
+    slow.extend(judged_slow)
+    for entry in dynamic:
+        t = <tuple>entry
+        i = t[0]
+        if excluded[i]:
+            continue
+        r = t[1]
+        h = t[2]
+        obj = h.block_size
+        if obj is None or not obj:  # (its events have not said one yet: its metrics' may have)
+            said = r.engine.block_size
+            size = int(said) if said else 0
+        else:
+            size = obj
+        if size == 0 or not h.sure or len(<dict>t[3]) != 1:
+            slow.append(i)
+            continue
+        state = r.health.state
+        if state is REMOVED or state == REMOVED:
+            slow.append(i)
+            continue
+        if size != last_size:
+            found = matches.get(size)
+            if not found:
+                found = truth.matched(tokens, size, matches)
+            matched = found
+            last_size = size
+        holder = t[4]
+        known[i] = matched[holder] * <double>size
+        sizes[i] = size
+    cdef dict queued_by = truth.queued
+    for rid, queued in queued_by.items():
+        if not queued:
+            continue
+        obj = at.get(rid)
+        if obj is None:
+            continue
+        i = obj
+        if sizes[i]:
+            sizes[i] = 0
+            known[i] = -1.0
+            slow.append(i)
+    cdef dict coming_by = truth.coming
+    cdef dict chains = {}
+    for rid, coming in coming_by.items():
+        if not coming:
+            continue
+        obj = at.get(rid)
+        if obj is None:
+            continue
+        i = obj
+        size = sizes[i]
+        if not size:
+            continue
+        chain = chains.get(size)
+        if chain is None:
+            chain = chains[size] = tokens.chain(size)
+        n_chain = len(chain)
+        gpu = (<Py_ssize_t>known[i]) // size
+        if gpu < n_chain and chain[gpu] in coming:
+            while gpu < n_chain and chain[gpu] in coming:
+                gpu += 1
+            known[i] = gpu * <double>size
+
+
+def returning_asks(dict returning, dict at, int[:] sizes, double[:] known, dict gpus):
+    """{position: (replica, GPU tokens held, block size)} for the replicas holding conversations
+    likely back, read in the pass (``sizes``, ``known``) or one by one (``gpus``)."""
+    cdef dict asks = {}
+    cdef Py_ssize_t i
+    cdef long b, gpu
+    cdef object rid, back, obj
+    for rid, back in returning.items():
+        if not back:
+            continue
+        obj = at.get(rid)
+        if obj is None:
+            continue
+        i = obj
+        b = sizes[i]
+        if b:
+            gpu = <long>known[i]
+        else:
+            obj = gpus.get(i)
+            if obj is None:
+                continue
+            gpu = (<tuple>obj)[0]
+            b = (<tuple>obj)[1]
+            if not b:
+                continue
+        asks[i] = (rid, gpu, b)
+    return asks

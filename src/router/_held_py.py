@@ -1,0 +1,117 @@
+"""The pure-Python twin of `_held` (src/_held.pyx): the part of a price's read of the engines'
+events that visits every replica, on every request (router.placement.events.events_rows).
+
+`read_plain` reads the replicas whose events come from one believed rank with its GPU its only
+medium, in one pass: each one's tokens held are the index's match for its holder (`truth.matched`,
+one call for every holder of a block size). Most were judged so when the fleet was laid out
+(router.placement.events.Layout), and are read from flat arrays. A replica not read so (no block
+size said yet, not believed, a second tier since its layout, removed) goes to `slow`, to be asked
+one by one; so does one with requests in flight whose new blocks no event has shown yet (what
+they evict first is asked there: `truth.queued`). Where requests are in flight whose blocks are
+there (`truth.coming`), what they compute first is added: the blocks of the prompt's chain that
+follow what is held and are among theirs.
+
+`returning_asks` says, per position holding conversations likely back (`truth.returning`), what
+router.placement.events.Evicting would ask of it: (replica, GPU tokens held, block size).
+
+Both answer as the other does (tests/unit/test_held.py compares them, and the placement tests
+compare their answers with `Truth.row` asked one by one, on both implementations).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+REMOVED = "removed"
+
+
+def read_plain(
+    positions: array[int],
+    holders: array[int],
+    block_sizes: array[int],
+    dynamic: list[tuple[int, Any, Any, dict[str, Any], int]],
+    judged_slow: list[int],
+    excluded: array[int],
+    known: array[float],
+    sizes: array[int],
+    slow: list[int],
+    truth: Any,
+    tokens: Any,
+    matches: dict[int, array[int]],
+    at: dict[str, int],
+) -> None:
+    """Fills `known` (tokens held) and `sizes` (block size; 0: not read here) for the positions
+    read in the pass: those judged readable when laid out (`positions`, their `holders` and
+    `block_sizes`: router.placement.events.Layout), and those judged here (`dynamic`: position,
+    replica, its rank, its tiers, its GPU holder); appends to `slow` those to ask one by one,
+    `judged_slow` among them."""
+    for k in range(len(positions)):
+        i = positions[k]
+        if excluded[i]:
+            continue
+        size = block_sizes[k]
+        matched = matches.get(size) or truth.matched(tokens, size, matches)
+        known[i] = matched[holders[k]] * size
+        sizes[i] = size
+    slow.extend(judged_slow)
+    for i, r, h, tiers, holder in dynamic:
+        if excluded[i]:
+            continue
+        size = h.block_size
+        if not size:  # (its events have not said one yet: its metrics' may have)
+            said = r.engine.block_size
+            size = int(said) if said else 0
+        if not size or not h.sure or len(tiers) != 1 or r.health.state == REMOVED:
+            slow.append(i)
+            continue
+        matched = matches.get(size) or truth.matched(tokens, size, matches)
+        known[i] = matched[holder] * size
+        sizes[i] = size
+    for rid, queued in truth.queued.items():
+        i = at.get(rid, -1) if queued else -1
+        if i >= 0 and sizes[i]:
+            sizes[i] = 0
+            known[i] = -1.0
+            slow.append(i)
+    chains: dict[int, array[int]] = {}
+    for rid, coming in truth.coming.items():
+        i = at.get(rid, -1) if coming else -1
+        if i >= 0 and sizes[i]:
+            size = sizes[i]
+            chain = chains.get(size)
+            if chain is None:
+                chain = chains[size] = tokens.chain(size)
+            gpu = int(known[i]) // size
+            if gpu < len(chain) and chain[gpu] in coming:
+                while gpu < len(chain) and chain[gpu] in coming:
+                    gpu += 1
+                known[i] = gpu * size
+
+
+def returning_asks(
+    returning: dict[str, Any],
+    at: dict[str, int],
+    sizes: array[int],
+    known: array[float],
+    gpus: dict[int, tuple[int, int]],
+) -> dict[int, tuple[str, int, int]]:
+    """{position: (replica, GPU tokens held, block size)} for the replicas holding conversations
+    likely back, read in the pass (`sizes`, `known`) or one by one (`gpus`: GPU tokens, block size)."""
+    asks: dict[int, tuple[str, int, int]] = {}
+    for rid, back in returning.items():
+        i = at.get(rid, -1) if back else -1
+        if i < 0:
+            continue
+        b = sizes[i]
+        if b:
+            gpu = int(known[i])
+        else:
+            found = gpus.get(i)
+            if found is None:
+                continue
+            gpu, b = found
+            if not b:
+                continue
+        asks[i] = (rid, gpu, b)
+    return asks
