@@ -18,10 +18,4 @@ def read_plain(
     matches: dict[int, array[int]],
     at: dict[str, int],
 ) -> None: ...
-def returning_asks(
-    returning: dict[str, Any],
-    at: dict[str, int],
-    sizes: array[int],
-    known: array[float],
-    gpus: dict[int, tuple[int, int]],
-) -> dict[int, tuple[str, int, int]]: ...
+def under(cost: array[float], flags: array[int], limit: float, candidate: int, gated: int) -> list[int]: ...

@@ -4,10 +4,11 @@
 
 router.placement.events.events_rows reads what each replica's events say it holds of a prompt on
 every request: at a thousand replicas its loops over the fleet were most of a decision's time.
-``read_plain`` and ``returning_asks`` are those loops; what they read and why is said in their
-pure-Python twin, router/_held_py.py, which answers alike (tests/unit/test_held.py compares them).
-They read the router's objects (a replica, its rank's holdings, the truth's maps) as Python
-does, attribute by attribute, and only the arrays at C speed: the saving is the interpreter's.
+``read_plain`` is those loops: the replicas laid out for the pass are read from flat arrays, the
+few judged on each request and the maps of requests in flight attribute by attribute, as Python
+reads them. ``under`` scans a price for the candidates whose evictions may be asked. What they
+read and why is said in their pure-Python twin, router/_held_py.py, which answers alike
+(tests/unit/test_held.py compares them).
 """
 
 REMOVED = "removed"
@@ -103,30 +104,12 @@ def read_plain(const int[:] positions, const int[:] holders, const int[:] block_
             known[i] = gpu * <double>size
 
 
-def returning_asks(dict returning, dict at, int[:] sizes, double[:] known, dict gpus):
-    """{position: (replica, GPU tokens held, block size)} for the replicas holding conversations
-    likely back, read in the pass (``sizes``, ``known``) or one by one (``gpus``)."""
-    cdef dict asks = {}
+def under(const double[:] cost, const unsigned char[:] flags, double limit, unsigned char candidate,
+          unsigned char gated):
+    """The positions that are candidates not past the gate (``flags``) and cost at most ``limit``."""
+    cdef list out = []
     cdef Py_ssize_t i
-    cdef long b, gpu
-    cdef object rid, back, obj
-    for rid, back in returning.items():
-        if not back:
-            continue
-        obj = at.get(rid)
-        if obj is None:
-            continue
-        i = obj
-        b = sizes[i]
-        if b:
-            gpu = <long>known[i]
-        else:
-            obj = gpus.get(i)
-            if obj is None:
-                continue
-            gpu = (<tuple>obj)[0]
-            b = (<tuple>obj)[1]
-            if not b:
-                continue
-        asks[i] = (rid, gpu, b)
-    return asks
+    for i in range(cost.shape[0]):
+        if cost[i] <= limit and flags[i] & candidate and not flags[i] & gated:
+            out.append(i)
+    return out

@@ -11,8 +11,8 @@ they evict first is asked there: `truth.queued`). Where requests are in flight w
 there (`truth.coming`), what they compute first is added: the blocks of the prompt's chain that
 follow what is held and are among theirs.
 
-`returning_asks` says, per position holding conversations likely back (`truth.returning`), what
-router.placement.events.Evicting would ask of it: (replica, GPU tokens held, block size).
+`under` says which positions a price's candidates under the gate cost at most a limit: those that
+router.placement.events.Evicting asks what a request would evict, where it can change the decision.
 
 Both answer as the other does (tests/unit/test_held.py compares them, and the placement tests
 compare their answers with `Truth.row` asked one by one, on both implementations).
@@ -89,29 +89,6 @@ def read_plain(
                 known[i] = gpu * size
 
 
-def returning_asks(
-    returning: dict[str, Any],
-    at: dict[str, int],
-    sizes: array[int],
-    known: array[float],
-    gpus: dict[int, tuple[int, int]],
-) -> dict[int, tuple[str, int, int]]:
-    """{position: (replica, GPU tokens held, block size)} for the replicas holding conversations
-    likely back, read in the pass (`sizes`, `known`) or one by one (`gpus`: GPU tokens, block size)."""
-    asks: dict[int, tuple[str, int, int]] = {}
-    for rid, back in returning.items():
-        i = at.get(rid, -1) if back else -1
-        if i < 0:
-            continue
-        b = sizes[i]
-        if b:
-            gpu = int(known[i])
-        else:
-            found = gpus.get(i)
-            if found is None:
-                continue
-            gpu, b = found
-            if not b:
-                continue
-        asks[i] = (rid, gpu, b)
-    return asks
+def under(cost: array[float], flags: array[int], limit: float, candidate: int, gated: int) -> list[int]:
+    """The positions that are candidates not past the gate (`flags`) and cost at most `limit`."""
+    return [i for i in range(len(cost)) if cost[i] <= limit and flags[i] & candidate and not flags[i] & gated]

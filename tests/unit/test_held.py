@@ -30,7 +30,7 @@ def _copy(value: Any) -> Any:
 def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     twin = IMPLEMENTATIONS["python"]
     compiled = IMPLEMENTATIONS.get("compiled", twin)  # (installed without it on purpose: the twin alone)
-    seen = {"reads": 0, "held": 0, "asks": 0, "slow": 0}
+    seen = {"reads": 0, "held": 0, "under": 0, "slow": 0}
 
     def read_plain(*args: Any) -> None:
         # (positions, holders, block sizes, dynamic, judged slow, excluded, known, sizes, slow, ...)
@@ -42,14 +42,14 @@ def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytes
         seen["held"] += sum(1 for k in args[6] if k > 0)
         seen["slow"] += len(args[8]) > 0
 
-    def returning_asks(*args: Any) -> Any:
-        ours = compiled.returning_asks(*args)
-        assert ours == twin.returning_asks(*args)
-        seen["asks"] += len(ours)
+    def under(*args: Any) -> Any:
+        ours = compiled.under(*args)
+        assert ours == twin.under(*args)
+        seen["under"] += len(ours)
         return ours
 
     monkeypatch.setattr(events, "read_plain", read_plain)
-    monkeypatch.setattr(events, "returning_asks", returning_asks)
+    monkeypatch.setattr(events, "under", under)
     sim = Simulation(
         build_parser().parse_args(
             ["simulate", *FLEET, "--events", "--event-loss", "0.05", "--replay-keep", "0", *CHANGES]
@@ -57,14 +57,15 @@ def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytes
     )
     out = sim.run()
     assert out["events"]["unsure_episodes"] > 0 and out["failed_attempts"] > 0
-    assert seen["reads"] > 1000 and seen["held"] > 500 and seen["asks"] > 1000 and seen["slow"] > 100
+    assert seen["reads"] > 1000 and seen["held"] > 500 and seen["under"] > 1000 and seen["slow"] > 100
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 def test_what_is_in_flight_is_read_as_the_one_by_one_read_says(impl: str) -> None:
     """A position read in the pass with requests in flight there whose blocks have not shown
     (`queued`) goes to the slow path; one whose in-flight blocks follow what it holds (`coming`)
-    is credited with them; a replica not laid out is skipped."""
+    is credited with them; a replica not laid out is skipped. The candidates under a limit are the
+    positions flagged candidate, not gated, costing at most it."""
     mod = IMPLEMENTATIONS[impl]
 
     class Tokens:
@@ -89,6 +90,7 @@ def test_what_is_in_flight_is_read_as_the_one_by_one_read_says(impl: str) -> Non
     )  # fmt: skip
     assert list(known) == [-1.0, 4.0, 8.0, -1.0]  # a: queued; c: a block coming after its one; d excluded
     assert list(sizes) == [0, 4, 4, 0] and slow == [9, 7, 0]
-    back = {"a": [1], "b": [1], "c": [], "zz": [1]}
-    assert mod.returning_asks(back, at, sizes, known, {0: (8, 4)}) == {0: ("a", 8, 4), 1: ("b", 4, 4)}
-    assert mod.returning_asks(back, at, sizes, known, {0: (8, 0)}) == {1: ("b", 4, 4)}
+    cost = array("d", [1.0, 2.0, 3.0, 0.5, 2.5])
+    flags = array("B", [1, 1, 1 | 2, 0, 1])  # (candidate 1, gated 2)
+    assert mod.under(cost, flags, 2.5, 1, 2) == [0, 1, 4]
+    assert mod.under(cost, flags, 1.0, 1, 2) == [0]

@@ -145,7 +145,8 @@ class Truth:
         # replica -> (its blocks stored so far, `ahead` then): summed again only once events came
         self._ahead: dict[str, tuple[int, int]] = {}
         self.cut: Counter[str] = Counter()  # replica -> prices cut by blocks predicted evicted first
-        # replica -> the conversations that ended a turn there lately, oldest first (`ended`)
+        # replica -> the conversations that ended a turn there lately, oldest first (`ended`; only
+        # replicas with some)
         self.returning: dict[str, deque[Ended]] = {}
         self.pushed: Counter[str] = Counter()  # replica -> prices charged for what they evict of those
         # replica -> (until when, the blocks a request may allocate there without evicting): found
@@ -319,6 +320,7 @@ class Truth:
         while kept and now - kept[0].at > RETURN_S:
             kept.popleft()
         if not kept:
+            del self.returning[replica_id]  # (only replicas with some are kept)
             return 0.0
         ahead = self.ahead(replica_id)
         index = self.index

@@ -18,43 +18,88 @@ from router.prefix import PRICE_CANDIDATE, PRICE_GATED
 from router.prompt import Prompt
 
 if TYPE_CHECKING or NO_EXTENSIONS:
-    from router._held_py import read_plain, returning_asks
+    from router._held_py import read_plain, under
 else:
-    from _held import read_plain, returning_asks
+    from _held import read_plain, under
 
 
 class Evicting:
     """What a request would evict on each position that holds conversations likely back
     (router.kvevents.truth.Truth.evicts), in seconds of its prefill there: asked only where it
     can change the decision (`bound`), since on a fleet of full caches each one walks the tail of
-    that replica's LRU (at 100 replicas, pricing them all was most of a decision's time)."""
+    that replica's LRU (at 100 replicas, pricing them all was most of a decision's time). Which
+    positions hold such conversations is asked lazily too (`ask`): at 1,000 replicas, building
+    the asks of every one was a tenth of a decision's time."""
 
-    __slots__ = ("asks", "mean_output", "now", "seconds", "sized", "spt", "tokens", "truth")
+    __slots__ = (
+        "asked",
+        "gpus",
+        "ids",
+        "known",
+        "mean_output",
+        "now",
+        "seconds",
+        "sized",
+        "sizes",
+        "spt",
+        "tokens",
+        "truth",
+    )
 
-    def __init__(self, truth: Truth, now: float, tokens: EngineTokens, mean_output: float, spt: array[float]) -> None:
+    def __init__(
+        self,
+        truth: Truth,
+        now: float,
+        tokens: EngineTokens,
+        mean_output: float,
+        spt: array[float],
+        ids: list[str],
+        sizes: array[int],
+        known: array[float],
+        gpus: dict[int, tuple[int, int]],
+    ) -> None:
         self.truth = truth
         self.now = now
         self.tokens = tokens  # the request's, in its engine's tokens
         self.mean_output = mean_output  # its reply's tokens, as the router expects them
         self.spt = spt  # by position: a token's seconds of prefill there
-        # by position: its replica, the tokens of the prompt its GPU holds, and its block size
-        self.asks: dict[int, tuple[str, int, int]] = {}
+        self.ids = ids  # by position: its replica
+        # by position: what `events_rows` read there: in the pass (`sizes`: its block size, `known`:
+        # tokens held), or one by one (`gpus`: its GPU tokens and block size)
+        self.sizes, self.known, self.gpus = sizes, known, gpus
+        self.asked = bytearray(len(spt))
         self.seconds = array("d", bytes(8 * len(spt)))
         # by block size: the prompt's chain and the blocks it allocates besides those held (its reply's)
         self.sized: dict[int, tuple[array[int], int]] = {}
 
+    def ask(self, i: int) -> tuple[str, int, int] | None:
+        """What position i is asked: its replica, the tokens of the prompt its GPU holds, and its
+        block size; None where it holds no conversation likely back, or its events were not read."""
+        replica_id = self.ids[i]
+        if not self.truth.returning.get(replica_id):
+            return None
+        b = self.sizes[i]
+        if b:
+            return replica_id, int(self.known[i]), b
+        found = self.gpus.get(i)
+        if found is None or not found[1]:
+            return None
+        return replica_id, found[0], found[1]
+
     def at(self, i: int) -> float:
         """Position i's (0.0 where it holds none likely back), asked once."""
-        ask = self.asks.pop(i, None)
-        if ask is not None:
-            replica_id, held, b = ask
-            at_size = self.sized.get(b)
-            if at_size is None:
-                chain = self.tokens.chain(b)
-                at_size = self.sized[b] = (chain, len(chain) + math.ceil(self.mean_output / b))
-            # it allocates its prompt's blocks not held there, and its reply's
-            lost = self.truth.evicts(replica_id, at_size[0], at_size[1] - held // b, self.now)
-            self.seconds[i] = lost * (b * self.spt[i])  # (a block's seconds of prefill there)
+        if not self.asked[i]:
+            self.asked[i] = 1
+            ask = self.ask(i)
+            if ask is not None:
+                replica_id, held, b = ask
+                at_size = self.sized.get(b)
+                if at_size is None:
+                    chain = self.tokens.chain(b)
+                    at_size = self.sized[b] = (chain, len(chain) + math.ceil(self.mean_output / b))
+                # it allocates its prompt's blocks not held there, and its reply's
+                lost = self.truth.evicts(replica_id, at_size[0], at_size[1] - held // b, self.now)
+                self.seconds[i] = lost * (b * self.spt[i])  # (a block's seconds of prefill there)
         return self.seconds[i]
 
     def bound(
@@ -68,15 +113,12 @@ class Evicting:
         positions in `also` (a session's replica, the conversation's home: their rows are compared
         with the best). The rest read 0.0. None where nothing asked evicts anything."""
         if best == -1:
-            for i in list(self.asks):
-                self.at(i)
-        elif best >= 0:
+            return self.every()
+        if best >= 0:
             least = cost[best] + self.at(best)  # the cheapest total found so far
             limit = least + max(tie_s, least * tie_share)  # (it only falls: none past it is asked)
             order = sorted(
-                (cost[i], i)
-                for i in self.asks
-                if cost[i] <= limit and flags[i] & PRICE_CANDIDATE and not flags[i] & PRICE_GATED
+                (cost[i], i) for i in under(cost, flags, limit, PRICE_CANDIDATE, PRICE_GATED) if self.ask(i) is not None
             )
             for base, i in order:
                 if base > least + max(tie_s, least * tie_share):
@@ -89,7 +131,7 @@ class Evicting:
 
     def every(self) -> array[float] | None:
         """The seconds on every position (for a price every row of which is read: /admin/route)."""
-        for i in list(self.asks):
+        for i in range(len(self.ids)):
             self.at(i)
         return self.seconds if any(self.seconds) else None
 
@@ -107,13 +149,14 @@ class Layout:
     changes there; a block size only its metrics said). Laid out again when any rank's believed,
     block size or tiers change (`Truth.changes`) or any replica's health state does."""
 
-    __slots__ = ("at", "dynamic", "fast", "key", "others", "plain", "slow", "verdicts_key")
+    __slots__ = ("at", "dynamic", "fast", "ids", "key", "others", "plain", "slow", "verdicts_key")
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.plain: list[tuple[int, ReplicaState, Holdings | Followed, dict[str, Tier], int]] = []
         self.others: list[int] = []
         self.at: dict[str, int] = {}  # replica -> its position
+        self.ids: list[str] = []  # position -> its replica
         self.verdicts_key: tuple[tuple[int, int] | None, int, int] | None = None
         # (positions, holders, block sizes) read in the pass
         self.fast: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
@@ -124,6 +167,7 @@ class Layout:
         key = (fleet.version, truth.members)
         if key != self.key:
             self.plain, self.others, self.at = [], [], {}
+            self.ids = [r.id for r in fleet.replicas]
             for i, r in enumerate(fleet.replicas):
                 self.at[r.id] = i
                 ranks = truth.replicas.get(r.id)
@@ -212,11 +256,9 @@ def events_rows(
     if not gpus and not any(sizes):
         return None
     # what it would evict where conversations likely back are held: asked later, where it matters
-    asks = returning_asks(truth.returning, plan.at, sizes, known, gpus)
     evicting: Evicting | None = None
-    if asks:
-        evicting = Evicting(truth, now, tokens, mean_output, spt)
-        evicting.asks = asks
+    if truth.returning:
+        evicting = Evicting(truth, now, tokens, mean_output, spt, plan.ids, sizes, known, gpus)
     return known, tier, evicting
 
 
