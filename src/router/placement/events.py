@@ -142,12 +142,13 @@ class Layout:
     index, read in one pass; and the others (several ranks, a second tier), asked one by one.
     Laid out again when the fleet's membership or the ranks the events follow change.
 
-    Of the pass, the verdicts are laid out too (`verdicts`): which positions read their holder's
-    match at a block size (three flat arrays, which a request reads at C speed without touching a
-    replica's objects), which are asked one by one (not believed, a second tier since, removed),
-    and which are judged on every request (a rank followed from another process, whose state
-    changes there; a block size only its metrics said). Laid out again when any rank's believed,
-    block size or tiers change (`Truth.changes`) or any replica's health state does."""
+    Of the pass, the verdicts are laid out too (`_judge`): which positions read their holder's
+    match at a block size (`fast`: three flat arrays, which a request reads at C speed without
+    touching a replica's objects), which are asked one by one (`slow`: not believed, a second tier
+    since, removed), and which are judged on every request (`dynamic`: a rank followed from
+    another process, whose state changes there; a block size only its metrics said). Judged
+    again when any rank's believed, block size or tiers change (`Truth.changes`) or any
+    replica's health state does (`ReplicaHealth.changes`)."""
 
     __slots__ = ("at", "dynamic", "fast", "ids", "key", "others", "plain", "slow", "verdicts_key")
 
