@@ -14,33 +14,63 @@ read and why is said in their pure-Python twin, router/_held_py.py, which answer
 REMOVED = "removed"
 
 
-def read_plain(const int[:] positions, const int[:] holders, const int[:] block_sizes, list dynamic,
-               list judged_slow, const unsigned char[:] excluded, double[:] known, int[:] sizes,
-               list slow, truth, tokens, dict matches, dict at):
+cdef inline int[:] _matched(dict matches, long size, truth, tokens):
+    found = matches.get(size)
+    if not found:
+        found = truth.matched(tokens, size, matches)
+    return found
+
+
+def read_plain(layout, const unsigned char[:] excluded, double[:] known, int[:] sizes, list slow,
+               truth, tokens, dict matches):
     """Fills ``known`` (tokens held) and ``sizes`` (block size; 0: not read here) for the positions
-    read in the pass: those judged readable when laid out (``positions``, their ``holders`` and
-    ``block_sizes``), and those judged here (``dynamic``); appends to ``slow`` those to ask one by
-    one, ``judged_slow`` among them."""
-    cdef Py_ssize_t i, k, holder, gpu, n_chain
+    read in the pass, as ``layout`` judged them (the twin says how); appends to ``slow`` those to
+    ask one by one."""
+    cdef Py_ssize_t i, k, holder, gpu, n_chain, at_word
     cdef long size, last_size = 0
+    cdef unsigned long long block
     cdef int[:] matched
-    cdef object entry, r, h, said, obj, state, rid, queued, coming, chain, found
+    cdef const int[:] positions, holders, block_sizes, words
+    cdef const unsigned long long[:] rows
+    cdef Py_ssize_t sure_at, block_at, second_at
+    cdef object entry, r, h, said, obj, state, rid, queued, coming, chain
     cdef tuple t
+    cdef list judge
+    positions, holders, block_sizes = layout.fast
     for k in range(positions.shape[0]):
         i = positions[k]
         if excluded[i]:
             continue
         size = block_sizes[k]
         if size != last_size:
-            found = matches.get(size)
-            if not found:
-                found = truth.matched(tokens, size, matches)
-            matched = found
+            matched = _matched(matches, size, truth, tokens)
             last_size = size
         known[i] = matched[holders[k]] * <double>size
         sizes[i] = size
-    slow.extend(judged_slow)
-    for entry in dynamic:
+    slow.extend(layout.slow)
+    judge = list(layout.dynamic)
+    positions, holders, words = layout.followed
+    if positions.shape[0]:
+        rows = layout.rows
+        sure_at, block_at, second_at = layout.row_words
+        for k in range(positions.shape[0]):
+            i = positions[k]
+            if excluded[i]:
+                continue
+            at_word = words[k]
+            block = rows[at_word + block_at]
+            if block == 0 or rows[at_word + second_at] != 0:
+                judge.append(layout.followed_entries[k])  # (its metrics' block size; another tier begun)
+            elif rows[at_word + sure_at] == 0:
+                slow.append(i)
+            else:
+                size = <long>block
+                if size != last_size:
+                    matched = _matched(matches, size, truth, tokens)
+                    last_size = size
+                known[i] = matched[holders[k]] * <double>size
+                sizes[i] = size
+    for entry in judge:
         t = <tuple>entry
         i = t[0]
         if excluded[i]:
@@ -61,14 +91,12 @@ def read_plain(const int[:] positions, const int[:] holders, const int[:] block_
             slow.append(i)
             continue
         if size != last_size:
-            found = matches.get(size)
-            if not found:
-                found = truth.matched(tokens, size, matches)
-            matched = found
+            matched = _matched(matches, size, truth, tokens)
             last_size = size
         holder = t[4]
         known[i] = matched[holder] * <double>size
         sizes[i] = size
+    cdef dict at = layout.at
     cdef dict queued_by = truth.queued
     for rid, queued in queued_by.items():
         if not queued:

@@ -27,11 +27,7 @@ REMOVED = "removed"
 
 
 def read_plain(
-    positions: array[int],
-    holders: array[int],
-    block_sizes: array[int],
-    dynamic: list[tuple[int, Any, Any, dict[str, Any], int]],
-    judged_slow: list[int],
+    layout: Any,
     excluded: array[int],
     known: array[float],
     sizes: array[int],
@@ -39,13 +35,17 @@ def read_plain(
     truth: Any,
     tokens: Any,
     matches: dict[int, array[int]],
-    at: dict[str, int],
 ) -> None:
     """Fills `known` (tokens held) and `sizes` (block size; 0: not read here) for the positions
-    read in the pass: those judged readable when laid out (`positions`, their `holders` and
-    `block_sizes`: router.placement.events.Layout), and those judged here (`dynamic`: position,
-    replica, its rank, its tiers, its GPU holder); appends to `slow` those to ask one by one,
-    `judged_slow` among them."""
+    read in the pass, as `layout` (router.placement.events.Layout) judged them:
+    - `fast` (positions, their holders and block sizes): read as they are;
+    - `followed` (positions, holders, their roster rows' first words: a worker's ranks): read where
+      three words of the row say so (`layout.row_words`: believed, a block size said, no second
+      tier begun), else judged as `dynamic` ones are;
+    - `dynamic` (position, replica, its rank, its tiers, its GPU holder): judged attribute by
+      attribute.
+    Appends to `slow` those to ask one by one, `layout.slow` among them."""
+    positions, holders, block_sizes = layout.fast
     for k in range(len(positions)):
         i = positions[k]
         if excluded[i]:
@@ -54,8 +54,26 @@ def read_plain(
         matched = matches.get(size) or truth.matched(tokens, size, matches)
         known[i] = matched[holders[k]] * size
         sizes[i] = size
-    slow.extend(judged_slow)
-    for i, r, h, tiers, holder in dynamic:
+    slow.extend(layout.slow)
+    judge = list(layout.dynamic)
+    positions, holders, words = layout.followed
+    if len(positions):
+        rows, (sure_at, block_at, second_at) = layout.rows, layout.row_words
+        for k in range(len(positions)):
+            i = positions[k]
+            if excluded[i]:
+                continue
+            at = words[k]
+            size = rows[at + block_at]
+            if not size or rows[at + second_at]:
+                judge.append(layout.followed_entries[k])  # (its metrics' block size; another tier begun)
+            elif not rows[at + sure_at]:
+                slow.append(i)
+            else:
+                matched = matches.get(size) or truth.matched(tokens, size, matches)
+                known[i] = matched[holders[k]] * size
+                sizes[i] = size
+    for i, r, h, tiers, holder in judge:
         if excluded[i]:
             continue
         size = h.block_size
@@ -68,6 +86,7 @@ def read_plain(
         matched = matches.get(size) or truth.matched(tokens, size, matches)
         known[i] = matched[holder] * size
         sizes[i] = size
+    at = layout.at
     for rid, queued in truth.queued.items():
         i = at.get(rid, -1) if queued else -1
         if i >= 0 and sizes[i]:

@@ -6,10 +6,11 @@ one removed."""
 from __future__ import annotations
 
 from array import array
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from tests.twins import implementations
+from twins import implementations
 
 from router import _held_py
 from router.bench.cli import build_parser
@@ -33,14 +34,14 @@ def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytes
     seen = {"reads": 0, "held": 0, "under": 0, "slow": 0}
 
     def read_plain(*args: Any) -> None:
-        # (positions, holders, block sizes, dynamic, judged slow, excluded, known, sizes, slow, ...)
+        # (layout, excluded, known, sizes, slow, truth, tokens, matches)
         theirs = [_copy(a) for a in args]
         compiled.read_plain(*args)
         twin.read_plain(*theirs)
-        assert args[6] == theirs[6] and args[7] == theirs[7] and args[8] == theirs[8]
+        assert args[2] == theirs[2] and args[3] == theirs[3] and args[4] == theirs[4]
         seen["reads"] += 1
-        seen["held"] += sum(1 for k in args[6] if k > 0)
-        seen["slow"] += len(args[8]) > 0
+        seen["held"] += sum(1 for k in args[2] if k > 0)
+        seen["slow"] += len(args[4]) > 0
 
     def under(*args: Any) -> Any:
         ours = compiled.under(*args)
@@ -61,11 +62,14 @@ def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytes
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
-def test_what_is_in_flight_is_read_as_the_one_by_one_read_says(impl: str) -> None:
-    """A position read in the pass with requests in flight there whose blocks have not shown
-    (`queued`) goes to the slow path; one whose in-flight blocks follow what it holds (`coming`)
-    is credited with them; a replica not laid out is skipped. The candidates under a limit are the
-    positions flagged candidate, not gated, costing at most it."""
+def test_each_kind_of_position_is_read_as_its_layout_says(impl: str) -> None:
+    """Laid out for the pass: read from the index's match. A worker's rank (`followed`): read
+    where its roster row says it is believed with a block size and no second tier begun, asked
+    one by one where it is not believed, judged attribute by attribute where its block size is
+    not said or another tier began. With requests in flight whose blocks have not shown
+    (`queued`): asked one by one; whose blocks follow what it holds (`coming`): credited with
+    them. Excluded: not read. The candidates under a limit are the positions flagged candidate,
+    not gated, costing at most it."""
     mod = IMPLEMENTATIONS[impl]
 
     class Tokens:
@@ -79,17 +83,32 @@ def test_what_is_in_flight_is_read_as_the_one_by_one_read_says(impl: str) -> Non
             self.coming = {"c": {12: 1, 14: 1}, "a": {12: 1}, "zz": {11: 1}}
 
         def matched(self, tokens: Any, size: int, matches: dict[int, array[int]]) -> array[int]:
-            matches[size] = array("i", [1, 1, 1, 0])  # by holder: one leading block each, the last none
+            matches[size] = array("i", [1, 1, 1, 0, 2, 2, 2, 2])  # by holder: leading blocks kept
             return matches[size]
 
-    at = {"a": 0, "b": 1, "c": 2, "d": 3}
-    known, sizes, slow = array("d", [-1.0] * 4), array("i", [0] * 4), [9]
-    mod.read_plain(
-        array("i", [0, 1, 2, 3]), array("i", [0, 1, 2, 3]), array("i", [4] * 4), [], [7],
-        array("B", [0, 0, 0, 1]), known, sizes, slow, Truth(), Tokens(), {}, at,
-    )  # fmt: skip
-    assert list(known) == [-1.0, 4.0, 8.0, -1.0]  # a: queued; c: a block coming after its one; d excluded
-    assert list(sizes) == [0, 4, 4, 0] and slow == [9, 7, 0]
+    said_nothing = SimpleNamespace(block_size=None, sure=True)  # a rank: no block size said ...
+    metrics = SimpleNamespace(engine=SimpleNamespace(block_size=None), health=SimpleNamespace(state="healthy"))
+    # roster rows of ten words: believed (word 1), block size (2), a second tier's holder (3)
+    rows = array("Q")
+    for believed, block, second in ((1, 4, 0), (0, 4, 0), (1, 0, 0), (1, 4, 9)):
+        rows += array("Q", [0, believed, block, second, 0, 0, 0, 0, 0, 0])
+    layout = SimpleNamespace(
+        fast=(array("i", [0, 1, 2, 3]), array("i", [0, 1, 2, 3]), array("i", [4] * 4)),
+        slow=[7],
+        dynamic=[],
+        followed=(array("i", [4, 5, 6, 7]), array("i", [4, 5, 6, 7]), array("i", [0, 10, 20, 30])),
+        followed_entries=[None, None, (6, metrics, said_nothing, {"GPU": 0}, 6), (7, metrics, said_nothing, {}, 7)],
+        rows=rows,
+        row_words=(1, 2, 3),
+        at={"a": 0, "b": 1, "c": 2, "d": 3},
+    )
+    known, sizes, slow = array("d", [-1.0] * 8), array("i", [0] * 8), [9]
+    excluded = array("B", [0, 0, 0, 1, 0, 0, 0, 0])
+    mod.read_plain(layout, excluded, known, sizes, slow, Truth(), Tokens(), {})
+    # a: queued; c: a block coming after its one; d excluded; 4: a worker's, believed; 5: not
+    # believed; 6: no block size said (nor by metrics); 7: a second tier begun (judged: no size)
+    assert list(known) == [-1.0, 4.0, 8.0, -1.0, 8.0, -1.0, -1.0, -1.0]
+    assert list(sizes) == [0, 4, 4, 0, 4, 0, 0, 0] and slow == [9, 7, 5, 6, 7, 0]
     cost = array("d", [1.0, 2.0, 3.0, 0.5, 2.5])
     flags = array("B", [1, 1, 1 | 2, 0, 1])  # (candidate 1, gated 2)
     assert mod.under(cost, flags, 2.5, 1, 2) == [0, 1, 4]

@@ -24,13 +24,17 @@ from hypothesis import strategies as st
 from twins import implementations
 
 from router import _kvshare_py
+from router.config import ReplicaSpec
+from router.fleet import Fleet
 from router.kvevents.holdings import Holdings
 from router.kvevents.mapped import SharedFileError
 from router.kvevents.shared import FIRST_POOL, SharedIndex, SharedIndexReader, max_pool
 from router.kvevents.tokens import EngineTokens, root_of, token_chain
 from router.kvevents.truth import Found, Truth
 from router.kvevents.wire import Batch, Removed, Stored
+from router.placement.events import Layout, events_rows
 from router.prefix import PrefixIndex
+from router.prompt import Prompt
 
 IMPLEMENTATIONS = implementations("_kvshare", _kvshare_py)
 
@@ -361,5 +365,68 @@ def test_a_worker_reading_the_shared_index_believes_and_prices_as_the_writer(shm
         assert sorted(worker.replicas) == ["a"]
         with pytest.raises(TypeError, match="reader"):
             worker.holdings("c", 0, 10)
+    finally:
+        shared.close()
+
+
+def test_a_workers_layout_reads_each_rank_as_its_roster_row_says_whatever_changes(shm_dir: str) -> None:
+    """A worker's ranks are read in the pass by three words of their roster rows, which the writer
+    changes in its own process: a Layout kept across requests reads every row as the worker's
+    `Truth.held` says it, through a rank the writer stops believing, one suspected here, a
+    second tier begun there and a replica removed."""
+    shared = SharedIndex("layout", shm_dir)
+    try:
+        writer, worker = Truth(), Truth()
+        writer.share(shared)
+        worker.share(SharedIndexReader("layout", shm_dir))
+        rids = "abc"
+        fleet = Fleet([ReplicaSpec(rid, f"http://10.0.0.{k}:1") for k, rid in enumerate(rids)])
+        tokens = array("Q", range(1000, 1064))  # four blocks of 16
+        ranks = {rid: writer.holdings(rid, 0, 100) for rid in rids}
+        for h in ranks.values():
+            stored = Stored(array("Q", [1, 2]), None, tokens[:32], 16, "GPU", None, None)
+            assert h.accept(Batch(0, 1.0, 0, (stored,))) == "ok"
+            writer.published(h)
+        worker.follow()
+        engine = EngineTokens(64, tuple(tokens), None, None, "tokenizer")
+        prompt = Prompt(engine.chain(16), 256, 4, engine)
+        layout = Layout()
+
+        def rows() -> list[float]:
+            got = events_rows(
+                fleet,
+                worker,
+                prompt,
+                array("B", [0, 0, 0]),
+                array("d", [1e-4] * 3),
+                array("d", [0.0] * 3),
+                0.0,
+                0.0,
+                layout,
+            )
+            assert got is not None
+            for i, rid in enumerate(rids):
+                held = worker.held(rid, engine, {})
+                assert got[0][i] == (-1.0 if held is None else worker.credit(held, 1e-4)), rid
+            return list(got[0])
+
+        assert rows() == [32.0, 32.0, 32.0] and len(layout.followed[0]) == 3
+        ranks["a"].make_unsure()  # the writer stops believing it
+        writer.published(ranks["a"])
+        assert rows()[0] == -1.0
+        worker.suspect("b")  # its health went down here
+        assert rows()[1] == -1.0 and len(layout.dynamic) == 1
+        stored = Stored(array("Q", [3]), 2, tokens[32:48], 16, "GPU", None, None)
+        assert ranks["b"].accept(Batch(1, 2.0, 0, (stored,))) == "ok"  # the next message: believed again
+        writer.published(ranks["b"])
+        assert rows()[1] == 48.0  # (judged on that request: the next reads it in the pass again)
+        assert rows()[1] == 48.0 and not layout.dynamic
+        cpu = Stored(array("Q", [11, 12, 13, 14]), None, tokens, 16, "CPU", None, None)
+        assert ranks["c"].accept(Batch(1, 2.0, 0, (cpu,))) == "ok"  # a second tier begun there
+        writer.published(ranks["c"])
+        assert rows()[2] > 32.0  # (its tier found on that request: the next asks it one by one)
+        assert rows()[2] > 32.0 and layout.slow == [2]
+        fleet.replicas[1].health.state = "removed"
+        assert rows()[1] == -1.0
     finally:
         shared.close()

@@ -170,12 +170,18 @@ class Followed(Tiers):
 
     words = _ROW_WORDS
 
-    def __init__(self, roster: RosterReader, index: MatchIndex, row: int) -> None:
+    # the words of its row a read of it checks on every request (router.placement.events: believed,
+    # block size, and the second tier's holder, which says its engine began another tier)
+    SURE, BLOCK, SECOND_TIER = _R_SURE, _R_BLOCK, _R_TIERS + 3
+
+    def __init__(self, roster: RosterReader, index: MatchIndex, row: int, changes: list[int] | None = None) -> None:
         self.rows, self.floats = roster.rows, roster.floats
         self.index = index
         self.at = row * _ROW_WORDS
         self.tiers: dict[str, Tier] = {}
-        self._suspect_seq: int | None = None
+        # bumped when what this process keeps of it changes (suspected, a tier found): as Holdings'
+        self.changes = [0] if changes is None else changes
+        self.suspect_seq: int | None = None  # its health went down here: the row's seq then
         self._tiers()
 
     def _tiers(self) -> None:
@@ -187,22 +193,25 @@ class Followed(Tiers):
             medium = int(rows[self.at + _R_TIERS + 2 * k]).to_bytes(8, "little").rstrip(b"\0").decode()
             if medium not in self.tiers:
                 self.tiers[medium] = Tier(holder - 1)
+                self.changes[0] += 1
 
     @property
     def sure(self) -> bool:
         rows = self.rows
-        if self._suspect_seq is not None:
-            if rows[self.at + _R_SEQ] == self._suspect_seq:
+        if self.suspect_seq is not None:
+            if rows[self.at + _R_SEQ] == self.suspect_seq:
                 return False  # no message since its health went down
-            self._suspect_seq = None
+            self.suspect_seq = None
+            self.changes[0] += 1
         if len(self.tiers) < _MAX_TIERS and rows[self.at + _R_TIERS + 2 * len(self.tiers) + 1]:
             self._tiers()  # its engine began another tier
         return bool(rows[self.at + _R_SURE])
 
     def suspect(self) -> None:
         """Its health went down: not believed here until its next message (the writer decides)."""
-        if self._suspect_seq is None:
-            self._suspect_seq = int(self.rows[self.at + _R_SEQ])
+        if self.suspect_seq is None:
+            self.suspect_seq = int(self.rows[self.at + _R_SEQ])
+            self.changes[0] += 1
 
     @property
     def seq(self) -> int | None:

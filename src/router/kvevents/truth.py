@@ -133,7 +133,8 @@ class Truth:
         self._roster = -1  # a reader's: the roster's generation its replicas were last built from
         self.replicas: dict[str, dict[int, Holdings | Followed]] = {}
         self.members = 0  # bumped whenever a replica's ranks are added or dropped (a layout of them is stale)
-        # bumped whenever one of its Holdings' believed, block size or tiers change (router.placement.events)
+        # bumped whenever one of its ranks' believed, block size or tiers change, as this process
+        # keeps them (Holdings, Followed: router.placement.events)
         self.changes = [0]
         self.tier_spt = 1.0 / tier_tokens_per_s if tier_tokens_per_s > 0 else 0.0
         self.tier_samples = 0  # answers that loaded blocks back from a second tier, timed
@@ -213,7 +214,7 @@ class Truth:
             kept = self.replicas.get(rid, {}).get(rank)
             same = isinstance(kept, Followed) and kept.at == row * kept.words
             listed.setdefault(rid, {})[rank] = (
-                kept if same and kept is not None else Followed(reader.roster, reader, row)
+                kept if same and kept is not None else Followed(reader.roster, reader, row, self.changes)
             )
         for rid in set(self.replicas) - set(listed):
             self.forget(rid)

@@ -145,12 +145,29 @@ class Layout:
     Of the pass, the verdicts are laid out too (`_judge`): which positions read their holder's
     match at a block size (`fast`: three flat arrays, which a request reads at C speed without
     touching a replica's objects), which are asked one by one (`slow`: not believed, a second tier
-    since, removed), and which are judged on every request (`dynamic`: a rank followed from
-    another process, whose state changes there; a block size only its metrics said). Judged
-    again when any rank's believed, block size or tiers change (`Truth.changes`) or any
-    replica's health state does (`ReplicaHealth.changes`)."""
+    since, removed), and which are judged on every request: a rank followed from another process
+    (`followed`: a worker's, whose believed, block size and tiers change there), by three words of
+    its roster row; a rank suspected here, or of a block size only its metrics said (`dynamic`),
+    attribute by attribute. Judged again when any rank's believed, block size or tiers change as
+    this process keeps them (`Truth.changes`), or any replica's health state does
+    (`ReplicaHealth.changes`)."""
 
-    __slots__ = ("at", "dynamic", "fast", "ids", "key", "others", "plain", "slow", "verdicts_key")
+    __slots__ = (
+        "at",
+        "dynamic",
+        "fast",
+        "followed",
+        "followed_entries",
+        "ids",
+        "key",
+        "others",
+        "plain",
+        "rows",
+        "slow",
+        "verdicts_key",
+    )
+    # the words of a roster row the pass reads of a worker's rank (router.kvevents.roster.Followed)
+    row_words = (Followed.SURE, Followed.BLOCK, Followed.SECOND_TIER)
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
@@ -161,6 +178,10 @@ class Layout:
         self.verdicts_key: tuple[tuple[int, int] | None, int, int] | None = None
         # (positions, holders, block sizes) read in the pass
         self.fast: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
+        # (positions, holders, roster words) read in the pass where their rows say so, each request
+        self.followed: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
+        self.followed_entries: list[tuple[int, ReplicaState, Holdings | Followed, dict[str, Tier], int]] = []
+        self.rows: memoryview | array[int] = array("Q")  # the roster's words (a worker's)
         self.dynamic: list[tuple[int, ReplicaState, Holdings | Followed, dict[str, Tier], int]] = []
         self.slow: list[int] = []
 
@@ -189,19 +210,31 @@ class Layout:
         return self
 
     def _judge(self) -> None:
-        positions, holders, sizes = array("i"), array("i"), array("i")
-        self.dynamic, self.slow = [], []
+        fast: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
+        followed: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
+        self.dynamic, self.slow, self.followed_entries = [], [], []
         for entry in self.plain:
             i, r, h, tiers, holder = entry
-            if not isinstance(h, Holdings) or not h.block_size:
-                self.dynamic.append(entry)
-            elif not h.sure or len(tiers) != 1 or r.health.state == "removed":
+            if len(tiers) != 1 or r.health.state == "removed":
+                self.slow.append(i)  # (a second tier since it was laid out; removed)
+            elif isinstance(h, Followed):
+                if h.suspect_seq is not None:
+                    self.dynamic.append(entry)  # (suspected here: believed again once a message comes)
+                else:  # (what the writer says of it changes there: its row is read on each request)
+                    followed[0].append(i)
+                    followed[1].append(holder)
+                    followed[2].append(h.at)
+                    self.followed_entries.append(entry)
+                    self.rows = h.rows
+            elif not h.block_size:
+                self.dynamic.append(entry)  # (a block size only its metrics said, if any)
+            elif not h.sure:
                 self.slow.append(i)
             else:
-                positions.append(i)
-                holders.append(holder)
-                sizes.append(h.block_size)
-        self.fast = (positions, holders, sizes)
+                fast[0].append(i)
+                fast[1].append(holder)
+                fast[2].append(h.block_size)
+        self.fast, self.followed = fast, followed
 
 
 def events_rows(
@@ -235,7 +268,7 @@ def events_rows(
     plan = (layout or Layout()).of(fleet, truth)
     sizes = array("i", bytes(4 * n))  # by position read in the pass: its block size (0: not read)
     slow = list(plan.others)
-    read_plain(*plan.fast, plan.dynamic, plan.slow, excluded, known, sizes, slow, truth, tokens, matches, plan.at)
+    read_plain(plan, excluded, known, sizes, slow, truth, tokens, matches)
     gpus: dict[int, tuple[int, int]] = {}  # by position asked one by one: its GPU tokens and block size
     for i in sorted(set(slow)):
         r = fleet.replicas[i]
