@@ -11,6 +11,8 @@ read and why is said in their pure-Python twin, router/_held_py.py, which answer
 (tests/unit/test_held.py compares them).
 """
 
+from array import array
+
 REMOVED = "removed"
 
 
@@ -21,23 +23,14 @@ cdef inline int[:] _matched(dict matches, long size, truth, tokens):
     return found
 
 
-def read_plain(layout, const unsigned char[:] excluded, double[:] known, int[:] sizes, list slow,
-               truth, tokens, dict matches):
-    """Fills ``known`` (tokens held) and ``sizes`` (block size; 0: not read here) for the positions
-    read in the pass, as ``layout`` judged them (the twin says how); appends to ``slow`` those to
-    ask one by one."""
-    cdef Py_ssize_t i, k, holder, gpu, n_chain, at_word
+cdef int _hold(const int[:] positions, const int[:] holders, const int[:] block_sizes, Py_ssize_t n,
+               const unsigned char[:] excluded, double[:] known, int[:] sizes, dict matches, truth,
+               tokens) except -1:
+    """Positions' tokens held: each one's holder's match at its block size."""
+    cdef Py_ssize_t i, k
     cdef long size, last_size = 0
-    cdef unsigned long long block
     cdef int[:] matched
-    cdef const int[:] positions, holders, block_sizes, words
-    cdef const unsigned long long[:] rows
-    cdef Py_ssize_t sure_at, block_at, second_at
-    cdef object entry, r, h, said, obj, state, rid, queued, coming, chain
-    cdef tuple t
-    cdef list judge
-    positions, holders, block_sizes = layout.fast
-    for k in range(positions.shape[0]):
+    for k in range(n):
         i = positions[k]
         if excluded[i]:
             continue
@@ -47,9 +40,31 @@ def read_plain(layout, const unsigned char[:] excluded, double[:] known, int[:] 
             last_size = size
         known[i] = matched[holders[k]] * <double>size
         sizes[i] = size
+    return 0
+
+
+def read_plain(layout, const unsigned char[:] excluded, double[:] known, int[:] sizes, list slow,
+               truth, tokens, dict matches):
+    """Fills ``known`` (tokens held) and ``sizes`` (block size; 0: not read here) for the positions
+    read in the pass, as ``layout`` judged them (the twin says how); appends to ``slow`` those to
+    ask one by one."""
+    cdef Py_ssize_t i, k, m = 0, gpu, n_chain, at_word
+    cdef long size
+    cdef unsigned long long block
+    cdef const int[:] positions, holders, block_sizes, words
+    cdef int[:] read_at, read_holders, read_sizes
+    cdef const unsigned long long[:] rows
+    cdef Py_ssize_t sure_at, block_at, second_at
+    cdef object entry, r, h, said, obj, state, rid, queued, coming, chain
+    cdef tuple t
+    cdef list judge
+    positions, holders, block_sizes = layout.fast
+    _hold(positions, holders, block_sizes, positions.shape[0], excluded, known, sizes, matches, truth, tokens)
     slow.extend(layout.slow)
     judge = list(layout.dynamic)
     positions, holders, words = layout.followed
+    n = positions.shape[0] + len(judge)
+    read_at, read_holders, read_sizes = array("i", bytes(4 * n)), array("i", bytes(4 * n)), array("i", bytes(4 * n))
     if positions.shape[0]:
         rows = layout.rows
         sure_at, block_at, second_at = layout.row_words
@@ -64,12 +79,8 @@ def read_plain(layout, const unsigned char[:] excluded, double[:] known, int[:] 
             elif rows[at_word + sure_at] == 0:
                 slow.append(i)
             else:
-                size = <long>block
-                if size != last_size:
-                    matched = _matched(matches, size, truth, tokens)
-                    last_size = size
-                known[i] = matched[holders[k]] * <double>size
-                sizes[i] = size
+                read_at[m], read_holders[m], read_sizes[m] = i, holders[k], <int>block
+                m += 1
     for entry in judge:
         t = <tuple>entry
         i = t[0]
@@ -90,12 +101,9 @@ def read_plain(layout, const unsigned char[:] excluded, double[:] known, int[:] 
         if state is REMOVED or state == REMOVED:
             slow.append(i)
             continue
-        if size != last_size:
-            matched = _matched(matches, size, truth, tokens)
-            last_size = size
-        holder = t[4]
-        known[i] = matched[holder] * <double>size
-        sizes[i] = size
+        read_at[m], read_holders[m], read_sizes[m] = i, t[4], size
+        m += 1
+    _hold(read_at, read_holders, read_sizes, m, excluded, known, sizes, matches, truth, tokens)
     cdef dict at = layout.at
     cdef dict queued_by = truth.queued
     for rid, queued in queued_by.items():

@@ -26,6 +26,28 @@ from typing import Any
 REMOVED = "removed"
 
 
+def _hold(
+    positions: array[int],
+    holders: array[int],
+    block_sizes: array[int],
+    excluded: array[int],
+    known: array[float],
+    sizes: array[int],
+    matches: dict[int, array[int]],
+    truth: Any,
+    tokens: Any,
+) -> None:
+    """Positions' tokens held: each one's holder's match at its block size."""
+    for k in range(len(positions)):
+        i = positions[k]
+        if excluded[i]:
+            continue
+        size = block_sizes[k]
+        matched = matches.get(size) or truth.matched(tokens, size, matches)
+        known[i] = matched[holders[k]] * size
+        sizes[i] = size
+
+
 def read_plain(
     layout: Any,
     excluded: array[int],
@@ -46,16 +68,10 @@ def read_plain(
       attribute.
     Appends to `slow` those to ask one by one, `layout.slow` among them."""
     positions, holders, block_sizes = layout.fast
-    for k in range(len(positions)):
-        i = positions[k]
-        if excluded[i]:
-            continue
-        size = block_sizes[k]
-        matched = matches.get(size) or truth.matched(tokens, size, matches)
-        known[i] = matched[holders[k]] * size
-        sizes[i] = size
+    _hold(positions, holders, block_sizes, excluded, known, sizes, matches, truth, tokens)
     slow.extend(layout.slow)
     judge = list(layout.dynamic)
+    read: tuple[array[int], array[int], array[int]] = (array("i"), array("i"), array("i"))
     positions, holders, words = layout.followed
     if len(positions):
         rows, (sure_at, block_at, second_at) = layout.rows, layout.row_words
@@ -70,9 +86,8 @@ def read_plain(
             elif not rows[at + sure_at]:
                 slow.append(i)
             else:
-                matched = matches.get(size) or truth.matched(tokens, size, matches)
-                known[i] = matched[holders[k]] * size
-                sizes[i] = size
+                for column, value in zip(read, (i, holders[k], size), strict=True):
+                    column.append(value)
     for i, r, h, tiers, holder in judge:
         if excluded[i]:
             continue
@@ -83,9 +98,9 @@ def read_plain(
         if not size or not h.sure or len(tiers) != 1 or r.health.state == REMOVED:
             slow.append(i)
             continue
-        matched = matches.get(size) or truth.matched(tokens, size, matches)
-        known[i] = matched[holder] * size
-        sizes[i] = size
+        for column, value in zip(read, (i, holder, size), strict=True):
+            column.append(value)
+    _hold(read[0], read[1], read[2], excluded, known, sizes, matches, truth, tokens)
     at = layout.at
     for rid, queued in truth.queued.items():
         i = at.get(rid, -1) if queued else -1
