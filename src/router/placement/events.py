@@ -252,13 +252,14 @@ def events_rows(
     credited at its speed `spt`), -1 where they say nothing or are not believed; and of those, the
     tokens its engine holds on a second tier; and what the blocks it would allocate there (its
     prompt's not held, and a reply of `mean_output` tokens) would evict of the conversations likely
-    to come back, to be asked where it matters (`Evicting`; None where no position holds any). None
+    to come back, to be asked where it matters (`Evicting`; None where no replica holds any). None
     when no candidate's events say anything. `prompt` carries its engine tokens.
 
     Every replica is read on every request, so most are read in one pass (`layout`: one sure rank
-    on its GPU, of a known block size, nothing in flight there): its blocks held are the index's
-    match for it. The rest, and those with requests in flight (what they compute first, what they
-    evict first), are asked one by one (`Truth.row`)."""
+    on its GPU, of a known block size, no request sent there whose blocks have not shown): its
+    blocks held are the index's match for it (the loops compiled: `_held`). The rest, and those
+    with requests in flight whose blocks have not shown (what they evict first), are asked one by
+    one (`Truth.row`)."""
     tokens = prompt.tokens
     assert tokens is not None
     n = len(excluded)
