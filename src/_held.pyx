@@ -16,13 +16,6 @@ from array import array
 REMOVED = "removed"
 
 
-cdef inline int[:] _matched(dict matches, long size, truth, tokens):
-    found = matches.get(size)
-    if not found:
-        found = truth.matched(tokens, size, matches)
-    return found
-
-
 cdef int _hold(const int[:] positions, const int[:] holders, const int[:] block_sizes, Py_ssize_t n,
                const unsigned char[:] excluded, double[:] known, int[:] sizes, dict matches, truth,
                tokens) except -1:
@@ -36,7 +29,7 @@ cdef int _hold(const int[:] positions, const int[:] holders, const int[:] block_
             continue
         size = block_sizes[k]
         if size != last_size:
-            matched = _matched(matches, size, truth, tokens)
+            matched = truth.matched(tokens, size, matches)
             last_size = size
         known[i] = matched[holders[k]] * <double>size
         sizes[i] = size

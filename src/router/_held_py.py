@@ -43,7 +43,7 @@ def _hold(
         if excluded[i]:
             continue
         size = block_sizes[k]
-        matched = matches.get(size) or truth.matched(tokens, size, matches)
+        matched = truth.matched(tokens, size, matches)
         known[i] = matched[holders[k]] * size
         sizes[i] = size
 

@@ -452,7 +452,7 @@ class Truth:
                 if best is None:
                     best = (0, 0, 0)  # it holds nothing at all (whatever its blocks' size)
                 continue
-            matched = matches.get(size) or self.matched(tokens, size, matches)
+            matched = self.matched(tokens, size, matches)
             gpu = tier = 0
             for medium, t in h.tiers.items():
                 if medium == MEDIUM_GPU:
@@ -480,7 +480,11 @@ class Truth:
 
     def matched(self, tokens: EngineTokens, size: int, matches: dict[int, array[int]]) -> array[int]:
         """How many leading blocks of `tokens`' chain at block size `size` each holder of the index
-        keeps (one call into the index for every holder), kept in `matches` by size."""
+        keeps (one call into the index for every holder), kept in `matches` by size: made once a
+        request and size."""
+        found = matches.get(size)
+        if found is not None:
+            return found
         chain = tokens.chain(size)
         matched = matches[size] = array("i", bytes(4 * self.index.n_holders))
         if len(chain):
