@@ -1,8 +1,8 @@
-"""Builds the compiled cores `_ring`, `_prefix`, `_kvwire`, `_kvshare` and `_held` and ships their cimport contracts and stubs beside them.
+"""Builds the compiled cores `_ring`, `_prefix`, `_kvwire`, `_kvshare`, `_held` and `_timers` and ships their cimport contracts and stubs beside them.
 
 A failed compile fails the build. ROUTER_NO_EXTENSIONS=1 skips the extensions on purpose:
 the package then runs on the pure-Python twins (router/_ring_py.py, router/_prefix_py.py,
-router/_kvwire_py.py, router/_kvshare_py.py, router/_held_py.py).
+router/_kvwire_py.py, router/_kvshare_py.py, router/_held_py.py, router/_timers_py.py).
 """
 
 import os
@@ -13,9 +13,9 @@ from setuptools.command.build_py import build_py
 
 NO_EXTENSIONS = os.environ.get("ROUTER_NO_EXTENSIONS", "").strip().lower() not in ("", "0", "false", "no")
 # Shipped at the top level next to the modules, so `cimport _ring`, `cimport _prefix` and type
-# checkers find them (`_prefix` cimports `_ring`; `_kvwire`, `_kvshare` and `_held` have stubs only: nothing
+# checkers find them (`_prefix` cimports `_ring`; `_kvwire`, `_kvshare`, `_held` and `_timers` have stubs only: nothing
 # cimports them). src/_aged.pxd is inline code `_prefix` and `_kvshare` share at build time: not shipped.
-CONTRACT_FILES = ("src/_ring.pxd", "src/_ring.pyi", "src/_prefix.pxd", "src/_prefix.pyi", "src/_kvwire.pyi", "src/_kvshare.pyi", "src/_held.pyi")
+CONTRACT_FILES = ("src/_ring.pxd", "src/_ring.pyi", "src/_prefix.pxd", "src/_prefix.pyi", "src/_kvwire.pyi", "src/_kvshare.pyi", "src/_held.pyi", "src/_timers.pyi")
 
 
 class BuildPyWithContract(build_py):
@@ -30,7 +30,7 @@ def extensions() -> list:
         return []
     from Cython.Build import cythonize  # noqa: PLC0415 -- needed only when building the extensions
 
-    names = ("_ring", "_prefix", "_kvwire", "_kvshare", "_held")
+    names = ("_ring", "_prefix", "_kvwire", "_kvshare", "_held", "_timers")
     modules = [Extension(name, [f"src/{name}.pyx"], extra_compile_args=["-O3"]) for name in names]
     return cythonize(modules, include_path=["src"], compiler_directives={"language_level": "3"})
 

@@ -1,12 +1,22 @@
-"""The simulator's light event loop on a virtual clock (router.bench.virtual_time)."""
+"""The simulator's light event loop on a virtual clock (router.bench.virtual_time), and its timers
+in order (`_timers`, compiled, and its twin router/_timers_py.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
+import weakref
+from collections import deque
+from types import ModuleType
+from typing import Any
 
 import pytest
+from twins import implementations
 
+from router import _timers_py
 from router.bench.virtual_time import LightLoop
+
+TIMERS = implementations("_timers", _timers_py)
 
 
 def test_time_jumps_to_each_timer_in_order_and_passes_no_wall_time() -> None:
@@ -157,3 +167,81 @@ def test_turns_run_in_asyncios_order() -> None:
         return seen
 
     assert order(light=True) == order(light=False)
+
+
+class Due:
+    """A timer as the heap sees one: a name and whether it was cancelled."""
+
+    def __init__(self, name: Any) -> None:
+        self.name = name
+        self.cancelled = False
+
+    def __repr__(self) -> str:
+        return f"Due({self.name!r})"
+
+
+@pytest.mark.parametrize("impl", TIMERS.values(), ids=list(TIMERS))
+def test_timers_come_out_by_time_then_in_the_order_pushed_whatever_the_order_in(impl: ModuleType) -> None:
+    """Pushes and takes interleaved, with times tied often, some in the past, and some cancelled:
+    each take gives what a sort by (when, order pushed) gives, the cancelled left out."""
+    rng = random.Random(7)
+    heap = impl.TimerHeap()
+    waiting: list[tuple[float, int, Due]] = []  # what a sorted list says is there
+    pushed = 0
+    now = 0.0
+    for step in range(3000):
+        if rng.random() < 0.6:
+            # times on a coarse grid tie often; a few lie before now (due at once)
+            when = now + rng.choice((-1.0, 0.0, 0.5, 1.0, 1.5, 7.25)) * rng.randint(0, 3)
+            timer = Due(step)
+            heap.push(when, timer)
+            waiting.append((when, pushed, timer))
+            pushed += 1
+            if rng.random() < 0.1:
+                rng.choice(waiting)[2].cancelled = True
+        else:
+            now += rng.choice((0.0, 0.5, 1.0, 3.0))
+            got: deque[Due] = deque()
+            heap.take_due(now, got)
+            waiting.sort(key=lambda w: (w[0], w[1]))
+            due = [w for w in waiting if w[0] <= now]
+            waiting = waiting[len(due) :]
+            assert list(got) == [t for _, _, t in due if not t.cancelled]
+        assert len(heap) == len(waiting)
+        if waiting:
+            heap.drop_cancelled()
+            waiting.sort(key=lambda w: (w[0], w[1]))
+            while waiting and waiting[0][2].cancelled:
+                waiting.pop(0)
+            assert len(heap) == len(waiting)
+            if waiting:
+                assert heap.first_when() == waiting[0][0]
+    heap.clear()
+    assert len(heap) == 0
+    with pytest.raises(IndexError):
+        heap.first_when()
+    heap.push(1.0, Due("after a clear"))
+    into: deque[Due] = deque()
+    heap.take_due(1.0, into)
+    assert [t.name for t in into] == ["after a clear"]
+
+
+@pytest.mark.parametrize("impl", TIMERS.values(), ids=list(TIMERS))
+def test_the_heap_lets_go_of_each_timer_it_gives_out(impl: ModuleType) -> None:
+    """A timer taken out, cancelled and dropped, or cleared is no longer held (a million sessions'
+    timers would otherwise stay alive)."""
+    heap = impl.TimerHeap()
+    timers = [Due(i) for i in range(5)]
+    refs = [weakref.ref(t) for t in timers]
+    for i, timer in enumerate(timers):
+        heap.push(float(i), timer)
+    timers[0].cancelled = True
+    into: deque[Due] = deque()
+    heap.drop_cancelled()
+    heap.take_due(2.0, into)
+    del timers, timer
+    assert [r() is None for r in refs] == [True, False, False, False, False]  # 1 and 2 are in `into`
+    into.clear()
+    assert [r() is None for r in refs] == [True, True, True, False, False]
+    heap.clear()
+    assert all(r() is None for r in refs)

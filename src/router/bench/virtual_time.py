@@ -13,20 +13,26 @@ stops on, never a hang. While the loop runs it is the thread's running loop, so 
 `asyncio.get_running_loop().time()` reads the virtual clock.
 
 Its turns run in asyncio's order, so a run replays the asyncio loop's to the last digit: timers
-wait in a heap of (time, order, timer) tuples, which compare in C; equal times run in the order
-they were set; each turn runs what was ready when it began, after the timers due join it; a
-strand started, or woken by a `Wait` set, goes on in the next turn, and a timer's callback that
-sets a `Wait` wakes its strand one turn later, as asyncio's `sleep` does.
+wait in order of time (`_timers`, compiled: a heap of flat (time, order) keys; its twin, a heap
+of tuples), and equal times run in the order they were set; each turn runs what was ready when
+it began, after the timers due join it; a strand started, or woken by a `Wait` set, goes on in
+the next turn, and a timer's callback that sets a `Wait` wakes its strand one turn later, as
+asyncio's `sleep` does.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from asyncio import events
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from router._compat import NO_EXTENSIONS
+
+if TYPE_CHECKING or NO_EXTENSIONS:
+    from router._timers_py import TimerHeap
+else:
+    from _timers import TimerHeap
 
 T = TypeVar("T")
 
@@ -121,8 +127,7 @@ class LightLoop:
 
     def __init__(self) -> None:
         self._now = 0.0
-        self._timers: list[tuple[float, int, Timer]] = []
-        self._order = itertools.count()
+        self._timers = TimerHeap()  # (the compiled `_timers`, or its twin)
         self._ready: deque[Callable[[], object]] = deque()
         self.error: BaseException | None = None  # what a strand or a timer's callback raised
 
@@ -135,7 +140,7 @@ class LightLoop:
     def call_at(self, when: float, callback: Callable[[Any], object], arg: Any = None) -> Timer:
         """`callback(arg)` at virtual time `when` (at once, in the next turn, if that has passed)."""
         timer = Timer(callback, arg)
-        heapq.heappush(self._timers, (when, next(self._order), timer))
+        self._timers.push(when, timer)
         return timer
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> Strand[T]:
@@ -182,9 +187,8 @@ class LightLoop:
 
     def _due(self, when: float) -> bool:
         timers = self._timers
-        while timers and timers[0][2].cancelled:
-            heapq.heappop(timers)
-        return bool(timers) and timers[0][0] <= when
+        timers.drop_cancelled()
+        return bool(timers) and timers.first_when() <= when
 
     def _turn(self) -> None:
         """One turn: with nothing ready, the clock jumps to the next timer; every timer due joins
@@ -192,18 +196,14 @@ class LightLoop:
         ready = self._ready
         timers = self._timers
         if not ready:
-            while timers and timers[0][2].cancelled:
-                heapq.heappop(timers)
+            timers.drop_cancelled()
             if not timers:
                 # nothing scheduled and nothing ready: in real time the loop would wait forever
                 raise RuntimeError("the virtual clock has nothing left to run (a strand waits for what never comes)")
-            if timers[0][0] > self._now:
-                self._now = timers[0][0]
-        now = self._now
-        while timers and timers[0][0] <= now:
-            timer = heapq.heappop(timers)[2]
-            if not timer.cancelled:
-                ready.append(timer)
+            first = timers.first_when()
+            if first > self._now:
+                self._now = first
+        timers.take_due(self._now, ready)
         for _ in range(len(ready)):
             try:
                 ready.popleft()()
