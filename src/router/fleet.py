@@ -361,8 +361,9 @@ class Fleet:
         """(capacity ratios, total capacity of routable replicas; 0 while none is known)."""
         key = (self.ring.current, self._capacity_changes)
         if key != self._ratios_for:
-            routing = [r for i, r in enumerate(self.replicas) if self.routing_weight(i) > 0]
-            self._not_routing = [i for i in range(len(self.replicas)) if self.routing_weight(i) <= 0]
+            weights = self.routing_weights()
+            routing = [r for r, w in zip(self.replicas, weights, strict=True) if w > 0]
+            self._not_routing = [i for i, w in enumerate(weights) if w <= 0]
             known = [r.capacity for r in routing if r.capacity]
             mean = sum(known) / len(known) if known else 0.0
             self._total_capacity = mean * len(routing)
@@ -391,7 +392,7 @@ class Fleet:
     def load_cap_among(self, skip: frozenset[int], c: float) -> int:
         """The ring's bounded-load cap counted over the routing replicas not in `skip` alone (those
         serving one model): ceil(c * (their load + 1) / their number), at least their mean + 1."""
-        members = [i for i in range(len(self.replicas)) if i not in skip and self.routing_weight(i) > 0]
+        members = [i for i, w in enumerate(self.routing_weights()) if i not in skip and w > 0]
         if not members:
             return 0
         total = sum(self.loads[i] for i in members)
@@ -492,6 +493,11 @@ class Fleet:
     def routing_weight(self, index: int) -> float:
         """The weight the ring routes by: 0 while out of the ring."""
         return self.ring.weights[index] if self.ring.available[index] else 0.0
+
+    def routing_weights(self) -> list[float]:
+        """Every replica's `routing_weight`, by index (the ring's `weights` and `available` are
+        copies made on each read: a loop over the fleet reads them once, not once a replica)."""
+        return [w if a else 0.0 for w, a in zip(self.ring.weights, self.ring.available, strict=True)]
 
 
 LATENCY_RECENT = 9  # and of the rest, only the latest this many count: a slowdown shows within a few replies

@@ -169,6 +169,23 @@ def test_a_models_load_cap_counts_its_own_replicas() -> None:
     assert {(d.index, d.reason) for d in decisions if d is not None} == {(1, "spill")}
 
 
+def test_a_models_load_cap_leaves_out_its_replicas_out_of_the_ring() -> None:
+    """The cap among a model's replicas counts only those the ring routes to (`routing_weights`,
+    read once for the fleet, says as `routing_weight` says for each): one drained, one ramping."""
+    fleet = fleet_of([A, A, A, B, B])
+    for i in range(5):
+        fleet.loads[i] = 6
+    skip = fleet.not_serving("model-a")
+    assert fleet.load_cap_among(skip, 1.25) == 8  # ceil(1.25 x 19 / 3), at least 18 // 3 + 1
+    fleet.drain("r2")
+    fleet.set_routing(fleet.replicas[1], 0.5)
+    assert fleet.routing_weights() == [fleet.routing_weight(i) for i in range(5)] == [1.0, 0.5, 0.0, 1.0, 1.0]
+    assert fleet.load_cap_among(skip, 1.25) == 9  # r0 and r1 alone: ceil(1.25 x 13 / 2)
+    fleet.drain("r0")
+    fleet.drain("r1")
+    assert fleet.load_cap_among(skip, 1.25) == 0  # none of model A's routes
+
+
 LORA = frozenset({"model-b", "sql-lora", "chat-lora"})
 
 

@@ -111,10 +111,9 @@ class Balancer:
 
     def served(self, key: bytes, path: str, body: bytes) -> None:
         """A keyed request was served: count its vnode's traffic, keep its prompt for warm-up."""
-        ring = self.fleet.ring
-        located = ring.locate(key) if self.migrates else None
-        if located is not None:
-            self.traffic.record(ring.replica_ids[located[1]], located[2])
+        located = self.fleet.ring.locate(key) if self.migrates else None
+        if located is not None:  # (the fleet's replicas are the ring's, by index: the ring's ids are a copy a read)
+            self.traffic.record(self.fleet.replicas[located[1]].id, located[2])
         self.prompts.put(key, path, body)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -152,10 +151,11 @@ class Balancer:
         if view is not None and self.migrates:
             for vnode, count in (await view.traffic()).items():  # what the workers counted
                 self.traffic.recent[vnode] += count
-        if view is not None and self.migrates and self._leader():
+        # (none hot for the window: nothing to plan, and the vnodes' owners are not gathered)
+        if view is not None and self.migrates and self._leader() and self.rebalancer.overheated(now):
             ring = fleet.ring
             overrides = ring.overrides
-            present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
+            present = {rid for rid, up in zip(ring.replica_ids, ring.available, strict=True) if up}
             owners = {v: overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
             busy = self._migrating
             traffic = Counter({v: c for v, c in self.traffic.recent.items() if v not in busy})
@@ -274,9 +274,10 @@ class Balancer:
         if found is None:
             return  # its sessions cannot be asked for now: no move without their warm-up
         keys = []
+        ids = ring.replica_ids  # (a copy a read: once, not once a session)
         for key, *_ in found:
             located = ring.locate(key)
-            if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
+            if located is not None and ids[located[1]] == move.origin and located[2] == move.number:
                 keys.append(key)
         # sessions whose warm-up did not succeed stay where their cache is until their entry ends
         await self._warm_and_move(target, keys, "migration", all_keys=False, source=source)
