@@ -581,7 +581,7 @@ class Simulation:
         if self.rebalancing:
             located = self.fleet.ring.locate(key)
             if located is not None:
-                self.traffic.record(self.fleet.ring.replica_ids[located[1]], located[2])
+                self.traffic.record(self.fleet.replicas[located[1]].id, located[2])  # (the ring's, by index)
 
     def _start(self, turn: Turn, model: Model) -> None:
         model.running += 1
@@ -683,8 +683,12 @@ class Simulation:
             r.id: float(r.inflight) for r in fleet.replicas if r.index is not None and r.state in ("healthy", "suspect")
         }
         self.rebalancer.observe(loads, self.now)
-        present = {rid for i, rid in enumerate(ring.replica_ids) if ring.available[i]}
-        owners = {v: ring.overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
+        if not self.rebalancer.overheated(self.now):  # none hot for the window: nothing to plan (as `plan` says)
+            self.traffic.decay()
+            return
+        present = {rid for rid, up in zip(ring.replica_ids, ring.available, strict=True) if up}
+        overrides = ring.overrides  # (the ring's `replica_ids`, `available`, `overrides` are copies made on each read)
+        owners = {v: overrides.get(v, v[0]) for v in self.traffic.recent if v[0] in present}
         moves = self.rebalancer.plan(self.now, self.traffic.recent, owners)
         for move in moves:
             self._migrate(move)
@@ -700,11 +704,12 @@ class Simulation:
             return
         src, dst = self.models[source.id], self.models[target.id]
         chosen: list[int] = []
+        ids = ring.replica_ids
         for session in reversed(self.served_by.get(source.id, OrderedDict())):  # the most recent first
             if len(chosen) >= self.config.warmup_sessions:
                 break
             located = ring.locate(self.keys[session].key)
-            if located is not None and ring.replica_ids[located[1]] == move.origin and located[2] == move.number:
+            if located is not None and ids[located[1]] == move.origin and located[2] == move.number:
                 chosen.append(session)
         for session in chosen:
             context = src.cache.get(session)
@@ -725,11 +730,15 @@ class Simulation:
         keys = [self.keys[s].key for s in self.live]
         if event:
             self.stats.live_at[event] = len(keys)
-        ring = self.fleet.ring
-        before = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        before = self._owners(keys)
         change()
-        after = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        after = self._owners(keys)
         return sum(b != c for b, c in zip(before, after, strict=True)) / max(len(keys), 1)
+
+    def _owners(self, keys: list[bytes]) -> list[str | None]:
+        """Each key's ring owner now (the ring's `replica_ids` is a copy made on each read: once here)."""
+        ids = self.fleet.ring.replica_ids
+        return [ids[i] if i >= 0 else None for i in self.fleet.ring.lookup_many(keys)]
 
     def _scale_out(self, _: Any) -> None:
         rid = f"r{len(self.models)}"
@@ -745,13 +754,12 @@ class Simulation:
 
         live = list(self.live)
         keys = [self.keys[x].key for x in live]
-        ring = self.fleet.ring
-        before = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        before = self._owners(keys)
         self.stats.moved["scale_out_at_slow_start"] = self._moved_share(join, "scale_out")
         joined = self.fleet.replicas[-1]
         self.touched.add(joined.id)
         self.fleet.set_routing(joined, 1.0)  # what its slow start ends in, from before it joined
-        after = [ring.replica_ids[i] if i >= 0 else None for i in ring.lookup_many(keys)]
+        after = self._owners(keys)
         self.stats.moved["scale_out_full_weight"] = sum(b != c for b, c in zip(before, after, strict=True)) / max(
             len(keys), 1
         )
@@ -790,10 +798,9 @@ class Simulation:
         self.at(self.now + self.args.probe_s, "probe", (victim.id, 0.0))
         # ring owners now, to compare with once health has taken it out (its weight drops at the
         # first bad score already, then it leaves: the share counts both steps)
-        ring = self.fleet.ring
         live = list(self.live)
-        owners = ring.lookup_many([self.keys[s].key for s in live])
-        self._owners_at_fail = {s: ring.replica_ids[i] for s, i in zip(live, owners, strict=True) if i >= 0}
+        owners = self._owners([self.keys[s].key for s in live])
+        self._owners_at_fail = {s: owner for s, owner in zip(live, owners, strict=True) if owner is not None}
         self.stats.live_at["failure"] = len(live)
 
     def _probe(self, payload: tuple[str, float]) -> None:
@@ -805,10 +812,8 @@ class Simulation:
         replica.health.observe(score, self.now)
         if replica.state == "removed" and before != "removed":
             self.fleet.apply_health(replica, self.now)
-            ring = self.fleet.ring
             live = [s for s in self.live if s in self._owners_at_fail]
-            owners = ring.lookup_many([self.keys[s].key for s in live])
-            now_owner = [ring.replica_ids[i] if i >= 0 else None for i in owners]
+            now_owner = self._owners([self.keys[s].key for s in live])
             # moves for the failure's sake only: to or from the dead replica (a joining replica's
             # ramp may move others meanwhile)
             moved = sum(
