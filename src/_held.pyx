@@ -6,12 +6,15 @@ router.placement.events.events_rows reads what each replica's events say it hold
 every request: at a thousand replicas its loops over the fleet were most of a decision's time.
 ``read_plain`` is those loops: the replicas laid out for the pass are read from flat arrays, the
 few judged on each request and the maps of requests in flight attribute by attribute, as Python
-reads them. ``under`` scans a price for the candidates whose evictions may be asked. What they
-read and why is said in their pure-Python twin, router/_held_py.py, which answers alike
+reads them. ``under`` scans a price for the candidates whose evictions may be asked, and ``lost``
+is the loop of each such ask over the conversations likely back. What they read and why is said
+in their pure-Python twin, router/_held_py.py, which answers alike
 (tests/unit/test_held.py compares them).
 """
 
 from array import array
+
+from libc.math cimport exp, expm1
 
 REMOVED = "removed"
 
@@ -142,3 +145,35 @@ def under(const double[:] cost, const unsigned char[:] flags, double limit, unsi
         if cost[i] <= limit and flags[i] & candidate and not flags[i] & gated:
             out.append(i)
     return out
+
+
+cdef Py_ssize_t _common(const unsigned long long[:] a, const unsigned long long[:] b) noexcept:
+    """How many leading blocks two chains share (chained keys: equal at k, equal before k)."""
+    cdef Py_ssize_t lo = 0, hi = min(a.shape[0], b.shape[0]), mid
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def lost(kept, list counts, const unsigned long long[:] chain, double now, double spare_s):
+    """Blocks of the returning conversations ``kept`` that a request of prompt ``chain`` would
+    evict, weighed by how likely each comes back for them within ``spare_s`` (the twin says how)."""
+    cdef double total = 0.0, back
+    cdef long long had, left
+    cdef Py_ssize_t i = 0
+    for rec in kept:
+        had = counts[i]
+        left = counts[i + 1]
+        i += 2
+        if not had:
+            continue
+        if left < had:  # (what it shares with the request is pinned by it: not lost)
+            left = max(left, min(had, <long long>_common(rec.keys, chain)))
+        if left < had:
+            back = rec.back_s
+            total += (had - left) * exp((<double>rec.at - now) / back) * -expm1(-spare_s / back)
+    return total

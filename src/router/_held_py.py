@@ -13,6 +13,8 @@ follow what is held and are among theirs.
 
 `under` says which positions a price's candidates under the gate cost at most a limit: those that
 router.placement.events.Evicting asks what a request would evict, where it can change the decision.
+`lost` is that ask's loop over the conversations likely back on a replica (router.kvevents.truth.
+Truth.evicts): under steady load the near-ties are many, and each is asked.
 
 Both answer as the other does (tests/unit/test_held.py compares them, and the placement tests
 compare their answers with `Truth.row` asked one by one, on both implementations).
@@ -20,7 +22,9 @@ compare their answers with `Truth.row` asked one by one, on both implementations
 
 from __future__ import annotations
 
+import math
 from array import array
+from collections.abc import Iterable
 from typing import Any
 
 REMOVED = "removed"
@@ -126,3 +130,34 @@ def read_plain(
 def under(cost: array[float], flags: array[int], limit: float, candidate: int, gated: int) -> list[int]:
     """The positions that are candidates not past the gate (`flags`) and cost at most `limit`."""
     return [i for i in range(len(cost)) if cost[i] <= limit and flags[i] & candidate and not flags[i] & gated]
+
+
+def _common(a: array[int], b: array[int]) -> int:
+    """How many leading blocks two chains share (chained keys: equal at k, equal before k)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def lost(kept: Iterable[Any], counts: list[int], chain: array[int], now: float, spare_s: float) -> float:
+    """Blocks of the returning conversations `kept` (router.kvevents.truth.Ended: keys, at, back_s)
+    that a request of prompt `chain` would evict, weighed by how likely each comes back for them
+    within `spare_s`: for the i-th, `counts[2i]` blocks it keeps there now and `counts[2i + 1]`
+    left past the request's allocation (router.kvevents.truth.Truth.evicts says why). Its blocks
+    the request shares are pinned by it: not lost."""
+    total = 0.0
+    for i, rec in enumerate(kept):
+        had, left = counts[2 * i], counts[2 * i + 1]
+        if not had:
+            continue
+        if left < had:
+            left = max(left, min(had, _common(rec.keys, chain)))
+        if left < had:
+            back = rec.back_s  # alive, and back within spare_s
+            total += (had - left) * math.exp((rec.at - now) / back) * -math.expm1(-spare_s / back)
+    return total

@@ -1,10 +1,12 @@
 """`_held` (compiled) and its twin router/_held_py.py answer alike: the loops of a price's read of
-the engines' events over every replica (router.placement.events.events_rows), compared on every
-price of a simulated run with losses past the replay buffer, a replica joining, one dying and
-one removed."""
+the engines' events over every replica (router.placement.events.events_rows), and of what a
+request would evict of the conversations likely back (router.kvevents.truth.Truth.evicts),
+compared on every price of a simulated run with losses past the replay buffer, a replica
+joining, one dying and one removed."""
 
 from __future__ import annotations
 
+import math
 from array import array
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +17,7 @@ from twins import implementations
 from router import _held_py
 from router.bench.cli import build_parser
 from router.bench.simulate import Simulation
+from router.kvevents import truth as truth_module
 from router.placement import events
 
 IMPLEMENTATIONS = implementations("_held", _held_py)
@@ -31,7 +34,7 @@ def _copy(value: Any) -> Any:
 def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     twin = IMPLEMENTATIONS["python"]
     compiled = IMPLEMENTATIONS.get("compiled", twin)  # (installed without it on purpose: the twin alone)
-    seen = {"reads": 0, "held": 0, "under": 0, "slow": 0}
+    seen = {"reads": 0, "held": 0, "under": 0, "slow": 0, "lost": 0, "losing": 0}
 
     def read_plain(*args: Any) -> None:
         # (layout, excluded, known, sizes, slow, truth, tokens, matches)
@@ -49,8 +52,16 @@ def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytes
         seen["under"] += len(ours)
         return ours
 
+    def lost(kept: Any, counts: list[int], chain: array[int], now: float, spare_s: float) -> float:
+        ours = compiled.lost(kept, counts, chain, now, spare_s)
+        assert ours == twin.lost(kept, counts, chain, now, spare_s)  # (to the last bit)
+        seen["lost"] += 1
+        seen["losing"] += ours > 0
+        return ours
+
     monkeypatch.setattr(events, "read_plain", read_plain)
     monkeypatch.setattr(events, "under", under)
+    monkeypatch.setattr(truth_module, "lost", lost)
     sim = Simulation(
         build_parser().parse_args(
             ["simulate", *FLEET, "--events", "--event-loss", "0.05", "--replay-keep", "0", *CHANGES]
@@ -59,6 +70,7 @@ def test_both_implementations_read_every_price_of_a_run_alike(monkeypatch: pytes
     out = sim.run()
     assert out["events"]["unsure_episodes"] > 0 and out["failed_attempts"] > 0
     assert seen["reads"] > 1000 and seen["held"] > 500 and seen["under"] > 1000 and seen["slow"] > 100
+    assert seen["lost"] > 100 and seen["losing"] > 50
 
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
@@ -113,3 +125,25 @@ def test_each_kind_of_position_is_read_as_its_layout_says(impl: str) -> None:
     flags = array("B", [1, 1, 1 | 2, 0, 1])  # (candidate 1, gated 2)
     assert mod.under(cost, flags, 2.5, 1, 2) == [0, 1, 4]
     assert mod.under(cost, flags, 1.0, 1, 2) == [0]
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_what_a_request_would_evict_of_the_conversations_likely_back(impl: str) -> None:
+    """Each conversation's blocks past the request's allocation are lost, but those it shares with
+    the request (pinned by it) are not, weighed by how recently it ended and how soon it comes back
+    (e^((at - now) / back) * (1 - e^(-spare / back))); one that keeps nothing there loses nothing."""
+    mod = IMPLEMENTATIONS[impl]
+    chain = array("Q", [1, 2, 3, 4, 5, 6])
+    kept = [
+        SimpleNamespace(keys=array("Q", [1, 2, 3, 9, 9]), at=10.0, back_s=30.0),  # shares 3 blocks
+        SimpleNamespace(keys=array("Q", [7, 8]), at=4.0, back_s=5.0),  # shares none
+        SimpleNamespace(keys=array("Q", [1, 2]), at=9.0, back_s=30.0),  # keeps nothing there
+        SimpleNamespace(keys=array("Q", [1, 2, 3, 4, 5, 6, 7]), at=10.0, back_s=30.0),  # all kept past it
+    ]
+    counts = [5, 1, 2, 0, 0, 0, 7, 7]  # (kept now, left past the allocation), by conversation
+    now, spare = 12.0, 20.0
+    first = (5 - 3) * math.exp((10.0 - now) / 30.0) * -math.expm1(-spare / 30.0)
+    second = 2 * math.exp((4.0 - now) / 5.0) * -math.expm1(-spare / 5.0)
+    assert mod.lost(kept, counts, chain, now, spare) == first + second
+    assert mod.lost(kept, counts, chain, now, math.inf) == (5 - 3) * math.exp(-2.0 / 30.0) + 2 * math.exp(-8.0 / 5.0)
+    assert mod.lost([], [], chain, now, spare) == 0.0

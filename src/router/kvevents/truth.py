@@ -73,7 +73,9 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from router._compat import NO_EXTENSIONS
 from router.kvevents.holdings import Holdings
 from router.kvevents.mapped import SharedFileError
 from router.kvevents.roster import Followed
@@ -81,6 +83,11 @@ from router.kvevents.shared import SharedIndex, SharedIndexReader
 from router.kvevents.tokens import EngineTokens
 from router.kvevents.wire import MEDIUM_GPU
 from router.prefix import PrefixIndex
+
+if TYPE_CHECKING or NO_EXTENSIONS:
+    from router._held_py import lost
+else:
+    from _held import lost
 
 log = logging.getLogger("router.kvevents.truth")
 
@@ -336,19 +343,11 @@ class Truth:
             rate = h.eviction_rate(now)
             # seconds until the others' next (after - before) blocks would evict them anyway
             spare_s = (after - before) / rate if rate > 0 else math.inf
-            lost = 0.0
             # what each would keep past the others' `before` blocks and past `after`: one walk of the LRU tail
             counts = index.match_after_many(holder, [rec.keys for rec in kept], (before, after))
-            for i, rec in enumerate(kept):
-                had, left = counts[2 * i], counts[2 * i + 1]
-                if not had:
-                    continue
-                if left < had:  # (what it shares with the request is pinned by it: not lost)
-                    left = max(left, min(had, _common(rec.keys, chain)))
-                if left < had:
-                    back = rec.back_s  # alive, and back within spare_s
-                    lost += (had - left) * math.exp((rec.at - now) / back) * -math.expm1(-spare_s / back)
-            least = min(least, lost)
+            # each one's blocks lost (those it shares with the request are pinned by it), weighed by
+            # how likely it comes back for them within spare_s (compiled: `_held.lost`)
+            least = min(least, lost(kept, counts, chain, now, spare_s))
         if least > 0:
             self.pushed[replica_id] += 1
         return least
@@ -545,18 +544,6 @@ class Truth:
                 "long_way": f.long_way,
             }
         return out
-
-
-def _common(a: array[int], b: array[int]) -> int:
-    """How many leading blocks two chains share (chained keys: equal at k, equal before k)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 __all__ = ["Ended", "Found", "Queued", "Truth"]
