@@ -47,7 +47,11 @@ if TYPE_CHECKING:
     from router.kvevents.truth import Truth
 
 SYSTEM_BASE = 1 << 60  # token ids of the shared system prompts: SYSTEM_BASE + prompt x its tokens + place
-SESSION_SPAN = 1 << 22  # token ids of a session's own tokens: (session + 1) x SESSION_SPAN + place
+# a session's own tokens: its first is (session + 1) x SESSION_SPAN, the rest OWN_BASE + place, the
+# same in every session (a block's key chains its parent's: from the first block on, no two sessions'
+# keys are the same), so a turn's ids are copies of two arrays, not thousands of numbers made
+SESSION_SPAN = 1 << 22
+OWN_BASE = 1 << 59
 SYSTEM_NAME = 1 << 63  # the engines' names of the system prompts' blocks: SYSTEM_NAME | prompt << 22 | block
 
 
@@ -86,14 +90,18 @@ class Turns:
             array("Q", range(SYSTEM_BASE + p * system_tokens, SYSTEM_BASE + (p + 1) * system_tokens))
             for p in range(system_prompts)
         ]
+        self.own = array("Q")  # OWN_BASE + place, as long as the longest conversation so far
 
     def ids(self, session: int, system: int, tokens: int) -> array[int]:
         """The first `tokens` token ids of `session`'s conversation (its system prompt's first)."""
         own = tokens - self.system_tokens
         if own <= 0:
             return self.systems[system][:tokens]
-        base = (session + 1) * SESSION_SPAN
-        return self.systems[system] + array("Q", range(base, base + own))
+        if own > len(self.own):
+            self.own.extend(range(OWN_BASE + len(self.own), OWN_BASE + own))
+        ids = self.systems[system] + self.own[:own]
+        ids[self.system_tokens] = (session + 1) * SESSION_SPAN  # its first: its own
+        return ids
 
     def key(self, key: RoutingKey, session: int, system: int, history: int, message: int) -> RoutingKey:
         """`key` with the turn's prompt: the conversation's first `history` tokens, then its message."""
