@@ -143,6 +143,7 @@ def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
     shares = fleet.ring.shares()
     latest = history.points[-1]["replicas"] if history.points else {}
     rows = []
+    weights = fleet.routing_weights()  # (read once: the ring's tables are copies a read)
     for i, r in enumerate(fleet.replicas):
         seen = latest.get(r.id, {})
         rows.append(
@@ -152,7 +153,7 @@ def replica_rows(node: Node, history: History) -> list[dict[str, Any]]:
                 "models": None if r.models is None else sorted(r.models),
                 "adapters": None if r.adapters is None else sorted(r.adapters),
                 "score": round(r.health.score, 4),
-                "weight": round(fleet.routing_weight(i), 4),
+                "weight": round(weights[i], 4),
                 "ring_share": round(shares[i], 4),
                 "inflight": fleet.loads[i] - r.queue_load,
                 "qps": seen.get("qps", 0.0),

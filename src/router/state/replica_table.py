@@ -47,7 +47,8 @@ def _int(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
-def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
+def _row(replica: ReplicaState, weight: float) -> ReplicaSlot:
+    """`replica`'s slot, with the weight the ring routes it by (`Fleet.routing_weights`)."""
     assert replica.index is not None
     e = replica.engine
     i = replica.inputs or HealthInputs()
@@ -57,7 +58,7 @@ def _row(replica: ReplicaState, fleet: Fleet) -> ReplicaSlot:
         replica.state,
         replica.health.transitions,
         replica.epoch,
-        fleet.routing_weight(replica.index),
+        weight,
         replica.health.score,
         replica.inflight,
         waiting=e.waiting,
@@ -129,9 +130,10 @@ class Publisher:
         self._assign()
         changed = False
         live: set[int] = set()
-        for replica in self.fleet.replicas:
+        weights = self.fleet.routing_weights()  # (read once: the ring's tables are copies a read)
+        for replica, weight in zip(self.fleet.replicas, weights, strict=True):
             assert replica.slot is not None
-            row = _row(replica, self.fleet)
+            row = _row(replica, weight)
             live.add(replica.slot)
             before = self._written.get(replica.slot)
             timeless = dataclasses.replace(row, updated_at=0.0)
