@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import resource
 import signal
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 
@@ -54,6 +56,26 @@ def raise_open_files() -> int:
             return soft
         return want
     return soft
+
+
+CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),  # cgroup v2: a number, or "max"
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1: a number (huge: none)
+)
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: the host's, or its container's limit where one is less
+    (a router pod is usually given one)."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < limit:
+            limit = int(text)
+    return limit
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

@@ -132,6 +132,12 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "are not believed (a gap replay could not fill, a health outage: it is priced by the router's model).",
         ("replica",),
     ),
+    "router_kv_events_unfollowed": (
+        "gauge",
+        "Replicas that publish KV-cache events the router does not follow: each would take its event-fed "
+        "index past kv_events_max_mib (they are priced by the router's model).",
+        (),
+    ),
     "router_kv_event_lag_seconds": (
         "histogram",
         "From a KV-cache event batch's timestamp (its engine's clock) to the router applying it to its index, "
@@ -400,6 +406,7 @@ class RouterMetrics:
         self.tokenizer = made["router_tokenizer"]
         self.kv_event_blocks = made["router_kv_event_blocks"]
         self.kv_events_believed = made["router_kv_events_believed"]
+        self.kv_events_unfollowed = made["router_kv_events_unfollowed"]
         self.kv_event_lag = made["router_kv_event_lag_seconds"]
         self.prefix_reported_tokens = made["router_prefix_reported_tokens"]
         self.prefix_error_tokens = made["router_prefix_error_tokens"]

@@ -7,15 +7,16 @@ import math
 from pathlib import Path
 
 from router.bench.event_serve import Scrape, bucket_percentile, config_text
-from router.config import event_endpoints, load
+from router.config import event_endpoints, kv_capacities, load
 
 
 def test_the_configuration_written_is_what_an_operator_would_write(tmp_path: Path) -> None:
     path = tmp_path / "router.toml"
-    path.write_text(config_text([("r0", 5000, 5001), ("r1", 5002, 5003)], 3, 8123))
+    path.write_text(config_text([("r0", 5000, 5001), ("r1", 5002, 5003)], 3, 8123, 65536))
     config = load(str(path))
     assert [r.id for r in config.replicas] == ["r0", "r1"] and config.workers == 3 and config.port == 8123
     assert not config.health_checks and config.state == "none"
+    assert kv_capacities(config.placement) == {"*": 65536}
     assert event_endpoints(config.placement) == {
         "r0": ("tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"),
         "r1": ("tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003"),

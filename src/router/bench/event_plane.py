@@ -117,6 +117,8 @@ async def measure(
         replicas=specs,
         health_checks=False,
         kv_event_endpoints=tuple(f"r{i}=tcp://127.0.0.1:{p};tcp://127.0.0.1:{q}" for i, (p, q) in enumerate(ports)),
+        # what each engine's metrics would say (the publishers serve none): its index is bounded by it
+        kv_capacity_tokens=(f"*={shape.capacity_blocks * shape.block_size}",),
     )
     start_at = time.time() + 1.0 + publishers / 500  # every child opened its sockets by then
     children = start_publishers(ports, shape, procs, start_at)

@@ -36,13 +36,14 @@ START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
 
-def config_text(endpoints: list[tuple[str, int, int]], workers: int, port: int) -> str:
-    """The TOML an operator would write: each replica, where it publishes, and the workers."""
+def config_text(endpoints: list[tuple[str, int, int]], workers: int, port: int, kv_tokens: int) -> str:
+    """The TOML an operator would write: each replica, where it publishes, its KV cache's size
+    (the publishers serve no metrics that would say it), and the workers."""
     replicas = ", ".join(f'"{rid}=http://127.0.0.1:9/{rid}"' for rid, _, _ in endpoints)
     events = ", ".join(f'"{rid}=tcp://127.0.0.1:{p};tcp://127.0.0.1:{q}"' for rid, p, q in endpoints)
     return (
         f'host = "127.0.0.1"\nport = {port}\nworkers = {workers}\nstate = "none"\nhealth_checks = false\n'
-        f"replicas = [{replicas}]\nkv_event_endpoints = [{events}]\n"
+        f'replicas = [{replicas}]\nkv_event_endpoints = [{events}]\nkv_capacity_tokens = ["*={kv_tokens}"]\n'
     )
 
 
@@ -138,7 +139,7 @@ async def measure_serve(
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="events-serve-") as tmp:
         config = Path(tmp) / "router.toml"
-        config.write_text(config_text(endpoints, workers, port))
+        config.write_text(config_text(endpoints, workers, port, shape.capacity_blocks * shape.block_size))
         await asyncio.sleep(max(join_at - time.time(), 0.0))
         joined = time.monotonic()
         child = Child.spawn([sys.executable, "-m", "router.proxy.cli", "--config", str(config)], "router-serve")

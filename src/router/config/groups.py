@@ -80,6 +80,7 @@ class PlacementSettings(Group):
     section: ClassVar[str] = "placement"
     kv_events: bool
     kv_event_endpoints: tuple[str, ...]
+    kv_events_max_mib: int
     tokenizer_dirs: tuple[str, ...]
     token_check_share: float
     prefix_block_bytes: int

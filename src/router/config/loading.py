@@ -268,6 +268,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
             read()
         except ValueError as exc:
             raise bad(name, str(exc)) from None
+    if cfg.kv_events_max_mib < 0:
+        raise bad("kv_events_max_mib", "must be a number of MiB >= 0 (0: a quarter of this host's memory)")
     if not (math.isfinite(cfg.token_check_share) and 0 <= cfg.token_check_share <= 1):
         raise bad("token_check_share", "must be a share in 0..1")
     if not (math.isfinite(cfg.kv_tier_tokens_per_s) and cfg.kv_tier_tokens_per_s > 0):

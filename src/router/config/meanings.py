@@ -44,6 +44,10 @@ HELP = {
     "holds; off: the router's own model of what it sent everywhere (default on)",
     "kv_event_endpoints": "comma-separated REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT (ZMQ, "
     "tcp://HOST:PORT): where a replica publishes its KV-cache events, where its /kv_event_sources does not say",
+    "kv_events_max_mib": "the event-fed index's memory at most, in MiB, each followed engine counted at its KV "
+    "capacity (68 bytes a block); a replica that would take it past this is not followed and is priced by the "
+    "router's model (router_kv_events_unfollowed); 0 (default): a quarter of this host's memory, or of its "
+    "container's limit",
     "tokenizer_dirs": "comma-separated MODEL=DIR (or *=DIR): a model's folder with tokenizer.json and its chat "
     "template, named by hand; without it the tokenizer is found from the root each engine's /v1/models lists "
     "(a folder, or a Hugging Face hub name through huggingface_hub)",
@@ -229,8 +233,8 @@ GROUPS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "placement", "placement (ttft)",
         "the default policy: each request where its time to first token is predicted least",
         (
-            "kv_events", "kv_event_endpoints", "tokenizer_dirs", "token_check_share", "prefix_block_bytes",
-            "kv_capacity_tokens", "kv_tier_tokens_per_s", "prefill_tokens_per_s", "ttft_decode_s",
+            "kv_events", "kv_event_endpoints", "kv_events_max_mib", "tokenizer_dirs", "token_check_share",
+            "prefix_block_bytes", "kv_capacity_tokens", "kv_tier_tokens_per_s", "prefill_tokens_per_s", "ttft_decode_s",
             "ttft_interference", "ttft_spread_tokens", "ttft_gate_c", "ttft_stay_share", "ttft_move_weight",
             "ttft_move_cooldown_s", "ttft_tie_s", "ttft_tie_share", "adapter_load_s", "ttft_kv_wait",
             "ttft_queue_gain",

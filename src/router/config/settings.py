@@ -83,6 +83,9 @@ class RouterConfig:
     # REPLICA_ID=ENDPOINT or REPLICA_ID=ENDPOINT;REPLAY_ENDPOINT: where a replica publishes, where its
     # /kv_event_sources does not say (SGLang, an engine behind a proxy)
     kv_event_endpoints: tuple[str, ...] = ()
+    # the event-fed index's memory at most, MiB (each followed engine counted at its KV capacity);
+    # 0: a quarter of this host's memory, or of its container's limit
+    kv_events_max_mib: int = 0
     # MODEL=DIR (or *=DIR): a model's tokenizer.json and chat template; else found from the engines'
     # /v1/models (router.engines.tokens)
     tokenizer_dirs: tuple[str, ...] = ()

@@ -16,10 +16,17 @@ rather than from whenever it joined; every message then goes to the replica's `H
 (router.kvevents.holdings), which checks the sequence: a gap is filled from the replay socket,
 and what replay cannot fill leaves that replica unsure (routed by the model) until rebuilt.
 
+The index is bounded (`kv_events_max_mib`): each replica followed is counted at its KV capacity,
+and one that would take the sum past the budget is not followed (`Feed.unfollowed`).
+
 `Feed.tokenized` gives a request the engine's tokens when a replica that serves its model is fed
 by events, without a round trip (router.engines.tokens: the model's tokenizer, found from what the
 engines serve and checked against them off the path, else a conversation's history as an engine
 tokenized it in the background); what is not known in tokens is priced by the router's model.
+
+It is past 450 lines because it is one subscriber's life whole: which replicas are followed (found,
+counted against the budget, let go), each one's sockets, replays and messages, and the requests
+cut into its tokens; the parts others use are apart (router.kvevents, router.engines.tokens).
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from router._runtime import memory_limit_bytes
 from router.apis import Api
-from router.config import event_endpoints, tokenizer_dirs
+from router.config import event_endpoints, kv_capacities, tokenizer_dirs
 from router.config.groups import PlacementSettings
 from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
@@ -59,9 +67,21 @@ REPLAY_TIMEOUT_S = 3.0  # a replay socket's answer is given up after this long w
 # between the replays and the live streams: a replay of 20 s of an H200's events took 10-20 s to
 # read, and one timed out on its whole answer after 3 s was never read at all.)
 REPLAY_MAX_S = 120.0
-DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has
+DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has (or kv_capacity_tokens)
+ASSUMED_BLOCK_TOKENS = 16  # a block's tokens until an engine's metrics or events say (vLLM's default)
+# What the event-fed index is counted to cost a block of an engine's KV capacity, against
+# kv_events_max_mib: a block held costs 50-60 bytes in a router's own index and 60-67 in the
+# shared one in full regions (docs/benchmarks.md, "Fleet scale")
+INDEX_BYTES_PER_BLOCK = 68
 DRAIN_RUN = 64  # messages one subscriber reads in a row before the others' turn
 FOLLOW_EVERY_S = 0.05  # a worker on its host's shared index looks at its roster this often
+
+
+def index_budget_blocks(max_mib: int) -> int:
+    """`kv_events_max_mib` as blocks of engines' KV capacity (0: a quarter of this host's memory,
+    or of its container's limit)."""
+    budget = max_mib << 20 if max_mib > 0 else memory_limit_bytes() // 4
+    return max(1, budget // INDEX_BYTES_PER_BLOCK)
 
 
 def reachable(endpoint: str, replica_url: str) -> str | None:
@@ -126,6 +146,12 @@ class Feed:
         self.http = http
         self.metrics = metrics
         self.configured = event_endpoints(config)
+        self.capacities = kv_capacities(config)  # KV tokens where an engine does not say
+        # The index's memory, bounded: every replica followed is counted at its KV capacity (each
+        # rank, each tier), and one that would take the sum past this is not followed (priced by
+        # the router's model); one whose capacity grew past it is let go, the last followed first.
+        self.budget = index_budget_blocks(config.kv_events_max_mib)
+        self.unfollowed = self.truth.unfollowed  # replica id -> the blocks it would take
         self.tokens = EngineTokenizers(
             fleet, tokenizer_dirs(config), config.token_check_share, http, metrics, lambda: placement.bytes_per_token
         )
@@ -188,14 +214,18 @@ class Feed:
         now = time.monotonic()
         m = self.metrics
         self._watch(present)
-        followed = {rid for rid, _ in self.tasks}  # (a set: a thousand replicas asked of a list took 50 ms)
+        for rid in [rid for rid in self.unfollowed if rid not in present]:
+            del self.unfollowed[rid]
         for rid, replica in present.items():
-            ranks = self.truth.of(rid)
-            for h in ranks:
-                blocks = _capacity_blocks(replica, h)
+            for h in self.truth.of(rid):
+                blocks = _capacity_blocks(replica, h, self.capacities)
                 if isinstance(h, Holdings) and blocks != h.capacity:
                     h.set_capacity(blocks)
                     self.truth.published(h)
+        reserved = self._within_budget(present)
+        followed = {rid for rid, _ in self.tasks}  # (a set: a thousand replicas asked of a list took 50 ms)
+        for rid, replica in present.items():
+            ranks = self.truth.of(rid)
             if ranks:
                 m.child(m.kv_events_believed, rid).set(1 if self.truth.sure(rid) else 0)
                 for medium in {medium for h in ranks for medium in h.tiers}:
@@ -206,12 +236,65 @@ class Feed:
                 continue  # its probes have not shown vLLM's cache_config_info: not an engine that says
             if now - self.asked.get(rid, -FIND_EVERY_S) < FIND_EVERY_S:
                 continue
+            need = _capacity_blocks(replica, None, self.capacities)
+            if reserved + need > self.budget:  # (not asked where it publishes: even one rank would not fit)
+                self._unfollowed(rid, need, reserved)
+                continue
             self.asked[rid] = now
             sources = await self._sources(replica)
+            need *= max(1, len(sources))
+            if sources and reserved + need > self.budget:
+                self._unfollowed(rid, need, reserved)
+                continue
+            if sources:
+                reserved += need
+                self.unfollowed.pop(rid, None)
             for rank, (pub, replay) in sources.items():
                 self.tasks[(rid, rank)] = asyncio.create_task(
                     self._follow(replica, rank, pub, replay), name=f"kv events {rid}/{rank}"
                 )
+        m.kv_events_unfollowed.set(len(self.unfollowed))
+
+    def _within_budget(self, present: Mapping[str, ReplicaState]) -> int:
+        """The blocks the replicas followed are counted at (each rank's capacity, each tier), after
+        letting go of those that took the sum past the budget (their capacity, or a tier, grew since
+        they were followed), the last followed first."""
+        counted: dict[str, int] = {}
+        for rid, _ in self.tasks:  # (in the order they were followed)
+            if rid in counted:
+                continue
+            held = [h for h in self.truth.of(rid) if isinstance(h, Holdings)]
+            if held:
+                counted[rid] = sum(h.capacity * max(1, len(h.tiers)) for h in held)
+            else:  # its subscribers have not started: as it was counted when followed
+                ranks = sum(1 for r, _ in self.tasks if r == rid)
+                counted[rid] = _capacity_blocks(present[rid], None, self.capacities) * ranks if rid in present else 0
+        reserved = sum(counted.values())
+        for rid in reversed(counted):
+            if reserved <= self.budget:
+                break
+            for key in [key for key in self.tasks if key[0] == rid]:
+                self.tasks.pop(key).cancel()
+            self.truth.forget(rid)
+            self.asked.pop(rid, None)
+            reserved -= counted[rid]
+            self._unfollowed(rid, counted[rid], reserved)
+        return reserved
+
+    def _unfollowed(self, rid: str, need: int, reserved: int) -> None:
+        """`rid` is not followed: it would take the index past its budget."""
+        if rid not in self.unfollowed:
+            log.warning(
+                "replica %s: its KV events are not followed (priced by the router's model): its %d blocks of KV "
+                "would take the event-fed index past kv_events_max_mib (%.0f MiB, %d blocks at %d bytes; %d taken)",
+                rid,
+                need,
+                self.budget * INDEX_BYTES_PER_BLOCK / (1 << 20),
+                self.budget,
+                INDEX_BYTES_PER_BLOCK,
+                reserved,
+            )
+        self.unfollowed[rid] = need
 
     async def _sources(self, replica: ReplicaState) -> dict[int, tuple[str, str | None]]:
         configured = self.configured.get(replica.id)
@@ -231,7 +314,7 @@ class Feed:
         return sources_of(answer, replica.url)
 
     async def _follow(self, replica: ReplicaState, rank: int, pub: str, replay: str | None) -> None:
-        holdings = self.truth.holdings(replica.id, rank, _capacity_blocks(replica, None))
+        holdings = self.truth.holdings(replica.id, rank, _capacity_blocks(replica, None, self.capacities))
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -376,11 +459,14 @@ def _context() -> zmq.asyncio.Context:
     return ctx
 
 
-def _capacity_blocks(replica: ReplicaState, holdings: Holdings | Followed | None) -> int:
+def _capacity_blocks(replica: ReplicaState, holdings: Holdings | Followed | None, configured: Mapping[str, int]) -> int:
+    """The blocks a replica's KV cache holds: its tokens as its engine says, else as
+    `kv_capacity_tokens` says (`configured`), in blocks of the size its metrics or events say (until
+    they do, vLLM's default); else DEFAULT_CAPACITY_BLOCKS."""
     size = (holdings.block_size if holdings is not None else None) or replica.engine.block_size
-    tokens = replica.engine.kv_tokens
-    if size and tokens:
-        return max(1, int(tokens // size))
+    tokens = replica.engine.kv_tokens or configured.get(replica.id, configured.get("*"))
+    if tokens:
+        return max(1, int(tokens // (size or ASSUMED_BLOCK_TOKENS)))
     return DEFAULT_CAPACITY_BLOCKS
 
 

@@ -140,6 +140,9 @@ class Truth:
         self._roster = -1  # a reader's: the roster's generation its replicas were last built from
         self.replicas: dict[str, dict[int, Holdings | Followed]] = {}
         self.members = 0  # bumped whenever a replica's ranks are added or dropped (a layout of them is stale)
+        # replica -> the blocks of KV it would take: it publishes events, not followed (its feed's
+        # kv_events_max_mib is spent; router.engines.kvfeed)
+        self.unfollowed: dict[str, int] = {}
         # bumped whenever one of its ranks' believed, block size or tiers change, as this process
         # keeps them (Holdings, Followed: router.placement.events)
         self.changes = [0]
@@ -515,8 +518,11 @@ class Truth:
     def figures(self, replica_id: str) -> dict[str, object] | None:
         ranks = self.replicas.get(replica_id)
         if not ranks:
+            if replica_id in self.unfollowed:
+                return {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": self.unfollowed[replica_id]}
             return None
         out: dict[str, object] = {
+            "followed": True,
             "sure": self.sure(replica_id),
             "evictions_predicted": self.cut[replica_id],
             "returning": len(self.returning.get(replica_id, ())),

@@ -1,0 +1,152 @@
+"""The event-fed index bounded by `kv_events_max_mib`: replicas whose KV capacity would take it past
+the budget are not followed (priced by the router's model, and said so), and are followed once
+others leave room; one whose capacity grew past it is let go, the last followed first.
+
+Emulated replicas publish vLLM's events and report their KV capacity in their metrics, as vLLM
+does; a budget of 1 MiB is 15,420 blocks at 68 bytes (router.engines.kvfeed.INDEX_BYTES_PER_BLOCK),
+so two replicas of 6,000 blocks fit and a third does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.config import ReplicaSpec, RouterConfig
+from router.emulator.engine import EngineConfig
+from router.emulator.kvevents import KvEventsOptions
+from router.engines import kvfeed
+from router.engines.kvfeed import Feed, index_budget_blocks
+from router.health.states import Hysteresis
+from router.kvevents.holdings import Holdings
+from router.metrics import RouterMetrics
+from router.node import Node
+from router.placement import Placement
+from router.pools import replica_fleet
+
+TOKEN = "an-admin-token-for-the-budget"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+def unfollowed_gauge(text: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith("router_kv_events_unfollowed "))
+    return float(line.split()[1])
+
+
+async def test_replicas_past_the_budget_are_priced_by_the_model_until_others_leave_room(
+    start_fleet: Callable[..., Any], start_router: Callable[..., Any]
+) -> None:
+    assert index_budget_blocks(1) == 15_420
+    config = EngineConfig(num_blocks=6_000, block_size=16)
+    fleet = await start_fleet(3, config, kv_events=KvEventsOptions(port=0, replay_port=0))
+    router, url = await start_router(
+        [r.url for r in fleet.replicas], probe_interval_s=0.2, kv_events_max_mib=1, admin_token=TOKEN
+    )
+    truth = router.placement.truth  # type: ignore[union-attr]
+    ids = [r.id for r in router.fleet.replicas]
+
+    def sure() -> list[str]:
+        return [rid for rid in ids if truth.sure(rid)]
+
+    await until(lambda: len(sure()) == 2 and len(truth.unfollowed) == 1, 20, "two believed, one not followed")
+    (left_out,) = truth.unfollowed
+    assert left_out not in sure() and truth.unfollowed[left_out] == 6_000
+    assert sum(h.capacity for rid in truth.replicas for h in truth.of(rid)) == 12_000
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/metrics") as r:
+            assert unfollowed_gauge(await r.text()) == 1.0
+        async with http.get(url + "/admin/replicas", headers=ADMIN) as r:
+            rows = {row["id"]: row for row in await r.json()}
+        assert rows[left_out]["kv_events"] == {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": 6_000}
+        followed = next(rid for rid in sure() if rid != left_out)
+        assert rows[followed]["kv_events"]["followed"] is True
+        # one followed replica leaves the fleet: the one left out is followed, and believed
+        async with http.delete(f"{url}/admin/replicas/{followed}", headers=ADMIN) as r:
+            assert r.status == 200, await r.text()
+        await until(lambda: truth.sure(left_out) and not truth.unfollowed, 20, "the one left out followed")
+        async with http.get(url + "/metrics") as r:
+            assert unfollowed_gauge(await r.text()) == 0.0
+    assert followed not in truth.replicas
+
+
+def make_feed(n: int, max_mib: int) -> Feed:
+    specs = tuple(ReplicaSpec(f"r{i}", f"http://127.0.0.1:9/r{i}") for i in range(n))
+    config = RouterConfig(replicas=specs, health_checks=False, kv_events_max_mib=max_mib)
+    fleet = replica_fleet(config, config.replicas, Hysteresis())
+    placement = Placement(fleet, config.placement, config.bounded_load_floor)
+    return Feed(fleet, placement, config.placement, lambda: None, RouterMetrics())  # type: ignore[arg-type,return-value]
+
+
+async def test_a_replica_whose_capacity_grew_past_the_budget_lets_go_of_the_last_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvfeed, "INDEX_BYTES_PER_BLOCK", 1 << 10)  # 1 MiB: 1,024 blocks
+    feed = make_feed(3, 1)
+    assert feed.budget == 1_024
+    present = {r.id: r for r in feed.fleet.replicas}
+    waiting: list[asyncio.Task[None]] = []
+    for rid in ("r0", "r1", "r2"):  # followed in this order, 300 blocks each
+        feed.truth.holdings(rid, 0, 300)
+        feed.tasks[(rid, 0)] = task = asyncio.create_task(asyncio.sleep(3600))
+        waiting.append(task)
+    try:
+        assert feed._within_budget(present) == 900 and not feed.unfollowed
+        h0 = feed.truth.of("r0")[0]
+        assert isinstance(h0, Holdings)
+        h0.set_capacity(500)  # its engine said more
+        assert feed._within_budget(present) == 1_100 - 300
+        assert feed.unfollowed == {"r2": 300} and set(feed.truth.replicas) == {"r0", "r1"}
+        assert ("r2", 0) not in feed.tasks
+        await asyncio.sleep(0)
+        assert waiting[2].cancelled() and not waiting[0].done() and not waiting[1].done()
+        h0.tier("cpu")  # it began offloading: its second tier counts as much again
+        assert feed._within_budget(present) == 500 * 2
+        assert feed.unfollowed == {"r1": 300, "r2": 300} and set(feed.truth.replicas) == {"r0"}
+    finally:
+        for task in waiting:
+            task.cancel()
+        await feed.close()
+
+
+def test_the_budget_is_a_setting_in_mib_or_a_quarter_of_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert index_budget_blocks(64) == (64 << 20) // 68
+    monkeypatch.setattr(kvfeed, "memory_limit_bytes", lambda: 68 << 22)
+    assert index_budget_blocks(0) == 1 << 20
+
+
+def test_the_budget_is_never_negative() -> None:
+    from router.config import ConfigError, load  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="kv_events_max_mib"):
+        load(None, {}, {"replicas": ["http://127.0.0.1:9"], "kv_events_max_mib": -1})
+
+
+async def test_a_replica_larger_than_the_budget_is_not_followed() -> None:
+    """Its capacity from kv_capacity_tokens (no probes), in vLLM's 16-token blocks until its events
+    say otherwise: 65,536 blocks, past 1 MiB's 15,420; not even asked where it publishes."""
+    specs = (ReplicaSpec("r0", "http://127.0.0.1:9/r0"),)
+    config = RouterConfig(
+        replicas=specs,
+        health_checks=False,
+        kv_events_max_mib=1,
+        kv_event_endpoints=("r0=tcp://127.0.0.1:9",),
+        kv_capacity_tokens=("*=1048576",),
+    )
+    node = Node(config)
+    assert node.feed is not None
+    await node.feed.find()
+    assert node.feed.unfollowed == {"r0": 65_536} and not node.feed.tasks and not node.feed.asked
+    await node.feed.close()
