@@ -56,6 +56,21 @@ def test_twenty_publishers_reach_one_router_s_index_whole(tmp_path: Path) -> Non
     assert "| 20 | " in (tmp_path / "events.md").read_text()
 
 
+def test_a_router_under_an_index_budget_follows_as_many_publishers_as_fit(tmp_path: Path) -> None:
+    # 1 MiB is 15,420 blocks at 68 bytes: fifteen engines of 1,000 blocks fit, five do not
+    line = "events --publishers 20 --duration 3 --blocks-per-s 160 --batch-blocks 16 --capacity-blocks 1000"
+    args = build_parser().parse_args([*line.split(), "--index-max-mib", "1", "--out", str(tmp_path)])
+    assert args.run(args) == 0
+    (row,) = json.loads((tmp_path / "events.json").read_text())["rows"]
+    assert (row["publishers"], row["followed"], row["believed"]) == (20, 15, 15)
+    assert row["budget_mib"] <= 1 and 0 < row["index_mib"] <= row["budget_mib"]
+    # what the fifteen followed stored, whole; nothing of the others
+    assert 0.7 < row["applied_stored"] / row["sent_stored"] < 0.8 and row["held_blocks"] == row["applied_stored"]
+    assert row["gaps"] == 0 and row["orphans"] == 0 and row["bad_messages"] == 0
+    assert 0 < row["believe_s"] < 2 and "| 20 | 3,2" in (tmp_path / "events.md").read_text()
+    assert " (15 followed) |" in (tmp_path / "events.md").read_text()
+
+
 def test_routers_that_follow_the_same_events_decide_alike(tmp_path: Path) -> None:
     # two routers joining together and a third halfway through, light publishers
     args = build_parser().parse_args(

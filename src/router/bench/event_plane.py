@@ -71,7 +71,7 @@ from router.bench.event_publishers import Shape, end_publishers, start_publisher
 from router.bench.event_remote import Remote, decide_all, subscriber
 from router.bench.event_serve import measure_serve, render_serve
 from router.config import ReplicaSpec, RouterConfig
-from router.engines.kvfeed import Feed
+from router.engines.kvfeed import INDEX_BYTES_PER_BLOCK, Feed
 from router.kvevents.shared import SharedIndex
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch
@@ -106,6 +106,7 @@ async def measure(
     procs: int,
     routers: Routers = Routers(),
     serve_workers: int = 0,
+    max_mib: int = 0,
 ) -> dict[str, Any]:
     """One fleet size: publishers started, the subscribers joining (this process's, or with
     `serve_workers` a `router-serve --workers N` child: router.bench.event_serve), the run, and
@@ -117,8 +118,7 @@ async def measure(
         replicas=specs,
         health_checks=False,
         kv_event_endpoints=tuple(f"r{i}=tcp://127.0.0.1:{p};tcp://127.0.0.1:{q}" for i, (p, q) in enumerate(ports)),
-        # what each engine's metrics would say (the publishers serve none): its index is bounded by it
-        kv_capacity_tokens=(f"*={shape.capacity_blocks * shape.block_size}",),
+        kv_events_max_mib=max_mib,
     )
     start_at = time.time() + 1.0 + publishers / 500  # every child opened its sockets by then
     children = start_publishers(ports, shape, procs, start_at)
@@ -177,7 +177,7 @@ async def _subscribe(
     async def remote_sure() -> int:
         """The fewest replicas a router in another process believes (every one, with none)."""
         counts = await asyncio.gather(*(r.ask(("sure",)) for r in remotes))
-        return min(counts, default=len(config.replicas))
+        return min(counts, default=len(ids))
 
     async with aiohttp.ClientSession() as http:
         index = SharedIndex(shared) if shared is not None else None
@@ -210,6 +210,7 @@ async def _subscribe(
         rss0, cpu0, joined = _rss(), time.process_time(), time.monotonic()
         for f in feeds:
             await f.find()
+        ids = [rid for rid in ids if rid not in feed.unfollowed]  # (past kv_events_max_mib: never followed)
         for r in remotes:
             await r.ask(("join",))
         joining = asyncio.create_task(join_late()) if routers.late else None
@@ -255,11 +256,12 @@ async def _subscribe(
     steady = t2 - t1 if believed == len(ids) else 0.0
     blocks = stored2 - stored1 if steady else 0
     return {
-        "publishers": len(ids),
+        "publishers": len(config.replicas),
+        "followed": len(ids),
         "believed": believed,
         "believe_s": believe_s,
         "sent_blocks_per_s": sent["stored"] / sent["seconds"] if sent["seconds"] else 0.0,
-        "asked_blocks_per_s": shape.blocks_per_s * len(ids),
+        "asked_blocks_per_s": shape.blocks_per_s * len(config.replicas),
         "skipped_steps": sent["skipped_steps"],
         "sent_messages": sent["messages"],
         "sent_stored": sent["stored"],
@@ -283,6 +285,8 @@ async def _subscribe(
         "mib_per_million_blocks": (rss - rss0) / MIB / (held / 1e6) if held else math.nan,
         # the compiled index alone (blocks, their engines' names, both tables), one router's
         "index_mib_per_million_blocks": index_bytes / MIB / (held / 1e6) if held else math.nan,
+        "index_mib": index_bytes / MIB,
+        "budget_mib": feed.budget * INDEX_BYTES_PER_BLOCK / MIB,
         "gaps": sum(f.gaps for f in figures),
         "duplicates": sum(f.duplicates for f in figures),
         "restarts": sum(f.restarts for f in figures),
@@ -323,7 +327,9 @@ def render(shape: Shape, rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         share = r["applied_by_end"] / r["sent_stored"] if r["sent_stored"] else math.nan
-        believe = f"{r['believe_s']:.2f}" if r["believed"] == r["publishers"] else f"— ({r['believed']:,} believed)"
+        believe = f"{r['believe_s']:.2f}" if r["believed"] == r["followed"] else f"— ({r['believed']:,} believed)"
+        if r["followed"] < r["publishers"]:
+            believe += f" ({r['followed']:,} followed)"
         lines.append(
             f"| {r['publishers']:,} | {r['sent_blocks_per_s']:,.0f} ({r['asked_blocks_per_s']:,.0f}) | {believe} "
             f"| {share:.1%} | {r['whole_blocks_per_s']:,.0f}, {r['whole_cpu_cores']:.2f}, "
@@ -359,6 +365,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.index_max_mib < 0 or (args.index_max_mib and args.serve_workers):
+        print(
+            "router-bench events: --index-max-mib is a number of MiB >= 0, for this process's subscriber "
+            "(not --serve-workers)",
+            file=sys.stderr,
+        )
+        return 2
     raise_open_files()  # as router-serve does
     if args.serve_workers:
         return _run_serve(args, shape)
@@ -366,14 +379,18 @@ def run(args: argparse.Namespace) -> int:
     for n in args.publishers:
         routers = Routers(args.routers, args.late_router, args.router_procs, args.shared_index)
         try:
-            row = uvloop.run(measure(n, shape, args.duration, args.join_after, args.publisher_procs, routers))
+            size = measure(
+                n, shape, args.duration, args.join_after, args.publisher_procs, routers, 0, args.index_max_mib
+            )
+            row = uvloop.run(size)
         except RuntimeError as exc:  # a router process that died or fell silent (router.bench.event_remote)
             print(f"router-bench events: {exc}", file=sys.stderr)
             return 1
         rows.append(row)
         if not args.json:
             print(
-                f"{n} publishers: {row['believed']} believed after {row['believe_s']:.2f} s, "
+                f"{n} publishers: {row['followed']} followed, {row['believed']} believed after "
+                f"{row['believe_s']:.2f} s, "
                 f"{row['whole_blocks_per_s']:,.0f} blocks/s applied, lag P99 {row['lag_p99_s'] * 1e3:.1f} ms",
                 file=sys.stderr,
             )
@@ -464,6 +481,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--out", type=Path, default=None, help="folder for events.json and .md (events-serve.* with --serve-workers)"
+    )
+    p.add_argument(
+        "--index-max-mib",
+        type=int,
+        default=0,
+        help="the router's kv_events_max_mib: its event-fed index's budget (0: its default, a quarter of "
+        "this host's memory); the replicas past it are not followed (not with --serve-workers)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
