@@ -478,6 +478,12 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):
                 self.kv_event_blocks.remove(replica, medium)
 
+    def kv_events_not_followed(self, replica: str) -> None:
+        """A replica's KV events are not followed (any more): not believed, no blocks known."""
+        self.child(self.kv_events_believed, replica).set(0)
+        for key in [k for k in self._children if k[0] == id(self.kv_event_blocks) and k[1] == replica]:
+            self._children[key].set(0)
+
     def show_health(self, replica: str, state: str, inputs: HealthInputs | None) -> None:
         """Set a replica's state and score-input gauges (at scrape time)."""
         for s in STATES:

@@ -67,7 +67,8 @@ async def test_replicas_past_the_budget_are_priced_by_the_model_until_others_lea
     assert sum(h.capacity for rid in truth.replicas for h in truth.of(rid)) == 12_000
     async with aiohttp.ClientSession() as http:
         async with http.get(url + "/metrics") as r:
-            assert unfollowed_gauge(await r.text()) == 1.0
+            text = await r.text()
+        assert unfollowed_gauge(text) == 1.0 and f'router_kv_events_believed{{replica="{left_out}"}} 0.0' in text
         async with http.get(url + "/admin/replicas", headers=ADMIN) as r:
             rows = {row["id"]: row for row in await r.json()}
         assert rows[left_out]["kv_events"] == {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": 6_000}
@@ -134,19 +135,25 @@ def test_the_budget_is_never_negative() -> None:
         load(None, {}, {"replicas": ["http://127.0.0.1:9"], "kv_events_max_mib": -1})
 
 
-async def test_a_replica_larger_than_the_budget_is_not_followed() -> None:
-    """Its capacity from kv_capacity_tokens (no probes), in vLLM's 16-token blocks until its events
-    say otherwise: 65,536 blocks, past 1 MiB's 15,420; not even asked where it publishes."""
-    specs = (ReplicaSpec("r0", "http://127.0.0.1:9/r0"),)
+async def test_replicas_larger_than_the_budget_are_not_followed_and_said_so_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Their capacity from kv_capacity_tokens (no probes), in vLLM's 16-token blocks until their
+    events say otherwise: 65,536 blocks each, past 1 MiB's 15,420; not even asked where they publish."""
+    ids = [f"r{i}" for i in range(7)]
     config = RouterConfig(
-        replicas=specs,
+        replicas=tuple(ReplicaSpec(rid, f"http://127.0.0.1:9/{rid}") for rid in ids),
         health_checks=False,
         kv_events_max_mib=1,
-        kv_event_endpoints=("r0=tcp://127.0.0.1:9",),
+        kv_event_endpoints=tuple(f"{rid}=tcp://127.0.0.1:9" for rid in ids),
         kv_capacity_tokens=("*=1048576",),
     )
     node = Node(config)
     assert node.feed is not None
-    await node.feed.find()
-    assert node.feed.unfollowed == {"r0": 65_536} and not node.feed.tasks and not node.feed.asked
+    with caplog.at_level("WARNING", logger="router.engines.kvfeed"):
+        await node.feed.find()
+        await node.feed.find()  # (said once)
+    assert node.feed.unfollowed == dict.fromkeys(ids, 65_536) and not node.feed.tasks and not node.feed.asked
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("7 replicas' KV events not followed") and said.endswith("r4 (65536 blocks) and 2 more")
     await node.feed.close()

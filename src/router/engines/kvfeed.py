@@ -216,6 +216,7 @@ class Feed:
         self._watch(present)
         for rid in [rid for rid in self.unfollowed if rid not in present]:
             del self.unfollowed[rid]
+        before = set(self.unfollowed)
         for rid, replica in present.items():
             for h in self.truth.of(rid):
                 blocks = _capacity_blocks(replica, h, self.capacities)
@@ -238,13 +239,13 @@ class Feed:
                 continue
             need = _capacity_blocks(replica, None, self.capacities)
             if reserved + need > self.budget:  # (not asked where it publishes: even one rank would not fit)
-                self._unfollowed(rid, need, reserved)
+                self.unfollowed[rid] = need
                 continue
             self.asked[rid] = now
             sources = await self._sources(replica)
             need *= max(1, len(sources))
             if sources and reserved + need > self.budget:
-                self._unfollowed(rid, need, reserved)
+                self.unfollowed[rid] = need
                 continue
             if sources:
                 reserved += need
@@ -253,6 +254,11 @@ class Feed:
                 self.tasks[(rid, rank)] = asyncio.create_task(
                     self._follow(replica, rank, pub, replay), name=f"kv events {rid}/{rank}"
                 )
+        fresh = [rid for rid in self.unfollowed if rid not in before]
+        for rid in fresh:
+            m.kv_events_not_followed(rid)
+        if fresh:
+            self._say_unfollowed(fresh, reserved)
         m.kv_events_unfollowed.set(len(self.unfollowed))
 
     def _within_budget(self, present: Mapping[str, ReplicaState]) -> int:
@@ -278,23 +284,23 @@ class Feed:
             self.truth.forget(rid)
             self.asked.pop(rid, None)
             reserved -= counted[rid]
-            self._unfollowed(rid, counted[rid], reserved)
+            self.unfollowed[rid] = counted[rid]
         return reserved
 
-    def _unfollowed(self, rid: str, need: int, reserved: int) -> None:
-        """`rid` is not followed: it would take the index past its budget."""
-        if rid not in self.unfollowed:
-            log.warning(
-                "replica %s: its KV events are not followed (priced by the router's model): its %d blocks of KV "
-                "would take the event-fed index past kv_events_max_mib (%.0f MiB, %d blocks at %d bytes; %d taken)",
-                rid,
-                need,
-                self.budget * INDEX_BYTES_PER_BLOCK / (1 << 20),
-                self.budget,
-                INDEX_BYTES_PER_BLOCK,
-                reserved,
-            )
-        self.unfollowed[rid] = need
+    def _say_unfollowed(self, fresh: list[str], reserved: int) -> None:
+        """One line a round for the replicas newly not followed, however many."""
+        named = ", ".join(f"{rid} ({self.unfollowed[rid]} blocks)" for rid in fresh[:5])
+        log.warning(
+            "%d replicas' KV events not followed (priced by the router's model), each past the event-fed index's "
+            "budget, kv_events_max_mib (%.0f MiB: %d blocks of engines' KV at %d bytes, %d of them taken): %s%s",
+            len(fresh),
+            self.budget * INDEX_BYTES_PER_BLOCK / (1 << 20),
+            self.budget,
+            INDEX_BYTES_PER_BLOCK,
+            reserved,
+            named,
+            f" and {len(fresh) - 5} more" if len(fresh) > 5 else "",
+        )
 
     async def _sources(self, replica: ReplicaState) -> dict[int, tuple[str, str | None]]:
         configured = self.configured.get(replica.id)
