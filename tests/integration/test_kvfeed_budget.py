@@ -139,7 +139,8 @@ async def test_replicas_larger_than_the_budget_are_not_followed_and_said_so_in_o
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Their capacity from kv_capacity_tokens (no probes), in vLLM's 16-token blocks until their
-    events say otherwise: 65,536 blocks each, past 1 MiB's 15,420; not even asked where they publish."""
+    events say otherwise: 65,536 blocks each, past 1 MiB's 15,420. Asked where they publish once,
+    then not again while they cannot fit."""
     ids = [f"r{i}" for i in range(7)]
     config = RouterConfig(
         replicas=tuple(ReplicaSpec(rid, f"http://127.0.0.1:9/{rid}") for rid in ids),
@@ -153,7 +154,11 @@ async def test_replicas_larger_than_the_budget_are_not_followed_and_said_so_in_o
     with caplog.at_level("WARNING", logger="router.engines.kvfeed"):
         await node.feed.find()
         await node.feed.find()  # (said once)
-    assert node.feed.unfollowed == dict.fromkeys(ids, 65_536) and not node.feed.tasks and not node.feed.asked
+    assert node.feed.unfollowed == dict.fromkeys(ids, 65_536) and not node.feed.tasks
+    assert set(node.feed.asked) == set(ids)
+    node.feed.asked.clear()
+    await node.feed.find()  # (they still do not fit: not asked again)
+    assert not node.feed.asked
     (said,) = [r.getMessage() for r in caplog.records]
     assert said.startswith("7 replicas' KV events not followed") and said.endswith("r4 (65536 blocks) and 2 more")
     await node.feed.close()

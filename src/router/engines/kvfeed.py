@@ -235,21 +235,21 @@ class Feed:
                 continue
             if rid not in self.configured and replica.engine.block_size is None:
                 continue  # its probes have not shown vLLM's cache_config_info: not an engine that says
+            if rid in self.unfollowed and reserved + self.unfollowed[rid] > self.budget:
+                continue  # it still does not fit (as it was counted when last asked)
             if now - self.asked.get(rid, -FIND_EVERY_S) < FIND_EVERY_S:
-                continue
-            need = _capacity_blocks(replica, None, self.capacities)
-            if reserved + need > self.budget:  # (not asked where it publishes: even one rank would not fit)
-                self.unfollowed[rid] = need
                 continue
             self.asked[rid] = now
             sources = await self._sources(replica)
-            need *= max(1, len(sources))
-            if sources and reserved + need > self.budget:
-                self.unfollowed[rid] = need
+            need = _capacity_blocks(replica, None, self.capacities) * len(sources)
+            if not sources or reserved + need > self.budget:
+                if sources:
+                    self.unfollowed[rid] = need
+                else:  # (it publishes nothing now)
+                    self.unfollowed.pop(rid, None)
                 continue
-            if sources:
-                reserved += need
-                self.unfollowed.pop(rid, None)
+            reserved += need
+            self.unfollowed.pop(rid, None)
             for rank, (pub, replay) in sources.items():
                 self.tasks[(rid, rank)] = asyncio.create_task(
                     self._follow(replica, rank, pub, replay), name=f"kv events {rid}/{rank}"
