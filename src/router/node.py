@@ -42,7 +42,7 @@ from router.config import (
 )
 from router.engines.discovery import Discovery
 from router.engines.handoff import VLLM
-from router.engines.kvfeed import Feed
+from router.engines.kvfeed import Feed, IndexBudget, index_budget_blocks
 from router.engines.upstream import Upstream
 from router.fleet import ReplicaState
 from router.health.states import Hysteresis
@@ -113,7 +113,13 @@ class Node:
         # a disaggregated fleet's prefill replicas (router.pools, router.proxy.disagg): a pool of
         # their own, out of the route's reach
         routes = worker is not None or config.workers <= 1  # this process routes requests
-        prefill = prefill_pool(config, rules, self.metrics, lambda: self.http, routes)
+        # the event-fed indexes' budget, the process's (its feeds': a prefill pool's and the route's);
+        # by default a quarter of the host's memory, or under --workers the control process's (it
+        # follows the engines for the host) and a share of it each worker's (one follows them itself
+        # only where the host's shared index could not be laid out)
+        processes = max(config.workers, 1) if worker is not None else 1
+        budget = IndexBudget(index_budget_blocks(config.placement.kv_events_max_mib, processes))
+        prefill = prefill_pool(config, rules, self.metrics, lambda: self.http, routes, budget)
         disaggregated = prefill is not None
         self.policy = make_policy(config.policy, fleet, config)
         # ttft's prefix index and prefill queues: what the KV-event feed, shared placements, warm-up
@@ -247,12 +253,14 @@ class Node:
                 self.shared_index = _shared_index(name)
                 if self.shared_index is not None:
                     placement.truth.share(self.shared_index)
-                    self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics, routes=False)
+                    self.feed = Feed(
+                        fleet, placement, config.placement, lambda: self.http, self.metrics, routes=False, budget=budget
+                    )
             elif routes:
                 reader = _index_reader(name) if name is not None and worker is not None else None
                 if reader is not None:
                     placement.truth.share(reader)
-                self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics)
+                self.feed = Feed(fleet, placement, config.placement, lambda: self.http, self.metrics, budget=budget)
         # the roles' routing cores: the route's, and a disaggregated fleet's prefill pool
         self.pools = [Pool("serve", fleet, self.policy, self.routing, self.monitor, self.discovery, self.feed)]
         if prefill is not None:

@@ -35,7 +35,7 @@ from router.apis import COMPLETION
 from router.config import ReplicaSpec, RouterConfig, pinned_models, replica_api_keys, replica_capacities, score_weights
 from router.engines.discovery import Discovery, PrefillReplicas
 from router.engines.handoff import Handoff
-from router.engines.kvfeed import Feed
+from router.engines.kvfeed import Feed, IndexBudget
 from router.fleet import Fleet, ReplicaState
 from router.health.states import Hysteresis
 from router.keys import RoutingKey
@@ -107,6 +107,7 @@ def prefill_pool(
     metrics: RouterMetrics,
     http: Callable[[], aiohttp.ClientSession],
     routes: bool,
+    budget: IndexBudget | None = None,
 ) -> Pool | None:
     """The prefill pool of a disaggregated fleet (None without prefill replicas): probed and found
     by every process (the control process too: its admin API and console show them); its events
@@ -131,7 +132,11 @@ def prefill_pool(
             config.prefill,
             role="prefill",
         )
-    feed = Feed(fleet, policy.placement, config.placement, http, metrics) if config.kv_events and routes else None
+    feed = (
+        Feed(fleet, policy.placement, config.placement, http, metrics, budget=budget)
+        if config.kv_events and routes
+        else None
+    )
     return Pool("prefill", fleet, policy, routing, monitor, discovery, feed)
 
 

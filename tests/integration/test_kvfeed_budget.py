@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -21,7 +22,7 @@ from router.config import ReplicaSpec, RouterConfig
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
 from router.engines import kvfeed
-from router.engines.kvfeed import Feed, index_budget_blocks
+from router.engines.kvfeed import Feed, IndexBudget, index_budget_blocks
 from router.health.states import Hysteresis
 from router.kvevents.holdings import Holdings
 from router.metrics import RouterMetrics
@@ -83,12 +84,37 @@ async def test_replicas_past_the_budget_are_priced_by_the_model_until_others_lea
     assert followed not in truth.replicas
 
 
-def make_feed(n: int, max_mib: int) -> Feed:
+def make_feed(n: int, max_mib: int, budget: IndexBudget | None = None) -> Feed:
     specs = tuple(ReplicaSpec(f"r{i}", f"http://127.0.0.1:9/r{i}") for i in range(n))
     config = RouterConfig(replicas=specs, health_checks=False, kv_events_max_mib=max_mib)
     fleet = replica_fleet(config, config.replicas, Hysteresis())
     placement = Placement(fleet, config.placement, config.bounded_load_floor)
-    return Feed(fleet, placement, config.placement, lambda: None, RouterMetrics())  # type: ignore[arg-type,return-value]
+    http: Any = lambda: None  # noqa: E731 -- (nothing is asked over HTTP here)
+    return Feed(fleet, placement, config.placement, http, RouterMetrics(), budget=budget)
+
+
+async def test_the_feeds_of_one_process_share_its_budget() -> None:
+    """A disaggregated router follows its prefill replicas in a feed of their own: what one counts,
+    the other may not."""
+    budget = IndexBudget(1_024)
+    serve, prefill = make_feed(2, 1, budget), make_feed(2, 1, budget)
+    for feed, blocks in ((serve, 600), (prefill, 500)):  # as its engine's metrics say
+        replica = feed.fleet.replicas[0]
+        replica.engine = replace(replica.engine, kv_tokens=16 * blocks, block_size=16)
+        feed.truth.holdings("r0", 0, blocks)
+    waiting = [asyncio.create_task(asyncio.sleep(3600)) for _ in range(2)]
+    serve.tasks[("r0", 0)], prefill.tasks[("r0", 0)] = waiting
+    try:
+        await serve.find()  # (r1 shows no engine: not asked; r0 is counted)
+        assert budget.left(prefill) == 424 and budget.left(serve) == 1_024
+        await prefill.find()  # its 500 blocks do not fit in what is left: let go
+        assert prefill.unfollowed == {"r0": 500} and not prefill.truth.replicas and not serve.unfollowed
+        await serve.close()
+        assert budget.left(prefill) == 1_024
+    finally:
+        for task in waiting:
+            task.cancel()
+        await prefill.close()
 
 
 async def test_a_replica_whose_capacity_grew_past_the_budget_lets_go_of_the_last_followed(
@@ -96,7 +122,7 @@ async def test_a_replica_whose_capacity_grew_past_the_budget_lets_go_of_the_last
 ) -> None:
     monkeypatch.setattr(kvfeed, "INDEX_BYTES_PER_BLOCK", 1 << 10)  # 1 MiB: 1,024 blocks
     feed = make_feed(3, 1)
-    assert feed.budget == 1_024
+    assert feed.budget.blocks == 1_024
     present = {r.id: r for r in feed.fleet.replicas}
     waiting: list[asyncio.Task[None]] = []
     for rid in ("r0", "r1", "r2"):  # followed in this order, 300 blocks each
@@ -104,17 +130,17 @@ async def test_a_replica_whose_capacity_grew_past_the_budget_lets_go_of_the_last
         feed.tasks[(rid, 0)] = task = asyncio.create_task(asyncio.sleep(3600))
         waiting.append(task)
     try:
-        assert feed._within_budget(present) == 900 and not feed.unfollowed
+        assert feed._within_budget(present, feed.budget.left(feed)) == 900 and not feed.unfollowed
         h0 = feed.truth.of("r0")[0]
         assert isinstance(h0, Holdings)
         h0.set_capacity(500)  # its engine said more
-        assert feed._within_budget(present) == 1_100 - 300
+        assert feed._within_budget(present, feed.budget.left(feed)) == 1_100 - 300
         assert feed.unfollowed == {"r2": 300} and set(feed.truth.replicas) == {"r0", "r1"}
         assert ("r2", 0) not in feed.tasks
         await asyncio.sleep(0)
         assert waiting[2].cancelled() and not waiting[0].done() and not waiting[1].done()
         h0.tier("cpu")  # it began offloading: its second tier counts as much again
-        assert feed._within_budget(present) == 500 * 2
+        assert feed._within_budget(present, feed.budget.left(feed)) == 500 * 2
         assert feed.unfollowed == {"r1": 300, "r2": 300} and set(feed.truth.replicas) == {"r0"}
     finally:
         for task in waiting:
@@ -126,6 +152,9 @@ def test_the_budget_is_a_setting_in_mib_or_a_quarter_of_the_memory(monkeypatch: 
     assert index_budget_blocks(64) == (64 << 20) // 68
     monkeypatch.setattr(kvfeed, "memory_limit_bytes", lambda: 68 << 22)
     assert index_budget_blocks(0) == 1 << 20
+    # a router's workers share the default (each follows the engines only where its host's shared
+    # index could not be laid out); a budget set is each process's
+    assert index_budget_blocks(0, 4) == 1 << 18 and index_budget_blocks(64, 4) == index_budget_blocks(64)
 
 
 def test_the_budget_is_never_negative() -> None:

@@ -286,7 +286,7 @@ async def _subscribe(
         # the compiled index alone (blocks, their engines' names, both tables), one router's
         "index_mib_per_million_blocks": index_bytes / MIB / (held / 1e6) if held else math.nan,
         "index_mib": index_bytes / MIB,
-        "budget_mib": feed.budget * INDEX_BYTES_PER_BLOCK / MIB,
+        "budget_mib": feed.budget.blocks * INDEX_BYTES_PER_BLOCK / MIB,
         "gaps": sum(f.gaps for f in figures),
         "duplicates": sum(f.duplicates for f in figures),
         "restarts": sum(f.restarts for f in figures),

@@ -77,11 +77,31 @@ DRAIN_RUN = 64  # messages one subscriber reads in a row before the others' turn
 FOLLOW_EVERY_S = 0.05  # a worker on its host's shared index looks at its roster this often
 
 
-def index_budget_blocks(max_mib: int) -> int:
+def index_budget_blocks(max_mib: int, processes: int = 1) -> int:
     """`kv_events_max_mib` as blocks of engines' KV capacity (0: a quarter of this host's memory,
-    or of its container's limit)."""
-    budget = max_mib << 20 if max_mib > 0 else memory_limit_bytes() // 4
+    or of its container's limit, shared by `processes`: the workers of one router)."""
+    budget = max_mib << 20 if max_mib > 0 else memory_limit_bytes() // 4 // max(processes, 1)
     return max(1, budget // INDEX_BYTES_PER_BLOCK)
+
+
+class IndexBudget:
+    """The blocks of engines' KV capacity one process's event-fed indexes may be counted at
+    (`kv_events_max_mib`), shared by its feeds: a disaggregated router follows its prefill
+    replicas in a feed of their own."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self._counted: dict[int, int] = {}  # id(feed) -> the blocks it counts now
+
+    def left(self, feed: object) -> int:
+        """What `feed` may count: the budget less what the other feeds count."""
+        return self.blocks - sum(n for f, n in self._counted.items() if f != id(feed))
+
+    def count(self, feed: object, blocks: int) -> None:
+        self._counted[id(feed)] = blocks
+
+    def release(self, feed: object) -> None:
+        self._counted.pop(id(feed), None)
 
 
 def reachable(endpoint: str, replica_url: str) -> str | None:
@@ -138,6 +158,7 @@ class Feed:
         http: Callable[[], aiohttp.ClientSession],
         metrics: RouterMetrics,
         routes: bool = True,
+        budget: IndexBudget | None = None,
     ) -> None:
         self.fleet = fleet
         self.placement = placement
@@ -150,7 +171,7 @@ class Feed:
         # The index's memory, bounded: every replica followed is counted at its KV capacity (each
         # rank, each tier), and one that would take the sum past this is not followed (priced by
         # the router's model); one whose capacity grew past it is let go, the last followed first.
-        self.budget = index_budget_blocks(config.kv_events_max_mib)
+        self.budget = budget or IndexBudget(index_budget_blocks(config.kv_events_max_mib))
         self.unfollowed = self.truth.unfollowed  # replica id -> the blocks it would take
         self.tokens = EngineTokenizers(
             fleet, tokenizer_dirs(config), config.token_check_share, http, metrics, lambda: placement.bytes_per_token
@@ -223,7 +244,8 @@ class Feed:
                 if isinstance(h, Holdings) and blocks != h.capacity:
                     h.set_capacity(blocks)
                     self.truth.published(h)
-        reserved = self._within_budget(present)
+        allowed = self.budget.left(self)
+        reserved = self._within_budget(present, allowed)
         followed = {rid for rid, _ in self.tasks}  # (a set: a thousand replicas asked of a list took 50 ms)
         for rid, replica in present.items():
             ranks = self.truth.of(rid)
@@ -235,14 +257,14 @@ class Feed:
                 continue
             if rid not in self.configured and replica.engine.block_size is None:
                 continue  # its probes have not shown vLLM's cache_config_info: not an engine that says
-            if rid in self.unfollowed and reserved + self.unfollowed[rid] > self.budget:
+            if rid in self.unfollowed and reserved + self.unfollowed[rid] > allowed:
                 continue  # it still does not fit (as it was counted when last asked)
             if now - self.asked.get(rid, -FIND_EVERY_S) < FIND_EVERY_S:
                 continue
             self.asked[rid] = now
             sources = await self._sources(replica)
             need = _capacity_blocks(replica, None, self.capacities) * len(sources)
-            if not sources or reserved + need > self.budget:
+            if not sources or reserved + need > allowed:
                 if sources:
                     self.unfollowed[rid] = need
                 else:  # (it publishes nothing now)
@@ -259,11 +281,12 @@ class Feed:
             m.kv_events_not_followed(rid)
         if fresh:
             self._say_unfollowed(fresh, reserved)
+        self.budget.count(self, reserved)
         m.kv_events_unfollowed.set(len(self.unfollowed))
 
-    def _within_budget(self, present: Mapping[str, ReplicaState]) -> int:
+    def _within_budget(self, present: Mapping[str, ReplicaState], allowed: int) -> int:
         """The blocks the replicas followed are counted at (each rank's capacity, each tier), after
-        letting go of those that took the sum past the budget (their capacity, or a tier, grew since
+        letting go of those that took the sum past `allowed` (their capacity, or a tier, grew since
         they were followed), the last followed first."""
         counted: dict[str, int] = {}
         for rid, _ in self.tasks:  # (in the order they were followed)
@@ -277,7 +300,7 @@ class Feed:
                 counted[rid] = _capacity_blocks(present[rid], None, self.capacities) * ranks if rid in present else 0
         reserved = sum(counted.values())
         for rid in reversed(counted):
-            if reserved <= self.budget:
+            if reserved <= allowed:
                 break
             for key in [key for key in self.tasks if key[0] == rid]:
                 self.tasks.pop(key).cancel()
@@ -294,8 +317,8 @@ class Feed:
             "%d replicas' KV events not followed (priced by the router's model), each past the event-fed index's "
             "budget, kv_events_max_mib (%.0f MiB: %d blocks of engines' KV at %d bytes, %d of them taken): %s%s",
             len(fresh),
-            self.budget * INDEX_BYTES_PER_BLOCK / (1 << 20),
-            self.budget,
+            self.budget.blocks * INDEX_BYTES_PER_BLOCK / (1 << 20),
+            self.budget.blocks,
             INDEX_BYTES_PER_BLOCK,
             reserved,
             named,
@@ -393,6 +416,7 @@ class Feed:
             log.warning("KV events from %s: %s (%d such messages)", where, exc, self.bad_messages)
 
     async def close(self) -> None:
+        self.budget.release(self)
         await self.tokens.close()
         tasks = list(self.tasks.values())
         for task in tasks:
