@@ -37,6 +37,10 @@ itself, started as an operator would start it, and the table is what the host pa
 CPU and memory of its whole process tree, the time until its /metrics say every replica is
 believed, and its lag histogram's percentiles (router.bench.event_serve).
 
+With `--index-max-mib N` this process's subscriber runs under the router's `kv_events_max_mib`:
+the publishers whose KV capacity would take its index past N MiB are not followed, and the
+table counts only those followed (and says how many were).
+
 It is past 450 lines because it is one benchmark whole: the run of a fleet size (publishers,
 subscribers, the routers compared), its table and its command line; what other parts could use
 is apart already (event_publishers, event_agreement, event_remote, event_serve).
