@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.config import ReplicaSpec, RouterConfig
+from router.config import ConfigError, ReplicaSpec, RouterConfig, load
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
 from router.engines import kvfeed
@@ -158,8 +158,6 @@ def test_the_budget_is_a_setting_in_mib_or_a_quarter_of_the_memory(monkeypatch: 
 
 
 def test_the_budget_is_never_negative() -> None:
-    from router.config import ConfigError, load  # noqa: PLC0415
-
     with pytest.raises(ConfigError, match="kv_events_max_mib"):
         load(None, {}, {"replicas": ["http://127.0.0.1:9"], "kv_events_max_mib": -1})
 
