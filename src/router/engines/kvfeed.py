@@ -36,6 +36,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -288,16 +289,14 @@ class Feed:
         """The blocks the replicas followed are counted at (each rank's capacity, each tier), after
         letting go of those that took the sum past `allowed` (their capacity, or a tier, grew since
         they were followed), the last followed first."""
+        ranks = Counter(rid for rid, _ in self.tasks)  # (in the order they were followed)
         counted: dict[str, int] = {}
-        for rid, _ in self.tasks:  # (in the order they were followed)
-            if rid in counted:
-                continue
+        for rid, n in ranks.items():
             held = [h for h in self.truth.of(rid) if isinstance(h, Holdings)]
             if held:
                 counted[rid] = sum(h.capacity * max(1, len(h.tiers)) for h in held)
             else:  # its subscribers have not started: as it was counted when followed
-                ranks = sum(1 for r, _ in self.tasks if r == rid)
-                counted[rid] = _capacity_blocks(present[rid], None, self.capacities) * ranks if rid in present else 0
+                counted[rid] = _capacity_blocks(present[rid], None, self.capacities) * n
         reserved = sum(counted.values())
         for rid in reversed(counted):
             if reserved <= allowed:
