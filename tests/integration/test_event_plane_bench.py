@@ -17,6 +17,7 @@ from router.bench.common import free_port
 from router.bench.event_publishers import Shape
 from router.bench.event_remote import Remote
 from router.config import ReplicaSpec, RouterConfig
+from router.engines.kvfeed import index_budget_blocks
 
 
 def test_twenty_publishers_reach_one_router_s_index_whole(tmp_path: Path) -> None:
@@ -57,9 +58,11 @@ def test_twenty_publishers_reach_one_router_s_index_whole(tmp_path: Path) -> Non
 
 
 def test_a_router_under_an_index_budget_follows_as_many_publishers_as_fit(tmp_path: Path) -> None:
-    # 1 MiB is 15,420 blocks at 68 bytes: fifteen engines of 1,000 blocks fit, five do not
-    line = "events --publishers 20 --duration 3 --blocks-per-s 160 --batch-blocks 16 --capacity-blocks 1000"
-    args = build_parser().parse_args([*line.split(), "--index-max-mib", "1", "--out", str(tmp_path)])
+    # 1 MiB is 15,420 blocks at 68 bytes (4,369 at the pure-Python twin's 240): fifteen engines of a
+    # fifteenth of it fit, five do not; each stores less than its capacity in the run, evicting nothing
+    capacity = index_budget_blocks(1) // 15
+    line = "events --publishers 20 --duration 3 --blocks-per-s 64 --batch-blocks 16 --capacity-blocks"
+    args = build_parser().parse_args([*line.split(), str(capacity), "--index-max-mib", "1", "--out", str(tmp_path)])
     assert args.run(args) == 0
     (row,) = json.loads((tmp_path / "events.json").read_text())["rows"]
     assert (row["publishers"], row["followed"], row["believed"]) == (20, 15, 15)

@@ -3,8 +3,8 @@ the budget are not followed (priced by the router's model, and said so), and are
 others leave room; one whose capacity grew past it is let go, the last followed first.
 
 Emulated replicas publish vLLM's events and report their KV capacity in their metrics, as vLLM
-does; a budget of 1 MiB is 15,420 blocks at 68 bytes (router.engines.kvfeed.INDEX_BYTES_PER_BLOCK),
-so two replicas of 6,000 blocks fit and a third does not.
+does; a budget of 1 MiB is 15,420 blocks at 68 bytes (router.engines.kvfeed.INDEX_BYTES_PER_BLOCK;
+4,369 at the pure-Python twin's 240), so two replicas of two fifths of it fit and a third does not.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router import prefix
 from router.config import ConfigError, ReplicaSpec, RouterConfig, load
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
@@ -50,8 +51,9 @@ def unfollowed_gauge(text: str) -> float:
 async def test_replicas_past_the_budget_are_priced_by_the_model_until_others_leave_room(
     start_fleet: Callable[..., Any], start_router: Callable[..., Any]
 ) -> None:
-    assert index_budget_blocks(1) == 15_420
-    config = EngineConfig(num_blocks=6_000, block_size=16)
+    assert index_budget_blocks(1) == (1 << 20) // kvfeed.INDEX_BYTES_PER_BLOCK
+    blocks = index_budget_blocks(1) * 2 // 5  # 6,168 (compiled), 1,747 (the twin)
+    config = EngineConfig(num_blocks=blocks, block_size=16)
     fleet = await start_fleet(3, config, kv_events=KvEventsOptions(port=0, replay_port=0))
     router, url = await start_router(
         [r.url for r in fleet.replicas], probe_interval_s=0.2, kv_events_max_mib=1, admin_token=TOKEN
@@ -64,15 +66,15 @@ async def test_replicas_past_the_budget_are_priced_by_the_model_until_others_lea
 
     await until(lambda: len(sure()) == 2 and len(truth.unfollowed) == 1, 20, "two believed, one not followed")
     (left_out,) = truth.unfollowed
-    assert left_out not in sure() and truth.unfollowed[left_out] == 6_000
-    assert sum(h.capacity for rid in truth.replicas for h in truth.of(rid)) == 12_000
+    assert left_out not in sure() and truth.unfollowed[left_out] == blocks
+    assert sum(h.capacity for rid in truth.replicas for h in truth.of(rid)) == 2 * blocks
     async with aiohttp.ClientSession() as http:
         async with http.get(url + "/metrics") as r:
             text = await r.text()
         assert unfollowed_gauge(text) == 1.0 and f'router_kv_events_believed{{replica="{left_out}"}} 0.0' in text
         async with http.get(url + "/admin/replicas", headers=ADMIN) as r:
             rows = {row["id"]: row for row in await r.json()}
-        assert rows[left_out]["kv_events"] == {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": 6_000}
+        assert rows[left_out]["kv_events"] == {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": blocks}
         followed = next(rid for rid in sure() if rid != left_out)
         assert rows[followed]["kv_events"]["followed"] is True
         # one followed replica leaves the fleet: the one left out is followed, and believed
@@ -149,8 +151,10 @@ async def test_a_replica_whose_capacity_grew_past_the_budget_lets_go_of_the_last
 
 
 def test_the_budget_is_a_setting_in_mib_or_a_quarter_of_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert index_budget_blocks(64) == (64 << 20) // 68
-    monkeypatch.setattr(kvfeed, "memory_limit_bytes", lambda: 68 << 22)
+    per_block = kvfeed.INDEX_BYTES_PER_BLOCK
+    assert per_block == (68 if prefix.IMPLEMENTATION == "compiled" else 240)
+    assert index_budget_blocks(64) == (64 << 20) // per_block
+    monkeypatch.setattr(kvfeed, "memory_limit_bytes", lambda: per_block << 22)
     assert index_budget_blocks(0) == 1 << 20
     # a router's workers share the default (each follows the engines only where its host's shared
     # index could not be laid out); a budget set is each process's
@@ -166,7 +170,7 @@ async def test_replicas_larger_than_the_budget_are_not_followed_and_said_so_in_o
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Their capacity from kv_capacity_tokens (no probes), in vLLM's 16-token blocks until their
-    events say otherwise: 65,536 blocks each, past 1 MiB's 15,420. Asked where they publish once,
+    events say otherwise: 65,536 blocks each, past 1 MiB's 15,420 (or the twin's 4,369). Asked where they publish once,
     then not again while they cannot fit."""
     ids = [f"r{i}" for i in range(7)]
     config = RouterConfig(

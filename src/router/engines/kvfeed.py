@@ -58,6 +58,7 @@ from router.kvevents.roster import Followed
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
 from router.placement import Placement
+from router.prefix import IMPLEMENTATION as INDEX_IMPLEMENTATION
 
 log = logging.getLogger("router.engines.kvfeed")
 
@@ -71,9 +72,10 @@ REPLAY_MAX_S = 120.0
 DEFAULT_CAPACITY_BLOCKS = 1 << 20  # until the engine says how many blocks it has (or kv_capacity_tokens)
 ASSUMED_BLOCK_TOKENS = 16  # a block's tokens until an engine's metrics or events say (vLLM's default)
 # What the event-fed index is counted to cost a block of an engine's KV capacity, against
-# kv_events_max_mib: a block held costs 50-60 bytes in a router's own index and 60-67 in the
-# shared one in full regions (docs/benchmarks.md, "Fleet scale")
-INDEX_BYTES_PER_BLOCK = 68
+# kv_events_max_mib: a block held costs 50-60 bytes in a router's own compiled index and 60-67 in
+# the shared one in full regions (docs/benchmarks.md, "Fleet scale"); the pure-Python twin's
+# dicts (ROUTER_NO_EXTENSIONS=1) up to 235 (its memory_bytes, filled to a third, half and whole)
+INDEX_BYTES_PER_BLOCK = 68 if INDEX_IMPLEMENTATION == "compiled" else 240
 DRAIN_RUN = 64  # messages one subscriber reads in a row before the others' turn
 FOLLOW_EVERY_S = 0.05  # a worker on its host's shared index looks at its roster this often
 
