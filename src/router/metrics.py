@@ -135,7 +135,8 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "router_kv_events_unfollowed": (
         "gauge",
         "Replicas that publish KV-cache events the router does not follow: each would take its event-fed "
-        "index past kv_events_max_mib (they are priced by the router's model).",
+        "index past kv_events_max_mib, or found no room in shared memory (/dev/shm) for its blocks (they are "
+        "priced by the router's model).",
         (),
     ),
     "router_kv_event_lag_seconds": (

@@ -252,10 +252,14 @@ class Served:
 async def serve_workers() -> AsyncIterator[Callable[..., Any]]:
     started: list[Served] = []
 
-    async def start(replicas: list[str], *flags: str, port: int | None = None) -> Served:
-        """`router-serve --workers 2` in a child process; `--state none` unless flags say otherwise."""
+    async def start(
+        replicas: list[str], *flags: str, port: int | None = None, wrap: tuple[str, ...] = (), errors: bool = False
+    ) -> Served:
+        """`router-serve --workers 2` in a child process; `--state none` unless flags say otherwise;
+        run by `wrap` (a command that ends by running its arguments) if given; with `errors`, its
+        standard error (its log) read with its output."""
         port = port or free_port()
-        args = [sys.executable, "-m", "router.proxy.cli", "--workers", "2", "--port", str(port)]
+        args = [*wrap, sys.executable, "-m", "router.proxy.cli", "--workers", "2", "--port", str(port)]
         if "--state" not in flags:
             args += ["--state", "none"]
         for r in replicas:
@@ -263,6 +267,7 @@ async def serve_workers() -> AsyncIterator[Callable[..., Any]]:
         proc = subprocess.Popen(
             [*args, "--admin-token", WORKERS_TOKEN, *flags],
             stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if errors else None,
             text=True,
             env=os.environ | {"PYTHONUNBUFFERED": "1"},
         )

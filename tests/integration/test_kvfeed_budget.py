@@ -26,6 +26,7 @@ from router.engines import kvfeed
 from router.engines.kvfeed import Feed, IndexBudget, index_budget_blocks
 from router.health.states import Hysteresis
 from router.kvevents.holdings import Holdings
+from router.kvevents.mapped import SharedFileError
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.placement import Placement
@@ -193,3 +194,47 @@ async def test_replicas_larger_than_the_budget_are_not_followed_and_said_so_in_o
     (said,) = [r.getMessage() for r in caplog.records]
     assert said.startswith("7 replicas' KV events not followed") and said.endswith("r4 (65536 blocks) and 2 more")
     await node.feed.close()
+
+
+async def test_a_replica_whose_blocks_find_no_room_in_shared_memory_is_let_go_and_tried_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under --workers the control process's index is in /dev/shm (tests/integration/test_shm_room.py
+    runs it in a small one): a replica whose region finds no room there is let go, each rank's
+    subscriber and what it held, priced by the model, and tried again after NO_ROOM_RETRY_S."""
+    ids = ["r0", "r1"]
+    config = RouterConfig(
+        replicas=tuple(ReplicaSpec(rid, f"http://127.0.0.1:9/{rid}") for rid in ids),
+        health_checks=False,
+        kv_event_endpoints=tuple(f"{rid}=tcp://127.0.0.1:9" for rid in ids),
+    )
+    node = Node(config)
+    feed = node.feed
+    assert feed is not None
+    truth = feed.truth
+    await feed.find()
+    assert set(feed.tasks) == {("r0", 0), ("r1", 0)}
+    full = SharedFileError("cannot lay out a region of the shared index: [Errno 28] No space left on device")
+
+    def no_room(replica_id: str, rank: int, capacity_blocks: int) -> Holdings:
+        raise full
+
+    with monkeypatch.context() as patched:  # r0's subscriber finds no room for its region
+        patched.setattr(truth, "holdings", no_room)
+        replica = next(r for r in feed.fleet.replicas if r.id == "r0")
+        await feed._follow(replica, 0, "tcp://127.0.0.1:9", None)
+    assert feed.no_room == {"r0": str(full)}
+    truth.holdings("r0", 0, 1_000)  # (as a second rank's subscriber would hold)
+    waiting = feed.tasks[("r0", 0)]
+    feed.asked.clear()
+    await feed.find()  # let go: its subscribers, what it held; not asked again yet
+    await asyncio.sleep(0)
+    assert waiting.cancelled() and ("r0", 0) not in feed.tasks and "r0" not in truth.replicas
+    assert "r0" not in feed.asked and ("r1", 0) in feed.tasks
+    assert truth.figures("r0") == {"followed": False, "why": "shared memory full", "error": str(full)}
+    assert node.metrics.kv_events_unfollowed._value.get() == 1  # type: ignore[attr-defined]
+    feed._no_room_until["r0"] = time.monotonic() - 1  # (its time has passed)
+    await feed.find()
+    assert ("r0", 0) in feed.tasks and "r0" in feed.asked and not feed.no_room
+    assert node.metrics.kv_events_unfollowed._value.get() == 0  # type: ignore[attr-defined]
+    await feed.close()

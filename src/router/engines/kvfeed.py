@@ -54,6 +54,7 @@ from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.kvevents.holdings import Holdings, take
+from router.kvevents.mapped import SharedFileError
 from router.kvevents.roster import Followed
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
@@ -76,6 +77,7 @@ ASSUMED_BLOCK_TOKENS = 16  # a block's tokens until an engine's metrics or event
 # the shared one in full regions (docs/benchmarks.md, "Fleet scale"); the pure-Python twin's
 # dicts (ROUTER_NO_EXTENSIONS=1) up to 235 (its memory_bytes, filled to a third, half and whole)
 INDEX_BYTES_PER_BLOCK = 68 if INDEX_IMPLEMENTATION == "compiled" else 240
+NO_ROOM_RETRY_S = 30.0  # a replica whose blocks found no room in shared memory is tried again after this long
 DRAIN_RUN = 64  # messages one subscriber reads in a row before the others' turn
 FOLLOW_EVERY_S = 0.05  # a worker on its host's shared index looks at its roster this often
 
@@ -176,6 +178,10 @@ class Feed:
         # the router's model); one whose capacity grew past it is let go, the last followed first.
         self.budget = budget or IndexBudget(index_budget_blocks(config.kv_events_max_mib))
         self.unfollowed = self.truth.unfollowed  # replica id -> the blocks it would take
+        # replica id -> why its blocks found no room in shared memory (the host's /dev/shm is full):
+        # let go, priced by the router's model, and followed again once NO_ROOM_RETRY_S have passed
+        self.no_room = self.truth.no_room
+        self._no_room_until: dict[str, float] = {}
         self.tokens = EngineTokenizers(
             fleet, tokenizer_dirs(config), config.token_check_share, http, metrics, lambda: placement.bytes_per_token
         )
@@ -228,6 +234,8 @@ class Feed:
     async def find(self) -> None:
         """Subscribe to the replicas that publish and are not followed yet; stop following gone ones."""
         present = {r.id: r for r in self.fleet.replicas}
+        now = time.monotonic()
+        self._let_go_without_room(present, now)
         for (rid, rank), task in list(self.tasks.items()):
             if rid not in present or task.done():
                 task.cancel()
@@ -235,7 +243,6 @@ class Feed:
                 if rid not in present:
                     self.truth.forget(rid)
                     self.asked.pop(rid, None)
-        now = time.monotonic()
         m = self.metrics
         self._watch(present)
         for rid in [rid for rid in self.unfollowed if rid not in present]:
@@ -262,6 +269,8 @@ class Feed:
                 continue  # its probes have not shown vLLM's cache_config_info: not an engine that says
             if rid in self.unfollowed and reserved + self.unfollowed[rid] > allowed:
                 continue  # it still does not fit (as it was counted when last asked)
+            if now < self._no_room_until.get(rid, now):
+                continue  # its blocks found no room in shared memory a moment ago
             if now - self.asked.get(rid, -FIND_EVERY_S) < FIND_EVERY_S:
                 continue
             self.asked[rid] = now
@@ -275,6 +284,8 @@ class Feed:
                 continue
             reserved += need
             self.unfollowed.pop(rid, None)
+            self.no_room.pop(rid, None)
+            self._no_room_until.pop(rid, None)
             for rank, (pub, replay) in sources.items():
                 self.tasks[(rid, rank)] = asyncio.create_task(
                     self._follow(replica, rank, pub, replay), name=f"kv events {rid}/{rank}"
@@ -285,7 +296,34 @@ class Feed:
         if fresh:
             self._say_unfollowed(fresh, reserved)
         self.budget.count(self, reserved)
-        m.kv_events_unfollowed.set(len(self.unfollowed))
+        m.kv_events_unfollowed.set(len(self.unfollowed) + len(self.no_room))
+
+    def _let_go_without_room(self, present: Mapping[str, ReplicaState], now: float) -> None:
+        """Lets go of the replicas whose blocks found no room in shared memory since the last round
+        (each rank's subscriber, its regions), in one log line however many: they are priced by the
+        router's model until NO_ROOM_RETRY_S have passed and they are tried again."""
+        for rid in [rid for rid in self.no_room if rid not in present]:
+            del self.no_room[rid]
+            self._no_room_until.pop(rid, None)
+        fresh = [rid for rid in self.no_room if rid not in self._no_room_until]
+        for rid in fresh:
+            for key in [key for key in self.tasks if key[0] == rid]:
+                self.tasks.pop(key).cancel()
+            self.truth.forget(rid)  # (its regions' files go: room for the others)
+            self._no_room_until[rid] = now + NO_ROOM_RETRY_S
+            self.metrics.kv_events_not_followed(rid)
+        if fresh:
+            log.warning(
+                "%d replicas' KV events not followed for %.0f s (priced by the router's model): no room for their "
+                "blocks in shared memory, which the host's worker processes read them from (%s); give /dev/shm "
+                "more room (docker run --shm-size, a Kubernetes emptyDir of medium Memory with a larger sizeLimit) "
+                "or set kv_events_max_mib below it: %s%s",
+                len(fresh),
+                NO_ROOM_RETRY_S,
+                self.no_room[fresh[0]],
+                ", ".join(fresh[:5]),
+                f" and {len(fresh) - 5} more" if len(fresh) > 5 else "",
+            )
 
     def _within_budget(self, present: Mapping[str, ReplicaState], allowed: int) -> int:
         """The blocks the replicas followed are counted at (each rank's capacity, each tier), after
@@ -344,6 +382,12 @@ class Feed:
         return sources_of(answer, replica.url)
 
     async def _follow(self, replica: ReplicaState, rank: int, pub: str, replay: str | None) -> None:
+        try:
+            await self._subscribe(replica, rank, pub, replay)
+        except SharedFileError as exc:  # (the host's /dev/shm is full: the next round lets it go)
+            self.no_room[replica.id] = str(exc)
+
+    async def _subscribe(self, replica: ReplicaState, rank: int, pub: str, replay: str | None) -> None:
         holdings = self.truth.holdings(replica.id, rank, _capacity_blocks(replica, None, self.capacities))
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from router.kvevents.holdings import Figures, MatchIndex, Rate, Tier, Tiers
-from router.kvevents.mapped import SharedFileError, map_file, unlink_file
+from router.kvevents.mapped import TAKE_STEP, SharedFileError, Taken, map_file, unlink_file
 
 if TYPE_CHECKING:
     from router.kvevents.holdings import Holdings
@@ -47,10 +47,12 @@ class Roster:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        size = _HEAD.size + MAX_ROWS * 8 * _ROW_WORDS
         try:
-            self._file = map_file(path, _HEAD.size + MAX_ROWS * 8 * _ROW_WORDS, True)
+            self._file = map_file(path, size, True, TAKE_STEP)
         except OSError as exc:
             raise SharedFileError(f"cannot lay out the roster {path}: {exc}") from None
+        self._taken = Taken(path, size, min(TAKE_STEP, size))  # its rows' pages, taken as they come into use
         _HEAD.pack_into(self._file, 0, _MAGIC, 0, 0)
         self._rows = memoryview(self._file)[_HEAD.size :].cast("Q")
         self._floats = memoryview(self._file)[_HEAD.size :].cast("d")
@@ -63,15 +65,15 @@ class Roster:
         name = replica_id.encode()
         if len(name) > _ID_BYTES:
             raise SharedFileError(f"replica id {replica_id!r} is longer than {_ID_BYTES} bytes")
+        row = min(self._free) if self._free else self._count
+        if row >= MAX_ROWS:
+            raise SharedFileError(f"the roster has room for {MAX_ROWS} replicas' ranks")
+        at = row * _ROW_WORDS
+        self._taken.cover(_HEAD.size + 8 * (at + _ROW_WORDS))  # (SharedFileError: no room; nothing taken)
         if self._free:
-            row = min(self._free)
             self._free.remove(row)
         else:
-            row = self._count
-            if row >= MAX_ROWS:
-                raise SharedFileError(f"the roster has room for {MAX_ROWS} replicas' ranks")
             self._count += 1
-        at = row * _ROW_WORDS
         self._rows[at : at + _ROW_WORDS] = array("Q", bytes(8 * _ROW_WORDS))
         self._rows[at + _R_RANK] = rank
         self._file[_HEAD.size + 8 * (at + _R_ID) : _HEAD.size + 8 * (at + _R_ID) + len(name)] = name

@@ -12,7 +12,9 @@ A directory file names each holder's current region. A holder starts in a small 
 to one twice as large as it fills, up to its capacity and a sixteenth of slack (so an index costs
 what it holds, not what the engines could hold): the writer lays out the new file, copies the
 blocks oldest first (the LRU order is kept), names it in the directory and unlinks the old one;
-readers map the new one at their next read, and keep reading the old mapping until then.
+readers map the new one at their next read, and keep reading the old mapping until then. A region's
+pages are taken when it is laid out, the directory's and roster's as their rows come into use
+(router.kvevents.mapped): a /dev/shm without room is a SharedFileError there, never a SIGBUS.
 
 Directory file: a 64-byte header (magic, generation, holders named) and a 64-byte row per holder
 (generation, pool, file name). The generation is bumped after every change; a reader rescans
@@ -22,15 +24,17 @@ only when it moved, and keeps a scan only if it did not move during it.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import random
 import struct
+import time
 from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from router._compat import NO_EXTENSIONS
-from router.kvevents.mapped import SHM_DIR, SharedFileError, map_file, unlink_file
+from router.kvevents.mapped import SHM_DIR, TAKE_STEP, SharedFileError, Taken, map_file, unlink_file
 from router.kvevents.roster import Roster, RosterReader
 
 if TYPE_CHECKING or NO_EXTENSIONS:
@@ -54,6 +58,7 @@ MAX_HOLDERS = 32_768
 # from the start took 1 ms but twice the memory while the caches fill (the slot tables' pages are
 # all taken at once).
 FIRST_POOL = 4_096
+GROW_RETRY_S = 30.0  # a holder whose larger region found no room (/dev/shm full) tries again after this long
 MIN_SLACK = 64  # a full holder's region keeps this many entries (or a sixteenth of its capacity) spare
 _DIR_MAGIC = int.from_bytes(b"kvardir1", "little")
 _HEAD = struct.Struct("<QQQ40x")
@@ -96,11 +101,15 @@ class SharedIndex:
         self._free: list[int] = []
         self._grow_at: dict[int, int] = {}  # holder -> the blocks past which it moves to a larger region
         self._spread = random.Random(0)
+        self._stuck_until: dict[int, float] = {}  # holder -> when it may try to grow again (no room before)
+        self._said_stuck_at = -math.inf
         self._dir_path = self.directory / f"{name}.dir"
+        size = _HEAD.size + max_holders * _ROW.size
         try:
-            self._dir = map_file(self._dir_path, _HEAD.size + max_holders * _ROW.size, True)
+            self._dir = map_file(self._dir_path, size, True, TAKE_STEP)
         except OSError as exc:
             raise SharedFileError(f"cannot lay out the shared index {self._dir_path}: {exc}") from None
+        self._dir_taken = Taken(self._dir_path, size, min(TAKE_STEP, size))  # rows' pages, as holders come
         _HEAD.pack_into(self._dir, 0, _DIR_MAGIC, 0, 0)
         try:
             self.roster = Roster(self.directory / f"{name}.roster")  # what each engine's events say
@@ -126,11 +135,12 @@ class SharedIndex:
 
     def _region(self, holder: int, capacity: int, pool: int) -> None:
         """Lays out a fresh region of `pool` entries for `holder`, moving its blocks there."""
+        self._dir_taken.cover(_HEAD.size + (holder + 1) * _ROW.size)  # (its row: before anything moves)
         self._gen += 1
         file = f"{self.name}-{holder}-{self._gen}"
         path = self.directory / file
         try:
-            buf = map_file(path, region_bytes(pool), True)
+            buf = map_file(path, region_bytes(pool), True)  # (its pages taken: no SIGBUS when it fills)
         except OSError as exc:
             raise SharedFileError(f"cannot lay out a region of the shared index ({path}): {exc}") from None
         old = self._maps.get(holder)
@@ -161,14 +171,12 @@ class SharedIndex:
     def add_holder(self, capacity: int) -> int:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
+        holder = min(self._free) if self._free else self.regions.n_holders
+        if holder >= self.max_holders:
+            raise SharedFileError(f"the shared index has room for {self.max_holders} holders")
+        self._region(holder, capacity, first_pool(capacity))  # (SharedFileError: no room; nothing taken)
         if self._free:
-            holder = min(self._free)
             self._free.remove(holder)
-        else:
-            holder = self.regions.n_holders
-            if holder >= self.max_holders:
-                raise SharedFileError(f"the shared index has room for {self.max_holders} holders")
-        self._region(holder, capacity, first_pool(capacity))
         return holder
 
     def remove_holder(self, holder: int) -> None:
@@ -176,6 +184,7 @@ class SharedIndex:
         _, path = self._maps.pop(holder)
         self._publish(holder, 0, "")
         unlink_file(path)
+        self._stuck_until.pop(holder, None)
         self._free.append(holder)
 
     def capacity(self, holder: int) -> int:
@@ -219,11 +228,25 @@ class SharedIndex:
         if pool >= top:
             self._grow_at[holder] = pool  # as large as it gets: a full one evicts its oldest
             return
+        now = time.monotonic()
+        if now < self._stuck_until.get(holder, now):
+            return  # its folder had no room a moment ago: it evicts its oldest until then
         try:
             self._region(holder, capacity, min(top, max(2 * pool, size + count)))
         except SharedFileError as exc:
-            log.warning("%s: its blocks beyond %d are evicted oldest first", exc, pool)
+            self._stuck_until[holder] = now + GROW_RETRY_S
             self._grow_at[holder] = pool
+            if now - self._said_stuck_at >= GROW_RETRY_S:  # (one line, however many holders are stuck)
+                self._said_stuck_at = now
+                log.warning(
+                    "%s: its blocks beyond %d are evicted oldest first, as any other replica's that cannot grow "
+                    "(tried again every %.0f s; said once in that time)",
+                    exc,
+                    pool,
+                    GROW_RETRY_S,
+                )
+            return
+        self._stuck_until.pop(holder, None)
 
     def forget(self, holder: int, aliases: Buffer) -> int:
         return int(self.regions.forget(holder, aliases))

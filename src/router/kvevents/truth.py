@@ -143,6 +143,9 @@ class Truth:
         # replica -> the blocks of KV it would take: it publishes events, not followed (its feed's
         # kv_events_max_mib is spent; router.engines.kvfeed)
         self.unfollowed: dict[str, int] = {}
+        # replica -> why its blocks found no room in shared memory (/dev/shm full): not followed for
+        # a while, priced by the router's model (router.engines.kvfeed)
+        self.no_room: dict[str, str] = {}
         # bumped whenever one of its ranks' believed, block size or tiers change, as this process
         # keeps them (Holdings, Followed: router.placement.events)
         self.changes = [0]
@@ -176,7 +179,12 @@ class Truth:
         h = ranks.get(rank)
         if h is None:
             assert not isinstance(self.index, SharedIndexReader)
-            h = ranks[rank] = Holdings(self.index, capacity_blocks, self.clock, self.changes)
+            try:
+                h = ranks[rank] = Holdings(self.index, capacity_blocks, self.clock, self.changes)
+            except SharedFileError:  # (no room for its region in shared memory: nothing of it is kept)
+                if not ranks:
+                    del self.replicas[replica_id]
+                raise
             self.members += 1
             if isinstance(self.index, SharedIndex):
                 try:
@@ -520,6 +528,8 @@ class Truth:
         if not ranks:
             if replica_id in self.unfollowed:
                 return {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": self.unfollowed[replica_id]}
+            if replica_id in self.no_room:
+                return {"followed": False, "why": "shared memory full", "error": self.no_room[replica_id]}
             return None
         out: dict[str, object] = {
             "followed": True,

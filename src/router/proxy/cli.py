@@ -32,7 +32,7 @@ from router.proxy.workers import (
     stop_serving,
 )
 from router.ring import IMPLEMENTATION as RING_IMPLEMENTATION
-from router.shm.table import SlotTable
+from router.shm.table import SegmentError, SlotTable
 from router.state.file import StateError, state_file
 from router.tenancy.clients import ClientKeys, ClientKeysError
 from router.tracing import TracingConfigError, exporters_from_environment
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     raise_open_files()
     try:
         run(serve(config))
-    except (WorkerFailed, CannotListen) as exc:  # each says what failed, and where
+    except (WorkerFailed, CannotListen, SegmentError) as exc:  # each says what failed, and where
         print(f"router-serve: {exc}", file=sys.stderr)
         return 1
     except StateError as exc:

@@ -57,6 +57,25 @@ def segment_size(slots: int, workers: int, sticky_entries: int = 0) -> int:
     return HEADER_SIZE + 2 * slots * SLOT_SIZE + workers * per_worker + SEQ.size + OVERRIDES_SIZE
 
 
+class SegmentError(RouterError, RuntimeError):
+    """The replica table's segment could not be laid out: its folder (/dev/shm) has no room for it."""
+
+
+def _take_pages(name: str, size: int) -> None:
+    """Takes the segment's pages before they are written: a page of /dev/shm is taken when first
+    written, and one written where the folder is full kills the writer with SIGBUS (a container's
+    /dev/shm is 64 MiB unless given more). OSError (ENOSPC) where it has no room. Where segments
+    are not files under /dev/shm (not Linux), nothing is done."""
+    path = f"/dev/shm/{name}"
+    if not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
 class TornRead(RouterError, RuntimeError):
     """A slot kept changing under the reader for READ_RETRIES tries (a writer died mid-write?)."""
 
@@ -94,6 +113,16 @@ class SlotTable:
             raise ValueError("sticky_entries must be 0 or a power of two up to 2**24")
         size = segment_size(slots, workers, sticky_entries)
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        try:
+            _take_pages(shm.name, size)
+        except OSError as exc:
+            shm.close()
+            shm.unlink()
+            raise SegmentError(
+                f"cannot lay out the replica table in /dev/shm ({size / (1 << 20):.1f} MiB: shm_slots, workers and "
+                f"sticky_max_sessions): {exc.strerror or exc}; give it more room (docker run --shm-size, a Kubernetes "
+                "emptyDir of medium Memory with a larger sizeLimit)"
+            ) from None
         buf = _buffer(shm)
         buf[:size] = bytes(size)
         HEADER.pack_into(buf, 0, MAGIC, VERSION, slots, SLOT_SIZE, os.getpid(), workers, sticky_entries)
