@@ -83,10 +83,12 @@ async def test_replicas_whose_blocks_find_no_room_are_let_go_and_the_router_serv
     start_fleet: Callable[..., Any], serve_workers: Callable[..., Any]
 ) -> None:
     """Room for the table (16 slots, 1,024 sessions: 106 KiB), the index's directory and roster
-    (64 KiB each at first) and two replicas' first regions (192 KiB each), not four."""
+    (64 KiB each at first) and two replicas' first regions (192 KiB each), not four. (A budget is
+    set: by default the room in /dev/shm bounds it, and the replicas would be left out by it.)"""
     config = EngineConfig(num_blocks=20_000, block_size=16)
     fleet = await start_fleet(4, config, kv_events=KvEventsOptions(port=0, replay_port=0))
     flags = ("--shm-slots", "16", "--sticky-max-sessions", "1024", "--probe-interval-s", "0.2")
+    flags += ("--kv-events-max-mib", "64")
     served = await serve_workers([r.url for r in fleet.replicas], *flags, wrap=small_shm(700), errors=True)
     said = await asyncio.to_thread(served.line, r"(\d+) replicas' KV events not followed for 30 s", 30)
     assert said[1] == "2" and "No space left on device" in said.string and "--shm-size" in said.string
@@ -116,6 +118,32 @@ async def test_replicas_whose_blocks_find_no_room_are_let_go_and_the_router_serv
     assert served.proc.poll() is None
     served.proc.terminate()
     assert await asyncio.to_thread(served.proc.wait, 20) == 0
+
+
+async def test_by_default_the_replicas_followed_fit_the_room_in_dev_shm(
+    start_fleet: Callable[..., Any], serve_workers: Callable[..., Any]
+) -> None:
+    """kv_events_max_mib 0 in the control process: no more than the room in /dev/shm holds at 68
+    bytes a block (1,000 KiB less the table's 106 and the directory's and roster's 128: about
+    11,500 blocks), so two replicas of 5,000 blocks are followed whole and two are left out by the
+    budget, none of them found without room."""
+    config = EngineConfig(num_blocks=5_000, block_size=16)
+    fleet = await start_fleet(4, config, kv_events=KvEventsOptions(port=0, replay_port=0))
+    flags = ("--shm-slots", "16", "--sticky-max-sessions", "1024", "--probe-interval-s", "0.2")
+    served = await serve_workers([r.url for r in fleet.replicas], *flags, wrap=small_shm(1000), errors=True)
+    said = await asyncio.to_thread(served.line, r"(\d+) replicas' KV events not followed", 30)
+    assert said[1] == "2" and "kv_events_max_mib 0: the room in /dev/shm" in said.string, said.string
+    async with aiohttp.ClientSession() as http:
+        for turn in range(1, 3):
+            for n in range(8):
+                await chat(http, served.url, n, turn)
+        async with http.get(served.url + "/admin/replicas", headers=ADMIN) as r:
+            rows = {row["id"]: row["kv_events"] for row in await r.json()}
+    assert sorted(bool(row and row["followed"]) for row in rows.values()) == [False, False, True, True]
+    assert all(row["why"] == "kv_events_max_mib" for row in rows.values() if row and not row["followed"])
+    served.proc.terminate()
+    assert await asyncio.to_thread(served.proc.wait, 20) == 0
+    assert not any("No space left" in line or "no room" in line for line in served.history)
 
 
 def test_a_region_that_cannot_grow_evicts_its_oldest_and_tries_again_later(tmp_path: Path) -> None:

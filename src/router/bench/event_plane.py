@@ -75,7 +75,7 @@ from router.bench.event_publishers import Shape, end_publishers, start_publisher
 from router.bench.event_remote import Remote, decide_all, subscriber
 from router.bench.event_serve import measure_serve, render_serve
 from router.config import ReplicaSpec, RouterConfig
-from router.engines.kvfeed import INDEX_BYTES_PER_BLOCK, Feed
+from router.engines.kvfeed import Feed
 from router.kvevents.shared import SharedIndex
 from router.kvevents.truth import Truth
 from router.kvevents.wire import Batch
@@ -290,7 +290,7 @@ async def _subscribe(
         # the compiled index alone (blocks, their engines' names, both tables), one router's
         "index_mib_per_million_blocks": index_bytes / MIB / (held / 1e6) if held else math.nan,
         "index_mib": index_bytes / MIB,
-        "budget_mib": feed.budget.blocks * INDEX_BYTES_PER_BLOCK / MIB,
+        "budget_mib": feed.budget.blocks * feed.budget.per_block / MIB,
         "gaps": sum(f.gaps for f in figures),
         "duplicates": sum(f.duplicates for f in figures),
         "restarts": sum(f.restarts for f in figures),

@@ -47,8 +47,8 @@ HELP = {
     "kv_events_max_mib": "the event-fed index's memory at most, in MiB, each followed engine counted at its KV "
     "capacity (68 bytes a block; 240 under ROUTER_NO_EXTENSIONS=1); a replica that would take it past this is "
     "not followed and is priced by the router's model (router_kv_events_unfollowed); 0 (default): a quarter of "
-    "this host's memory, or of its container's limit (under --workers, the control process's; each worker has "
-    "a share of it)",
+    "this host's memory, or of its container's limit (under --workers, the control process's, and no more than "
+    "the room in /dev/shm; each worker has a share of it)",
     "tokenizer_dirs": "comma-separated MODEL=DIR (or *=DIR): a model's folder with tokenizer.json and its chat "
     "template, named by hand; without it the tokenizer is found from the root each engine's /v1/models lists "
     "(a folder, or a Hugging Face hub name through huggingface_hub)",

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -54,7 +55,7 @@ from router.engines.tokens import EngineTokenizers
 from router.fleet import Fleet, ReplicaState
 from router.keys import RoutingKey
 from router.kvevents.holdings import Holdings, take
-from router.kvevents.mapped import SharedFileError
+from router.kvevents.mapped import SHM_DIR, TAKE_STEP, SharedFileError
 from router.kvevents.roster import Followed
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
@@ -77,25 +78,42 @@ ASSUMED_BLOCK_TOKENS = 16  # a block's tokens until an engine's metrics or event
 # the shared one in full regions (docs/benchmarks.md, "Fleet scale"); the pure-Python twin's
 # dicts (ROUTER_NO_EXTENSIONS=1) up to 235 (its memory_bytes, filled to a third, half and whole)
 INDEX_BYTES_PER_BLOCK = 68 if INDEX_IMPLEMENTATION == "compiled" else 240
+# ... and in the index in shared memory a control process writes for its workers: its regions are
+# the same bytes in either implementation (router.kvevents.shared)
+SHARED_BYTES_PER_BLOCK = 68
 NO_ROOM_RETRY_S = 30.0  # a replica whose blocks found no room in shared memory is tried again after this long
 DRAIN_RUN = 64  # messages one subscriber reads in a row before the others' turn
 FOLLOW_EVERY_S = 0.05  # a worker on its host's shared index looks at its roster this often
 
 
-def index_budget_blocks(max_mib: int, processes: int = 1) -> int:
+def index_budget_blocks(max_mib: int, processes: int = 1, per_block: int | None = None) -> int:
     """`kv_events_max_mib` as blocks of engines' KV capacity (0: a quarter of this host's memory,
-    or of its container's limit, shared by `processes`: the workers of one router)."""
+    or of its container's limit, shared by `processes`: the workers of one router), each counted
+    at `per_block` bytes (INDEX_BYTES_PER_BLOCK unless said)."""
     budget = max_mib << 20 if max_mib > 0 else memory_limit_bytes() // 4 // max(processes, 1)
-    return max(1, budget // INDEX_BYTES_PER_BLOCK)
+    return max(1, budget // (per_block or INDEX_BYTES_PER_BLOCK))
+
+
+def shm_room_blocks(directory: str = SHM_DIR) -> int | None:
+    """The blocks of engines' KV capacity the room left in `directory` (/dev/shm) holds, less
+    the shared index's directory and roster (None: no such folder)."""
+    try:
+        room = os.statvfs(directory)
+    except OSError:
+        return None
+    return max(0, room.f_bavail * room.f_frsize - 2 * TAKE_STEP) // SHARED_BYTES_PER_BLOCK
 
 
 class IndexBudget:
     """The blocks of engines' KV capacity one process's event-fed indexes may be counted at
     (`kv_events_max_mib`), shared by its feeds: a disaggregated router follows its prefill
-    replicas in a feed of their own."""
+    replicas in a feed of their own. `source`: what set it, as its log lines say; `per_block`:
+    the bytes a block is counted at (SHARED_BYTES_PER_BLOCK where the index is the host's shared one)."""
 
-    def __init__(self, blocks: int) -> None:
+    def __init__(self, blocks: int, source: str = "kv_events_max_mib", per_block: int | None = None) -> None:
         self.blocks = blocks
+        self.source = source
+        self.per_block = per_block or INDEX_BYTES_PER_BLOCK
         self._counted: dict[int, int] = {}  # id(feed) -> the blocks it counts now
 
     def left(self, feed: object) -> int:
@@ -354,11 +372,12 @@ class Feed:
         named = ", ".join(f"{rid} ({self.unfollowed[rid]} blocks)" for rid in fresh[:5])
         log.warning(
             "%d replicas' KV events not followed (priced by the router's model), each past the event-fed index's "
-            "budget, kv_events_max_mib (%.0f MiB: %d blocks of engines' KV at %d bytes, %d of them taken): %s%s",
+            "budget, %s (%.0f MiB: %d blocks of engines' KV at %d bytes, %d of them taken): %s%s",
             len(fresh),
-            self.budget.blocks * INDEX_BYTES_PER_BLOCK / (1 << 20),
+            self.budget.source,
+            self.budget.blocks * self.budget.per_block / (1 << 20),
             self.budget.blocks,
-            INDEX_BYTES_PER_BLOCK,
+            self.budget.per_block,
             reserved,
             named,
             f" and {len(fresh) - 5} more" if len(fresh) > 5 else "",
