@@ -172,4 +172,7 @@ def test_router_serve_with_workers_as_the_subscriber_is_measured_as_a_host_pays_
     assert row["host_cpu_cores"] > 0 and row["host_cpu_us_per_block"] > 0
     assert 0 < row["lag_p50_le_s"] <= row["lag_p99_le_s"] <= 2.5
     assert row["held_blocks"] > 8 * 16 and 0 < row["pss_mib"] <= row["rss_mib"]
+    # its files in /dev/shm, their pages taken: the replica table (13.7 MiB at the defaults) and the
+    # eight replicas' regions (192 KiB each at first), whether a process touched them yet or not
+    assert row["shm_mib"] > 13.7 + 8 * 0.18
     assert "| 8 | 2 | " in (tmp_path / "events-serve.md").read_text()

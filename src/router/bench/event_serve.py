@@ -5,8 +5,8 @@ child process started as an operator would start it (`--workers N`, its replicas
 `kv_event_endpoints` in a TOML file, health probes off: the publishers serve no HTTP), joining when
 the in-process subscriber would. What is measured is what a host running it pays: the CPU of the
 whole process tree (the control process and its N workers, each of which follows every replica),
-its memory (the sum of their resident sets), the time until its /metrics say every replica is
-believed, and the lag from a batch's timestamp to its application, from the router's own
+its memory (the sum of their resident sets, and its files' pages in /dev/shm), the time until its
+/metrics say every replica is believed, and the lag from a batch's timestamp to its application, from the router's own
 histogram (`router_kv_event_lag_seconds`, merged over the workers, read at its buckets' bounds).
 """
 
@@ -120,6 +120,16 @@ def _tree_memory(pid: int) -> tuple[int, int, int]:
     return rss, pss, len(procs)
 
 
+def _shm_bytes(pid: int) -> int:
+    """The memory the router's files in /dev/shm take (its replica table, its shared index's
+    regions, directory and roster): their pages taken, mapped by a process or not."""
+    total = 0
+    for path in Path("/dev/shm").glob(f"kvar-{pid}*"):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_blocks * 512
+    return total
+
+
 async def _scrape(http: aiohttp.ClientSession, url: str) -> Scrape:
     async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
         return Scrape(await r.text())
@@ -185,6 +195,7 @@ async def _follow(
         await asyncio.sleep(max(end - time.time(), 0.0))
         last, cpu2, t2 = await _scrape(http, url), _tree_cpu(pid), time.monotonic()
         rss, pss, procs = _tree_memory(pid)
+        shm = _shm_bytes(pid)
     sent = stop_publishers()
     steady = t2 - t1 if believed == len(ids) else 0.0
     rate = sent["stored"] / sent["seconds"] if sent["seconds"] else 0.0
@@ -208,6 +219,9 @@ async def _follow(
         "held_blocks": held,
         "rss_mib": rss / MIB,
         "pss_mib": pss / MIB,
+        # its files in /dev/shm: their pages are taken when laid out (router.kvevents.mapped), so some
+        # no process has touched yet, which no process's PSS counts
+        "shm_mib": shm / MIB,
         # the host's memory for each million blocks the fleet holds (proportional: a page the
         # processes share counted once)
         "rss_mib_per_million_blocks_held": rss / MIB / (held / 1e6) if held else math.nan,
@@ -224,8 +238,9 @@ def render_serve(rows: list[dict[str, Any]]) -> str:
         "",
         "| publishers | workers | believed (s) | blocks/s sent (asked) | host cores | cores per worker "
         "| µs CPU per block sent | lag P50 ≤ (ms) | lag P99 ≤ (ms) | blocks the engines hold "
-        "| RSS, all processes (MiB) | PSS, all processes (MiB) | PSS MiB per million blocks held |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| RSS, all processes (MiB) | PSS, all processes (MiB) | PSS MiB per million blocks held "
+        "| its files in /dev/shm (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         believe = f"{r['believe_s']:.2f}" if r["believed"] == r["publishers"] else f"— ({r['believed']:,} believed)"
@@ -235,7 +250,7 @@ def render_serve(rows: list[dict[str, Any]]) -> str:
             f"| {_num(r['cpu_cores_per_worker'], '.2f')} | {_num(r['host_cpu_us_per_block'], '.2f')} "
             f"| {_num(r['lag_p50_le_s'] * 1e3, ',.1f')} | {_num(r['lag_p99_le_s'] * 1e3, ',.1f')} "
             f"| {r['held_blocks']:,} | {r['rss_mib']:,.0f} | {r['pss_mib']:,.0f} "
-            f"| {_num(r['pss_mib_per_million_blocks_held'], ',.0f')} |"
+            f"| {_num(r['pss_mib_per_million_blocks_held'], ',.0f')} | {r['shm_mib']:,.0f} |"
         )
     return "\n".join(lines)
 
