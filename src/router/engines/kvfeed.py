@@ -296,7 +296,9 @@ class Feed:
             need = _capacity_blocks(replica, None, self.capacities) * len(sources)
             if not sources or reserved + need > allowed:
                 if sources:
-                    self.unfollowed[rid] = need
+                    self.unfollowed[rid] = need  # (the budget's reason, not the room's, from now on)
+                    self.no_room.pop(rid, None)
+                    self._no_room_until.pop(rid, None)
                 else:  # (it publishes nothing now)
                     self.unfollowed.pop(rid, None)
                 continue
