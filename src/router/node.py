@@ -119,18 +119,18 @@ class Node:
         # only where the host's shared index could not be laid out)
         processes = max(config.workers, 1) if worker is not None else 1
         max_mib = config.placement.kv_events_max_mib
-        budget = IndexBudget(index_budget_blocks(max_mib, processes))
-        if table is not None and worker is None and not routes:
-            # the control process follows the engines into the host's index in /dev/shm: by default
-            # no more than the room there holds, so that the replicas left out are left out whole,
-            # rather than found without room for their blocks
-            budget = IndexBudget(
-                index_budget_blocks(max_mib, 1, SHARED_BYTES_PER_BLOCK), per_block=SHARED_BYTES_PER_BLOCK
-            )
-            room = shm_room_blocks() if max_mib == 0 else None
-            if room is not None and room < budget.blocks:
-                source = "kv_events_max_mib 0: the room in /dev/shm (a quarter of memory is more)"
-                budget = IndexBudget(room, source, SHARED_BYTES_PER_BLOCK)
+        # the control process follows the engines into the host's index in /dev/shm: by default no
+        # more than the room there holds, so that the replicas left out are left out whole, rather
+        # than found without room for their blocks
+        shared = table is not None and worker is None and not routes
+        per_block = SHARED_BYTES_PER_BLOCK if shared else None
+        blocks = index_budget_blocks(max_mib, processes, per_block)
+        room = shm_room_blocks() if shared and max_mib == 0 else None
+        if room is not None and room < blocks:
+            source = "kv_events_max_mib 0: the room in /dev/shm (a quarter of memory is more)"
+            budget = IndexBudget(room, source, per_block)
+        else:
+            budget = IndexBudget(blocks, per_block=per_block)
         prefill = prefill_pool(config, rules, self.metrics, lambda: self.http, routes, budget)
         disaggregated = prefill is not None
         self.policy = make_policy(config.policy, fleet, config)
