@@ -52,6 +52,16 @@ def map_file(path: Path, size: int, write: bool, take: int | None = None) -> mma
         os.close(fd)
 
 
+def take_pages(path: Path, start: int, end: int) -> None:
+    """Takes the pages of bytes [start, end) of the file at `path` now, before they are written.
+    OSError as the system says: ENOSPC where its folder has no room."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    finally:
+        os.close(fd)
+
+
 class Taken:
     """How much of a file's front the writer has taken pages for, grown in TAKE_STEP steps (and
     never past `size`) before a row beyond it is written: `cover(end)` before writing [.., end)."""
@@ -67,11 +77,7 @@ class Taken:
             return
         upto = min(self.size, -(-end // TAKE_STEP) * TAKE_STEP)
         try:
-            fd = os.open(self.path, os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, self.upto, upto - self.upto)
-            finally:
-                os.close(fd)
+            take_pages(self.path, self.upto, upto)
         except OSError as exc:
             raise SharedFileError(f"no room in {self.path.parent} for {self.path.name}'s next rows: {exc}") from None
         self.upto = upto
@@ -83,4 +89,4 @@ def unlink_file(path: Path) -> None:
         path.unlink()
 
 
-__all__ = ["SHM_DIR", "TAKE_STEP", "SharedFileError", "Taken", "map_file", "unlink_file"]
+__all__ = ["SHM_DIR", "TAKE_STEP", "SharedFileError", "Taken", "map_file", "take_pages", "unlink_file"]

@@ -15,8 +15,10 @@ import os
 import struct
 import time
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 from router.errors import RouterError
+from router.kvevents.mapped import SHM_DIR, take_pages
 from router.ring import xxh3_64
 from router.shm.layout import (
     COUNTER_CELL,
@@ -61,21 +63,6 @@ class SegmentError(RouterError, RuntimeError):
     """The replica table's segment could not be laid out: its folder (/dev/shm) has no room for it."""
 
 
-def _take_pages(name: str, size: int) -> None:
-    """Takes the segment's pages before they are written: a page of /dev/shm is taken when first
-    written, and one written where the folder is full kills the writer with SIGBUS (a container's
-    /dev/shm is 64 MiB unless given more). OSError (ENOSPC) where it has no room. Where segments
-    are not files under /dev/shm (not Linux), nothing is done."""
-    path = f"/dev/shm/{name}"
-    if not os.path.exists(path):
-        return
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
-
-
 class TornRead(RouterError, RuntimeError):
     """A slot kept changing under the reader for READ_RETRIES tries (a writer died mid-write?)."""
 
@@ -113,8 +100,13 @@ class SlotTable:
             raise ValueError("sticky_entries must be 0 or a power of two up to 2**24")
         size = segment_size(slots, workers, sticky_entries)
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        # its pages taken before they are written (router.kvevents.mapped: a page of /dev/shm written
+        # where the folder is full kills the writer with SIGBUS); where segments are not files
+        # under /dev/shm (not Linux), nothing to take
+        segment = Path(SHM_DIR) / shm.name
         try:
-            _take_pages(shm.name, size)
+            if segment.exists():
+                take_pages(segment, 0, size)
         except OSError as exc:
             shm.close()
             shm.unlink()
