@@ -410,6 +410,38 @@ async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fle
     assert sum(r.requests for r in node.pools[1].fleet.replicas) == 2  # prefilled once each, not again
 
 
+async def test_a_split_stream_closed_unanswered_is_recomputed_not_refused(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # a decode replica that answers a split stream's head, then closes it before its first event
+    # (a reset, not a 5xx): with one decode replica there is no other to read the lease, and the
+    # router answered 502; it recomputes there. (A CI run on vLLM 0.32's CPU build, one decode
+    # replica, answered a client 502, most likely so: there a split decode's read began 0.2-60 s
+    # after its engine scheduled it, often after the prefill's lease had run out.)
+    prefill, decode = await start_fleet(1), await start_fleet(1)
+    node, url = await start_router(
+        [], prefill=named(prefill, "p"), decode=named(decode, "d"), health_checks=False, disagg_introduce=False
+    )
+    d = decode.replicas[0]
+    pull, cut = d._pull_kv, d._cut
+
+    async def reads_then_cuts(params: Any, prompt_tokens: int) -> int | None:
+        d.faults.drop_after = 0  # this stream is closed before its first event
+        return await pull(params, prompt_tokens)
+
+    def cut_once(request: Any) -> None:
+        d.faults.drop_after = None  # (the recompute that follows is not)
+        cut(request)
+
+    d._pull_kv, d._cut = reads_then_cuts, cut_once  # type: ignore[method-assign]
+    status, answer, replica = await chat(url, LONG, "r", stream=True)
+    assert status == 200 and replica == "d0", answer[:300]
+    assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
+    assert answer.count(b'"role":"assistant"') == 1 and answer.count(b'"finish_reason":"length"') == 1
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="recomputed"} 1.0' in text
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == 1  # prefilled once, not again
+
+
 async def test_with_prefill_anywhere_a_drained_replica_s_sessions_take_their_kv_where_they_move(  # type: ignore[no-untyped-def]
     start_fleet, start_router
 ) -> None:

@@ -406,9 +406,11 @@ def test_real_vllm_prefill_decode_side_by_side(tmp_path: Path) -> None:
     split = result["runs"]["sessions@0.25"]["disagg-always"][0]
     # every request split: prefilled on the one replica and decoded on the other, the KV moved by
     # NIXL -- most of them; a prefill slower than the first-byte time-out on a busy 2-core machine
-    # is decoded alone ("fallback"), which is the router's answer to a slow prefill replica
+    # is decoded alone ("fallback"), which is the router's answer to a slow prefill replica. A
+    # split whose decode failed its read is sent there again without params ("recomputed", counted
+    # besides its "split"): here a read began 0.2-60 s after vLLM scheduled it, often after its lease
     modes = split["disagg_modes"]
-    assert sum(modes.values()) == split["requests"] > 0, modes
+    assert sum(n for m, n in modes.items() if m != "recomputed") == split["requests"] > 0, modes
     assert modes.get("split", 0) >= 0.75 * split["requests"] and not modes.get("alone"), modes
     for name in contenders:
         f = result["tables"]["sessions@0.25"][name]

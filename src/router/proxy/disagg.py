@@ -30,8 +30,11 @@ request: a conversation's turns stay on one decode replica, whose cache holds it
 - sends a decode that timed out before its first byte to the same replica again without params:
   a read from a prefill replica that died can hang on real vLLM, with no error, and the lease
   (30 s) has likely run out by the first-byte time-out;
-- keeps the params of a decode that failed before its first byte otherwise (unreachable, reset):
-  the journey's next decode replica reads the same lease, and no prefill is redone.
+- sends a decode whose stream the replica closed before its first event (a reset: it is up, and
+  may be the journey's only decode replica) to the same replica again without params;
+- keeps the params of a decode that failed before its first byte otherwise (unreachable), and of
+  a reset one until its recompute answers: the journey's next decode replica reads the same lease,
+  and no prefill is redone.
 
 A broken decode stream is resumed as any other (router.proxy.resume), aggregated.
 
@@ -231,16 +234,32 @@ class DisaggAttempts:
                 if self.pairs is not None:  # an engine may have restarted: the pair is introduced again
                     self.pairs.forget(prefilled.replica, replica.id)
                 return await self.inner.send(replica, trip, deadline)
-            now = time.monotonic()
-            for gone in [k for k, (until, _) in self._kept.items() if until < now]:
-                del self._kept[gone]  # requests whose journey ended without another decode
-                self.abandoned("no_decode")
-            self._kept[request] = (now + LEASE_S, prefilled)  # the next decode replica reads it
+            self._keep(request, prefilled)  # the next decode replica reads it
+            if result.cause == "reset":
+                # it answered, then closed the stream before its first event: it is up, and the
+                # journey may have no other decode replica to read the lease (seen on vLLM 0.32's
+                # CPU build, as a 502, where a split decode's read began after its lease ran out).
+                # It recomputes there; should that fail too, the next decode replica reads the lease
+                log.info("%s closed a split decode unanswered: it computes the prompt itself", replica.id)
+                self.observe("recomputed")
+                recomputed = await self.inner.send(replica, trip, deadline)
+                if not isinstance(recomputed, Retry) and self._kept.pop(request, None) is not None:
+                    self.abandoned("transfer_failed")
+                return recomputed
             return result
         result.split = Split(prefilled.replica, prefilled.seconds, sent)
         if result.facts.streamed and result.facts.ttft_s is not None:  # (a whole answer's time is its decode's too)
             self.transfer_s += 0.2 * (max(0.0, result.facts.ttft_s - sent) - self.transfer_s)
         return result
+
+    def _keep(self, request: tuple[int, float], prefilled: Prefilled) -> None:
+        """Keep a failed decode's params for the journey's next decode replica, until the lease
+        runs out (and let go of those whose journey ended without another decode)."""
+        now = time.monotonic()
+        for gone in [k for k, (until, _) in self._kept.items() if until < now]:
+            del self._kept[gone]  # requests whose journey ended without another decode
+            self.abandoned("no_decode")
+        self._kept[request] = (now + LEASE_S, prefilled)
 
     async def _prefill(
         self, trip: Trip, body: dict[str, Any], deadline: float, decode: ReplicaState, holder: ReplicaState | None
