@@ -282,6 +282,7 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     metrics.followups.inc(40)
     metrics.child(metrics.jumps, "cost").inc(2)
     metrics.child(metrics.jumps, "health").inc(1)
+    metrics.child(metrics.retries, "reset").inc(2)
     after = page()
     assert not after.all_believed(2) and not fleet_counters.RouterCounts({}, {"r0": 1}, {}, {}).all_believed(2)
     got = fleet_counters.prediction_figures(before, after)
@@ -294,6 +295,10 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     assert got["tokenize"]["render"]["count"] == 1 and got["tokenize"]["render"]["seconds"] == pytest.approx(0.002)
     assert got["token_checks"] == {"match": 2}
     assert got["jumps_by_reason"] == {"cost": 2, "health": 1} and got["cost_move_share"] == 0.05
+    assert got["router_retries"] == {"reset": 2}
+    # a failed run's progress line says what router-serve retried on the way; one without failures, nothing
+    assert fleet_runs.failed_why(got | {"errors": {"http 502": 1}}) == " (http 502 x1; router-serve retried: reset 2)"
+    assert fleet_runs.failed_why(got | {"errors": {}}) == ""
     # the table's cell: per source, the share exact of how many; none without answers; n/a for a peer
     assert fleet_report.exact_cell(got) == "60.0% of 5 / 100.0% of 1"
     assert fleet_report.exact_cell(fleet_counters.prediction_figures(before, before)) == "none / none"

@@ -90,7 +90,9 @@ For router-serve's contenders, its /metrics is read before and after each run: "
 is the share of its answers whose cached tokens it predicted to the token
 (`router_prefix_prediction_error_tokens`, the bucket (-0.5, 0.5]), of those it priced by the
 engine's KV events and of those it priced by its own model, with the whole histogram of errors
-and the replicas whose events it believed at the end in the JSON.
+and the replicas whose events it believed at the end in the JSON; where requests failed, the
+progress line adds the attempts router-serve retried, by cause (`router_retries_total`:
+timeout, connect, reset, http_5xx), which the JSON keeps for every run (`router_retries`).
 
 Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
 `--replicas`) whose multi-turn P99 on the busiest keyed `sessions@R` stays within `--p99-target`

@@ -38,6 +38,7 @@ class RouterCounts:
     tokenizers: dict[str, float] = field(default_factory=dict)  # router_tokenizer by source, over its models
     jumps: dict[str, float] = field(default_factory=dict)  # router_session_jumps by reason
     followups: float = 0.0  # router_session_followups: the jump rate's denominator
+    retries: dict[str, float] = field(default_factory=dict)  # router_retries by cause (timeout, reset, ...)
 
     @classmethod
     def parse(cls, text: str) -> RouterCounts:
@@ -48,6 +49,7 @@ class RouterCounts:
         disagg: dict[str, float] = {}
         tokenizers: dict[str, float] = {}
         jumps: dict[str, float] = {}
+        retries: dict[str, float] = {}
         followups = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -71,8 +73,10 @@ class RouterCounts:
                     jumps[labels.get("reason", "")] = sample.value
                 elif sample.name == "router_session_followups_total":
                     followups = sample.value
+                elif sample.name == "router_retries_total":
+                    retries[labels.get("cause", "")] = sample.value
         tokens = {k: (v[0], v[1]) for k, v in tokenized.items()}
-        return cls(errors, believed, tokens, checks, disagg, tokenizers, jumps, followups)
+        return cls(errors, believed, tokens, checks, disagg, tokenizers, jumps, followups, retries)
 
     def all_believed(self, replicas: int) -> bool:
         return len(self.believed) >= replicas and all(v == 1 for v in self.believed.values())
@@ -116,6 +120,11 @@ def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, A
     followups = after.followups - before.followups
     out["jumps_by_reason"] = moved
     out["cost_move_share"] = moved.get("cost", 0.0) / followups if followups else math.nan
+    # its attempts that failed before their first byte, by cause (each retried where attempts
+    # remained): what a failed request met on the way, for its progress line
+    out["router_retries"] = {
+        k: n - before.retries.get(k, 0.0) for k, n in after.retries.items() if n - before.retries.get(k, 0.0)
+    }
     if after.disagg:  # with prefill replicas: how its requests were served, split or whole
         modes = {k: n - before.disagg.get(k, 0.0) for k, n in after.disagg.items()}
         out["disagg_modes"] = modes

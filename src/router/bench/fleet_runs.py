@@ -135,9 +135,15 @@ async def run_one(
 
 
 def failed_why(run: dict[str, Any]) -> str:
-    """What the failed requests of a run said, for its progress line: " (HTTP 502 x2)"; empty if none."""
+    """What the failed requests of a run said, for its progress line: " (HTTP 502 x2)", and for
+    router-serve the attempts it retried by cause (" (HTTP 502 x1; router-serve retried: reset 1)");
+    empty if none failed."""
     errors = run.get("errors") or {}
-    return " (" + ", ".join(f"{e} x{n}" for e, n in sorted(errors.items())) + ")" if errors else ""
+    if not errors:
+        return ""
+    retries = run.get("router_retries") or {}
+    said = "; router-serve retried: " + ", ".join(f"{c} {n:g}" for c, n in sorted(retries.items())) if retries else ""
+    return " (" + ", ".join(f"{e} x{n}" for e, n in sorted(errors.items())) + said + ")"
 
 
 async def bisect_size(lo: int, hi: int, meets: Callable[[int], Awaitable[bool]]) -> int | None:
