@@ -237,8 +237,9 @@ class DisaggAttempts:
             self._keep(request, prefilled)  # the next decode replica reads it
             if result.cause == "reset":
                 # it answered, then closed the stream before its first event: it is up, and the
-                # journey may have no other decode replica to read the lease (seen on vLLM 0.32's
-                # CPU build, as a 502, where a split decode's read began after its lease ran out).
+                # journey may have no other decode replica to read the lease (then it was a 502:
+                # most likely what a CI run met on vLLM 0.32's CPU build, where a split decode's
+                # read began 0.2-60 s after its engine scheduled it, often after the lease ran out).
                 # It recomputes there; should that fail too, the next decode replica reads the lease
                 log.info("%s closed a split decode unanswered: it computes the prompt itself", replica.id)
                 self.observe("recomputed")
