@@ -442,6 +442,34 @@ async def test_a_split_stream_closed_unanswered_is_recomputed_not_refused(start_
     assert sum(r.requests for r in node.pools[1].fleet.replicas) == 1  # prefilled once, not again
 
 
+async def test_a_decode_whose_read_begins_after_the_lease_is_recomputed(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # vLLM 0.32's CPU build here began a split decode's read 0.2-60 s after scheduling it, often
+    # after the prefill's lease ran out: the emulator's decode replica begins its read 1 s late
+    # (kv_read_delay_s, engine seconds at the fleet's pace), the prefill replica holds its KV 0.5 s
+    prefill, decode = await start_fleet(1), await start_fleet(1, EngineConfig(kv_read_delay_s=100.0))
+    node, url = await start_router(
+        [], prefill=named(prefill, "p"), decode=named(decode, "d"), health_checks=False, disagg_introduce=False
+    )
+    prefill.replicas[0].lease_s = 0.5
+    for stream in (False, True):
+        status, answer, replica = await chat(url, f"{stream} {LONG}", f"late{stream}", stream=stream)
+        assert status == 200 and replica == "d0"
+        if stream:
+            assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
+        else:
+            assert answer["usage"]["completion_tokens"] == 6
+    assert (await transfers(decode.replicas[0]))[1] == 2.0  # both reads found the lease gone, as vLLM counts
+    # read within the lease, it is a split like any other
+    prefill.replicas[0].lease_s = 30.0
+    status, _, _ = await chat(url, "in time: " + LONG, "late-ok")
+    assert status == 200 and await transfers(decode.replicas[0]) == (1.0, 2.0)
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_disagg_requests_total{mode="recomputed"} 2.0' in text
+    assert 'router_disagg_requests_total{mode="split"} 3.0' in text
+    assert sum(r.requests for r in node.pools[1].fleet.replicas) == 3  # prefilled once each, not again
+
+
 async def test_with_prefill_anywhere_a_drained_replica_s_sessions_take_their_kv_where_they_move(  # type: ignore[no-untyped-def]
     start_fleet, start_router
 ) -> None:

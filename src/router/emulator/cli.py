@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         "handshake (NIXL's; default 0)",
     )
     g.add_argument(
+        "--kv-read-delay-ms",
+        type=float,
+        default=d.kv_read_delay_s * 1000,
+        help="engine milliseconds before a decode replica begins each read of a prefill's KV (vLLM's CPU "
+        "build began some after the prefill's lease ran out; default 0)",
+    )
+    g.add_argument(
         "--time-scale",
         type=float,
         default=1.0,
@@ -289,6 +296,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_loras=args.max_loras,
             lora_load_s=args.lora_load_ms / 1000,
             kv_handshake_s=args.kv_handshake_ms / 1000,
+            kv_read_delay_s=args.kv_read_delay_ms / 1000,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -75,6 +75,10 @@ class EngineConfig:
     # (later reads do not): 10 to 30 s on vLLM 0.32's CPU build here (the prefill engine answers it
     # late while it holds a lease); 0 by default, as the router introduces pairs before they serve
     kv_handshake_s: float = 0.0
+    # a decode replica's read of a remote prefill's KV begins this long after the request arrives:
+    # on vLLM 0.32's CPU build here its worker started the read 0.2 to 60 s after the engine
+    # scheduled the request (by vLLM's debug log), often after the prefill's lease ran out; 0 by default
+    kv_read_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras")
@@ -91,6 +95,7 @@ class EngineConfig:
             "lora_load_s",
             "kv_transfer_base_s",
             "kv_handshake_s",
+            "kv_read_delay_s",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")

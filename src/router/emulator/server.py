@@ -439,6 +439,8 @@ class Replica:
             # first read of a prefill engine after their handshake
             if await self._handshake(str(transfer.get("remote_engine_id"))):
                 self.handshake_waits.append(body)
+            if self.engine.config.kv_read_delay_s > 0:  # (its read begins late: the lease may run out meanwhile)
+                await asyncio.sleep(self.engine.config.kv_read_delay_s / self.options.time_scale)
             pulled = await self._pull_kv(transfer, seq.prompt_tokens)
             if pulled is None and self.options.kv_load_failure_policy != "recompute":
                 if job.stream and isinstance(wire, Completions):
