@@ -378,6 +378,17 @@ async def test_worker_processes_split_and_the_admin_api_shows_prefill_replicas_p
     assert 'router_replica_role{replica="p0",role="prefill"} 1.0' in text
 
 
+async def served_on_d0_both_ways(url: str, session: str) -> None:
+    """A long prompt answered whole by d0, then streamed to its end, neither with an error."""
+    for stream in (False, True):
+        status, answer, replica = await chat(url, f"{stream} {LONG}", f"{session}{stream}", stream=stream)
+        assert status == 200 and replica == "d0"
+        if stream:
+            assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
+        else:
+            assert answer["usage"]["completion_tokens"] == 6
+
+
 async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
     # on real vLLM a read from a prefill replica that died between the legs can hang with no error;
     # the only decode replica here hangs so on its transfer, past the router's first-byte time-out
@@ -397,13 +408,7 @@ async def test_a_decode_whose_transfer_hangs_is_recomputed_not_refused(start_fle
         return None
 
     d._pull_kv = hung  # type: ignore[method-assign]
-    for stream in (False, True):
-        status, answer, replica = await chat(url, f"{stream} {LONG}", f"h{stream}", stream=stream)
-        assert status == 200 and replica == "d0"
-        if stream:
-            assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
-        else:
-            assert answer["usage"]["completion_tokens"] == 6  # recomputed there, whole
+    await served_on_d0_both_ways(url, "h")  # recomputed there, whole
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     assert 'router_disagg_requests_total{mode="recomputed"} 2.0' in text
@@ -451,13 +456,7 @@ async def test_a_decode_whose_read_begins_after_the_lease_is_recomputed(start_fl
         [], prefill=named(prefill, "p"), decode=named(decode, "d"), health_checks=False, disagg_introduce=False
     )
     prefill.replicas[0].lease_s = 0.5
-    for stream in (False, True):
-        status, answer, replica = await chat(url, f"{stream} {LONG}", f"late{stream}", stream=stream)
-        assert status == 200 and replica == "d0"
-        if stream:
-            assert answer.rstrip().endswith(b"data: [DONE]") and b'"error"' not in answer
-        else:
-            assert answer["usage"]["completion_tokens"] == 6
+    await served_on_d0_both_ways(url, "late")
     assert (await transfers(decode.replicas[0]))[1] == 2.0  # both reads found the lease gone, as vLLM counts
     # read within the lease, it is a split like any other
     prefill.replicas[0].lease_s = 30.0
