@@ -223,6 +223,30 @@ async def test_all_replicas_failing_gives_a_clear_error(start_fleet, start_route
     assert status == 502 and "could not be reached" in orjson.loads(body)["error"]["message"]
 
 
+async def test_the_only_replica_closing_a_connection_unanswered_is_tried_once_more(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # a fleet of one that closes a fresh connection before any answer (not a pooled one gone stale,
+    # which is sent again at once): it was the client's 502; the route tries it once more after a
+    # pause, and it answers
+    fleet = await start_fleet(1)
+    replica = fleet.replicas[0]
+    cut = replica._cut
+
+    def cut_once(request: Any) -> None:
+        replica.faults.drop_after = None
+        cut(request)
+
+    replica._cut = cut_once  # type: ignore[method-assign]
+    replica.faults.drop_after = 0
+    router, url = await start_router(named(fleet.replicas), health_checks=False)
+    status, headers, body = await call(url, chat("a"))
+    assert status == 200 and headers["X-Router-Replica"] == "emu-0", body[:300]
+    assert orjson.loads(body)["choices"][0]["message"]["content"]
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    assert 'router_retries_total{cause="reset"} 1.0' in text and "router_failovers_total 0.0" in text
+    assert router.fleet.replicas[0].inflight == 0
+
+
 async def test_a_replicas_error_the_sdk_cannot_read_is_wrapped_in_openais_shape(  # type: ignore[no-untyped-def]
     start_fleet, start_router, sse_upstream
 ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -24,7 +24,7 @@ from router.proxy.journey import Journey
 from router.proxy.ledger import Ledger
 from router.proxy.resume import StreamRecord
 from router.proxy.sse import StreamFramer
-from router.routing import Routing, Served, SessionDirectory
+from router.routing import AGAIN_PAUSE_S, Routing, Served, SessionDirectory
 from router.routing.request import Keys
 from router.sessions import SessionTable
 from router.tenancy.admission import Admission
@@ -124,9 +124,15 @@ def build(
     return routing, admission, metrics, config, fleet
 
 
-def journey_of(routing: Routing, admission: Admission, metrics: RouterMetrics, script: Script) -> Journey:
+def journey_of(
+    routing: Routing,
+    admission: Admission,
+    metrics: RouterMetrics,
+    script: Script,
+    pause: Callable[[float], Awaitable[object]] = asyncio.sleep,
+) -> Journey:
     ledger = Ledger(metrics, routing.policy.name, routing.fleet.model_label, log_requests=False)
-    return Journey(routing, admission, script, ledger, metrics, total_timeout_s=30.0, max_key_bytes=256)
+    return Journey(routing, admission, script, ledger, metrics, total_timeout_s=30.0, max_key_bytes=256, pause=pause)
 
 
 def request(config: Any, body: dict[str, Any], session: str = "s-1", path: str = "/v1/chat/completions") -> Intake:
@@ -181,6 +187,96 @@ async def test_no_replica_left_is_an_openai_shaped_answer_and_a_finish() -> None
         missing, request(config, CHAT | {"model": "x"}), time.monotonic()
     )
     assert missing.status == 404 and orjson.loads(missing.body)["error"]["code"] == "model_not_found"
+
+
+def refused(cause: str, status: int = 502) -> Step:
+    return lambda r, t: Retry(cause, status)
+
+
+class Pauses:
+    """The journey's waits, recorded (and not waited)."""
+
+    def __init__(self) -> None:
+        self.waited: list[float] = []
+
+    async def __call__(self, seconds: float) -> None:
+        self.waited.append(seconds)
+
+
+@pytest.mark.parametrize("cause", ["connect", "reset"])
+async def test_the_only_replica_failing_as_a_passing_fault_does_is_tried_once_more_after_a_pause(cause: str) -> None:
+    """A fleet of one: a connection it refused or closed unanswered is tried again after
+    AGAIN_PAUSE_S (it was a 502 at once), and served; failing again, the 502 comes after two
+    attempts, never a third however many `max_attempts` allows."""
+    routing, admission, metrics, config, fleet = build(replicas=1)
+    pauses = Pauses()
+    script = Script(refused(cause), answered)
+    exchange = Exchange()
+    journey = journey_of(routing, admission, metrics, script, pauses)
+    await journey.serve(exchange, request(config, CHAT), time.monotonic())
+    assert exchange.status == 200 and script.sent == ["r0", "r0"] and pauses.waited == [AGAIN_PAUSE_S]
+    assert count(metrics.retries, cause=cause) == 1 and fleet.replicas[0].inflight == 0
+    assert count(metrics.requests, replica="r0", status="200") == 1
+    script = Script(refused(cause), refused(cause), answered)
+    failed = Exchange()
+    await journey_of(routing, admission, metrics, script, pauses).serve(failed, request(config, CHAT), time.monotonic())
+    assert failed.status == 502 and script.sent == ["r0", "r0"] and fleet.replicas[0].inflight == 0
+    assert count(metrics.requests, replica="none", status="502") == 1
+
+
+@pytest.mark.parametrize(("cause", "status"), [("timeout", 504), ("http_5xx", 503)])
+async def test_a_replica_that_timed_out_or_answered_a_5xx_is_not_tried_again(cause: str, status: int) -> None:
+    routing, admission, metrics, config, _ = build(replicas=1)
+    pauses = Pauses()
+    script = Script(refused(cause, status), answered)
+    exchange = Exchange()
+    journey = journey_of(routing, admission, metrics, script, pauses)
+    await journey.serve(exchange, request(config, CHAT), time.monotonic())
+    assert exchange.status == status and script.sent == ["r0"] and pauses.waited == []
+
+
+async def test_only_the_last_replica_is_tried_again_and_only_where_none_is_left() -> None:
+    """Three replicas: the first two failing to connect go to the next, never back; with two, the
+    last one tried is tried once more, within `max_attempts` (3); one drained meanwhile is not."""
+    routing, admission, metrics, config, fleet = build(replicas=3)
+    pauses = Pauses()
+    script = Script(refused("connect"), refused("connect"), answered)
+    exchange = Exchange()
+    journey = journey_of(routing, admission, metrics, script, pauses)
+    await journey.serve(exchange, request(config, CHAT), time.monotonic())
+    assert exchange.status == 200 and len(set(script.sent)) == 3 and pauses.waited == []
+    routing, admission, metrics, config, fleet = build(replicas=2)
+    script = Script(refused("reset"), refused("connect"), answered)
+    exchange = Exchange()
+    await journey_of(routing, admission, metrics, script, pauses).serve(
+        exchange, request(config, CHAT, session="s-2"), time.monotonic()
+    )
+    assert exchange.status == 200 and len(script.sent) == 3 and script.sent[2] == script.sent[1] != script.sent[0]
+    assert pauses.waited == [AGAIN_PAUSE_S]
+
+    async def drained_meanwhile(seconds: float) -> None:
+        fleet.drain(script.sent[-1])
+
+    script = Script(refused("connect"), refused("connect"), answered)
+    exchange = Exchange()
+    await journey_of(routing, admission, metrics, script, drained_meanwhile).serve(
+        exchange, request(config, CHAT, session="s-3"), time.monotonic()
+    )
+    assert exchange.status == 502 and len(script.sent) == 2 and all(r.inflight == 0 for r in fleet.replicas)
+
+
+async def test_a_client_gone_while_the_journey_waits_to_try_again_is_a_499() -> None:
+    routing, admission, metrics, config, fleet = build(replicas=1)
+
+    async def gone(seconds: float) -> None:
+        raise asyncio.CancelledError
+
+    exchange = Exchange()
+    with pytest.raises(asyncio.CancelledError):
+        await journey_of(routing, admission, metrics, Script(refused("connect")), gone).serve(
+            exchange, request(config, CHAT), time.monotonic()
+        )
+    assert count(metrics.requests, replica="none", status="499") == 1 and fleet.replicas[0].inflight == 0
 
 
 async def test_a_spare_routing_core_serves_whole_when_the_route_offers_no_replica() -> None:

@@ -423,6 +423,7 @@ class Simulation:
             c.total_timeout_s,
             c.max_key_bytes,
             clock=clock,
+            pause=self.loop.sleep,
         )
         self.models = {r.id: Model(args.kv_tokens, args.slots) for r in self.fleet.replicas}
         # --events: the replicas' KV-cache events, and the router's index of them (router.bench.simulate_events)

@@ -5,7 +5,9 @@ tenant's tokens (router.tenancy.budgets: or gets a 429; settled on its usage whe
 the engines' tokens where replicas publish KV events, given a `Route` (router.routing), held by the
 overload queue while every replica for its model is full (router.tenancy.admission: or shed with a 429),
 then sent to each replica its route offers until one answers: a failure before the first byte goes
-to the next (never one already tried, within `max_attempts` and the deadline), and a stream broken
+to the next (never one already tried, within `max_attempts` and the deadline, but for the last one
+tried once more after a pause where none is left and it failed to connect or closed the connection
+unanswered: router.routing.route), and a stream broken
 mid-way is continued on another replica by the same route (router.proxy.resume). Each attempt's
 in-flight count goes up when the route offers the replica and down exactly once, in a `finally`,
 however the attempt ends. The journey ends in the ledger: the request's metrics and access-log line.
@@ -30,7 +32,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import orjson
@@ -54,7 +56,7 @@ from router.proxy.forward import (
 from router.proxy.intake import Intake, Refused, no_such_model, unknown_response
 from router.proxy.ledger import Accounting, Ending
 from router.proxy.resume import Splicer, continued, read_so_far
-from router.routing import Route, Routing, Verdict
+from router.routing import AGAIN_PAUSE_S, Route, Routing, Verdict
 from router.tenancy.admission import Admission, Shed, client_of
 from router.tenancy.budgets import COMPLETION_CAPS, Budgets, Refusal, Reservation
 from router.tenancy.clients import DEFAULT_RANK, PRIORITIES, SHEDDABLE, ClientKeys
@@ -110,6 +112,7 @@ class Journey:
         budgets: Budgets | None = None,
         tracing: Tracing | None = None,
         spare: Routing | None = None,
+        pause: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
         self.routing = routing
         # where a request goes whole when the route offers no replica: a disaggregated fleet's
@@ -124,6 +127,7 @@ class Journey:
         self.max_key_bytes = max_key_bytes
         self.tokens = tokens
         self.clock = clock  # what a request's t0 was read on (router-bench simulate: its virtual loop's time)
+        self.pause = pause  # waits before a replica is tried once more (router-bench simulate: its virtual loop's)
         self.clients = clients  # who may use the API (router.tenancy.clients); None: anyone
         self.budgets = budgets  # tenants' tokens a minute (router.tenancy.budgets); None: no budgets
         self.tracing = tracing  # OpenTelemetry (router.tracing); None: off, and no cost
@@ -220,7 +224,18 @@ class Journey:
         # routing), the spare's (a disaggregated fleet's prefill replicas), which serve it whole
         offered = self._offered(route, key, t0)
         for route in offered:  # (after the loop, `route` is the last one offered: it says why none served)
-            while (replica := route.next(loop.time())) is not None:
+            while True:
+                replica = route.next(loop.time())
+                if replica is None:
+                    # none left: the last one tried, where it failed as a passing fault does, once more
+                    if not route.once_more(loop.time()):
+                        break
+                    try:
+                        await self.pause(AGAIN_PAUSE_S)
+                    except asyncio.CancelledError:  # the client went away meanwhile
+                        self._finish(end, 499, None, route.decision, trip.streaming, route.attempts)
+                        raise
+                    continue
                 if trace is not None:
                     span = self._attempt_span(trace, route, replica, trip, routing_since)
                 try:

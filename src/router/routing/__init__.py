@@ -2,9 +2,10 @@
 
 from router.routing.directory import PeerSessions, SessionDirectory, SiblingSessions
 from router.routing.lending import lend_worth
-from router.routing.route import MOVE_SLACK_MS, Observer, Route, Routing, Served, Verdict
+from router.routing.route import AGAIN_PAUSE_S, MOVE_SLACK_MS, Observer, Route, Routing, Served, Verdict
 
 __all__ = [
+    "AGAIN_PAUSE_S",
     "MOVE_SLACK_MS",
     "Observer",
     "PeerSessions",

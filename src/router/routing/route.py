@@ -8,10 +8,17 @@ to first token, tokens, whether it streamed and whether the stream broke), `resu
 stream continued elsewhere. `release` ends an attempt's in-flight count and must run however it
 ended.
 
-A route offers at most `max_attempts` replicas, never one it has tried, never past its deadline.
-Served, it remembers the session where it was served (unless the router moved the session while
-the request ran), counts a follow-up turn served elsewhere as a jump with its cause, and feeds
-the replica's latency samples, its token counts and the balance loop's per-vnode traffic.
+A route offers at most `max_attempts` replicas, never past its deadline, and never one it has tried
+but once: where no other replica is left and the last one tried failed as a passing fault does (it
+could not be reached, or closed the connection unanswered), that one is offered once more after
+`AGAIN_PAUSE_S` (`once_more`), so a fleet of one replica, or a route with one left, does not answer
+a 502 for a dropped connection. Served, it remembers the session where it was served (unless the
+router moved the session while the request ran), counts a follow-up turn served elsewhere as a
+jump with its cause, and feeds the replica's latency samples, its token counts and the balance
+loop's per-vnode traffic.
+
+It is past 450 lines as one room: `Routing` opens each `Route`, and a route reads its routing's
+fleet, policy, directory and metrics at every step; apart, each module would import the other.
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ from router.routing.directory import SessionDirectory
 MOVE_SLACK_MS = 2000
 # the policy's own reasons, which say why a session left its replica better than the fleet can
 POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix", "target"})
+# failures a replica may not fail again a moment later: it could not be reached (a restart, a full
+# accept queue, a connect time-out on a starved host) or closed the connection before answering (a
+# pooled connection it had closed, an engine's hand-off gone wrong). A time-out or a 5xx would
+# only be waited for, or answered, again.
+AGAIN_CAUSES = frozenset({"connect", "reset"})
+AGAIN_PAUSE_S = 0.25  # how long a route waits before it offers such a replica once more
 
 
 @dataclass(slots=True)
@@ -157,6 +170,8 @@ class Routing:
 
 class Route:
     __slots__ = (
+        "again",
+        "again_due",
         "alone",
         "avoid",
         "deadline",
@@ -171,6 +186,7 @@ class Route:
         "pinned",
         "prompt_mark",
         "refuse_late",
+        "repeated",
         "routing",
         "t0",
         "target_at",
@@ -216,6 +232,12 @@ class Route:
         # request's, which is better refused at once than served late): `next` says None, and `late`
         self.refuse_late = False
         self.late = False
+        # the last replica tried, where it failed as a passing fault does (AGAIN_CAUSES); `once_more`
+        # offers it again (`again_due`: the next `next`), at most once a route (`repeated`), where
+        # no other is left
+        self.again: ReplicaState | None = None
+        self.again_due = False
+        self.repeated = False
 
     @property
     def attempts(self) -> int:
@@ -244,6 +266,8 @@ class Route:
         if now >= self.deadline:
             self.timed_out = True  # no replica is charged for an attempt that was never made
             return None
+        if self.again_due and not resuming:
+            return self._offer_again(now)
         if self.key.kind == "response" and self.last is not None and not resuming and self.tried:
             return None  # only the replica holding a stored response can continue it: no retry elsewhere
         decision = None if resuming else self.holder()
@@ -275,8 +299,11 @@ class Route:
         if decision.late and self.refuse_late and not self.tried:
             self.late = True
             return None
-        fleet = routing.fleet
-        replica = fleet.replicas[decision.index]
+        return self._offer(routing.fleet.replicas[decision.index], decision, now, resuming)
+
+    def _offer(self, replica: ReplicaState, decision: Decision, now: float, resuming: bool) -> ReplicaState:
+        """`replica`, offered on `decision`: tried, counted in flight, its prompt counted there."""
+        fleet = self.routing.fleet
         self.tried.append(replica)
         if self.first is None:
             self.first = replica
@@ -293,6 +320,31 @@ class Route:
         if self.hearing is not None:
             self.hearing.sent(replica, decision, now)
         return replica
+
+    def once_more(self, now: float) -> bool:
+        """Where `next` offered no replica: whether the last one tried, which failed as a passing
+        fault does (AGAIN_CAUSES), is offered once more, after AGAIN_PAUSE_S (the caller waits it,
+        then asks `next`). Once a route, within `max_attempts` and the deadline, and only while
+        that replica is still in the fleet and routable."""
+        replica = self.again
+        if replica is None or self.repeated or self.late or self.timed_out:
+            return False
+        if len(self.tried) >= self.routing.max_attempts or now + AGAIN_PAUSE_S >= self.deadline:
+            return False
+        if replica.index is None or not self.routing.fleet.routable(replica.index):
+            return False
+        self.repeated = self.again_due = True
+        return True
+
+    def _offer_again(self, now: float) -> ReplicaState | None:
+        """The replica `once_more` said would be offered again, on the pick that chose it last."""
+        replica = self.again
+        self.again, self.again_due = None, False
+        if replica is None or replica.index is None or not self.routing.fleet.routable(replica.index):
+            return None  # (removed, or out of routing, during the pause)
+        decision = self.decision
+        decision = Decision(replica.index, "failover") if decision is None else replace(decision, index=replica.index)
+        return self._offer(replica, decision, now, False)
 
     def holder(self) -> Decision | None:
         """For a `response` key: a stored response (or conversation) lives on the replica that
@@ -326,6 +378,7 @@ class Route:
     def failed(self, replica: ReplicaState, cause: str) -> None:
         """The attempt on `replica` failed before its first byte (`cause`: connect, timeout, http_5xx, reset)."""
         replica.errors += 1
+        self.again = replica if cause in AGAIN_CAUSES else None
         m = self.routing.metrics
         if self.routing.counted:
             m.child(m.retries, cause).inc()
