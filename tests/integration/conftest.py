@@ -239,10 +239,25 @@ class Served:
 
         threading.Thread(target=read, daemon=True).start()
 
+    def said(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        """A line matching `pattern` that it said already (before its start-up banner too, which
+        starting it read past) or says within `timeout` seconds."""
+        for said in list(self.history):
+            found = re.search(pattern, said)
+            if found:
+                return found
+        return self.line(pattern, timeout)
+
     def line(self, pattern: str, timeout: float = 30) -> re.Match[str]:
+        """The next line of its output that matches `pattern`; not within `timeout` seconds, an
+        assertion that shows the pattern and the last lines it said."""
         deadline = time.monotonic() + timeout
         while True:
-            line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                said = "".join(self.history[-40:])
+                raise AssertionError(f"no line matched {pattern!r} in {timeout} s; the last it said:\n{said}") from None
             found = re.search(pattern, line)
             if found:
                 return found

@@ -90,7 +90,7 @@ async def test_replicas_whose_blocks_find_no_room_are_let_go_and_the_router_serv
     flags = ("--shm-slots", "16", "--sticky-max-sessions", "1024", "--probe-interval-s", "0.2")
     flags += ("--kv-events-max-mib", "64")
     served = await serve_workers([r.url for r in fleet.replicas], *flags, wrap=small_shm(700), errors=True)
-    said = await asyncio.to_thread(served.line, r"(\d+) replicas' KV events not followed for 30 s", 30)
+    said = await asyncio.to_thread(served.said, r"(\d+) replicas' KV events not followed for 30 s", 30)
     assert said[1] == "2" and "No space left on device" in said.string and "--shm-size" in said.string
     async with aiohttp.ClientSession() as http:
 
@@ -131,7 +131,7 @@ async def test_by_default_the_replicas_followed_fit_the_room_in_dev_shm(
     fleet = await start_fleet(4, config, kv_events=KvEventsOptions(port=0, replay_port=0))
     flags = ("--shm-slots", "16", "--sticky-max-sessions", "1024", "--probe-interval-s", "0.2")
     served = await serve_workers([r.url for r in fleet.replicas], *flags, wrap=small_shm(1000), errors=True)
-    said = await asyncio.to_thread(served.line, r"(\d+) replicas' KV events not followed", 30)
+    said = await asyncio.to_thread(served.said, r"(\d+) replicas' KV events not followed", 30)
     assert said[1] == "2" and "kv_events_max_mib 0: the room in /dev/shm" in said.string, said.string
     async with aiohttp.ClientSession() as http:
         for turn in range(1, 3):
