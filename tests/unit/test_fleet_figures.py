@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from router.bench.fleet_report import render_markdown, summarize_runs
 from router.bench.fleet_runs import bisect_size
 from router.bench.proxy_bench import peer_command
 from router.bench.replay import Record, meets, tpot
-from router.bench.replicas import Sample
+from router.bench.replicas import Child, Sample
 from router.metrics import RouterMetrics
 
 
@@ -299,12 +301,28 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     # a failed run's progress line says what router-serve retried on the way; one without failures, nothing
     assert fleet_runs.failed_why(got | {"errors": {"http 502": 1}}) == " (http 502 x1; router-serve retried: reset 2)"
     assert fleet_runs.failed_why(got | {"errors": {}}) == ""
+    kept = got | {"errors": {"http 502": 1}, "router_log": "out/logs/sessions-router-4.log"}
+    assert fleet_runs.failed_why(kept).endswith("reset 2; its log: out/logs/sessions-router-4.log)")
     # the table's cell: per source, the share exact of how many; none without answers; n/a for a peer
     assert fleet_report.exact_cell(got) == "60.0% of 5 / 100.0% of 1"
     assert fleet_report.exact_cell(fleet_counters.prediction_figures(before, before)) == "none / none"
     assert fleet_report.exact_cell({"kv_hit_rate": 0.5}) == "n/a"
     med = summarize_runs([{**run_result(0.5, 1.0, 2.0, 0.1), **got}])
     assert med["exact_predicted_events"] == 0.6 and fleet_report.exact_cell(med) == "60.0% of 5 / 100.0% of 1"
+
+
+def test_a_childs_log_is_kept_from_its_tail(tmp_path: Path) -> None:
+    child = Child.spawn(
+        [sys.executable, "-c", "import sys; sys.stderr.write('x' * 5000 + '\\nthe replica refused\\n')"], "a child"
+    )
+    try:
+        assert child.proc.wait(30) == 0
+        whole = child.keep_log(tmp_path / "logs" / "run.log").read_text()
+        assert whole.startswith("xxx") and whole.endswith("the replica refused\n") and len(whole) == 5021
+        tail = child.keep_log(tmp_path / "tail.log", limit=20).read_text()
+        assert tail == "the replica refused\n"
+    finally:
+        child.stop()
 
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,7 +92,9 @@ is the share of its answers whose cached tokens it predicted to the token
 engine's KV events and of those it priced by its own model, with the whole histogram of errors
 and the replicas whose events it believed at the end in the JSON; where requests failed, the
 progress line adds the attempts router-serve retried, by cause (`router_retries_total`:
-timeout, connect, reset, http_5xx), which the JSON keeps for every run (`router_retries`).
+timeout, connect, reset, http_5xx), which the JSON keeps for every run (`router_retries`), and
+the path where the router's standard error (its log, the last MiB) was kept for that run
+(`--out`/logs/, `router_log`).
 
 Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
 `--replicas`) whose multi-turn P99 on the busiest keyed `sessions@R` stays within `--p99-target`

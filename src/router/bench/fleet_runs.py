@@ -12,6 +12,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -108,6 +109,9 @@ async def run_one(
             if after is not None:
                 result |= prediction_figures(before, after)
                 result["kv_events_ready_s"] = ready_s
+        if result.get("errors") and router is not None:  # what the router said of the failures, kept
+            name = f"{workload}-{c.name}-{replicas}.log".replace("/", "_").replace("@", "-")
+            result["router_log"] = str(router.keep_log(Path(args.out) / "logs" / name))
     finally:
         try:
             if router is not None:
@@ -136,14 +140,16 @@ async def run_one(
 
 def failed_why(run: dict[str, Any]) -> str:
     """What the failed requests of a run said, for its progress line: " (HTTP 502 x2)", and for
-    router-serve the attempts it retried by cause (" (HTTP 502 x1; router-serve retried: reset 1)");
-    empty if none failed."""
+    a router the attempts router-serve retried by cause and where the router's log was kept
+    (" (HTTP 502 x1; router-serve retried: reset 1; its log: DIR/logs/RUN.log)"); empty if none
+    failed."""
     errors = run.get("errors") or {}
     if not errors:
         return ""
     retries = run.get("router_retries") or {}
     said = "; router-serve retried: " + ", ".join(f"{c} {n:g}" for c, n in sorted(retries.items())) if retries else ""
-    return " (" + ", ".join(f"{e} x{n}" for e, n in sorted(errors.items())) + said + ")"
+    log = f"; its log: {run['router_log']}" if run.get("router_log") else ""
+    return " (" + ", ".join(f"{e} x{n}" for e, n in sorted(errors.items())) + said + log + ")"
 
 
 async def bisect_size(lo: int, hi: int, meets: Callable[[int], Awaitable[bool]]) -> int | None:

@@ -63,6 +63,15 @@ class Child:
         lines = [ln.strip() for ln in self.stderr.read()[-4000:].decode(errors="replace").splitlines() if ln.strip()]
         return lines[-1] if lines else "no message"
 
+    def keep_log(self, path: Path, limit: int = 1 << 20) -> Path:
+        """What the child has written to stderr so far (its last `limit` bytes), written to `path`."""
+        self.stderr.flush()
+        size = self.stderr.seek(0, os.SEEK_END)
+        self.stderr.seek(max(0, size - limit))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.stderr.read())
+        return path
+
     async def wait_up(self, url: str, path: str, timeout: float) -> None:
         """Until `url + path` answers below 500; RuntimeError at once if the child exits meanwhile."""
         deadline = time.monotonic() + timeout
