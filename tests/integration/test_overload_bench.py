@@ -40,7 +40,8 @@ def test_overload_benchmark_smoke() -> None:
 
 
 def test_priority_classes_are_counted_and_the_higher_fares_better_with_admission() -> None:
-    result = small_run("--priorities", "--duration-s", "4")
+    result = small_run("--priorities", "--duration-s", "4", "--contenders", "admission,off")
+    assert [r["contender"] for r in result["runs"]] == ["admission", "off"]
     for run in result["runs"]:
         c = run["classes"]
         assert c["interactive"]["sent"] + c["bulk"]["sent"] == run["sent"]
@@ -50,7 +51,7 @@ def test_priority_classes_are_counted_and_the_higher_fares_better_with_admission
 
 
 def test_the_mixed_traffic_is_counted_per_client_and_kind() -> None:
-    result = small_run("--mix", "--duration-s", "4")
+    result = small_run("--mix", "--duration-s", "4", "--contenders", "admission,round-robin")
     for run in result["runs"]:
         c = run["classes"]
         assert c["heavy"]["sent"] + c["light"]["sent"] == run["sent"] == c["turn"]["sent"] + c["new"]["sent"]
@@ -75,3 +76,18 @@ def test_bad_arguments_are_one_line() -> None:
         timeout=60,
     )
     assert out.returncode == 2 and "choose one" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    for contenders, said in (
+        (
+            "admission,bogus",
+            "unknown contender 'bogus' (known: admission, shipped, off, round-robin, smg, smg-priority)",
+        ),
+        ("smg-priority", "smg-priority runs only with --priorities"),
+        ("admission,smg", "smg is named, but --no-peers leaves it out"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "router.bench.cli", "overload", "--no-peers", "--contenders", contenders],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2 and out.stderr.strip() == f"router-bench overload: {said}", out.stderr

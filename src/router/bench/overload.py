@@ -22,7 +22,8 @@ client, and smg with its bounded queue (`--max-concurrent-requests` the fleet's 
 `--full-waiting` per replica, the same `--queue-size` and `--queue-timeout-secs`) and worker
 overload protection with shedding. Routers probe at their default interval (2 s). Between
 contenders the fleet drains until every replica is idle, and every replica's prefix cache is
-emptied: each contender is offered the same prompts.
+emptied: each contender is offered the same prompts. `--contenders` runs only those it names
+(admission, shipped, off: router-serve with admission off, round-robin, smg, smg-priority).
 
 `--mix` makes the traffic two clients and conversations: a heavy client (`user` "heavy") sends
 three requests for every one of a light client ("light"), and each request is, with probability
@@ -372,7 +373,27 @@ def contenders(args: argparse.Namespace, capacity_rps: float) -> list[Contender]
                 str(config),
             )
             out.append(Contender("smg-priority", "smg cache_aware, priority scheduler", "smg", flags))
+    if args.contenders:
+        out = [c for c in out if c.name in args.contenders]
     return out
+
+
+CONTENDER_NAMES = ("admission", "shipped", "off", "round-robin", "smg", "smg-priority")
+
+
+def named_contenders(args: argparse.Namespace) -> str | None:
+    """`--contenders` read into a list (empty: every one); why not, where it names one unknown or
+    one this run cannot have."""
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()] if args.contenders else []
+    unknown = [n for n in names if n not in CONTENDER_NAMES]
+    if unknown:
+        return f"unknown contender {unknown[0]!r} (known: {', '.join(CONTENDER_NAMES)})"
+    if "smg-priority" in names and not args.priorities:
+        return "smg-priority runs only with --priorities"
+    if any(n.startswith("smg") for n in names) and (args.no_peers or not peer_installed("smg")):
+        return "smg is named, but " + ("--no-peers leaves it out" if args.no_peers else "it is not installed")
+    args.contenders = names
+    return None
 
 
 def figures(tally: Tally, elapsed_s: float, offered: float, start: float, duration_s: float) -> dict[str, Any]:
@@ -605,6 +626,13 @@ def add_parser(sub: Any) -> None:
         help="two priority classes (interactive 1 : bulk 3, named in X-Priority and x-smg-priority): figures per "
         "class, and smg with its priority scheduler too",
     )
+    p.add_argument(
+        "--contenders",
+        default="",
+        metavar="NAMES",
+        help="only these, comma-separated, of admission, shipped, off, round-robin, smg, smg-priority "
+        "(default: every one)",
+    )
     p.add_argument("--no-peers", action="store_true", help="leave smg out")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_cli)
@@ -622,6 +650,10 @@ def run_cli(args: argparse.Namespace) -> int:
             return 2
     if args.mix and args.priorities:
         print("router-bench overload: --mix and --priorities are two different workloads: choose one", file=sys.stderr)
+        return 2
+    why = named_contenders(args)
+    if why is not None:
+        print(f"router-bench overload: {why}", file=sys.stderr)
         return 2
     if not 0 <= args.turn_share <= 1:
         print("router-bench overload: --turn-share must be in [0, 1]", file=sys.stderr)
