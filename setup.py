@@ -17,6 +17,9 @@ NO_EXTENSIONS = os.environ.get("ROUTER_NO_EXTENSIONS", "").strip().lower() not i
 # cimports them). src/_aged.pxd is inline code `_prefix` and `_kvshare` share at build time: not shipped.
 CONTRACT_FILES = ("src/_ring.pxd", "src/_ring.pyi", "src/_prefix.pxd", "src/_prefix.pyi", "src/_kvwire.pyi", "src/_kvshare.pyi", "src/_held.pyi", "src/_timers.pyi")
 
+# the modules are translated (Cython) and compiled (the C compiler) on every core at once, eight at most
+JOBS = max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
+
 
 class BuildPyWithContract(build_py):
     def run(self) -> None:
@@ -32,7 +35,11 @@ def extensions() -> list:
 
     names = ("_ring", "_prefix", "_kvwire", "_kvshare", "_held", "_timers")
     modules = [Extension(name, [f"src/{name}.pyx"], extra_compile_args=["-O3"]) for name in names]
-    return cythonize(modules, include_path=["src"], compiler_directives={"language_level": "3"})
+    return cythonize(modules, include_path=["src"], compiler_directives={"language_level": "3"}, nthreads=JOBS)
 
 
-setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithContract})
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_py": BuildPyWithContract},
+    options={"build_ext": {"parallel": JOBS}},
+)
