@@ -41,9 +41,9 @@ MOVE_SLACK_MS = 2000
 # the policy's own reasons, which say why a session left its replica better than the fleet can
 POLICY_REASONS = frozenset({"failover", "spill", "round_robin", "least_load", "cost", "prefix", "target"})
 # failures a replica may not fail again a moment later: it could not be reached (a restart, a full
-# accept queue, a connect time-out on a starved host) or closed the connection before answering (a
-# pooled connection it had closed, an engine's hand-off gone wrong). A time-out or a 5xx would
-# only be waited for, or answered, again.
+# accept queue, a connect time-out on a starved host) or closed a new connection before answering
+# (a pooled one it had closed is sent again at once, below the route: router.engines.upstream).
+# A time-out or a 5xx would only be waited for, or answered, again.
 AGAIN_CAUSES = frozenset({"connect", "reset"})
 AGAIN_PAUSE_S = 0.25  # how long a route waits before it offers such a replica once more
 
