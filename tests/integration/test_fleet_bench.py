@@ -394,7 +394,8 @@ def test_real_vllm_prefill_decode_side_by_side(tmp_path: Path) -> None:
     # decode replica removed the router answers 503 (seen here in 1-4 requests of 4-9). Once, in the
     # full suite, a connection to the one decode replica failed (`router_retries`: connect 1), most
     # likely the default 2 s connect time-out run out on a starved machine, and with no other decode
-    # replica that was a 502: here it is given 10 s
+    # replica that was a 502. The route now tries that replica once more after a pause, and a second
+    # 2 s connect on a machine this starved can fail as the first did: here it is given 10 s
     args = build_parser().parse_args(
         [
             *("fleet", "--engine", "vllm", "--replicas", "2", "--kv-blocks", "64", "--prompt-scale", "0.1"),

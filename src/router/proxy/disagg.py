@@ -236,11 +236,12 @@ class DisaggAttempts:
                 return await self.inner.send(replica, trip, deadline)
             self._keep(request, prefilled)  # the next decode replica reads it
             if result.cause == "reset":
-                # it answered, then closed the stream before its first event: it is up, and the
-                # journey may have no other decode replica to read the lease (then it was a 502:
-                # most likely what a CI run met on vLLM 0.32's CPU build, where a split decode's
-                # read began 0.2-60 s after its engine scheduled it, often after the lease ran out).
-                # It recomputes there; should that fail too, the next decode replica reads the lease
+                # it answered, then closed the stream before its first event: it is up, and most
+                # likely its read of the lease failed (vLLM 0.32's CPU build began a split decode's
+                # read 0.2-60 s after scheduling it, often after the lease ran out: a CI run's 502).
+                # The route would offer it once more with the same lease, which would fail alike: it
+                # recomputes there instead; should that fail too, the route's next attempt (another
+                # decode replica, or this one once more) reads the kept lease
                 log.info("%s closed a split decode unanswered: it computes the prompt itself", replica.id)
                 self.observe("recomputed")
                 recomputed = await self.inner.send(replica, trip, deadline)
