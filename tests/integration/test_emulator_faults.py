@@ -112,6 +112,19 @@ async def test_drop_closes_the_connection_mid_stream(replica: Replica) -> None:
     assert replica.engine.cache.used_blocks == 0
 
 
+async def test_end_late_sends_the_streams_http_end_apart_from_its_done(replica: Replica) -> None:
+    # as llama-server writes them: [DONE], then (here half a second later) the empty last chunk
+    await set_faults(replica, {"end_late": 0.5})
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s, s.post(replica.url + "/v1/completions", json=STREAM) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: [DONE]"):
+                break
+        done_at = loop.time()
+        assert not (await resp.content.read()).strip()  # nothing more (the blank line ending [DONE]), only the end
+        assert loop.time() - done_at >= 0.4
+
+
 async def test_crash_refuses_connections_cuts_streams_and_restarts_cold(start_fleet) -> None:  # type: ignore[no-untyped-def]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -157,7 +170,10 @@ async def test_crash_from_the_replicas_own_endpoint(replica: Replica) -> None:
 
 @pytest.mark.parametrize(
     "patch",
-    [{"slow": 0}, {"error_rate": 2}, {"error_status": 404}, {"stall_after": -1}, {"hang": "yes"}, {"explode": True}],
+    [
+        *({"slow": 0}, {"error_rate": 2}, {"error_status": 404}, {"stall_after": -1}, {"hang": "yes"}),
+        *({"explode": True}, {"end_late": -1}, {"end_late": "soon"}),
+    ],
 )
 async def test_bad_fault_settings_are_refused_whole(replica: Replica, patch: dict[str, Any]) -> None:
     status, err = await set_faults(replica, patch | {"error_rate": 0.25} if "error_rate" not in patch else patch)

@@ -331,7 +331,13 @@ def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
     assert table["full"]["failed"] == table["full"]["refused"]
     # the engines' own cached-token counts: sticky routing finds more of each session's prefix cached
     assert table["full"]["kv_hit_rate"] > table["round-robin"]["kv_hit_rate"]
-    assert table["full"]["jump_rate"] < table["round-robin"]["jump_rate"]
+    # a session leaves its replica only where router-serve chose to move it, and counted why: past a
+    # replica whose slots are all busy while the other has one free (a spill; how many depends on how
+    # loaded this machine is: CI once saw as many as round-robin's), or where its price says so
+    full = result["runs"]["sessions@1"]["full"][0]
+    seen = round(full["jump_rate"] * (full["ok"] - full["sessions"]))  # sessions' moves between answers
+    assert set(full["jumps_by_reason"]) <= {"spill", "cost"}, full["jumps_by_reason"]
+    assert seen <= sum(full["jumps_by_reason"].values()), (seen, full["jumps_by_reason"])
 
 
 @pytest.mark.real_engine

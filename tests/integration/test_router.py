@@ -22,6 +22,8 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from waiting import until
 
 from router.config import load
 from router.node import Node
@@ -33,6 +35,11 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}
 def named(replicas: Any) -> list[str]:
     """Replica specs whose router ids match the emulators' own names (emu-0, emu-1, ...)."""
     return [f"{r.options.replica_id}={r.url}" for r in replicas]
+
+
+def samples(text: str, name: str) -> list[Any]:
+    """The samples of `name` in a /metrics page."""
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
 
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:
@@ -245,6 +252,39 @@ async def test_the_only_replica_closing_a_connection_unanswered_is_tried_once_mo
         text = await r.text()
     assert 'router_retries_total{cause="reset"} 1.0' in text and "router_failovers_total 0.0" in text
     assert router.fleet.replicas[0].inflight == 0
+
+
+async def test_a_client_that_closes_at_done_before_the_streams_http_end_was_served(start_fleet, start_router) -> None:  # type: ignore[no-untyped-def]
+    # llama-server writes [DONE] and the stream's HTTP end apart; a client that closes at [DONE]
+    # used to cancel the request while the router waited for that end: its whole answer counted as
+    # a 499, its session forgotten (the next turn priced as a new conversation), its usage unread
+    fleet = await start_fleet(2)
+    for replica in fleet.replicas:
+        replica.faults.end_late = 0.5
+    router, url = await start_router(named(fleet.replicas), health_checks=False)
+    served = []
+    async with aiohttp.ClientSession() as http:
+        for turn in range(3):
+            body = chat(f"turn {turn}", stream=True, stream_options={"include_usage": True})
+            async with http.post(url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "d-1"}) as r:
+                assert r.status == 200
+                served.append(r.headers["X-Router-Replica"])
+                async for line in r.content:
+                    if line.startswith(b"data: [DONE]"):
+                        break
+                r.close()  # at [DONE], before its end: the connection closes under the router
+            await asyncio.sleep(0.1)  # (the router hears the close)
+        async with http.get(url + "/metrics") as m:
+            text = await m.text()
+    assert len(set(served)) == 1  # the session stays where it was served
+    answered = {s.labels["status"]: s.value for s in samples(text, "router_requests_total")}
+    assert answered == {"200": 3.0}, answered  # none counted as a client gone (499)
+    assert "router_session_followups_total 2.0" in text and "router_session_jumps_total{" not in text
+    assert sum(s.value for s in samples(text, "router_prompt_tokens_total")) > 0  # its usage was read
+    await until(lambda: all(r.inflight == 0 for r in router.fleet.replicas), "nothing left in flight")
+    # the connections, once their ends came, went back to the pool: one for all three requests
+    pool = next(iter(router.upstream.pools.values()))
+    await until(lambda: len(pool.idle) == 1, "the connection back in its pool")
 
 
 async def test_a_replicas_error_the_sdk_cannot_read_is_wrapped_in_openais_shape(  # type: ignore[no-untyped-def]

@@ -31,6 +31,7 @@ class Raw:
 
     def __init__(self, answer: Callable[[int, bytes], tuple[bytes, bool]]) -> None:
         self.answer = answer
+        self.later: dict[int, tuple[float, bytes]] = {}  # request number -> (after s, bytes) sent after its answer
         self.requests: list[bytes] = []
         self.bodies: list[bytes] = []
         self.connections = 0
@@ -53,6 +54,11 @@ class Raw:
                 data, close = self.answer(len(self.requests), head)
                 if data:
                     writer.write(data)
+                    await writer.drain()
+                if len(self.requests) in self.later:
+                    after, tail = self.later[len(self.requests)]
+                    await asyncio.sleep(after)
+                    writer.write(tail)
                     await writer.drain()
                 if close:
                     break
@@ -190,6 +196,46 @@ async def test_a_response_let_go_early_closes_its_connection(raw) -> None:  # ty
     assert replica.connections == 2
     pool = next(iter(client.pools.values()))
     assert pool.open == 1 and len(pool.idle) == 1
+    client.close()
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+DONE = b"e\r\ndata: [DONE]\n\n\r\n"  # a stream's own end, its HTTP end (the last chunk) to come
+
+
+async def test_a_stream_released_before_its_http_end_goes_back_to_the_pool_when_the_end_comes(raw) -> None:  # type: ignore[no-untyped-def]
+    # llama-server writes [DONE] and the empty last chunk apart: the caller lets the answer go at
+    # [DONE], and the connection waits for its end off the caller's time, then serves the next request
+    replica = await raw(lambda n, head: (STREAM_HEAD + DONE, False) if n == 1 else (OK, False))
+    replica.later[1] = (0.3, b"0\r\n\r\n")
+    client = Upstream()
+    resp = await client.post(replica.url + "/x", b"{}", {}, 1.0)
+    assert await resp.readany() == b"data: [DONE]\n\n"
+    resp.release_at_end(2.0)
+    pool = next(iter(client.pools.values()))
+    assert pool.open == 1 and not pool.idle  # not yet: its end has not come
+    await until(lambda: len(pool.idle) == 1, "the connection back in its pool once the stream's end came")
+    assert await post(client, replica.url) == (200, b"{}")
+    assert replica.connections == 1 and len(replica.requests) == 2
+    client.close()
+
+
+async def test_a_stream_whose_http_end_does_not_come_in_time_closes_its_connection(raw) -> None:  # type: ignore[no-untyped-def]
+    replica = await raw(lambda n, head: (STREAM_HEAD + DONE + b"5\r\nlate!\r\n", False) if n == 1 else (OK, False))
+    replica.later[1] = (5.0, b"0\r\n\r\n")
+    client = Upstream()
+    resp = await client.post(replica.url + "/x", b"{}", {}, 1.0)
+    assert (await resp.readany()).startswith(b"data: [DONE]\n\n")
+    resp.release_at_end(0.2)
+    pool = next(iter(client.pools.values()))
+    await until(lambda: pool.open == 0, "the connection closed: its end did not come within the wait")
+    assert await post(client, replica.url) == (200, b"{}")
+    assert replica.connections == 2 and len(pool.idle) == 1  # a new one, back in the pool
+    # an answer already read to its end is simply released
+    resp = await client.post(replica.url + "/x", b"{}", {}, 1.0)
+    assert await resp.read() == b"{}"
+    resp.release_at_end(0.2)
+    assert len(pool.idle) == 1 and replica.connections == 2
     client.close()
 
 

@@ -23,6 +23,7 @@ FAULT_NAMES = {
     "error-status": ("error_status", int),
     "stall-after": ("stall_after", int),
     "drop-after": ("drop_after", int),
+    "end-late": ("end_late", float),
     "crash-after": ("crash_after", float),
     "kv-events-drop": ("kv_events_drop", float),
     "kv-events-drop-next": ("kv_events_drop_next", int),
@@ -40,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "faults: --fault [INDEX:]NAME[=VALUE], repeatable; without INDEX it applies to every replica. "
             "NAME is hang, slow=FACTOR, error-rate=SHARE, error-status=500|503, stall-after=CHUNKS, "
-            "drop-after=CHUNKS, crash-after=SECONDS (wall), kv-events-drop=SHARE or kv-events-drop-next=N "
+            "drop-after=CHUNKS, end-late=SECONDS (wall: a stream's HTTP end that long after its [DONE], as "
+            "llama-server writes them apart), crash-after=SECONDS (wall), kv-events-drop=SHARE or "
+            "kv-events-drop-next=N "
             "(KV-event messages numbered and buffered but not sent). At run time: POST /emulator/faults "
             "with a JSON object, or POST /emulator/restart-engine, on a replica's port, or "
             "/replicas/INDEX/{faults,crash,restart,restart-engine} on --control-port."

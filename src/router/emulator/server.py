@@ -66,6 +66,9 @@ class Faults:
     error_status: int = 0  # 500, 503, or 0 for either at random
     stall_after: int | None = None  # streams stop after this many chunks; the connection stays open
     drop_after: int | None = None  # streams are cut (connection closed) after this many chunks
+    # a stream's HTTP end (its last, empty chunk) comes this many wall seconds after its own end
+    # ([DONE], message_stop): llama-server writes them apart, and a client may close in between
+    end_late: float = 0.0
     # KV-event messages kept off the PUB socket (still numbered and buffered: a replay has them)
     kv_events_drop: float = 0.0  # this share of them, at random
     kv_events_drop_next: int = 0  # the next this many (counts down as they go)
@@ -102,6 +105,9 @@ class Faults:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or null")
+        late = self.end_late
+        if isinstance(late, bool) or not isinstance(late, (int, float)) or not 0 <= late <= 60:
+            raise ValueError("end_late must be a number of seconds in [0, 60]")
         drop = self.kv_events_drop
         if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop <= 1:
             raise ValueError("kv_events_drop must be a number in [0, 1]")
@@ -636,6 +642,8 @@ class Replica:
                 await send(wire.chunk(parts[-1], finish_reason(seq) if last else None))
         await send(wire.closing(seq, "".join(parts)))
         await resp.write(wire.end())
+        if self.faults.end_late:
+            await asyncio.sleep(self.faults.end_late)
         await resp.write_eof()
         return resp
 

@@ -114,7 +114,19 @@ def _target(url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
 class Response:
     """One answer from a replica: its status and headers at once, the body as it arrives."""
 
-    __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_eof", "_exc", "_waiter", "headers", "resent", "status")
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_done",
+        "_eof",
+        "_exc",
+        "_tail",
+        "_waiter",
+        "headers",
+        "resent",
+        "status",
+    )
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -126,6 +138,7 @@ class Response:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._done = False  # released or closed
+        self._tail: asyncio.TimerHandle | None = None  # released before its end (release_at_end): the wait
         self.resent = False  # sent again on a new connection: the pooled one it went out on was stale
 
     @property
@@ -173,9 +186,29 @@ class Response:
             self._done = True
             self._conn.finished(self, reusable=False)
 
+    def release_at_end(self, wait_s: float) -> None:
+        """Done with it, though its end has not come (an answer whole by its own framing, `[DONE]`,
+        whose HTTP end follows): what more arrives is dropped, and the connection goes back to its
+        pool at the end, or is closed if the end has not come within `wait_s`. Nothing waits on it."""
+        if self._done:
+            return
+        if self.at_eof():
+            self.release()
+            return
+        self._done = True
+        self._chunks.clear()
+        self._buffered = 0
+        self._conn.resume()
+        if self._eof or self._exc is not None:  # ended, or broke, with bytes unread: not reusable
+            self._conn.finished(self, reusable=self._exc is None)
+            return
+        self._tail = self._conn.loop.call_later(wait_s, self._conn.finished, self, False)
+
     # -- from the connection -----------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        if self._done:
+            return  # after release_at_end: nobody reads it
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
@@ -188,6 +221,14 @@ class Response:
         elif self._exc is None and not self._eof:
             self._exc = exc
         self._wake()
+        if self._tail is not None:  # released at its end (release_at_end): this is it
+            self._tail.cancel()
+            self._tail = None
+            self._conn.loop.call_soon(self._ended)  # once the parser is done with these bytes
+
+    def _ended(self) -> None:
+        """The end of an answer released before it (release_at_end) came: its connection goes back."""
+        self._conn.finished(self, reusable=self._exc is None and self._conn.usable())
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

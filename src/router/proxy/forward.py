@@ -61,6 +61,7 @@ HOP_BY_HOP = frozenset(
 )
 RESPONSE_DROP = HOP_BY_HOP | {"content-length", "date", "server"}
 FINAL_WRITE_GRACE_S = 1.0
+TAIL_WAIT_S = 1.0  # how long a connection waits for its answer's HTTP end after the stream's own (`[DONE]`)
 
 
 @dataclass
@@ -199,6 +200,7 @@ async def attempt(
     # start a task per read: measurably slower per SSE event). `deadline` is on the loop clock.
     loop = asyncio.get_running_loop()
     upstream: Response | None = None
+    outcome: Retry | Outcome | None = None
     try:
         try:
             async with asyncio.timeout_at(min(loop.time() + timeouts.first_byte_s, deadline)) as timer:
@@ -227,7 +229,7 @@ async def attempt(
         return outcome
     finally:
         if upstream is not None:
-            _let_go(upstream)
+            _let_go(upstream, _whole(outcome))
 
 
 def _errs_first(head: bytes) -> bool:
@@ -258,11 +260,21 @@ def _retry_for(exc: BaseException) -> Retry:
     return Retry("reset", 502)
 
 
-def _let_go(upstream: Response) -> None:
+def _let_go(upstream: Response, whole: bool) -> None:
+    """Done with `upstream`; `whole`: the stream's own end (`[DONE]`, `message_stop`, ...) has passed."""
     if upstream.at_eof():
         upstream.release()  # read to the end: the keep-alive connection goes back to the pool
+    elif whole:
+        # its HTTP end follows (llama-server writes it apart): it is awaited off the request, which
+        # is over for its client, who may close its connection at [DONE]; a request that waited
+        # for it here was cancelled then, its whole answer counted as a 499 and its session forgotten
+        upstream.release_at_end(TAIL_WAIT_S)
     else:
         upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
+
+
+def _whole(outcome: Retry | Outcome | None) -> bool:
+    return isinstance(outcome, Outcome) and outcome.framer is not None and outcome.framer.done
 
 
 async def _relay(
@@ -452,7 +464,7 @@ async def resume(
         return None
     finally:
         if upstream is not None:
-            _let_go(upstream)
+            _let_go(upstream, outcome.framer is splicer and splicer.done)
 
 
 _MESSAGE_OPENERS = (b"event: message_start", b"event: content_block_start", b"event: ping")
@@ -511,11 +523,6 @@ async def _pump(upstream: Response, outcome: Outcome, chunk: bytes, idle: float,
                     timer.reschedule(min(now + idle + slack, deadline))
                     moved = now
                 chunk = await upstream.readany()
-            if framer.done and not upstream.at_eof():
-                # nothing may follow [DONE]; read the response's end so the connection can be reused
-                timer.reschedule(min(loop.time() + min(idle, 1.0), deadline))
-                while await upstream.readany():
-                    pass
     except TimeoutError:
         if not framer.done:
             outcome.stream_error = (
