@@ -338,6 +338,9 @@ def test_real_llama_servers_side_by_side(tmp_path: Path) -> None:
     seen = round(full["jump_rate"] * (full["ok"] - full["sessions"]))  # sessions' moves between answers
     assert set(full["jumps_by_reason"]) <= {"spill", "cost"}, full["jumps_by_reason"]
     assert seen <= sum(full["jumps_by_reason"].values()), (seen, full["jumps_by_reason"])
+    # the client reads every answer to its [DONE] (and closes there): it left none before, but what
+    # it cut at the run's end (3 x its duration)
+    assert full["client_gone"] <= full["cut_off"], (full["client_gone"], full["cut_off"])
 
 
 @pytest.mark.real_engine

@@ -272,6 +272,7 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
 
     before_run = metrics.child(metrics.prefix_prediction_error, "events")
     before_run.observe(40)  # the readiness request, before the run: not counted
+    metrics.child(metrics.requests, "r0", "ttft", "header", "499", "m").inc()  # a client gone before the run
     metrics.child(metrics.tokenize_seconds, "render").observe(0.5)
     before = page()
     for error in (0, 0, 0, -32, 64):  # three exact, one under (the engine had more), one over
@@ -285,6 +286,8 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     metrics.child(metrics.jumps, "cost").inc(2)
     metrics.child(metrics.jumps, "health").inc(1)
     metrics.child(metrics.retries, "reset").inc(2)
+    metrics.child(metrics.requests, "r0", "ttft", "header", "200", "m").inc(30)
+    metrics.child(metrics.requests, "r1", "ttft", "header", "499", "m").inc(2)  # two clients gone during it
     after = page()
     assert not after.all_believed(2) and not fleet_counters.RouterCounts({}, {"r0": 1}, {}, {}).all_believed(2)
     got = fleet_counters.prediction_figures(before, after)
@@ -297,7 +300,7 @@ def test_the_routers_predictions_are_read_from_its_metrics() -> None:
     assert got["tokenize"]["render"]["count"] == 1 and got["tokenize"]["render"]["seconds"] == pytest.approx(0.002)
     assert got["token_checks"] == {"match": 2}
     assert got["jumps_by_reason"] == {"cost": 2, "health": 1} and got["cost_move_share"] == 0.05
-    assert got["router_retries"] == {"reset": 2}
+    assert got["router_retries"] == {"reset": 2} and got["client_gone"] == 2
     # a failed run's progress line says what router-serve retried on the way; one without failures, nothing
     assert fleet_runs.failed_why(got | {"errors": {"http 502": 1}}) == " (http 502 x1; router-serve retried: reset 2)"
     assert fleet_runs.failed_why(got | {"errors": {}}) == ""

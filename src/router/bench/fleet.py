@@ -94,7 +94,9 @@ and the replicas whose events it believed at the end in the JSON; where requests
 progress line adds the attempts router-serve retried, by cause (`router_retries_total`:
 timeout, connect, reset, http_5xx), which the JSON keeps for every run (`router_retries`), and
 the path where the router's standard error (its log, the last MiB) was kept for that run
-(`--out`/logs/, `router_log`).
+(`--out`/logs/, `router_log`). The JSON also keeps its sessions' jumps by reason
+(`jumps_by_reason`) and the answers it counted as their client gone (`client_gone`, status 499:
+none where the run waits for every answer's end, as it does unless cut off at its duration).
 
 Replicas needed: for the contenders in `--size-search`, the smallest fleet (down to half of
 `--replicas`) whose multi-turn P99 on the busiest keyed `sessions@R` stays within `--p99-target`

@@ -39,6 +39,7 @@ class RouterCounts:
     jumps: dict[str, float] = field(default_factory=dict)  # router_session_jumps by reason
     followups: float = 0.0  # router_session_followups: the jump rate's denominator
     retries: dict[str, float] = field(default_factory=dict)  # router_retries by cause (timeout, reset, ...)
+    gone: float = 0.0  # router_requests with status 499: answers whose client left before their end
 
     @classmethod
     def parse(cls, text: str) -> RouterCounts:
@@ -50,7 +51,7 @@ class RouterCounts:
         tokenizers: dict[str, float] = {}
         jumps: dict[str, float] = {}
         retries: dict[str, float] = {}
-        followups = 0.0
+        followups = gone = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 labels = sample.labels
@@ -75,8 +76,10 @@ class RouterCounts:
                     followups = sample.value
                 elif sample.name == "router_retries_total":
                     retries[labels.get("cause", "")] = sample.value
+                elif sample.name == "router_requests_total" and labels.get("status") == "499":
+                    gone += sample.value
         tokens = {k: (v[0], v[1]) for k, v in tokenized.items()}
-        return cls(errors, believed, tokens, checks, disagg, tokenizers, jumps, followups, retries)
+        return cls(errors, believed, tokens, checks, disagg, tokenizers, jumps, followups, retries, gone)
 
     def all_believed(self, replicas: int) -> bool:
         return len(self.believed) >= replicas and all(v == 1 for v in self.believed.values())
@@ -122,6 +125,9 @@ def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, A
     out["cost_move_share"] = moved.get("cost", 0.0) / followups if followups else math.nan
     # its attempts that failed before their first byte, by cause (each retried where attempts
     # remained): what a failed request met on the way, for its progress line
+    # answers it counted as their client gone (499): none where the client waits for every end
+    # (a run not cut off at its duration); one closed at [DONE] was counted so once (forward.py)
+    out["client_gone"] = after.gone - before.gone
     out["router_retries"] = {
         k: n - before.retries.get(k, 0.0) for k, n in after.retries.items() if n - before.retries.get(k, 0.0)
     }
