@@ -80,9 +80,29 @@ class Tap:
         self.server = await asyncio.start_server(relay, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
+    async def settled(self, timeout: float = 10.0) -> list[bytes]:
+        """Every connection's bytes once each answer on it has come to its HTTP end: the router ends
+        its client's stream at `[DONE]` and the engine's last chunk may come after (llama-server,
+        vLLM write it apart), so a client can have its answer before the tap has all of it."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                for connection in self.from_replica:
+                    chunked_bodies(connection)
+            except Incomplete:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.01)
+            else:
+                return list(self.from_replica)
+
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+
+
+class Incomplete(AssertionError):
+    """A connection's bytes end inside an answer (its last chunk not yet relayed)."""
 
 
 def chunked_body(response: bytes) -> bytes:
@@ -92,19 +112,27 @@ def chunked_body(response: bytes) -> bytes:
 
 def chunked_bodies(connection: bytes) -> list[bytes]:
     """The bodies of the HTTP/1.1 responses one keep-alive connection carried, each with chunked
-    transfer coding, in order."""
+    transfer coding, in order; `Incomplete` where the bytes end inside one."""
     bodies = []
     rest = connection
     while rest:
-        head, _, rest = rest.partition(b"\r\n\r\n")
+        head, found, rest = rest.partition(b"\r\n\r\n")
+        if not found:
+            raise Incomplete("the bytes end inside an answer's head")
         assert b"transfer-encoding: chunked" in head.lower(), head
         body = bytearray()
         while True:
-            size_line, _, rest = rest.partition(b"\r\n")
+            size_line, found, rest = rest.partition(b"\r\n")
+            if not found:
+                raise Incomplete("the bytes end before an answer's last chunk")
             size = int(size_line.split(b";")[0], 16)
             if size == 0:
-                rest = rest.partition(b"\r\n")[2]  # the blank line after the last chunk
+                if not rest.startswith(b"\r\n"):
+                    raise Incomplete("the bytes end inside an answer's last chunk")
+                rest = rest[2:]  # the blank line after the last chunk
                 break
+            if len(rest) < size + 2:
+                raise Incomplete("the bytes end inside a chunk")
             body += rest[:size]
             rest = rest[size + 2 :]
         bodies.append(bytes(body))

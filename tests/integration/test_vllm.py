@@ -177,7 +177,7 @@ async def test_streams_pass_through_byte_for_byte(pair: list[VllmServer], start_
             assert r.status == 200
             # the bytes the engine sent for this request are the bytes the client got
             assert len(tap.from_replica) == 1
-            assert chunked_body(tap.from_replica[0]) == through
+            assert chunked_body((await tap.settled())[0]) == through
             # and a direct request gets the same answer (vLLM sends several tokens in one event when its
             # server falls behind its engine, so the events may be cut differently)
             r, direct = await post(http, server.url, body)
@@ -187,12 +187,12 @@ async def test_streams_pass_through_byte_for_byte(pair: list[VllmServer], start_
             r, hidden = await post(http, url, plain)
             r, own = await post(http, server.url, plain)
             assert same_answer(hidden, own) and events_of(hidden)[-2]["choices"]
-            sent = [body for connection in tap.from_replica for body in chunked_bodies(connection)]
+            sent = [body for connection in await tap.settled() for body in chunked_bodies(connection)]
             assert b'"usage"' not in hidden and sent[-1].count(b'"usage"') == 1  # the router asked for it
             # an Anthropic Messages stream too, usage and all
             messages = {"system": SYSTEM["content"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
             r, through = await post(http, url, {**messages, "stream": True}, path="/v1/messages")
-            sent = [body for connection in tap.from_replica for body in chunked_bodies(connection)]
+            sent = [body for connection in await tap.settled() for body in chunked_bodies(connection)]
             assert r.status == 200 and sent[-1] == through
             assert through.startswith(b"event: message_start") and b"event: message_stop" in through
     finally:
