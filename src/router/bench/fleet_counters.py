@@ -123,11 +123,11 @@ def prediction_figures(before: RouterCounts, after: RouterCounts) -> dict[str, A
     followups = after.followups - before.followups
     out["jumps_by_reason"] = moved
     out["cost_move_share"] = moved.get("cost", 0.0) / followups if followups else math.nan
-    # its attempts that failed before their first byte, by cause (each retried where attempts
-    # remained): what a failed request met on the way, for its progress line
     # answers it counted as their client gone (499): none where the client waits for every end
     # (a run not cut off at its duration); one closed at [DONE] was counted so once (forward.py)
     out["client_gone"] = after.gone - before.gone
+    # its attempts that failed before their first byte, by cause (each retried where attempts
+    # remained): what a failed request met on the way, for its progress line
     out["router_retries"] = {
         k: n - before.retries.get(k, 0.0) for k, n in after.retries.items() if n - before.retries.get(k, 0.0)
     }

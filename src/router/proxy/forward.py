@@ -265,9 +265,10 @@ def _let_go(upstream: Response, whole: bool) -> None:
     if upstream.at_eof():
         upstream.release()  # read to the end: the keep-alive connection goes back to the pool
     elif whole:
-        # its HTTP end follows (llama-server and vLLM write it apart): it is awaited off the request, which
-        # is over for its client, who may close its connection at [DONE]; a request that waited
-        # for it here was cancelled then, its whole answer counted as a 499 and its session forgotten
+        # its HTTP end follows (llama-server and vLLM write it apart): it is awaited off the
+        # request, which is over for its client, who may close its connection at [DONE]; a request
+        # that waited for it here was cancelled then, its whole answer counted as a 499 and its
+        # session forgotten
         upstream.release_at_end(TAIL_WAIT_S)
     else:
         upstream.close()  # abandoned (client gone, error): the replica sees the request cancelled
