@@ -203,6 +203,7 @@ def test_cli_json_against_a_fleet_process(spread: str, tmp_path: Path) -> None:
             "100",
             "--duration",
             "10",
+            "--drain",  # every session plays its turns: at 100 x, 0.1 s of wall time cut off most of them
             "--rate",
             "2",
             "--turns",
