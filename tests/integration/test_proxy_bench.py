@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
-from router.bench.proxy_bench import PEER_POLICIES, PEERS, peer_command, peer_installed
+from router.bench.proxy_bench import PEER_POLICIES, PEERS, _failure, peer_command, peer_installed
 
 
 def test_proxy_benchmark_smoke() -> None:
@@ -98,6 +98,13 @@ def test_the_shared_fleet_contenders_are_served_with_keys_budgets_and_traces() -
     for r in result["results"]:  # every request was let through: the key was good, the budget never reached
         assert r["small_ok"] == 40 and r["events"] >= 8 * 5 and r["ttft_ms_median"] > 0, r
     assert result["saturate_s"] == 0
+
+
+def test_a_failed_small_request_is_counted_by_status_and_error_code() -> None:
+    # which refusal a 429 was (the overload queue's, a budget's) is in its body, not its status
+    assert _failure(429, b'{"error": {"message": "m", "type": "t", "code": "queue_full"}}') == "429 queue_full"
+    assert _failure(502, b"<html>Bad Gateway</html>") == "502" and _failure(500, b'{"error": "x"}') == "500"
+    assert _failure(503, b'{"error": {"code": null}}') == "503"
 
 
 def test_https_against_plain_http_keep_alive_and_a_new_connection_per_request() -> None:

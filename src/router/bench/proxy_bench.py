@@ -406,9 +406,10 @@ async def small_requests(
     concurrency: int,
     headers: dict[str, str] | None = None,
     new_connections: bool = False,
-    failed: Counter[int] | None = None,
+    failed: Counter[str] | None = None,
 ) -> int:
-    """How many of `n` small completions answered 200; the others' statuses counted in `failed`."""
+    """How many of `n` small completions answered 200; the others counted in `failed` by status and
+    the error's `code` where the answer has one ("429 queue_full")."""
     ok = 0
     body = orjson.dumps(SMALL)
     async with aiohttp.ClientSession(connector=_connector(force_close=new_connections)) as s:
@@ -421,13 +422,22 @@ async def small_requests(
                     data=body,
                     headers={"Content-Type": "application/json", "X-Session-ID": f"w{i % 50}", **(headers or {})},
                 ) as r:
-                    await r.read()
+                    data = await r.read()
                     ok += r.status == 200
                     if r.status != 200 and failed is not None:
-                        failed[r.status] += 1
+                        failed[_failure(r.status, data)] += 1
 
         await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
     return ok
+
+
+def _failure(status: int, data: bytes) -> str:
+    """A failed answer's status, with its error's `code` where it is JSON in OpenAI's shape."""
+    try:
+        code = orjson.loads(data)["error"]["code"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return str(status)
+    return f"{status} {code}" if isinstance(code, str) and code else str(status)
 
 
 async def streams(url: str, n: int, tokens: int, concurrency: int, headers: dict[str, str] | None = None) -> int:
@@ -504,7 +514,7 @@ async def measure(
 ) -> dict[str, Any]:
     at: dict[str, float | None] = {}
     oks = []
-    failed: Counter[int] = Counter()
+    failed: Counter[str] = Counter()
     await quiet(url, args.headers)
     for level in args.levels:
         progress(f"{name}: small requests, {level} clients")
@@ -534,7 +544,7 @@ async def measure(
     return {
         "contender": name,
         "small_ok": min(oks),
-        "small_failed": {str(status): n for status, n in sorted(failed.items())},  # by HTTP status
+        "small_failed": dict(sorted(failed.items())),  # by HTTP status and error code
         "cpu_us_per_request": per_request,
         **{f"cpu_us_per_request_c{level}": at[str(level)] for level in args.levels},
         "events": events,
