@@ -67,7 +67,7 @@ class Faults:
     stall_after: int | None = None  # streams stop after this many chunks; the connection stays open
     drop_after: int | None = None  # streams are cut (connection closed) after this many chunks
     # a stream's HTTP end (its last, empty chunk) comes this many wall seconds after its own end
-    # ([DONE], message_stop): llama-server writes them apart, and a client may close in between
+    # ([DONE], message_stop): llama-server and vLLM write them apart; a client may close in between
     end_late: float = 0.0
     # KV-event messages kept off the PUB socket (still numbered and buffered: a replay has them)
     kv_events_drop: float = 0.0  # this share of them, at random

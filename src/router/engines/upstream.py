@@ -199,7 +199,7 @@ class Response:
         self._chunks.clear()
         self._buffered = 0
         self._conn.resume()
-        if self._eof or self._exc is not None:  # ended, or broke, with bytes unread: not reusable
+        if self._eof or self._exc is not None:  # ended with bytes unread (reusable), or broke (not)
             self._conn.finished(self, reusable=self._exc is None)
             return
         self._tail = self._conn.loop.call_later(wait_s, self._conn.finished, self, False)
