@@ -430,3 +430,75 @@ def test_a_workers_layout_reads_each_rank_as_its_roster_row_says_whatever_change
         assert rows()[1] == -1.0
     finally:
         shared.close()
+
+
+def test_shards_written_by_several_followers_read_as_one_index(shm_dir: str) -> None:
+    """A host following its engines in three processes (shards): each writes its replicas' holders
+    and roster rows into the index the first laid out, and a worker reads one index: every
+    replica believed and held as its own follower holds it, in one pass of its Layout. A shard
+    restarted clears what its writer before left; one closed leaves the others' replicas read."""
+    writers = [Truth() for _ in range(3)]
+    shards = [SharedIndex("sharded", shm_dir, shard=k, shards=3) for k in range(3)]
+    try:
+        for truth, index in zip(writers, shards, strict=True):
+            truth.share(index)
+        worker = Truth()
+        worker.share(SharedIndexReader("sharded", shm_dir))
+        rids = [f"r{k}" for k in range(7)]
+        fleet = Fleet([ReplicaSpec(rid, f"http://10.0.0.{k}:1") for k, rid in enumerate(rids)])
+        tokens = array("Q", range(5000, 5000 + 16 * 8))
+        for k, rid in enumerate(rids):  # r0 on shard 0, r1 on shard 1, ...; r_k holds k + 1 blocks
+            writer = writers[k % 3]
+            h = writer.holdings(rid, 0, 100)
+            hashes = array("Q", [100 * k + j for j in range(k + 1)])
+            stored = Stored(hashes, None, tokens[: 16 * (k + 1)], 16, "GPU", None, None)
+            assert h.accept(Batch(0, 1.0, 0, (stored,))) == "ok"
+            writer.published(h)
+        assert [shards[k].n_holders for k in range(3)] == [7, 5, 6]  # holders 0, 3, 6 / 1, 4 / 2, 5
+        worker.follow()
+        assert sorted(worker.replicas) == rids and all(worker.sure(rid) for rid in rids)
+        engine = EngineTokens(len(tokens), tuple(tokens), None, None, "tokenizer")
+        prompt = Prompt(engine.chain(16), 16 * 8, 4, engine)
+        for k, rid in enumerate(rids):
+            assert worker.held(rid, engine, {}) == writers[k % 3].held(rid, engine, {}) == Found(16 * (k + 1), 0, 16)
+        layout = Layout()
+        spt, zeros = array("d", [1e-4] * 7), array("d", [0.0] * 7)
+        got = events_rows(fleet, worker, prompt, array("B", bytes(7)), spt, zeros, 0.0, 0.0, layout)
+        assert got is not None and list(got[0]) == [16.0 * (k + 1) for k in range(7)]
+        assert len(layout.followed[0]) == 7  # all of them in the pass: one roster, whoever writes which row
+        # shard 1's process dies without closing; its successor clears what it left
+        del shards[1]
+        shards.insert(1, SharedIndex("sharded", shm_dir, shard=1, shards=3))
+        worker.follow()
+        assert sorted(worker.replicas) == ["r0", "r2", "r3", "r5", "r6"]
+        assert worker.index.n_holders == 7 and worker.index.size(1) == worker.index.size(4) == 0
+        restarted = Truth()
+        restarted.share(shards[1])
+        h = restarted.holdings("r1", 0, 100)
+        assert h.accept(Batch(0, 2.0, 0, (Stored(array("Q", [7]), None, tokens[:16], 16, "GPU", None, None),))) == "ok"
+        restarted.published(h)
+        worker.follow()
+        assert "r1" in worker.replicas and worker.held("r1", engine, {}) == Found(16, 0, 16)
+        assert len(list(Path(shm_dir).glob("sharded-*"))) == 6  # one region a holder: the dead writer's removed
+        shards.pop(2).close()  # shard 2's process stops: its replicas leave, the others stay
+        worker.follow()
+        assert sorted(worker.replicas) == ["r0", "r1", "r3", "r6"]
+        assert worker.held("r3", engine, {}) == Found(64, 0, 16)
+    finally:
+        for index in reversed(shards):
+            index.close()
+    assert not list(Path(shm_dir).iterdir())
+
+
+def test_a_shard_needs_the_first_to_have_laid_out_the_index(shm_dir: str) -> None:
+    with pytest.raises(SharedFileError, match="cannot lay out"):
+        SharedIndex("alone", shm_dir, shard=1, shards=2)
+    first = SharedIndex("two", shm_dir, shard=0, shards=2)
+    try:
+        with pytest.raises(SharedFileError, match="written by 2 shards, not 3"):
+            SharedIndex("two", shm_dir, shard=2, shards=3)
+        for shard, shards in ((2, 2), (-1, 2), (0, 0), (0, 65), (True, 2)):
+            with pytest.raises(ValueError, match="shard"):
+                SharedIndex("two", shm_dir, shard=shard, shards=shards)
+    finally:
+        first.close()

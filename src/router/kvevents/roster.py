@@ -7,31 +7,44 @@ which holders of the index are its tiers. `Roster.describe` rewrites a row after
 applied; a reader process (a worker) builds its Truth's replicas from the rows in use
 (`RosterReader.listed`) and reads each as a `Followed`, which answers what `Holdings` answers.
 
-File: a 64-byte header (magic, generation, rows used), then MAX_ROWS rows of 48 uint64 words:
+Several processes may write it, each following a shard of the engines (`shard` of `shards`): the
+first lays it out, and each writes only its own rows (router.kvevents.mapped.Front), so readers
+see one roster whoever follows which engine.
+
+File: a front (router.kvevents.mapped.Front: magic, shards, each shard's generation and rows
+used), then MAX_ROWS rows of 48 uint64 words:
 generation (0: free), rank, believed, block size, capacity, evicted, when (a double: monotonic
 seconds, the same clock in every process of a host), sequence + 2 (0: none), the eleven figures,
 four (medium as 8 ASCII bytes, holder + 1) pairs, its eviction rate's window + 1, count at that
 window's start and rate before it (a double), and the replica's id (UTF-8, 128 bytes). Each
 word is whole to a reader; the words of a row may be a message apart, as an event in flight is.
-A row's generation is written last when it is taken, and the header's generation after it.
+A row's generation is written last when it is taken, and its shard's generation after it.
 """
 
 from __future__ import annotations
 
-import struct
 from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from router.kvevents.holdings import Figures, MatchIndex, Rate, Tier, Tiers
-from router.kvevents.mapped import TAKE_STEP, SharedFileError, Taken, map_file, unlink_file
+from router.kvevents.mapped import (
+    FRONT_BYTES,
+    TAKE_STEP,
+    Front,
+    SharedFileError,
+    Taken,
+    map_existing,
+    map_file,
+    shard_check,
+    unlink_file,
+)
 
 if TYPE_CHECKING:
     from router.kvevents.holdings import Holdings
 
-_HEAD = struct.Struct("<QQQ40x")
 MAX_ROWS = 16_384
-_MAGIC = int.from_bytes(b"kvarros1", "little")
+_MAGIC = int.from_bytes(b"kvarros2", "little")
 _ROW_WORDS = 48
 _R_GEN, _R_RANK, _R_SURE, _R_BLOCK, _R_CAPACITY, _R_EVICTED, _R_EVICTED_AT, _R_SEQ = range(8)
 _R_FIGURES = 8  # Figures' counters, in their order, from here
@@ -43,40 +56,54 @@ _ID_BYTES = 8 * (_ROW_WORDS - _R_ID)
 
 
 class Roster:
-    """The writer's roster file."""
+    """A writer's roster file: shard 0 lays it out; shard k of `shards` writes rows k, k + shards, ...
+    of the one shard 0 laid out (which must be there), clearing first what a writer of that shard
+    before it left."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, shard: int = 0, shards: int = 1) -> None:
+        shard_check(shard, shards)
         self.path = path
-        size = _HEAD.size + MAX_ROWS * 8 * _ROW_WORDS
+        self.shard, self.shards = shard, shards
+        size = FRONT_BYTES + MAX_ROWS * 8 * _ROW_WORDS
         try:
-            self._file = map_file(path, size, True, TAKE_STEP)
+            self._file = map_file(path, size, True, TAKE_STEP) if shard == 0 else map_existing(path)
         except OSError as exc:
             raise SharedFileError(f"cannot lay out the roster {path}: {exc}") from None
-        self._taken = Taken(path, size, min(TAKE_STEP, size))  # its rows' pages, taken as they come into use
-        _HEAD.pack_into(self._file, 0, _MAGIC, 0, 0)
-        self._rows = memoryview(self._file)[_HEAD.size :].cast("Q")
-        self._floats = memoryview(self._file)[_HEAD.size :].cast("d")
-        self._gen = 0
-        self._count = 0  # rows ever used
+        if shard == 0:
+            self._front = Front.lay_out(self._file, _MAGIC, shards)
+        else:
+            self._front = Front.joined(self._file, _MAGIC, path, shards)
+        # its rows' pages, taken as they come into use (a later shard's from the start: taking pages taken is a no-op)
+        self._taken = Taken(path, size, min(TAKE_STEP, size) if shard == 0 else 0)
+        self._rows = memoryview(self._file)[FRONT_BYTES:].cast("Q")
+        self._floats = memoryview(self._file)[FRONT_BYTES:].cast("d")
+        self._gen, self._count = self._front.of(shard)  # (0, 0), unless a writer of this shard was here before
+        self._next = shard  # the next row never used
         self._free: list[int] = []
+        if self._gen:  # what the writer before it left: no replica's any longer
+            for row in range(shard, self._count, shards):
+                self._rows[row * _ROW_WORDS + _R_GEN] = 0
+            self._gen += 1
+            self._changed()
 
     def enlist(self, replica_id: str, rank: int) -> int:
         """A roster row for one replica's rank (its Holdings); `describe` fills it."""
         name = replica_id.encode()
         if len(name) > _ID_BYTES:
             raise SharedFileError(f"replica id {replica_id!r} is longer than {_ID_BYTES} bytes")
-        row = min(self._free) if self._free else self._count
+        row = min(self._free) if self._free else self._next
         if row >= MAX_ROWS:
             raise SharedFileError(f"the roster has room for {MAX_ROWS} replicas' ranks")
         at = row * _ROW_WORDS
-        self._taken.cover(_HEAD.size + 8 * (at + _ROW_WORDS))  # (SharedFileError: no room; nothing taken)
+        self._taken.cover(FRONT_BYTES + 8 * (at + _ROW_WORDS))  # (SharedFileError: no room; nothing taken)
         if self._free:
             self._free.remove(row)
         else:
-            self._count += 1
+            self._next += self.shards
+            self._count = max(self._count, row + 1)
         self._rows[at : at + _ROW_WORDS] = array("Q", bytes(8 * _ROW_WORDS))
         self._rows[at + _R_RANK] = rank
-        self._file[_HEAD.size + 8 * (at + _R_ID) : _HEAD.size + 8 * (at + _R_ID) + len(name)] = name
+        self._file[FRONT_BYTES + 8 * (at + _R_ID) : FRONT_BYTES + 8 * (at + _R_ID) + len(name)] = name
         self._gen += 1
         self._rows[at + _R_GEN] = self._gen  # last: the row is whole once it is in use
         self._changed()
@@ -89,7 +116,7 @@ class Roster:
         self._changed()
 
     def _changed(self) -> None:
-        _HEAD.pack_into(self._file, 0, _MAGIC, self._gen, self._count)
+        self._front.set(self.shard, self._gen, self._count)
 
     def describe(self, row: int, h: Holdings) -> None:
         """Writes what `h` says now into its row: believed or not, its engine's block size and
@@ -129,7 +156,15 @@ class Roster:
                 rows[at + _R_TIERS + 2 * k + 1] = tier.holder + 1
 
     def close(self) -> None:
-        unlink_file(self.path)
+        """The first shard's removes the file (its readers keep what they mapped); a later shard's
+        clears its rows, for the others follow on."""
+        if self.shard == 0:
+            unlink_file(self.path)
+            return
+        for row in range(self.shard, self._count, self.shards):
+            self._rows[row * _ROW_WORDS + _R_GEN] = 0
+        self._gen += 1
+        self._changed()
 
 
 class RosterReader:
@@ -140,26 +175,26 @@ class RosterReader:
             self._file = map_file(path, 0, False)
         except OSError as exc:
             raise SharedFileError(f"cannot read the roster {path}: {exc}") from None
-        if len(self._file) < _HEAD.size + MAX_ROWS * 8 * _ROW_WORDS or _HEAD.unpack_from(self._file, 0)[0] != _MAGIC:
+        if len(self._file) < FRONT_BYTES + MAX_ROWS * 8 * _ROW_WORDS:
             raise SharedFileError(f"{path} is not a shared index's roster")
-        self._head = memoryview(self._file)[: _HEAD.size].cast("Q")
-        self.rows = memoryview(self._file)[_HEAD.size :].cast("Q")
-        self.floats = memoryview(self._file)[_HEAD.size :].cast("d")
+        self._front = Front.joined(self._file, _MAGIC, path)
+        self.rows = memoryview(self._file)[FRONT_BYTES:].cast("Q")
+        self.floats = memoryview(self._file)[FRONT_BYTES:].cast("d")
 
     @property
     def generation(self) -> int:
-        """Moves whenever a replica's rank is enlisted or delisted."""
-        return int(self._head[1])
+        """Moves whenever a replica's rank is enlisted or delisted (by any shard's writer)."""
+        return self._front.generation()
 
     def listed(self) -> list[tuple[int, str, int]]:
         """(row, replica id, rank) of every replica's rank the writer follows now."""
         out = []
-        for row in range(int(self._head[2])):
+        for row in range(self._front.count()):
             at = row * _ROW_WORDS
             gen = self.rows[at + _R_GEN]
             if not gen:
                 continue
-            start = _HEAD.size + 8 * (at + _R_ID)
+            start = FRONT_BYTES + 8 * (at + _R_ID)
             name = bytes(self._file[start : start + _ID_BYTES]).rstrip(b"\0").decode(errors="replace")
             if self.rows[at + _R_GEN] == gen:  # not delisted and reused meanwhile
                 out.append((row, name, int(self.rows[at + _R_RANK])))

@@ -16,9 +16,15 @@ readers map the new one at their next read, and keep reading the old mapping unt
 pages are taken when it is laid out, the directory's and roster's as their rows come into use
 (router.kvevents.mapped): a /dev/shm without room is a SharedFileError there, never a SIGBUS.
 
-Directory file: a 64-byte header (magic, generation, holders named) and a 64-byte row per holder
-(generation, pool, file name). The generation is bumped after every change; a reader rescans
-only when it moved, and keeps a scan only if it did not move during it.
+A host may follow its engines in several processes, each a shard of them (`shard` of `shards`):
+each writes a SharedIndex of the same name, the first laying out the directory and roster, each
+the holders (k, k + shards, ...) and roster rows of its own shard (router.kvevents.mapped.Front).
+A reader reads one index whoever writes which holder.
+
+Directory file: a front (router.kvevents.mapped.Front: magic, shards, each shard's generation and
+holders named) and a 64-byte row per holder (generation, pool, file name). A shard's generation
+is bumped after every change it makes; a reader rescans only when their sum moved, and keeps a
+scan only if it did not move during it.
 """
 
 from __future__ import annotations
@@ -34,8 +40,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from router._compat import NO_EXTENSIONS
-from router.kvevents.mapped import SHM_DIR, TAKE_STEP, SharedFileError, Taken, map_file, unlink_file
+from router.kvevents.mapped import (
+    FRONT_BYTES,
+    SHM_DIR,
+    TAKE_STEP,
+    Front,
+    SharedFileError,
+    Taken,
+    map_existing,
+    map_file,
+    shard_check,
+    unlink_file,
+)
 from router.kvevents.roster import Roster, RosterReader
+from router.ring import xxh3_64
 
 if TYPE_CHECKING or NO_EXTENSIONS:
     from router._kvshare_py import Regions, region_bytes
@@ -60,11 +78,16 @@ MAX_HOLDERS = 32_768
 FIRST_POOL = 4_096
 GROW_RETRY_S = 30.0  # a holder whose larger region found no room (/dev/shm full) tries again after this long
 MIN_SLACK = 64  # a full holder's region keeps this many entries (or a sixteenth of its capacity) spare
-_DIR_MAGIC = int.from_bytes(b"kvardir1", "little")
-_HEAD = struct.Struct("<QQQ40x")
+_DIR_MAGIC = int.from_bytes(b"kvardir2", "little")
 _ROW = struct.Struct("<QQ48s")  # generation (0: none), pool, file name
 _ROW_TAIL = struct.Struct("<Q48s")
 _NAME_MAX = 47
+
+
+def shard_of(replica_id: str, shards: int) -> int:
+    """Which of `shards` processes follows a replica's events: a hash of its id, the same in every
+    process and run, and a replica's whatever else joins or leaves."""
+    return 0 if shards == 1 else xxh3_64(replica_id) % shards
 
 
 def max_pool(capacity: int) -> int:
@@ -81,40 +104,59 @@ class SharedIndex:
     """The writer: a PrefixIndex's answers for the event-fed index, its holders in shared memory.
 
     `name` prefixes its files in `directory`; give readers the same two (router.kvevents.shared
-    `SharedIndexReader`). Only this process changes it; `close()` unlinks its files."""
+    `SharedIndexReader`). Only this process changes it; `close()` unlinks its files.
+
+    Shard `shard` of `shards` (a host following its engines in several processes): shard 0 lays
+    out the directory and roster, and must be made first; each other writes its own holders and
+    rows in them, clearing first what a writer of its shard left before it (it was restarted)."""
 
     def __init__(
         self,
         name: str,
         directory: str = SHM_DIR,
         max_holders: int = MAX_HOLDERS,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
         if not name or "/" in name or len(name) > _NAME_MAX - 16:
             raise SharedFileError(f"a shared index's name must be 1 to {_NAME_MAX - 16} characters without '/'")
+        shard_check(shard, shards)
         self.name = name
+        self.shard, self.shards = shard, shards
         self.directory = Path(directory)
         self.max_holders = max_holders
         self.regions = Regions()
         self._maps: dict[int, tuple[mmap.mmap, Path]] = {}
         self._gen = 0
-        self._count = 0  # holder rows named in the directory
+        self._count = 0  # one past the highest holder row this shard named in the directory
+        self._next = shard  # the next holder never used: this shard's are shard, shard + shards, ...
         self._free: list[int] = []
         self._grow_at: dict[int, int] = {}  # holder -> the blocks past which it moves to a larger region
         self._spread = random.Random(0)
         self._stuck_until: dict[int, float] = {}  # holder -> when it may try to grow again (no room before)
         self._said_stuck_at = -math.inf
         self._dir_path = self.directory / f"{name}.dir"
-        size = _HEAD.size + max_holders * _ROW.size
+        size = FRONT_BYTES + max_holders * _ROW.size
         try:
-            self._dir = map_file(self._dir_path, size, True, TAKE_STEP)
+            self._dir = map_file(self._dir_path, size, True, TAKE_STEP) if shard == 0 else map_existing(self._dir_path)
         except OSError as exc:
             raise SharedFileError(f"cannot lay out the shared index {self._dir_path}: {exc}") from None
-        self._dir_taken = Taken(self._dir_path, size, min(TAKE_STEP, size))  # rows' pages, as holders come
-        _HEAD.pack_into(self._dir, 0, _DIR_MAGIC, 0, 0)
+        if shard == 0:
+            self._front = Front.lay_out(self._dir, _DIR_MAGIC, shards)
+        else:
+            self._front = Front.joined(self._dir, _DIR_MAGIC, self._dir_path, shards)
+            if len(self._dir) < size:
+                raise SharedFileError(f"{self._dir_path} has room for fewer than {max_holders} holders")
+        # rows' pages, as holders come (a later shard's from the start: taking pages taken is a no-op)
+        self._dir_taken = Taken(self._dir_path, size, min(TAKE_STEP, size) if shard == 0 else 0)
+        self._gen, self._count = self._front.of(shard)  # (0, 0), unless a writer of this shard was here before
+        if self._gen:
+            self._unname_all()  # what the writer before it left (it was restarted)
         try:
-            self.roster = Roster(self.directory / f"{name}.roster")  # what each engine's events say
+            self.roster = Roster(self.directory / f"{name}.roster", shard, shards)  # what each engine's events say
         except SharedFileError:
-            unlink_file(self._dir_path)
+            if shard == 0:
+                unlink_file(self._dir_path)
             raise
 
     def __repr__(self) -> str:
@@ -127,15 +169,24 @@ class SharedIndex:
         last, so a reader that sees the new generation reads the new name."""
         self._gen += 1
         gen = self._gen if file else 0
-        at = _HEAD.size + holder * _ROW.size
+        at = FRONT_BYTES + holder * _ROW.size
         _ROW_TAIL.pack_into(self._dir, at + 8, pool, file.encode())
         struct.pack_into("<Q", self._dir, at, gen)
         self._count = max(self._count, holder + 1)
-        _HEAD.pack_into(self._dir, 0, _DIR_MAGIC, self._gen, self._count)
+        self._front.set(self.shard, self._gen, self._count)
+
+    def _unname_all(self) -> None:
+        """Names no region for any holder of this shard, removing the files named (a writer of
+        this shard before this one left them; or this one is closing while others write on)."""
+        for holder in range(self.shard, self._count, self.shards):
+            gen, _, file = _ROW.unpack_from(self._dir, FRONT_BYTES + holder * _ROW.size)
+            if gen:
+                self._publish(holder, 0, "")
+                unlink_file(self.directory / file.rstrip(b"\0").decode(errors="replace"))
 
     def _region(self, holder: int, capacity: int, pool: int) -> None:
         """Lays out a fresh region of `pool` entries for `holder`, moving its blocks there."""
-        self._dir_taken.cover(_HEAD.size + (holder + 1) * _ROW.size)  # (its row: before anything moves)
+        self._dir_taken.cover(FRONT_BYTES + (holder + 1) * _ROW.size)  # (its row: before anything moves)
         self._gen += 1
         file = f"{self.name}-{holder}-{self._gen}"
         path = self.directory / file
@@ -171,12 +222,14 @@ class SharedIndex:
     def add_holder(self, capacity: int) -> int:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"capacity must be a non-negative int, got {capacity!r}")
-        holder = min(self._free) if self._free else self.regions.n_holders
+        holder = min(self._free) if self._free else self._next
         if holder >= self.max_holders:
             raise SharedFileError(f"the shared index has room for {self.max_holders} holders")
         self._region(holder, capacity, first_pool(capacity))  # (SharedFileError: no room; nothing taken)
         if self._free:
             self._free.remove(holder)
+        else:
+            self._next += self.shards
         return holder
 
     def remove_holder(self, holder: int) -> None:
@@ -267,11 +320,15 @@ class SharedIndex:
         self.regions.match_all(chain, out)
 
     def close(self) -> None:
-        """Unlinks its files (readers keep what they mapped until they let go)."""
+        """Unlinks its files (readers keep what they mapped until they let go): a later shard's
+        holders are named no more, for the other shards write on."""
+        if self.shard != 0:
+            self._unname_all()
         for holder in list(self._maps):
             _, path = self._maps.pop(holder)
             unlink_file(path)
-        unlink_file(self._dir_path)
+        if self.shard == 0:
+            unlink_file(self._dir_path)
         self.roster.close()
 
 
@@ -306,9 +363,7 @@ class SharedIndexReader:
             self._dir = map_file(path, 0, False)
         except OSError as exc:
             raise SharedFileError(f"cannot read the shared index {path}: {exc}") from None
-        magic, _, _ = _HEAD.unpack_from(self._dir, 0)
-        if magic != _DIR_MAGIC:
-            raise SharedFileError(f"{path} is not a shared index's directory")
+        self._front = Front.joined(self._dir, _DIR_MAGIC, path)
         self.regions = Regions()
         self._known = -1  # the directory's generation last followed whole
         self._rows: dict[int, int] = {}  # holder -> the generation of the region mapped
@@ -317,11 +372,12 @@ class SharedIndexReader:
 
     def follow(self) -> None:
         """Maps the regions the directory names now (a no-op while it has not changed)."""
-        _, gen, count = _HEAD.unpack_from(self._dir, 0)
+        front = self._front
+        gen = front.generation()
         if gen == self._known:
             return
-        for holder in range(count):
-            row_gen, _, file = _ROW.unpack_from(self._dir, _HEAD.size + holder * _ROW.size)
+        for holder in range(front.count()):
+            row_gen, _, file = _ROW.unpack_from(self._dir, FRONT_BYTES + holder * _ROW.size)
             if row_gen == self._rows.get(holder, 0):
                 continue
             if row_gen == 0:
@@ -337,7 +393,7 @@ class SharedIndexReader:
                 continue  # moved again meanwhile: the next look finds where
             self._rows[holder] = row_gen
             self._maps[holder] = buf
-        if _HEAD.unpack_from(self._dir, 0)[1] == gen:
+        if front.generation() == gen:
             self._known = gen
 
     @property
@@ -389,4 +445,4 @@ class SharedIndexReader:
         self._known = -1
 
 
-__all__ = ["MAX_HOLDERS", "SharedIndex", "SharedIndexReader", "first_pool", "max_pool"]
+__all__ = ["MAX_HOLDERS", "SharedIndex", "SharedIndexReader", "first_pool", "max_pool", "shard_of"]
