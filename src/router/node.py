@@ -42,7 +42,7 @@ from router.config import (
 )
 from router.engines.discovery import Discovery
 from router.engines.handoff import VLLM
-from router.engines.kvfeed import SHARED_BYTES_PER_BLOCK, Feed, IndexBudget, index_budget_blocks, shm_room_blocks
+from router.engines.kvfeed import Feed, IndexBudget, index_budget_blocks, shard_budget
 from router.engines.upstream import Upstream
 from router.fleet import ReplicaState
 from router.health.states import Hysteresis
@@ -117,20 +117,15 @@ class Node:
         # by default a quarter of the host's memory, or under --workers the control process's (it
         # follows the engines for the host) and a share of it each worker's (one follows them itself
         # only where the host's shared index could not be laid out)
-        processes = max(config.workers, 1) if worker is not None else 1
-        max_mib = config.placement.kv_events_max_mib
-        # the control process follows the engines into the host's index in /dev/shm: by default no
-        # more than the room there holds, so that the replicas left out are left out whole, rather
-        # than found without room for their blocks
+        # the control process follows the engines into the host's index in /dev/shm (with
+        # kv_event_followers, the first shard of them; router.proxy.followers starts the others)
         shared = table is not None and worker is None and not routes
-        per_block = SHARED_BYTES_PER_BLOCK if shared else None
-        blocks = index_budget_blocks(max_mib, processes, per_block)
-        room = shm_room_blocks() if shared and max_mib == 0 else None
-        if room is not None and room < blocks:
-            source = "kv_events_max_mib 0: the room in /dev/shm (a quarter of memory is more)"
-            budget = IndexBudget(room, source, per_block)
+        followers = config.placement.kv_event_followers if shared else 1
+        if shared:
+            budget = shard_budget(config.placement.kv_events_max_mib, followers)
         else:
-            budget = IndexBudget(blocks, per_block=per_block)
+            processes = max(config.workers, 1) if worker is not None else 1
+            budget = IndexBudget(index_budget_blocks(config.placement.kv_events_max_mib, processes))
         prefill = prefill_pool(config, rules, self.metrics, lambda: self.http, routes, budget)
         disaggregated = prefill is not None
         self.policy = make_policy(config.policy, fleet, config)
@@ -262,11 +257,18 @@ class Node:
         if placement is not None and config.kv_events:
             name = f"{table.name}-kv" if table is not None else None
             if name is not None and worker is None and not routes:
-                self.shared_index = _shared_index(name)
+                self.shared_index = _shared_index(name, followers)
                 if self.shared_index is not None:
                     placement.truth.share(self.shared_index)
                     self.feed = Feed(
-                        fleet, placement, config.placement, lambda: self.http, self.metrics, routes=False, budget=budget
+                        fleet,
+                        placement,
+                        config.placement,
+                        lambda: self.http,
+                        self.metrics,
+                        routes=False,
+                        budget=budget,
+                        shard=(0, followers),
                     )
             elif routes:
                 reader = _index_reader(name) if name is not None and worker is not None else None
@@ -601,7 +603,7 @@ class Node:
         if self.redis_sessions is not None:
             tasks.append(asyncio.create_task(self.redis_sessions.run(), name="redis sessions"))
         internal = await serve_internal(
-            worker_socket(self.control_socket or "", follower.worker),
+            worker_socket(self.control_socket or "", self.worker or 0),
             internal_app(
                 self.sessions,
                 self.shared_sessions,
@@ -622,11 +624,11 @@ class Node:
         await self.control.close()
 
 
-def _shared_index(name: str) -> SharedIndex | None:
-    """The control process's index in shared memory for its workers, or None where it cannot lay
-    one out (each worker then follows the engines itself)."""
+def _shared_index(name: str, shards: int) -> SharedIndex | None:
+    """The control process's index in shared memory for its workers (the first of `shards`), or
+    None where it cannot lay one out (each worker then follows the engines itself)."""
     try:
-        return SharedIndex(name)
+        return SharedIndex(name, shard=0, shards=shards)
     except SharedFileError as exc:
         log.warning("%s: each worker follows the engines' KV events itself", exc)
         return None

@@ -147,7 +147,9 @@ async def test_a_router_process_that_died_fails_the_question_with_one_line() -> 
 
 def test_router_serve_with_workers_as_the_subscriber_is_measured_as_a_host_pays_for_it(tmp_path: Path) -> None:
     """`--serve-workers`: router-serve itself, two workers and its control process, follows the
-    publishers; its tree's CPU and memory are counted, its /metrics say when it believes them all."""
+    publishers; its tree's CPU and memory are counted, its /metrics say when it believes them all.
+    With `--followers 2` a process beside the control process follows half of them: the same
+    replicas believed, every message applied once, in a tree of one more process."""
     args = build_parser().parse_args(
         [
             "events",
@@ -161,13 +163,17 @@ def test_router_serve_with_workers_as_the_subscriber_is_measured_as_a_host_pays_
             "16",
             "--serve-workers",
             "2",
+            "--followers",
+            "1,2",
             "--out",
             str(tmp_path),
         ]
     )
     assert args.run(args) == 0
-    (row,) = json.loads((tmp_path / "events-serve.json").read_text())["serve_rows"]
+    row, split = json.loads((tmp_path / "events-serve.json").read_text())["serve_rows"]
     assert row["workers"] == 2 and row["processes"] >= 3  # the control process, its two workers (and helpers)
+    assert split["followers"] == 2 and split["processes"] == row["processes"] + 1
+    assert split["believed"] == 8 and 0 < split["lag_p50_le_s"] <= split["lag_p99_le_s"] <= 2.5
     assert row["believed"] == 8 and 0 < row["believe_s"] < 6
     assert row["host_cpu_cores"] > 0 and row["host_cpu_us_per_block"] > 0
     assert 0 < row["lag_p50_le_s"] <= row["lag_p99_le_s"] <= 2.5
@@ -175,4 +181,5 @@ def test_router_serve_with_workers_as_the_subscriber_is_measured_as_a_host_pays_
     # its files in /dev/shm, their pages taken: the replica table (13.7 MiB at the defaults) and the
     # eight replicas' regions (192 KiB each at first), whether a process touched them yet or not
     assert row["shm_mib"] > 13.7 + 8 * 0.18
-    assert "| 8 | 2 | " in (tmp_path / "events-serve.md").read_text()
+    table = (tmp_path / "events-serve.md").read_text()
+    assert "| 8 | 2 | 1 | " in table and "| 8 | 2 | 2 | " in table

@@ -11,6 +11,7 @@ pins the same behaviour against the real engine).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -27,6 +28,8 @@ from waiting import until
 from router.emulator.engine import EngineConfig
 from router.emulator.kvevents import KvEventsOptions
 from router.emulator.server import Fleet
+from router.kvevents.mapped import SharedFileError
+from router.kvevents.shared import SharedIndexReader, shard_of
 from router.node import Node
 
 SYSTEM = {"role": "system", "content": "You answer questions about rivers and the sea. " * 10}
@@ -237,3 +240,83 @@ async def test_every_worker_routes_from_the_events(
     served.proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(served.proc.wait, 20) == 0
     assert not list(Path("/dev/shm").glob(f"{served.shm}-kv*"))  # its files go with it
+
+
+async def test_followers_beside_the_control_process_each_follow_a_shard_of_the_engines(
+    start_fleet: Callable[..., Any], serve_workers: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_event_followers = 3: the control process and two processes beside it each follow the
+    replicas of their shard into the one index both workers read. Every replica is believed and
+    every request priced by the events; each message is applied once on the host. A follower
+    killed is restarted: it clears what it left, follows its replicas again, and they are believed
+    again; the index's files go with the router."""
+    fleet = await fleet_with_events(start_fleet, 6)
+    ids = sorted(r.url.removeprefix("http://") for r in fleet.replicas)  # (a replica's id: its host and port)
+    # the follower killed below: the one beside the control process with more of the replicas
+    victim = max((1, 2), key=lambda k: sum(shard_of(rid, 3) == k for rid in ids))
+    first = [rid for rid in ids if shard_of(rid, 3) == victim]
+    assert first, "six replicas, none followed beside the control process (a chance of 1 in 729)"
+    monkeypatch.setenv("ROUTER_KV_EVENT_FOLLOWERS", "3")
+    served = await serve_workers([r.url for r in fleet.replicas])
+    pids = [int(pid) for pid in served.said(r"kv events: 3 followers \(this process and pids (\d+), (\d+)\)").groups()]
+    reader = None
+    try:
+        deadline = time.monotonic() + 30
+        while reader is None and time.monotonic() < deadline:  # (the index is laid out once the router starts)
+            with contextlib.suppress(SharedFileError):
+                reader = SharedIndexReader(f"{served.shm}-kv")
+            await asyncio.sleep(0.1)
+        assert reader is not None
+
+        def sure() -> list[str]:  # the replicas the index's roster says are believed, whoever wrote them
+            return sorted(rid for row, rid, _ in reader.roster.listed() if reader.roster.rows[row * 48 + 2])
+
+        async def all_believed() -> bool:
+            return sure() == ids
+
+        await until(all_believed, "all six replicas believed through the three followers", 30, 0.2)
+        async with aiohttp.ClientSession() as http:
+
+            async def tokenizing() -> bool:  # each worker found the model's tokenizer (the replicas' are believed)
+                async with http.get(served.url + "/metrics") as r:
+                    return 'router_tokenizer{model="emulated-llm",source="builtin"} 2.0' in await r.text()
+
+            await until(tokenizing, "both workers tokenizing", 20, 0.2)
+            for turn in range(1, 3):
+                for n in range(6):
+                    await chat(http, served.url, conversation(n, turn), f"s-{n}")
+
+            async def priced() -> str | None:
+                async with http.get(served.url + "/metrics") as r:
+                    text = await r.text()
+                count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
+                return text if count and float(count[1]) >= 12 else None
+
+            text = await until(priced, "the 12 requests priced by the events", 10, 0.1)
+            count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
+            assert count and float(count[1]) == 12
+            sent = sum(r.publisher.sent for r in fleet.replicas if r.publisher is not None)
+
+            async def once() -> float | None:  # every message the engines sent, applied once on the host
+                async with http.get(served.url + "/metrics") as r:
+                    lagged = re.search(r"router_kv_event_lag_seconds_count (\S+)", await r.text())
+                return float(lagged[1]) if lagged and float(lagged[1]) >= sent else None
+
+            assert sent > 0 and await until(once, f"the {sent} messages applied", 10, 0.1) == sent
+        # a follower dies: its replicas leave the roster, and come back believed once it is restarted
+        os.kill(pids[victim - 1], signal.SIGKILL)
+        exited = rf"kv events follower {victim} \(pid \d+\) exited \(-9\); restarting"
+        await asyncio.to_thread(served.line, exited, 20)
+        await until(lambda: not set(first) & set(sure()), "the dead follower's replicas cleared by its successor", 20)
+        await until(all_believed, "its replicas believed again after its restart", 30, 0.2)
+        regions = list(Path("/dev/shm").glob(f"{served.shm}-kv-*"))
+        assert len(regions) == 6, (regions, first)  # one region a replica: what the dead follower left is gone
+    finally:
+        if reader is not None:
+            reader.close()
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(served.proc.wait, 20) == 0
+    assert not list(Path("/dev/shm").glob(f"{served.shm}-kv*"))
+    for pid in pids:  # (the followers stopped with it)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

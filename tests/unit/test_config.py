@@ -71,6 +71,13 @@ def test_lists_and_booleans_from_the_environment() -> None:
         ({"ROUTER_IDLE_TIMEOUT_S": "nan"}, {"replicas": ["http://a:1"]}, "idle_timeout_s", "ROUTER_IDLE_TIMEOUT_S"),
         ({"ROUTER_AGENTS": "b=http://x:1"}, {"replicas": ["a=http://a:1"]}, "agents", "ROUTER_AGENTS"),
         ({}, {"replicas": ["http://a:1"], "workers": "0"}, "workers", "--workers"),
+        (
+            {"ROUTER_KV_EVENT_FOLLOWERS": "0"},
+            {"replicas": ["http://a:1"]},
+            "kv_event_followers",
+            "ROUTER_KV_EVENT_FOLLOWERS",
+        ),
+        ({}, {"replicas": ["http://a:1"], "kv_event_followers": "65"}, "kv_event_followers", "--kv-event-followers"),
         ({"ROUTER_STICKY_TTL_S": "1e10"}, {"replicas": ["http://a:1"]}, "sticky_ttl_s", "ROUTER_STICKY_TTL_S"),
         ({}, {"replicas": ["http://a:1"], "score_weights": "speed=1"}, "score_weights", "--score-weights"),
         ({"ROUTER_SCORE_WEIGHTS": "queue=2"}, {"replicas": ["http://a:1"]}, "score_weights", "ROUTER_SCORE_WEIGHTS"),

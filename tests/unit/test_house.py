@@ -144,6 +144,7 @@ ASSEMBLY = (
     "pools.py",
     "proxy/cli.py",
     "proxy/workers.py",
+    "proxy/followers.py",  # a process that follows a shard of the KV events: its fleet, policy and feed, built
     "proxy/front_server.py",
     "policy/__init__.py",
     "policy/base.py",

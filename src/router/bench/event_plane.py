@@ -35,7 +35,9 @@ memory (router.kvevents.shared), and the other processes read it: one subscriber
 With `--serve-workers N` (comma-separated counts) the subscriber is `router-serve --workers N`
 itself, started as an operator would start it, and the table is what the host pays for it: the
 CPU and memory of its whole process tree, the time until its /metrics say every replica is
-believed, and its lag histogram's percentiles (router.bench.event_serve).
+believed, and its lag histogram's percentiles (router.bench.event_serve). `--followers K`
+(comma-separated) runs each with its `kv_event_followers` at K: the control process and K - 1
+processes beside it, each following a shard of the publishers.
 
 With `--index-max-mib N` this process's subscriber runs under the router's `kv_events_max_mib`:
 the publishers whose KV capacity would take its index past N MiB are not followed, and the
@@ -111,6 +113,7 @@ async def measure(
     routers: Routers = Routers(),
     serve_workers: int = 0,
     max_mib: int = 0,
+    followers: int = 1,
 ) -> dict[str, Any]:
     """One fleet size: publishers started, the subscribers joining (this process's, or with
     `serve_workers` a `router-serve --workers N` child: router.bench.event_serve), the run, and
@@ -137,6 +140,7 @@ async def measure(
                 start_at + join_after_s,
                 start_at + duration_s,
                 lambda: stop_publishers(children),
+                followers,
             )
         shared = f"kvar-bench-{os.getpid()}" if routers.shared else None
         if routers.procs:  # the routers after the first, each in a process of its own
@@ -377,6 +381,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     raise_open_files()  # as router-serve does
+    if args.followers != [1] and not args.serve_workers:
+        print(
+            "router-bench events: --followers needs --serve-workers (router-serve's kv_event_followers)",
+            file=sys.stderr,
+        )
+        return 2
     if args.serve_workers:
         return _run_serve(args, shape)
     rows = []
@@ -407,15 +417,19 @@ def _run_serve(args: argparse.Namespace, shape: Shape) -> int:
     rows = []
     for n in args.publishers:
         for workers in args.serve_workers:
-            run = measure(n, shape, args.duration, args.join_after, args.publisher_procs, Routers(), workers)
-            row = uvloop.run(run)
-            rows.append(row)
-            if not args.json:
-                print(
-                    f"{n} publishers, router-serve --workers {workers}: {row['believed']} believed after "
-                    f"{row['believe_s']:.2f} s, {row['host_cpu_cores']:.2f} cores",
-                    file=sys.stderr,
+            for followers in args.followers:
+                run = measure(
+                    n, shape, args.duration, args.join_after, args.publisher_procs, Routers(), workers, 0, followers
                 )
+                row = uvloop.run(run)
+                rows.append(row)
+                if not args.json:
+                    print(
+                        f"{n} publishers, router-serve --workers {workers}, {followers} followers: "
+                        f"{row['believed']} believed after {row['believe_s']:.2f} s, "
+                        f"{row['host_cpu_cores']:.2f} cores, lag P99 <= {row['lag_p99_le_s'] * 1e3:.0f} ms",
+                        file=sys.stderr,
+                    )
     result = {"shape": asdict(shape), "cpus": os.cpu_count(), "serve_rows": rows}
     _show(args, "events-serve", result, render_serve(rows))
     return 0
@@ -482,6 +496,13 @@ def add_parser(sub: Any) -> None:
         default=[],
         help="instead of this process's subscriber, router-serve --workers N as a child, for each N "
         "(comma-separated): the host's CPU and memory for it (router.bench.event_serve)",
+    )
+    p.add_argument(
+        "--followers",
+        type=_counts("follower", "1,2", 64),
+        default=[1],
+        help="with --serve-workers: its kv_event_followers, for each K (comma-separated): the processes that "
+        "follow the engines' events, each a shard of them (1: the control process alone)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="folder for events.json and .md (events-serve.* with --serve-workers)"

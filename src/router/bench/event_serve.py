@@ -2,7 +2,9 @@
 
 The publishers are the bench's own (router.bench.event_publishers); the router is a `router-serve`
 child process started as an operator would start it (`--workers N`, its replicas and their
-`kv_event_endpoints` in a TOML file, health probes off: the publishers serve no HTTP), joining when
+`kv_event_endpoints` in a TOML file, health probes off: the publishers serve no HTTP; with
+`--followers K`, its `kv_event_followers`: the control process and K - 1 processes beside it each
+follow a shard of the replicas), joining when
 the in-process subscriber would. What is measured is what a host running it pays: the CPU of the
 whole process tree (the control process and its N workers, each of which follows every replica),
 its memory (the sum of their resident sets, and its files' pages in /dev/shm), the time until its
@@ -36,14 +38,18 @@ START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
 
-def config_text(endpoints: list[tuple[str, int, int]], workers: int, port: int, kv_tokens: int) -> str:
+def config_text(
+    endpoints: list[tuple[str, int, int]], workers: int, port: int, kv_tokens: int, followers: int = 1
+) -> str:
     """The TOML an operator would write: each replica, where it publishes, its KV cache's size
-    (the publishers serve no metrics that would say it), and the workers."""
+    (the publishers serve no metrics that would say it), the workers, and the processes that
+    follow the events (`kv_event_followers`)."""
     replicas = ", ".join(f'"{rid}=http://127.0.0.1:9/{rid}"' for rid, _, _ in endpoints)
     events = ", ".join(f'"{rid}=tcp://127.0.0.1:{p};tcp://127.0.0.1:{q}"' for rid, p, q in endpoints)
     return (
         f'host = "127.0.0.1"\nport = {port}\nworkers = {workers}\nstate = "none"\nhealth_checks = false\n'
         f'replicas = [{replicas}]\nkv_event_endpoints = [{events}]\nkv_capacity_tokens = ["*={kv_tokens}"]\n'
+        f"kv_event_followers = {followers}\n"
     )
 
 
@@ -142,19 +148,22 @@ async def measure_serve(
     join_at: float,
     end: float,
     stop_publishers: Callable[[], dict[str, Any]],
+    followers: int = 1,
 ) -> dict[str, Any]:
     """`router-serve --workers N` following the publishers at `endpoints` from `join_at` to `end`
-    (wall clock); `stop_publishers` stops them and says what they sent."""
+    (wall clock), in `followers` processes (`kv_event_followers`); `stop_publishers` stops them
+    and says what they sent."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="events-serve-") as tmp:
         config = Path(tmp) / "router.toml"
-        config.write_text(config_text(endpoints, workers, port, shape.capacity_blocks * shape.block_size))
+        config.write_text(config_text(endpoints, workers, port, shape.capacity_blocks * shape.block_size, followers))
         await asyncio.sleep(max(join_at - time.time(), 0.0))
         joined = time.monotonic()
         child = Child.spawn([sys.executable, "-m", "router.proxy.cli", "--config", str(config)], "router-serve")
         try:
-            return await _follow(child, url, endpoints, shape, workers, joined, end, stop_publishers)
+            row = await _follow(child, url, endpoints, shape, workers, joined, end, stop_publishers)
+            return row | {"followers": followers}
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGTERM)
@@ -231,21 +240,22 @@ async def _follow(
 
 def render_serve(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "`router-serve --workers N` as the subscriber (its whole process tree: the control process and "
-        "N workers). Lag: the bound of the router's histogram bucket the percentile falls in. Memory: "
+        "`router-serve --workers N` as the subscriber (its whole process tree: the control process, "
+        "N workers, and the processes beside it that follow a shard of the events each, if more than one "
+        "follows). Lag: the bound of the router's histogram bucket the percentile falls in. Memory: "
         "resident (a page several processes map counted in each) and proportional (counted once: what "
         "the host pays).",
         "",
-        "| publishers | workers | believed (s) | blocks/s sent (asked) | host cores | cores per worker "
+        "| publishers | workers | followers | believed (s) | blocks/s sent (asked) | host cores | cores per worker "
         "| µs CPU per block sent | lag P50 ≤ (ms) | lag P99 ≤ (ms) | blocks the engines hold "
         "| RSS, all processes (MiB) | PSS, all processes (MiB) | PSS MiB per million blocks held "
         "| its files in /dev/shm (MiB) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         believe = f"{r['believe_s']:.2f}" if r["believed"] == r["publishers"] else f"— ({r['believed']:,} believed)"
         lines.append(
-            f"| {r['publishers']:,} | {r['workers']} | {believe} "
+            f"| {r['publishers']:,} | {r['workers']} | {r.get('followers', 1)} | {believe} "
             f"| {r['sent_blocks_per_s']:,.0f} ({r['asked_blocks_per_s']:,.0f}) | {_num(r['host_cpu_cores'], '.2f')} "
             f"| {_num(r['cpu_cores_per_worker'], '.2f')} | {_num(r['host_cpu_us_per_block'], '.2f')} "
             f"| {_num(r['lag_p50_le_s'] * 1e3, ',.1f')} | {_num(r['lag_p99_le_s'] * 1e3, ',.1f')} "

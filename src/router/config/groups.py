@@ -81,6 +81,7 @@ class PlacementSettings(Group):
     kv_events: bool
     kv_event_endpoints: tuple[str, ...]
     kv_events_max_mib: int
+    kv_event_followers: int
     tokenizer_dirs: tuple[str, ...]
     token_check_share: float
     prefix_block_bytes: int

@@ -39,6 +39,7 @@ from router.config.settings import (
     tokenizer_dirs,
 )
 from router.errors import RouterError
+from router.kvevents.mapped import MAX_SHARDS
 
 
 class ConfigError(RouterError, ValueError):
@@ -268,6 +269,8 @@ def validate(cfg: RouterConfig, sources: Mapping[str, str]) -> RouterConfig:
             read()
         except ValueError as exc:
             raise bad(name, str(exc)) from None
+    if not 1 <= cfg.kv_event_followers <= MAX_SHARDS:
+        raise bad("kv_event_followers", f"must be in 1..{MAX_SHARDS} processes")
     if cfg.kv_events_max_mib < 0:
         raise bad("kv_events_max_mib", "must be a number of MiB >= 0 (0: a quarter of this host's memory)")
     if not (math.isfinite(cfg.token_check_share) and 0 <= cfg.token_check_share <= 1):

@@ -49,6 +49,11 @@ HELP = {
     "not followed and is priced by the router's model (router_kv_events_unfollowed); 0 (default): a quarter of "
     "this host's memory, or of its container's limit (under --workers, the control process's, and no more than "
     "the room in /dev/shm; each worker has a share of it)",
+    "kv_event_followers": "under --workers, the processes that follow the engines' KV-cache events into the "
+    "host's shared index, each a shard of the replicas (by a hash of the replica's id): 1 (default) is the "
+    "control process alone; N adds N - 1 processes of their own, for a fleet whose events are more than one "
+    "core applies (about 400,000 stored blocks a second: some 300 H200-shaped replicas); kv_events_max_mib "
+    "is split among them",
     "tokenizer_dirs": "comma-separated MODEL=DIR (or *=DIR): a model's folder with tokenizer.json and its chat "
     "template, named by hand; without it the tokenizer is found from the root each engine's /v1/models lists "
     "(a folder, or a Hugging Face hub name through huggingface_hub)",
@@ -234,7 +239,8 @@ GROUPS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
         "placement", "placement (ttft)",
         "the default policy: each request where its time to first token is predicted least",
         (
-            "kv_events", "kv_event_endpoints", "kv_events_max_mib", "tokenizer_dirs", "token_check_share",
+            "kv_events", "kv_event_endpoints", "kv_events_max_mib", "kv_event_followers", "tokenizer_dirs",
+            "token_check_share",
             "prefix_block_bytes", "kv_capacity_tokens", "kv_tier_tokens_per_s", "prefill_tokens_per_s", "ttft_decode_s",
             "ttft_interference", "ttft_spread_tokens", "ttft_gate_c", "ttft_stay_share", "ttft_move_weight",
             "ttft_move_cooldown_s", "ttft_tie_s", "ttft_tie_share", "adapter_load_s", "ttft_kv_wait",

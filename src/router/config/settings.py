@@ -86,6 +86,9 @@ class RouterConfig:
     # the event-fed index's memory at most, MiB (each followed engine counted at its KV capacity);
     # 0: a quarter of this host's memory, or of its container's limit
     kv_events_max_mib: int = 0
+    # under --workers: the processes that follow the engines' KV events for the host, each a shard
+    # of the replicas (1: the control process alone; more: it and N - 1 processes of their own)
+    kv_event_followers: int = 1
     # MODEL=DIR (or *=DIR): a model's tokenizer.json and chat template; else found from the engines'
     # /v1/models (router.engines.tokens)
     tokenizer_dirs: tuple[str, ...] = ()

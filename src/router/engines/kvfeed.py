@@ -57,6 +57,7 @@ from router.keys import RoutingKey
 from router.kvevents.holdings import Holdings, take
 from router.kvevents.mapped import SHM_DIR, TAKE_STEP, SharedFileError
 from router.kvevents.roster import Followed
+from router.kvevents.shared import shard_of
 from router.kvevents.wire import END_SEQ, Batch, WireError, frames_of, seq_of
 from router.metrics import RouterMetrics
 from router.placement import Placement
@@ -102,6 +103,22 @@ def shm_room_blocks(directory: str = SHM_DIR) -> int | None:
     except OSError:
         return None
     return max(0, room.f_bavail * room.f_frsize - 2 * TAKE_STEP) // SHARED_BYTES_PER_BLOCK
+
+
+def shard_budget(max_mib: int, shards: int) -> IndexBudget:
+    """The budget of one of `shards` processes that follow a host's engines into its index in
+    /dev/shm (the control process of workers, and those beside it: router.proxy.followers): a
+    share of `kv_events_max_mib`, or by default of a quarter of memory, and then of the room in
+    /dev/shm, so that the replicas left out are left out whole, rather than found without room for
+    their blocks."""
+    blocks = index_budget_blocks(max_mib, shards, SHARED_BYTES_PER_BLOCK)
+    if max_mib > 0:
+        blocks = max(1, blocks // shards)  # (the default's share is taken there)
+    room = shm_room_blocks() if max_mib == 0 else None
+    if room is not None and room // shards < blocks:
+        source = "kv_events_max_mib 0: the room in /dev/shm (a quarter of memory is more)"
+        return IndexBudget(room // shards, source, SHARED_BYTES_PER_BLOCK)
+    return IndexBudget(blocks, per_block=SHARED_BYTES_PER_BLOCK)
 
 
 class IndexBudget:
@@ -182,8 +199,12 @@ class Feed:
         metrics: RouterMetrics,
         routes: bool = True,
         budget: IndexBudget | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         self.fleet = fleet
+        # (k, n): one of n processes that follow the host's engines, following only the replicas
+        # `shard_of` gives it (router.kvevents.shared; router.proxy.followers)
+        self.shard = shard
         self.placement = placement
         self.truth = placement.truth
         self.routes = routes  # False: the control process of workers (it follows for them; it tokenizes nothing)
@@ -251,7 +272,8 @@ class Feed:
 
     async def find(self) -> None:
         """Subscribe to the replicas that publish and are not followed yet; stop following gone ones."""
-        present = {r.id: r for r in self.fleet.replicas}
+        shard, shards = self.shard
+        present = {r.id: r for r in self.fleet.replicas if shards == 1 or shard_of(r.id, shards) == shard}
         now = time.monotonic()
         self._let_go_without_room(present, now)
         for (rid, rank), task in list(self.tasks.items()):

@@ -181,6 +181,8 @@ demo: {config.demo} emulated replicas at {", ".join(r.url for r in demo_fleet.re
   stop:            Ctrl-C"""
     elif config.console:
         banner += f"\nconsole: {console}"
+    if config.placement.kv_event_followers > 1 and config.workers <= 1:
+        banner += "\nkv_event_followers: one process follows the KV events (followers run under --workers 2 or more)"
     try:
         if config.workers > 1:
             await serve_workers(config, banner)

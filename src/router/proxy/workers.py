@@ -43,6 +43,7 @@ from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.node import Node
 from router.proxy.app import admin_app, build_app
+from router.proxy.followers import Followers
 from router.proxy.front import PROXY
 from router.proxy.front_server import FrontRunner
 from router.proxy.intake import Refused, peer_subject, too_large, unread_bodies, who
@@ -481,13 +482,30 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         node.publish()
         node.prefill_shared_sessions(table)  # restored sessions route right from the first request
         pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=node.worker_restarted)
+        # the processes that follow a shard of the engines' KV events each, beside this one (router.proxy.followers)
+        followers = (
+            Followers(config, table)
+            if node.shared_index is not None and config.placement.kv_event_followers > 1
+            else None
+        )
+        if followers is None and config.placement.kv_event_followers > 1:
+            banner += (
+                "\nkv_event_followers: none started (no shared index: not the ttft policy, kv_events off, "
+                "or no room in /dev/shm)"
+            )
         runner = web.AppRunner(build_app(node, control_only=True), handle_signals=False, access_log=None)
         await runner.setup()
         try:
             await web.UnixSite(runner, control_socket).start()
-            watcher = sharing = None
+            watcher = sharing = following = None
             shutdown: Shutdown | None = None
             try:
+                if followers is not None:
+                    for problem in await followers.start_all():
+                        print(f"router-serve: {problem}; tried again (its replicas are priced by the router's model)")
+                    pids = ", ".join(str(followers.procs[k].pid) for k in sorted(followers.procs))
+                    print(f"kv events: {followers.shards} followers (this process and pids {pids})", flush=True)
+                    following = asyncio.create_task(followers.watch())
                 await pool.start_all()
                 node.view.ready.set()  # the balance loop can ask the workers now
                 print(banner, flush=True)
@@ -507,10 +525,12 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
                 stopping = time.monotonic()  # the workers get their SIGTERM now; their drains follow the hand-over
                 try:
                     await pool.stop()
+                    if followers is not None:
+                        await followers.stop()
                 finally:
                     if shutdown is not None:
                         await shutdown.ended(stopping + min(HANDOVER_S, config.drain_timeout_s))
-                for task in (watcher, sharing):
+                for task in (watcher, sharing, following):
                     if task is not None:
                         task.cancel()
                         with contextlib.suppress(asyncio.CancelledError):

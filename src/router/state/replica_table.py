@@ -221,13 +221,15 @@ def _routing(row: ReplicaSlot) -> tuple[str, str, str, int, float]:
 
 
 class Follower:
-    """A worker's side: keep its Fleet equal to the table, and publish its own counters."""
+    """A worker's side: keep its Fleet equal to the table, and publish its own counters. With no
+    `worker` (a process that follows the engines' KV events for the host's workers, a shard of
+    them: router.proxy.followers), it only reads the table: it has no counters, and sends nothing."""
 
     def __init__(
         self,
         fleet: Fleet,
         table: SlotTable,
-        worker: int,
+        worker: int | None,
         latency_window_s: float,
         on_removed: Callable[[str], None] = lambda rid: None,
         queue_weight: float = 0.0,
@@ -241,10 +243,12 @@ class Follower:
         self.generation = -1
         self._seqs: dict[int, int] = {}  # slot -> sequence number when last read
         self._rows: dict[int, ReplicaSlot] = {}  # the non-empty slots as last read
-        self._row = table.counters(worker)
         self._others = [table.counters(w) for w in range(table.workers) if w != worker]
-        fleet.shared_inflight = self._row  # INFLIGHT is a cell's first field
-        fleet.refresh_loads = self.pull_loads
+        self._row: memoryview | None = None
+        if worker is not None:
+            self._row = table.counters(worker)
+            fleet.shared_inflight = self._row  # INFLIGHT is a cell's first field
+            fleet.refresh_loads = self.pull_loads
 
     def sync(self) -> bool:
         """Follow the table if the control loop changed it; True when it did."""
@@ -291,6 +295,7 @@ class Follower:
             if rid in new:
                 replica.slot, replica.epoch = slot, row.epoch
                 replica.owner_tag = owner_tag(rid, row.epoch)
+            if rid in new and self._row is not None:
                 base = slot * COUNTER_CELL
                 for field in range(COUNTER_CELL):  # counts first, then whose they are
                     self._row[base + field] = replica.owner_tag if field == OWNER else 0
@@ -346,6 +351,8 @@ class Follower:
     def publish(self, now: float) -> None:
         """Write this worker's counters for every replica."""
         row = self._row
+        if row is None:
+            raise TypeError("a follower of the table without a worker has no counters to publish")
         horizon = now - self.latency_window_s
         for replica in self.fleet.replicas:
             if replica.slot is None:
