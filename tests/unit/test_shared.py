@@ -278,3 +278,21 @@ def test_workers_read_the_engines_kv_size_and_queues(table: SlotTable) -> None:
         seen = fleet.find("r1")
         assert seen is not None and seen.engine == engine
         assert fleet.find("r2").engine.kv_tokens is None  # type: ignore[union-attr]  # not read: unknown
+
+
+def test_a_follower_without_a_worker_reads_the_table_and_writes_nothing(table: SlotTable) -> None:
+    """A process that follows the engines' KV events for a shard (router.proxy.followers) keeps
+    its fleet equal to the table as a worker does, but has no counters: the workers' rows stay
+    theirs, and it has nothing to publish."""
+    control, publisher, workers, followers = published(table, SPECS)
+    rows = [bytes(table.counters(w)) for w in range(table.workers)]
+    reader = Fleet([])
+    follower = Follower(reader, table, None, 20.0)
+    assert follower.sync() and [r.id for r in reader.replicas] == [s.id for s in SPECS]
+    assert owners(reader) == owners(control)
+    control.remove("r1")
+    publisher.publish()
+    assert follower.sync() and "r1" not in [r.id for r in reader.replicas]
+    assert [bytes(table.counters(w)) for w in range(table.workers)] == rows
+    with pytest.raises(TypeError, match="no counters"):
+        follower.publish(time.time())
