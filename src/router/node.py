@@ -260,6 +260,8 @@ class Node:
                 self.shared_index = _shared_index(name, followers)
                 if self.shared_index is not None:
                     placement.truth.share(self.shared_index)
+                    if followers > 1:  # (what the other shards follow, for the admin API)
+                        placement.truth.beside = _index_reader(name)
                     self.feed = Feed(
                         fleet,
                         placement,

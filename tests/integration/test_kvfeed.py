@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from conftest import WORKERS_TOKEN
 from waiting import until
 
 from router.emulator.engine import EngineConfig
@@ -282,6 +283,13 @@ async def test_followers_beside_the_control_process_each_follow_a_shard_of_the_e
                     return 'router_tokenizer{model="emulated-llm",source="builtin"} 2.0' in await r.text()
 
             await until(tokenizing, "both workers tokenizing", 20, 0.2)
+            # the admin API (the control process's) says every replica is followed and believed,
+            # whichever process follows it
+            auth = {"Authorization": f"Bearer {WORKERS_TOKEN}"}
+            async with http.get(served.url + "/admin/replicas", headers=auth) as r:
+                rows = {row["id"]: row["kv_events"] for row in await r.json()}
+            assert sorted(rows) == ids and all(row["followed"] and row["sure"] for row in rows.values()), rows
+            assert all(row["events"]["gaps"] == 0 for row in rows.values()), list(rows.values())
             for turn in range(1, 3):
                 for n in range(6):
                     await chat(http, served.url, conversation(n, turn), f"s-{n}")

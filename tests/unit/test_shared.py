@@ -284,7 +284,7 @@ def test_a_follower_without_a_worker_reads_the_table_and_writes_nothing(table: S
     """A process that follows the engines' KV events for a shard (router.proxy.followers) keeps
     its fleet equal to the table as a worker does, but has no counters: the workers' rows stay
     theirs, and it has nothing to publish."""
-    control, publisher, workers, followers = published(table, SPECS)
+    control, publisher, _, _ = published(table, SPECS)
     rows = [bytes(table.counters(w)) for w in range(table.workers)]
     reader = Fleet([])
     follower = Follower(reader, table, None, 20.0)

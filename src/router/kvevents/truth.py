@@ -166,6 +166,10 @@ class Truth:
         # replica -> (until when, the blocks a request may allocate there without evicting): found
         # by `evicts`, kept ROOM_S or until a request comes or goes (most prices find room: a lookup)
         self._room: dict[str, tuple[float, int]] = {}
+        # the writer of one shard of a shared index (kv_event_followers): the index whole, read, for
+        # what the other shards' processes follow (`figures`: /admin/replicas)
+        self.beside: SharedIndexReader | None = None
+        self._beside_rows: tuple[int, dict[str, dict[int, int]]] = (-1, {})
 
     def __bool__(self) -> bool:
         return bool(self.replicas)
@@ -523,8 +527,21 @@ class Truth:
         weight = max(TIER_ALPHA, 1.0 / (TIER_PRIOR + self.tier_samples))
         self.tier_spt += weight * (seconds_per_token - self.tier_spt)
 
+    def _followed_beside(self, replica_id: str) -> dict[int, Holdings | Followed]:
+        """A replica's ranks as the roster says where another shard's process follows it."""
+        reader = self.beside
+        if reader is None:
+            return {}
+        gen, rows = self._beside_rows
+        if gen != reader.roster.generation:
+            gen, rows = reader.roster.generation, {}
+            for row, rid, rank in reader.roster.listed():
+                rows.setdefault(rid, {})[rank] = row
+            self._beside_rows = (gen, rows)
+        return {rank: Followed(reader.roster, reader, row) for rank, row in rows.get(replica_id, {}).items()}
+
     def figures(self, replica_id: str) -> dict[str, object] | None:
-        ranks = self.replicas.get(replica_id)
+        ranks = self.replicas.get(replica_id) or self._followed_beside(replica_id)
         if not ranks:
             if replica_id in self.unfollowed:
                 return {"followed": False, "why": "kv_events_max_mib", "capacity_blocks": self.unfollowed[replica_id]}
@@ -533,7 +550,7 @@ class Truth:
             return None
         out: dict[str, object] = {
             "followed": True,
-            "sure": self.sure(replica_id),
+            "sure": all(h.sure for h in ranks.values()),
             "evictions_predicted": self.cut[replica_id],
             "returning": len(self.returning.get(replica_id, ())),
             "returning_from_tools": sum(rec.back_s == TOOLS_BACK_S for rec in self.returning.get(replica_id, ())),
