@@ -28,7 +28,7 @@ from router.config import ReplicaSpec
 from router.fleet import Fleet
 from router.kvevents.holdings import Holdings
 from router.kvevents.mapped import SharedFileError
-from router.kvevents.shared import FIRST_POOL, SharedIndex, SharedIndexReader, max_pool
+from router.kvevents.shared import FIRST_POOL, SharedIndex, SharedIndexReader, clear_shard, max_pool
 from router.kvevents.tokens import EngineTokens, root_of, token_chain
 from router.kvevents.truth import Found, Truth
 from router.kvevents.wire import Batch, Removed, Stored
@@ -466,8 +466,14 @@ def test_shards_written_by_several_followers_read_as_one_index(shm_dir: str) -> 
         got = events_rows(fleet, worker, prompt, array("B", bytes(7)), spt, zeros, 0.0, 0.0, layout)
         assert got is not None and list(got[0]) == [16.0 * (k + 1) for k in range(7)]
         assert len(layout.followed[0]) == 7  # all of them in the pass: one roster, whoever writes which row
-        # shard 1's process dies without closing; its successor clears what it left
+        # shard 1's process dies without closing: the control process clears what it left at
+        # once (its replicas are then priced by the model), and its successor does again
         del shards[1]
+        stray = Path(shm_dir, "sharded-4-99")  # a region a writer killed while moving it had not named yet
+        stray.write_bytes(b"")
+        clear_shard("sharded", 1, 3, shm_dir)
+        worker.follow()
+        assert sorted(worker.replicas) == ["r0", "r2", "r3", "r5", "r6"] and not stray.exists()
         shards.insert(1, SharedIndex("sharded", shm_dir, shard=1, shards=3))
         worker.follow()
         assert sorted(worker.replicas) == ["r0", "r2", "r3", "r5", "r6"]
@@ -502,3 +508,46 @@ def test_a_shard_needs_the_first_to_have_laid_out_the_index(shm_dir: str) -> Non
                 SharedIndex("two", shm_dir, shard=shard, shards=shards)
     finally:
         first.close()
+
+
+def test_a_worker_reads_a_rank_enlisted_again_in_the_same_row_by_its_new_holders(shm_dir: str) -> None:
+    """A replica forgotten and followed again may take its old roster row while a tier of it
+    takes another holder (another replica's before): a worker that did not look in between
+    reads it by its new holders."""
+    shared = SharedIndex("again", shm_dir)
+    try:
+        writer, worker = Truth(), Truth()
+        writer.share(shared)
+        worker.share(SharedIndexReader("again", shm_dir))
+        tokens = {"a": array("Q", range(100, 164)), "b": array("Q", range(900, 964))}
+
+        def store(rid: str, medium: str, blocks: int) -> None:
+            h = writer.of(rid)[0]
+            assert isinstance(h, Holdings)
+            hashes = array("Q", [(1 if rid == "a" else 2) * 100 + j for j in range(blocks)])
+            stored = Stored(hashes, None, tokens[rid][: 16 * blocks], 16, medium, None, None)
+            assert h.accept(Batch(0 if h.seq is None else h.seq + 1, 1.0, 0, (stored,))) == "ok"
+            writer.published(h)
+
+        def cpu_holders(truth: Truth) -> list[int]:
+            return [truth.of(rid)[0].tiers["CPU"].holder for rid in "ab"]
+
+        for rid in "ab":
+            writer.holdings(rid, 0, 100)
+            store(rid, "GPU", 2)
+        store("a", "CPU", 4)  # a second tier begun on a
+        worker.follow()
+        writer.forget("a")
+        writer.forget("b")
+        for rid in "ab":  # their old rows and GPU holders again
+            writer.holdings(rid, 0, 100)
+            store(rid, "GPU", 2)
+        store("b", "CPU", 3)  # b's second tier takes the holder a's had
+        store("a", "CPU", 4)
+        worker.follow()
+        assert cpu_holders(worker) == cpu_holders(writer) == [3, 2]
+        for rid in "ab":
+            engine = EngineTokens(64, tuple(tokens[rid]), None, None, "tokenizer")
+            assert worker.held(rid, engine, {}) == writer.held(rid, engine, {})
+    finally:
+        shared.close()

@@ -339,6 +339,7 @@ class Feed:
             self._say_unfollowed(fresh, reserved)
         self.budget.count(self, reserved)
         m.kv_events_unfollowed.set(len(self.unfollowed) + len(self.no_room))
+        self.truth.follow_beside()
 
     def _let_go_without_room(self, present: Mapping[str, ReplicaState], now: float) -> None:
         """Lets go of the replicas whose blocks found no room in shared memory since the last round

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 16_384
 _MAGIC = int.from_bytes(b"kvarros2", "little")
+RESTART_GEN_STEP = 1 << 32  # a shard's writer restarted numbers its changes from this far past its predecessor's
 _ROW_WORDS = 48
 _R_GEN, _R_RANK, _R_SURE, _R_BLOCK, _R_CAPACITY, _R_EVICTED, _R_EVICTED_AT, _R_SEQ = range(8)
 _R_FIGURES = 8  # Figures' counters, in their order, from here
@@ -80,10 +81,12 @@ class Roster:
         self._gen, self._count = self._front.of(shard)  # (0, 0), unless a writer of this shard was here before
         self._next = shard  # the next row never used
         self._free: list[int] = []
-        if self._gen:  # what the writer before it left: no replica's any longer
-            for row in range(shard, self._count, shards):
-                self._rows[row * _ROW_WORDS + _R_GEN] = 0
-            self._gen += 1
+        if self._gen:  # what the writer before it left (also past the count it said, if it died between): no replica's
+            for row in range(shard, MAX_ROWS, shards):
+                if self._rows[row * _ROW_WORDS + _R_GEN]:
+                    self._rows[row * _ROW_WORDS + _R_GEN] = 0
+                    self._count = max(self._count, row + 1)
+            self._gen += RESTART_GEN_STEP
             self._changed()
 
     def enlist(self, replica_id: str, rank: int) -> int:
@@ -215,11 +218,18 @@ class Followed(Tiers):
         self.rows, self.floats = roster.rows, roster.floats
         self.index = index
         self.at = row * _ROW_WORDS
+        self.gen = int(self.rows[self.at + _R_GEN])  # the row's, when read: another replica's rank once it moves
         self.tiers: dict[str, Tier] = {}
         # bumped when what this process keeps of it changes (suspected, a tier found): as Holdings'
         self.changes = [0] if changes is None else changes
         self.suspect_seq: int | None = None  # its health went down here: the row's seq then
         self._tiers()
+
+    @property
+    def current(self) -> bool:
+        """Its row still holds the rank it held when read (not delisted and enlisted again since:
+        its holders may then be others)."""
+        return bool(self.rows[self.at + _R_GEN] == self.gen)
 
     def _tiers(self) -> None:
         rows = self.rows

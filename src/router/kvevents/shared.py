@@ -25,6 +25,10 @@ Directory file: a front (router.kvevents.mapped.Front: magic, shards, each shard
 holders named) and a 64-byte row per holder (generation, pool, file name). A shard's generation
 is bumped after every change it makes; a reader rescans only when their sum moved, and keeps a
 scan only if it did not move during it.
+
+It is past 450 lines because it is one file format whole: the writer that lays out, moves and
+clears its rows and regions (a shard's among others'), and the reader that follows them; split,
+the directory's layout and its order of writes would be spelled out in two places.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ MAX_HOLDERS = 32_768
 # all taken at once).
 FIRST_POOL = 4_096
 GROW_RETRY_S = 30.0  # a holder whose larger region found no room (/dev/shm full) tries again after this long
+RESTART_GEN_STEP = 1 << 32  # a shard's writer restarted numbers its changes from this far past its predecessor's
 MIN_SLACK = 64  # a full holder's region keeps this many entries (or a sixteenth of its capacity) spare
 _DIR_MAGIC = int.from_bytes(b"kvardir2", "little")
 _ROW = struct.Struct("<QQ48s")  # generation (0: none), pool, file name
@@ -104,11 +109,12 @@ class SharedIndex:
     """The writer: a PrefixIndex's answers for the event-fed index, its holders in shared memory.
 
     `name` prefixes its files in `directory`; give readers the same two (router.kvevents.shared
-    `SharedIndexReader`). Only this process changes it; `close()` unlinks its files.
+    `SharedIndexReader`). Only this process changes its holders and rows; `close()` unlinks its files.
 
     Shard `shard` of `shards` (a host following its engines in several processes): shard 0 lays
     out the directory and roster, and must be made first; each other writes its own holders and
-    rows in them, clearing first what a writer of its shard left before it (it was restarted)."""
+    rows in them, clearing first what a writer of its shard left before it (it was restarted,
+    or killed: `clear_shard` does the same from another process, at once)."""
 
     def __init__(
         self,
@@ -150,14 +156,18 @@ class SharedIndex:
         # rows' pages, as holders come (a later shard's from the start: taking pages taken is a no-op)
         self._dir_taken = Taken(self._dir_path, size, min(TAKE_STEP, size) if shard == 0 else 0)
         self._gen, self._count = self._front.of(shard)  # (0, 0), unless a writer of this shard was here before
-        if self._gen:
-            self._unname_all()  # what the writer before it left (it was restarted)
         try:
             self.roster = Roster(self.directory / f"{name}.roster", shard, shards)  # what each engine's events say
         except SharedFileError:
             if shard == 0:
                 unlink_file(self._dir_path)
             raise
+        if self._gen:  # what the writer before it left (its roster rows are cleared first: no replica points here)
+            # past any generation it wrote into a row but had not said in the front when it died, so
+            # that no reader takes a new region for the one it mapped
+            self._gen += RESTART_GEN_STEP
+            self._unname_all(self.max_holders)
+            self._unlink_strays()
 
     def __repr__(self) -> str:
         return f"SharedIndex({self.name!r}, {len(self._maps)} holders, {self.total()} blocks)"
@@ -175,14 +185,23 @@ class SharedIndex:
         self._count = max(self._count, holder + 1)
         self._front.set(self.shard, self._gen, self._count)
 
-    def _unname_all(self) -> None:
-        """Names no region for any holder of this shard, removing the files named (a writer of
-        this shard before this one left them; or this one is closing while others write on)."""
-        for holder in range(self.shard, self._count, self.shards):
+    def _unname_all(self, upto: int | None = None) -> None:
+        """Names no region for any holder of this shard below `upto` (its count), removing the
+        files named (a writer of this shard before this one left them, possibly beyond the count
+        it said; or this one is closing while others write on)."""
+        for holder in range(self.shard, self._count if upto is None else upto, self.shards):
             gen, _, file = _ROW.unpack_from(self._dir, FRONT_BYTES + holder * _ROW.size)
             if gen:
                 self._publish(holder, 0, "")
                 unlink_file(self.directory / file.rstrip(b"\0").decode(errors="replace"))
+
+    def _unlink_strays(self) -> None:
+        """Removes the region files of this shard's holders that no row names: one a writer
+        killed while it moved a holder had laid out and not yet named."""
+        for path in self.directory.glob(f"{self.name}-*-*"):
+            parts = path.name[len(self.name) + 1 :].split("-")  # (holder, generation)
+            if len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) % self.shards == self.shard:
+                unlink_file(path)
 
     def _region(self, holder: int, capacity: int, pool: int) -> None:
         """Lays out a fresh region of `pool` entries for `holder`, moving its blocks there."""
@@ -322,6 +341,7 @@ class SharedIndex:
     def close(self) -> None:
         """Unlinks its files (readers keep what they mapped until they let go): a later shard's
         holders are named no more, for the other shards write on."""
+        self.roster.close()  # (first: no replica points at the holders named no more below)
         if self.shard != 0:
             self._unname_all()
         for holder in list(self._maps):
@@ -329,7 +349,14 @@ class SharedIndex:
             unlink_file(path)
         if self.shard == 0:
             unlink_file(self._dir_path)
-        self.roster.close()
+
+
+def clear_shard(name: str, shard: int, shards: int, directory: str = SHM_DIR) -> None:
+    """What shard `shard`'s writer left in the index `name`, cleared from another process: its
+    process died, and until another takes its place its replicas are read as followed by none
+    (priced by the router's model), not as it last left them. SharedFileError if there is no such index."""
+    if shard != 0:
+        SharedIndex(name, directory, shard=shard, shards=shards).close()
 
 
 def _refile(regions: Regions, keys: array[int], aliases: array[int], named: bytes) -> None:
@@ -445,4 +472,4 @@ class SharedIndexReader:
         self._known = -1
 
 
-__all__ = ["MAX_HOLDERS", "SharedIndex", "SharedIndexReader", "first_pool", "max_pool", "shard_of"]
+__all__ = ["MAX_HOLDERS", "SharedIndex", "SharedIndexReader", "clear_shard", "first_pool", "max_pool", "shard_of"]

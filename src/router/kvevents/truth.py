@@ -234,7 +234,7 @@ class Truth:
         listed: dict[str, dict[int, Holdings | Followed]] = {}
         for row, rid, rank in reader.roster.listed():
             kept = self.replicas.get(rid, {}).get(rank)
-            same = isinstance(kept, Followed) and kept.at == row * kept.words
+            same = isinstance(kept, Followed) and kept.at == row * kept.words and kept.current
             listed.setdefault(rid, {})[rank] = (
                 kept if same and kept is not None else Followed(reader.roster, reader, row, self.changes)
             )
@@ -539,6 +539,12 @@ class Truth:
                 rows.setdefault(rid, {})[rank] = row
             self._beside_rows = (gen, rows)
         return {rank: Followed(reader.roster, reader, row) for rank, row in rows.get(replica_id, {}).items()}
+
+    def follow_beside(self) -> None:
+        """Maps the regions the other shards' processes laid out since, letting go of those they
+        moved away from (their pages are freed once no process maps them)."""
+        if self.beside is not None:
+            self.beside.follow()
 
     def figures(self, replica_id: str) -> dict[str, object] | None:
         ranks = self.replicas.get(replica_id) or self._followed_beside(replica_id)

@@ -8,8 +8,10 @@ shard 0, and starts K - 1 processes (spawned, as workers are), each following sh
 same index: it reads the replica table as a worker does (the fleet, each engine's block size and
 capacity, from the control process's probes), asks the replicas of its shard where they publish,
 subscribes, and writes their holders and roster rows. The workers read one index whoever follows
-which replica. A follower that dies is restarted, and first clears what it left; the followers
-stop with the control process, or when it goes away.
+which replica. A follower that dies is found within WATCH_S: the control process clears what it
+left at once (its replicas are read as followed by none, priced by the router's model, not as it
+last left them) and starts another, waiting longer between starts while they keep failing. The
+followers stop with the control process, or when it goes away.
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ import contextlib
 import multiprocessing as mp
 import os
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 import aiohttp
+from prometheus_client import multiprocess
 
 from router._runtime import run, until_stopped
 from router.config import RouterConfig
-from router.engines.kvfeed import Feed, shard_budget
+from router.engines.kvfeed import SHARED_BYTES_PER_BLOCK, Feed, IndexBudget
 from router.health.states import Hysteresis
 from router.kvevents.mapped import SharedFileError
-from router.kvevents.shared import SharedIndex
+from router.kvevents.shared import SharedIndex, clear_shard
 from router.metrics import RouterMetrics
 from router.monitor import latency_window_s
 from router.node import SYNC_INTERVAL_S
@@ -41,18 +45,33 @@ from router.state.replica_table import Follower
 from router.tls import replica_context
 
 START_TIMEOUT_S = 60.0
-RESTART_BACKOFF_S = 1.0
+WATCH_S = 0.2  # how often the control process looks whether its followers live
+RESTART_BACKOFF_S = 1.0  # the wait before a dead follower's first restart, doubled while they keep failing ...
+RESTART_BACKOFF_MAX_S = 30.0  # ... up to this
+STEADY_S = 30.0  # a follower that lived this long starts its next restart's wait afresh
 
 
-def follower_main(config: RouterConfig, shm_name: str, shard: int, shards: int, ready: Connection) -> None:
-    """Entry point of a spawned follower: follow shard `shard` of `shards` until SIGINT/SIGTERM,
-    or until the control process goes."""
+@dataclass(frozen=True)
+class Shard:
+    """What a follower process is told: its shard of how many, the index's name and budget."""
+
+    shard: int
+    shards: int
+    shm_name: str
+    budget_blocks: int
+    budget_source: str
+    parent: int  # the control process's pid: the follower stops once it is gone
+
+
+def follower_main(config: RouterConfig, task: Shard, ready: Connection) -> None:
+    """Entry point of a spawned follower: follow its shard until SIGINT/SIGTERM, or until the
+    control process goes."""
     with contextlib.suppress(KeyboardInterrupt):
-        run(_follow(config, shm_name, shard, shards, ready))
+        run(_follow(config, task, ready))
 
 
-async def _follow(config: RouterConfig, shm_name: str, shard: int, shards: int, ready: Connection) -> None:
-    parent = os.getppid()
+async def _follow(config: RouterConfig, task: Shard, ready: Connection) -> None:
+    shard, shards, shm_name = task.shard, task.shards, task.shm_name
     try:
         table = SlotTable.attach(shm_name)
     except (OSError, ValueError) as exc:
@@ -82,7 +101,7 @@ async def _follow(config: RouterConfig, shm_name: str, shard: int, shards: int, 
                 lambda: http,
                 RouterMetrics(),
                 routes=False,
-                budget=shard_budget(config.placement.kv_events_max_mib, shards),
+                budget=IndexBudget(task.budget_blocks, task.budget_source, SHARED_BYTES_PER_BLOCK),
                 shard=(shard, shards),
             )
             following = asyncio.create_task(feed.run(), name=f"kv events, shard {shard} of {shards}")
@@ -90,14 +109,17 @@ async def _follow(config: RouterConfig, shm_name: str, shard: int, shards: int, 
             ready.close()
             stop = asyncio.create_task(until_stopped())
             try:
-                while not stop.done() and not following.done() and os.getppid() == parent:
+                while not stop.done() and not following.done() and os.getppid() == task.parent:
                     follower.sync()
                     await asyncio.wait([stop], timeout=SYNC_INTERVAL_S)
             finally:
-                for task in (stop, following):  # (a feed that failed raises here: the process exits, and is restarted)
-                    task.cancel()
+                for running in (
+                    stop,
+                    following,
+                ):  # (a feed that failed raises here: the process exits, and is restarted)
+                    running.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                        await running
                 await feed.close()
     finally:
         if index is not None:
@@ -106,11 +128,15 @@ async def _follow(config: RouterConfig, shm_name: str, shard: int, shards: int, 
 
 
 class Followers:
-    """The control process's side: start shards 1 .. K - 1, restart those that die, stop them."""
+    """The control process's side: start shards 1 .. K - 1, restart those that die, stop them.
+    `budget` is the control process's own shard's (router.engines.kvfeed.shard_budget), measured
+    once: each follower, however often restarted, has the same."""
 
-    def __init__(self, config: RouterConfig, table: SlotTable) -> None:
+    def __init__(self, config: RouterConfig, table: SlotTable, budget: IndexBudget, metrics_dir: str) -> None:
         self.config = config
         self.table = table
+        self.budget = budget
+        self.metrics_dir = metrics_dir
         self.shards = config.placement.kv_event_followers
         self.ctx = mp.get_context("spawn")
         self.procs: dict[int, BaseProcess] = {}
@@ -118,11 +144,13 @@ class Followers:
 
     def _start(self, shard: int) -> str | None:
         """Starts shard `shard`'s process; why it did not start, or None once it follows."""
+        if self.stopping:
+            return "the router is stopping"
         receive, send = self.ctx.Pipe(duplex=False)
+        task = Shard(shard, self.shards, self.table.name, self.budget.blocks, self.budget.source, os.getpid())
+        # (daemonic: one started as the router stops is ended with it, never waited for)
         proc = self.ctx.Process(
-            target=follower_main,
-            args=(self.config, self.table.name, shard, self.shards, send),
-            name=f"router-serve kv events {shard}",
+            target=follower_main, args=(self.config, task, send), name=f"router-serve kv events {shard}", daemon=True
         )
         proc.start()
         send.close()
@@ -148,23 +176,48 @@ class Followers:
         said = await asyncio.gather(*(loop.run_in_executor(None, self._start, k) for k in range(1, self.shards)))
         return [f"kv events follower {k}: {problem}" for k, problem in enumerate(said, 1) if problem is not None]
 
+    def _bury(self, shard: int, proc: BaseProcess) -> None:
+        """A follower is gone: what it left in the index is cleared, its live gauges go."""
+        with contextlib.suppress(SharedFileError):  # (no index: nothing to clear)
+            clear_shard(f"{self.table.name}-kv", shard, self.shards)
+        if proc.pid is not None:
+            multiprocess.mark_process_dead(proc.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
     async def watch(self) -> None:
-        """Restarts followers that die (at most one start each RESTART_BACKOFF_S)."""
+        """Restarts followers that die, each on its own: the first time RESTART_BACKOFF_S after it
+        died, and twice as long after each start that did not live STEADY_S, up to RESTART_BACKOFF_MAX_S."""
         loop = asyncio.get_running_loop()
-        last = dict.fromkeys(self.procs, time.monotonic())
+        started = dict.fromkeys(self.procs, time.monotonic())
+        wait = dict.fromkeys(self.procs, RESTART_BACKOFF_S / 2)  # (doubled at its first death)
+        due: dict[int, float] = {}  # shard -> when its next start is due (it is dead)
+        starting: dict[int, asyncio.Future[str | None]] = {}
         while not self.stopping:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(WATCH_S)
+            now = time.monotonic()
+            for shard, start in list(starting.items()):
+                if start.done():
+                    del starting[shard]
+                    started[shard] = now
+                    if start.result() is not None:
+                        print(f"router-serve: kv events follower {shard}: {start.result()}; trying again", flush=True)
             for shard, proc in list(self.procs.items()):
-                if self.stopping or proc.is_alive() or time.monotonic() - last.get(shard, 0.0) < RESTART_BACKOFF_S:
+                if self.stopping or shard in starting or proc.is_alive():
                     continue
-                print(
-                    f"router-serve: kv events follower {shard} (pid {proc.pid}) exited ({proc.exitcode}); restarting",
-                    flush=True,
-                )
-                last[shard] = time.monotonic()
-                problem = await loop.run_in_executor(None, self._start, shard)
-                if problem is not None:
-                    print(f"router-serve: kv events follower {shard}: {problem}; trying again", flush=True)
+                if shard not in due:
+                    print(
+                        f"router-serve: kv events follower {shard} (pid {proc.pid}) exited ({proc.exitcode}); "
+                        "restarting",
+                        flush=True,
+                    )
+                    self._bury(shard, proc)
+                    lived = now - started.get(shard, now)
+                    wait[shard] = (
+                        RESTART_BACKOFF_S if lived >= STEADY_S else min(2 * wait[shard], RESTART_BACKOFF_MAX_S)
+                    )
+                    due[shard] = now + wait[shard]
+                if now >= due[shard]:
+                    del due[shard]
+                    starting[shard] = loop.run_in_executor(None, self._start, shard)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -180,4 +233,4 @@ class Followers:
                 await loop.run_in_executor(None, proc.join, 5)
 
 
-__all__ = ["Followers", "follower_main"]
+__all__ = ["Followers", "Shard", "follower_main"]

@@ -484,8 +484,8 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
         pool = WorkerPool(config, table, control_socket, metrics_dir, on_restart=node.worker_restarted)
         # the processes that follow a shard of the engines' KV events each, beside this one (router.proxy.followers)
         followers = (
-            Followers(config, table)
-            if node.shared_index is not None and config.placement.kv_event_followers > 1
+            Followers(config, table, node.feed.budget, metrics_dir)
+            if node.feed is not None and node.shared_index is not None and config.placement.kv_event_followers > 1
             else None
         )
         if followers is None and config.placement.kv_event_followers > 1:
