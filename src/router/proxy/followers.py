@@ -113,10 +113,8 @@ async def _follow(config: RouterConfig, task: Shard, ready: Connection) -> None:
                     follower.sync()
                     await asyncio.wait([stop], timeout=SYNC_INTERVAL_S)
             finally:
-                for running in (
-                    stop,
-                    following,
-                ):  # (a feed that failed raises here: the process exits, and is restarted)
+                # (a feed that failed raises here: the process exits, and the control process starts another)
+                for running in (stop, following):
                     running.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await running
