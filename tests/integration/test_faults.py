@@ -122,6 +122,7 @@ def test_bad_arguments_are_one_line(args: list[str], message: str, capsys: pytes
     assert message in err and "\n" not in err
 
 
+@pytest.mark.one_pass  # (its subject is the peer router, not our ring)
 @pytest.mark.parametrize("peer", ["vllm", "smg"])
 async def test_a_peer_router_is_put_through_the_same_fault(peer: str) -> None:
     if not available(faults.PEER_CONTENDERS[peer]):

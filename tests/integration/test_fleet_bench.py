@@ -28,6 +28,10 @@ from router.bench.replicas import Child
 from router.bench.vllm import NotBuilt as VllmNotBuilt
 from router.bench.vllm import find_vllm
 
+# its subject is router-bench's harness (and the peers beside our router), not which ring the router
+# loads: CI runs it on the compiled pass only (pyproject.toml's one_pass marker)
+pytestmark = pytest.mark.one_pass
+
 # a tiny Mooncake-format trace: three conversations of two turns sharing a system block
 TRACE = [
     {"timestamp": t, "input_length": n, "output_length": 8, "hash_ids": ids}

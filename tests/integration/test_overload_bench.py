@@ -7,6 +7,12 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
+# its subject is router-bench's harness (and the peers beside our router), not which ring the router
+# loads: CI runs it on the compiled pass only (pyproject.toml's one_pass marker)
+pytestmark = pytest.mark.one_pass
+
 SMALL = ("--no-peers", "--replicas", "2", "--slots", "2", "--loads", "3", "--calibrate-s", "2", "--max-tokens", "16")
 
 
