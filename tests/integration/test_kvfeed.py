@@ -90,6 +90,15 @@ def exact_share(router: Node) -> tuple[float | None, int]:
     return events["exact_share"], events["answers"]
 
 
+async def priced_by_events(http: aiohttp.ClientSession, url: str, at_least: int) -> str | None:
+    """The router's /metrics once at least `at_least` requests were priced by the events (a worker
+    books a request just after its client read its end), else None."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
+    return text if count and float(count[1]) >= at_least else None
+
+
 async def fleet_with_events(start_fleet: Callable[..., Any], n: int = 2, encoding: str = "tagged") -> Fleet:
     config = EngineConfig(num_blocks=64, block_size=16)  # 1,024 tokens a replica: conversations evict
     return await start_fleet(n, config, kv_events=KvEventsOptions(port=0, replay_port=0, encoding=encoding))
@@ -191,13 +200,12 @@ async def test_every_worker_routes_from_the_events(
             for n in range(8):
                 await chat(http, served.url, conversation(n, turn), f"w-{n}")
 
-        async def priced() -> str | None:  # a worker books a request just after its client read the end
-            async with http.get(served.url + "/metrics") as r:
-                text = await r.text()
-            count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
-            return text if count and float(count[1]) >= 24 else None
-
-        text = await until(priced, "the 24 requests priced by the events in the workers' merged metrics", 10, 0.1)
+        text = await until(
+            lambda: priced_by_events(http, served.url, 24),
+            "the 24 requests priced by the events in the workers' merged metrics",
+            10,
+            0.1,
+        )
     count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
     exact = re.search(r'router_prefix_prediction_error_tokens_bucket\{le="0\.5",source="events"\} (\S+)', text)
     below = re.search(r'router_prefix_prediction_error_tokens_bucket\{le="-0\.5",source="events"\} (\S+)', text)
@@ -229,13 +237,12 @@ async def test_every_worker_routes_from_the_events(
         for n in range(8):
             await chat(http, served.url, conversation(n, 4), f"w-{n}")
 
-        async def repriced() -> str | None:
-            async with http.get(served.url + "/metrics") as r:
-                text = await r.text()
-            count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
-            return text if count and float(count[1]) >= 32 else None
-
-        await until(repriced, "the 8 requests after the restart priced by the events too", 10, 0.1)
+        await until(
+            lambda: priced_by_events(http, served.url, 32),
+            "the 8 requests after the restart priced by the events too",
+            10,
+            0.1,
+        )
     sent = sum(r.publisher.sent for r in fleet.replicas if r.publisher is not None)
     assert await until(once, f"the {sent} messages applied once", 10, 0.1) == sent
     served.proc.send_signal(signal.SIGTERM)
@@ -294,13 +301,9 @@ async def test_followers_beside_the_control_process_each_follow_a_shard_of_the_e
                 for n in range(6):
                     await chat(http, served.url, conversation(n, turn), f"s-{n}")
 
-            async def priced() -> str | None:
-                async with http.get(served.url + "/metrics") as r:
-                    text = await r.text()
-                count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
-                return text if count and float(count[1]) >= 12 else None
-
-            text = await until(priced, "the 12 requests priced by the events", 10, 0.1)
+            text = await until(
+                lambda: priced_by_events(http, served.url, 12), "the 12 requests priced by the events", 10, 0.1
+            )
             count = re.search(r'router_prefix_prediction_error_tokens_count\{source="events"\} (\S+)', text)
             assert count and float(count[1]) == 12
             sent = sum(r.publisher.sent for r in fleet.replicas if r.publisher is not None)
