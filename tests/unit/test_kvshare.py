@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -222,12 +223,14 @@ def test_a_reader_needs_a_shared_index_to_read(shm_dir: str) -> None:
         SharedIndexReader("junk", shm_dir)
 
 
-def _read_while_written(name: str, folder: str, until: float, out: mp.Queue) -> None:
-    """A reader process: matches chains the writer stores and removes, and chains it never stores."""
+def _read_while_written(name: str, folder: str, ready: Any, stop: Any, out: mp.Queue) -> None:
+    """A reader process: matches chains the writer stores and removes, and chains it never stores,
+    from when it says it is ready until it is told to stop."""
     reader = SharedIndexReader(name, folder)
     rng = random.Random(os.getpid())
     reads = false = 0
-    while time.time() < until:
+    ready.release()
+    while not stop.is_set():
         base = rng.randrange(200)
         if reader.n_holders:
             matched = array("i", bytes(4 * reader.n_holders))
@@ -244,10 +247,13 @@ def test_readers_in_other_processes_follow_the_writer_and_never_see_a_block_neve
         holders = [shared.add_holder(3000) for _ in range(4)]
         ctx = mp.get_context("spawn")
         out: mp.Queue = ctx.Queue()
-        until = time.time() + 3.0
-        procs = [ctx.Process(target=_read_while_written, args=("live", shm_dir, until, out)) for _ in range(2)]
+        ready, stop = ctx.Semaphore(0), ctx.Event()
+        procs = [ctx.Process(target=_read_while_written, args=("live", shm_dir, ready, stop, out)) for _ in range(2)]
         for p in procs:
             p.start()
+        for _ in procs:  # (each reads while the writer writes, however long it took to start)
+            assert ready.acquire(timeout=60)
+        until = time.time() + 3.0
         rng = random.Random(2)
         while time.time() < until:  # stores and removals as engines send them, holders moving as they fill
             h, base, n = rng.choice(holders), rng.randrange(200), rng.randint(8, 64)
@@ -255,6 +261,7 @@ def test_readers_in_other_processes_follow_the_writer_and_never_see_a_block_neve
                 shared.insert(h, chain_of(base, n), -1, names_of(base, n))
             else:
                 shared.forget(h, names_of(base, n)[n // 2 :])
+        stop.set()
         results = [out.get(timeout=30) for _ in procs]
         for p in procs:
             p.join(10)
@@ -551,3 +558,23 @@ def test_a_worker_reads_a_rank_enlisted_again_in_the_same_row_by_its_new_holders
             assert worker.held(rid, engine, {}) == writer.held(rid, engine, {})
     finally:
         shared.close()
+
+
+def test_a_readers_match_all_answers_for_the_holders_its_caller_knew(shm_dir: str) -> None:
+    """A holder laid out between the caller's sizing of its array and the match (another shard's
+    process adds them at any time) is left out, not an error."""
+    writer = SharedIndex("sized", shm_dir)
+    try:
+        reader = SharedIndexReader("sized", shm_dir)
+        chain = chain_of(1, 4)
+        first = writer.add_holder(100)
+        writer.insert(first, chain)
+        out = array("i", bytes(4 * reader.n_holders))
+        writer.insert(writer.add_holder(100), chain)  # (after the caller sized `out`)
+        reader.match_all(chain, out)
+        assert list(out) == [4]
+        bigger = array("i", bytes(4 * reader.n_holders))
+        reader.match_all(chain, bigger)
+        assert list(bigger) == [4, 4]
+    finally:
+        writer.close()

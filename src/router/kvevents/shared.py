@@ -455,8 +455,16 @@ class SharedIndexReader:
         return [0] * (len(list(chains)) * len(list(evicted)))
 
     def match_all(self, chain: Buffer, out: Buffer) -> None:
+        """Each holder's match into `out`, for the holders it has room for: one the writer laid
+        out after the caller sized it (a shard's process adds holders at any time) is left out."""
         self.follow()
-        self.regions.match_all(chain, out)
+        room = len(memoryview(out))
+        if room >= self.regions.n_holders:
+            self.regions.match_all(chain, out)
+            return
+        whole = array("i", bytes(4 * self.regions.n_holders))
+        self.regions.match_all(chain, whole)
+        memoryview(out)[:] = memoryview(whole)[:room]
 
     def memory_bytes(self) -> int:
         return int(self.regions.memory_bytes())
