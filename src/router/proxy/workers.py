@@ -502,7 +502,7 @@ async def serve_workers(config: RouterConfig, banner: str) -> None:
             try:
                 if followers is not None:
                     for problem in await followers.start_all():
-                        print(f"router-serve: {problem}; tried again (its replicas are priced by the router's model)")
+                        print(f"router-serve: {problem}; tried again (its replicas priced by the model)", flush=True)
                     pids = ", ".join(str(followers.procs[k].pid) for k in sorted(followers.procs))
                     print(f"kv events: {followers.shards} followers (this process and pids {pids})", flush=True)
                     following = asyncio.create_task(followers.watch())
